@@ -1,0 +1,36 @@
+# Two commands do all set-up: `make demo` and `make test`. Each creates .venv on first use
+# (python3 -m venv + pip; torch is requested as torch==2.13.0, the CPU build on local disk) and
+# reuses it afterwards. The stamp file is rebuilt when pyproject.toml changes.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.partita-installed
+
+.PHONY: demo test test-fast lint format clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m partita demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests examples bench
+	$(VENV)/bin/ruff format --check src tests examples bench
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format src tests examples bench
+	$(VENV)/bin/ruff check --fix src tests examples bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis build src/*.egg-info

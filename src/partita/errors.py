@@ -1,0 +1,62 @@
+"""The exception hierarchy of partita.
+
+Every error partita raises on purpose is a :class:`PartitaError`. Subclasses also derive from
+the built-in exception a Python user would expect (``ValueError`` for bad input,
+``NotImplementedError`` for an op partita cannot shard, ``TimeoutError`` for ranks that never
+join), so ``except ValueError`` keeps working in code that does not know partita.
+
+A message has four parts: what failed (op, node, the user's source line), the values involved
+(shape, spec, mesh), why, and how to fix it. User input is never checked with ``assert``.
+
+This module only defines the types; it does not format messages for any particular stage.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PartitaError",
+    "MeshError",
+    "SpecError",
+    "ShardingError",
+    "AnnotationError",
+    "UnsupportedOpError",
+    "ShardingConflictError",
+    "RematerializationError",
+    "CaptureError",
+]
+
+
+class PartitaError(Exception):
+    """Base class of every error partita raises on purpose."""
+
+
+class MeshError(PartitaError, ValueError):
+    """A :class:`~partita.Mesh` was built from inconsistent device ids, shape or axis names."""
+
+
+class SpecError(PartitaError, ValueError):
+    """A :class:`~partita.PartitionSpec` does not fit its mesh or its tensor."""
+
+
+class ShardingError(PartitaError, ValueError):
+    """A sharding cannot be applied to a value (wrong rank, wrong mesh, bad layout)."""
+
+
+class AnnotationError(ShardingError):
+    """A value already carries a different sharding annotation."""
+
+
+class UnsupportedOpError(PartitaError, NotImplementedError):
+    """An op in the captured program has no sharding rule."""
+
+
+class ShardingConflictError(PartitaError, ValueError):
+    """Annotations in one program cannot all hold (for example, two meshes in one program)."""
+
+
+class RematerializationError(PartitaError, ValueError):
+    """Under ``strict=True``: a reshard would need to gather the whole value on every device."""
+
+
+class CaptureError(PartitaError, RuntimeError):
+    """A user function could not be traced into a program."""

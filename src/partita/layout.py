@@ -1,0 +1,204 @@
+"""Shard arithmetic: which piece of a global tensor each device holds, and how to cut and glue.
+
+Definitions used everywhere in partita (and in the docs, ``docs/concepts.md``):
+
+* **Tile index.** A dim split over mesh axes ``(a, b)`` is cut into ``size(a) * size(b)``
+  tiles; the device at mesh coordinate ``(.., a=i, .., b=j, ..)`` holds tile ``i * size(b) + j``
+  (major first, as in the spec).
+* **Ceil padding.** A dim of size ``n`` cut into ``k`` tiles gives every tile ``ceil(n / k)``
+  elements. Tile ``t`` covers ``[t * c, min((t + 1) * c, n))`` of the global dim; the rest of its
+  storage is zero padding. Trailing tiles may be all padding (9 rows on 8 devices: ``c = 2``,
+  tiles 5, 6 and 7 hold no real row). Every device therefore has the same local shape.
+* **Tile assignment** (PyTorch/XLA's conversion): the mesh's device array transposed so that the
+  axes of dim 0, then of dim 1, ... come first, followed by every other mesh axis (partial and
+  replicated, in mesh order) folded into one trailing replication dim when it has more than one
+  device.
+* **Replica id.** The row-major index of a device's coordinate along the *replicated* mesh axes
+  (axes that split no dim and are not partial), in mesh order. Devices holding the same tile of
+  the same value have distinct replica ids ``0 .. num_replicas - 1``; replica 0 is the copy that
+  gathers read. Devices along a partial axis hold different addends, so they are not replicas of
+  each other and can share a replica id.
+
+The functions here are pure and vectorised (numpy for indices, torch for data): no Python loop
+runs over devices when data is cut or glued. This module knows nothing of executors or
+communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from partita.spec import Sharding
+
+__all__ = [
+    "local_shape",
+    "tile_assignment",
+    "tile_coords",
+    "index_ranges",
+    "replica_ids",
+    "shard_tensor",
+    "unshard_tensor",
+]
+
+
+def _ceil_div(n: int, k: int) -> int:
+    return -(-n // k)
+
+
+def local_shape(sharding: Sharding, shape: Sequence[int]) -> tuple[int, ...]:
+    """The (padded) per-device shape of a tensor of global ``shape``.
+
+    Example:
+        >>> from partita import Mesh, P
+        >>> local_shape(P("x", None).to_sharding(Mesh.create((4,), ("x",)), 2), (10, 6))
+        (3, 6)
+    """
+    sharding.check_shape(shape)
+    return tuple(_ceil_div(n, k) for n, k in zip(shape, sharding.tile_shape, strict=True))
+
+
+def tile_assignment(sharding: Sharding) -> np.ndarray:
+    """The device ids arranged by tile, with a trailing replication dim when there is one.
+
+    Example (``Mesh.create((2, 4), ("x", "y"))``, ``P('y', 'x')``): shape ``(4, 2)``, devices
+    ``[[0, 4], [1, 5], [2, 6], [3, 7]]``.
+    """
+    mesh = sharding.mesh
+    rest = [a for a in mesh.axis_names if a not in sharding.sharded_axes]
+    order = [mesh.axis_index(a) for a in (*sharding.sharded_axes, *rest)]
+    arr = mesh.devices.transpose(order)
+    n_rest = mesh.axes_size(rest)
+    return arr.reshape(sharding.tile_shape + ((n_rest,) if n_rest > 1 else ()))
+
+
+def tile_coords(sharding: Sharding) -> np.ndarray:
+    """For each mesh position, the tile index along each dim: int array ``[n_devices, ndim]``."""
+    mesh = sharding.mesh
+    coords = np.indices(mesh.shape).reshape(mesh.ndim, -1)  # [mesh_ndim, n_devices]
+    out = np.zeros((mesh.size, sharding.ndim), dtype=np.int64)
+    for dim, mesh_axes in enumerate(sharding.dim_axes):
+        for a in mesh_axes:
+            out[:, dim] = out[:, dim] * mesh.axis_size(a) + coords[mesh.axis_index(a)]
+    return out
+
+
+def index_ranges(sharding: Sharding, shape: Sequence[int]) -> np.ndarray:
+    """Unpadded ``[start, stop)`` of each device's data per dim: int array ``[n_devices, ndim, 2]``.
+
+    A device holding only padding along a dim gets ``start == stop == shape[dim]``.
+    """
+    local = np.asarray(local_shape(sharding, shape), dtype=np.int64)
+    sizes = np.asarray(shape, dtype=np.int64)
+    start = np.minimum(tile_coords(sharding) * local, sizes)
+    stop = np.minimum(start + local, sizes)
+    return np.stack([start, stop], axis=-1)
+
+
+def replica_ids(sharding: Sharding) -> np.ndarray:
+    """The replica id of each mesh position (see the module docstring)."""
+    mesh = sharding.mesh
+    coords = np.indices(mesh.shape).reshape(mesh.ndim, -1)
+    out = np.zeros(mesh.size, dtype=np.int64)
+    for a in sharding.replicated_axes:
+        out = out * mesh.axis_size(a) + coords[mesh.axis_index(a)]
+    return out
+
+
+def _dims_layout(sharding: Sharding, shape: Sequence[int]) -> tuple[list[int], list[str]]:
+    """The interleaved shape ``[*sizes(axes of dim 0), c0, *sizes(axes of dim 1), c1, ...]``
+    of a padded global tensor, and the mesh axis (or ``""`` for a local dim) of each entry."""
+    mesh = sharding.mesh
+    sizes: list[int] = []
+    names: list[str] = []
+    for n, mesh_axes in zip(shape, sharding.dim_axes, strict=True):
+        for a in mesh_axes:
+            sizes.append(mesh.axis_size(a))
+            names.append(a)
+        sizes.append(_ceil_div(n, mesh.axes_size(mesh_axes)))
+        names.append("")
+    return sizes, names
+
+
+def shard_tensor(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
+    """Cut a global tensor into the stacked per-device layout ``[n_devices, *local_shape]``.
+
+    Padding is zero. For a partial sharding, the value is put on coordinate 0 of the partial
+    axes and the identity of ``reduce_op`` (0 for sum; the value itself for max and min) on the
+    others, so that reducing over the partial axes gives the value back.
+    """
+    sharding.check_shape(value.shape)
+    mesh = sharding.mesh
+    shape = tuple(value.shape)
+    local = local_shape(sharding, shape)
+    padded_shape = tuple(c * k for c, k in zip(local, sharding.tile_shape, strict=True))
+    if padded_shape != shape:
+        padded = value.new_zeros(padded_shape)
+        padded[tuple(slice(0, n) for n in shape)] = value
+    else:
+        padded = value
+    sizes, names = _dims_layout(sharding, shape)
+    split = padded.reshape(sizes)
+    # Mesh-axis entries to the front in mesh order, local dims after; then add size-1 dims for
+    # the mesh axes that split nothing and broadcast over them.
+    split_entries = sorted((i for i, n in enumerate(names) if n), key=lambda i: mesh.axis_index(names[i]))
+    local_entries = [i for i, n in enumerate(names) if not n]
+    per_mesh = split.permute((*split_entries, *local_entries))
+    view_shape = [mesh.axis_size(a) if a in names else 1 for a in mesh.axis_names] + list(local)
+    stacked = per_mesh.reshape(view_shape).expand(*mesh.shape, *local)
+    if sharding.partial and sharding.reduce_op == "sum":
+        keep = torch.zeros(mesh.shape, dtype=torch.bool, device=value.device)
+        index = tuple(0 if a in sharding.partial else slice(None) for a in mesh.axis_names)
+        keep[index] = True
+        keep = keep.reshape(list(mesh.shape) + [1] * len(local))
+        stacked = torch.where(keep, stacked, torch.zeros((), dtype=value.dtype, device=value.device))
+    return stacked.reshape(mesh.size, *local).clone()
+
+
+def unshard_tensor(stacked: torch.Tensor, sharding: Sharding, shape: Sequence[int]) -> torch.Tensor:
+    """Glue the stacked per-device layout back into the global tensor of ``shape``.
+
+    Partial axes are reduced with ``reduce_op``; replicated axes are read from replica 0;
+    padding is sliced off.
+    """
+    mesh = sharding.mesh
+    shape = tuple(shape)
+    local = local_shape(sharding, shape)
+    if tuple(stacked.shape) != (mesh.size, *local):
+        raise ValueError(
+            f"Stacked storage has shape {tuple(stacked.shape)}, expected {(mesh.size, *local)} "
+            f"for global shape {shape} under {sharding} on {mesh!r}."
+        )
+    x = stacked.reshape(*mesh.shape, *local)
+    for a in sharding.partial:
+        i = mesh.axis_index(a)
+        if sharding.reduce_op == "sum":
+            x = x.sum(dim=i, keepdim=True)
+        elif sharding.reduce_op == "max":
+            x = x.amax(dim=i, keepdim=True)
+        else:
+            x = x.amin(dim=i, keepdim=True)
+    for a in sharding.replicated_axes:
+        i = mesh.axis_index(a)
+        x = x.narrow(i, 0, 1)
+    # Now x is [*mesh.shape with only sharded axes > 1, *local]; interleave per dim.
+    order: list[int] = []
+    for d, mesh_axes in enumerate(sharding.dim_axes):
+        order.extend(mesh.axis_index(a) for a in mesh_axes)
+        order.append(mesh.ndim + d)
+    unused = [mesh.axis_index(a) for a in mesh.axis_names if a not in sharding.sharded_axes]
+    x = x.permute((*order, *unused))
+    padded_shape = [c * k for c, k in zip(local, sharding.tile_shape, strict=True)]
+    x = x.reshape(padded_shape) if padded_shape else x.reshape(())
+    if tuple(padded_shape) != shape:
+        x = x[tuple(slice(0, n) for n in shape)]
+    return x.contiguous()
+
+
+def num_devices_with_data(sharding: Sharding, shape: Sequence[int]) -> int:
+    """How many devices hold at least one real (non-padding) element."""
+    r = index_ranges(sharding, shape)
+    return int(np.all(r[:, :, 1] > r[:, :, 0], axis=1).sum()) if sharding.ndim else sharding.mesh.size
+
