@@ -1,0 +1,277 @@
+"""The FactorRule: an op's sharding behaviour as data, einsum-style.
+
+A rule names a *factor* for every dim of every tensor operand and result. ``mm`` is
+``"m k, k n -> m n"``: ``m`` and ``n`` pass through, ``k`` is summed away. A dim may carry
+several factors, major first — a *compound* dim, written in parentheses: the reshape
+``[12, 5] -> [3, 4, 5]`` is ``"(i j) k -> i j k"``. A dim that no factor can shard (a size-1
+broadcast dim, say) is written ``1``.
+
+Factor kinds (``FactorKind``):
+
+* pass-through — free to shard; every tensor that has the factor gets the same mesh axes;
+* reduction — in operands, not in results; sharding it makes the results *partial* over its
+  mesh axes (``reduce_op`` says sum, max or min);
+* need-replication — cannot be split (the dim of a sort or a cumsum): operands are gathered;
+* windowed — a conv or pooling spatial dim: sharded with a halo exchange by the partitioner.
+
+A factor that appears in operands but not in results must be declared reduction or
+need-replication: a rule never guesses. Factors of size 1 are never sharded.
+
+This module defines the data type, its parser and :class:`OpInfo` (what a rule function is
+given). It holds no per-op knowledge (that is in the family modules) and no propagation logic.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["FactorKind", "FactorRule", "OpInfo", "TensorMeta", "einsum_rule", "parse_einsum"]
+
+DimFactors = tuple[str, ...]  # the factors of one dim, major first; () = not shardable
+TensorFactors = tuple[DimFactors, ...]
+
+
+class FactorKind(enum.Enum):
+    PASS_THROUGH = "pass-through"
+    REDUCTION = "reduction"
+    NEED_REPLICATION = "need-replication"
+    WINDOWED = "windowed"
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """Shape and dtype of a tensor argument, as a rule function sees it."""
+
+    shape: tuple[int, ...]
+    dtype: Any = None
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True, slots=True)
+class OpInfo:
+    """What a rule function receives for one op call.
+
+    Attributes:
+        target: the aten (or partita) op overload.
+        args, kwargs: the call's arguments with every tensor replaced by its :class:`TensorMeta`.
+        operands: the tensor operands in pytree-flattened order of ``(args, kwargs)`` — the
+            order of ``FactorRule.operands``.
+        results: the op's outputs in flattened order; ``None`` where an output is not a tensor.
+    """
+
+    target: Any
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+    operands: tuple[TensorMeta, ...]
+    results: tuple[TensorMeta | None, ...]
+
+    def arg(self, index: int, name: str, default: Any = None) -> Any:
+        """A positional-or-keyword argument of the call."""
+        if index < len(self.args):
+            return self.args[index]
+        return self.kwargs.get(name, default)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class FactorRule:
+    """Factors per dim of each operand and result, with sizes and kinds.
+
+    ``operands[i]`` is ``None`` for an operand the rule cannot shard at all (it is gathered);
+    ``results[j]`` is ``None`` for a non-tensor output. ``handler`` names a special lowering
+    that the partitioner applies (halo exchange, masked embedding lookup, ...); propagation
+    ignores it.
+    """
+
+    operands: tuple[TensorFactors | None, ...]
+    results: tuple[TensorFactors | None, ...]
+    sizes: Mapping[str, int]
+    kinds: Mapping[str, FactorKind] = field(default_factory=dict)
+    reduce_op: str = "sum"
+    handler: str | None = None
+
+    def kind(self, factor: str) -> FactorKind:
+        return self.kinds.get(factor, FactorKind.PASS_THROUGH)
+
+    @property
+    def factors(self) -> tuple[str, ...]:
+        """Every factor in first-appearance order (operands, then results)."""
+        seen: dict[str, None] = {}
+        for t in (*self.operands, *self.results):
+            for dim in t or ():
+                for f in dim:
+                    seen.setdefault(f, None)
+        return tuple(seen)
+
+    @property
+    def reduction_factors(self) -> tuple[str, ...]:
+        return tuple(f for f in self.factors if self.kind(f) is FactorKind.REDUCTION)
+
+    @property
+    def is_pass_through(self) -> bool:
+        """Every tensor carries every factor on its own dim, all pass-through (elementwise on
+        equal shapes, transpose, annotations): such ops propagate first."""
+        every = set(self.factors)
+        for t in (*self.operands, *self.results):
+            if t is None:
+                return False
+            if any(len(dim) > 1 for dim in t) or {f for dim in t for f in dim} != every:
+                return False
+        return all(self.kind(f) is FactorKind.PASS_THROUGH for f in every)
+
+    def __repr__(self) -> str:
+        def fmt(t: TensorFactors | None) -> str:
+            if t is None:
+                return "*"
+            return " ".join(
+                ("1" if not d else d[0] if len(d) == 1 else "(" + " ".join(d) + ")") for d in t
+            )
+
+        text = ", ".join(fmt(t) for t in self.operands) + " -> "
+        text += ", ".join(fmt(t) for t in self.results)
+        extra = [
+            f"{kind.value}={','.join(f for f in self.factors if self.kind(f) is kind)}"
+            for kind in FactorKind
+            if kind is not FactorKind.PASS_THROUGH
+            and any(self.kind(f) is kind for f in self.factors)
+        ]
+        if self.reduction_factors and self.reduce_op != "sum":
+            extra.append(f"reduce_op={self.reduce_op}")
+        if self.handler:
+            extra.append(f"handler={self.handler}")
+        return f"FactorRule({text}{'; ' + '; '.join(extra) if extra else ''})"
+
+
+_TOKEN = re.compile(r"\(([^()]*)\)|([A-Za-z_][A-Za-z0-9_]*)|(1)|(\*)")
+
+
+def _parse_tensor(text: str) -> TensorFactors | None:
+    text = text.strip()
+    if text == "*":
+        return None
+    dims: list[DimFactors] = []
+    pos = 0
+    for m in _TOKEN.finditer(text):
+        if text[pos : m.start()].strip():
+            raise ValueError(f"cannot parse {text[pos : m.start()]!r} in factor rule {text!r}")
+        pos = m.end()
+        if m.group(1) is not None:
+            dims.append(tuple(m.group(1).split()))
+        elif m.group(2) is not None:
+            dims.append((m.group(2),))
+        elif m.group(3) is not None:
+            dims.append(())
+        else:
+            raise ValueError(f"'*' must stand alone for a whole tensor in {text!r}")
+    if text[pos:].strip():
+        raise ValueError(f"cannot parse {text[pos:]!r} in factor rule {text!r}")
+    return tuple(dims)
+
+
+def parse_einsum(spec: str) -> tuple[tuple[TensorFactors | None, ...], tuple[TensorFactors | None, ...]]:
+    """Parse ``"m k, k n -> m n"`` into per-tensor factor tuples.
+
+    ``1`` is a dim with no factor; ``(i j)`` a compound dim; ``*`` a whole tensor that cannot
+    be sharded (operand) or is not a tensor (result); an empty side is allowed (``"-> i j"``).
+
+    Example:
+        >>> parse_einsum("(i j) k -> i j k")
+        (((('i', 'j'), ('k',)),), ((('i',), ('j',), ('k',)),))
+    """
+    if "->" not in spec:
+        raise ValueError(f"factor rule {spec!r} has no '->'")
+    lhs, rhs = spec.split("->")
+
+    def side(s: str) -> tuple[TensorFactors | None, ...]:
+        s = s.strip()
+        return tuple(_parse_tensor(t) for t in s.split(",")) if s else ()
+
+    return side(lhs), side(rhs)
+
+
+def einsum_rule(
+    spec: str,
+    operands: Sequence[Any],
+    results: Sequence[Any],
+    *,
+    reduction: str | Iterable[str] = (),
+    need_replication: str | Iterable[str] = (),
+    windowed: str | Iterable[str] = (),
+    reduce_op: str = "sum",
+    sizes: Mapping[str, int] | None = None,
+    handler: str | None = None,
+) -> FactorRule:
+    """Build a FactorRule from einsum text and the shapes of the tensors it describes.
+
+    ``operands`` and ``results`` are TensorMetas (or anything with ``.shape``; ``None`` for a
+    non-tensor result). Factor sizes are read from single-factor dims; a factor that only
+    appears inside compound dims needs ``sizes``. Factor names in ``reduction`` etc. are a
+    space-separated string or an iterable.
+
+    Example:
+        >>> a, b, c = TensorMeta((16, 32)), TensorMeta((32, 24)), TensorMeta((16, 24))
+        >>> einsum_rule("m k, k n -> m n", [a, b], [c], reduction="k")
+        FactorRule(m k, k n -> m n; reduction=k)
+    """
+    op_factors, res_factors = parse_einsum(spec)
+    if len(op_factors) != len(operands) or len(res_factors) != len(results):
+        raise ValueError(
+            f"factor rule {spec!r} describes {len(op_factors)} operands and {len(res_factors)} "
+            f"results, but the op has {len(operands)} and {len(results)}"
+        )
+    known: dict[str, int] = dict(sizes or {})
+    compound: list[tuple[DimFactors, int]] = []
+    for factors, metas in ((op_factors, operands), (res_factors, results)):
+        for t, meta in zip(factors, metas, strict=True):
+            if t is None or meta is None:
+                continue
+            shape = tuple(meta.shape)
+            if len(t) != len(shape):
+                raise ValueError(f"factor rule {spec!r}: {len(t)} dims for a tensor of shape {shape}")
+            for dim, n in zip(t, shape, strict=True):
+                if len(dim) == 1:
+                    if known.setdefault(dim[0], n) != n:
+                        raise ValueError(
+                            f"factor rule {spec!r}: factor {dim[0]!r} has sizes "
+                            f"{known[dim[0]]} and {n}"
+                        )
+                elif len(dim) > 1:
+                    compound.append((dim, n))
+    for dim, n in compound:
+        missing = [f for f in dim if f not in known]
+        if len(missing) == 1:
+            rest = math.prod(known[f] for f in dim if f in known)
+            known[missing[0]] = n // rest if rest else 0
+        elif missing:
+            raise ValueError(f"factor rule {spec!r}: sizes of {missing} are unknown; pass sizes=")
+        if math.prod(known[f] for f in dim) != n:
+            raise ValueError(f"factor rule {spec!r}: compound dim {dim} does not multiply to {n}")
+
+    def names(x: str | Iterable[str]) -> tuple[str, ...]:
+        return tuple(x.split()) if isinstance(x, str) else tuple(x)
+
+    kinds: dict[str, FactorKind] = {}
+    for kind, fs in (
+        (FactorKind.REDUCTION, reduction),
+        (FactorKind.NEED_REPLICATION, need_replication),
+        (FactorKind.WINDOWED, windowed),
+    ):
+        for f in names(fs):
+            if f not in known:
+                raise ValueError(f"factor rule {spec!r}: {kind.value} factor {f!r} is not used")
+            kinds[f] = kind
+    in_results = {f for t in res_factors for d in t or () for f in d}
+    for f in known:
+        if f not in in_results and f not in kinds and f not in (sizes or {}):
+            raise ValueError(
+                f"factor rule {spec!r}: factor {f!r} is in operands only; declare it reduction "
+                f"or need_replication"
+            )
+    return FactorRule(op_factors, res_factors, known, kinds, reduce_op, handler)
