@@ -15,6 +15,8 @@ from partita.errors import (
 )
 from partita.mesh import HybridMesh, Mesh
 from partita.spec import P, PartitionSpec, Sharding
+from partita.tensor import Shard, ShardedTensor, clear_sharding, mark_sharding, reshard
+from partita.visualize import format_sharding, visualize_sharding
 
 __version__ = "0.1.0"
 
@@ -28,10 +30,17 @@ __all__ = [
     "PartitaError",
     "PartitionSpec",
     "RematerializationError",
+    "Shard",
+    "ShardedTensor",
     "Sharding",
     "ShardingConflictError",
     "ShardingError",
     "SpecError",
     "UnsupportedOpError",
     "__version__",
+    "clear_sharding",
+    "format_sharding",
+    "mark_sharding",
+    "reshard",
+    "visualize_sharding",
 ]

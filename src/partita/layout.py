@@ -175,7 +175,7 @@ def unshard_tensor(stacked: torch.Tensor, sharding: Sharding, shape: Sequence[in
     for a in sharding.partial:
         i = mesh.axis_index(a)
         if sharding.reduce_op == "sum":
-            x = x.sum(dim=i, keepdim=True)
+            x = x.sum(dim=i, keepdim=True, dtype=stacked.dtype)  # keep int32/bool dtypes
         elif sharding.reduce_op == "max":
             x = x.amax(dim=i, keepdim=True)
         else:

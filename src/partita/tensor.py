@@ -1,0 +1,344 @@
+"""Sharded data: a global tensor cut over a mesh, and the annotations users put on it.
+
+A :class:`ShardedTensor` is a global value as the user sees it (global shape, dtype,
+:class:`~partita.Sharding`) together with the storage of the simulated executor, the
+*LocalMesh*: one torch tensor ``stacked`` of shape ``[mesh.size, *local_shape]`` that holds
+every device's shard stacked along a leading device dim, in the mesh's flat row-major position
+order, zero padded to the uniform (ceil) local shape. All cutting and gluing is the vectorised
+arithmetic of :mod:`partita.layout`; nothing here loops over devices to move data.
+
+This module works on *concrete* data only. It does not trace, propagate or partition, and it
+does not communicate: :func:`reshard` is gather-then-slice until the partitioner's reshard
+planner replaces it. Annotating traced tensors inside a captured function is wired up in
+``partita.api``.
+"""
+
+from __future__ import annotations
+
+import reprlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from partita.errors import AnnotationError, ShardingError
+from partita.layout import index_ranges, local_shape, replica_ids, shard_tensor, unshard_tensor
+from partita.mesh import Mesh
+from partita.spec import PartitionSpec, Sharding, as_spec
+
+__all__ = ["Shard", "ShardedTensor", "clear_sharding", "mark_sharding", "reshard"]
+
+SpecLike = PartitionSpec | Sequence[Any] | None
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Shard:
+    """What one device holds of a :class:`ShardedTensor`.
+
+    Attributes:
+        data: the padded local tensor (every device has the same shape); a view of the
+            executor's storage, so treat it as read-only.
+        unpadded_data: ``data`` without its padding: exactly ``global_tensor[index]``.
+        device: the mesh device id (``mesh.device_ids[position]``).
+        index: one ``slice`` per dim into the global tensor; a device holding only padding
+            along a dim gets an empty slice ``n:n``.
+        replica_id: distinct among the devices holding the same tile (see ``partita.layout``).
+
+    Example:
+        >>> x = mark_sharding(torch.arange(4.0), Mesh.create((2,), ("x",)), P("x"))
+        >>> s = x.local_shards[1]
+        >>> s.device, s.index, s.data.tolist()
+        (1, (slice(2, 4, None),), [2.0, 3.0])
+    """
+
+    data: torch.Tensor
+    unpadded_data: torch.Tensor
+    device: int
+    index: tuple[slice, ...]
+    replica_id: int
+
+
+class ShardedTensor:
+    """A global tensor whose shards live on the devices of a mesh (simulated in one process).
+
+    Build one with :func:`mark_sharding`, :meth:`from_global` or :meth:`from_stacked`. The
+    storage is ``stacked``: ``[mesh.size, *local_shape]``, shard ``p`` for mesh position ``p``.
+
+    Example:
+        >>> mesh = Mesh.create((4,), ("x",))
+        >>> x = ShardedTensor.from_global(torch.arange(8.0), P("x").to_sharding(mesh, 1))
+        >>> x.stacked.shape, x.full().tolist()
+        (torch.Size([4, 2]), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
+    """
+
+    __slots__ = ("_annotated", "_shape", "_sharding", "_stacked")
+
+    def __init__(
+        self,
+        stacked: torch.Tensor,
+        sharding: Sharding,
+        shape: Sequence[int],
+        *,
+        annotated: bool = True,
+    ) -> None:
+        # Internal: use from_stacked (validated) or from_global.
+        self._stacked = stacked
+        self._sharding = sharding
+        self._shape = torch.Size(shape)
+        self._annotated = annotated
+
+    # --- constructors --------------------------------------------------------------------
+
+    @classmethod
+    def from_global(cls, tensor: torch.Tensor, sharding: Sharding) -> ShardedTensor:
+        """Cut a global tensor under ``sharding`` (the tensor is copied, not modified).
+
+        Example:
+            >>> mesh = Mesh.create((2,), ("x",))
+            >>> x = ShardedTensor.from_global(torch.zeros(3, 2), P("x").to_sharding(mesh, 2))
+            >>> x.stacked.shape
+            torch.Size([2, 2, 2])
+        """
+        tensor = _check_tensor(tensor, "ShardedTensor.from_global")
+        _check_sharding(sharding, "ShardedTensor.from_global")
+        sharding.check_shape(tensor.shape)
+        return cls(shard_tensor(tensor, sharding), sharding, tensor.shape)
+
+    @classmethod
+    def from_stacked(
+        cls, stacked: torch.Tensor, sharding: Sharding, shape: Sequence[int]
+    ) -> ShardedTensor:
+        """Wrap per-device storage ``[mesh.size, *local_shape]`` (what executors produce).
+
+        The storage is used as is (not copied). Padding may hold anything: ``full()`` and
+        ``unpadded_data`` slice it off.
+
+        Example:
+            >>> mesh = Mesh.create((2,), ("x",))
+            >>> stacked = torch.tensor([[1, 2], [3, 0]])  # device 1 holds 3 and one padding
+            >>> x = ShardedTensor.from_stacked(stacked, P("x").to_sharding(mesh, 1), (3,))
+            >>> x.full().tolist()
+            [1, 2, 3]
+        """
+        stacked = _check_tensor(stacked, "ShardedTensor.from_stacked")
+        _check_sharding(sharding, "ShardedTensor.from_stacked")
+        shape = tuple(int(n) for n in shape)
+        sharding.check_shape(shape)
+        expected = (sharding.mesh.size, *local_shape(sharding, shape))
+        if tuple(stacked.shape) != expected:
+            raise ShardingError(
+                f"ShardedTensor.from_stacked got storage of shape {tuple(stacked.shape)}, but a "
+                f"global shape {shape} under {sharding} on {sharding.mesh!r} needs {expected} "
+                f"([mesh.size, *local_shape], local shapes ceil-padded). Check the global shape "
+                f"and the sharding the storage was produced with."
+            )
+        return cls(stacked, sharding, shape)
+
+    # --- the value -----------------------------------------------------------------------
+
+    @property
+    def sharding(self) -> Sharding:
+        """The layout of the storage (still set after :func:`clear_sharding`)."""
+        return self._sharding
+
+    @property
+    def spec(self) -> PartitionSpec:
+        """The PartitionSpec of the dims (partial axes are in ``sharding.partial``)."""
+        return self._sharding.spec
+
+    @property
+    def mesh(self) -> Mesh:
+        return self._sharding.mesh
+
+    @property
+    def shape(self) -> torch.Size:
+        """The global shape."""
+        return self._shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self._shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._stacked.dtype
+
+    @property
+    def stacked(self) -> torch.Tensor:
+        """The storage: ``[mesh.size, *local_shape]``, one padded shard per mesh position."""
+        return self._stacked
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        """The padded shape every device holds."""
+        return tuple(self._stacked.shape[1:])
+
+    @property
+    def is_annotated(self) -> bool:
+        """False after :func:`clear_sharding`, until the next :func:`mark_sharding`."""
+        return self._annotated
+
+    def full(self) -> torch.Tensor:
+        """Gather the global tensor (partial values reduced, padding removed); a new tensor.
+
+        Example:
+            >>> mark_sharding(torch.arange(3), Mesh.create((2,), ("x",)), P("x")).full()
+            tensor([0, 1, 2])
+        """
+        out = unshard_tensor(self._stacked, self._sharding, self._shape)
+        if (
+            out.numel()
+            and out.untyped_storage().data_ptr() == self._stacked.untyped_storage().data_ptr()
+        ):
+            out = out.clone()  # never hand out a view of the shards
+        return out
+
+    @property
+    def local_shards(self) -> list[Shard]:
+        """One :class:`Shard` per device, in mesh position order (padding-only devices too).
+
+        Example:
+            >>> x = mark_sharding(torch.arange(3), Mesh.create((2,), ("x",)), P("x"))
+            >>> [(s.device, s.index, s.unpadded_data.tolist()) for s in x.local_shards]
+            [(0, (slice(0, 2, None),), [0, 1]), (1, (slice(2, 3, None),), [2])]
+        """
+        ranges = index_ranges(self._sharding, self._shape).tolist()
+        replicas = replica_ids(self._sharding).tolist()
+        shards = []
+        for position, device in enumerate(self.mesh.device_ids):
+            index = tuple(slice(start, stop) for start, stop in ranges[position])
+            data = self._stacked[position]
+            unpadded = data[tuple(slice(0, stop - start) for start, stop in ranges[position])]
+            shards.append(Shard(data, unpadded, device, index, replicas[position]))
+        return shards
+
+    def __repr__(self) -> str:
+        # Indent the tensor's continuation lines under its first line.
+        prefix = "ShardedTensor("
+        body = repr(self.full()).replace("\n", "\n" + " " * len(prefix))
+        cleared = "" if self._annotated else ", annotation cleared"
+        return f"{prefix}{body}, sharding={self._sharding}, mesh={self.mesh!r}{cleared})"
+
+
+# --- annotations ---------------------------------------------------------------------------
+
+
+def mark_sharding(
+    tensor: torch.Tensor | ShardedTensor, mesh: Mesh, spec: SpecLike
+) -> ShardedTensor:
+    """Shard a concrete tensor over ``mesh`` as ``spec`` says.
+
+    ``spec`` is a ``P``, a tuple/list of entries (PyTorch/XLA style) or ``None`` (replicated);
+    a spec shorter than the rank leaves the trailing dims unsplit.
+
+    * A ``torch.Tensor`` is left untouched: the result is a new :class:`ShardedTensor` holding
+      a copy of its data.
+    * A :class:`ShardedTensor` already annotated with the same sharding is returned as is; a
+      different sharding raises :class:`~partita.errors.AnnotationError` (clear it first, or
+      use :func:`reshard` for a new tensor).
+    * A :class:`ShardedTensor` whose annotation was cleared (:func:`clear_sharding`) is
+      resharded *in place* and returned, as in PyTorch/XLA.
+
+    Example:
+        >>> mesh = Mesh.create((2, 4), ("data", "model"))
+        >>> x = mark_sharding(torch.ones(8, 32), mesh, P("data", None))
+        >>> x.sharding, x.local_shape
+        (P('data', None), (4, 32))
+    """
+    if not isinstance(mesh, Mesh):
+        raise ShardingError(
+            f"mark_sharding expects a partita.Mesh as its second argument, got {mesh!r} of type "
+            f"{type(mesh).__name__}. Build one with Mesh.create((2, 4), ('data', 'model'))."
+        )
+    if isinstance(tensor, ShardedTensor):
+        return _mark_sharded(tensor, mesh, spec)
+    tensor = _check_tensor(tensor, "mark_sharding")
+    sharding = as_spec(spec).to_sharding(mesh, tensor.ndim)
+    return ShardedTensor.from_global(tensor, sharding)
+
+
+def _mark_sharded(x: ShardedTensor, mesh: Mesh, spec: SpecLike) -> ShardedTensor:
+    sharding = as_spec(spec).to_sharding(mesh, x.ndim)
+    if not x.is_annotated:
+        value = x.full()
+        x._stacked = shard_tensor(value, sharding)
+        x._sharding = sharding
+        x._annotated = True
+        return x
+    if sharding == x.sharding:
+        return x
+    raise AnnotationError(
+        f"Existing annotation must be cleared first: the tensor of shape {tuple(x.shape)} is "
+        f"annotated with {x.sharding} on {x.mesh!r}, and mark_sharding was asked for {sharding} "
+        f"on {mesh!r}. Call partita.clear_sharding(x) and then mark_sharding(x, mesh, spec) to "
+        f"re-annotate it in place, or use partita.reshard(x, spec) for a new tensor."
+    )
+
+
+def clear_sharding(x: ShardedTensor) -> ShardedTensor:
+    """Remove ``x``'s annotation in place and return ``x``.
+
+    No data moves: the storage keeps its layout, and the next :func:`mark_sharding` may choose
+    any sharding (even on another mesh) and reshards ``x`` in place, as in PyTorch/XLA.
+
+    Example:
+        >>> mesh = Mesh.create((2,), ("x",))
+        >>> x = mark_sharding(torch.zeros(4, 2), mesh, P("x", None))
+        >>> _ = clear_sharding(x)
+        >>> mark_sharding(x, mesh, P(None, "x")) is x
+        True
+    """
+    if not isinstance(x, ShardedTensor):
+        raise ShardingError(
+            f"clear_sharding expects a ShardedTensor (the result of mark_sharding), got "
+            f"{type(x).__name__}. A plain torch.Tensor carries no annotation to clear."
+        )
+    x._annotated = False
+    return x
+
+
+def reshard(x: ShardedTensor, spec: SpecLike | Sharding) -> ShardedTensor:
+    """A new ShardedTensor with the value of ``x`` under ``spec`` (on ``x``'s mesh).
+
+    ``spec`` may also be a :class:`~partita.Sharding`, possibly on another mesh. Partial values
+    are reduced. For now this gathers the whole value and slices it again; the partitioner's
+    reshard planner will replace it with the cheapest collective.
+
+    Example:
+        >>> mesh = Mesh.create((2,), ("x",))
+        >>> y = reshard(mark_sharding(torch.zeros(4, 2), mesh, P("x", None)), P(None, "x"))
+        >>> y.sharding, y.local_shape
+        (P(None, 'x'), (4, 1))
+    """
+    if not isinstance(x, ShardedTensor):
+        raise ShardingError(
+            f"reshard expects a ShardedTensor, got {type(x).__name__}. For a plain "
+            f"torch.Tensor use mark_sharding(tensor, mesh, spec)."
+        )
+    if isinstance(spec, Sharding):
+        sharding = spec
+    else:
+        sharding = as_spec(spec).to_sharding(x.mesh, x.ndim)
+    return ShardedTensor.from_global(x.full(), sharding)
+
+
+# --- checks ----------------------------------------------------------------------------------
+
+
+def _check_tensor(value: Any, where: str) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise ShardingError(
+            f"{where} expects a torch.Tensor, got {reprlib.repr(value)} of type "
+            f"{type(value).__name__}. "
+            f"Convert it first, for example torch.as_tensor(value)."
+        )
+    return value
+
+
+def _check_sharding(sharding: Any, where: str) -> None:
+    if not isinstance(sharding, Sharding):
+        raise ShardingError(
+            f"{where} expects a partita.Sharding, got {sharding!r} of type "
+            f"{type(sharding).__name__}. Bind a spec first: P('x', None).to_sharding(mesh, ndim)."
+        )
