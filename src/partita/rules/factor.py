@@ -122,6 +122,8 @@ class FactorRule:
         for t in (*self.operands, *self.results):
             if t is None:
                 return False
+            if not t:  # a 0-d tensor (a scalar step size, say) has no dims to pass through
+                continue
             if any(len(dim) > 1 for dim in t) or {f for dim in t for f in dim} != every:
                 return False
         return all(self.kind(f) is FactorKind.PASS_THROUGH for f in every)

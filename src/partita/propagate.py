@@ -1,0 +1,447 @@
+"""Sharding propagation: give every value of a captured program a Sharding before anything runs.
+
+The algorithm is written once, over :class:`~partita.rules.factor.FactorRule` s (Shardy-style):
+for one op, every tensor that carries a factor *proposes* the mesh axes its dim gives that
+factor; the op picks one assignment of mesh axes to factors; the assignment is written back to
+every tensor of the op — forward into results and backward into operands alike. A worklist
+repeats this to a fixpoint.
+
+Invariants and conflict resolution (in the order they apply):
+
+1. **User annotations are never overwritten.** The result of an annotation node is fixed to the
+   user's sharding. Annotations carry a priority (0 by default; lower numbers win).
+2. **Priority rounds.** Propagation runs one round per annotation priority present, lowest
+   first; in round ``p`` only values derived from annotations of priority ``<= p`` propose.
+   A value derived from several annotations carries the best priority among them.
+3. **Pass-through ops first.** Each round first runs to a fixpoint over ops whose rule passes
+   every dim through unchanged (elementwise on equal shapes, casts, transposes, annotations),
+   then over all ops. So an annotation reaches its neighbours before broadcasts, matmuls and
+   reshapes have to choose.
+4. **Choosing one factor's axes.** Among the proposals for a factor, the best priority wins,
+   then the larger tensor, then the earlier tensor (operands in order, then results).
+   Need-replication and size-1 factors get no axes.
+5. **Choosing between factors that want the same mesh axis.** A mesh axis shards at most one
+   factor of an op. Factors claim axes in order of best priority, then *support* (the total
+   size of the tensors proposing exactly the winning axes), then first appearance; a factor
+   keeps the prefix of its axes up to the first axis already taken. (This is what makes a
+   gradient matmul under FSDP reduce over the batch axis and reduce-scatter into the
+   parameter's sharding, and what makes T19 gather the smaller operand.)
+6. **Compound dims** (reshape): axes go to the major factor while their product divides its
+   size; the minor factor gets axes only once the major factor is fully split. A factor that
+   appears in a compound dim anywhere keeps only the prefix of axes whose product divides its
+   size. A tensor that cannot express the op's assignment keeps what it has (the partitioner
+   reshards it).
+7. **Only refinement.** A value's sharding only ever becomes more specific: each dim's axes may
+   grow at the end, and a result may become partial over the axes of the op's sharded
+   reduction factors if it was not partial before. Anything else is left as is and becomes a
+   reshard for the partitioner. This also guarantees termination.
+8. **Determinism.** Ops are visited in graph order, the worklist is FIFO without duplicates.
+
+Values nobody proposes anything for end up replicated. The result is ``node.meta["sharding"]``
+(a :class:`~partita.spec.Sharding`, or a tuple of them, with ``None`` for non-tensor outputs, on
+multi-output nodes) and ``node.meta["factor_axes"]`` (the op's chosen ``{factor: mesh axes}``).
+
+This module does not insert collectives or decide how to reshard; that is ``partita.partition``.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from partita.errors import ShardingConflictError, UnsupportedOpError
+from partita.mesh import Mesh
+from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta, get_rule
+from partita.spec import Sharding
+
+__all__ = ["propagate", "op_info", "source_of"]
+
+ValueKey = tuple[fx.Node, int | None]  # (producer, output index or None for a single output)
+
+
+@dataclass(slots=True)
+class _Value:
+    """The mutable propagation state of one tensor value."""
+
+    ndim: int
+    numel: int
+    dims: list[tuple[str, ...]] | None = None  # None: nothing known yet
+    partial: tuple[str, ...] = ()
+    reduce_op: str = "sum"
+    priority: int = 1 << 30
+    fixed: bool = False
+
+
+@dataclass(slots=True)
+class _Op:
+    node: fx.Node
+    rule: FactorRule
+    operands: list[ValueKey | None]  # aligned with rule.operands
+    results: list[ValueKey | None]  # aligned with rule.results
+    compound: frozenset[str] = field(default_factory=frozenset)
+
+
+def source_of(node: fx.Node) -> str | None:
+    """The user's source line recorded by capture, if any."""
+    src = node.meta.get("source")
+    return src if isinstance(src, str) else None
+
+
+def _is_tensor(v: Any) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+def _meta(v: Any) -> TensorMeta:
+    return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
+
+
+def op_info(node: fx.Node) -> tuple[OpInfo, list[fx.Node], list[int | None]]:
+    """The OpInfo of a call_function node, its tensor operand nodes (flattened order) and the
+    output index of each flattened result (``None`` for a single tensor output)."""
+    operand_nodes: list[fx.Node] = []
+
+    def to_meta(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            val = a.meta.get("val")
+            if _is_tensor(val):
+                operand_nodes.append(a)
+                return _meta(val)
+            return val
+        return a
+
+    args, kwargs = pytree.tree_map(to_meta, (tuple(node.args), dict(node.kwargs)))
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        results = tuple(_meta(v) if _is_tensor(v) else None for v in val)
+        indices: list[int | None] = list(range(len(val)))
+    else:
+        results = (_meta(val) if _is_tensor(val) else None,)
+        indices = [None]
+    metas = tuple(to_meta(n) for n in operand_nodes)
+    info = OpInfo(node.target, tuple(args), kwargs, metas, results)
+    return info, operand_nodes, indices
+
+
+def _is_annotation(node: fx.Node) -> bool:
+    return "annotation" in node.meta
+
+
+class _Propagator:
+    def __init__(self, gm: fx.GraphModule, mesh: Mesh, replicate_unsupported: bool) -> None:
+        self.gm = gm
+        self.mesh = mesh
+        self.values: dict[ValueKey, _Value] = {}
+        self.ops: list[_Op] = []
+        self.users: dict[ValueKey, list[int]] = {}  # value -> indices of ops touching it
+        self.alias: dict[fx.Node, ValueKey] = {}
+        self.replicate_unsupported = replicate_unsupported
+        self._build()
+
+    # --- set-up ----------------------------------------------------------------------------
+
+    def key(self, node: fx.Node) -> ValueKey:
+        return self.alias.get(node, (node, None))
+
+    def _add_value(self, key: ValueKey, val: Any) -> None:
+        self.values[key] = _Value(val.ndim, max(int(val.numel()), 1))
+
+    def _build(self) -> None:
+        import operator
+
+        for node in self.gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder":
+                if _is_tensor(val):
+                    self._add_value((node, None), val)
+            elif node.op == "call_function" and node.target is operator.getitem:
+                src, idx = node.args
+                if isinstance(src, fx.Node) and isinstance(src.meta.get("val"), (tuple, list)):
+                    self.alias[node] = (src, int(idx))
+            elif node.op == "call_function":
+                self._add_op(node)
+        for i, op in enumerate(self.ops):
+            for k in (*op.operands, *op.results):
+                if k is not None:
+                    self.users.setdefault(k, []).append(i)
+
+    def _add_op(self, node: fx.Node) -> None:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        if not any(_is_tensor(v) for v in vals):
+            return
+        info, operand_nodes, indices = op_info(node)
+        rule = self._rule(node, info)
+        results: list[ValueKey | None] = []
+        for idx, v in zip(indices, vals, strict=True):
+            if _is_tensor(v):
+                self._add_value((node, idx), v)
+                results.append((node, idx))
+            else:
+                results.append(None)
+        operands: list[ValueKey | None] = [self.key(n) for n in operand_nodes]
+        if len(rule.operands) != len(operands) or len(rule.results) != len(results):
+            raise UnsupportedOpError(
+                f"The sharding rule of {node.target} describes {len(rule.operands)} operands and "
+                f"{len(rule.results)} results, but node {node.name} has {len(operands)} and "
+                f"{len(results)}. This is a bug in the rule; please report it."
+            )
+        compound = frozenset(
+            f for t in (*rule.operands, *rule.results) for d in t or () if len(d) > 1 for f in d
+        )
+        self.ops.append(_Op(node, rule, operands, results, compound))
+        if _is_annotation(node):
+            ann = node.meta["annotation"]
+            if ann.sharding.mesh != self.mesh:
+                raise ShardingConflictError(
+                    f"Annotation {node.name} ({source_of(node) or 'unknown source'}) uses "
+                    f"{ann.sharding.mesh!r}, but the program is sharded over {self.mesh!r}. "
+                    f"All annotations of one program must use the same mesh."
+                )
+            v = self.values[(node, None)]
+            v.dims = list(ann.sharding.dim_axes)
+            v.priority = int(ann.priority)
+            v.fixed = True
+
+    def _rule(self, node: fx.Node, info: OpInfo) -> FactorRule:
+        fn = get_rule(node.target)
+        where = f"node {node.name} ({source_of(node) or 'source line unknown'})"
+        if fn is None:
+            if self.replicate_unsupported:
+                return _replicate_rule(info)
+            raise UnsupportedOpError(
+                f"No sharding rule for {node.target} at {where}. partita does not know how "
+                f"this op behaves when its inputs are split across devices. Two ways forward: "
+                f"(1) annotate around it — mark its inputs and output replicated with "
+                f"partita.mark_sharding(t, mesh, P()) so the op runs on whole tensors; "
+                f"(2) opt in to replicating every op without a rule with "
+                f"replicate_unsupported=True (correct, but it gathers the inputs)."
+            )
+        try:
+            return fn(info)
+        except NotImplementedError as e:
+            if self.replicate_unsupported:
+                return _replicate_rule(info)
+            raise UnsupportedOpError(
+                f"The sharding rule of {node.target} cannot handle the call at {where}: {e}. "
+                f"Annotate around it with P() or pass replicate_unsupported=True."
+            ) from e
+
+    # --- one op ----------------------------------------------------------------------------
+
+    def _split(self, axes: Sequence[str], dim: tuple[str, ...], sizes: Any) -> dict[str, tuple[str, ...]]:
+        """Distribute a dim's mesh axes over its factors, major first (invariant 6)."""
+        if len(dim) == 1:
+            return {dim[0]: tuple(axes)}
+        out: dict[str, tuple[str, ...]] = {}
+        i, used = 0, 1
+        for a in axes:
+            n = self.mesh.axis_size(a)
+            while i < len(dim) and used == sizes[dim[i]]:
+                i, used = i + 1, 1
+            if i == len(dim) or sizes[dim[i]] % (used * n):
+                break
+            out[dim[i]] = (*out.get(dim[i], ()), a)
+            used *= n
+        return out
+
+    def _merge(self, dim: tuple[str, ...], assign: dict[str, tuple[str, ...]], sizes: Any) -> tuple[str, ...]:
+        axes: list[str] = []
+        for f in dim:
+            fa = assign.get(f, ())
+            axes.extend(fa)
+            if self.mesh.axes_size(fa) != sizes[f]:
+                break
+        return tuple(axes)
+
+    def _assign(self, op: _Op, round_priority: int) -> tuple[dict[str, tuple[str, ...]], dict[str, int]]:
+        rule = op.rule
+        proposals: dict[str, list[tuple[int, int, int, tuple[str, ...]]]] = {}
+        order = 0
+        for factors, key in zip((*rule.operands, *rule.results), (*op.operands, *op.results), strict=True):
+            order += 1
+            if factors is None or key is None:
+                continue
+            v = self.values[key]
+            if v.dims is None or v.priority > round_priority:
+                continue
+            for dim_axes, dim in zip(v.dims, factors, strict=True):
+                if not dim_axes or not dim:
+                    continue
+                for f, fa in self._split(dim_axes, dim, rule.sizes).items():
+                    if fa:
+                        proposals.setdefault(f, []).append((v.priority, -v.numel, order, fa))
+        best: list[tuple[int, int, int, str, tuple[str, ...]]] = []
+        for rank, f in enumerate(rule.factors):
+            props = proposals.get(f)
+            if not props or rule.sizes[f] <= 1 or rule.kind(f) is FactorKind.NEED_REPLICATION:
+                continue
+            prio, _, _, axes = min(props)
+            support = sum(-p[1] for p in props if p[3] == axes)
+            best.append((prio, -support, rank, f, axes))
+        assign: dict[str, tuple[str, ...]] = {}
+        prio_of: dict[str, int] = {}
+        taken: set[str] = set()
+        for prio, _, _, f, axes in sorted(best):
+            keep: list[str] = []
+            for a in axes:
+                if a in taken:
+                    break
+                keep.append(a)
+            if f in op.compound:
+                while keep and rule.sizes[f] % self.mesh.axes_size(keep):
+                    keep.pop()
+            if keep:
+                assign[f] = tuple(keep)
+                prio_of[f] = prio
+                taken.update(keep)
+        return assign, prio_of
+
+    def _visit(self, op: _Op, round_priority: int) -> list[ValueKey]:
+        assign, prio_of = self._assign(op, round_priority)
+        rule = op.rule
+        partial = tuple(a for f in rule.reduction_factors for a in assign.get(f, ()))
+        partial = tuple(a for a in self.mesh.axis_names if a in partial)
+        changed: list[ValueKey] = []
+        for is_result, factors_list, keys in (
+            (False, rule.operands, op.operands),
+            (True, rule.results, op.results),
+        ):
+            for factors, key in zip(factors_list, keys, strict=True):
+                if factors is None or key is None:
+                    continue
+                dims = [self._merge(d, assign, rule.sizes) if d else () for d in factors]
+                used = {f for d in factors for f in d if assign.get(f)}
+                prio = min((prio_of[f] for f in used), default=round_priority)
+                if is_result and partial:
+                    prio = min([prio, *(prio_of[f] for f in rule.reduction_factors if f in prio_of)])
+                if self._refine(key, dims, partial if is_result else (), rule.reduce_op, prio):
+                    changed.append(key)
+        return changed
+
+    def _refine(self, key: ValueKey, dims: list[tuple[str, ...]], partial: tuple[str, ...], reduce_op: str, prio: int) -> bool:
+        v = self.values[key]
+        if v.fixed or (not any(dims) and not partial):
+            return False
+        if v.dims is None:
+            v.dims, v.partial, v.reduce_op, v.priority = dims, partial, reduce_op, prio
+            return True
+        if any(old != new[: len(old)] for old, new in zip(v.dims, dims, strict=True)):
+            return False
+        new_partial = v.partial
+        if partial and not v.partial and not set(partial) & {a for d in dims for a in d}:
+            new_partial = partial
+        if set(new_partial) & {a for d in dims for a in d}:
+            return False
+        if dims == v.dims and new_partial == v.partial:
+            return False
+        v.dims = dims
+        if new_partial != v.partial:
+            v.partial, v.reduce_op = new_partial, reduce_op
+        v.priority = min(v.priority, prio)
+        return True
+
+    # --- driver ----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        priorities = sorted({v.priority for v in self.values.values() if v.fixed}) or [0]
+        for p in priorities:
+            for only_pass_through in (True, False):
+                self._fixpoint(p, only_pass_through)
+        self._write_meta(priorities[-1])
+
+    def _fixpoint(self, round_priority: int, only_pass_through: bool) -> None:
+        eligible = [
+            i for i, op in enumerate(self.ops) if not only_pass_through or op.rule.is_pass_through
+        ]
+        allowed = set(eligible)
+        queue = deque(eligible)
+        queued = set(eligible)
+        while queue:
+            i = queue.popleft()
+            queued.discard(i)
+            for key in self._visit(self.ops[i], round_priority):
+                for j in self.users.get(key, ()):
+                    if j in allowed and j not in queued:
+                        queue.append(j)
+                        queued.add(j)
+
+    def _sharding(self, key: ValueKey) -> Sharding:
+        v = self.values[key]
+        dims = v.dims if v.dims is not None else [()] * v.ndim
+        return Sharding(self.mesh, tuple(dims), v.partial, v.reduce_op)
+
+    def _write_meta(self, last_priority: int) -> None:
+        for op in self.ops:
+            assign, _ = self._assign(op, last_priority)
+            op.node.meta["factor_axes"] = assign
+            op.node.meta["rule"] = op.rule
+        for node in self.gm.graph.nodes:
+            if node.op == "output":
+                continue
+            key = self.key(node)
+            if key in self.values:
+                node.meta["sharding"] = self._sharding(key)
+            elif isinstance(node.meta.get("val"), (tuple, list)):
+                node.meta["sharding"] = tuple(
+                    self._sharding((node, i)) if (node, i) in self.values else None
+                    for i in range(len(node.meta["val"]))
+                )
+
+
+def _replicate_rule(info: OpInfo) -> FactorRule:
+    """The opt-in rule for an op without one: every operand gathered, results replicated."""
+    return FactorRule(
+        operands=tuple(None for _ in info.operands),
+        results=tuple(None if r is None else tuple(() for _ in r.shape) for r in info.results),
+        sizes={},
+    )
+
+
+def _find_mesh(gm: fx.GraphModule) -> Mesh | None:
+    for node in gm.graph.nodes:
+        ann = node.meta.get("annotation")
+        if ann is not None:
+            return ann.sharding.mesh
+    return None
+
+
+def propagate(
+    gm: fx.GraphModule,
+    mesh: Mesh | None = None,
+    *,
+    replicate_unsupported: bool = False,
+) -> fx.GraphModule:
+    """Infer a Sharding for every value of a captured program, in place.
+
+    Args:
+        gm: a captured program (``partita.capture.trace(...).graph_module``): aten ops with
+            ``node.meta["val"]`` and annotation nodes with ``node.meta["annotation"]``.
+        mesh: the mesh; defaults to the mesh of the program's annotations.
+        replicate_unsupported: run ops without a sharding rule on whole (gathered) tensors
+            instead of raising :class:`~partita.errors.UnsupportedOpError`.
+
+    Returns ``gm`` with ``node.meta["sharding"]`` and ``node.meta["factor_axes"]`` set.
+
+    Example:
+        >>> prog = partita.capture.trace(fn, (x, w), in_specs=(P("data"), P()))  # doctest: +SKIP
+        >>> propagate(prog.graph_module)                                         # doctest: +SKIP
+    """
+    mesh = mesh or _find_mesh(gm)
+    if mesh is None:
+        raise ShardingConflictError(
+            "The program has no sharding annotation and no mesh was given, so there is nothing "
+            "to propagate. Annotate at least one input (in_specs=...) or pass mesh=."
+        )
+    _Propagator(gm, mesh, replicate_unsupported).run()
+    return gm
+
+
+def shardings(gm: fx.GraphModule) -> dict[str, Any]:
+    """``{node name: sharding}`` for every node that has one (a convenience for tests)."""
+    return {n.name: n.meta["sharding"] for n in gm.graph.nodes if "sharding" in n.meta}
