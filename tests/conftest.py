@@ -1,0 +1,27 @@
+"""Shared fixtures and hypothesis settings for partita's tests."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from partita import Mesh
+
+# Modest example counts keep the property tests to seconds; CI can raise them with
+# HYPOTHESIS_PROFILE=ci.
+settings.register_profile(
+    "default", max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile("ci", max_examples=500, deadline=None)
+settings.load_profile(__import__("os").environ.get("HYPOTHESIS_PROFILE", "default"))
+
+
+@pytest.fixture
+def mesh_2x4() -> Mesh:
+    """The mesh of the issue's test vectors: devices 0..7, x major."""
+    return Mesh.create((2, 4), ("x", "y"))
+
+
+@pytest.fixture
+def mesh_4() -> Mesh:
+    return Mesh.create((4,), ("x",))

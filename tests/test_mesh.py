@@ -1,0 +1,152 @@
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from partita import HybridMesh, Mesh, MeshError
+
+
+def test_construction_and_queries() -> None:
+    mesh = Mesh([0, 1, 2, 3, 4, 5, 6, 7], (2, 4), ("x", "y"))
+    assert mesh.device_ids == tuple(range(8))
+    assert mesh.shape == (2, 4)
+    assert mesh.axis_names == ("x", "y")
+    assert mesh.size == 8 and mesh.ndim == 2
+    assert mesh.axis_sizes == {"x": 2, "y": 4}
+    assert mesh.axis_size("y") == 4 and mesh.axis_size(0) == 2 and mesh.axis_size(-1) == 4
+    assert mesh.axes_size(["x", "y"]) == 8 and mesh.axes_size([]) == 1
+    assert mesh.devices.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert mesh.coords(6) == {"x": 1, "y": 2}
+    assert mesh.position(6) == 6
+
+
+def test_nested_and_numpy_ids() -> None:
+    a = Mesh([[3, 2], [1, 0]], (2, 2), ("a", "b"))
+    b = Mesh(np.array([3, 2, 1, 0]), (2, 2), ("a", "b"))
+    assert a == b
+    assert a.device_ids == (3, 2, 1, 0)
+    assert a.position(0) == 3
+    assert a.coords(0) == {"a": 1, "b": 1}
+
+
+def test_printing() -> None:
+    assert repr(Mesh.create((2, 4), ("x", "y"))) == "Mesh(x=2, y=4)"
+    assert repr(Mesh([1, 0], (2,), ("x",))) == "Mesh(x=2, device_ids=[1, 0])"
+    assert repr(Mesh.create((2, 2))) == "Mesh(axis0=2, axis1=2)"
+
+
+def test_hash_eq_frozen() -> None:
+    a = Mesh.create((2, 4), ("x", "y"))
+    b = Mesh(list(range(8)), [2, 4], ["x", "y"])
+    assert a == b and hash(a) == hash(b)
+    assert {a: 1}[b] == 1
+    assert a != Mesh.create((2, 4), ("x", "z"))
+    assert a != Mesh.create((4, 2), ("x", "y"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.shape = (8,)  # type: ignore[misc]
+
+
+def test_create() -> None:
+    assert Mesh.create((2, 4), ("data", "model")) == Mesh(range(8), (2, 4), ("data", "model"))
+    assert Mesh.create(4, ("x",)).shape == (4,)
+
+
+def test_duplicate_ids() -> None:
+    with pytest.raises(MeshError, match=r"must be unique, but \[1\] appear more than once"):
+        Mesh([0, 1, 1, 2], (4,), ("x",))
+
+
+def test_shape_product_mismatch() -> None:
+    with pytest.raises(MeshError, match=r"holds 8 devices, but 6 device ids were given"):
+        Mesh(range(6), (2, 4), ("x", "y"))
+
+
+def test_duplicate_axis_names() -> None:
+    with pytest.raises(MeshError, match=r"axis names must be unique, but \['x'\]"):
+        Mesh.create((2, 2), ("x", "x"))
+
+
+@pytest.mark.parametrize("names", [("x",), ("x", "y", "z")])
+def test_wrong_number_of_axis_names(names: tuple[str, ...]) -> None:
+    with pytest.raises(MeshError, match=r"give exactly one name per axis"):
+        Mesh.create((2, 2), names)
+
+
+def test_empty_axis_name() -> None:
+    with pytest.raises(MeshError, match=r"non-empty strings"):
+        Mesh.create((2,), ("",))
+
+
+@pytest.mark.parametrize("bad", [1.0, True, "1", None])
+def test_non_integer_ids(bad: object) -> None:
+    with pytest.raises(MeshError, match=r"Mesh device ids must be integers, got"):
+        Mesh([0, bad], (2,), ("x",))
+
+
+def test_non_sequence_ids() -> None:
+    with pytest.raises(MeshError, match=r"must be a sequence of integers"):
+        Mesh("01", (2,), ("x",))
+
+
+def test_bad_shapes() -> None:
+    with pytest.raises(MeshError, match=r"at least one axis"):
+        Mesh([], (), ())
+    with pytest.raises(MeshError, match=r"must be positive"):
+        Mesh([], (0,), ("x",))
+    with pytest.raises(MeshError, match=r"Mesh shape entries must be integers"):
+        Mesh(range(2), (2.0,), ("x",))
+
+
+def test_negative_ids() -> None:
+    with pytest.raises(MeshError, match=r"non-negative"):
+        Mesh([-1, 0], (2,), ("x",))
+
+
+def test_unknown_axis_and_device() -> None:
+    mesh = Mesh.create((2, 4), ("x", "y"))
+    with pytest.raises(MeshError, match=r"Unknown mesh axis 'z'"):
+        mesh.axis_size("z")
+    with pytest.raises(MeshError, match=r"index 2 is out of range"):
+        mesh.axis_size(2)
+    with pytest.raises(MeshError, match=r"Device 9 is not in Mesh\(x=2, y=4\)"):
+        mesh.position(9)
+
+
+def test_groups() -> None:
+    mesh = Mesh.create((2, 4), ("x", "y"))
+    assert mesh.groups(["x"]) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert mesh.groups(["y"]) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert mesh.groups(["x", "y"]) == [[0, 1, 2, 3, 4, 5, 6, 7]]
+    assert mesh.groups(["y", "x"]) == [[0, 4, 1, 5, 2, 6, 3, 7]]
+    assert mesh.groups([]) == [[d] for d in range(8)]
+    with pytest.raises(MeshError, match=r"repeat an axis"):
+        mesh.groups(["x", 0])
+
+
+def test_hybrid_mesh_positional_and_keyword() -> None:
+    a = HybridMesh((1, 4), (2, 1), ("data", "model"))
+    assert a.devices.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    b = HybridMesh(ici_mesh_shape=(2, 2), dcn_mesh_shape=(1, 2), axis_names=("x", "y"))
+    assert b.devices.tolist() == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert repr(b) == "Mesh(x=2, y=4, device_ids=[0, 1, 4, 5, 2, 3, 6, 7])"
+
+
+def test_hybrid_mesh_dcn_major_on_each_axis() -> None:
+    # Two hosts of four devices, hosts split along y: the host is the major part of y.
+    mesh = HybridMesh((2, 2), (1, 2), ("x", "y"))
+    host = mesh.devices // 4
+    assert host.tolist() == [[0, 0, 1, 1], [0, 0, 1, 1]]
+    # A collective over x stays within a host.
+    assert all(len({d // 4 for d in group}) == 1 for group in mesh.groups(["x"]))
+    assert HybridMesh((2, 4)) == Mesh.create((2, 4))
+
+
+def test_hybrid_mesh_errors() -> None:
+    with pytest.raises(MeshError, match=r"must have the same number of axes"):
+        HybridMesh((2, 2), (2,))
+    with pytest.raises(MeshError, match=r"shapes must be positive"):
+        HybridMesh((2, 0), (1, 1))
+    with pytest.raises(MeshError, match=r"covers 4 devices per host, but each host has 8"):
+        HybridMesh((2, 2), (2, 1), devices_per_host=8)
