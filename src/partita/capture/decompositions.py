@@ -1,0 +1,128 @@
+"""The decomposition table of capture: which aten ops a captured program may contain.
+
+The choice. Start from ``torch._decomp.core_aten_decompositions()`` (Core ATen IR: about 180
+ops, all functional) and keep, undecomposed, the high-level ops in :data:`KEPT_OPS`. Why: each
+of them has a *simple* sharding rule (a batch dim that passes through, a normalised or reduced
+dim that needs replication, a windowed spatial dim) and a fast fused kernel, while its
+decomposition is a dozen elementwise ops and reductions whose rules would have to rediscover
+the same structure (and whose per-device kernels are slower). The backward ops are kept for
+the same reason: a training step's backward is then as easy to shard as its forward.
+
+Device-specific attention kernels (``aten._scaled_dot_product_flash_attention_for_cpu`` and
+its backward, which the CPU dispatcher picks for ``F.scaled_dot_product_attention``) are
+rewritten to the device-neutral ``partita::sdpa`` / ``partita::sdpa_backward`` (see
+:mod:`partita.capture.ops`), so the rules name one attention op. When the dispatcher picks the
+math fallback (unsupported mask or dtype) attention decomposes to matmuls and softmax instead.
+
+Ops that are views (``view``, ``t``, ``transpose``, ``split`` ...) are not decomposed here;
+:mod:`partita.capture.normalize` rewrites them after tracing. This module does not trace.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from typing import Any
+
+import torch
+from torch._decomp import core_aten_decompositions
+
+from partita.capture import ops as partita_ops
+
+__all__ = ["KEPT_OPS", "SDPA_OPS", "decomposition_table"]
+
+aten = torch.ops.aten
+
+#: High-level ops captured as themselves (not decomposed), sorted by name. Ops not listed here
+#: and not in Core ATen IR are decomposed by the core table.
+KEPT_OPS: tuple[torch._ops.OpOverload, ...] = tuple(
+    sorted(
+        (
+            aten._log_softmax.default,
+            aten._log_softmax_backward_data.default,
+            aten._native_batch_norm_legit.default,
+            aten._native_batch_norm_legit.no_stats,
+            aten._native_batch_norm_legit_functional.default,
+            aten._native_batch_norm_legit_no_training.default,
+            aten._softmax.default,
+            aten._softmax_backward_data.default,
+            aten.avg_pool2d.default,
+            aten.avg_pool2d_backward.default,
+            aten.convolution.default,
+            aten.convolution_backward.default,
+            aten.embedding.default,
+            aten.embedding_dense_backward.default,
+            aten.gelu.default,
+            aten.gelu_backward.default,
+            aten.max_pool2d_with_indices.default,
+            aten.max_pool2d_with_indices_backward.default,
+            aten.native_batch_norm.default,
+            aten.native_batch_norm_backward.default,
+            aten.native_group_norm.default,
+            aten.native_group_norm_backward.default,
+            aten.native_layer_norm.default,
+            aten.native_layer_norm_backward.default,
+            aten.nll_loss_backward.default,
+            aten.nll_loss_forward.default,
+        ),
+        key=str,
+    )
+)
+
+
+def _sdpa_cpu(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return partita_ops.sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale)
+
+
+def _sdpa_cpu_backward(
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return partita_ops.sdpa_backward(
+        grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal, scale
+    )
+
+
+#: Device-specific attention kernels and the neutral partita op each becomes.
+SDPA_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: _sdpa_cpu,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: _sdpa_cpu_backward,
+}
+
+
+@cache
+def _table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
+    table = dict(core_aten_decompositions())
+    for op in KEPT_OPS:
+        table.pop(op, None)
+    table.update(SDPA_OPS)
+    return table
+
+
+def decomposition_table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
+    """The table to pass to ``make_fx(..., decomposition_table=...)`` (a fresh copy).
+
+    Example:
+        >>> table = decomposition_table()
+        >>> torch.ops.aten.native_layer_norm_backward.default in table
+        False
+    """
+    return dict(_table())

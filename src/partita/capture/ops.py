@@ -1,0 +1,214 @@
+"""partita's own custom ops that appear in captured programs.
+
+- ``partita::annotate(Tensor x, int key) -> Tensor``: a sharding annotation. Returns a copy of
+  ``x`` (custom ops may not alias their inputs); the gradient passes through unchanged. ``key``
+  indexes the annotation table of :mod:`partita.capture.annotate`.
+- ``partita::sdpa`` / ``partita::sdpa_backward``: scaled-dot-product attention (and its
+  gradient) as one device-neutral op, so that sharding rules are written once instead of for
+  each of ATen's device-specific fused kernels. Same arguments and results as
+  ``aten._scaled_dot_product_flash_attention_for_cpu`` (and ``..._backward``), with
+  ``attn_mask`` and ``scale`` positional: ``(out [..., L, Ev], logsumexp [..., L])``. On CPU
+  they call ATen's fused CPU kernels; elsewhere they run the same math with plain tensor ops.
+
+Each op has a fake impl (shapes only, for tracing) and a vmap rule (for the simulated mesh,
+which runs a per-device program over a stack of devices). This module does not decide where
+the ops go; ``decompositions`` and ``annotate`` put them in graphs.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+__all__ = ["annotate_op", "sdpa", "sdpa_backward"]
+
+_SDPA_SCHEMA = (
+    "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
+    "bool is_causal, float? scale) -> (Tensor, Tensor)"
+)
+_SDPA_BWD_SCHEMA = (
+    "(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor logsumexp, "
+    "Tensor? attn_mask, float dropout_p, bool is_causal, float? scale) "
+    "-> (Tensor, Tensor, Tensor)"
+)
+
+
+# --- annotate ------------------------------------------------------------------------------
+
+
+@torch.library.custom_op(
+    "partita::annotate", mutates_args=(), schema="(Tensor x, int key) -> Tensor"
+)
+def annotate_op(x: Tensor, key: int) -> Tensor:
+    return x.clone()
+
+
+@annotate_op.register_fake
+def _(x: Tensor, key: int) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _annotate_backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
+    return grad, None
+
+
+annotate_op.register_autograd(_annotate_backward)
+
+
+@annotate_op.register_vmap
+def _(
+    info: object, in_dims: tuple[int | None, ...], x: Tensor, key: int
+) -> tuple[Tensor, int | None]:
+    return annotate_op(x, key), in_dims[0]
+
+
+# --- scaled-dot-product attention ------------------------------------------------------------
+
+
+def _scores(
+    q: Tensor, k: Tensor, mask: Tensor | None, is_causal: bool, scale: float | None
+) -> Tensor:
+    """Masked, scaled attention scores ``q k^T`` in float32 or wider."""
+    s = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q, k.transpose(-2, -1)) * s
+    if is_causal:
+        lq, lk = q.shape[-2], k.shape[-2]
+        keep = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~keep, float("-inf"))
+    if mask is not None:
+        scores = (
+            scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        )
+    return scores
+
+
+@torch.library.custom_op("partita::sdpa", mutates_args=(), schema=_SDPA_SCHEMA)
+def sdpa(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[Tensor, Tensor]:
+    # Reference math for devices without a kernel mapping (dropout is not supported here).
+    if dropout_p:
+        raise NotImplementedError("partita::sdpa: dropout is supported only on CPU.")
+    scores = _scores(query, key, attn_mask, is_causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value)
+    return out.contiguous(), lse
+
+
+@sdpa.register_kernel("cpu")
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
+    )
+    return out.contiguous(), lse
+
+
+@sdpa.register_fake
+def _(query, key, value, attn_mask, dropout_p, is_causal, scale):
+    out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+    lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.custom_op("partita::sdpa_backward", mutates_args=(), schema=_SDPA_BWD_SCHEMA)
+def sdpa_backward(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    logsumexp: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    if dropout_p:
+        raise NotImplementedError("partita::sdpa_backward: dropout is supported only on CPU.")
+    s = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
+    probs = torch.exp(_scores(query, key, attn_mask, is_causal, scale) - logsumexp.unsqueeze(-1))
+    grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
+    grad_p = torch.matmul(grad_out, value.transpose(-2, -1))
+    delta = (grad_out * out).sum(-1, keepdim=True)
+    grad_s = probs * (grad_p - delta) * s
+    return torch.matmul(grad_s, key), torch.matmul(grad_s.transpose(-2, -1), query), grad_v
+
+
+@sdpa_backward.register_kernel("cpu")
+def _(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal, scale):
+    gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+        attn_mask=attn_mask, scale=scale,
+    )  # fmt: skip
+    return gq.contiguous(), gk.contiguous(), gv.contiguous()
+
+
+@sdpa_backward.register_fake
+def _(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal, scale):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+# --- vmap: fold the vmapped dim into the leading batch dim -----------------------------------
+
+
+def _fold(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
+    """Move the vmapped dim to the front (broadcasting unbatched values) and merge it."""
+    if x is None:
+        return None
+    x = x.unsqueeze(0).expand(size, *x.shape) if dim is None else x.movedim(dim, 0)
+    return x.reshape(size * x.shape[1], *x.shape[2:]) if x.dim() > 1 else x
+
+
+def _fold_mask(
+    mask: Tensor | None, dim: int | None, size: int, q: Tensor, k: Tensor
+) -> Tensor | None:
+    """A mask that broadcasts against the folded ``q k^T`` of shape ``[size * b, ..., Lq, Lk]``."""
+    if mask is None or (dim is None and mask.dim() <= 2):
+        return mask  # broadcasts as is
+    per_example = (q.shape[0] // size, *q.shape[1:-1], k.shape[-2])
+    mask = mask.unsqueeze(0).expand(size, *mask.shape) if dim is None else mask.movedim(dim, 0)
+    return mask.expand(size, *per_example).reshape(size * per_example[0], *per_example[1:])
+
+
+def _unfold(x: Tensor, size: int) -> Tensor:
+    return x.reshape(size, x.shape[0] // size, *x.shape[1:])
+
+
+@sdpa.register_vmap
+def _(info, in_dims, query, key, value, attn_mask, dropout_p, is_causal, scale):
+    n = info.batch_size
+    q, k, v = (_fold(t, d, n) for t, d in zip((query, key, value), in_dims[:3], strict=True))
+    mask = _fold_mask(attn_mask, in_dims[3], n, q, k)
+    out, lse = sdpa(q, k, v, mask, dropout_p, is_causal, scale)
+    return (_unfold(out, n), _unfold(lse, n)), (0, 0)
+
+
+@sdpa_backward.register_vmap
+def _(
+    info,
+    in_dims,
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    attn_mask,
+    dropout_p,
+    is_causal,
+    scale,
+):
+    n = info.batch_size
+    tensors = (grad_out, query, key, value, out, logsumexp)
+    folded = [_fold(t, d, n) for t, d in zip(tensors, in_dims[:6], strict=True)]
+    mask = _fold_mask(attn_mask, in_dims[6], n, folded[1], folded[2])
+    grads = sdpa_backward(*folded, mask, dropout_p, is_causal, scale)
+    return tuple(_unfold(g, n) for g in grads), (0, 0, 0)
