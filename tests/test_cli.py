@@ -13,7 +13,7 @@ def test_demo(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     assert "Mesh(data=2, model=4)" in out
     assert "device 5: index [4:8, 2:4], local shape (4, 2), replica id 0" in out
-    assert "P('x', None) on Mesh(x=4): global (10, 6), local (3, 6) per device" in out
+    assert "P('x', None) on Mesh(x=4): global (10, 6), local (3, 6)" in out
     assert "(padding)" in out
     assert "\x1b[" not in out  # not a terminal: plain text
 

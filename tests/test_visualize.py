@@ -19,7 +19,7 @@ def _cells(text: str) -> list[list[str]]:
 
 def test_one_dim(mesh_4: Mesh) -> None:
     text = format_sharding(P("x").to_sharding(mesh_4, 1), (10,))
-    assert text.splitlines()[0] == "P('x') on Mesh(x=4): global (10,), local (3,) per device"
+    assert text.splitlines()[0] == "P('x') on Mesh(x=4): global (10,), local (3,)"
     assert _cells(text) == [["0", "1", "2", "3"], ["[0:3]", "[3:6]", "[6:9]", "[9:10]"]]
 
 

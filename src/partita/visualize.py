@@ -96,10 +96,7 @@ def _resolve(
 
 def _title(sharding: Sharding, shape: tuple[int, ...]) -> str:
     spec = repr(sharding.spec) if sharding.ndim else "P()"
-    return (
-        f"{spec} on {sharding.mesh!r}: global {shape}, "
-        f"local {local_shape(sharding, shape)} per device"
-    )
+    return f"{spec} on {sharding.mesh!r}: global {shape}, local {local_shape(sharding, shape)}"
 
 
 def _caption(sharding: Sharding) -> str | None:
