@@ -1,8 +1,32 @@
-"""Capture: trace a user function into a functional fx graph of aten ops (a Program)."""
+"""Capture: trace a user function into a functional fx graph of aten ops (a Program).
+
+``trace(fn, args, ...)`` -> :class:`Program`; ``annotate(t, mesh, spec)`` inside a traced
+function; ``is_tracing()``; ``source_line(node)``. The op set a Program may contain is fixed by
+``decompositions`` and ``normalize``. This package does not propagate or partition.
+"""
 
 from __future__ import annotations
 
 from partita.capture import ops
-from partita.capture.decompositions import KEPT_OPS, decomposition_table
+from partita.capture.annotate import ANNOTATE_OP, Annotation, annotate, is_tracing
+from partita.capture.decompositions import KEPT_OPS, SDPA_OPS, decomposition_table
+from partita.capture.normalize import VALUE_VIEW_OPS, normalize
+from partita.capture.program import Program
+from partita.capture.source import source_line
+from partita.capture.trace import trace
 
-__all__ = ["KEPT_OPS", "decomposition_table", "ops"]
+__all__ = [
+    "ANNOTATE_OP",
+    "KEPT_OPS",
+    "SDPA_OPS",
+    "VALUE_VIEW_OPS",
+    "Annotation",
+    "Program",
+    "annotate",
+    "decomposition_table",
+    "is_tracing",
+    "normalize",
+    "ops",
+    "source_line",
+    "trace",
+]

@@ -75,7 +75,8 @@ def _adamw(
     for name, p in params.items():
         g = grads[name]
         p = p * (1 - lr * weight_decay)  # decoupled weight decay
-        m = torch.lerp(state["exp_avg"][name], g, 1 - beta1)
+        m = state["exp_avg"][name]
+        m = m + (1 - beta1) * (g - m)  # torch.lerp(m, g, 1 - beta1) for a weight < 0.5
         v = state["exp_avg_sq"][name] * beta2 + (1 - beta2) * g * g
         denom = torch.sqrt(v) / bias2_sqrt + eps
         new_params[name] = p - (lr / bias1) * (m / denom)

@@ -1,0 +1,124 @@
+"""User source lines for captured ops: ``node.meta["source"] = "file.py:LINE in func"``.
+
+The source of an op is the innermost Python frame that is *user code*: outside torch and
+outside partita's own machinery (``partita.models``, the reference models, counts as user code).
+Forward ops take it from the Python stack when they are dispatched. Backward ops run inside the
+autograd engine, whose stack only shows the ``torch.autograd.grad`` call; they take the source of
+the forward op that created their autograd node instead (matched by the node's sequence number),
+so a gradient op points at the line whose forward it differentiates.
+
+:class:`SourceTrackingMode` is the functionalization mode of capture with that bookkeeping
+added; it hands each source to fx through ``torch.fx.traceback`` (as a one-frame
+``stack_trace``). This module does not trace and does not touch graphs beyond reading meta.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from types import CodeType, FrameType
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+import partita
+
+__all__ = ["SourceTrackingMode", "format_source", "source_line", "user_frame"]
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PARTITA_DIR = os.path.dirname(partita.__file__) + os.sep
+_USER_DIRS_IN_PARTITA = (os.path.join(_PARTITA_DIR, "models") + os.sep,)
+_STACK_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+
+_is_internal_cache: dict[CodeType, bool] = {}
+
+
+def _is_internal(code: CodeType) -> bool:
+    hit = _is_internal_cache.get(code)
+    if hit is None:
+        name = code.co_filename
+        if name.startswith(_PARTITA_DIR):
+            hit = not name.startswith(_USER_DIRS_IN_PARTITA)
+        else:
+            hit = name.startswith(_TORCH_DIR) or name.startswith("<") or "/torch/" in name
+        _is_internal_cache[code] = hit
+    return hit
+
+
+def user_frame(start: FrameType | None = None) -> FrameType | None:
+    """The innermost frame outside torch and partita's machinery, or None."""
+    frame = start if start is not None else sys._getframe(1)
+    while frame is not None and _is_internal(frame.f_code):
+        frame = frame.f_back
+    return frame
+
+
+def format_source(frame: FrameType | None) -> str | None:
+    """``"file.py:LINE in func"`` for a frame (the file's base name)."""
+    if frame is None:
+        return None
+    code = frame.f_code
+    return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+
+
+def _stack_entry(frame: FrameType) -> str:
+    return f'File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}'
+
+
+def source_from_stack_trace(stack_trace: str | None) -> str | None:
+    """Parse the last frame of an fx ``stack_trace`` into ``"file.py:LINE in func"``."""
+    if not stack_trace:
+        return None
+    matches = list(_STACK_RE.finditer(stack_trace))
+    if not matches:
+        return None
+    m = matches[-1]
+    return f"{os.path.basename(m['file'])}:{m['line']} in {m['func']}"
+
+
+def source_line(node: torch.fx.Node) -> str | None:
+    """The user's source line of a captured node, ``"file.py:LINE in func"``, if known.
+
+    Example:
+        >>> program = trace(lambda x: x.sin(), (torch.ones(2),))   # doctest: +SKIP
+        >>> source_line(next(n for n in program.graph_module.graph.nodes
+        ...                  if n.op == "call_function"))           # doctest: +SKIP
+        '<stdin>:1 in <lambda>'
+    """
+    src = node.meta.get("source")
+    if src is None:
+        src = source_from_stack_trace(node.meta.get("stack_trace"))
+    return src
+
+
+class SourceTrackingMode(FunctionalTensorMode):
+    """Functionalization that also records each op's user source line for fx.
+
+    Must run under ``torch.fx.traceback.preserve_node_meta()`` so that the tracer copies the
+    recorded ``stack_trace`` onto the nodes it creates.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        # autograd node sequence number -> stack entry of the forward op that created it
+        self._forward_sources: dict[int, str] = {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        entry: str | None = None
+        grad_node = torch._C._current_autograd_node()
+        if grad_node is not None:  # inside the autograd engine: a backward op
+            entry = self._forward_sources.get(grad_node._sequence_nr())
+        if entry is None:
+            frame = user_frame(sys._getframe(1))
+            if frame is not None:
+                entry = _stack_entry(frame)
+                if grad_node is None and torch.is_grad_enabled():
+                    # The autograd node of this op (if any) was created just before dispatch;
+                    # the first op to see a sequence number is the one that created it.
+                    self._forward_sources.setdefault(torch.autograd._get_sequence_nr() - 1, entry)
+        if entry is not None:
+            fx_traceback.set_stack_trace([entry])
+        return super().__torch_dispatch__(func, types, args, kwargs)

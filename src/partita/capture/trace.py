@@ -1,0 +1,286 @@
+"""trace(): a Python function over pytrees of tensors -> a functional :class:`Program`.
+
+How. The tensor leaves of ``(args, kwargs)`` become graph inputs; every other leaf must be a
+static Python value and is baked into the graph. ``make_fx`` traces in fake mode (no memory is
+allocated for real shapes; real inputs are converted to fake tensors) below autograd, so a
+function that calls ``torch.autograd.grad`` traces to one graph holding forward, backward and
+update. Functionalization (``FunctionalTensorMode``, the mode AOTAutograd and ``torch.export``
+use; it lets the function call ``requires_grad_`` and ``autograd.grad``) turns every in-place
+op into its functional form. The decomposition table of :mod:`decompositions` fixes the op set
+and :mod:`normalize` then rewrites views, transposes and splits to a few ops.
+
+Annotations: ``in_specs`` add ``partita::annotate`` nodes right after the inputs, ``out_specs``
+right before the output, and :func:`partita.capture.annotate` calls inside the function add
+their own; ``Program.annotations`` maps each annotate node to its Annotation.
+
+``in_specs`` follows the JAX convention, PyTorch-spelled: a *prefix* of the ``args`` pytree
+whose leaves are ``P`` (or None for "not annotated"). ``in_specs=(P('x'), None)`` annotates
+every tensor of the first argument with ``P('x')``; ``in_specs=({'w': P(None, 'y')},)`` one
+entry of a dict; a single ``P`` applies to every tensor argument. Keyword arguments are not
+annotated by ``in_specs``. ``out_specs`` is a prefix of the result pytree in the same way.
+
+What trace does not do: it does not propagate or check shardings, it does not support
+data-dependent control flow (a Python branch on a tensor value fails with CaptureError), and
+closed-over tensors become constants of the graph rather than inputs.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from partita.capture.annotate import ANNOTATE_OP, lookup, record, tracing_scope
+from partita.capture.decompositions import decomposition_table
+from partita.capture.normalize import normalize
+from partita.capture.program import Program
+from partita.capture.source import SourceTrackingMode, source_from_stack_trace
+from partita.errors import CaptureError, PartitaError
+from partita.mesh import Mesh
+from partita.spec import PartitionSpec
+
+__all__ = ["trace"]
+
+_STATIC_TYPES = (
+    type(None), bool, int, float, complex, str, bytes, type(Ellipsis), slice, enum.Enum,
+    torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, Mesh, PartitionSpec,
+)  # fmt: skip
+
+
+class _NoSpec:
+    """Stands for None in a spec tree (pytree treats None as an empty node)."""
+
+
+_NO_SPEC = _NoSpec()
+
+
+def _fn_name(fn: Callable[..., Any]) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _broadcast_specs(specs: Any, tree: Any, what: str, fn_name: str) -> list[PartitionSpec | None]:
+    """One spec (or None) per leaf of ``tree``; ``specs`` is a prefix of ``tree``."""
+    leaves, spec_tree = pytree.tree_flatten(specs, is_leaf=_is_spec_leaf)
+    for leaf in leaves:
+        if leaf is not None and not isinstance(leaf, PartitionSpec):
+            raise CaptureError(
+                f"{what} of {fn_name!r} must be a pytree of P(...) or None, but it holds "
+                f"{leaf!r} of type {type(leaf).__name__}. Write P('x', None), not ('x', None)."
+            )
+    marked = pytree.tree_unflatten([_NO_SPEC if s is None else s for s in leaves], spec_tree)
+    flat = pytree._broadcast_to_and_flatten(
+        marked,
+        pytree.tree_structure(tree),
+        is_leaf=lambda x: isinstance(x, (_NoSpec, PartitionSpec)),
+    )
+    if flat is None:
+        raise CaptureError(
+            f"{what} of {fn_name!r} does not match the structure of the values: {what} is "
+            f"{specs!r}, the values have structure {pytree.tree_structure(tree)}. Give a P or "
+            f"None per value (or one for a whole container)."
+        )
+    return [None if isinstance(s, _NoSpec) else s for s in flat]
+
+
+def _check_leaves(paths: list[tuple[Any, Any]], fn_name: str) -> None:
+    for path, leaf in paths:
+        if isinstance(leaf, torch.Tensor) or isinstance(leaf, _STATIC_TYPES):
+            continue
+        raise CaptureError(
+            f"Cannot trace {fn_name!r}: input {pytree.keystr(path) or 'argument'} is a "
+            f"{type(leaf).__name__} ({leaf!r:.80}), which is neither a tensor (a graph input) "
+            f"nor a static Python value (int, float, bool, str, None, dtype, ...). Convert it "
+            f"with torch.as_tensor, or close over it in the function instead of passing it."
+        )
+
+
+def trace(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...] | list[Any],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    mesh: Mesh | None = None,
+) -> Program:
+    """Capture ``fn(*args, **kwargs)`` as a functional graph of aten ops.
+
+    Args:
+        fn: a function of pytrees (dicts, lists, tuples) of tensors; non-tensor leaves are static.
+        args, kwargs: example inputs; only their shapes and dtypes matter (traced as fakes).
+        in_specs: a prefix of the ``args`` pytree with ``P`` / None leaves (see module doc).
+        out_specs: a prefix of the result pytree with ``P`` / None leaves.
+        mesh: the mesh of ``in_specs`` and ``out_specs`` (required when they are given).
+
+    Raises:
+        CaptureError: ``fn`` cannot be traced (the message names fn and the cause).
+        ShardingConflictError: annotations on two different meshes.
+
+    Example:
+        >>> mesh = Mesh.create((2, 4), ("x", "y"))
+        >>> program = trace(torch.mm, (torch.ones(8, 4), torch.ones(4, 8)), mesh=mesh,
+        ...                 in_specs=(P("x", None), None), out_specs=P("x", None))
+        >>> len(program.annotations)
+        2
+    """
+    name = _fn_name(fn)
+    if not isinstance(args, (tuple, list)):
+        raise CaptureError(
+            f"trace({name!r}, args): args must be a tuple, got {type(args).__name__}."
+        )
+    args, kwargs = tuple(args), dict(kwargs or {})
+    if (in_specs is not None or out_specs is not None) and not isinstance(mesh, Mesh):
+        raise CaptureError(
+            f"trace({name!r}) got in_specs/out_specs but mesh={mesh!r}: pass mesh=Mesh(...)."
+        )
+    leaf_paths, in_tree = pytree.tree_flatten_with_path((args, kwargs))
+    _check_leaves(leaf_paths, name)
+    leaves = [leaf for _, leaf in leaf_paths]
+    tensor_idx = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
+    statics = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
+    n_arg_leaves = pytree.tree_structure(args).num_leaves
+    in_spec_flat: list[PartitionSpec | None] = [None] * len(leaves)
+    if in_specs is not None:
+        in_spec_flat[:n_arg_leaves] = _broadcast_specs(in_specs, args, "in_specs", name)
+    out_tree_box: list[pytree.TreeSpec] = []
+
+    def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        full = list(leaves)
+        for i, t in zip(tensor_idx, tensors, strict=True):
+            spec = in_spec_flat[i]
+            if spec is not None:
+                t = record(t, mesh, spec, source=f"in_specs for {_where(leaf_paths[i][0])}")  # type: ignore[arg-type]
+            full[i] = t
+        call_args, call_kwargs = pytree.tree_unflatten(full, in_tree)
+        result = fn(*call_args, **call_kwargs)
+        out_paths, out_tree = pytree.tree_flatten_with_path(result)
+        outs = [leaf for _, leaf in out_paths]
+        for path, leaf in out_paths:
+            if not isinstance(leaf, torch.Tensor):
+                raise CaptureError(
+                    f"{name!r} returned {type(leaf).__name__} {leaf!r:.80} at "
+                    f"{pytree.keystr(path) or 'the top level'}; a traced function must return "
+                    f"tensors (in dicts, lists, tuples) only."
+                )
+        if out_specs is not None:
+            specs = _broadcast_specs(out_specs, result, "out_specs", name)
+            outs = [
+                o
+                if s is None
+                else record(o, mesh, s, source=f"out_specs for output{pytree.keystr(p)}")  # type: ignore[arg-type]
+                for (p, _), o, s in zip(out_paths, outs, specs, strict=True)
+            ]
+        out_tree_box.append(out_tree)
+        return outs
+
+    with tracing_scope(mesh, "trace(mesh=...)") as state:
+        try:
+            with fx_traceback.preserve_node_meta():
+                gm = make_fx(
+                    _functionalized(flat_fn, name),
+                    decomposition_table=decomposition_table(),
+                    tracing_mode="fake",
+                    _allow_non_fake_inputs=True,
+                )(*[leaves[i] for i in tensor_idx])
+        except PartitaError:
+            raise
+        except Exception as e:
+            raise CaptureError(
+                f"Cannot trace {name!r}: {type(e).__name__}: {_first_line(e)}. The function must "
+                f"run on fake tensors: no data-dependent Python control flow (if t.item() ...), "
+                f"no .numpy()/.tolist(), no in-place update of its inputs."
+            ) from e
+        normalize(gm)
+        annotations = {}
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                node.meta["source"] = source_from_stack_trace(node.meta.get("stack_trace"))
+            if node.op == "call_function" and node.target == ANNOTATE_OP:
+                ann = lookup(node.args[1])
+                if ann is None:
+                    raise CaptureError(f"Annotation {node.args[1]} of {name!r} was lost.")
+                node.meta["annotation"] = ann
+                annotations[node] = ann
+        del state
+    _check_functional(gm, name)
+    inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return Program(
+        graph_module=gm,
+        in_tree=in_tree,
+        out_tree=out_tree_box[-1],
+        input_nodes=inputs,
+        num_inputs=len(inputs),
+        annotations=annotations,
+        tensor_leaves=tensor_idx,
+        static_leaves=statics,
+        name=name,
+    )
+
+
+def _where(path: Any) -> str:
+    """``args[0]['w']`` / ``kwargs['x']`` for a path into ``(args, kwargs)``."""
+    text = pytree.keystr(path)
+    if text.startswith("[0]"):
+        return "args" + text[3:]
+    if text.startswith("[1]"):
+        return "kwargs" + text[3:]
+    return text
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def _functionalized(flat_fn: Callable[..., list[torch.Tensor]], name: str) -> Callable[..., Any]:
+    """Run ``flat_fn`` under functionalization (with source tracking); refuse input mutation."""
+    from torch._subclasses.functional_tensor import FunctionalTensor
+
+    def inner(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        mode = SourceTrackingMode()
+        exclude = torch._C._ExcludeDispatchKeyGuard(
+            torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
+        )
+        with exclude, mode:
+            wrapped = [FunctionalTensor.to_functional(t) for t in tensors]
+            outs = flat_fn(*wrapped)
+            for i, w in enumerate(wrapped):
+                torch._sync(w)
+                if torch._functionalize_has_data_mutation(w.elem) or (
+                    torch._functionalize_has_metadata_mutation(w.elem)
+                ):
+                    raise CaptureError(
+                        f"{name!r} mutates its input tensor #{i} (shape {tuple(w.shape)}) in "
+                        f"place. A captured program must be pure: clone the input "
+                        f"(x = x.clone()) and return the updated value instead."
+                    )
+            results = []
+            for o in outs:
+                if isinstance(o, FunctionalTensor):
+                    torch._sync(o)
+                    o = torch._from_functional_tensor(o.elem)
+                results.append(o)
+            return results
+
+    return inner
+
+
+def _check_functional(gm: torch.fx.GraphModule, name: str) -> None:
+    """No captured op may mutate (an internal invariant; a failure is a partita bug)."""
+    for node in gm.graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op == "call_function" and schema is not None and schema.is_mutable:
+            raise CaptureError(
+                f"Capturing {name!r} left the mutating op {node.target} at "
+                f"{node.meta.get('source') or 'an unknown line'}; this is a partita bug, "
+                f"please report it with the function."
+            )
