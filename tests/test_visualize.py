@@ -90,6 +90,13 @@ def test_plain_text_when_not_a_terminal(mesh_2x4: Mesh) -> None:
     assert text == format_sharding(x)
 
 
+def test_no_codes_off_a_terminal_even_with_a_colour_system(mesh_2x4: Mesh) -> None:
+    out = io.StringIO()
+    console = Console(file=out, width=100, force_terminal=False, color_system="truecolor")
+    visualize_sharding(P("x", None, "y").to_sharding(mesh_2x4, 3), (4, 4, 4), console=console)
+    assert "\x1b[" not in out.getvalue() and out.getvalue().isascii()
+
+
 def test_colour_on_a_terminal(mesh_2x4: Mesh) -> None:
     out = io.StringIO()
     x = mark_sharding(torch.zeros(8, 6), mesh_2x4, P("x", "y"))

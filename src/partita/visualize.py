@@ -5,10 +5,10 @@
 * rank 2: a grid of tiles (rows split by dim 0, columns by dim 1);
 * rank >= 3: one table row per tile, with the index range of every dim.
 
-Each tile lists *all* the devices that hold it (replicas, and the devices holding addends of a
-partial value, which the title labels), its unpadded index range, and whether it is padding
-only. On a terminal the tiles are coloured; anywhere else (a file, a pipe, a test, a log) the
-table is plain ASCII without colour codes.
+Each tile lists *all* the devices that hold it (replicas, and the devices holding the partial
+values of a partial sharding, which a note under the table labels), its unpadded index range,
+and whether it is padding only. On a terminal the tiles are coloured; anywhere else (a file, a
+pipe, a test, a log) the table is plain ASCII without colour codes.
 
 This module only draws; the index arithmetic comes from :mod:`partita.layout`.
 """
@@ -104,7 +104,7 @@ def _caption(sharding: Sharding) -> str | None:
     if sharding.partial:
         notes.append(
             f"partial[{sharding.reduce_op}] over {', '.join(sharding.partial)}: the devices of a "
-            f"tile hold addends; the value is their {sharding.reduce_op}"
+            f"tile hold partial values; the value is their {sharding.reduce_op}"
         )
     if sharding.replicated_axes:
         notes.append(f"replicated over {', '.join(sharding.replicated_axes)}")
@@ -141,7 +141,12 @@ def _style(tile: _Tile, plain: bool) -> str | None:
 def _table(sharding: Sharding, shape: tuple[int, ...], plain: bool) -> Table:
     tiles = _tiles(sharding, shape)
     ndim = sharding.ndim
-    table = Table(box=box.ASCII if plain else box.SQUARE, show_lines=True)
+    table = Table(
+        box=box.ASCII if plain else box.SQUARE,
+        show_lines=True,
+        header_style="" if plain else "bold",
+        border_style="" if plain else "none",
+    )
     tile_shape = sharding.tile_shape
     if ndim <= 2:
         rows = tile_shape[0] if ndim == 2 else 1
