@@ -1,3 +1,4 @@
+# ruff: noqa: E501 - the canonical table reads best one case per line
 """Shared test programs: the reference training steps, a small MLP and the canonical cases.
 
 Every helper returns plain data (functions and real float32 tensors) so that any stage's tests

@@ -96,7 +96,7 @@ def _check_leaves(paths: list[tuple[Any, Any]], fn_name: str) -> None:
         if isinstance(leaf, torch.Tensor) or isinstance(leaf, _STATIC_TYPES):
             continue
         raise CaptureError(
-            f"Cannot trace {fn_name!r}: input {pytree.keystr(path) or 'argument'} is a "
+            f"Cannot trace {fn_name!r}: input {_where(path)} is a "
             f"{type(leaf).__name__} ({leaf!r:.80}), which is neither a tensor (a graph input) "
             f"nor a static Python value (int, float, bool, str, None, dtype, ...). Convert it "
             f"with torch.as_tensor, or close over it in the function instead of passing it."

@@ -28,10 +28,10 @@ class SmallCNN(nn.Module):
         super().__init__()
         if size % 4:
             raise ValueError(f"SmallCNN size={size} must be divisible by 4 (two 2x2 pools).")
-        self.conv1 = nn.Conv2d(in_channels, width, 3, padding=1)
+        self.conv1 = nn.Conv2d(in_channels, width, 3, padding=1, bias=False)  # BN follows
         self.bn1 = nn.BatchNorm2d(width)
         self.pool1 = nn.MaxPool2d(2)
-        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1)
+        self.conv2 = nn.Conv2d(width, 2 * width, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(2 * width)
         self.pool2 = nn.AvgPool2d(2)
         self.fc = nn.Linear(2 * width * (size // 4) ** 2, num_classes)

@@ -66,9 +66,11 @@ def _adamw(
 ) -> tuple[Tensors, dict[str, Any]]:
     beta1, beta2 = betas
     step = state["step"] + 1
-    # Bias corrections as tensors: the step count is data, not a constant of the graph.
-    bias1 = 1 - torch.pow(beta1, step)
-    bias2_sqrt = torch.sqrt(1 - torch.pow(beta2, step))
+    # Bias corrections as tensors (the step count is data, not a constant of the graph),
+    # in float64 like torch.optim's Python-float arithmetic.
+    step64 = step.to(torch.float64)
+    step_size = (lr / (1 - torch.pow(beta1, step64))).to(torch.float32)
+    bias2_sqrt = torch.sqrt(1 - torch.pow(beta2, step64)).to(torch.float32)
     new_params: Tensors = {}
     new_m: Tensors = {}
     new_v: Tensors = {}
@@ -79,7 +81,7 @@ def _adamw(
         m = m + (1 - beta1) * (g - m)  # torch.lerp(m, g, 1 - beta1) for a weight < 0.5
         v = state["exp_avg_sq"][name] * beta2 + (1 - beta2) * g * g
         denom = torch.sqrt(v) / bias2_sqrt + eps
-        new_params[name] = p - (lr / bias1) * (m / denom)
+        new_params[name] = p - step_size * (m / denom)
         new_m[name] = m
         new_v[name] = v
     return new_params, {"step": step, "exp_avg": new_m, "exp_avg_sq": new_v}

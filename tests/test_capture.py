@@ -1,0 +1,386 @@
+"""Tests of partita.capture: trace, normalisation, source lines, annotations, reference steps."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+from partita import Mesh, P
+from partita.capture import (
+    ANNOTATE_OP,
+    VALUE_VIEW_OPS,
+    Annotation,
+    annotate,
+    is_tracing,
+    source_line,
+    trace,
+)
+from partita.errors import CaptureError, ShardingConflictError
+from partita.models import GPT, GPTConfig, SmallCNN, init_opt_state, make_train_step
+
+from programs import MESH, canonical_cases, cnn_step, gpt_step, mlp  # isort: skip
+
+#: Every op a captured GPT step, CNN step, MLP or canonical program may contain (golden).
+GOLDEN_OPS = [
+    "<built-in function getitem>",
+    "aten._log_softmax.default",
+    "aten._log_softmax_backward_data.default",
+    "aten._native_batch_norm_legit_functional.default",
+    "aten._softmax.default",
+    "aten._to_copy.default",
+    "aten.add.Tensor",
+    "aten.addmm.default",
+    "aten.amax.default",
+    "aten.arange.start_step",
+    "aten.avg_pool2d.default",
+    "aten.avg_pool2d_backward.default",
+    "aten.bmm.default",
+    "aten.cat.default",
+    "aten.constant_pad_nd.default",
+    "aten.convolution.default",
+    "aten.convolution_backward.default",
+    "aten.div.Tensor",
+    "aten.embedding.default",
+    "aten.embedding_dense_backward.default",
+    "aten.full_like.default",
+    "aten.gelu.default",
+    "aten.gelu_backward.default",
+    "aten.le.Scalar",
+    "aten.max_pool2d_with_indices.default",
+    "aten.max_pool2d_with_indices_backward.default",
+    "aten.mm.default",
+    "aten.mul.Tensor",
+    "aten.native_batch_norm_backward.default",
+    "aten.native_layer_norm.default",
+    "aten.native_layer_norm_backward.default",
+    "aten.nll_loss_backward.default",
+    "aten.nll_loss_forward.default",
+    "aten.permute.default",
+    "aten.pow.Scalar",
+    "aten.reciprocal.default",
+    "aten.relu.default",
+    "aten.reshape.default",
+    "aten.scalar_tensor.default",
+    "aten.slice.Tensor",
+    "aten.sort.default",
+    "aten.sqrt.default",
+    "aten.sub.Tensor",
+    "aten.sum.dim_IntList",
+    "aten.where.self",
+    "partita.annotate.default",
+    "partita.sdpa.default",
+    "partita.sdpa_backward.default",
+]
+
+VIEW_NAMES = ("view", "_unsafe_view", "_reshape_alias", "alias", "detach", "t", "transpose")
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    step, args = gpt_step()
+    return step, args, trace(step, args)
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    step, args = cnn_step()
+    return step, args, trace(step, args)
+
+
+def _calls(program):
+    return [n for n in program.graph.nodes if n.op == "call_function"]
+
+
+def _all_programs(gpt, cnn):
+    fn, args = mlp()
+    yield trace(fn, args)
+    yield gpt[2]
+    yield cnn[2]
+    for case in canonical_cases():
+        yield trace(case.fn, case.args, in_specs=case.in_specs, out_specs=case.out_specs, mesh=MESH)
+
+
+# --- the graph is functional and small ---------------------------------------------------------
+
+
+def test_op_set_is_golden(gpt, cnn):
+    ops = set()
+    for program in _all_programs(gpt, cnn):
+        ops |= {str(n.target) for n in _calls(program)}
+    print("\n".join(sorted(ops)))
+    assert sorted(ops) == GOLDEN_OPS
+
+
+def test_graph_is_functional(gpt, cnn):
+    for program in _all_programs(gpt, cnn):
+        for node in _calls(program):
+            if node.target is operator.getitem:
+                continue
+            schema = node.target._schema
+            assert not schema.is_mutable, node.format_node()
+            aliases = any(r.alias_info is not None for r in schema.returns)
+            assert not aliases or node.target in VALUE_VIEW_OPS, node.format_node()
+            name = node.target._opname
+            assert name not in VIEW_NAMES, node.format_node()
+            assert name == "_to_copy" or not name.endswith("_copy"), node.format_node()
+
+
+@pytest.mark.parametrize("which", ["mlp", "gpt", "cnn"])
+def test_traced_graph_equals_eager(which, gpt, cnn):
+    if which == "mlp":
+        fn, args = mlp()
+        program = trace(fn, args)
+    else:
+        fn, args, program = gpt if which == "gpt" else cnn
+    torch.testing.assert_close(program(*args), fn(*args), rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_is_device_neutral(gpt):
+    targets = {str(n.target) for n in _calls(gpt[2])}
+    assert "partita.sdpa.default" in targets and "partita.sdpa_backward.default" in targets
+    assert not any("flash" in t for t in targets)
+
+
+def test_sdpa_math_path_matches_cpu_kernel():
+    from partita.capture import ops
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 5, 4, generator=g) for _ in range(3))
+    out, lse = ops.sdpa(q, k, v, None, 0.0, True, None)
+    # the default (non-CPU) implementation, called directly
+    ref_out, ref_lse = ops.sdpa._init_fn(q, k, v, None, 0.0, True, None)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(lse, ref_lse)
+    grad = torch.randn_like(out)
+    got = ops.sdpa_backward(grad, q, k, v, out, lse, None, 0.0, True, None)
+    ref = ops.sdpa_backward._init_fn(grad, q, k, v, out, lse, None, 0.0, True, None)
+    torch.testing.assert_close(got, ref)
+    want = torch.func.vmap(lambda a: ops.sdpa(a, k, v, None, 0.0, True, None)[0])(q[None])
+    torch.testing.assert_close(want[0], out)
+
+
+# --- source lines -------------------------------------------------------------------------------
+
+
+def test_source_lines_point_at_user_code(gpt):
+    sources = [source_line(n) for n in _calls(gpt[2])]
+    assert all(s is not None for s in sources)
+    assert any(s.startswith("gpt.py:") and s.endswith("in forward") for s in sources)
+    assert any(s.startswith("steps.py:") and "_adamw" in s for s in sources)
+    sdpa = [n for n in _calls(gpt[2]) if "sdpa" in str(n.target)]
+    # forward and backward attention both point at the F.scaled_dot_product_attention line
+    assert {source_line(n) for n in sdpa} == {source_line(sdpa[0])}
+    assert source_line(sdpa[0]).startswith("gpt.py:")
+
+
+def test_source_line_of_a_local_function():
+    def fn(a):
+        return a.cos()  # this line
+
+    program = trace(fn, (torch.ones(3),))
+    (cos,) = _calls(program)
+    line = fn.__code__.co_firstlineno + 1
+    assert source_line(cos) == f"test_capture.py:{line} in fn" == cos.meta["source"]
+
+
+# --- pytrees, statics, errors -------------------------------------------------------------------
+
+
+def test_pytree_inputs_and_static_leaves():
+    def fn(d, scale, *, bias):
+        return {"y": d["a"] * scale + bias, "z": [d["b"].sum()]}
+
+    args = ({"a": torch.ones(2, 3), "b": torch.ones(4)}, 3.0)
+    program = trace(fn, args, {"bias": torch.zeros(3)})
+    assert program.num_inputs == 3 == len(program.input_nodes)
+    out = program(*args, bias=torch.full((3,), 2.0))
+    assert torch.equal(out["y"], torch.full((2, 3), 5.0)) and out["z"][0].item() == 4.0
+
+
+def test_non_static_leaf_is_rejected():
+    with pytest.raises(CaptureError, match=r"input args\[1\] is a object .*neither a tensor"):
+        trace(lambda a, o: a, (torch.ones(2), object()))
+
+
+def test_untraceable_function_names_it():
+    def branchy(a):
+        if a.sum() > 0:
+            return a
+        return -a
+
+    with pytest.raises(CaptureError, match=r"Cannot trace 'test_untraceable.*branchy'") as info:
+        trace(branchy, (torch.ones(2),))
+    assert info.value.__cause__ is not None
+
+
+def test_input_mutation_is_refused():
+    def fn(a):
+        a.add_(1)
+        return a * 2
+
+    with pytest.raises(CaptureError, match="mutates its input tensor #0"):
+        trace(fn, (torch.ones(2),))
+
+
+def test_non_tensor_output_is_refused():
+    with pytest.raises(CaptureError, match="returned int"):
+        trace(lambda a: (a, 3), (torch.ones(2),))
+
+
+def test_internal_mutation_is_functionalized():
+    def fn(a):
+        b = a.clone()
+        b[0] = 5.0
+        b.mul_(2)
+        return b.view(-1).t()
+
+    program = trace(fn, (torch.ones(2, 2),))
+    assert all(not n.target._schema.is_mutable for n in _calls(program))
+    assert torch.equal(program(torch.ones(2, 2)), fn(torch.ones(2, 2)))
+
+
+# --- annotations --------------------------------------------------------------------------------
+
+
+def test_annotate_nodes_carry_their_annotation():
+    seen = []
+
+    def fn(a, b):
+        seen.append(is_tracing())
+        c = annotate(a @ b, MESH, P("x", None), priority=2)
+        return c.relu()
+
+    program = trace(fn, (torch.ones(8, 4), torch.ones(4, 8)))
+    assert seen == [True] and not is_tracing()
+    (node,) = [n for n in _calls(program) if n.target == ANNOTATE_OP]
+    ann = program.annotations[node]
+    assert node.meta["annotation"] is ann
+    assert ann == Annotation(P("x", None).to_sharding(MESH, 2), 2, ann.source)
+    assert ann.source.startswith("test_capture.py:") and ann.source.endswith("in fn")
+
+
+def test_unused_annotation_is_kept():
+    def fn(a):
+        annotate(a, MESH, P("x"))  # PyTorch/XLA style: the result is ignored
+        return a + 1
+
+    program = trace(fn, (torch.ones(8),))
+    (node,) = program.annotations
+    assert node.args[0].op == "placeholder"
+
+
+def test_in_specs_and_out_specs():
+    def fn(params, x):
+        return {"out": x @ params["w"], "aux": params["b"] * 2}
+
+    args = ({"w": torch.ones(4, 8), "b": torch.ones(8)}, torch.ones(2, 4))
+    program = trace(
+        fn, args, mesh=MESH,
+        in_specs=({"w": P(None, "y"), "b": None}, P("x")),
+        out_specs={"out": P("x", "y"), "aux": None},
+    )  # fmt: skip
+    anns = list(program.annotations.items())
+    specs = [str(a.sharding) for _, a in anns]
+    assert specs == ["P(None, 'y')", "P('x', None)", "P('x', 'y')"]
+    assert all(n.args[0].op == "placeholder" for n, _ in anns[:2])
+    out_node = next(n for n in program.graph.nodes if n.op == "output")
+    assert anns[2][0] in out_node.args[0]
+    assert anns[0][1].source == "in_specs for args[0]['w']"
+    # a single P is a prefix of every argument
+    program = trace(lambda a, b: a + b, (torch.ones(8), torch.ones(8)), mesh=MESH, in_specs=P("x"))
+    assert len(program.annotations) == 2
+
+
+def test_spec_errors():
+    with pytest.raises(CaptureError, match="pass mesh=Mesh"):
+        trace(lambda a: a, (torch.ones(2),), in_specs=P())
+    with pytest.raises(CaptureError, match=r"Write P\('x', None\)"):
+        trace(lambda a: a, (torch.ones(2, 2),), mesh=MESH, in_specs=(("x", None),))
+    with pytest.raises(CaptureError, match="does not match the structure"):
+        trace(lambda a: a, (torch.ones(2),), mesh=MESH, in_specs=(P(), P()))
+
+
+def test_two_meshes_conflict():
+    other = Mesh.create((8,), ("d",))
+
+    def fn(a):
+        b = annotate(a, MESH, P("x"))
+        return annotate(b, other, P("d"))
+
+    with pytest.raises(ShardingConflictError, match=r"Mesh\(x=2, y=4\).*test_capture.py:\d+ in fn"
+                       r".*Mesh\(d=8\).*test_capture.py:\d+ in fn"):  # fmt: skip
+        trace(fn, (torch.ones(8),))
+
+
+def test_annotation_gradient_passes_through():
+    def fn(w, x):
+        with torch.enable_grad():
+            w = w.detach().requires_grad_(True)
+            loss = (annotate(w, MESH, P("x")) * x).sum()
+            (g,) = torch.autograd.grad(loss, [w])
+        return g
+
+    args = (torch.ones(8), torch.arange(8.0))
+    program = trace(fn, args)
+    assert torch.equal(program(*args), torch.arange(8.0))
+    assert len(program.annotations) == 1
+
+
+# --- reference models and steps -----------------------------------------------------------------
+
+
+def _reference_run(model, loss_fn, opt, batch, steps=3):
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = loss_fn(model(batch[0]), batch[1])
+        loss.backward()
+        opt.step()
+        losses.append(loss.detach())
+    return losses
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("which", ["gpt", "cnn"])
+def test_functional_steps_match_torch_optim(which, optimizer):
+    torch.manual_seed(0)
+    if which == "gpt":
+        cfg = GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32, seq_len=8)
+        model = GPT(cfg)
+        batch = (torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8)))
+
+        def loss_fn(logits, y):
+            return F.cross_entropy(logits.reshape(-1, 32), y.reshape(-1))
+    else:
+        model = SmallCNN(3, 10, 8, 4).train()
+        batch = (torch.randn(4, 3, 8, 8), torch.randint(0, 10, (4,)))
+        loss_fn = F.cross_entropy
+    kw = {"lr": 1e-2, "weight_decay": 0.1}
+    step = make_train_step(model, loss_fn, optimizer, **kw)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    state = init_opt_state(params, optimizer)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(model.parameters(), **kw)
+    else:
+        opt = torch.optim.SGD(model.parameters(), momentum=0.9, **kw)
+    losses = []
+    for _ in range(3):
+        loss, params, buffers, state = step(params, buffers, state, batch)
+        losses.append(loss)
+    ref_losses = _reference_run(model, loss_fn, opt, batch)
+    torch.testing.assert_close(losses, ref_losses, rtol=1e-6, atol=1e-6)
+    ref = {k: v.detach() for k, v in model.named_parameters()}
+    if which == "gpt":
+        # The key bias has an exactly-zero gradient (softmax ignores a constant shift), so Adam
+        # divides rounding noise by rounding noise there; compare only the q and v parts.
+        key = "blocks.0.attn.qkv.bias"
+        params[key], ref[key] = (
+            params[key][[*range(16), *range(32, 48)]],
+            ref[key][[*range(16), *range(32, 48)]],
+        )
+    torch.testing.assert_close(params, ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(buffers, dict(model.named_buffers()), rtol=1e-5, atol=1e-6)
