@@ -105,13 +105,15 @@ def op_info(node: fx.Node) -> tuple[OpInfo, list[fx.Node], list[int | None]]:
     """The OpInfo of a call_function node, its tensor operand nodes (flattened order) and the
     output index of each flattened result (``None`` for a single tensor output)."""
     operand_nodes: list[fx.Node] = []
+    metas: list[TensorMeta] = []
 
     def to_meta(a: Any) -> Any:
         if isinstance(a, fx.Node):
             val = a.meta.get("val")
             if _is_tensor(val):
                 operand_nodes.append(a)
-                return _meta(val)
+                metas.append(_meta(val))
+                return metas[-1]
             return val
         return a
 
@@ -123,8 +125,7 @@ def op_info(node: fx.Node) -> tuple[OpInfo, list[fx.Node], list[int | None]]:
     else:
         results = (_meta(val) if _is_tensor(val) else None,)
         indices = [None]
-    metas = tuple(to_meta(n) for n in operand_nodes)
-    info = OpInfo(node.target, tuple(args), kwargs, metas, results)
+    info = OpInfo(node.target, tuple(args), kwargs, tuple(metas), results)
     return info, operand_nodes, indices
 
 
