@@ -14,15 +14,15 @@ This module only defines the types; it does not format messages for any particul
 from __future__ import annotations
 
 __all__ = [
-    "PartitaError",
-    "MeshError",
-    "SpecError",
-    "ShardingError",
     "AnnotationError",
-    "UnsupportedOpError",
-    "ShardingConflictError",
-    "RematerializationError",
     "CaptureError",
+    "MeshError",
+    "PartitaError",
+    "RematerializationError",
+    "ShardingConflictError",
+    "ShardingError",
+    "SpecError",
+    "UnsupportedOpError",
 ]
 
 

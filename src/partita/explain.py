@@ -80,7 +80,13 @@ def format_program(gm: fx.GraphModule, *, title: str | None = None) -> str:
         if "annotation" in node.meta:
             sharding += " (user)"
         rows.append(
-            (f"%{node.name}", call, _shape(node.meta["val"]), sharding, node.meta.get("source") or "")
+            (
+                f"%{node.name}",
+                call,
+                _shape(node.meta["val"]),
+                sharding,
+                node.meta.get("source") or "",
+            )
         )
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(4)]
     lines = []

@@ -34,12 +34,12 @@ import torch
 from partita.spec import Sharding
 
 __all__ = [
-    "local_shape",
-    "tile_assignment",
-    "tile_coords",
     "index_ranges",
+    "local_shape",
     "replica_ids",
     "shard_tensor",
+    "tile_assignment",
+    "tile_coords",
     "unshard_tensor",
 ]
 
@@ -143,7 +143,9 @@ def shard_tensor(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
     split = padded.reshape(sizes)
     # Mesh-axis entries to the front in mesh order, local dims after; then add size-1 dims for
     # the mesh axes that split nothing and broadcast over them.
-    split_entries = sorted((i for i, n in enumerate(names) if n), key=lambda i: mesh.axis_index(names[i]))
+    split_entries = sorted(
+        (i for i, n in enumerate(names) if n), key=lambda i: mesh.axis_index(names[i])
+    )
     local_entries = [i for i, n in enumerate(names) if not n]
     per_mesh = split.permute((*split_entries, *local_entries))
     view_shape = [mesh.axis_size(a) if a in names else 1 for a in mesh.axis_names] + list(local)
@@ -153,7 +155,9 @@ def shard_tensor(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
         index = tuple(0 if a in sharding.partial else slice(None) for a in mesh.axis_names)
         keep[index] = True
         keep = keep.reshape(list(mesh.shape) + [1] * len(local))
-        stacked = torch.where(keep, stacked, torch.zeros((), dtype=value.dtype, device=value.device))
+        stacked = torch.where(
+            keep, stacked, torch.zeros((), dtype=value.dtype, device=value.device)
+        )
     return stacked.reshape(mesh.size, *local).clone()
 
 
@@ -200,5 +204,6 @@ def unshard_tensor(stacked: torch.Tensor, sharding: Sharding, shape: Sequence[in
 def num_devices_with_data(sharding: Sharding, shape: Sequence[int]) -> int:
     """How many devices hold at least one real (non-padding) element."""
     r = index_ranges(sharding, shape)
-    return int(np.all(r[:, :, 1] > r[:, :, 0], axis=1).sum()) if sharding.ndim else sharding.mesh.size
-
+    return (
+        int(np.all(r[:, :, 1] > r[:, :, 0], axis=1).sum()) if sharding.ndim else sharding.mesh.size
+    )

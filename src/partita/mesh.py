@@ -21,7 +21,7 @@ import numpy as np
 
 from partita.errors import MeshError
 
-__all__ = ["Mesh", "HybridMesh"]
+__all__ = ["HybridMesh", "Mesh"]
 
 MeshAxis = str | int
 
@@ -38,7 +38,11 @@ def _as_int(value: Any, what: str) -> int:
 
 def _flatten_ids(device_ids: Any) -> tuple[int, ...]:
     if isinstance(device_ids, np.ndarray):
-        flat: Iterable[Any] = device_ids.reshape(-1).tolist() if device_ids.dtype.kind in "iu" else device_ids.reshape(-1)
+        flat: Iterable[Any] = (
+            device_ids.reshape(-1).tolist()
+            if device_ids.dtype.kind in "iu"
+            else device_ids.reshape(-1)
+        )
     elif isinstance(device_ids, (str, bytes)) or not isinstance(device_ids, Iterable):
         raise MeshError(
             f"Mesh device_ids must be a sequence of integers, got {device_ids!r}. "
@@ -118,9 +122,7 @@ class Mesh:
                 axis_names = (axis_names,)
             names = tuple(axis_names)
             if any(not isinstance(n, str) or not n for n in names):
-                raise MeshError(
-                    f"Mesh axis names must be non-empty strings, got {names!r}."
-                )
+                raise MeshError(f"Mesh axis names must be non-empty strings, got {names!r}.")
             if len(names) != len(dims):
                 raise MeshError(
                     f"Mesh has {len(dims)} axes (shape {dims}) but {len(names)} axis names "
@@ -207,7 +209,9 @@ class Mesh:
         try:
             return self.device_ids.index(device)
         except ValueError:
-            raise MeshError(f"Device {device} is not in {self!r} (ids {list(self.device_ids)}).") from None
+            raise MeshError(
+                f"Device {device} is not in {self!r} (ids {list(self.device_ids)})."
+            ) from None
 
     def coords(self, device: int) -> dict[str, int]:
         """The mesh coordinate of a device id, ``{axis name: index}``."""
@@ -260,15 +264,18 @@ def HybridMesh(  # noqa: N802 - named like a class, as in PyTorch/XLA
         >>> m = HybridMesh((1, 4), (2, 1), ("data", "model"))
         >>> m.devices.tolist()
         [[0, 1, 2, 3], [4, 5, 6, 7]]
-        >>> HybridMesh(ici_mesh_shape=(2, 2), dcn_mesh_shape=(1, 2), axis_names=("x", "y")).devices.tolist()
+        >>> m = HybridMesh(ici_mesh_shape=(2, 2), dcn_mesh_shape=(1, 2), axis_names=("x", "y"))
+        >>> m.devices.tolist()
         [[0, 1, 4, 5], [2, 3, 6, 7]]
 
     ``devices_per_host``, when given, must equal ``prod(ici_mesh_shape)``; it exists to catch a
     mesh built for a different machine.
     """
     ici = tuple(_as_int(s, "HybridMesh ici_mesh_shape entries") for s in ici_mesh_shape)
-    dcn = (1,) * len(ici) if dcn_mesh_shape is None else tuple(
-        _as_int(s, "HybridMesh dcn_mesh_shape entries") for s in dcn_mesh_shape
+    dcn = (
+        (1,) * len(ici)
+        if dcn_mesh_shape is None
+        else tuple(_as_int(s, "HybridMesh dcn_mesh_shape entries") for s in dcn_mesh_shape)
     )
     if len(ici) != len(dcn):
         raise MeshError(
@@ -281,7 +288,8 @@ def HybridMesh(  # noqa: N802 - named like a class, as in PyTorch/XLA
     if devices_per_host is not None and devices_per_host != per_host:
         raise MeshError(
             f"HybridMesh ici_mesh_shape {ici} covers {per_host} devices per host, but each host "
-            f"has {devices_per_host}. Make the product of ici_mesh_shape equal the devices per host."
+            f"has {devices_per_host}. Make the product of ici_mesh_shape equal the devices per "
+            f"host."
         )
     n_hosts = math.prod(dcn)
     # ids[dcn coords..., ici coords...] = host * per_host + local, then interleave per axis.

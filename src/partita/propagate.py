@@ -60,7 +60,7 @@ from partita.mesh import Mesh
 from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta, get_rule
 from partita.spec import Sharding
 
-__all__ = ["propagate", "op_info", "source_of"]
+__all__ = ["op_info", "propagate", "source_of"]
 
 ValueKey = tuple[fx.Node, int | None]  # (producer, output index or None for a single output)
 
@@ -235,7 +235,9 @@ class _Propagator:
 
     # --- one op ----------------------------------------------------------------------------
 
-    def _split(self, axes: Sequence[str], dim: tuple[str, ...], sizes: Any) -> dict[str, tuple[str, ...]]:
+    def _split(
+        self, axes: Sequence[str], dim: tuple[str, ...], sizes: Any
+    ) -> dict[str, tuple[str, ...]]:
         """Distribute a dim's mesh axes over its factors, major first (invariant 6)."""
         if len(dim) == 1:
             return {dim[0]: tuple(axes)}
@@ -251,7 +253,9 @@ class _Propagator:
             used *= n
         return out
 
-    def _merge(self, dim: tuple[str, ...], assign: dict[str, tuple[str, ...]], sizes: Any) -> tuple[str, ...]:
+    def _merge(
+        self, dim: tuple[str, ...], assign: dict[str, tuple[str, ...]], sizes: Any
+    ) -> tuple[str, ...]:
         axes: list[str] = []
         for f in dim:
             fa = assign.get(f, ())
@@ -260,11 +264,15 @@ class _Propagator:
                 break
         return tuple(axes)
 
-    def _assign(self, op: _Op, round_priority: int) -> tuple[dict[str, tuple[str, ...]], dict[str, int]]:
+    def _assign(
+        self, op: _Op, round_priority: int
+    ) -> tuple[dict[str, tuple[str, ...]], dict[str, int]]:
         rule = op.rule
         proposals: dict[str, list[tuple[int, int, int, tuple[str, ...]]]] = {}
         order = 0
-        for factors, key in zip((*rule.operands, *rule.results), (*op.operands, *op.results), strict=True):
+        for factors, key in zip(
+            (*rule.operands, *rule.results), (*op.operands, *op.results), strict=True
+        ):
             order += 1
             if factors is None or key is None:
                 continue
@@ -320,12 +328,21 @@ class _Propagator:
                 used = {f for d in factors for f in d if assign.get(f)}
                 prio = min((prio_of[f] for f in used), default=round_priority)
                 if is_result and partial:
-                    prio = min([prio, *(prio_of[f] for f in rule.reduction_factors if f in prio_of)])
+                    prio = min(
+                        [prio, *(prio_of[f] for f in rule.reduction_factors if f in prio_of)]
+                    )
                 if self._refine(key, dims, partial if is_result else (), rule.reduce_op, prio):
                     changed.append(key)
         return changed
 
-    def _refine(self, key: ValueKey, dims: list[tuple[str, ...]], partial: tuple[str, ...], reduce_op: str, prio: int) -> bool:
+    def _refine(
+        self,
+        key: ValueKey,
+        dims: list[tuple[str, ...]],
+        partial: tuple[str, ...],
+        reduce_op: str,
+        prio: int,
+    ) -> bool:
         v = self.values[key]
         if v.fixed or (not any(dims) and not partial):
             return False

@@ -23,13 +23,13 @@ from typing import Any, Union
 from partita.errors import SpecError
 from partita.mesh import Mesh
 
-__all__ = ["PartitionSpec", "P", "Sharding", "REDUCE_OPS", "as_spec"]
+__all__ = ["REDUCE_OPS", "P", "PartitionSpec", "Sharding", "as_spec"]
 
 #: The reductions a partial value can be waiting for.
 REDUCE_OPS = ("sum", "max", "min")
 
-SpecAtom = Union[str, int]
-SpecEntry = Union[SpecAtom, tuple[SpecAtom, ...], None]
+SpecAtom = Union[str, int]  # noqa: UP007 - a runtime alias; `|` needs Python 3.10 types
+SpecEntry = Union[SpecAtom, tuple[SpecAtom, ...], None]  # noqa: UP007
 
 
 def _canon_atom(atom: Any, where: str) -> SpecAtom:
@@ -90,7 +90,7 @@ class PartitionSpec:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def __iter__(self):  # noqa: ANN204 - iterator of SpecEntry
+    def __iter__(self):
         return iter(self.entries)
 
     def __getitem__(self, i: int) -> SpecEntry:
@@ -192,9 +192,7 @@ class Sharding:
         if self.reduce_op not in REDUCE_OPS:
             raise SpecError(f"reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}.")
         object.__setattr__(self, "dim_axes", dims)
-        object.__setattr__(
-            self, "partial", tuple(a for a in self.mesh.axis_names if a in partial)
-        )
+        object.__setattr__(self, "partial", tuple(a for a in self.mesh.axis_names if a in partial))
         if not partial:
             object.__setattr__(self, "reduce_op", "sum")
 
@@ -213,7 +211,7 @@ class Sharding:
 
     @property
     def spec(self) -> PartitionSpec:
-        """The PartitionSpec of the dims, one entry per dim (partial axes are not part of a spec)."""
+        """The PartitionSpec of the dims, one entry per dim (partial axes are not in a spec)."""
         entries: list[SpecEntry] = [
             None if not d else (d[0] if len(d) == 1 else d) for d in self.dim_axes
         ]

@@ -21,9 +21,10 @@ def identity_rule(info: OpInfo) -> FactorRule:
     return einsum_rule(f"{letters}{extra} -> {letters}", info.operands, info.results)
 
 
-def _annotate_op():  # noqa: ANN202 - an op overload
-    import partita.capture.annotate  # noqa: F401  (registers partita::annotate)
+def _annotate_op():
     import torch
+
+    import partita.capture.annotate  # noqa: F401  (registers partita::annotate)
 
     return torch.ops.partita.annotate.default
 

@@ -177,7 +177,9 @@ def _parse_tensor(text: str) -> TensorFactors | None:
     return tuple(dims)
 
 
-def parse_einsum(spec: str) -> tuple[tuple[TensorFactors | None, ...], tuple[TensorFactors | None, ...]]:
+def parse_einsum(
+    spec: str,
+) -> tuple[tuple[TensorFactors | None, ...], tuple[TensorFactors | None, ...]]:
     """Parse ``"m k, k n -> m n"`` into per-tensor factor tuples.
 
     ``1`` is a dim with no factor; ``(i j)`` a compound dim; ``*`` a whole tensor that cannot
@@ -199,7 +201,7 @@ def parse_einsum(spec: str) -> tuple[tuple[TensorFactors | None, ...], tuple[Ten
 
 
 def einsum_rule(
-    spec: str,
+    spec: str | tuple[Sequence[TensorFactors | None], Sequence[TensorFactors | None]],
     operands: Sequence[Any],
     results: Sequence[Any],
     *,
@@ -215,20 +217,31 @@ def einsum_rule(
     ``operands`` and ``results`` are TensorMetas (or anything with ``.shape``; ``None`` for a
     non-tensor result). Factor sizes are read from single-factor dims; a factor that only
     appears inside compound dims needs ``sizes``. Factor names in ``reduction`` etc. are a
-    space-separated string or an iterable.
+    space-separated string or an iterable. ``spec`` may also be the already parsed
+    ``(operand_factors, result_factors)`` (rule code that builds factors programmatically; text
+    cannot tell one 0-d tensor from none). A windowed factor may have a different size on each
+    tensor (a strided conv or a pool shrinks it): ``sizes`` keeps its first (operand) size and
+    the partitioner reads the others from the shapes.
 
     Example:
         >>> a, b, c = TensorMeta((16, 32)), TensorMeta((32, 24)), TensorMeta((16, 24))
         >>> einsum_rule("m k, k n -> m n", [a, b], [c], reduction="k")
         FactorRule(m k, k n -> m n; reduction=k)
     """
-    op_factors, res_factors = parse_einsum(spec)
+    op_factors, res_factors = (
+        parse_einsum(spec) if isinstance(spec, str) else (tuple(spec[0]), tuple(spec[1]))
+    )
     if len(op_factors) != len(operands) or len(res_factors) != len(results):
         raise ValueError(
             f"factor rule {spec!r} describes {len(op_factors)} operands and {len(res_factors)} "
             f"results, but the op has {len(operands)} and {len(results)}"
         )
+
+    def names(x: str | Iterable[str]) -> tuple[str, ...]:
+        return tuple(x.split()) if isinstance(x, str) else tuple(x)
+
     known: dict[str, int] = dict(sizes or {})
+    windowed_names = set(names(windowed))
     compound: list[tuple[DimFactors, int]] = []
     for factors, metas in ((op_factors, operands), (res_factors, results)):
         for t, meta in zip(factors, metas, strict=True):
@@ -236,10 +249,12 @@ def einsum_rule(
                 continue
             shape = tuple(meta.shape)
             if len(t) != len(shape):
-                raise ValueError(f"factor rule {spec!r}: {len(t)} dims for a tensor of shape {shape}")
+                raise ValueError(
+                    f"factor rule {spec!r}: {len(t)} dims for a tensor of shape {shape}"
+                )
             for dim, n in zip(t, shape, strict=True):
                 if len(dim) == 1:
-                    if known.setdefault(dim[0], n) != n:
+                    if known.setdefault(dim[0], n) != n and dim[0] not in windowed_names:
                         raise ValueError(
                             f"factor rule {spec!r}: factor {dim[0]!r} has sizes "
                             f"{known[dim[0]]} and {n}"
@@ -255,9 +270,6 @@ def einsum_rule(
             raise ValueError(f"factor rule {spec!r}: sizes of {missing} are unknown; pass sizes=")
         if math.prod(known[f] for f in dim) != n:
             raise ValueError(f"factor rule {spec!r}: compound dim {dim} does not multiply to {n}")
-
-    def names(x: str | Iterable[str]) -> tuple[str, ...]:
-        return tuple(x.split()) if isinstance(x, str) else tuple(x)
 
     kinds: dict[str, FactorKind] = {}
     for kind, fs in (
