@@ -15,7 +15,8 @@ from partita.errors import (
 )
 from partita.mesh import HybridMesh, Mesh
 from partita.spec import P, PartitionSpec, Sharding
-from partita.tensor import Shard, ShardedTensor, clear_sharding, mark_sharding, reshard
+from partita.api import mark_sharding
+from partita.tensor import Shard, ShardedTensor, clear_sharding, reshard
 from partita.visualize import format_sharding, visualize_sharding
 
 __version__ = "0.1.0"

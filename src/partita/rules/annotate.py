@@ -9,27 +9,13 @@ from __future__ import annotations
 
 import string
 
+from partita.capture import ANNOTATE_OP
 from partita.rules import register_rule
 from partita.rules.factor import FactorRule, OpInfo, einsum_rule
 
 
+@register_rule(ANNOTATE_OP)
 def identity_rule(info: OpInfo) -> FactorRule:
-    """``a b c -> a b c`` for the first operand and the single result."""
-    (x,) = info.operands[:1]
-    letters = " ".join(string.ascii_lowercase[: x.ndim])
-    extra = ", *" * (len(info.operands) - 1)
-    return einsum_rule(f"{letters}{extra} -> {letters}", info.operands, info.results)
-
-
-def _annotate_op():
-    import torch
-
-    import partita.capture.annotate  # noqa: F401  (registers partita::annotate)
-
-    return torch.ops.partita.annotate.default
-
-
-try:
-    register_rule(_annotate_op())(identity_rule)
-except (ImportError, AttributeError):  # TODO(lead): remove once partita.capture.annotate lands
-    pass
+    """``a b c -> a b c`` for the annotated tensor (the op's only tensor operand)."""
+    letters = " ".join(string.ascii_lowercase[: info.operands[0].ndim])
+    return einsum_rule(f"{letters} -> {letters}", info.operands, info.results)
