@@ -84,4 +84,7 @@ def registered_ops() -> tuple[Any, ...]:
 # Families register on import. Keep this list sorted.
 from partita.rules import (  # noqa: E402,F401
     annotate,
+    elementwise,
+    matmul,
+    shape,
 )

@@ -1,0 +1,50 @@
+"""Rules of matrix products: ``mm``, ``bmm``, ``addmm``, ``baddbmm``, ``mv``, ``dot``.
+
+The contracting dim is a reduction factor (``reduce_op="sum"``): sharding it leaves the result
+partial. ``addmm``/``baddbmm`` add a broadcast input to the product; when the contracting factor
+is sharded, that addend must be counted once (``handler="add_bias_once"``: the partitioner adds
+it after the reduction, or on one member of each reduction group). This module does not cover
+``convolution`` (``conv.py``) or attention (``attention.py``).
+"""
+
+from __future__ import annotations
+
+from partita.rules import register_rule
+from partita.rules.common import aten_ops, broadcast_dims, build
+from partita.rules.factor import FactorRule, OpInfo
+
+__all__ = ["addmm_rule", "bmm_rule", "mm_rule"]
+
+
+@register_rule(*aten_ops(["mm.default"]))
+def mm_rule(info: OpInfo) -> FactorRule:
+    """``m k, k n -> m n; reduction=k``."""
+    return build(info, [["m", "k"], ["k", "n"]], [["m", "n"]], reduction="k")
+
+
+@register_rule(*aten_ops(["bmm.default"]))
+def bmm_rule(info: OpInfo) -> FactorRule:
+    """``b m k, b k n -> b m n; reduction=k``."""
+    return build(info, [["b", "m", "k"], ["b", "k", "n"]], [["b", "m", "n"]], reduction="k")
+
+
+@register_rule(*aten_ops(["mv.default"]))
+def mv_rule(info: OpInfo) -> FactorRule:
+    """``m k, k -> m; reduction=k``."""
+    return build(info, [["m", "k"], ["k"]], [["m"]], reduction="k")
+
+
+@register_rule(*aten_ops(["dot.default", "vdot.default"]))
+def dot_rule(info: OpInfo) -> FactorRule:
+    """``k, k -> ; reduction=k`` (a 0-d result)."""
+    return build(info, [["k"], ["k"]], [[]], reduction="k")
+
+
+@register_rule(*aten_ops(["addmm.default", "baddbmm.default"]))
+def addmm_rule(info: OpInfo) -> FactorRule:
+    """``n, m k, k n -> m n; reduction=k; handler=add_bias_once`` for ``addmm(bias[n], a, b)``."""
+    (out,) = info.results
+    dims = ["m", "n"] if out.ndim == 2 else ["b", "m", "n"]
+    mat1, mat2 = (["m", "k"], ["k", "n"]) if out.ndim == 2 else (["b", "m", "k"], ["b", "k", "n"])
+    bias = broadcast_dims(info.operands[0], out.shape, dims)
+    return build(info, [bias, mat1, mat2], [dims], reduction="k", handler="add_bias_once")

@@ -1,0 +1,180 @@
+"""Rules of ops that only move or relabel elements: reshape/view, squeeze, permute, transpose,
+expand.
+
+Reshape uses a generic shape-matching algorithm (:func:`reshape_factors`): size-1 dims carry no
+factor; the remaining dims of input and output are cut into minimal groups of equal product;
+within a group the prefix products of both sides are merged into one chain and, when each
+divides the next, every step of the chain is a factor, so a dim is one factor or a compound of
+consecutive ones: ``[8, 8, 32] -> [64, 32]`` is ``a b c -> (a b) c``, ``[12, 5] -> [3, 4, 5]`` is
+``(a b) c -> a b c``, ``[2, 6] -> [4, 3]`` is ``a (b c) -> (a b) c``. A group with no such chain
+(``[6, 4] -> [4, 6]``) is not expressible: its input dims are need-replication factors (the
+operand is gathered on them) and its output dims fresh result-only factors (sliced locally).
+Ops whose arguments are shapes (view, expand) carry ``handler="localize_shape"``: the
+partitioner rewrites the shape argument to local sizes. This module does not cover slicing,
+concatenation or padding (``slicing.py``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from partita.rules import register_rule
+from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
+from partita.rules.factor import FactorRule, OpInfo
+
+__all__ = ["expand_rule", "permute_rule", "reshape_factors", "reshape_rule"]
+
+
+def reshape_factors(
+    src: Sequence[int], dst: Sequence[int], names: Names | None = None
+) -> tuple[list[Dim], list[Dim], dict[str, int], list[str]]:
+    """Factors of a reshape ``src -> dst``: (input dims, output dims, sizes, need-replication).
+
+    Example:
+        >>> reshape_factors((12, 5), (3, 4, 5))[:2]
+        ([('a', 'b'), 'c'], ['a', 'b', 'c'])
+    """
+    names = names or Names()
+    in_dims: list[Dim] = [None] * len(src)
+    out_dims: list[Dim] = [None] * len(dst)
+    sizes: dict[str, int] = {}
+    need_rep: list[str] = []
+    if 0 in src or 0 in dst:  # empty tensors: nothing to shard
+        return in_dims, out_dims, sizes, need_rep
+    si = [k for k, n in enumerate(src) if n != 1]
+    sj = [k for k, n in enumerate(dst) if n != 1]
+    p = q = 0
+    while p < len(si) and q < len(sj):
+        gi, gj = [si[p]], [sj[q]]
+        pa, pb = src[si[p]], dst[sj[q]]
+        p, q = p + 1, q + 1
+        while pa != pb:
+            if pa < pb:
+                gi.append(si[p])
+                pa *= src[si[p]]
+                p += 1
+            else:
+                gj.append(sj[q])
+                pb *= dst[sj[q]]
+                q += 1
+        _group(src, dst, gi, gj, in_dims, out_dims, sizes, need_rep, names)
+    return in_dims, out_dims, sizes, need_rep
+
+
+def _prefix(shape: Sequence[int], group: list[int]) -> list[int]:
+    out, acc = [], 1
+    for k in group:
+        acc *= shape[k]
+        out.append(acc)
+    return out
+
+
+def _group(
+    src: Sequence[int],
+    dst: Sequence[int],
+    gi: list[int],
+    gj: list[int],
+    in_dims: list[Dim],
+    out_dims: list[Dim],
+    sizes: dict[str, int],
+    need_rep: list[str],
+    names: Names,
+) -> None:
+    chain = sorted(set(_prefix(src, gi)) | set(_prefix(dst, gj)))
+    if any(b % a for a, b in itertools.pairwise(chain)):
+        for k in gi:  # not a pure split or merge: gather the operand on these dims
+            f = names.new()
+            in_dims[k], sizes[f] = f, src[k]
+            need_rep.append(f)
+        for k in gj:
+            f = names.new()
+            out_dims[k], sizes[f] = f, dst[k]
+        return
+    factors, lo = [], 1
+    for b in chain:
+        f = names.new()
+        sizes[f] = b // lo
+        factors.append((lo, b, f))
+        lo = b
+    for shape, group, dims in ((src, gi, in_dims), (dst, gj, out_dims)):
+        start = 1
+        for k in group:
+            end = start * shape[k]
+            fs = tuple(f for a, b, f in factors if a >= start and b <= end)
+            dims[k] = fs[0] if len(fs) == 1 else fs
+            start = end
+
+
+_RESHAPE = aten_ops(
+    [
+        "_reshape_alias.default",
+        "_unsafe_view.default",
+        "flatten.using_ints",
+        "reshape.default",
+        "squeeze.default",
+        "squeeze.dim",
+        "squeeze.dims",
+        "unflatten.int",
+        "unsqueeze.default",
+        "view.default",
+        "view_copy.default",
+    ]
+)
+
+
+@register_rule(*_RESHAPE)
+def reshape_rule(info: OpInfo) -> FactorRule:
+    """``a b c -> (a b) c; handler=localize_shape`` for ``[8, 8, 32] -> [64, 32]``."""
+    (x,), (out,) = info.operands, info.results
+    in_dims, out_dims, sizes, need_rep = reshape_factors(x.shape, out.shape)
+    return build(
+        info,
+        [in_dims],
+        [out_dims],
+        sizes=sizes,
+        need_replication=need_rep,
+        handler="localize_shape",
+    )
+
+
+@register_rule(*aten_ops(["permute.default", "permute_copy.default"]))
+def permute_rule(info: OpInfo) -> FactorRule:
+    """``a b c -> c a b`` for ``permute(x, [2, 0, 1])``."""
+    (x,) = info.operands
+    dims = Names().take(x.ndim)
+    order = [norm_dim(d, x.ndim) for d in info.arg(1, "dims")]
+    return build(info, [dims], [[dims[d] for d in order]])
+
+
+@register_rule(*aten_ops(["transpose.int", "transpose_copy.int"]))
+def transpose_rule(info: OpInfo) -> FactorRule:
+    """``a b c -> a c b`` for ``transpose(x, 1, 2)``."""
+    (x,) = info.operands
+    dims = Names().take(x.ndim)
+    out = list(dims)
+    if x.ndim:
+        d0, d1 = norm_dim(info.arg(1, "dim0"), x.ndim), norm_dim(info.arg(2, "dim1"), x.ndim)
+        out[d0], out[d1] = dims[d1], dims[d0]
+    return build(info, [dims], [out])
+
+
+@register_rule(*aten_ops(["numpy_T.default", "t.default"]))
+def t_rule(info: OpInfo) -> FactorRule:
+    """``a b -> b a`` (``a -> a`` for 1-d, nothing for 0-d)."""
+    (x,) = info.operands
+    dims = Names().take(x.ndim)
+    return build(info, [dims], [dims[::-1]])
+
+
+@register_rule(*aten_ops(["expand.default", "expand_copy.default"]))
+def expand_rule(info: OpInfo) -> FactorRule:
+    """``1 b -> a b; handler=localize_shape`` for ``[1, 8] -> [4, 8]``: broadcast dims are
+    result-only factors (each device materialises its own tile)."""
+    (x,), (out,) = info.operands, info.results
+    dims = Names().take(out.ndim)
+    offset = out.ndim - x.ndim
+    operand: list[Dim] = [
+        dims[offset + i] if n == out.shape[offset + i] else None for i, n in enumerate(x.shape)
+    ]
+    return build(info, [operand], [dims], handler="localize_shape")
