@@ -384,3 +384,13 @@ def test_functional_steps_match_torch_optim(which, optimizer):
         )
     torch.testing.assert_close(params, ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(buffers, dict(model.named_buffers()), rtol=1e-5, atol=1e-6)
+
+
+def test_the_same_tensor_passed_twice_stays_two_inputs() -> None:
+    from partita.capture import trace
+
+    x = torch.randn(4, 4)
+    prog = trace(lambda a, b: a * 2 + b, (x, x))
+    assert len(prog.input_nodes) == 2
+    assert all(len(n.users) == 1 for n in prog.input_nodes)
+    torch.testing.assert_close(prog(x, x), x * 3)

@@ -79,15 +79,9 @@ def format_program(gm: fx.GraphModule, *, title: str | None = None) -> str:
         sharding = _sharding(s)
         if "annotation" in node.meta:
             sharding += " (user)"
-        rows.append(
-            (
-                f"%{node.name}",
-                call,
-                _shape(node.meta["val"]),
-                sharding,
-                node.meta.get("source") or "",
-            )
-        )
+        ann = node.meta.get("annotation")
+        source = (ann.source if ann is not None else None) or node.meta.get("source") or ""
+        rows.append((f"%{node.name}", call, _shape(node.meta["val"]), sharding, source))
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(4)]
     lines = []
     if title or mesh is not None:

@@ -190,7 +190,7 @@ def trace(
                     decomposition_table=decomposition_table(),
                     tracing_mode="fake",
                     _allow_non_fake_inputs=True,
-                )(*[leaves[i] for i in tensor_idx])
+                )(*_distinct([leaves[i] for i in tensor_idx]))
         except PartitaError:
             raise
         except Exception as e:
@@ -284,3 +284,14 @@ def _check_functional(gm: torch.fx.GraphModule, name: str) -> None:
                 f"{node.meta.get('source') or 'an unknown line'}; this is a partita bug, "
                 f"please report it with the function."
             )
+
+
+def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One tensor object per input leaf: make_fx maps one object to one placeholder, so the same
+    tensor passed twice would make two inputs one (only shapes and dtypes matter here)."""
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        out.append(torch.empty_like(t) if id(t) in seen else t)
+        seen.add(id(t))
+    return out

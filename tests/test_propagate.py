@@ -1,0 +1,333 @@
+"""Sharding propagation: annotate a few tensors, know every tensor's sharding before running."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn.functional as F  # noqa: N812
+
+import partita
+from partita import Mesh, P, UnsupportedOpError
+from partita.api import format_program, propagate_program
+from partita.capture import ANNOTATE_OP
+from partita.models import GPT, GPTConfig, init_opt_state
+from partita.models.steps import _adamw
+from partita.propagate import propagate
+
+import programs
+
+MESH = Mesh.create((2, 4), ("data", "model"))
+XY = programs.MESH
+
+
+def _by_target(gm: fx.GraphModule, target: object) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target == target]
+
+
+def _spec(node: fx.Node) -> P:
+    return node.meta["sharding"].spec
+
+
+def _output_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    (out,) = [n for n in gm.graph.nodes if n.op == "output"]
+    return [a for a in torch.utils._pytree.tree_leaves(out.args) if isinstance(a, fx.Node)]
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    """The value behind an annotation node."""
+    return node.args[0] if node.target == ANNOTATE_OP else node
+
+
+# --- the 2-layer MLP -------------------------------------------------------------------------
+
+
+def test_mlp_weights_only_column_then_row_parallel() -> None:
+    fn, args = programs.mlp()
+    prog = propagate_program(
+        fn,
+        args,
+        mesh=MESH,
+        in_specs=(None, P(None, "model"), P("model"), P("model", None), None),
+        out_specs=P(),
+    )
+    gm = prog.graph_module
+    mm1, mm2 = _by_target(gm, torch.ops.aten.mm.default)
+    (relu,) = _by_target(gm, torch.ops.aten.relu.default)
+    assert _spec(mm1) == P(None, "model")
+    assert _spec(relu) == P(None, "model")  # the hidden activation is inferred sharded
+    assert mm2.meta["sharding"].partial == ("model",)  # the output is partial ...
+    assert mm2.meta["sharding"].sharded_axes == ()
+    (out,) = _output_nodes(gm)
+    assert out.meta["sharding"].is_replicated  # ... then replicated
+    # nothing left unknown
+    for node in gm.graph.nodes:
+        if node.op != "output":
+            assert "sharding" in node.meta, node.name
+
+
+def test_mlp_golden_text() -> None:
+    fn, args = programs.mlp()
+    prog = propagate_program(
+        fn,
+        args,
+        mesh=MESH,
+        in_specs=(None, P(None, "model"), P("model"), P("model", None), None),
+        out_specs=P(),
+    )
+    text = format_program(prog.graph_module)
+    lines = [" ".join(line.split()[:1] + line.split()[2:]) for line in text.splitlines()[1:]]
+    body = "\n".join(line.split("programs.py")[0].split(" in_specs")[0].split(" out_specs")[0].strip() for line in lines)
+    assert body == (
+        "%arg0_1 input float32[8, 16] P(None, None)\n"
+        "%arg1_1 input float32[16, 32] P(None, 'model')\n"
+        "%arg2_1 input float32[32] P('model')\n"
+        "%arg3_1 input float32[32, 4] P('model', None)\n"
+        "%arg4_1 input float32[4] P(None)\n"
+        "%annotate partita.annotate(%arg1_1) float32[16, 32] P(None, 'model') (user)\n"
+        "%annotate_1 partita.annotate(%arg2_1) float32[32] P('model') (user)\n"
+        "%annotate_2 partita.annotate(%arg3_1) float32[32, 4] P('model', None) (user)\n"
+        "%mm aten.mm(%arg0_1, %annotate) float32[8, 32] P(None, 'model')\n"
+        "%add aten.add.Tensor(%mm, %annotate_1) float32[8, 32] P(None, 'model')\n"
+        "%relu aten.relu(%add) float32[8, 32] P(None, 'model')\n"
+        "%mm_1 aten.mm(%relu, %annotate_2) float32[8, 4] P(None, None) partial[sum](model)\n"
+        "%add_1 aten.add.Tensor(%mm_1, %arg4_1) float32[8, 4] P(None, None)\n"
+        "%annotate_3 partita.annotate(%add_1) float32[8, 4] P(None, None) (user)"
+    )
+    assert "programs.py:" in text  # every op names the user's source line
+
+
+# --- forward and backward --------------------------------------------------------------------
+
+
+def test_backward_only_annotation_reaches_every_input() -> None:
+    def chain(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+        return torch.relu(a * b + c).exp() - a
+
+    x = torch.randn(16, 32)
+    prog = propagate_program(chain, (x, x, x), mesh=MESH, out_specs=P("data", "model"))
+    gm = prog.graph_module
+    for ph in prog.input_nodes:
+        assert _spec(ph) == P("data", "model"), ph.name
+    for node in gm.graph.nodes:
+        if node.op == "call_function":
+            assert _spec(node) == P("data", "model"), node.name
+
+
+def test_forward_through_broadcast_and_scalar() -> None:
+    def f(a: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return (a + bias) * 2.0
+
+    prog = propagate_program(
+        f, (torch.randn(8, 32), torch.randn(32)), mesh=MESH, in_specs=(P("data", "model"), None)
+    )
+    (out,) = _output_nodes(prog.graph_module)
+    assert _spec(out) == P("data", "model")
+    assert _spec(prog.input_nodes[1]) == P("model")  # the bias is inferred backward
+
+
+# --- reshape ---------------------------------------------------------------------------------
+
+
+def test_reshape_splitting_a_sharded_major_dim_keeps_it() -> None:
+    prog = propagate_program(
+        lambda a: a.reshape(4, 4, 32) * 2,
+        (torch.randn(16, 32),),
+        mesh=XY,
+        in_specs=(P("y", None),),
+    )
+    (out,) = _output_nodes(prog.graph_module)
+    assert _spec(out) == P("y", None, None)
+
+
+def test_reshape_merging_a_minor_sharded_dim_does_not_keep_it() -> None:
+    (t20,) = [c for c in programs.canonical_cases() if c.name == "T20"]
+    prog = propagate_program(t20.fn, t20.args, mesh=XY, in_specs=t20.in_specs)
+    (out,) = _output_nodes(prog.graph_module)
+    assert out.meta["sharding"].is_replicated  # XLA picks replicated too
+
+
+def test_reshape_with_output_spec_shards_the_major_factor() -> None:
+    (t20,) = [c for c in programs.canonical_cases() if c.name == "T20"]
+    prog = propagate_program(
+        t20.fn, t20.args, mesh=XY, in_specs=t20.in_specs, out_specs=t20.out_specs
+    )
+    (reshape,) = _by_target(prog.graph_module, torch.ops.aten.reshape.default)
+    assert _spec(reshape) == P("y", None)
+    # The op computes with the major factor on y; the input is resharded (T20: one all_to_all).
+    assert reshape.meta["factor_axes"] == {"i": ("y",)} or "y" in str(reshape.meta["factor_axes"])
+
+
+# --- the free-output choices of canonical_cases.md ------------------------------------------
+
+
+def _free(name: str) -> fx.Node:
+    (case,) = [c for c in programs.canonical_cases() if c.name == name]
+    prog = propagate_program(case.fn, case.args, mesh=XY, in_specs=case.in_specs)
+    (out,) = _output_nodes(prog.graph_module)
+    return out
+
+
+def test_free_output_t03_keeps_the_input_sharding() -> None:
+    assert _spec(_free("T03")) == P("y", None)
+
+
+@pytest.mark.parametrize("name", ["T14", "T15"])
+def test_free_output_t14_t15_is_partial_then_replicated(name: str) -> None:
+    s = _free(name).meta["sharding"]
+    assert s.sharded_axes == () and s.partial == ("y",)
+
+
+def test_free_output_t19_gathers_the_smaller_operand() -> None:
+    assert _spec(_free("T19")) == P(None, "y")
+
+
+def test_free_output_t20_is_replicated() -> None:
+    assert _free("T20").meta["sharding"].is_replicated
+
+
+def test_t15_value_keeps_the_requested_sharding_for_a_reduce_scatter() -> None:
+    (case,) = [c for c in programs.canonical_cases() if c.name == "T15"]
+    prog = propagate_program(
+        case.fn, case.args, mesh=XY, in_specs=case.in_specs, out_specs=case.out_specs
+    )
+    (mm,) = _by_target(prog.graph_module, torch.ops.aten.mm.default)
+    assert mm.meta["factor_axes"] == {"k": ("y",)}  # the op reduces over y ...
+    assert _spec(mm) == P("y", None)  # ... and its value is wanted scattered on dim 0
+
+
+# --- conflicts -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("pa", "pb", "expected"), [(1, 0, P(None, "model")), (0, 1, P("model", None))])
+def test_conflicts_are_resolved_by_priority(pa: int, pb: int, expected: P) -> None:
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a = partita.mark_sharding(a, MESH, P("model", None), priority=pa)
+        b = partita.mark_sharding(b, MESH, P(None, "model"), priority=pb)
+        return a + b
+
+    prog = propagate_program(f, (torch.randn(16, 16), torch.randn(16, 16)), mesh=MESH)
+    (add,) = _by_target(prog.graph_module, torch.ops.aten.add.Tensor)
+    assert _spec(add) == expected
+
+
+def test_conflict_at_equal_priority_prefers_the_larger_tensor() -> None:
+    def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        a = partita.mark_sharding(a, MESH, P("model", None))
+        b = partita.mark_sharding(b, MESH, P(None, "model"))
+        return a + b
+
+    prog = propagate_program(f, (torch.randn(16, 16), torch.randn(1, 16)), mesh=MESH)
+    (add,) = _by_target(prog.graph_module, torch.ops.aten.add.Tensor)
+    assert _spec(add) == P("model", None)
+
+
+def test_user_annotations_are_never_overwritten() -> None:
+    def f(a: torch.Tensor) -> torch.Tensor:
+        h = partita.mark_sharding(a * 2, MESH, P(None, "model"))
+        return h + 1
+
+    prog = propagate_program(f, (torch.randn(16, 16),), mesh=MESH, in_specs=(P("data", None),))
+    anns = _by_target(prog.graph_module, ANNOTATE_OP)
+    assert [_spec(n) for n in anns] == [P("data", None), P(None, "model")]
+
+
+def test_propagation_is_deterministic() -> None:
+    fn, args = programs.mlp()
+    texts = {
+        format_program(
+            propagate_program(
+                fn, args, mesh=MESH, in_specs=(P("data"), P(None, "model"), None, None, None)
+            ).graph_module
+        )
+        for _ in range(3)
+    }
+    assert len(texts) == 1
+
+
+# --- errors ----------------------------------------------------------------------------------
+
+
+def test_unsupported_op_names_op_node_source_and_two_ways_forward() -> None:
+    prog = partita.capture.trace(
+        lambda a: torch.cumsum(a, 0), (torch.randn(8, 8),), in_specs=(P("data"),), mesh=MESH
+    )
+    gm = prog.graph_module
+    target = next(n for n in gm.graph.nodes if n.op == "call_function" and n.target != ANNOTATE_OP)
+    target.target = torch.ops.aten.cummax.default  # an op without a rule
+    with pytest.raises(UnsupportedOpError) as info:
+        propagate(gm)
+    msg = str(info.value)
+    assert "aten.cummax" in msg and target.name in msg and "test_propagate.py:" in msg
+    assert "annotate around it" in msg and "replicate_unsupported=True" in msg
+
+
+def test_replicate_unsupported_opt_in() -> None:
+    prog = partita.capture.trace(
+        lambda a: a * 2, (torch.randn(8, 8),), in_specs=(P("data"),), mesh=MESH
+    )
+    gm = prog.graph_module
+    mul = next(n for n in gm.graph.nodes if n.target == torch.ops.aten.mul.Tensor)
+    mul.target = torch.ops.aten.cummax.default
+    propagate(gm, replicate_unsupported=True)
+    assert mul.meta["sharding"].is_replicated
+
+
+def test_no_annotation_and_no_mesh_is_an_error() -> None:
+    prog = partita.capture.trace(lambda a: a * 2, (torch.randn(4),))
+    with pytest.raises(partita.ShardingConflictError, match="no sharding annotation"):
+        propagate(prog.graph_module)
+
+
+# --- a GPT training step, FSDP style ---------------------------------------------------------
+
+
+def _fsdp_spec(shape: torch.Size) -> P:
+    """Shard dim 0 on 'data' when it splits evenly; replicate small odd parameters."""
+    return P("data") if shape[0] % 8 == 0 else P()
+
+
+def _gpt_step_returning_grads() -> tuple[object, tuple[object, ...]]:
+    """The GPT step of tests/programs.py, also returning the gradients it computed."""
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=16, vocab_size=32, seq_len=8)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+
+    def step(params: dict, opt_state: dict, ids: torch.Tensor, targets: torch.Tensor) -> tuple:
+        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        logits = torch.func.functional_call(model, leaves, (ids,))
+        loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+        grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
+        with torch.no_grad():
+            new_params, new_state = _adamw(params, grads, opt_state, 1e-2, (0.9, 0.999), 1e-8, 0.01)
+        return loss.detach(), grads, new_params, new_state
+
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len))
+    return step, (params, init_opt_state(params, "adamw"), ids, torch.roll(ids, -1, 1))
+
+
+def test_gpt_step_fsdp_grads_and_adamw_states_get_the_parameter_sharding() -> None:
+    mesh = Mesh.create((8,), ("data",))
+    step, args = _gpt_step_returning_grads()
+    params = args[0]
+    pspecs = {k: _fsdp_spec(v.shape) for k, v in params.items()}
+    assert sum(s != P() for s in pspecs.values()) >= 10
+    prog = propagate_program(step, args, mesh=mesh, in_specs=(pspecs, None, P("data"), P("data")))
+    gm = prog.graph_module
+    # The fixpoint covered the whole program: every tensor value has a Sharding.
+    for node in gm.graph.nodes:
+        if node.op != "output" and isinstance(node.meta.get("val"), torch.Tensor):
+            assert isinstance(node.meta.get("sharding"), partita.Sharding), node.name
+    _, grads, new_params, new_state = torch.utils._pytree.tree_unflatten(
+        _output_nodes(gm), prog.out_tree
+    )
+    for name, spec in pspecs.items():
+        want = spec.to_sharding(mesh, params[name].ndim)
+        for what, node in [
+            ("grad", grads[name]),
+            ("param", new_params[name]),
+            ("exp_avg", new_state["exp_avg"][name]),
+            ("exp_avg_sq", new_state["exp_avg_sq"][name]),
+        ]:
+            assert node.meta["sharding"] == want, (name, what, node.meta["sharding"])
