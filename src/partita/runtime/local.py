@@ -1,0 +1,284 @@
+"""LocalMesh: run a per-device program for every device of a mesh inside one process.
+
+Every value is held *stacked*: ``[mesh.size, *local_shape]``, the shard of mesh position ``p``
+at ``stacked[p]`` (see :mod:`partita.layout`). Local ops run once over the whole stack, never in
+a Python loop over devices; mesh ops (``partita.collectives``) run as tensor ops on the stack
+through ``partita.runtime.stacked.STACKED_IMPLS``.
+
+How. The graph is cut, once per graph module, into *segments*: maximal sets of local ops that
+need no mesh op between them (a node's segment is the number of mesh ops on its longest path
+from the inputs). Each segment becomes its own ``GraphModule`` and runs as one
+``torch.vmap(segment)`` call, so a data-parallel training step is two vmap calls and one mesh op
+per gradient. ``view``/``_unsafe_view`` become ``reshape`` in segments (vmap may move the
+device dim, after which a view can fail).
+
+Unbatched values. A value identical on every device is kept *unbatched* (its local shape, no
+device dim) and enters vmap with ``in_dims=None``, so the work on it (an optimizer update of
+replicated parameters, a constant) is done once, not ``mesh.size`` times. Unbatched values
+come from: inputs whose device dim has stride 0 (``t.expand(n, *t.shape)``); ops with no
+tensor inputs (``zeros``, ``arange``, constants); ops whose inputs are all unbatched; and
+``all_reduce``/``all_gather`` over the whole mesh (and any mesh op result with a stride-0
+device dim). They are broadcast only where they meet a mesh op, and an unbatched graph output
+is returned as a stride-0 ``expand`` view (read-only in spirit; clone it before writing).
+
+What this module does not do: random ops (an ``UnsupportedOpError`` names the op), graphs
+edited after their first ``run`` (the cached plan is keyed by the graph module), a graph output
+that is a tuple-valued node rather than its ``getitem`` elements, and any real device or
+process group (that is ``runtime/distributed.py``).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, fx
+from torch.utils import _pytree as pytree
+
+from partita.collectives import MESH_OPS
+from partita.errors import UnsupportedOpError
+from partita.mesh import Mesh
+
+__all__ = ["LocalMesh"]
+
+aten = torch.ops.aten
+
+_TO_RESHAPE = {aten.view.default, aten._unsafe_view.default}
+# Mesh ops whose result is the same on every member of the group: over the whole mesh it is
+# the same on every device, so the result can stay unbatched.
+_REPLICATING_OPS = {torch.ops.partita.all_reduce.default, torch.ops.partita.all_gather.default}
+
+Pattern = tuple[bool, ...]  # batched or not, one flag per value
+
+
+@dataclass
+class _Segment:
+    """Local ops that run as one vmap call: ``gm(*inputs) -> tuple(outputs)``."""
+
+    gm: fx.GraphModule
+    inputs: list[fx.Node]
+    outputs: list[fx.Node]
+    nodes: list[fx.Node]
+    compiled: dict[Pattern, tuple[Callable[..., Any], Pattern]] = field(default_factory=dict)
+
+    def compile(self, pattern: Pattern) -> tuple[Callable[..., Any], Pattern]:
+        """The callable for inputs batched as ``pattern``, and which outputs are batched."""
+        hit = self.compiled.get(pattern)
+        if hit is not None:
+            return hit
+        # Under vmap an op's result is batched exactly when one of its inputs is.
+        batched = dict(zip(self.inputs, pattern, strict=True))
+        for node in self.nodes:
+            batched[node] = any(batched.get(n, False) for n in node.all_input_nodes)
+        out_pattern = tuple(batched[n] for n in self.outputs)
+        fn: Callable[..., Any] = self.gm
+        if any(pattern):
+            fn = torch.vmap(
+                self.gm,
+                in_dims=tuple(0 if b else None for b in pattern),
+                out_dims=tuple(0 if b else None for b in out_pattern),
+            )
+        self.compiled[pattern] = (fn, out_pattern)
+        return fn, out_pattern
+
+
+@dataclass
+class _Plan:
+    """A graph cut into segments and mesh calls, in execution order."""
+
+    placeholders: list[fx.Node]
+    steps: list[_Segment | fx.Node]
+    output: Any  # the output node's argument (a pytree of nodes and constants)
+
+
+class LocalMesh:
+    """A simulated mesh: every device's program runs in this process on stacked values.
+
+    Args:
+        mesh: the mesh whose devices are simulated; values are ``[mesh.size, *local]``.
+
+    Example:
+        >>> mesh = Mesh.create((4,), ("x",))
+        >>> gm = make_fx(lambda a, b: torch.mm(a, b).relu())(torch.ones(2, 3), torch.ones(3, 5))
+        >>> (out,) = LocalMesh(mesh).run(gm, [torch.ones(4, 2, 3), torch.ones(4, 3, 5)])
+        >>> out.shape
+        torch.Size([4, 2, 5])
+    """
+
+    def __init__(self, mesh: Mesh) -> None:
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"LocalMesh(mesh) needs a partita Mesh, got {type(mesh).__name__}.")
+        self.mesh = mesh
+        self._plans: weakref.WeakKeyDictionary[fx.GraphModule, _Plan] = weakref.WeakKeyDictionary()
+
+    def __repr__(self) -> str:
+        return f"LocalMesh({self.mesh!r})"
+
+    def run(self, gm: fx.GraphModule, stacked_inputs: Sequence[Any]) -> list[Any]:
+        """Run the per-device program ``gm`` on every device at once.
+
+        ``stacked_inputs`` has one entry per placeholder: a tensor ``[mesh.size, *local]`` (a
+        stride-0 device dim marks a value identical on every device) or a non-tensor passed
+        through. Returns the flattened graph outputs, tensors stacked ``[mesh.size, *local]``.
+        """
+        plan = self._plans.get(gm)
+        if plan is None:
+            plan = self._plans[gm] = _make_plan(gm)
+        if len(stacked_inputs) != len(plan.placeholders):
+            raise ValueError(
+                f"LocalMesh.run: the graph has {len(plan.placeholders)} inputs "
+                f"({', '.join(n.name for n in plan.placeholders)}), got {len(stacked_inputs)}."
+            )
+        n = self.mesh.size
+        env: dict[fx.Node, tuple[Any, bool]] = {}
+        for node, x in zip(plan.placeholders, stacked_inputs, strict=True):
+            env[node] = self._read_input(node, x)
+        for step in plan.steps:
+            if isinstance(step, _Segment):
+                values = [env[i] for i in step.inputs]
+                fn, out_pattern = step.compile(tuple(b for _, b in values))
+                outs = fn(*(v for v, _ in values))
+                for node, value, b in zip(step.outputs, outs, out_pattern, strict=True):
+                    env[node] = (value, b)
+            else:
+                env[step] = self._run_mesh_op(step, env)
+        leaves, _ = pytree.tree_flatten(plan.output)
+        results = []
+        for leaf in leaves:
+            if not isinstance(leaf, fx.Node):
+                results.append(leaf)
+                continue
+            value, b = env[leaf]
+            results.append(_broadcast(value, n) if isinstance(value, Tensor) and not b else value)
+        return results
+
+    def _read_input(self, node: fx.Node, x: Any) -> tuple[Any, bool]:
+        n = self.mesh.size
+        if not isinstance(x, Tensor):
+            return x, False
+        if x.dim() == 0 or x.shape[0] != n:
+            raise ValueError(
+                f"LocalMesh.run: input {node.name!r} has shape {tuple(x.shape)}, but stacked "
+                f"values have a leading device dim of size {n} for {self.mesh!r}. Pass "
+                f"[{n}, *local_shape] (ShardedTensor.stacked), or t.expand({n}, *t.shape) for a "
+                f"value identical on every device."
+            )
+        if n > 1 and x.stride(0) == 0:
+            return x[0], False
+        return x, True
+
+    def _run_mesh_op(self, node: fx.Node, env: dict[fx.Node, tuple[Any, bool]]) -> tuple[Any, bool]:
+        from partita.runtime.stacked import STACKED_IMPLS  # written alongside; imported lazily
+
+        n = self.mesh.size
+
+        def stacked(a: Any) -> Any:
+            if not isinstance(a, fx.Node):
+                return a
+            value, b = env[a]
+            return _broadcast(value, n) if isinstance(value, Tensor) and not b else value
+
+        args, kwargs = pytree.tree_map(stacked, (node.args, node.kwargs))
+        try:
+            out = STACKED_IMPLS[node.target](self.mesh, *args, **kwargs)
+        except Exception as e:
+            raise RuntimeError(
+                f"LocalMesh: mesh op {node.target} at node {node.name!r} failed on stacked "
+                f"inputs of shapes {[tuple(a.shape) for a in args if isinstance(a, Tensor)]}: {e}"
+            ) from e
+        group_size = kwargs.get("group_size", args[-1]) if node.target in _REPLICATING_OPS else 0
+        if n > 1 and (group_size == n or out.stride(0) == 0):
+            return out[0], False
+        return out, True
+
+
+def _broadcast(value: Tensor, n: int) -> Tensor:
+    """An unbatched value as a stacked one: a stride-0 view, no copy."""
+    return value.expand(n, *value.shape)
+
+
+def _make_plan(gm: fx.GraphModule) -> _Plan:
+    """Cut ``gm`` into segments of local ops separated by mesh ops (see the module doc)."""
+    graph = gm.graph
+    depth: dict[fx.Node, int] = {}
+    placeholders: list[fx.Node] = []
+    mesh_nodes: list[fx.Node] = []
+    by_depth: dict[int, list[fx.Node]] = {}
+    output: Any = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            placeholders.append(node)
+            depth[node] = 0
+            continue
+        if node.op == "output":
+            output = node.args[0]
+            continue
+        if node.op not in ("call_function", "get_attr"):
+            raise UnsupportedOpError(
+                f"LocalMesh cannot run node {node.name!r} of kind {node.op!r}; a per-device "
+                f"program holds only call_function and get_attr nodes."
+            )
+        _check_not_random(node)
+        d = max((depth[i] for i in node.all_input_nodes), default=0)
+        if node.target in MESH_OPS:
+            depth[node] = d + 1
+            mesh_nodes.append(node)
+        else:
+            depth[node] = d
+            by_depth.setdefault(d, []).append(node)
+    local = {node for nodes in by_depth.values() for node in nodes}
+    users_at: dict[fx.Node, set[int]] = {}  # where each value is read: segment or -1 (outside)
+    for node in graph.nodes:
+        where = depth[node] if node in local else -1
+        for i in node.all_input_nodes:
+            users_at.setdefault(i, set()).add(where)
+    steps: list[_Segment | fx.Node] = []
+    last = max([*by_depth, *(depth[m] for m in mesh_nodes)], default=0)
+    for d in range(last + 1):
+        steps += [m for m in mesh_nodes if depth[m] == d]
+        if d in by_depth:
+            steps.append(_build_segment(gm, by_depth[d], d, users_at))
+    return _Plan(placeholders=placeholders, steps=steps, output=output)
+
+
+def _build_segment(
+    gm: fx.GraphModule, nodes: list[fx.Node], d: int, users_at: dict[fx.Node, set[int]]
+) -> _Segment:
+    inside = set(nodes)
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    inputs: list[fx.Node] = []
+
+    def arg(i: fx.Node) -> fx.Node:
+        if i not in env:
+            inputs.append(i)
+            env[i] = graph.placeholder(f"in_{i.name}")
+        return env[i]
+
+    # Placeholders first: collect every outside input before copying nodes.
+    for node in nodes:
+        for i in node.all_input_nodes:
+            if i not in inside:
+                arg(i)
+    for node in nodes:
+        new = graph.node_copy(node, arg)
+        if new.target in _TO_RESHAPE:
+            new.target = aten.reshape.default
+        env[node] = new
+    outputs = [n for n in nodes if users_at.get(n, set()) - {d}]
+    graph.output(tuple(env[n] for n in outputs))
+    seg_gm = fx.GraphModule(gm, graph, class_name=f"Segment{d}")
+    return _Segment(gm=seg_gm, inputs=inputs, outputs=outputs, nodes=nodes)
+
+
+def _check_not_random(node: fx.Node) -> None:
+    tags = getattr(node.target, "tags", ())
+    if torch.Tag.nondeterministic_seeded in tags:
+        raise UnsupportedOpError(
+            f"LocalMesh cannot run the random op {node.target} (node {node.name!r}) yet: each "
+            f"simulated device would need its own random stream. Remove the randomness from "
+            f"the program (dropout p=0, random tensors passed in as inputs)."
+        )
