@@ -84,7 +84,16 @@ def registered_ops() -> tuple[Any, ...]:
 # Families register on import. Keep this list sorted.
 from partita.rules import (  # noqa: E402,F401
     annotate,
+    attention,
+    conv,
+    creation,
     elementwise,
+    embedding,
+    loss,
     matmul,
+    norm,
+    random,
+    reduction,
     shape,
+    slicing,
 )

@@ -19,6 +19,7 @@ from partita.rules.factor import FactorRule, OpInfo, TensorMeta, einsum_rule
 __all__ = [
     "Dim",
     "Names",
+    "arg",
     "aten_ops",
     "broadcast_dims",
     "build",
@@ -142,3 +143,11 @@ def broadcast_dims(
 def sizes_of(dims: Sequence[Sequence[str]], shape: Sequence[int]) -> Mapping[str, int]:
     """Sizes of single-factor dims (a helper for rules that pass ``sizes=``)."""
     return {d[0]: n for d, n in zip(dims, shape, strict=True) if len(d) == 1}
+
+
+def arg(info: OpInfo, name: str, default: Any = None) -> Any:
+    """An argument of the call by its schema name (positional or keyword)."""
+    for i, a in enumerate(info.target._schema.arguments):
+        if a.name == name:
+            return info.arg(i, name, default)
+    return default

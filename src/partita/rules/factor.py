@@ -87,7 +87,10 @@ class FactorRule:
     ``operands[i]`` is ``None`` for an operand the rule cannot shard at all (it is gathered);
     ``results[j]`` is ``None`` for a non-tensor output. ``handler`` names a special lowering
     that the partitioner applies (halo exchange, masked embedding lookup, ...); propagation
-    ignores it.
+    ignores it. ``result_reductions`` maps a result index to the pass-through factors that
+    result lacks but sums over (a backward op's weight gradient sums over the batch factor that
+    its input gradient keeps): when such a factor is sharded, that result alone is partial over
+    its mesh axes (``reduce_op`` applies).
     """
 
     operands: tuple[TensorFactors | None, ...]
@@ -96,6 +99,7 @@ class FactorRule:
     kinds: Mapping[str, FactorKind] = field(default_factory=dict)
     reduce_op: str = "sum"
     handler: str | None = None
+    result_reductions: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
 
     def kind(self, factor: str) -> FactorKind:
         return self.kinds.get(factor, FactorKind.PASS_THROUGH)
@@ -146,6 +150,8 @@ class FactorRule:
         ]
         if self.reduction_factors and self.reduce_op != "sum":
             extra.append(f"reduce_op={self.reduce_op}")
+        for j, fs in sorted(self.result_reductions.items()):
+            extra.append(f"result{j}-reduction={','.join(fs)}")
         if self.handler:
             extra.append(f"handler={self.handler}")
         return f"FactorRule({text}{'; ' + '; '.join(extra) if extra else ''})"
@@ -211,6 +217,7 @@ def einsum_rule(
     reduce_op: str = "sum",
     sizes: Mapping[str, int] | None = None,
     handler: str | None = None,
+    result_reductions: Mapping[int, Iterable[str]] | None = None,
 ) -> FactorRule:
     """Build a FactorRule from einsum text and the shapes of the tensors it describes.
 
@@ -288,4 +295,12 @@ def einsum_rule(
                 f"factor rule {spec!r}: factor {f!r} is in operands only; declare it reduction "
                 f"or need_replication"
             )
-    return FactorRule(op_factors, res_factors, known, kinds, reduce_op, handler)
+    partial_of = {j: names(fs) for j, fs in (result_reductions or {}).items()}
+    for j, fs in partial_of.items():
+        for f in fs:
+            if f not in known or any(f in d for d in res_factors[j] or ()):
+                raise ValueError(
+                    f"factor rule {spec!r}: result {j} cannot reduce over {f!r} (unknown, or "
+                    f"the result has it)"
+                )
+    return FactorRule(op_factors, res_factors, known, kinds, reduce_op, handler, partial_of)

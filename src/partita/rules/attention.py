@@ -1,0 +1,84 @@
+"""Rules of scaled-dot-product attention: ``partita::sdpa`` / ``partita::sdpa_backward`` (what
+capture normalises attention to) and the CPU flash kernels they replace.
+
+``q [b h t d], k [b h s d], v [b h s e] -> out [b h t e], logsumexp [b h t]``. Batch ``b`` and
+heads ``h`` pass through; the query sequence ``t`` passes through unless the attention is
+causal (the causal mask depends on the *global* query position, so ``t`` is need-replication
+there); the key sequence ``s`` and the head dims ``d``, ``e`` are need-replication (sharding
+them needs a flash-style online-softmax lowering). In the backward, ``grad_key`` and
+``grad_value`` sum over ``t``: they are partial over its mesh axes when it is sharded
+(``result_reductions``). A mask broadcasts to ``[b h t s]``. Attention with dropout inside the
+kernel is not supported (capture takes the math path for it).
+"""
+
+from __future__ import annotations
+
+from partita.rules import register_rule
+from partita.rules.common import Dim, arg, aten_ops, broadcast_dims, build
+from partita.rules.factor import FactorRule, OpInfo
+
+__all__ = ["sdpa_backward_rule", "sdpa_rule"]
+
+_Q = ["b", "h", "t", "d"]
+_K = ["b", "h", "s", "d"]
+_V = ["b", "h", "s", "e"]
+_OUT = ["b", "h", "t", "e"]
+_LSE = ["b", "h", "t"]
+
+
+def _check(info: OpInfo, q_index: int) -> list[str]:
+    """The need-replication factors; raises for what no rule here expresses."""
+    if arg(info, "dropout_p", 0.0):
+        raise NotImplementedError(f"{info.target} with dropout_p > 0 has no sharding rule")
+    if info.operands[q_index].ndim != 4:
+        raise NotImplementedError(
+            f"{info.target} on a {info.operands[q_index].ndim}-d query (want [b, h, t, d])"
+        )
+    return ["s", "d", "e", *(["t"] if arg(info, "is_causal", False) else [])]
+
+
+def _masks(info: OpInfo, q_index: int, n_fixed: int) -> list[list[Dim]]:
+    """Factors of the attention masks (the operands after the fixed ones), broadcast to the
+    scores ``[b h t s]``."""
+    q, k = info.operands[q_index], info.operands[q_index + 1]
+    scores = (*q.shape[:3], k.shape[2])
+    return [broadcast_dims(m, scores, ["b", "h", "t", "s"]) for m in info.operands[n_fixed:]]
+
+
+def sdpa_rule(info: OpInfo) -> FactorRule:
+    """``b h t d, b h s d, b h s e -> b h t e, b h t; need-replication=s,d,e``."""
+    rep = _check(info, 0)
+    operands = [_Q, _K, _V, *_masks(info, 0, 3)]
+    return build(info, operands, [_OUT, _LSE], need_replication=rep)
+
+
+def sdpa_backward_rule(info: OpInfo) -> FactorRule:
+    """``grad, q, k, v, out, lse -> grad_q, grad_k, grad_v``; grad_k and grad_v sum over ``t``."""
+    rep = _check(info, 1)
+    operands = [_OUT, _Q, _K, _V, _OUT, _LSE, *_masks(info, 1, 6)]
+    red = {} if "t" in rep else {1: ["t"], 2: ["t"]}
+    return build(
+        info,
+        operands,
+        [_Q, _K, _V],
+        need_replication=rep,
+        result_reductions={j: fs for j, fs in red.items() if info.results[j] is not None},
+    )
+
+
+register_rule(*aten_ops(["_scaled_dot_product_flash_attention_for_cpu.default"]))(sdpa_rule)
+register_rule(*aten_ops(["_scaled_dot_product_flash_attention_for_cpu_backward.default"]))(
+    sdpa_backward_rule
+)
+
+
+def _register_partita_ops() -> None:
+    import torch
+
+    import partita.capture.ops  # noqa: F401  (defines partita::sdpa)
+
+    register_rule(torch.ops.partita.sdpa.default)(sdpa_rule)
+    register_rule(torch.ops.partita.sdpa_backward.default)(sdpa_backward_rule)
+
+
+_register_partita_ops()

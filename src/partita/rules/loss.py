@@ -1,0 +1,58 @@
+"""Rules of the negative log-likelihood loss: ``nll_loss_forward`` and ``nll_loss_backward``
+(what ``F.cross_entropy`` becomes after ``log_softmax``).
+
+Decision: the class dim is need-replication (the loss *indexes* it with the targets; a sharded
+class dim would need a masked gather like the embedding's). The batch dim passes through for
+``reduction="none"``; for ``"sum"`` it is a reduction factor (output and total_weight are
+partial sums); for ``"mean"`` too, with ``handler="weighted_mean"``: the partitioner runs the
+local op with ``reduction="sum"`` and divides the all-reduced sum by the all-reduced
+total_weight (a local mean of means would be wrong when shards hold different weights).
+The backward's ``total_weight`` is the global one.
+"""
+
+from __future__ import annotations
+
+from partita.rules import register_rule
+from partita.rules.common import Dim, arg, aten_ops, build
+from partita.rules.factor import FactorRule, OpInfo
+
+__all__ = ["nll_loss_backward_rule", "nll_loss_rule"]
+
+_NONE, _MEAN = 0, 1
+
+
+def _dims(info: OpInfo, x_index: int) -> tuple[list[str], list[str], list[Dim]]:
+    """(input dims, target dims, weight dims)."""
+    x = info.operands[x_index]
+    if x.ndim > 2:
+        raise NotImplementedError(f"{info.target} on a {x.ndim}-d input (want [N, C] or [C])")
+    batch = ["a"] if x.ndim == 2 else []
+    return [*batch, "b"], batch, ["b"]
+
+
+@register_rule(*aten_ops(["nll_loss_forward.default"]))
+def nll_loss_rule(info: OpInfo) -> FactorRule:
+    """``a b, a, b -> , ; reduction=a; need-replication=b; handler=weighted_mean`` (mean)."""
+    x_dims, t_dims, w_dims = _dims(info, 0)
+    operands = [x_dims, t_dims, *([w_dims] if arg(info, "weight") is not None else [])]
+    reduction = arg(info, "reduction", _MEAN)
+    if reduction == _NONE:
+        return build(info, operands, [t_dims, []], need_replication="b")
+    return build(
+        info,
+        operands,
+        [[], []],
+        reduction=t_dims,
+        need_replication="b",
+        handler="weighted_mean" if reduction == _MEAN else None,
+    )
+
+
+@register_rule(*aten_ops(["nll_loss_backward.default"]))
+def nll_loss_backward_rule(info: OpInfo) -> FactorRule:
+    """``, a b, a, b, -> a b; need-replication=b`` (grad_output, input, target, weight,
+    total_weight)."""
+    x_dims, t_dims, w_dims = _dims(info, 1)
+    grad = t_dims if arg(info, "reduction", _MEAN) == _NONE else []
+    weight = [w_dims] if arg(info, "weight") is not None else []
+    return build(info, [grad, x_dims, t_dims, *weight, []], [x_dims], need_replication="b")

@@ -1,0 +1,150 @@
+"""Rules of normalisation ops: layer norm, batch norm, group norm, forward and backward.
+
+Decisions (and why):
+
+* Layer norm: the normalised dims are need-replication (statistics over them would need an
+  all_reduce of sums inside the op), on the input, weight and bias; the batch dims pass
+  through. ``mean``/``rstd`` have the batch dims and size-1 normalised dims. In the backward,
+  ``grad_weight``/``grad_bias`` sum over the batch dims (``result_reductions``: partial when a
+  batch dim is sharded) while ``grad_input`` keeps them.
+* Batch norm, training mode: the statistics are reduced over batch and spatial dims, and the
+  normalised output needs them whole, so batch and spatial dims are need-replication with
+  ``handler="batch_stats"`` (a partitioner may lower it as SyncBatchNorm: all_reduce the local
+  sums and sums of squares). Channels pass through. Eval mode: batch and spatial dims pass
+  through, and the backward's ``grad_weight``/``grad_bias`` sum over them.
+* Group norm: the batch dim passes through, channels and spatial dims are need-replication.
+
+This module does not cover softmax (``reduction.py``).
+"""
+
+from __future__ import annotations
+
+from partita.rules import register_rule
+from partita.rules.common import Dim, Names, arg, aten_ops, build
+from partita.rules.factor import FactorRule, OpInfo
+
+__all__ = ["batch_norm_rule", "layer_norm_backward_rule", "layer_norm_rule"]
+
+
+def _present(info: OpInfo, names_: list[str]) -> list[str]:
+    """Which of the optional tensor arguments ``names_`` the call passes, in order."""
+    return [n for n in names_ if arg(info, n) is not None]
+
+
+def _layer_norm_dims(info: OpInfo, x_index: int) -> tuple[list[str], list[str], list[Dim]]:
+    x = info.operands[x_index]
+    k = len(arg(info, "normalized_shape"))
+    names = Names().take(x.ndim)
+    batch, normed = names[: x.ndim - k], names[x.ndim - k :]
+    stats: list[Dim] = [*batch, *([None] * k)]
+    return batch, normed, stats
+
+
+@register_rule(*aten_ops(["native_layer_norm.default"]))
+def layer_norm_rule(info: OpInfo) -> FactorRule:
+    """``a b c, c, c -> a b c, a b 1, a b 1; need-replication=c``."""
+    batch, normed, stats = _layer_norm_dims(info, 0)
+    params = [normed] * len(_present(info, ["weight", "bias"]))
+    results = [[*batch, *normed], stats, stats]
+    return build(info, [[*batch, *normed], *params], results, need_replication=normed)
+
+
+@register_rule(*aten_ops(["native_layer_norm_backward.default"]))
+def layer_norm_backward_rule(info: OpInfo) -> FactorRule:
+    """``grad, x, mean, rstd, w, b -> grad_x, grad_w, grad_b``; grad_w/grad_b sum over the
+    batch dims."""
+    batch, normed, stats = _layer_norm_dims(info, 1)
+    full = [*batch, *normed]
+    params = [normed] * len(_present(info, ["weight", "bias"]))
+    operands = [full, full, stats, stats, *params]
+    red = {j: batch for j in (1, 2) if info.results[j] is not None and batch}
+    return build(
+        info,
+        operands,
+        [full, normed, normed],
+        need_replication=normed,
+        result_reductions=red,
+    )
+
+
+def _bn_dims(info: OpInfo, x_index: int, training: bool) -> tuple[list[str], list[str], dict]:
+    x = info.operands[x_index]
+    names = Names().take(x.ndim)
+    c = names[1]
+    other = [f for i, f in enumerate(names) if i != 1]
+    kw: dict = {"need_replication": other, "handler": "batch_stats"} if training else {}
+    return names, [c], kw
+
+
+def _vec(info: OpInfo, index: int, c: list[str]) -> list[Dim]:
+    """A per-channel vector: ``c``, or no dims when it is empty (eval-mode saved stats)."""
+    m = info.operands[index] if index < len(info.operands) else None
+    return c if m is None or m.shape[0] else [None]
+
+
+_BN_FORWARD = aten_ops(
+    [
+        "_native_batch_norm_legit.default",
+        "_native_batch_norm_legit.no_stats",
+        "_native_batch_norm_legit_functional.default",
+        "_native_batch_norm_legit_no_training.default",
+        "native_batch_norm.default",
+    ]
+)
+
+
+@register_rule(*_BN_FORWARD)
+def batch_norm_rule(info: OpInfo) -> FactorRule:
+    """Training: ``a b c d, b, b, b, b -> a b c d, b, b, ...; need-replication=a,c,d;
+    handler=batch_stats``; eval: everything passes through."""
+    training = "no_training" not in str(info.target) and bool(arg(info, "training", False))
+    names, c, kw = _bn_dims(info, 0, training)
+    operands = [names, *([c] * (len(info.operands) - 1))]
+    results = [names] + [
+        None if r is None else (c if r.shape and r.shape[0] else [None] * r.ndim)
+        for r in info.results[1:]
+    ]
+    return build(info, operands, results, **kw)
+
+
+@register_rule(*aten_ops(["native_batch_norm_backward.default"]))
+def batch_norm_backward_rule(info: OpInfo) -> FactorRule:
+    """``grad, x, w, rm, rv, sm, sinv -> grad_x, grad_w, grad_b``."""
+    training = bool(arg(info, "train", False))
+    names, c, kw = _bn_dims(info, 1, training)
+    operands: list[list[Dim]] = [names, names]
+    for m in info.operands[2:]:
+        operands.append(c if m.shape and m.shape[0] else [None] * m.ndim)
+    other = [f for f in names if f not in c]
+    red = {} if training else {j: other for j in (1, 2) if info.results[j] is not None}
+    return build(info, operands, [names, c, c], result_reductions=red, **kw)
+
+
+@register_rule(*aten_ops(["native_group_norm.default"]))
+def group_norm_rule(info: OpInfo) -> FactorRule:
+    """``a b c d, b, b -> a b c d, a g, a g; need-replication=b,c,d,g``."""
+    fresh = Names()
+    names = fresh.take(info.operands[0].ndim)
+    g = fresh.new()
+    rep = [*names[1:], g]
+    params = [[names[1]]] * (len(info.operands) - 1)
+    stats = [names[0], g]
+    return build(info, [names, *params], [names, stats, stats], need_replication=rep)
+
+
+@register_rule(*aten_ops(["native_group_norm_backward.default"]))
+def group_norm_backward_rule(info: OpInfo) -> FactorRule:
+    """``grad, x, mean, rstd, w -> grad_x, grad_w, grad_b``; grad_w/grad_b sum over ``a``."""
+    fresh = Names()
+    names = fresh.take(info.operands[0].ndim)
+    g = fresh.new()
+    params = [[names[1]]] * (len(info.operands) - 4)
+    stats = [names[0], g]
+    red = {j: [names[0]] for j in (1, 2) if info.results[j] is not None}
+    return build(
+        info,
+        [names, names, stats, stats, *params],
+        [names, [names[1]], [names[1]]],
+        need_replication=[*names[1:], g],
+        result_reductions=red,
+    )

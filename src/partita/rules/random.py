@@ -1,0 +1,54 @@
+"""Rules of random ops: ``bernoulli``, ``native_dropout``, ``rand``/``randn`` and their
+``*_like`` forms, ``uniform``/``normal``.
+
+Random-number policy (see docs/rules.md): partita draws every random tensor with its *global*
+shape from the global generator state and each device keeps its own tile, so a sharded
+program's dropout masks equal the unsharded program's for the same seed, whatever the mesh.
+Every rule here says so with ``handler="global_random"``: the partitioner must not run the op
+on local shapes (that would draw different numbers); it materialises the global random tensor
+(or an equivalent counter-based draw indexed by global position) and slices the tile. The
+factors are those of an elementwise op (or result-only, for ``rand(size)``).
+"""
+
+from __future__ import annotations
+
+from partita.rules import register_rule
+from partita.rules.common import Names, aten_ops, build
+from partita.rules.elementwise import elementwise_rule
+from partita.rules.factor import FactorRule, OpInfo
+
+__all__ = ["RANDOM_LIKE_OPS", "random_create_rule", "random_like_rule"]
+
+RANDOM_LIKE_OPS = aten_ops(
+    [
+        "bernoulli.default",
+        "bernoulli.p",
+        "bernoulli_.float",
+        "native_dropout.default",
+        "normal_.default",
+        "rand_like.default",
+        "randint_like.default",
+        "randn_like.default",
+        "uniform.default",
+        "uniform_.default",
+    ]
+)
+
+
+@register_rule(*RANDOM_LIKE_OPS)
+def random_like_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a b, a b; handler=global_random`` for ``native_dropout`` (output, mask)."""
+    return elementwise_rule(info, handler="global_random")
+
+
+@register_rule(
+    *aten_ops(
+        ["rand.default", "randint.default", "randint.low", "randn.default", "randperm.default"]
+    )
+)
+def random_create_rule(info: OpInfo) -> FactorRule:
+    """``-> a b; handler=global_random`` for ``rand(4, 8)``."""
+    (out,) = info.results
+    return build(
+        info, [None] * len(info.operands), [Names().take(out.ndim)], handler="global_random"
+    )

@@ -1,0 +1,157 @@
+"""Rules of reductions along dims: sum/mean/amax/amin/any/all, max/min/argmax, var/std,
+softmax and log-softmax (and their backwards), cumsum, sort and topk.
+
+A reduced dim whose partial results combine with one collective is a *reduction* factor:
+``sum`` and ``mean`` (``reduce_op="sum"``; mean carries ``handler="mean"`` because the local
+op divides by the local count: the partitioner sums the local means times the local fraction,
+or lowers mean as a sum and divides by the global count), ``amax``/``any`` (``"max"``),
+``amin``/``all`` (``"min"``). Dims that need every element at once are need-replication:
+``var``/``std``, ``prod``, the indices of ``max.dim``/``argmax``, ``cumsum``, ``sort``/``topk``.
+Softmax's dim is need-replication with ``handler="softmax_reduce"``: a partitioner may instead
+shard it with an all_reduce(max) and an all_reduce(sum) (canonical T12). This module does not
+cover norms or losses (``norm.py``, ``loss.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from partita.rules import register_rule
+from partita.rules.common import Dim, Names, aten_ops, build, norm_dim, norm_dims
+from partita.rules.factor import FactorRule, OpInfo
+
+__all__ = ["reduce_rule", "softmax_rule"]
+
+
+def _reduce(
+    info: OpInfo,
+    dims: Sequence[int],
+    keepdim: bool,
+    *,
+    kind: str,
+    reduce_op: str = "sum",
+    handler: str | None = None,
+) -> FactorRule:
+    """Reduce ``dims`` of the first operand into every result (all of one shape)."""
+    x = info.operands[0]
+    names = Names().take(x.ndim)
+    out: list[Dim] = [
+        None if i in dims else f for i, f in enumerate(names) if keepdim or i not in dims
+    ]
+    reduced = [names[i] for i in dims]
+    results = [None if r is None else out for r in info.results]
+    kw = {"reduction": reduced, "reduce_op": reduce_op} if kind == "reduction" else {}
+    if kind == "need_replication":
+        kw = {"need_replication": reduced}
+    return build(info, [names], results, handler=handler, **kw)
+
+
+def _dims_keepdim(info: OpInfo) -> tuple[list[int], bool]:
+    x = info.operands[0]
+    if len(info.args) < 2 and "dim" not in info.kwargs:
+        return list(range(x.ndim)), False  # sum.default, amax over everything, ...
+    return norm_dims(info.arg(1, "dim"), x.ndim), bool(info.arg(2, "keepdim", False))
+
+
+_SUM = ("sum.default", "sum.dim_IntList")
+_MEAN = ("mean.default", "mean.dim")
+_MAX = ("amax.default", "any.default", "any.dim", "any.dims")
+_MIN = ("all.default", "all.dim", "all.dims", "amin.default")
+
+
+@register_rule(*aten_ops(sorted(_SUM + _MEAN + _MAX + _MIN)))
+def reduce_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a; reduction=b`` for ``sum(x, 1)``; max/min for amax/any and amin/all."""
+    name = info.target.name().split("::")[1]
+    dims, keepdim = _dims_keepdim(info)
+    if name.startswith(("sum", "mean")):
+        handler = "mean" if name.startswith("mean") else None
+        return _reduce(info, dims, keepdim, kind="reduction", handler=handler)
+    op = "max" if name.startswith(("amax", "any")) else "min"
+    return _reduce(info, dims, keepdim, kind="reduction", reduce_op=op)
+
+
+_NEED_REP = aten_ops(
+    [
+        "argmax.default",
+        "argmin.default",
+        "max.dim",
+        "min.dim",
+        "prod.dim_int",
+        "std.correction",
+        "std.dim",
+        "var.correction",
+        "var.dim",
+        "var_mean.correction",
+    ]
+)
+
+
+@register_rule(*_NEED_REP)
+def gathered_reduce_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a; need-replication=b`` for ``var(x, 1)``, ``max(x, 1)`` (values, indices)."""
+    x = info.operands[0]
+    dim = info.arg(1, "dim")
+    dims = norm_dims(dim, x.ndim)
+    keepdim = bool(info.arg(2, "keepdim", False)) if dim is not None else False
+    if info.target.name().endswith(("std", "var", "var_mean")):
+        keepdim = bool(info.kwargs.get("keepdim", info.args[3] if len(info.args) > 3 else False))
+    return _reduce(info, dims, keepdim, kind="need_replication")
+
+
+_SOFTMAX = aten_ops(
+    [
+        "_log_softmax.default",
+        "_log_softmax_backward_data.default",
+        "_safe_softmax.default",
+        "_softmax.default",
+        "_softmax_backward_data.default",
+        "log_softmax.int",
+        "softmax.int",
+    ]
+)
+
+
+@register_rule(*_SOFTMAX)
+def softmax_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a b; need-replication=b; handler=softmax_reduce`` for ``softmax(x, 1)``;
+    the backward ops (``grad, out -> grad_in``) share the factors."""
+    x = info.operands[0]
+    names = Names().take(x.ndim)
+    d = info.args[1] if isinstance(info.args[1], int) else info.args[2]
+    d = norm_dim(d, x.ndim)
+    dims = [names] * len(info.operands)
+    rep = [names[d]] if x.ndim else []
+    return build(info, dims, [names], need_replication=rep, handler="softmax_reduce")
+
+
+@register_rule(*aten_ops(["cumprod.default", "cumsum.default", "logcumsumexp.default"]))
+def scan_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a b; need-replication=b`` for ``cumsum(x, 1)``."""
+    (x,) = info.operands
+    names = Names().take(x.ndim)
+    rep = [names[norm_dim(info.arg(1, "dim"), x.ndim)]] if x.ndim else []
+    return build(info, [names], [names], need_replication=rep)
+
+
+@register_rule(*aten_ops(["sort.default", "sort.stable", "topk.default"]))
+def sort_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a b, a b; need-replication=b`` for ``sort(x, 1)`` (values, indices); topk's
+    result dim is a fresh factor (its size is k)."""
+    (x,) = info.operands
+    fresh = Names()
+    names = fresh.take(x.ndim)
+    name = info.target.name()
+    if name.endswith("topk"):
+        dim = info.arg(2, "dim", -1)
+    elif str(info.target).endswith("stable"):
+        dim = info.kwargs.get("dim", info.args[2] if len(info.args) > 2 else -1)
+    else:
+        dim = info.arg(1, "dim", -1)
+    if not x.ndim:
+        return build(info, [[]], [[], []])
+    d = norm_dim(dim, x.ndim)
+    out = list(names)
+    if name.endswith("topk"):
+        out[d] = fresh.new()
+    return build(info, [names], [out, out], need_replication=[names[d]])

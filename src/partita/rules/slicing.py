@@ -1,0 +1,127 @@
+"""Rules of ops that take parts of tensors or put them together: slice, select, narrow,
+index_select, gather, cat, stack, constant_pad_nd, tril/triu.
+
+Decision: a dim that an op cuts at *global* positions (the sliced dim of a ``slice`` that is
+not the full range, ``select``'s dim, the indexed dim of ``gather``/``index_select``) is
+need-replication on the operand; the result's dim is a fresh factor, free to be sharded by a
+local slice afterwards. Cheaper lowerings (re-aligning an uneven slice, T09) are the
+partitioner's choice. ``cat``'s dim is need-replication on every operand (the partitioner moves
+the tiles off that dim with all_to_all, T21). ``constant_pad_nd``'s padded dims are windowed
+with ``handler="halo"``: shards exchange edges with their neighbours and the edge shards pad
+(T22). This module does not cover reshapes (``shape.py``).
+"""
+
+from __future__ import annotations
+
+from partita.rules import register_rule
+from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
+from partita.rules.factor import FactorRule, OpInfo
+
+__all__ = ["cat_rule", "pad_rule", "slice_rule"]
+
+
+def _cut(info: OpInfo, dim: int, *, keep_dim: bool) -> FactorRule:
+    """Operand dim ``dim`` is cut at global positions: need-replication on the operand; the
+    result keeps a fresh factor there (``keep_dim``) or loses the dim."""
+    x, out = info.operands[0], info.results[0]
+    fresh = Names()
+    names = fresh.take(x.ndim)
+    res: list[Dim] = list(names)
+    if keep_dim and out.shape[dim] == x.shape[dim]:
+        return build(info, [names, *([None] * (len(info.operands) - 1))], [res])
+    res[dim] = fresh.new()
+    if not keep_dim:
+        del res[dim]
+    rest = [None] * (len(info.operands) - 1)
+    return build(info, [names, *rest], [res], need_replication=[names[dim]])
+
+
+@register_rule(*aten_ops(["narrow.default", "slice.Tensor"]))
+def slice_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a c; need-replication=b`` for ``x[:, :30]``; ``a b -> a b`` for a full slice."""
+    x = info.operands[0]
+    return _cut(info, norm_dim(info.arg(1, "dim", 0), x.ndim), keep_dim=True)
+
+
+@register_rule(*aten_ops(["select.int"]))
+def select_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a; need-replication=b`` for ``x[:, 3]``."""
+    x = info.operands[0]
+    return _cut(info, norm_dim(info.arg(1, "dim"), x.ndim), keep_dim=False)
+
+
+@register_rule(*aten_ops(["gather.default", "index_select.default"]))
+def gather_rule(info: OpInfo) -> FactorRule:
+    """``a b, a c -> a c; need-replication=b`` for ``gather(x, 1, idx)``; index_select's index
+    is 1-d: ``a b, c -> a c``."""
+    x, index = info.operands[0], info.operands[1]
+    (out,) = info.results
+    d = norm_dim(info.arg(1, "dim"), x.ndim)
+    fresh = Names()
+    names = fresh.take(x.ndim)
+    res: list[Dim] = list(names)
+    res[d] = fresh.new()
+    rep = [names[d]]
+    if str(info.target).startswith("aten.index_select"):
+        return build(info, [names, [res[d]]], [res], need_replication=rep)
+    idx: list[Dim] = []
+    for i, n in enumerate(index.shape):
+        if i == d or n == x.shape[i]:
+            idx.append(res[i])
+        else:  # a smaller index: the dim is cut like a slice
+            f = fresh.new()
+            idx.append(f)
+            res[i] = f
+            rep.append(names[i])
+    del out
+    return build(info, [names, idx], [res], need_replication=rep)
+
+
+@register_rule(*aten_ops(["cat.default"]))
+def cat_rule(info: OpInfo) -> FactorRule:
+    """``a b, a c -> a d; need-replication=b,c`` for ``cat([x, y], 1)``."""
+    (out,) = info.results
+    d = norm_dim(info.arg(1, "dim", 0), out.ndim)
+    fresh = Names()
+    names = fresh.take(out.ndim)
+    operands: list[list[Dim]] = []
+    rep: list[str] = []
+    for m in info.operands:
+        if m.ndim != out.ndim:  # legacy: 1-d empty tensors are skipped by cat
+            operands.append([None] * m.ndim)
+            continue
+        dims: list[Dim] = list(names)
+        dims[d] = fresh.new()
+        rep.append(dims[d])
+        operands.append(dims)
+    return build(info, operands, [names], need_replication=rep)
+
+
+@register_rule(*aten_ops(["stack.default"]))
+def stack_rule(info: OpInfo) -> FactorRule:
+    """``a b, a b -> a c b`` for ``stack([x, y], 1)``: the new dim is result-only."""
+    (out,) = info.results
+    d = norm_dim(info.arg(1, "dim", 0), out.ndim)
+    fresh = Names()
+    names = fresh.take(out.ndim - 1)
+    res: list[Dim] = list(names)
+    res.insert(d, fresh.new())
+    return build(info, [names] * len(info.operands), [res])
+
+
+@register_rule(*aten_ops(["constant_pad_nd.default"]))
+def pad_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a b; windowed=b; handler=halo`` for ``F.pad(x, (4, 4))``."""
+    (x,) = info.operands
+    pad = list(info.arg(1, "pad"))
+    names = Names().take(x.ndim)
+    windowed = [names[x.ndim - 1 - i // 2] for i in range(0, len(pad), 2) if pad[i] or pad[i + 1]]
+    return build(info, [names], [names], windowed=windowed, handler="halo")
+
+
+@register_rule(*aten_ops(["tril.default", "triu.default"]))
+def triangle_rule(info: OpInfo) -> FactorRule:
+    """``a b c -> a b c; need-replication=b,c``: the mask depends on global positions."""
+    (x,) = info.operands
+    names = Names().take(x.ndim)
+    return build(info, [names], [names], need_replication=names[-2:])
