@@ -149,3 +149,153 @@ def test_expand() -> None:
     assert rule_of("aten.expand.default", lambda a: a.expand(5, 4, 8), r(4, 1)) == (
         "FactorRule(b 1 -> a b c; handler=localize_shape)"
     )
+
+
+# --- other families -----------------------------------------------------------------------------
+
+
+def test_sum_and_mean() -> None:
+    assert rule_of("aten.sum.dim_IntList", lambda a: a.sum(1), r(16, 32)) == (
+        "FactorRule(a b -> a; reduction=b)"
+    )
+    assert rule_of("aten.mean.dim", lambda a: a.mean(0, keepdim=True), r(16, 32)) == (
+        "FactorRule(a b -> 1 b; reduction=a; handler=mean)"
+    )
+
+
+def test_amax_is_a_max_reduction() -> None:
+    assert rule_of("aten.amax.default", lambda a: a.amax(1), r(16, 32)) == (
+        "FactorRule(a b -> a; reduction=b; reduce_op=max)"
+    )
+
+
+def test_var_needs_replication() -> None:
+    assert rule_of("aten.var.correction", lambda a: a.var(1), r(16, 32)) == (
+        "FactorRule(a b -> a; need-replication=b)"
+    )
+
+
+def test_softmax() -> None:
+    assert rule_of("aten._softmax.default", lambda a: a.softmax(1), r(16, 32)) == (
+        "FactorRule(a b -> a b; need-replication=b; handler=softmax_reduce)"
+    )
+
+
+def test_sort() -> None:
+    assert rule_of("aten.sort.default", lambda a: torch.sort(a, 1).values, r(16, 32)) == (
+        "FactorRule(a b -> a b, a b; need-replication=b)"
+    )
+
+
+def test_slice_cut_and_full() -> None:
+    assert rule_of("aten.slice.Tensor", lambda a: a[:, :30], r(16, 32)) == (
+        "FactorRule(a b -> a c; need-replication=b)"
+    )
+    assert rule_of("aten.select.int", lambda a: a[:, 3], r(16, 32)) == (
+        "FactorRule(a b -> a; need-replication=b)"
+    )
+
+
+def test_cat_and_pad() -> None:
+    assert rule_of("aten.cat.default", lambda a, b: torch.cat([a, b], 1), r(16, 32), r(16, 8)) == (
+        "FactorRule(a c, a d -> a b; need-replication=c,d)"
+    )
+    assert rule_of("aten.constant_pad_nd.default", lambda a: F.pad(a, (4, 4)), r(16, 32)) == (
+        "FactorRule(a b -> a b; windowed=b; handler=halo)"
+    )
+
+
+def test_creation_and_random() -> None:
+    assert rule_of("aten.full.default", lambda: torch.full((4, 8), 1.0)) == (
+        "FactorRule( -> a b; handler=localize_shape)"
+    )
+    assert rule_of(
+        "aten.native_dropout.default", lambda a: torch.native_dropout(a, 0.1, True)[0], r(4, 8)
+    ) == ("FactorRule(a b -> a b, a b; handler=global_random)")
+
+
+def test_conv_strided_has_per_tensor_window_sizes() -> None:
+    rule = rule_of(
+        "aten.convolution.default",
+        lambda x, w: F.conv2d(x, w, stride=2, padding=1),
+        r(8, 4, 32, 32),
+        r(8, 4, 3, 3),
+    )
+    assert rule == (
+        "FactorRule(a b d e, c b f g -> a c d e; reduction=b; need-replication=f,g; "
+        "windowed=d,e; handler=halo)"
+    )
+
+
+def test_embedding_is_a_masked_reduction() -> None:
+    ids = torch.randint(0, 64, (8,))
+    assert rule_of("aten.embedding.default", lambda t, i: F.embedding(i, t), r(64, 16), ids) == (
+        "FactorRule(a b, c -> c b; reduction=a; handler=masked_embedding)"
+    )
+
+
+def test_layer_norm_and_its_backward() -> None:
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> Any:
+        return torch.ops.aten.native_layer_norm_backward(
+            x, x, [8], x[..., :1], x[..., :1], w, b, [True, True, True]
+        )
+
+    x, w = r(2, 4, 8), r(8)
+    assert rule_of(
+        "aten.native_layer_norm.default", lambda x, w, b: F.layer_norm(x, (8,), w, b), x, w, w
+    ) == ("FactorRule(a b c, c, c -> a b c, a b 1, a b 1; need-replication=c)")
+    assert rule_of("aten.native_layer_norm_backward.default", f, x, w, w) == (
+        "FactorRule(a b c, a b c, a b 1, a b 1, c, c -> a b c, c, c; need-replication=c; "
+        "result1-reduction=a,b; result2-reduction=a,b)"
+    )
+
+
+def test_nll_loss_mean() -> None:
+    t = torch.randint(0, 10, (4,))
+    assert rule_of("aten.nll_loss_forward.default", lambda x, t: F.nll_loss(x, t), r(4, 10), t) == (
+        "FactorRule(a b, a -> , ; reduction=a; need-replication=b; handler=weighted_mean)"
+    )
+
+
+def test_unsupported_call_raises_not_implemented() -> None:
+    (node,) = [
+        n for n in op_nodes(lambda x, w: F.conv2d(x, w, groups=2), r(1, 4, 8, 8), r(4, 2, 3, 3))
+    ]
+    with pytest.raises(NotImplementedError, match="grouped"):
+        get_rule(node.target)(op_info(node))
+
+
+# --- coverage -----------------------------------------------------------------------------------
+
+try:
+    import programs  # tests/programs.py
+    from partita.capture import trace
+
+    HAVE_CAPTURE = True
+except ImportError:  # pragma: no cover - capture lands separately
+    HAVE_CAPTURE = False
+
+
+def _traced_programs() -> list[tuple[str, Callable[..., Any], tuple[Any, ...]]]:
+    out = [("gpt", *programs.gpt_step()), ("cnn", *programs.cnn_step()), ("mlp", *programs.mlp())]
+    out += [(c.name, c.fn, c.args) for c in programs.canonical_cases()]
+    return out
+
+
+@pytest.mark.skipif(not HAVE_CAPTURE, reason="partita.capture or tests/programs.py missing")
+def test_every_traced_op_has_a_buildable_rule() -> None:
+    missing, failing = set(), {}
+    for name, fn, args in _traced_programs():
+        gm = trace(fn, args).graph_module
+        for node in gm.graph.nodes:
+            if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+                continue
+            rule_fn = get_rule(node.target)
+            if rule_fn is None:
+                missing.add(f"{node.target} ({name})")
+                continue
+            try:
+                rule_fn(op_info(node))
+            except Exception as e:
+                failing[str(node.target)] = f"{name}: {e}"
+    assert not missing and not failing, (sorted(missing), failing)
