@@ -314,24 +314,24 @@ class _Propagator:
     def _visit(self, op: _Op, round_priority: int) -> list[ValueKey]:
         assign, prio_of = self._assign(op, round_priority)
         rule = op.rule
-        partial = tuple(a for f in rule.reduction_factors for a in assign.get(f, ()))
-        partial = tuple(a for a in self.mesh.axis_names if a in partial)
         changed: list[ValueKey] = []
         for is_result, factors_list, keys in (
             (False, rule.operands, op.operands),
             (True, rule.results, op.results),
         ):
-            for factors, key in zip(factors_list, keys, strict=True):
+            for j, (factors, key) in enumerate(zip(factors_list, keys, strict=True)):
                 if factors is None or key is None:
                     continue
                 dims = [self._merge(d, assign, rule.sizes) if d else () for d in factors]
                 used = {f for d in factors for f in d if assign.get(f)}
+                partial: tuple[str, ...] = ()
+                if is_result:
+                    summed = [f for f in rule.partial_factors(j) if assign.get(f)]
+                    used.update(summed)
+                    axes = {a for f in summed for a in assign[f]}
+                    partial = tuple(a for a in self.mesh.axis_names if a in axes)
                 prio = min((prio_of[f] for f in used), default=round_priority)
-                if is_result and partial:
-                    prio = min(
-                        [prio, *(prio_of[f] for f in rule.reduction_factors if f in prio_of)]
-                    )
-                if self._refine(key, dims, partial if is_result else (), rule.reduce_op, prio):
+                if self._refine(key, dims, partial, rule.reduce_op, prio):
                     changed.append(key)
         return changed
 

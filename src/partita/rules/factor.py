@@ -118,6 +118,17 @@ class FactorRule:
     def reduction_factors(self) -> tuple[str, ...]:
         return tuple(f for f in self.factors if self.kind(f) is FactorKind.REDUCTION)
 
+    def partial_factors(self, result: int) -> tuple[str, ...]:
+        """The factors whose mesh axes make result ``result`` partial: the reduction factors
+        and the result's own ``result_reductions``."""
+        return self.reduction_factors + tuple(self.result_reductions.get(result, ()))
+
+    @property
+    def summed_factors(self) -> tuple[str, ...]:
+        """Every factor some result sums over (their padding must be masked when sharded)."""
+        extra = [f for fs in self.result_reductions.values() for f in fs]
+        return tuple(dict.fromkeys((*self.reduction_factors, *extra)))
+
     @property
     def is_pass_through(self) -> bool:
         """Every tensor carries every factor on its own dim, all pass-through (elementwise on

@@ -1,0 +1,355 @@
+"""Lower a propagated program into one per-device program plus its Plan.
+
+For each op, in program order (DESIGN.md, Partitioning):
+
+1. The op's factor assignment (``node.meta["factor_axes"]``, chosen by propagation) fixes the
+   sharding each operand must have. It is first made *representable*: a minor factor of a
+   compound dim keeps its axes only when the major factor is fully split, and factors whose
+   lowering needs a handler this module does not have lose theirs (computed whole).
+2. The reshard planner (``partition.reshard``) moves each operand there, inserting collectives.
+3. Padding is masked with the reduction's identity on every operand dim that is reduced or
+   contracted while sharded unevenly (``partition.masks``).
+4. The op is emitted with local shapes (shape arguments localised); its result carries the
+   pass-through axes as dims and the sharded reduction factors' axes as *partial*.
+5. The result is resharded to the sharding propagation chose for the value (for example a
+   partial result wanted sharded becomes a reduce_scatter), so that every value in the per-device
+   program has exactly ``node.meta["sharding"]``.
+
+Special lowerings named by rules (``FactorRule.handler``) live in ``partition.handlers``.
+This module does not run anything.
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from partita.errors import RematerializationError, UnsupportedOpError
+from partita.explain import op_name
+from partita.layout import local_shape
+from partita.mesh import Mesh
+from partita.partition import handlers
+from partita.partition.masks import emit_mask_padding, identity_of
+from partita.partition.plan import CollectiveRecord, Plan
+from partita.partition.reshard import emit_reshard, is_full_remat, plan_reshard
+from partita.rules import FactorKind, FactorRule
+from partita.spec import Sharding
+
+__all__ = ["Lowering", "RematerializationWarning"]
+
+ValueKey = tuple[fx.Node, int | None]
+
+
+class RematerializationWarning(UserWarning):
+    """A reshard had to gather a whole value on every device (involuntary full remat)."""
+
+
+@dataclass(slots=True)
+class LocalValue:
+    """A value of the per-device program: its local node and what it holds."""
+
+    node: fx.Node
+    sharding: Sharding
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _tensor_val(v: Any) -> bool:
+    return isinstance(v, torch.Tensor)
+
+
+class Lowering:
+    """Builds the per-device graph for one propagated GraphModule (use :meth:`run` once)."""
+
+    def __init__(self, gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False) -> None:
+        self.src = gm
+        self.mesh = mesh
+        self.strict = strict
+        self.graph = fx.Graph()
+        self.values: dict[ValueKey, LocalValue] = {}
+        self.alias: dict[fx.Node, ValueKey] = {}
+        self._cache: dict[tuple[ValueKey, Sharding], fx.Node] = {}
+        self.plan = Plan(mesh)
+
+    # --- helpers shared with handlers ------------------------------------------------------
+
+    def key(self, node: fx.Node) -> ValueKey:
+        return self.alias.get(node, (node, None))
+
+    def value(self, node: fx.Node) -> LocalValue:
+        return self.values[self.key(node)]
+
+    def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+        return self.graph.call_function(target, tuple(args), kwargs)
+
+    def reshard(self, key: ValueKey, dst: Sharding, why: str, at: fx.Node) -> fx.Node:
+        """The local node of value ``key`` under ``dst``, inserting collectives as needed."""
+        v = self.values[key]
+        if v.sharding == dst:
+            return v.node
+        cached = self._cache.get((key, dst))
+        if cached is not None:
+            return cached
+        steps = plan_reshard(v.sharding, dst, v.shape)
+        source = at.meta.get("source")
+        name = key[0].name if key[1] is None else f"{key[0].name}[{key[1]}]"
+        if is_full_remat(steps):
+            msg = (
+                f"involuntary full rematerialization of %{name} {v.dtype}{list(v.shape)} "
+                f"from {v.sharding} to {dst} for {op_name(at.target)} at "
+                f"{source or 'an unknown source line'}: no collective moves the tiles directly, "
+                f"so every device gathers the whole value and slices it."
+            )
+            fix = (
+                f"Annotate the value where it is produced with "
+                f"partita.mark_sharding(t, mesh, {dst.spec}) (or change the in_specs/out_specs "
+                f"that ask for {v.sharding.spec}) so that no reshard between the two is needed."
+            )
+            if self.strict:
+                raise RematerializationError(f"{msg} {fix}")
+            warnings.warn(f"{msg} {fix}", RematerializationWarning, stacklevel=4)
+            self.plan.warnings.append(msg)
+        out = emit_reshard(self.graph, v.node, steps, self.mesh)
+        for step in steps:
+            if not step.is_collective:
+                continue
+            shape = step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
+            self.plan.collectives.append(
+                CollectiveRecord(
+                    kind=step.kind,
+                    mesh_axes=tuple(step.mesh_axes),
+                    groups=tuple(tuple(g) for g in self.mesh.groups(step.mesh_axes)),
+                    shape=tuple(shape),
+                    dtype=v.dtype,
+                    value=name,
+                    reason=f"{why}: {step.reason}" if step.reason else why,
+                    source=source,
+                    detail=_detail(step),
+                )
+            )
+        self._cache[(key, dst)] = out
+        return out
+
+    # --- the driver ------------------------------------------------------------------------
+
+    def run(self) -> tuple[fx.GraphModule, Plan]:
+        for node in self.src.graph.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "output":
+                self._output(node)
+            elif node.op == "call_function" and node.target is operator.getitem:
+                self._getitem(node)
+            elif node.op == "call_function" and "annotation" in node.meta:
+                self._annotation(node)
+            elif node.op == "call_function":
+                self._op(node)
+            elif node.op == "get_attr":
+                raise UnsupportedOpError(
+                    f"Constant {node.target} (node {node.name}) is not supported by the "
+                    f"partitioner: pass tensors as inputs instead of closing over them."
+                )
+        for n in self.src.graph.nodes:
+            if "sharding" in n.meta:
+                self.plan.shardings[n.name] = n.meta["sharding"]
+        gm = fx.GraphModule(torch.nn.Module(), self.graph, class_name="PerDeviceProgram")
+        return gm, self.plan
+
+    def _placeholder(self, node: fx.Node) -> None:
+        val = node.meta.get("val")
+        local = self.graph.placeholder(node.name)
+        if not _tensor_val(val):
+            return
+        sharding = node.meta["sharding"]
+        self.values[(node, None)] = LocalValue(local, sharding, tuple(val.shape), val.dtype)
+        self.plan.input_shardings.append(sharding)
+
+    def _getitem(self, node: fx.Node) -> None:
+        src, idx = node.args
+        if (src, int(idx)) in self.values:
+            self.alias[node] = (src, int(idx))
+
+    def _annotation(self, node: fx.Node) -> None:
+        ann = node.meta["annotation"]
+        operand = node.args[0]
+        why = f"annotation {ann.source or node.name} asks for {ann.sharding}"
+        local = self.reshard(self.key(operand), ann.sharding, why, node)
+        v = self.value(operand)
+        self.values[(node, None)] = LocalValue(local, ann.sharding, v.shape, v.dtype)
+
+    def _output(self, node: fx.Node) -> None:
+        outs = []
+        for leaf in pytree.tree_leaves(node.args[0]):
+            if not isinstance(leaf, fx.Node) or self.key(leaf) not in self.values:
+                outs.append(leaf)
+                continue
+            key = self.key(leaf)
+            v = self.values[key]
+            if v.sharding.partial:  # outputs are never partial: reduce them here
+                dst = v.sharding.with_partial(())
+                local = self.reshard(key, dst, "a program output is reduced", node)
+                v = LocalValue(local, dst, v.shape, v.dtype)
+                self.values[key] = v
+            outs.append(v.node)
+            self.plan.output_shardings.append(v.sharding)
+        self.graph.output(tuple(outs))
+
+    # --- one op ----------------------------------------------------------------------------
+
+    def representable(self, rule: FactorRule, assign: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+        """Drop factor axes that some tensor of the op cannot hold or that need a handler the
+        partitioner lacks (computing those factors whole is always correct)."""
+        out = {f: a for f, a in assign.items() if a}
+        for f in list(out):
+            kind = rule.kind(f)
+            if kind is FactorKind.NEED_REPLICATION:
+                del out[f]
+            elif kind is FactorKind.WINDOWED and not handlers.has(rule.handler):
+                del out[f]
+        changed = True
+        while changed:
+            changed = False
+            for t in (*rule.operands, *rule.results):
+                for dim in t or ():
+                    for major, minor in zip(dim, dim[1:]):
+                        full = self.mesh.axes_size(out.get(major, ())) == rule.sizes[major]
+                        if not full and out.get(minor):
+                            del out[minor]
+                            changed = True
+        return out
+
+    def dims_of(self, factors: tuple[tuple[str, ...], ...], assign: dict[str, tuple[str, ...]]) -> tuple[tuple[str, ...], ...]:
+        return tuple(tuple(a for f in dim for a in assign.get(f, ())) for dim in factors)
+
+    def _op(self, node: fx.Node) -> None:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        if not any(_tensor_val(v) for v in vals):
+            raise UnsupportedOpError(
+                f"Node {node.name} ({op_name(node.target)}) produces no tensor; the partitioner "
+                f"only handles tensor programs."
+            )
+        rule: FactorRule = node.meta["rule"]
+        assign = self.representable(rule, node.meta.get("factor_axes", {}))
+        handler = handlers.get(rule.handler)
+        if handler is not None and handler.applies(self, node, rule, assign):
+            results = handler.lower(self, node, rule, assign)
+        else:
+            results = self._generic(node, rule, assign)
+        self._store_results(node, rule, assign, results)
+
+    def operand_nodes(self, node: fx.Node) -> list[fx.Node]:
+        return [
+            a
+            for a in pytree.tree_leaves((node.args, node.kwargs))
+            if isinstance(a, fx.Node) and _tensor_val(a.meta.get("val"))
+        ]
+
+    def localize_operands(self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]]) -> list[fx.Node]:
+        """Reshard every tensor operand to what the op needs and mask reduced padding."""
+        out = []
+        reduced = {f for f in rule.summed_factors if assign.get(f)}
+        for i, (operand, factors) in enumerate(zip(self.operand_nodes(node), rule.operands, strict=True)):
+            v = self.value(operand)
+            if factors is None:
+                dst = Sharding.replicated(self.mesh, len(v.shape))
+            else:
+                dst = Sharding(self.mesh, self.dims_of(factors, assign))
+            why = f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"
+            local = self.reshard(self.key(operand), dst, why, node)
+            for d, dim in enumerate(factors or ()):
+                if any(f in reduced for f in dim) and dst.dim_axes[d]:
+                    fill = identity_of(rule.reduce_op, v.dtype)
+                    local = emit_mask_padding(
+                        self.graph, local, self.mesh, dst.dim_axes[d], v.shape[d], len(v.shape), d, fill
+                    )
+            out.append(local)
+        return out
+
+    def result_shardings(self, rule: FactorRule, assign: dict[str, tuple[str, ...]]) -> list[Sharding | None]:
+        out: list[Sharding | None] = []
+        for j, factors in enumerate(rule.results):
+            if factors is None:
+                out.append(None)
+                continue
+            partial = tuple(a for f in rule.partial_factors(j) for a in assign.get(f, ()))
+            dims = self.dims_of(factors, assign)
+            out.append(Sharding(self.mesh, dims, partial, rule.reduce_op))
+        return out
+
+    def _generic(self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]]) -> fx.Node:
+        locals_ = iter(self.localize_operands(node, rule, assign))
+        results = self.result_shardings(rule, assign)
+        vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+
+        def swap(a: Any) -> Any:
+            if isinstance(a, fx.Node) and _tensor_val(a.meta.get("val")):
+                return next(locals_)
+            return a
+
+        args, kwargs = pytree.tree_map(swap, (tuple(node.args), dict(node.kwargs)))
+        if rule.handler == "localize_shape":
+            (res,) = [r for r in results if r is not None][:1]
+            (gval,) = [v for v in vals if _tensor_val(v)][:1]
+            args, kwargs = _localize_shape_args(args, kwargs, tuple(gval.shape), local_shape(res, tuple(gval.shape)))
+        return self.graph.call_function(node.target, tuple(args), kwargs)
+
+    def _store_results(self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]], local: fx.Node) -> None:
+        val = node.meta["val"]
+        natural = self.result_shardings(rule, assign)
+        wanted = node.meta.get("sharding")
+        if isinstance(val, (tuple, list)):
+            for i, (v, s) in enumerate(zip(val, natural, strict=True)):
+                if not _tensor_val(v) or s is None:
+                    continue
+                item = self.graph.call_function(operator.getitem, (local, i))
+                self.values[(node, i)] = LocalValue(item, s, tuple(v.shape), v.dtype)
+                self._settle((node, i), wanted[i] if isinstance(wanted, tuple) else None, node)
+        else:
+            (s,) = natural
+            assert s is not None  # a single tensor result always has factors
+            self.values[(node, None)] = LocalValue(local, s, tuple(val.shape), val.dtype)
+            self._settle((node, None), wanted, node)
+
+    def _settle(self, key: ValueKey, wanted: Sharding | None, node: fx.Node) -> None:
+        """Reshard a fresh result to the sharding propagation chose for the value."""
+        v = self.values[key]
+        if wanted is None or wanted == v.sharding:
+            return
+        if wanted.partial and wanted.partial != v.sharding.partial:
+            wanted = wanted.with_partial(())
+        why = f"the result of {op_name(node.target)} (%{node.name}) is wanted as {wanted}"
+        local = self.reshard(key, wanted, why, node)
+        self.values[key] = LocalValue(local, wanted, v.shape, v.dtype)
+
+
+def _localize_shape_args(
+    args: tuple[Any, ...], kwargs: dict[str, Any], global_shape: tuple[int, ...], local: tuple[int, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Replace the shape argument (a list of ints of the result's rank) by the local shape."""
+
+    def is_shape(a: Any) -> bool:
+        return isinstance(a, (list, tuple)) and len(a) == len(global_shape) and all(
+            isinstance(x, int) for x in a
+        )
+
+    new_args = list(args)
+    for i, a in enumerate(new_args):
+        if is_shape(a):
+            new_args[i] = list(local)
+            return tuple(new_args), kwargs
+    for k, a in kwargs.items():
+        if is_shape(a):
+            return tuple(new_args), {**kwargs, k: list(local)}
+    return tuple(new_args), kwargs
+
+
+def _detail(step: Any) -> str:
+    parts = [str(a) for a in step.args if not isinstance(a, (list, tuple))]
+    return ", ".join(parts)

@@ -1,0 +1,145 @@
+"""The Plan: what a partitioned program will do, known before it runs.
+
+A :class:`Plan` holds the sharding of every value of the program, the shardings of its inputs
+and outputs, and one :class:`CollectiveRecord` per collective the per-device program runs —
+its kind, mesh axes, device groups, per-device shape, dtype and bytes, and the *reason*: the op
+and the user's source line that needed it. ``plan.explain()`` renders it for people.
+
+This module only describes; ``partita.partition.lower`` builds Plans.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from partita.mesh import Mesh
+from partita.spec import Sharding
+
+__all__ = ["CollectiveRecord", "Plan"]
+
+
+@dataclass(frozen=True, slots=True)
+class CollectiveRecord:
+    """One collective of the per-device program.
+
+    Attributes:
+        kind: ``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all`` or
+            ``collective_permute`` (a halo exchange is a collective_permute whose reason says so).
+        mesh_axes: the mesh axes it runs over.
+        groups: the device groups (device ids) that communicate.
+        shape: the per-device shape it is reported with (see ``partita.collectives``).
+        dtype: the element type.
+        value: the name of the value being moved (its fx node).
+        reason: why it is needed, in words.
+        source: the user's source line of the op that needed it, if known.
+        detail: the op's extra arguments (reduce op, dims), for display.
+    """
+
+    kind: str
+    mesh_axes: tuple[str, ...]
+    groups: tuple[tuple[int, ...], ...]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    value: str
+    reason: str
+    source: str | None = None
+    detail: str = ""
+
+    @property
+    def bytes(self) -> int:
+        """Per-device bytes (the size of ``shape`` at ``dtype``)."""
+        return math.prod(self.shape) * _itemsize(self.dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class Plan:
+    """Everything a partitioned program does, inspectable before running.
+
+    Attributes:
+        mesh: the mesh.
+        shardings: ``{value name: Sharding}`` for every value of the (global) program.
+        input_shardings / output_shardings: in flattened argument / result order.
+        collectives: one record per collective, in program order.
+        warnings: involuntary full rematerializations and other things worth knowing.
+    """
+
+    mesh: Mesh
+    shardings: dict[str, Any] = field(default_factory=dict)
+    input_shardings: list[Sharding] = field(default_factory=list)
+    output_shardings: list[Sharding] = field(default_factory=list)
+    collectives: list[CollectiveRecord] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    program_text: str = ""
+
+    @property
+    def bytes_per_device(self) -> int:
+        """Total per-device bytes of all collectives of one run."""
+        return sum(c.bytes for c in self.collectives)
+
+    def counts(self) -> dict[str, int]:
+        """``{kind: number of collectives}``."""
+        return dict(Counter(c.kind for c in self.collectives))
+
+    def summary(self) -> str:
+        """One line per collective kind: count and per-device bytes."""
+        by_kind: dict[str, list[CollectiveRecord]] = {}
+        for c in self.collectives:
+            by_kind.setdefault(c.kind, []).append(c)
+        if not by_kind:
+            return "no collectives"
+        lines = [
+            f"{kind:<19} x{len(recs):<4} {_fmt_bytes(sum(r.bytes for r in recs))} per device"
+            for kind, recs in sorted(by_kind.items())
+        ]
+        lines.append(f"{'total':<19} x{len(self.collectives):<4} "
+                     f"{_fmt_bytes(self.bytes_per_device)} per device")
+        return "\n".join(lines)
+
+    def explain(self) -> str:
+        """A readable report: the mesh, inputs and outputs, each collective with its reason."""
+        lines = [f"Plan on {self.mesh!r}"]
+        lines.append("inputs:  " + ", ".join(str(s) for s in self.input_shardings))
+        lines.append("outputs: " + ", ".join(str(s) for s in self.output_shardings))
+        if not self.collectives:
+            lines.append("collectives: none — every op runs on local shards.")
+        else:
+            lines.append(
+                f"collectives: {len(self.collectives)}, "
+                f"{_fmt_bytes(self.bytes_per_device)} per device per run"
+            )
+        for i, c in enumerate(self.collectives):
+            groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in c.groups)
+            dtype = str(c.dtype).removeprefix("torch.")
+            head = (
+                f"  [{i}] {c.kind}({c.detail}) over {'×'.join(c.mesh_axes) or '-'} "
+                f"{dtype}{list(c.shape)} = {_fmt_bytes(c.bytes)}/device"
+            )
+            lines.append(head)
+            lines.append(f"      groups: {groups}")
+            lines.append(f"      value:  %{c.value}")
+            lines.append(f"      why:    {c.reason}")
+            if c.source:
+                lines.append(f"      source: {c.source}")
+        for w in self.warnings:
+            lines.append(f"warning: {w}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()
+
+
+def _fmt_bytes(n: int) -> str:
+    if n >= 1 << 20:
+        return f"{n / (1 << 20):.2f} MiB"
+    if n >= 1 << 10:
+        return f"{n / (1 << 10):.1f} KiB"
+    return f"{n} B"
