@@ -1,0 +1,283 @@
+"""LocalMesh: a per-device program run on stacked values equals running it device by device.
+
+The references here may loop over devices (that is what LocalMesh must not do); collectives
+are checked against references written by hand from ``Mesh.groups``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import Tensor, fx
+from torch._C._functorch import is_batchedtensor
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
+
+from partita import Mesh
+from partita import collectives as coll
+from partita.capture import trace
+from partita.errors import UnsupportedOpError
+from partita.runtime.local import LocalMesh
+
+from programs import gpt_step  # isort: skip
+
+aten = torch.ops.aten
+needs_stacked = pytest.mark.skipif(
+    importlib.util.find_spec("partita.runtime.stacked") is None,
+    reason="partita.runtime.stacked (the mesh ops on stacked tensors) is not written yet",
+)
+
+MESH = Mesh.create((2, 2), ("x", "y"))
+
+
+def _stack(*shape: int, n: int = MESH.size, seed: int = 0) -> Tensor:
+    return torch.randn(n, *shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _loop(gm: fx.GraphModule, inputs: list[Tensor], n: int = MESH.size) -> list[Any]:
+    """The reference: run the per-device program once per device and stack the results."""
+    per_device = [pytree.tree_leaves(gm(*[x[p] for x in inputs])) for p in range(n)]
+    return [torch.stack(outs) for outs in zip(*per_device, strict=True)]
+
+
+def _check(fn: Callable[..., Any], *locals_: Tensor, mesh: Mesh = MESH) -> list[Any]:
+    gm = make_fx(fn)(*[x[0] for x in locals_])
+    got = LocalMesh(mesh).run(gm, list(locals_))
+    want = _loop(gm, list(locals_), mesh.size)
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        torch.testing.assert_close(g, w)
+    return got
+
+
+# --- local ops equal a loop over devices -------------------------------------------------------
+
+
+def test_elementwise_and_reductions() -> None:
+    _check(lambda a, b: ((a * b).exp() - a / (b.abs() + 1)).sum(1), _stack(3, 5), _stack(3, 5))
+
+
+def test_matmul_family() -> None:
+    def fn(a: Tensor, w: Tensor, bias: Tensor, c: Tensor) -> tuple[Tensor, ...]:
+        return torch.mm(a, w), torch.addmm(bias, a, w), torch.bmm(c, c.transpose(1, 2))
+
+    _check(fn, _stack(4, 6), _stack(6, 3, seed=1), _stack(3, seed=2), _stack(2, 3, 3, seed=3))
+
+
+def test_views_reshape_permute() -> None:
+    def fn(a: Tensor) -> tuple[Tensor, ...]:
+        v = a.view(2, 6).t()  # aten.view: LocalMesh reads it as reshape
+        return v.reshape(3, 4).permute(1, 0), a.transpose(0, 1).flatten(), a[:, 1:3].unsqueeze(0)
+
+    _check(fn, _stack(3, 4))
+
+
+def test_tuple_outputs_layer_norm_sort_max_pool() -> None:
+    def fn(x: Tensor, w: Tensor, b: Tensor, img: Tensor) -> tuple[Tensor, ...]:
+        out, mean, rstd = aten.native_layer_norm(x, [8], w, b, 1e-5)
+        values, indices = torch.sort(x, dim=-1)
+        pooled, where = aten.max_pool2d_with_indices(img, [2, 2])
+        return out, mean, rstd, values, indices, pooled, where
+
+    _check(fn, _stack(3, 8), _stack(8, seed=1), _stack(8, seed=2), _stack(2, 4, 4, seed=3))
+
+
+def test_convolution_backward_with_none_entries() -> None:
+    def fn(grad: Tensor, x: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        gx, gw, gb = aten.convolution_backward(
+            grad, x, w, None, [1], [0], [1], False, [0], 1, [True, True, False]
+        )
+        assert gb is None
+        return gx, gw
+
+    _check(fn, _stack(2, 4, 6), _stack(2, 3, 8, seed=1), _stack(4, 3, 3, seed=2))
+
+
+def test_sdpa_through_capture() -> None:
+    def attn(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (_stack(1, 2, 4, 8, seed=s) for s in range(3))  # [batch, heads, seq, dim]
+    gm = trace(attn, (q[0], k[0], v[0])).graph_module
+    assert any(n.target == torch.ops.partita.sdpa.default for n in gm.graph.nodes)
+    got = LocalMesh(MESH).run(gm, [q, k, v])
+    for g, w in zip(got, _loop(gm, [q, k, v]), strict=True):
+        torch.testing.assert_close(g, w)
+
+
+def test_creation_ops_scalars_and_non_tensor_outputs() -> None:
+    def fn(a: Tensor) -> tuple[Any, ...]:
+        ramp = torch.arange(4, dtype=torch.float32) + torch.zeros(4) + torch.full((4,), 2.0)
+        return a * ramp, a.sum(), ramp, torch.scalar_tensor(3.0)
+
+    got = _check(fn, _stack(3, 4))
+    assert got[1].shape == (MESH.size,)  # a 0-d local value stacks to [n]
+    gm = make_fx(lambda a: (a + 1, 7, None))(torch.ones(2))
+    out = LocalMesh(MESH).run(gm, [torch.ones(MESH.size, 2)])
+    assert out[1:] == [7, None]
+
+
+# --- unbatched values --------------------------------------------------------------------------
+
+
+def test_unbatched_values_stay_unbatched() -> None:
+    seen: dict[str, bool] = {}
+
+    def spy(name: str, op: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def wrapper(*args: Any) -> Tensor:
+            seen[name] = any(isinstance(a, Tensor) and is_batchedtensor(a) for a in args)
+            return op(*args)
+
+        return wrapper
+
+    def fn(w: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        w2 = w * w  # both replicated: computed once
+        return w2, w2 + x, torch.ones(3) * 2
+
+    n = MESH.size
+    w, x = torch.randn(3), _stack(3)
+    gm = make_fx(fn)(w, x[0])
+    # The ops see what vmap gives them: batched tensors, or plain ones for unbatched values.
+    spies = {aten.mul.Tensor: "replicated", aten.add.Tensor: "mixed"}  # mul: w * w, ones * 2
+    for node in gm.graph.nodes:
+        if node.target in spies:
+            node.target = spy(spies[node.target], node.target)
+    gm.recompile()
+    out = LocalMesh(MESH).run(gm, [w.expand(n, 3), x])
+    assert seen == {"replicated": False, "mixed": True}
+    assert out[0].stride(0) == 0 and out[2].stride(0) == 0  # returned as expand views
+    assert out[1].stride(0) != 0
+    torch.testing.assert_close(out[1], (w * w) + x)
+
+
+def test_no_python_loop_over_devices() -> None:
+    calls = []
+
+    def counted_mul(a: Tensor, b: Tensor) -> Tensor:
+        calls.append(1)
+        return aten.mul.Tensor(a, b)
+
+    gm = make_fx(lambda a, b: (a * b).relu() * a)(torch.ones(3), torch.ones(3))
+    for node in gm.graph.nodes:
+        if node.target == aten.mul.Tensor:
+            node.target = counted_mul
+    gm.recompile()
+    mesh = Mesh.create((8,), ("x",))
+    a, b = _stack(3, n=8), _stack(3, n=8, seed=1)
+    (out,) = LocalMesh(mesh).run(gm, [a, b])
+    assert len(calls) == 2  # once per node, not once per device (16)
+    torch.testing.assert_close(out, (a * b).relu() * a)
+
+
+def test_plan_is_cached_per_graph_module() -> None:
+    gm = make_fx(lambda a: a.sin() + 1)(torch.ones(2))
+    runner = LocalMesh(MESH)
+    runner.run(gm, [_stack(2)])
+    plan = runner._plans[gm]
+    runner.run(gm, [_stack(2, seed=1)])
+    assert runner._plans[gm] is plan and len(runner._plans) == 1
+
+
+# --- mesh ops ----------------------------------------------------------------------------------
+
+
+def _groups(mesh: Mesh, axes: list[str]) -> list[list[int]]:
+    return [[mesh.position(d) for d in g] for g in mesh.groups(axes)]
+
+
+@needs_stacked
+def test_all_reduce_and_all_gather_by_hand() -> None:
+    def fn(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        s = coll.all_reduce(a * 2, "sum", ["y"], 2)
+        g = coll.all_gather(a, 0, ["x"], 2)
+        return s + 1, g, coll.all_reduce(a, "max", ["x", "y"], 4)
+
+    a = _stack(2, 3)
+    gm = make_fx(fn)(a[0])
+    s, g, m = LocalMesh(MESH).run(gm, [a])
+    want_s, want_g = torch.empty_like(s), torch.empty_like(g)
+    for group in _groups(MESH, ["y"]):
+        for p in group:
+            want_s[p] = sum(2 * a[q] for q in group) + 1
+    for group in _groups(MESH, ["x"]):
+        for p in group:
+            want_g[p] = torch.cat([a[q] for q in group])
+    torch.testing.assert_close(s, want_s)
+    torch.testing.assert_close(g, want_g)
+    torch.testing.assert_close(m, a.amax(0).expand_as(a))
+    assert m.stride(0) == 0  # over the whole mesh: identical everywhere, kept unbatched
+
+
+@needs_stacked
+def test_reduce_scatter_axis_index_and_unbatched_input_to_mesh_op() -> None:
+    def fn(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        rs = coll.reduce_scatter(a, 0, "sum", ["x"], 2)
+        idx = coll.axis_index(a, ["y"])
+        sl = coll.shard_slice(torch.arange(6.0), 0, ["x", "y"], 4)  # unbatched input, broadcast
+        return rs * idx, idx, sl
+
+    a = _stack(4, 3)
+    gm = make_fx(fn)(a[0])
+    rs, idx, sl = LocalMesh(MESH).run(gm, [a])
+    assert idx.tolist() == [MESH.coords(d)["y"] for d in MESH.device_ids]
+    for group in _groups(MESH, ["x"]):
+        total = sum(a[q] for q in group)
+        for i, p in enumerate(group):
+            torch.testing.assert_close(rs[p], total[2 * i : 2 * i + 2] * idx[p])
+    padded = torch.cat([torch.arange(6.0), torch.zeros(2)])
+    torch.testing.assert_close(sl, padded.reshape(4, 2))
+
+
+@needs_stacked
+def test_data_parallel_gpt_step_equals_unsharded() -> None:
+    """All-reduce-averaged gradients on 2 devices of batch 1 == one step on batch 2."""
+    import partita.models.steps as steps_module
+
+    step, args = gpt_step(batch=2)
+    params, buffers, state, (ids, targets) = args
+    adamw = steps_module._adamw
+
+    def dp_step(*a: Any) -> Any:
+        def reduced(p: Any, grads: dict[str, Tensor], *rest: Any) -> Any:
+            averaged = {k: coll.all_reduce(g, "avg", ["d"], 2) for k, g in grads.items()}
+            return adamw(p, averaged, *rest)
+
+        steps_module._adamw = reduced
+        try:
+            return step(*a)
+        finally:
+            steps_module._adamw = adamw
+
+    local_args = (params, buffers, state, (ids[:1], targets[:1]))
+    program = trace(dp_step, local_args)
+    flat = program.flatten_inputs(local_args)
+    stacked = [x.expand(2, *x.shape) for x in flat[:-2]] + [ids[:, None], targets[:, None]]
+    got = LocalMesh(Mesh.create((2,), ("d",))).run(program.graph_module, stacked)
+    want = trace(step, args).graph_module(*trace(step, args).flatten_inputs(args))
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert g.stride(0) == 0  # the update ran once, on unbatched values
+        # AdamW's first step is about lr * sign(g): rounding in tiny gradients shows up at 1e-4.
+        torch.testing.assert_close(g[0], w, rtol=1e-3, atol=2e-4)
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_random_op_is_refused_by_name() -> None:
+    gm = make_fx(lambda a: a + torch.rand(3))(torch.ones(3))
+    with pytest.raises(UnsupportedOpError, match=r"random op aten\.rand"):
+        LocalMesh(MESH).run(gm, [_stack(3)])
+
+
+def test_input_without_device_dim_is_refused() -> None:
+    gm = make_fx(lambda a: a + 1)(torch.ones(3))
+    with pytest.raises(ValueError, match=r"leading device dim of size 4"):
+        LocalMesh(MESH).run(gm, [torch.ones(3)])
+    with pytest.raises(ValueError, match=r"has 1 inputs"):
+        LocalMesh(MESH).run(gm, [])
