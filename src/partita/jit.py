@@ -77,7 +77,9 @@ class Jitted:
 
     # --- signatures ------------------------------------------------------------------------
 
-    def _specs_and_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[list[Any], list[Any], Hashable]:
+    def _specs_and_key(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[list[Any], list[Any], Hashable]:
         leaves, tree = pytree.tree_flatten((args, kwargs))
         n_args = pytree.tree_structure(args).num_leaves
         name = getattr(self.fn, "__name__", "fn")
@@ -109,23 +111,35 @@ class Jitted:
         compiled = self._cache.get(key)
         if compiled is None:
             trace_leaves = [
-                torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, ShardedTensor) else leaf
+                torch.empty(leaf.shape, dtype=leaf.dtype)
+                if isinstance(leaf, ShardedTensor)
+                else leaf
                 for leaf in leaves
             ]
-            targs, tkwargs = pytree.tree_unflatten(trace_leaves, pytree.tree_structure((args, kwargs)))
+            targs, tkwargs = pytree.tree_unflatten(
+                trace_leaves, pytree.tree_structure((args, kwargs))
+            )
             n_args = pytree.tree_structure(args).num_leaves
             in_specs = pytree.tree_unflatten(specs[:n_args], pytree.tree_structure(args))
             prog = capture.trace(
-                self.fn, tuple(targs), tkwargs, in_specs=tuple(in_specs),
-                out_specs=self.out_specs, mesh=self.mesh,
+                self.fn,
+                tuple(targs),
+                tkwargs,
+                in_specs=tuple(in_specs),
+                out_specs=self.out_specs,
+                mesh=self.mesh,
             )
             # keyword tensors are not covered by in_specs: they are replicated
-            propagate(prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported)
+            propagate(
+                prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported
+            )
             local, plan = partition(prog.graph_module, self.mesh, strict=self.strict)
             plan.program_text = format_program(prog.graph_module)
             (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
             shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
-            compiled = Compiled(prog, local, plan, plan.input_shardings, plan.output_shardings, shapes)
+            compiled = Compiled(
+                prog, local, plan, plan.input_shardings, plan.output_shardings, shapes
+            )
             self._cache[key] = compiled
         return compiled, leaves
 
@@ -149,7 +163,9 @@ class Jitted:
         outs = self._executor.run(compiled.local, stacked)
         results = [
             ShardedTensor.from_stacked(o, s, shape)
-            for o, s, shape in zip(outs, compiled.output_shardings, compiled.output_shapes, strict=True)
+            for o, s, shape in zip(
+                outs, compiled.output_shardings, compiled.output_shapes, strict=True
+            )
         ]
         return compiled.program.unflatten_outputs(results)
 
@@ -193,9 +209,14 @@ def jit(
         >>> out = step(torch.randn(8, 16), torch.randn(16, 32))   # a ShardedTensor
         >>> print(step.lower(torch.randn(8, 16), torch.randn(16, 32)).explain())
     """
+
     def wrap(f: Callable[..., Any]) -> Jitted:
         return Jitted(
-            f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, strict=strict,
+            f,
+            mesh=mesh,
+            in_specs=in_specs,
+            out_specs=out_specs,
+            strict=strict,
             replicate_unsupported=replicate_unsupported,
         )
 

@@ -40,6 +40,38 @@ class Handler:
 
 _HANDLERS: dict[str, Handler] = {}
 
+#: Handler names the generic lowering covers by itself.
+GENERIC = ("localize_shape",)
+#: Handlers without which the op must run on whole (replicated) tensors: a random draw on
+#: local shapes would differ from the unsharded program's (docs/rules.md, random numbers).
+WHOLE_OP = ("global_random",)
+
+
+#: Ops whose result-only factors (dims no operand has) the generic lowering produces locally
+#: by localising shape arguments: every tile of their result is the same function of the local
+#: shape (constants, broadcasts). arange is here through its handler; eye and reshape are not.
+_LOCAL_RESULT_OPS = (
+    "aten.arange",
+    "aten.empty",
+    "aten.expand",
+    "aten.full",
+    "aten.new_empty",
+    "aten.new_full",
+    "aten.new_ones",
+    "aten.new_zeros",
+    "aten.ones",
+    "aten.scalar_tensor",
+    "aten.zeros",
+)
+
+
+def makes_local_results(target: Any, rule: FactorRule) -> bool:
+    """Whether ``target`` can produce a tile of a result dim that no operand has."""
+    name = str(target)
+    return rule.handler == "localize_shape" and any(
+        name == op or name.startswith(op + ".") for op in _LOCAL_RESULT_OPS
+    )
+
 
 def register(handler: Handler) -> Handler:
     if handler.name in _HANDLERS:
@@ -80,3 +112,38 @@ def _bias_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) 
 
 
 register(Handler("add_bias_once", _bias_applies, _bias_lower))
+
+
+# --- localize_shape for arange: each device's tile starts at its own offset -------------------
+
+
+def _arange_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+    return str(node.target).startswith("aten.arange") and any(assign.values())
+
+
+def _arange_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+    """``arange(start, end, step)`` sharded over its only dim: a local ``arange(tile)`` scaled
+    by ``step`` and shifted by ``start + tile_offset * step`` (the padding tail holds values past
+    ``end``, which is garbage like any padding)."""
+    val = node.meta["val"]
+    (sharding,) = low.result_shardings(rule, assign)
+    assert sharding is not None
+    axes = sharding.dim_axes[0]
+    n = int(val.shape[0])
+    tile = -(-n // low.mesh.axes_size(axes))
+    args = list(node.args)
+    if node.target == aten.arange.default:
+        start, step = 0, 1
+    elif node.target == aten.arange.start:
+        start, step = args[0], 1
+    else:
+        start, step = args[0], args[2] if len(args) > 2 else node.kwargs.get("step", 1)
+    base = low.call(aten.arange.default, tile, dtype=val.dtype)
+    idx = low.call(torch.ops.partita.axis_index.default, base, list(axes))
+    offset = low.call(aten.add.Tensor, low.call(aten.mul.Tensor, idx, tile * step), start)
+    scaled = low.call(aten.mul.Tensor, base, step) if step != 1 else base
+    out = low.call(aten.add.Tensor, scaled, offset)
+    return low.call(aten._to_copy.default, out, dtype=val.dtype)
+
+
+register(Handler("localize_shape", _arange_applies, _arange_lower))

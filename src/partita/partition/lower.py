@@ -21,6 +21,7 @@ This module does not run anything.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import warnings
 from dataclasses import dataclass
@@ -202,29 +203,44 @@ class Lowering:
 
     # --- one op ----------------------------------------------------------------------------
 
-    def representable(self, rule: FactorRule, assign: dict[str, tuple[str, ...]]) -> dict[str, tuple[str, ...]]:
+    def representable(
+        self, target: Any, rule: FactorRule, assign: dict[str, tuple[str, ...]]
+    ) -> dict[str, tuple[str, ...]]:
         """Drop factor axes that some tensor of the op cannot hold or that need a handler the
-        partitioner lacks (computing those factors whole is always correct)."""
+        partitioner lacks (computing those factors whole is always correct): without its
+        handler an op computes its summed and windowed factors whole, and a ``WHOLE_OP``
+        handler's op (random draws) is computed entirely replicated."""
         out = {f: a for f, a in assign.items() if a}
+        missing = rule.handler not in (None, *handlers.GENERIC) and not handlers.has(rule.handler)
+        if missing and rule.handler in handlers.WHOLE_OP:
+            return {}
+        summed = set(rule.summed_factors)
+        in_operands = {f for t in rule.operands for d in t or () for f in d}
+        local_results = handlers.makes_local_results(target, rule)
         for f in list(out):
+            if f not in in_operands and not local_results:
+                del out[f]  # a result-only factor: the op computes it whole (then a local slice)
+                continue
             kind = rule.kind(f)
             if kind is FactorKind.NEED_REPLICATION:
                 del out[f]
-            elif kind is FactorKind.WINDOWED and not handlers.has(rule.handler):
+            elif missing and (kind is FactorKind.WINDOWED or f in summed):
                 del out[f]
         changed = True
         while changed:
             changed = False
             for t in (*rule.operands, *rule.results):
                 for dim in t or ():
-                    for major, minor in zip(dim, dim[1:]):
+                    for major, minor in itertools.pairwise(dim):
                         full = self.mesh.axes_size(out.get(major, ())) == rule.sizes[major]
                         if not full and out.get(minor):
                             del out[minor]
                             changed = True
         return out
 
-    def dims_of(self, factors: tuple[tuple[str, ...], ...], assign: dict[str, tuple[str, ...]]) -> tuple[tuple[str, ...], ...]:
+    def dims_of(
+        self, factors: tuple[tuple[str, ...], ...], assign: dict[str, tuple[str, ...]]
+    ) -> tuple[tuple[str, ...], ...]:
         return tuple(tuple(a for f in dim for a in assign.get(f, ())) for dim in factors)
 
     def _op(self, node: fx.Node) -> None:
@@ -236,7 +252,7 @@ class Lowering:
                 f"only handles tensor programs."
             )
         rule: FactorRule = node.meta["rule"]
-        assign = self.representable(rule, node.meta.get("factor_axes", {}))
+        assign = self.representable(node.target, rule, node.meta.get("factor_axes", {}))
         handler = handlers.get(rule.handler)
         if handler is not None and handler.applies(self, node, rule, assign):
             results = handler.lower(self, node, rule, assign)
@@ -251,11 +267,15 @@ class Lowering:
             if isinstance(a, fx.Node) and _tensor_val(a.meta.get("val"))
         ]
 
-    def localize_operands(self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]]) -> list[fx.Node]:
+    def localize_operands(
+        self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]]
+    ) -> list[fx.Node]:
         """Reshard every tensor operand to what the op needs and mask reduced padding."""
         out = []
         reduced = {f for f in rule.summed_factors if assign.get(f)}
-        for i, (operand, factors) in enumerate(zip(self.operand_nodes(node), rule.operands, strict=True)):
+        for i, (operand, factors) in enumerate(
+            zip(self.operand_nodes(node), rule.operands, strict=True)
+        ):
             v = self.value(operand)
             if factors is None:
                 dst = Sharding.replicated(self.mesh, len(v.shape))
@@ -267,12 +287,21 @@ class Lowering:
                 if any(f in reduced for f in dim) and dst.dim_axes[d]:
                     fill = identity_of(rule.reduce_op, v.dtype)
                     local = emit_mask_padding(
-                        self.graph, local, self.mesh, dst.dim_axes[d], v.shape[d], len(v.shape), d, fill
+                        self.graph,
+                        local,
+                        self.mesh,
+                        dst.dim_axes[d],
+                        v.shape[d],
+                        len(v.shape),
+                        d,
+                        fill,
                     )
             out.append(local)
         return out
 
-    def result_shardings(self, rule: FactorRule, assign: dict[str, tuple[str, ...]]) -> list[Sharding | None]:
+    def result_shardings(
+        self, rule: FactorRule, assign: dict[str, tuple[str, ...]]
+    ) -> list[Sharding | None]:
         out: list[Sharding | None] = []
         for j, factors in enumerate(rule.results):
             if factors is None:
@@ -283,10 +312,14 @@ class Lowering:
             out.append(Sharding(self.mesh, dims, partial, rule.reduce_op))
         return out
 
-    def _generic(self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]]) -> fx.Node:
+    def _generic(
+        self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]]
+    ) -> fx.Node:
         locals_ = iter(self.localize_operands(node, rule, assign))
         results = self.result_shardings(rule, assign)
-        vals = node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+        vals = (
+            node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
+        )
 
         def swap(a: Any) -> Any:
             if isinstance(a, fx.Node) and _tensor_val(a.meta.get("val")):
@@ -297,10 +330,14 @@ class Lowering:
         if rule.handler == "localize_shape":
             (res,) = [r for r in results if r is not None][:1]
             (gval,) = [v for v in vals if _tensor_val(v)][:1]
-            args, kwargs = _localize_shape_args(args, kwargs, tuple(gval.shape), local_shape(res, tuple(gval.shape)))
+            args, kwargs = _localize_shape_args(
+                args, kwargs, tuple(gval.shape), local_shape(res, tuple(gval.shape))
+            )
         return self.graph.call_function(node.target, tuple(args), kwargs)
 
-    def _store_results(self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]], local: fx.Node) -> None:
+    def _store_results(
+        self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]], local: fx.Node
+    ) -> None:
         val = node.meta["val"]
         natural = self.result_shardings(rule, assign)
         wanted = node.meta.get("sharding")
@@ -330,13 +367,18 @@ class Lowering:
 
 
 def _localize_shape_args(
-    args: tuple[Any, ...], kwargs: dict[str, Any], global_shape: tuple[int, ...], local: tuple[int, ...]
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    global_shape: tuple[int, ...],
+    local: tuple[int, ...],
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """Replace the shape argument (a list of ints of the result's rank) by the local shape."""
 
     def is_shape(a: Any) -> bool:
-        return isinstance(a, (list, tuple)) and len(a) == len(global_shape) and all(
-            isinstance(x, int) for x in a
+        return (
+            isinstance(a, (list, tuple))
+            and len(a) == len(global_shape)
+            and all(isinstance(x, int) for x in a)
         )
 
     new_args = list(args)

@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from partita.mesh import Mesh
 
-__all__ = ["identity_of", "emit_valid_mask", "emit_mask_padding", "emit_tile_offset"]
+__all__ = ["emit_mask_padding", "emit_tile_offset", "emit_valid_mask", "identity_of"]
 
 aten = torch.ops.aten
 partita_ops = torch.ops.partita

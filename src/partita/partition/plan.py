@@ -100,8 +100,10 @@ class Plan:
             f"{kind:<19} x{len(recs):<4} {_fmt_bytes(sum(r.bytes for r in recs))} per device"
             for kind, recs in sorted(by_kind.items())
         ]
-        lines.append(f"{'total':<19} x{len(self.collectives):<4} "
-                     f"{_fmt_bytes(self.bytes_per_device)} per device")
+        lines.append(
+            f"{'total':<19} x{len(self.collectives):<4} "
+            f"{_fmt_bytes(self.bytes_per_device)} per device"
+        )
         return "\n".join(lines)
 
     def explain(self) -> str:
