@@ -35,7 +35,9 @@ from partita.errors import RematerializationError, UnsupportedOpError
 from partita.explain import op_name
 from partita.layout import local_shape
 from partita.mesh import Mesh
+from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import handlers
+from partita.partition import special as _special  # noqa: F401 - registers its handlers
 from partita.partition.masks import emit_mask_padding, identity_of
 from partita.partition.plan import CollectiveRecord, Plan
 from partita.partition.reshard import emit_reshard, is_full_remat, plan_reshard
