@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from partita.api import mark_sharding
 from partita.errors import (
     AnnotationError,
     CaptureError,
@@ -13,9 +14,10 @@ from partita.errors import (
     SpecError,
     UnsupportedOpError,
 )
+from partita.jit import Jitted, jit
 from partita.mesh import HybridMesh, Mesh
+from partita.partition import CollectiveRecord, Plan
 from partita.spec import P, PartitionSpec, Sharding
-from partita.api import mark_sharding
 from partita.tensor import Shard, ShardedTensor, clear_sharding, reshard
 from partita.visualize import format_sharding, visualize_sharding
 
@@ -24,12 +26,15 @@ __version__ = "0.1.0"
 __all__ = [
     "AnnotationError",
     "CaptureError",
+    "CollectiveRecord",
     "HybridMesh",
+    "Jitted",
     "Mesh",
     "MeshError",
     "P",
     "PartitaError",
     "PartitionSpec",
+    "Plan",
     "RematerializationError",
     "Shard",
     "ShardedTensor",
@@ -41,6 +46,7 @@ __all__ = [
     "__version__",
     "clear_sharding",
     "format_sharding",
+    "jit",
     "mark_sharding",
     "reshard",
     "visualize_sharding",
