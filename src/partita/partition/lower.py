@@ -39,7 +39,7 @@ from partita.partition import halo as _halo  # noqa: F401 - registers its handle
 from partita.partition import handlers
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
 from partita.partition.masks import emit_mask_padding, identity_of
-from partita.partition.plan import CollectiveRecord, Plan
+from partita.partition.plan import CollectiveRecord, Plan, _fmt_bytes
 from partita.partition.reshard import emit_reshard, is_full_remat, plan_reshard
 from partita.rules import FactorKind, FactorRule
 from partita.spec import Sharding
@@ -78,6 +78,8 @@ class Lowering:
         self.values: dict[ValueKey, LocalValue] = {}
         self.alias: dict[fx.Node, ValueKey] = {}
         self._cache: dict[tuple[ValueKey, Sharding], fx.Node] = {}
+        # Why a value is partial: (explanation, source line of the op that made it partial).
+        self._partial_origin: dict[ValueKey, tuple[str, str | None]] = {}
         self.plan = Plan(mesh)
 
     # --- helpers shared with handlers ------------------------------------------------------
@@ -119,9 +121,14 @@ class Lowering:
             warnings.warn(f"{msg} {fix}", RematerializationWarning, stacklevel=4)
             self.plan.warnings.append(msg)
         out = emit_reshard(self.graph, v.node, steps, self.mesh)
+        origin = self._partial_origin.get(key)
         for step in steps:
             if not step.is_collective:
                 continue
+            reason = f"{why}: {step.reason}" if step.reason else why
+            step_source = source
+            if origin is not None and step.kind in ("all_reduce", "reduce_scatter"):
+                reason, step_source = f"{origin[0]}; then {reason}", origin[1]
             shape = step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
             self.plan.collectives.append(
                 CollectiveRecord(
@@ -131,8 +138,8 @@ class Lowering:
                     shape=tuple(shape),
                     dtype=v.dtype,
                     value=name,
-                    reason=f"{why}: {step.reason}" if step.reason else why,
-                    source=source,
+                    reason=reason,
+                    source=step_source,
                     detail=_detail(step),
                 )
             )
@@ -349,12 +356,64 @@ class Lowering:
                     continue
                 item = self.graph.call_function(operator.getitem, (local, i))
                 self.values[(node, i)] = LocalValue(item, s, tuple(v.shape), v.dtype)
+                self._explain_partial((node, i), node, rule, assign, i)
                 self._settle((node, i), wanted[i] if isinstance(wanted, tuple) else None, node)
         else:
             (s,) = natural
             assert s is not None  # a single tensor result always has factors
             self.values[(node, None)] = LocalValue(local, s, tuple(val.shape), val.dtype)
+            self._explain_partial((node, None), node, rule, assign, 0)
             self._settle((node, None), wanted, node)
+
+    def _explain_partial(
+        self,
+        key: ValueKey,
+        node: fx.Node,
+        rule: FactorRule,
+        assign: dict[str, tuple[str, ...]],
+        j: int,
+    ) -> None:
+        """Remember, in words, why an op's result is partial and what the alternative cost."""
+        v = self.values[key]
+        summed = [f for f in rule.partial_factors(j) if assign.get(f)]
+        if not summed:
+            return
+        axes = [a for f in summed for a in assign[f]]
+        reduce_bytes = _nbytes(local_shape(v.sharding, v.shape), v.dtype)
+        gathers: list[tuple[str, int]] = []
+        operands = zip(self.operand_nodes(node), rule.operands, strict=True)
+        for i, (operand, factors) in enumerate(operands):
+            ov = self.value(operand)
+            split = [
+                d
+                for d, dim in enumerate(factors or ())
+                if any(f in summed for f in dim) and ov.sharding.dim_axes[d]
+            ]
+            if not split:
+                continue  # this operand is only sliced locally, never gathered
+            gathered = ov.sharding.with_dims(
+                () if d in split else axes_ for d, axes_ in enumerate(ov.sharding.dim_axes)
+            )
+            dtype = str(ov.dtype).removeprefix("torch.")
+            shape = list(local_shape(gathered, ov.shape))
+            gathers.append((f"operand {i} {dtype}{shape}", _nbytes(tuple(shape), ov.dtype)))
+        verb = "contracts" if rule.reduction_factors else "sums over"
+        shape = list(local_shape(v.sharding, v.shape))
+        text = (
+            f"{op_name(node.target)} (%{node.name}) {verb} {', '.join(summed)} split over "
+            f"{', '.join(axes)}: each device works on its local slices and holds a partial "
+            f"{rule.reduce_op} of the result {str(v.dtype).removeprefix('torch.')}{shape} "
+            f"({_fmt_bytes(reduce_bytes)})"
+        )
+        if gathers:
+            alt = " and ".join(f"{n} ({_fmt_bytes(b)})" for n, b in gathers)
+            cheaper = reduce_bytes <= sum(b for _, b in gathers)
+            text += (
+                f"; reducing it moves less than gathering {alt}"
+                if cheaper
+                else f" (gathering {alt} would have moved less)"
+            )
+        self._partial_origin[key] = (text, node.meta.get("source"))
 
     def _settle(self, key: ValueKey, wanted: Sharding | None, node: fx.Node) -> None:
         """Reshard a fresh result to the sharding propagation chose for the value."""
@@ -397,3 +456,10 @@ def _localize_shape_args(
 def _detail(step: Any) -> str:
     parts = [str(a) for a in step.args if not isinstance(a, (list, tuple))]
     return ", ".join(parts)
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    n = torch.empty((), dtype=dtype).element_size()
+    for d in shape:
+        n *= d
+    return n
