@@ -35,7 +35,11 @@ Invariants and conflict resolution (in the order they apply):
    grow at the end, and a result may become partial over the axes of the op's sharded
    reduction factors if it was not partial before. Anything else is left as is and becomes a
    reshard for the partitioner. This also guarantees termination.
-8. **Determinism.** Ops are visited in graph order, the worklist is FIFO without duplicates.
+8. **Need-replication axes move, not vanish.** Mesh axes proposed for a factor that cannot be
+   split (a sort dim, a concat dim) go to a free pass-through factor that every tensor of the op
+   has (the first whose size they divide), so the partitioner moves the split to another dim
+   with an all_to_all instead of gathering (XLA does the same for T21 and T25).
+9. **Determinism.** Ops are visited in graph order, the worklist is FIFO without duplicates.
 
 Values nobody proposes anything for end up replicated. The result is ``node.meta["sharding"]``
 (a :class:`~partita.spec.Sharding`, or a tuple of them, with ``None`` for non-tensor outputs, on
@@ -85,6 +89,8 @@ class _Op:
     operands: list[ValueKey | None]  # aligned with rule.operands
     results: list[ValueKey | None]  # aligned with rule.results
     compound: frozenset[str] = field(default_factory=frozenset)
+    free: tuple[str, ...] = ()  # pass-through factors on every tensor: targets of invariant 9
+    result_only: frozenset[str] = field(default_factory=frozenset)  # in no operand
 
 
 def source_of(node: fx.Node) -> str | None:
@@ -195,7 +201,19 @@ class _Propagator:
         compound = frozenset(
             f for t in (*rule.operands, *rule.results) for d in t or () if len(d) > 1 for f in d
         )
-        self.ops.append(_Op(node, rule, operands, results, compound))
+        tensors = [t for t in (*rule.operands, *rule.results) if t is not None]
+        free = tuple(
+            f
+            for f in rule.factors
+            if rule.kind(f) is FactorKind.PASS_THROUGH
+            and f not in compound
+            and rule.sizes[f] > 1
+            and tensors
+            and all(any(f in d for d in t) for t in tensors)
+        )
+        in_operands = {f for t in rule.operands for d in t or () for f in d}
+        result_only = frozenset(f for f in rule.factors if f not in in_operands and rule.operands)
+        self.ops.append(_Op(node, rule, operands, results, compound, free, result_only))
         if _is_annotation(node):
             ann = node.meta["annotation"]
             if ann.sharding.mesh != self.mesh:
@@ -296,7 +314,25 @@ class _Propagator:
         assign: dict[str, tuple[str, ...]] = {}
         prio_of: dict[str, int] = {}
         taken: set[str] = set()
-        for prio, _, _, f, axes in sorted(best):
+        ranked = sorted(best)
+        # Factors the operands carry claim axes first, then need-replication axes move
+        # (invariant 9), then factors only the results have (they are computed whole).
+        self._claim(op, [b for b in ranked if b[3] not in op.result_only], assign, prio_of, taken)
+        self._move_replicated_axes(op, proposals, assign, prio_of, taken)
+        self._claim(op, [b for b in ranked if b[3] in op.result_only], assign, prio_of, taken)
+        return assign, prio_of
+
+    def _claim(
+        self,
+        op: _Op,
+        ranked: list[tuple[int, int, int, str, tuple[str, ...]]],
+        assign: dict[str, tuple[str, ...]],
+        prio_of: dict[str, int],
+        taken: set[str],
+    ) -> None:
+        """Invariant 5: factors take their axes in rank order, up to the first taken axis."""
+        rule = op.rule
+        for prio, _, _, f, axes in ranked:
             keep: list[str] = []
             for a in axes:
                 if a in taken:
@@ -309,7 +345,36 @@ class _Propagator:
                 assign[f] = tuple(keep)
                 prio_of[f] = prio
                 taken.update(keep)
-        return assign, prio_of
+
+    def _move_replicated_axes(
+        self,
+        op: _Op,
+        proposals: dict[str, list[tuple[int, int, int, tuple[str, ...]]]],
+        assign: dict[str, tuple[str, ...]],
+        prio_of: dict[str, int],
+        taken: set[str],
+    ) -> None:
+        """Invariant 9: axes proposed for a need-replication factor move to a free factor."""
+        rule = op.rule
+        for f in rule.factors:
+            props = proposals.get(f)
+            if not props or rule.kind(f) is not FactorKind.NEED_REPLICATION:
+                continue
+            prio, _, _, axes = min(props)
+            keep: list[str] = []
+            for a in axes:
+                if a in taken:
+                    break
+                keep.append(a)
+            if not keep:
+                continue
+            n = self.mesh.axes_size(keep)
+            for g in op.free:
+                if g not in assign and rule.sizes[g] % n == 0:
+                    assign[g] = tuple(keep)
+                    prio_of[g] = prio
+                    taken.update(keep)
+                    break
 
     def _visit(self, op: _Op, round_priority: int) -> list[ValueKey]:
         assign, prio_of = self._assign(op, round_priority)
