@@ -33,14 +33,17 @@ from partita.models import GPT, GPTConfig, init_opt_state, make_train_step
 from partita.runtime.local import LocalMesh
 
 
-def median_seconds(fn: Callable[[], Any], repeat: int) -> float:
-    fn()  # warm-up (and LocalMesh's plan)
-    times = []
+def median_seconds(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
+    """Median wall seconds of each function; runs are interleaved so load drift hits all alike."""
+    for fn in fns.values():
+        fn()  # warm-up (and LocalMesh's plan)
+    times: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def data_parallel_step(step: Callable[..., Any], n: int) -> Callable[..., Any]:
@@ -134,28 +137,26 @@ def main(argv: list[str] | None = None) -> None:
     stacked += [ids.reshape(n, local_b, ns.seq), targets.reshape(n, local_b, ns.seq)]
     runner = LocalMesh(mesh)
 
-    got = runner.run(local.graph_module, stacked)
+    fns = {
+        "unsharded eager step": lambda: step(*args),
+        "unsharded traced graph": lambda: program.graph_module(*flat),
+        "LocalMesh.run (segments)": lambda: runner.run(local.graph_module, stacked),
+    }
+    if not ns.skip_per_node:
+        fns["per-node vmap"] = lambda: per_node_vmap(mesh, local.graph_module, stacked)
+    seconds = median_seconds(fns, ns.repeat)
+    got = runner.run(local.graph_module, stacked)  # after the timed runs: the traced graphs
     want = program.graph_module(*flat)
     worst = max((g[0] - w).abs().max().item() for g, w in zip(got[1:], want[1:], strict=True))
-
-    t_eager = median_seconds(lambda: step(*args), ns.repeat)
-    t_graph = median_seconds(lambda: program.graph_module(*flat), ns.repeat)
-    t_local = median_seconds(lambda: runner.run(local.graph_module, stacked), ns.repeat)
-    t_node = (
-        float("nan")
-        if ns.skip_per_node
-        else median_seconds(lambda: per_node_vmap(mesh, local.graph_module, stacked), ns.repeat)
-    )
     print(f"# {' '.join([sys.executable, *sys.argv])}")
     print(f"# GPT layers={ns.layers} d_model={ns.width} heads={ns.heads} vocab={ns.vocab} "
           f"seq={ns.seq} batch={ns.batch}, AdamW, data parallel on {mesh!r}; "
           f"{len(local.graph.nodes)} nodes; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {ns.repeat}")  # fmt: skip
     print(f"# max |LocalMesh - unsharded| over new params/state: {worst:.2e}")
-    print(f"{'unsharded eager step':<28} {t_eager:8.3f} s")
-    print(f"{'unsharded traced graph':<28} {t_graph:8.3f} s")
-    print(f"{'LocalMesh.run (segments)':<28} {t_local:8.3f} s  ratio {t_local / t_eager:.2f}")
-    print(f"{'per-node vmap':<28} {t_node:8.3f} s  ratio {t_node / t_eager:.2f}")
+    base = seconds["unsharded eager step"]
+    for name, t in seconds.items():
+        print(f"{name:<28} {t:8.3f} s  ratio {t / base:5.2f}")
 
 
 if __name__ == "__main__":

@@ -184,6 +184,29 @@ def test_plan_is_cached_per_graph_module() -> None:
     assert runner._plans[gm] is plan and len(runner._plans) == 1
 
 
+@needs_stacked
+def test_repeated_runs_use_a_traced_flat_graph() -> None:
+    """From the second run on, a segment runs as vmap traced to plain batched aten ops."""
+
+    def attn(q: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        y = F.scaled_dot_product_attention(q, q, q, is_causal=True).sum(-1) @ w
+        g = coll.all_reduce(y, "sum", ["y"], 2)
+        return g.view(-1) * torch.arange(1.0, 9.0), torch.ones(2) + w.sum()
+
+    q, w = _stack(1, 2, 4, 8), torch.randn(4, 4)
+    gm = trace(attn, (q[0], w)).graph_module
+    runner = LocalMesh(MESH)
+    first = runner.run(gm, [q, w.expand(MESH.size, 4, 4)])
+    for _ in range(2):
+        again = runner.run(gm, [q, w.expand(MESH.size, 4, 4)])
+        for g, f in zip(again, first, strict=True):
+            torch.testing.assert_close(g, f)
+    segments = [s for s in runner._plans[gm].steps if hasattr(s, "flat")]
+    traced = [f for s in segments for f in s.flat.values()]
+    assert any(isinstance(f, fx.GraphModule) for f in traced)
+    assert first[1].stride(0) == 0
+
+
 # --- mesh ops ----------------------------------------------------------------------------------
 
 
@@ -258,12 +281,15 @@ def test_data_parallel_gpt_step_equals_unsharded() -> None:
     program = trace(dp_step, local_args)
     flat = program.flatten_inputs(local_args)
     stacked = [x.expand(2, *x.shape) for x in flat[:-2]] + [ids[:, None], targets[:, None]]
-    got = LocalMesh(Mesh.create((2,), ("d",))).run(program.graph_module, stacked)
-    want = trace(step, args).graph_module(*trace(step, args).flatten_inputs(args))
-    for g, w in zip(got[1:], want[1:], strict=True):
-        assert g.stride(0) == 0  # the update ran once, on unbatched values
-        # AdamW's first step is about lr * sign(g): rounding in tiny gradients shows up at 1e-4.
-        torch.testing.assert_close(g[0], w, rtol=1e-3, atol=2e-4)
+    unsharded = trace(step, args)
+    want = unsharded.graph_module(*unsharded.flatten_inputs(args))
+    runner = LocalMesh(Mesh.create((2,), ("d",)))
+    for _ in range(3):  # vmap, then vmap traced to a flat graph
+        got = runner.run(program.graph_module, stacked)
+        for g, w in zip(got[1:], want[1:], strict=True):
+            assert g.stride(0) == 0  # the update ran once, on unbatched values
+            # AdamW's first step is about lr * sign(g): rounding in tiny gradients shows at 1e-4.
+            torch.testing.assert_close(g[0], w, rtol=1e-3, atol=2e-4)
 
 
 # --- errors ------------------------------------------------------------------------------------

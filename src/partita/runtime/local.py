@@ -9,8 +9,11 @@ How. The graph is cut, once per graph module, into *segments*: maximal sets of l
 need no mesh op between them (a node's segment is the number of mesh ops on its longest path
 from the inputs). Each segment becomes its own ``GraphModule`` and runs as one
 ``torch.vmap(segment)`` call, so a data-parallel training step is two vmap calls and one mesh op
-per gradient. ``view``/``_unsafe_view`` become ``reshape`` in segments (vmap may move the
-device dim, after which a view can fail).
+per gradient. The second time a segment runs with the same input shapes and strides, its vmap is
+traced (``make_fx``, fake tensors) to a flat graph of batched aten ops (``mm`` on ``[n * b, k]``,
+``bmm``, ...) that runs from then on without functorch's per-op overhead; a segment whose
+batching rules cannot be traced stays with vmap. ``view``/``_unsafe_view`` become ``reshape``
+in both (vmap may move the device dim, after which a view can fail).
 
 Unbatched values. A value identical on every device is kept *unbatched* (its local shape, no
 device dim) and enters vmap with ``in_dims=None``, so the work on it (an optimizer update of
@@ -30,12 +33,13 @@ process group (that is ``runtime/distributed.py``).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, fx
+from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from partita.collectives import MESH_OPS
@@ -62,11 +66,29 @@ class _Segment:
     inputs: list[fx.Node]
     outputs: list[fx.Node]
     nodes: list[fx.Node]
-    compiled: dict[Pattern, tuple[Callable[..., Any], Pattern]] = field(default_factory=dict)
+    vmapped: dict[Pattern, tuple[Callable[..., Any], Pattern]] = field(default_factory=dict)
+    flat: dict[Hashable, Callable[..., Any] | None] = field(default_factory=dict)
 
-    def compile(self, pattern: Pattern) -> tuple[Callable[..., Any], Pattern]:
+    def run(self, values: list[tuple[Any, bool]]) -> list[tuple[Any, bool]]:
+        """Outputs ``(value, batched)`` for inputs ``(value, batched)``."""
+        args = [v for v, _ in values]
+        fn, out_pattern = self._vmapped(tuple(b for _, b in values))
+        if fn is not self.gm:
+            # The second run with the same signature traces vmap(segment) to a flat graph of
+            # batched aten ops, which then runs without functorch's per-op overhead.
+            key = _signature(args, out_pattern)
+            if key is not None:
+                if key not in self.flat:
+                    self.flat[key] = None  # seen once
+                else:
+                    if self.flat[key] is None:
+                        self.flat[key] = _trace_flat(fn, args)
+                    fn = self.flat[key]  # type: ignore[assignment]
+        return list(zip(fn(*args), out_pattern, strict=True))
+
+    def _vmapped(self, pattern: Pattern) -> tuple[Callable[..., Any], Pattern]:
         """The callable for inputs batched as ``pattern``, and which outputs are batched."""
-        hit = self.compiled.get(pattern)
+        hit = self.vmapped.get(pattern)
         if hit is not None:
             return hit
         # Under vmap an op's result is batched exactly when one of its inputs is.
@@ -81,8 +103,27 @@ class _Segment:
                 in_dims=tuple(0 if b else None for b in pattern),
                 out_dims=tuple(0 if b else None for b in out_pattern),
             )
-        self.compiled[pattern] = (fn, out_pattern)
+        self.vmapped[pattern] = (fn, out_pattern)
         return fn, out_pattern
+
+
+def _signature(args: list[Any], out_pattern: Pattern) -> Hashable | None:
+    """What a traced flat graph depends on: every input's shape, strides, dtype and device."""
+    if not all(isinstance(a, Tensor) for a in args):
+        return None  # rare (non-tensor graph inputs): stay with vmap
+    return out_pattern, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
+
+
+def _trace_flat(fn: Callable[..., Any], args: list[Any]) -> Callable[..., Any]:
+    try:
+        flat = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+    except Exception:  # a batching rule that make_fx cannot trace: vmap stays correct
+        return fn
+    for node in flat.graph.nodes:
+        if node.target in _TO_RESHAPE:  # traced on fake strides; reshape is safe on any
+            node.target = aten.reshape.default
+    flat.recompile()
+    return flat
 
 
 @dataclass
@@ -138,11 +179,8 @@ class LocalMesh:
             env[node] = self._read_input(node, x)
         for step in plan.steps:
             if isinstance(step, _Segment):
-                values = [env[i] for i in step.inputs]
-                fn, out_pattern = step.compile(tuple(b for _, b in values))
-                outs = fn(*(v for v, _ in values))
-                for node, value, b in zip(step.outputs, outs, out_pattern, strict=True):
-                    env[node] = (value, b)
+                outs = step.run([env[i] for i in step.inputs])
+                env.update(zip(step.outputs, outs, strict=True))
             else:
                 env[step] = self._run_mesh_op(step, env)
         leaves, _ = pytree.tree_flatten(plan.output)
