@@ -189,6 +189,9 @@ def test_sort() -> None:
 
 def test_slice_cut_and_full() -> None:
     assert rule_of("aten.slice.Tensor", lambda a: a[:, :30], r(16, 32)) == (
+        "FactorRule(a b -> a b; windowed=b; handler=prefix_slice)"
+    )
+    assert rule_of("aten.slice.Tensor", lambda a: a[:, 2:30], r(16, 32)) == (
         "FactorRule(a b -> a c; need-replication=b)"
     )
     assert rule_of("aten.select.int", lambda a: a[:, 3], r(16, 32)) == (

@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 
 from partita.rules import FactorRule
+from partita.spec import Sharding
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
@@ -147,3 +148,37 @@ def _arange_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
 
 
 register(Handler("localize_shape", _arange_applies, _arange_lower))
+
+
+# --- prefix_slice: x[..., :n] along a sharded dim ---------------------------------------------
+
+
+def _prefix_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+    return any(assign.values())
+
+
+def _prefix_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+    """Tiles of ``x`` ([N] over k devices: ``ceil(N/k)`` each) and of ``x[:n]`` start at the
+    same global rows when ``ceil(n/k) == ceil(N/k)``: each device keeps its tile as is and the
+    rows past ``n`` become padding — no communication (T11). Otherwise the dim is gathered,
+    sliced and cut again (a re-align that moves the whole dim; T09)."""
+    (x_local,) = low.localize_operands(node, rule, assign)[:1]
+    x = low.value(node.args[0])
+    dim = int(node.args[1]) % len(x.shape)
+    (out,) = low.result_shardings(rule, assign)
+    assert out is not None
+    axes = out.dim_axes[dim]
+    k = low.mesh.axes_size(axes)
+    n = int(node.meta["val"].shape[dim])
+    tile = -(-x.shape[dim] // k)
+    if -(-n // k) == tile:
+        return low.call(aten.slice.Tensor, x_local, dim, 0, tile)
+    key = low.key(node.args[0])
+    whole = x.sharding.with_dims(() if d == dim else a for d, a in enumerate(x.sharding.dim_axes))
+    why = f"{node.target} (%{node.name}) re-aligns tiles of {x.shape[dim]} rows to {n}"
+    gathered = low.reshard(key, Sharding(low.mesh, whole.dim_axes), why, node)
+    sliced = low.call(aten.slice.Tensor, gathered, dim, 0, n)
+    return low.call(torch.ops.partita.shard_slice.default, sliced, dim, list(axes), k)
+
+
+register(Handler("prefix_slice", _prefix_applies, _prefix_lower))

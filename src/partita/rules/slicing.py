@@ -38,9 +38,19 @@ def _cut(info: OpInfo, dim: int, *, keep_dim: bool) -> FactorRule:
 
 @register_rule(*aten_ops(["narrow.default", "slice.Tensor"]))
 def slice_rule(info: OpInfo) -> FactorRule:
-    """``a b -> a c; need-replication=b`` for ``x[:, :30]``; ``a b -> a b`` for a full slice."""
-    x = info.operands[0]
-    return _cut(info, norm_dim(info.arg(1, "dim", 0), x.ndim), keep_dim=True)
+    """``a b -> a b; windowed=b; handler=prefix_slice`` for ``x[:, :30]``;
+    ``a b -> a c; need-replication=b`` for ``x[:, 2:30]``; ``a b -> a b`` for a full slice."""
+    x, out = info.operands[0], info.results[0]
+    dim = norm_dim(info.arg(1, "dim", 0), x.ndim)
+    start, step = info.arg(2, "start", None), info.arg(4, "step", 1)
+    is_slice = str(info.target).startswith("aten.slice")
+    if is_slice and start in (None, 0) and step == 1 and out.shape[dim] < x.shape[dim]:
+        # A prefix x[..., :n] keeps every tile's start: windowed, the partitioner slices
+        # locally when the tiles line up (T11) and re-aligns otherwise (T09).
+        names = Names().take(x.ndim)
+        rest = [None] * (len(info.operands) - 1)
+        return build(info, [names, *rest], [names], windowed=[names[dim]], handler="prefix_slice")
+    return _cut(info, dim, keep_dim=True)
 
 
 @register_rule(*aten_ops(["select.int"]))
