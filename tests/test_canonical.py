@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import warnings
 
-import programs
 import pytest
 import torch
 
 import partita
-from partita import Mesh, P, RematerializationError
-from partita.partition.lower import RematerializationWarning
+import programs
+from partita import Mesh, P, RematerializationError, RematerializationWarning
 
 MESH = programs.MESH
 GROUPS = {

@@ -60,3 +60,12 @@ class RematerializationError(PartitaError, ValueError):
 
 class CaptureError(PartitaError, RuntimeError):
     """A user function could not be traced into a program."""
+
+
+class PartitaWarning(UserWarning):
+    """Base class of the warnings partita emits."""
+
+
+class RematerializationWarning(PartitaWarning):
+    """A reshard gathers a whole value on every device (an involuntary full rematerialization);
+    ``strict=True`` turns it into a :class:`RematerializationError`."""

@@ -31,7 +31,11 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from partita.errors import RematerializationError, UnsupportedOpError
+from partita.errors import (
+    RematerializationError,
+    RematerializationWarning,
+    UnsupportedOpError,
+)
 from partita.explain import op_name
 from partita.layout import local_shape
 from partita.mesh import Mesh
@@ -44,13 +48,9 @@ from partita.partition.reshard import emit_reshard, is_full_remat, plan_reshard
 from partita.rules import FactorKind, FactorRule
 from partita.spec import Sharding
 
-__all__ = ["Lowering", "RematerializationWarning"]
+__all__ = ["LocalValue", "Lowering"]
 
 ValueKey = tuple[fx.Node, int | None]
-
-
-class RematerializationWarning(UserWarning):
-    """A reshard had to gather a whole value on every device (involuntary full remat)."""
 
 
 @dataclass(slots=True)
