@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -84,6 +84,7 @@ class Mesh:
     device_ids: tuple[int, ...]
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
+    _sizes: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
 
     def __init__(
         self,
@@ -137,6 +138,7 @@ class Mesh:
         object.__setattr__(self, "device_ids", ids)
         object.__setattr__(self, "shape", dims)
         object.__setattr__(self, "axis_names", names)
+        object.__setattr__(self, "_sizes", dict(zip(names, dims, strict=True)))
 
     @classmethod
     def create(cls, shape: Sequence[int] | int, axis_names: Sequence[str] | None = None) -> Mesh:
@@ -200,7 +202,8 @@ class Mesh:
 
     def axes_size(self, mesh_axes: Iterable[MeshAxis]) -> int:
         """The product of the sizes of several mesh axes (1 for none)."""
-        return math.prod(self.axis_size(a) for a in mesh_axes)
+        sizes = self._sizes
+        return math.prod(sizes[a] if a in sizes else self.axis_size(a) for a in mesh_axes)
 
     # --- device queries ------------------------------------------------------------------
 

@@ -57,7 +57,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils import _pytree as pytree
 
 from partita.errors import ShardingConflictError, UnsupportedOpError
 from partita.mesh import Mesh
@@ -104,26 +103,39 @@ def _is_tensor(v: Any) -> bool:
 
 
 def _meta(v: Any) -> TensorMeta:
-    return TensorMeta(tuple(int(s) for s in v.shape), v.dtype)
+    return TensorMeta(tuple(v.shape), v.dtype)
 
 
-def op_info(node: fx.Node) -> tuple[OpInfo, list[fx.Node], list[int | None]]:
+def op_info(
+    node: fx.Node, cache: dict[fx.Node, TensorMeta] | None = None
+) -> tuple[OpInfo, list[fx.Node], list[int | None]]:
     """The OpInfo of a call_function node, its tensor operand nodes (flattened order) and the
-    output index of each flattened result (``None`` for a single tensor output)."""
+    output index of each flattened result (``None`` for a single tensor output). ``cache``
+    keeps one TensorMeta per operand node across calls."""
     operand_nodes: list[fx.Node] = []
     metas: list[TensorMeta] = []
 
     def to_meta(a: Any) -> Any:
         if isinstance(a, fx.Node):
             val = a.meta.get("val")
-            if _is_tensor(val):
-                operand_nodes.append(a)
-                metas.append(_meta(val))
-                return metas[-1]
-            return val
+            if not _is_tensor(val):
+                return val
+            meta = cache.get(a) if cache is not None else None
+            if meta is None:
+                meta = _meta(val)
+                if cache is not None:
+                    cache[a] = meta
+            operand_nodes.append(a)
+            metas.append(meta)
+            return meta
+        if isinstance(a, (list, tuple)):
+            return type(a)(to_meta(x) for x in a)
+        if isinstance(a, dict):
+            return {k: to_meta(v) for k, v in a.items()}
         return a
 
-    args, kwargs = pytree.tree_map(to_meta, (tuple(node.args), dict(node.kwargs)))
+    args = tuple(to_meta(a) for a in node.args)
+    kwargs = {k: to_meta(v) for k, v in node.kwargs.items()}
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
         results = tuple(_meta(v) if _is_tensor(v) else None for v in val)
@@ -131,7 +143,7 @@ def op_info(node: fx.Node) -> tuple[OpInfo, list[fx.Node], list[int | None]]:
     else:
         results = (_meta(val) if _is_tensor(val) else None,)
         indices = [None]
-    info = OpInfo(node.target, tuple(args), kwargs, tuple(metas), results)
+    info = OpInfo(node.target, args, kwargs, tuple(metas), results)
     return info, operand_nodes, indices
 
 
@@ -148,6 +160,7 @@ class _Propagator:
         self.users: dict[ValueKey, list[int]] = {}  # value -> indices of ops touching it
         self.alias: dict[fx.Node, ValueKey] = {}
         self.replicate_unsupported = replicate_unsupported
+        self._metas: dict[fx.Node, TensorMeta] = {}
         self._build()
 
     # --- set-up ----------------------------------------------------------------------------
@@ -182,7 +195,7 @@ class _Propagator:
         vals = val if isinstance(val, (tuple, list)) else (val,)
         if not any(_is_tensor(v) for v in vals):
             return
-        info, operand_nodes, indices = op_info(node)
+        info, operand_nodes, indices = op_info(node, self._metas)
         rule = self._rule(node, info)
         results: list[ValueKey | None] = []
         for idx, v in zip(indices, vals, strict=True):

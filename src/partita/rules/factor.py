@@ -24,6 +24,7 @@ given). It holds no per-op knowledge (that is in the family modules) and no prop
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -100,6 +101,19 @@ class FactorRule:
     reduce_op: str = "sum"
     handler: str | None = None
     result_reductions: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    _factors: tuple[str, ...] = field(init=False, repr=False, compare=False)
+    _reductions: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        # Derived once: propagation asks for these for every op visit.
+        seen: dict[str, None] = {}
+        for t in (*self.operands, *self.results):
+            for dim in t or ():
+                for f in dim:
+                    seen.setdefault(f, None)
+        object.__setattr__(self, "_factors", tuple(seen))
+        reductions = tuple(f for f in seen if self.kind(f) is FactorKind.REDUCTION)
+        object.__setattr__(self, "_reductions", reductions)
 
     def kind(self, factor: str) -> FactorKind:
         return self.kinds.get(factor, FactorKind.PASS_THROUGH)
@@ -107,16 +121,11 @@ class FactorRule:
     @property
     def factors(self) -> tuple[str, ...]:
         """Every factor in first-appearance order (operands, then results)."""
-        seen: dict[str, None] = {}
-        for t in (*self.operands, *self.results):
-            for dim in t or ():
-                for f in dim:
-                    seen.setdefault(f, None)
-        return tuple(seen)
+        return self._factors
 
     @property
     def reduction_factors(self) -> tuple[str, ...]:
-        return tuple(f for f in self.factors if self.kind(f) is FactorKind.REDUCTION)
+        return self._reductions
 
     def partial_factors(self, result: int) -> tuple[str, ...]:
         """The factors whose mesh axes make result ``result`` partial: the reduction factors
@@ -194,6 +203,7 @@ def _parse_tensor(text: str) -> TensorFactors | None:
     return tuple(dims)
 
 
+@functools.lru_cache(maxsize=4096)
 def parse_einsum(
     spec: str,
 ) -> tuple[tuple[TensorFactors | None, ...], tuple[TensorFactors | None, ...]]:
