@@ -106,9 +106,16 @@ class Plan:
         )
         return "\n".join(lines)
 
-    def explain(self) -> str:
-        """A readable report: the mesh, inputs and outputs, each collective with its reason."""
+    def explain(self, *, values: bool = False) -> str:
+        """A readable report: the mesh, inputs and outputs, each collective with its reason.
+
+        ``values=True`` also lists every value of the program with its op, shape, inferred
+        sharding and source line (the propagation result), before the collectives.
+        """
         lines = [f"Plan on {self.mesh!r}"]
+        if values and self.program_text:
+            lines.append("values:")
+            lines.extend("  " + line for line in self.program_text.splitlines()[1:])
         lines.append("inputs:  " + ", ".join(str(s) for s in self.input_shardings))
         lines.append("outputs: " + ", ".join(str(s) for s in self.output_shardings))
         if not self.collectives:
