@@ -177,8 +177,13 @@ def test_var_needs_replication() -> None:
 
 def test_softmax() -> None:
     assert rule_of("aten._softmax.default", lambda a: a.softmax(1), r(16, 32)) == (
-        "FactorRule(a b -> a b; need-replication=b; handler=softmax_reduce)"
+        "FactorRule(a b -> a b; handler=softmax_reduce)"
     )
+    assert rule_of(
+        "aten._log_softmax_backward_data.default",
+        lambda a: torch.ops.aten._log_softmax_backward_data(a, a, 1, torch.float32),
+        r(16, 32),
+    ) == ("FactorRule(a b, a b -> a b; handler=softmax_reduce)")
 
 
 def test_sort() -> None:
@@ -257,6 +262,45 @@ def test_nll_loss_mean() -> None:
     t = torch.randint(0, 10, (4,))
     assert rule_of("aten.nll_loss_forward.default", lambda x, t: F.nll_loss(x, t), r(4, 10), t) == (
         "FactorRule(a b, a -> , ; reduction=a; need-replication=b; handler=weighted_mean)"
+    )
+    sum_rule = rule_of(
+        "aten.nll_loss_forward.default",
+        lambda x, t: F.nll_loss(x, t, reduction="sum"),
+        r(4, 10),
+        t,
+    )
+    assert sum_rule == (
+        "FactorRule(a b, a -> , ; reduction=a; need-replication=b; handler=weighted_mean)"
+    )
+
+
+def test_batch_norm_training_is_batch_stats() -> None:
+    def f(x: torch.Tensor, w: torch.Tensor, rm: torch.Tensor) -> Any:
+        return torch.ops.aten._native_batch_norm_legit_functional(x, w, w, rm, rm, True, 0.1, 1e-5)
+
+    def b(x: torch.Tensor, w: torch.Tensor) -> Any:
+        return torch.ops.aten.native_batch_norm_backward(
+            x, x, w, w, w, w, w, True, 1e-5, [True, True, True]
+        )
+
+    x, w = r(4, 3, 5, 5), r(3)
+    assert rule_of("aten._native_batch_norm_legit_functional.default", f, x, w, w) == (
+        "FactorRule(a b c d, b, b, b, b -> a b c d, b, b, b, b; handler=batch_stats)"
+    )
+    assert rule_of("aten.native_batch_norm_backward.default", b, x, w) == (
+        "FactorRule(a b c d, a b c d, b, b, b, b, b -> a b c d, b, b; handler=batch_stats)"
+    )
+    in_place = rule_of(
+        "aten.native_batch_norm.default",
+        lambda x, w: torch.ops.aten.native_batch_norm(
+            x, w, w, w.clone(), w.clone(), True, 0.1, 1e-5
+        ),
+        x,
+        w,
+    )
+    assert in_place == (
+        "FactorRule(a b c d, b, b, b, b -> a b c d, b, b; need-replication=a,c,d; "
+        "handler=batch_stats)"
     )
 
 

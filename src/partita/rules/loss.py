@@ -3,10 +3,12 @@
 
 Decision: the class dim is need-replication (the loss *indexes* it with the targets; a sharded
 class dim would need a masked gather like the embedding's). The batch dim passes through for
-``reduction="none"``; for ``"sum"`` it is a reduction factor (output and total_weight are
-partial sums); for ``"mean"`` too, with ``handler="weighted_mean"``: the partitioner runs the
-local op with ``reduction="sum"`` and divides the all-reduced sum by the all-reduced
-total_weight (a local mean of means would be wrong when shards hold different weights).
+``reduction="none"``; for ``"sum"`` and ``"mean"`` it is a reduction factor with
+``handler="weighted_mean"``: the partitioner masks padded targets to ``ignore_index`` (so padding
+adds nothing to the loss or to total_weight) and runs the local op with ``reduction="sum"``;
+for sum the results are partial sums, for mean it divides the all-reduced sum by the
+all-reduced total_weight (a local mean of means would be wrong when shards hold different
+weights).
 The backward's ``total_weight`` is the global one.
 """
 
@@ -44,7 +46,7 @@ def nll_loss_rule(info: OpInfo) -> FactorRule:
         [[], []],
         reduction=t_dims,
         need_replication="b",
-        handler="weighted_mean" if reduction == _MEAN else None,
+        handler="weighted_mean",
     )
 
 

@@ -7,10 +7,14 @@ Decisions (and why):
   through. ``mean``/``rstd`` have the batch dims and size-1 normalised dims. In the backward,
   ``grad_weight``/``grad_bias`` sum over the batch dims (``result_reductions``: partial when a
   batch dim is sharded) while ``grad_input`` keeps them.
-* Batch norm, training mode: the statistics are reduced over batch and spatial dims, and the
-  normalised output needs them whole, so batch and spatial dims are need-replication with
-  ``handler="batch_stats"`` (a partitioner may lower it as SyncBatchNorm: all_reduce the local
-  sums and sums of squares). Channels pass through. Eval mode: batch and spatial dims pass
+* Batch norm, training mode: the statistics are reduced over batch and spatial dims. Those
+  dims pass through with the *mandatory* ``handler="batch_stats"``: sharded, the partitioner
+  lowers the op as SyncBatchNorm (one all_reduce of the per-channel sums and sums of squares,
+  with the global count; the backward all-reduces the per-channel sums of ``dy`` and
+  ``dy * (x - mean)``, so its ``grad_weight``/``grad_bias`` come out replicated). The variants
+  that update running stats *in place* (``native_batch_norm`` and ``_native_batch_norm_legit``
+  with running stats; a captured program has the functional form instead) keep batch and
+  spatial dims need-replication. Channels pass through. Eval mode: batch and spatial dims pass
   through, and the backward's ``grad_weight``/``grad_bias`` sum over them.
 * Group norm: the batch dim passes through, channels and spatial dims are need-replication.
 
@@ -67,12 +71,18 @@ def layer_norm_backward_rule(info: OpInfo) -> FactorRule:
     )
 
 
-def _bn_dims(info: OpInfo, x_index: int, training: bool) -> tuple[list[str], list[str], dict]:
+def _bn_dims(
+    info: OpInfo, x_index: int, training: bool, in_place: bool = False
+) -> tuple[list[str], list[str], dict]:
     x = info.operands[x_index]
     names = Names().take(x.ndim)
     c = names[1]
     other = [f for i, f in enumerate(names) if i != 1]
-    kw: dict = {"need_replication": other, "handler": "batch_stats"} if training else {}
+    kw: dict = {}
+    if training:
+        kw = {"handler": "batch_stats"}
+        if in_place:  # running stats updated in place: batch_stats does not lower that
+            kw["need_replication"] = other
     return names, [c], kw
 
 
@@ -95,10 +105,15 @@ _BN_FORWARD = aten_ops(
 
 @register_rule(*_BN_FORWARD)
 def batch_norm_rule(info: OpInfo) -> FactorRule:
-    """Training: ``a b c d, b, b, b, b -> a b c d, b, b, ...; need-replication=a,c,d;
-    handler=batch_stats``; eval: everything passes through."""
+    """Training: ``a b c d, b, b, b, b -> a b c d, b, b, ...; handler=batch_stats`` (plus
+    ``need-replication=a,c,d`` for the in-place variants); eval: everything passes through."""
     training = "no_training" not in str(info.target) and bool(arg(info, "training", False))
-    names, c, kw = _bn_dims(info, 0, training)
+    name = str(info.target)
+    in_place = (
+        name in ("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default")
+        and arg(info, "running_mean") is not None
+    )
+    names, c, kw = _bn_dims(info, 0, training, in_place)
     operands = [names, *([c] * (len(info.operands) - 1))]
     results = [names] + [
         None if r is None else (c if r.shape and r.shape[0] else [None] * r.ndim)

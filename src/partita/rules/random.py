@@ -26,6 +26,7 @@ RANDOM_LIKE_OPS = aten_ops(
         "bernoulli_.float",
         "native_dropout.default",
         "normal_.default",
+        "normal_functional.default",
         "rand_like.default",
         "randint_like.default",
         "randn_like.default",

@@ -7,8 +7,9 @@ op divides by the local count: the partitioner sums the local means times the lo
 or lowers mean as a sum and divides by the global count), ``amax``/``any`` (``"max"``),
 ``amin``/``all`` (``"min"``). Dims that need every element at once are need-replication:
 ``var``/``std``, ``prod``, the indices of ``max.dim``/``argmax``, ``cumsum``, ``sort``/``topk``.
-Softmax's dim is need-replication with ``handler="softmax_reduce"``: a partitioner may instead
-shard it with an all_reduce(max) and an all_reduce(sum) (canonical T12). This module does not
+Softmax's dim passes through with the *mandatory* ``handler="softmax_reduce"``: sharded, the
+partitioner lowers it with an all_reduce(max) and an all_reduce(sum) (canonical T12); the
+backwards need one all_reduce(sum). This module does not
 cover norms or losses (``norm.py``, ``loss.py``).
 """
 
@@ -114,15 +115,16 @@ _SOFTMAX = aten_ops(
 
 @register_rule(*_SOFTMAX)
 def softmax_rule(info: OpInfo) -> FactorRule:
-    """``a b -> a b; need-replication=b; handler=softmax_reduce`` for ``softmax(x, 1)``;
-    the backward ops (``grad, out -> grad_in``) share the factors."""
+    """``a b -> a b; handler=softmax_reduce`` for ``softmax(x, 1)``; the backward ops
+    (``grad, out -> grad_in``) share the factors. The softmax dim ``b`` is a pass-through factor
+    only because the partitioner's ``softmax_reduce`` handler lowers it (cross-device max and
+    sum); generic (per-tile) lowering of a sharded ``b`` would be wrong."""
     x = info.operands[0]
     names = Names().take(x.ndim)
     d = info.args[1] if isinstance(info.args[1], int) else info.args[2]
-    d = norm_dim(d, x.ndim)
+    norm_dim(d, x.ndim)  # validates the dim
     dims = [names] * len(info.operands)
-    rep = [names[d]] if x.ndim else []
-    return build(info, dims, [names], need_replication=rep, handler="softmax_reduce")
+    return build(info, dims, [names], handler="softmax_reduce")
 
 
 @register_rule(*aten_ops(["cumprod.default", "cumsum.default", "logcumsumexp.default"]))
