@@ -158,6 +158,10 @@ class Jitted:
                 if leaf.sharding != sharding:  # only if a plain spec and an annotation disagree
                     leaf = ShardedTensor.from_global(leaf.full(), sharding)
                 stacked.append(leaf.stacked)
+            elif sharding.is_replicated:
+                # A stride-0 view: the executor keeps it unbatched, so work on replicated
+                # values (a data-parallel optimizer update) runs once, not once per device.
+                stacked.append(leaf.unsqueeze(0).expand(self.mesh.size, *leaf.shape))
             else:
                 stacked.append(shard_tensor(leaf, sharding))
         outs = self._executor.run(compiled.local, stacked)
