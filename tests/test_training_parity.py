@@ -20,8 +20,8 @@ and buffers are replicated.
 Two test-level choices, both explained where they are made:
 
 * the step counter (and batch norm's ``num_batches_tracked``) is passed as a shape-[1] tensor
-  and reshaped to 0-d inside the step, because ``partita.jit`` cannot yet take a 0-d input
-  (``test_zero_dim_input`` below records that bug);
+  and reshaped to 0-d inside the step, because ``partita.jit`` could not take a 0-d input
+  (``test_zero_dim_input`` below; the adapter can go once that fix has been in for a while);
 * the GPT's AdamW uses ``eps=1e-5``: the key bias's gradient is zero in exact arithmetic
   (softmax is shift invariant) and with ``eps=1e-8`` AdamW turns its ~1e-10 rounding noise into
   parameter updates of random sign and size ``lr``, so *any* reordering of sums — sharded or
@@ -262,14 +262,8 @@ def test_strategy_uses_the_expected_collectives(model: str, strategy: str) -> No
 # --- known bugs found by these steps, as their own minimal cases --------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="rules/annotate.py builds the einsum text ' -> ' for a 0-d tensor, which parses as "
-    "no operands: partita.jit(lambda s: s + 1, mesh=Mesh.create((8,), ('data',)), "
-    "in_specs=(P(),))(torch.tensor(0.)) raises ValueError (jit annotates every tensor input, "
-    "with or without a spec, so every training step with a 0-d step counter fails)",
-)
 def test_zero_dim_input() -> None:
+    """A 0-d input (a step counter) compiles (the annotate rule once read ' -> ' as no tensors)."""
     mesh = Mesh.create((8,), ("data",))
     out = partita.jit(lambda s: s + 1, mesh=mesh, in_specs=(P(),))(torch.tensor(0.0))
     assert out.full().item() == 1.0
