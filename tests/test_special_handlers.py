@@ -338,3 +338,21 @@ def test_batch_norm_training_step_sync(mesh_name: str, n: int, spatial: bool) ->
         torch.testing.assert_close(a, e, msg=lambda m, name=name: f"{name}: {m}")
     # SyncBatchNorm: no gather of the activations, only all_reduces
     assert all(c.kind == "all_reduce" for c in plan.collectives), kinds(plan)
+
+
+@pytest.mark.parametrize("mesh_name", sorted(MESHES))
+@pytest.mark.parametrize("reduction", [1, 2])
+def test_nll_loss_backward_masks_padded_targets(mesh_name: str, reduction: int) -> None:
+    """Targets computed in the program: their padding is -50 (not a class, not ignore_index)."""
+    mesh = MESHES[mesh_name]
+    logp = rand(5, 4).log_softmax(1)
+    shifted = torch.randint(0, 4, (5,), generator=_g(7)) + 50
+
+    def f(x: torch.Tensor, t: torch.Tensor) -> Any:
+        t = t - 50
+        loss, total = aten.nll_loss_forward(x, t, None, reduction, -100)
+        return aten.nll_loss_backward(torch.ones_like(loss), x, t, None, reduction, -100, total)
+
+    batch = axes(mesh)
+    out, _ = run(f, (logp, shifted), mesh, (P(batch, None), P(batch)), P(batch, None))
+    torch.testing.assert_close(out.full(), f(logp, shifted))

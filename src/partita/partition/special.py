@@ -334,7 +334,29 @@ def _nll_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -
     return low.call(make_tuple, low.call(aten.div.Tensor, total, weight), weight)
 
 
-register(Handler("weighted_mean", _mean_applies, _nll_lower))
+def _nll_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+    if node.target == aten.nll_loss_backward.default:
+        return _val(node.args[2]).ndim > 0 and bool(_axes_of(rule, 2, 0, assign))
+    return bool(_reduced_axes(rule, assign))
+
+
+def _nll_backward_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+    """``nll_loss_backward`` with the batch sharded: padded targets become ``ignore_index`` (the
+    kernel indexes with them); the global ``total_weight`` makes the rest local."""
+    it = iter(low.localize_operands(node, rule, assign))
+    args = [next(it) if isinstance(_val(a), torch.Tensor) else a for a in node.args]
+    n = int(_val(node.args[2]).shape[0])
+    args[2] = _mask(low, args[2], _axes_of(rule, 2, 0, assign), n, 1, 0, int(args[5]))
+    return low.call(node.target, *args)
+
+
+def _nll_dispatch(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+    if node.target == aten.nll_loss_backward.default:
+        return _nll_backward_lower(low, node, rule, assign)
+    return _nll_lower(low, node, rule, assign)
+
+
+register(Handler("weighted_mean", _nll_applies, _nll_dispatch))
 
 
 # --- batch_stats: batch norm in training mode (SyncBatchNorm) ------------------------------------

@@ -9,7 +9,8 @@ adds nothing to the loss or to total_weight) and runs the local op with ``reduct
 for sum the results are partial sums, for mean it divides the all-reduced sum by the
 all-reduced total_weight (a local mean of means would be wrong when shards hold different
 weights).
-The backward's ``total_weight`` is the global one.
+The backward's ``total_weight`` is the global one; its rule names ``weighted_mean`` too, whose
+only job there is to mask padded targets to ``ignore_index``.
 """
 
 from __future__ import annotations
@@ -52,9 +53,16 @@ def nll_loss_rule(info: OpInfo) -> FactorRule:
 
 @register_rule(*aten_ops(["nll_loss_backward.default"]))
 def nll_loss_backward_rule(info: OpInfo) -> FactorRule:
-    """``, a b, a, b, -> a b; need-replication=b`` (grad_output, input, target, weight,
-    total_weight)."""
+    """``, a b, a, b, -> a b; need-replication=b; handler=weighted_mean`` (grad_output,
+    input, target, weight, total_weight); the handler only masks padded targets to
+    ``ignore_index`` when the batch is sharded (the kernel indexes with them)."""
     x_dims, t_dims, w_dims = _dims(info, 1)
     grad = t_dims if arg(info, "reduction", _MEAN) == _NONE else []
     weight = [w_dims] if arg(info, "weight") is not None else []
-    return build(info, [grad, x_dims, t_dims, *weight, []], [x_dims], need_replication="b")
+    return build(
+        info,
+        [grad, x_dims, t_dims, *weight, []],
+        [x_dims],
+        need_replication="b",
+        handler="weighted_mean",
+    )
