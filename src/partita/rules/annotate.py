@@ -17,5 +17,6 @@ from partita.rules.factor import FactorRule, OpInfo, einsum_rule
 @register_rule(ANNOTATE_OP)
 def identity_rule(info: OpInfo) -> FactorRule:
     """``a b c -> a b c`` for the annotated tensor (the op's only tensor operand)."""
-    letters = " ".join(string.ascii_lowercase[: info.operands[0].ndim])
-    return einsum_rule(f"{letters} -> {letters}", info.operands, info.results)
+    # Parsed form, not text: the text " -> " of a 0-d tensor would describe no tensors at all.
+    factors = tuple((c,) for c in string.ascii_lowercase[: info.operands[0].ndim])
+    return einsum_rule(((factors,), (factors,)), info.operands, info.results)
