@@ -25,7 +25,10 @@ Invariants and conflict resolution (in the order they apply):
    size of the tensors proposing exactly the winning axes), then first appearance; a factor
    keeps the prefix of its axes up to the first axis already taken. (This is what makes a
    gradient matmul under FSDP reduce over the batch axis and reduce-scatter into the
-   parameter's sharding, and what makes T19 gather the smaller operand.)
+   parameter's sharding, and what makes T19 gather the smaller operand.) Two groups claim
+   late: the rows of a table lookup (an embedding's vocabulary: under FSDP the lookup follows
+   the batch of its indices and the table is gathered, rather than the batch being gathered
+   for a masked lookup), and factors only the results have (they are computed whole).
 6. **Compound dims** (reshape): axes go to the major factor while their product divides its
    size; the minor factor gets axes only once the major factor is fully split. A factor that
    appears in a compound dim anywhere keeps only the prefix of axes whose product divides its
@@ -65,7 +68,11 @@ from partita.spec import Sharding
 
 __all__ = ["op_info", "propagate", "source_of"]
 
-ValueKey = tuple[fx.Node, int | None]  # (producer, output index or None for a single output)
+ValueKey = tuple[fx.Node, int | None]
+
+#: Handlers of table lookups whose reduction factor (the table's rows) is *weak*: it keeps a
+#: mesh axis only when the lookup's index dims do not want it (invariant 5).
+_LOOKUP_HANDLERS = ("masked_embedding",)  # (producer, output index or None for a single output)
 
 
 @dataclass(slots=True)
@@ -90,6 +97,7 @@ class _Op:
     compound: frozenset[str] = field(default_factory=frozenset)
     free: tuple[str, ...] = ()  # pass-through factors on every tensor: targets of invariant 9
     result_only: frozenset[str] = field(default_factory=frozenset)  # in no operand
+    weak: frozenset[str] = field(default_factory=frozenset)  # claim axes after the others
 
 
 def source_of(node: fx.Node) -> str | None:
@@ -226,7 +234,10 @@ class _Propagator:
         )
         in_operands = {f for t in rule.operands for d in t or () for f in d}
         result_only = frozenset(f for f in rule.factors if f not in in_operands and rule.operands)
-        self.ops.append(_Op(node, rule, operands, results, compound, free, result_only))
+        weak = (
+            frozenset(rule.reduction_factors) if rule.handler in _LOOKUP_HANDLERS else frozenset()
+        )
+        self.ops.append(_Op(node, rule, operands, results, compound, free, result_only, weak))
         if _is_annotation(node):
             ann = node.meta["annotation"]
             if ann.sharding.mesh != self.mesh:
@@ -330,8 +341,10 @@ class _Propagator:
         ranked = sorted(best)
         # Factors the operands carry claim axes first, then need-replication axes move
         # (invariant 9), then factors only the results have (they are computed whole).
-        self._claim(op, [b for b in ranked if b[3] not in op.result_only], assign, prio_of, taken)
+        late = op.result_only | op.weak
+        self._claim(op, [b for b in ranked if b[3] not in late], assign, prio_of, taken)
         self._move_replicated_axes(op, proposals, assign, prio_of, taken)
+        self._claim(op, [b for b in ranked if b[3] in op.weak], assign, prio_of, taken)
         self._claim(op, [b for b in ranked if b[3] in op.result_only], assign, prio_of, taken)
         return assign, prio_of
 

@@ -44,8 +44,10 @@ _HANDLERS: dict[str, Handler] = {}
 #: Handler names the generic lowering covers by itself.
 GENERIC = ("localize_shape",)
 #: Handlers without which the op must run on whole (replicated) tensors: a random draw on
-#: local shapes would differ from the unsharded program's (docs/rules.md, random numbers).
-WHOLE_OP = ("global_random",)
+#: local shapes would differ from the unsharded program's (docs/rules.md, random numbers), and
+#: the rules of softmax and training batch norm make their reduced dims pass-through only on the
+#: understanding that their handler reduces across devices (mandatory handlers).
+WHOLE_OP = ("batch_stats", "global_random", "softmax_reduce")
 
 
 #: Ops whose result-only factors (dims no operand has) the generic lowering produces locally
