@@ -8,14 +8,12 @@ import torch.fx as fx
 import torch.nn.functional as F  # noqa: N812
 
 import partita
+import programs
 from partita import Mesh, P, UnsupportedOpError
 from partita.api import format_program, propagate_program
 from partita.capture import ANNOTATE_OP
 from partita.models import GPT, GPTConfig, init_opt_state
-from partita.models.steps import _adamw
 from partita.propagate import propagate
-
-import programs
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 XY = programs.MESH
@@ -77,7 +75,10 @@ def test_mlp_golden_text() -> None:
     )
     text = format_program(prog.graph_module)
     lines = [" ".join(line.split()[:1] + line.split()[2:]) for line in text.splitlines()[1:]]
-    body = "\n".join(line.split("programs.py")[0].split(" in_specs")[0].split(" out_specs")[0].strip() for line in lines)
+    body = "\n".join(
+        line.split("programs.py")[0].split(" in_specs")[0].split(" out_specs")[0].strip()
+        for line in lines
+    )
     assert body == (
         "%arg0_1 input float32[8, 16] P(None, None)\n"
         "%arg1_1 input float32[16, 32] P(None, 'model')\n"
@@ -199,7 +200,9 @@ def test_t15_value_keeps_the_requested_sharding_for_a_reduce_scatter() -> None:
 # --- conflicts -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("pa", "pb", "expected"), [(1, 0, P(None, "model")), (0, 1, P("model", None))])
+@pytest.mark.parametrize(
+    ("pa", "pb", "expected"), [(1, 0, P(None, "model")), (0, 1, P("model", None))]
+)
 def test_conflicts_are_resolved_by_priority(pa: int, pb: int, expected: P) -> None:
     def f(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         a = partita.mark_sharding(a, MESH, P("model", None), priority=pa)
@@ -299,12 +302,27 @@ def _gpt_step_returning_grads() -> tuple[object, tuple[object, ...]]:
         loss = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
         grads = dict(zip(leaves, torch.autograd.grad(loss, list(leaves.values())), strict=True))
         with torch.no_grad():
-            new_params, new_state = _adamw(params, grads, opt_state, 1e-2, (0.9, 0.999), 1e-8, 0.01)
+            new_params, new_state = _adamw(params, grads, opt_state)
         return loss.detach(), grads, new_params, new_state
 
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len))
     return step, (params, init_opt_state(params, "adamw"), ids, torch.roll(ids, -1, 1))
+
+
+def _adamw(params: dict, grads: dict, state: dict, lr: float = 1e-2) -> tuple[dict, dict]:
+    """AdamW written out (betas 0.9/0.999, eps 1e-8, weight decay 0.01), as in training steps."""
+    step = state["step"] + 1
+    new_params, new_m, new_v = {}, {}, {}
+    for name, p in params.items():
+        g = grads[name]
+        m = state["exp_avg"][name] * 0.9 + 0.1 * g
+        v = state["exp_avg_sq"][name] * 0.999 + 0.001 * g * g
+        m_hat = m / (1 - 0.9**step)
+        v_hat = v / (1 - 0.999**step)
+        new_params[name] = p * (1 - lr * 0.01) - lr * m_hat / (v_hat.sqrt() + 1e-8)
+        new_m[name], new_v[name] = m, v
+    return new_params, {"step": step, "exp_avg": new_m, "exp_avg_sq": new_v}
 
 
 def test_gpt_step_fsdp_grads_and_adamw_states_get_the_parameter_sharding() -> None:
