@@ -16,8 +16,11 @@ from __future__ import annotations
 __all__ = [
     "AnnotationError",
     "CaptureError",
+    "DistributedError",
+    "JoinTimeoutError",
     "MeshError",
     "PartitaError",
+    "PlanMismatchError",
     "RematerializationError",
     "ShardingConflictError",
     "ShardingError",
@@ -69,3 +72,16 @@ class PartitaWarning(UserWarning):
 class RematerializationWarning(PartitaWarning):
     """A reshard gathers a whole value on every device (an involuntary full rematerialization);
     ``strict=True`` turns it into a :class:`RematerializationError`."""
+
+
+class DistributedError(PartitaError, RuntimeError):
+    """A multi-process run failed: a collective broke (a peer died or timed out), or the
+    processes disagree about the program or the mesh."""
+
+
+class JoinTimeoutError(DistributedError, TimeoutError):
+    """Some ranks never joined the run within the join timeout (``PARTITA_JOIN_TIMEOUT``)."""
+
+
+class PlanMismatchError(DistributedError):
+    """The processes compiled different per-device programs (running them would deadlock)."""

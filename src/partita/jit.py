@@ -31,6 +31,7 @@ from partita.layout import shard_tensor
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
 from partita.propagate import propagate
+from partita.runtime.distributed import distributed_executor
 from partita.runtime.local import LocalMesh
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import ShardedTensor
@@ -152,6 +153,9 @@ class Jitted:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled, leaves = self._compile(args, kwargs)
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor | ShardedTensor)]
+        distributed = distributed_executor(self.mesh)  # None unless torch.distributed is up
+        if distributed is not None:
+            return compiled.program.unflatten_outputs(distributed.run_compiled(compiled, tensors))
         stacked = []
         for leaf, sharding in zip(tensors, compiled.input_shardings, strict=True):
             if isinstance(leaf, ShardedTensor):

@@ -1,0 +1,354 @@
+"""Joining a multi-process run, with a deadline; and starting local processes for tests.
+
+``join_and_init`` is what ``partita.distributed.initialize()`` does: read torchrun's
+environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``GROUP_RANK``, ``MASTER_ADDR``,
+``MASTER_PORT``), connect to the rendezvous TCPStore (torchrun's agent store, or one hosted by
+rank 0 when processes are started without torchrun), check in, and wait for every rank with a
+deadline. A rank that never arrives makes every waiting rank raise
+:class:`~partita.errors.JoinTimeoutError` naming the missing ranks, the hosts that did join,
+and saying that the script must be launched on every host. Only then is the process group
+created (Gloo on CPU, NCCL on CUDA) with a bounded collective timeout, so a rank that dies
+later makes the others fail instead of waiting forever.
+
+``spawn`` starts ``world_size`` local processes with that environment (no torchrun), waits
+with a deadline and kills what is left: for tests and benchmarks.
+
+This module does not run programs (``runtime.distributed`` does).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from partita.errors import DistributedError, JoinTimeoutError
+
+__all__ = [
+    "DEFAULT_COLLECTIVE_TIMEOUT",
+    "DEFAULT_JOIN_TIMEOUT",
+    "ProcessEnv",
+    "RankResult",
+    "free_port",
+    "join_and_init",
+    "read_env",
+    "spawn",
+]
+
+#: Seconds to wait for every rank to join (``PARTITA_JOIN_TIMEOUT`` overrides).
+DEFAULT_JOIN_TIMEOUT = 300.0
+#: Seconds a collective may wait for its peers (``PARTITA_COLLECTIVE_TIMEOUT`` overrides).
+DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+
+_POLL = 0.1
+
+
+@dataclass(frozen=True)
+class ProcessEnv:
+    """This process's place in the run, from torchrun's environment variables."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int
+    master_addr: str
+    master_port: int
+    agent_store: bool  # torchrun's agent hosts the store (workers are clients)
+    restart: int
+
+
+def read_env(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
+    """The torchrun environment, or None when this process was not started by a launcher."""
+    env = os.environ if environ is None else environ
+    if "RANK" not in env or "WORLD_SIZE" not in env:
+        return None
+    missing = [k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in env]
+    if missing:
+        raise DistributedError(
+            f"RANK and WORLD_SIZE are set but {missing} are not: cannot find the rendezvous. "
+            f"Launch with torchrun (which sets them all), or set MASTER_ADDR and MASTER_PORT "
+            f"to rank 0's host and a free port."
+        )
+    world = int(env["WORLD_SIZE"])
+    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    return ProcessEnv(
+        rank=int(env["RANK"]),
+        world_size=world,
+        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+        local_world_size=local_world,
+        node_rank=int(env.get("GROUP_RANK", int(env["RANK"]) // max(local_world, 1))),
+        master_addr=env["MASTER_ADDR"],
+        master_port=int(env["MASTER_PORT"]),
+        agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True",
+        restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+    )
+
+
+def _seconds(value: float | None, variable: str, default: float) -> float:
+    if value is not None:
+        return float(value)
+    text = os.environ.get(variable)
+    if text is None:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        raise DistributedError(f"{variable}={text!r} must be a number of seconds.") from None
+
+
+def join_timeout(value: float | None = None) -> float:
+    return _seconds(value, "PARTITA_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT)
+
+
+def collective_timeout(value: float | None = None) -> float:
+    return _seconds(value, "PARTITA_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT)
+
+
+#: Who joined (rank -> "host node=.. local_rank=.."), filled by join_and_init.
+JOINED: dict[int, str] = {}
+
+
+def _launch_hint(env: ProcessEnv) -> str:
+    nodes = -(-env.world_size // max(env.local_world_size, 1))
+    return (
+        f"The same script must be launched on every host: torchrun --nnodes={nodes} "
+        f"--node-rank=<0..{nodes - 1}> --nproc-per-node={env.local_world_size} "
+        f"--master-addr={env.master_addr} --master-port={env.master_port} <script> ... on each "
+        f"of the {nodes} host(s), within PARTITA_JOIN_TIMEOUT seconds of each other."
+    )
+
+
+def _connect(env: ProcessEnv, timeout: float) -> dist.Store:
+    is_master = env.rank == 0 and not env.agent_store
+    try:
+        store = dist.TCPStore(
+            env.master_addr,
+            env.master_port,
+            None,
+            is_master,
+            timeout=datetime.timedelta(seconds=timeout),
+            wait_for_workers=False,
+        )
+    except Exception as e:
+        who = "the torchrun agent of node 0" if env.agent_store else "rank 0"
+        raise JoinTimeoutError(
+            f"rank {env.rank} (host {socket.gethostname()}) could not reach the rendezvous "
+            f"store at {env.master_addr}:{env.master_port}, which {who} hosts, within "
+            f"{timeout:g} s: rank 0 never joined (or MASTER_ADDR/MASTER_PORT are wrong). "
+            f"{_launch_hint(env)} ({type(e).__name__}: {str(e).strip().splitlines()[0]})"
+        ) from e
+    if env.agent_store:  # torchrun namespaces each restart attempt
+        return dist.PrefixStore(f"/partita/attempt_{env.restart}", store)
+    return dist.PrefixStore("/partita", store)
+
+
+def join(env: ProcessEnv, timeout: float) -> dist.Store:
+    """Check in and wait until every rank has; JoinTimeoutError after ``timeout`` seconds."""
+    start = time.monotonic()
+    store = _connect(env, timeout)
+    me = (
+        f"{socket.gethostname()} node={env.node_rank} local_rank={env.local_rank} pid={os.getpid()}"
+    )
+    keys = [f"join/{r}" for r in range(env.world_size)]
+    try:
+        store.set(keys[env.rank], me)
+        store.add("joined", 1)
+        while store.add("joined", 0) < env.world_size:
+            if time.monotonic() - start > timeout:
+                break
+            time.sleep(_POLL)
+        present = [r for r in range(env.world_size) if store.check([keys[r]])]
+        joined = {r: store.get(keys[r]).decode() for r in present}
+    except JoinTimeoutError:
+        raise
+    except Exception as e:
+        raise JoinTimeoutError(
+            f"rank {env.rank} lost the rendezvous store at {env.master_addr}:"
+            f"{env.master_port} while waiting for the other ranks to join (rank 0, which "
+            f"hosts it, has probably given up or died). {_launch_hint(env)} "
+            f"({type(e).__name__}: {str(e).strip().splitlines()[0]})"
+        ) from e
+    missing = [r for r in range(env.world_size) if r not in joined]
+    if missing:
+        hosts: dict[str, list[int]] = {}
+        for r, text in sorted(joined.items()):
+            hosts.setdefault(text.split()[0], []).append(r)
+        arrived = "; ".join(f"host {h}: ranks {_ranges(rs)}" for h, rs in hosts.items())
+        per_node = max(env.local_world_size, 1)
+        nodes = sorted({r // per_node for r in missing})
+        raise JoinTimeoutError(
+            f"partita: ranks {_ranges(missing)} of {env.world_size} never joined within "
+            f"{timeout:g} s (PARTITA_JOIN_TIMEOUT); they would run on node(s) {nodes} "
+            f"({per_node} processes per node). Joined: {arrived}. The host(s) of the missing "
+            f"ranks were never launched, or crashed before partita.distributed.initialize(). "
+            f"{_launch_hint(env)}"
+        )
+    JOINED.clear()
+    JOINED.update(joined)
+    return store
+
+
+def join_and_init(
+    env: ProcessEnv,
+    *,
+    timeout: float | None = None,
+    backend: str | None = None,
+    collective_timeout_s: float | None = None,
+) -> None:
+    """Join with a deadline, then create the default process group over the joined store."""
+    store = join(env, join_timeout(timeout))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore("pg", store),
+        rank=env.rank,
+        world_size=env.world_size,
+        timeout=datetime.timedelta(seconds=collective_timeout(collective_timeout_s)),
+    )
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2, 5'."""
+    out: list[str] = []
+    ranks = sorted(ranks)
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+# --- local launching (tests, benchmarks) -------------------------------------------------------
+
+
+@dataclass
+class RankResult:
+    """What one spawned process did."""
+
+    rank: int
+    returncode: int | None  # None: killed at the deadline
+    stdout: str
+    stderr: str
+    seconds: float
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def spawn(
+    argv: Sequence[str],
+    world_size: int,
+    *,
+    ranks: Sequence[int] | None = None,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120.0,
+    master_port: int | None = None,
+    kill_after: Mapping[int, float] | None = None,
+) -> list[RankResult]:
+    """Run ``python argv`` as ranks ``ranks`` (default all) of a ``world_size`` run on
+    127.0.0.1, without torchrun; wait at most ``timeout`` seconds, then kill what is left.
+
+    ``kill_after={rank: seconds}`` SIGKILLs that rank after so many seconds (to test failure).
+
+    Example:
+        >>> results = spawn(["examples/train_gpt.py", "--steps", "2"], 4, timeout=60)
+        >>> [r.returncode for r in results]
+        [0, 0, 0, 0]
+    """
+    port = master_port or free_port()
+    procs: dict[int, subprocess.Popen[str]] = {}
+    started = time.monotonic()
+    for rank in ranks if ranks is not None else range(world_size):
+        penv = {
+            **os.environ,
+            **(env or {}),
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1"),
+        }
+        penv.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+        procs[rank] = subprocess.Popen(
+            [sys.executable, *argv],
+            env=penv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its own process group: killed as a whole below
+        )
+    pending_kills = dict(kill_after or {})
+    outputs: dict[int, tuple[str, str]] = {}
+    ended: dict[int, float] = {}
+    try:
+        import threading
+
+        def reader(rank: int, p: subprocess.Popen[str]) -> None:
+            out, err = p.communicate()
+            outputs[rank] = (out, err)
+            ended[rank] = time.monotonic() - started
+
+        threads = [
+            threading.Thread(target=reader, args=(r, p), daemon=True) for r, p in procs.items()
+        ]
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            elapsed = time.monotonic() - started
+            for rank, after in list(pending_kills.items()):
+                if elapsed >= after:
+                    _kill(procs[rank])
+                    del pending_kills[rank]
+            if elapsed > timeout:
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                _kill(p)
+        for p in procs.values():
+            p.wait()
+    time.sleep(0.05)
+    results = []
+    for rank, p in procs.items():
+        out, err = outputs.get(rank, ("", ""))
+        timed_out = rank not in ended
+        results.append(
+            RankResult(
+                rank,
+                None if timed_out else p.returncode,
+                out,
+                err,
+                ended.get(rank, time.monotonic() - started),
+            )
+        )
+    return results
+
+
+def _kill(p: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
