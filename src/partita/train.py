@@ -1,0 +1,356 @@
+"""``partita.train_step``: an nn.Module, a loss and a torch.optim optimizer as one sharded program.
+
+:func:`train_step` builds a :class:`TrainStep`. It reads the module's parameters and buffers
+and the optimizer's hyperparameters once, resolves the plan (``partita.plans``) to one spec per
+parameter, and from then on *owns* the training state as ShardedTensors: the parameters, the
+buffers (batch-norm running statistics are program inputs and outputs, replicated), the
+optimizer states (sharded like their parameters) and the step counter. ``step(batch)`` runs
+forward, backward, optional gradient clipping and the update as one program compiled by
+``partita.jit`` from :func:`partita.models.steps.functional_step`, and returns the loss.
+
+The learning rate is read from ``optimizer.param_groups[0]["lr"]`` at every call and passed as
+data, so ``torch.optim.lr_scheduler`` schedulers attached to the optimizer work unchanged
+(call ``scheduler.step()`` as usual; never ``optimizer.step()``). Everything else about the
+optimizer is fixed when the step is built.
+
+This module ties the pieces together; the sharding decisions are the plan's and propagation's,
+the update math is ``partita.models.steps``'.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from partita.jit import Jitted, jit
+from partita.mesh import Mesh
+from partita.models.steps import functional_step, init_opt_state, optimizer_config
+from partita.partition import Plan
+from partita.plans import PlanLike, default_batch_spec, param_specs
+from partita.spec import P, PartitionSpec
+from partita.tensor import ShardedTensor
+
+__all__ = ["TrainStep", "train_step"]
+
+Tensors = dict[str, torch.Tensor]
+MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _is_sharded(x: Any) -> bool:
+    return isinstance(x, ShardedTensor)
+
+
+def _full(tree: Any) -> Any:
+    return pytree.tree_map(lambda t: t.full(), tree, is_leaf=_is_sharded)
+
+
+def _local_bytes(t: ShardedTensor) -> int:
+    return math.prod(t.local_shape) * t.stacked.element_size()
+
+
+class TrainStep:
+    """A compiled sharded training step; see :func:`train_step`.
+
+    Attributes:
+        mesh: the mesh.
+        param_specs: ``{parameter name: PartitionSpec}`` the plan chose.
+        batch_spec: the spec every tensor of the batch gets.
+        params / buffers / opt_state: the sharded training state (ShardedTensors).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        optimizer: torch.optim.Optimizer,
+        *,
+        mesh: Mesh,
+        plan: PlanLike = "fsdp",
+        batch_spec: Any = None,
+        max_grad_norm: float | None = None,
+        mixed_precision: str | torch.dtype | None = None,
+        strict: bool = False,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"train_step needs an nn.Module, got {type(model).__name__}.")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"train_step needs a torch.optim optimizer instance (AdamW, Adam, SGD), got "
+                f"{optimizer!r}. Build it as usual: torch.optim.AdamW(model.parameters(), lr=...)."
+            )
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"train_step needs mesh=Mesh(...), got {mesh!r}.")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
+        self.model = model
+        self.mesh = mesh
+        self.optimizer = optimizer
+        self.config = optimizer_config(optimizer)
+        self.compute_dtype = _compute_dtype(mixed_precision)
+        named = dict(model.named_parameters())
+        trainable = {k: v for k, v in named.items() if v.requires_grad}
+        _check_optimizer_params(optimizer, trainable)
+        for name, p in trainable.items():
+            if p.dtype != torch.float32:
+                raise ValueError(
+                    f"parameter {name!r} is {p.dtype}; train_step keeps float32 parameters "
+                    "(master weights). Leave the model in float32 and pass "
+                    "mixed_precision='bf16' for low-precision compute."
+                )
+        self.param_specs = param_specs(plan, model, mesh)
+        self.batch_spec = default_batch_spec(plan, mesh) if batch_spec is None else batch_spec
+        self._trainable = list(trainable)
+        # frozen parameters travel with the buffers: inputs and outputs, never updated
+        self._frozen = [k for k in named if k not in trainable]
+        self._buffer_names = [k for k, _ in model.named_buffers()]
+
+        def put(t: torch.Tensor, spec: PartitionSpec) -> ShardedTensor:
+            return ShardedTensor.from_global(t.detach().clone(), spec.to_sharding(mesh, t.ndim))
+
+        self.params = {k: put(v, self.param_specs[k]) for k, v in trainable.items()}
+        self.buffers = {
+            k: put(v, self.param_specs[k]) for k, v in named.items() if k in self._frozen
+        }
+        self.buffers.update({k: put(v, P()) for k, v in model.named_buffers()})
+        state = init_opt_state({k: v.detach() for k, v in trainable.items()}, self.config.kind)
+        self.opt_state = {
+            key: put(value, P())
+            if key == "step"
+            else {k: put(v, self.param_specs[k]) for k, v in value.items()}
+            for key, value in state.items()
+        }
+        fn = functional_step(
+            model,
+            loss_fn,
+            self.config,
+            max_grad_norm=max_grad_norm,
+            compute_dtype=self.compute_dtype,
+        )
+        self._fn = fn
+        self._strict = strict
+        self._jitted: dict[bool, Jitted] = {}
+        self.last_plan: Plan | None = None
+
+    # --- compiling -------------------------------------------------------------------------
+
+    def _specs(self) -> tuple[Any, Any, Any]:
+        pspecs = {k: self.param_specs[k] for k in self._trainable}
+        bspecs = {k: s.spec for k, s in self.buffers.items()}
+        sspecs = {k: P() if k == "step" else pspecs for k in self.opt_state}
+        return pspecs, bspecs, sspecs
+
+    def _get_jitted(self) -> Jitted:
+        training = self.model.training  # train / eval mode is part of the traced program
+        jitted = self._jitted.get(training)
+        if jitted is None:
+            pspecs, bspecs, sspecs = self._specs()
+            jitted = jit(
+                self._fn,
+                mesh=self.mesh,
+                in_specs=(pspecs, bspecs, sspecs, P(), self.batch_spec),
+                out_specs=(P(), pspecs, bspecs, sspecs),
+                strict=self._strict,
+            )
+            self._jitted[training] = jitted
+        return jitted
+
+    def _lr(self) -> torch.Tensor:
+        return torch.tensor(float(self.optimizer.param_groups[0]["lr"]), dtype=torch.float64)
+
+    def _args(self, batch: Any) -> tuple[Any, ...]:
+        return (self.params, self.buffers, self.opt_state, self._lr(), batch)
+
+    def lower(self, batch: Any) -> Plan:
+        """The Plan of one step on ``batch`` (compiles, does not run or change the state)."""
+        plan = self._get_jitted().lower(*self._args(batch))
+        self.last_plan = plan
+        return plan
+
+    @property
+    def plan(self) -> Plan | None:
+        """The Plan of the last compiled step (None before the first ``step``/``lower``)."""
+        return self.last_plan
+
+    # --- running ---------------------------------------------------------------------------
+
+    def __call__(self, batch: Any) -> torch.Tensor:
+        """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
+        jitted = self._get_jitted()
+        args = self._args(batch)
+        loss, params, buffers, opt_state = jitted(*args)
+        self.params, self.buffers, self.opt_state = params, buffers, opt_state
+        if self.last_plan is None:
+            self.last_plan = jitted.lower(*args)
+        return loss.full()
+
+    step = __call__
+
+    # --- reading the state back ------------------------------------------------------------
+
+    def parameters(self) -> dict[str, ShardedTensor]:
+        """The sharded trainable parameters, by name (``.full()`` on one gathers it)."""
+        return dict(self.params)
+
+    def full_parameters(self) -> Tensors:
+        """Every parameter (trainable and frozen) as a full tensor, by name."""
+        full = {**_full(self.params), **{k: self.buffers[k].full() for k in self._frozen}}
+        return {k: full[k] for k, _ in self.model.named_parameters()}
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"model": ..., "optimizer": ...}`` with full tensors.
+
+        ``"model"`` has the keys of ``model.state_dict()`` (load it into the module with
+        ``model.load_state_dict``); ``"optimizer"`` has the layout of
+        ``optimizer.state_dict()`` (per-parameter index states and the param group).
+        """
+        full = {**self.full_parameters(), **{k: self.buffers[k].full() for k in self._buffer_names}}
+        model_sd = {k: full[k] for k in self.model.state_dict()}
+        step = self.opt_state["step"].full()
+        state = {}
+        for i, name in enumerate(self._trainable):
+            state[i] = {"step": step.clone()}
+            for key, value in self.opt_state.items():
+                if key != "step":
+                    state[i][key] = value[name].full()
+        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
+        group["params"] = list(range(len(self._trainable)))
+        return {"model": model_sd, "optimizer": {"state": state, "param_groups": [group]}}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (full tensors are re-sharded)."""
+        model_sd = state_dict["model"]
+        missing = [k for k in self.model.state_dict() if k not in model_sd]
+        if missing:
+            raise KeyError(f"state_dict['model'] lacks {missing}.")
+
+        def put(old: ShardedTensor, new: torch.Tensor) -> ShardedTensor:
+            if tuple(new.shape) != tuple(old.shape):
+                raise ValueError(f"shape {tuple(new.shape)} does not match {tuple(old.shape)}.")
+            return ShardedTensor.from_global(new.detach().to(old.dtype).clone(), old.sharding)
+
+        self.params = {k: put(v, model_sd[k]) for k, v in self.params.items()}
+        self.buffers = {k: put(v, model_sd[k]) for k, v in self.buffers.items()}
+        opt = state_dict.get("optimizer")
+        if opt is not None and opt["state"]:
+            states = opt["state"]
+            step = states[0]["step"]
+            new_state: dict[str, Any] = {"step": put(self.opt_state["step"], step.reshape(()))}
+            for key, value in self.opt_state.items():
+                if key != "step":
+                    new_state[key] = {
+                        name: put(value[name], states[i][key])
+                        for i, name in enumerate(self._trainable)
+                    }
+            self.opt_state = new_state
+
+    def sync_to_module(self) -> nn.Module:
+        """Copy the full parameters and buffers into the original module; returns it."""
+        self.model.load_state_dict(self.state_dict()["model"])
+        return self.model
+
+    # --- memory ----------------------------------------------------------------------------
+
+    def memory(self) -> dict[str, tuple[int, int]]:
+        """``{"parameters" | "buffers" | "optimizer": (bytes per device, unsharded bytes)}``.
+
+        Per-device bytes include ceil padding; "optimizer" counts the moments and the step.
+        """
+        groups = {
+            "parameters": list(self.params.values()),
+            "buffers": list(self.buffers.values()),
+            "optimizer": pytree.tree_leaves(self.opt_state, is_leaf=_is_sharded),
+        }
+        return {
+            k: (
+                sum(_local_bytes(t) for t in ts),
+                sum(t.shape.numel() * t.stacked.element_size() for t in ts),
+            )
+            for k, ts in groups.items()
+        }
+
+
+def _compute_dtype(mixed_precision: str | torch.dtype | None) -> torch.dtype | None:
+    if mixed_precision is None or mixed_precision is torch.float32:
+        return None
+    if isinstance(mixed_precision, torch.dtype) and mixed_precision in MIXED_PRECISION.values():
+        return mixed_precision
+    if isinstance(mixed_precision, str) and mixed_precision in MIXED_PRECISION:
+        return MIXED_PRECISION[mixed_precision]
+    raise ValueError(
+        f"mixed_precision must be None, 'bf16' or 'fp16' (or the torch dtype), got "
+        f"{mixed_precision!r}."
+    )
+
+
+def _check_optimizer_params(optimizer: torch.optim.Optimizer, trainable: Tensors) -> None:
+    given = {id(p) for p in optimizer.param_groups[0]["params"]}
+    wanted = {id(p) for p in trainable.values()}
+    if given != wanted:
+        raise ValueError(
+            f"the optimizer holds {len(given)} tensors but the model has {len(wanted)} trainable "
+            f"parameters ({len(given & wanted)} shared): build the optimizer from "
+            "model.parameters() of the same model."
+        )
+    if any(optimizer.state.get(p) for p in optimizer.param_groups[0]["params"]):
+        raise ValueError(
+            "the optimizer already has state (it has taken steps); train_step starts from "
+            "fresh optimizer states. Load a checkpoint with TrainStep.load_state_dict instead."
+        )
+
+
+def train_step(
+    model: nn.Module,
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    *,
+    mesh: Mesh,
+    plan: PlanLike = "fsdp",
+    batch_spec: Any = None,
+    max_grad_norm: float | None = None,
+    mixed_precision: str | torch.dtype | None = None,
+    strict: bool = False,
+) -> TrainStep:
+    """Turn a module, a loss function and an optimizer into one sharded training step.
+
+    Args:
+        model: an ordinary ``nn.Module`` (float32 parameters). It is read once; the step owns
+            the training state afterwards (``sync_to_module()`` writes it back).
+        loss_fn: ``loss_fn(model(inputs), targets) -> 0-d tensor``.
+        optimizer: a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` over ``model.parameters()``
+            (one parameter group). Its ``lr`` is re-read every step (schedulers work).
+        mesh: the device mesh.
+        plan: ``"dp"``, ``"fsdp"``, ``"tp"``, ``"fsdp+tp"``, a dict ``{name or pattern:
+            spec}`` or a callable ``(name, param) -> spec`` (see ``partita.plans``).
+        batch_spec: the spec of every batch tensor, or a pytree prefix of the batch;
+            default ``P('data')`` when the mesh has a ``data`` axis, else replicated.
+        max_grad_norm: clip gradients by global 2-norm like ``clip_grad_norm_``.
+        mixed_precision: ``"bf16"`` (or ``"fp16"``): forward and backward in that dtype on
+            copies of the float32 master weights; the update stays float32.
+        strict: raise on an involuntary full rematerialization instead of warning.
+
+    Example:
+        >>> mesh = Mesh.create((2, 4), ("data", "model"))
+        >>> model = GPT(GPTConfig())
+        >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        >>> def loss_fn(logits, targets):
+        ...     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        >>> step = partita.train_step(model, loss_fn, opt, mesh=mesh, plan="fsdp+tp")
+        >>> loss = step((ids, targets))          # ids, targets: [batch, seq]
+        >>> print(step.plan.summary()); params = step.full_parameters()
+    """
+    return TrainStep(
+        model,
+        loss_fn,
+        optimizer,
+        mesh=mesh,
+        plan=plan,
+        batch_spec=batch_spec,
+        max_grad_norm=max_grad_norm,
+        mixed_precision=mixed_precision,
+        strict=strict,
+    )
