@@ -14,13 +14,15 @@ temporary from those annotations. A plan is any of:
 
 The presets:
 
-| plan | parameters | default batch spec |
-| --- | --- | --- |
-| ``dp`` | replicated | ``P('data')`` |
-| ``fsdp`` | one dim over ``data`` (dim 0 if it divides, else the largest that does) | ``P('data')`` |
-| ``tp`` | Megatron: column-parallel linears split their output features over ``model``, | ``P('data')`` if the mesh has ``data`` |
-|        | row-parallel linears their input features; everything else replicated | else ``P()`` |
-| ``fsdp+tp`` | ``tp``, plus one remaining dim of each parameter over ``data`` | ``P('data')`` |
+* ``dp``: every parameter replicated.
+* ``fsdp``: one dim of each parameter over ``data`` (dim 0 if the axis size divides it, else
+  the largest dim it divides; else replicated).
+* ``tp``: Megatron. Column-parallel linears split their output features (and bias) over
+  ``model``, row-parallel linears their input features; everything else is replicated.
+* ``fsdp+tp``: ``tp``, plus one remaining dim of each parameter over ``data``.
+
+The default batch spec (:func:`default_batch_spec`) is ``P('data')`` when the mesh has the
+``data`` axis, else replicated.
 
 Column and row linears are found by module type (``nn.Linear``, and the transposed ``Conv1D``
 of GPT-2-style models) and the last part of the module's name (``qkv``, ``q_proj``, ``c_attn``,

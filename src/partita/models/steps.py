@@ -240,11 +240,12 @@ def functional_step(
 
     ``batch`` is ``(inputs, targets)``; the loss is ``loss_fn(model(inputs), targets)``
     (``inputs`` a tuple: ``model(*inputs)``; a dict: ``model(**inputs)``). ``lr`` is a 0-d
-    tensor (a program input, so a schedule does not recompile) or a float (a constant). ``max_grad_norm`` clips by global norm before the update, like
-    ``clip_grad_norm_``. ``compute_dtype`` (e.g. ``torch.bfloat16``) runs forward and
-    backward on copies of the parameters (and floating inputs) in that dtype while the
-    parameters, gradients given to the optimizer and optimizer states stay float32 (the model
-    output is cast to float32 before the loss).
+    tensor (a program input, so a schedule does not recompile) or a float (a constant).
+    ``max_grad_norm`` clips by global norm before the update, like ``clip_grad_norm_``.
+    ``compute_dtype`` (e.g. ``torch.bfloat16``) runs forward and backward on copies of the
+    parameters (and floating inputs) in that dtype while the parameters, the gradients given
+    to the optimizer and the optimizer states stay float32 (the model output is cast to
+    float32 before the loss).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
