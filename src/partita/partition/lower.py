@@ -52,6 +52,8 @@ __all__ = ["LocalValue", "Lowering"]
 
 ValueKey = tuple[fx.Node, int | None]
 
+_PERMUTE = torch.ops.aten.permute.default
+
 
 @dataclass(slots=True)
 class LocalValue:
@@ -101,6 +103,10 @@ class Lowering:
         cached = self._cache.get((key, dst))
         if cached is not None:
             return cached
+        through = self._reshard_through_permute(key, dst, why, at)
+        if through is not None:
+            self._cache[(key, dst)] = through
+            return through
         steps = plan_reshard(v.sharding, dst, v.shape)
         source = at.meta.get("source")
         name = key[0].name if key[1] is None else f"{key[0].name}[{key[1]}]"
@@ -145,6 +151,28 @@ class Lowering:
             )
         self._cache[(key, dst)] = out
         return out
+
+    def _reshard_through_permute(
+        self, key: ValueKey, dst: Sharding, why: str, at: fx.Node
+    ) -> fx.Node | None:
+        """Reshard ``permute(u)`` by resharding ``u`` and permuting locally.
+
+        The same data moves either way, but a weight used transposed in the forward and as is
+        in the backward is then gathered once, not twice (the reshard of ``u`` is cached).
+        """
+        node, idx = key
+        if idx is not None or node.op != "call_function" or node.target != _PERMUTE:
+            return None
+        src_key = self.key(node.args[0])
+        u = self.values.get(src_key)
+        if u is None or u.sharding.partial or dst.partial or self.values[key].sharding.partial:
+            return None
+        perm = [int(p) % len(u.shape) for p in node.args[1]]
+        dims: list[tuple[str, ...]] = [()] * len(perm)
+        for i, p in enumerate(perm):
+            dims[p] = dst.dim_axes[i]
+        local = self.reshard(src_key, Sharding(self.mesh, tuple(dims)), why, at)
+        return self.graph.call_function(_PERMUTE, (local, perm))
 
     # --- the driver ------------------------------------------------------------------------
 
