@@ -56,3 +56,125 @@ def test_ops_equal_local_mesh(tmp_path: Path) -> None:
         value, got_kinds = got[name]
         torch.testing.assert_close(value, want, rtol=1e-6, atol=1e-6, msg=name)
         assert kinds <= set(got_kinds), (name, got_kinds)
+
+
+# --- training ----------------------------------------------------------------------------------
+
+TRAIN = [str(ROOT / "examples" / "train_gpt.py"), "--mesh", "2x2", "--steps", "2"]
+
+
+def _losses(stdout: str) -> list[str]:
+    return re.findall(r"^step=\d+ loss=\S+$", stdout, flags=re.M)
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict]:
+    """The example on the LocalMesh in one process: its loss lines and final parameters."""
+    out = tmp_path_factory.mktemp("local") / "params.pt"
+    proc = subprocess.run(
+        [sys.executable, *TRAIN, "--save", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "simulated LocalMesh" in proc.stderr  # initialize() said it is a single process
+    losses = _losses(proc.stdout)
+    assert len(losses) == 2, proc.stdout
+    return losses, torch.load(out)
+
+
+def test_gpt_training_equals_local_mesh(local_run: tuple[list[str], dict], tmp_path: Path) -> None:
+    out = tmp_path / "params.pt"
+    results = _run_ok([*TRAIN, "--save", str(out)])
+    rank0 = results[0]
+    assert _losses(rank0.stdout) == local_run[0]
+    assert all(not _losses(r.stdout) for r in results[1:])  # only the main process prints
+    got, want = torch.load(out), local_run[1]
+    assert got.keys() == want.keys()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_two_hosts_with_torchrun(local_run: tuple[list[str], dict]) -> None:
+    """Two ``torchrun --nnodes=2`` launches on loopback act as two hosts of 2 processes."""
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=2"]
+    where = ["--master-addr=127.0.0.1", f"--master-port={port}"]
+    procs = [
+        subprocess.Popen(
+            [*torchrun, f"--node-rank={i}", *where, *TRAIN],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+        )
+        for i in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=150) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(e[-3000:] for _, e in outs)
+    assert _losses(outs[0][0]) == local_run[0]  # host 0 holds rank 0, the main process
+    assert not _losses(outs[1][0])
+    assert "4 process(es)" in outs[0][0]
+
+
+# --- failures are errors, not hangs ---------------------------------------------------------
+
+
+def test_join_timeout_names_the_missing_ranks() -> None:
+    start = time.monotonic()
+    results = spawn(
+        [str(SCRIPTS / "join.py")], 4, ranks=[0, 1, 2],
+        env={"PARTITA_JOIN_TIMEOUT": "3"}, timeout=60,
+    )  # fmt: skip
+    assert time.monotonic() - start < 40
+    for r in results:
+        assert r.returncode not in (0, None), _explain(results)
+        assert "JoinTimeoutError" in r.stderr, r.stderr[-2000:]
+        assert "rank(s) 3 (of 4) never joined within 3 s" in r.stderr, r.stderr[-2000:]
+        assert "Joined: host " in r.stderr and "ranks 0-2" in r.stderr
+        assert "must be launched on every host" in r.stderr
+
+
+def test_join_timeout_without_rank_0() -> None:
+    results = spawn(
+        [str(SCRIPTS / "join.py")], 4, ranks=[1, 2, 3],
+        env={"PARTITA_JOIN_TIMEOUT": "3"}, timeout=60,
+    )  # fmt: skip
+    for r in results:
+        assert r.returncode not in (0, None), _explain(results)
+        assert "could not reach the rendezvous store" in r.stderr, r.stderr[-2000:]
+        assert "rank 0 never joined" in r.stderr
+        assert "must be launched on every host" in r.stderr
+
+
+def test_plan_mismatch_is_an_error_on_every_rank() -> None:
+    results = spawn([str(SCRIPTS / "mismatch.py")], 4, timeout=90)
+    for r in results:
+        assert r.returncode not in (0, None), _explain(results)
+        assert "PlanMismatchError" in r.stderr, r.stderr[-2000:]
+        assert "ranks [0, 1, 3] have plan" in r.stderr and "ranks [2] have plan" in r.stderr
+        assert re.search(r"rank 0 has `.*mul.*`, rank 2 has `.*add.*`", r.stderr), r.stderr[-2000:]
+
+
+def test_a_killed_rank_makes_the_others_fail() -> None:
+    start = time.monotonic()
+    results = spawn(
+        [str(SCRIPTS / "die.py")], 4, env={"PARTITA_COLLECTIVE_TIMEOUT": "20"}, timeout=90
+    )
+    elapsed = time.monotonic() - start
+    dead = results[3]
+    assert dead.returncode == -9, _explain(results)
+    for r in results[:3]:
+        assert r.returncode not in (0, None), _explain(results)
+        assert "DistributedError" in r.stderr, r.stderr[-2000:]
+        assert f"failed on rank {r.rank}" in r.stderr
+        assert "A peer process has most likely died" in r.stderr
+    assert elapsed < 60

@@ -187,7 +187,7 @@ def join(env: ProcessEnv, timeout: float) -> dist.Store:
         per_node = max(env.local_world_size, 1)
         nodes = sorted({r // per_node for r in missing})
         raise JoinTimeoutError(
-            f"partita: ranks {_ranges(missing)} of {env.world_size} never joined within "
+            f"partita: rank(s) {_ranges(missing)} (of {env.world_size}) never joined within "
             f"{timeout:g} s (PARTITA_JOIN_TIMEOUT); they would run on node(s) {nodes} "
             f"({per_node} processes per node). Joined: {arrived}. The host(s) of the missing "
             f"ranks were never launched, or crashed before partita.distributed.initialize(). "
