@@ -2,7 +2,8 @@
 
 Pre-norm blocks: LayerNorm, causal self-attention through ``F.scaled_dot_product_attention``
 with a fused qkv projection, LayerNorm, a GELU MLP. Token and learned position embeddings, a
-final LayerNorm and an untied lm head. No partita code, no weight tying, no generation loop.
+final LayerNorm and an untied lm head. ``checkpoint=True`` recomputes each block's activations
+in the backward (``torch.utils.checkpoint``). No partita code, no weight tying, no generation loop.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F  # noqa: N812 - the PyTorch convention
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["GPT", "GPTConfig"]
 
@@ -26,6 +28,8 @@ class GPTConfig:
     vocab_size: int = 64
     seq_len: int = 16
     dropout: float = 0.0
+    bias: bool = True  # biases in the attention and MLP linears (GPT-2 has them, Llama not)
+    checkpoint: bool = False  # recompute each block in the backward (torch.utils.checkpoint)
 
 
 class CausalSelfAttention(nn.Module):
@@ -37,8 +41,8 @@ class CausalSelfAttention(nn.Module):
             )
         self.n_head = cfg.n_head
         self.dropout = cfg.dropout
-        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model)
-        self.proj = nn.Linear(cfg.d_model, cfg.d_model)
+        self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
@@ -56,8 +60,8 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model)
-        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model)
+        self.fc = nn.Linear(cfg.d_model, 4 * cfg.d_model, bias=cfg.bias)
+        self.proj = nn.Linear(4 * cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
@@ -102,5 +106,8 @@ class GPT(nn.Module):
         pos = torch.arange(t, device=ids.device)
         x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))
         for block in self.blocks:
-            x = block(x)
+            if self.cfg.checkpoint and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.ln_f(x))

@@ -2,11 +2,12 @@
 
 ``make_train_step`` returns ``step(params, buffers, opt_state, batch) -> (loss, new_params,
 new_buffers, new_opt_state)``: a function of tensors only (no module state is read or written),
-written with ``torch.func.functional_call`` and ``torch.autograd.grad`` and the optimizer update
-spelled out with plain tensor ops, so that ``partita.capture.trace`` sees the whole training
-step (forward, backward and update) as one graph. ``functional_step`` is the same with the
-learning rate as a tensor argument (so a schedule changes data, not the graph), optional
-gradient clipping by global norm and optional low-precision compute with fp32 master weights.
+written with the module reparametrized by the given tensors (what ``torch.func.functional_call``
+does), ``torch.autograd.grad`` and the optimizer update spelled out with plain tensor ops, so
+that ``partita.capture.trace`` sees the whole training step (forward, backward and update) as
+one graph. ``functional_step`` is the same with the learning rate as a tensor argument (so a
+schedule changes data, not the graph), optional gradient clipping by global norm and optional
+low-precision compute with fp32 master weights.
 
 The updates match ``torch.optim.AdamW``, ``torch.optim.Adam`` and ``torch.optim.SGD`` step for
 step when run eagerly (:func:`optimizer_config` reads their hyperparameters and rejects the
@@ -23,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.utils.stateless import _reparametrize_module
 
 __all__ = [
     "OPTIMIZERS",
@@ -216,11 +218,10 @@ def clip_by_global_norm(grads: Tensors, max_norm: float) -> Tensors:
     return {k: g * coef.to(g.dtype) for k, g in grads.items()}
 
 
-def _call(model: nn.Module, state: tuple[Tensors, Tensors], inputs: Any) -> Any:
+def _call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
-        return torch.func.functional_call(model, state, (), inputs)
-    args = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
-    return torch.func.functional_call(model, state, args)
+        return model(**inputs)
+    return model(*inputs) if isinstance(inputs, tuple | list) else model(inputs)
 
 
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
@@ -269,11 +270,15 @@ def functional_step(
             # Buffers are updated in place by the forward (batch-norm statistics): copy them
             # so the caller's tensors are untouched and the updated copies are the result.
             new_buffers = {k: v.clone() for k, v in buffers.items()}
-            out = _call(model, (compute, new_buffers), inputs)
-            if compute_dtype is not None:
-                out = _cast_floats(out, torch.float32)
-            loss = loss_fn(out, targets)
-            grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=False)
+            # The backward runs inside the reparametrization too (unlike functional_call):
+            # activation checkpointing recomputes the forward *during* autograd.grad, and must
+            # see these parameters, not the module's own.
+            with _reparametrize_module(model, {**compute, **new_buffers}, tie_weights=True):
+                out = _call(model, inputs)
+                if compute_dtype is not None:
+                    out = _cast_floats(out, torch.float32)
+                loss = loss_fn(out, targets)
+                grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=False)
         grad_map = dict(zip(leaves, grads, strict=True))
         with torch.no_grad():
             if max_grad_norm is not None:
