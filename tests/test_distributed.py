@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
 sys.path.insert(0, str(SCRIPTS))
 
-from programs import cases  # noqa: E402
+from dist_cases import cases  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -1,4 +1,4 @@
-"""Run every case of programs.py on the distributed mesh; rank 0 saves the results.
+"""Run every case of dist_cases.py on the distributed mesh; rank 0 saves the results.
 
 Usage (4 processes): ops.py OUT.pt
 """
@@ -12,9 +12,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
+from dist_cases import cases
+
 import partita
 import partita.distributed as pd
-from programs import cases
 
 pd.initialize()
 results = {}
