@@ -52,22 +52,13 @@ TOLERANCES = {"default": 1e-5, "reduction": 1e-4, "loose": 1e-3}
 EXCLUDED: dict[Any, str] = {}
 
 #: Known failures of test_op (op -> short cause); see the module docstring.
-XFAIL: dict[Any, str] = {
-    # partitioner: the N / C / HxW int arguments keep their global values when the batch dim is
-    # sharded ("Expected X.numel() == N * C * HxW"); a gathered spatial dim reaches the kernel
-    # non-contiguous ("Expected X.is_contiguous").
-    aten.native_group_norm.default: "group norm: N/C/HxW args not localised (batch sharded)",
-    aten.native_group_norm_backward.default: "group norm: N/C/HxW args not localised",
-    # partitioner: the padding of a sharded index tensor holds garbage (legal: padding is
-    # garbage after elementwise ops) and is used as an index; see test_index_padding_garbage.
-    aten.gather.default: "index padding used as an index",
-}
+XFAIL: dict[Any, str] = {}
 
 #: test_index_padding_garbage: (op, position of the index operand, its spec, xfail cause); the
 #: other operands get SHARD_OTHERS[op] (or are replicated).
 INDEX_OPS: list[tuple[Any, int, PartitionSpec, str | None]] = [
-    (aten.gather.default, 1, P(None, "x"), "index padding used as an index"),
-    (aten.index_select.default, 1, P(("x", "y")), "index padding used as an index"),
+    (aten.gather.default, 1, P(None, "x"), None),
+    (aten.index_select.default, 1, P(("x", "y")), None),
     (aten.nll_loss_backward.default, 1, P(("x", "y")), None),
     (aten.nll_loss_forward.default, 1, P("y"), None),
     (aten.embedding.default, 1, P(None, "y"), None),

@@ -54,6 +54,17 @@ ValueKey = tuple[fx.Node, int | None]
 
 _PERMUTE = torch.ops.aten.permute.default
 
+#: Operands that hold indices (their padding must be a valid index): op -> operand positions.
+_INDEX_OPERANDS: dict[Any, tuple[int, ...]] = {
+    torch.ops.aten.gather.default: (1,),
+    torch.ops.aten.index_select.default: (1,),
+}
+#: Int arguments that are a size of an operand: op -> {arg position: (operand, dim)}.
+_LOCAL_SIZE_ARGS: dict[Any, dict[int, tuple[int, int]]] = {
+    torch.ops.aten.native_group_norm.default: {3: (0, 0)},
+    torch.ops.aten.native_group_norm_backward.default: {5: (0, 0)},
+}
+
 
 @dataclass(slots=True)
 class LocalValue:
@@ -320,9 +331,12 @@ class Lowering:
                 dst = Sharding(self.mesh, self.dims_of(factors, assign))
             why = f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"
             local = self.reshard(self.key(operand), dst, why, node)
+            is_index = i in _INDEX_OPERANDS.get(node.target, ())
             for d, dim in enumerate(factors or ()):
-                if any(f in reduced for f in dim) and dst.dim_axes[d]:
-                    fill = identity_of(rule.reduce_op, v.dtype)
+                if dst.dim_axes[d] and (is_index or any(f in reduced for f in dim)):
+                    # Padding of a reduced dim gets the reduction's identity; padding of an
+                    # index tensor (garbage after elementwise ops) gets a valid index, 0.
+                    fill = 0 if is_index else identity_of(rule.reduce_op, v.dtype)
                     local = emit_mask_padding(
                         self.graph,
                         local,
@@ -364,6 +378,23 @@ class Lowering:
             return a
 
         args, kwargs = pytree.tree_map(swap, (tuple(node.args), dict(node.kwargs)))
+        sizes = _LOCAL_SIZE_ARGS.get(node.target)
+        if sizes:
+            # Kernels that take their input's sizes as ints (group norm's N) get local sizes,
+            # and contiguous inputs.
+            ops = self.operand_nodes(node)
+            args = list(args)
+            for arg_index, (operand_index, dim) in sizes.items():
+                s_in = Sharding(self.mesh, self.dims_of(rule.operands[operand_index] or (), assign))
+                args[arg_index] = local_shape(s_in, self.value(ops[operand_index]).shape)[dim]
+            for j, a in enumerate(args):
+                if isinstance(a, fx.Node) and _tensor_val(node.args[j].meta.get("val")):
+                    args[j] = self.graph.call_function(
+                        torch.ops.aten.clone.default,
+                        (a,),
+                        {"memory_format": torch.contiguous_format},
+                    )
+            args = tuple(args)
         if rule.handler == "localize_shape":
             (res,) = [r for r in results if r is not None][:1]
             (gval,) = [v for v in vals if _tensor_val(v)][:1]
