@@ -13,6 +13,8 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -23,7 +25,8 @@ from partita.models import GPT, GPTConfig, init_opt_state, make_train_step
 WIDTH, HEADS, VOCAB, SEQ, BATCH = 768, 12, 8192, 128, 8
 
 
-def bench(n_layer: int, repeat: int) -> tuple[int, float]:
+def gpt_step(n_layer: int) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """The benchmarked program: ``(step, (params, buffers, opt_state, (ids, targets)))``."""
     cfg = GPTConfig(n_layer=n_layer, n_head=HEADS, d_model=WIDTH, vocab_size=VOCAB, seq_len=SEQ)
     model = GPT(cfg)
 
@@ -33,7 +36,11 @@ def bench(n_layer: int, repeat: int) -> tuple[int, float]:
     step = make_train_step(model, loss_fn, "adamw")
     params = {k: v.detach() for k, v in model.named_parameters()}
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    args = (params, {}, init_opt_state(params, "adamw"), (ids, ids))
+    return step, (params, {}, init_opt_state(params, "adamw"), (ids, ids))
+
+
+def bench(n_layer: int, repeat: int) -> tuple[int, float]:
+    step, args = gpt_step(n_layer)
     times, nodes = [], 0
     for _ in range(repeat):
         start = time.perf_counter()

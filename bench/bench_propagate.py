@@ -17,14 +17,11 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F  # noqa: N812
+from bench_capture import BATCH, HEADS, SEQ, VOCAB, WIDTH, gpt_step  # bench/ is on sys.path
 
 from partita import Mesh, P
 from partita.capture import trace
-from partita.models import GPT, GPTConfig, init_opt_state, make_train_step
 from partita.propagate import propagate
-
-WIDTH, HEADS, VOCAB, SEQ, BATCH = 768, 12, 8192, 128, 8
 
 
 def param_spec(name: str, shape: torch.Size) -> P:
@@ -37,19 +34,9 @@ def param_spec(name: str, shape: torch.Size) -> P:
 
 
 def build(n_layer: int) -> tuple[object, tuple[object, ...], object]:
-    cfg = GPTConfig(n_layer=n_layer, n_head=HEADS, d_model=WIDTH, vocab_size=VOCAB, seq_len=SEQ)
-    model = GPT(cfg)
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-
-    step = make_train_step(model, loss_fn, "adamw")
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
-    pspecs = {k: param_spec(k, v.shape) for k, v in params.items()}
-    args = (params, {}, init_opt_state(params, "adamw"), (ids, ids))
-    in_specs = (pspecs, None, None, (P("data"), P("data")))
-    return step, args, in_specs
+    step, args = gpt_step(n_layer)
+    pspecs = {k: param_spec(k, v.shape) for k, v in args[0].items()}
+    return step, args, (pspecs, None, None, (P("data"), P("data")))
 
 
 def bench(n_layer: int, repeat: int, mesh: Mesh) -> tuple[int, float, float, int]:
