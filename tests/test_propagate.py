@@ -40,15 +40,15 @@ def _producer(node: fx.Node) -> fx.Node:
 # --- the 2-layer MLP -------------------------------------------------------------------------
 
 
-def test_mlp_weights_only_column_then_row_parallel() -> None:
+def _megatron_mlp() -> partita.capture.Program:
+    """The MLP with only its weights annotated: column-, then row-parallel on 'model'."""
     fn, args = programs.mlp()
-    prog = propagate_program(
-        fn,
-        args,
-        mesh=MESH,
-        in_specs=(None, P(None, "model"), P("model"), P("model", None), None),
-        out_specs=P(),
-    )
+    in_specs = (None, P(None, "model"), P("model"), P("model", None), None)
+    return propagate_program(fn, args, mesh=MESH, in_specs=in_specs, out_specs=P())
+
+
+def test_mlp_weights_only_column_then_row_parallel() -> None:
+    prog = _megatron_mlp()
     gm = prog.graph_module
     mm1, mm2 = _by_target(gm, torch.ops.aten.mm.default)
     (relu,) = _by_target(gm, torch.ops.aten.relu.default)
@@ -65,14 +65,7 @@ def test_mlp_weights_only_column_then_row_parallel() -> None:
 
 
 def test_mlp_golden_text() -> None:
-    fn, args = programs.mlp()
-    prog = propagate_program(
-        fn,
-        args,
-        mesh=MESH,
-        in_specs=(None, P(None, "model"), P("model"), P("model", None), None),
-        out_specs=P(),
-    )
+    prog = _megatron_mlp()
     text = format_program(prog.graph_module)
     lines = [" ".join(line.split()[:1] + line.split()[2:]) for line in text.splitlines()[1:]]
     body = "\n".join(
