@@ -1,8 +1,9 @@
 """The ``partita`` command line: ``python -m partita demo`` (and ``partita demo``).
 
-One function per subcommand; :func:`main` parses the arguments and dispatches. The demo is a
-short printed tour of meshes, specs and sharded tensors on the simulated LocalMesh. This module
-only prints; it has no logic of its own.
+One function per subcommand; :func:`main` parses the arguments and dispatches. ``demo`` trains
+a GPT sharded over 8 simulated devices beside the same model trained with torch.optim
+(:mod:`partita.demo`); ``tour`` is a short printed tour of meshes, specs and sharded tensors.
+This module only prints; it has no logic of its own.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ def _heading(console: Console, text: str) -> None:
 
 
 def demo(args: argparse.Namespace) -> int:
+    """Train a GPT sharded and unsharded side by side (see :mod:`partita.demo`)."""
+    from partita.demo import run  # imports the models and the compiler: only when asked
+
+    return run(args)
+
+
+def tour(args: argparse.Namespace) -> int:
     """A tour: a mesh, a sharded tensor, its local shards and table, and an uneven shape."""
     console = Console()
 
@@ -80,7 +88,8 @@ def demo(args: argparse.Namespace) -> int:
 
 
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
-    "demo": (demo, "a short printed tour of meshes, specs and sharded tensors"),
+    "demo": (demo, "train a GPT on 8 simulated devices beside the same model unsharded"),
+    "tour": (tour, "a short printed tour of meshes, specs and sharded tensors"),
 }
 
 
@@ -91,7 +100,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
-        sub.add_parser(name, help=help_text, description=help_text)
+        command = sub.add_parser(name, help=help_text, description=help_text)
+        if name == "demo":
+            from partita.demo import add_arguments
+
+            add_arguments(command)
     return parser
 
 
@@ -99,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code.
 
     Example:
-        >>> main(["demo"])
+        >>> main(["tour"])
         0
     """
     parser = build_parser()
