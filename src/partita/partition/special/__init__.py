@@ -1,0 +1,48 @@
+"""Handlers for ops whose sharded lowering needs more than local ops: the softmax family,
+vocabulary-sharded embeddings, mean, nll_loss (mean), batch norm in training and random draws.
+
+Each handler (``partition.handlers.Handler``) is named by a rule (``FactorRule.handler``):
+
+=================  ==========================================================================
+handler            lowering when a factor that needs it is sharded
+=================  ==========================================================================
+softmax_reduce     mask padding (-inf), local amax, all_reduce(max), exp, mask (0), local sum,
+                   all_reduce(sum), divide (T12); backwards: one all_reduce(sum)
+masked_embedding   local lookup of ``ids - tile_offset``, out-of-shard ids read row 0 and are
+                   zeroed; the result is partial over the vocabulary axes (T24). Backward:
+                   accumulate only this shard's rows
+mean               local masked sum divided by the *global* count (a partial sum)
+weighted_mean      nll_loss_forward: padded targets -> ignore_index, local reduction=sum,
+                   one all_reduce of (sum, total_weight), divide
+batch_stats        SyncBatchNorm: one all_reduce of per-channel (sum, sum of squares) with the
+                   global count; backward: one all_reduce of (sum dy, sum dy*(x-mean))
+global_random      draw the *global* random tensor (same generator state on every device, one
+                   draw per program run) and keep this device's tile
+=================  ==========================================================================
+
+The all_reduces a handler emits are recorded in the Plan (``CollectiveRecord``) with the op,
+the node and what is reduced. A few handlers change the op's factor assignment in place (the
+``assign`` dict that ``Lowering`` also uses for the results' shardings): embedding_dense_backward
+puts back the result-only vocabulary factor it produces locally, and weighted_mean (mean) drops
+the batch factor because its results are already reduced.
+
+Layout: ``common`` holds the helpers the handlers share (``make_tuple``, the recorded
+``all_reduce``, padding masks, casts); each other module holds one handler family:
+``softmax`` (softmax_reduce), ``embedding`` (masked_embedding), ``reductions`` (mean,
+weighted_mean), ``batchnorm`` (batch_stats) and ``random_draw`` (global_random and the
+``partita::global_random_draw`` custom op). Importing this package registers every handler.
+"""
+
+from __future__ import annotations
+
+from partita.partition.special import (  # noqa: F401 - each registers its handler(s)
+    batchnorm,
+    embedding,
+    random_draw,
+    reductions,
+    softmax,
+)
+from partita.partition.special.common import make_tuple
+from partita.partition.special.random_draw import global_random_draw
+
+__all__ = ["global_random_draw", "make_tuple"]

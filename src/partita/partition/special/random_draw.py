@@ -1,0 +1,142 @@
+"""The ``global_random`` handler: random ops draw the *global* tensor on every device (the
+``partita::global_random_draw`` custom op, same generator state everywhere) and keep this
+device's tile."""
+
+from __future__ import annotations
+
+import json
+import operator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from partita.explain import op_name
+from partita.partition.handlers import Handler, register
+from partita.partition.reshard import emit_reshard, plan_reshard
+from partita.partition.special.common import Assign, _val, aten, make_tuple
+from partita.rules import FactorRule
+from partita.spec import Sharding
+
+if TYPE_CHECKING:
+    from partita.partition.lower import Lowering
+
+__all__ = ["global_random_draw"]
+
+
+# --- global_random -------------------------------------------------------------------------------
+
+#: Random ops whose tensor operands' *values* matter (the others only give a shape).
+_VALUE_OPERANDS = {aten.bernoulli.default}
+
+
+def _encode(a: Any) -> Any:
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    if isinstance(a, (list, tuple)):
+        return [_encode(x) for x in a]
+    if isinstance(a, torch.dtype):
+        return {"dtype": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.device):
+        return {"device": str(a)}
+    if isinstance(a, torch.layout):
+        return {"layout": str(a).removeprefix("torch.")}
+    if isinstance(a, torch.memory_format):
+        return {"memory_format": str(a).removeprefix("torch.")}
+    raise NotImplementedError(f"global_random cannot pass the argument {a!r} to a random op")
+
+
+def _decode(a: Any, inputs: list[torch.Tensor]) -> Any:
+    if isinstance(a, list):
+        return [_decode(x, inputs) for x in a]
+    if not isinstance(a, dict):
+        return a
+    if "tensor" in a:
+        return inputs[a["tensor"]]
+    if "like" in a:  # only its shape, strides and dtype matter
+        shape, stride, dtype = a["like"]
+        return torch.empty_strided(shape, stride, dtype=getattr(torch, dtype["dtype"]))
+    if "device" in a:
+        return torch.device(a["device"])
+    ((_kind, name),) = a.items()
+    return getattr(torch, name)
+
+
+def _run_draw(inputs: list[torch.Tensor], op: str, args: str) -> list[torch.Tensor]:
+    packet, overload = op.split(".")
+    target = getattr(getattr(aten, packet), overload)
+    spec = json.loads(args)
+    out = target(
+        *_decode(spec["args"], inputs), **{k: _decode(v, inputs) for k, v in spec["kwargs"].items()}
+    )
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    return [o.clone() if any(o is i for i in inputs) else o for o in outs]
+
+
+@torch.library.custom_op("partita::global_random_draw", mutates_args=())
+def global_random_draw(inputs: list[torch.Tensor], op: str, args: str) -> list[torch.Tensor]:
+    """Run the random aten op ``op`` on *global* arguments (JSON; ``{"like": [shape, stride,
+    dtype]}`` stands for a tensor whose values the op ignores, ``{"tensor": i}`` for
+    ``inputs[i]``). Every device runs it with the same generator state, so all hold the same
+    global draw. Not tagged nondeterministic: an executor runs it like any local op (once per
+    program run when its inputs are the same on every device)."""
+    return _run_draw(inputs, op, args)
+
+
+@global_random_draw.register_fake
+def _(inputs: list[torch.Tensor], op: str, args: str) -> list[torch.Tensor]:
+    return _run_draw(inputs, op, args)
+
+
+def _random_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+    return True  # even replicated: the executor runs the wrapped draw, never a raw random op
+
+
+def _random_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+    """Draw the global tensor(s) and keep this device's tile (docs/rules.md, random numbers)."""
+    target = node.target
+    if target == aten.native_dropout.default and node.args[2] is False:
+        (x,) = low.localize_operands(node, rule, assign)
+        ones = low.call(aten.ones_like.default, x, dtype=torch.bool)
+        return low.call(make_tuple, low.call(aten.clone.default, x), ones)
+    inputs: list[fx.Node] = []
+
+    def enc(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = _val(a)
+            if target in _VALUE_OPERANDS:
+                dst = Sharding.replicated(low.mesh, v.ndim)
+                why = f"{op_name(target)} (%{node.name}) draws from the global tensor"
+                inputs.append(low.reshard(low.key(a), dst, why, node))
+                return {"tensor": len(inputs) - 1}
+            return {"like": [list(v.shape), list(v.stride()), _encode(v.dtype)]}
+        return _encode(a)
+
+    spec = {
+        "args": [enc(a) for a in node.args],
+        "kwargs": {k: enc(v) for k, v in node.kwargs.items()},
+    }
+    op = str(target).removeprefix("aten.")
+    draw = low.call(torch.ops.partita.global_random_draw.default, inputs, op, json.dumps(spec))
+    vals = node.meta["val"]
+    vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
+    shardings = low.result_shardings(rule, assign)
+    tiles = []
+    for j, (v, s) in enumerate(zip(vals, shardings, strict=True)):
+        whole = low.call(operator.getitem, draw, j)
+        if s is None:
+            tiles.append(whole)
+            continue
+        steps = plan_reshard(Sharding.replicated(low.mesh, v.ndim), s, tuple(v.shape))
+        assert not any(step.is_collective for step in steps)
+        tiles.append(emit_reshard(low.graph, whole, steps, low.mesh))
+    if target == aten.native_dropout.default:  # out = x * mask * scale, as the CPU kernel
+        (x,) = low.localize_operands(node, rule, assign)
+        p1m = 1.0 - float(node.args[1])
+        scale = 0.0 if p1m == 0 else 1.0 / p1m
+        mask = low.call(aten._to_copy.default, tiles[1], dtype=vals[0].dtype)
+        tiles[0] = low.call(aten.mul.Tensor, low.call(aten.mul.Tensor, x, mask), scale)
+    return tiles[0] if len(tiles) == 1 else low.call(make_tuple, *tiles)
+
+
+register(Handler("global_random", _random_applies, _random_lower))
