@@ -48,18 +48,18 @@ def median_seconds(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, 
 
 def data_parallel_step(step: Callable[..., Any], n: int) -> Callable[..., Any]:
     """``step`` whose AdamW update sees gradients averaged over the ``data`` mesh axis."""
-    adamw = steps_module._adamw
+    adamw = steps_module._adam
 
     def reduced_adamw(params: Any, grads: dict[str, torch.Tensor], *rest: Any) -> Any:
         grads = {k: all_reduce(g, "avg", ["data"], n) for k, g in grads.items()}
         return adamw(params, grads, *rest)
 
     def dp_step(*args: Any) -> Any:
-        steps_module._adamw = reduced_adamw
+        steps_module._adam = reduced_adamw
         try:
             return step(*args)
         finally:
-            steps_module._adamw = adamw
+            steps_module._adam = adamw
 
     return dp_step
 

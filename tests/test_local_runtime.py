@@ -264,18 +264,18 @@ def test_data_parallel_gpt_step_equals_unsharded() -> None:
 
     step, args = gpt_step(batch=2)
     params, buffers, state, (ids, targets) = args
-    adamw = steps_module._adamw
+    adamw = steps_module._adam
 
     def dp_step(*a: Any) -> Any:
         def reduced(p: Any, grads: dict[str, Tensor], *rest: Any) -> Any:
             averaged = {k: coll.all_reduce(g, "avg", ["d"], 2) for k, g in grads.items()}
             return adamw(p, averaged, *rest)
 
-        steps_module._adamw = reduced
+        steps_module._adam = reduced
         try:
             return step(*a)
         finally:
-            steps_module._adamw = adamw
+            steps_module._adam = adamw
 
     local_args = (params, buffers, state, (ids[:1], targets[:1]))
     program = trace(dp_step, local_args)

@@ -255,8 +255,6 @@ def functional_step(
         >>> loss, params, buffers, state = step(params, {}, init_opt_state(params, "sgd"),
         ...     torch.tensor(0.1), (torch.randn(3, 4), torch.randn(3, 2)))
     """
-    update = _sgd if cfg.kind == "sgd" else _adam
-
     def step(
         params: Tensors, buffers: Tensors, opt_state: dict[str, Any], lr: Lr, batch: Any
     ) -> tuple[torch.Tensor, Tensors, Tensors, dict[str, Any]]:
@@ -283,6 +281,7 @@ def functional_step(
         with torch.no_grad():
             if max_grad_norm is not None:
                 grad_map = clip_by_global_norm(grad_map, max_grad_norm)
+            update = _sgd if cfg.kind == "sgd" else _adam  # looked up per call (tests wrap it)
             new_params, new_state = update(params, grad_map, opt_state, lr, cfg)
         return loss.detach(), new_params, new_buffers, new_state
 
