@@ -1,4 +1,4 @@
-"""The halo handler (partition/halo.py): windowed dims sharded over mesh axes lower to a halo
+"""The halo handler (partition/halo/): windowed dims sharded over mesh axes lower to a halo
 exchange with neighbours; every sharded program equals the unsharded one."""
 
 from __future__ import annotations

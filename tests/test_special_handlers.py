@@ -1,4 +1,4 @@
-"""The special handlers (partition/special.py) equal the unsharded ops, even and uneven, on
+"""The special handlers (partition/special/) equal the unsharded ops, even and uneven, on
 meshes (2,), (2,2) and (2,4); T12/T24 golden collectives; dropout masks equal the unsharded
 program's for the same seed; a batch norm training step (SyncBatchNorm) incl. running stats."""
 
