@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from partita import data, distributed
 from partita.api import mark_sharding
+from partita.distributed import is_main_process, process_count, process_index
 from partita.errors import (
     AnnotationError,
     CaptureError,
+    DistributedError,
+    JoinTimeoutError,
     MeshError,
     PartitaError,
     PartitaWarning,
+    PlanMismatchError,
     RematerializationError,
     RematerializationWarning,
     ShardingConflictError,
@@ -29,8 +34,10 @@ __all__ = [
     "AnnotationError",
     "CaptureError",
     "CollectiveRecord",
+    "DistributedError",
     "HybridMesh",
     "Jitted",
+    "JoinTimeoutError",
     "Mesh",
     "MeshError",
     "P",
@@ -38,6 +45,7 @@ __all__ = [
     "PartitaWarning",
     "PartitionSpec",
     "Plan",
+    "PlanMismatchError",
     "RematerializationError",
     "RematerializationWarning",
     "Shard",
@@ -49,9 +57,14 @@ __all__ = [
     "UnsupportedOpError",
     "__version__",
     "clear_sharding",
+    "data",
+    "distributed",
     "format_sharding",
+    "is_main_process",
     "jit",
     "mark_sharding",
+    "process_count",
+    "process_index",
     "reshard",
     "visualize_sharding",
 ]
