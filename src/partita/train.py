@@ -184,6 +184,9 @@ class TrainStep:
         args = self._args(batch)
         loss, params, buffers, opt_state = jitted(*args)
         self.params, self.buffers, self.opt_state = params, buffers, opt_state
+        # This call *is* the optimizer's step: tell torch.optim.lr_scheduler so (it warns when
+        # scheduler.step() comes before any optimizer.step(), reading this attribute).
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.last_plan is None:
             self.last_plan = jitted.lower(*args)
         return loss.full()

@@ -1,0 +1,456 @@
+"""``partita.train_step`` trains like torch.optim, step for step, under every plan.
+
+The parity cases train the same model twice from the same weights on the same batches: once
+with ``train_step`` on a simulated mesh, once unsharded with ``torch.optim`` (and
+``clip_grad_norm_`` where clipping is on). They compare the loss at every step and every final
+parameter (and, for the CNN, the batch-norm running statistics), float32, ``rtol = atol =
+1e-5``.
+
+The GPT is built with ``bias=False`` and AdamW keeps its default ``eps=1e-8``. With the
+attention biases, the key bias's gradient is zero in exact arithmetic (softmax is shift
+invariant), so the gradient *computed* for it is rounding noise (~1e-10) whose sign depends on
+the order of the sums; AdamW divides by sqrt(v) + eps, turning that noise into updates of size
+``lr`` and random sign, so any reordering (sharded or not) moves that bias by ~1e-3 after a few
+steps. Without the bias the model has no such degenerate parameter and 10 steps agree to ~1e-7
+(``test_training_parity.py`` keeps the bias and raises eps instead).
+
+Meshes: (8,) is named ``data`` for dp/fsdp and ``model`` for tp; ``fsdp+tp`` needs two mesh
+axes so it runs on (2, 4) and (4, 2) only.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+from partita import Mesh, P
+from partita.models import GPT, GPTConfig, SmallCNN
+from partita.plans import StandardPlan, param_specs
+from partita.train import TrainStep, train_step
+
+RTOL = ATOL = 1e-5
+STEPS = 10
+CFG = GPTConfig(n_layer=1, n_head=4, d_model=16, vocab_size=32, seq_len=8, bias=False)
+BATCH = 8
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def gpt_batches(n: int = STEPS, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=g)
+        out.append((ids, torch.roll(ids, -1, 1)))
+    return out
+
+
+def cnn_batches(n: int = STEPS) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(BATCH, 3, 8, 8, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def reference(
+    model: nn.Module,
+    loss_fn: Callable[..., torch.Tensor],
+    opt: torch.optim.Optimizer,
+    batches: list[Any],
+    max_grad_norm: float | None = None,
+    scheduler: Any = None,
+) -> list[float]:
+    losses = []
+    for inputs, targets in batches:
+        opt.zero_grad()
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        if max_grad_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+        losses.append(loss.item())
+    return losses
+
+
+def run(step: TrainStep, batches: list[Any], scheduler: Any = None) -> list[float]:
+    losses = []
+    for batch in batches:
+        losses.append(float(step(batch)))
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+def assert_same(step: TrainStep, model: nn.Module, got: list[float], want: list[float]) -> None:
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    full = step.state_dict()["model"]
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(
+            full[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
+        )
+
+
+def mesh_for(plan: str, shape: tuple[int, ...]) -> Mesh:
+    if len(shape) == 2:
+        return Mesh.create(shape, ("data", "model"))
+    return Mesh.create(shape, ("model",) if plan == "tp" else ("data",))
+
+
+def gpt_pair(**cfg: Any) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(**{**CFG.__dict__, **cfg}))
+    return model, copy.deepcopy(model)
+
+
+# --- parity under every plan -------------------------------------------------------------------
+
+PLAN_CASES = [
+    pytest.param(
+        plan,
+        shape,
+        id=f"{plan}-{'x'.join(map(str, shape))}",
+        marks=[pytest.mark.slow] if shape == (4, 2) else [],  # (4, 2): the slow set
+    )
+    for shape in ((8,), (2, 4), (4, 2))
+    for plan in ("dp", "fsdp", "tp", "fsdp+tp")
+    if not (plan == "fsdp+tp" and len(shape) == 1)
+]
+
+
+@pytest.mark.parametrize(("plan", "shape"), PLAN_CASES)
+def test_adamw_parity(plan: str, shape: tuple[int, ...]) -> None:
+    model, ref = gpt_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), plan=plan)
+    batches = gpt_batches()
+    want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
+    got = run(step, batches)
+    assert_same(step, ref, got, want)
+
+
+def test_optimizer_state_dict_matches_torch() -> None:
+    model, ref = gpt_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), plan="fsdp+tp")
+    batches = gpt_batches(3)
+    reference(ref, gpt_loss, ref_opt, batches)
+    run(step, batches)
+    got, want = step.state_dict()["optimizer"], ref_opt.state_dict()
+    assert got["param_groups"][0]["params"] == want["param_groups"][0]["params"]
+    assert got["param_groups"][0]["lr"] == want["param_groups"][0]["lr"]
+    for i, state in want["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][i][key], value, rtol=RTOL, atol=ATOL)
+
+
+def test_state_dict_round_trip_continues_like_torch() -> None:
+    """A checkpoint loads into torch (model and optimizer) and back into a new TrainStep."""
+    model, _ = gpt_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mesh = mesh_for("fsdp", (8,))
+    step = train_step(model, gpt_loss, opt, mesh=mesh, plan="fsdp")
+    first, rest = gpt_batches(2), gpt_batches(2, seed=1)
+    run(step, first)
+    checkpoint = step.state_dict()
+    ref, _ = gpt_pair()
+    ref.load_state_dict(checkpoint["model"])
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt.load_state_dict(checkpoint["optimizer"])
+    fresh, _ = gpt_pair()
+    resumed = train_step(
+        fresh, gpt_loss, torch.optim.AdamW(fresh.parameters(), lr=1e-2), mesh=mesh, plan="fsdp"
+    )
+    resumed.load_state_dict(checkpoint)
+    want = reference(ref, gpt_loss, ref_opt, rest)
+    assert_same(resumed, ref, run(resumed, rest), want)
+    assert_same(step, ref, run(step, rest), want)
+    assert resumed.sync_to_module() is fresh
+    torch.testing.assert_close(fresh.state_dict(), ref.state_dict(), rtol=RTOL, atol=ATOL)
+
+
+# --- clipping, checkpointing, schedules, other optimizers ----------------------------------------
+
+
+@pytest.mark.parametrize("plan", ["fsdp+tp", pytest.param("fsdp", marks=pytest.mark.slow)])
+def test_clipping_by_global_norm(plan: str) -> None:
+    model, ref = gpt_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = train_step(
+        model, gpt_loss, opt, mesh=mesh_for(plan, (2, 4)), plan=plan, max_grad_norm=0.3
+    )
+    batches = gpt_batches()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    want = reference(ref, gpt_loss, ref_opt, batches, max_grad_norm=0.3)
+    assert_same(step, ref, run(step, batches), want)
+
+
+def test_clipping_changes_the_update() -> None:
+    """The clipped run differs from an unclipped one (the norm here is well above 0.3)."""
+    model, ref = gpt_pair()
+    batches = gpt_batches(3)
+    clipped = train_step(
+        model,
+        gpt_loss,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        mesh=mesh_for("fsdp", (8,)),
+        max_grad_norm=0.3,
+    )
+    run(clipped, batches)
+    reference(ref, gpt_loss, torch.optim.SGD(ref.parameters(), lr=0.1), batches)
+    diff = max(
+        (clipped.full_parameters()[k] - v).abs().max().item() for k, v in ref.named_parameters()
+    )
+    assert diff > 1e-3
+
+
+@pytest.mark.parametrize("shape", [(2, 4), pytest.param((8,), marks=pytest.mark.slow)])
+def test_activation_checkpointing(shape: tuple[int, ...]) -> None:
+    model, ref = gpt_pair(checkpoint=True, n_layer=2)
+    plan = "fsdp+tp" if len(shape) == 2 else "fsdp"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), plan=plan)
+    batches = gpt_batches()
+    want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
+    assert_same(step, ref, run(step, batches), want)
+
+
+def test_lr_scheduler_changes_data_not_the_program() -> None:
+    model, ref = gpt_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
+    ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.3)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("tp", (2, 4)), plan="tp")
+    batches = gpt_batches(6)
+    want = reference(ref, gpt_loss, ref_opt, batches, scheduler=ref_sched)
+    assert_same(step, ref, run(step, batches, scheduler=sched), want)
+    assert sum(j.cache_size for j in step._jitted.values()) == 1
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.1, betas=(0.8, 0.9)),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, nesterov=True, weight_decay=1e-2),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5, dampening=0.2, maximize=True),
+        lambda ps: torch.optim.SGD(ps, lr=0.1),
+    ],
+    ids=["adam-l2", "sgd-nesterov", "sgd-dampening-maximize", "sgd-plain"],
+)
+def test_other_optimizers(make_opt: Callable[..., torch.optim.Optimizer]) -> None:
+    model, ref = gpt_pair()
+    step = train_step(
+        model, gpt_loss, make_opt(model.parameters()), mesh=mesh_for("fsdp", (8,)), plan="fsdp"
+    )
+    batches = gpt_batches(4)
+    want = reference(ref, gpt_loss, make_opt(ref.parameters()), batches)
+    assert_same(step, ref, run(step, batches), want)
+
+
+def test_cnn_batch_norm_running_stats_under_dp() -> None:
+    torch.manual_seed(0)
+    model = SmallCNN(in_channels=3, num_classes=10, size=8, width=4).train()
+    ref = copy.deepcopy(model)
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    step = train_step(
+        model, F.cross_entropy, make(model.parameters()), mesh=mesh_for("dp", (8,)), plan="dp"
+    )
+    batches = cnn_batches()
+    want = reference(ref, F.cross_entropy, make(ref.parameters()), batches)
+    assert_same(step, ref, run(step, batches), want)  # includes running_mean/var, counters
+    assert step.state_dict()["model"]["bn1.num_batches_tracked"].item() == STEPS
+
+
+def test_mixed_precision_bf16() -> None:
+    """bf16 compute, fp32 master weights: close to the fp32 run, parameters stay float32."""
+    model, ref = gpt_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = train_step(
+        model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), mixed_precision="bf16"
+    )
+    batches = gpt_batches(5)
+    want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
+    got = run(step, batches)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=0, atol=5e-2)
+    assert all(p.dtype == torch.float32 for p in step.full_parameters().values())
+    assert any(c.dtype == torch.bfloat16 for c in step.plan.collectives)
+
+
+# --- what the step holds -------------------------------------------------------------------------
+
+
+def test_memory_and_plan() -> None:
+    model, _ = gpt_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), plan="fsdp+tp")
+    assert step.plan is None
+    plan = step.lower(gpt_batches(1)[0])
+    assert step.plan is plan and plan.collectives
+    memory = step.memory()
+    n = sum(p.numel() for p in model.parameters())
+    assert memory["parameters"][1] == 4 * n
+    assert memory["optimizer"][1] == 8 * n + 4  # two moments and the step counter
+    assert memory["parameters"][0] * 4 < memory["parameters"][1]  # sharded about 8 ways
+    params = step.parameters()
+    assert params["blocks.0.attn.qkv.weight"].spec == P("model", "data")
+    assert params["blocks.0.attn.qkv.weight"].local_shape == (12, 8)
+    assert step.opt_state["exp_avg"]["blocks.0.attn.qkv.weight"].spec == P("model", "data")
+
+
+# --- plans ---------------------------------------------------------------------------------------
+
+
+def test_presets_on_the_gpt() -> None:
+    model, _ = gpt_pair()
+    mesh = mesh_for("fsdp+tp", (2, 4))
+    tp = param_specs("tp", model, mesh)
+    assert tp["blocks.0.attn.qkv.weight"] == P("model", None)
+    assert tp["blocks.0.attn.proj.weight"] == P(None, "model")
+    assert tp["blocks.0.mlp.fc.weight"] == P("model", None)
+    assert tp["blocks.0.mlp.proj.weight"] == P(None, "model")
+    assert tp["tok_emb.weight"] == P(None, None)
+    both = param_specs("fsdp+tp", model, mesh)
+    assert both["blocks.0.mlp.fc.weight"] == P("model", "data")
+    assert both["blocks.0.mlp.proj.weight"] == P("data", "model")
+    assert both["ln_f.weight"] == P("data")
+    dp = param_specs("dp", model, mesh)
+    assert all(set(s) == {None} for s in dp.values()), dp
+
+
+def test_presets_detect_llama_and_gpt2_style_names() -> None:
+    class Conv1D(nn.Module):  # GPT-2's transposed linear: weight [in, out]
+        def __init__(self, n_in: int, n_out: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.zeros(n_in, n_out))
+            self.bias = nn.Parameter(torch.zeros(n_out))
+
+    model = nn.ModuleDict(
+        {
+            "q_proj": nn.Linear(8, 8, bias=False),
+            "o_proj": nn.Linear(8, 8, bias=False),
+            "gate_proj": nn.Linear(8, 16, bias=False),
+            "down_proj": nn.Linear(16, 8, bias=False),
+            "c_attn": Conv1D(8, 24),
+            "c_proj": Conv1D(8, 8),
+            "norm": nn.LayerNorm(8),
+        }
+    )
+    specs = param_specs("tp", model, Mesh.create((4,), ("model",)))
+    assert specs["q_proj.weight"] == P("model", None)
+    assert specs["gate_proj.weight"] == P("model", None)
+    assert specs["o_proj.weight"] == P(None, "model")
+    assert specs["down_proj.weight"] == P(None, "model")
+    assert specs["c_attn.weight"] == P(None, "model")
+    assert specs["c_attn.bias"] == P("model")
+    assert specs["c_proj.weight"] == P("model", None)
+    assert specs["c_proj.bias"] == P(None)
+    assert specs["norm.weight"] == P(None)
+
+
+def test_presets_only_split_divisible_dims() -> None:
+    specs = param_specs("fsdp", nn.Linear(6, 12), Mesh.create((8,), ("data",)))
+    assert specs == {"weight": P(None, None), "bias": P(None)}  # 12 and 6: not multiples of 8
+    specs = param_specs("fsdp", nn.Linear(16, 12), Mesh.create((8,), ("data",)))
+    assert specs["weight"] == P(None, "data")
+
+
+def test_dict_and_callable_plans() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    mesh = Mesh.create((2, 4), ("data", "model"))
+    specs = param_specs({"0.weight": P("model"), "*.bias": P()}, model, mesh)
+    assert specs == {
+        "0.weight": P("model"),
+        "0.bias": P(),
+        "2.weight": P(),
+        "2.bias": P(),
+    }
+    specs = param_specs(lambda name, p: P("data") if p.ndim == 2 else None, model, mesh)
+    assert specs["2.weight"] == P("data") and specs["2.bias"] == P()
+    plan = StandardPlan("fsdp", data_axis="model")
+    assert param_specs(plan, model, mesh)["0.weight"] == P("model", None)
+
+
+def test_dict_plan_trains() -> None:
+    model, ref = gpt_pair()
+    plan = {"*.mlp.fc.weight": P("model", None), "*.mlp.proj.weight": (None, "model")}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("tp", (2, 4)), plan=plan)
+    batches = gpt_batches(3)
+    want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
+    assert_same(step, ref, run(step, batches), want)
+
+
+# --- errors --------------------------------------------------------------------------------------
+
+MESH = Mesh.create((8,), ("data",))
+
+
+@functools.cache
+def _linear() -> nn.Linear:
+    return nn.Linear(4, 8)
+
+
+def _build(opt_fn: Callable[..., torch.optim.Optimizer], **kw: Any) -> TrainStep:
+    model = nn.Linear(4, 8)
+    return train_step(model, F.mse_loss, opt_fn(model), **{"mesh": MESH, **kw})
+
+
+@pytest.mark.parametrize(
+    ("opt_fn", "match"),
+    [
+        (lambda m: torch.optim.RMSprop(m.parameters()), "implements torch.optim.AdamW, Adam"),
+        (lambda m: torch.optim.AdamW(m.parameters(), amsgrad=True), "amsgrad=True"),
+        (
+            lambda m: torch.optim.SGD([{"params": [m.weight]}, {"params": [m.bias]}], lr=0.1),
+            "has 2 parameter groups",
+        ),
+        (lambda m: torch.optim.SGD(_linear().parameters(), lr=0.1), "same model"),
+        (lambda m: torch.optim.SGD(m.parameters(), lr=torch.tensor(0.1)), "lr=tensor"),
+    ],
+    ids=["rmsprop", "amsgrad", "groups", "other-model", "tensor-lr"],
+)
+def test_unsupported_optimizers(opt_fn: Callable[..., Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        _build(opt_fn)
+
+
+def test_argument_errors() -> None:
+    sgd = lambda m: torch.optim.SGD(m.parameters(), lr=0.1)  # noqa: E731
+    with pytest.raises(ValueError, match="max_grad_norm must be a positive number"):
+        _build(sgd, max_grad_norm=0)
+    with pytest.raises(ValueError, match="mixed_precision must be None, 'bf16'"):
+        _build(sgd, mixed_precision="int8")
+    with pytest.raises(ValueError, match="unknown plan 'zero'; the presets are"):
+        _build(sgd, plan="zero")
+    with pytest.raises(ValueError, match=r"plan keys \['nope\*'\] match no parameter"):
+        _build(sgd, plan={"nope*": P("data")})
+    with pytest.raises(ValueError, match="splits parameters over a model mesh axis named 'model'"):
+        _build(sgd, plan="tp")
+    with pytest.raises(ValueError, match=r"parameter 'weight'.*does not fit"):
+        _build(sgd, plan={"weight": P("model")})
+    with pytest.raises(TypeError, match=r"a torch\.optim optimizer instance"):
+        train_step(nn.Linear(2, 2), F.mse_loss, "adamw", mesh=MESH)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"needs an nn\.Module"):
+        train_step(lambda x: x, F.mse_loss, sgd(nn.Linear(2, 2)), mesh=MESH)  # type: ignore[arg-type]
+    half = nn.Linear(4, 8).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="keeps float32 parameters"):
+        train_step(half, F.mse_loss, sgd(half), mesh=MESH)
+    used = nn.Linear(4, 8)
+    opt = torch.optim.SGD(used.parameters(), lr=0.1, momentum=0.9)
+    used(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    with pytest.raises(ValueError, match="already has state"):
+        train_step(used, F.mse_loss, opt, mesh=MESH)
