@@ -59,6 +59,11 @@ _INDEX_OPERANDS: dict[Any, tuple[int, ...]] = {
     torch.ops.aten.gather.default: (1,),
     torch.ops.aten.index_select.default: (1,),
 }
+#: Ops that read only their operand's shape and dtype (no need to reduce a partial operand).
+_SHAPE_ONLY = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in ("empty_like", "full_like", "ones_like", "rand_like", "randn_like", "zeros_like")
+)
 #: Int arguments that are a size of an operand: op -> {arg position: (operand, dim)}.
 _LOCAL_SIZE_ARGS: dict[Any, dict[int, tuple[int, int]]] = {
     torch.ops.aten.native_group_norm.default: {3: (0, 0)},
@@ -330,6 +335,9 @@ class Lowering:
             else:
                 dst = Sharding(self.mesh, self.dims_of(factors, assign))
             why = f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"
+            if node.target in _SHAPE_ONLY and v.sharding.with_partial(()) == dst:
+                out.append(v.node)  # only its shape is read: a partial value will do
+                continue
             local = self.reshard(self.key(operand), dst, why, node)
             is_index = i in _INDEX_OPERANDS.get(node.target, ())
             for d, dim in enumerate(factors or ()):

@@ -1,0 +1,79 @@
+"""Partitioner and jit behaviours not covered by the op table or the canonical cases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import partita
+from partita import Mesh, P
+
+MESH = Mesh.create((2, 4), ("data", "model"))
+
+
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _attention_grad(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    q = q.requires_grad_()
+    with torch.enable_grad():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.autograd.grad(out.square().sum(), q)[0]
+
+
+@pytest.mark.parametrize("fn", [_attention, _attention_grad])
+def test_attention_sharded_over_batch_and_heads_needs_no_communication(fn: object) -> None:
+    q, k, v = (torch.randn(4, 8, 16, 8) for _ in range(3))
+    specs = (P("data", "model"),) * 3
+    step = partita.jit(fn, mesh=MESH, in_specs=specs, out_specs=P("data", "model"))
+    assert step.lower(q, k, v).collectives == []
+    torch.testing.assert_close(step(q, k, v).full(), fn(q, k, v), rtol=1e-5, atol=1e-5)
+
+
+def test_plain_and_replicated_inputs_share_one_compiled_program() -> None:
+    step = partita.jit(lambda a, b: a @ b, mesh=MESH, in_specs=(P("data"), None))
+    a, b = torch.randn(8, 4), torch.randn(4, 6)
+    step(a, b)
+    step(a, partita.mark_sharding(b, MESH, P()))
+    assert step.cache_size == 1
+    step(a, partita.mark_sharding(b, MESH, P(None, "model")))  # a new sharding: a new program
+    assert step.cache_size == 2
+
+
+def test_arange_over_a_sharded_dim_is_built_locally() -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x + torch.arange(3, 3 + 2 * x.shape[0], 2, dtype=x.dtype)[:, None]
+
+    x = torch.randn(10, 4)  # 10 rows on 2 devices along 'data', uneven on 'model' below
+    for spec in (P("data"), P("model"), P(("data", "model"))):
+        step = partita.jit(f, mesh=MESH, in_specs=(spec,), out_specs=spec)
+        assert step.lower(x).collectives == []
+        torch.testing.assert_close(step(x).full(), f(x))
+
+
+def test_addmm_with_a_sharded_contraction_adds_the_bias_once() -> None:
+    def f(b: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.addmm(b, x, w)
+
+    b, x, w = torch.randn(6), torch.randn(8, 12), torch.randn(12, 6)
+    step = partita.jit(f, mesh=MESH, in_specs=(None, P(None, "model"), P("model")))
+    assert [c.kind for c in step.lower(b, x, w).collectives] == ["all_reduce"]
+    torch.testing.assert_close(step(b, x, w).full(), f(b, x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_transposed_weight_is_gathered_once_for_forward_and_backward() -> None:
+    mesh = Mesh.create((8,), ("data",))
+
+    def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w = w.requires_grad_()
+        with torch.enable_grad():
+            y = F.linear(x, w)
+            return torch.autograd.grad(y.square().sum(), w)[0]
+
+    x, w = torch.randn(64, 16), torch.randn(32, 16)
+    step = partita.jit(f, mesh=mesh, in_specs=(P("data"), P("data")), out_specs=P("data"))
+    kinds = [c.kind for c in step.lower(x, w).collectives]
+    assert kinds.count("all_gather") == 1 and kinds.count("reduce_scatter") == 1
+    torch.testing.assert_close(step(x, w).full(), f(x, w), rtol=1e-4, atol=1e-4)
