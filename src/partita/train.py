@@ -75,6 +75,7 @@ class TrainStep:
         max_grad_norm: float | None = None,
         mixed_precision: str | torch.dtype | None = None,
         strict: bool = False,
+        replicate_unsupported: bool = False,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"train_step needs an nn.Module, got {type(model).__name__}.")
@@ -133,6 +134,7 @@ class TrainStep:
         )
         self._fn = fn
         self._strict = strict
+        self._replicate_unsupported = replicate_unsupported
         self._jitted: dict[bool, Jitted] = {}
         self.last_plan: Plan | None = None
 
@@ -155,6 +157,7 @@ class TrainStep:
                 in_specs=(pspecs, bspecs, sspecs, P(), self.batch_spec),
                 out_specs=(P(), pspecs, bspecs, sspecs),
                 strict=self._strict,
+                replicate_unsupported=self._replicate_unsupported,
             )
             self._jitted[training] = jitted
         return jitted
@@ -317,6 +320,7 @@ def train_step(
     max_grad_norm: float | None = None,
     mixed_precision: str | torch.dtype | None = None,
     strict: bool = False,
+    replicate_unsupported: bool = False,
 ) -> TrainStep:
     """Turn a module, a loss function and an optimizer into one sharded training step.
 
@@ -335,6 +339,8 @@ def train_step(
         mixed_precision: ``"bf16"`` (or ``"fp16"``): forward and backward in that dtype on
             copies of the float32 master weights; the update stays float32.
         strict: raise on an involuntary full rematerialization instead of warning.
+        replicate_unsupported: run ops without a sharding rule on gathered inputs (see
+            ``partita.jit``) instead of failing.
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -356,4 +362,5 @@ def train_step(
         max_grad_norm=max_grad_norm,
         mixed_precision=mixed_precision,
         strict=strict,
+        replicate_unsupported=replicate_unsupported,
     )
