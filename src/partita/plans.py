@@ -181,7 +181,7 @@ def param_specs(plan: PlanLike, model: nn.Module, mesh: Mesh) -> dict[str, Parti
     Example:
         >>> mesh = Mesh.create((8,), ("data",))
         >>> param_specs("fsdp", nn.Linear(4, 16), mesh)
-        {'weight': P('data', None), 'bias': P('data',)}
+        {'weight': P('data', None), 'bias': P('data')}
         >>> param_specs({"*.weight": P(None, "data")}, nn.Sequential(nn.Linear(8, 2)), mesh)
         {'0.weight': P(None, 'data'), '0.bias': P()}
     """
