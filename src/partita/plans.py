@@ -28,7 +28,10 @@ Column and row linears are found by module type (``nn.Linear``, and the transpos
 of GPT-2-style models) and the last part of the module's name (``qkv``, ``q_proj``, ``c_attn``,
 ``fc``, ``up_proj``... are column; ``proj``, ``o_proj``, ``c_proj``, ``down_proj``... are row):
 see :data:`COLUMN_NAMES` and :data:`ROW_NAMES`. Embeddings and the output head stay
-replicated under ``tp`` (``fsdp+tp`` shards them over ``data``). A dim is only split when the
+replicated under ``tp`` (``fsdp+tp`` shards them over ``data``) unless
+``StandardPlan(kind, vocab_parallel=True)``: then the token embedding (the largest
+``nn.Embedding``) and the output head (a linear named in :data:`HEAD_NAMES`) split the vocabulary
+over ``model``. A dim is only split when the
 mesh axis size divides it, so no preset creates padded shards.
 
 This module does not trace or shard anything; it only computes specs.
@@ -49,6 +52,7 @@ from partita.spec import PartitionSpec, as_spec
 
 __all__ = [
     "COLUMN_NAMES",
+    "HEAD_NAMES",
     "PLANS",
     "ROW_NAMES",
     "PlanLike",
@@ -83,6 +87,7 @@ class StandardPlan:
     kind: str
     data_axis: str = "data"
     model_axis: str = "model"
+    vocab_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.kind not in PLANS:
@@ -113,6 +118,8 @@ class StandardPlan:
                     f"{role}_axis=<one of {list(mesh.axis_names)}>)."
                 )
         roles = _linear_roles(model) if self.uses_model else {}
+        if self.uses_model and self.vocab_parallel:
+            roles.update(_vocab_roles(model))
         out: dict[str, PartitionSpec] = {}
         for name, p in model.named_parameters():
             dims: list[Any] = [None] * p.ndim
@@ -129,6 +136,7 @@ class StandardPlan:
 
 
 PLANS = ("dp", "fsdp", "tp", "fsdp+tp")
+HEAD_NAMES = frozenset({"head", "lm_head", "output", "embed_out"})
 
 PlanLike = (
     str
@@ -172,6 +180,20 @@ def _linear_roles(model: nn.Module) -> dict[str, int | None]:
         else:
             roles[prefix + "weight"] = in_dim
             roles[prefix + "bias"] = None  # added after the all-reduce: replicated
+    return roles
+
+
+def _vocab_roles(model: nn.Module) -> dict[str, int | None]:
+    """The token embedding (the largest ``nn.Embedding``) and the output head: vocab dim 0."""
+    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
+    roles: dict[str, int | None] = {}
+    if embeddings:
+        name, _ = max(embeddings, key=lambda nm: nm[1].num_embeddings)
+        roles[f"{name}.weight" if name else "weight"] = 0
+    for module_name, module in model.named_modules():
+        if module_name.rsplit(".", 1)[-1] in HEAD_NAMES and isinstance(module, nn.Linear):
+            roles[f"{module_name}.weight"] = 0  # column parallel: logits split by vocabulary
+            roles[f"{module_name}.bias"] = 0
     return roles
 
 
