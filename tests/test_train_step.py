@@ -547,3 +547,20 @@ def test_transformers_llama_fsdp_tp() -> None:
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32,
     )  # fmt: skip
     _hf_parity(transformers.LlamaForCausalLM(cfg))
+
+
+def test_eval_mode_is_its_own_program() -> None:
+    """model.eval() before a call compiles the eval program (here: dropout off)."""
+    model, ref = gpt_pair(dropout=0.5)
+    model.eval()
+    ref.eval()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = train_step(
+        model, gpt_loss, opt, mesh=mesh_for("fsdp", (8,)), batch_spec=(P("data"), P("data"))
+    )
+    batches = gpt_batches(3)
+    want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
+    assert_same(step, ref, run(step, batches), want)
+    model.train()
+    step(batches[0])  # dropout on: another program, the first one stays cached
+    assert set(step._jitted) == {False, True}
