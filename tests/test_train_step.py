@@ -564,3 +564,13 @@ def test_eval_mode_is_its_own_program() -> None:
     model.train()
     step(batches[0])  # dropout on: another program, the first one stays cached
     assert set(step._jitted) == {False, True}
+
+
+def test_load_state_dict_errors() -> None:
+    step = _build(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    checkpoint = step.state_dict()
+    with pytest.raises(KeyError, match=r"lacks \['bias'\]"):
+        step.load_state_dict({"model": {"weight": checkpoint["model"]["weight"]}})
+    bad = {"model": {**checkpoint["model"], "weight": torch.zeros(3, 3)}}
+    with pytest.raises(ValueError, match=r"shape \(3, 3\) does not match \(8, 4\)"):
+        step.load_state_dict(bad)

@@ -232,15 +232,22 @@ class TrainStep:
         model_sd = state_dict["model"]
         missing = [k for k in self.model.state_dict() if k not in model_sd]
         if missing:
-            raise KeyError(f"state_dict['model'] lacks {missing}.")
+            raise KeyError(
+                f"state_dict['model'] lacks {missing}; pass what TrainStep.state_dict() returns "
+                "(or a model.state_dict() of the same model under the key 'model')."
+            )
 
-        def put(old: ShardedTensor, new: torch.Tensor) -> ShardedTensor:
+        def put(old: ShardedTensor, new: torch.Tensor, name: str = "") -> ShardedTensor:
             if tuple(new.shape) != tuple(old.shape):
-                raise ValueError(f"shape {tuple(new.shape)} does not match {tuple(old.shape)}.")
+                raise ValueError(
+                    f"load_state_dict: {name or 'a tensor'} has shape {tuple(new.shape)}, which "
+                    f"does not match {tuple(old.shape)} of this model. Load a checkpoint of "
+                    "the same model configuration."
+                )
             return ShardedTensor.from_global(new.detach().to(old.dtype).clone(), old.sharding)
 
-        self.params = {k: put(v, model_sd[k]) for k, v in self.params.items()}
-        self.buffers = {k: put(v, model_sd[k]) for k, v in self.buffers.items()}
+        self.params = {k: put(v, model_sd[k], k) for k, v in self.params.items()}
+        self.buffers = {k: put(v, model_sd[k], k) for k, v in self.buffers.items()}
         opt = state_dict.get("optimizer")
         if opt is not None and opt["state"]:
             states = opt["state"]
