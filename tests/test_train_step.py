@@ -572,5 +572,7 @@ def test_load_state_dict_errors() -> None:
     with pytest.raises(KeyError, match=r"lacks \['bias'\]"):
         step.load_state_dict({"model": {"weight": checkpoint["model"]["weight"]}})
     bad = {"model": {**checkpoint["model"], "weight": torch.zeros(3, 3)}}
-    with pytest.raises(ValueError, match=r"shape \(3, 3\) does not match \(8, 4\)"):
+    with pytest.raises(
+        ValueError, match=r"weight has shape \(3, 3\), which does not match \(8, 4\) of"
+    ):
         step.load_state_dict(bad)
