@@ -566,6 +566,14 @@ def test_eval_mode_is_its_own_program() -> None:
     assert set(step._jitted) == {False, True}
 
 
+def test_batch_must_be_a_pair() -> None:
+    step = _build(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"batch = \(inputs, targets\), got Tensor"):
+        step(torch.zeros(8, 4))
+    with pytest.raises(TypeError, match="got tuple of length 3"):
+        step((torch.zeros(8, 4), torch.zeros(8, 8), torch.zeros(8)))
+
+
 def test_load_state_dict_errors() -> None:
     step = _build(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     checkpoint = step.state_dict()

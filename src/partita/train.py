@@ -166,6 +166,13 @@ class TrainStep:
         return torch.tensor(float(self.optimizer.param_groups[0]["lr"]), dtype=torch.float64)
 
     def _args(self, batch: Any) -> tuple[Any, ...]:
+        if not (isinstance(batch, tuple | list) and len(batch) == 2):
+            raise TypeError(
+                f"a training step takes batch = (inputs, targets), got {type(batch).__name__}"
+                f"{f' of length {len(batch)}' if isinstance(batch, tuple | list) else ''}. "
+                "The loss is loss_fn(model(inputs), targets); pass a tuple or dict as inputs "
+                "for several model arguments."
+            )
         return (self.params, self.buffers, self.opt_state, self._lr(), batch)
 
     def lower(self, batch: Any) -> Plan:
