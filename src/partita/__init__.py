@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from partita import data, distributed
+from partita import data, distributed, plans
 from partita.api import mark_sharding
 from partita.distributed import is_main_process, process_count, process_index
 from partita.errors import (
@@ -26,6 +26,7 @@ from partita.mesh import HybridMesh, Mesh
 from partita.partition import CollectiveRecord, Plan
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor, clear_sharding, reshard
+from partita.train import TrainStep, train_step
 from partita.visualize import format_sharding, visualize_sharding
 
 __version__ = "0.1.0"
@@ -54,6 +55,7 @@ __all__ = [
     "ShardingConflictError",
     "ShardingError",
     "SpecError",
+    "TrainStep",
     "UnsupportedOpError",
     "__version__",
     "clear_sharding",
@@ -63,8 +65,10 @@ __all__ = [
     "is_main_process",
     "jit",
     "mark_sharding",
+    "plans",
     "process_count",
     "process_index",
     "reshard",
+    "train_step",
     "visualize_sharding",
 ]
