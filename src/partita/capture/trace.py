@@ -26,8 +26,9 @@ closed-over tensors become constants of the graph rather than inputs.
 
 from __future__ import annotations
 
+import contextlib
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -184,7 +185,7 @@ def trace(
 
     with tracing_scope(mesh, "trace(mesh=...)") as state:
         try:
-            with fx_traceback.preserve_node_meta():
+            with fx_traceback.preserve_node_meta(), _compiling():
                 gm = make_fx(
                     _functionalized(flat_fn, name),
                     decomposition_table=decomposition_table(),
@@ -295,3 +296,16 @@ def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         out.append(torch.empty_like(t) if id(t) in seen else t)
         seen.add(id(t))
     return out
+
+
+@contextlib.contextmanager
+def _compiling() -> Iterator[None]:
+    """Say that a compiler is tracing, as torch.export does: model libraries check
+    ``torch.compiler.is_compiling()`` to skip data-dependent Python branches
+    (``if mask.all(): ...``) that cannot run on fake tensors."""
+    old = torch.compiler._is_compiling_flag
+    torch.compiler._is_compiling_flag = True
+    try:
+        yield
+    finally:
+        torch.compiler._is_compiling_flag = old

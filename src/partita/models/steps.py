@@ -18,14 +18,12 @@ does not support several parameter groups.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.nn.utils.stateless import _reparametrize_module
 
 __all__ = [
@@ -226,25 +224,6 @@ def _call(model: nn.Module, inputs: Any) -> Any:
     return model(*inputs) if isinstance(inputs, tuple | list) else model(inputs)
 
 
-@contextlib.contextmanager
-def _trace_friendly(example: torch.Tensor | None) -> Iterator[None]:
-    """While partita traces the step, say so the way torch.export does.
-
-    Model libraries check ``torch.compiler.is_compiling()`` to skip data-dependent Python
-    branches (``if mask.all(): ...``) that cannot run on fake tensors; torch.export's
-    non-strict tracing sets the same flag. Eager calls are left alone.
-    """
-    if example is None or not is_fake(example):
-        yield
-        return
-    old = torch.compiler._is_compiling_flag
-    torch.compiler._is_compiling_flag = True
-    try:
-        yield
-    finally:
-        torch.compiler._is_compiling_flag = old
-
-
 def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     cast = lambda t: t.to(dtype) if t.is_floating_point() else t  # noqa: E731
     return torch.utils._pytree.tree_map_only(torch.Tensor, cast, tree)
@@ -293,11 +272,7 @@ def functional_step(
             # The backward runs inside the reparametrization too (unlike functional_call):
             # activation checkpointing recomputes the forward *during* autograd.grad, and must
             # see these parameters, not the module's own.
-            example = next(iter(params.values()), None)
-            with (
-                _trace_friendly(example),
-                _reparametrize_module(model, {**compute, **new_buffers}, tie_weights=True),
-            ):
+            with _reparametrize_module(model, {**compute, **new_buffers}, tie_weights=True):
                 out = _call(model, inputs)
                 if compute_dtype is not None:
                     out = _cast_floats(out, torch.float32)
