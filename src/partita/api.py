@@ -70,6 +70,3 @@ def propagate_program(
     prog = capture.trace(fn, args, kwargs, in_specs=in_specs, out_specs=out_specs, mesh=mesh)
     propagate.propagate(prog.graph_module, mesh, replicate_unsupported=replicate_unsupported)
     return prog
-
-
-
