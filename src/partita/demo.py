@@ -29,6 +29,7 @@ from rich.table import Table
 
 from partita.mesh import Mesh
 from partita.models import GPT, GPTConfig
+from partita.partition.plan import format_bytes
 from partita.plans import PLANS
 from partita.train import TrainStep, train_step
 
@@ -83,14 +84,6 @@ def synthetic_batch(
     return seq_ids[:, :-1], seq_ids[:, 1:]
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB"):
-        if n < 1024 or unit == "MiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GiB"  # unreachable; keeps type checkers happy
-
-
 def _sparkline(values: list[float], lo: float, hi: float, width: int = 40) -> str:
     if len(values) > width:  # evenly spaced samples, first and last included
         values = [values[round(i * (len(values) - 1) / (width - 1))] for i in range(width)]
@@ -132,12 +125,12 @@ def _plan_tables(step: TrainStep, n_params: int) -> Group:
     for c in plan.collectives:
         by_kind.setdefault(c.kind, []).append(c)
     for kind, recs in sorted(by_kind.items()):
-        coll.add_row(kind, str(len(recs)), _fmt_bytes(sum(r.bytes for r in recs)))
-    coll.add_row("total", str(len(plan.collectives)), _fmt_bytes(plan.bytes_per_device))
+        coll.add_row(kind, str(len(recs)), format_bytes(sum(r.bytes for r in recs)))
+    coll.add_row("total", str(len(plan.collectives)), format_bytes(plan.bytes_per_device))
     mem = _table("state", "device", "unsharded", title=f"memory, {n_params:,} params")
     for key, (local, total) in step.memory().items():
         if total:
-            mem.add_row(key, _fmt_bytes(local), _fmt_bytes(total))
+            mem.add_row(key, format_bytes(local), format_bytes(total))
     side = Table.grid(padding=(0, 2))
     side.add_row(coll, mem)
     return Group(specs, side)

@@ -42,8 +42,15 @@ from partita.mesh import Mesh
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import handlers
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
+from partita.partition.local_args import (
+    INDEX_OPERANDS,
+    LOCAL_SIZE_ARGS,
+    SHAPE_ONLY,
+    localize_shape_args,
+)
 from partita.partition.masks import emit_mask_padding, identity_of
-from partita.partition.plan import CollectiveRecord, Plan, _fmt_bytes
+from partita.partition.plan import CollectiveRecord, Plan
+from partita.partition.reasons import partial_reason
 from partita.partition.reshard import emit_reshard, is_full_remat, plan_reshard
 from partita.rules import FactorKind, FactorRule
 from partita.spec import Sharding
@@ -53,22 +60,6 @@ __all__ = ["LocalValue", "Lowering"]
 ValueKey = tuple[fx.Node, int | None]
 
 _PERMUTE = torch.ops.aten.permute.default
-
-#: Operands that hold indices (their padding must be a valid index): op -> operand positions.
-_INDEX_OPERANDS: dict[Any, tuple[int, ...]] = {
-    torch.ops.aten.gather.default: (1,),
-    torch.ops.aten.index_select.default: (1,),
-}
-#: Ops that read only their operand's shape and dtype (no need to reduce a partial operand).
-_SHAPE_ONLY = frozenset(
-    getattr(torch.ops.aten, name).default
-    for name in ("empty_like", "full_like", "ones_like", "rand_like", "randn_like", "zeros_like")
-)
-#: Int arguments that are a size of an operand: op -> {arg position: (operand, dim)}.
-_LOCAL_SIZE_ARGS: dict[Any, dict[int, tuple[int, int]]] = {
-    torch.ops.aten.native_group_norm.default: {3: (0, 0)},
-    torch.ops.aten.native_group_norm_backward.default: {5: (0, 0)},
-}
 
 
 @dataclass(slots=True)
@@ -335,11 +326,11 @@ class Lowering:
             else:
                 dst = Sharding(self.mesh, self.dims_of(factors, assign))
             why = f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"
-            if node.target in _SHAPE_ONLY and v.sharding.with_partial(()) == dst:
+            if node.target in SHAPE_ONLY and v.sharding.with_partial(()) == dst:
                 out.append(v.node)  # only its shape is read: a partial value will do
                 continue
             local = self.reshard(self.key(operand), dst, why, node)
-            is_index = i in _INDEX_OPERANDS.get(node.target, ())
+            is_index = i in INDEX_OPERANDS.get(node.target, ())
             for d, dim in enumerate(factors or ()):
                 if dst.dim_axes[d] and (is_index or any(f in reduced for f in dim)):
                     # Padding of a reduced dim gets the reduction's identity; padding of an
@@ -386,7 +377,7 @@ class Lowering:
             return a
 
         args, kwargs = pytree.tree_map(swap, (tuple(node.args), dict(node.kwargs)))
-        sizes = _LOCAL_SIZE_ARGS.get(node.target)
+        sizes = LOCAL_SIZE_ARGS.get(node.target)
         if sizes:
             # Kernels that take their input's sizes as ints (group norm's N) get local sizes,
             # and contiguous inputs.
@@ -406,7 +397,7 @@ class Lowering:
         if rule.handler == "localize_shape":
             (res,) = [r for r in results if r is not None][:1]
             (gval,) = [v for v in vals if _tensor_val(v)][:1]
-            args, kwargs = _localize_shape_args(
+            args, kwargs = localize_shape_args(
                 args, kwargs, tuple(gval.shape), local_shape(res, tuple(gval.shape))
             )
         return self.graph.call_function(node.target, tuple(args), kwargs)
@@ -440,47 +431,10 @@ class Lowering:
         assign: dict[str, tuple[str, ...]],
         j: int,
     ) -> None:
-        """Remember, in words, why an op's result is partial and what the alternative cost."""
-        v = self.values[key]
-        summed = [f for f in rule.partial_factors(j) if assign.get(f)]
-        if not summed:
-            return
-        axes = [a for f in summed for a in assign[f]]
-        reduce_bytes = _nbytes(local_shape(v.sharding, v.shape), v.dtype)
-        gathers: list[tuple[str, int]] = []
-        operands = zip(self.operand_nodes(node), rule.operands, strict=True)
-        for i, (operand, factors) in enumerate(operands):
-            ov = self.value(operand)
-            split = [
-                d
-                for d, dim in enumerate(factors or ())
-                if any(f in summed for f in dim) and ov.sharding.dim_axes[d]
-            ]
-            if not split:
-                continue  # this operand is only sliced locally, never gathered
-            gathered = ov.sharding.with_dims(
-                () if d in split else axes_ for d, axes_ in enumerate(ov.sharding.dim_axes)
-            )
-            dtype = str(ov.dtype).removeprefix("torch.")
-            shape = list(local_shape(gathered, ov.shape))
-            gathers.append((f"operand {i} {dtype}{shape}", _nbytes(tuple(shape), ov.dtype)))
-        verb = "contracts" if rule.reduction_factors else "sums over"
-        shape = list(local_shape(v.sharding, v.shape))
-        text = (
-            f"{op_name(node.target)} (%{node.name}) {verb} {', '.join(summed)} split over "
-            f"{', '.join(axes)}: each device works on its local slices and holds a partial "
-            f"{rule.reduce_op} of the result {str(v.dtype).removeprefix('torch.')}{shape} "
-            f"({_fmt_bytes(reduce_bytes)})"
-        )
-        if gathers:
-            alt = " and ".join(f"{n} ({_fmt_bytes(b)})" for n, b in gathers)
-            cheaper = reduce_bytes <= sum(b for _, b in gathers)
-            text += (
-                f"; reducing it moves less than gathering {alt}"
-                if cheaper
-                else f" (gathering {alt} would have moved less)"
-            )
-        self._partial_origin[key] = (text, node.meta.get("source"))
+        """Remember, in words, why an op's result is partial (for the Plan's reasons)."""
+        text = partial_reason(self, key, node, rule, assign, j)
+        if text is not None:
+            self._partial_origin[key] = (text, node.meta.get("source"))
 
     def _settle(self, key: ValueKey, wanted: Sharding | None, node: fx.Node) -> None:
         """Reshard a fresh result to the sharding propagation chose for the value."""
@@ -494,39 +448,6 @@ class Lowering:
         self.values[key] = LocalValue(local, wanted, v.shape, v.dtype)
 
 
-def _localize_shape_args(
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    global_shape: tuple[int, ...],
-    local: tuple[int, ...],
-) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    """Replace the shape argument (a list of ints of the result's rank) by the local shape."""
-
-    def is_shape(a: Any) -> bool:
-        return (
-            isinstance(a, (list, tuple))
-            and len(a) == len(global_shape)
-            and all(isinstance(x, int) for x in a)
-        )
-
-    new_args = list(args)
-    for i, a in enumerate(new_args):
-        if is_shape(a):
-            new_args[i] = list(local)
-            return tuple(new_args), kwargs
-    for k, a in kwargs.items():
-        if is_shape(a):
-            return tuple(new_args), {**kwargs, k: list(local)}
-    return tuple(new_args), kwargs
-
-
 def _detail(step: Any) -> str:
     parts = [str(a) for a in step.args if not isinstance(a, (list, tuple))]
     return ", ".join(parts)
-
-
-def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
-    n = torch.empty((), dtype=dtype).element_size()
-    for d in shape:
-        n *= d
-    return n

@@ -20,7 +20,7 @@ import torch
 from partita.mesh import Mesh
 from partita.spec import Sharding
 
-__all__ = ["CollectiveRecord", "Plan"]
+__all__ = ["CollectiveRecord", "Plan", "format_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,12 +97,12 @@ class Plan:
         if not by_kind:
             return "no collectives"
         lines = [
-            f"{kind:<19} x{len(recs):<4} {_fmt_bytes(sum(r.bytes for r in recs))} per device"
+            f"{kind:<19} x{len(recs):<4} {format_bytes(sum(r.bytes for r in recs))} per device"
             for kind, recs in sorted(by_kind.items())
         ]
         lines.append(
             f"{'total':<19} x{len(self.collectives):<4} "
-            f"{_fmt_bytes(self.bytes_per_device)} per device"
+            f"{format_bytes(self.bytes_per_device)} per device"
         )
         return "\n".join(lines)
 
@@ -123,14 +123,14 @@ class Plan:
         else:
             lines.append(
                 f"collectives: {len(self.collectives)}, "
-                f"{_fmt_bytes(self.bytes_per_device)} per device per run"
+                f"{format_bytes(self.bytes_per_device)} per device per run"
             )
         for i, c in enumerate(self.collectives):
             groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in c.groups)
             dtype = str(c.dtype).removeprefix("torch.")
             head = (
                 f"  [{i}] {c.kind}({c.detail}) over {'×'.join(c.mesh_axes) or '-'} "
-                f"{dtype}{list(c.shape)} = {_fmt_bytes(c.bytes)}/device"
+                f"{dtype}{list(c.shape)} = {format_bytes(c.bytes)}/device"
             )
             lines.append(head)
             lines.append(f"      groups: {groups}")
@@ -146,7 +146,8 @@ class Plan:
         return self.explain()
 
 
-def _fmt_bytes(n: int) -> str:
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``'1.5 KiB'``: bytes as people read them (B, KiB, MiB)."""
     if n >= 1 << 20:
         return f"{n / (1 << 20):.2f} MiB"
     if n >= 1 << 10:
