@@ -58,21 +58,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 import torch.fx as fx
 
 from partita.errors import ShardingConflictError, UnsupportedOpError
 from partita.mesh import Mesh
 from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta, get_rule
+from partita.rules.opinfo import _is_tensor, op_info, replicate_rule, source_of
 from partita.spec import Sharding
 
 __all__ = ["op_info", "propagate", "source_of"]
 
-ValueKey = tuple[fx.Node, int | None]
+ValueKey = tuple[fx.Node, int | None]  # (producer, output index or None for one output)
 
 #: Handlers of table lookups whose reduction factor (the table's rows) is *weak*: it keeps a
 #: mesh axis only when the lookup's index dims do not want it (invariant 5).
-_LOOKUP_HANDLERS = ("masked_embedding",)  # (producer, output index or None for a single output)
+_LOOKUP_HANDLERS = ("masked_embedding",)
 
 
 @dataclass(slots=True)
@@ -98,61 +98,6 @@ class _Op:
     free: tuple[str, ...] = ()  # pass-through factors on every tensor: targets of invariant 9
     result_only: frozenset[str] = field(default_factory=frozenset)  # in no operand
     weak: frozenset[str] = field(default_factory=frozenset)  # claim axes after the others
-
-
-def source_of(node: fx.Node) -> str | None:
-    """The user's source line recorded by capture, if any."""
-    src = node.meta.get("source")
-    return src if isinstance(src, str) else None
-
-
-def _is_tensor(v: Any) -> bool:
-    return isinstance(v, torch.Tensor)
-
-
-def _meta(v: Any) -> TensorMeta:
-    return TensorMeta(tuple(v.shape), v.dtype)
-
-
-def op_info(
-    node: fx.Node, cache: dict[fx.Node, TensorMeta] | None = None
-) -> tuple[OpInfo, list[fx.Node], list[int | None]]:
-    """The OpInfo of a call_function node, its tensor operand nodes (flattened order) and the
-    output index of each flattened result (``None`` for a single tensor output). ``cache``
-    keeps one TensorMeta per operand node across calls."""
-    operand_nodes: list[fx.Node] = []
-    metas: list[TensorMeta] = []
-
-    def to_meta(a: Any) -> Any:
-        if isinstance(a, fx.Node):
-            val = a.meta.get("val")
-            if not _is_tensor(val):
-                return val
-            meta = cache.get(a) if cache is not None else None
-            if meta is None:
-                meta = _meta(val)
-                if cache is not None:
-                    cache[a] = meta
-            operand_nodes.append(a)
-            metas.append(meta)
-            return meta
-        if isinstance(a, (list, tuple)):
-            return type(a)(to_meta(x) for x in a)
-        if isinstance(a, dict):
-            return {k: to_meta(v) for k, v in a.items()}
-        return a
-
-    args = tuple(to_meta(a) for a in node.args)
-    kwargs = {k: to_meta(v) for k, v in node.kwargs.items()}
-    val = node.meta.get("val")
-    if isinstance(val, (tuple, list)):
-        results = tuple(_meta(v) if _is_tensor(v) else None for v in val)
-        indices: list[int | None] = list(range(len(val)))
-    else:
-        results = (_meta(val) if _is_tensor(val) else None,)
-        indices = [None]
-    info = OpInfo(node.target, args, kwargs, tuple(metas), results)
-    return info, operand_nodes, indices
 
 
 def _is_annotation(node: fx.Node) -> bool:
@@ -256,7 +201,7 @@ class _Propagator:
         where = f"node {node.name} ({source_of(node) or 'source line unknown'})"
         if fn is None:
             if self.replicate_unsupported:
-                return _replicate_rule(info)
+                return replicate_rule(info)
             raise UnsupportedOpError(
                 f"No sharding rule for {node.target} at {where}. partita does not know how "
                 f"this op behaves when its inputs are split across devices. Two ways forward: "
@@ -269,7 +214,7 @@ class _Propagator:
             return fn(info)
         except NotImplementedError as e:
             if self.replicate_unsupported:
-                return _replicate_rule(info)
+                return replicate_rule(info)
             raise UnsupportedOpError(
                 f"The sharding rule of {node.target} cannot handle the call at {where}: {e}. "
                 f"Annotate around it with P() or pass replicate_unsupported=True."
@@ -501,15 +446,6 @@ class _Propagator:
                     self._sharding((node, i)) if (node, i) in self.values else None
                     for i in range(len(node.meta["val"]))
                 )
-
-
-def _replicate_rule(info: OpInfo) -> FactorRule:
-    """The opt-in rule for an op without one: every operand gathered, results replicated."""
-    return FactorRule(
-        operands=tuple(None for _ in info.operands),
-        results=tuple(None if r is None else tuple(() for _ in r.shape) for r in info.results),
-        sizes={},
-    )
 
 
 def _find_mesh(gm: fx.GraphModule) -> Mesh | None:
