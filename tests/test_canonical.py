@@ -27,9 +27,9 @@ GROUPS = {
 # name -> (golden collectives "kind axes [shape]", XLA's per-device bytes)
 GOLDEN: dict[str, tuple[list[str], int]] = {
     "T01": ([], 0),
-    # XLA: all_to_all [4,2,8] in pairs {0,1},{4,5},... + collective_permute [8,8] (512 B); those
-    # half-axis groups are not expressible over whole mesh axes: partita moves 2x the bytes.
-    "T02": (["all_gather x [4, 32]", "all_to_all y [16, 8]"], 512),
+    # XLA: all_to_all [4,2,8] in pairs {0,1},{4,5},... + collective_permute [8,8] (512 B);
+    # partita sends each [4,8] piece straight to its owner in two rounds (256 B).
+    "T02": (["collective_permute x,y [4, 8]", "collective_permute x,y [4, 8]"], 512),
     "T03": (["all_to_all y [16, 8]"], 512),
     "T04": (["all_gather y [8, 32]", "all_gather x [16, 32]"], 3072),
     "T05": ([], 0),
@@ -61,7 +61,6 @@ GOLDEN: dict[str, tuple[list[str], int]] = {
 # Cases whose golden is XLA's and that partita does not reach yet (strict: they must fail).
 PENDING: dict[str, str] = {}
 MORE_BYTES_THAN_XLA = {
-    "T02": "half-axis all_to_all groups are not expressible (docs/collectives.md)",
     "T09": "uneven re-align gathers the dim instead of permuting a few rows",
 }
 

@@ -22,7 +22,15 @@ tiles that do not line up (uneven)  all_gather d fully, slice to the    ``_reali
                                     real size; the table goes on
 replicated -> partial on a          sum: keep the value on coordinate 0 ``_make_partial``
                                     of a, zeros elsewhere (local)
+even tiles that divide one another  per round take_piece, one           ``permute_pieces``
+(not partial), when it moves fewer  collective_permute of the piece;
+bytes than the steps above (T02)    then place_pieces (local)
 ==================================  ==================================  =====================
+
+The last row is not tried in order: :func:`plan_reshard` plans the table above, then the
+piecewise permute (:mod:`partita.partition.permute_pieces`), and keeps the latter only when the
+tiles keep their size, it has no more collectives (rounds) than the former, and it moves
+strictly fewer bytes per device.
 
 Gathers run over the dims from last to first (as XLA does); a dim split over several mesh
 axes is gathered over all of them in one all_gather. *Line up* means the new tiles are whole
@@ -52,6 +60,7 @@ from torch import fx
 
 from partita.layout import tile_coords
 from partita.mesh import Mesh
+from partita.partition import permute_pieces
 from partita.runtime.stacked import STACKED_IMPLS
 from partita.spec import Sharding
 
@@ -74,7 +83,8 @@ class ReshardStep:
     ``args`` are the op's arguments after ``x`` (mesh axes as tuples). Local kinds:
     ``shard_slice`` (``dim, mesh_axes, group_size``), ``slice`` (``dim, size``: keep the first
     ``size``), ``pad`` (``dim, size``: zero-pad at the end to ``size``), ``make_partial``
-    (``reduce_op, mesh_axes``).
+    (``reduce_op, mesh_axes``), ``take_piece`` (``tile, piece, slots``) and ``place_pieces``
+    (``piece, rounds``) (see :mod:`partita.partition.permute_pieces`).
     """
 
     kind: str
@@ -331,7 +341,22 @@ def plan_reshard(src: Sharding, dst: Sharding, shape: Sequence[int]) -> list[Res
     dst.check_shape(shape)
     if src == dst:
         return []
-    return _Planner(src, dst, shape).run()
+    steps = _Planner(src, dst, shape).run()
+    pieces = plan_permute_pieces(src, dst, shape)
+    count = [sum(s.is_collective for s in plan) for plan in (pieces or [], steps)]
+    same = pieces and math.prod(pieces[-1].out_local_shape) == math.prod(pieces[0].in_local_shape)
+    if same and count[0] <= count[1] and _bytes_hint(pieces) < _bytes_hint(steps):
+        return pieces
+    return steps
+
+
+def plan_permute_pieces(
+    src: Sharding, dst: Sharding, shape: Sequence[int]
+) -> list[ReshardStep] | None:
+    """The piecewise collective_permute plan (whether or not it is the cheapest), or None when
+    it does not apply (see :mod:`partita.partition.permute_pieces`)."""
+    raw = permute_pieces.plan_pieces(src, dst, tuple(int(n) for n in shape))
+    return None if raw is None else [ReshardStep(*r) for r in raw]
 
 
 # --- running and emitting the steps ------------------------------------------------------------
@@ -350,8 +375,15 @@ def apply_steps_stacked(
 ) -> torch.Tensor:
     """Run ``steps`` on a stacked value ``[mesh.size, *local]`` (the simulated mesh)."""
     x = stacked
+    source, received = x, None  # a piecewise permute's source tile and received pieces
     for step in steps:
-        if step.kind in ("slice", "pad"):
+        if step.kind == "take_piece":
+            source, received = (x, []) if received is None else (source, [*received, x])
+            x = permute_pieces.stacked_take(source, *step.args)
+        elif step.kind == "place_pieces":
+            x = permute_pieces.stacked_place([*received, x], step.out_local_shape, *step.args)
+            received = None
+        elif step.kind in ("slice", "pad"):
             dim, size = step.args
             if step.kind == "slice":
                 x = x.narrow(1 + dim, 0, size)
@@ -372,9 +404,9 @@ def apply_steps_stacked(
 
 def _call(graph: fx.Graph, target: Any, args: tuple[Any, ...]) -> fx.Node:
     node = graph.call_function(target, args)
-    vals = [a.meta.get("val") for a in args if isinstance(a, fx.Node)]
+    vals = [a.meta.get("val") for a in node.all_input_nodes]
     if vals and all(v is not None for v in vals):
-        fake_args = tuple(a.meta["val"] if isinstance(a, fx.Node) else a for a in args)
+        fake_args = fx.node.map_arg(args, lambda a: a.meta["val"])
         mode = torch._guards.detect_fake_mode([v for v in vals])
         try:
             if mode is not None:
@@ -392,9 +424,18 @@ def emit_reshard(graph: fx.Graph, x: fx.Node, steps: Sequence[ReshardStep], mesh
     fake ``meta["val"]``, a ``meta["val"]`` from the ops' fake implementations.
     """
     aten = torch.ops.aten
+    axes = list(mesh.axis_names)
+    source, received = x, None  # a piecewise permute's source tile and received pieces
     for step in steps:
         ndim = len(step.in_local_shape)
-        if step.kind == "slice":
+        if step.kind == "take_piece":
+            source, received = (x, []) if received is None else (source, [*received, x])
+            x = permute_pieces.emit_take(graph, _call, source, *step.args, axes)
+        elif step.kind == "place_pieces":
+            out = step.out_local_shape
+            x = permute_pieces.emit_place(graph, _call, [*received, x], out, *step.args, axes)
+            received = None
+        elif step.kind == "slice":
             dim, size = step.args
             x = _call(graph, aten.slice.Tensor, (x, dim, 0, size))
         elif step.kind == "pad":
