@@ -180,6 +180,7 @@ def _prefix_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
     why = f"{node.target} (%{node.name}) re-aligns tiles of {x.shape[dim]} rows to {n}"
     gathered = low.reshard(key, Sharding(low.mesh, whole.dim_axes), why, node)
     sliced = low.call(aten.slice.Tensor, gathered, dim, 0, n)
+    low.note_copy(node, Sharding(low.mesh, whole.dim_axes), sliced)  # reusable, e.g. T09
     return low.call(torch.ops.partita.shard_slice.default, sliced, dim, list(axes), k)
 
 

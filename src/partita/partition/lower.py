@@ -86,7 +86,9 @@ class Lowering:
         self.graph = fx.Graph()
         self.values: dict[ValueKey, LocalValue] = {}
         self.alias: dict[fx.Node, ValueKey] = {}
-        self._cache: dict[tuple[ValueKey, Sharding], fx.Node] = {}
+        # Every local copy of a value made so far, by sharding (reshards reuse them).
+        self._copies: dict[ValueKey, dict[Sharding, fx.Node]] = {}
+        self._pending_copies: dict[fx.Node, dict[Sharding, fx.Node]] = {}
         # Why a value is partial: (explanation, source line of the op that made it partial).
         self._partial_origin: dict[ValueKey, tuple[str, str | None]] = {}
         self.plan = Plan(mesh)
@@ -107,14 +109,23 @@ class Lowering:
         v = self.values[key]
         if v.sharding == dst:
             return v.node
-        cached = self._cache.get((key, dst))
-        if cached is not None:
-            return cached
+        copies = self._copies.setdefault(key, {})
+        if dst in copies:
+            return copies[dst]
         through = self._reshard_through_permute(key, dst, why, at)
         if through is not None:
-            self._cache[(key, dst)] = through
+            copies[dst] = through
             return through
-        steps = plan_reshard(v.sharding, dst, v.shape)
+        # Start from whichever copy of the value moves the fewest bytes to ``dst``: a value
+        # already gathered for one consumer is sliced locally for the next.
+        start, steps = min(
+            (
+                (node, plan_reshard(s, dst, v.shape))
+                for s, node in [(v.sharding, v.node), *copies.items()]
+                if not s.partial or s == v.sharding
+            ),
+            key=lambda c: _collective_bytes(c[1]),
+        )
         source = at.meta.get("source")
         name = key[0].name if key[1] is None else f"{key[0].name}[{key[1]}]"
         if is_full_remat(steps):
@@ -133,7 +144,7 @@ class Lowering:
                 raise RematerializationError(f"{msg} {fix}")
             warnings.warn(f"{msg} {fix}", RematerializationWarning, stacklevel=4)
             self.plan.warnings.append(msg)
-        out = emit_reshard(self.graph, v.node, steps, self.mesh)
+        out = emit_reshard(self.graph, start, steps, self.mesh)
         origin = self._partial_origin.get(key)
         for step in steps:
             if not step.is_collective:
@@ -156,8 +167,13 @@ class Lowering:
                     detail=_detail(step),
                 )
             )
-        self._cache[(key, dst)] = out
+        copies[dst] = out
         return out
+
+    def note_copy(self, node: fx.Node, sharding: Sharding, local: fx.Node) -> None:
+        """A handler tells that ``local`` holds the result of ``node`` under ``sharding`` too
+        (for example the gathered value it sliced its result from)."""
+        self._pending_copies.setdefault(node, {})[sharding] = local
 
     def _reshard_through_permute(
         self, key: ValueKey, dst: Sharding, why: str, at: fx.Node
@@ -226,6 +242,9 @@ class Lowering:
         why = f"annotation {ann.source or node.name} asks for {ann.sharding}"
         local = self.reshard(self.key(operand), ann.sharding, why, node)
         v = self.value(operand)
+        if local is v.node:  # nothing moved: the annotation is the same value (and copies)
+            self.alias[node] = self.key(operand)
+            return
         self.values[(node, None)] = LocalValue(local, ann.sharding, v.shape, v.dtype)
 
     def _output(self, node: fx.Node) -> None:
@@ -420,6 +439,7 @@ class Lowering:
             (s,) = natural
             assert s is not None  # a single tensor result always has factors
             self.values[(node, None)] = LocalValue(local, s, tuple(val.shape), val.dtype)
+            self._copies[(node, None)] = self._pending_copies.pop(node, {})
             self._explain_partial((node, None), node, rule, assign, 0)
             self._settle((node, None), wanted, node)
 
@@ -451,3 +471,16 @@ class Lowering:
 def _detail(step: Any) -> str:
     parts = [str(a) for a in step.args if not isinstance(a, (list, tuple))]
     return ", ".join(parts)
+
+
+def _collective_bytes(steps: list[Any]) -> int:
+    """Per-device bytes a step list moves, in element counts (dtype is the same for all)."""
+    total = 0
+    for step in steps:
+        if step.is_collective:
+            shape = step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
+            n = 1
+            for d in shape:
+                n *= d
+            total += n
+    return total
