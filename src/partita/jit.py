@@ -130,7 +130,7 @@ class Jitted:
                 out_specs=self.out_specs,
                 mesh=self.mesh,
             )
-            # keyword tensors are not covered by in_specs: they are replicated
+            # Keyword tensors carry no annotation: propagation chooses their sharding.
             propagate(
                 prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported
             )
