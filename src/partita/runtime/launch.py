@@ -169,6 +169,14 @@ def join(env: ProcessEnv, timeout: float) -> dist.Store:
             time.sleep(_POLL)
         present = [r for r in range(env.world_size) if store.check([keys[r]])]
         joined = {r: store.get(keys[r]).decode() for r in present}
+        store.add("read", 1)
+        if env.rank == 0 and not env.agent_store:
+            # This process hosts the store: keep it up until every rank that joined has read
+            # who did (each waits out its own deadline), so that they all report the missing
+            # ranks rather than a lost store. Bounded: a rank that died is not waited for long.
+            grace = time.monotonic() + min(10.0, timeout)
+            while store.add("read", 0) < len(present) and time.monotonic() < grace:
+                time.sleep(_POLL)
     except JoinTimeoutError:
         raise
     except Exception as e:
