@@ -30,7 +30,6 @@ import argparse
 import cProfile
 import io
 import pstats
-import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
+from bench_local import median_seconds  # bench/ is on sys.path
 from torch.utils import _pytree as pytree
 
 import partita
@@ -82,19 +82,6 @@ def vector_step_counter(step: Callable[..., Any]) -> Callable[..., Any]:
         return loss, new_params, new_buffers, {**new_state, "step": new_state["step"].reshape(1)}
 
     return wrapped
-
-
-def median_seconds(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
-    """Median wall seconds of each function after one warm-up; runs interleaved."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeat):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def max_diff(got: Any, want: Any) -> float:
