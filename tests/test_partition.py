@@ -77,3 +77,24 @@ def test_a_transposed_weight_is_gathered_once_for_forward_and_backward() -> None
     kinds = [c.kind for c in step.lower(x, w).collectives]
     assert kinds.count("all_gather") == 1 and kinds.count("reduce_scatter") == 1
     torch.testing.assert_close(step(x, w).full(), f(x, w), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("rows", "keep", "spec", "kinds"),
+    [
+        (16, 10, P("model"), ["collective_permute"]),  # T09's re-align: one shift
+        (32, 30, P("data"), ["collective_permute"]),
+        (32, 30, P(None), []),
+        (16, 13, P("model"), []),  # tiles of 4 stay tiles of 4: nothing moves (T11)
+        (17, 3, P("model"), ["all_gather"]),  # a tile would need rows from two neighbours left
+        (20, 13, P(("data", "model")), ["all_gather"]),
+    ],
+)
+def test_a_prefix_slice_of_a_sharded_dim(rows: int, keep: int, spec: P, kinds: list[str]) -> None:
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return a[:keep].exp()  # exp: padding becomes garbage, which must not leak
+
+    a = torch.randn(rows, 5)
+    step = partita.jit(f, mesh=MESH, in_specs=(spec,), out_specs=spec)
+    assert [c.kind for c in step.lower(a).collectives] == kinds
+    torch.testing.assert_close(step(a).full(), f(a))

@@ -13,6 +13,7 @@ Handlers never decide shardings; they only emit what an assignment implies.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
+from partita.layout import local_shape
+from partita.partition.plan import CollectiveRecord
 from partita.rules import FactorRule
 from partita.spec import Sharding
 
@@ -175,6 +178,9 @@ def _prefix_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
     tile = -(-x.shape[dim] // k)
     if -(-n // k) == tile:
         return low.call(aten.slice.Tensor, x_local, dim, 0, tile)
+    realigned = _shift_realign(low, node, x_local, dim, axes, tile, -(-n // k))
+    if realigned is not None:
+        return realigned
     key = low.key(node.args[0])
     whole = x.sharding.with_dims(() if d == dim else a for d, a in enumerate(x.sharding.dim_axes))
     why = f"{node.target} (%{node.name}) re-aligns tiles of {x.shape[dim]} rows to {n}"
@@ -182,6 +188,58 @@ def _prefix_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
     sliced = low.call(aten.slice.Tensor, gathered, dim, 0, n)
     low.note_copy(node, Sharding(low.mesh, whole.dim_axes), sliced)  # reusable, e.g. T09
     return low.call(torch.ops.partita.shard_slice.default, sliced, dim, list(axes), k)
+
+
+def _shift_realign(
+    low: Lowering,
+    node: fx.Node,
+    x_local: fx.Node,
+    dim: int,
+    axes: tuple[str, ...],
+    old: int,
+    new: int,
+) -> fx.Node | None:
+    """Re-align tiles of ``old`` rows into tiles of ``new < old`` rows with one shift.
+
+    New tile ``t`` starts at global row ``t * new``, inside the window ``[t * old - new,
+    (t + 1) * old)`` made of the left neighbour's last ``new`` rows and the device's own tile
+    whenever ``t * (old - new) <= new`` for every tile: each device sends its last ``new`` rows
+    to its right neighbour (one collective_permute, as XLA does for T09; the first device gets
+    zeros) and cuts its tile out of the window at offset ``new - t * (old - new)``. None when a
+    tile would need rows from further left (the caller gathers instead).
+    """
+    k = low.mesh.axes_size(axes)
+    if any(t * (old - new) > new for t in range(k)):
+        return None
+    x = low.value(node.args[0])
+    tail = low.call(aten.slice.Tensor, x_local, dim, old - new, old)
+    pairs = [
+        d for group in low.mesh.groups(axes) for pair in itertools.pairwise(group) for d in pair
+    ]
+    recv = low.call(torch.ops.partita.collective_permute.default, tail, pairs, list(axes))
+    window = low.call(aten.cat.default, [recv, x_local], dim)
+    t = low.call(torch.ops.partita.axis_index.default, x_local, list(axes))
+    offset = low.call(aten.add.Tensor, low.call(aten.mul.Tensor, t, -(old - new)), new)
+    index = low.call(aten.add.Tensor, low.call(aten.arange.default, new, dtype=torch.int64), offset)
+    shape = list(local_shape(x.sharding, x.shape))
+    shape[dim] = new
+    low.plan.collectives.append(
+        CollectiveRecord(
+            kind="collective_permute",
+            mesh_axes=tuple(axes),
+            groups=tuple(tuple(g) for g in low.mesh.groups(axes)),
+            shape=tuple(shape),
+            dtype=x.dtype,
+            value=node.args[0].name,
+            reason=(
+                f"{node.target} (%{node.name}) keeps {node.meta['val'].shape[dim]} of "
+                f"{x.shape[dim]} rows: tiles of {old} rows re-align to tiles of {new} by "
+                f"shifting each tile's last {new} rows to the right neighbour"
+            ),
+            source=node.meta.get("source"),
+        )
+    )
+    return low.call(aten.index_select.default, window, dim, index)
 
 
 register(Handler("prefix_slice", _prefix_applies, _prefix_lower))
