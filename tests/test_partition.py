@@ -85,6 +85,7 @@ def test_a_transposed_weight_is_gathered_once_for_forward_and_backward() -> None
         (16, 10, P("model"), ["collective_permute"]),  # T09's re-align: one shift
         (32, 30, P("data"), ["collective_permute"]),
         (32, 30, P(None), []),
+        (32, 30, P(None, "model"), []),  # another dim is split: the slice is local
         (16, 13, P("model"), []),  # tiles of 4 stay tiles of 4: nothing moves (T11)
         (17, 3, P("model"), ["all_gather"]),  # a tile would need rows from two neighbours left
         (20, 13, P(("data", "model")), ["all_gather"]),

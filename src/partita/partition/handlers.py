@@ -176,6 +176,8 @@ def _prefix_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
     k = low.mesh.axes_size(axes)
     n = int(node.meta["val"].shape[dim])
     tile = -(-x.shape[dim] // k)
+    if k == 1:  # only other dims are split: the slice is local as written
+        return low.call(aten.slice.Tensor, x_local, dim, 0, n)
     if -(-n // k) == tile:
         return low.call(aten.slice.Tensor, x_local, dim, 0, tile)
     realigned = _shift_realign(low, node, x_local, dim, axes, tile, -(-n // k))
