@@ -13,7 +13,6 @@ Handlers never decide shardings; they only emit what an assignment implies.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from partita.layout import local_shape
-from partita.partition.plan import CollectiveRecord
+from partita.partition.neighbours import emit_shift
 from partita.rules import FactorRule
 from partita.spec import Sharding
 
@@ -215,32 +214,18 @@ def _shift_realign(
         return None
     x = low.value(node.args[0])
     tail = low.call(aten.slice.Tensor, x_local, dim, old - new, old)
-    pairs = [
-        d for group in low.mesh.groups(axes) for pair in itertools.pairwise(group) for d in pair
-    ]
-    recv = low.call(torch.ops.partita.collective_permute.default, tail, pairs, list(axes))
+    shape = list(local_shape(x.sharding, x.shape))
+    shape[dim] = new
+    reason = (
+        f"{node.target} (%{node.name}) keeps {node.meta['val'].shape[dim]} of "
+        f"{x.shape[dim]} rows: tiles of {old} rows re-align to tiles of {new} by "
+        f"shifting each tile's last {new} rows to the right neighbour"
+    )
+    recv = emit_shift(low, node, tail, axes, 1, shape, x.dtype, reason, value=node.args[0].name)
     window = low.call(aten.cat.default, [recv, x_local], dim)
     t = low.call(torch.ops.partita.axis_index.default, x_local, list(axes))
     offset = low.call(aten.add.Tensor, low.call(aten.mul.Tensor, t, -(old - new)), new)
     index = low.call(aten.add.Tensor, low.call(aten.arange.default, new, dtype=torch.int64), offset)
-    shape = list(local_shape(x.sharding, x.shape))
-    shape[dim] = new
-    low.plan.collectives.append(
-        CollectiveRecord(
-            kind="collective_permute",
-            mesh_axes=tuple(axes),
-            groups=tuple(tuple(g) for g in low.mesh.groups(axes)),
-            shape=tuple(shape),
-            dtype=x.dtype,
-            value=node.args[0].name,
-            reason=(
-                f"{node.target} (%{node.name}) keeps {node.meta['val'].shape[dim]} of "
-                f"{x.shape[dim]} rows: tiles of {old} rows re-align to tiles of {new} by "
-                f"shifting each tile's last {new} rows to the right neighbour"
-            ),
-            source=node.meta.get("source"),
-        )
-    )
     return low.call(aten.index_select.default, window, dim, index)
 
 

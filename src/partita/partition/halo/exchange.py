@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from partita.explain import op_name
 from partita.partition.halo.geometry import Geo, HaloPlan, aten, partita_ops
-from partita.partition.plan import CollectiveRecord
+from partita.partition.neighbours import emit_shift
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
@@ -35,27 +35,8 @@ def _permute(
     what: str,
 ) -> fx.Node:
     """Every group member ``i`` sends ``x`` to member ``i + shift`` (along ``axes``)."""
-    groups = low.mesh.groups(axes)
-    pairs: list[int] = []
-    for g in groups:
-        for i in range(len(g)):
-            if 0 <= i + shift < len(g):
-                pairs += [int(g[i]), int(g[i + shift])]
-    out = low.call(partita_ops.collective_permute.default, x, pairs, list(axes))
-    low.plan.collectives.append(
-        CollectiveRecord(
-            kind="collective_permute",
-            mesh_axes=tuple(axes),
-            groups=tuple(tuple(int(d) for d in g) for g in groups),
-            shape=tuple(shape),
-            dtype=dtype,
-            value=node.name,
-            reason=f"halo exchange: {what} for {op_name(node.target)} (%{node.name})",
-            source=node.meta.get("source"),
-            detail=f"shift {shift:+d}",
-        )
-    )
-    return out
+    reason = f"halo exchange: {what} for {op_name(node.target)} (%{node.name})"
+    return emit_shift(low, node, x, axes, shift, shape, dtype, reason)
 
 
 def _with(shape: list[int], dim: int, size: int) -> list[int]:

@@ -1,0 +1,57 @@
+"""Shifting a local value to mesh neighbours: one collective_permute along some mesh axes.
+
+Halo exchanges (conv, pooling, pad) and the re-alignment of an uneven prefix slice both send
+each device's edge rows to the next (or previous) member of its group. This module emits that
+permute and its Plan record; callers say what the rows are for.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.fx as fx
+
+from partita.partition.plan import CollectiveRecord
+
+if TYPE_CHECKING:
+    from partita.partition.lower import Lowering
+
+__all__ = ["emit_shift"]
+
+
+def emit_shift(
+    low: Lowering,
+    node: fx.Node,
+    x: fx.Node,
+    axes: tuple[str, ...],
+    shift: int,
+    shape: list[int],
+    dtype: torch.dtype,
+    reason: str,
+    value: str | None = None,
+) -> fx.Node:
+    """Every group member ``i`` sends ``x`` to member ``i + shift`` along ``axes``; members
+    with no sender receive zeros. ``shape`` is the per-device shape recorded in the Plan;
+    ``value`` names the value moved (default: ``node``, whose source line the record gives)."""
+    groups = low.mesh.groups(axes)
+    pairs: list[int] = []
+    for g in groups:
+        for i in range(len(g)):
+            if 0 <= i + shift < len(g):
+                pairs += [int(g[i]), int(g[i + shift])]
+    out = low.call(torch.ops.partita.collective_permute.default, x, pairs, list(axes))
+    low.plan.collectives.append(
+        CollectiveRecord(
+            kind="collective_permute",
+            mesh_axes=tuple(axes),
+            groups=tuple(tuple(int(d) for d in g) for g in groups),
+            shape=tuple(shape),
+            dtype=dtype,
+            value=value or node.name,
+            reason=reason,
+            source=node.meta.get("source"),
+            detail=f"shift {shift:+d}",
+        )
+    )
+    return out
