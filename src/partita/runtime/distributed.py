@@ -217,11 +217,7 @@ class DistributedMesh:
         if g is None:
             return x.clone()
         n = len(g.members)
-        if x.shape[dim] % n:
-            raise DistributedError(
-                f"reduce_scatter at node {node!r}: dim {dim} of local shape {tuple(x.shape)} "
-                f"is not divisible by the group size {n}."
-            )
+        _check_divisible("reduce_scatter", node, x, dim, n)
         chunks = x.movedim(dim, 0).reshape(n, x.shape[dim] // n, *_without(x.shape, dim))
         if not g.same_order:  # torch group rank t receives the chunk of its partita member
             chunks = chunks[torch.tensor(g.to_torch, device=x.device)]
@@ -245,11 +241,7 @@ class DistributedMesh:
         if g is None:
             return x.clone()
         n = len(g.members)
-        if x.shape[split_dim] % n:
-            raise DistributedError(
-                f"all_to_all at node {node!r}: split dim {split_dim} of local shape "
-                f"{tuple(x.shape)} is not divisible by the group size {n}."
-            )
+        _check_divisible("all_to_all", node, x, split_dim, n)
         chunks = list(x.chunk(n, dim=split_dim))  # chunk j goes to partita member j
         send = torch.stack([chunks[j] for j in g.to_torch]).contiguous()
         recv = torch.empty_like(send)
@@ -554,6 +546,14 @@ def _finish_avg(total: Tensor, reduce_op: str, n: int) -> Tensor:
     if total.is_floating_point() or total.is_complex():
         return total / n
     return torch.div(total, n, rounding_mode="trunc")
+
+
+def _check_divisible(op: str, node: str, x: Tensor, dim: int, n: int) -> None:
+    if x.shape[dim] % n:
+        raise DistributedError(
+            f"{op} at node {node!r}: dim {dim} of local shape {tuple(x.shape)} is not "
+            f"divisible by the group size {n}."
+        )
 
 
 def _without(shape: Sequence[int], dim: int) -> list[int]:
