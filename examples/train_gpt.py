@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -44,18 +43,6 @@ def param_spec(name: str, p: torch.Tensor, mesh: Mesh) -> P:
     if p.shape[0] % mesh.axis_size("data") == 0:
         return P("data")
     return P()
-
-
-def vector_step_counter(step: Any) -> Any:
-    """The step counter as a shape-[1] tensor (partita.jit does not take 0-d inputs yet)."""
-
-    def wrapped(params: Tensors, buffers: Tensors, state: dict[str, Any], batch: Any) -> Any:
-        loss, new_params, new_buffers, new_state = step(
-            params, buffers, {**state, "step": state["step"].reshape(())}, batch
-        )
-        return loss, new_params, new_buffers, {**new_state, "step": new_state["step"].reshape(1)}
-
-    return wrapped
 
 
 def parse_mesh(text: str) -> Mesh:
@@ -98,11 +85,10 @@ def main(argv: list[str] | None = None) -> None:
 
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = init_opt_state(params)
-    state["step"] = state["step"].reshape(1)
     pspecs = {k: param_spec(k, v, mesh) for k, v in params.items()}
     batch_spec = P("data")
     step = partita.jit(
-        vector_step_counter(make_train_step(model, loss_fn, "adamw")),
+        make_train_step(model, loss_fn, "adamw"),
         mesh=mesh,
         in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
                   (batch_spec, batch_spec)),

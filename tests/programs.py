@@ -3,7 +3,7 @@
 
 Every helper returns plain data (functions and real float32 tensors) so that any stage's tests
 can trace, propagate, partition or run them. The 25 canonical programs are those of
-``shared/canonical_cases.md`` (T01-T25) on ``MESH = Mesh.create((2, 4), ("x", "y"))``; the
+``docs/canonical-cases.md`` (T01-T25) on ``MESH = Mesh.create((2, 4), ("x", "y"))``; the
 ``ann(v, spec)`` of that table is :func:`partita.capture.annotate`.
 """
 

@@ -1,4 +1,4 @@
-"""The 25 canonical programs (shared/canonical_cases.md): which collectives partita inserts.
+"""The 25 canonical programs (docs/canonical-cases.md): which collectives partita inserts.
 
 Each case is checked three ways: the sharded result equals the unsharded one; the collectives
 (kind, mesh axes, per-device shape) equal the golden list; and the per-device bytes are no more
