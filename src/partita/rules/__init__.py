@@ -89,11 +89,13 @@ from partita.rules import (  # noqa: E402,F401
     creation,
     elementwise,
     embedding,
+    indexing,
     loss,
     matmul,
     norm,
     random,
     reduction,
+    scan,
     shape,
     slicing,
 )

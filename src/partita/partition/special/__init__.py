@@ -18,6 +18,8 @@ batch_stats        SyncBatchNorm: one all_reduce of per-channel (sum, sum of squ
                    global count; backward: one all_reduce of (sum dy, sum dy*(x-mean))
 global_random      draw the *global* random tensor (same generator state on every device, one
                    draw per program run) and keep this device's tile
+index_padding      index.Tensor and the scatters with a sharded index tensor: its padding is
+                   set to 0 (a valid index) before the local op
 =================  ==========================================================================
 
 The all_reduces a handler emits are recorded in the Plan (``CollectiveRecord``) with the op,
@@ -28,9 +30,10 @@ the batch factor because its results are already reduced.
 
 Layout: ``common`` holds the helpers the handlers share (``make_tuple``, the recorded
 ``all_reduce``, padding masks, casts); each other module holds one handler family:
-``softmax`` (softmax_reduce), ``embedding`` (masked_embedding), ``reductions`` (mean,
-weighted_mean), ``batchnorm`` (batch_stats) and ``random_draw`` (global_random and the
-``partita::global_random_draw`` custom op). Importing this package registers every handler.
+``softmax`` (softmax_reduce), ``embedding`` (masked_embedding), ``indexing`` (index_padding),
+``reductions`` (mean, weighted_mean), ``batchnorm`` (batch_stats) and ``random_draw``
+(global_random and the ``partita::global_random_draw`` custom op).
+Importing this package registers every handler.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from __future__ import annotations
 from partita.partition.special import (  # noqa: F401 - each registers its handler(s)
     batchnorm,
     embedding,
+    indexing,
     random_draw,
     reductions,
     softmax,

@@ -1,0 +1,215 @@
+"""Rules of advanced indexing and scatters: ``index.Tensor``, ``index_put``, the ``scatter``
+family, ``slice_scatter``, ``flip``, ``histc`` and ``unfold``.
+
+Decision: a dim that an op reads or writes at positions held in *data* (the indexed dims of
+``x[i, :, j]``, the scattered dim of ``scatter``) or at global positions (a flipped dim, the
+sliced dim of ``slice_scatter``, an unfolded dim) is need-replication on the operand. Every
+other dim passes through: the non-indexed dims of ``x[i]``, and the dims of the index tensors'
+broadcast shape, which ``x[i]`` carries into its result. A scatter's index and source tensors
+share a pass-through factor with the operand on a dim only where their sizes equal the
+operand's (a smaller index writes a prefix of that dim: need-replication there). Index tensors
+whose dims are sharded name ``handler="index_padding"``: their padding (garbage after an
+elementwise op) must become a valid index before the local op reads it.
+
+What capture rewrites never reaches a rule: ``index_put_`` and ``x[i] = v`` become
+``index_put``, ``index_add`` becomes ``index_put(accumulate=True)``, ``roll`` an
+``index_select``, ``select_scatter`` a ``where`` and ``take_along_dim`` a ``gather``; an upsample
+index becomes ``index.Tensor``. Boolean-mask indexing (``x[x > 0]``) has a data-dependent
+shape and no rule. This module does not cover ``gather``/``index_select`` (``slicing.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from partita.rules import register_rule
+from partita.rules.common import Dim, Names, aten_ops, broadcast_dims, build, norm_dim
+from partita.rules.factor import FactorRule, OpInfo, TensorMeta
+
+__all__ = ["index_put_rule", "index_rule", "scatter_rule", "slice_scatter_rule"]
+
+INDEX_PADDING = "index_padding"
+
+
+def _indices(info: OpInfo) -> list[TensorMeta | None]:
+    indices = list(info.arg(1, "indices"))
+    for i in indices:
+        if i is not None and i.dtype is not None and not _is_integer(i.dtype):
+            raise NotImplementedError(
+                f"{info.target} with a {i.dtype} index of shape {i.shape}: a boolean mask gives "
+                f"a data-dependent shape, which partita cannot shard; index with "
+                f"mask.nonzero() of a known size, or use torch.where(mask, x, 0)"
+            )
+    return indices
+
+
+def _is_integer(dtype: torch.dtype) -> bool:
+    # torch reads bool and uint8 index tensors as masks
+    return dtype in (torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def _broadcast_shape(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for s in shapes:
+        for k, n in enumerate(s):
+            i = ndim - len(s) + k
+            if n != 1:
+                out[i] = n
+    return tuple(out)
+
+
+def _layout(
+    info: OpInfo, fresh: Names
+) -> tuple[list[str], list[int], tuple[int, ...], list[Dim], list[list[Dim]]]:
+    """What ``x[indices]`` does to the factors of ``x``.
+
+    Returns the factors of ``x``, its indexed dims, the indices' broadcast shape, the factors of
+    the result (the broadcast dims replace the indexed dims where those are adjacent, otherwise
+    they come first: torch's rule for ``x[i, :, j]``) and the factors of each index tensor.
+
+    Example: ``x [a b c]`` indexed by ``(None, i [d])`` gives ``a d c``; by ``(i [d], None,
+    j [d])`` gives ``d b``.
+    """
+    x = info.operands[0]
+    indices = _indices(info)
+    names = fresh.take(x.ndim)
+    indexed = [d for d, i in enumerate(indices) if i is not None]
+    shape = _broadcast_shape([i.shape for i in indices if i is not None])
+    bcast: list[Dim] = [fresh.new() if n != 1 else None for n in shape]
+    rest: list[Dim] = [f for d, f in enumerate(names) if d not in indexed]
+    adjacent = indexed == list(range(indexed[0], indexed[-1] + 1)) if indexed else True
+    if adjacent and indexed:
+        out: list[Dim] = [*names[: indexed[0]], *bcast, *names[indexed[-1] + 1 :]]
+    else:
+        out = [*bcast, *rest]
+    index_dims = [broadcast_dims(i, shape, bcast) for i in indices if i is not None]
+    return names, indexed, shape, out, index_dims
+
+
+@register_rule(*aten_ops(["index.Tensor"]))
+def index_rule(info: OpInfo) -> FactorRule:
+    """``a b c, d -> a d c; need-replication=b`` for ``x[:, i]``: the indexed dim is gathered,
+    the index's dims pass through to the result, the other dims of ``x`` pass through."""
+    names, indexed, _, out, index_dims = _layout(info, Names())
+    return build(
+        info,
+        [names, *index_dims],
+        [out],
+        need_replication=[names[d] for d in indexed],
+        handler=INDEX_PADDING,
+    )
+
+
+@register_rule(*aten_ops(["index_put.default"]))
+def index_put_rule(info: OpInfo) -> FactorRule:
+    """``a b c, d, a d c -> a b c; need-replication=b,d`` for ``x[:, i] = v`` (accumulate or
+    not): the indexed dims and the index dims are gathered (every device must write every
+    position of its tile), the other dims of ``x`` pass through with the values' dims."""
+    fresh = Names()
+    names, indexed, shape, out, index_dims = _layout(info, fresh)
+    values = info.operands[-1]
+    # The values broadcast to the shape of x[indices]; the index dims there are whole.
+    bcast = {f for dims in index_dims for f in dims if f is not None}
+    target: list[Dim] = [None if f in bcast else f for f in out]
+    target_shape = [1 if f is None else info.operands[0].shape[names.index(f)] for f in target]
+    value_dims = _values_dims(values, target_shape, target)
+    index_dims = [[None] * len(d) for d in index_dims]
+    del shape
+    return build(
+        info,
+        [names, *index_dims, value_dims],
+        [names],
+        need_replication=[names[d] for d in indexed],
+    )
+
+
+def _values_dims(values: TensorMeta, shape: Sequence[int], dims: Sequence[Dim]) -> list[Dim]:
+    """Factors of the values of ``index_put``, aligned from the right with ``x[indices]``: a
+    dim whose size equals ``x``'s keeps its factor, anything else (a broadcast 1, an index dim)
+    has none."""
+    offset = len(shape) - values.ndim
+    out: list[Dim] = []
+    for k, n in enumerate(values.shape):
+        i = offset + k
+        f = dims[i] if 0 <= i < len(dims) else None
+        out.append(f if f is not None and n == shape[i] else None)
+    return out
+
+
+_SCATTER = aten_ops(["scatter.src", "scatter.value", "scatter_add.default", "scatter_reduce.two"])
+
+
+@register_rule(*_SCATTER)
+def scatter_rule(info: OpInfo) -> FactorRule:
+    """``a b, 1 b, 1 b -> a b; need-replication=a`` for ``x.scatter(0, i, s)``: the scattered
+    dim is gathered; another dim passes through where the index (and source) have the
+    operand's size, and is gathered where they are smaller."""
+    x, index = info.operands[0], info.operands[1]
+    dim = norm_dim(info.arg(1, "dim"), x.ndim)
+    names = Names().take(x.ndim)
+    others = info.operands[1:]
+    rep = [names[dim]] if x.ndim else []
+    per_operand: list[list[Dim]] = [[] for _ in others]
+    for d in range(x.ndim):
+        same = d != dim and all(t.shape[d] == x.shape[d] for t in others)
+        if d != dim and not same:
+            rep.append(names[d])
+        for dims in per_operand:
+            dims.append(names[d] if same else None)
+    del index
+    return build(info, [names, *per_operand], [names], need_replication=rep, handler=INDEX_PADDING)
+
+
+@register_rule(*aten_ops(["slice_scatter.default"]))
+def slice_scatter_rule(info: OpInfo) -> FactorRule:
+    """``a b, a 1 -> a b; need-replication=b`` for ``slice_scatter(x, s, 1, 2, 4)``; a slice of
+    the whole dim passes through (``a b, a b -> a b``)."""
+    x, src = info.operands
+    dim = norm_dim(info.arg(2, "dim", 0), x.ndim)
+    names = Names().take(x.ndim)
+    if src.shape[dim] == x.shape[dim]:
+        return build(info, [names, names], [names])
+    src_dims: list[Dim] = list(names)
+    src_dims[dim] = None
+    return build(info, [names, src_dims], [names], need_replication=[names[dim]])
+
+
+@register_rule(*aten_ops(["flip.default"]))
+def flip_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a b; need-replication=b`` for ``x.flip(1)``: a tile of a flipped dim is another
+    device's tile reversed."""
+    (x,) = info.operands
+    names = Names().take(x.ndim)
+    dims = sorted({norm_dim(d, x.ndim) for d in info.arg(1, "dims")}) if x.ndim else []
+    return build(info, [names], [names], need_replication=[names[d] for d in dims])
+
+
+@register_rule(*aten_ops(["histc.default"]))
+def histc_rule(info: OpInfo) -> FactorRule:
+    """``a b -> c; need-replication=a,b`` for ``histc(x, bins)``: counting padding would add
+    to a bin, and ``min == max`` reads the global range."""
+    (x,) = info.operands
+    fresh = Names()
+    names = fresh.take(x.ndim)
+    return build(info, [names], [[fresh.new()]], need_replication=names)
+
+
+@register_rule(*aten_ops(["unfold.default"]))
+def unfold_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a c d; need-replication=b`` for ``x.unfold(1, size, step)``: windows cross tile
+    edges."""
+    (x,) = info.operands
+    (out,) = info.results
+    fresh = Names()
+    names = fresh.take(x.ndim)
+    if not x.ndim:
+        return build(info, [[]], [[fresh.new()]])
+    dim = norm_dim(info.arg(1, "dimension"), x.ndim)
+    res: list[Dim] = list(names)
+    res[dim] = fresh.new()
+    res.append(fresh.new())
+    del out
+    return build(info, [names], [res], need_replication=[names[dim]])
