@@ -74,6 +74,17 @@ def test_wrong_number_of_axis_names(names: tuple[str, ...]) -> None:
         Mesh.create((2, 2), names)
 
 
+@pytest.mark.parametrize("shape", [None, 2.5j, object()])
+def test_create_with_a_shape_that_is_no_shape(shape: object) -> None:
+    # Mesh.create(None) used to fail with a bare "TypeError: 'NoneType' object is not iterable".
+    with pytest.raises(
+        MeshError,
+        match=r"Mesh.create\(shape=.*\): the shape must be an int or a "
+        r"sequence of ints .*got \w+\. Write Mesh.create\(\(2, 4\)",
+    ):
+        Mesh.create(shape)  # type: ignore[arg-type]
+
+
 def test_empty_axis_name() -> None:
     with pytest.raises(MeshError, match=r"non-empty strings"):
         Mesh.create((2,), ("",))

@@ -148,6 +148,12 @@ class Mesh:
             >>> Mesh.create((2, 4), ("data", "model"))
             Mesh(data=2, model=4)
         """
+        if not isinstance(shape, numbers.Integral | Iterable):
+            raise MeshError(
+                f"Mesh.create(shape={shape!r}): the shape must be an int or a sequence of ints "
+                f"(devices per mesh axis), got {type(shape).__name__}. Write "
+                f"Mesh.create((2, 4), ('data', 'model')) or Mesh.create(8, ('data',))."
+            )
         dims = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
         n = math.prod(_as_int(s, "Mesh shape entries") for s in dims) if dims else 0
         return cls(tuple(range(n)), dims, axis_names)
