@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from partita.mesh import Mesh
 from partita.runtime import launch
+from partita.runtime.comm import call_collective
 
 __all__ = [
     "barrier",
@@ -140,9 +141,7 @@ def barrier() -> None:
     Bounded: if a process never arrives, this raises after the collective timeout.
     """
     if is_initialized():
-        from partita.runtime.distributed import _call
-
-        _call("", "barrier", (), None, dist.barrier)
+        call_collective("", "barrier", (), None, dist.barrier)
 
 
 def log(*args: Any, sep: str = " ", end: str = "\n", file: Any = None) -> None:

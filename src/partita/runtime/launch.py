@@ -114,6 +114,20 @@ def collective_timeout(value: float | None = None) -> float:
     return _seconds(value, "PARTITA_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT)
 
 
+#: The collective timeout join_and_init gave the default group (None before it ran).
+_ACTIVE_COLLECTIVE_TIMEOUT: float | None = None
+
+
+def active_collective_timeout() -> float:
+    """Seconds a collective may wait: what ``join_and_init`` used, else the environment's.
+
+    Every process group partita creates later (one per set of mesh axes) gets the same bound.
+    """
+    if _ACTIVE_COLLECTIVE_TIMEOUT is not None:
+        return _ACTIVE_COLLECTIVE_TIMEOUT
+    return collective_timeout()
+
+
 #: Who joined (rank -> "host node=.. local_rank=.."), filled by join_and_init.
 JOINED: dict[int, str] = {}
 
@@ -128,9 +142,33 @@ def _launch_hint(env: ProcessEnv) -> str:
     )
 
 
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket bound to ``host:port`` only (never to every interface).
+
+    The rendezvous store is unauthenticated: anyone who reaches it can join or disturb the
+    run. TCPStore alone binds its server to every interface, so rank 0 binds the socket here,
+    to MASTER_ADDR (127.0.0.1 for a one-host run), and hands it to the store.
+    """
+    errors = []
+    for family, kind, proto, _, address in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+            sock.listen(socket.SOMAXCONN)
+        except OSError as e:
+            sock.close()
+            errors.append(f"{address}: {e}")
+            continue
+        return sock
+    raise OSError(f"cannot listen on {host}:{port}: {'; '.join(errors) or 'no address'}")
+
+
 def _connect(env: ProcessEnv, timeout: float) -> dist.Store:
     is_master = env.rank == 0 and not env.agent_store
     try:
+        # The store takes ownership of the socket's file descriptor (it closes it).
+        fd = listen_socket(env.master_addr, env.master_port).detach() if is_master else None
         store = dist.TCPStore(
             env.master_addr,
             env.master_port,
@@ -138,6 +176,7 @@ def _connect(env: ProcessEnv, timeout: float) -> dist.Store:
             is_master,
             timeout=datetime.timedelta(seconds=timeout),
             wait_for_workers=False,
+            master_listen_fd=fd,
         )
     except Exception as e:
         who = "the torchrun agent of node 0" if env.agent_store else "rank 0"
@@ -214,18 +253,21 @@ def join_and_init(
     collective_timeout_s: float | None = None,
 ) -> None:
     """Join with a deadline, then create the default process group over the joined store."""
+    global _ACTIVE_COLLECTIVE_TIMEOUT
     store = join(env, join_timeout(timeout))
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
+    seconds = collective_timeout(collective_timeout_s)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("pg", store),
         rank=env.rank,
         world_size=env.world_size,
-        timeout=datetime.timedelta(seconds=collective_timeout(collective_timeout_s)),
+        timeout=datetime.timedelta(seconds=seconds),
     )
+    _ACTIVE_COLLECTIVE_TIMEOUT = seconds
 
 
 def _ranges(ranks: Sequence[int]) -> str:

@@ -1,0 +1,125 @@
+"""The value of a multi-process run: a ShardedTensor of which this process holds one shard.
+
+:class:`DistributedShardedTensor` keeps only this rank's padded shard (``addressable_data``:
+``[1, *local_shape]``); ``full()`` (and printing) gathers the global value from every process,
+so it is a collective that every process must call (a replicated value is read locally,
+without communication). :func:`local_shard` cuts this rank's shard out of a global value.
+
+This module does not run programs (``runtime.distributed`` does) and does not create groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from partita.errors import DistributedError
+from partita.layout import index_ranges, local_shape, replica_ids, shard_tensor, unshard_tensor
+from partita.runtime.comm import gather_flat
+from partita.spec import Sharding
+from partita.tensor import Shard, ShardedTensor
+
+if TYPE_CHECKING:
+    from partita.runtime.distributed import DistributedMesh
+
+__all__ = ["DistributedShardedTensor", "local_shard"]
+
+
+def local_shard(value: Tensor, sharding: Sharding, position: int) -> Tensor:
+    """The padded shard of the global ``value`` that mesh position ``position`` holds."""
+    if sharding.partial:
+        return shard_tensor(value, sharding)[position]
+    if sharding.is_replicated:
+        return value
+    ranges = index_ranges(sharding, value.shape)[position].tolist()
+    piece = value[tuple(slice(a, b) for a, b in ranges)]
+    shape = local_shape(sharding, value.shape)
+    if tuple(piece.shape) == shape:
+        return piece.contiguous()
+    out = value.new_zeros(shape)
+    out[tuple(slice(0, n) for n in piece.shape)] = piece
+    return out
+
+
+class DistributedShardedTensor(ShardedTensor):
+    """A ShardedTensor of which this process holds only its own device's shard.
+
+    ``addressable_data`` is ``[1, *local_shape]`` (this rank's padded shard);
+    ``addressable_devices`` the device ids it belongs to. ``full()`` and ``print`` gather the
+    global value from every process (a collective: call them on every process; a replicated
+    value is read locally). ``local_shards`` lists only the addressable shards.
+
+    Build one with :meth:`from_local`.
+    """
+
+    __slots__ = ("_devices", "_local")
+
+    def __init__(
+        self, local: Tensor, sharding: Sharding, shape: Sequence[int], device: int
+    ) -> None:
+        # Internal: use from_local (validated). The base class keeps the same one-shard
+        # storage, so its dtype / local_shape / sharding / shape work unchanged.
+        super().__init__(local.unsqueeze(0), sharding, shape)
+        self._local = local.unsqueeze(0)
+        self._devices = (device,)
+
+    @classmethod
+    def from_local(
+        cls, local: Tensor, sharding: Sharding, shape: Sequence[int], executor: DistributedMesh
+    ) -> DistributedShardedTensor:
+        """Wrap this rank's padded shard of a global value of ``shape`` under ``sharding``."""
+        expected = local_shape(sharding, shape)
+        if tuple(local.shape) != expected:
+            raise DistributedError(
+                f"rank {executor.rank} holds a shard of shape {tuple(local.shape)}, but global "
+                f"shape {tuple(shape)} under {sharding} needs {expected}: the shard was cut "
+                f"for another global shape or sharding. Build it with "
+                f"partita.data.make_global(rows, mesh, spec, global_shape=...)."
+            )
+        return cls(local, sharding, shape, executor.rank)
+
+    @property
+    def addressable_data(self) -> Tensor:
+        """This process's padded shards, ``[len(addressable_devices), *local_shape]``."""
+        return self._local
+
+    @property
+    def addressable_devices(self) -> tuple[int, ...]:
+        return self._devices
+
+    @property
+    def stacked(self) -> Tensor:
+        raise DistributedError(
+            "This ShardedTensor lives on a DistributedMesh: this process holds only the shard "
+            f"of device {self._devices[0]} (.addressable_data), not the stacked storage of "
+            "every device. Use .full() for the global value (a collective) or .local_shards."
+        )
+
+    def full(self) -> Tensor:
+        sharding, shape = self.sharding, self.shape
+        if sharding.is_replicated:  # every device holds the whole value
+            return self._local[0][tuple(slice(0, n) for n in shape)].clone()
+        mesh = self.mesh
+        local = self._local[0].contiguous()
+        gathered = gather_flat(
+            local, dist.get_world_size(), None, "", "ShardedTensor.full", mesh.axis_names, None
+        )
+        stacked = gathered[torch.tensor(mesh.device_ids, device=local.device)]
+        return unshard_tensor(stacked, sharding, shape)
+
+    @property
+    def local_shards(self) -> list[Shard]:
+        ranges = index_ranges(self.sharding, self.shape).tolist()
+        replicas = replica_ids(self.sharding).tolist()
+        shards = []
+        for i, device in enumerate(self._devices):
+            p = self.mesh.position(device)
+            index = tuple(slice(a, b) for a, b in ranges[p])
+            data = self._local[i]
+            unpadded = data[tuple(slice(0, b - a) for a, b in ranges[p])]
+            shards.append(Shard(data, unpadded, device, index, replicas[p]))
+        return shards
