@@ -7,7 +7,13 @@ causal (the causal mask depends on the *global* query position, so ``t`` is need
 there); the key sequence ``s`` and the head dims ``d``, ``e`` are need-replication (sharding
 them needs a flash-style online-softmax lowering). In the backward, ``grad_key`` and
 ``grad_value`` sum over ``t``: they are partial over its mesh axes when it is sharded
-(``result_reductions``). A mask broadcasts to ``[b h t s]``. Attention with dropout inside the
+(``result_reductions``). A mask broadcasts to ``[b h t s]``.
+
+Grouped-query attention (``enable_gqa=True``: ``Hq`` query heads, ``Hkv`` key/value heads,
+``Hq % Hkv == 0``): the query's head dim is the compound ``(h g)``, kv head ``h`` major and
+group ``g`` minor, ``h`` shared with the keys and values. Sharding ``h`` splits the query's heads
+into whole groups, consistently with the keys'; ``grad_key`` and ``grad_value`` also sum over
+``g``. Attention with dropout inside the
 kernel is not supported (capture takes the math path for it).
 """
 
@@ -19,11 +25,24 @@ from partita.rules.factor import FactorRule, OpInfo
 
 __all__ = ["sdpa_backward_rule", "sdpa_rule"]
 
-_Q = ["b", "h", "t", "d"]
 _K = ["b", "h", "s", "d"]
 _V = ["b", "h", "s", "e"]
-_OUT = ["b", "h", "t", "e"]
-_LSE = ["b", "h", "t"]
+
+
+def _heads(info: OpInfo, q_index: int) -> Dim:
+    """The factors of the query's head dim: ``h`` when the query has as many heads as the keys,
+    ``(h g)`` (kv head major, group minor) for grouped-query attention."""
+    q, k = info.operands[q_index], info.operands[q_index + 1]
+    hq, hk = q.shape[1], k.shape[1]
+    if hq == hk:
+        return "h"
+    if hk == 0 or hq % hk:
+        raise NotImplementedError(
+            f"{info.target}: the query has {hq} heads and the key/value {hk} (query {q.shape}, "
+            f"key {k.shape}); grouped-query attention needs the query's head count to be a "
+            f"multiple of the key's. Repeat the key/value heads to a divisor of {hq}."
+        )
+    return ("h", "g")
 
 
 def _check(info: OpInfo, q_index: int) -> list[str]:
@@ -37,33 +56,36 @@ def _check(info: OpInfo, q_index: int) -> list[str]:
     return ["s", "d", "e", *(["t"] if arg(info, "is_causal", False) else [])]
 
 
-def _masks(info: OpInfo, q_index: int, n_fixed: int) -> list[list[Dim]]:
+def _masks(info: OpInfo, q_index: int, n_fixed: int, heads: Dim) -> list[list[Dim]]:
     """Factors of the attention masks (the operands after the fixed ones), broadcast to the
     scores ``[b h t s]``."""
     q, k = info.operands[q_index], info.operands[q_index + 1]
     scores = (*q.shape[:3], k.shape[2])
-    return [broadcast_dims(m, scores, ["b", "h", "t", "s"]) for m in info.operands[n_fixed:]]
+    return [broadcast_dims(m, scores, ["b", heads, "t", "s"]) for m in info.operands[n_fixed:]]
 
 
 def sdpa_rule(info: OpInfo) -> FactorRule:
-    """``b h t d, b h s d, b h s e -> b h t e, b h t; need-replication=s,d,e``."""
+    """``b h t d, b h s d, b h s e -> b h t e, b h t; need-replication=s,d,e``; with grouped
+    query heads ``b (h g) t d, b h s d, b h s e -> b (h g) t e, b (h g) t``."""
     rep = _check(info, 0)
-    operands = [_Q, _K, _V, *_masks(info, 0, 3)]
-    return build(info, operands, [_OUT, _LSE], need_replication=rep)
+    heads = _heads(info, 0)
+    q: list[Dim] = ["b", heads, "t", "d"]
+    out: list[Dim] = ["b", heads, "t", "e"]
+    operands = [q, _K, _V, *_masks(info, 0, 3, heads)]
+    return build(info, operands, [out, ["b", heads, "t"]], need_replication=rep)
 
 
 def sdpa_backward_rule(info: OpInfo) -> FactorRule:
-    """``grad, q, k, v, out, lse -> grad_q, grad_k, grad_v``; grad_k and grad_v sum over ``t``."""
+    """``grad, q, k, v, out, lse -> grad_q, grad_k, grad_v``; grad_k and grad_v sum over ``t``
+    and, with grouped query heads, over the group ``g``."""
     rep = _check(info, 1)
-    operands = [_OUT, _Q, _K, _V, _OUT, _LSE, *_masks(info, 1, 6)]
-    red = {} if "t" in rep else {1: ["t"], 2: ["t"]}
-    return build(
-        info,
-        operands,
-        [_Q, _K, _V],
-        need_replication=rep,
-        result_reductions={j: fs for j, fs in red.items() if info.results[j] is not None},
-    )
+    heads = _heads(info, 1)
+    q: list[Dim] = ["b", heads, "t", "d"]
+    out: list[Dim] = ["b", heads, "t", "e"]
+    operands = [out, q, _K, _V, out, ["b", heads, "t"], *_masks(info, 1, 6, heads)]
+    summed = ([] if "t" in rep else ["t"]) + (["g"] if heads != "h" else [])
+    red = {j: summed for j in (1, 2) if summed and info.results[j] is not None}
+    return build(info, operands, [q, _K, _V], need_replication=rep, result_reductions=red)
 
 
 register_rule(*aten_ops(["_scaled_dot_product_flash_attention_for_cpu.default"]))(sdpa_rule)
