@@ -24,6 +24,7 @@ from partita.errors import (
 from partita.jit import Jitted, jit
 from partita.mesh import HybridMesh, Mesh
 from partita.partition import CollectiveRecord, Plan
+from partita.rules import FactorRule, einsum_rule, register_rule
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor, clear_sharding, reshard
 from partita.train import TrainStep, train_step
@@ -36,6 +37,7 @@ __all__ = [
     "CaptureError",
     "CollectiveRecord",
     "DistributedError",
+    "FactorRule",
     "HybridMesh",
     "Jitted",
     "JoinTimeoutError",
@@ -61,6 +63,7 @@ __all__ = [
     "clear_sharding",
     "data",
     "distributed",
+    "einsum_rule",
     "format_sharding",
     "is_main_process",
     "jit",
@@ -68,6 +71,7 @@ __all__ = [
     "plans",
     "process_count",
     "process_index",
+    "register_rule",
     "reshard",
     "train_step",
     "visualize_sharding",
