@@ -43,8 +43,9 @@ RawStep = tuple[str, tuple[Any, ...], tuple[str, ...], tuple[int, ...], tuple[in
 
 def plan_pieces(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> list[RawStep] | None:
     """The piecewise collective_permute steps from ``src`` to ``dst``, or None if it does not
-    apply (partial, uneven tiles, or tiles that do not divide one another)."""
-    if src.partial or dst.partial or not shape:
+    apply (partial, uneven tiles, tiles that do not divide one another, or an empty value)."""
+    # An empty value has no pieces to move (and its tiles have size 0: nothing divides them).
+    if src.partial or dst.partial or not shape or 0 in shape:
         return None
     cs, cd = [], []
     for n, ks, kd in zip(shape, src.tile_shape, dst.tile_shape, strict=True):
