@@ -55,7 +55,11 @@ def test_axis_used_twice_by_name() -> None:
 def test_axis_used_twice_by_name_and_index_when_bound() -> None:
     mesh = Mesh.create((2, 4), ("x", "y"))
     spec = P("x", 0)  # fine until bound: 0 is 'x' on this mesh
-    with pytest.raises(SpecError, match=r"uses a mesh axis twice"):
+    # The message shows the spec as written (not P('x', 'x')) and which axis the index is.
+    with pytest.raises(
+        SpecError,
+        match=r"P\('x', 0\) uses mesh axis 'x' twice on Mesh\(x=2, y=4\) \(index 0 is 'x'\)",
+    ):
         spec.to_sharding(mesh, 2)
 
 

@@ -129,7 +129,15 @@ class PartitionSpec:
                         f"PartitionSpec {self!r} refers to mesh axis {atom!r}, which {mesh!r} "
                         f"does not have. Its axes are {mesh.axis_names}."
                     )
-                names.append(mesh.axis_name(atom))
+                name = mesh.axis_name(atom)
+                if any(name in d for d in (*dims, names)):
+                    raise SpecError(
+                        f"PartitionSpec {self!r} uses mesh axis {name!r} twice on {mesh!r}"
+                        f"{f' (index {atom} is {name!r})' if isinstance(atom, int) else ''}: a "
+                        f"mesh axis can split at most one dim. Use each axis once, or a tuple "
+                        f"such as P(('data', 'model'), None) to split one dim over both."
+                    )
+                names.append(name)
             dims.append(tuple(names))
         dims.extend(() for _ in range(ndim - len(dims)))
         return Sharding(mesh, tuple(dims))
