@@ -8,8 +8,10 @@ rewrites), the index padding, the collectives grouped-query attention needs, and
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -376,3 +378,13 @@ def test_custom_op_without_a_rule_names_the_op() -> None:
     step = partita.jit(torch.ops.partita_test.no_rule, mesh=MESH, in_specs=(P("x"),))
     with pytest.raises(partita.UnsupportedOpError, match=r"partita_test\.no_rule"):
         step.lower(torch.randn(4, 3))
+
+
+def test_models_doc_rule_section_runs() -> None:
+    """The example of docs/models.md, "A rule for your own op", runs as written."""
+    text = (Path(__file__).resolve().parent.parent / "docs" / "models.md").read_text()
+    section = text.split("## A rule for your own op", 1)[1].split("\n## ", 1)[0]
+    blocks = re.findall(r"^```python\n(.*?)^```", section, flags=re.S | re.M)
+    assert blocks
+    for block in blocks:
+        exec(compile(block, "docs/models.md", "exec"), {"__name__": "docs_models"})
