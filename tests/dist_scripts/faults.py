@@ -8,14 +8,15 @@ own created by ``new_group``); rank 1 misbehaves as MODE says:
 stall        sleeps ``FAULT_STALL`` seconds (default 45) before step 2
 kill         SIGKILLs itself before step 2
 raise        raises a plain Python error before step 2
-shapes       passes a global input of shape (10, 4) where rank 0 passes (8, 4)
-dtypes       passes float64 inputs where rank 0 passes float32
-programs     compiles a different function (a per-rank branch)
+mismatch     three calls, each a PlanMismatchError on every rank, then a matching call:
+             ``shapes`` (rank 1 passes a global input of shape (10, 4), rank 0 (8, 4)),
+             ``dtypes`` (float64 against float32), ``programs`` (a per-rank branch)
 fewer_steps  stops after 2 steps and exits cleanly; the others run 4
 ===========  =========================================================================
 
-A PartitaError is printed as ``PARTITA <type>: <message>`` on stderr and the process exits
-with status 17, so the test can tell a typed partita error from a crash (1, or a signal).
+Rank 1 prints ``fault MODE at <time.time()>`` when it misbehaves. A PartitaError is printed
+as ``PARTITA <type> [case=<case>] at <time.time()>: <message>`` on stderr; an uncaught one
+exits with status 17, so the test can tell a typed partita error from a crash (1, a signal).
 """
 
 from __future__ import annotations
@@ -30,10 +31,50 @@ import torch
 import partita
 import partita.distributed as pd
 from partita import Mesh, P
-from partita.errors import PartitaError
+from partita.errors import PartitaError, PlanMismatchError
 
 PARTITA_EXIT = 17
 STEPS = 4
+MISMATCHES = ("shapes", "dtypes", "programs")
+
+
+def report(e: PartitaError, case: str = "") -> None:
+    label = f" case={case}" if case else ""
+    print(f"PARTITA {type(e).__name__}{label} at {time.time():.3f}: {e}", file=sys.stderr)
+    sys.stderr.flush()
+
+
+def inputs(mode: str, faulty: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = 10 if mode == "shapes" and faulty else 8
+    dtype = torch.float64 if mode == "dtypes" and faulty else torch.float32
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, 4, generator=gen).to(dtype)
+    w = torch.randn(4, 3, generator=gen).to(dtype)
+    return x, w
+
+
+def mismatches(mesh: Mesh, faulty: bool) -> None:
+    """Each mismatch in turn, each a PlanMismatchError on both ranks; then the run still works.
+
+    The plan check runs before any collective of the program, so after the error every rank
+    is still in step with the others: a matching call afterwards must run normally.
+    """
+    for case in MISMATCHES:
+
+        def step_fn(x: torch.Tensor, w: torch.Tensor, case: str = case) -> torch.Tensor:
+            if case == "programs" and faulty:  # a per-rank branch
+                return (x @ w).amax()
+            return (x @ w).sum()
+
+        step = partita.jit(step_fn, mesh=mesh, in_specs=(P("data", None), P()))
+        try:
+            step(*inputs(case, faulty)).full()
+        except PlanMismatchError as e:
+            report(e, case)
+        else:
+            print(f"case={case} ran", flush=True)
+    step = partita.jit(lambda x, w: (x @ w).sum(), mesh=mesh, in_specs=(P("data", None), P()))
+    print(f"after mismatches loss={step(*inputs('', False)).full().item():.6f}", flush=True)
 
 
 def main(mode: str) -> None:
@@ -41,21 +82,14 @@ def main(mode: str) -> None:
     rank = pd.process_index()
     mesh = Mesh.create((pd.process_count(),), ("data",))
     faulty = rank == 1
-
-    def step_fn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if mode == "programs" and faulty:
-            return (x @ w).amax()
-        return (x @ w).sum()
-
-    step = partita.jit(step_fn, mesh=mesh, in_specs=(P("data", None), P()))
-    rows = 10 if mode == "shapes" and faulty else 8
-    dtype = torch.float64 if mode == "dtypes" and faulty else torch.float32
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, 4, generator=gen).to(dtype)
-    w = torch.randn(4, 3, generator=gen).to(dtype)
+    if mode == "mismatch":
+        return mismatches(mesh, faulty)
+    step = partita.jit(lambda x, w: (x @ w).sum(), mesh=mesh, in_specs=(P("data", None), P()))
+    x, w = inputs(mode, faulty)
     steps = 2 if mode == "fewer_steps" and faulty else STEPS
     for i in range(steps):
         if i == 2 and faulty:
+            print(f"fault {mode} at {time.time():.3f}", flush=True)
             if mode == "stall":
                 time.sleep(float(os.environ.get("FAULT_STALL", "45")))
             elif mode == "kill":
@@ -70,5 +104,5 @@ if __name__ == "__main__":
     try:
         main(sys.argv[1])
     except PartitaError as e:
-        print(f"PARTITA {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        report(e)
         sys.exit(PARTITA_EXIT)

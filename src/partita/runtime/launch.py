@@ -166,9 +166,20 @@ def listen_socket(host: str, port: int) -> socket.socket:
 
 def _connect(env: ProcessEnv, timeout: float) -> dist.Store:
     is_master = env.rank == 0 and not env.agent_store
+    fd = None
+    if is_master:
+        try:
+            # The store takes ownership of the socket's file descriptor (and closes it).
+            fd = listen_socket(env.master_addr, env.master_port).detach()
+        except OSError as e:
+            raise DistributedError(
+                f"rank 0 (host {socket.gethostname()}) cannot host the rendezvous store on "
+                f"MASTER_ADDR:MASTER_PORT = {env.master_addr}:{env.master_port}: {e}. Another "
+                f"process holds the port (an earlier run still alive?), or MASTER_ADDR is not "
+                f"an address of this host. Choose a free MASTER_PORT, or set MASTER_ADDR to "
+                f"an address of rank 0's host (127.0.0.1 for a one-host run)."
+            ) from e
     try:
-        # The store takes ownership of the socket's file descriptor (it closes it).
-        fd = listen_socket(env.master_addr, env.master_port).detach() if is_master else None
         store = dist.TCPStore(
             env.master_addr,
             env.master_port,
@@ -296,6 +307,7 @@ class RankResult:
     stdout: str
     stderr: str
     seconds: float
+    pid: int = 0  # also the id of its session: every process it started is in it
 
 
 def free_port() -> int:
@@ -340,6 +352,8 @@ def spawn(
             "MASTER_PORT": str(port),
             "OMP_NUM_THREADS": (env or {}).get("OMP_NUM_THREADS", "1"),
         }
+        if sys.platform == "linux":  # Gloo's own sockets on loopback too, not on the host's IP
+            penv.setdefault("GLOO_SOCKET_IFNAME", "lo")
         penv.pop("TORCHELASTIC_USE_AGENT_STORE", None)
         procs[rank] = subprocess.Popen(
             [sys.executable, *argv],
@@ -392,6 +406,7 @@ def spawn(
                 out,
                 err,
                 ended.get(rank, time.monotonic() - started),
+                p.pid,
             )
         )
     return results

@@ -1,0 +1,246 @@
+"""Fault injection: a multi-process run never hangs and never silently disagrees.
+
+Two Gloo processes on 127.0.0.1 run ``dist_scripts/faults.py MODE``; rank 1 stalls, dies,
+raises, passes other shapes or dtypes, compiles another program, or stops early. Every
+surviving process must exit with a typed partita error (exit status 17, the error's type and
+message checked) within the collective timeout (5 s here), and no test may leave a process or
+a listening port behind. The store tests run in this process and are fast.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+
+from partita.errors import DistributedError, JoinTimeoutError
+from partita.runtime import launch
+from partita.runtime.launch import ProcessEnv, RankResult, free_port, spawn
+
+SCRIPT = str(Path(__file__).resolve().parent / "dist_scripts" / "faults.py")
+TIMEOUT = 5.0  # PARTITA_COLLECTIVE_TIMEOUT for every run here
+PARTITA_EXIT = 17  # faults.py exits with it after printing a PartitaError
+SLACK = 4.0  # process exit and a loaded 2-core machine, on top of the timeout
+
+needs_proc = pytest.mark.skipif(
+    not Path("/proc/net/tcp").exists(), reason="reads listening sockets from /proc/net/tcp"
+)
+
+
+# --- what is listening, what is still running ----------------------------------------------
+
+
+def listeners(port: int) -> set[str]:
+    """The local addresses with a socket listening on ``port`` (from /proc/net/tcp{,6})."""
+    out = set()
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        if not Path(table).exists():
+            continue
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            address, port_hex = fields[1].rsplit(":", 1)
+            if int(port_hex, 16) != port or fields[3] != "0A":  # 0A: TCP_LISTEN
+                continue
+            raw = bytes.fromhex(address)
+            # /proc prints each 32-bit word in host (little-endian) order.
+            raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            out.add(socket.inet_ntop(family, raw))
+    return out
+
+
+def session_members(sid: int) -> list[int]:
+    """Live processes in session ``sid`` (spawn starts each rank in a session of its own)."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:  # the process ended while we looked
+            continue
+        fields = text[text.rindex(")") + 2 :].split()
+        if int(fields[3]) == sid and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+# --- the rendezvous store (in this process) -------------------------------------------------
+
+
+def _env(port: int, addr: str = "127.0.0.1") -> ProcessEnv:
+    return ProcessEnv(
+        rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0,
+        master_addr=addr, master_port=port, agent_store=False, restart=0,
+    )  # fmt: skip
+
+
+@needs_proc
+def test_store_listens_on_master_addr_only() -> None:
+    """Rank 0's TCPStore used to bind every interface (``*:PORT``, unauthenticated)."""
+    port = free_port()
+    store = launch._connect(_env(port), timeout=5)
+    try:
+        store.set("k", "v")
+        assert listeners(port) == {"127.0.0.1"}
+    finally:
+        del store
+    assert listeners(port) == set()
+
+
+def test_store_port_taken_is_an_error() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(DistributedError, match=r"cannot host the rendezvous store") as info:
+            launch._connect(_env(port), timeout=5)
+    assert not isinstance(info.value, JoinTimeoutError)
+    assert f"127.0.0.1:{port}" in str(info.value)
+    assert re.search(r"Choose a free MASTER_PORT", str(info.value))
+
+
+def test_collective_timeout_comes_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(launch, "_ACTIVE_COLLECTIVE_TIMEOUT", None)
+    monkeypatch.setenv("PARTITA_COLLECTIVE_TIMEOUT", "7")
+    assert launch.active_collective_timeout() == 7.0
+    monkeypatch.setenv("PARTITA_COLLECTIVE_TIMEOUT", "soon")
+    with pytest.raises(DistributedError, match=r"PARTITA_COLLECTIVE_TIMEOUT='soon' must be a"):
+        launch.active_collective_timeout()
+
+
+# --- injected faults (2 processes) -------------------------------------------------------------
+
+
+def _explain(results: list[RankResult]) -> str:
+    return "\n".join(
+        f"--- rank {r.rank}: returncode {r.returncode} after {r.seconds:.1f} s\n"
+        f"{r.stdout[-1500:]}\n{r.stderr[-2500:]}"
+        for r in results
+    )
+
+
+def run_fault(mode: str, **env: str) -> list[RankResult]:
+    """Run faults.py MODE on 2 ranks; check that nothing is left behind."""
+    port = free_port()
+    results = spawn(
+        [SCRIPT, mode], 2, master_port=port, timeout=90,
+        env={"PARTITA_COLLECTIVE_TIMEOUT": f"{TIMEOUT:g}", **env},
+    )  # fmt: skip
+    assert all(r.returncode is not None for r in results), "killed at the deadline: a hang\n" + (
+        _explain(results)
+    )
+    if sys.platform == "linux":
+        for r in results:
+            assert session_members(r.pid) == [], f"rank {r.rank} left processes behind"
+        assert listeners(port) == set(), f"port {port} still listening"
+    return results
+
+
+def partita_error(r: RankResult, kind: str) -> tuple[float, str]:
+    """(time, message) of the typed partita error ``r`` exited with."""
+    assert r.returncode == PARTITA_EXIT, r.stderr[-2500:]
+    found = re.search(rf"^PARTITA {kind} at ([\d.]+): (.*)$", r.stderr, flags=re.M)
+    assert found, r.stderr[-2500:]
+    return float(found[1]), found[2]
+
+
+def fault_time(r: RankResult) -> float:
+    found = re.search(r"^fault \w+ at ([\d.]+)$", r.stdout, flags=re.M)
+    assert found, r.stdout
+    return float(found[1])
+
+
+@pytest.mark.slow
+def test_stalled_rank_is_a_timeout_on_its_peer() -> None:
+    """Mesh-axis groups used to get torch's 30-minute default: the peer waited out the stall."""
+    results = run_fault("stall", FAULT_STALL="12")
+    stalled, survivor = results[1], results[0]
+    when, message = partita_error(survivor, "DistributedError")
+    assert TIMEOUT - 1 <= when - fault_time(stalled) <= TIMEOUT + SLACK, _explain(results)
+    assert re.search(
+        r"all_reduce at node '\w+' over mesh axes \('data',\) with group ranks \[0, 1\] "
+        r"failed on rank 0",
+        message,
+    )
+    assert "within the collective timeout (5 s, PARTITA_COLLECTIVE_TIMEOUT)" in message
+    assert "raise PARTITA_COLLECTIVE_TIMEOUT" in message
+    # The stalled rank wakes up to a dead peer: a typed error too, not a hang.
+    partita_error(stalled, "DistributedError")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["kill", "raise", "fewer_steps"])
+def test_a_rank_that_goes_away_fails_its_peer(mode: str) -> None:
+    results = run_fault(mode)
+    gone, survivor = results[1], results[0]
+    expected = {"kill": -9, "raise": 1, "fewer_steps": 0}[mode]
+    assert gone.returncode == expected, _explain(results)
+    if mode == "raise":
+        assert "injected failure on rank 1" in gone.stderr
+    when, message = partita_error(survivor, "DistributedError")
+    if mode != "fewer_steps":
+        assert when - fault_time(gone) <= TIMEOUT + SLACK, _explain(results)
+    assert re.search(r"all_reduce at node '\w+' over mesh axes \('data',\)", message)
+    assert "with group ranks [0, 1] failed on rank 0" in message
+    assert "every process must be restarted" in message
+
+
+@pytest.fixture(scope="module")
+def mismatch_run() -> list[RankResult]:
+    """One run of three mismatched calls (shapes, dtypes, programs), then a matching one."""
+    results = run_fault("mismatch")
+    assert [r.returncode for r in results] == [0, 0], _explain(results)
+    return results
+
+
+def mismatch_message(r: RankResult, case: str) -> str:
+    found = re.search(rf"^PARTITA PlanMismatchError case={case} at [\d.]+: (.*)$", r.stderr, re.M)
+    assert found, r.stderr[-3000:]
+    assert "ranks [0] have plan" in found[1] and "ranks [1] have plan" in found[1]
+    return found[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("case", "mine", "theirs"),
+    [
+        # Used to run and print the same wrong sum on both ranks, exit status 0.
+        ("shapes", "shape (8, 4), dtype torch.float32", "shape (10, 4), dtype torch.float32"),
+        # Used to abort both processes inside Gloo ("Received data size doesn't match").
+        ("dtypes", "shape (8, 4), dtype torch.float32", "shape (8, 4), dtype torch.float64"),
+    ],
+)
+def test_different_inputs_are_a_plan_mismatch(
+    mismatch_run: list[RankResult], case: str, mine: str, theirs: str
+) -> None:
+    for r in mismatch_run:
+        message = mismatch_message(r, case)
+        a, b = (mine, theirs) if r.rank == 0 else (theirs, mine)
+        sharding = "sharding P('data', None)"
+        assert (
+            f"The first difference is input 0 (args[0]): this rank ({r.rank}) has {a}, "
+            f"{sharding}; rank {1 - r.rank} has {b}, {sharding}." in message
+        ), message
+        assert "same global shapes, dtypes and specs" in message
+        assert f"case={case} ran" not in r.stdout
+
+
+@pytest.mark.slow
+def test_different_programs_are_a_plan_mismatch(mismatch_run: list[RankResult]) -> None:
+    for r in mismatch_run:
+        message = mismatch_message(r, "programs")
+        mine, theirs = ("sum", "amax") if r.rank == 0 else ("amax", "sum")
+        assert re.search(
+            rf"of the per-device program: this rank \({r.rank}\) has `[^`]*{mine}[^`]*`, "
+            rf"rank {1 - r.rank} has `[^`]*{theirs}[^`]*`",
+            message,
+        ), message
+        assert "per-rank branches" in message
+
+
+@pytest.mark.slow
+def test_a_plan_mismatch_leaves_the_run_usable(mismatch_run: list[RankResult]) -> None:
+    """The check runs before any collective: the ranks stay in step and can go on."""
+    losses = [re.findall(r"^after mismatches loss=\S+$", r.stdout, re.M) for r in mismatch_run]
+    assert losses[0] and losses[0] == losses[1], _explain(mismatch_run)
