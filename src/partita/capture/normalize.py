@@ -11,6 +11,7 @@ squeeze (all overloads), unsqueeze, flatten, unflatten      (shape from the fake
 t, transpose, permute_copy, transpose_copy, t_copy          ``aten.permute.default``
 expand_copy, slice_copy, select_copy                        ``expand`` / ``slice`` / ``select``
 split, split_with_sizes, unbind (and their ``_copy``)       one ``slice`` / ``select`` per use
+slice, slice_scatter with open or negative bounds           the same op, bounds in [0, size]
 detach, alias, lift_fresh_copy, clone, same-type _to_copy,  removed (uses take the input)
 copy of an equal-shape, equal-dtype source                  removed (uses take the source)
 ==========================================================  ==============================
@@ -145,12 +146,13 @@ def _split_to_slices(gm: fx.GraphModule, node: fx.Node) -> None:
     """Replace ``getitem(split(x), i)`` by ``slice(x, dim, start, end)`` (select for unbind)."""
     src = node.args[0]
     ndim = _val(src).dim()  # type: ignore[arg-type, union-attr]
-    dim = node.kwargs.get("dim", node.args[2] if len(node.args) > 2 else 0) % ndim
+    unbind = node.target in (aten.unbind.int, aten.unbind_copy.int)
+    dim_pos = 1 if unbind else 2  # unbind(self, dim); split(self, size(s), dim)
+    dim = node.kwargs.get("dim", node.args[dim_pos] if len(node.args) > dim_pos else 0) % ndim
     pieces = node.meta["val"]
     starts = [0]
     for piece in pieces:
         starts.append(starts[-1] + (piece.shape[dim] if piece.dim() == ndim else 1))
-    unbind = node.target in (aten.unbind.int, aten.unbind_copy.int)
     for user in list(node.users):
         if user.op != "call_function" or user.target is not operator.getitem:
             raise NotImplementedError(f"{node.target} result used by {user.format_node()}")
@@ -183,10 +185,51 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
             _replace(gm, node, _RENAME[target], node.args)
         elif target in _SPLITS:
             _split_to_slices(gm, node)
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SLICE_BOUNDS:
+            _clamp_slice_bounds(node)
     _eliminate_dead_code(gm)
     gm.graph.lint()
     gm.recompile()
     return gm
+
+
+#: Slicing ops and the argument position of their (dim, start, end); the dim's size is read
+#: from argument 0 (the sliced tensor, or the destination of slice_scatter).
+_SLICE_BOUNDS = {aten.slice.Tensor: 1, aten.slice_scatter.default: 2}
+
+
+def _clamp_slice_bounds(node: fx.Node) -> None:
+    """Write start/end of a slice as ints in ``[0, size]`` with ``start <= end``.
+
+    ``x[..., 2:]`` traces to ``end=2**63 - 1`` (and its backward to a slice_scatter with that
+    end), ``x[-2:]`` to a negative start; rules and ``torch.vmap`` must see the real bounds.
+    Example: on a dim of size 8, ``(4, 2**63 - 1)`` becomes ``(4, 8)`` and ``(-2, None)``
+    becomes ``(6, 8)``.
+    """
+    pos = _SLICE_BOUNDS[node.target]  # type: ignore[index]
+    val = _val(node.args[0])  # type: ignore[arg-type]
+    if val is None:
+        return
+    args = list(node.args) + [None] * (pos + 4 - len(node.args))
+    for name, offset in (("dim", 0), ("start", 1), ("end", 2), ("step", 3)):
+        if name in node.kwargs:
+            args[pos + offset] = node.kwargs[name]
+    dim = (args[pos] or 0) % val.dim()
+    size = val.shape[dim]
+    start = _clamp(args[pos + 1], 0, size)
+    end = max(start, _clamp(args[pos + 2], size, size))
+    args[pos : pos + 4] = [dim, start, end, 1 if args[pos + 3] is None else args[pos + 3]]
+    node.args = tuple(args)
+    node.kwargs = {}
+
+
+def _clamp(index: int | None, default: int, size: int) -> int:
+    if index is None:
+        return default
+    if index < 0:
+        index += size
+    return min(max(index, 0), size)
 
 
 def _copy_is_identity(node: fx.Node) -> bool:

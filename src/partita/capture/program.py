@@ -23,15 +23,24 @@ class Program:
 
     Attributes:
         graph_module: the functional graph of aten ops (and ``partita::`` ops). Its
-            placeholders are the tensor leaves of ``(args, kwargs)`` in flattened order.
+            placeholders are the tensor leaves of ``(args, kwargs)`` in flattened order, then
+            one per lifted tensor constant (see ``constants``).
         in_tree: pytree spec of ``(args, kwargs)`` (tensor and static leaves).
-        out_tree: pytree spec of the function's result (tensor leaves only).
-        input_nodes: the placeholder nodes, in flattened order.
+        out_tree: pytree spec of the function's result (tensor leaves only). The graph's
+            outputs are these leaves, then one new value per entry of ``mutated_inputs``.
+        input_nodes: the placeholder nodes, in flattened order (constants last).
         num_inputs: ``len(input_nodes)``.
         annotations: each ``partita::annotate`` node and its Annotation.
-        tensor_leaves: for each placeholder, its index among the leaves of ``in_tree``.
+        tensor_leaves: for each user-input placeholder, its index among the leaves of
+            ``in_tree``.
         static_leaves: the non-tensor leaves baked into the graph, by leaf index.
         name: the traced function's name (for messages).
+        constants: the tensors the function used without receiving them (closed-over tensors,
+            literals, parameters of a called module), fed as the trailing placeholders.
+        mutated_inputs: the user-input placeholders (by position) that the function updated in
+            place; the graph returns their new values after the result, and the caller copies
+            them back (``torch.compile`` semantics).
+        input_names: a readable name per user-input placeholder (``args[0]['w']``).
     """
 
     graph_module: fx.GraphModule
@@ -43,6 +52,9 @@ class Program:
     tensor_leaves: tuple[int, ...] = ()
     static_leaves: dict[int, Any] = field(default_factory=dict)
     name: str = "fn"
+    constants: tuple[torch.Tensor, ...] = ()
+    mutated_inputs: tuple[int, ...] = ()
+    input_names: tuple[str, ...] = ()
 
     @property
     def graph(self) -> fx.Graph:
@@ -51,19 +63,30 @@ class Program:
     def flatten_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
     ) -> list[torch.Tensor]:
-        """The graph inputs for ``fn(*args, **kwargs)`` (its tensor leaves, in order)."""
+        """The graph inputs for ``fn(*args, **kwargs)``: its tensor leaves, then the constants."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         if spec != self.in_tree:
             raise ValueError(
                 f"Program {self.name!r} was traced for inputs of structure {self.in_tree}, "
                 f"got {spec}. Trace again for the new structure."
             )
-        return [leaves[i] for i in self.tensor_leaves]
+        return [leaves[i] for i in self.tensor_leaves] + list(self.constants)
 
     def unflatten_outputs(self, flat: list[Any] | tuple[Any, ...]) -> Any:
-        return pytree.tree_unflatten(list(flat), self.out_tree)
+        """The function's result from the graph outputs (the in-place updates are left out)."""
+        return pytree.tree_unflatten(list(flat)[: self.out_tree.num_leaves], self.out_tree)
+
+    def input_updates(self, flat: list[Any] | tuple[Any, ...]) -> list[tuple[int, Any]]:
+        """``(input position, new value)`` for each input the function updated in place."""
+        news = list(flat)[self.out_tree.num_leaves :]
+        return list(zip(self.mutated_inputs, news, strict=True))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the captured graph eagerly on real tensors (unsharded), with fn's signature."""
-        flat = self.graph_module(*self.flatten_inputs(args, kwargs))
+        """Run the captured graph eagerly on real tensors (unsharded), with fn's signature;
+        in-place updates of the inputs take effect, as in eager mode."""
+        inputs = self.flatten_inputs(args, kwargs)
+        flat = self.graph_module(*inputs)
+        with torch.no_grad():
+            for i, new in self.input_updates(flat):
+                inputs[i].copy_(new)
         return self.unflatten_outputs(flat)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import re
 import sys
-from types import CodeType, FrameType
+from types import CodeType, FrameType, TracebackType
 from typing import Any
 
 import torch
@@ -26,7 +26,13 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 import partita
 
-__all__ = ["SourceTrackingMode", "format_source", "source_line", "user_frame"]
+__all__ = [
+    "SourceTrackingMode",
+    "format_source",
+    "source_line",
+    "user_frame",
+    "user_line_of_traceback",
+]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PARTITA_DIR = os.path.dirname(partita.__file__) + os.sep
@@ -62,6 +68,17 @@ def format_source(frame: FrameType | None) -> str | None:
         return None
     code = frame.f_code
     return f"{os.path.basename(code.co_filename)}:{frame.f_lineno} in {code.co_name}"
+
+
+def user_line_of_traceback(tb: TracebackType | None) -> str | None:
+    """``"file.py:LINE in func"`` of the innermost user frame of an exception's traceback."""
+    line = None
+    while tb is not None:
+        if not _is_internal(tb.tb_frame.f_code):
+            code = tb.tb_frame.f_code
+            line = f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name}"
+        tb = tb.tb_next
+    return line
 
 
 def _stack_entry(frame: FrameType) -> str:

@@ -19,9 +19,18 @@ every tensor of the first argument with ``P('x')``; ``in_specs=({'w': P(None, 'y
 entry of a dict; a single ``P`` applies to every tensor argument. Keyword arguments are not
 annotated by ``in_specs``. ``out_specs`` is a prefix of the result pytree in the same way.
 
-What trace does not do: it does not propagate or check shardings, it does not support
-data-dependent control flow (a Python branch on a tensor value fails with CaptureError), and
-closed-over tensors become constants of the graph rather than inputs.
+Tensor constants: a tensor the function uses without receiving it (a closed-over tensor, a
+literal such as ``torch.tensor(2.0)``, the parameters of a module it calls) is lifted into a
+program input after the user's inputs (:mod:`lift`; ``Program.constants`` holds the values,
+annotated replicated), so later stages only see inputs.
+
+In-place updates of inputs (``x.add_(1)``, ``x[0] = 5``, a buffer's ``mul_``) take effect as in
+``torch.compile``: the graph returns each updated input's new value after the result
+(``Program.mutated_inputs``) and the caller copies it back (:mod:`functionalize`).
+
+What trace does not do: it does not propagate or check shardings, and it does not support
+data-dependent code (``.item()``, ``.tolist()``, a Python branch on a tensor value): that fails
+with a CaptureError naming the user's line (:mod:`diagnose`).
 """
 
 from __future__ import annotations
@@ -38,9 +47,12 @@ from torch.utils import _pytree as pytree
 
 from partita.capture.annotate import ANNOTATE_OP, lookup, record, tracing_scope
 from partita.capture.decompositions import decomposition_table
+from partita.capture.diagnose import capture_error, check_data_independent
+from partita.capture.functionalize import InputUpdates, functionalized
+from partita.capture.lift import lift_constants
 from partita.capture.normalize import normalize
 from partita.capture.program import Program
-from partita.capture.source import SourceTrackingMode, source_from_stack_trace
+from partita.capture.source import source_from_stack_trace
 from partita.errors import CaptureError, PartitaError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
@@ -153,14 +165,17 @@ def trace(
     if in_specs is not None:
         in_spec_flat[:n_arg_leaves] = _broadcast_specs(in_specs, args, "in_specs", name)
     out_tree_box: list[pytree.TreeSpec] = []
+    received: list[torch.Tensor] = []  # what fn itself received, per tensor input
 
     def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
         full = list(leaves)
+        received.clear()
         for i, t in zip(tensor_idx, tensors, strict=True):
             spec = in_spec_flat[i]
             if spec is not None:
                 t = record(t, mesh, spec, source=f"in_specs for {_where(leaf_paths[i][0])}")  # type: ignore[arg-type]
             full[i] = t
+            received.append(t)
         call_args, call_kwargs = pytree.tree_unflatten(full, in_tree)
         result = fn(*call_args, **call_kwargs)
         out_paths, out_tree = pytree.tree_flatten_with_path(result)
@@ -183,11 +198,15 @@ def trace(
         out_tree_box.append(out_tree)
         return outs
 
+    input_names = tuple(_where(leaf_paths[i][0]) for i in tensor_idx)
+    shapes = [tuple(leaves[i].shape) for i in tensor_idx]
+    specs = [in_spec_flat[i] for i in tensor_idx]
+    updates = InputUpdates(received, input_names, shapes, specs, mesh, name)
     with tracing_scope(mesh, "trace(mesh=...)") as state:
         try:
             with fx_traceback.preserve_node_meta(), _compiling():
                 gm = make_fx(
-                    _functionalized(flat_fn, name),
+                    functionalized(flat_fn, updates),
                     decomposition_table=decomposition_table(),
                     tracing_mode="fake",
                     _allow_non_fake_inputs=True,
@@ -195,11 +214,8 @@ def trace(
         except PartitaError:
             raise
         except Exception as e:
-            raise CaptureError(
-                f"Cannot trace {name!r}: {type(e).__name__}: {_first_line(e)}. The function must "
-                f"run on fake tensors: no data-dependent Python control flow (if t.item() ...), "
-                f"no .numpy()/.tolist(), no in-place update of its inputs."
-            ) from e
+            raise capture_error(name, e) from e
+        check_data_independent(gm, name)
         normalize(gm)
         annotations = {}
         for node in gm.graph.nodes:
@@ -212,6 +228,10 @@ def trace(
                 node.meta["annotation"] = ann
                 annotations[node] = ann
         del state
+    constants, constant_annotations = lift_constants(gm, mesh)
+    annotations.update(constant_annotations)
+    gm.graph.lint()
+    gm.recompile()
     _check_functional(gm, name)
     inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
     return Program(
@@ -224,6 +244,9 @@ def trace(
         tensor_leaves=tensor_idx,
         static_leaves=statics,
         name=name,
+        constants=tuple(constants),
+        mutated_inputs=tuple(updates.positions),
+        input_names=input_names,
     )
 
 
@@ -240,39 +263,6 @@ def _where(path: Any) -> str:
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else "(no message)"
-
-
-def _functionalized(flat_fn: Callable[..., list[torch.Tensor]], name: str) -> Callable[..., Any]:
-    """Run ``flat_fn`` under functionalization (with source tracking); refuse input mutation."""
-    from torch._subclasses.functional_tensor import FunctionalTensor
-
-    def inner(*tensors: torch.Tensor) -> list[torch.Tensor]:
-        mode = SourceTrackingMode()
-        exclude = torch._C._ExcludeDispatchKeyGuard(
-            torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
-        )
-        with exclude, mode:
-            wrapped = [FunctionalTensor.to_functional(t) for t in tensors]
-            outs = flat_fn(*wrapped)
-            for i, w in enumerate(wrapped):
-                torch._sync(w)
-                if torch._functionalize_has_data_mutation(w.elem) or (
-                    torch._functionalize_has_metadata_mutation(w.elem)
-                ):
-                    raise CaptureError(
-                        f"{name!r} mutates its input tensor #{i} (shape {tuple(w.shape)}) in "
-                        f"place. A captured program must be pure: clone the input "
-                        f"(x = x.clone()) and return the updated value instead."
-                    )
-            results = []
-            for o in outs:
-                if isinstance(o, FunctionalTensor):
-                    torch._sync(o)
-                    o = torch._from_functional_tensor(o.elem)
-                results.append(o)
-            return results
-
-    return inner
 
 
 def _check_functional(gm: torch.fx.GraphModule, name: str) -> None:

@@ -1,0 +1,77 @@
+"""An ``nn.Module`` as a function of its weights: what ``partita.jit(module)`` traces.
+
+``partita.jit(model, ...)`` compiles ``model(*args)`` with the module's parameters and buffers as
+program *inputs* (not constants baked into the graph): they are fetched fresh on every call, so
+an optimizer step or ``load_state_dict`` is seen without recompiling, and a parameter whose
+shape or dtype changed gives a new signature. The traced function is
+``torch.func.functional_call(model, (params, buffers), args, kwargs)`` and its positional
+arguments are ``(params, buffers, *args)``; :class:`ModuleInputs` builds them, their in_specs
+and readable names.
+
+Weights are replicated unless ``param_specs`` shards them: any plan
+:func:`partita.plans.param_specs` accepts (a preset name, ``{name or pattern: P}``, a callable
+``(name, param) -> P | None``), resolved once when the module is jitted. Buffers are replicated.
+
+This module does not trace or run anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from partita.mesh import Mesh
+from partita.plans import PlanLike, param_specs
+from partita.spec import PartitionSpec
+
+__all__ = ["ModuleInputs"]
+
+
+class ModuleInputs:
+    """The weights of a jitted module as the first two (dict) arguments of its program."""
+
+    def __init__(self, module: nn.Module, mesh: Mesh, plan: PlanLike | None) -> None:
+        self.module = module
+        self.param_specs: dict[str, PartitionSpec] = (
+            {} if plan is None else param_specs(plan, module, mesh)
+        )
+
+    def call(
+        self,
+        params: dict[str, torch.Tensor],
+        buffers: dict[str, torch.Tensor],
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        """``module(*args, **kwargs)`` with these parameters and buffers."""
+        return torch.func.functional_call(self.module, (params, buffers), args, kwargs)
+
+    def args(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``(params, buffers, *args)`` with the module's current weights (detached aliases,
+        so an in-place buffer update written back reaches the module)."""
+        params = {k: v.detach() for k, v in self.module.named_parameters()}
+        buffers = {k: v.detach() for k, v in self.module.named_buffers()}
+        return (params, buffers, *args)
+
+    def in_specs(self, in_specs: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """The in_specs prefix of ``(params, buffers, *args)`` given the user's for ``args``."""
+        params = {k: self.param_specs.get(k) for k, _ in self.module.named_parameters()}
+        buffers = {k: None for k, _ in self.module.named_buffers()}
+        if in_specs is None or isinstance(in_specs, PartitionSpec):
+            user: tuple[Any, ...] = (in_specs,) * len(args)
+        else:
+            user = tuple(in_specs)
+        return (params, buffers, *user)
+
+    def leaf_name(self, name: str) -> str:
+        """A readable name for a leaf of ``(params, buffers, *args)``: ``args[0]['fc.weight']``
+        is ``parameter 'fc.weight'``, ``args[3]`` is ``args[1]``."""
+        for prefix, what in (("args[0]", "parameter"), ("args[1]", "buffer")):
+            if name.startswith(prefix + "["):
+                return f"{what} {name[len(prefix) + 1 : -1]}"
+        if name.startswith("args["):
+            index, rest = name[5:].split("]", 1)
+            return f"args[{int(index) - 2}]{rest}"
+        return name
