@@ -79,7 +79,7 @@ def _env(port: int, addr: str = "127.0.0.1") -> ProcessEnv:
 def test_store_listens_on_master_addr_only() -> None:
     """Rank 0's TCPStore used to bind every interface (``*:PORT``, unauthenticated)."""
     port = free_port()
-    store = launch._connect(_env(port), timeout=5)
+    store = launch.connect_store(_env(port), timeout=5)
     try:
         store.set("k", "v")
         assert listeners(port) == {"127.0.0.1"}
@@ -94,7 +94,7 @@ def test_store_port_taken_is_an_error() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(DistributedError, match=r"cannot host the rendezvous store") as info:
-            launch._connect(_env(port), timeout=5)
+            launch.connect_store(_env(port), timeout=5)
     assert not isinstance(info.value, JoinTimeoutError)
     assert f"127.0.0.1:{port}" in str(info.value)
     assert re.search(r"Choose a free MASTER_PORT", str(info.value))
