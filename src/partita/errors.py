@@ -16,7 +16,10 @@ from __future__ import annotations
 __all__ = [
     "AnnotationError",
     "CaptureError",
+    "CompilerError",
     "DistributedError",
+    "DtypeError",
+    "InputError",
     "JoinTimeoutError",
     "MeshError",
     "PartitaError",
@@ -85,3 +88,22 @@ class JoinTimeoutError(DistributedError, TimeoutError):
 
 class PlanMismatchError(DistributedError):
     """The processes compiled different per-device programs (running them would deadlock)."""
+
+
+class CompilerError(PartitaError, RuntimeError):
+    """Propagation or partitioning failed on one node for a reason that is not the user's: a
+    bug in partita. The message names the op, the fx node and the user's source line."""
+
+
+class DtypeError(PartitaError, TypeError):
+    """An op of the program mixes dtypes it cannot combine (``float64 @ float32``); found when
+    the program is partitioned, before anything runs."""
+
+
+class InputError(PartitaError, TypeError):
+    """An argument partita cannot shard (a sparse or otherwise non-strided tensor)."""
+
+
+class ReplicatedOpWarning(PartitaWarning):
+    """Under ``replicate_unsupported=True``: an op without a usable sharding rule runs on
+    gathered (replicated) inputs."""

@@ -31,9 +31,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from partita.errors import InputError
 from partita.spec import Sharding
 
 __all__ = [
+    "check_strided",
     "index_ranges",
     "local_shape",
     "replica_ids",
@@ -122,6 +124,17 @@ def _dims_layout(sharding: Sharding, shape: Sequence[int]) -> tuple[list[int], l
     return sizes, names
 
 
+def check_strided(value: torch.Tensor, what: str) -> None:
+    """Raise :class:`~partita.errors.InputError` for a sparse (or other non-strided) tensor:
+    shards are slices of a dense tensor's storage."""
+    if value.layout != torch.strided:
+        raise InputError(
+            f"{what} is a {value.layout} tensor of shape {list(value.shape)} ({value.dtype}); "
+            f"partita shards dense (torch.strided) tensors only, because a shard is a slice of "
+            f"the tensor's elements. Pass t.to_dense() instead."
+        )
+
+
 def shard_tensor(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
     """Cut a global tensor into the stacked per-device layout ``[n_devices, *local_shape]``.
 
@@ -129,6 +142,7 @@ def shard_tensor(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
     axes and the identity of ``reduce_op`` (0 for sum; the value itself for max and min) on the
     others, so that reducing over the partial axes gives the value back.
     """
+    check_strided(value, "the value to shard")
     sharding.check_shape(value.shape)
     mesh = sharding.mesh
     shape = tuple(value.shape)

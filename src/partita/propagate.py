@@ -53,6 +53,7 @@ This module does not insert collectives or decide how to reshard; that is ``part
 
 from __future__ import annotations
 
+import warnings
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -60,13 +61,20 @@ from typing import Any
 
 import torch.fx as fx
 
-from partita.errors import ShardingConflictError, UnsupportedOpError
+from partita.errors import (
+    CompilerError,
+    PartitaError,
+    ReplicatedOpWarning,
+    ShardingConflictError,
+    UnsupportedOpError,
+)
+from partita.layout import check_strided
 from partita.mesh import Mesh
 from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta, get_rule
 from partita.rules.opinfo import _is_tensor, op_info, replicate_rule, source_of
 from partita.spec import Sharding
 
-__all__ = ["op_info", "propagate", "source_of"]
+__all__ = ["apply_rule", "compiler_error", "op_info", "propagate", "source_of"]
 
 ValueKey = tuple[fx.Node, int | None]  # (producer, output index or None for one output)
 
@@ -104,6 +112,81 @@ def _is_annotation(node: fx.Node) -> bool:
     return "annotation" in node.meta
 
 
+def compiler_error(node: fx.Node, stage: str, e: BaseException) -> CompilerError:
+    """The CompilerError for an unexpected exception ``e`` while ``stage`` handled ``node``:
+    what failed (op, node, source line), the operand shapes, and what to do."""
+    shapes = [
+        f"{a.name}: {tuple(a.meta['val'].shape)} {a.meta['val'].dtype}"
+        for a in node.all_input_nodes
+        if _is_tensor(a.meta.get("val"))
+    ]
+    first = (str(e).strip().splitlines() or [""])[0]
+    return CompilerError(
+        f"{stage} failed on {node.target} at node {node.name} "
+        f"({source_of(node) or 'source line unknown'}), operands [{', '.join(shapes)}]: "
+        f"{type(e).__name__}: {first}. This is a bug in partita, not in your program; please "
+        f"report it. To get past it now, annotate around the op (mark its inputs and output "
+        f"replicated with partita.mark_sharding(t, mesh, P())) or pass "
+        f"replicate_unsupported=True."
+    )
+
+
+def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> FactorRule:
+    """The FactorRule of ``node`` (whose arguments ``info`` describes) from the registry.
+
+    Every failure is a partita error: an op without a rule, or a rule that raises on these
+    arguments (whatever it raises), is an :class:`UnsupportedOpError` that names the op, the
+    node and the source line; under ``replicate_unsupported=True`` both get the replicate rule
+    instead (a rule that raised also warns with :class:`ReplicatedOpWarning`), and
+    ``node.meta["replicated_reason"]`` says why, for the Plan.
+    """
+    fn = get_rule(node.target)
+    where = f"node {node.name} ({source_of(node) or 'source line unknown'})"
+    if fn is None:
+        if replicate_unsupported:
+            return _replicated(node, info, "it has no sharding rule")
+        raise UnsupportedOpError(
+            f"No sharding rule for {node.target} at {where}. partita does not know how "
+            f"this op behaves when its inputs are split across devices. Two ways forward: "
+            f"(1) annotate around it — mark its inputs and output replicated with "
+            f"partita.mark_sharding(t, mesh, P()) so the op runs on whole tensors; "
+            f"(2) opt in to replicating every op without a rule with "
+            f"replicate_unsupported=True (correct, but it gathers the inputs)."
+        )
+    try:
+        return fn(info)
+    except PartitaError as e:
+        if not isinstance(e, UnsupportedOpError):
+            raise
+        cause: Exception = e
+    except Exception as e:  # a rule that cannot handle these arguments, whatever it raises
+        cause = e
+    why = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+    if replicate_unsupported:
+        warnings.warn(
+            ReplicatedOpWarning(
+                f"{node.target} at {where} runs on gathered (replicated) inputs: its "
+                f"sharding rule cannot handle this call ({why}). The Plan records the "
+                f"gathers with this reason."
+            ),
+            stacklevel=2,
+        )
+        return _replicated(node, info, f"its sharding rule raised {why}")
+    raise UnsupportedOpError(
+        f"The sharding rule of {node.target} cannot handle the call at {where} "
+        f"(operands {[m.shape for m in info.operands]}): {why}. Two ways forward: annotate "
+        f"around it (mark its inputs and output replicated with "
+        f"partita.mark_sharding(t, mesh, P())), or pass replicate_unsupported=True; if the "
+        f"call is valid PyTorch, please report it."
+    ) from cause
+
+
+def _replicated(node: fx.Node, info: OpInfo, reason: str) -> FactorRule:
+    """The replicate rule, with the reason the partitioner records for its gathers."""
+    node.meta["replicated_reason"] = reason
+    return replicate_rule(info)
+
+
 class _Propagator:
     def __init__(self, gm: fx.GraphModule, mesh: Mesh, replicate_unsupported: bool) -> None:
         self.gm = gm
@@ -131,13 +214,20 @@ class _Propagator:
             val = node.meta.get("val")
             if node.op == "placeholder":
                 if _is_tensor(val):
+                    n_in = sum(1 for k in self.values if k[0].op == "placeholder")
+                    check_strided(val, f"Input tensor {n_in} ({node.name}) of the program")
                     self._add_value((node, None), val)
             elif node.op == "call_function" and node.target is operator.getitem:
                 src, idx = node.args
                 if isinstance(src, fx.Node) and isinstance(src.meta.get("val"), (tuple, list)):
                     self.alias[node] = (src, int(idx))
             elif node.op == "call_function":
-                self._add_op(node)
+                try:
+                    self._add_op(node)
+                except PartitaError:
+                    raise
+                except Exception as e:
+                    raise compiler_error(node, "Propagation", e) from e
         for i, op in enumerate(self.ops):
             for k in (*op.operands, *op.results):
                 if k is not None:
@@ -197,28 +287,7 @@ class _Propagator:
             v.fixed = True
 
     def _rule(self, node: fx.Node, info: OpInfo) -> FactorRule:
-        fn = get_rule(node.target)
-        where = f"node {node.name} ({source_of(node) or 'source line unknown'})"
-        if fn is None:
-            if self.replicate_unsupported:
-                return replicate_rule(info)
-            raise UnsupportedOpError(
-                f"No sharding rule for {node.target} at {where}. partita does not know how "
-                f"this op behaves when its inputs are split across devices. Two ways forward: "
-                f"(1) annotate around it — mark its inputs and output replicated with "
-                f"partita.mark_sharding(t, mesh, P()) so the op runs on whole tensors; "
-                f"(2) opt in to replicating every op without a rule with "
-                f"replicate_unsupported=True (correct, but it gathers the inputs)."
-            )
-        try:
-            return fn(info)
-        except NotImplementedError as e:
-            if self.replicate_unsupported:
-                return replicate_rule(info)
-            raise UnsupportedOpError(
-                f"The sharding rule of {node.target} cannot handle the call at {where}: {e}. "
-                f"Annotate around it with P() or pass replicate_unsupported=True."
-            ) from e
+        return apply_rule(node, info, replicate_unsupported=self.replicate_unsupported)
 
     # --- one op ----------------------------------------------------------------------------
 
@@ -419,11 +488,19 @@ class _Propagator:
         while queue:
             i = queue.popleft()
             queued.discard(i)
-            for key in self._visit(self.ops[i], round_priority):
+            for key in self._visit_checked(self.ops[i], round_priority):
                 for j in self.users.get(key, ()):
                     if j in allowed and j not in queued:
                         queue.append(j)
                         queued.add(j)
+
+    def _visit_checked(self, op: _Op, round_priority: int) -> list[ValueKey]:
+        try:
+            return self._visit(op, round_priority)
+        except PartitaError:
+            raise
+        except Exception as e:
+            raise compiler_error(op.node, "Propagation", e) from e
 
     def _sharding(self, key: ValueKey) -> Sharding:
         v = self.values[key]

@@ -13,7 +13,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["INDEX_OPERANDS", "LOCAL_SIZE_ARGS", "SHAPE_ONLY", "localize_shape_args"]
+__all__ = [
+    "INDEX_OPERANDS",
+    "LOCAL_SIZE_ARGS",
+    "SAME_DTYPE",
+    "SHAPE_ONLY",
+    "localize_shape_args",
+]
 
 #: Operands that hold indices (their padding must be a valid index): op -> operand positions.
 INDEX_OPERANDS: dict[Any, tuple[int, ...]] = {
@@ -30,6 +36,26 @@ LOCAL_SIZE_ARGS: dict[Any, dict[int, tuple[int, int]]] = {
     torch.ops.aten.native_group_norm.default: {3: (0, 0)},
     torch.ops.aten.native_group_norm_backward.default: {5: (0, 0)},
 }
+
+#: Ops whose floating-point operands must all have one dtype (no type promotion). Tracing does
+#: not check it for some of them (the fake kernels of mm, addmm, mv and CPU attention accept
+#: float64 @ float32), so without this table the per-device program would fail when it runs.
+SAME_DTYPE = frozenset(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "addbmm",
+        "addmm",
+        "addmv",
+        "baddbmm",
+        "bmm",
+        "convolution",
+        "dot",
+        "mm",
+        "mv",
+        "vdot",
+    )
+)
 
 
 def localize_shape_args(

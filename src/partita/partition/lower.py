@@ -32,6 +32,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from partita.errors import (
+    DtypeError,
+    PartitaError,
     RematerializationError,
     RematerializationWarning,
     UnsupportedOpError,
@@ -45,6 +47,7 @@ from partita.partition import special as _special  # noqa: F401 - registers its 
 from partita.partition.local_args import (
     INDEX_OPERANDS,
     LOCAL_SIZE_ARGS,
+    SAME_DTYPE,
     SHAPE_ONLY,
     localize_shape_args,
 )
@@ -52,7 +55,9 @@ from partita.partition.masks import emit_mask_padding, identity_of
 from partita.partition.plan import CollectiveRecord, Plan
 from partita.partition.reasons import partial_reason
 from partita.partition.reshard import emit_reshard, is_full_remat, plan_reshard
+from partita.propagate import compiler_error
 from partita.rules import FactorKind, FactorRule
+from partita.rules.opinfo import source_of
 from partita.spec import Sharding
 
 __all__ = ["LocalValue", "Lowering"]
@@ -201,26 +206,34 @@ class Lowering:
 
     def run(self) -> tuple[fx.GraphModule, Plan]:
         for node in self.src.graph.nodes:
-            if node.op == "placeholder":
-                self._placeholder(node)
-            elif node.op == "output":
-                self._output(node)
-            elif node.op == "call_function" and node.target is operator.getitem:
-                self._getitem(node)
-            elif node.op == "call_function" and "annotation" in node.meta:
-                self._annotation(node)
-            elif node.op == "call_function":
-                self._op(node)
-            elif node.op == "get_attr":
-                raise UnsupportedOpError(
-                    f"Constant {node.target} (node {node.name}) is not supported by the "
-                    f"partitioner: pass tensors as inputs instead of closing over them."
-                )
+            try:
+                self._node(node)
+            except PartitaError:
+                raise
+            except Exception as e:  # anything else is partita's bug: say where it happened
+                raise compiler_error(node, "Partitioning", e) from e
         for n in self.src.graph.nodes:
             if "sharding" in n.meta:
                 self.plan.shardings[n.name] = n.meta["sharding"]
         gm = fx.GraphModule(torch.nn.Module(), self.graph, class_name="PerDeviceProgram")
         return gm, self.plan
+
+    def _node(self, node: fx.Node) -> None:
+        if node.op == "placeholder":
+            self._placeholder(node)
+        elif node.op == "output":
+            self._output(node)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            self._getitem(node)
+        elif node.op == "call_function" and "annotation" in node.meta:
+            self._annotation(node)
+        elif node.op == "call_function":
+            self._op(node)
+        elif node.op == "get_attr":
+            raise UnsupportedOpError(
+                f"Constant {node.target} (node {node.name}) is not supported by the "
+                f"partitioner: pass tensors as inputs instead of closing over them."
+            )
 
     def _placeholder(self, node: fx.Node) -> None:
         val = node.meta.get("val")
@@ -314,6 +327,8 @@ class Lowering:
                 f"Node {node.name} ({op_name(node.target)}) produces no tensor; the partitioner "
                 f"only handles tensor programs."
             )
+        if node.target in SAME_DTYPE:
+            _check_same_dtype(node)
         rule: FactorRule = node.meta["rule"]
         assign = self.representable(node.target, rule, node.meta.get("factor_axes", {}))
         handler = handlers.get(rule.handler)
@@ -345,6 +360,11 @@ class Lowering:
             else:
                 dst = Sharding(self.mesh, self.dims_of(factors, assign))
             why = f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"
+            if "replicated_reason" in node.meta:  # replicate_unsupported=True chose this
+                why = (
+                    f"{op_name(node.target)} (%{node.name}) runs replicated "
+                    f"(replicate_unsupported=True): {node.meta['replicated_reason']}"
+                )
             if node.target in SHAPE_ONLY and v.sharding.with_partial(()) == dst:
                 out.append(v.node)  # only its shape is read: a partial value will do
                 continue
@@ -466,6 +486,20 @@ class Lowering:
         why = f"the result of {op_name(node.target)} (%{node.name}) is wanted as {wanted}"
         local = self.reshard(key, wanted, why, node)
         self.values[key] = LocalValue(local, wanted, v.shape, v.dtype)
+
+
+def _check_same_dtype(node: fx.Node) -> None:
+    """An op that does not promote types gets one floating dtype, or the run would fail."""
+    tensors = [a.meta["val"] for a in node.all_input_nodes if _tensor_val(a.meta.get("val"))]
+    floats = [(i, t) for i, t in enumerate(tensors) if t.dtype.is_floating_point]
+    if len({t.dtype for _, t in floats}) > 1:
+        listed = ", ".join(f"operand {i} {t.dtype} {list(t.shape)}" for i, t in floats)
+        raise DtypeError(
+            f"{op_name(node.target)} at node {node.name} "
+            f"({source_of(node) or 'source line unknown'}) mixes dtypes ({listed}). This op "
+            f"does not promote types, so its per-device program would fail when it runs. Cast "
+            f"the operands to one dtype first (for example b.to(a.dtype))."
+        )
 
 
 def _detail(step: Any) -> str:

@@ -44,6 +44,7 @@ from torch.utils import _pytree as pytree
 
 from partita.collectives import MESH_OPS
 from partita.errors import UnsupportedOpError
+from partita.layout import check_strided
 from partita.mesh import Mesh
 
 __all__ = ["LocalMesh"]
@@ -197,6 +198,7 @@ class LocalMesh:
         n = self.mesh.size
         if not isinstance(x, Tensor):
             return x, False
+        check_strided(x, f"LocalMesh.run: input {node.name!r}")
         if x.dim() == 0 or x.shape[0] != n:
             raise ValueError(
                 f"LocalMesh.run: input {node.name!r} has shape {tuple(x.shape)}, but stacked "
