@@ -307,3 +307,27 @@ def test_input_without_device_dim_is_refused() -> None:
         LocalMesh(MESH).run(gm, [torch.ones(3)])
     with pytest.raises(ValueError, match=r"has 1 inputs"):
         LocalMesh(MESH).run(gm, [])
+
+
+_CHANNELS_LAST = {
+    "to": lambda a: a.to(memory_format=torch.channels_last) * 2,
+    "contiguous": lambda a: a.contiguous(memory_format=torch.channels_last) + 1,
+    "conv": lambda a: torch.nn.functional.conv2d(
+        a.to(memory_format=torch.channels_last), torch.ones(2, 3, 3, 3), padding=1
+    ),
+    "3d": lambda a: a[None].to(memory_format=torch.channels_last_3d).sum(0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CHANNELS_LAST))
+def test_channels_last_copies_run_on_the_stacked_mesh(name: str) -> None:
+    """The stacked executor sees rank 5 where the program has rank 4: channels_last used to
+    fail there ("required rank 4 tensor to use channels_last format")."""
+    import partita
+    from partita import P
+
+    mesh = Mesh.create((2, 4), ("x", "y"))
+    fn = _CHANNELS_LAST[name]
+    x = torch.randn(4, 3, 6, 5)
+    out = partita.jit(fn, mesh=mesh, in_specs=(P("x", None, "y"),))(x)
+    torch.testing.assert_close(out.full(), fn(x), rtol=1e-5, atol=1e-5)

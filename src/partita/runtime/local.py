@@ -52,6 +52,8 @@ __all__ = ["LocalMesh"]
 aten = torch.ops.aten
 
 _TO_RESHAPE = {aten.view.default, aten._unsafe_view.default}
+#: Memory formats that only exist for one rank (4 and 5): not for the stacked values.
+_RANK_BOUND_FORMATS = (torch.channels_last, torch.channels_last_3d)
 # Mesh ops whose result is the same on every member of the group: over the whole mesh it is
 # the same on every device, so the result can stay unbatched.
 _REPLICATING_OPS = {torch.ops.partita.all_reduce.default, torch.ops.partita.all_gather.default}
@@ -307,6 +309,10 @@ def _build_segment(
         new = graph.node_copy(node, arg)
         if new.target in _TO_RESHAPE:
             new.target = aten.reshape.default
+        if new.kwargs.get("memory_format") in _RANK_BOUND_FORMATS:
+            # vmap adds the device dim, so channels_last would see rank 5; a functional program
+            # cannot observe memory format, so the copy keeps its input's.
+            new.kwargs = {**new.kwargs, "memory_format": torch.preserve_format}
         env[node] = new
     outputs = [n for n in nodes if users_at.get(n, set()) - {d}]
     graph.output(tuple(env[n] for n in outputs))
