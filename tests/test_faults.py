@@ -4,7 +4,7 @@ Two Gloo processes on 127.0.0.1 run ``dist_scripts/faults.py MODE``; rank 1 stal
 raises, passes other shapes or dtypes, compiles another program, or stops early. Every
 surviving process must exit with a typed partita error (exit status 17, the error's type and
 message checked) within the collective timeout (5 s here), and no test may leave a process or
-a listening port behind. The store tests run in this process and are fast.
+a listening port behind. The store and plan-agreement tests run in this process and are fast.
 """
 
 from __future__ import annotations
@@ -15,10 +15,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from partita.errors import DistributedError, JoinTimeoutError
+import partita
+from partita import Mesh, P
+from partita.errors import DistributedError, JoinTimeoutError, PlanMismatchError
 from partita.runtime import launch
 from partita.runtime.launch import ProcessEnv, RankResult, free_port, spawn
+from partita.runtime.plan_check import mismatch_error, program_digest, program_lines
 
 SCRIPT = str(Path(__file__).resolve().parent / "dist_scripts" / "faults.py")
 TIMEOUT = 5.0  # PARTITA_COLLECTIVE_TIMEOUT for every run here
@@ -107,6 +111,47 @@ def test_collective_timeout_comes_from_the_environment(monkeypatch: pytest.Monke
     monkeypatch.setenv("PARTITA_COLLECTIVE_TIMEOUT", "soon")
     with pytest.raises(DistributedError, match=r"PARTITA_COLLECTIVE_TIMEOUT='soon' must be a"):
         launch.active_collective_timeout()
+
+
+# --- plan agreement (in this process) ----------------------------------------------------------
+
+
+def _compiled(fn: object, *args: torch.Tensor, in_specs: object) -> object:
+    step = partita.jit(fn, mesh=Mesh.create((2,), ("data",)), in_specs=in_specs)
+    return step._compile(args, {})[0]
+
+
+def test_plan_hash_covers_input_shapes_and_dtypes() -> None:
+    """Input shapes were not hashed: (8, 4) on one rank and (10, 4) on another agreed."""
+    sum0 = lambda x: x.sum(0)  # noqa: E731
+    eight = _compiled(sum0, torch.ones(8, 4), in_specs=P("data"))
+    ten = _compiled(sum0, torch.ones(10, 4), in_specs=P("data"))
+    wide = _compiled(sum0, torch.ones(8, 4, dtype=torch.float64), in_specs=P("data"))
+    assert len({program_digest(c) for c in (eight, ten, wide)}) == 3
+    assert program_lines(eight)[0] == (
+        "input 0 (args[0]): shape (8, 4), dtype torch.float32, sharding P('data', None)"
+    )
+
+
+def test_plan_mismatch_names_the_argument() -> None:
+    fn = lambda x, w, scale=1.0: (x @ w).sum() * scale  # noqa: E731
+    specs = (P("data", None), P())
+    mine = _compiled(fn, torch.ones(8, 4), torch.ones(4, 3), in_specs=specs)
+    theirs = _compiled(fn, torch.ones(8, 4), torch.ones(4, 5), in_specs=specs)
+    lines = [program_lines(mine), program_lines(theirs)]
+    digests = [program_digest(mine), program_digest(theirs)]
+    with pytest.raises(
+        PlanMismatchError,
+        match=re.escape(
+            "The first difference is input 1 (args[1]): this rank (1) has shape (4, 5), dtype "
+            "torch.float32, sharding P(None, None); rank 0 has shape (4, 3), dtype "
+            "torch.float32, sharding P(None, None)."
+        ),
+    ):
+        raise mismatch_error(1, digests, lines)
+    error = mismatch_error(0, digests, lines)
+    assert re.search(r"ranks \[0\] have plan [0-9a-f]{12}; ranks \[1\] have plan", str(error))
+    assert "partita.data.make_global" in str(error)
 
 
 # --- injected faults (2 processes) -------------------------------------------------------------
