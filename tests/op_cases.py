@@ -841,3 +841,4 @@ case(
     partial=True,
 )
 import op_cases_indexing  # noqa: E402,F401
+import op_cases_more  # noqa: E402,F401

@@ -13,10 +13,11 @@ input: the backward must use the same tiling, which the halo handler guarantees.
 from __future__ import annotations
 
 from partita.rules import register_rule
+from partita.rules.batched import batched_rule
 from partita.rules.common import Names, arg, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 
-__all__ = ["conv_backward_rule", "conv_rule", "pool_rule"]
+__all__ = ["PLANE_CORES", "conv_backward_rule", "conv_rule", "plane_rule", "pool_rule"]
 
 
 def _conv_names(info: OpInfo, x_index: int) -> tuple[list[str], list[str], str, str]:
@@ -34,10 +35,45 @@ def _conv_names(info: OpInfo, x_index: int) -> tuple[list[str], list[str], str, 
     return spatial, kernel, "b", "c"
 
 
+def _is_special(info: OpInfo) -> bool:
+    """A transposed or grouped convolution (the halo lowering covers neither)."""
+    return bool(arg(info, "transposed", False)) or arg(info, "groups", 1) != 1
+
+
+def _special_conv_rule(info: OpInfo) -> FactorRule:
+    """``a b c d, *, * -> a 1 1 1; need-replication=b,c,d``: a transposed or grouped
+    convolution keeps only its batch dim sharded; channels and space are gathered and the
+    result is replicated on them (gather, compute, keep replicated)."""
+    x, (out,) = info.operands[0], info.results
+    names = Names().take(x.ndim)
+    rest = [None] * (len(info.operands) - 1)
+    res = [names[0], *([None] * (out.ndim - 1))]
+    return build(info, [names, *rest], [res], need_replication=names[1:])
+
+
+def _special_conv_backward_rule(info: OpInfo) -> FactorRule:
+    """``a b c d, a e f g, * -> a 1 1 1, 1 1 1 1, 1; result1-reduction=a; result2-reduction=a``:
+    the batch dim passes through; grad_weight and grad_bias sum over it."""
+    grad, x = info.operands[0], info.operands[1]
+    fresh = Names()
+    a = fresh.new()
+    g_dims, x_dims = [a, *fresh.take(grad.ndim - 1)], [a, *fresh.take(x.ndim - 1)]
+    results = [None if r is None else [None] * r.ndim for r in info.results]
+    rep = [*g_dims[1:], *x_dims[1:]]
+    red = {j: [a] for j in (1, 2) if info.results[j] is not None}
+    if results[0] is not None:
+        results[0] = [a, *results[0][1:]]
+    else:  # no grad_input keeps the batch: it is gathered like the rest
+        rep, red = [a, *rep], {}
+    return build(info, [g_dims, x_dims, None], results, need_replication=rep, result_reductions=red)
+
+
 @register_rule(*aten_ops(["convolution.default"]))
 def conv_rule(info: OpInfo) -> FactorRule:
     """``a b d e, c b f g, c -> a c d e; reduction=b; need-replication=f,g; windowed=d,e;
     handler=halo`` (NCHW input, OIHW weight, bias)."""
+    if _is_special(info):
+        return _special_conv_rule(info)
     spatial, kernel, cin, cout = _conv_names(info, 0)
     operands = [["a", cin, *spatial], [cout, cin, *kernel]]
     if arg(info, "bias") is not None:
@@ -57,6 +93,8 @@ def conv_rule(info: OpInfo) -> FactorRule:
 def conv_backward_rule(info: OpInfo) -> FactorRule:
     """``grad, x, w -> grad_x, grad_w, grad_b``: grad_x sums over output channels, grad_w over
     batch and space, grad_b over batch and space."""
+    if _is_special(info):
+        return _special_conv_backward_rule(info)
     spatial, kernel, cin, cout = _conv_names(info, 1)
     red = {0: [cout], 1: ["a", *spatial], 2: ["a", *spatial]}
     return build(
@@ -93,4 +131,58 @@ def pool_rule(info: OpInfo) -> FactorRule:
         [names if r is not None else None for r in info.results],
         windowed=spatial,
         handler="halo",
+    )
+
+
+#: Pools and interpolations over a whole spatial plane: op -> (core dims of each operand, of
+#: each result). Their windows are not fixed (adaptive pools, interpolation, random fractional
+#: windows) or have no halo lowering yet (3-d pools), so the spatial dims are gathered and the
+#: batch and channel dims pass through (``batched.py``).
+PLANE_CORES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
+    "_adaptive_avg_pool2d.default": ((2,), (2,)),
+    "_adaptive_avg_pool2d_backward.default": ((2, 2), (2,)),
+    "_adaptive_avg_pool3d.default": ((3,), (3,)),
+    "_upsample_bilinear2d_aa.default": ((2,), (2,)),
+    "adaptive_max_pool2d.default": ((2,), (2, 2)),
+    "adaptive_max_pool2d_backward.default": ((2, 2, 2), (2,)),
+    "adaptive_max_pool3d.default": ((3,), (3, 3)),
+    "avg_pool3d.default": ((3,), (3,)),
+    "fractional_max_pool2d.default": ((2, 1), (2, 2)),
+    "fractional_max_pool3d.default": ((3, 1), (3, 3)),
+    "max_pool3d_with_indices.default": ((3,), (3, 3)),
+    "upsample_bicubic2d.default": ((2,), (2,)),
+    "upsample_bilinear2d.default": ((2,), (2,)),
+    # its input_size argument is the global shape: no dim may be local
+    "upsample_bilinear2d_backward.default": ((4,), (4,)),
+    "upsample_trilinear3d.default": ((3,), (3,)),
+}
+
+
+@register_rule(*aten_ops(sorted(PLANE_CORES)))
+def plane_rule(info: OpInfo) -> FactorRule:
+    """``a b c d -> a b 1 1; need-replication=c,d`` for ``_adaptive_avg_pool2d(x, [3, 2])``."""
+    name = str(info.target).removeprefix("aten.")
+    core, core_out = PLANE_CORES[name]
+    if name.startswith("fractional"):
+        # The random samples must lie in [0, 1): padding garbage would index out of the plane.
+        return batched_rule(info, [None] * len(core), core_out)
+    return batched_rule(info, core, core_out)
+
+
+@register_rule(*aten_ops(["grid_sampler_2d.default", "grid_sampler_3d.default"]))
+def grid_sampler_rule(info: OpInfo) -> FactorRule:
+    """``a b c d, a e f g -> a b e f; need-replication=c,d,g`` for ``grid_sampler_2d``: the
+    grid's points pass through to the output's space (each point samples the whole input
+    plane, which is gathered); batch and channels pass through."""
+    x, grid = info.operands
+    fresh = Names()
+    n, c = fresh.take(2)
+    plane = fresh.take(x.ndim - 2)
+    points = fresh.take(grid.ndim - 2)
+    coord = fresh.new()
+    return build(
+        info,
+        [[n, c, *plane], [n, *points, coord]],
+        [[n, c, *points]],
+        need_replication=[*plane, coord],
     )

@@ -48,3 +48,26 @@ def addmm_rule(info: OpInfo) -> FactorRule:
     mat1, mat2 = (["m", "k"], ["k", "n"]) if out.ndim == 2 else (["b", "m", "k"], ["b", "k", "n"])
     bias = broadcast_dims(info.operands[0], out.shape, dims)
     return build(info, [bias, mat1, mat2], [dims], reduction="k", handler="add_bias_once")
+
+
+@register_rule(*aten_ops(["addmv.default"]))
+def addmv_rule(info: OpInfo) -> FactorRule:
+    """``m, m k, k -> m; reduction=k; handler=add_bias_once`` for ``addmv(bias, a, v)``."""
+    (out,) = info.results
+    bias = broadcast_dims(info.operands[0], out.shape, ["m"])
+    return build(info, [bias, ["m", "k"], ["k"]], [["m"]], reduction="k", handler="add_bias_once")
+
+
+@register_rule(*aten_ops(["addbmm.default"]))
+def addbmm_rule(info: OpInfo) -> FactorRule:
+    """``m n, b m k, b k n -> m n; reduction=b,k; handler=add_bias_once`` for
+    ``addbmm(c, a, b)`` (the batch of products is summed too)."""
+    (out,) = info.results
+    bias = broadcast_dims(info.operands[0], out.shape, ["m", "n"])
+    return build(
+        info,
+        [bias, ["b", "m", "k"], ["b", "k", "n"]],
+        [["m", "n"]],
+        reduction="b k",
+        handler="add_bias_once",
+    )

@@ -163,3 +163,18 @@ def group_norm_backward_rule(info: OpInfo) -> FactorRule:
         need_replication=[*names[1:], g],
         result_reductions=red,
     )
+
+
+@register_rule(*aten_ops(["_batch_norm_with_update_functional.default"]))
+def batch_norm_with_update_rule(info: OpInfo) -> FactorRule:
+    """``a b c, b, b, b, b -> a b c, b, b, 1, b, b; need-replication=a,c``: training batch norm
+    that returns the updated running stats. Channels pass through; batch and spatial dims are
+    gathered (the ``batch_stats`` handler lowers only the ``native_batch_norm`` family)."""
+    names, c, _ = _bn_dims(info, 0, training=False)
+    other = [f for f in names if f not in c]
+    operands = [names, *([c] * (len(info.operands) - 1))]
+    results: list[list[Dim] | None] = [
+        None if r is None else (c if r.ndim == 1 and r.shape[0] else [None] * r.ndim)
+        for r in info.results[1:]
+    ]
+    return build(info, operands, [names, *results], need_replication=other)

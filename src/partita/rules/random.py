@@ -1,5 +1,6 @@
 """Rules of random ops: ``bernoulli``, ``native_dropout``, ``rand``/``randn`` and their
-``*_like`` forms, ``uniform``/``normal``.
+``*_like`` forms, ``uniform``/``normal``, and the distributions that fill a tensor's shape
+(``cauchy``, ``exponential``, ``geometric``, ``log_normal``).
 
 Random-number policy (see docs/rules.md): partita draws every random tensor with its *global*
 shape from the global generator state and each device keeps its own tile, so a sharded
@@ -24,6 +25,10 @@ RANDOM_LIKE_OPS = aten_ops(
         "bernoulli.default",
         "bernoulli.p",
         "bernoulli_.float",
+        "cauchy.default",
+        "exponential.default",
+        "geometric.default",
+        "log_normal.default",
         "native_dropout.default",
         "normal_.default",
         "normal_functional.default",

@@ -157,3 +157,51 @@ def sort_rule(info: OpInfo) -> FactorRule:
     if name.endswith("topk"):
         out[d] = fresh.new()
     return build(info, [names], [out, out], need_replication=[names[d]])
+
+
+@register_rule(*aten_ops(["max.default", "min.default"]))
+def full_extremum_rule(info: OpInfo) -> FactorRule:
+    """``a b -> ; reduction=a,b; reduce_op=max`` for ``max(x)`` (every dim, a 0-d result)."""
+    (x,) = info.operands
+    op = "max" if info.target.name().endswith("max") else "min"
+    return _reduce(info, list(range(x.ndim)), False, kind="reduction", reduce_op=op)
+
+
+@register_rule(*aten_ops(["median.default", "nanmedian.default", "prod.default"]))
+def full_gathered_rule(info: OpInfo) -> FactorRule:
+    """``a b -> ; need-replication=a,b`` for ``median(x)``: an order statistic or a product of
+    every element needs them all on one device."""
+    (x,) = info.operands
+    return _reduce(info, list(range(x.ndim)), False, kind="need_replication")
+
+
+_SELECT_DIM = aten_ops(["kthvalue.default", "median.dim", "mode.default", "nanmedian.dim"])
+
+
+@register_rule(*_SELECT_DIM)
+def select_dim_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a, a; need-replication=b`` for ``kthvalue(x, 2, 1)`` (values, indices)."""
+    (x,) = info.operands
+    kth = info.target.name().endswith("kthvalue")
+    dim = info.arg(2, "dim", -1) if kth else info.arg(1, "dim", -1)
+    keepdim = bool(info.arg(3, "keepdim", False) if kth else info.arg(2, "keepdim", False))
+    dims = [norm_dim(dim, x.ndim)] if x.ndim else []
+    return _reduce(info, dims, keepdim, kind="need_replication")
+
+
+@register_rule(*aten_ops(["linalg_vector_norm.default"]))
+def vector_norm_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a; reduction=b`` for ``vector_norm(x, 1, [1])`` (and ``ord=0``, a count of
+    non-zeros): a sum of per-element terms whose padding (masked to 0) adds nothing;
+    ``ord=-inf`` is a min of ``|x|`` (padding masked to +inf). Any other ``ord`` (2, inf, p)
+    is need-replication: ``(sum |x|^p)^(1/p)`` is not a sum of the shards' norms, and a max of
+    ``|x|`` would see ``|-inf|`` in masked padding."""
+    (x,) = info.operands
+    ord_ = float(info.arg(1, "ord", 2))
+    dims = norm_dims(info.arg(2, "dim"), x.ndim)
+    keepdim = bool(info.arg(3, "keepdim", False))
+    if ord_ in (0.0, 1.0):
+        return _reduce(info, dims, keepdim, kind="reduction")
+    if ord_ == float("-inf"):
+        return _reduce(info, dims, keepdim, kind="reduction", reduce_op="min")
+    return _reduce(info, dims, keepdim, kind="need_replication")

@@ -178,3 +178,77 @@ def expand_rule(info: OpInfo) -> FactorRule:
         dims[offset + i] if n == out.shape[offset + i] else None for i, n in enumerate(x.shape)
     ]
     return build(info, [operand], [dims], handler="localize_shape")
+
+
+@register_rule(*aten_ops(["diagonal.default", "diagonal_copy.default"]))
+def diagonal_rule(info: OpInfo) -> FactorRule:
+    """``a b c -> a 1; need-replication=b,c`` for ``diagonal(x, 0, 1, 2)``: the diagonal pairs
+    global row and column positions, so both dims are gathered; the others pass through."""
+    (x,) = info.operands
+    names = Names().take(x.ndim)
+    d1, d2 = norm_dim(info.arg(2, "dim1", 0), x.ndim), norm_dim(info.arg(3, "dim2", 1), x.ndim)
+    out: list[Dim] = [f for i, f in enumerate(names) if i not in (d1, d2)] + [None]
+    return build(info, [names], [out], need_replication=[names[d1], names[d2]])
+
+
+@register_rule(*aten_ops(["diagonal_scatter.default"]))
+def diagonal_scatter_rule(info: OpInfo) -> FactorRule:
+    """``a b c, a d -> a b c; need-replication=b,c,d`` for ``diagonal_scatter(x, src, 0, 1, 2)``."""
+    x = info.operands[0]
+    fresh = Names()
+    names = fresh.take(x.ndim)
+    d1, d2 = norm_dim(info.arg(3, "dim1", 0), x.ndim), norm_dim(info.arg(4, "dim2", 1), x.ndim)
+    diag = fresh.new()
+    src_dims: list[Dim] = [f for i, f in enumerate(names) if i not in (d1, d2)] + [diag]
+    rep = [names[d1], names[d2], diag]
+    return build(info, [names, src_dims], [names], need_replication=rep)
+
+
+@register_rule(*aten_ops(["repeat.default"]))
+def repeat_rule(info: OpInfo) -> FactorRule:
+    """``a b -> 1 a 1; need-replication=b`` for ``repeat(x, [3, 1, 2])`` on ``[5, 6]``: a dim
+    repeated once passes through; a tiled dim is gathered (its tiles interleave copies) and
+    the result keeps it replicated, like the new leading dims."""
+    (x,), (out,) = info.operands, info.results
+    repeats = list(info.arg(1, "repeats"))
+    names = Names().take(x.ndim)
+    offset = len(repeats) - x.ndim
+    res: list[Dim] = [None] * out.ndim
+    rep = []
+    for i, f in enumerate(names):
+        if repeats[offset + i] == 1:
+            res[offset + i] = f
+        else:
+            rep.append(f)
+    return build(info, [names], [res], need_replication=rep)
+
+
+@register_rule(*aten_ops(["narrow_copy.default"]))
+def narrow_copy_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a c; need-replication=b`` for ``narrow_copy(x, 1, 2, 3)`` (positions are
+    global); ``a b -> a b`` when it keeps the whole dim."""
+    (x,), (out,) = info.operands, info.results
+    fresh = Names()
+    names = fresh.take(x.ndim)
+    d = norm_dim(info.arg(1, "dim"), x.ndim)
+    if out.shape[d] == x.shape[d]:
+        return build(info, [names], [names])
+    res: list[Dim] = list(names)
+    res[d] = fresh.new()
+    return build(info, [names], [res], need_replication=[names[d]])
+
+
+@register_rule(*aten_ops(["view_as_complex.default"]))
+def view_as_complex_rule(info: OpInfo) -> FactorRule:
+    """``a b c -> a b; need-replication=c`` (``c`` is the (real, imag) pair of size 2)."""
+    (x,) = info.operands
+    names = Names().take(x.ndim)
+    return build(info, [names], [names[:-1]], need_replication=names[-1:])
+
+
+@register_rule(*aten_ops(["view_as_real.default"]))
+def view_as_real_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a b 1`` (the new last dim is the (real, imag) pair, never sharded)."""
+    (x,) = info.operands
+    names = Names().take(x.ndim)
+    return build(info, [names], [[*names, None]])

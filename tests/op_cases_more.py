@@ -1,0 +1,433 @@
+"""Op-table cases of the rules added for PyTorch's op database: special functions and other
+elementwise ops, whole-tensor and order-statistic reductions, vector norms, linear algebra,
+FFTs, plane pools and interpolations, transposed/grouped convolutions, diagonals, repeats,
+strided views, distances and lookups, the remaining random distributions.
+
+Imported at the end of ``op_cases`` (it registers into the same ``CASES``); data only, like
+``op_cases``. Sizes are uneven on purpose (5, 6, 7); batched linear-algebra inputs have a batch
+dim that the test may shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from op_cases import R, case, f, pos, small_ints_f, unit  # isort: skip
+
+aten = torch.ops.aten
+
+L = {"tol": "loose"}
+
+# --- elementwise: special functions and friends -----------------------------------------------
+
+for _op, _mk in [
+    (aten.digamma.default, pos(6, 5)),
+    (aten.erfc.default, f(6, 5)),
+    (aten.i0.default, f(6, 5)),
+    (aten.lgamma.default, pos(6, 5)),
+    (aten.signbit.default, f(6, 5)),
+    (aten.angle.default, f(6, 5)),
+    (aten.special_airy_ai.default, f(6, 5)),
+    (aten.special_bessel_j0.default, f(6, 5)),
+    (aten.special_bessel_j1.default, f(6, 5)),
+    (aten.special_bessel_y0.default, pos(6, 5)),
+    (aten.special_bessel_y1.default, pos(6, 5)),
+    (aten.special_erfcx.default, f(6, 5)),
+    (aten.special_i0e.default, f(6, 5)),
+    (aten.special_i1.default, f(6, 5)),
+    (aten.special_i1e.default, f(6, 5)),
+    (aten.special_modified_bessel_i0.default, f(6, 5)),
+    (aten.special_modified_bessel_i1.default, f(6, 5)),
+    (aten.special_modified_bessel_k0.default, pos(6, 5)),
+    (aten.special_modified_bessel_k1.default, pos(6, 5)),
+    (aten.special_ndtri.default, lambda g: torch.rand(6, 5, generator=g) * 0.9 + 0.05),
+    (aten.special_scaled_modified_bessel_k0.default, pos(6, 5)),
+    (aten.special_scaled_modified_bessel_k1.default, pos(6, 5)),
+    (aten.special_spherical_bessel_j0.default, f(7, 5)),
+]:
+    case(_op, (lambda op: lambda x: op(x))(_op), _mk, **L)
+
+case(
+    aten._conj.default,
+    lambda x, y: aten._conj.default(torch.complex(x, y)).resolve_conj(),
+    f(7, 5),
+    f(7, 5),
+)
+case(aten.polygamma.default, lambda x: aten.polygamma.default(2, x), pos(6, 5), **L)
+case(aten.round.decimals, lambda x: aten.round.decimals(x * 100, decimals=1), f(6, 5))
+case(aten.frexp.Tensor, lambda x: aten.frexp.Tensor(x), f(7, 5))
+
+# polynomials: x and a small integer degree n, broadcast
+for _op in [
+    aten.special_chebyshev_polynomial_t.default,
+    aten.special_chebyshev_polynomial_u.default,
+    aten.special_chebyshev_polynomial_v.default,
+    aten.special_chebyshev_polynomial_w.default,
+    aten.special_hermite_polynomial_h.default,
+    aten.special_hermite_polynomial_he.default,
+    aten.special_laguerre_polynomial_l.default,
+    aten.special_legendre_polynomial_p.default,
+    aten.special_shifted_chebyshev_polynomial_t.default,
+    aten.special_shifted_chebyshev_polynomial_u.default,
+    aten.special_shifted_chebyshev_polynomial_v.default,
+    aten.special_shifted_chebyshev_polynomial_w.default,
+]:
+    case(
+        _op,
+        (lambda op: lambda x, n: op(x, n))(_op),
+        unit(6, 5),
+        lambda g: torch.randint(0, 4, (5,), generator=g).float(),
+        **L,
+    )
+
+for _op, _mx, _my in [
+    (aten.copysign.Tensor, f(6, 5), f(5)),
+    (aten.fmax.default, f(6, 5), f(6, 1)),
+    (aten.fmin.default, f(6, 5), f(5)),
+    (aten.hypot.default, f(6, 5), f(6, 5)),
+    (aten.nextafter.default, f(6, 5), f(5)),
+    (aten.igamma.default, pos(6, 5), pos(5)),
+    (aten.igammac.default, pos(6, 5), pos(6, 1)),
+    (aten.special_zeta.default, lambda g: torch.rand(6, 5, generator=g) + 1.5, pos(5)),
+    (aten.ldexp.Tensor, f(6, 5), lambda g: torch.randint(-3, 4, (5,), generator=g)),
+    (aten.complex.default, f(6, 5), f(6, 5)),
+    (aten.polar.default, pos(6, 5), f(6, 5)),
+]:
+    case(_op, (lambda op: lambda x, y: op(x, y))(_op), _mx, _my, **L)
+
+# --- reductions ---------------------------------------------------------------------------------
+
+case(aten.max.default, lambda x: aten.max.default(x), f(7, 5))
+case(aten.min.default, lambda x: aten.min.default(x), f(6, 5))
+case(aten.prod.default, lambda x: aten.prod.default(x), pos(6, 5), **R)
+case(aten.median.default, lambda x: aten.median.default(x), f(7, 5))
+case(aten.nanmedian.default, lambda x: aten.nanmedian.default(x), f(6, 5))
+case(aten.median.dim, lambda x: aten.median.dim(x, 1), f(6, 5))
+case(aten.nanmedian.dim, lambda x: aten.nanmedian.dim(x, 0, True), f(7, 5))
+case(aten.kthvalue.default, lambda x: aten.kthvalue.default(x, 2, 1), f(6, 5))
+case(aten.mode.default, lambda x: aten.mode.default(x, 0), small_ints_f(7, 5))
+
+
+def _vector_norms(x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every ord the rule distinguishes: 1 and 0 (sums), -inf (a min), 2 and inf (gathered)."""
+    ords = [(1, False), (0, True), (float("-inf"), False), (2, False)]
+    every_dim = aten.linalg_vector_norm.default(x, float("inf"))
+    return (*(aten.linalg_vector_norm.default(x, o, [1], k) for o, k in ords), every_dim)
+
+
+case(aten.linalg_vector_norm.default, _vector_norms, f(6, 7), partial=True, **R)
+
+# --- shape ---------------------------------------------------------------------------------------
+
+case(aten.diagonal.default, lambda x: aten.diagonal.default(x, 1, 0, 2) * 1, f(6, 7, 5))
+case(aten.diagonal_copy.default, lambda x: aten.diagonal_copy.default(x, -1), f(7, 6))
+case(
+    aten.diagonal_scatter.default,
+    lambda x, s: aten.diagonal_scatter.default(x, s, 0, 1, 2),
+    f(7, 5, 6),
+    f(7, 5),
+)
+case(aten.repeat.default, lambda x: aten.repeat.default(x, [2, 1, 3]), f(6, 5), partial=True)
+case(aten.narrow_copy.default, lambda x: aten.narrow_copy.default(x, 1, 1, 3), f(6, 5))
+case(aten.view_as_complex.default, lambda x: aten.view_as_complex.default(x * 1), f(6, 5, 2))
+case(
+    aten.view_as_real.default,
+    lambda x, y: aten.view_as_real.default(torch.complex(x, y)) * 1,
+    f(6, 5),
+    f(6, 5),
+)
+
+# --- linear algebra (well-conditioned inputs built inside fn from random ones) -----------------
+
+
+def _spd(a: torch.Tensor) -> torch.Tensor:
+    """A symmetric positive-definite batch from any square batch."""
+    n = a.shape[-1]
+    return a @ a.mT + n * torch.eye(n)
+
+
+def _lu(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return aten.linalg_lu_factor_ex.default(_spd(a))
+
+
+def _linalg_cases() -> list[tuple[Any, Callable[..., Any], tuple[Any, ...]]]:
+    sq, b = f(6, 3, 3), f(6, 3, 2)
+    return [
+        (aten._linalg_det.default, lambda a: aten._linalg_det.default(_spd(a))[0], (sq,)),
+        (aten._linalg_eigh.default, lambda a: aten._linalg_eigh.default(_spd(a))[0], (sq,)),
+        (aten._linalg_slogdet.default, lambda a: aten._linalg_slogdet.default(a)[:2], (sq,)),
+        (
+            aten._linalg_svd.default,
+            lambda a: aten._linalg_svd.default(a, False, False)[1],
+            (f(5, 4, 3),),
+        ),
+        (aten.cholesky.default, lambda a: aten.cholesky.default(_spd(a)), (sq,)),
+        (aten.cholesky_inverse.default, lambda a: aten.cholesky_inverse.default(_spd(a)), (sq,)),
+        (
+            aten.cholesky_solve.default,
+            lambda a, y: aten.cholesky_solve.default(y, aten.cholesky.default(_spd(a))),
+            (sq, b),
+        ),
+        (aten.geqrf.default, lambda a: aten.geqrf.default(a)[0].abs(), (f(5, 4, 3),)),
+        (
+            aten.linalg_cholesky_ex.default,
+            lambda a: aten.linalg_cholesky_ex.default(_spd(a)),
+            (sq,),
+        ),
+        (
+            aten.linalg_eig.default,
+            lambda a: aten.linalg_eig.default(_spd(a))[0].real.sort(-1)[0],
+            (sq,),
+        ),
+        (
+            aten.linalg_householder_product.default,
+            lambda a, t: aten.linalg_householder_product.default(a, t),
+            (f(5, 4, 3), unit(5, 2)),
+        ),
+        (aten.linalg_inv_ex.default, lambda a: aten.linalg_inv_ex.default(_spd(a)), (sq,)),
+        (
+            aten.linalg_ldl_factor_ex.default,
+            lambda a: aten.linalg_ldl_factor_ex.default(_spd(a))[0],
+            (sq,),
+        ),
+        (
+            aten.linalg_ldl_solve.default,
+            lambda a, y: aten.linalg_ldl_solve.default(
+                *aten.linalg_ldl_factor_ex.default(_spd(a))[:2], y
+            ),
+            (sq, b),
+        ),
+        (aten.linalg_lu.default, lambda a: aten.linalg_lu.default(_spd(a)), (sq,)),
+        (aten.linalg_lu_factor_ex.default, _lu, (sq,)),
+        (
+            aten.linalg_lu_solve.default,
+            lambda a, y: aten.linalg_lu_solve.default(*_lu(a)[:2], y),
+            (sq, b),
+        ),
+        (aten.linalg_matrix_exp.default, lambda a: aten.linalg_matrix_exp.default(a * 0.3), (sq,)),
+        (aten.linalg_qr.default, lambda a: aten.linalg_qr.default(a)[1].abs(), (f(5, 4, 3),)),
+        (
+            aten.linalg_solve_triangular.default,
+            lambda a, y: aten.linalg_solve_triangular.default(
+                aten.cholesky.default(_spd(a)), y, upper=False
+            ),
+            (sq, b),
+        ),
+        (
+            aten.lu_unpack.default,
+            lambda a: aten.lu_unpack.default(*_lu(a)[:2]),
+            (sq,),
+        ),
+        (
+            aten.ormqr.default,
+            lambda a, y: aten.ormqr.default(*aten.geqrf.default(a), y),
+            (f(6, 3, 3), b),
+        ),
+        (
+            aten.triangular_solve.default,
+            lambda a, y: aten.triangular_solve.default(y, aten.cholesky.default(_spd(a)), False),
+            (sq, b),
+        ),
+        (
+            aten._linalg_solve_ex.default,
+            lambda a, y: aten._linalg_solve_ex.default(_spd(a), y)[0],
+            (sq, f(6, 3)),
+        ),
+        (
+            aten.linalg_pinv.atol_rtol_tensor,
+            lambda a, t: aten.linalg_pinv.atol_rtol_tensor(a, atol=t, hermitian=False),
+            (f(5, 4, 3), lambda g: torch.full((5,), 1e-3)),
+        ),
+    ]
+
+
+for _op, _fn, _mks in _linalg_cases():
+    case(_op, _fn, *_mks, **L)
+
+# --- FFT ------------------------------------------------------------------------------------------
+
+case(aten._fft_r2c.default, lambda x: aten._fft_r2c.default(x, [1], 0, True), f(6, 7), **L)
+case(
+    aten._fft_c2c.default,
+    lambda x: aten._fft_c2c.default(aten._fft_r2c.default(x, [2], 0, False), [0, 2], 1, True),
+    f(6, 5, 7),
+    **L,
+)
+case(
+    aten._fft_c2r.default,
+    lambda x: aten._fft_c2r.default(aten._fft_r2c.default(x, [0], 2, True), [0], 2, 7),
+    f(7, 5),
+    **L,
+)
+
+# --- matmul ---------------------------------------------------------------------------------------
+
+case(
+    aten.addmv.default,
+    lambda c, a, v: aten.addmv.default(c, a, v, beta=0.5, alpha=2.0),
+    f(6),
+    f(6, 5),
+    f(5),
+    **R,
+)
+case(
+    aten.addbmm.default,
+    lambda c, a, b: aten.addbmm.default(c, a, b),
+    f(6, 7),
+    f(3, 6, 5),
+    f(3, 5, 7),
+    **R,
+)
+
+# --- plane pools and interpolations (grouped/transposed convolution: tests/test_gathered_rules.py)
+
+X4, X5 = f(2, 3, 7, 6), f(2, 3, 5, 6, 7)
+
+
+def _adaptive_max_backward(g: torch.Tensor, x: torch.Tensor) -> Any:
+    _, idx = aten.adaptive_max_pool2d.default(x, [3, 2])
+    return aten.adaptive_max_pool2d_backward.default(g, x, idx)
+
+
+def _fractional(x: torch.Tensor, s: torch.Tensor, k: list[int], out: list[int]) -> Any:
+    op = aten.fractional_max_pool2d if len(k) == 2 else aten.fractional_max_pool3d
+    return op.default(x, k, out, s)
+
+
+PLANE: list[tuple[Any, Callable[..., Any], tuple[Any, ...]]] = [
+    (
+        aten._adaptive_avg_pool2d.default,
+        lambda x: aten._adaptive_avg_pool2d.default(x, [3, 2]),
+        (X4,),
+    ),
+    (
+        aten._adaptive_avg_pool2d_backward.default,
+        lambda g, x: aten._adaptive_avg_pool2d_backward.default(g, x),
+        (X4, X4),
+    ),
+    (
+        aten._adaptive_avg_pool3d.default,
+        lambda x: aten._adaptive_avg_pool3d.default(x, [2, 3, 2]),
+        (X5,),
+    ),
+    (
+        aten._upsample_bilinear2d_aa.default,
+        lambda x: aten._upsample_bilinear2d_aa.default(x, [4, 3], False),
+        (X4,),
+    ),
+    (
+        aten.adaptive_max_pool2d.default,
+        lambda x: aten.adaptive_max_pool2d.default(x, [3, 2]),
+        (X4,),
+    ),
+    (aten.adaptive_max_pool2d_backward.default, _adaptive_max_backward, (f(2, 3, 3, 2), X4)),
+    (
+        aten.adaptive_max_pool3d.default,
+        lambda x: aten.adaptive_max_pool3d.default(x, [2, 3, 2]),
+        (X5,),
+    ),
+    (aten.avg_pool3d.default, lambda x: aten.avg_pool3d.default(x, [2, 2, 2], [2, 1, 2]), (X5,)),
+    (
+        aten.fractional_max_pool2d.default,
+        lambda x, s: _fractional(x, s, [2, 2], [3, 4]),
+        (X4, lambda g: torch.rand(2, 3, 2, generator=g)),
+    ),
+    (
+        aten.fractional_max_pool3d.default,
+        lambda x, s: _fractional(x, s, [2, 2, 2], [3, 4, 3]),
+        (X5, lambda g: torch.rand(2, 3, 3, generator=g)),
+    ),
+    (
+        aten.max_pool3d_with_indices.default,
+        lambda x: aten.max_pool3d_with_indices.default(x, [2, 2, 2], [2, 2, 2]),
+        (X5,),
+    ),
+    (
+        aten.upsample_bicubic2d.default,
+        lambda x: aten.upsample_bicubic2d.default(x, [9, 5], True),
+        (X4,),
+    ),
+    (
+        aten.upsample_bilinear2d.default,
+        lambda x: aten.upsample_bilinear2d.default(x, [9, 5], False),
+        (X4,),
+    ),
+    (
+        aten.upsample_bilinear2d_backward.default,
+        lambda g: aten.upsample_bilinear2d_backward.default(g, [9, 5], [2, 3, 7, 6], False),
+        (f(2, 3, 9, 5),),
+    ),
+    (
+        aten.upsample_trilinear3d.default,
+        lambda x: aten.upsample_trilinear3d.default(x, [6, 4, 5], False),
+        (X5,),
+    ),
+    (
+        aten.grid_sampler_2d.default,
+        lambda x, grid: aten.grid_sampler_2d.default(x, grid, 0, 0, False),
+        (X4, unit(2, 5, 6, 2)),
+    ),
+    (
+        aten.grid_sampler_3d.default,
+        lambda x, grid: aten.grid_sampler_3d.default(x, grid, 0, 0, False),
+        (X5, unit(2, 5, 3, 6, 3)),
+    ),
+]
+for _op, _fn, _mks in PLANE:
+    case(_op, _fn, *_mks, **L)
+
+# --- distances and lookups ------------------------------------------------------------------------
+
+case(
+    aten._cdist_forward.default,
+    lambda a, b: aten._cdist_forward.default(a, b, 2.0, None),
+    f(2, 6, 5),
+    f(2, 7, 5),
+    **L,
+)
+case(aten._pdist_forward.default, lambda a: aten._pdist_forward.default(a, 2.0), f(6, 5), **L)
+case(aten.dist.default, lambda a, b: aten.dist.default(a, b, 3), f(6, 5), f(5), **L)
+case(
+    aten._trilinear.default,
+    lambda a, b, c: aten._trilinear.default(a, b, c, [1, 3], [0], [1, 2], [2, 3]),
+    f(6, 5),
+    f(7, 5, 4),
+    f(6, 4),
+    **L,
+)
+case(
+    aten.bucketize.Tensor,
+    lambda x, bnd: aten.bucketize.Tensor(x, bnd),
+    f(6, 5),
+    lambda g: torch.randn(7, generator=g).sort()[0],
+)
+case(
+    aten.searchsorted.Tensor,
+    lambda s, x: aten.searchsorted.Tensor(s, x, right=True),
+    lambda g: torch.randn(6, 7, generator=g).sort(-1)[0],
+    f(6, 5),
+)
+
+# --- norms, random --------------------------------------------------------------------------------
+
+case(
+    aten._batch_norm_with_update_functional.default,
+    lambda x, w, b, rm, rv: aten._batch_norm_with_update_functional.default(
+        x, w, b, rm, rv, 0.1, 1e-5
+    ),
+    f(6, 3, 5),
+    pos(3),
+    f(3),
+    f(3),
+    pos(3),
+    **L,
+)
+
+RND = {"random": True}
+case(aten.cauchy.default, lambda x: aten.cauchy.default(x), f(6, 5), **RND)
+case(aten.exponential.default, lambda x: aten.exponential.default(x, 2.0), f(7, 5), **RND)
+case(aten.geometric.default, lambda x: aten.geometric.default(x, 0.3), f(6, 5), **RND)
+case(aten.log_normal.default, lambda x: aten.log_normal.default(x), f(6, 5), **RND)
