@@ -31,6 +31,7 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from partita import Mesh, P
+from partita.errors import StateDictError
 from partita.models import GPT, GPTConfig, SmallCNN
 from partita.plans import StandardPlan, param_specs
 from partita.train import TrainStep, train_step
@@ -506,13 +507,104 @@ def test_batch_must_be_a_pair() -> None:
         step((torch.zeros(8, 4), torch.zeros(8, 8), torch.zeros(8)))
 
 
-def test_load_state_dict_errors() -> None:
+def test_load_state_dict_shape_error_names_the_key() -> None:
     step = _build(lambda m: torch.optim.SGD(m.parameters(), lr=0.1))
     checkpoint = step.state_dict()
-    with pytest.raises(KeyError, match=r"lacks \['bias'\]"):
+    with pytest.raises(StateDictError, match=r"missing keys \['model\.bias'\]"):
         step.load_state_dict({"model": {"weight": checkpoint["model"]["weight"]}})
     bad = {"model": {**checkpoint["model"], "weight": torch.zeros(3, 3)}}
     with pytest.raises(
-        ValueError, match=r"weight has shape \(3, 3\), which does not match \(8, 4\) of"
+        StateDictError,
+        match=r"model\['weight'\] has shape \(3, 3\) \(torch.float32\), which does not match "
+        r"\(8, 4\) \(torch.float32\) of",
     ):
         step.load_state_dict(bad)
+
+
+# --- tied, unused and frozen parameters: as torch.optim -------------------------------------------
+
+
+def tied_gpt_pair() -> tuple[nn.Module, nn.Module]:
+    model, _ = gpt_pair()
+    model.head.weight = model.tok_emb.weight  # GPT-2 style: one tensor, two names
+    return model, copy.deepcopy(model)  # deepcopy keeps the tie
+
+
+def test_tied_weights_train_save_and_load_like_torch() -> None:
+    """state_dict()/sync_to_module() raised KeyError: 'head.weight' on a tied model."""
+    model, ref = tied_gpt_pair()
+    assert ref.head.weight is ref.tok_emb.weight
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    mesh = mesh_for("fsdp", (2,))
+    step = train_step(model, gpt_loss, opt, mesh=mesh)
+    first, rest = gpt_batches(2), gpt_batches(2, seed=1)
+    want = reference(ref, gpt_loss, ref_opt, first)
+    assert_same(step, ref, run(step, first), want)  # every name of ref.state_dict()
+    sd = step.state_dict()
+    assert sd["model"]["head.weight"] is sd["model"]["tok_emb.weight"]  # one tensor, as torch
+    want_opt = ref_opt.state_dict()
+    assert sorted(sd["optimizer"]["state"]) == sorted(want_opt["state"])  # one state, tied
+    assert sd["optimizer"]["param_groups"][0]["params"] == want_opt["param_groups"][0]["params"]
+    for i, state in want_opt["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(sd["optimizer"]["state"][i][key], value)
+    assert step.sync_to_module() is model and model.head.weight is model.tok_emb.weight
+    torch.testing.assert_close(model.head.weight, ref.head.weight, rtol=RTOL, atol=ATOL)
+    # load from either name: here only 'head.weight' carries the tied value
+    fresh, _ = tied_gpt_pair()
+    resumed = train_step(fresh, gpt_loss, torch.optim.AdamW(fresh.parameters(), lr=1e-2), mesh=mesh)
+    only_head = {k: v for k, v in sd["model"].items() if k != "tok_emb.weight"}
+    resumed.load_state_dict({"model": only_head, "optimizer": sd["optimizer"]})
+    want = reference(ref, gpt_loss, ref_opt, rest)
+    assert_same(resumed, ref, run(resumed, rest), want)
+    assert resumed.sync_to_module().head.weight is fresh.tok_emb.weight  # still tied
+    untied = {**sd["model"], "head.weight": torch.zeros_like(sd["model"]["head.weight"])}
+    with pytest.raises(StateDictError, match=r"are one tied parameter.*different values"):
+        resumed.load_state_dict({"model": untied})
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(4, 8)
+        self.unused = nn.Linear(4, 8)  # forward never reads it
+        self.frozen = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.frozen(torch.relu(self.used(x)))
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+        lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1),
+    ],
+    ids=["adamw", "sgd"],
+)
+def test_unused_and_frozen_parameters_are_skipped_like_torch(
+    make_opt: Callable[..., torch.optim.Optimizer],
+) -> None:
+    """An unused Linear made training fail ("Set allow_unused=True"); a frozen one in the
+    optimizer was refused. torch.optim skips both: no update, no weight decay, no state."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    model.frozen.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    untouched = copy.deepcopy(model.state_dict())
+    step = train_step(model, F.mse_loss, make_opt(model.parameters()), mesh=MESH)
+    ref_opt = make_opt(ref.parameters())
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g)) for _ in range(3)]
+    want = reference(ref, F.mse_loss, ref_opt, batches)
+    assert_same(step, ref, run(step, batches), want)
+    full = step.state_dict()
+    for name in ("unused.weight", "unused.bias", "frozen.weight", "frozen.bias"):
+        assert torch.equal(full["model"][name], untouched[name]), name
+    got, want_opt = full["optimizer"], ref_opt.state_dict()
+    assert sorted(got["state"]) == sorted(want_opt["state"]) == [0, 1]  # only 'used'
+    assert got["param_groups"][0]["params"] == want_opt["param_groups"][0]["params"]
+    for i, state in want_opt["state"].items():
+        for key, value in state.items():
+            torch.testing.assert_close(got["state"][i][key], value, rtol=RTOL, atol=ATOL)

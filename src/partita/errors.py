@@ -24,10 +24,13 @@ __all__ = [
     "MeshError",
     "PartitaError",
     "PlanMismatchError",
+    "RecompileWarning",
     "RematerializationError",
     "ShardingConflictError",
     "ShardingError",
     "SpecError",
+    "StateDictError",
+    "TrainInputError",
     "UnsupportedOpError",
 ]
 
@@ -88,6 +91,21 @@ class JoinTimeoutError(DistributedError, TimeoutError):
 
 class PlanMismatchError(DistributedError):
     """The processes compiled different per-device programs (running them would deadlock)."""
+
+
+class TrainInputError(PartitaError, ValueError):
+    """A training step got input it cannot train on: a batch that is empty, of the wrong
+    dtype or structure for ``batch_spec``, or a loss function that returns no scalar tensor."""
+
+
+class StateDictError(PartitaError, ValueError):
+    """A checkpoint given to ``TrainStep.load_state_dict`` does not fit the step (missing or
+    unexpected keys, wrong shapes or dtypes); nothing was loaded."""
+
+
+class RecompileWarning(PartitaWarning):
+    """A jitted function compiled many distinct input signatures (``partita.jit``): something
+    in its arguments (a shape, a dtype, a sharding, a static value) keeps changing."""
 
 
 class CompilerError(PartitaError, RuntimeError):

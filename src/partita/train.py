@@ -34,8 +34,10 @@ from partita.partition import Plan
 from partita.plans import PlanLike, default_batch_spec, param_specs
 from partita.spec import P, PartitionSpec
 from partita.tensor import ShardedTensor
+from partita.train_checks import check_batch, check_optimizer_params
+from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
 
-__all__ = ["TrainStep", "train_step"]
+__all__ = ["LoadResult", "TrainStep", "train_step"]
 
 Tensors = dict[str, torch.Tensor]
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -93,9 +95,10 @@ class TrainStep:
         self.optimizer = optimizer
         self.config = optimizer_config(optimizer)
         self.compute_dtype = _compute_dtype(mixed_precision)
-        named = dict(model.named_parameters())
+        named = dict(model.named_parameters())  # a tied parameter once, by its first name
         trainable = {k: v for k, v in named.items() if v.requires_grad}
-        _check_optimizer_params(optimizer, trainable)
+        check_optimizer_params(optimizer, model, trainable)
+        self._layout = StateLayout.of(model, optimizer, self.config.kind)
         for name, p in trainable.items():
             if p.dtype != torch.float32:
                 raise ValueError(
@@ -106,9 +109,13 @@ class TrainStep:
         self.param_specs = param_specs(plan, model, mesh)
         self.batch_spec = default_batch_spec(plan, mesh) if batch_spec is None else batch_spec
         self._trainable = list(trainable)
-        # frozen parameters travel with the buffers: inputs and outputs, never updated
+        # frozen parameters travel with the buffers: inputs and outputs, never updated (also
+        # when the optimizer holds them: torch.optim skips a parameter whose grad is None)
         self._frozen = [k for k in named if k not in trainable]
-        self._buffer_names = [k for k, _ in model.named_buffers()]
+        # parameters forward() never reads, per train/eval mode (filled when tracing), and
+        # the ones updated so far: torch.optim has state only for those
+        self._unused: dict[bool, frozenset[str]] = {}
+        self._stepped: frozenset[str] = frozenset()
 
         def put(t: torch.Tensor, spec: PartitionSpec) -> ShardedTensor:
             return ShardedTensor.from_global(t.detach().clone(), spec.to_sharding(mesh, t.ndim))
@@ -131,6 +138,7 @@ class TrainStep:
             self.config,
             max_grad_norm=max_grad_norm,
             compute_dtype=self.compute_dtype,
+            on_unused=self._unused.__setitem__,
         )
         self._fn = fn
         self._strict = strict
@@ -173,6 +181,8 @@ class TrainStep:
                 "The loss is loss_fn(model(inputs), targets); pass a tuple or dict as inputs "
                 "for several model arguments."
             )
+        float_dtype = None if self.compute_dtype is not None else torch.float32
+        check_batch(batch, self.batch_spec, self.mesh, float_dtype=float_dtype)
         return (self.params, self.buffers, self.opt_state, self._lr(), batch)
 
     def lower(self, batch: Any) -> Plan:
@@ -194,6 +204,8 @@ class TrainStep:
         args = self._args(batch)
         loss, params, buffers, opt_state = jitted(*args)
         self.params, self.buffers, self.opt_state = params, buffers, opt_state
+        unused = self._unused.get(self.model.training, frozenset())
+        self._stepped = self._stepped | (frozenset(self._trainable) - unused)
         # This call *is* the optimizer's step: tell torch.optim.lr_scheduler so (it warns when
         # scheduler.step() comes before any optimizer.step(), reading this attribute).
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
@@ -210,63 +222,53 @@ class TrainStep:
         return dict(self.params)
 
     def full_parameters(self) -> Tensors:
-        """Every parameter (trainable and frozen) as a full tensor, by name."""
+        """Every parameter (trainable and frozen) as a full tensor, by name (a tied
+        parameter once, under the name ``model.named_parameters()`` gives it)."""
         full = {**_full(self.params), **{k: self.buffers[k].full() for k in self._frozen}}
         return {k: full[k] for k, _ in self.model.named_parameters()}
 
     def state_dict(self) -> dict[str, Any]:
         """``{"model": ..., "optimizer": ...}`` with full tensors.
 
-        ``"model"`` has the keys of ``model.state_dict()`` (load it into the module with
-        ``model.load_state_dict``); ``"optimizer"`` has the layout of
-        ``optimizer.state_dict()`` (per-parameter index states and the param group).
+        ``"model"`` has the keys of ``model.state_dict()`` (a tied parameter under each of its
+        names; load it into the module with ``model.load_state_dict``); ``"optimizer"`` has
+        the layout of ``optimizer.state_dict()``: states indexed by the parameter's position
+        in the optimizer, only for parameters updated so far (as torch.optim), and the group.
         """
-        full = {**self.full_parameters(), **{k: self.buffers[k].full() for k in self._buffer_names}}
-        model_sd = {k: full[k] for k in self.model.state_dict()}
+        values = {**_full(self.params), **_full(self.buffers)}
+        moments = {k: _full(v) for k, v in self.opt_state.items() if k != "step"}
+        group = self.optimizer.param_groups[0]
         step = self.opt_state["step"].full()
-        state = {}
-        for i, name in enumerate(self._trainable):
-            state[i] = {"step": step.clone()}
-            for key, value in self.opt_state.items():
-                if key != "step":
-                    state[i][key] = value[name].full()
-        group = {k: v for k, v in self.optimizer.param_groups[0].items() if k != "params"}
-        group["params"] = list(range(len(self._trainable)))
-        return {"model": model_sd, "optimizer": {"state": state, "param_groups": [group]}}
+        return to_state_dict(self._layout, values, step, moments, self._stepped, group)
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned (full tensors are re-sharded)."""
-        model_sd = state_dict["model"]
-        missing = [k for k in self.model.state_dict() if k not in model_sd]
-        if missing:
-            raise KeyError(
-                f"state_dict['model'] lacks {missing}; pass what TrainStep.state_dict() returns "
-                "(or a model.state_dict() of the same model under the key 'model')."
-            )
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> LoadResult:
+        """Load what :meth:`state_dict` returned (full tensors are re-sharded); atomic.
 
-        def put(old: ShardedTensor, new: torch.Tensor, name: str = "") -> ShardedTensor:
-            if tuple(new.shape) != tuple(old.shape):
-                raise ValueError(
-                    f"load_state_dict: {name or 'a tensor'} has shape {tuple(new.shape)}, which "
-                    f"does not match {tuple(old.shape)} of this model. Load a checkpoint of "
-                    "the same model configuration."
-                )
-            return ShardedTensor.from_global(new.detach().to(old.dtype).clone(), old.sharding)
+        Everything is checked before anything changes: a StateDictError names the key, its
+        shape and dtype and the expected ones. ``strict=False`` loads the keys that match and
+        returns the missing and unexpected ones, like ``nn.Module.load_state_dict``. Without
+        an ``"optimizer"`` entry only the model is loaded. Floating-point tensors are cast to
+        the state's dtype; other dtype changes are refused (see ``partita.train_state``).
+        """
+        current = {**self.params, **self.buffers}
+        moments = {k: v for k, v in self.opt_state.items() if k != "step"}
+        new = load_state(self._layout, state_dict, current, moments, strict=strict)
 
-        self.params = {k: put(v, model_sd[k], k) for k, v in self.params.items()}
-        self.buffers = {k: put(v, model_sd[k], k) for k, v in self.buffers.items()}
-        opt = state_dict.get("optimizer")
-        if opt is not None and opt["state"]:
-            states = opt["state"]
-            step = states[0]["step"]
-            new_state: dict[str, Any] = {"step": put(self.opt_state["step"], step.reshape(()))}
-            for key, value in self.opt_state.items():
-                if key != "step":
-                    new_state[key] = {
-                        name: put(value[name], states[i][key])
-                        for i, name in enumerate(self._trainable)
-                    }
-            self.opt_state = new_state
+        def put(old: ShardedTensor, value: torch.Tensor | None) -> ShardedTensor:
+            return old if value is None else ShardedTensor.from_global(value, old.sharding)
+
+        self.params = {k: put(v, new.values.get(k)) for k, v in self.params.items()}
+        self.buffers = {k: put(v, new.values.get(k)) for k, v in self.buffers.items()}
+        if new.stepped is not None:
+            # same key order as the step function's state (pytree specs match by position)
+            self.opt_state = {
+                k: put(v, new.step)
+                if k == "step"
+                else {n: put(t, new.moments[k].get(n)) for n, t in v.items()}
+                for k, v in self.opt_state.items()
+            }
+            self._stepped = new.stepped
+        return new.result
 
     def sync_to_module(self) -> nn.Module:
         """Copy the full parameters and buffers into the original module; returns it."""
@@ -305,22 +307,6 @@ def _compute_dtype(mixed_precision: str | torch.dtype | None) -> torch.dtype | N
         f"mixed_precision must be None, 'bf16' or 'fp16' (or the torch dtype), got "
         f"{mixed_precision!r}."
     )
-
-
-def _check_optimizer_params(optimizer: torch.optim.Optimizer, trainable: Tensors) -> None:
-    given = {id(p) for p in optimizer.param_groups[0]["params"]}
-    wanted = {id(p) for p in trainable.values()}
-    if given != wanted:
-        raise ValueError(
-            f"the optimizer holds {len(given)} tensors but the model has {len(wanted)} trainable "
-            f"parameters ({len(given & wanted)} shared): build the optimizer from "
-            "model.parameters() of the same model."
-        )
-    if any(optimizer.state.get(p) for p in optimizer.param_groups[0]["params"]):
-        raise ValueError(
-            "the optimizer already has state (it has taken steps); train_step starts from "
-            "fresh optimizer states. Load a checkpoint with TrainStep.load_state_dict instead."
-        )
 
 
 def train_step(

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from partita.errors import TrainInputError
+
 __all__ = [
     "OPTIMIZERS",
     "OptimizerConfig",
@@ -168,6 +170,11 @@ def _adam(
     new_m: Tensors = {}
     new_v: Tensors = {}
     for name, p in params.items():
+        if name not in grads:  # no gradient (unused by forward): torch.optim skips it too
+            new_params[name] = p
+            new_m[name] = state["exp_avg"][name]
+            new_v[name] = state["exp_avg_sq"][name]
+            continue
         g = -grads[name] if cfg.maximize else grads[name]
         if cfg.kind == "adamw":
             p = p * decay  # decoupled weight decay
@@ -191,6 +198,10 @@ def _sgd(
     new_params: Tensors = {}
     new_buf: Tensors = {}
     for name, p in params.items():
+        if name not in grads:  # no gradient (unused by forward): torch.optim skips it too
+            new_params[name] = p
+            new_buf[name] = state["momentum_buffer"][name]
+            continue
         g = -grads[name] if cfg.maximize else grads[name]
         if cfg.weight_decay:
             g = g + cfg.weight_decay * p
@@ -229,6 +240,34 @@ def _cast_floats(tree: Any, dtype: torch.dtype) -> Any:
     return torch.utils._pytree.tree_map_only(torch.Tensor, cast, tree)
 
 
+def _check_loss(loss: Any, loss_fn: Callable[..., Any]) -> torch.Tensor:
+    """``loss`` as a 0-d tensor, or a TrainInputError that says what ``loss_fn`` returned."""
+    name = getattr(loss_fn, "__qualname__", None) or repr(loss_fn)
+    if not isinstance(loss, torch.Tensor):
+        # under tracing, loss.item() is a SymFloat: still a Python number to the user
+        number = isinstance(loss, int | float | torch.SymInt | torch.SymFloat)
+        what = "a Python number" if number else f"{type(loss).__name__} {loss!r:.60}"
+        raise TrainInputError(
+            f"loss_fn {name!r} returned {what} instead of a tensor. "
+            "The step differentiates the loss, so loss_fn(model(inputs), targets) must return "
+            "a 0-d tensor computed from the model output: return the tensor itself, not "
+            "loss.item() or float(loss)."
+        )
+    if loss.numel() != 1:
+        raise TrainInputError(
+            f"loss_fn {name!r} returned a tensor of shape {tuple(loss.shape)}; a training step "
+            "needs one number to differentiate. Reduce it in loss_fn, e.g. .mean() or .sum() "
+            "(the torch.nn.functional losses do this with reduction='mean')."
+        )
+    if not loss.requires_grad:
+        raise TrainInputError(
+            f"loss_fn {name!r} returned a loss that does not depend on any trainable "
+            "parameter (it has no gradient), so there is nothing to train. Compute it from "
+            "the model output passed as loss_fn's first argument."
+        )
+    return loss.reshape(())
+
+
 def functional_step(
     model: nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -236,6 +275,7 @@ def functional_step(
     *,
     max_grad_norm: float | None = None,
     compute_dtype: torch.dtype | None = None,
+    on_unused: Callable[[bool, frozenset[str]], None] | None = None,
 ) -> LrStepFn:
     """``step(params, buffers, opt_state, lr, batch) -> (loss, params, buffers, opt_state)``.
 
@@ -246,7 +286,10 @@ def functional_step(
     ``compute_dtype`` (e.g. ``torch.bfloat16``) runs forward and backward on copies of the
     parameters (and floating inputs) in that dtype while the parameters, the gradients given
     to the optimizer and the optimizer states stay float32 (the model output is cast to
-    float32 before the loss).
+    float32 before the loss). A parameter that gets no gradient (forward never reads it) is
+    skipped by the update like ``torch.optim`` skips a parameter whose ``.grad`` is None: no
+    step, no weight decay, its optimizer state unchanged. ``on_unused(training, names)`` is
+    called with those names each time the step runs (once per trace under ``partita.jit``).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -276,9 +319,15 @@ def functional_step(
                 out = _call(model, inputs)
                 if compute_dtype is not None:
                     out = _cast_floats(out, torch.float32)
-                loss = loss_fn(out, targets)
-                grads = torch.autograd.grad(loss, list(leaves.values()), create_graph=False)
-        grad_map = dict(zip(leaves, grads, strict=True))
+                loss = _check_loss(loss_fn(out, targets), loss_fn)
+                # allow_unused: a parameter forward() never reads gets no gradient (None), as
+                # its .grad stays None in eager PyTorch; the update then leaves it alone.
+                grads = torch.autograd.grad(
+                    loss, list(leaves.values()), create_graph=False, allow_unused=True
+                )
+        grad_map = {k: g for k, g in zip(leaves, grads, strict=True) if g is not None}
+        if on_unused is not None:
+            on_unused(model.training, frozenset(leaves) - set(grad_map))
         with torch.no_grad():
             if max_grad_norm is not None:
                 grad_map = clip_by_global_norm(grad_map, max_grad_norm)

@@ -1,0 +1,145 @@
+"""What a training step checks about its inputs before it traces or runs anything.
+
+A training step's mistakes otherwise surface deep inside tracing or in the generated program,
+phrased in terms the user never wrote (``in_specs of 'step'``, a bare dtype error from a
+matmul, a ZeroDivisionError from a mean). These checks say it in the user's terms: which leaf
+of ``batch = (inputs, targets)``, its shape and dtype, what ``batch_spec`` gave it, why that
+cannot work and what to change. They also check that the optimizer was built over the model.
+This module does not trace, shard or run anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from partita.errors import SpecError, TrainInputError
+from partita.mesh import Mesh
+from partita.spec import PartitionSpec
+
+__all__ = ["check_batch", "check_optimizer_params", "describe_batch"]
+
+
+class _Leaf:
+    """A tensor shown by its shape and dtype (how a batch is printed in messages)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.text = f"Tensor{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def describe_batch(batch: Any) -> str:
+    """The structure of ``batch`` with each tensor as its shape and dtype.
+
+    Example:
+        >>> describe_batch((torch.zeros(8, 4), {"mask": torch.ones(8, dtype=torch.bool)}))
+        "(Tensor[8, 4] float32, {'mask': Tensor[8] bool})"
+    """
+    return repr(pytree.tree_map_only(torch.Tensor, _Leaf, batch))
+
+
+def _where(path: tuple[Any, ...]) -> str:
+    """``inputs``, ``targets``, ``inputs['mask']``... for a path into ``(inputs, targets)``."""
+    head = ("inputs", "targets")[path[0].idx]
+    return head + pytree.keystr(path[1:])
+
+
+def _is_spec_leaf(x: Any) -> bool:
+    return x is None or isinstance(x, PartitionSpec)
+
+
+def _leaf_specs(batch: Any, batch_spec: Any) -> list[PartitionSpec | None] | None:
+    """One spec per leaf of ``batch`` (``batch_spec`` is a prefix of it), or None if it is not."""
+    leaves, tree = pytree.tree_flatten(batch_spec, is_leaf=_is_spec_leaf)
+    if any(s is not None and not isinstance(s, PartitionSpec) for s in leaves):
+        return None
+    marked = pytree.tree_unflatten([_NONE if s is None else s for s in leaves], tree)
+    flat = pytree._broadcast_to_and_flatten(
+        marked, pytree.tree_structure(batch), is_leaf=lambda x: x is _NONE or _is_spec_leaf(x)
+    )
+    return None if flat is None else [None if s is _NONE else s for s in flat]
+
+
+_NONE = object()  # a None spec, told apart from a pytree's empty None node while broadcasting
+
+
+def check_batch(
+    batch: Any, batch_spec: Any, mesh: Mesh, *, float_dtype: torch.dtype | None
+) -> None:
+    """Raise a :class:`TrainInputError` if ``batch`` cannot go through a training step.
+
+    ``float_dtype`` is the dtype floating-point inputs must have (the model's), or None when
+    they are cast anyway (mixed precision).
+    """
+    paths = pytree.tree_flatten_with_path(batch)[0]
+    for path, leaf in paths:
+        if isinstance(leaf, torch.Tensor) and leaf.ndim > 0 and leaf.shape[0] == 0:
+            raise TrainInputError(
+                f"batch leaf {_where(path)} has shape {tuple(leaf.shape)}: 0 rows. A training "
+                "step needs at least one example: with a mean loss an empty batch is 0/0 "
+                "(eager PyTorch would give a NaN loss and NaN gradients and silently poison "
+                "the weights). Skip empty batches, e.g. DataLoader(..., drop_last=True)."
+            )
+    for path, leaf in paths:
+        is_input = path[0].idx == 0
+        if (
+            is_input
+            and float_dtype is not None
+            and isinstance(leaf, torch.Tensor)
+            and leaf.is_floating_point()
+            and leaf.dtype != float_dtype
+        ):
+            fix = ".float()" if float_dtype == torch.float32 else f".to({float_dtype})"
+            raise TrainInputError(
+                f"batch leaf {_where(path)} is {leaf.dtype} (shape {tuple(leaf.shape)}) but the "
+                f"model's parameters are {float_dtype}; PyTorch does not mix the two in one "
+                f"matmul. Convert the batch ({_where(path)}{fix}), or pass mixed_precision= to "
+                "train_step to cast inputs to the compute dtype."
+            )
+    specs = _leaf_specs(batch, batch_spec)
+    if specs is None:
+        raise TrainInputError(
+            f"batch_spec {batch_spec!r} does not match the batch {describe_batch(batch)}: it "
+            "must be one P(...) for every tensor of the batch, or a prefix of the batch's "
+            "structure with a P(...) or None per part, e.g. (P('data'), P('data')) for "
+            "(inputs, targets). Write P('data', None), not ('data', None)."
+        )
+    for (path, leaf), spec in zip(paths, specs, strict=True):
+        if spec is None or not isinstance(leaf, torch.Tensor):
+            continue
+        try:
+            spec.to_sharding(mesh, leaf.ndim)
+        except SpecError as e:
+            raise TrainInputError(
+                f"batch_spec gives batch leaf {_where(path)} (shape {tuple(leaf.shape)}) the "
+                f"spec {spec!r}, which does not fit: {e} The batch is {describe_batch(batch)}; "
+                "give that part of batch_spec a spec it fits (or None: replicated)."
+            ) from e
+
+
+def check_optimizer_params(
+    optimizer: torch.optim.Optimizer, model: nn.Module, trainable: dict[str, torch.Tensor]
+) -> None:
+    """The optimizer holds the model's trainable parameters (and perhaps frozen ones)."""
+    params = optimizer.param_groups[0]["params"]
+    given = {id(p) for p in params}
+    wanted = {id(p) for p in trainable.values()}
+    everything = {id(p) for p in model.parameters()}
+    if not given <= everything or not wanted <= given:
+        left_out = [k for k, p in trainable.items() if id(p) not in given]
+        raise ValueError(
+            f"the optimizer holds {len(given)} tensors, {len(given - everything)} of them not "
+            f"parameters of this model, and leaves out the trainable parameters "
+            f"{left_out[:5]}: build the optimizer from model.parameters() of the same model "
+            "(freeze a parameter with requires_grad_(False) instead of leaving it out)."
+        )
+    if any(optimizer.state.get(p) for p in params):
+        raise ValueError(
+            "the optimizer already has state (it has taken steps); train_step starts from "
+            "fresh optimizer states. Load a checkpoint with TrainStep.load_state_dict instead."
+        )
