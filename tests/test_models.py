@@ -173,14 +173,7 @@ MODELS: dict[str, ModelCase] = {
 }
 
 # (model, plan) -> the root cause of a failure, one line; "*" as plan: every plan.
-ROTARY_SLICE = (
-    "executor: rotate_half's x[..., d // 2:] has the backward aten.slice_scatter(end=2**63 - 1), "
-    "which torch.vmap in the LocalMesh rejects (int not representable as a SymInt); capture "
-    "must clamp slice bounds to the dim size"
-)
-XFAIL: dict[tuple[str, str], str] = {
-    (name, "*"): ROTARY_SLICE for name in ("llama", "qwen2", "mistral", "gemma", "phi3", "mixtral")
-}
+XFAIL: dict[tuple[str, str], str] = {}
 
 
 def build(name: str) -> nn.Module:
