@@ -231,6 +231,24 @@ def test_a_rank_that_goes_away_fails_its_peer(mode: str) -> None:
     assert "every process must be restarted" in message
 
 
+@pytest.mark.slow
+def test_printing_on_the_main_process_only_times_out_typed() -> None:
+    """Rank 0's gather used to meet rank 1's plan check on the default group: rank 0 printed
+    garbage (the other's digest bytes as floats) and rank 1 aborted inside Gloo."""
+    results = run_fault("main_only_print")
+    for r in results:
+        when, message = partita_error(r, "DistributedError")
+        assert when - fault_time(r) <= TIMEOUT + SLACK, _explain(results)
+        assert "within the collective timeout (5 s, PARTITA_COLLECTIVE_TIMEOUT)" in message
+        assert "under is_main_process(): use partita.distributed.log" in message
+    kind = {0: "ShardedTensor.full", 1: "plan check"}
+    for r in results:
+        assert re.search(
+            rf"^PARTITA DistributedError at [\d.]+: {kind[r.rank]} over", r.stderr, re.M
+        )
+    assert "sharding=" not in results[0].stdout  # nothing was printed
+
+
 @pytest.fixture(scope="module")
 def mismatch_run() -> list[RankResult]:
     """One run of three mismatched calls (shapes, dtypes, programs), then a matching one."""

@@ -4,17 +4,18 @@ Each rank runs a small step for ``STEPS`` steps (a matmul whose rows are split o
 axis ``data``, summed: every step all-reduces a scalar over the mesh-axis group, a group of its
 own created by ``new_group``); rank 1 misbehaves as MODE says:
 
-===========  =========================================================================
-stall        sleeps ``FAULT_STALL`` seconds (default 45) before step 2
-kill         SIGKILLs itself before step 2
-raise        raises a plain Python error before step 2
-mismatch     three calls, each a PlanMismatchError on every rank, then a matching call:
-             ``shapes`` (rank 1 passes a global input of shape (10, 4), rank 0 (8, 4)),
-             ``dtypes`` (float64 against float32), ``programs`` (a per-rank branch)
-fewer_steps  stops after 2 steps and exits cleanly; the others run 4
-===========  =========================================================================
+===============  =====================================================================
+stall            sleeps ``FAULT_STALL`` seconds (default 45) before step 2
+kill             SIGKILLs itself before step 2
+raise            raises a plain Python error before step 2
+mismatch         three calls, each a PlanMismatchError on every rank, then a matching
+                 call: ``shapes`` (rank 1 passes a global input of shape (10, 4), rank 0
+                 (8, 4)), ``dtypes`` (float64 against float32), ``programs`` (a branch)
+fewer_steps      stops after 2 steps and exits cleanly; the others run 4
+main_only_print  (rank 0 misbehaves) prints a sharded value alone; rank 1 compiles on
+===============  =====================================================================
 
-Rank 1 prints ``fault MODE at <time.time()>`` when it misbehaves. A PartitaError is printed
+The faulty rank prints ``fault MODE at <time.time()>`` when it misbehaves. A PartitaError is printed
 as ``PARTITA <type> [case=<case>] at <time.time()>: <message>`` on stderr; an uncaught one
 exits with status 17, so the test can tell a typed partita error from a crash (1, a signal).
 """
@@ -77,6 +78,22 @@ def mismatches(mesh: Mesh, faulty: bool) -> None:
     print(f"after mismatches loss={step(*inputs('', False)).full().item():.6f}", flush=True)
 
 
+def main_only_print(mesh: Mesh) -> None:
+    """Rank 0 prints a sharded value alone (a gather), rank 1 goes on to compile a new step.
+
+    The classic mistake ``if is_main_process(): print(x)``: rank 0 waits in the gather, rank 1
+    in the new program's plan check. Both must time out typed, not meet in one collective.
+    """
+    double = partita.jit(lambda x: x * 2, mesh=mesh, in_specs=P("data", None))
+    x, w = inputs("", False)
+    y = double(x)
+    print(f"fault main_only_print at {time.time():.3f}", flush=True)
+    if pd.is_main_process():  # WRONG: printing gathers, a collective on one process only
+        print(y, flush=True)
+    step = partita.jit(lambda x, w: (x @ w).sum(), mesh=mesh, in_specs=(P("data", None), P()))
+    print(f"step loss={step(x, w).full().item():.6f}", flush=True)
+
+
 def main(mode: str) -> None:
     pd.initialize()
     rank = pd.process_index()
@@ -84,6 +101,8 @@ def main(mode: str) -> None:
     faulty = rank == 1
     if mode == "mismatch":
         return mismatches(mesh, faulty)
+    if mode == "main_only_print":
+        return main_only_print(mesh)
     step = partita.jit(lambda x, w: (x @ w).sum(), mesh=mesh, in_specs=(P("data", None), P()))
     x, w = inputs(mode, faulty)
     steps = 2 if mode == "fewer_steps" and faulty else STEPS

@@ -37,6 +37,7 @@ __all__ = [
     "Group",
     "call_collective",
     "check_divisible",
+    "create_check_group",
     "create_mesh_groups",
     "finish_avg",
     "gather_flat",
@@ -95,6 +96,17 @@ def create_mesh_groups(mesh: Mesh, rank: int) -> dict[frozenset[str], dict[int, 
     return out
 
 
+def create_check_group(world_size: int) -> Any:
+    """A bounded group of every rank, used only for plan checks.
+
+    Its own group, so that a plan check of one rank never meets another rank's program
+    collective or ``ShardedTensor.full`` on the default group: Gloo aborts the process when the
+    two exchange buffers of different sizes; on separate groups both wait, then time out.
+    """
+    timeout = datetime.timedelta(seconds=timeout_seconds())
+    return dist.new_group(list(range(world_size)), timeout=timeout)
+
+
 def call_collective(
     node: str,
     kind: str,
@@ -134,7 +146,9 @@ def _failure(
         why = (
             f"A peer of the group did not reach this collective within the collective timeout "
             f"({timeout:g} s, PARTITA_COLLECTIVE_TIMEOUT): it is stalled (a long step of its "
-            f"own, a debugger, swapping) or runs a different number of steps or collectives."
+            f"own, a debugger, swapping), or runs a different number of steps or collectives "
+            f"(printing or .full() of a sharded value on some processes only, e.g. under "
+            f"is_main_process(): use partita.distributed.log, which gathers on every process)."
         )
     else:
         why = (

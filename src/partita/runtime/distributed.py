@@ -55,6 +55,7 @@ from partita.runtime.comm import (
     Group,
     call_collective,
     check_divisible,
+    create_check_group,
     create_mesh_groups,
     finish_avg,
     gather_flat,
@@ -111,6 +112,7 @@ class DistributedMesh:
         # Every rank creates every group in the same order (new_group is collective), each
         # with the bounded collective timeout (runtime.comm says why that matters).
         self._pgs = create_mesh_groups(mesh, self.rank)
+        self._check_pg = create_check_group(world)
         self._bound: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = (
             weakref.WeakKeyDictionary()
         )
@@ -287,7 +289,9 @@ class DistributedMesh:
         value on every process); the results are :class:`DistributedShardedTensor`.
         """
         if compiled.local not in self._verified:
-            self._verified[compiled.local] = verify_same_program(compiled, self.mesh)
+            self._verified[compiled.local] = verify_same_program(
+                compiled, self.mesh, self._check_pg
+            )
         inputs = [
             self.local_input(leaf, sharding)
             for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True)

@@ -28,7 +28,7 @@ from torch.utils import _pytree as pytree
 
 from partita.errors import PlanMismatchError
 from partita.mesh import Mesh
-from partita.runtime.comm import gather_flat
+from partita.runtime.comm import call_collective, gather_flat
 
 __all__ = ["program_digest", "program_lines", "verify_same_program"]
 
@@ -77,19 +77,23 @@ def program_digest(compiled: Any) -> str:
     return hashlib.sha256("\n".join(program_lines(compiled)).encode()).hexdigest()
 
 
-def verify_same_program(compiled: Any, mesh: Mesh) -> str:
+def verify_same_program(compiled: Any, mesh: Mesh, pg: Any = None) -> str:
     """Compare the program's digest across every rank; raise PlanMismatchError if they differ.
 
-    Collective over the whole world: every rank calls it before first running ``compiled``.
+    Collective over every rank (``pg``: a group of all of them, default the world): every rank
+    calls it before first running ``compiled``.
     """
     digest = program_digest(compiled)
     mine = torch.frombuffer(bytearray(bytes.fromhex(digest)), dtype=torch.uint8)
-    every = gather_flat(mine, dist.get_world_size(), None, "", "plan check", mesh.axis_names, None)
+    world = dist.get_world_size()
+    every = gather_flat(mine, world, pg, "", "plan check", mesh.axis_names, None)
     digests = [bytes(row.tolist()).hex() for row in every]
     if len(set(digests)) == 1:
         return digest
     lines: list[Any] = [None] * len(digests)
-    dist.all_gather_object(lines, program_lines(compiled))
+    mine_lines = program_lines(compiled)
+    call_collective("", "plan check", mesh.axis_names, None,
+                    lambda: dist.all_gather_object(lines, mine_lines, group=pg))  # fmt: skip
     raise mismatch_error(dist.get_rank(), digests, lines)
 
 
