@@ -16,27 +16,38 @@ This module only ties the stages together; it holds no sharding logic.
 from __future__ import annotations
 
 import functools
+import warnings
+from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from partita import capture
-from partita.capture.trace import _broadcast_specs
+from partita.capture.module import ModuleInputs
+from partita.capture.trace import _broadcast_specs, _where
+from partita.errors import RecompileWarning
 from partita.explain import format_program
 from partita.layout import shard_tensor
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
+from partita.plans import PlanLike
 from partita.propagate import propagate
 from partita.runtime.distributed import distributed_executor
 from partita.runtime.local import LocalMesh
 from partita.spec import P, PartitionSpec, Sharding
-from partita.tensor import ShardedTensor
+from partita.tensor import ShardedTensor, reshard
 
-__all__ = ["Compiled", "Jitted", "jit"]
+__all__ = ["DEFAULT_CACHE_LIMIT", "RECOMPILE_WARNING_AT", "Compiled", "Jitted", "jit"]
+
+#: How many compiled signatures a jitted function keeps (least recently used evicted first).
+DEFAULT_CACHE_LIMIT = 64
+#: The compilation count at which a jitted function warns that its signature keeps changing.
+RECOMPILE_WARNING_AT = 8
 
 
 @dataclass
@@ -52,7 +63,7 @@ class Compiled:
 
 
 class Jitted:
-    """A function compiled for a mesh; see :func:`jit`."""
+    """A function (or ``nn.Module``) compiled for a mesh; see :func:`jit`."""
 
     def __init__(
         self,
@@ -63,30 +74,60 @@ class Jitted:
         out_specs: Any = None,
         strict: bool = False,
         replicate_unsupported: bool = False,
+        param_specs: PlanLike | None = None,
+        cache_limit: int = DEFAULT_CACHE_LIMIT,
     ) -> None:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
+        if not isinstance(cache_limit, int) or cache_limit < 1:
+            raise ValueError(
+                f"partita.jit(cache_limit={cache_limit!r}): the number of compiled signatures "
+                f"to keep must be an int >= 1 (default {DEFAULT_CACHE_LIMIT})."
+            )
         self.fn = fn
         self.mesh = mesh
         self.in_specs = in_specs
         self.out_specs = out_specs
         self.strict = strict
         self.replicate_unsupported = replicate_unsupported
-        self._cache: dict[Hashable, Compiled] = {}
+        self.cache_limit = cache_limit
+        self._cache: OrderedDict[Hashable, Compiled] = OrderedDict()
+        self._recent: deque[tuple[Hashable, list[str]]] = deque(maxlen=RECOMPILE_WARNING_AT)
+        self._compiles = 0
         self._executor = LocalMesh(mesh)
-        functools.update_wrapper(self, fn)
+        self._module = ModuleInputs(fn, mesh, param_specs) if isinstance(fn, nn.Module) else None
+        if param_specs is not None and self._module is None:
+            raise TypeError(
+                f"partita.jit(param_specs=...) shards the weights of an nn.Module, but "
+                f"{_name(fn)!r} is a {type(fn).__name__}. Pass the module itself to jit, or "
+                f"give the weights as arguments with in_specs."
+            )
+        functools.update_wrapper(self, fn, updated=())
 
     # --- signatures ------------------------------------------------------------------------
 
-    def _specs_and_key(
+    def _program_inputs(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[Callable[..., Any], tuple[Any, ...], Any]:
+        """The function to trace, its positional arguments and their in_specs prefix (for a
+        module: its parameters and buffers come first)."""
+        if self._module is None:
+            return self.fn, args, self.in_specs
+        return (
+            self._module.call,
+            self._module.args(args),
+            self._module.in_specs(self.in_specs, args),
+        )
+
+    def _specs_and_key(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], in_specs: Any
     ) -> tuple[list[Any], list[Any], Hashable]:
         leaves, tree = pytree.tree_flatten((args, kwargs))
         n_args = pytree.tree_structure(args).num_leaves
-        name = getattr(self.fn, "__name__", "fn")
+        name = _name(self.fn)
         user = [None] * len(leaves)
-        if self.in_specs is not None:
-            user[:n_args] = _broadcast_specs(self.in_specs, args, "in_specs", name)
+        if in_specs is not None:
+            user[:n_args] = _broadcast_specs(in_specs, args, "in_specs", name)
         specs: list[PartitionSpec | None] = []
         key: list[Hashable] = [tree]
         for leaf, spec in zip(leaves, user, strict=True):
@@ -108,41 +149,55 @@ class Jitted:
         return leaves, specs, tuple(key)
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Compiled, list[Any]]:
-        leaves, specs, key = self._specs_and_key(args, kwargs)
+        fn, args, in_specs = self._program_inputs(args, kwargs)
+        leaves, specs, key = self._specs_and_key(args, kwargs, in_specs)
         compiled = self._cache.get(key)
-        if compiled is None:
-            trace_leaves = [
-                torch.empty(leaf.shape, dtype=leaf.dtype)
-                if isinstance(leaf, ShardedTensor)
-                else leaf
-                for leaf in leaves
-            ]
-            targs, tkwargs = pytree.tree_unflatten(
-                trace_leaves, pytree.tree_structure((args, kwargs))
-            )
-            n_args = pytree.tree_structure(args).num_leaves
-            in_specs = pytree.tree_unflatten(specs[:n_args], pytree.tree_structure(args))
-            prog = capture.trace(
-                self.fn,
-                tuple(targs),
-                tkwargs,
-                in_specs=tuple(in_specs),
-                out_specs=self.out_specs,
-                mesh=self.mesh,
-            )
-            # Keyword tensors carry no annotation: propagation chooses their sharding.
-            propagate(
-                prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported
-            )
-            local, plan = partition(prog.graph_module, self.mesh, strict=self.strict)
-            plan.program_text = format_program(prog.graph_module)
-            (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
-            shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
-            compiled = Compiled(
-                prog, local, plan, plan.input_shardings, plan.output_shardings, shapes
-            )
-            self._cache[key] = compiled
+        if compiled is not None:
+            self._cache.move_to_end(key)
+            return compiled, leaves
+        self._note_recompile(key, args, kwargs)
+        trace_leaves = [
+            torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, ShardedTensor) else leaf
+            for leaf in leaves
+        ]
+        targs, tkwargs = pytree.tree_unflatten(trace_leaves, pytree.tree_structure((args, kwargs)))
+        n_args = pytree.tree_structure(args).num_leaves
+        prog = capture.trace(
+            fn,
+            tuple(targs),
+            tkwargs,
+            in_specs=tuple(pytree.tree_unflatten(specs[:n_args], pytree.tree_structure(args))),
+            out_specs=self.out_specs,
+            mesh=self.mesh,
+        )
+        # Keyword tensors carry no annotation: propagation chooses their sharding.
+        propagate(prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported)
+        local, plan = partition(prog.graph_module, self.mesh, strict=self.strict)
+        plan.program_text = format_program(prog.graph_module)
+        (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
+        shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
+        compiled = Compiled(prog, local, plan, plan.input_shardings, plan.output_shardings, shapes)
+        self._cache[key] = compiled
+        if len(self._cache) > self.cache_limit:
+            self._cache.popitem(last=False)  # the least recently used signature
         return compiled, leaves
+
+    def _note_recompile(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Count compilations; warn once when the signature keeps changing."""
+        self._compiles += 1
+        paths, _ = pytree.tree_flatten_with_path((args, kwargs))
+        names = [self._leaf_name(path) for path, _ in paths]
+        self._recent.append((key, names))
+        if self._compiles == RECOMPILE_WARNING_AT:
+            warnings.warn(
+                recompile_message(_name(self.fn), list(self._recent), self.cache_limit),
+                RecompileWarning,
+                stacklevel=4,
+            )
+
+    def _leaf_name(self, path: Any) -> str:
+        name = _where(path)
+        return self._module.leaf_name(name) if self._module is not None else name
 
     # --- public ----------------------------------------------------------------------------
 
@@ -152,10 +207,20 @@ class Jitted:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         compiled, leaves = self._compile(args, kwargs)
+        program = compiled.program
+        # The lifted constants (closed-over tensors, literals) are the trailing inputs.
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor | ShardedTensor)]
+        tensors += program.constants
         distributed = distributed_executor(self.mesh)  # None unless torch.distributed is up
         if distributed is not None:
-            return compiled.program.unflatten_outputs(distributed.run_compiled(compiled, tensors))
+            results = distributed.run_compiled(compiled, tensors)
+        else:
+            results = self._run_local(compiled, tensors)
+        for i, new in program.input_updates(results):
+            write_back(tensors[i], new)
+        return program.unflatten_outputs(results)
+
+    def _run_local(self, compiled: Compiled, tensors: list[Any]) -> list[ShardedTensor]:
         stacked = []
         for leaf, sharding in zip(tensors, compiled.input_shardings, strict=True):
             if isinstance(leaf, ShardedTensor):
@@ -169,17 +234,75 @@ class Jitted:
             else:
                 stacked.append(shard_tensor(leaf, sharding))
         outs = self._executor.run(compiled.local, stacked)
-        results = [
+        return [
             ShardedTensor.from_stacked(o, s, shape)
             for o, s, shape in zip(
                 outs, compiled.output_shardings, compiled.output_shapes, strict=True
             )
         ]
-        return compiled.program.unflatten_outputs(results)
 
     @property
     def cache_size(self) -> int:
+        """How many compiled signatures are cached now (at most ``cache_limit``)."""
         return len(self._cache)
+
+
+def write_back(leaf: torch.Tensor | ShardedTensor, new: ShardedTensor) -> None:
+    """Copy the program's new value of an input the function updated in place into it."""
+    with torch.no_grad():
+        if not isinstance(leaf, ShardedTensor):
+            leaf.copy_(new.full())
+            return
+        if new.sharding != leaf.sharding:
+            new = reshard(new, leaf.sharding)
+        dst, src = leaf.stacked, new.stacked
+        if dst.dim() and dst.stride(0) == 0:  # a replicated stride-0 stack: one copy for all
+            dst, src = dst[0], src[0]
+        dst.copy_(src)
+
+
+def recompile_message(name: str, recent: list[tuple[Any, list[str]]], limit: int) -> str:
+    """Why ``name`` keeps recompiling: which part of its signature changed among ``recent``
+    (``(cache key, leaf names)`` of the last compilations) and how to keep it fixed."""
+    changes: list[str] = []
+    fixes: list[str] = []
+    if len({key[0] for key, _ in recent}) > 1:
+        changes.append("the structure of the arguments (containers, keyword names)")
+        fixes.append("call it with the same containers and keywords every time")
+    else:
+        names = recent[-1][1]
+        for j, leaf_name in enumerate(names):
+            seen = list(dict.fromkeys(key[j + 1] for key, _ in recent))
+            if len(seen) < 2:
+                continue
+            if seen[0][0] == "static":
+                values = ", ".join(repr(v[1]) for v in seen[:4])
+                changes.append(f"the value of {leaf_name} (a static argument: {values}, ...)")
+                fixes.append("pass a changing number as a tensor, not a Python value")
+                continue
+            for part, label, fix in (
+                (0, "shape", "pad inputs to a few fixed shapes (bucket the lengths)"),
+                (1, "dtype", "cast to one dtype before the call"),
+                (2, "sharding", "reshard the argument to one spec before the call"),
+            ):
+                values = list(dict.fromkeys(v[part] for v in seen))
+                if len(values) > 1:
+                    shown = ", ".join(str(v) for v in values[:4])
+                    changes.append(f"the {label} of {leaf_name} ({shown}, ...)")
+                    fixes.append(fix)
+    return (
+        f"partita.jit({name}) compiled {len(recent)} distinct input signatures; what keeps "
+        f"changing: {'; '.join(changes) or 'nothing visible in the last calls'}. Each new "
+        f"signature traces, propagates and partitions the program again (the cache keeps the "
+        f"last {limit}, jit(cache_limit=...)). To compile once: "
+        f"{'; '.join(dict.fromkeys(fixes)) or 'keep the arguments the same'}."
+    )
+
+
+def _name(fn: Any) -> str:
+    if isinstance(fn, nn.Module):
+        return type(fn).__name__
+    return getattr(fn, "__name__", None) or type(fn).__name__
 
 
 def _hashable(x: Any) -> Hashable:
@@ -198,17 +321,40 @@ def jit(
     out_specs: Any = None,
     strict: bool = False,
     replicate_unsupported: bool = False,
+    param_specs: PlanLike | None = None,
+    cache_limit: int = DEFAULT_CACHE_LIMIT,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: annotate a few inputs, get every collective it needs.
 
+    ``fn`` may close over tensors and create tensor literals: they become replicated program
+    inputs, read when the program runs. In-place updates of its tensor arguments
+    (``x.add_(1)``, ``x[0] = 5``) take effect in the caller's tensor (a ShardedTensor keeps its
+    sharding), as under ``torch.compile``. Code that needs a tensor's value (``.item()``, an
+    ``if`` on a tensor) cannot be compiled: a CaptureError names the line.
+
+    An ``nn.Module`` can be compiled directly: ``partita.jit(model, mesh=, in_specs=)(x)``
+    computes ``model(x)``. Its parameters and buffers are inputs of the program, fetched on
+    every call (an updated weight is seen without recompiling; a weight whose shape or dtype
+    changed recompiles), replicated unless ``param_specs`` shards them, and buffer updates
+    (``running_mean``) are written back into the module. This runs the module's forward (for
+    inference); to train a module sharded, use :func:`partita.train_step`.
+
     Args:
-        fn: a function of tensors (pytrees of them; other arguments are static).
+        fn: a function of tensors (pytrees of them; other arguments are static), or an
+            ``nn.Module``.
         mesh: the device mesh.
         in_specs: a P (or None) per positional argument, or a matching pytree prefix. Plain
             tensors without a spec are replicated; ShardedTensors keep their sharding.
         out_specs: the same for the results (None lets propagation decide).
         strict: raise instead of warning on an involuntary full rematerialization.
         replicate_unsupported: run ops without a sharding rule on gathered inputs.
+        param_specs: for a module: how to shard its parameters, any plan
+            :func:`partita.plans.param_specs` takes: ``{"0.weight": P("model", None)}``
+            (names or fnmatch patterns, unmatched parameters replicated), a preset name
+            (``"fsdp"``, ``"tp"``, ...) or ``fn(name, param) -> P | None``.
+        cache_limit: how many compiled input signatures to keep (default 64); the least
+            recently used is dropped first. At the 8th compilation a
+            :class:`~partita.RecompileWarning` says which argument keeps changing.
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -216,6 +362,11 @@ def jit(
         ...                    in_specs=(P("data", None), P(None, "model")))
         >>> out = step(torch.randn(8, 16), torch.randn(16, 32))   # a ShardedTensor
         >>> print(step.lower(torch.randn(8, 16), torch.randn(16, 32)).explain())
+        >>> model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+        >>> fwd = partita.jit(model, mesh=mesh, in_specs=(P("data", None),),
+        ...                   param_specs={"0.weight": P("model", None)})
+        >>> torch.allclose(fwd(torch.ones(8, 16)).full(), model(torch.ones(8, 16)))
+        True
     """
 
     def wrap(f: Callable[..., Any]) -> Jitted:
@@ -226,6 +377,8 @@ def jit(
             out_specs=out_specs,
             strict=strict,
             replicate_unsupported=replicate_unsupported,
+            param_specs=param_specs,
+            cache_limit=cache_limit,
         )
 
     return wrap if fn is None else wrap(fn)

@@ -1,0 +1,280 @@
+"""Tests of partita.jit: every program a user brings (constants, modules, in-place updates,
+data-dependent code), the bounded compile cache and its recompile warning; always checked
+against the eager, unsharded program."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import partita
+from partita import CaptureError, Mesh, P, RecompileWarning
+from partita.jit import DEFAULT_CACHE_LIMIT, RECOMPILE_WARNING_AT
+
+MESH = Mesh.create((2, 2), ("data", "model"))
+
+
+def _seeded(*shapes: tuple[int, ...]) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(*s, generator=g) for s in shapes]
+
+
+# --- tensor constants are inputs ----------------------------------------------------------------
+
+
+def test_closed_over_tensor_and_literals():
+    # Before: KeyError: (_tensor_constant0, None) in propagation.
+    (x, c) = _seeded((8, 4), (4,))
+
+    def fn(x):
+        empty = torch.tensor([])
+        return x * c * torch.tensor(2.0) + empty.sum()
+
+    step = partita.jit(fn, mesh=MESH, in_specs=(P("data", None),))
+    torch.testing.assert_close(step(x).full(), fn(x))
+    plan = step.lower(x)
+    assert len(plan.input_shardings) == 4  # x, then c and the two literals
+    assert all(s.is_replicated for s in plan.input_shardings[1:])
+    c.mul_(3)  # the program reads the closed-over tensor when it runs, not when it compiled
+    torch.testing.assert_close(step(x).full(), fn(x))
+    assert step.cache_size == 1
+
+
+def test_closed_over_module_is_lifted():
+    (x,) = _seeded((8, 4))
+    linear = nn.Linear(4, 6)
+    step = partita.jit(lambda x: linear(x).relu(), mesh=MESH, in_specs=(P("data", None),))
+    with torch.no_grad():
+        torch.testing.assert_close(step(x).full(), linear(x).relu())
+
+
+# --- nn.Module ----------------------------------------------------------------------------------
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def test_module_equals_eager():
+    model = _model()
+    (x,) = _seeded((8, 16))
+    step = partita.jit(model, mesh=MESH, in_specs=(P("data", None),))
+    with torch.no_grad():
+        want = model(x)
+    torch.testing.assert_close(step(x).full(), want)
+    # the weights are inputs, fetched on every call: an update is seen without recompiling
+    with torch.no_grad():
+        model[0].weight.mul_(2)
+        want = model(x)
+    torch.testing.assert_close(step(x).full(), want)
+    assert step.cache_size == 1
+    # a parameter whose shape changed is a new signature
+    model[2] = nn.Linear(32, 3)
+    with torch.no_grad():
+        torch.testing.assert_close(step(x).full(), model(x))
+    assert step.cache_size == 2
+
+
+def test_module_weights_sharded_by_param_specs():
+    model = _model()
+    (x,) = _seeded((8, 16))
+    step = partita.jit(
+        model,
+        mesh=MESH,
+        in_specs=P("data", None),
+        param_specs={"0.weight": P("model", None), "2.*": P()},
+    )
+    plan = step.lower(x)
+    # params first (0.weight, 0.bias, 2.weight, 2.bias), then x
+    specs = [str(s.spec) for s in plan.input_shardings]
+    assert specs[0] == "P('model', None)" and specs[4] == "P('data', None)"
+    assert all(s == "P()" or s == "P(None,)" or "model" not in s for s in specs[1:])
+    with torch.no_grad():
+        torch.testing.assert_close(step(x).full(), model(x))
+    # a preset plan works too
+    tp = partita.jit(model, mesh=MESH, in_specs=(P("data", None),), param_specs="fsdp")
+    with torch.no_grad():
+        torch.testing.assert_close(tp(x).full(), model(x))
+
+
+def test_param_specs_errors():
+    with pytest.raises(ValueError, match=r"plan keys \['nope'\] match no parameter"):
+        partita.jit(_model(), mesh=MESH, param_specs={"nope": P("model")})
+    with pytest.raises(TypeError, match=r"param_specs=.*shards the weights of an nn.Module"):
+        partita.jit(lambda x: x, mesh=MESH, param_specs={"w": P()})
+
+
+# --- in-place updates of inputs take effect ------------------------------------------------------
+
+
+def test_in_place_update_of_a_plain_tensor():
+    # Before: silently dropped (x kept its old value).
+    def fn(x):
+        x.add_(1)
+        x[0] = 5.0
+        return x * 2
+
+    (x,) = _seeded((4, 4))
+    want_x = x.clone()
+    want = fn(want_x)
+    step = partita.jit(fn, mesh=MESH, in_specs=(P("data", None),))
+    torch.testing.assert_close(step(x).full(), want)
+    torch.testing.assert_close(x, want_x)
+
+
+def test_in_place_update_of_a_sharded_tensor():
+    (x,) = _seeded((4, 4))
+    xs = partita.mark_sharding(x.clone(), MESH, P("data", "model"))
+    step = partita.jit(lambda t: t.mul_(3).sum(), mesh=MESH)
+    torch.testing.assert_close(step(xs).full(), (x * 3).sum())
+    assert xs.sharding.spec == P("data", "model")
+    torch.testing.assert_close(xs.full(), x * 3)
+    xr = partita.mark_sharding(x.clone(), MESH, P())  # replicated: one copy for all devices
+    step(xr)
+    torch.testing.assert_close(xr.full(), x * 3)
+
+
+class _Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("running_mean", torch.zeros(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.running_mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.running_mean
+
+
+def test_in_place_update_of_a_module_buffer():
+    (x,) = _seeded((8, 4))
+    eager, jitted = _Norm(), _Norm()
+    step = partita.jit(jitted, mesh=MESH, in_specs=(P("data", None),))
+    for _ in range(2):
+        torch.testing.assert_close(step(x).full(), eager(x))
+        torch.testing.assert_close(jitted.running_mean, eager.running_mean)
+    assert step.cache_size == 1
+
+
+# --- slices, splits -----------------------------------------------------------------------------
+
+
+def test_open_slice_forward_and_backward():
+    # x[..., 2:] traced to slice_scatter(..., end=2**63-1) in the backward.
+    def fn(x):
+        x = x.clone().requires_grad_(True)
+        y = (x[..., 2:] ** 2).sum()
+        return torch.autograd.grad(y, x)[0]
+
+    (x,) = _seeded((4, 8))
+    step = partita.jit(fn, mesh=MESH, in_specs=(P("data", None),))
+    torch.testing.assert_close(step(x).full(), fn(x))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a: torch.unbind(a, 1),
+        lambda a: torch.unbind(a, -1),
+        lambda a: torch.split(a, [1, 3], dim=1),
+    ],
+)
+def test_unbind_and_split_dims(fn):
+    (a,) = _seeded((4, 4))
+    got = partita.jit(fn, mesh=MESH)(a)
+    for g, w in zip(got, fn(a), strict=True):
+        torch.testing.assert_close(g.full(), w)
+
+
+# --- data-dependent code ------------------------------------------------------------------------
+
+
+def test_item_names_the_line():
+    def fn(x):
+        return x * x.sum().item()
+
+    line = fn.__code__.co_firstlineno + 1
+    with pytest.raises(CaptureError, match=rf"test_jit.py:{line} in fn: .*data-dependent"):
+        partita.jit(fn, mesh=MESH)(torch.ones(4))
+
+
+# --- the compile cache --------------------------------------------------------------------------
+
+
+def test_cache_is_lru_and_bounded():
+    step = partita.jit(lambda x: x * 2, mesh=MESH, cache_limit=2)
+    a, b, c = torch.ones(2), torch.ones(3), torch.ones(4)
+    step(a)
+    step(b)
+    step(a)  # a is now the most recently used
+    step(c)  # evicts b
+    assert step.cache_size == 2
+    keys = [k[1][0] for k in step._cache]
+    assert keys == [(2,), (4,)]
+    step(b)  # recompiles, evicts a
+    assert [k[1][0] for k in step._cache] == [(4,), (3,)]
+    assert DEFAULT_CACHE_LIMIT == partita.jit(lambda x: x, mesh=MESH).cache_limit == 64
+
+
+def test_cache_limit_is_checked():
+    with pytest.raises(ValueError, match=r"cache_limit=0.*must be an int >= 1 \(default 64\)"):
+        partita.jit(lambda x: x, mesh=MESH, cache_limit=0)
+
+
+def test_recompile_warning_names_what_changes():
+    step = partita.jit(lambda x, w: x @ w, mesh=MESH)
+    w = torch.ones(4, 4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for n in range(1, RECOMPILE_WARNING_AT + 3):
+            step(torch.ones(n, 4), w)
+    recompiles = [w for w in caught if issubclass(w.category, RecompileWarning)]
+    assert len(recompiles) == 1  # once, at the 8th signature
+    text = str(recompiles[0].message)
+    assert re.search(
+        r"compiled 8 distinct input signatures; what keeps changing: the shape of args\[0\] "
+        r"\(\(1, 4\), \(2, 4\), \(3, 4\), \(4, 4\), \.\.\.\)\. .*cache keeps the last 64.*"
+        r"pad inputs to a few fixed shapes",
+        text,
+    ), text
+    assert "args[1]" not in text
+
+
+def test_recompile_warning_for_a_static_argument_and_a_sharding():
+    step = partita.jit(lambda x, k: x * k, mesh=MESH)
+    with pytest.warns(RecompileWarning, match=r"the value of args\[1\] \(a static argument: 0, 1"
+                      r".*pass a changing number as a tensor"):  # fmt: skip
+        for k in range(RECOMPILE_WARNING_AT):
+            step(torch.ones(4), k)
+    step = partita.jit(lambda x: x + 1, mesh=MESH)
+    specs = [
+        P(), P("data"), P("model"), P(None, "data"), P(None, "model"), P("data", "model"),
+        P("model", "data"), P(("data", "model")),
+    ]  # fmt: skip
+    x = torch.ones(4, 4)
+    with pytest.warns(RecompileWarning, match=r"the sharding of args\[0\] \(.*reshard the arg"):
+        for spec in specs:
+            step(partita.mark_sharding(x, MESH, spec))
+
+
+def test_module_leaf_names_in_the_warning():
+    model = nn.Linear(4, 2)
+    step = partita.jit(model, mesh=MESH)
+    with pytest.warns(RecompileWarning, match=r"the shape of args\[0\] \(\(1, 4\)"):
+        with torch.no_grad():
+            for n in range(1, RECOMPILE_WARNING_AT + 1):
+                step(torch.ones(n, 4))
+
+
+def test_docs_jit_examples_run():
+    import pathlib
+
+    text = (pathlib.Path(__file__).parents[1] / "docs" / "jit.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.S)
+    assert len(blocks) >= 4
+    scope: dict[str, object] = {}
+    for block in blocks:
+        exec(compile(block, "docs/jit.md", "exec"), scope)
