@@ -34,7 +34,8 @@ from torch import nn
 os.environ["HF_HUB_OFFLINE"] = "1"  # never download: every model is built from a config
 transformers = pytest.importorskip("transformers")
 
-from partita import Mesh  # noqa: E402
+from partita import Mesh, P  # noqa: E402
+from partita.plans import param_specs  # noqa: E402
 from partita.train import TrainStep, train_step  # noqa: E402
 
 RTOL = ATOL = 1e-5
@@ -229,3 +230,59 @@ def test_trains_like_torch_optim(name: str, plan: str) -> None:
         torch.testing.assert_close(
             full[pname], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=pname: f"{n}: {m}"
         )
+
+
+# --- what the presets recognise in each library model ----------------------------------------
+
+TP_SPECS: dict[str, dict[str, Any]] = {
+    "phi3": {
+        "model.layers.0.self_attn.qkv_proj.weight": ("model", None),  # fused q|k|v
+        "model.layers.0.mlp.gate_up_proj.weight": ("model", None),  # fused gate|up
+        "model.layers.0.mlp.down_proj.weight": (None, "model"),
+    },
+    "bert": {
+        "bert.encoder.layer.0.attention.output.dense.weight": (None, "model"),
+        "bert.encoder.layer.0.intermediate.dense.weight": ("model", None),
+        "bert.encoder.layer.0.output.dense.weight": (None, "model"),
+        "cls.predictions.transform.dense.weight": (None, None),
+    },
+    "t5": {
+        "encoder.block.0.layer.0.SelfAttention.q.weight": ("model", None),
+        "encoder.block.0.layer.0.SelfAttention.o.weight": (None, "model"),
+        "decoder.block.0.layer.1.EncDecAttention.v.weight": ("model", None),
+        "decoder.block.0.layer.2.DenseReluDense.wi.weight": ("model", None),
+    },
+    "mixtral": {
+        "model.layers.0.mlp.experts.gate_up_proj": ("model", None, None),
+        "model.layers.0.mlp.experts.down_proj": ("model", None, None),
+        "model.layers.0.self_attn.k_proj.weight": (None, None),  # 2 kv heads: kept whole
+    },
+    "qwen2": {
+        "model.layers.0.self_attn.q_proj.bias": ("model",),
+        "model.layers.0.self_attn.k_proj.bias": (None,),  # 2 kv heads: kept whole
+    },
+    "gpt2": {
+        "transformer.h.0.attn.c_attn.weight": (None, "model"),  # Conv1D [in, out]
+        "transformer.h.0.mlp.c_proj.weight": ("model", None),
+    },
+}
+
+
+@pytest.mark.parametrize("name", sorted(TP_SPECS))
+def test_tp_preset_recognises_the_layout(name: str) -> None:
+    model = build(name)
+    specs = param_specs("tp", model, MESH)
+    for pname, want in TP_SPECS[name].items():
+        assert specs[pname] == P(*want), pname
+
+
+def test_t5_gated_feed_forward() -> None:
+    cfg = transformers.T5Config(
+        vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+        feed_forward_proj="gated-gelu",
+    )  # fmt: skip
+    specs = param_specs("tp", transformers.T5ForConditionalGeneration(cfg), MESH)
+    ff = "encoder.block.0.layer.1.DenseReluDense"
+    assert specs[f"{ff}.wi_0.weight"] == P("model", None)
+    assert specs[f"{ff}.wi_1.weight"] == P("model", None)
+    assert specs[f"{ff}.wo.weight"] == P(None, "model")
