@@ -135,6 +135,13 @@ INDEXING: list[tuple[str, Callable[..., Any], tuple[Any, ...], Any]] = [
         (P("y"), P(None, "x")),
     ),
     (
+        # a bug fix: the smaller index's rows were split while x stayed whole
+        "gather, index smaller on another dim",
+        lambda x, i: x.gather(1, i),
+        (torch.randn(6, 5), torch.randint(0, 5, (4, 7))),
+        (P("x", "y"), P("y", "x")),
+    ),
+    (
         "x[i, None]",
         lambda x, i: x[i, None] * 2,
         (torch.randn(6, 5), torch.randint(0, 6, (7,))),

@@ -62,7 +62,8 @@ def select_rule(info: OpInfo) -> FactorRule:
 
 @register_rule(*aten_ops(["gather.default", "index_select.default"]))
 def gather_rule(info: OpInfo) -> FactorRule:
-    """``a b, a c -> a c; need-replication=b`` for ``gather(x, 1, idx)``; index_select's index
+    """``a b, a c -> a c; need-replication=b`` for ``gather(x, 1, idx)``; an index smaller than
+    ``x`` on another dim gives ``a b, 1 c -> d c; need-replication=a,b``; index_select's index
     is 1-d: ``a b, c -> a c``."""
     x, index = info.operands[0], info.operands[1]
     (out,) = info.results
@@ -78,10 +79,12 @@ def gather_rule(info: OpInfo) -> FactorRule:
     for i, n in enumerate(index.shape):
         if i == d or n == x.shape[i]:
             idx.append(res[i])
-        else:  # a smaller index: the dim is cut like a slice
-            f = fresh.new()
-            idx.append(f)
-            res[i] = f
+        else:
+            # A smaller index reads a prefix of the dim: row r of the index reads row r of x,
+            # so the index cannot be split there while x is whole (the result is computed
+            # whole on that dim, then sliced).
+            idx.append(None)
+            res[i] = fresh.new()
             rep.append(names[i])
     del out
     return build(info, [names, idx], [res], need_replication=rep)
