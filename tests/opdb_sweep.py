@@ -247,9 +247,10 @@ def _first_line(e: BaseException) -> str:
 
 
 def _unsupported_op(e: UnsupportedOpError) -> str:
-    """The aten op an UnsupportedOpError names (``aten.foo.bar``), or its first line."""
-    m = re.search(r"\baten\.[\w.]+", str(e))
-    return m.group(0).rstrip(".") if m else _first_line(e)
+    """The op an UnsupportedOpError names (``aten.foo.bar``, or a custom op), else its first
+    line."""
+    m = re.search(r"\baten\.[\w.]+", str(e)) or re.search(r"rule (?:for|of) ([\w.]+)", str(e))
+    return m.group(m.lastindex or 0).rstrip(".") if m else _first_line(e)
 
 
 def _tensor_leaves(x: Any) -> list[torch.Tensor]:
