@@ -395,3 +395,18 @@ def test_models_doc_rule_section_runs() -> None:
     assert blocks
     for block in blocks:
         exec(compile(block, "docs/models.md", "exec"), {"__name__": "docs_models"})
+
+
+def test_gqa_with_a_per_head_mask() -> None:
+    """A float mask [b, Hq, t, s] carries the query's compound head dim (h g)."""
+    q, k, v = _qkv()
+    mask = torch.randn(3, 8, 5, 7, generator=_g())
+
+    def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: torch.Tensor) -> Any:
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=m, enable_gqa=True)
+        return (o.detach(), *torch.autograd.grad((o * o).sum(), (q, k, v)))
+
+    heads = P(None, "y")
+    plan = _check(fn, (q, k, v, mask), (heads, heads, heads, heads))
+    assert not plan.collectives
