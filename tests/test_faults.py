@@ -249,6 +249,23 @@ def test_printing_on_the_main_process_only_times_out_typed() -> None:
     assert "sharding=" not in results[0].stdout  # nothing was printed
 
 
+@pytest.mark.slow
+def test_printing_different_values_is_an_error() -> None:
+    """Gathers of different sizes on one group used to abort in Gloo or read the peer's bytes."""
+    results = run_fault("different_prints")
+    shapes = {0: "(8, 4)", 1: "(6, 4)"}
+    for r in results:
+        _, message = partita_error(r, "DistributedError")
+        mine, other = shapes[r.rank], shapes[1 - r.rank]
+        assert (
+            f"called on different values by different processes: this rank ({r.rank}) gathers "
+            f"a value of shape {mine}, dtype torch.float32, sharding P('data', None); rank "
+            f"{1 - r.rank} one of shape {other}" in message
+        ), message
+        assert "use partita.distributed.log(x) on every process" in message
+        assert "sharding=" not in r.stdout  # nothing was printed
+
+
 @pytest.fixture(scope="module")
 def mismatch_run() -> list[RankResult]:
     """One run of three mismatched calls (shapes, dtypes, programs), then a matching one."""

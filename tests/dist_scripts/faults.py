@@ -13,6 +13,7 @@ mismatch         three calls, each a PlanMismatchError on every rank, then a mat
                  (8, 4)), ``dtypes`` (float64 against float32), ``programs`` (a branch)
 fewer_steps      stops after 2 steps and exits cleanly; the others run 4
 main_only_print  (rank 0 misbehaves) prints a sharded value alone; rank 1 compiles on
+different_prints rank 0 prints one sharded value, rank 1 another (of another shape)
 ===============  =====================================================================
 
 The faulty rank prints ``fault MODE at <time.time()>`` when it misbehaves. A PartitaError is printed
@@ -94,6 +95,15 @@ def main_only_print(mesh: Mesh) -> None:
     print(f"step loss={step(x, w).full().item():.6f}", flush=True)
 
 
+def different_prints(mesh: Mesh) -> None:
+    """Each rank prints (gathers) a different sharded value: an error on both, not garbage."""
+    double = partita.jit(lambda x: x * 2, mesh=mesh, in_specs=P("data", None))
+    x, _ = inputs("", False)
+    y, z = double(x), double(x[:6])
+    print(f"fault different_prints at {time.time():.3f}", flush=True)
+    print(y if pd.is_main_process() else z, flush=True)  # WRONG: two different collectives
+
+
 def main(mode: str) -> None:
     pd.initialize()
     rank = pd.process_index()
@@ -103,6 +113,8 @@ def main(mode: str) -> None:
         return mismatches(mesh, faulty)
     if mode == "main_only_print":
         return main_only_print(mesh)
+    if mode == "different_prints":
+        return different_prints(mesh)
     step = partita.jit(lambda x, w: (x @ w).sum(), mesh=mesh, in_specs=(P("data", None), P()))
     x, w = inputs(mode, faulty)
     steps = 2 if mode == "fewer_steps" and faulty else STEPS

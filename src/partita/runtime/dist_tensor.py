@@ -2,16 +2,18 @@
 
 :class:`DistributedShardedTensor` keeps only this rank's padded shard (``addressable_data``:
 ``[1, *local_shape]``); ``full()`` (and printing) gathers the global value from every process,
-so it is a collective that every process must call (a replicated value is read locally,
-without communication). :func:`local_shard` cuts this rank's shard out of a global value.
+so it is a collective that every process must call on the same value (checked first; a
+replicated value is read locally, without communication). :func:`local_shard` cuts this
+rank's shard out of a global value.
 
 This module does not run programs (``runtime.distributed`` does) and does not create groups.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,7 +21,7 @@ from torch import Tensor
 
 from partita.errors import DistributedError
 from partita.layout import index_ranges, local_shape, replica_ids, shard_tensor, unshard_tensor
-from partita.runtime.comm import gather_flat
+from partita.runtime.comm import call_collective, gather_flat
 from partita.spec import Sharding
 from partita.tensor import Shard, ShardedTensor
 
@@ -104,12 +106,40 @@ class DistributedShardedTensor(ShardedTensor):
         if sharding.is_replicated:  # every device holds the whole value
             return self._local[0][tuple(slice(0, n) for n in shape)].clone()
         mesh = self.mesh
+        self._check_same_value()
         local = self._local[0].contiguous()
         gathered = gather_flat(
             local, dist.get_world_size(), None, "", "ShardedTensor.full", mesh.axis_names, None
         )
         stacked = gathered[torch.tensor(mesh.device_ids, device=local.device)]
         return unshard_tensor(stacked, sharding, shape)
+
+    def _check_same_value(self) -> None:
+        """Every process must gather the same value: compare a fixed-size digest of it first.
+
+        Without this, two processes printing different values (``print(x)`` on one, ``print(y)``
+        on another) would gather buffers of different sizes: Gloo aborts the process, or one
+        side reads the other's bytes as its tensor.
+        """
+        what = f"shape {tuple(self.shape)}, dtype {self.dtype}, sharding {self.sharding}"
+        digest = hashlib.sha256(what.encode()).digest()
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8)
+        world, axes = dist.get_world_size(), self.mesh.axis_names
+        every = gather_flat(mine, world, None, "", "ShardedTensor.full", axes, None)
+        if bool((every == every[0]).all()):
+            return
+        described: list[Any] = [None] * world
+        call_collective("", "ShardedTensor.full", axes, None,
+                        lambda: dist.all_gather_object(described, what))  # fmt: skip
+        rank = dist.get_rank()
+        other = next(r for r in range(world) if described[r] != what)
+        raise DistributedError(
+            f"ShardedTensor.full() (or print) was called on different values by different "
+            f"processes: this rank ({rank}) gathers a value of {what}; rank {other} one of "
+            f"{described[other]}. full() and printing a sharded value are collectives: every "
+            f"process must call them on the same value, in the same order. To print on one "
+            f"process, use partita.distributed.log(x) on every process."
+        )
 
     @property
     def local_shards(self) -> list[Shard]:
