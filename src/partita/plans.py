@@ -402,12 +402,13 @@ def format_param_specs(rows: list[ParamRow], *, width: int = 140) -> str:
     """``explain_param_specs`` rows as a text table (rich): name, shape, spec, reason."""
     table = Table(box=box.SIMPLE_HEAD, show_edge=False)
     for column in ("parameter", "shape", "spec", "reason"):
-        table.add_column(column, overflow="fold")
+        table.add_column(column, no_wrap=column != "reason", overflow="fold")
     for row in rows:
         table.add_row(row.name, str(list(row.shape)), str(row.spec), row.reason)
     console = Console(file=io.StringIO(), width=width, color_system=None)
     console.print(table)
-    return console.file.getvalue()  # type: ignore[attr-defined]
+    text = console.file.getvalue()  # type: ignore[attr-defined]
+    return "\n".join(line.rstrip() for line in text.splitlines()) + "\n"
 
 
 def _matches(key: str, name: str) -> bool:
