@@ -431,3 +431,58 @@ case(aten.cauchy.default, lambda x: aten.cauchy.default(x), f(6, 5), **RND)
 case(aten.exponential.default, lambda x: aten.exponential.default(x, 2.0), f(7, 5), **RND)
 case(aten.geometric.default, lambda x: aten.geometric.default(x, 0.3), f(6, 5), **RND)
 case(aten.log_normal.default, lambda x: aten.log_normal.default(x), f(6, 5), **RND)
+
+# --- gathered whole, and index_reduce -------------------------------------------------------------
+
+case(
+    aten.index_reduce.default,
+    lambda x, i, s: aten.index_reduce.default(x, 0, i, s, "amax", include_self=False),
+    f(6, 5),
+    lambda g: torch.randint(0, 6, (7,), generator=g),
+    f(7, 5),
+)
+case(
+    aten.histogram.bin_ct,
+    lambda x, w: aten.histogram.bin_ct(x, 7, range=[-2.0, 2.0], weight=w),
+    f(6, 5),
+    pos(6, 5),
+    **R,
+)
+case(
+    aten._histogramdd_from_bin_cts.default,
+    lambda x: aten._histogramdd_from_bin_cts.default(x, [3, 5], range=[-2.0, 2.0, -1.0, 1.0]),
+    f(7, 2),
+)
+case(
+    aten.histogram.bins_tensor,
+    lambda x, e: aten.histogram.bins_tensor(x, e),
+    f(6, 5),
+    lambda g: torch.linspace(-2, 2, 6),
+)
+case(aten.hash_tensor.default, lambda x: aten.hash_tensor.default(x, [1]), f(6, 5))
+case(
+    aten.masked_scatter.default,
+    lambda x, m, s: aten.masked_scatter.default(x, m, s),
+    f(6, 5),
+    lambda g: torch.rand(6, 5, generator=g) < 0.5,
+    f(30),
+)
+case(
+    aten.nonzero_static.default,
+    lambda x: aten.nonzero_static.default(x, size=9),
+    lambda g: torch.rand(6, 5, generator=g) < 0.2,
+)
+case(
+    aten.put.default,
+    lambda x, i, s: aten.put.default(x, i, s, True),
+    f(6, 5),
+    lambda g: torch.randint(0, 30, (7,), generator=g),
+    f(7),
+)
+case(
+    aten.segment_reduce.default,
+    lambda x, n: aten.segment_reduce.default(x, "sum", lengths=n),
+    f(7, 5),
+    lambda g: torch.tensor([2, 0, 4, 1]),
+    **R,
+)

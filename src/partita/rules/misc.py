@@ -1,22 +1,28 @@
-"""Rules of distance and lookup ops: ``cdist``, ``pdist``, ``dist``, ``bucketize``,
-``searchsorted``, ``_trilinear``.
+"""Rules of distance, lookup and whole-tensor ops: ``cdist``, ``pdist``, ``dist``,
+``bucketize``, ``searchsorted``, ``index_reduce``, and the ops that are gathered whole
+(histograms, ``put``, ``masked_scatter``, ``nonzero_static``, ``segment_reduce``,
+``hash_tensor``, ``_trilinear``).
 
 Decisions: a distance sums a *p*-th power over the feature dim and takes a root, which is not a
 sum of per-shard distances, so the feature dim is need-replication; the points of ``cdist``
 pass through (each output entry pairs one point of each side). ``bucketize`` looks every
 element up in the whole boundary vector: the elements pass through like an elementwise op, the
-boundaries are gathered. ``pdist`` (pairs of rows, flattened) and ``_trilinear`` (a fused
-bilinear form with index lists) are gathered whole and computed replicated.
+boundaries are gathered. ``index_reduce`` combines rows picked by a global index: the
+indexed dim and the index are gathered, the other dims pass through. Ops whose every output
+element may depend on any input element through global positions or counts (``pdist``'s
+flattened pairs, a histogram, ``put``'s flat indices, ``masked_scatter``'s running count of
+``True``s, ``nonzero_static``, segment reductions, a hash) are gathered whole and computed
+replicated; the Plan records the gathers with the op as the reason.
 """
 
 from __future__ import annotations
 
 from partita.rules import register_rule
 from partita.rules.batched import batched_rule
-from partita.rules.common import Dim, Names, aten_ops, build
+from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
 
-__all__ = ["bucketize_rule", "cdist_rule", "gathered_rule"]
+__all__ = ["bucketize_rule", "cdist_rule", "gathered_rule", "index_reduce_rule"]
 
 
 @register_rule(*aten_ops(["_cdist_forward.default"]))
@@ -36,7 +42,24 @@ def cdist_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["_pdist_forward.default", "_trilinear.default", "dist.default"]))
+_GATHERED = aten_ops(
+    [
+        "_histogramdd_from_bin_cts.default",
+        "_pdist_forward.default",
+        "_trilinear.default",
+        "dist.default",
+        "hash_tensor.default",
+        "histogram.bin_ct",
+        "histogram.bins_tensor",
+        "masked_scatter.default",
+        "nonzero_static.default",
+        "put.default",
+        "segment_reduce.default",
+    ]
+)
+
+
+@register_rule(*_GATHERED)
 def gathered_rule(info: OpInfo) -> FactorRule:
     """``*, * -> 1``: every operand gathered, the result computed whole and kept replicated."""
     results = [None if r is None else [None] * r.ndim for r in info.results]
@@ -66,3 +89,19 @@ def searchsorted_rule(info: OpInfo) -> FactorRule:
         rest: list[list[Dim] | None] = [None] * (len(info.operands) - 2)
         return build(info, [[c], names, *rest], [names], need_replication=[c])
     return batched_rule(info, [1] * len(info.operands), [1])
+
+
+@register_rule(*aten_ops(["index_reduce.default"]))
+def index_reduce_rule(info: OpInfo) -> FactorRule:
+    """``a b, c, d b -> a b; need-replication=a,c,d`` for ``index_reduce(x, 0, idx, src, "amax")``:
+    the indexed dim of ``x`` and ``src`` and the index are gathered; other dims pass through."""
+    x = info.operands[0]
+    d = norm_dim(info.arg(1, "dim"), x.ndim)
+    fresh = Names()
+    names = fresh.take(x.ndim)
+    k, src_k = fresh.new(), fresh.new()
+    src: list[Dim] = list(names)
+    if x.ndim:
+        src[d] = src_k
+    rep = [names[d], k, src_k] if x.ndim else [k]
+    return build(info, [names, [k], src], [names], need_replication=rep)
