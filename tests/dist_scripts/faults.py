@@ -8,12 +8,12 @@ own created by ``new_group``); rank 1 misbehaves as MODE says:
 stall            sleeps ``FAULT_STALL`` seconds (default 45) before step 2
 kill             SIGKILLs itself before step 2
 raise            raises a plain Python error before step 2
-mismatch         three calls, each a PlanMismatchError on every rank, then a matching
-                 call: ``shapes`` (rank 1 passes a global input of shape (10, 4), rank 0
-                 (8, 4)), ``dtypes`` (float64 against float32), ``programs`` (a branch)
+mismatch         four mistakes, each a typed error on every rank, then a matching call:
+                 ``shapes`` (rank 1 passes a global input of shape (10, 4), rank 0
+                 (8, 4)), ``dtypes`` (float64 against float32), ``programs`` (a branch),
+                 ``prints`` (each rank prints a different sharded value)
 fewer_steps      stops after 2 steps and exits cleanly; the others run 4
 main_only_print  (rank 0 misbehaves) prints a sharded value alone; rank 1 compiles on
-different_prints rank 0 prints one sharded value, rank 1 another (of another shape)
 ===============  =====================================================================
 
 The faulty rank prints ``fault MODE at <time.time()>`` when it misbehaves. A PartitaError is printed
@@ -33,7 +33,7 @@ import torch
 import partita
 import partita.distributed as pd
 from partita import Mesh, P
-from partita.errors import PartitaError, PlanMismatchError
+from partita.errors import DistributedError, PartitaError, PlanMismatchError
 
 PARTITA_EXIT = 17
 STEPS = 4
@@ -56,10 +56,11 @@ def inputs(mode: str, faulty: bool) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def mismatches(mesh: Mesh, faulty: bool) -> None:
-    """Each mismatch in turn, each a PlanMismatchError on both ranks; then the run still works.
+    """Each mismatch in turn, each an error on both ranks; then the run still works.
 
-    The plan check runs before any collective of the program, so after the error every rank
-    is still in step with the others: a matching call afterwards must run normally.
+    The plan check (and the check of ``full()``) runs before any collective that could
+    mismatch, so after the error every rank is still in step with the others: a matching call
+    afterwards must run normally.
     """
     for case in MISMATCHES:
 
@@ -75,6 +76,13 @@ def mismatches(mesh: Mesh, faulty: bool) -> None:
             report(e, case)
         else:
             print(f"case={case} ran", flush=True)
+    double = partita.jit(lambda x: x * 2, mesh=mesh, in_specs=P("data", None))
+    x, _ = inputs("", False)
+    y, z = double(x), double(x[:6])
+    try:
+        print(z if faulty else y, flush=True)  # WRONG: two different gathers
+    except DistributedError as e:
+        report(e, "prints")
     step = partita.jit(lambda x, w: (x @ w).sum(), mesh=mesh, in_specs=(P("data", None), P()))
     print(f"after mismatches loss={step(*inputs('', False)).full().item():.6f}", flush=True)
 
@@ -95,15 +103,6 @@ def main_only_print(mesh: Mesh) -> None:
     print(f"step loss={step(x, w).full().item():.6f}", flush=True)
 
 
-def different_prints(mesh: Mesh) -> None:
-    """Each rank prints (gathers) a different sharded value: an error on both, not garbage."""
-    double = partita.jit(lambda x: x * 2, mesh=mesh, in_specs=P("data", None))
-    x, _ = inputs("", False)
-    y, z = double(x), double(x[:6])
-    print(f"fault different_prints at {time.time():.3f}", flush=True)
-    print(y if pd.is_main_process() else z, flush=True)  # WRONG: two different collectives
-
-
 def main(mode: str) -> None:
     pd.initialize()
     rank = pd.process_index()
@@ -113,8 +112,6 @@ def main(mode: str) -> None:
         return mismatches(mesh, faulty)
     if mode == "main_only_print":
         return main_only_print(mesh)
-    if mode == "different_prints":
-        return different_prints(mesh)
     step = partita.jit(lambda x, w: (x @ w).sum(), mesh=mesh, in_specs=(P("data", None), P()))
     x, w = inputs(mode, faulty)
     steps = 2 if mode == "fewer_steps" and faulty else STEPS
