@@ -552,3 +552,24 @@ def test_split_and_unbind_keep_their_dim(fn):
     program = trace(fn, (a,))
     for got, want in zip(program(a), fn(a), strict=True):
         assert torch.equal(got, want)
+
+
+def test_normalize_clamps_open_bounds_for_vmap():
+    # torch.vmap (the simulated mesh's executor) rejects end=2**63-1 ("cannot be represented
+    # as a SymInt") and mis-reads a negative start of a batched slice_scatter.
+    from torch import fx
+
+    from partita.capture import normalize
+
+    a, b = torch.zeros(4, 8), torch.ones(4, 4)
+    graph = fx.Graph()
+    pa, pb = graph.placeholder("a"), graph.placeholder("b")
+    pa.meta["val"], pb.meta["val"] = a, b
+    scatter = graph.call_function(torch.ops.aten.slice_scatter.default, (pa, pb, -1, -4, 2**63 - 1))
+    sliced = graph.call_function(torch.ops.aten.slice.Tensor, (scatter, 1, None, 2**63 - 1))
+    sliced.meta["val"] = scatter.meta["val"] = a
+    graph.output(sliced)
+    gm = normalize(fx.GraphModule({}, graph))
+    assert scatter.args[2:] == (1, 4, 8, 1) and sliced.args[1:] == (1, 0, 8, 1)
+    got = torch.vmap(gm)(a.expand(2, 4, 8), b.expand(2, 4, 4))
+    assert torch.equal(got[0], torch.cat([a[:, :4], b], 1))

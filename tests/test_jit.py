@@ -170,8 +170,22 @@ def test_open_slice_forward_and_backward():
         return torch.autograd.grad(y, x)[0]
 
     (x,) = _seeded((4, 8))
-    step = partita.jit(fn, mesh=MESH, in_specs=(P("data", None),))
-    torch.testing.assert_close(step(x).full(), fn(x))
+    for spec in (P("data", None), P(None, "model")):
+        step = partita.jit(fn, mesh=MESH, in_specs=(spec,))
+        torch.testing.assert_close(step(x).full(), fn(x))
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        lambda a, b: torch.ops.aten.slice_scatter(a, b, 2, 4, 2**63 - 1),
+        lambda a, b: torch.slice_scatter(a, b, dim=-1, start=-4),
+    ],
+)
+def test_slice_scatter_bounds_under_a_batched_mesh(fn):
+    a, b = torch.zeros(2, 4, 8), torch.ones(2, 4, 4)
+    got = partita.jit(fn, mesh=MESH, in_specs=(P("data"), P("data")))(a, b)
+    assert torch.equal(got.full(), fn(a, b))
 
 
 @pytest.mark.parametrize(
