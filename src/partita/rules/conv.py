@@ -5,9 +5,14 @@ Spatial dims are *windowed* (``handler="halo"``): a shard needs a few rows of it
 (canonical T23). A windowed factor's size differs between input and output when the op strides
 or pools; ``sizes`` holds the input's. Kernel dims are need-replication, input channels a
 reduction factor (``convolution`` with a bias, like ``addmm``, must add the bias once when it
-is sharded), batch and output channels pass through. Grouped and transposed convolutions are
-not supported. ``max_pool2d_with_indices``' indices are positions in the (halo-extended) local
+is sharded), batch and output channels pass through. Grouped and transposed convolutions,
+which the halo lowering does not cover, keep only their batch dim sharded (channels and space
+gathered). ``max_pool2d_with_indices``' indices are positions in the (halo-extended) local
 input: the backward must use the same tiling, which the halo handler guarantees.
+
+Plane ops (``PLANE_CORES``: adaptive pools, 3-d and fractional pools, interpolations) and
+``grid_sampler`` gather their spatial plane and pass batch and channels through ("gather,
+compute, keep replicated", ``batched.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Rules of elementwise ops: unary and binary math, comparisons, casts, ``where``, ``lerp``.
+"""Rules of elementwise ops: unary and binary math (special functions included: gamma family,
+Bessel functions, orthogonal polynomials), comparisons, casts, ``where``, ``lerp``.
 
 Every operand broadcasts to the result: dims are aligned from the right, a dim equal to the
 result's shares its factor, and a size-1 dim that broadcasts carries no factor (``1``); 0-d

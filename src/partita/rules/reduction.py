@@ -1,12 +1,15 @@
 """Rules of reductions along dims: sum/mean/amax/amin/any/all, max/min/argmax, var/std,
-softmax and log-softmax (and their backwards), cumsum, sort and topk.
+median/kthvalue/mode, vector norms, softmax and log-softmax (and their backwards), cumsum,
+sort and topk.
 
 A reduced dim whose partial results combine with one collective is a *reduction* factor:
 ``sum`` and ``mean`` (``reduce_op="sum"``; mean carries ``handler="mean"`` because the local
 op divides by the local count: the partitioner sums the local means times the local fraction,
 or lowers mean as a sum and divides by the global count), ``amax``/``any`` (``"max"``),
 ``amin``/``all`` (``"min"``). Dims that need every element at once are need-replication:
-``var``/``std``, ``prod``, the indices of ``max.dim``/``argmax``, ``cumsum``, ``sort``/``topk``.
+``var``/``std``, ``prod``, the indices of ``max.dim``/``argmax``, ``cumsum``, ``sort``/``topk``,
+the order statistics (``median``, ``kthvalue``, ``mode``). ``linalg_vector_norm`` is a sum for
+``ord`` 0 and 1, a min for ``-inf``, need-replication otherwise.
 Softmax's dim passes through with the *mandatory* ``handler="softmax_reduce"``: sharded, the
 partitioner lowers it with an all_reduce(max) and an all_reduce(sum) (canonical T12); the
 backwards need one all_reduce(sum). This module does not

@@ -1,5 +1,5 @@
 """Rules of ops that only move or relabel elements: reshape/view, squeeze, permute, transpose,
-expand.
+expand, diagonal, repeat, narrow_copy, view_as_complex/real.
 
 Reshape uses a generic shape-matching algorithm (:func:`reshape_factors`): size-1 dims carry no
 factor; the remaining dims of input and output are cut into minimal groups of equal product;
@@ -10,8 +10,11 @@ consecutive ones: ``[8, 8, 32] -> [64, 32]`` is ``a b c -> (a b) c``, ``[12, 5] 
 (``[6, 4] -> [4, 6]``) is not expressible: its input dims are need-replication factors (the
 operand is gathered on them) and its output dims fresh result-only factors (sliced locally).
 Ops whose arguments are shapes (view, expand) carry ``handler="localize_shape"``: the
-partitioner rewrites the shape argument to local sizes. This module does not cover slicing,
-concatenation or padding (``slicing.py``).
+partitioner rewrites the shape argument to local sizes. Ops that pair or tile *global*
+positions (``diagonal``'s two dims, a dim that ``repeat`` tiles) gather those dims. This module
+does not cover slicing, concatenation or padding (``slicing.py``), nor ``as_strided``, which
+has no rule: it reads storage through strides, and a gathered operand's layout is not the
+user's.
 """
 
 from __future__ import annotations
