@@ -80,6 +80,23 @@ def test_module_equals_eager():
     assert step.cache_size == 2
 
 
+def test_module_train_and_eval_are_two_programs():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5))
+    (x,) = _seeded((4, 8))
+    step = partita.jit(model, mesh=MESH)
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(step(x).full(), model(x))
+    model.train()
+    out = step(x).full()
+    assert (out == 0).any() and step.cache_size == 2  # dropout now drops
+    model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(step(x).full(), model(x))
+    assert step.cache_size == 2
+
+
 def test_module_weights_sharded_by_param_specs():
     model = _model()
     (x,) = _seeded((8, 16))

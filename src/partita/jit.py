@@ -151,6 +151,8 @@ class Jitted:
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Compiled, list[Any]]:
         fn, args, in_specs = self._program_inputs(args, kwargs)
         leaves, specs, key = self._specs_and_key(args, kwargs, in_specs)
+        if self._module is not None:
+            key = (*key, ("mode", self._module.mode()))  # type: ignore[misc]
         compiled = self._cache.get(key)
         if compiled is not None:
             self._cache.move_to_end(key)

@@ -2,7 +2,10 @@
 
 ``trace(fn, args, ...)`` -> :class:`Program`; ``annotate(t, mesh, spec)`` inside a traced
 function; ``is_tracing()``; ``source_line(node)``. The op set a Program may contain is fixed by
-``decompositions`` and ``normalize``. This package does not propagate or partition.
+``decompositions`` and ``normalize``. Tensor constants become inputs (``lift``), in-place
+updates of inputs become extra outputs (``functionalize``), failures are explained by
+``diagnose``, and ``module`` turns an ``nn.Module`` into a function of its weights. This package
+does not propagate or partition.
 """
 
 from __future__ import annotations

@@ -65,6 +65,11 @@ class ModuleInputs:
             user = tuple(in_specs)
         return (params, buffers, *user)
 
+    def mode(self) -> tuple[bool, ...]:
+        """The train/eval flag of every submodule: part of the signature, because
+        ``model.eval()`` changes what the forward computes (dropout, batch norm)."""
+        return tuple(m.training for m in self.module.modules())
+
     def leaf_name(self, name: str) -> str:
         """A readable name for a leaf of ``(params, buffers, *args)``: ``args[0]['fc.weight']``
         is ``parameter 'fc.weight'``, ``args[3]`` is ``args[1]``."""
