@@ -608,3 +608,64 @@ def test_unused_and_frozen_parameters_are_skipped_like_torch(
     for i, state in want_opt["state"].items():
         for key, value in state.items():
             torch.testing.assert_close(got["state"][i][key], value, rtol=RTOL, atol=ATOL)
+
+
+def test_torch_checkpoint_with_unused_and_frozen_parameters_resumes_like_torch() -> None:
+    """A plain PyTorch checkpoint (no optimizer state for the unused and frozen parameters)
+    loads into a TrainStep, which then continues exactly like torch."""
+    torch.manual_seed(0)
+    ref = WithUnused()
+    ref.frozen.requires_grad_(False)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 4, generator=g), torch.randn(8, 8, generator=g)) for _ in range(4)]
+    reference(ref, F.mse_loss, ref_opt, batches[:2])
+    model = WithUnused()
+    model.frozen.requires_grad_(False)
+    step = train_step(
+        model,
+        F.mse_loss,
+        torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1),
+        mesh=MESH,
+    )
+    result = step.load_state_dict({"model": ref.state_dict(), "optimizer": ref_opt.state_dict()})
+    assert result.missing_keys == [] and result.unexpected_keys == []
+    want = reference(ref, F.mse_loss, ref_opt, batches[2:])
+    assert_same(step, ref, run(step, batches[2:]), want)
+    assert sorted(step.state_dict()["optimizer"]["state"]) == sorted(ref_opt.state_dict()["state"])
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.lin(x * scale)
+
+
+def test_dict_batch_spec_matches_by_key_not_position() -> None:
+    """A batch_spec dict in another key order than the batch's dict: each spec goes to its
+    key (pytree broadcasting pairs dict entries by position and gave x's spec to scale)."""
+    torch.manual_seed(0)
+    model = Scaled()
+    ref = copy.deepcopy(model)
+    make = lambda ps: torch.optim.SGD(ps, lr=0.1)  # noqa: E731
+    spec = ({"scale": P(), "x": P(None, "data")}, P("data"))
+    step = train_step(model, F.mse_loss, make(model.parameters()), mesh=MESH, batch_spec=spec)
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (
+            {"x": torch.randn(8, 4, generator=g), "scale": torch.rand(4, generator=g)},
+            torch.randn(8, 8, generator=g),
+        )
+        for _ in range(2)
+    ]
+    ref_opt, want = make(ref.parameters()), []
+    for inputs, targets in batches:  # eager: model(**inputs)
+        ref_opt.zero_grad()
+        loss = F.mse_loss(ref(**inputs), targets)
+        loss.backward()
+        ref_opt.step()
+        want.append(loss.item())
+    assert_same(step, ref, run(step, batches), want)

@@ -14,7 +14,9 @@ data, so ``torch.optim.lr_scheduler`` schedulers attached to the optimizer work 
 optimizer is fixed when the step is built.
 
 This module ties the pieces together; the sharding decisions are the plan's and propagation's,
-the update math is ``partita.models.steps``'.
+the update math is ``partita.models.steps``', the checks of each batch ``partita.train_checks``'
+and the checkpoint layout (tied names, optimizer indices, atomic loading)
+``partita.train_state``'.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from partita.partition import Plan
 from partita.plans import PlanLike, default_batch_spec, param_specs
 from partita.spec import P, PartitionSpec
 from partita.tensor import ShardedTensor
-from partita.train_checks import check_batch, check_optimizer_params
+from partita.train_checks import align_batch, check_batch, check_optimizer_params
 from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
@@ -183,6 +185,7 @@ class TrainStep:
             )
         float_dtype = None if self.compute_dtype is not None else torch.float32
         check_batch(batch, self.batch_spec, self.mesh, float_dtype=float_dtype)
+        batch = align_batch(batch, self.batch_spec)
         return (self.params, self.buffers, self.opt_state, self._lr(), batch)
 
     def lower(self, batch: Any) -> Plan:

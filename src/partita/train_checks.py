@@ -20,7 +20,7 @@ from partita.errors import SpecError, TrainInputError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
 
-__all__ = ["check_batch", "check_optimizer_params", "describe_batch"]
+__all__ = ["align_batch", "check_batch", "check_optimizer_params", "describe_batch"]
 
 
 class _Leaf:
@@ -54,18 +54,47 @@ def _is_spec_leaf(x: Any) -> bool:
 
 
 def _leaf_specs(batch: Any, batch_spec: Any) -> list[PartitionSpec | None] | None:
-    """One spec per leaf of ``batch`` (``batch_spec`` is a prefix of it), or None if it is not."""
-    leaves, tree = pytree.tree_flatten(batch_spec, is_leaf=_is_spec_leaf)
-    if any(s is not None and not isinstance(s, PartitionSpec) for s in leaves):
+    """One spec per leaf of ``batch`` (``batch_spec`` is a prefix of it), or None if it is not.
+
+    Dicts match by key, not by position (``torch.utils._pytree``'s broadcasting pairs dict
+    entries by position, which would give ``{"mask": P(), "ids": P("data")}`` to the wrong
+    keys of ``{"ids": ..., "mask": ...}``).
+    """
+    if _is_spec_leaf(batch_spec):
+        return [batch_spec] * len(pytree.tree_leaves(batch))
+    if isinstance(batch_spec, dict) and isinstance(batch, dict):
+        if set(batch_spec) != set(batch):
+            return None
+        pairs = [(batch[k], batch_spec[k]) for k in batch]
+    elif isinstance(batch_spec, tuple | list) and isinstance(batch, tuple | list):
+        if len(batch_spec) != len(batch):
+            return None
+        pairs = list(zip(batch, batch_spec, strict=True))
+    else:
         return None
-    marked = pytree.tree_unflatten([_NONE if s is None else s for s in leaves], tree)
-    flat = pytree._broadcast_to_and_flatten(
-        marked, pytree.tree_structure(batch), is_leaf=lambda x: x is _NONE or _is_spec_leaf(x)
-    )
-    return None if flat is None else [None if s is _NONE else s for s in flat]
+    flat: list[PartitionSpec | None] = []
+    for value, spec in pairs:
+        part = _leaf_specs(value, spec)
+        if part is None:
+            return None
+        flat += part
+    return flat
 
 
-_NONE = object()  # a None spec, told apart from a pytree's empty None node while broadcasting
+def align_batch(batch: Any, batch_spec: Any) -> Any:
+    """``batch`` with every dict in the key order of ``batch_spec``'s dict at the same place.
+
+    ``partita.jit`` pairs specs with values by position, so this makes position mean key.
+
+    Example:
+        >>> align_batch(({"b": 1, "a": 2}, 3), ({"a": P(), "b": P()}, P()))
+        ({'a': 2, 'b': 1}, 3)
+    """
+    if isinstance(batch_spec, dict) and isinstance(batch, dict):
+        return {k: align_batch(batch[k], batch_spec[k]) for k in batch_spec}
+    if isinstance(batch_spec, tuple | list) and isinstance(batch, tuple | list):
+        return type(batch)(align_batch(v, s) for v, s in zip(batch, batch_spec, strict=True))
+    return batch
 
 
 def check_batch(
