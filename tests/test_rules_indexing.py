@@ -24,7 +24,7 @@ from partita import Mesh, P
 from partita.layout import shard_tensor
 from partita.rules import OpInfo, TensorMeta
 from partita.rules.attention import sdpa_backward_rule, sdpa_rule
-from partita.rules.indexing import index_rule, scatter_rule
+from partita.rules.indexing import index_put_rule, index_rule, scatter_rule
 from partita.tensor import ShardedTensor
 
 aten = torch.ops.aten
@@ -70,6 +70,12 @@ def test_index_rule_adjacent_and_separated() -> None:
     assert repr(index_rule(separated)) == (
         "FactorRule(a b c, d 1, e -> d e b; need-replication=a,c; handler=index_padding)"
     )
+
+
+def test_index_put_rule_keeps_indices_whole() -> None:
+    x, i, v = _meta(6, 5, 4), _meta(3, dtype=torch.int64), _meta(6, 3, 4)
+    info = _info(aten.index_put.default, (x, [None, i], v, True), [x, i, v], _meta(6, 5, 4))
+    assert repr(index_put_rule(info)) == "FactorRule(a b c, 1, a 1 c -> a b c; need-replication=b)"
 
 
 def test_scatter_rule_smaller_index_cuts_the_dim() -> None:

@@ -39,8 +39,8 @@ def _indices(info: OpInfo) -> list[TensorMeta | None]:
         if i is not None and i.dtype is not None and not _is_integer(i.dtype):
             raise NotImplementedError(
                 f"{info.target} with a {i.dtype} index of shape {i.shape}: a boolean mask gives "
-                f"a data-dependent shape, which partita cannot shard; index with "
-                f"mask.nonzero() of a known size, or use torch.where(mask, x, 0)"
+                f"a data-dependent shape, which partita cannot shard; keep the shape with "
+                f"torch.where(mask, x, 0), or index with integer positions"
             )
     return indices
 
@@ -63,12 +63,13 @@ def _broadcast_shape(shapes: Sequence[tuple[int, ...]]) -> tuple[int, ...]:
 
 def _layout(
     info: OpInfo, fresh: Names
-) -> tuple[list[str], list[int], tuple[int, ...], list[Dim], list[list[Dim]]]:
+) -> tuple[list[str], list[int], list[Dim], list[list[Dim]], list[Dim]]:
     """What ``x[indices]`` does to the factors of ``x``.
 
-    Returns the factors of ``x``, its indexed dims, the indices' broadcast shape, the factors of
-    the result (the broadcast dims replace the indexed dims where those are adjacent, otherwise
-    they come first: torch's rule for ``x[i, :, j]``) and the factors of each index tensor.
+    Returns the factors of ``x``, its indexed dims, the factors of the result (the broadcast
+    dims replace the indexed dims where those are adjacent, otherwise they come first: torch's
+    rule for ``x[i, :, j]``), the factors of each index tensor and those of the indices'
+    broadcast shape.
 
     Example: ``x [a b c]`` indexed by ``(None, i [d])`` gives ``a d c``; by ``(i [d], None,
     j [d])`` gives ``d b``.
@@ -86,14 +87,14 @@ def _layout(
     else:
         out = [*bcast, *rest]
     index_dims = [broadcast_dims(i, shape, bcast) for i in indices if i is not None]
-    return names, indexed, shape, out, index_dims
+    return names, indexed, out, index_dims, bcast
 
 
 @register_rule(*aten_ops(["index.Tensor"]))
 def index_rule(info: OpInfo) -> FactorRule:
     """``a b c, d -> a d c; need-replication=b`` for ``x[:, i]``: the indexed dim is gathered,
     the index's dims pass through to the result, the other dims of ``x`` pass through."""
-    names, indexed, _, out, index_dims = _layout(info, Names())
+    names, indexed, out, index_dims, _ = _layout(info, Names())
     return build(
         info,
         [names, *index_dims],
@@ -105,22 +106,18 @@ def index_rule(info: OpInfo) -> FactorRule:
 
 @register_rule(*aten_ops(["index_put.default"]))
 def index_put_rule(info: OpInfo) -> FactorRule:
-    """``a b c, d, a d c -> a b c; need-replication=b,d`` for ``x[:, i] = v`` (accumulate or
-    not): the indexed dims and the index dims are gathered (every device must write every
+    """``a b c, 1, a 1 c -> a b c; need-replication=b`` for ``x[:, i] = v`` (accumulate or
+    not): the indexed dims and the index tensors are whole (every device must write every
     position of its tile), the other dims of ``x`` pass through with the values' dims."""
-    fresh = Names()
-    names, indexed, shape, out, index_dims = _layout(info, fresh)
-    values = info.operands[-1]
-    # The values broadcast to the shape of x[indices]; the index dims there are whole.
-    bcast = {f for dims in index_dims for f in dims if f is not None}
+    names, indexed, out, index_dims, bcast = _layout(info, Names())
+    x, values = info.operands[0], info.operands[-1]
+    # The values broadcast to the shape of x[indices]; its index dims stay whole.
     target: list[Dim] = [None if f in bcast else f for f in out]
-    target_shape = [1 if f is None else info.operands[0].shape[names.index(f)] for f in target]
-    value_dims = _values_dims(values, target_shape, target)
-    index_dims = [[None] * len(d) for d in index_dims]
-    del shape
+    target_shape = [1 if f is None else x.shape[names.index(f)] for f in target]
+    whole_indices: list[list[Dim]] = [[None] * len(d) for d in index_dims]
     return build(
         info,
-        [names, *index_dims, value_dims],
+        [names, *whole_indices, _values_dims(values, target_shape, target)],
         [names],
         need_replication=[names[d] for d in indexed],
     )
@@ -147,7 +144,7 @@ def scatter_rule(info: OpInfo) -> FactorRule:
     """``a b, 1 b, 1 b -> a b; need-replication=a`` for ``x.scatter(0, i, s)``: the scattered
     dim is gathered; another dim passes through where the index (and source) have the
     operand's size, and is gathered where they are smaller."""
-    x, index = info.operands[0], info.operands[1]
+    x = info.operands[0]
     dim = norm_dim(info.arg(1, "dim"), x.ndim)
     names = Names().take(x.ndim)
     others = info.operands[1:]
@@ -159,7 +156,6 @@ def scatter_rule(info: OpInfo) -> FactorRule:
             rep.append(names[d])
         for dims in per_operand:
             dims.append(names[d] if same else None)
-    del index
     return build(info, [names, *per_operand], [names], need_replication=rep, handler=INDEX_PADDING)
 
 
@@ -202,7 +198,6 @@ def unfold_rule(info: OpInfo) -> FactorRule:
     """``a b -> a c d; need-replication=b`` for ``x.unfold(1, size, step)``: windows cross tile
     edges."""
     (x,) = info.operands
-    (out,) = info.results
     fresh = Names()
     names = fresh.take(x.ndim)
     if not x.ndim:
@@ -211,5 +206,4 @@ def unfold_rule(info: OpInfo) -> FactorRule:
     res: list[Dim] = list(names)
     res[dim] = fresh.new()
     res.append(fresh.new())
-    del out
     return build(info, [names], [res], need_replication=[names[dim]])
