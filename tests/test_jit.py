@@ -309,3 +309,55 @@ def test_docs_jit_examples_run():
     scope: dict[str, object] = {}
     for block in blocks:
         exec(compile(block, "docs/jit.md", "exec"), scope)
+
+
+# --- the same under torch.distributed (4 Gloo processes) -----------------------------------------
+
+_DIST_SCRIPT = """
+import sys
+import torch
+from torch import nn
+import partita
+import partita.distributed as pd
+from partita import Mesh, P
+
+pd.initialize()
+mesh = Mesh.create((2, 2), ("data", "model"))
+g = torch.Generator().manual_seed(0)
+x, c = torch.randn(8, 4, generator=g), torch.randn(4, generator=g)
+results = {}
+closure = partita.jit(lambda x: x * c + torch.tensor(1.0), mesh=mesh, in_specs=P("data", None))
+results["closure"] = closure(x).full()
+counts = torch.zeros(4)
+partita.jit(lambda t, x: t.add_(x.sum(0)).sum(), mesh=mesh)(counts, x)
+results["counts"] = counts
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+fwd = partita.jit(model, mesh=mesh, in_specs=(P("data", None),),
+                  param_specs={"0.weight": P("model", None)})
+results["model"] = fwd(x).full()
+results["running_mean"] = model[1].running_mean.clone()
+if pd.is_main_process():
+    torch.save(results, sys.argv[1])
+"""
+
+
+@pytest.mark.slow
+def test_constants_modules_and_updates_under_torch_distributed(tmp_path):
+    from partita.runtime.launch import spawn
+
+    script = tmp_path / "jit_dist.py"
+    script.write_text(_DIST_SCRIPT)
+    out = tmp_path / "out.pt"
+    results = spawn([str(script), str(out)], 4, timeout=180)
+    assert all(r.returncode == 0 for r in results), "\n".join(r.stderr[-2000:] for r in results)
+    got = torch.load(out)
+    g = torch.Generator().manual_seed(0)
+    x, c = torch.randn(8, 4, generator=g), torch.randn(4, generator=g)
+    torch.testing.assert_close(got["closure"], x * c + 1)
+    torch.testing.assert_close(got["counts"], x.sum(0))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6))
+    with torch.no_grad():
+        torch.testing.assert_close(got["model"], model(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["running_mean"], model[1].running_mean)
