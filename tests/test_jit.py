@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import partita
-from partita import CaptureError, Mesh, P, RecompileWarning
+from partita import CaptureError, JitArgumentError, Mesh, P, RecompileWarning
 from partita.jit import DEFAULT_CACHE_LIMIT, RECOMPILE_WARNING_AT
 
 MESH = Mesh.create((2, 2), ("data", "model"))
@@ -122,7 +122,7 @@ def test_module_weights_sharded_by_param_specs():
 def test_param_specs_errors():
     with pytest.raises(ValueError, match=r"plan keys \['nope'\] match no parameter"):
         partita.jit(_model(), mesh=MESH, param_specs={"nope": P("model")})
-    with pytest.raises(TypeError, match=r"param_specs=.*shards the weights of an nn.Module"):
+    with pytest.raises(JitArgumentError, match=r"param_specs=.*shards the weights of an nn.Mod"):
         partita.jit(lambda x: x, mesh=MESH, param_specs={"w": P()})
 
 
@@ -251,7 +251,7 @@ def test_cache_is_lru_and_bounded():
 
 
 def test_cache_limit_is_checked():
-    with pytest.raises(ValueError, match=r"cache_limit=0.*must be an int >= 1 \(default 64\)"):
+    with pytest.raises(JitArgumentError, match=r"cache_limit=0.*must be an int >= 1 \(default 64"):
         partita.jit(lambda x: x, mesh=MESH, cache_limit=0)
 
 

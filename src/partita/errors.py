@@ -20,6 +20,7 @@ __all__ = [
     "DistributedError",
     "DtypeError",
     "InputError",
+    "JitArgumentError",
     "JoinTimeoutError",
     "MeshError",
     "PartitaError",
@@ -125,3 +126,8 @@ class InputError(PartitaError, TypeError):
 class ReplicatedOpWarning(PartitaWarning):
     """Under ``replicate_unsupported=True``: an op without a usable sharding rule runs on
     gathered (replicated) inputs."""
+
+
+class JitArgumentError(PartitaError, TypeError, ValueError):
+    """``partita.jit`` was configured with an argument it cannot use (a ``cache_limit`` below
+    1, ``param_specs`` for a function that is not an ``nn.Module``)."""

@@ -30,7 +30,7 @@ from torch.utils import _pytree as pytree
 from partita import capture
 from partita.capture.module import ModuleInputs
 from partita.capture.trace import _broadcast_specs, _where
-from partita.errors import RecompileWarning
+from partita.errors import JitArgumentError, RecompileWarning
 from partita.explain import format_program
 from partita.layout import shard_tensor
 from partita.mesh import Mesh
@@ -80,7 +80,7 @@ class Jitted:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
         if not isinstance(cache_limit, int) or cache_limit < 1:
-            raise ValueError(
+            raise JitArgumentError(
                 f"partita.jit(cache_limit={cache_limit!r}): the number of compiled signatures "
                 f"to keep must be an int >= 1 (default {DEFAULT_CACHE_LIMIT})."
             )
@@ -97,7 +97,7 @@ class Jitted:
         self._executor = LocalMesh(mesh)
         self._module = ModuleInputs(fn, mesh, param_specs) if isinstance(fn, nn.Module) else None
         if param_specs is not None and self._module is None:
-            raise TypeError(
+            raise JitArgumentError(
                 f"partita.jit(param_specs=...) shards the weights of an nn.Module, but "
                 f"{_name(fn)!r} is a {type(fn).__name__}. Pass the module itself to jit, or "
                 f"give the weights as arguments with in_specs."
