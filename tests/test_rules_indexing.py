@@ -297,9 +297,32 @@ def test_scatter_reduce_modes(reduce: str, include_self: bool) -> None:
     assert {c.kind for c in plan.collectives} <= {"all_gather", "all_to_all"}
 
 
-def test_cummax_cummin_along_a_sharded_dim() -> None:
-    x = torch.randint(-3, 4, (6, 7)).float()
-    _check(lambda x: (torch.cummax(x, 1), torch.cummin(x, 0)), (x,), (P("x", "y"),))
+@pytest.mark.parametrize("data", ["ties", "nan", "int"])
+@pytest.mark.parametrize("n", [3, 7, 8])
+def test_cummax_cummin_sharded_scan(data: str, n: int) -> None:
+    """The scanned dim split over 8 devices (3 of 8 rows: five devices hold only padding)."""
+    g = _g()
+    x = torch.randint(-2, 3, (3, n), generator=g)
+    if data != "int":
+        x = x.float()
+    if data == "nan":
+        x[x == 2] = float("nan")
+    split = P(None, ("y", "x"))
+    for op in (torch.cummax, torch.cummin):
+        step = partita.jit(lambda x, op=op: op(x, 1), mesh=MESH8, in_specs=(split,))
+        (values, indices), (want_v, want_i) = step(x), op(x, 1)
+        torch.testing.assert_close(values.full(), want_v, equal_nan=True, rtol=0, atol=0)
+        assert torch.equal(indices.full(), want_i)
+
+
+def test_sharded_scan_gathers_one_value_per_tile() -> None:
+    step = partita.jit(lambda x: torch.cummax(x, 1), mesh=MESH, in_specs=(P(None, ("x", "y")),))
+    plan = step.lower(torch.randn(3, 7))
+    assert [(c.kind, c.shape, c.dtype) for c in plan.collectives] == [
+        ("all_gather", (3, 4), torch.float32),
+        ("all_gather", (3, 4), torch.int64),
+    ]
+    assert plan.output_shardings[0].spec == P(None, ("x", "y"))
 
 
 # --- grouped-query attention -------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Rules of the scans that return indices: ``cummax`` and ``cummin`` (values, indices).
 
-Decision: the scanned dim is need-replication (every element depends on all before it, and the
-indices are global positions); the other dims pass through. ``cumsum``, ``cumprod`` and
-``logcumsumexp`` have the same rule in ``reduction.py``. A sharded scan (a local scan plus an
-exclusive prefix of the tiles' totals) is not written yet.
+Decision: the scanned dim passes through with the mandatory ``handler="sharded_scan"``: split,
+each device scans its tile and combines it with the running extreme of the tiles before it,
+gathered as one value per tile (``partition/special/scan.py``); the generic per-tile lowering
+alone would be wrong (every element depends on all before it, and the indices are global
+positions). The other dims pass through. ``cumsum``, ``cumprod`` and ``logcumsumexp`` are
+need-replication on the scanned dim in ``reduction.py``.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ __all__ = ["cum_extreme_rule"]
 
 @register_rule(*aten_ops(["cummax.default", "cummin.default"]))
 def cum_extreme_rule(info: OpInfo) -> FactorRule:
-    """``a b -> a b, a b; need-replication=b`` for ``cummax(x, 1)``."""
+    """``a b -> a b, a b; handler=sharded_scan`` for ``cummax(x, 1)``."""
     (x,) = info.operands
     names = Names().take(x.ndim)
-    rep = [names[norm_dim(info.arg(1, "dim"), x.ndim)]] if x.ndim else []
-    return build(info, [names], [names, names], need_replication=rep)
+    norm_dim(info.arg(1, "dim"), x.ndim)  # validates the dim
+    return build(info, [names], [names, names], handler="sharded_scan")

@@ -20,6 +20,8 @@ global_random      draw the *global* random tensor (same generator state on ever
                    draw per program run) and keep this device's tile
 index_padding      index.Tensor and the scatters with a sharded index tensor: its padding is
                    set to 0 (a valid index) before the local op
+sharded_scan       cummax/cummin along a split dim: local scan, one all_gather of every tile's
+                   last (value, index), combine with the extreme of the tiles before
 =================  ==========================================================================
 
 The all_reduces a handler emits are recorded in the Plan (``CollectiveRecord``) with the op,
@@ -31,8 +33,8 @@ the batch factor because its results are already reduced.
 Layout: ``common`` holds the helpers the handlers share (``make_tuple``, the recorded
 ``all_reduce``, padding masks, casts); each other module holds one handler family:
 ``softmax`` (softmax_reduce), ``embedding`` (masked_embedding), ``indexing`` (index_padding),
-``reductions`` (mean, weighted_mean), ``batchnorm`` (batch_stats) and ``random_draw``
-(global_random and the ``partita::global_random_draw`` custom op).
+``scan`` (sharded_scan), ``reductions`` (mean, weighted_mean), ``batchnorm`` (batch_stats) and
+``random_draw`` (global_random and the ``partita::global_random_draw`` custom op).
 Importing this package registers every handler.
 """
 
@@ -44,6 +46,7 @@ from partita.partition.special import (  # noqa: F401 - each registers its handl
     indexing,
     random_draw,
     reductions,
+    scan,
     softmax,
 )
 from partita.partition.special.common import make_tuple
