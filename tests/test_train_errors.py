@@ -247,3 +247,24 @@ def test_optimizer_of_another_size_and_uneven_steps() -> None:
     }
     with pytest.raises(StateDictError, match=r"different step counts per parameter.*one counter"):
         step.load_state_dict({**sd, "optimizer": {**sd["optimizer"], "state": state}})
+
+
+def test_entries_of_the_wrong_type() -> None:
+    step = build()
+    sd = checkpoint()
+    with pytest.raises(StateDictError, match=r"state_dict\['model'\] is a list, expected"):
+        step.load_state_dict({"model": list(sd["model"].values())})
+    state = {**sd["optimizer"]["state"], 0: torch.zeros(8, 4)}
+    with pytest.raises(
+        StateDictError,
+        match=r"\['state'\]\[0\] \(parameter 'weight'\) is a Tensor, expected a dict of its "
+        r"states \(step, exp_avg, exp_avg_sq\)",
+    ):
+        step.load_state_dict({**sd, "optimizer": {**sd["optimizer"], "state": state}})
+    with pytest.raises(
+        StateDictError,
+        match=r"model\['weight'\] is a str \('w.pt'\), expected a tensor of shape \(8, 4\)",
+    ):
+        step.load_state_dict({"model": {**sd["model"], "weight": "w.pt"}})
+    with pytest.raises(StateDictError, match=r"state_dict\['optimizer'\] is list, expected"):
+        step.load_state_dict({**sd, "optimizer": []})

@@ -212,6 +212,13 @@ def _load_optimizer(
             unexpected.append(where)
             continue
         name = by_index[index]
+        if not isinstance(entry, Mapping):
+            raise StateDictError(
+                f"load_state_dict: state_dict['optimizer']['state'][{index}] (parameter "
+                f"{name!r}) is a {type(entry).__name__}, expected a dict of its states "
+                f"({', '.join(('step', *layout.moments))}). Nothing was loaded. Pass what "
+                "optimizer.state_dict() returned."
+            )
         missing += [f"{where}.{k}" for k in ("step", *layout.moments) if k not in entry]
         unexpected += [f"{where}.{k}" for k in entry if k not in ("step", *layout.moments)]
         if "step" in entry:
@@ -263,6 +270,12 @@ def load_state(
             "'optimizer': ...}, as produced by TrainStep.state_dict(). Nothing was loaded. "
             "To load only model weights, pass {'model': model_state_dict} (the optimizer state "
             "is kept)."
+        )
+    if not isinstance(state_dict["model"], Mapping):
+        raise StateDictError(
+            f"load_state_dict: state_dict['model'] is a {type(state_dict['model']).__name__}, "
+            "expected the {name: tensor} dict of model.state_dict(). Nothing was loaded. Pass "
+            "what TrainStep.state_dict() returned (its 'model' entry is model.state_dict())."
         )
     values, missing, unexpected = _load_model(layout, state_dict["model"], current)
     unexpected += [k for k in state_dict if k not in ("model", "optimizer")]
