@@ -1,17 +1,14 @@
 """Op-table cases of the rules added for PyTorch's op database: special functions and other
-elementwise ops, whole-tensor and order-statistic reductions, vector norms, plane pools and
-interpolations, diagonals, repeats, distances and lookups, ops gathered whole, the remaining
-random distributions.
+elementwise ops, whole-tensor and order-statistic reductions, vector norms, diagonals, repeats,
+distances and lookups, ops gathered whole, the remaining random distributions.
 
 Imported at the end of ``op_cases`` (it registers into the same ``CASES``); data only, like
 ``op_cases``. Sizes are uneven on purpose (5, 6, 7). Linear algebra and FFTs are in
-``op_cases_linalg`` (imported at the end).
+``op_cases_linalg``, pools, interpolations and grid sampling (forward and backward) in
+``op_cases_plane`` (both imported at the end).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -159,103 +156,6 @@ case(
     **R,
 )
 
-# --- plane pools and interpolations (grouped/transposed convolution: tests/test_gathered_rules.py)
-
-X4, X5 = f(2, 3, 7, 6), f(2, 3, 5, 6, 7)
-
-
-def _adaptive_max_backward(g: torch.Tensor, x: torch.Tensor) -> Any:
-    _, idx = aten.adaptive_max_pool2d.default(x, [3, 2])
-    return aten.adaptive_max_pool2d_backward.default(g, x, idx)
-
-
-def _fractional(x: torch.Tensor, s: torch.Tensor, k: list[int], out: list[int]) -> Any:
-    op = aten.fractional_max_pool2d if len(k) == 2 else aten.fractional_max_pool3d
-    return op.default(x, k, out, s)
-
-
-PLANE: list[tuple[Any, Callable[..., Any], tuple[Any, ...]]] = [
-    (
-        aten._adaptive_avg_pool2d.default,
-        lambda x: aten._adaptive_avg_pool2d.default(x, [3, 2]),
-        (X4,),
-    ),
-    (
-        aten._adaptive_avg_pool2d_backward.default,
-        lambda g, x: aten._adaptive_avg_pool2d_backward.default(g, x),
-        (X4, X4),
-    ),
-    (
-        aten._adaptive_avg_pool3d.default,
-        lambda x: aten._adaptive_avg_pool3d.default(x, [2, 3, 2]),
-        (X5,),
-    ),
-    (
-        aten._upsample_bilinear2d_aa.default,
-        lambda x: aten._upsample_bilinear2d_aa.default(x, [4, 3], False),
-        (X4,),
-    ),
-    (
-        aten.adaptive_max_pool2d.default,
-        lambda x: aten.adaptive_max_pool2d.default(x, [3, 2]),
-        (X4,),
-    ),
-    (aten.adaptive_max_pool2d_backward.default, _adaptive_max_backward, (f(2, 3, 3, 2), X4)),
-    (
-        aten.adaptive_max_pool3d.default,
-        lambda x: aten.adaptive_max_pool3d.default(x, [2, 3, 2]),
-        (X5,),
-    ),
-    (aten.avg_pool3d.default, lambda x: aten.avg_pool3d.default(x, [2, 2, 2], [2, 1, 2]), (X5,)),
-    (
-        aten.fractional_max_pool2d.default,
-        lambda x, s: _fractional(x, s, [2, 2], [3, 4]),
-        (X4, lambda g: torch.rand(2, 3, 2, generator=g)),
-    ),
-    (
-        aten.fractional_max_pool3d.default,
-        lambda x, s: _fractional(x, s, [2, 2, 2], [3, 4, 3]),
-        (X5, lambda g: torch.rand(2, 3, 3, generator=g)),
-    ),
-    (
-        aten.max_pool3d_with_indices.default,
-        lambda x: aten.max_pool3d_with_indices.default(x, [2, 2, 2], [2, 2, 2]),
-        (X5,),
-    ),
-    (
-        aten.upsample_bicubic2d.default,
-        lambda x: aten.upsample_bicubic2d.default(x, [9, 5], True),
-        (X4,),
-    ),
-    (
-        aten.upsample_bilinear2d.default,
-        lambda x: aten.upsample_bilinear2d.default(x, [9, 5], False),
-        (X4,),
-    ),
-    (
-        aten.upsample_bilinear2d_backward.default,
-        lambda g: aten.upsample_bilinear2d_backward.default(g, [9, 5], [2, 3, 7, 6], False),
-        (f(2, 3, 9, 5),),
-    ),
-    (
-        aten.upsample_trilinear3d.default,
-        lambda x: aten.upsample_trilinear3d.default(x, [6, 4, 5], False),
-        (X5,),
-    ),
-    (
-        aten.grid_sampler_2d.default,
-        lambda x, grid: aten.grid_sampler_2d.default(x, grid, 0, 0, False),
-        (X4, unit(2, 5, 6, 2)),
-    ),
-    (
-        aten.grid_sampler_3d.default,
-        lambda x, grid: aten.grid_sampler_3d.default(x, grid, 0, 0, False),
-        (X5, unit(2, 5, 3, 6, 3)),
-    ),
-]
-for _op, _fn, _mks in PLANE:
-    case(_op, _fn, *_mks, **L)
-
 # --- distances and lookups ------------------------------------------------------------------------
 
 case(
@@ -364,4 +264,6 @@ case(
     **R,
 )
 
+
 import op_cases_linalg  # noqa: E402,F401
+import op_cases_plane  # noqa: E402,F401

@@ -147,19 +147,26 @@ PLANE_CORES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "_adaptive_avg_pool2d.default": ((2,), (2,)),
     "_adaptive_avg_pool2d_backward.default": ((2, 2), (2,)),
     "_adaptive_avg_pool3d.default": ((3,), (3,)),
+    "_adaptive_avg_pool3d_backward.default": ((3, 3), (3,)),
     "_upsample_bilinear2d_aa.default": ((2,), (2,)),
+    "_upsample_bilinear2d_aa_backward.default": ((4,), (4,)),
     "adaptive_max_pool2d.default": ((2,), (2, 2)),
     "adaptive_max_pool2d_backward.default": ((2, 2, 2), (2,)),
     "adaptive_max_pool3d.default": ((3,), (3, 3)),
+    "adaptive_max_pool3d_backward.default": ((3, 3, 3), (3,)),
     "avg_pool3d.default": ((3,), (3,)),
+    "avg_pool3d_backward.default": ((3, 3), (3,)),
     "fractional_max_pool2d.default": ((2, 1), (2, 2)),
     "fractional_max_pool3d.default": ((3, 1), (3, 3)),
     "max_pool3d_with_indices.default": ((3,), (3, 3)),
+    "max_pool3d_with_indices_backward.default": ((3, 3, 3), (3,)),
     "upsample_bicubic2d.default": ((2,), (2,)),
+    # the interpolation backwards take the global input_size: no dim may be local
+    "upsample_bicubic2d_backward.default": ((4,), (4,)),
     "upsample_bilinear2d.default": ((2,), (2,)),
-    # its input_size argument is the global shape: no dim may be local
     "upsample_bilinear2d_backward.default": ((4,), (4,)),
     "upsample_trilinear3d.default": ((3,), (3,)),
+    "upsample_trilinear3d_backward.default": ((5,), (5,)),
 }
 
 
@@ -190,4 +197,32 @@ def grid_sampler_rule(info: OpInfo) -> FactorRule:
         [[n, c, *plane], [n, *points, coord]],
         [[n, c, *points]],
         need_replication=[*plane, coord],
+    )
+
+
+@register_rule(*aten_ops(["grid_sampler_2d_backward.default", "grid_sampler_3d_backward.default"]))
+def grid_sampler_backward_rule(info: OpInfo) -> FactorRule:
+    """``a b e f, a b c d, a e f g -> a b c d, a e f g; need-replication=c,d,g;
+    result0-reduction=e,f; result1-reduction=b``: grad_input sums over the grid's points,
+    grad_grid over the channels."""
+    x, grid = info.operands[1], info.operands[2]
+    fresh = Names()
+    n, c = fresh.take(2)
+    plane = fresh.take(x.ndim - 2)
+    points = fresh.take(grid.ndim - 2)
+    coord = fresh.new()
+    rep = [*plane, coord]
+    red: dict[int, list[str]] = {}
+    for j, summed in ((0, points), (1, [c])):
+        if info.results[j] is None:
+            rep.extend(summed)  # no result keeps or sums it: gathered
+        else:
+            red[j] = summed
+    results = [[n, c, *plane], [n, *points, coord]]
+    return build(
+        info,
+        [[n, c, *points], [n, c, *plane], [n, *points, coord]],
+        [None if r is None else dims for r, dims in zip(info.results, results, strict=True)],
+        need_replication=rep,
+        result_reductions=red,
     )

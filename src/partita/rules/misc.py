@@ -22,7 +22,13 @@ from partita.rules.batched import batched_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
 
-__all__ = ["bucketize_rule", "cdist_rule", "gathered_rule", "index_reduce_rule"]
+__all__ = [
+    "bucketize_rule",
+    "cdist_backward_rule",
+    "cdist_rule",
+    "gathered_rule",
+    "index_reduce_rule",
+]
 
 
 @register_rule(*aten_ops(["_cdist_forward.default"]))
@@ -105,3 +111,23 @@ def index_reduce_rule(info: OpInfo) -> FactorRule:
         src[d] = src_k
     rep = [names[d], k, src_k] if x.ndim else [k]
     return build(info, [names, [k], src], [names], need_replication=rep)
+
+
+@register_rule(*aten_ops(["_cdist_backward.default"]))
+def cdist_backward_rule(info: OpInfo) -> FactorRule:
+    """``a p r, a p m, a r m, a p r -> a p m; reduction=r; need-replication=m``
+    (grad, x1, x2, cdist -> grad_x1): the gradient of a point sums over the other side's."""
+    x1, x2 = info.operands[1], info.operands[2]
+    if x1.ndim != x2.ndim or tuple(x1.shape[:-2]) != tuple(x2.shape[:-2]):
+        return batched_rule(info, [2, 2, 2, 2], [2])
+    fresh = Names()
+    batch = fresh.take(x1.ndim - 2)
+    p, r, m = fresh.take(3)
+    pr = [*batch, p, r]
+    return build(
+        info,
+        [pr, [*batch, p, m], [*batch, r, m], pr],
+        [[*batch, p, m]],
+        reduction=[r],
+        need_replication=[m],
+    )
