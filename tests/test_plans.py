@@ -153,3 +153,28 @@ def test_dict_plan_errors_read_the_same_through_explain() -> None:
         explain_param_specs({"weight": P("x")}, nn.Linear(2, 2), MESH)
     with pytest.raises(ValueError, match="splits parameters over a model mesh axis named 'mp'"):
         explain_param_specs(StandardPlan("tp", model_axis="mp"), nn.Linear(2, 2), MESH)
+
+
+def test_the_dict_plan_of_docs_models() -> None:
+    """The wildcard plan docs/models.md writes for a model the presets do not know."""
+    block = nn.ModuleDict(
+        {
+            "attn": nn.ModuleDict({n: nn.Linear(8, 8) for n in ("Wq", "Wk", "Wv", "Wo")}),
+            "ff": nn.ModuleDict({"inner": nn.Linear(8, 16), "outer": nn.Linear(16, 8)}),
+        }
+    )
+    model = nn.ModuleDict({"blocks": nn.ModuleList([block])})
+    plan = {
+        "*.attn.W[qkv].weight": P("model", None),
+        "*.attn.W[qkv].bias": P("model"),
+        "*.attn.Wo.weight": P(None, "model"),
+        "*.ff.inner.weight": P("model", None),
+        "*.ff.outer.weight": P(None, "model"),
+    }
+    specs = param_specs(plan, model, MESH)
+    assert specs["blocks.0.attn.Wk.weight"] == P("model", None)
+    assert specs["blocks.0.attn.Wv.bias"] == P("model")
+    assert specs["blocks.0.attn.Wo.weight"] == P(None, "model")
+    assert specs["blocks.0.attn.Wo.bias"] == P()
+    assert specs["blocks.0.ff.outer.weight"] == P(None, "model")
+    assert param_specs("tp", model, MESH)["blocks.0.attn.Wq.weight"] == P(None, None)
