@@ -219,6 +219,13 @@ case(
     f(7, 5),
 )
 case(
+    aten._embedding_bag_forward_only.default,
+    lambda w, i, o: aten._embedding_bag_forward_only.default(w, i, o, False, 1),
+    f(10, 5),
+    lambda g: torch.randint(0, 10, (7,), generator=g),
+    lambda g: torch.tensor([0, 2, 2, 5]),
+)
+case(
     aten.histogram.bin_ct,
     lambda x, w: aten.histogram.bin_ct(x, 7, range=[-2.0, 2.0], weight=w),
     f(6, 5),

@@ -12,10 +12,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import torch
 
 import partita
 from partita import Mesh, P
+from partita.errors import UnsupportedOpError
 from partita.partition.plan import Plan
 
 aten = torch.ops.aten
@@ -83,3 +85,10 @@ def test_adaptive_pool_passes_batch_and_channels_through() -> None:
         lambda x: aten._adaptive_avg_pool2d.default(x, [3, 2]), (x,), (P("x", "y", None, None),)
     )
     assert plan.collectives == []
+
+
+def test_as_strided_has_no_rule() -> None:
+    """A gathered operand's storage layout is not the user's: no rule, a clear error."""
+    step = partita.jit(lambda x: x.as_strided((2, 2), (1, 2)) * 1, mesh=MESH, in_specs=(P("y"),))
+    with pytest.raises(UnsupportedOpError, match=r"No sharding rule for aten.as_strided"):
+        step.lower(torch.randn(3, 3))

@@ -1,15 +1,16 @@
-"""Rules of distance, lookup and whole-tensor ops: ``cdist``, ``pdist``, ``dist``,
-``bucketize``, ``searchsorted``, ``index_reduce``, and the ops that are gathered whole
-(histograms, ``put``, ``masked_scatter``, ``nonzero_static``, ``segment_reduce``,
-``hash_tensor``, ``_trilinear``).
+"""Rules of distance, lookup and whole-tensor ops: ``cdist`` (and its backward), ``pdist``,
+``dist``, ``bucketize``, ``searchsorted``, ``index_reduce``, and the ops that are gathered whole
+(``embedding_bag``, histograms, ``put``, ``masked_scatter``, ``nonzero_static``,
+``segment_reduce``, ``hash_tensor``, ``_trilinear``).
 
 Decisions: a distance sums a *p*-th power over the feature dim and takes a root, which is not a
 sum of per-shard distances, so the feature dim is need-replication; the points of ``cdist``
-pass through (each output entry pairs one point of each side). ``bucketize`` looks every
-element up in the whole boundary vector: the elements pass through like an elementwise op, the
-boundaries are gathered. ``index_reduce`` combines rows picked by a global index: the
-indexed dim and the index are gathered, the other dims pass through. Ops whose every output
-element may depend on any input element through global positions or counts (``pdist``'s
+pass through (each output entry pairs one point of each side), and its backward sums over the
+other side's points (a reduction). ``bucketize`` looks every element up in the whole boundary
+vector: the elements pass through like an elementwise op, the boundaries are gathered.
+``index_reduce`` combines rows picked by a global index: the indexed dim and the index are
+gathered, the other dims pass through. Ops whose every output element may depend on any input
+element through global positions or counts (the bags of ``embedding_bag``, ``pdist``'s
 flattened pairs, a histogram, ``put``'s flat indices, ``masked_scatter``'s running count of
 ``True``s, ``nonzero_static``, segment reductions, a hash) are gathered whole and computed
 replicated; the Plan records the gathers with the op as the reason.
@@ -50,6 +51,7 @@ def cdist_rule(info: OpInfo) -> FactorRule:
 
 _GATHERED = aten_ops(
     [
+        "_embedding_bag_forward_only.default",
         "_histogramdd_from_bin_cts.default",
         "_pdist_forward.default",
         "_trilinear.default",
