@@ -156,3 +156,26 @@ def test_sparse_input_is_an_input_error(spec: P | None) -> None:
 def test_shard_tensor_of_a_sparse_tensor_is_an_input_error() -> None:
     with pytest.raises(InputError, match=r"the value to shard is a torch.sparse_coo tensor"):
         partita.mark_sharding(torch.randn(8, 4).to_sparse(), MESH, P("x"))
+
+
+def test_a_local_op_that_fails_when_run_names_its_op_and_source(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A partitioner bug that only shows when the per-device program runs (a local call that
+    does not fit its local shapes) names the local op, the global op and the user's line."""
+    generic = Lowering._generic
+
+    def misfit(self: Lowering, node: fx.Node, rule: Any, assign: Any) -> fx.Node:
+        out = generic(self, node, rule, assign)
+        bad = self.graph.call_function(aten.reshape.default, (out, [7, 7]))
+        return self.graph.call_function(aten.reshape.default, (bad, [-1, 4]))
+
+    monkeypatch.setattr(Lowering, "_generic", misfit)
+    step = partita.jit(lambda a, b: a * b, mesh=MESH, in_specs=(P("x"), P("x")))
+    with pytest.raises(
+        CompilerError,
+        match=r"per-device program failed at local op aten.reshape.default \(%\w+\), lowered "
+        r"from aten.mul.Tensor \(%mul\) at test_errors_compiler.py:\d+.*RuntimeError: "
+        r".*please report",
+    ):
+        step(torch.randn(8, 4), torch.randn(8, 4))

@@ -206,8 +206,10 @@ class Lowering:
 
     def run(self) -> tuple[fx.GraphModule, Plan]:
         for node in self.src.graph.nodes:
+            last = next(reversed(self.graph.nodes), None)  # the last local node before this op's
             try:
                 self._node(node)
+                _stamp_origin(node, last.next if last is not None else None, self.graph)
             except PartitaError:
                 raise
             except Exception as e:  # anything else is partita's bug: say where it happened
@@ -486,6 +488,17 @@ class Lowering:
         why = f"the result of {op_name(node.target)} (%{node.name}) is wanted as {wanted}"
         local = self.reshard(key, wanted, why, node)
         self.values[key] = LocalValue(local, wanted, v.shape, v.dtype)
+
+
+def _stamp_origin(node: fx.Node, first: fx.Node | None, graph: fx.Graph) -> None:
+    """Tag the local nodes emitted for ``node`` (from ``first`` on; ``None``: the whole graph)
+    with the op and source line they come from, so that a failure while running names them."""
+    local = first if first is not None else next(iter(graph.nodes), None)
+    while local is not None and local.op != "root":
+        local.meta.setdefault("origin", f"{op_name(node.target)} (%{node.name})")
+        if "source" in node.meta:
+            local.meta.setdefault("source", node.meta["source"])
+        local = local.next
 
 
 def _check_same_dtype(node: fx.Node) -> None:

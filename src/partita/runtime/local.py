@@ -32,6 +32,7 @@ process group (that is ``runtime/distributed.py``).
 
 from __future__ import annotations
 
+import traceback
 import weakref
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from partita.collectives import MESH_OPS
-from partita.errors import UnsupportedOpError
+from partita.errors import CompilerError, PartitaError, UnsupportedOpError
 from partita.layout import check_strided
 from partita.mesh import Mesh
 
@@ -182,7 +183,12 @@ class LocalMesh:
             env[node] = self._read_input(node, x)
         for step in plan.steps:
             if isinstance(step, _Segment):
-                outs = step.run([env[i] for i in step.inputs])
+                try:
+                    outs = step.run([env[i] for i in step.inputs])
+                except PartitaError:
+                    raise
+                except Exception as e:
+                    raise _segment_error(step, e) from e
                 env.update(zip(step.outputs, outs, strict=True))
             else:
                 env[step] = self._run_mesh_op(step, env)
@@ -318,6 +324,33 @@ def _build_segment(
     graph.output(tuple(env[n] for n in outputs))
     seg_gm = fx.GraphModule(gm, graph, class_name=f"Segment{d}")
     return _Segment(gm=seg_gm, inputs=inputs, outputs=outputs, nodes=nodes)
+
+
+def _segment_error(segment: _Segment, e: Exception) -> CompilerError:
+    """Name the local op that failed (from the traceback's generated-code line) with the
+    global op and the user's source line it was lowered from."""
+    by_name = {n.name: n for n in segment.gm.graph.nodes}
+    failed = None
+    for frame in traceback.extract_tb(e.__traceback__):
+        if frame.filename.startswith("<eval_with_key>") and frame.line and " = " in frame.line:
+            failed = by_name.get(frame.line.split(" = ", 1)[0].strip(), failed)
+    if failed is not None:
+        where = (
+            f"local op {failed.target} (%{failed.name}), lowered from "
+            f"{failed.meta.get('origin', 'an unknown op')} at "
+            f"{failed.meta.get('source') or 'source line unknown'}"
+        )
+    else:
+        ops = sorted({str(n.meta.get("origin", n.target)) for n in segment.nodes})
+        where = f"one of the local ops {ops}"
+    first = (str(e).strip().splitlines() or [""])[0]
+    return CompilerError(
+        f"The per-device program failed at {where}: {type(e).__name__}: {first}. The "
+        f"partitioner produced a local call that does not fit its local shapes: a bug in "
+        f"partita; please report it. To get past it now, annotate around the op (mark its "
+        f"inputs and output replicated with partita.mark_sharding(t, mesh, P())) or pass "
+        f"replicate_unsupported=True."
+    )
 
 
 def _check_not_random(node: fx.Node) -> None:
