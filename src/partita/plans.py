@@ -24,15 +24,18 @@ The presets:
 The default batch spec (:func:`default_batch_spec`) is ``P('data')`` when the mesh has the
 ``data`` axis, else replicated.
 
-Column and row linears are found by module type (``nn.Linear``, and the transposed ``Conv1D``
-of GPT-2-style models) and the last part of the module's name (``qkv``, ``q_proj``, ``c_attn``,
-``fc``, ``up_proj``... are column; ``proj``, ``o_proj``, ``c_proj``, ``down_proj``... are row):
-see :data:`COLUMN_NAMES` and :data:`ROW_NAMES`. Embeddings and the output head stay
-replicated under ``tp`` (``fsdp+tp`` shards them over ``data``) unless
-``StandardPlan(kind, vocab_parallel=True)``: then the token embedding (the largest
-``nn.Embedding``) and the output head (a linear named in :data:`HEAD_NAMES`) split the vocabulary
-over ``model``. A dim is only split when the
-mesh axis size divides it, so no preset creates padded shards.
+Which parameters ``tp`` splits, and along which dim, is :mod:`partita.plan_roles`' job: column
+and row linears by module type and name (``q_proj``, ``c_attn``, ``o_proj``, T5's ``q`` /
+``wi_0`` / ``wo``...), fused projections (``qkv_proj``, ``gate_up_proj``: contiguous blocks of
+the fused output dim), BERT's ``dense`` layers by module path, 3-D expert weights by their
+experts dim; key/value projections of grouped-query models stay replicated when the heads would
+not stay whole. Embeddings and the output head stay replicated under ``tp`` (``fsdp+tp``
+shards them over ``data``) unless ``StandardPlan(kind, vocab_parallel=True)``: then the token
+embedding (the largest ``nn.Embedding``) and the output head split the vocabulary over
+``model``. A dim is only split when the mesh axis size divides it, so no preset creates padded
+shards. :func:`explain_param_specs` gives every parameter's spec with the reason (which rule,
+or why it stayed replicated), :func:`format_param_specs` prints it as a table, and
+:func:`split_fraction` measures how much of a model a plan splits.
 
 This module does not trace or shard anything; it only computes specs.
 """
@@ -52,6 +55,17 @@ from rich.table import Table
 from torch import nn
 
 from partita.mesh import Mesh
+from partita.plan_roles import (
+    COLUMN_NAMES,
+    EXPERT_NAMES,
+    FUSED_NAMES,
+    HEAD_NAMES,
+    PATH_ROLES,
+    ROW_NAMES,
+    TPRole,
+    tp_roles,
+    vocab_roles,
+)
 from partita.spec import PartitionSpec, as_spec
 
 __all__ = [
@@ -72,38 +86,6 @@ __all__ = [
     "split_fraction",
 ]
 
-COLUMN_NAMES = frozenset(
-    {
-        "qkv", "c_attn", "q_proj", "k_proj", "v_proj", "query", "key", "value", "in_proj",
-        "query_key_value", "Wqkv", "qkv_proj", "fc", "fc1", "c_fc", "fc_in", "up_proj",
-        "gate_proj", "gate_up_proj", "w1", "w3", "wi", "wi_0", "wi_1", "q", "k", "v",
-        "dense_h_to_4h",
-    }
-)  # fmt: skip
-ROW_NAMES = frozenset(
-    {
-        "proj", "out_proj", "o_proj", "c_proj", "down_proj", "fc2", "fc_out", "w2", "wo", "o",
-        "dense_4h_to_h",
-    }
-)  # fmt: skip
-# Column linears whose output features are several tensors side by side (q|k|v, gate|up).
-FUSED_NAMES = frozenset(
-    {"qkv", "c_attn", "qkv_proj", "query_key_value", "Wqkv", "in_proj", "gate_up_proj"}
-)
-# Linears a leaf name cannot classify (BERT's and Phi's "dense"): fnmatch patterns on the whole
-# module path, first match wins. BERT: attention.output.dense (row), intermediate.dense
-# (column), output.dense (row); Phi-1/2 and GPT-NeoX: the attention's dense (row).
-PATH_ROLES: tuple[tuple[str, str], ...] = (
-    ("*attention.output.dense", "row"),
-    ("*intermediate.dense", "column"),
-    ("*output.dense", "row"),
-    ("*self_attn.dense", "row"),
-    ("*attention.dense", "row"),
-)
-# 3-D expert weights [experts, ., .] of a module named "experts" (Mixtral, Qwen-MoE): dim 0.
-EXPERT_NAMES = frozenset({"gate_up_proj", "up_proj", "gate_proj", "down_proj", "w1", "w2", "w3"})
-KV_NAMES = frozenset({"k_proj", "v_proj", "key", "value", "k", "v"})
-
 
 @dataclass(frozen=True)
 class ParamRow:
@@ -113,13 +95,6 @@ class ParamRow:
     shape: tuple[int, ...]
     spec: PartitionSpec
     reason: str
-
-
-@dataclass(frozen=True)
-class _Role:
-    dim: int | None  # the dim split over the model mesh axis; None: replicated on purpose
-    reason: str
-    heads: int | None = None  # attention heads in the split dim (keep them whole)
 
 
 @dataclass(frozen=True)
@@ -160,9 +135,9 @@ class StandardPlan:
     def explain(self, model: nn.Module, mesh: Mesh) -> list[ParamRow]:
         """One :class:`ParamRow` per parameter: the spec and the reason for it."""
         self._check_axes(mesh)
-        roles = _tp_roles(model) if self.uses_model else {}
+        roles = tp_roles(model) if self.uses_model else {}
         if self.uses_model and self.vocab_parallel:
-            roles.update(_vocab_roles(model))
+            roles.update(vocab_roles(model))
         rows = []
         for name, p in model.named_parameters():
             dims: list[Any] = [None] * p.ndim
@@ -183,7 +158,7 @@ class StandardPlan:
         return rows
 
     def _model_part(
-        self, role: _Role | None, shape: torch.Size, dims: list[Any], mesh: Mesh
+        self, role: TPRole | None, shape: torch.Size, dims: list[Any], mesh: Mesh
     ) -> str:
         """Split ``dims[role.dim]`` over the model axis if it divides; say what happened."""
         if role is None:
@@ -213,7 +188,6 @@ class StandardPlan:
 
 
 PLANS = ("dp", "fsdp", "tp", "fsdp+tp")
-HEAD_NAMES = frozenset({"head", "lm_head", "output", "embed_out"})
 
 PlanLike = (
     str
@@ -231,88 +205,6 @@ def _fsdp_dim(shape: torch.Size, taken: list[Any], size: int) -> int | None:
     if 0 in free:
         return 0
     return max(free, key=lambda d: shape[d])
-
-
-def _linear_role(module_name: str) -> str | None:
-    """``"column"``, ``"row"`` or None, from the module's path (patterns) or leaf name."""
-    for pattern, role in PATH_ROLES:
-        if fnmatch.fnmatchcase(module_name, pattern):
-            return role
-    leaf = module_name.rsplit(".", 1)[-1]
-    if leaf in COLUMN_NAMES:
-        return "column"
-    if leaf in ROW_NAMES:
-        return "row"
-    return None
-
-
-def _kv_heads(model: nn.Module) -> int | None:
-    """Key/value heads of a grouped-query model (``config.num_key_value_heads``), if fewer
-    than the query heads; None otherwise."""
-    config = getattr(model, "config", None)
-    kv = getattr(config, "num_key_value_heads", None)
-    heads = getattr(config, "num_attention_heads", None)
-    return kv if isinstance(kv, int) and isinstance(heads, int) and kv < heads else None
-
-
-def _tp_roles(model: nn.Module) -> dict[str, _Role]:
-    """``{parameter name: role}`` for column / row linears and 3-D expert weights."""
-    roles: dict[str, _Role] = {}
-    kv_heads = _kv_heads(model)
-    for module_name, module in model.named_modules():
-        prefix = f"{module_name}." if module_name else ""
-        leaf = module_name.rsplit(".", 1)[-1]
-        if leaf == "experts":
-            roles.update(_expert_roles(prefix, module))
-            continue
-        role = _linear_role(module_name)
-        if role is None:
-            continue
-        if isinstance(module, nn.Linear):
-            out_dim, in_dim = 0, 1  # weight [out, in]
-        elif type(module).__name__ == "Conv1D":  # GPT-2 style: weight [in, out]
-            out_dim, in_dim = 1, 0
-        else:
-            continue
-        if role == "row":
-            why = f"row-parallel linear ({leaf}): input features over model"
-            roles[prefix + "weight"] = _Role(in_dim, why)
-            # added after the all-reduce: replicated
-            roles[prefix + "bias"] = _Role(None, "row-parallel bias: added once, replicated")
-            continue
-        if leaf in FUSED_NAMES:
-            why = f"fused column-parallel linear ({leaf}): output features over model, contiguous blocks (docs/models.md)"  # noqa: E501
-        else:
-            why = f"column-parallel linear ({leaf}): output features over model"
-        heads = kv_heads if leaf in KV_NAMES else None
-        roles[prefix + "weight"] = _Role(out_dim, why, heads)
-        roles[prefix + "bias"] = _Role(0, why, heads)  # split like the output features
-    return roles
-
-
-def _expert_roles(prefix: str, experts: nn.Module) -> dict[str, _Role]:
-    """3-D expert weights ``[experts, ., .]``: the experts dim over model (expert parallel)."""
-    return {
-        prefix + name: _Role(0, f"expert weights ({name}): experts dim over model")
-        for name, p in experts.named_parameters(recurse=False)
-        if p.ndim == 3 and name in EXPERT_NAMES
-    }
-
-
-def _vocab_roles(model: nn.Module) -> dict[str, _Role]:
-    """The token embedding (the largest ``nn.Embedding``) and the output head: vocab dim 0."""
-    embeddings = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Embedding)]
-    roles: dict[str, _Role] = {}
-    if embeddings:
-        name, _ = max(embeddings, key=lambda nm: nm[1].num_embeddings)
-        why = "vocab parallel: token embedding rows over model"
-        roles[f"{name}.weight" if name else "weight"] = _Role(0, why)
-    for module_name, module in model.named_modules():
-        if module_name.rsplit(".", 1)[-1] in HEAD_NAMES and isinstance(module, nn.Linear):
-            why = "vocab parallel: output head, logits split by vocabulary"  # column parallel
-            roles[f"{module_name}.weight"] = _Role(0, why)
-            roles[f"{module_name}.bias"] = _Role(0, why)
-    return roles
 
 
 def explain_param_specs(plan: PlanLike, model: nn.Module, mesh: Mesh) -> list[ParamRow]:
