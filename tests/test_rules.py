@@ -305,11 +305,23 @@ def test_batch_norm_training_is_batch_stats() -> None:
 
 
 def test_unsupported_call_raises_not_implemented() -> None:
+    """A call the rule cannot express (a convolution whose input has no channel and spatial
+    dims) raises NotImplementedError, which propagation reports as UnsupportedOpError."""
+    x, w, out = TensorMeta((4, 8)), TensorMeta((2, 4, 3)), TensorMeta((2, 6))
+    args = (x, w, None, [1], [0], [1], False, [0], 1)
+    conv = torch.ops.aten.convolution.default
+    info = OpInfo(conv, args, {}, (x, w), (out,))
+    with pytest.raises(NotImplementedError, match=r"2-d input \(want \[n, c, \*spatial\]\)"):
+        get_rule(conv)(info)
+
+
+def test_grouped_convolution_keeps_only_the_batch_sharded() -> None:
     (node,) = [
         n for n in op_nodes(lambda x, w: F.conv2d(x, w, groups=2), r(1, 4, 8, 8), r(4, 2, 3, 3))
     ]
-    with pytest.raises(NotImplementedError, match="grouped"):
-        get_rule(node.target)(op_info(node))
+    assert repr(get_rule(node.target)(op_info(node))) == (
+        "FactorRule(a b c d, * -> a 1 1 1; need-replication=b,c,d)"
+    )
 
 
 # --- coverage -----------------------------------------------------------------------------------
