@@ -53,6 +53,12 @@ case(
     f(7, 5),
     f(7, 5),
 )
+case(
+    aten._conj_physical.default,
+    lambda x, y: aten._conj_physical.default(torch.complex(x, y)),
+    f(6, 5),
+    f(6, 1),
+)
 case(aten.polygamma.default, lambda x: aten.polygamma.default(2, x), pos(6, 5), **L)
 case(aten.round.decimals, lambda x: aten.round.decimals(x * 100, decimals=1), f(6, 5))
 case(aten.frexp.Tensor, lambda x: aten.frexp.Tensor(x), f(7, 5))

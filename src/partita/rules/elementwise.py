@@ -18,6 +18,7 @@ __all__ = ["ELEMENTWISE_OPS", "elementwise_rule"]
 
 _NAMES = (
     "_conj.default",
+    "_conj_physical.default",
     "_to_copy.default",
     "abs.default",
     "acos.default",
