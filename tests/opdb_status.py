@@ -72,7 +72,6 @@ STATUS: dict[str, tuple[str, str]] = {
     "histogramdd": ("UNSUPPORTED", "aten._histogramdd_bin_edges.default"),
     "imag": ("SKIP", "no float32 on CPU"),
     "index_put": ("UNSUPPORTED", "aten.index_put.default"),
-    "index_select": ("UNSUPPORTED", "aten.index_select.default"),
     "istft": ("SKIP", "no float32 on CPU"),
     "item": ("SKIP", "results that are not all tensors"),
     "jiterator_2inputs_2outputs": (
@@ -196,10 +195,6 @@ STATUS: dict[str, tuple[str, str]] = {
     "resize_as_": ("UNSUPPORTED", "aten.resize.default"),
     "scatter": ("UNSUPPORTED", "aten.scatter.reduce"),
     "signal.windows.exponential": ("SKIP", "random"),
-    "slice_scatter": (
-        "ERROR",
-        "RuntimeError: Expected index [8, 20, 10, 20] to be no larger than self [8, 5, 10",
-    ),
     "sparse.mm.reduce": ("SKIP", "sparse or other non-strided layout"),
     "sparse.sampled_addmm": ("SKIP", "sparse or other non-strided layout"),
     "stft": ("UNSUPPORTED", "aten.as_strided.default"),

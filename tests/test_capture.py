@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+import partita
 from partita import Mesh, P
 from partita.capture import (
     ANNOTATE_OP,
@@ -573,3 +574,19 @@ def test_normalize_clamps_open_bounds_for_vmap():
     assert scatter.args[2:] == (1, 4, 8, 1) and sliced.args[1:] == (1, 0, 8, 1)
     got = torch.vmap(gm)(a.expand(2, 4, 8), b.expand(2, 4, 4))
     assert torch.equal(got[0], torch.cat([a[:, :4], b], 1))
+
+
+@pytest.mark.parametrize("spec", [P("x", None), P(None, "y"), P("x", "y")])
+def test_full_range_slice_scatter_is_its_source(spec: P) -> None:
+    """``slice_scatter(x, src, d, 0, n)`` with ``src`` as large as ``x`` is ``src``: capture
+    drops it, so no global ``end`` reaches a sharded dim's local call (op-db's slice_scatter
+    failed with "Expected index [8, 20, ...] to be no larger than self [8, 5, ...]")."""
+    mesh = Mesh.create((2, 4), ("x", "y"))
+    x, src = torch.randn(8, 20), torch.randn(8, 20)
+    for dim, end in ((0, 8), (1, 20)):
+        fn = lambda a, b, dim=dim, end=end: torch.ops.aten.slice_scatter(a, b, dim, 0, end)  # noqa: E731
+        program = trace(fn, (x, src))
+        targets = [n.target for n in program.graph.nodes if n.op == "call_function"]
+        assert torch.ops.aten.slice_scatter.default not in targets
+        out = partita.jit(fn, mesh=mesh, in_specs=(spec, spec))(x, src).full()
+        torch.testing.assert_close(out, src)

@@ -361,3 +361,20 @@ def test_constants_modules_and_updates_under_torch_distributed(tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(got["model"], model(x), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got["running_mean"], model[1].running_mean)
+
+
+def test_dict_in_specs_match_by_key_not_position() -> None:
+    """A spec dict written in another key order than the argument's annotates by key (pytree
+    broadcasting alone pairs dict entries by position)."""
+    mesh = Mesh.create((2, 4), ("x", "y"))
+    args = {"a": torch.randn(8, 4), "b": torch.randn(6, 5)}
+    step = partita.jit(
+        lambda d: {"a": d["a"] * 2, "b": d["b"] + 1},
+        mesh=mesh,
+        in_specs=({"b": P(), "a": P("x", None)},),
+    )
+    plan = step.lower(args)
+    assert plan.input_shardings[0].spec == P("x", None)  # "a" comes first in the value
+    assert plan.input_shardings[1].is_replicated
+    out = step(args)
+    torch.testing.assert_close(out["a"].full(), args["a"] * 2)

@@ -11,6 +11,8 @@ import torch.nn.functional as F  # noqa: N812 - the PyTorch convention
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+import partita
+from partita import Mesh
 from partita.rules import OpInfo, TensorMeta, get_rule
 from partita.rules.shape import reshape_factors
 
@@ -358,3 +360,12 @@ def test_every_traced_op_has_a_buildable_rule() -> None:
             except Exception as e:
                 failing[str(node.target)] = f"{name}: {e}"
     assert not missing and not failing, (sorted(missing), failing)
+
+
+def test_index_select_of_a_0d_tensor() -> None:
+    """``torch.index_select(scalar, 0, idx)`` (an op-db sample) has nothing to split: it runs
+    replicated instead of failing in the rule."""
+    mesh = Mesh.create((2, 4), ("x", "y"))
+    x, idx = torch.tensor(3.5), torch.tensor([0])
+    out = partita.jit(lambda a, i: torch.index_select(a, 0, i), mesh=mesh)(x, idx)
+    torch.testing.assert_close(out.full(), torch.index_select(x, 0, idx))

@@ -14,6 +14,7 @@ split, split_with_sizes, unbind (and their ``_copy``)       one ``slice`` / ``se
 slice, slice_scatter with open or negative bounds           the same op, bounds in [0, size]
 detach, alias, lift_fresh_copy, clone, same-type _to_copy,  removed (uses take the input)
 copy of an equal-shape, equal-dtype source                  removed (uses take the source)
+slice_scatter whose source covers the whole destination     removed (uses take the source)
 ==========================================================  ==============================
 
 The view ops that remain (``reshape``, ``permute``, ``expand``, ``slice``, ``select``, and any
@@ -185,9 +186,12 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
             _replace(gm, node, _RENAME[target], node.args)
         elif target in _SPLITS:
             _split_to_slices(gm, node)
-    for node in gm.graph.nodes:
+    for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _SLICE_BOUNDS:
             _clamp_slice_bounds(node)
+            if _scatters_everything(node):
+                node.replace_all_uses_with(node.args[1])  # type: ignore[arg-type]
+                gm.graph.erase_node(node)
     _eliminate_dead_code(gm)
     gm.graph.lint()
     gm.recompile()
@@ -197,6 +201,22 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
 #: Slicing ops and the argument position of their (dim, start, end); the dim's size is read
 #: from argument 0 (the sliced tensor, or the destination of slice_scatter).
 _SLICE_BOUNDS = {aten.slice.Tensor: 1, aten.slice_scatter.default: 2}
+
+
+def _scatters_everything(node: fx.Node) -> bool:
+    """A (clamped) slice_scatter whose source covers the whole destination: its value is the
+    source. (Its global ``end`` would not fit a sharded dim's local size either.)"""
+    if node.target != aten.slice_scatter.default:
+        return False
+    dst, src = _val(node.args[0]), _val(node.args[1])  # type: ignore[arg-type]
+    return (
+        dst is not None
+        and src is not None
+        and dst.shape == src.shape
+        and dst.dtype == src.dtype
+        and node.args[3] == 0  # (self, src, dim, start, end, step), clamped above
+        and node.args[5] == 1
+    )
 
 
 def _clamp_slice_bounds(node: fx.Node) -> None:

@@ -80,8 +80,33 @@ def _is_spec_leaf(x: Any) -> bool:
     return x is None or isinstance(x, PartitionSpec)
 
 
+def _key_ordered(specs: Any, tree: Any) -> Any:
+    """``specs`` with every dict in the key order of ``tree``'s dict at the same place.
+
+    ``torch.utils._pytree`` broadcasts a prefix by *position*, so ``{"b": P(), "a": P("x")}``
+    given for ``{"a": ..., "b": ...}`` would annotate ``a`` with ``P()``. Dicts match by key.
+
+    Example:
+        >>> _key_ordered({"b": 1, "a": 2}, {"a": None, "b": None})
+        {'a': 2, 'b': 1}
+    """
+    if isinstance(specs, dict) and isinstance(tree, dict) and set(specs) == set(tree):
+        return {k: _key_ordered(specs[k], tree[k]) for k in tree}
+    if (
+        isinstance(specs, (tuple, list))
+        and isinstance(tree, (tuple, list))
+        and len(specs) == len(tree)
+        and not isinstance(specs, PartitionSpec)
+    ):
+        items = [_key_ordered(s, t) for s, t in zip(specs, tree, strict=True)]
+        return type(specs)(*items) if hasattr(specs, "_fields") else type(specs)(items)
+    return specs
+
+
 def _broadcast_specs(specs: Any, tree: Any, what: str, fn_name: str) -> list[PartitionSpec | None]:
-    """One spec (or None) per leaf of ``tree``; ``specs`` is a prefix of ``tree``."""
+    """One spec (or None) per leaf of ``tree``; ``specs`` is a prefix of ``tree`` (dicts match
+    by key)."""
+    specs = _key_ordered(specs, tree)
     leaves, spec_tree = pytree.tree_flatten(specs, is_leaf=_is_spec_leaf)
     for leaf in leaves:
         if leaf is not None and not isinstance(leaf, PartitionSpec):

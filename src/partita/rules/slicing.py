@@ -67,6 +67,8 @@ def gather_rule(info: OpInfo) -> FactorRule:
     is 1-d: ``a b, c -> a c``."""
     x, index = info.operands[0], info.operands[1]
     (out,) = info.results
+    if x.ndim == 0:  # a 0-d tensor read at index 0: nothing to split
+        return build(info, [[], [None] * index.ndim], [[None] * out.ndim])
     d = norm_dim(info.arg(1, "dim"), x.ndim)
     fresh = Names()
     names = fresh.take(x.ndim)
