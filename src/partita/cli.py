@@ -112,7 +112,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit code.
 
     Example:
-        >>> main(["tour"])
+        >>> main(["tour"])  # prints the tour  # doctest: +SKIP
         0
     """
     parser = build_parser()

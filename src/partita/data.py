@@ -58,9 +58,11 @@ def process_slice(global_shape: Sequence[int], mesh: Mesh, spec: SpecLike) -> tu
     Under torch.distributed: its device's tile (padding excluded). In a single process: all of
     it.
 
-    Example (rank 2 of ``Mesh.create((2, 2), ("data", "model"))``, a global batch of 8):
+    Example (in one process, the whole value; rank 2 of the same mesh under torchrun would
+    get ``(slice(4, 8, None), slice(0, 128, None))``):
+        >>> mesh = Mesh.create((2, 2), ("data", "model"))
         >>> process_slice((8, 128), mesh, P("data"))
-        (slice(4, 8, None), slice(0, 128, None))
+        (slice(0, 8, None), slice(0, 128, None))
     """
     shape = tuple(int(n) for n in global_shape)
     position = _dist_position(mesh)
@@ -90,9 +92,10 @@ def make_global(
 
     Raises ShardingError when ``local`` does not have the shape this process's device holds.
 
-    Example (4 processes, ``P("data")`` on ``Mesh.create((4,), ("data",))``, global batch 16):
-        >>> x = make_global(torch.randn(4, 128), mesh, P("data"))   # per-process batch 4
-        >>> x.shape
+    Example (4 processes under torchrun, ``P("data")``, a per-process batch of 4 rows):
+        >>> mesh = Mesh.create((4,), ("data",))
+        >>> x = make_global(torch.randn(4, 128), mesh, P("data"))  # doctest: +SKIP
+        >>> x.shape  # doctest: +SKIP
         torch.Size([16, 128])
     """
     if not isinstance(local, torch.Tensor):
@@ -161,9 +164,9 @@ class GlobalBatchLoader:
     of the first tensor).
 
     Example:
-        >>> loader = GlobalBatchLoader(my_loader, mesh, P("data"))
-        >>> for ids, targets in loader:        # global [16, 128] each, 4 rows loaded here
-        ...     loss, params, state = step(params, state, (ids, targets))
+        >>> loader = GlobalBatchLoader(my_loader, mesh, P("data"))  # doctest: +SKIP
+        >>> for ids, targets in loader:  # doctest: +SKIP
+        ...     loss = step((ids, targets))  # global [16, 128] each, 4 rows loaded here
     """
 
     def __init__(self, dataloader: Iterable[Any], mesh: Mesh, spec: Any) -> None:

@@ -73,9 +73,9 @@ def initialize(
 
     Example:
         >>> import partita.distributed as pd
-        >>> pd.initialize()          # under: torchrun --nproc-per-node=4 train.py
+        >>> pd.initialize()  # under torchrun --nproc-per-node=4  # doctest: +SKIP
         True
-        >>> pd.log(f"{pd.process_count()} processes")   # printed once
+        >>> pd.log(f"{pd.process_count()} processes")  # printed once  # doctest: +SKIP
     """
     if is_initialized():
         return True
@@ -151,7 +151,8 @@ def log(*args: Any, sep: str = " ", end: str = "\n", file: Any = None) -> None:
     safe: formatting gathers it on every process (a collective), the main process prints it.
 
     Example:
-        >>> log(f"step {i} loss={loss.full().item():.4f}")
+        >>> log(f"loss={torch.tensor(2.5).item():.4f}")  # in one process: the main one
+        loss=2.5000
     """
     text = sep.join(str(a) for a in args)  # on every process: str() of a tensor may gather
     if is_main_process():

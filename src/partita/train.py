@@ -346,14 +346,17 @@ def train_step(
             ``partita.jit``) instead of failing.
 
     Example:
+        >>> from partita.models import GPT, GPTConfig
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
         >>> model = GPT(GPTConfig())
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         >>> def loss_fn(logits, targets):
         ...     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
         >>> step = partita.train_step(model, loss_fn, opt, mesh=mesh, plan="fsdp+tp")
-        >>> loss = step((ids, targets))          # ids, targets: [batch, seq]
-        >>> print(step.plan.summary()); params = step.full_parameters()
+        >>> ids = torch.randint(0, 64, (8, 16))
+        >>> loss = step((ids, ids.roll(-1, 1)))          # ids, targets: [batch, seq]
+        >>> loss.shape, sorted(step.full_parameters())[0]
+        (torch.Size([]), 'blocks.0.attn.proj.bias')
     """
     return TrainStep(
         model,

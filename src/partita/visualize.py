@@ -201,8 +201,17 @@ def visualize_sharding(
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
-        >>> visualize_sharding(mark_sharding(torch.zeros(8, 4), mesh, P("data", None)))
         >>> visualize_sharding(P("model").to_sharding(mesh, 1), (10,))
+        P('model') on Mesh(data=2, model=4): global (10,), local (3,)
+        +--------------------------------+
+        |  0 4  |  1 5  |  2 6  |  3 7   |
+        | [0:3] | [3:6] | [6:9] | [9:10] |
+        +--------------------------------+
+        replicated over data
+        >>> x = partita.mark_sharding(torch.zeros(8, 4), mesh, P("data", None))
+        >>> visualize_sharding(x)  # a ShardedTensor: its own sharding and shape  # doctest: +ELLIPSIS
+        P('data', None) on Mesh(data=2, model=4): global (8, 4), local (4, 4)
+        ...
     """
     sharding, shape = _resolve(x, shape, "visualize_sharding")
     console = console if console is not None else Console()
@@ -217,7 +226,13 @@ def format_sharding(
 
     Example:
         >>> mesh = Mesh.create((4,), ("x",))
-        >>> print(format_sharding(P("x", None).to_sharding(mesh, 2), (10, 6)))
+        >>> print(format_sharding(P("x").to_sharding(mesh, 1), (10,)))
+        P('x') on Mesh(x=4): global (10,), local (3,)
+        +--------------------------------+
+        |   0   |   1   |   2   |   3    |
+        | [0:3] | [3:6] | [6:9] | [9:10] |
+        +--------------------------------+
+        <BLANKLINE>
     """
     sharding, shape = _resolve(x, shape, "format_sharding")
     out = io.StringIO()
