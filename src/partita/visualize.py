@@ -209,7 +209,7 @@ def visualize_sharding(
         +--------------------------------+
         replicated over data
         >>> x = partita.mark_sharding(torch.zeros(8, 4), mesh, P("data", None))
-        >>> visualize_sharding(x)  # a ShardedTensor: its own sharding and shape  # doctest: +ELLIPSIS
+        >>> visualize_sharding(x)  # its own sharding and shape  # doctest: +ELLIPSIS
         P('data', None) on Mesh(data=2, model=4): global (8, 4), local (4, 4)
         ...
     """
