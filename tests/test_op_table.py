@@ -265,7 +265,9 @@ def test_index_padding_garbage(op: Any, position: int, spec: PartitionSpec) -> N
 
 
 def test_every_registered_rule_has_a_case() -> None:
-    registered = set(registered_ops())
+    # partita's own rules (aten and partita ops); rules users register for their custom ops
+    # (the tests and docs register a few) are theirs to test.
+    registered = {op for op in registered_ops() if str(op).startswith(("aten.", "partita."))}
     assert registered - set(EXCLUDED) == set(CASES), (
         f"ops without a case: {sorted(map(str, registered - set(EXCLUDED) - set(CASES)))}; "
         f"cases without a rule: {sorted(map(str, set(CASES) - registered))}"
