@@ -4,6 +4,7 @@ sizes, partial sources), and golden step lists for the canonical cases."""
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import torch
 from hypothesis import given, settings
@@ -12,15 +13,53 @@ from torch import fx
 
 from partita import Mesh, P
 from partita.layout import shard_tensor, unshard_tensor
+from partita.partition import permute_pieces
 from partita.partition.reshard import (
-    apply_steps_stacked,
+    ReshardStep,
     emit_reshard,
     is_full_remat,
     plan_permute_pieces,
     plan_reshard,
 )
 from partita.runtime.local import LocalMesh
+from partita.runtime.stacked import STACKED_IMPLS
 from partita.spec import Sharding
+
+
+def apply_steps_stacked(
+    stacked: torch.Tensor, steps: Sequence[ReshardStep], mesh: Mesh
+) -> torch.Tensor:
+    """Run ``steps`` on a stacked value ``[mesh.size, *local]`` (the simulated mesh): an
+    independent interpreter of the step list, to check the planner without the partitioner."""
+    x = stacked
+    source, received = x, None  # a piecewise permute's source tile and received pieces
+    for step in steps:
+        if step.kind == "take_piece":
+            source, received = (x, []) if received is None else (source, [*received, x])
+            x = permute_pieces.stacked_take(source, *step.args)
+        elif step.kind == "place_pieces":
+            x = permute_pieces.stacked_place([*received, x], step.out_local_shape, *step.args)
+            received = None
+        elif step.kind in ("slice", "pad"):
+            dim, size = step.args
+            if step.kind == "slice":
+                x = x.narrow(1 + dim, 0, size)
+            else:
+                pad = [0, 0] * (x.dim() - 2 - dim) + [0, size - x.shape[1 + dim]]
+                x = torch.nn.functional.pad(x, pad)
+        elif step.kind == "make_partial":
+            reduce_op, axes = step.args
+            if reduce_op == "sum":
+                index = STACKED_IMPLS[torch.ops.partita.axis_index.default](mesh, x, list(axes))
+                keep = (index == 0).reshape(-1, *([1] * (x.dim() - 1)))
+                x = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
+        else:
+            op = getattr(torch.ops.partita, step.kind).default
+            x = STACKED_IMPLS[op](
+                mesh, x, *(list(a) if isinstance(a, tuple) else a for a in step.args)
+            )
+    return x.contiguous()
+
 
 MESHES = [
     Mesh.create((2,), ("x",)),

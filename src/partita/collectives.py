@@ -39,6 +39,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from partita.layout import ceil_div
+
 __all__ = [
     "COLLECTIVE_OPS",
     "MESH_OPS",
@@ -54,10 +56,6 @@ __all__ = [
 
 #: The reductions all_reduce and reduce_scatter accept.
 REDUCE_OPS = ("sum", "max", "min", "avg")
-
-
-def _ceil_div(n: int, k: int) -> int:
-    return -(-n // k)
 
 
 def _check_reduce_op(reduce_op: str) -> None:
@@ -207,7 +205,7 @@ def _(like: Tensor, mesh_axes: Sequence[str]) -> Tensor:
     schema="(Tensor x, int dim, str[] mesh_axes, int group_size) -> Tensor",
 )
 def _shard_slice(x: Tensor, dim: int, mesh_axes: Sequence[str], group_size: int) -> Tensor:
-    size = _ceil_div(x.shape[dim], group_size)
+    size = ceil_div(x.shape[dim], group_size)
     out = x.new_zeros(_with_size(x, dim, size))
     real = min(size, x.shape[dim])
     out.narrow(dim, 0, real).copy_(x.narrow(dim, 0, real))
@@ -216,7 +214,7 @@ def _shard_slice(x: Tensor, dim: int, mesh_axes: Sequence[str], group_size: int)
 
 @_shard_slice.register_fake
 def _(x: Tensor, dim: int, mesh_axes: Sequence[str], group_size: int) -> Tensor:
-    return x.new_empty(_with_size(x, dim, _ceil_div(x.shape[dim], group_size)))
+    return x.new_empty(_with_size(x, dim, ceil_div(x.shape[dim], group_size)))
 
 
 # --- Python wrappers -------------------------------------------------------------------------

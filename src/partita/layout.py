@@ -35,6 +35,7 @@ from partita.errors import InputError
 from partita.spec import Sharding
 
 __all__ = [
+    "ceil_div",
     "check_strided",
     "index_ranges",
     "local_shape",
@@ -46,7 +47,13 @@ __all__ = [
 ]
 
 
-def _ceil_div(n: int, k: int) -> int:
+def ceil_div(n: int, k: int) -> int:
+    """``ceil(n / k)`` for positive ``k``: the tile size of ``n`` elements over ``k`` devices.
+
+    Example:
+        >>> ceil_div(10, 4)
+        3
+    """
     return -(-n // k)
 
 
@@ -59,7 +66,7 @@ def local_shape(sharding: Sharding, shape: Sequence[int]) -> tuple[int, ...]:
         (3, 6)
     """
     sharding.check_shape(shape)
-    return tuple(_ceil_div(n, k) for n, k in zip(shape, sharding.tile_shape, strict=True))
+    return tuple(ceil_div(n, k) for n, k in zip(shape, sharding.tile_shape, strict=True))
 
 
 def tile_assignment(sharding: Sharding) -> np.ndarray:
@@ -119,7 +126,7 @@ def _dims_layout(sharding: Sharding, shape: Sequence[int]) -> tuple[list[int], l
         for a in mesh_axes:
             sizes.append(mesh.axis_size(a))
             names.append(a)
-        sizes.append(_ceil_div(n, mesh.axes_size(mesh_axes)))
+        sizes.append(ceil_div(n, mesh.axes_size(mesh_axes)))
         names.append("")
     return sizes, names
 

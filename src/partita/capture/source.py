@@ -24,8 +24,6 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-import partita
-
 __all__ = [
     "SourceTrackingMode",
     "format_source",
@@ -35,7 +33,9 @@ __all__ = [
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PARTITA_DIR = os.path.dirname(partita.__file__) + os.sep
+# The package directory, from this file's place in it (importing ``partita`` here would be a
+# cycle through the package root, which imports every stage).
+_PARTITA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _USER_DIRS_IN_PARTITA = (os.path.join(_PARTITA_DIR, "models") + os.sep,)
 _STACK_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 

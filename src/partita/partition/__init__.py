@@ -6,6 +6,10 @@ into a per-device GraphModule of local aten ops and partita mesh ops, and a
 :class:`~partita.partition.plan.Plan` describing every collective. The reshard transition table
 is in ``partition.reshard``; special lowerings in ``partition.handlers``.
 
+Importing this package registers every special lowering (``special/``, ``halo/``) and checks
+that each :class:`~partita.rules.handler_names.HandlerName` a rule may use has one, so a missing
+handler fails here rather than degrading an op to gathered tensors when it runs.
+
 Nothing here runs a program; executors live in ``partita.runtime``.
 """
 
@@ -14,7 +18,13 @@ from __future__ import annotations
 import torch.fx as fx
 
 from partita.mesh import Mesh
+from partita.partition import halo as _halo  # noqa: F401 - registers its handler
+from partita.partition import handlers
+from partita.partition import special as _special  # noqa: F401 - registers its handlers
+from partita.partition.lower import Lowering
 from partita.partition.plan import CollectiveRecord, Plan
+
+handlers.check_registry()
 
 __all__ = ["CollectiveRecord", "Plan", "partition"]
 
@@ -27,6 +37,4 @@ def partition(
     ``strict=True`` turns an involuntary full rematerialization into a
     :class:`~partita.errors.RematerializationError` (otherwise a warning).
     """
-    from partita.partition.lower import Lowering
-
     return Lowering(gm, mesh, strict=strict).run()

@@ -8,6 +8,10 @@ a windowed dim, a masked lookup for a vocabulary-sharded embedding. Each such lo
 generic lowering runs); ``lower`` emits the local nodes and returns the op's local result node
 (a tuple-valued node for multi-output ops).
 
+Names come from one enumeration, :class:`~partita.rules.handler_names.HandlerName`: a handler
+registered under any other name fails at import, and ``partita.partition`` checks at import
+(:func:`check_registry`) that every name has a lowering here or is in :data:`GENERIC`.
+
 Handlers never decide shardings; they only emit what an assignment implies.
 """
 
@@ -20,15 +24,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.fx as fx
 
-from partita.layout import local_shape
+from partita.errors import CompilerError
+from partita.layout import ceil_div, local_shape
 from partita.partition.neighbours import emit_shift
 from partita.rules import FactorRule
+from partita.rules.handler_names import HandlerName
 from partita.spec import Sharding
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
 
-__all__ = ["Handler", "get", "has", "register"]
+__all__ = ["GENERIC", "WHOLE_OP", "Handler", "check_registry", "get", "has", "register"]
 
 aten = torch.ops.aten
 Assign = dict[str, tuple[str, ...]]
@@ -43,13 +49,23 @@ class Handler:
 
 _HANDLERS: dict[str, Handler] = {}
 
-#: Handler names the generic lowering covers by itself.
-GENERIC = ("localize_shape",)
+#: Handler names the generic lowering covers by itself (it localises shape arguments; only
+#: arange also has a registered lowering, for its per-device offsets).
+GENERIC: tuple[str, ...] = (HandlerName.LOCALIZE_SHAPE.value,)
 #: Handlers without which the op must run on whole (replicated) tensors: a random draw on
 #: local shapes would differ from the unsharded program's (docs/rules.md, random numbers), and
 #: the rules of softmax and training batch norm make their reduced dims pass-through only on the
-#: understanding that their handler reduces across devices (mandatory handlers).
-WHOLE_OP = ("batch_stats", "global_random", "softmax_reduce")
+#: understanding that their handler reduces across devices, and so does the rule of cummax /
+#: cummin for its scanned dim (mandatory handlers).
+WHOLE_OP: tuple[str, ...] = tuple(
+    h.value
+    for h in (
+        HandlerName.BATCH_STATS,
+        HandlerName.GLOBAL_RANDOM,
+        HandlerName.SHARDED_SCAN,
+        HandlerName.SOFTMAX_REDUCE,
+    )
+)
 
 
 #: Ops whose result-only factors (dims no operand has) the generic lowering produces locally
@@ -73,16 +89,43 @@ _LOCAL_RESULT_OPS = (
 def makes_local_results(target: Any, rule: FactorRule) -> bool:
     """Whether ``target`` can produce a tile of a result dim that no operand has."""
     name = str(target)
-    return rule.handler == "localize_shape" and any(
+    return rule.handler == HandlerName.LOCALIZE_SHAPE.value and any(
         name == op or name.startswith(op + ".") for op in _LOCAL_RESULT_OPS
     )
 
 
 def register(handler: Handler) -> Handler:
+    """Register ``handler`` under its name, which must be a :class:`HandlerName` value."""
+    valid = [h.value for h in HandlerName]
+    if handler.name not in valid:
+        raise CompilerError(
+            f"A partition handler is registered as {handler.name!r}, a name no rule can use "
+            f"(the names are {valid}). Its lowering would never run, so this is refused. Use "
+            f"one of those names, or add the new one to HandlerName "
+            f"(partita/rules/handler_names.py) first."
+        )
     if handler.name in _HANDLERS:
-        raise RuntimeError(f"partition handler {handler.name!r} registered twice")
+        raise CompilerError(
+            f"The partition handler {handler.name!r} is registered twice (lowerings "
+            f"{_HANDLERS[handler.name].lower.__module__} and {handler.lower.__module__}): the "
+            f"second would silently replace the first. Keep one registration per name."
+        )
     _HANDLERS[handler.name] = handler
     return handler
+
+
+def check_registry() -> None:
+    """Fail if some :class:`HandlerName` has no lowering (and is not in :data:`GENERIC`):
+    without one, every op whose rule names it would quietly run on gathered tensors."""
+    missing = [h.value for h in HandlerName if h.value not in _HANDLERS and h.value not in GENERIC]
+    if missing:
+        raise CompilerError(
+            f"The partition handlers {missing} are named by HandlerName but have no registered "
+            f"lowering (registered: {sorted(_HANDLERS)}; generic: {list(GENERIC)}). Ops whose "
+            f"rules name them could only run on gathered tensors. Register a Handler under each "
+            f"name (partition/special/ or partition/halo/, imported by partita.partition) or, if "
+            f"the generic lowering covers it, add it to handlers.GENERIC."
+        )
 
 
 def get(name: str | None) -> Handler | None:
@@ -116,7 +159,7 @@ def _bias_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) 
     return low.call(node.target, bias, mat1, mat2, *node.args[3:], **rest)
 
 
-register(Handler("add_bias_once", _bias_applies, _bias_lower))
+register(Handler(HandlerName.ADD_BIAS_ONCE.value, _bias_applies, _bias_lower))
 
 
 # --- localize_shape for arange: each device's tile starts at its own offset -------------------
@@ -135,7 +178,7 @@ def _arange_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
     assert sharding is not None
     axes = sharding.dim_axes[0]
     n = int(val.shape[0])
-    tile = -(-n // low.mesh.axes_size(axes))
+    tile = ceil_div(n, low.mesh.axes_size(axes))
     args = list(node.args)
     if node.target == aten.arange.default:
         start, step = 0, 1
@@ -151,7 +194,7 @@ def _arange_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
     return low.call(aten._to_copy.default, out, dtype=val.dtype)
 
 
-register(Handler("localize_shape", _arange_applies, _arange_lower))
+register(Handler(HandlerName.LOCALIZE_SHAPE.value, _arange_applies, _arange_lower))
 
 
 # --- prefix_slice: x[..., :n] along a sharded dim ---------------------------------------------
@@ -174,12 +217,12 @@ def _prefix_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
     axes = out.dim_axes[dim]
     k = low.mesh.axes_size(axes)
     n = int(node.meta["val"].shape[dim])
-    tile = -(-x.shape[dim] // k)
+    tile = ceil_div(x.shape[dim], k)
     if k == 1:  # only other dims are split: the slice is local as written
         return low.call(aten.slice.Tensor, x_local, dim, 0, n)
-    if -(-n // k) == tile:
+    if ceil_div(n, k) == tile:
         return low.call(aten.slice.Tensor, x_local, dim, 0, tile)
-    realigned = _shift_realign(low, node, x_local, dim, axes, tile, -(-n // k))
+    realigned = _shift_realign(low, node, x_local, dim, axes, tile, ceil_div(n, k))
     if realigned is not None:
         return realigned
     key = low.key(node.args[0])
@@ -229,4 +272,4 @@ def _shift_realign(
     return low.call(aten.index_select.default, window, dim, index)
 
 
-register(Handler("prefix_slice", _prefix_applies, _prefix_lower))
+register(Handler(HandlerName.PREFIX_SLICE.value, _prefix_applies, _prefix_lower))

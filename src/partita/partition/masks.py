@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from partita.layout import ceil_div
 from partita.mesh import Mesh
 
 __all__ = ["emit_mask_padding", "emit_tile_offset", "emit_valid_mask", "identity_of"]
@@ -60,7 +61,7 @@ def emit_valid_mask(
     """A bool tensor broadcastable to a local value: True on the real (unpadded) part of
     ``dim``, which has global ``size`` split over ``mesh_axes``."""
     k = mesh.axes_size(mesh_axes)
-    tile = -(-size // k)
+    tile = ceil_div(size, k)
     offset = emit_tile_offset(graph, like, mesh_axes, tile)
     ar = graph.call_function(aten.arange.default, (tile,), {"dtype": torch.int64})
     pos = graph.call_function(aten.add.Tensor, (ar, offset))

@@ -58,13 +58,12 @@ import numpy as np
 import torch
 from torch import fx
 
-from partita.layout import tile_coords
+from partita.layout import ceil_div, tile_coords
 from partita.mesh import Mesh
 from partita.partition import permute_pieces
-from partita.runtime.stacked import STACKED_IMPLS
 from partita.spec import Sharding
 
-__all__ = ["ReshardStep", "apply_steps_stacked", "emit_reshard", "is_full_remat", "plan_reshard"]
+__all__ = ["ReshardStep", "emit_reshard", "is_full_remat", "plan_reshard"]
 
 COLLECTIVE_KINDS = (
     "all_gather",
@@ -104,10 +103,6 @@ def is_full_remat(steps: Sequence[ReshardStep]) -> bool:
     return any(FULL_REMAT in s.reason for s in steps)
 
 
-def _cdiv(n: int, k: int) -> int:
-    return -(-n // k)
-
-
 class _Planner:
     """The current state (dims, partial axes, local shape) and the steps so far."""
 
@@ -117,7 +112,7 @@ class _Planner:
         self.partial = list(src.partial)
         self.reduce_op = src.reduce_op
         self.local = [
-            _cdiv(n, src.mesh.axes_size(d)) for n, d in zip(shape, self.dims, strict=True)
+            ceil_div(n, src.mesh.axes_size(d)) for n, d in zip(shape, self.dims, strict=True)
         ]
         self.steps: list[ReshardStep] = []
         keep = src.reduce_op == dst.reduce_op or not dst.partial
@@ -137,7 +132,7 @@ class _Planner:
         elif kind in ("reduce_scatter",):
             after[args[0]] //= args[-1]
         elif kind == "shard_slice":
-            after[args[0]] = _cdiv(after[args[0]], args[-1])
+            after[args[0]] = ceil_div(after[args[0]], args[-1])
         elif kind == "all_to_all":
             after[args[0]] //= args[-1]
             after[args[1]] *= args[-1]
@@ -161,7 +156,7 @@ class _Planner:
 
     def pad_for(self, d: int, g: int, why: str) -> None:
         if self.local[d] % g:
-            self.emit("pad", (d, _cdiv(self.local[d], g) * g), (), why)
+            self.emit("pad", (d, ceil_div(self.local[d], g) * g), (), why)
 
     def trim(self, d: int) -> None:
         if not self.dims[d] and self.local[d] > self.shape[d]:
@@ -257,7 +252,7 @@ class _Planner:
                     k = self.size(rest)
                     if not self.splits_evenly(e, g):
                         continue
-                    if k > 1 and g * self.local[d] != _cdiv(self.shape[d], k):
+                    if k > 1 and g * self.local[d] != ceil_div(self.shape[d], k):
                         continue
                     self.pad_for(e, g, f"all_to_all needs dim {e} divisible by {g}")
                     self.dims[d], self.dims[e] = rest, self.dims[e] + run
@@ -275,7 +270,7 @@ class _Planner:
             if keep == len(cur):
                 continue
             k = self.size(cur[:keep])
-            if k > 1 and self.size(cur[keep:]) * self.local[d] != _cdiv(self.shape[d], k):
+            if k > 1 and self.size(cur[keep:]) * self.local[d] != ceil_div(self.shape[d], k):
                 keep = 0  # the gathered tiles would not line up: gather the dim whole
             self._gather(d, keep, "to the target sharding")
             return True
@@ -368,38 +363,6 @@ def _op_args(step: ReshardStep) -> tuple[Any, ...]:
 
 def _pad_arg(ndim: int, dim: int, extra: int) -> list[int]:
     return [0, 0] * (ndim - dim - 1) + [0, extra]
-
-
-def apply_steps_stacked(
-    stacked: torch.Tensor, steps: Sequence[ReshardStep], mesh: Mesh
-) -> torch.Tensor:
-    """Run ``steps`` on a stacked value ``[mesh.size, *local]`` (the simulated mesh)."""
-    x = stacked
-    source, received = x, None  # a piecewise permute's source tile and received pieces
-    for step in steps:
-        if step.kind == "take_piece":
-            source, received = (x, []) if received is None else (source, [*received, x])
-            x = permute_pieces.stacked_take(source, *step.args)
-        elif step.kind == "place_pieces":
-            x = permute_pieces.stacked_place([*received, x], step.out_local_shape, *step.args)
-            received = None
-        elif step.kind in ("slice", "pad"):
-            dim, size = step.args
-            if step.kind == "slice":
-                x = x.narrow(1 + dim, 0, size)
-            else:
-                pad = _pad_arg(x.dim() - 1, dim, size - x.shape[1 + dim])
-                x = torch.nn.functional.pad(x, pad)
-        elif step.kind == "make_partial":
-            reduce_op, axes = step.args
-            if reduce_op == "sum":
-                index = STACKED_IMPLS[torch.ops.partita.axis_index.default](mesh, x, list(axes))
-                keep = (index == 0).reshape(-1, *([1] * (x.dim() - 1)))
-                x = torch.where(keep, x, torch.zeros((), dtype=x.dtype, device=x.device))
-        else:
-            op = getattr(torch.ops.partita, step.kind).default
-            x = STACKED_IMPLS[op](mesh, x, *_op_args(step))
-    return x.contiguous()
 
 
 def _call(graph: fx.Graph, target: Any, args: tuple[Any, ...]) -> fx.Node:

@@ -31,6 +31,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from partita.rules.handler_names import check_handler_name
+
 __all__ = ["FactorKind", "FactorRule", "OpInfo", "TensorMeta", "einsum_rule", "parse_einsum"]
 
 DimFactors = tuple[str, ...]  # the factors of one dim, major first; () = not shardable
@@ -87,8 +89,10 @@ class FactorRule:
 
     ``operands[i]`` is ``None`` for an operand the rule cannot shard at all (it is gathered);
     ``results[j]`` is ``None`` for a non-tensor output. ``handler`` names a special lowering
-    that the partitioner applies (halo exchange, masked embedding lookup, ...); propagation
-    ignores it. ``result_reductions`` maps a result index to the pass-through factors that
+    that the partitioner applies (halo exchange, masked embedding lookup, ...): a
+    :class:`~partita.rules.handler_names.HandlerName` or its string value, stored as the string
+    (an unknown name raises :class:`~partita.errors.CompilerError` here); propagation ignores
+    it. ``result_reductions`` maps a result index to the pass-through factors that
     result lacks but sums over (a backward op's weight gradient sums over the batch factor that
     its input gradient keeps): when such a factor is sharded, that result alone is partial over
     its mesh axes (``reduce_op`` applies).
@@ -105,6 +109,9 @@ class FactorRule:
     _reductions: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # A misspelt handler would otherwise lose the op's sharded factors without a word.
+        where = f"The factor rule {_einsum_text(self.operands, self.results)!r}"
+        object.__setattr__(self, "handler", check_handler_name(self.handler, where))
         # Derived once: propagation asks for these for every op visit.
         seen: dict[str, None] = {}
         for t in (*self.operands, *self.results):
@@ -153,15 +160,7 @@ class FactorRule:
         return all(self.kind(f) is FactorKind.PASS_THROUGH for f in every)
 
     def __repr__(self) -> str:
-        def fmt(t: TensorFactors | None) -> str:
-            if t is None:
-                return "*"
-            return " ".join(
-                ("1" if not d else d[0] if len(d) == 1 else "(" + " ".join(d) + ")") for d in t
-            )
-
-        text = ", ".join(fmt(t) for t in self.operands) + " -> "
-        text += ", ".join(fmt(t) for t in self.results)
+        text = _einsum_text(self.operands, self.results)
         extra = [
             f"{kind.value}={','.join(f for f in self.factors if self.kind(f) is kind)}"
             for kind in FactorKind
@@ -175,6 +174,21 @@ class FactorRule:
         if self.handler:
             extra.append(f"handler={self.handler}")
         return f"FactorRule({text}{'; ' + '; '.join(extra) if extra else ''})"
+
+
+def _einsum_text(
+    operands: Sequence[TensorFactors | None], results: Sequence[TensorFactors | None]
+) -> str:
+    """``"m k, k n -> m n"``: the einsum text of factor tuples (``*`` for a whole tensor)."""
+
+    def fmt(t: TensorFactors | None) -> str:
+        if t is None:
+            return "*"
+        return " ".join(
+            ("1" if not d else d[0] if len(d) == 1 else "(" + " ".join(d) + ")") for d in t
+        )
+
+    return ", ".join(fmt(t) for t in operands) + " -> " + ", ".join(fmt(t) for t in results)
 
 
 _TOKEN = re.compile(r"\(([^()]*)\)|([A-Za-z_][A-Za-z0-9_]*)|(1)|(\*)")

@@ -49,6 +49,7 @@ from torch.utils import _pytree as pytree
 
 from partita.collectives import MESH_OPS
 from partita.errors import DistributedError
+from partita.layout import ceil_div
 from partita.mesh import Mesh
 from partita.runtime.comm import (
     REDUCE_SCATTER,
@@ -69,10 +70,6 @@ from partita.tensor import ShardedTensor
 __all__ = ["DistributedMesh", "DistributedShardedTensor", "distributed_executor", "local_shard"]
 
 ops = torch.ops.partita
-
-
-def _ceil_div(n: int, k: int) -> int:
-    return -(-n // k)
 
 
 class DistributedMesh:
@@ -248,7 +245,7 @@ class DistributedMesh:
         self, x: Tensor, dim: int, mesh_axes: Sequence[str], group_size: int, node: str = ""
     ) -> Tensor:
         g = self.mesh.axes_size(mesh_axes)
-        chunk = _ceil_div(x.shape[dim], g)
+        chunk = ceil_div(x.shape[dim], g)
         if chunk * g != x.shape[dim]:
             pad = [0, 0] * (x.dim() - dim - 1) + [0, chunk * g - x.shape[dim]]
             x = torch.nn.functional.pad(x, pad)

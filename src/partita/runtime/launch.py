@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from partita.errors import DistributedError, JoinTimeoutError
+from partita.layout import ceil_div
 from partita.runtime.spawn import RankResult, free_port, spawn
 
 __all__ = [
@@ -136,7 +137,7 @@ JOINED: dict[int, str] = {}
 
 
 def _launch_hint(env: ProcessEnv) -> str:
-    nodes = -(-env.world_size // max(env.local_world_size, 1))
+    nodes = ceil_div(env.world_size, max(env.local_world_size, 1))
     return (
         f"The same script must be launched on every host: torchrun --nnodes={nodes} "
         f"--node-rank=<0..{nodes - 1}> --nproc-per-node={env.local_world_size} "

@@ -23,6 +23,7 @@ import torch
 from torch import Tensor
 
 from partita import collectives
+from partita.layout import ceil_div
 from partita.mesh import Mesh
 
 __all__ = [
@@ -35,10 +36,6 @@ __all__ = [
     "reduce_scatter",
     "shard_slice",
 ]
-
-
-def _ceil_div(n: int, k: int) -> int:
-    return -(-n // k)
 
 
 def _group_order(mesh: Mesh, mesh_axes: Sequence[str]) -> list[int]:
@@ -201,7 +198,7 @@ def shard_slice(
     ``group_size`` first)."""
     g = mesh.axes_size(mesh_axes)
     local = list(x.shape[1:])
-    chunk = _ceil_div(local[dim], g)
+    chunk = ceil_div(local[dim], g)
     if chunk * g != local[dim]:
         pad = [0, 0] * (len(local) - dim - 1) + [0, chunk * g - local[dim]]
         x = torch.nn.functional.pad(x, pad)

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partita.layout import ceil_div
 from partita.rules import FactorKind, FactorRule
 
 __all__ = ["Geo", "HaloPlan", "halo_plan"]
@@ -25,10 +26,6 @@ _AVGPOOL = aten.avg_pool2d.default
 _AVGPOOL_BWD = aten.avg_pool2d_backward.default
 _PAD = aten.constant_pad_nd.default
 _BACKWARD = (_CONV_BWD, _MAXPOOL_BWD, _AVGPOOL_BWD)
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 # --- geometry --------------------------------------------------------------------------------
@@ -78,7 +75,7 @@ class HaloPlan:
 
 def halo_plan(g: Geo, k: int) -> HaloPlan | None:
     """The exchange for ``g`` split into ``k`` tiles, or None when a halo exceeds a tile."""
-    c_in, c_out = _ceil_div(g.n, k), _ceil_div(g.m, k)
+    c_in, c_out = ceil_div(g.n, k), ceil_div(g.m, k)
     w = (c_out - 1) * g.stride + (g.kernel - 1) * g.dil + 1
     reach = (g.kernel - 1) * g.dil
     lh = rh = 0

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from partita.layout import ceil_div
 from partita.partition.handlers import Handler, register
 from partita.partition.masks import emit_tile_offset
 from partita.partition.special.common import Assign, _val, aten
@@ -48,7 +49,7 @@ def _own_rows(
     low: Lowering, ids: fx.Node, axes: tuple[str, ...], rows: int
 ) -> tuple[fx.Node, fx.Node, int]:
     """(ids shifted into this shard, where the shifted id is one of this shard's rows, tile)."""
-    tile = -(-rows // low.mesh.axes_size(axes))
+    tile = ceil_div(rows, low.mesh.axes_size(axes))
     offset = emit_tile_offset(low.graph, ids, axes, tile)
     local = low.call(aten.sub.Tensor, ids, offset)
     inside = low.call(

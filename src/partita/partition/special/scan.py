@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from partita.explain import op_name
+from partita.layout import ceil_div
 from partita.partition.handlers import Handler, register
 from partita.partition.masks import emit_tile_offset, identity_of
 from partita.partition.plan import CollectiveRecord
@@ -83,7 +84,7 @@ def _scan_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) 
     dim, axes = _scan_dim(node), _scan_axes(node, rule, assign)
     gx = _val(node.args[0])
     k = low.mesh.axes_size(axes)
-    tile = -(-int(gx.shape[dim]) // k)
+    tile = ceil_div(int(gx.shape[dim]), k)
     is_max = node.target == aten.cummax.default
     wins = aten.ge.Tensor if is_max else aten.le.Tensor
 
