@@ -12,11 +12,12 @@ An entry's status is the worst over its samples, in this order:
 
 * ``WRONG``: the sharded result differs from eager (never acceptable);
 * ``ERROR``: any exception other than the two below (records type and first line);
-* ``CAPTURE``: ``partita.CaptureError`` (records its first line);
+* ``CAPTURE``: ``partita.CaptureError`` (records its cause);
 * ``UNSUPPORTED``: ``partita.UnsupportedOpError`` (records the aten op it names);
 * ``PASS``;
 * ``SKIP``: no sample could be run at all (no float32, random or non-deterministic, eager
-  raises, sparse/complex-only, non-tensor results: the reason says which).
+  raises, sparse layouts or complex inputs, non-tensor results: the reason says which).
+  Complex *results* (FFTs, ``linalg.eig``, ``polar``) are compared as real and imaginary parts.
 
 Run it as a script::
 
@@ -267,8 +268,8 @@ def _skip_reason(sample: Any, want: Any) -> str | None:
     outs = pytree.tree_leaves(want)
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
         return "results that are not all tensors"
-    if any(o.is_complex() for o in outs) or any(t.is_complex() for t in tensors):
-        return "complex tensors"
+    if any(t.is_complex() for t in tensors):
+        return "complex inputs"  # float32 samples only; complex *results* are compared
     return None
 
 
@@ -284,6 +285,8 @@ def _compare(name: str, got: Any, want: Any) -> str | None:
         full = g.full()
         if tuple(full.shape) != tuple(w.shape) or full.dtype != w.dtype:
             return f"result {i}: {full.dtype}{list(full.shape)} != {w.dtype}{list(w.shape)}"
+        if w.is_complex():  # an FFT, eig, polar...: compare real and imaginary parts
+            full, w = torch.view_as_real(full.resolve_conj()), torch.view_as_real(w.resolve_conj())
         if w.dtype.is_floating_point:
             finite = w[torch.isfinite(w)]
             scale = max(1.0, float(finite.abs().max())) if finite.numel() else 1.0
@@ -355,7 +358,8 @@ def run_sample(op: Any, sample: Any, g: torch.Generator) -> tuple[str, str]:
     except UnsupportedOpError as e:
         return "UNSUPPORTED", _unsupported_op(e)
     except CaptureError as e:
-        return "CAPTURE", _first_line(e)
+        # The cause, not the "Cannot trace ... at <line> in fn:" preamble every entry shares.
+        return "CAPTURE", str(e).split(" in fn: ", 1)[-1].strip()[:200]
     except Exception as e:  # classified: the point of the sweep
         return "ERROR", _first_line(e)
     diff = _compare(name, got, want)
