@@ -55,7 +55,7 @@ from partita.partition.masks import emit_mask_padding, identity_of
 from partita.partition.plan import CollectiveRecord, Plan
 from partita.partition.reasons import partial_reason
 from partita.partition.reshard import emit_reshard, is_full_remat, plan_reshard
-from partita.propagate import compiler_error
+from partita.propagate_rules import compiler_error
 from partita.rules import FactorKind, FactorRule
 from partita.rules.opinfo import source_of
 from partita.spec import Sharding

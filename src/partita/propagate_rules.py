@@ -1,0 +1,96 @@
+"""Which FactorRule an op of a captured program gets, and the errors propagation raises.
+
+``apply_rule`` looks the op up in the rule registry and turns every way that can fail (no rule,
+a rule that raises on these arguments) into a typed error naming the op, the node and the
+user's source line, or, under ``replicate_unsupported=True``, into the replicate rule.
+``compiler_error`` wraps an unexpected exception of propagation or partitioning on one node.
+
+This module does not propagate anything (``partita.propagate`` does).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch.fx as fx
+
+from partita.errors import CompilerError, PartitaError, ReplicatedOpWarning, UnsupportedOpError
+from partita.rules import FactorRule, OpInfo, get_rule
+from partita.rules.opinfo import _is_tensor, replicate_rule, source_of
+
+__all__ = ["apply_rule", "compiler_error"]
+
+
+def compiler_error(node: fx.Node, stage: str, e: BaseException) -> CompilerError:
+    """The CompilerError for an unexpected exception ``e`` while ``stage`` handled ``node``:
+    what failed (op, node, source line), the operand shapes, and what to do."""
+    shapes = [
+        f"{a.name}: {tuple(a.meta['val'].shape)} {a.meta['val'].dtype}"
+        for a in node.all_input_nodes
+        if _is_tensor(a.meta.get("val"))
+    ]
+    first = (str(e).strip().splitlines() or [""])[0]
+    return CompilerError(
+        f"{stage} failed on {node.target} at node {node.name} "
+        f"({source_of(node) or 'source line unknown'}), operands [{', '.join(shapes)}]: "
+        f"{type(e).__name__}: {first}. This is a bug in partita, not in your program; please "
+        f"report it. To get past it now, annotate around the op (mark its inputs and output "
+        f"replicated with partita.mark_sharding(t, mesh, P())) or pass "
+        f"replicate_unsupported=True."
+    )
+
+
+def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> FactorRule:
+    """The FactorRule of ``node`` (whose arguments ``info`` describes) from the registry.
+
+    Every failure is a partita error: an op without a rule, or a rule that raises on these
+    arguments (whatever it raises), is an :class:`UnsupportedOpError` that names the op, the
+    node and the source line; under ``replicate_unsupported=True`` both get the replicate rule
+    instead (a rule that raised also warns with :class:`ReplicatedOpWarning`), and
+    ``node.meta["replicated_reason"]`` says why, for the Plan.
+    """
+    fn = get_rule(node.target)
+    where = f"node {node.name} ({source_of(node) or 'source line unknown'})"
+    if fn is None:
+        if replicate_unsupported:
+            return _replicated(node, info, "it has no sharding rule")
+        raise UnsupportedOpError(
+            f"No sharding rule for {node.target} at {where}. partita does not know how "
+            f"this op behaves when its inputs are split across devices. Two ways forward: "
+            f"(1) annotate around it — mark its inputs and output replicated with "
+            f"partita.mark_sharding(t, mesh, P()) so the op runs on whole tensors; "
+            f"(2) opt in to replicating every op without a rule with "
+            f"replicate_unsupported=True (correct, but it gathers the inputs)."
+        )
+    try:
+        return fn(info)
+    except PartitaError as e:
+        if not isinstance(e, UnsupportedOpError):
+            raise
+        cause: Exception = e
+    except Exception as e:  # a rule that cannot handle these arguments, whatever it raises
+        cause = e
+    why = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+    if replicate_unsupported:
+        warnings.warn(
+            ReplicatedOpWarning(
+                f"{node.target} at {where} runs on gathered (replicated) inputs: its "
+                f"sharding rule cannot handle this call ({why}). The Plan records the "
+                f"gathers with this reason."
+            ),
+            stacklevel=2,
+        )
+        return _replicated(node, info, f"its sharding rule raised {why}")
+    raise UnsupportedOpError(
+        f"The sharding rule of {node.target} cannot handle the call at {where} "
+        f"(operands {[m.shape for m in info.operands]}): {why}. Two ways forward: annotate "
+        f"around it (mark its inputs and output replicated with "
+        f"partita.mark_sharding(t, mesh, P())), or pass replicate_unsupported=True; if the "
+        f"call is valid PyTorch, please report it."
+    ) from cause
+
+
+def _replicated(node: fx.Node, info: OpInfo, reason: str) -> FactorRule:
+    """The replicate rule, with the reason the partitioner records for its gathers."""
+    node.meta["replicated_reason"] = reason
+    return replicate_rule(info)

@@ -1,0 +1,165 @@
+"""The propagation state of one program: a mutable record per tensor value and per op.
+
+:class:`ProgramState` reads a captured GraphModule once: every tensor value (a placeholder or
+an op result; ``getitem`` nodes are aliases of a multi-output op's results) gets a
+:class:`ValueState`, every op an :class:`OpState` with its FactorRule (``apply_rule``) and the
+factor groups the assignment treats specially (compound, free, result-only, weak). User
+annotations fix their value's sharding and priority here (invariant 1 of
+``partita.propagate``).
+
+This module does not choose shardings (``propagate_assign``) or iterate (``propagate``).
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.fx as fx
+
+from partita.errors import PartitaError, ShardingConflictError, UnsupportedOpError
+from partita.layout import check_strided
+from partita.mesh import Mesh
+from partita.propagate_rules import apply_rule, compiler_error
+from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta
+from partita.rules.handler_names import HandlerName
+from partita.rules.opinfo import _is_tensor, op_info, source_of
+
+__all__ = ["OpState", "ProgramState", "ValueKey", "ValueState"]
+
+ValueKey = tuple[fx.Node, int | None]  # (producer, output index or None for one output)
+
+#: Handlers of table lookups whose reduction factor (the table's rows) is *weak*: it keeps a
+#: mesh axis only when the lookup's index dims do not want it (invariant 5).
+_LOOKUP_HANDLERS = (HandlerName.MASKED_EMBEDDING.value,)
+
+
+@dataclass(slots=True)
+class ValueState:
+    """The mutable propagation state of one tensor value."""
+
+    ndim: int
+    numel: int
+    dims: list[tuple[str, ...]] | None = None  # None: nothing known yet
+    partial: tuple[str, ...] = ()
+    reduce_op: str = "sum"
+    priority: int = 1 << 30
+    fixed: bool = False
+
+
+@dataclass(slots=True)
+class OpState:
+    node: fx.Node
+    rule: FactorRule
+    operands: list[ValueKey | None]  # aligned with rule.operands
+    results: list[ValueKey | None]  # aligned with rule.results
+    compound: frozenset[str] = field(default_factory=frozenset)
+    free: tuple[str, ...] = ()  # pass-through factors on every tensor: targets of invariant 9
+    result_only: frozenset[str] = field(default_factory=frozenset)  # in no operand
+    weak: frozenset[str] = field(default_factory=frozenset)  # claim axes after the others
+
+
+def _is_annotation(node: fx.Node) -> bool:
+    return "annotation" in node.meta
+
+
+class ProgramState:
+    """Every value's and op's propagation state for one program (built once, then refined)."""
+
+    def __init__(self, gm: fx.GraphModule, mesh: Mesh, replicate_unsupported: bool) -> None:
+        self.gm = gm
+        self.mesh = mesh
+        self.values: dict[ValueKey, ValueState] = {}
+        self.ops: list[OpState] = []
+        self.users: dict[ValueKey, list[int]] = {}  # value -> indices of ops touching it
+        self.alias: dict[fx.Node, ValueKey] = {}
+        self.replicate_unsupported = replicate_unsupported
+        self._metas: dict[fx.Node, TensorMeta] = {}
+        self._build()
+
+    def key(self, node: fx.Node) -> ValueKey:
+        return self.alias.get(node, (node, None))
+
+    def _add_value(self, key: ValueKey, val: Any) -> None:
+        self.values[key] = ValueState(val.ndim, max(int(val.numel()), 1))
+
+    def _build(self) -> None:
+        for node in self.gm.graph.nodes:
+            val = node.meta.get("val")
+            if node.op == "placeholder":
+                if _is_tensor(val):
+                    n_in = sum(1 for k in self.values if k[0].op == "placeholder")
+                    check_strided(val, f"Input tensor {n_in} ({node.name}) of the program")
+                    self._add_value((node, None), val)
+            elif node.op == "call_function" and node.target is operator.getitem:
+                src, idx = node.args
+                if isinstance(src, fx.Node) and isinstance(src.meta.get("val"), (tuple, list)):
+                    self.alias[node] = (src, int(idx))
+            elif node.op == "call_function":
+                try:
+                    self._add_op(node)
+                except PartitaError:
+                    raise
+                except Exception as e:
+                    raise compiler_error(node, "Propagation", e) from e
+        for i, op in enumerate(self.ops):
+            for k in (*op.operands, *op.results):
+                if k is not None:
+                    self.users.setdefault(k, []).append(i)
+
+    def _add_op(self, node: fx.Node) -> None:
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else (val,)
+        if not any(_is_tensor(v) for v in vals):
+            return
+        info, operand_nodes, indices = op_info(node, self._metas)
+        rule = self._rule(node, info)
+        results: list[ValueKey | None] = []
+        for idx, v in zip(indices, vals, strict=True):
+            if _is_tensor(v):
+                self._add_value((node, idx), v)
+                results.append((node, idx))
+            else:
+                results.append(None)
+        operands: list[ValueKey | None] = [self.key(n) for n in operand_nodes]
+        if len(rule.operands) != len(operands) or len(rule.results) != len(results):
+            raise UnsupportedOpError(
+                f"The sharding rule of {node.target} describes {len(rule.operands)} operands and "
+                f"{len(rule.results)} results, but node {node.name} has {len(operands)} and "
+                f"{len(results)}. This is a bug in the rule; please report it."
+            )
+        compound = frozenset(
+            f for t in (*rule.operands, *rule.results) for d in t or () if len(d) > 1 for f in d
+        )
+        tensors = [t for t in (*rule.operands, *rule.results) if t is not None]
+        free = tuple(
+            f
+            for f in rule.factors
+            if rule.kind(f) is FactorKind.PASS_THROUGH
+            and f not in compound
+            and rule.sizes[f] > 1
+            and tensors
+            and all(any(f in d for d in t) for t in tensors)
+        )
+        in_operands = {f for t in rule.operands for d in t or () for f in d}
+        result_only = frozenset(f for f in rule.factors if f not in in_operands and rule.operands)
+        weak = (
+            frozenset(rule.reduction_factors) if rule.handler in _LOOKUP_HANDLERS else frozenset()
+        )
+        self.ops.append(OpState(node, rule, operands, results, compound, free, result_only, weak))
+        if _is_annotation(node):
+            ann = node.meta["annotation"]
+            if ann.sharding.mesh != self.mesh:
+                raise ShardingConflictError(
+                    f"Annotation {node.name} ({source_of(node) or 'unknown source'}) uses "
+                    f"{ann.sharding.mesh!r}, but the program is sharded over {self.mesh!r}. "
+                    f"All annotations of one program must use the same mesh."
+                )
+            v = self.values[(node, None)]
+            v.dims = list(ann.sharding.dim_axes)
+            v.priority = int(ann.priority)
+            v.fixed = True
+
+    def _rule(self, node: fx.Node, info: OpInfo) -> FactorRule:
+        return apply_rule(node, info, replicate_unsupported=self.replicate_unsupported)
