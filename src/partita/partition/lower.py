@@ -15,35 +15,29 @@ For each op, in program order (DESIGN.md, Partitioning):
    partial result wanted sharded becomes a reduce_scatter), so that every value in the per-device
    program has exactly ``node.meta["sharding"]``.
 
-Special lowerings named by rules (``FactorRule.handler``) live in ``partition.handlers``.
-This module does not run anything.
+Special lowerings named by rules (``FactorRule.handler``) live in ``partition.handlers``; which
+factor axes an op keeps (step 1) is ``partition.assignment``; resharding a value and recording
+its collectives in the Plan (step 2) is ``partition.resharding``. This module is the per-op
+driver and does not run anything.
 """
 
 from __future__ import annotations
 
-import itertools
 import operator
-import warnings
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from partita.errors import (
-    DtypeError,
-    PartitaError,
-    RematerializationError,
-    RematerializationWarning,
-    UnsupportedOpError,
-)
+from partita.errors import PartitaError, UnsupportedOpError
 from partita.explain import op_name
 from partita.layout import local_shape
 from partita.mesh import Mesh
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import handlers
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
+from partita.partition.assignment import check_same_dtype, dims_of, representable
 from partita.partition.local_args import (
     INDEX_OPERANDS,
     LOCAL_SIZE_ARGS,
@@ -52,155 +46,26 @@ from partita.partition.local_args import (
     localize_shape_args,
 )
 from partita.partition.masks import emit_mask_padding, identity_of
-from partita.partition.plan import CollectiveRecord, Plan
+from partita.partition.plan import Plan
 from partita.partition.reasons import partial_reason
-from partita.partition.reshard import emit_reshard, is_full_remat, plan_reshard
+from partita.partition.resharding import LocalValue, LocalValues, ValueKey
 from partita.propagate_rules import compiler_error
-from partita.rules import FactorKind, FactorRule
-from partita.rules.opinfo import source_of
+from partita.rules import FactorRule
 from partita.spec import Sharding
 
 __all__ = ["LocalValue", "Lowering"]
-
-ValueKey = tuple[fx.Node, int | None]
-
-_PERMUTE = torch.ops.aten.permute.default
-
-
-@dataclass(slots=True)
-class LocalValue:
-    """A value of the per-device program: its local node and what it holds."""
-
-    node: fx.Node
-    sharding: Sharding
-    shape: tuple[int, ...]
-    dtype: torch.dtype
 
 
 def _tensor_val(v: Any) -> bool:
     return isinstance(v, torch.Tensor)
 
 
-class Lowering:
+class Lowering(LocalValues):
     """Builds the per-device graph for one propagated GraphModule (use :meth:`run` once)."""
 
     def __init__(self, gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False) -> None:
+        super().__init__(mesh, strict=strict)
         self.src = gm
-        self.mesh = mesh
-        self.strict = strict
-        self.graph = fx.Graph()
-        self.values: dict[ValueKey, LocalValue] = {}
-        self.alias: dict[fx.Node, ValueKey] = {}
-        # Every local copy of a value made so far, by sharding (reshards reuse them).
-        self._copies: dict[ValueKey, dict[Sharding, fx.Node]] = {}
-        self._pending_copies: dict[fx.Node, dict[Sharding, fx.Node]] = {}
-        # Why a value is partial: (explanation, source line of the op that made it partial).
-        self._partial_origin: dict[ValueKey, tuple[str, str | None]] = {}
-        self.plan = Plan(mesh)
-
-    # --- helpers shared with handlers ------------------------------------------------------
-
-    def key(self, node: fx.Node) -> ValueKey:
-        return self.alias.get(node, (node, None))
-
-    def value(self, node: fx.Node) -> LocalValue:
-        return self.values[self.key(node)]
-
-    def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        return self.graph.call_function(target, tuple(args), kwargs)
-
-    def reshard(self, key: ValueKey, dst: Sharding, why: str, at: fx.Node) -> fx.Node:
-        """The local node of value ``key`` under ``dst``, inserting collectives as needed."""
-        v = self.values[key]
-        if v.sharding == dst:
-            return v.node
-        copies = self._copies.setdefault(key, {})
-        if dst in copies:
-            return copies[dst]
-        through = self._reshard_through_permute(key, dst, why, at)
-        if through is not None:
-            copies[dst] = through
-            return through
-        # Start from whichever copy of the value moves the fewest bytes to ``dst``: a value
-        # already gathered for one consumer is sliced locally for the next.
-        start, steps = min(
-            (
-                (node, plan_reshard(s, dst, v.shape))
-                for s, node in [(v.sharding, v.node), *copies.items()]
-                if not s.partial or s == v.sharding
-            ),
-            key=lambda c: _collective_bytes(c[1]),
-        )
-        source = at.meta.get("source")
-        name = key[0].name if key[1] is None else f"{key[0].name}[{key[1]}]"
-        if is_full_remat(steps):
-            msg = (
-                f"involuntary full rematerialization of %{name} {v.dtype}{list(v.shape)} "
-                f"from {v.sharding} to {dst} for {op_name(at.target)} at "
-                f"{source or 'an unknown source line'}: no collective moves the tiles directly, "
-                f"so every device gathers the whole value and slices it."
-            )
-            fix = (
-                f"Annotate the value where it is produced with "
-                f"partita.mark_sharding(t, mesh, {dst.spec}) (or change the in_specs/out_specs "
-                f"that ask for {v.sharding.spec}) so that no reshard between the two is needed."
-            )
-            if self.strict:
-                raise RematerializationError(f"{msg} {fix}")
-            warnings.warn(f"{msg} {fix}", RematerializationWarning, stacklevel=4)
-            self.plan.warnings.append(msg)
-        out = emit_reshard(self.graph, start, steps, self.mesh)
-        origin = self._partial_origin.get(key)
-        for step in steps:
-            if not step.is_collective:
-                continue
-            reason = f"{why}: {step.reason}" if step.reason else why
-            step_source = source
-            if origin is not None and step.kind in ("all_reduce", "reduce_scatter"):
-                reason, step_source = f"{origin[0]}; then {reason}", origin[1]
-            shape = step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
-            self.plan.collectives.append(
-                CollectiveRecord(
-                    kind=step.kind,
-                    mesh_axes=tuple(step.mesh_axes),
-                    groups=tuple(tuple(g) for g in self.mesh.groups(step.mesh_axes)),
-                    shape=tuple(shape),
-                    dtype=v.dtype,
-                    value=name,
-                    reason=reason,
-                    source=step_source,
-                    detail=_detail(step),
-                )
-            )
-        copies[dst] = out
-        return out
-
-    def note_copy(self, node: fx.Node, sharding: Sharding, local: fx.Node) -> None:
-        """A handler tells that ``local`` holds the result of ``node`` under ``sharding`` too
-        (for example the gathered value it sliced its result from)."""
-        self._pending_copies.setdefault(node, {})[sharding] = local
-
-    def _reshard_through_permute(
-        self, key: ValueKey, dst: Sharding, why: str, at: fx.Node
-    ) -> fx.Node | None:
-        """Reshard ``permute(u)`` by resharding ``u`` and permuting locally.
-
-        The same data moves either way, but a weight used transposed in the forward and as is
-        in the backward is then gathered once, not twice (the reshard of ``u`` is cached).
-        """
-        node, idx = key
-        if idx is not None or node.op != "call_function" or node.target != _PERMUTE:
-            return None
-        src_key = self.key(node.args[0])
-        u = self.values.get(src_key)
-        if u is None or u.sharding.partial or dst.partial or self.values[key].sharding.partial:
-            return None
-        perm = [int(p) % len(u.shape) for p in node.args[1]]
-        dims: list[tuple[str, ...]] = [()] * len(perm)
-        for i, p in enumerate(perm):
-            dims[p] = dst.dim_axes[i]
-        local = self.reshard(src_key, Sharding(self.mesh, tuple(dims)), why, at)
-        return self.graph.call_function(_PERMUTE, (local, perm))
 
     # --- the driver ------------------------------------------------------------------------
 
@@ -284,42 +149,13 @@ class Lowering:
     def representable(
         self, target: Any, rule: FactorRule, assign: dict[str, tuple[str, ...]]
     ) -> dict[str, tuple[str, ...]]:
-        """Drop factor axes that some tensor of the op cannot hold or that need a handler the
-        partitioner lacks (computing those factors whole is always correct): without its
-        handler an op computes its summed and windowed factors whole, and a ``WHOLE_OP``
-        handler's op (random draws) is computed entirely replicated."""
-        out = {f: a for f, a in assign.items() if a}
-        missing = rule.handler not in (None, *handlers.GENERIC) and not handlers.has(rule.handler)
-        if missing and rule.handler in handlers.WHOLE_OP:
-            return {}
-        summed = set(rule.summed_factors)
-        in_operands = {f for t in rule.operands for d in t or () for f in d}
-        local_results = handlers.makes_local_results(target, rule)
-        for f in list(out):
-            if f not in in_operands and not local_results:
-                del out[f]  # a result-only factor: the op computes it whole (then a local slice)
-                continue
-            kind = rule.kind(f)
-            if kind is FactorKind.NEED_REPLICATION:
-                del out[f]
-            elif missing and (kind is FactorKind.WINDOWED or f in summed):
-                del out[f]
-        changed = True
-        while changed:
-            changed = False
-            for t in (*rule.operands, *rule.results):
-                for dim in t or ():
-                    for major, minor in itertools.pairwise(dim):
-                        full = self.mesh.axes_size(out.get(major, ())) == rule.sizes[major]
-                        if not full and out.get(minor):
-                            del out[minor]
-                            changed = True
-        return out
+        """The axes of ``assign`` the op can be lowered with (``assignment.representable``)."""
+        return representable(self.mesh, target, rule, assign)
 
     def dims_of(
         self, factors: tuple[tuple[str, ...], ...], assign: dict[str, tuple[str, ...]]
     ) -> tuple[tuple[str, ...], ...]:
-        return tuple(tuple(a for f in dim for a in assign.get(f, ())) for dim in factors)
+        return dims_of(factors, assign)
 
     def _op(self, node: fx.Node) -> None:
         val = node.meta.get("val")
@@ -330,7 +166,7 @@ class Lowering:
                 f"only handles tensor programs."
             )
         if node.target in SAME_DTYPE:
-            _check_same_dtype(node)
+            check_same_dtype(node)
         rule: FactorRule = node.meta["rule"]
         assign = self.representable(node.target, rule, node.meta.get("factor_axes", {}))
         handler = handlers.get(rule.handler)
@@ -499,35 +335,3 @@ def _stamp_origin(node: fx.Node, first: fx.Node | None, graph: fx.Graph) -> None
         if "source" in node.meta:
             local.meta.setdefault("source", node.meta["source"])
         local = local.next
-
-
-def _check_same_dtype(node: fx.Node) -> None:
-    """An op that does not promote types gets one floating dtype, or the run would fail."""
-    tensors = [a.meta["val"] for a in node.all_input_nodes if _tensor_val(a.meta.get("val"))]
-    floats = [(i, t) for i, t in enumerate(tensors) if t.dtype.is_floating_point]
-    if len({t.dtype for _, t in floats}) > 1:
-        listed = ", ".join(f"operand {i} {t.dtype} {list(t.shape)}" for i, t in floats)
-        raise DtypeError(
-            f"{op_name(node.target)} at node {node.name} "
-            f"({source_of(node) or 'source line unknown'}) mixes dtypes ({listed}). This op "
-            f"does not promote types, so its per-device program would fail when it runs. Cast "
-            f"the operands to one dtype first (for example b.to(a.dtype))."
-        )
-
-
-def _detail(step: Any) -> str:
-    parts = [str(a) for a in step.args if not isinstance(a, (list, tuple))]
-    return ", ".join(parts)
-
-
-def _collective_bytes(steps: list[Any]) -> int:
-    """Per-device bytes a step list moves, in element counts (dtype is the same for all)."""
-    total = 0
-    for step in steps:
-        if step.is_collective:
-            shape = step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
-            n = 1
-            for d in shape:
-                n *= d
-            total += n
-    return total
