@@ -16,11 +16,11 @@ from partita.layout import shard_tensor, unshard_tensor
 from partita.partition import permute_pieces
 from partita.partition.reshard import (
     ReshardStep,
-    emit_reshard,
     is_full_remat,
     plan_permute_pieces,
     plan_reshard,
 )
+from partita.partition.reshard_emit import emit_reshard
 from partita.runtime.local import LocalMesh
 from partita.runtime.stacked import STACKED_IMPLS
 from partita.spec import Sharding

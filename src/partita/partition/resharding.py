@@ -24,7 +24,8 @@ from partita.errors import RematerializationError, RematerializationWarning
 from partita.explain import op_name
 from partita.mesh import Mesh
 from partita.partition.plan import CollectiveRecord, Plan
-from partita.partition.reshard import emit_reshard, is_full_remat, plan_reshard
+from partita.partition.reshard import is_full_remat, plan_reshard
+from partita.partition.reshard_emit import emit_reshard
 from partita.spec import Sharding
 
 __all__ = ["LocalValue", "LocalValues", "ValueKey"]

@@ -13,7 +13,8 @@ import torch.fx as fx
 
 from partita.explain import op_name
 from partita.partition.handlers import Handler, register
-from partita.partition.reshard import emit_reshard, plan_reshard
+from partita.partition.reshard import plan_reshard
+from partita.partition.reshard_emit import emit_reshard
 from partita.partition.special.common import Assign, _val, aten, make_tuple
 from partita.rules import FactorRule
 from partita.spec import Sharding
