@@ -1,4 +1,4 @@
-"""Every ```python block of the README and docs/concepts.md runs (in order, per file)."""
+"""Every ```python block of the README, docs/concepts.md and docs/faq.md runs, in order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", ROOT / "docs" / "concepts.md"]
+DOCS = [ROOT / "README.md", ROOT / "docs" / "concepts.md", ROOT / "docs" / "faq.md"]
 
 
 def _blocks(path: Path) -> list[str]:
@@ -26,10 +26,11 @@ def test_code_blocks_run(path: Path, capsys: pytest.CaptureFixture[str]) -> None
     capsys.readouterr()
 
 
-def test_printed_comments_match(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("name", ["concepts.md", "faq.md"])
+def test_printed_comments_match(name: str, capsys: pytest.CaptureFixture[str]) -> None:
     """A line `print(expr)  # text` in the docs shows what it prints (when text is exact)."""
     namespace: dict[str, object] = {}
-    for block in _blocks(ROOT / "docs" / "concepts.md"):
+    for block in _blocks(ROOT / "docs" / name):
         for statement in _statements(block):
             capsys.readouterr()
             exec(statement, namespace)

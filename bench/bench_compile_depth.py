@@ -1,0 +1,110 @@
+"""Compile time of a GPT training step against its depth (partita has no scan over layers).
+
+Run: ``.venv/bin/python bench/bench_compile_depth.py [--layers 2 6 12 24] [--repeat 3]``
+
+Every layer is traced, propagated and partitioned on its own, so compiling a step costs time
+roughly proportional to the number of layers. This builds ``partita.train_step`` for
+``partita.models.GPT`` (width 256, 4 heads, vocabulary 512, sequence 64, global batch 8, AdamW)
+under the ``fsdp`` plan on a 2x4 ``data x model`` mesh and times ``step.lower(batch)``, which
+compiles the whole step (forward, backward, update) without running it. The three stages are
+timed as ``partita.jit`` calls them (``capture.trace``, ``propagate``, ``partition``), by wrapping
+those functions for the duration of the run; ``total`` is the wall time of ``lower`` and also
+includes building the step's inputs and formatting the program text. Every repeat builds a new
+model and a new step, so nothing is served from the compile cache. Medians of ``--repeat``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import partita
+from partita import Mesh, P
+from partita.models import GPT, GPTConfig
+
+WIDTH, HEADS, VOCAB, SEQ, BATCH = 256, 4, 512, 64, 8
+STAGES = ("trace", "propagate", "partition")
+# partita/__init__ binds the name partita.jit to the function: fetch the module itself.
+jit_module = sys.modules["partita.jit"]
+
+
+@contextmanager
+def timed_stages(times: dict[str, float]) -> Iterator[None]:
+    """Add the wall time of each compile stage jit runs to ``times`` while inside."""
+    originals: dict[str, tuple[Any, str, Callable[..., Any]]] = {
+        "trace": (jit_module.capture, "trace", jit_module.capture.trace),
+        "propagate": (jit_module, "propagate", jit_module.propagate),
+        "partition": (jit_module, "partition", jit_module.partition),
+    }
+
+    def wrap(stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                times[stage] = times.get(stage, 0.0) + time.perf_counter() - t0
+
+        return timed
+
+    for stage, (owner, attr, fn) in originals.items():
+        setattr(owner, attr, wrap(stage, fn))
+    try:
+        yield
+    finally:
+        for owner, attr, fn in originals.values():
+            setattr(owner, attr, fn)
+
+
+def compile_once(n_layer: int, mesh: Mesh) -> tuple[dict[str, float], int]:
+    """Times of one fresh compile of an ``n_layer`` step, and its number of values."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=HEADS, d_model=WIDTH, vocab_size=VOCAB,
+                          seq_len=SEQ))  # fmt: skip
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    step = partita.train_step(model, loss_fn, opt, mesh=mesh, plan="fsdp", batch_spec=P("data"))
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    times: dict[str, float] = {}
+    with timed_stages(times):
+        t0 = time.perf_counter()
+        plan = step.lower((ids, torch.roll(ids, -1, dims=1)))
+        times["total"] = time.perf_counter() - t0
+    # The program text has a title line, then one line per value of the global program.
+    return times, len(plan.program_text.splitlines()) - 1
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, nargs="+", default=[2, 6, 12, 24])
+    parser.add_argument("--repeat", type=int, default=3)
+    ns = parser.parse_args(argv)
+    mesh = Mesh.create((2, 4), ("data", "model"))
+    print(f"# {' '.join([sys.executable, *sys.argv])}")
+    print(
+        f"# partita.train_step(GPT d_model={WIDTH} heads={HEADS} vocab={VOCAB} seq={SEQ} "
+        f"batch={BATCH}, AdamW, plan='fsdp') on {mesh!r}; torch {torch.__version__}; "
+        f"{torch.get_num_threads()} threads; median of {ns.repeat} fresh compiles (seconds)"
+    )
+    header = ("layers", 6), ("values", 7), *((s, 9) for s in STAGES), ("total", 8), ("s/layer", 8)
+    print(" ".join(f"{c:>{w}}" for c, w in header))
+    for n in ns.layers:
+        runs = [compile_once(n, mesh) for _ in range(ns.repeat)]
+        med = {k: statistics.median(r[0][k] for r in runs) for k in (*STAGES, "total")}
+        stages = " ".join(f"{med[s]:>9.2f}" for s in STAGES)
+        print(f"{n:>6} {runs[0][1]:>7} {stages} {med['total']:>8.2f} {med['total'] / n:>8.2f}")
+
+
+if __name__ == "__main__":
+    main()
