@@ -40,6 +40,7 @@ from partita.partition.halo.pooling import (
 from partita.partition.handlers import Handler, register
 from partita.partition.masks import emit_mask_padding
 from partita.rules import FactorRule
+from partita.rules.handler_names import HandlerName
 from partita.spec import Sharding
 
 if TYPE_CHECKING:
@@ -227,4 +228,4 @@ def _finish_gathered(low, node, rule, assign, gathered, out) -> fx.Node:
     return low.call(_pack, *items) if multi else items[0]
 
 
-register(Handler("halo", _applies, _lower))
+register(Handler(HandlerName.HALO.value, _applies, _lower))

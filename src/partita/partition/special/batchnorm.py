@@ -24,6 +24,7 @@ from partita.partition.special.common import (
     make_tuple,
 )
 from partita.rules import FactorRule
+from partita.rules.handler_names import HandlerName
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
@@ -189,4 +190,4 @@ def _bn_backward(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign)
     return low.call(make_tuple, *results)
 
 
-register(Handler("batch_stats", _bn_applies, _bn_lower))
+register(Handler(HandlerName.BATCH_STATS.value, _bn_applies, _bn_lower))

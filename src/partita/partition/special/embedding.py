@@ -12,6 +12,7 @@ from partita.partition.handlers import Handler, register
 from partita.partition.masks import emit_tile_offset
 from partita.partition.special.common import Assign, _val, aten
 from partita.rules import FactorRule
+from partita.rules.handler_names import HandlerName
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
@@ -85,4 +86,4 @@ def _embedding_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Ass
     return low.call(aten.where.ScalarOther, keep, out, 0.0)  # partial sum over the vocab axes
 
 
-register(Handler("masked_embedding", _embedding_applies, _embedding_lower))
+register(Handler(HandlerName.MASKED_EMBEDDING.value, _embedding_applies, _embedding_lower))

@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 from partita.partition.handlers import Handler, register
 from partita.partition.special.common import Assign, _mask, _val
 from partita.rules import FactorRule
+from partita.rules.handler_names import HandlerName
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
@@ -63,4 +64,4 @@ def _lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx
     return low.call(node.target, *args, **kwargs)
 
 
-register(Handler("index_padding", _applies, _lower))
+register(Handler(HandlerName.INDEX_PADDING.value, _applies, _lower))

@@ -17,6 +17,7 @@ from partita.partition.reshard import plan_reshard
 from partita.partition.reshard_emit import emit_reshard
 from partita.partition.special.common import Assign, _val, aten, make_tuple
 from partita.rules import FactorRule
+from partita.rules.handler_names import HandlerName
 from partita.spec import Sharding
 
 if TYPE_CHECKING:
@@ -140,4 +141,4 @@ def _random_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
     return tiles[0] if len(tiles) == 1 else low.call(make_tuple, *tiles)
 
 
-register(Handler("global_random", _random_applies, _random_lower))
+register(Handler(HandlerName.GLOBAL_RANDOM.value, _random_applies, _random_lower))

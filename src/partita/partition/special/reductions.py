@@ -21,6 +21,7 @@ from partita.partition.special.common import (
     make_tuple,
 )
 from partita.rules import FactorRule
+from partita.rules.handler_names import HandlerName
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
@@ -56,7 +57,7 @@ def _mean_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) 
     return low.call(aten.div.Scalar, s, count)
 
 
-register(Handler("mean", _mean_applies, _mean_lower))
+register(Handler(HandlerName.MEAN.value, _mean_applies, _mean_lower))
 
 
 # --- weighted_mean: nll_loss_forward --------------------------------------------------------------
@@ -110,4 +111,4 @@ def _nll_dispatch(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
     return _nll_lower(low, node, rule, assign)
 
 
-register(Handler("weighted_mean", _nll_applies, _nll_dispatch))
+register(Handler(HandlerName.WEIGHTED_MEAN.value, _nll_applies, _nll_dispatch))

@@ -25,6 +25,7 @@ from partita.partition.masks import emit_tile_offset, identity_of
 from partita.partition.plan import CollectiveRecord
 from partita.partition.special.common import Assign, _val, aten, make_tuple
 from partita.rules import FactorRule
+from partita.rules.handler_names import HandlerName
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
@@ -128,4 +129,4 @@ def _scan_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) 
     return low.call(make_tuple, out_v, out_i)
 
 
-register(Handler("sharded_scan", _applies, _scan_lower))
+register(Handler(HandlerName.SHARDED_SCAN.value, _applies, _scan_lower))

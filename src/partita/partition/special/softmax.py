@@ -21,6 +21,7 @@ from partita.partition.special.common import (
     aten,
 )
 from partita.rules import FactorRule
+from partita.rules.handler_names import HandlerName
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
@@ -101,4 +102,4 @@ def _softmax_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assig
     return res
 
 
-register(Handler("softmax_reduce", _softmax_applies, _softmax_lower))
+register(Handler(HandlerName.SOFTMAX_REDUCE.value, _softmax_applies, _softmax_lower))
