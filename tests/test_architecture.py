@@ -185,8 +185,8 @@ def test_a_misspelt_handler_fails_when_the_rule_is_built() -> None:
 def test_a_handler_is_stored_as_its_string_whichever_spelling() -> None:
     a = TensorMeta((4, 8))
     by_enum = einsum_rule("a b -> a b", [a], [a], handler=HandlerName.SOFTMAX_REDUCE)
-    by_text = FactorRule(((("a",), ("b",)),), ((("a",), ("b",)),), {"a": 4, "b": 8}, {}, "sum",
-                         "softmax_reduce")  # fmt: skip
+    ab = (("a",), ("b",))
+    by_text = FactorRule((ab,), (ab,), {"a": 4, "b": 8}, handler="softmax_reduce")
     assert by_enum.handler == by_text.handler == "softmax_reduce"
     assert type(by_enum.handler) is str
     assert repr(by_enum) == "FactorRule(a b -> a b; handler=softmax_reduce)"
