@@ -34,7 +34,9 @@ def representable(
     """Drop factor axes that some tensor of the op cannot hold or that need a handler the
     partitioner lacks (computing those factors whole is always correct): without its
     handler an op computes its summed and windowed factors whole, and a ``WHOLE_OP``
-    handler's op (random draws) is computed entirely replicated."""
+    handler's op (random draws, softmax, batch norm, cummax) is computed entirely replicated.
+    (``partita.partition`` checks at import that every handler name has a lowering; this is
+    the safe fallback should one be removed.)"""
     out = {f: a for f, a in assign.items() if a}
     missing = rule.handler not in (None, *handlers.GENERIC) and not handlers.has(rule.handler)
     if missing and rule.handler in handlers.WHOLE_OP:
