@@ -179,3 +179,31 @@ def test_a_local_op_that_fails_when_run_names_its_op_and_source(
         r".*please report",
     ):
         step(torch.randn(8, 4), torch.randn(8, 4))
+
+
+@torch.library.custom_op("partita_test::no_rule_double", mutates_args=())
+def _no_rule_double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@_no_rule_double.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def test_custom_op_without_a_rule_names_the_three_ways_or_warns_and_replicates() -> None:
+    """A library's own op (Mixtral's transformers::grouped_mm_fallback, say) without a rule:
+    an error that offers register_rule first; under replicate_unsupported a warning per op and
+    source line, and the right answer."""
+    mesh = Mesh.create((2, 4), ("x", "y"))
+    x = torch.randn(6, 5)
+    fn = lambda t: torch.ops.partita_test.no_rule_double(t.exp()) + 1  # noqa: E731
+    with pytest.raises(
+        UnsupportedOpError, match=r"partita_test.no_rule_double.* @partita\.register_rule"
+    ):
+        partita.jit(fn, mesh=mesh, in_specs=(P("x", "y"),))(x)
+    with pytest.warns(
+        ReplicatedOpWarning, match=r"no_rule_double.* has no sharding rule: its call"
+    ):
+        out = partita.jit(fn, mesh=mesh, in_specs=(P("x", "y"),), replicate_unsupported=True)(x)
+    torch.testing.assert_close(out.full(), x.exp() * 2 + 1)

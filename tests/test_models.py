@@ -35,7 +35,7 @@ from torch import nn
 os.environ["HF_HUB_OFFLINE"] = "1"  # never download: every model is built from a config
 transformers = pytest.importorskip("transformers")
 
-from partita import Mesh, P  # noqa: E402
+from partita import Mesh, P, ReplicatedOpWarning  # noqa: E402
 from partita.plans import param_specs  # noqa: E402
 from partita.train import TrainStep, train_step  # noqa: E402
 
@@ -292,3 +292,26 @@ def test_t5_gated_feed_forward() -> None:
     assert specs[f"{ff}.wi_0.weight"] == P("model", None)
     assert specs[f"{ff}.wi_1.weight"] == P("model", None)
     assert specs[f"{ff}.wo.weight"] == P(None, "model")
+
+
+@pytest.mark.slow
+def test_mixtral_default_experts_run_replicated_with_a_warning() -> None:
+    """Mixtral's default experts call the library's own op transformers::grouped_mm_fallback,
+    which has no rule: replicate_unsupported=True runs it on gathered inputs, warns once per op
+    and line, and still trains like torch.optim."""
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(
+        **{**LM, "intermediate_size": 32}, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    model = transformers.MixtralForCausalLM(cfg)
+    model.config.use_cache = False
+    case = MODELS["mixtral"]
+    ref = copy.deepcopy(model)
+    batches = case.batches(torch.Generator().manual_seed(0))
+    want = reference(ref, case, batches)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    step = train_step(model, case.loss, opt, mesh=MESH, plan="fsdp+tp", replicate_unsupported=True)
+    with pytest.warns(ReplicatedOpWarning, match=r"grouped_mm_fallback.* has no sharding rule"):
+        got = [float(step(batch)) for batch in batches]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)

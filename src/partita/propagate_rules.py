@@ -53,13 +53,26 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
     where = f"node {node.name} ({source_of(node) or 'source line unknown'})"
     if fn is None:
         if replicate_unsupported:
+            # One warning per op and source line (repeated layers share theirs).
+            warnings.warn(
+                ReplicatedOpWarning(
+                    f"{node.target} has no sharding rule: its call at "
+                    f"{source_of(node) or 'an unknown source line'} runs on gathered "
+                    f"(replicated) inputs, as replicate_unsupported=True asks; the Plan records "
+                    f"the gathers. To keep it sharded, give the op a rule with "
+                    f"@partita.register_rule (docs/models.md)."
+                ),
+                stacklevel=2,
+            )
             return _replicated(node, info, "it has no sharding rule")
         raise UnsupportedOpError(
             f"No sharding rule for {node.target} at {where}. partita does not know how "
-            f"this op behaves when its inputs are split across devices. Two ways forward: "
-            f"(1) annotate around it — mark its inputs and output replicated with "
+            f"this op behaves when its inputs are split across devices. Three ways forward: "
+            f"(1) give it a rule: @partita.register_rule({node.target}) on a function "
+            f"returning partita.einsum_rule(...) (docs/models.md, 'A rule for your own op'); "
+            f"(2) annotate around it — mark its inputs and output replicated with "
             f"partita.mark_sharding(t, mesh, P()) so the op runs on whole tensors; "
-            f"(2) opt in to replicating every op without a rule with "
+            f"(3) opt in to replicating every op without a rule with "
             f"replicate_unsupported=True (correct, but it gathers the inputs)."
         )
     try:
