@@ -48,7 +48,10 @@ Values nobody proposes anything for end up replicated. The result is ``node.meta
 (a :class:`~partita.spec.Sharding`, or a tuple of them, with ``None`` for non-tensor outputs, on
 multi-output nodes) and ``node.meta["factor_axes"]`` (the op's chosen ``{factor: mesh axes}``).
 
-This module does not insert collectives or decide how to reshard; that is ``partita.partition``.
+This module holds the worklist and the public entry point; the per-value and per-op state is
+built in ``propagate_state``, one op's assignment is chosen in ``propagate_assign`` (invariants
+4 to 8), and rules are looked up in ``propagate_rules``. It does not insert collectives or
+decide how to reshard; that is ``partita.partition``.
 """
 
 from __future__ import annotations
