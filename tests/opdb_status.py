@@ -79,18 +79,6 @@ STATUS: dict[str, tuple[str, str]] = {
         "eager raises AssertionError: Jiterator is only supported on CUDA and ROCm GPUs, ",
     ),
     "lcm": ("SKIP", "no float32 on CPU"),
-    "linalg.cholesky": (
-        "CAPTURE",
-        "AssertionError: Could not find a token for effect EffectType.ORDERED which came ",
-    ),
-    "linalg.inv": (
-        "CAPTURE",
-        "AssertionError: Could not find a token for effect EffectType.ORDERED which came ",
-    ),
-    "linalg.ldl_factor": (
-        "CAPTURE",
-        "AssertionError: Could not find a token for effect EffectType.ORDERED which came ",
-    ),
     "linalg.lstsq": (
         "CAPTURE",
         "DynamicOutputShapeException: aten.linalg_lstsq.default. This is data-dependent: ",
@@ -98,22 +86,6 @@ STATUS: dict[str, tuple[str, str]] = {
     "linalg.lstsq.grad_oriented": (
         "CAPTURE",
         "DynamicOutputShapeException: aten.linalg_lstsq.default. This is data-dependent: ",
-    ),
-    "linalg.lu_factor": (
-        "CAPTURE",
-        "AssertionError: Could not find a token for effect EffectType.ORDERED which came ",
-    ),
-    "linalg.solve": (
-        "CAPTURE",
-        "AssertionError: Could not find a token for effect EffectType.ORDERED which came ",
-    ),
-    "linalg.tensorinv": (
-        "CAPTURE",
-        "AssertionError: Could not find a token for effect EffectType.ORDERED which came ",
-    ),
-    "linalg.tensorsolve": (
-        "CAPTURE",
-        "AssertionError: Could not find a token for effect EffectType.ORDERED which came ",
     ),
     "log_normal": ("SKIP", "random"),
     "masked.normalize": ("SKIP", "random"),

@@ -590,3 +590,16 @@ def test_full_range_slice_scatter_is_its_source(spec: P) -> None:
         assert torch.ops.aten.slice_scatter.default not in targets
         out = partita.jit(fn, mesh=mesh, in_specs=(spec, spec))(x, src).full()
         torch.testing.assert_close(out, src)
+
+
+def test_linalg_error_checks_are_not_captured() -> None:
+    """``torch.linalg.inv``/``solve``/``cholesky`` check ``info`` with
+    ``aten._linalg_check_errors`` (an effectful op that only raises, on values a trace cannot
+    see): capture drops it, and a batched inverse sharded on its batch dim equals eager."""
+    mesh = Mesh.create((2, 4), ("x", "y"))
+    a = torch.randn(5, 3, 3) + 3 * torch.eye(3)
+    program = trace(torch.linalg.inv, (a,))
+    targets = {str(n.target) for n in program.graph.nodes if n.op == "call_function"}
+    assert not any("check_errors" in t for t in targets), targets
+    out = partita.jit(torch.linalg.inv, mesh=mesh, in_specs=(P("x", None, None),))(a)
+    torch.testing.assert_close(out.full(), torch.linalg.inv(a), rtol=1e-4, atol=1e-5)

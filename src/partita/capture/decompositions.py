@@ -29,7 +29,7 @@ from torch._decomp import core_aten_decompositions
 
 from partita.capture import ops as partita_ops
 
-__all__ = ["KEPT_OPS", "SDPA_OPS", "decomposition_table"]
+__all__ = ["DROPPED_CHECKS", "KEPT_OPS", "SDPA_OPS", "decomposition_table"]
 
 aten = torch.ops.aten
 
@@ -100,6 +100,14 @@ def _sdpa_cpu_backward(
         grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal, scale
     )
 
+
+#: Data-dependent checks a captured program does not contain. ``aten._linalg_check_errors``
+#: makes ``linalg.inv``, ``solve``, ``cholesky``... raise in eager when its ``info`` tensor
+#: reports a singular or non-positive-definite input; whether it raises depends on values a
+#: trace cannot see, so a captured program returns what the ``*_ex`` variant returns (inf or
+#: NaN where eager would raise). Code that must detect it calls ``torch.linalg.inv_ex`` (etc.)
+#: and reads ``info``. Capture drops these ops as they are dispatched (``functionalize``).
+DROPPED_CHECKS: frozenset[torch._ops.OpOverload] = frozenset({aten._linalg_check_errors.default})
 
 #: Device-specific attention kernels and the neutral partita op each becomes.
 SDPA_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from partita.capture.annotate import record
+from partita.capture.decompositions import DROPPED_CHECKS
 from partita.capture.source import SourceTrackingMode
 from partita.errors import CaptureError
 from partita.mesh import Mesh
@@ -76,6 +78,18 @@ class InputUpdates:
         return news
 
 
+class _CaptureMode(SourceTrackingMode):
+    """Source-tracking functionalization that records no data-dependent check
+    (:data:`~partita.capture.decompositions.DROPPED_CHECKS`): those ops return nothing and only
+    raise on values a trace cannot see. They are dropped here, before functionalization would
+    ask for an effect token they cannot have outside AOTAutograd."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in DROPPED_CHECKS:
+            return None
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
 def functionalized(
     flat_fn: Callable[..., list[torch.Tensor]], updates: InputUpdates
 ) -> Callable[..., list[torch.Tensor]]:
@@ -83,7 +97,7 @@ def functionalized(
     the new values of the inputs it updated in place (see ``updates.positions``)."""
 
     def inner(*tensors: torch.Tensor) -> list[torch.Tensor]:
-        mode = SourceTrackingMode()
+        mode = _CaptureMode()
         exclude = torch._C._ExcludeDispatchKeyGuard(
             torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
         )
