@@ -28,12 +28,12 @@ docs: $(STAMP)
 	$(PY) -m mkdocs build --strict
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests examples bench
-	$(VENV)/bin/ruff format --check src tests examples bench
+	$(VENV)/bin/ruff check src tests examples bench conftest.py
+	$(VENV)/bin/ruff format --check src tests examples bench conftest.py
 
 format: $(STAMP)
-	$(VENV)/bin/ruff format src tests examples bench
-	$(VENV)/bin/ruff check --fix src tests examples bench
+	$(VENV)/bin/ruff format src tests examples bench conftest.py
+	$(VENV)/bin/ruff check --fix src tests examples bench conftest.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis build site src/*.egg-info
