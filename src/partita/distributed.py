@@ -22,6 +22,7 @@ See ``docs/multi-host.md``. This module holds no executor code (``partita.runtim
 
 from __future__ import annotations
 
+import atexit
 import sys
 from typing import Any
 
@@ -93,11 +94,15 @@ def initialize(
     launch.join_and_init(
         env, timeout=timeout, backend=backend, collective_timeout_s=collective_timeout
     )
+    # Destroy the process groups before the interpreter tears down: left to static
+    # destructors, a Gloo group whose store host (rank 0) has already exited can abort the
+    # process at exit ("terminate called without an active exception", status -6).
+    atexit.register(shutdown)
     return True
 
 
 def shutdown() -> None:
-    """Destroy the process group (optional; at exit it is destroyed anyway)."""
+    """Destroy the process group (optional: :func:`initialize` registers this at exit)."""
     if is_initialized():
         dist.destroy_process_group()
 

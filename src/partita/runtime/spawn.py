@@ -57,9 +57,10 @@ def spawn(
 
     ``kill_after={rank: seconds}`` SIGKILLs that rank after so many seconds (to test failure).
 
-    Example:
-        >>> results = spawn(["examples/train_gpt.py", "--steps", "2"], 4, timeout=60)
-        >>> [r.returncode for r in results]
+    Example (4 processes training for a few seconds; tests/test_distributed.py runs it):
+        >>> argv = ["examples/train_gpt.py", "--steps", "2"]
+        >>> results = spawn(argv, 4, timeout=60)  # doctest: +SKIP
+        >>> [r.returncode for r in results]  # doctest: +SKIP
         [0, 0, 0, 0]
     """
     port = master_port or free_port()
