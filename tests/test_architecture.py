@@ -237,10 +237,20 @@ def _literal_handler_names() -> list[tuple[str, int, str]]:
                 for kw in n.keywords:
                     if kw.arg == "handler" and isinstance(kw.value, ast.Constant):
                         out.append((module, n.lineno, kw.value.value))
-            elif isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant):
+                    elif kw.arg == "handler" and isinstance(kw.value, ast.Attribute):
+                        out.append((module, n.lineno, _member_value(kw.value)))
+            elif isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant | ast.Attribute):
                 if any(isinstance(t, ast.Name) and t.id in used for t in n.targets):
-                    out.append((module, n.lineno, n.value.value))
+                    value = n.value
+                    name = value.value if isinstance(value, ast.Constant) else _member_value(value)
+                    out.append((module, n.lineno, name))
     return out
+
+
+def _member_value(node: ast.Attribute) -> str:
+    """``HandlerName.HALO`` -> ``"halo"``; an unknown member -> its spelling (not valid)."""
+    member = HandlerName.__members__.get(node.attr)
+    return member.value if member is not None else f"HandlerName.{node.attr}"
 
 
 def test_rule_modules_name_only_known_handlers() -> None:

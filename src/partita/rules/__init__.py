@@ -16,10 +16,12 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from partita.rules.factor import FactorKind, FactorRule, OpInfo, TensorMeta, einsum_rule
+from partita.rules.handler_names import HandlerName
 
 __all__ = [
     "FactorKind",
     "FactorRule",
+    "HandlerName",
     "OpInfo",
     "RuleFn",
     "TensorMeta",

@@ -21,6 +21,7 @@ from partita.rules import register_rule
 from partita.rules.batched import batched_rule
 from partita.rules.common import Names, arg, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["PLANE_CORES", "conv_backward_rule", "conv_rule", "plane_rule", "pool_rule"]
 
@@ -90,7 +91,7 @@ def conv_rule(info: OpInfo) -> FactorRule:
         reduction=[cin],
         need_replication=kernel,
         windowed=spatial,
-        handler="halo",
+        handler=HandlerName.HALO,
     )
 
 
@@ -108,7 +109,7 @@ def conv_backward_rule(info: OpInfo) -> FactorRule:
         [["a", cin, *spatial], [cout, cin, *kernel], [cout]],
         need_replication=kernel,
         windowed=spatial,
-        handler="halo",
+        handler=HandlerName.HALO,
         result_reductions={j: fs for j, fs in red.items() if info.results[j] is not None},
     )
 
@@ -135,7 +136,7 @@ def pool_rule(info: OpInfo) -> FactorRule:
         [names] * len(info.operands),
         [names if r is not None else None for r in info.results],
         windowed=spatial,
-        handler="halo",
+        handler=HandlerName.HALO,
     )
 
 

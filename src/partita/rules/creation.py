@@ -13,6 +13,7 @@ from __future__ import annotations
 from partita.rules import register_rule
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["CREATION_OPS", "create_rule", "like_rule"]
 
@@ -45,8 +46,8 @@ def create_rule(info: OpInfo) -> FactorRule:
     (out,) = info.results
     names = Names().take(out.ndim)
     if str(info.target).startswith("aten.eye"):
-        return build(info, [], [names], need_replication=names, handler="localize_shape")
-    return build(info, [None] * len(info.operands), [names], handler="localize_shape")
+        return build(info, [], [names], need_replication=names, handler=HandlerName.LOCALIZE_SHAPE)
+    return build(info, [None] * len(info.operands), [names], handler=HandlerName.LOCALIZE_SHAPE)
 
 
 @register_rule(

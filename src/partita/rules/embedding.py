@@ -13,6 +13,7 @@ from __future__ import annotations
 from partita.rules import register_rule
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["embedding_backward_rule", "embedding_rule"]
 
@@ -26,7 +27,9 @@ def embedding_rule(info: OpInfo) -> FactorRule:
     fresh = Names()
     v, d = fresh.take(2)
     idx = fresh.take(ids.ndim)
-    return build(info, [[v, d], idx], [[*idx, d]], reduction=v, handler="masked_embedding")
+    return build(
+        info, [[v, d], idx], [[*idx, d]], reduction=v, handler=HandlerName.MASKED_EMBEDDING
+    )
 
 
 @register_rule(*aten_ops(["embedding_dense_backward.default"]))
@@ -36,4 +39,6 @@ def embedding_backward_rule(info: OpInfo) -> FactorRule:
     fresh = Names()
     v, d = fresh.take(2)
     idx = fresh.take(ids.ndim)
-    return build(info, [[*idx, d], idx], [[v, d]], reduction=idx, handler="masked_embedding")
+    return build(
+        info, [[*idx, d], idx], [[v, d]], reduction=idx, handler=HandlerName.MASKED_EMBEDDING
+    )

@@ -27,10 +27,11 @@ import torch
 from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, broadcast_dims, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["index_put_rule", "index_rule", "scatter_rule", "slice_scatter_rule"]
 
-INDEX_PADDING = "index_padding"
+INDEX_PADDING = HandlerName.INDEX_PADDING
 
 
 def _indices(info: OpInfo) -> list[TensorMeta | None]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from partita.rules import register_rule
 from partita.rules.common import Dim, arg, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["nll_loss_backward_rule", "nll_loss_rule"]
 
@@ -47,7 +48,7 @@ def nll_loss_rule(info: OpInfo) -> FactorRule:
         [[], []],
         reduction=t_dims,
         need_replication="b",
-        handler="weighted_mean",
+        handler=HandlerName.WEIGHTED_MEAN,
     )
 
 
@@ -64,5 +65,5 @@ def nll_loss_backward_rule(info: OpInfo) -> FactorRule:
         [grad, x_dims, t_dims, *weight, []],
         [x_dims],
         need_replication="b",
-        handler="weighted_mean",
+        handler=HandlerName.WEIGHTED_MEAN,
     )

@@ -12,6 +12,7 @@ from __future__ import annotations
 from partita.rules import register_rule
 from partita.rules.common import aten_ops, broadcast_dims, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["addmm_rule", "bmm_rule", "mm_rule"]
 
@@ -47,7 +48,7 @@ def addmm_rule(info: OpInfo) -> FactorRule:
     dims = ["m", "n"] if out.ndim == 2 else ["b", "m", "n"]
     mat1, mat2 = (["m", "k"], ["k", "n"]) if out.ndim == 2 else (["b", "m", "k"], ["b", "k", "n"])
     bias = broadcast_dims(info.operands[0], out.shape, dims)
-    return build(info, [bias, mat1, mat2], [dims], reduction="k", handler="add_bias_once")
+    return build(info, [bias, mat1, mat2], [dims], reduction="k", handler=HandlerName.ADD_BIAS_ONCE)
 
 
 @register_rule(*aten_ops(["addmv.default"]))
@@ -55,7 +56,9 @@ def addmv_rule(info: OpInfo) -> FactorRule:
     """``m, m k, k -> m; reduction=k; handler=add_bias_once`` for ``addmv(bias, a, v)``."""
     (out,) = info.results
     bias = broadcast_dims(info.operands[0], out.shape, ["m"])
-    return build(info, [bias, ["m", "k"], ["k"]], [["m"]], reduction="k", handler="add_bias_once")
+    return build(
+        info, [bias, ["m", "k"], ["k"]], [["m"]], reduction="k", handler=HandlerName.ADD_BIAS_ONCE
+    )
 
 
 @register_rule(*aten_ops(["addbmm.default"]))
@@ -69,5 +72,5 @@ def addbmm_rule(info: OpInfo) -> FactorRule:
         [bias, ["b", "m", "k"], ["b", "k", "n"]],
         [["m", "n"]],
         reduction="b k",
-        handler="add_bias_once",
+        handler=HandlerName.ADD_BIAS_ONCE,
     )

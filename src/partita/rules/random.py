@@ -17,6 +17,7 @@ from partita.rules import register_rule
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.elementwise import elementwise_rule
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["RANDOM_LIKE_OPS", "random_create_rule", "random_like_rule"]
 
@@ -44,7 +45,7 @@ RANDOM_LIKE_OPS = aten_ops(
 @register_rule(*RANDOM_LIKE_OPS)
 def random_like_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b, a b; handler=global_random`` for ``native_dropout`` (output, mask)."""
-    return elementwise_rule(info, handler="global_random")
+    return elementwise_rule(info, handler=HandlerName.GLOBAL_RANDOM)
 
 
 @register_rule(
@@ -56,5 +57,8 @@ def random_create_rule(info: OpInfo) -> FactorRule:
     """``-> a b; handler=global_random`` for ``rand(4, 8)``."""
     (out,) = info.results
     return build(
-        info, [None] * len(info.operands), [Names().take(out.ndim)], handler="global_random"
+        info,
+        [None] * len(info.operands),
+        [Names().take(out.ndim)],
+        handler=HandlerName.GLOBAL_RANDOM,
     )

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim, norm_dims
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["reduce_rule", "softmax_rule"]
 
@@ -127,7 +128,7 @@ def softmax_rule(info: OpInfo) -> FactorRule:
     d = info.args[1] if isinstance(info.args[1], int) else info.args[2]
     norm_dim(d, x.ndim)  # validates the dim
     dims = [names] * len(info.operands)
-    return build(info, dims, [names], handler="softmax_reduce")
+    return build(info, dims, [names], handler=HandlerName.SOFTMAX_REDUCE)
 
 
 @register_rule(*aten_ops(["cumprod.default", "cumsum.default", "logcumsumexp.default"]))

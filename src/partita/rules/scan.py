@@ -13,6 +13,7 @@ from __future__ import annotations
 from partita.rules import register_rule
 from partita.rules.common import Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["cum_extreme_rule"]
 
@@ -23,4 +24,4 @@ def cum_extreme_rule(info: OpInfo) -> FactorRule:
     (x,) = info.operands
     names = Names().take(x.ndim)
     norm_dim(info.arg(1, "dim"), x.ndim)  # validates the dim
-    return build(info, [names], [names, names], handler="sharded_scan")
+    return build(info, [names], [names, names], handler=HandlerName.SHARDED_SCAN)

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["expand_rule", "permute_rule", "reshape_factors", "reshape_rule"]
 
@@ -137,7 +138,7 @@ def reshape_rule(info: OpInfo) -> FactorRule:
         [out_dims],
         sizes=sizes,
         need_replication=need_rep,
-        handler="localize_shape",
+        handler=HandlerName.LOCALIZE_SHAPE,
     )
 
 
@@ -180,7 +181,7 @@ def expand_rule(info: OpInfo) -> FactorRule:
     operand: list[Dim] = [
         dims[offset + i] if n == out.shape[offset + i] else None for i, n in enumerate(x.shape)
     ]
-    return build(info, [operand], [dims], handler="localize_shape")
+    return build(info, [operand], [dims], handler=HandlerName.LOCALIZE_SHAPE)
 
 
 @register_rule(*aten_ops(["diagonal.default", "diagonal_copy.default"]))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = ["cat_rule", "pad_rule", "slice_rule"]
 
@@ -49,7 +50,9 @@ def slice_rule(info: OpInfo) -> FactorRule:
         # locally when the tiles line up (T11) and re-aligns otherwise (T09).
         names = Names().take(x.ndim)
         rest = [None] * (len(info.operands) - 1)
-        return build(info, [names, *rest], [names], windowed=[names[dim]], handler="prefix_slice")
+        return build(
+            info, [names, *rest], [names], windowed=[names[dim]], handler=HandlerName.PREFIX_SLICE
+        )
     return _cut(info, dim, keep_dim=True)
 
 
@@ -131,7 +134,7 @@ def pad_rule(info: OpInfo) -> FactorRule:
     pad = list(info.arg(1, "pad"))
     names = Names().take(x.ndim)
     windowed = [names[x.ndim - 1 - i // 2] for i in range(0, len(pad), 2) if pad[i] or pad[i + 1]]
-    return build(info, [names], [names], windowed=windowed, handler="halo")
+    return build(info, [names], [names], windowed=windowed, handler=HandlerName.HALO)
 
 
 @register_rule(*aten_ops(["tril.default", "triu.default"]))
