@@ -29,7 +29,7 @@ from torch.utils import _pytree as pytree
 
 from partita import capture
 from partita.capture.module import ModuleInputs
-from partita.capture.trace import _broadcast_specs, _where
+from partita.capture.trace import broadcast_specs, input_path
 from partita.errors import JitArgumentError, RecompileWarning
 from partita.explain import format_program
 from partita.layout import shard_tensor
@@ -127,7 +127,7 @@ class Jitted:
         name = _name(self.fn)
         user = [None] * len(leaves)
         if in_specs is not None:
-            user[:n_args] = _broadcast_specs(in_specs, args, "in_specs", name)
+            user[:n_args] = broadcast_specs(in_specs, args, "in_specs", name)
         specs: list[PartitionSpec | None] = []
         key: list[Hashable] = [tree]
         for leaf, spec in zip(leaves, user, strict=True):
@@ -198,7 +198,7 @@ class Jitted:
             )
 
     def _leaf_name(self, path: Any) -> str:
-        name = _where(path)
+        name = input_path(path)
         return self._module.leaf_name(name) if self._module is not None else name
 
     # --- public ----------------------------------------------------------------------------

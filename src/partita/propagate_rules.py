@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from partita.errors import CompilerError, PartitaError, ReplicatedOpWarning, UnsupportedOpError
 from partita.rules import FactorRule, OpInfo, get_rule
-from partita.rules.opinfo import _is_tensor, replicate_rule, source_of
+from partita.rules.opinfo import is_tensor, replicate_rule, source_of
 
 __all__ = ["apply_rule", "compiler_error"]
 
@@ -27,7 +27,7 @@ def compiler_error(node: fx.Node, stage: str, e: BaseException) -> CompilerError
     shapes = [
         f"{a.name}: {tuple(a.meta['val'].shape)} {a.meta['val'].dtype}"
         for a in node.all_input_nodes
-        if _is_tensor(a.meta.get("val"))
+        if is_tensor(a.meta.get("val"))
     ]
     first = (str(e).strip().splitlines() or [""])[0]
     return CompilerError(

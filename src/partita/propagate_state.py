@@ -24,7 +24,7 @@ from partita.mesh import Mesh
 from partita.propagate_rules import apply_rule, compiler_error
 from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta
 from partita.rules.handler_names import HandlerName
-from partita.rules.opinfo import _is_tensor, op_info, source_of
+from partita.rules.opinfo import is_tensor, op_info, source_of
 
 __all__ = ["OpState", "ProgramState", "ValueKey", "ValueState"]
 
@@ -88,7 +88,7 @@ class ProgramState:
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
             if node.op == "placeholder":
-                if _is_tensor(val):
+                if is_tensor(val):
                     n_in = sum(1 for k in self.values if k[0].op == "placeholder")
                     check_strided(val, f"Input tensor {n_in} ({node.name}) of the program")
                     self._add_value((node, None), val)
@@ -111,13 +111,13 @@ class ProgramState:
     def _add_op(self, node: fx.Node) -> None:
         val = node.meta.get("val")
         vals = val if isinstance(val, (tuple, list)) else (val,)
-        if not any(_is_tensor(v) for v in vals):
+        if not any(is_tensor(v) for v in vals):
             return
         info, operand_nodes, indices = op_info(node, self._metas)
         rule = self._rule(node, info)
         results: list[ValueKey | None] = []
         for idx, v in zip(indices, vals, strict=True):
-            if _is_tensor(v):
+            if is_tensor(v):
                 self._add_value((node, idx), v)
                 results.append((node, idx))
             else:

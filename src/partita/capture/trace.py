@@ -57,7 +57,7 @@ from partita.errors import CaptureError, PartitaError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
 
-__all__ = ["trace"]
+__all__ = ["broadcast_specs", "input_path", "trace"]
 
 _STATIC_TYPES = (
     type(None), bool, int, float, complex, str, bytes, type(Ellipsis), slice, enum.Enum,
@@ -103,7 +103,7 @@ def _key_ordered(specs: Any, tree: Any) -> Any:
     return specs
 
 
-def _broadcast_specs(specs: Any, tree: Any, what: str, fn_name: str) -> list[PartitionSpec | None]:
+def broadcast_specs(specs: Any, tree: Any, what: str, fn_name: str) -> list[PartitionSpec | None]:
     """One spec (or None) per leaf of ``tree``; ``specs`` is a prefix of ``tree`` (dicts match
     by key)."""
     specs = _key_ordered(specs, tree)
@@ -134,7 +134,7 @@ def _check_leaves(paths: list[tuple[Any, Any]], fn_name: str) -> None:
         if isinstance(leaf, torch.Tensor) or isinstance(leaf, _STATIC_TYPES):
             continue
         raise CaptureError(
-            f"Cannot trace {fn_name!r}: input {_where(path)} is a "
+            f"Cannot trace {fn_name!r}: input {input_path(path)} is a "
             f"{type(leaf).__name__} ({leaf!r:.80}), which is neither a tensor (a graph input) "
             f"nor a static Python value (int, float, bool, str, None, dtype, ...). Convert it "
             f"with torch.as_tensor, or close over it in the function instead of passing it."
@@ -188,7 +188,7 @@ def trace(
     n_arg_leaves = pytree.tree_structure(args).num_leaves
     in_spec_flat: list[PartitionSpec | None] = [None] * len(leaves)
     if in_specs is not None:
-        in_spec_flat[:n_arg_leaves] = _broadcast_specs(in_specs, args, "in_specs", name)
+        in_spec_flat[:n_arg_leaves] = broadcast_specs(in_specs, args, "in_specs", name)
     out_tree_box: list[pytree.TreeSpec] = []
     received: list[torch.Tensor] = []  # what fn itself received, per tensor input
 
@@ -198,7 +198,7 @@ def trace(
         for i, t in zip(tensor_idx, tensors, strict=True):
             spec = in_spec_flat[i]
             if spec is not None:
-                t = record(t, mesh, spec, source=f"in_specs for {_where(leaf_paths[i][0])}")  # type: ignore[arg-type]
+                t = record(t, mesh, spec, source=f"in_specs for {input_path(leaf_paths[i][0])}")  # type: ignore[arg-type]
             full[i] = t
             received.append(t)
         call_args, call_kwargs = pytree.tree_unflatten(full, in_tree)
@@ -213,7 +213,7 @@ def trace(
                     f"tensors (in dicts, lists, tuples) only."
                 )
         if out_specs is not None:
-            specs = _broadcast_specs(out_specs, result, "out_specs", name)
+            specs = broadcast_specs(out_specs, result, "out_specs", name)
             outs = [
                 o
                 if s is None
@@ -223,7 +223,7 @@ def trace(
         out_tree_box.append(out_tree)
         return outs
 
-    input_names = tuple(_where(leaf_paths[i][0]) for i in tensor_idx)
+    input_names = tuple(input_path(leaf_paths[i][0]) for i in tensor_idx)
     shapes = [tuple(leaves[i].shape) for i in tensor_idx]
     specs = [in_spec_flat[i] for i in tensor_idx]
     updates = InputUpdates(received, input_names, shapes, specs, mesh, name)
@@ -275,7 +275,7 @@ def trace(
     )
 
 
-def _where(path: Any) -> str:
+def input_path(path: Any) -> str:
     """``args[0]['w']`` / ``kwargs['x']`` for a path into ``(args, kwargs)``."""
     text = pytree.keystr(path)
     if text.startswith("[0]"):

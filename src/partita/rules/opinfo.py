@@ -16,7 +16,7 @@ import torch.fx as fx
 
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta
 
-__all__ = ["op_info", "replicate_rule", "source_of"]
+__all__ = ["is_tensor", "op_info", "replicate_rule", "source_of"]
 
 
 def source_of(node: fx.Node) -> str | None:
@@ -25,7 +25,7 @@ def source_of(node: fx.Node) -> str | None:
     return src if isinstance(src, str) else None
 
 
-def _is_tensor(v: Any) -> bool:
+def is_tensor(v: Any) -> bool:
     return isinstance(v, torch.Tensor)
 
 
@@ -45,7 +45,7 @@ def op_info(
     def to_meta(a: Any) -> Any:
         if isinstance(a, fx.Node):
             val = a.meta.get("val")
-            if not _is_tensor(val):
+            if not is_tensor(val):
                 return val
             meta = cache.get(a) if cache is not None else None
             if meta is None:
@@ -65,10 +65,10 @@ def op_info(
     kwargs = {k: to_meta(v) for k, v in node.kwargs.items()}
     val = node.meta.get("val")
     if isinstance(val, (tuple, list)):
-        results = tuple(_meta(v) if _is_tensor(v) else None for v in val)
+        results = tuple(_meta(v) if is_tensor(v) else None for v in val)
         indices: list[int | None] = list(range(len(val)))
     else:
-        results = (_meta(val) if _is_tensor(val) else None,)
+        results = (_meta(val) if is_tensor(val) else None,)
         indices = [None]
     info = OpInfo(node.target, args, kwargs, tuple(metas), results)
     return info, operand_nodes, indices

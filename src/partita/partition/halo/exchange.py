@@ -52,13 +52,13 @@ def _window_index(low: Lowering, like: fx.Node, axes: tuple[str, ...], h: HaloPl
     return low.call(aten.clamp.default, low.call(aten.add.Tensor, ar, off), 0, h.b2 - 1)
 
 
-def _window_start(low: Lowering, like: fx.Node, axes: tuple[str, ...], g: Geo, h: HaloPlan):
+def window_start(low: Lowering, like: fx.Node, axes: tuple[str, ...], g: Geo, h: HaloPlan):
     """``L_t = t*c_out*stride - pad``: the global position of the window's first row."""
     t = low.call(partita_ops.axis_index.default, like, list(axes))
     return low.call(aten.sub.Tensor, low.call(aten.mul.Tensor, t, h.c_out * g.stride), g.pad)
 
 
-def _exchange(
+def exchange_halos(
     low: Lowering,
     node: fx.Node,
     x: fx.Node,
@@ -111,7 +111,7 @@ def _exchange(
     else:
         win = low.call(aten.index_select.default, ext, d, _window_index(low, x, axes, h))
     if g.n % h.k or fill != 0:
-        start = _window_start(low, x, axes, g, h)
+        start = window_start(low, x, axes, g, h)
         ar = low.call(aten.arange.default, h.w, dtype=torch.int64)
         pos = low.call(aten.add.Tensor, ar, start)
         valid = low.call(
@@ -124,7 +124,7 @@ def _exchange(
     return win, _with(shape, d, h.w)
 
 
-def _return_halo(
+def return_halo(
     low: Lowering,
     node: fx.Node,
     gwin: fx.Node,
@@ -134,7 +134,7 @@ def _return_halo(
     axes: tuple[str, ...],
     h: HaloPlan,
 ) -> tuple[fx.Node, list[int]]:
-    """The transpose of :func:`_exchange` for a gradient of the window: every device adds the
+    """The transpose of :func:`exchange_halos` for a gradient of the window: every device adds the
     halo rows' gradients to the neighbour that owns them."""
     d, nd = g.dim, len(shape)
     if h.step == 0:

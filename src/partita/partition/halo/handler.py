@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import torch.fx as fx
 
 from partita.layout import local_shape
-from partita.partition.halo.exchange import _exchange, _return_halo
+from partita.partition.halo.exchange import exchange_halos, return_halo
 from partita.partition.halo.geometry import (
     _AVGPOOL,
     _AVGPOOL_BWD,
@@ -93,12 +93,12 @@ def _lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx
     def window(x: fx.Node, fill: float) -> tuple[fx.Node, list[int], list[int]]:
         shape = list(x_shape)
         for _, (g, axes, h) in sorted(halos.items()):
-            x, shape = _exchange(low, node, x, shape, dtype, g, axes, h, fill)
+            x, shape = exchange_halos(low, node, x, shape, dtype, g, axes, h, fill)
         return x, shape, [0 if d in halos else op.geos[d].pad for d in sorted(op.geos)]
 
     def unwindow(gx: fx.Node, shape: list[int]) -> fx.Node:
         for _, (g, axes, h) in sorted(halos.items(), reverse=True):
-            gx, shape = _return_halo(low, node, gx, shape, dtype, g, axes, h)
+            gx, shape = return_halo(low, node, gx, shape, dtype, g, axes, h)
         return gx
 
     t = node.target

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from partita.partition.halo.exchange import _window_start
+from partita.partition.halo.exchange import window_start
 from partita.partition.halo.geometry import (
     _AVGPOOL,
     _AVGPOOL_BWD,
@@ -41,7 +41,7 @@ def _spatial_offsets(low, op, halos, like):
     for d in sorted(op.geos):
         if d in halos:
             g, axes, h = halos[d]
-            offs.append(_window_start(low, like, axes, g, h))
+            offs.append(window_start(low, like, axes, g, h))
         else:
             offs.append(0)
     return offs

@@ -17,11 +17,11 @@ from partita.partition.special.common import (
     _all_reduce,
     _axes_of,
     _cast,
-    _mask,
     _operand_sharding,
-    _val,
     aten,
+    fake_value,
     make_tuple,
+    mask_padding,
 )
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
@@ -37,7 +37,7 @@ def _bn_reduced(
     low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign, x_index: int
 ) -> tuple[list[int], tuple[str, ...]]:
     """The reduced dims (all but channels) and the mesh axes they are sharded over."""
-    ndim = _val(node.args[x_index]).ndim
+    ndim = fake_value(node.args[x_index]).ndim
     dims = [d for d in range(ndim) if d != 1]
     axes: list[str] = []
     for d in dims:
@@ -52,7 +52,7 @@ def _bn_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) 
 
 def _localized_args(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> list[Any]:
     it = iter(low.localize_operands(node, rule, assign))
-    return [next(it) if isinstance(_val(a), torch.Tensor) else a for a in node.args]
+    return [next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args]
 
 
 def _channel_sums(
@@ -67,12 +67,14 @@ def _channel_sums(
 ) -> list[fx.Node]:
     """Per-channel sums of ``terms`` (local tiles like the input, padding masked to 0) over the
     reduced dims, all-reduced in one collective."""
-    gshape = tuple(_val(node.args[x_index]).shape)
+    gshape = tuple(fake_value(node.args[x_index]).shape)
     dims, axes = _bn_reduced(low, node, rule, assign, x_index)
     sums = []
     for t in terms:
         for d in dims:
-            t = _mask(low, t, _axes_of(rule, x_index, d, assign), gshape[d], len(gshape), d, 0)
+            t = mask_padding(
+                low, t, _axes_of(rule, x_index, d, assign), gshape[d], len(gshape), d, 0
+            )
         sums.append(low.call(aten.sum.dim_IntList, t, dims))
     stacked = low.call(aten.stack.default, sums)
     c_local = local_shape(_operand_sharding(low, rule, x_index, assign), gshape)[1]
@@ -88,7 +90,7 @@ def _bn_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) ->
     no_stats = node.target == aten._native_batch_norm_legit.no_stats
     rm, rv = (None, None) if no_stats else (args[3], args[4])
     momentum, eps = (args[4], args[5]) if no_stats else (args[6], args[7])
-    x_val = _val(node.args[0])
+    x_val = fake_value(node.args[0])
     gshape = tuple(x_val.shape)
     count = math.prod(gshape) // gshape[1]
     acc = _acc_dtype(x_val.dtype)
@@ -146,7 +148,7 @@ def _bn_backward(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign)
     args = _localized_args(low, node, rule, assign)
     dy, x, w, save_mean, invstd = args[0], args[1], args[2], args[5], args[6]
     out_mask = list(node.args[9])
-    x_val = _val(node.args[1])
+    x_val = fake_value(node.args[1])
     gshape = tuple(x_val.shape)
     count = math.prod(gshape) // gshape[1]
     acc = _acc_dtype(x_val.dtype)
@@ -155,7 +157,7 @@ def _bn_backward(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign)
     def per_channel(v: fx.Node) -> fx.Node:
         return low.call(aten.reshape.default, v, bshape)
 
-    dy_a = _cast(low, dy, _val(node.args[0]).dtype, acc)
+    dy_a = _cast(low, dy, fake_value(node.args[0]).dtype, acc)
     centered = low.call(aten.sub.Tensor, _cast(low, x, x_val.dtype, acc), per_channel(save_mean))
     sum_dy, dot = _channel_sums(
         low,

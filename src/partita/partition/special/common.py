@@ -17,7 +17,7 @@ from partita.spec import Sharding
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
 
-__all__ = ["make_tuple"]
+__all__ = ["fake_value", "make_tuple", "mask_padding"]
 
 aten = torch.ops.aten
 Assign = dict[str, tuple[str, ...]]
@@ -28,7 +28,7 @@ def make_tuple(*xs: Any) -> tuple[Any, ...]:
     return tuple(xs)
 
 
-def _val(n: Any) -> Any:
+def fake_value(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
@@ -74,7 +74,7 @@ def _all_reduce(
     return out
 
 
-def _mask(
+def mask_padding(
     low: Lowering, x: fx.Node, axes: tuple[str, ...], size: int, ndim: int, dim: int, fill: Any
 ) -> fx.Node:
     return emit_mask_padding(low.graph, x, low.mesh, axes, size, ndim, dim, fill)

@@ -10,7 +10,7 @@ import torch.fx as fx
 from partita.layout import ceil_div
 from partita.partition.handlers import Handler, register
 from partita.partition.masks import emit_tile_offset
-from partita.partition.special.common import Assign, _val, aten
+from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 
@@ -78,7 +78,7 @@ def _embedding_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Ass
         grad = low.call(aten.where.ScalarOther, keep, grad, 0.0)
         return low.call(aten.embedding_dense_backward.default, grad, safe, tile, -1, False)
     table, ids = low.localize_operands(node, rule, assign)
-    rows = int(_val(node.args[0]).shape[0])
+    rows = int(fake_value(node.args[0]).shape[0])
     local, inside, _ = _own_rows(low, ids, axes, rows)
     safe = low.call(aten.where.ScalarOther, inside, local, 0)
     out = low.call(aten.embedding.default, table, safe)

@@ -18,7 +18,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from partita.partition.handlers import Handler, register
-from partita.partition.special.common import Assign, _mask, _val
+from partita.partition.special.common import Assign, fake_value, mask_padding
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 
@@ -36,7 +36,7 @@ def _sharded_index_dims(
     for i, (operand, factors) in enumerate(
         zip(low.operand_nodes(node), rule.operands, strict=True)
     ):
-        if factors is None or _val(operand).dtype not in _INDEX_DTYPES:
+        if factors is None or fake_value(operand).dtype not in _INDEX_DTYPES:
             continue
         for d, dim in enumerate(low.dims_of(factors, assign)):
             if dim:
@@ -53,8 +53,8 @@ def _lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx
     locals_ = low.localize_operands(node, rule, assign)
     operands = low.operand_nodes(node)
     for i, d, axes in _sharded_index_dims(low, node, rule, assign):
-        shape = _val(operands[i]).shape
-        locals_[i] = _mask(low, locals_[i], axes, int(shape[d]), len(shape), d, 0)
+        shape = fake_value(operands[i]).shape
+        locals_[i] = mask_padding(low, locals_[i], axes, int(shape[d]), len(shape), d, 0)
     it = iter(locals_)
 
     def swap(a: Any) -> Any:

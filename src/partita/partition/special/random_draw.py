@@ -15,7 +15,7 @@ from partita.explain import op_name
 from partita.partition.handlers import Handler, register
 from partita.partition.reshard import plan_reshard
 from partita.partition.reshard_emit import emit_reshard
-from partita.partition.special.common import Assign, _val, aten, make_tuple
+from partita.partition.special.common import Assign, aten, fake_value, make_tuple
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 from partita.spec import Sharding
@@ -105,7 +105,7 @@ def _random_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
 
     def enc(a: Any) -> Any:
         if isinstance(a, fx.Node):
-            v = _val(a)
+            v = fake_value(a)
             if target in _VALUE_OPERANDS:
                 dst = Sharding.replicated(low.mesh, v.ndim)
                 why = f"{op_name(target)} (%{node.name}) draws from the global tensor"

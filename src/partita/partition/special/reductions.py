@@ -15,10 +15,10 @@ from partita.partition.special.common import (
     Assign,
     _all_reduce,
     _axes_of,
-    _mask,
-    _val,
     aten,
+    fake_value,
     make_tuple,
+    mask_padding,
 )
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
@@ -41,7 +41,7 @@ def _mean_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
 def _mean_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
     """A local sum of the (zero-masked) tile divided by the global count: a partial sum."""
     (x,) = low.localize_operands(node, rule, assign)
-    shape = tuple(_val(node.args[0]).shape)
+    shape = tuple(fake_value(node.args[0]).shape)
     dtype = node.kwargs.get("dtype")
     if node.target == aten.mean.dim:
         dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
@@ -69,11 +69,11 @@ def _nll_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -
     """Padded targets become ``ignore_index``; the op runs with ``reduction=sum``. For sum the
     results stay partial; for mean one all_reduce of ``(sum, total_weight)`` and a divide."""
     it = iter(low.localize_operands(node, rule, assign))
-    args = [next(it) if isinstance(_val(a), torch.Tensor) else a for a in node.args]
+    args = [next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args]
     reduction, ignore = int(args[3]), int(args[4])
-    n = int(_val(node.args[1]).shape[0])
+    n = int(fake_value(node.args[1]).shape[0])
     axes = _axes_of(rule, 1, 0, assign)
-    args[1] = _mask(low, args[1], axes, n, 1, 0, ignore)
+    args[1] = mask_padding(low, args[1], axes, n, 1, 0, ignore)
     args[3] = _SUM
     res = low.call(node.target, *args)
     total, weight = (low.call(operator.getitem, res, i) for i in (0, 1))
@@ -91,7 +91,7 @@ def _nll_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -
 
 def _nll_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     if node.target == aten.nll_loss_backward.default:
-        return _val(node.args[2]).ndim > 0 and bool(_axes_of(rule, 2, 0, assign))
+        return fake_value(node.args[2]).ndim > 0 and bool(_axes_of(rule, 2, 0, assign))
     return bool(_reduced_axes(rule, assign))
 
 
@@ -99,9 +99,9 @@ def _nll_backward_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: 
     """``nll_loss_backward`` with the batch sharded: padded targets become ``ignore_index`` (the
     kernel indexes with them); the global ``total_weight`` makes the rest local."""
     it = iter(low.localize_operands(node, rule, assign))
-    args = [next(it) if isinstance(_val(a), torch.Tensor) else a for a in node.args]
-    n = int(_val(node.args[2]).shape[0])
-    args[2] = _mask(low, args[2], _axes_of(rule, 2, 0, assign), n, 1, 0, int(args[5]))
+    args = [next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args]
+    n = int(fake_value(node.args[2]).shape[0])
+    args[2] = mask_padding(low, args[2], _axes_of(rule, 2, 0, assign), n, 1, 0, int(args[5]))
     return low.call(node.target, *args)
 
 

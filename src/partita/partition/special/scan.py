@@ -23,7 +23,7 @@ from partita.layout import ceil_div
 from partita.partition.handlers import Handler, register
 from partita.partition.masks import emit_tile_offset, identity_of
 from partita.partition.plan import CollectiveRecord
-from partita.partition.special.common import Assign, _val, aten, make_tuple
+from partita.partition.special.common import Assign, aten, fake_value, make_tuple
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 
 def _scan_dim(node: fx.Node) -> int:
-    ndim = _val(node.args[0]).ndim
+    ndim = fake_value(node.args[0]).ndim
     dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
     return int(dim) % max(ndim, 1)
 
@@ -60,7 +60,7 @@ def _all_gather(
     """``all_gather(x)`` along ``dim`` over ``axes``, recorded in the Plan."""
     k = low.mesh.axes_size(axes)
     out = low.call(torch.ops.partita.all_gather.default, x, dim, list(axes), k)
-    shape = list(_val(node.args[0]).shape)
+    shape = list(fake_value(node.args[0]).shape)
     shape[dim] = k
     low.plan.collectives.append(
         CollectiveRecord(
@@ -83,7 +83,7 @@ def _scan_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) 
     """Local scan, then ``max(carry, local)`` with the carry of the tiles before this one."""
     (x,) = low.localize_operands(node, rule, assign)
     dim, axes = _scan_dim(node), _scan_axes(node, rule, assign)
-    gx = _val(node.args[0])
+    gx = fake_value(node.args[0])
     k = low.mesh.axes_size(axes)
     tile = ceil_div(int(gx.shape[dim]), k)
     is_max = node.target == aten.cummax.default

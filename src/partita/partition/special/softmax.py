@@ -15,10 +15,10 @@ from partita.partition.special.common import (
     _all_reduce,
     _axes_of,
     _cast,
-    _mask,
     _operand_sharding,
-    _val,
     aten,
+    fake_value,
+    mask_padding,
 )
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
@@ -34,13 +34,13 @@ _BACKWARD = {aten._softmax_backward_data.default, aten._log_softmax_backward_dat
 
 
 def _softmax_dim(node: fx.Node) -> int:
-    ndim = _val(node.args[0]).ndim
+    ndim = fake_value(node.args[0]).ndim
     d = node.args[2] if node.target in _BACKWARD else node.args[1]
     return d % max(ndim, 1)
 
 
 def _softmax_axes(node: fx.Node, rule: FactorRule, assign: Assign) -> tuple[str, ...]:
-    if not _val(node.args[0]).ndim:
+    if not fake_value(node.args[0]).ndim:
         return ()
     return _axes_of(rule, 0, _softmax_dim(node), assign)
 
@@ -52,7 +52,7 @@ def _softmax_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Ass
 def _softmax_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
     d = _softmax_dim(node)
     axes = _softmax_axes(node, rule, assign)
-    x_val, out_val = _val(node.args[0]), node.meta["val"]
+    x_val, out_val = fake_value(node.args[0]), node.meta["val"]
     gshape = tuple(x_val.shape)
     n, ndim = gshape[d], len(gshape)
     red_shape = list(local_shape(_operand_sharding(low, rule, 0, assign), gshape))
@@ -62,7 +62,7 @@ def _softmax_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assig
     is_log = node.target in _LOG
 
     def reduce(v: fx.Node, op: str, fill: Any, what: str) -> fx.Node:
-        v = _mask(low, v, axes, n, ndim, d, fill)
+        v = mask_padding(low, v, axes, n, ndim, d, fill)
         fn = aten.amax.default if op == "max" else aten.sum.dim_IntList
         local = low.call(fn, v, [d])
         return low.call(
@@ -73,7 +73,7 @@ def _softmax_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assig
 
     if node.target in _BACKWARD:
         grad, out = low.localize_operands(node, rule, assign)
-        grad = _cast(low, grad, _val(node.args[0]).dtype, _val(node.args[1]).dtype)
+        grad = _cast(low, grad, fake_value(node.args[0]).dtype, fake_value(node.args[1]).dtype)
         if is_log:  # grad - exp(out) * sum(grad)
             s = reduce(grad, "sum", 0, "sum of the gradient")
             res = low.call(
@@ -83,11 +83,11 @@ def _softmax_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assig
             gy = low.call(aten.mul.Tensor, grad, out)
             s = reduce(gy, "sum", 0, "sum of grad * softmax")
             res = low.call(aten.sub.Tensor, gy, low.call(aten.mul.Tensor, out, s))
-        return _cast(low, res, _val(node.args[1]).dtype, dt)
+        return _cast(low, res, fake_value(node.args[1]).dtype, dt)
 
     (x,) = low.localize_operands(node, rule, assign)
     x = _cast(low, x, x_val.dtype, dt)
-    x = _mask(low, x, axes, n, ndim, d, -math.inf)
+    x = mask_padding(low, x, axes, n, ndim, d, -math.inf)
     gmax = reduce(x, "max", -math.inf, "max for a stable softmax")
     shifted = low.call(aten.sub.Tensor, x, gmax)
     e = low.call(aten.exp.default, shifted)
