@@ -273,3 +273,18 @@ def test_whole_op_handlers_include_the_scan(monkeypatch: pytest.MonkeyPatch) -> 
     want_v, want_i = torch.cummax(x, 1)
     torch.testing.assert_close(values.full(), want_v, rtol=0, atol=0)
     assert torch.equal(indices.full(), want_i)
+
+
+def test_no_private_name_crosses_a_module() -> None:
+    """What one module of partita uses from another is public there: ``from partita.x import
+    _helper`` makes a private name API by accident (a rename breaks a distant module)."""
+    crossing = []
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("partita"):
+                crossing += [
+                    f"{module}: from {node.module} import {a.name}"
+                    for a in node.names
+                    if a.name.startswith("_")
+                ]
+    assert crossing == []

@@ -18,14 +18,14 @@ aten = torch.ops.aten
 partita_ops = torch.ops.partita
 Assign = dict[str, tuple[str, ...]]
 
-_CONV = aten.convolution.default
-_CONV_BWD = aten.convolution_backward.default
-_MAXPOOL = aten.max_pool2d_with_indices.default
-_MAXPOOL_BWD = aten.max_pool2d_with_indices_backward.default
-_AVGPOOL = aten.avg_pool2d.default
-_AVGPOOL_BWD = aten.avg_pool2d_backward.default
-_PAD = aten.constant_pad_nd.default
-_BACKWARD = (_CONV_BWD, _MAXPOOL_BWD, _AVGPOOL_BWD)
+CONV = aten.convolution.default
+CONV_BWD = aten.convolution_backward.default
+MAXPOOL = aten.max_pool2d_with_indices.default
+MAXPOOL_BWD = aten.max_pool2d_with_indices_backward.default
+AVGPOOL = aten.avg_pool2d.default
+AVGPOOL_BWD = aten.avg_pool2d_backward.default
+PAD = aten.constant_pad_nd.default
+BACKWARD_OPS = (CONV_BWD, MAXPOOL_BWD, AVGPOOL_BWD)
 
 
 # --- geometry --------------------------------------------------------------------------------
@@ -98,13 +98,13 @@ def halo_plan(g: Geo, k: int) -> HaloPlan | None:
 # --- reading the op --------------------------------------------------------------------------
 
 
-def _arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
+def node_arg(node: fx.Node, i: int, name: str, default: Any = None) -> Any:
     if i < len(node.args):
         return node.args[i]
     return node.kwargs.get(name, default)
 
 
-def _ints(v: Any, k: int, default: list[int] | None = None) -> list[int]:
+def int_list(v: Any, k: int, default: list[int] | None = None) -> list[int]:
     if v is None or (isinstance(v, (list, tuple)) and len(v) == 0):
         assert default is not None
         return list(default)
@@ -119,57 +119,59 @@ def _shape(node: Any) -> tuple[int, ...]:
 
 
 @dataclass
-class _Op:
+class WindowedOp:
     x_index: int  # the operand whose windowed dims are exchanged (input / self)
     x_shape: tuple[int, ...]
     geos: dict[int, Geo]  # by input dim
     fill: float
 
 
-def _read(node: fx.Node) -> _Op:
+def read_op(node: fx.Node) -> WindowedOp:
     t = node.target
-    if t in (_CONV, _CONV_BWD):
-        xi = 1 if t is _CONV_BWD else 0
-        off = 1 if t is _CONV_BWD else 0
+    if t in (CONV, CONV_BWD):
+        xi = 1 if t is CONV_BWD else 0
+        off = 1 if t is CONV_BWD else 0
         x, w = _shape(node.args[xi]), _shape(node.args[xi + 1])
-        out = _shape(node.args[0]) if t is _CONV_BWD else _shape_of_result(node)
+        out = _shape(node.args[0]) if t is CONV_BWD else _shape_of_result(node)
         k = len(x) - 2
-        stride = _ints(_arg(node, 3 + off, "stride"), k)
-        pad = _ints(_arg(node, 4 + off, "padding"), k)
-        dil = _ints(_arg(node, 5 + off, "dilation"), k)
+        stride = int_list(node_arg(node, 3 + off, "stride"), k)
+        pad = int_list(node_arg(node, 4 + off, "padding"), k)
+        dil = int_list(node_arg(node, 5 + off, "dilation"), k)
         geos = {
             2 + i: Geo(2 + i, x[2 + i], out[2 + i], w[2 + i], stride[i], pad[i], dil[i])
             for i in range(k)
         }
-        return _Op(xi, x, geos, 0.0)
-    if t in (_MAXPOOL, _MAXPOOL_BWD, _AVGPOOL, _AVGPOOL_BWD):
-        bwd = t in (_MAXPOOL_BWD, _AVGPOOL_BWD)
+        return WindowedOp(xi, x, geos, 0.0)
+    if t in (MAXPOOL, MAXPOOL_BWD, AVGPOOL, AVGPOOL_BWD):
+        bwd = t in (MAXPOOL_BWD, AVGPOOL_BWD)
         xi = 1 if bwd else 0
         x = _shape(node.args[xi])
         out = _shape(node.args[0]) if bwd else _shape_of_result(node)
-        ks = _ints(_arg(node, 1 + xi, "kernel_size"), 2)
-        stride = _ints(_arg(node, 2 + xi, "stride"), 2, ks)
-        pad = _ints(_arg(node, 3 + xi, "padding", 0), 2)
+        ks = int_list(node_arg(node, 1 + xi, "kernel_size"), 2)
+        stride = int_list(node_arg(node, 2 + xi, "stride"), 2, ks)
+        pad = int_list(node_arg(node, 3 + xi, "padding", 0), 2)
         dil = (
-            _ints(_arg(node, 4 + xi, "dilation", 1), 2) if t in (_MAXPOOL, _MAXPOOL_BWD) else [1, 1]
+            int_list(node_arg(node, 4 + xi, "dilation", 1), 2)
+            if t in (MAXPOOL, MAXPOOL_BWD)
+            else [1, 1]
         )
         d0 = len(x) - 2
         geos = {
             d0 + i: Geo(d0 + i, x[d0 + i], out[d0 + i], ks[i], stride[i], pad[i], dil[i])
             for i in range(2)
         }
-        fill = float("-inf") if t is _MAXPOOL else 0.0
-        return _Op(xi, x, geos, fill)
-    if t is _PAD:
+        fill = float("-inf") if t is MAXPOOL else 0.0
+        return WindowedOp(xi, x, geos, fill)
+    if t is PAD:
         x = _shape(node.args[0])
-        pads = list(_arg(node, 1, "pad"))
-        value = _arg(node, 2, "value", 0)
+        pads = list(node_arg(node, 1, "pad"))
+        value = node_arg(node, 2, "value", 0)
         geos = {}
         for i in range(0, len(pads), 2):
             d = len(x) - 1 - i // 2
             lo, hi = int(pads[i]), int(pads[i + 1])
             geos[d] = Geo(d, x[d], x[d] + lo + hi, 1, 1, lo, 1)
-        return _Op(0, x, geos, float(value if value is not None else 0))
+        return WindowedOp(0, x, geos, float(value if value is not None else 0))
     raise NotImplementedError(f"halo handler: unknown op {t}")
 
 
@@ -180,7 +182,9 @@ def _shape_of_result(node: fx.Node) -> tuple[int, ...]:
     return tuple(int(s) for s in val.shape)
 
 
-def _windowed(rule: FactorRule, op: _Op, assign: Assign) -> dict[int, tuple[str, str, ...]]:
+def sharded_windowed_dims(
+    rule: FactorRule, op: WindowedOp, assign: Assign
+) -> dict[int, tuple[str, str, ...]]:
     """Sharded windowed dims of the exchanged operand: ``{dim: (factor, *mesh axes)}``."""
     out: dict[int, Any] = {}
     factors = rule.operands[op.x_index] or ()
@@ -191,7 +195,7 @@ def _windowed(rule: FactorRule, op: _Op, assign: Assign) -> dict[int, tuple[str,
     return out
 
 
-def _window_shape(shape: list[int], halos: dict[int, Any]) -> list[int]:
+def window_shape(shape: list[int], halos: dict[int, Any]) -> list[int]:
     out = list(shape)
     for d, (_, _, h) in halos.items():
         out[d] = h.w

@@ -12,30 +12,30 @@ import torch.fx as fx
 from partita.layout import local_shape
 from partita.partition.halo.exchange import exchange_halos, return_halo
 from partita.partition.halo.geometry import (
-    _AVGPOOL,
-    _AVGPOOL_BWD,
-    _CONV,
-    _CONV_BWD,
-    _MAXPOOL,
-    _MAXPOOL_BWD,
-    _PAD,
+    AVGPOOL,
+    AVGPOOL_BWD,
+    CONV,
+    CONV_BWD,
+    MAXPOOL,
+    MAXPOOL_BWD,
+    PAD,
     Assign,
     Geo,
     HaloPlan,
-    _arg,
-    _read,
-    _window_shape,
-    _windowed,
     aten,
     halo_plan,
+    node_arg,
     partita_ops,
+    read_op,
+    sharded_windowed_dims,
+    window_shape,
 )
 from partita.partition.halo.pooling import (
-    _avg_divisor,
-    _avg_pool,
-    _indices_to_global,
-    _indices_to_local,
-    _pool_args,
+    avg_divisor,
+    avg_pool_local,
+    indices_to_global,
+    indices_to_local,
+    pool_args,
 )
 from partita.partition.handlers import Handler, register
 from partita.partition.masks import emit_mask_padding
@@ -60,16 +60,16 @@ def _cin_axes(node: fx.Node, rule: FactorRule, assign: Assign) -> tuple[str, ...
 
 
 def _applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
-    op = _read(node)
-    if _windowed(rule, op, assign):
+    op = read_op(node)
+    if sharded_windowed_dims(rule, op, assign):
         return True
-    has_bias = node.target is _CONV and _arg(node, 2, "bias") is not None
+    has_bias = node.target is CONV and node_arg(node, 2, "bias") is not None
     return has_bias and bool(_cin_axes(node, rule, assign))
 
 
 def _lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
-    op = _read(node)
-    sharded = _windowed(rule, op, assign)
+    op = read_op(node)
+    sharded = sharded_windowed_dims(rule, op, assign)
     halos: dict[int, tuple[Geo, tuple[str, ...], HaloPlan]] = {}
     gathered: dict[str, tuple[str, ...]] = {}  # windowed factor -> its mesh axes
     for d, (f, *axes) in sorted(sharded.items()):
@@ -104,18 +104,18 @@ def _lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx
     t = node.target
     args = list(node.args)
     rest_kwargs = dict(node.kwargs)
-    if t is _PAD:
+    if t is PAD:
         win, _, _ = window(x, op.fill)
-        pads = list(_arg(node, 1, "pad"))
+        pads = list(node_arg(node, 1, "pad"))
         for d in halos:
             i = 2 * (len(op.x_shape) - 1 - d)
             pads[i] = pads[i + 1] = 0
         out = win
         if any(pads):
-            out = low.call(_PAD, win, pads, *args[2:], **rest_kwargs)
+            out = low.call(PAD, win, pads, *args[2:], **rest_kwargs)
         elif out is x:
             out = low.call(aten.clone.default, x)
-    elif t is _CONV:
+    elif t is CONV:
         xw, _, pad = window(x, op.fill)
         w = operands[1]
         bias = operands[2] if len(operands) > 2 else None
@@ -130,31 +130,31 @@ def _lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx
             xw,
             w,
             bias,
-            _arg(node, 3, "stride"),
+            node_arg(node, 3, "stride"),
             pad,
-            _arg(node, 5, "dilation"),
-            _arg(node, 6, "transposed"),
-            _arg(node, 7, "output_padding"),
-            _arg(node, 8, "groups"),
+            node_arg(node, 5, "dilation"),
+            node_arg(node, 6, "transposed"),
+            node_arg(node, 7, "output_padding"),
+            node_arg(node, 8, "groups"),
         )
-    elif t in (_MAXPOOL, _AVGPOOL):
+    elif t in (MAXPOOL, AVGPOOL):
         xw, wshape, pad = window(x, op.fill)
-        if t is _MAXPOOL:
-            ks, stride, dil, ceil = _pool_args(node)
+        if t is MAXPOOL:
+            ks, stride, dil, ceil = pool_args(node)
             res = low.call(t, xw, ks, stride, pad, dil, ceil)
             vals = low.call(operator.getitem, res, 0)
             idx = low.call(operator.getitem, res, 1)
-            idx = _indices_to_global(low, op, idx, wshape, halos, x)
+            idx = indices_to_global(low, op, idx, wshape, halos, x)
             out = low.call(_pack, vals, idx)
         else:
-            out = _avg_pool(low, node, op, xw, pad, halos, x)
-    elif t is _CONV_BWD:
+            out = avg_pool_local(low, node, op, xw, pad, halos, x)
+    elif t is CONV_BWD:
         gout, _, w = operands
-        mask = list(_arg(node, 10, "output_mask"))
+        mask = list(node_arg(node, 10, "output_mask"))
         if mask[1]:
             xw, wshape, pad = window(x, op.fill)
         else:
-            wshape = _window_shape(x_shape, halos)
+            wshape = window_shape(x_shape, halos)
             xw = low.call(aten.new_zeros.default, x, wshape)
             pad = [0 if d in halos else op.geos[d].pad for d in sorted(op.geos)]
         res = low.call(
@@ -162,13 +162,13 @@ def _lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx
             gout,
             xw,
             w,
-            _arg(node, 3, "bias_sizes"),
-            _arg(node, 4, "stride"),
+            node_arg(node, 3, "bias_sizes"),
+            node_arg(node, 4, "stride"),
             pad,
-            _arg(node, 6, "dilation"),
-            _arg(node, 7, "transposed"),
-            _arg(node, 8, "output_padding"),
-            _arg(node, 9, "groups"),
+            node_arg(node, 6, "dilation"),
+            node_arg(node, 7, "transposed"),
+            node_arg(node, 8, "output_padding"),
+            node_arg(node, 9, "groups"),
             mask,
         )
         gx = low.call(operator.getitem, res, 0) if mask[0] else None
@@ -177,26 +177,26 @@ def _lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx
         gw = low.call(operator.getitem, res, 1) if mask[1] else None
         gb = low.call(operator.getitem, res, 2) if mask[2] else None
         out = low.call(_pack, gx, gw, gb)
-    elif t in (_MAXPOOL_BWD, _AVGPOOL_BWD):
+    elif t in (MAXPOOL_BWD, AVGPOOL_BWD):
         gout = operands[0]
         for d, (g, axes, _) in halos.items():
             gout = emit_mask_padding(low.graph, gout, low.mesh, axes, g.m, len(op.x_shape), d, 0)
-        wshape = _window_shape(x_shape, halos)
+        wshape = window_shape(x_shape, halos)
         xw = low.call(aten.new_zeros.default, x, wshape)
         pad = [0 if d in halos else op.geos[d].pad for d in sorted(op.geos)]
-        ks, stride, dil, ceil = _pool_args(node)
-        if t is _MAXPOOL_BWD:
-            idx = _indices_to_local(low, op, operands[2], wshape, halos, x)
+        ks, stride, dil, ceil = pool_args(node)
+        if t is MAXPOOL_BWD:
+            idx = indices_to_local(low, op, operands[2], wshape, halos, x)
             gx = low.call(t, gout, xw, ks, stride, pad, dil, ceil, idx)
         else:
-            include = bool(_arg(node, 6, "count_include_pad", True))
-            over = _arg(node, 7, "divisor_override")
+            include = bool(node_arg(node, 6, "count_include_pad", True))
+            over = node_arg(node, 7, "divisor_override")
             if over is None:
-                gout = low.call(aten.div.Tensor, gout, _avg_divisor(low, node, op, halos, x))
+                gout = low.call(aten.div.Tensor, gout, avg_divisor(low, node, op, halos, x))
                 over = 1
             gx = low.call(t, gout, xw, ks, stride, pad, ceil, include, over)
         out = unwindow(gx, wshape)
-    else:  # pragma: no cover - _read raised already
+    else:  # pragma: no cover - read_op raised already
         raise NotImplementedError(str(t))
     return _finish_gathered(low, node, rule, assign, gathered, out)
 

@@ -8,30 +8,30 @@ import torch.fx as fx
 
 from partita.partition.halo.exchange import window_start
 from partita.partition.halo.geometry import (
-    _AVGPOOL,
-    _AVGPOOL_BWD,
-    _BACKWARD,
-    _MAXPOOL,
-    _MAXPOOL_BWD,
-    _arg,
-    _ints,
+    AVGPOOL,
+    AVGPOOL_BWD,
+    BACKWARD_OPS,
+    MAXPOOL,
+    MAXPOOL_BWD,
     aten,
+    int_list,
+    node_arg,
     partita_ops,
 )
 
 
-def _pool_args(node: fx.Node) -> tuple[list[int], list[int], list[int], bool]:
+def pool_args(node: fx.Node) -> tuple[list[int], list[int], list[int], bool]:
     """(kernel_size, stride, dilation, ceil_mode) of a pooling op or its backward."""
     t = node.target
-    xi = 1 if t in _BACKWARD else 0
-    ks = _ints(_arg(node, 1 + xi, "kernel_size"), 2)
-    stride = _ints(_arg(node, 2 + xi, "stride"), 2, ks)
-    if t in (_MAXPOOL, _MAXPOOL_BWD):
-        dil = _ints(_arg(node, 4 + xi, "dilation", 1), 2)
-        ceil = bool(_arg(node, 5 + xi, "ceil_mode", False))
+    xi = 1 if t in BACKWARD_OPS else 0
+    ks = int_list(node_arg(node, 1 + xi, "kernel_size"), 2)
+    stride = int_list(node_arg(node, 2 + xi, "stride"), 2, ks)
+    if t in (MAXPOOL, MAXPOOL_BWD):
+        dil = int_list(node_arg(node, 4 + xi, "dilation", 1), 2)
+        ceil = bool(node_arg(node, 5 + xi, "ceil_mode", False))
     else:
         dil = [1, 1]
-        ceil = bool(_arg(node, 4 + xi, "ceil_mode", False))
+        ceil = bool(node_arg(node, 4 + xi, "ceil_mode", False))
     return ks, stride, dil, ceil
 
 
@@ -47,7 +47,7 @@ def _spatial_offsets(low, op, halos, like):
     return offs
 
 
-def _indices_to_global(low, op, idx, wshape, halos, like):
+def indices_to_global(low, op, idx, wshape, halos, like):
     if not halos:
         return idx
     _, dw = sorted(op.geos)
@@ -62,7 +62,7 @@ def _indices_to_global(low, op, idx, wshape, halos, like):
     return low.call(aten.add.Tensor, low.call(aten.mul.Tensor, h, op.x_shape[dw]), w)
 
 
-def _indices_to_local(low, op, idx, wshape, halos, like):
+def indices_to_local(low, op, idx, wshape, halos, like):
     if not halos:
         return idx
     dh, dw = sorted(op.geos)
@@ -78,9 +78,11 @@ def _indices_to_local(low, op, idx, wshape, halos, like):
     return low.call(aten.clamp.default, flat, 0, wshape[dh] * wshape[dw] - 1)
 
 
-def _avg_divisor(low, node, op, halos, like) -> fx.Node:
+def avg_divisor(low, node, op, halos, like) -> fx.Node:
     """avg_pool2d's divisor of each local output (PyTorch's formula, per global position)."""
-    include = bool(_arg(node, 6 if node.target is _AVGPOOL_BWD else 5, "count_include_pad", True))
+    include = bool(
+        node_arg(node, 6 if node.target is AVGPOOL_BWD else 5, "count_include_pad", True)
+    )
     dims = sorted(op.geos)
     facs = []
     for i, d in enumerate(dims):
@@ -116,14 +118,14 @@ def _avg_divisor(low, node, op, halos, like) -> fx.Node:
     return low.call(aten._to_copy.default, div, dtype=node.args[0].meta["val"].dtype)
 
 
-def _avg_pool(low, node, op, xw, pad, halos, like) -> fx.Node:
+def avg_pool_local(low, node, op, xw, pad, halos, like) -> fx.Node:
     args = list(node.args)
-    ks = _ints(args[1], 2)
-    stride = _ints(_arg(node, 2, "stride"), 2, ks)
-    ceil_mode = _arg(node, 4, "ceil_mode", False)
-    include = _arg(node, 5, "count_include_pad", True)
-    over = _arg(node, 6, "divisor_override")
+    ks = int_list(args[1], 2)
+    stride = int_list(node_arg(node, 2, "stride"), 2, ks)
+    ceil_mode = node_arg(node, 4, "ceil_mode", False)
+    include = node_arg(node, 5, "count_include_pad", True)
+    over = node_arg(node, 6, "divisor_override")
     if over is not None:
-        return low.call(_AVGPOOL, xw, ks, stride, pad, ceil_mode, include, over)
-    s = low.call(_AVGPOOL, xw, ks, stride, pad, ceil_mode, include, 1)
-    return low.call(aten.div.Tensor, s, _avg_divisor(low, node, op, halos, like))
+        return low.call(AVGPOOL, xw, ks, stride, pad, ceil_mode, include, over)
+    s = low.call(AVGPOOL, xw, ks, stride, pad, ceil_mode, include, 1)
+    return low.call(aten.div.Tensor, s, avg_divisor(low, node, op, halos, like))

@@ -13,15 +13,15 @@ from partita.layout import local_shape
 from partita.partition.handlers import Handler, register
 from partita.partition.special.common import (
     Assign,
-    _acc_dtype,
-    _all_reduce,
-    _axes_of,
-    _cast,
-    _operand_sharding,
+    acc_dtype,
     aten,
+    axes_of,
+    cast_to,
     fake_value,
     make_tuple,
     mask_padding,
+    operand_sharding,
+    recorded_all_reduce,
 )
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
@@ -41,7 +41,7 @@ def _bn_reduced(
     dims = [d for d in range(ndim) if d != 1]
     axes: list[str] = []
     for d in dims:
-        axes += [a for a in _axes_of(rule, x_index, d, assign) if a not in axes]
+        axes += [a for a in axes_of(rule, x_index, d, assign) if a not in axes]
     return dims, tuple(axes)
 
 
@@ -73,12 +73,12 @@ def _channel_sums(
     for t in terms:
         for d in dims:
             t = mask_padding(
-                low, t, _axes_of(rule, x_index, d, assign), gshape[d], len(gshape), d, 0
+                low, t, axes_of(rule, x_index, d, assign), gshape[d], len(gshape), d, 0
             )
         sums.append(low.call(aten.sum.dim_IntList, t, dims))
     stacked = low.call(aten.stack.default, sums)
-    c_local = local_shape(_operand_sharding(low, rule, x_index, assign), gshape)[1]
-    out = _all_reduce(low, node, stacked, "sum", axes, (len(terms), c_local), acc, what)
+    c_local = local_shape(operand_sharding(low, rule, x_index, assign), gshape)[1]
+    out = recorded_all_reduce(low, node, stacked, "sum", axes, (len(terms), c_local), acc, what)
     return [low.call(aten.select.int, out, 0, i) for i in range(len(terms))]
 
 
@@ -93,8 +93,8 @@ def _bn_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) ->
     x_val = fake_value(node.args[0])
     gshape = tuple(x_val.shape)
     count = math.prod(gshape) // gshape[1]
-    acc = _acc_dtype(x_val.dtype)
-    xa = _cast(low, x, x_val.dtype, acc)
+    acc = acc_dtype(x_val.dtype)
+    xa = cast_to(low, x, x_val.dtype, acc)
     s1, s2 = _channel_sums(
         low,
         node,
@@ -125,9 +125,9 @@ def _bn_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) ->
         out = low.call(aten.add.Tensor, out, per_channel(b))
     vals = node.meta["val"]
     results: list[Any] = [
-        _cast(low, out, acc, vals[0].dtype),
-        _cast(low, mean, acc, vals[1].dtype),
-        _cast(low, rstd, acc, vals[2].dtype),
+        cast_to(low, out, acc, vals[0].dtype),
+        cast_to(low, mean, acc, vals[1].dtype),
+        cast_to(low, rstd, acc, vals[2].dtype),
     ]
     if node.target == aten._native_batch_norm_legit_functional.default:
         unbiased = low.call(aten.mul.Tensor, var, count / max(count - 1, 1))
@@ -151,14 +151,14 @@ def _bn_backward(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign)
     x_val = fake_value(node.args[1])
     gshape = tuple(x_val.shape)
     count = math.prod(gshape) // gshape[1]
-    acc = _acc_dtype(x_val.dtype)
+    acc = acc_dtype(x_val.dtype)
     bshape = [1, -1] + [1] * (len(gshape) - 2)
 
     def per_channel(v: fx.Node) -> fx.Node:
         return low.call(aten.reshape.default, v, bshape)
 
-    dy_a = _cast(low, dy, fake_value(node.args[0]).dtype, acc)
-    centered = low.call(aten.sub.Tensor, _cast(low, x, x_val.dtype, acc), per_channel(save_mean))
+    dy_a = cast_to(low, dy, fake_value(node.args[0]).dtype, acc)
+    centered = low.call(aten.sub.Tensor, cast_to(low, x, x_val.dtype, acc), per_channel(save_mean))
     sum_dy, dot = _channel_sums(
         low,
         node,
@@ -184,11 +184,11 @@ def _bn_backward(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign)
             aten.sub.Tensor, low.call(aten.sub.Tensor, dy_a, proj), per_channel(grad_mean)
         )
         gi = low.call(aten.mul.Tensor, gi, per_channel(scale))
-        results[0] = _cast(low, gi, acc, vals[0].dtype)
+        results[0] = cast_to(low, gi, acc, vals[0].dtype)
     if out_mask[1]:
-        results[1] = _cast(low, low.call(aten.mul.Tensor, dot, invstd), acc, vals[1].dtype)
+        results[1] = cast_to(low, low.call(aten.mul.Tensor, dot, invstd), acc, vals[1].dtype)
     if out_mask[2]:
-        results[2] = _cast(low, sum_dy, acc, vals[2].dtype)
+        results[2] = cast_to(low, sum_dy, acc, vals[2].dtype)
     return low.call(make_tuple, *results)
 
 

@@ -32,20 +32,20 @@ def fake_value(n: Any) -> Any:
     return n.meta.get("val") if isinstance(n, fx.Node) else None
 
 
-def _axes_of(rule: FactorRule, tensor: int, dim: int, assign: Assign) -> tuple[str, ...]:
+def axes_of(rule: FactorRule, tensor: int, dim: int, assign: Assign) -> tuple[str, ...]:
     factors = rule.operands[tensor]
     if factors is None:
         return ()
     return tuple(a for f in factors[dim] for a in assign.get(f, ()))
 
 
-def _operand_sharding(low: Lowering, rule: FactorRule, i: int, assign: Assign) -> Sharding:
+def operand_sharding(low: Lowering, rule: FactorRule, i: int, assign: Assign) -> Sharding:
     factors = rule.operands[i]
     assert factors is not None
     return Sharding(low.mesh, low.dims_of(factors, assign))
 
 
-def _all_reduce(
+def recorded_all_reduce(
     low: Lowering,
     node: fx.Node,
     x: fx.Node,
@@ -80,9 +80,9 @@ def mask_padding(
     return emit_mask_padding(low.graph, x, low.mesh, axes, size, ndim, dim, fill)
 
 
-def _cast(low: Lowering, x: fx.Node, have: torch.dtype, want: torch.dtype) -> fx.Node:
+def cast_to(low: Lowering, x: fx.Node, have: torch.dtype, want: torch.dtype) -> fx.Node:
     return x if have == want else low.call(aten._to_copy.default, x, dtype=want)
 
 
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype

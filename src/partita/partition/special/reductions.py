@@ -13,12 +13,12 @@ import torch.fx as fx
 from partita.partition.handlers import Handler, register
 from partita.partition.special.common import (
     Assign,
-    _all_reduce,
-    _axes_of,
     aten,
+    axes_of,
     fake_value,
     make_tuple,
     mask_padding,
+    recorded_all_reduce,
 )
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
@@ -72,7 +72,7 @@ def _nll_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -
     args = [next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args]
     reduction, ignore = int(args[3]), int(args[4])
     n = int(fake_value(node.args[1]).shape[0])
-    axes = _axes_of(rule, 1, 0, assign)
+    axes = axes_of(rule, 1, 0, assign)
     args[1] = mask_padding(low, args[1], axes, n, 1, 0, ignore)
     args[3] = _SUM
     res = low.call(node.target, *args)
@@ -82,7 +82,9 @@ def _nll_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -
     dtype = node.meta["val"][0].dtype
     both = low.call(aten.stack.default, [total, weight])
     red = _reduced_axes(rule, assign)
-    both = _all_reduce(low, node, both, "sum", red, (2,), dtype, "loss sum and total weight")
+    both = recorded_all_reduce(
+        low, node, both, "sum", red, (2,), dtype, "loss sum and total weight"
+    )
     total, weight = (low.call(aten.select.int, both, 0, i) for i in (0, 1))
     for f in rule.reduction_factors:  # the results are reduced already
         assign.pop(f, None)
@@ -91,7 +93,7 @@ def _nll_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -
 
 def _nll_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     if node.target == aten.nll_loss_backward.default:
-        return fake_value(node.args[2]).ndim > 0 and bool(_axes_of(rule, 2, 0, assign))
+        return fake_value(node.args[2]).ndim > 0 and bool(axes_of(rule, 2, 0, assign))
     return bool(_reduced_axes(rule, assign))
 
 
@@ -101,7 +103,7 @@ def _nll_backward_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: 
     it = iter(low.localize_operands(node, rule, assign))
     args = [next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args]
     n = int(fake_value(node.args[2]).shape[0])
-    args[2] = mask_padding(low, args[2], _axes_of(rule, 2, 0, assign), n, 1, 0, int(args[5]))
+    args[2] = mask_padding(low, args[2], axes_of(rule, 2, 0, assign), n, 1, 0, int(args[5]))
     return low.call(node.target, *args)
 
 

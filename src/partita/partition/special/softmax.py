@@ -12,13 +12,13 @@ from partita.layout import local_shape
 from partita.partition.handlers import Handler, register
 from partita.partition.special.common import (
     Assign,
-    _all_reduce,
-    _axes_of,
-    _cast,
-    _operand_sharding,
     aten,
+    axes_of,
+    cast_to,
     fake_value,
     mask_padding,
+    operand_sharding,
+    recorded_all_reduce,
 )
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
@@ -42,7 +42,7 @@ def _softmax_dim(node: fx.Node) -> int:
 def _softmax_axes(node: fx.Node, rule: FactorRule, assign: Assign) -> tuple[str, ...]:
     if not fake_value(node.args[0]).ndim:
         return ()
-    return _axes_of(rule, 0, _softmax_dim(node), assign)
+    return axes_of(rule, 0, _softmax_dim(node), assign)
 
 
 def _softmax_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
@@ -55,7 +55,7 @@ def _softmax_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assig
     x_val, out_val = fake_value(node.args[0]), node.meta["val"]
     gshape = tuple(x_val.shape)
     n, ndim = gshape[d], len(gshape)
-    red_shape = list(local_shape(_operand_sharding(low, rule, 0, assign), gshape))
+    red_shape = list(local_shape(operand_sharding(low, rule, 0, assign), gshape))
     del red_shape[d]
     red_shape_t = tuple(red_shape)
     dt = out_val.dtype
@@ -67,13 +67,13 @@ def _softmax_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assig
         local = low.call(fn, v, [d])
         return low.call(
             aten.unsqueeze.default,
-            _all_reduce(low, node, local, op, axes, red_shape_t, dt, what),
+            recorded_all_reduce(low, node, local, op, axes, red_shape_t, dt, what),
             d,
         )
 
     if node.target in _BACKWARD:
         grad, out = low.localize_operands(node, rule, assign)
-        grad = _cast(low, grad, fake_value(node.args[0]).dtype, fake_value(node.args[1]).dtype)
+        grad = cast_to(low, grad, fake_value(node.args[0]).dtype, fake_value(node.args[1]).dtype)
         if is_log:  # grad - exp(out) * sum(grad)
             s = reduce(grad, "sum", 0, "sum of the gradient")
             res = low.call(
@@ -83,10 +83,10 @@ def _softmax_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assig
             gy = low.call(aten.mul.Tensor, grad, out)
             s = reduce(gy, "sum", 0, "sum of grad * softmax")
             res = low.call(aten.sub.Tensor, gy, low.call(aten.mul.Tensor, out, s))
-        return _cast(low, res, fake_value(node.args[1]).dtype, dt)
+        return cast_to(low, res, fake_value(node.args[1]).dtype, dt)
 
     (x,) = low.localize_operands(node, rule, assign)
-    x = _cast(low, x, x_val.dtype, dt)
+    x = cast_to(low, x, x_val.dtype, dt)
     x = mask_padding(low, x, axes, n, ndim, d, -math.inf)
     gmax = reduce(x, "max", -math.inf, "max for a stable softmax")
     shifted = low.call(aten.sub.Tensor, x, gmax)
