@@ -17,7 +17,7 @@ from partita.spec import Sharding
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
 
-__all__ = ["fake_value", "make_tuple", "mask_padding"]
+__all__ = ["fake_value", "make_tuple", "mask_padding", "record_collective"]
 
 aten = torch.ops.aten
 Assign = dict[str, tuple[str, ...]]
@@ -58,20 +58,37 @@ def recorded_all_reduce(
     """Emit ``all_reduce(x)`` over ``axes`` and record it in the Plan."""
     n = low.mesh.axes_size(axes)
     out = low.call(torch.ops.partita.all_reduce.default, x, reduce_op, list(axes), n)
+    why = f"{op_name(node.target)} (%{node.name}) with a sharded dim: {what}"
+    record_collective(low, node, "all_reduce", axes, shape, dtype, what, why, f"{reduce_op}, {n}")
+    return out
+
+
+def record_collective(
+    low: Lowering,
+    node: fx.Node,
+    kind: str,
+    axes: tuple[str, ...],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    what: str,
+    reason: str,
+    detail: str,
+) -> None:
+    """Record in the Plan a collective a handler emitted for ``node`` (``what`` it moves,
+    ``reason`` why), with the node's source line."""
     low.plan.collectives.append(
         CollectiveRecord(
-            kind="all_reduce",
+            kind=kind,
             mesh_axes=tuple(axes),
             groups=tuple(tuple(g) for g in low.mesh.groups(axes)),
             shape=tuple(shape),
             dtype=dtype,
             value=f"{node.name}.{what.split()[0]}",
-            reason=f"{op_name(node.target)} (%{node.name}) with a sharded dim: {what}",
+            reason=reason,
             source=node.meta.get("source"),
-            detail=f"{reduce_op}, {n}",
+            detail=detail,
         )
     )
-    return out
 
 
 def mask_padding(

@@ -22,8 +22,13 @@ from partita.explain import op_name
 from partita.layout import ceil_div
 from partita.partition.handlers import Handler, register
 from partita.partition.masks import emit_tile_offset, identity_of
-from partita.partition.plan import CollectiveRecord
-from partita.partition.special.common import Assign, aten, fake_value, make_tuple
+from partita.partition.special.common import (
+    Assign,
+    aten,
+    fake_value,
+    make_tuple,
+    record_collective,
+)
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 
@@ -62,19 +67,9 @@ def _all_gather(
     out = low.call(torch.ops.partita.all_gather.default, x, dim, list(axes), k)
     shape = list(fake_value(node.args[0]).shape)
     shape[dim] = k
-    low.plan.collectives.append(
-        CollectiveRecord(
-            kind="all_gather",
-            mesh_axes=axes,
-            groups=tuple(tuple(g) for g in low.mesh.groups(axes)),
-            shape=tuple(shape),
-            dtype=dtype,
-            value=f"{node.name}.{what.split()[0]}",
-            reason=f"{op_name(node.target)} (%{node.name}) scans a dim split over "
-            f"{', '.join(axes)}: {what}",
-            source=node.meta.get("source"),
-            detail=f"dim {dim}, {k}",
-        )
+    why = f"{op_name(node.target)} (%{node.name}) scans a dim split over {', '.join(axes)}: {what}"
+    record_collective(
+        low, node, "all_gather", axes, tuple(shape), dtype, what, why, f"dim {dim}, {k}"
     )
     return out
 
