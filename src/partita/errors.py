@@ -111,7 +111,15 @@ class RecompileWarning(PartitaWarning):
 
 class CompilerError(PartitaError, RuntimeError):
     """Propagation or partitioning failed on one node for a reason that is not the user's: a
-    bug in partita. The message names the op, the fx node and the user's source line."""
+    bug in partita. The message names the op, the fx node and the user's source line, and ends
+    with :attr:`WORKAROUND`."""
+
+    #: What every CompilerError message ends with: report it, and how to get past it now.
+    WORKAROUND = (
+        "please report it. To get past it now, annotate around the op (mark its inputs and "
+        "output replicated with partita.mark_sharding(t, mesh, P())) or pass "
+        "replicate_unsupported=True."
+    )
 
 
 class DtypeError(PartitaError, TypeError):

@@ -33,10 +33,8 @@ def compiler_error(node: fx.Node, stage: str, e: BaseException) -> CompilerError
     return CompilerError(
         f"{stage} failed on {node.target} at node {node.name} "
         f"({source_of(node) or 'source line unknown'}), operands [{', '.join(shapes)}]: "
-        f"{type(e).__name__}: {first}. This is a bug in partita, not in your program; please "
-        f"report it. To get past it now, annotate around the op (mark its inputs and output "
-        f"replicated with partita.mark_sharding(t, mesh, P())) or pass "
-        f"replicate_unsupported=True."
+        f"{type(e).__name__}: {first}. This is a bug in partita, not in your program; "
+        f"{CompilerError.WORKAROUND}"
     )
 
 

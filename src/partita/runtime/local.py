@@ -347,9 +347,7 @@ def _segment_error(segment: _Segment, e: Exception) -> CompilerError:
     return CompilerError(
         f"The per-device program failed at {where}: {type(e).__name__}: {first}. The "
         f"partitioner produced a local call that does not fit its local shapes: a bug in "
-        f"partita; please report it. To get past it now, annotate around the op (mark its "
-        f"inputs and output replicated with partita.mark_sharding(t, mesh, P())) or pass "
-        f"replicate_unsupported=True."
+        f"partita; {CompilerError.WORKAROUND}"
     )
 
 
