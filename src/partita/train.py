@@ -36,7 +36,7 @@ from partita.partition import Plan
 from partita.plans import PlanLike, default_batch_spec, param_specs
 from partita.spec import P, PartitionSpec
 from partita.tensor import ShardedTensor
-from partita.train_checks import align_batch, check_batch, check_optimizer_params
+from partita.train_checks import check_batch, check_optimizer_params
 from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
@@ -185,7 +185,6 @@ class TrainStep:
             )
         float_dtype = None if self.compute_dtype is not None else torch.float32
         check_batch(batch, self.batch_spec, self.mesh, float_dtype=float_dtype)
-        batch = align_batch(batch, self.batch_spec)
         return (self.params, self.buffers, self.opt_state, self._lr(), batch)
 
     def lower(self, batch: Any) -> Plan:
@@ -263,7 +262,7 @@ class TrainStep:
         self.params = {k: put(v, new.values.get(k)) for k, v in self.params.items()}
         self.buffers = {k: put(v, new.values.get(k)) for k, v in self.buffers.items()}
         if new.stepped is not None:
-            # same key order as the step function's state (pytree specs match by position)
+            # the same key order as before (the step function's state keeps one structure)
             self.opt_state = {
                 k: put(v, new.step)
                 if k == "step"

@@ -20,7 +20,7 @@ from partita.errors import SpecError, TrainInputError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
 
-__all__ = ["align_batch", "check_batch", "check_optimizer_params", "describe_batch"]
+__all__ = ["check_batch", "check_optimizer_params", "describe_batch"]
 
 
 class _Leaf:
@@ -79,22 +79,6 @@ def _leaf_specs(batch: Any, batch_spec: Any) -> list[PartitionSpec | None] | Non
             return None
         flat += part
     return flat
-
-
-def align_batch(batch: Any, batch_spec: Any) -> Any:
-    """``batch`` with every dict in the key order of ``batch_spec``'s dict at the same place.
-
-    ``partita.jit`` pairs specs with values by position, so this makes position mean key.
-
-    Example:
-        >>> align_batch(({"b": 1, "a": 2}, 3), ({"a": P(), "b": P()}, P()))
-        ({'a': 2, 'b': 1}, 3)
-    """
-    if isinstance(batch_spec, dict) and isinstance(batch, dict):
-        return {k: align_batch(batch[k], batch_spec[k]) for k in batch_spec}
-    if isinstance(batch_spec, tuple | list) and isinstance(batch, tuple | list):
-        return type(batch)(align_batch(v, s) for v, s in zip(batch, batch_spec, strict=True))
-    return batch
 
 
 def check_batch(
