@@ -23,6 +23,7 @@ See ``docs/multi-host.md``. This module holds no executor code (``partita.runtim
 from __future__ import annotations
 
 import atexit
+import gc
 import sys
 from typing import Any
 
@@ -31,6 +32,7 @@ import torch.distributed as dist
 from partita.mesh import Mesh
 from partita.runtime import launch
 from partita.runtime.comm import call_collective
+from partita.runtime.distributed import close_executors
 
 __all__ = [
     "barrier",
@@ -102,9 +104,16 @@ def initialize(
 
 
 def shutdown() -> None:
-    """Destroy the process group (optional: :func:`initialize` registers this at exit)."""
+    """Destroy the process groups (optional: :func:`initialize` registers this at exit).
+
+    partita's executors release their groups first and the groups are freed here, while the
+    interpreter is alive: freed during interpreter teardown, a Gloo group whose peer failed
+    aborts the process instead of letting it exit with its own status.
+    """
+    close_executors()
     if is_initialized():
         dist.destroy_process_group()
+    gc.collect()
 
 
 def process_index() -> int:

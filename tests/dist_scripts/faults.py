@@ -12,7 +12,8 @@ mismatch         four mistakes, each a typed error on every rank, then a matchin
                  ``shapes`` (rank 1 passes a global input of shape (10, 4), rank 0
                  (8, 4)), ``dtypes`` (float64 against float32), ``programs`` (a branch),
                  ``prints`` (each rank prints a different sharded value)
-fewer_steps      stops after 2 steps and exits cleanly; the others run 4
+fewer_steps      stops after 2 steps, calls ``shutdown()`` and checks that partita let go of
+                 its process groups, then exits cleanly; the others run 4
 main_only_print  (rank 0 misbehaves) prints a sharded value alone; rank 1 compiles on
 ===============  =====================================================================
 
@@ -23,6 +24,7 @@ exits with status 17, so the test can tell a typed partita error from a crash (1
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import sys
@@ -34,6 +36,7 @@ import partita
 import partita.distributed as pd
 from partita import Mesh, P
 from partita.errors import DistributedError, PartitaError, PlanMismatchError
+from partita.runtime.distributed import distributed_executor
 
 PARTITA_EXIT = 17
 STEPS = 4
@@ -126,9 +129,27 @@ def main(mode: str) -> None:
                 raise RuntimeError("injected failure on rank 1")
         loss = step(x, w).full()
         print(f"step {i} loss={loss.item():.6f}", flush=True)
+    if mode == "fewer_steps" and faulty:
+        released(mesh)
+
+
+def released(mesh: Mesh) -> None:
+    """After ``shutdown()`` no executor still holds a process group (a closed one raises)."""
+    executor = distributed_executor(mesh)
+    assert executor is not None
+    pd.shutdown()
+    assert not pd.is_initialized() and distributed_executor(mesh) is None
+    try:
+        executor.group(("data",))
+    except DistributedError as e:
+        assert "closed by partita.distributed.shutdown()" in str(e), e
+    else:
+        raise AssertionError("a closed executor still hands out its process group")
+    print("shutdown released the process groups", flush=True)
 
 
 if __name__ == "__main__":
+    faulthandler.enable()  # a native abort prints the Python stack that led to it
     try:
         main(sys.argv[1])
     except PartitaError as e:

@@ -110,7 +110,8 @@ class DistributedMesh:
         # Every rank creates every group in the same order (new_group is collective), each
         # with the bounded collective timeout (runtime.comm says why that matters).
         self._pgs = create_mesh_groups(mesh, self.rank)
-        self._check_pg = create_check_group(world)
+        self._check_pg: Any = create_check_group(world)
+        self._closed = False
         self._bound: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = (
             weakref.WeakKeyDictionary()
         )
@@ -130,8 +131,30 @@ class DistributedMesh:
 
     # --- groups ------------------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Drop every process group this executor holds (``partita.distributed.shutdown``).
+
+        ``destroy_process_group`` only forgets torch's own references: a group still held
+        here would be destroyed during interpreter teardown instead, when Gloo's threads can
+        no longer take the GIL, and the process aborts ("terminate called without an active
+        exception") after a peer failed. A closed executor cannot run collectives any more.
+        """
+        self._pgs = {}
+        self._groups = {}
+        self._check_pg = None
+        self._closed = True
+
+    def _require_open(self) -> None:
+        if self._closed:
+            raise DistributedError(
+                f"{self!r} was closed by partita.distributed.shutdown(): its process groups "
+                f"are destroyed. Call partita.distributed.initialize() again before running "
+                f"a sharded program."
+            )
+
     def group(self, mesh_axes: Sequence[str]) -> Group | None:
         """This rank's group over ``mesh_axes`` (None when the group is this device alone)."""
+        self._require_open()
         key = tuple(self.mesh.axis_name(a) for a in mesh_axes)
         if key not in self._groups:
             pg = self._pgs[frozenset(key)].get(self.rank) if key else None
@@ -286,6 +309,7 @@ class DistributedMesh:
         ``leaves`` are the tensor arguments (ShardedTensors or plain tensors holding the global
         value on every process); the results are :class:`DistributedShardedTensor`.
         """
+        self._require_open()
         if compiled.local not in self._verified:
             self._verified[compiled.local] = verify_same_program(
                 compiled, self.mesh, self._check_pg
@@ -335,3 +359,10 @@ def distributed_executor(mesh: Mesh) -> DistributedMesh | None:
     if executor is None:
         executor = _EXECUTORS[key] = DistributedMesh(mesh)
     return executor
+
+
+def close_executors() -> None:
+    """Close and forget every DistributedMesh, releasing its process groups (see ``close``)."""
+    for executor in _EXECUTORS.values():
+        executor.close()
+    _EXECUTORS.clear()
