@@ -52,6 +52,17 @@ _API = (
     "partita.visualize",
 )
 
+#: Packages (and modules) of the user-facing layer: everything under them is "api".
+_API_PACKAGES = (
+    "partita.checkpoint",
+    "partita.manual",
+    "partita.models.",
+    "partita.presets",
+    "partita.scan_layers",
+    "partita.training",
+    "partita.virtual",
+)
+
 #: Imports from a later stage that stay for now: (importer, imported) -> why.
 KNOWN_BACKWARD_IMPORTS: dict[tuple[str, str], str] = {}
 
@@ -71,7 +82,7 @@ def stage_of(module: str) -> str:
     """The stage a module belongs to (every module of partita has one)."""
     if module in _VALUES:
         return "values"
-    if module in _API or module.startswith("partita.models."):
+    if module in _API or module.startswith(_API_PACKAGES):
         return "api"
     if module == "partita.propagate" or module.startswith("partita.propagate_"):
         return "propagate"
