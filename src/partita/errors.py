@@ -16,9 +16,12 @@ from __future__ import annotations
 __all__ = [
     "AnnotationError",
     "CaptureError",
+    "CheckpointError",
     "CompilerError",
     "DistributedError",
     "DtypeError",
+    "ExplicitCollectiveError",
+    "ImplicitCollectiveWarning",
     "InputError",
     "JitArgumentError",
     "JoinTimeoutError",
@@ -27,6 +30,8 @@ __all__ = [
     "PlanMismatchError",
     "RecompileWarning",
     "RematerializationError",
+    "ReplicationError",
+    "ShardMapError",
     "ShardingConflictError",
     "ShardingError",
     "SpecError",
@@ -104,6 +109,12 @@ class StateDictError(PartitaError, ValueError):
     unexpected keys, wrong shapes or dtypes); nothing was loaded."""
 
 
+class CheckpointError(PartitaError, ValueError):
+    """A ``partita.checkpoint`` save or load failed: a missing or truncated file, a tensor
+    whose shape, dtype or name does not match, a save that did not complete. A failed save
+    leaves the previous checkpoint as it was; a failed load changes nothing."""
+
+
 class RecompileWarning(PartitaWarning):
     """A jitted function compiled many distinct input signatures (``partita.jit``): something
     in its arguments (a shape, a dtype, a sharding, a static value) keeps changing."""
@@ -139,3 +150,21 @@ class ReplicatedOpWarning(PartitaWarning):
 class JitArgumentError(PartitaError, TypeError, ValueError):
     """``partita.jit`` was configured with an argument it cannot use (a ``cache_limit`` below
     1, ``param_specs`` for a function that is not an ``nn.Module``)."""
+
+
+class ShardMapError(PartitaError, ValueError):
+    """A ``partita.shard_map`` region was set up wrongly: specs missing or not dividing the
+    shapes, or a collective named over a mesh axis the region is not manual over."""
+
+
+class ReplicationError(ShardMapError):
+    """A shard_map ``out_specs`` calls an output replicated over a mesh axis it varies over."""
+
+
+class ExplicitCollectiveError(PartitaError, ValueError):
+    """Under ``collectives="explicit"``: the partitioner would insert a collective that the
+    program's annotations do not imply."""
+
+
+class ImplicitCollectiveWarning(PartitaWarning):
+    """Under ``collectives="warn"``: a collective the annotations do not imply was inserted."""

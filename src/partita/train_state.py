@@ -5,7 +5,9 @@ PyTorch uses: ``model.state_dict()`` keys (a tied parameter has several names an
 and ``optimizer.state_dict()`` indices (a parameter's position in the optimizer's list, frozen
 parameters included, as torch numbers them). :func:`to_state_dict` writes a checkpoint that
 loads into plain PyTorch; :func:`load_state` reads one back, checking *everything* before it
-returns new state, so a bad checkpoint changes nothing.
+returns new state, so a bad checkpoint changes nothing. :func:`sharded_state` and
+:func:`set_sharded_state` hand the state over *without* gathering it, for sharded checkpoints
+(``partita.checkpoint``).
 
 Loading follows ``nn.Module.load_state_dict``: with ``strict=True`` missing and unexpected keys
 are an error, with ``strict=False`` they are returned (missing entries keep their current
@@ -27,7 +29,16 @@ from torch import nn
 from partita.errors import StateDictError
 from partita.tensor import ShardedTensor
 
-__all__ = ["LoadResult", "NewState", "StateLayout", "load_state", "to_state_dict"]
+__all__ = [
+    "LoadResult",
+    "NewState",
+    "ShardedState",
+    "StateLayout",
+    "load_state",
+    "set_sharded_state",
+    "sharded_state",
+    "to_state_dict",
+]
 
 MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq")}
 MOMENTS["sgd"] = ("momentum_buffer",)
@@ -295,3 +306,60 @@ def load_state(
             "their current values)."
         )
     return NewState(values, step, new_moments, stepped, LoadResult(missing, unexpected))
+
+
+# --- the sharded state, for partita.checkpoint (no gathering) --------------------------------
+
+
+class ShardedState(NamedTuple):
+    """A TrainStep's state as it is held: ShardedTensors, nothing gathered.
+
+    ``values``: every ``model.state_dict()`` entry once, by canonical name (a tied parameter
+    under its first name; ``layout.aliases`` lists the others). ``moments``: optimizer state
+    name -> trainable parameter -> tensor. ``step``: the optimizer's step counter (replicated).
+    ``opt_names``: the parameter name of each position of the optimizer's parameter group.
+    """
+
+    layout: StateLayout
+    values: dict[str, ShardedTensor]
+    moments: dict[str, dict[str, ShardedTensor]]
+    step: ShardedTensor
+    opt_names: list[str]
+
+
+def sharded_state(train_step: Any) -> ShardedState:
+    """The sharded state of a ``partita.train.TrainStep`` (its public attributes only)."""
+    model, optimizer = train_step.model, train_step.optimizer
+    layout = StateLayout.of(model, optimizer, train_step.config.kind)
+    held = {**train_step.params, **train_step.buffers}
+    canonical = dict.fromkeys(layout.aliases.get(k, k) for k in layout.model_keys)
+    values = {k: held[k] for k in canonical}
+    moments = {k: dict(v) for k, v in train_step.opt_state.items() if k != "step"}
+    names = {id(p): n for n, p in model.named_parameters()}
+    opt_names = [names[id(p)] for p in optimizer.param_groups[0]["params"]]
+    return ShardedState(layout, values, moments, train_step.opt_state["step"], opt_names)
+
+
+def set_sharded_state(
+    train_step: Any,
+    values: dict[str, ShardedTensor],
+    moments: dict[str, dict[str, ShardedTensor]],
+    step: ShardedTensor,
+) -> None:
+    """Replace a TrainStep's state with (already checked and sharded) loaded values.
+
+    Keys and key order of every dict stay as they were (the compiled step function keeps one
+    input structure). Every trainable parameter counts as updated afterwards: a sharded
+    checkpoint holds optimizer state for all of them, as ``get_optimizer_state_dict`` does.
+    """
+    train_step.params = {k: values.get(k, v) for k, v in train_step.params.items()}
+    train_step.buffers = {k: values.get(k, v) for k, v in train_step.buffers.items()}
+    train_step.opt_state = {
+        k: step if k == "step" else {n: moments[k].get(n, t) for n, t in v.items()}
+        for k, v in train_step.opt_state.items()
+    }
+    # TrainStep keeps the set of updated parameters privately (state_dict() reports optimizer
+    # state only for those); there is no public setter, so set it here, loudly if it moved.
+    if not hasattr(train_step, "_stepped"):
+        raise AttributeError("TrainStep no longer has _stepped: update set_sharded_state.")
+    train_step._stepped = frozenset(train_step.params)

@@ -1,0 +1,198 @@
+"""``partita.checkpoint.save`` / ``load``: sharded checkpoints through torch.distributed.checkpoint.
+
+:func:`save` hands DCP a state dict whose sharded entries are this process's tiles
+(:mod:`partita.checkpoint.tiles`), with partita's planners (:mod:`partita.checkpoint.planner`)
+and DCP's own ``FileSystemWriter``, inside an atomic directory
+(:mod:`partita.checkpoint.safety`). :func:`load` checks the request against the checkpoint's
+metadata, then lets DCP read into buffers laid out for the *current* mesh and plan (resharding),
+and only then replaces the state. Both work in one process (the LocalMesh) and under
+``torch.distributed`` (every process calls them; each writes and reads its own shards).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+
+from partita.checkpoint.planner import LoadPlanner, SavePlanner
+from partita.checkpoint.safety import (
+    NamingReader,
+    atomic_directory,
+    check_request,
+    read_metadata,
+    unwrap,
+)
+from partita.checkpoint.state import RESERVED, apply_loaded, request_for_load, state_for_save
+from partita.checkpoint.tiles import Tiles, assemble, tiles_to_read, tiles_to_write
+from partita.errors import CheckpointError
+from partita.tensor import ShardedTensor
+from partita.train import TrainStep
+
+__all__ = ["load", "save"]
+
+Target = TrainStep | Mapping[str, ShardedTensor | torch.Tensor]
+
+
+def _no_dist() -> bool:
+    return not (dist.is_available() and dist.is_initialized())
+
+
+def _tensor_dict_for_save(tensors: Mapping[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, value in tensors.items():
+        if isinstance(value, ShardedTensor):
+            out[name] = tiles_to_write(name, value)
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.detach()
+        else:
+            raise CheckpointError(
+                f"checkpoint.save: {name!r} is a {type(value).__name__}; a tensor dict holds "
+                "ShardedTensors or torch tensors. Nothing was saved. Put other values in a "
+                "TrainStep checkpoint's extra= dict."
+            )
+    return out
+
+
+def save(
+    target: Target,
+    path: str | os.PathLike[str],
+    *,
+    scheduler: Any = None,
+    extra: dict[str, Any] | None = None,
+) -> None:
+    """Save a TrainStep (or a ``{name: ShardedTensor | Tensor}`` dict) to directory ``path``.
+
+    Every process calls it; each writes only the tiles it owns (replicas once). A TrainStep's
+    checkpoint holds its parameters, buffers, optimizer state and step, the RNG state, the
+    ``scheduler``'s state and ``extra`` (a dict of numbers, strings, lists, dicts and tensors).
+    ``path`` appears only when the save is complete; an existing checkpoint there is replaced
+    then (and stays loadable if the save fails).
+
+    Example:
+        >>> partita.checkpoint.save(step, "ckpt/step_100", extra={"batch": 100})  # doctest: +SKIP
+        >>> extra = partita.checkpoint.load(step, "ckpt/step_100")  # doctest: +SKIP
+    """
+    path = Path(path)
+    if isinstance(target, TrainStep):
+        state = state_for_save(target, scheduler, extra)
+    elif isinstance(target, Mapping):
+        if scheduler is not None or extra is not None:
+            raise CheckpointError(
+                "checkpoint.save: scheduler= and extra= are saved with a TrainStep; this is "
+                "a tensor dict. Nothing was saved. Add tensors to the dict, or save the step."
+            )
+        state = _tensor_dict_for_save(target)
+    else:
+        raise CheckpointError(
+            f"checkpoint.save got a {type(target).__name__}; it saves a partita TrainStep or "
+            "a {name: ShardedTensor | Tensor} dict. Nothing was saved. For an nn.Module use "
+            "torch.distributed.checkpoint.save(model.state_dict(), checkpoint_id=path)."
+        )
+    with atomic_directory(path) as tmp, _Quiet():
+        dcp.save(
+            state,
+            storage_writer=FileSystemWriter(tmp),
+            planner=SavePlanner(),
+            no_dist=_no_dist(),
+        )
+
+
+def _load(path: Path, request: dict[str, Any], **check: Any) -> None:
+    metadata = read_metadata(path)
+    flat, _ = flatten_state_dict(request)
+    check_request(path, metadata, flat, **check)
+    try:
+        with _Quiet():
+            dcp.load(
+                request,
+                storage_reader=NamingReader(path),
+                planner=LoadPlanner(allow_partial_load=True),
+                no_dist=_no_dist(),
+            )
+    except CheckpointException as e:
+        inner = unwrap(e)
+        if isinstance(inner, CheckpointError):
+            raise CheckpointError(str(inner)) from e
+        raise CheckpointError(
+            f"checkpoint.load from {str(path)!r} failed: {type(inner).__name__}: {inner}. "
+            "Nothing was loaded. Load an earlier checkpoint."
+        ) from e
+
+
+def load(
+    target: Target,
+    path: str | os.PathLike[str],
+    *,
+    scheduler: Any = None,
+) -> Any:
+    """Load the checkpoint at ``path`` into a TrainStep (or tensors laid out like a dict's).
+
+    The checkpoint may come from any mesh and plan: each process reads the pieces of the saved
+    chunks that overlap the tiles it holds now. Everything is checked against the checkpoint's
+    metadata first (names, shapes, dtypes, files); a :class:`~partita.errors.CheckpointError`
+    names the tensor and nothing changes.
+
+    Returns:
+        for a TrainStep, the ``extra`` dict it was saved with (``{}`` without); for a dict,
+        a new dict of the same keys with the loaded values (ShardedTensors keep the given
+        tensors' shardings, torch tensors are new tensors).
+    """
+    path = Path(path)
+    if isinstance(target, TrainStep):
+        metadata = read_metadata(path)
+        request, state = request_for_load(target, metadata, scheduler)
+        _load(
+            path,
+            request,
+            optional=("rng.", "extra.", "lr_scheduler.", "optimizer.param_groups."),
+            ignored=RESERVED,
+        )
+        return apply_loaded(target, request, state, scheduler)
+    if not isinstance(target, Mapping):
+        raise CheckpointError(
+            f"checkpoint.load got a {type(target).__name__}; it loads into a partita "
+            "TrainStep or a {name: ShardedTensor | Tensor} dict. Nothing was loaded. For an "
+            "nn.Module use torch.distributed.checkpoint.load(model.state_dict(), ...)."
+        )
+    request: dict[str, Any] = {}
+    for name, value in target.items():
+        if isinstance(value, ShardedTensor):
+            request[name] = tiles_to_read(name, value)
+        elif isinstance(value, torch.Tensor):
+            request[name] = torch.empty_like(value)
+        else:
+            raise CheckpointError(
+                f"checkpoint.load: {name!r} is a {type(value).__name__}; a tensor dict holds "
+                "ShardedTensors or torch tensors (templates of what to load). Nothing was "
+                "loaded. Pass a tensor of the saved shape and dtype."
+            )
+    _load(path, request, ignored=("",))  # a dict may load a subset of the checkpoint
+    out: dict[str, Any] = {}
+    for name, value in target.items():
+        got = request[name]
+        out[name] = assemble(value, got) if isinstance(got, Tiles) else got
+    return out
+
+
+class _Quiet:
+    """Silence DCP's "torch.distributed is disabled ... single process" warning (the
+    LocalMesh is one process on purpose)."""
+
+    def __enter__(self) -> None:
+        self._ctx = warnings.catch_warnings()
+        self._ctx.__enter__()
+        warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
+        warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint")
+
+    def __exit__(self, *exc: object) -> None:
+        self._ctx.__exit__(*exc)

@@ -1,0 +1,161 @@
+"""The names a checkpoint uses: a TrainStep's state as a DCP state dict, and back.
+
+The layout is PyTorch's, so plain PyTorch loads it (``docs/checkpointing.md``):
+
+====================================  ========================================================
+``<name>``                            each ``model.state_dict()`` entry, by the module's own
+                                      name (a tied parameter once, under its first name)
+``optimizer.state.<name>.<key>``      ``exp_avg``/``exp_avg_sq``/``momentum_buffer`` and the
+                                      per-parameter ``step`` (AdamW/Adam), as
+                                      ``get_optimizer_state_dict`` names them
+``optimizer.param_groups.0.<hyper>``  the group's hyperparameters; ``params`` lists the names
+``step``                              partita's optimizer step counter
+``rng.torch``                         ``torch.get_rng_state()`` of the saving process (rank 0)
+``lr_scheduler.*``                    ``scheduler.state_dict()``, when given
+``extra.*``                           the user's ``extra`` dict
+====================================  ========================================================
+
+This module builds nested dicts (DCP flattens them into the dotted keys above); it writes and
+reads nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from partita.checkpoint.tiles import Tiles, assemble, tiles_to_read, tiles_to_write
+from partita.errors import CheckpointError
+from partita.tensor import ShardedTensor
+from partita.train_state import ShardedState, set_sharded_state, sharded_state
+
+__all__ = ["RESERVED", "apply_loaded", "request_for_load", "state_for_save", "subtree"]
+
+#: Top-level keys of a TrainStep checkpoint besides the model's own names.
+RESERVED = ("optimizer", "step", "rng", "lr_scheduler", "extra")
+
+
+def _check_names(state: ShardedState) -> None:
+    clash = [k for k in state.values if k.split(".", 1)[0] in RESERVED]
+    if clash:
+        raise CheckpointError(
+            f"checkpoint.save: the model has state named {clash}, which collides with the "
+            f"checkpoint's own top-level keys {list(RESERVED)}. Nothing was saved. Rename the "
+            "submodule or attribute (model.state_dict() names are the checkpoint's names)."
+        )
+
+
+def _hyper(group: dict[str, Any], opt_names: list[str]) -> dict[str, Any]:
+    out = {k: v for k, v in group.items() if k != "params"}
+    out["params"] = list(opt_names)
+    return out
+
+
+def state_for_save(
+    train_step: Any, scheduler: Any = None, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The nested state dict of a TrainStep to hand to ``dcp.save`` (tiles, not gathers)."""
+    state = sharded_state(train_step)
+    _check_names(state)
+    out: dict[str, Any] = {k: tiles_to_write(k, v) for k, v in state.values.items()}
+    step = state.step.full()  # replicated: read locally, no communication
+    per_param: dict[str, dict[str, Any]] = {}
+    for name in state.layout.trainable:
+        entry: dict[str, Any] = {}
+        if "exp_avg" in state.moments:  # Adam(W) keeps a step per parameter; SGD none
+            entry["step"] = step.clone()
+        for key, tensors in state.moments.items():
+            entry[key] = tiles_to_write(f"optimizer.state.{name}.{key}", tensors[name])
+        per_param[name] = entry
+    group = _hyper(train_step.optimizer.param_groups[0], state.opt_names)
+    out["optimizer"] = {"state": per_param, "param_groups": [group]}
+    out["step"] = step
+    out["rng"] = {"torch": torch.get_rng_state()}
+    if scheduler is not None:
+        out["lr_scheduler"] = scheduler.state_dict()
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise CheckpointError(
+                f"checkpoint.save: extra is a {type(extra).__name__}; it must be a dict of "
+                "numbers, strings, lists, dicts and tensors (it is read back without "
+                "unpickling arbitrary objects). Nothing was saved. Pass a dict."
+            )
+        out["extra"] = extra
+    return out
+
+
+def subtree(metadata: Metadata, prefix: str) -> dict[str, Any]:
+    """Placeholders for every saved entry under top-level key ``prefix`` (None for Python
+    objects, empty tensors of the saved size and dtype), nested as they were saved."""
+    out: dict[str, Any] = {}
+    for key, path in (metadata.planner_data or {}).items():
+        if not path or path[0] != prefix:
+            continue
+        md = metadata.state_dict_metadata[key]
+        value = (
+            torch.empty(md.size, dtype=md.properties.dtype)
+            if isinstance(md, TensorStorageMetadata)
+            else None
+        )
+        set_element(out, path, value)
+    return out.get(prefix, {})
+
+
+def request_for_load(
+    train_step: Any, metadata: Metadata, scheduler: Any = None
+) -> tuple[dict[str, Any], ShardedState]:
+    """The nested request to hand to ``dcp.load``: buffers laid out like the step's state."""
+    state = sharded_state(train_step)
+    out: dict[str, Any] = {k: tiles_to_read(k, v) for k, v in state.values.items()}
+    per_param: dict[str, dict[str, Any]] = {}
+    for name in state.layout.trainable:
+        entry: dict[str, Any] = {}
+        if "exp_avg" in state.moments:
+            entry["step"] = torch.empty((), dtype=state.step.dtype)
+        for key, tensors in state.moments.items():
+            entry[key] = tiles_to_read(f"optimizer.state.{name}.{key}", tensors[name])
+        per_param[name] = entry
+    group = {"lr": None}
+    if "optimizer.param_groups.0.initial_lr" in metadata.state_dict_metadata:
+        group["initial_lr"] = None
+    out["optimizer"] = {"state": per_param, "param_groups": [group]}
+    out["step"] = torch.empty((), dtype=state.step.dtype)
+    out["rng"] = {"torch": torch.empty_like(torch.get_rng_state())}
+    if scheduler is not None:
+        if "lr_scheduler" not in {p[0] for p in (metadata.planner_data or {}).values() if p}:
+            raise CheckpointError(
+                "checkpoint.load(scheduler=...): the checkpoint holds no learning-rate "
+                "scheduler state (it was saved without scheduler=). Nothing was loaded. Load "
+                "without scheduler= and set the scheduler up yourself."
+            )
+        out["lr_scheduler"] = subtree(metadata, "lr_scheduler")
+    out["extra"] = subtree(metadata, "extra")
+    return out, state
+
+
+def apply_loaded(
+    train_step: Any, loaded: dict[str, Any], state: ShardedState, scheduler: Any = None
+) -> dict[str, Any]:
+    """Put what ``dcp.load`` filled into the step (and scheduler, RNG); returns ``extra``."""
+
+    def put(template: ShardedTensor, tiles: Tiles) -> ShardedTensor:
+        return assemble(template, tiles)
+
+    values = {k: put(v, loaded[k]) for k, v in state.values.items()}
+    per_param = loaded["optimizer"]["state"]
+    moments = {
+        key: {n: put(t, per_param[n][key]) for n, t in tensors.items()}
+        for key, tensors in state.moments.items()
+    }
+    step = ShardedTensor.from_global(loaded["step"], state.step.sharding)
+    set_sharded_state(train_step, values, moments, step)
+    group = train_step.optimizer.param_groups[0]
+    for key, value in loaded["optimizer"]["param_groups"][0].items():
+        group[key] = value
+    torch.set_rng_state(loaded["rng"]["torch"])
+    if scheduler is not None:
+        scheduler.load_state_dict(loaded["lr_scheduler"])
+    return loaded["extra"]
