@@ -30,13 +30,27 @@ from partita.errors import (
     UnsupportedOpError,
 )
 from partita.jit import Jitted, jit
+from partita.manual import (
+    all_gather,
+    all_to_all,
+    axis_index,
+    axis_size,
+    pmax,
+    pmean,
+    ppermute,
+    psum,
+    psum_scatter,
+    shard_map,
+)
 from partita.mesh import HybridMesh, Mesh
 from partita.partition import CollectiveRecord, Plan
 from partita.rules import FactorRule, einsum_rule, register_rule
+from partita.scan_layers import scan_layers
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor, clear_sharding, reshard
 from partita.train import TrainStep, train_step
 from partita.visualize import format_sharding, visualize_sharding
+from partita.virtual import metrics, sync, use_spmd
 
 __version__ = "0.1.0"
 
@@ -76,6 +90,10 @@ __all__ = [
     "TrainStep",
     "UnsupportedOpError",
     "__version__",
+    "all_gather",
+    "all_to_all",
+    "axis_index",
+    "axis_size",
     "clear_sharding",
     "data",
     "distributed",
@@ -84,11 +102,21 @@ __all__ = [
     "is_main_process",
     "jit",
     "mark_sharding",
+    "metrics",
     "plans",
+    "pmax",
+    "pmean",
+    "ppermute",
     "process_count",
     "process_index",
+    "psum",
+    "psum_scatter",
     "register_rule",
     "reshard",
+    "sync",
+    "scan_layers",
+    "shard_map",
     "train_step",
+    "use_spmd",
     "visualize_sharding",
 ]

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from partita.capture.manual import EXIT_OP, boundary, local_nodes
 from partita.errors import PartitaError, ShardingConflictError, UnsupportedOpError
 from partita.layout import check_strided
 from partita.mesh import Mesh
@@ -85,9 +86,20 @@ class ProgramState:
         self.values[key] = ValueState(val.ndim, max(int(val.numel()), 1))
 
     def _build(self) -> None:
+        local = local_nodes(self.gm)  # shard_map bodies: per-device code, not propagated
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
-            if node.op == "placeholder":
+            if node in local:
+                continue
+            if node.op == "call_function" and node.target is EXIT_OP:
+                self._add_value((node, None), val)
+                v = self.values[(node, None)]
+                v.dims, v.priority, v.fixed = (
+                    list(boundary(node.args[1]).sharding.dim_axes),
+                    0,
+                    True,
+                )
+            elif node.op == "placeholder":
                 if is_tensor(val):
                     n_in = sum(1 for k in self.values if k[0].op == "placeholder")
                     check_strided(val, f"Input tensor {n_in} ({node.name}) of the program")

@@ -30,12 +30,14 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from partita.capture.manual import EXIT_OP, local_nodes
 from partita.errors import PartitaError, UnsupportedOpError
 from partita.explain import op_name
 from partita.layout import local_shape
 from partita.mesh import Mesh
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import handlers
+from partita.partition import manual as _manual
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
 from partita.partition.assignment import check_same_dtype, dims_of, representable
 from partita.partition.local_args import (
@@ -66,6 +68,8 @@ class Lowering(LocalValues):
     def __init__(self, gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False) -> None:
         super().__init__(mesh, strict=strict)
         self.src = gm
+        self.local_nodes = local_nodes(gm)  # shard_map bodies, copied verbatim
+        self.manual: dict[fx.Node, fx.Node] = {}  # their local nodes
 
     # --- the driver ------------------------------------------------------------------------
 
@@ -90,6 +94,10 @@ class Lowering(LocalValues):
             self._placeholder(node)
         elif node.op == "output":
             self._output(node)
+        elif node in self.local_nodes:
+            _manual.lower_local(self, node)
+        elif node.op == "call_function" and node.target is EXIT_OP:
+            _manual.lower_exit(self, node)
         elif node.op == "call_function" and node.target is operator.getitem:
             self._getitem(node)
         elif node.op == "call_function" and "annotation" in node.meta:
