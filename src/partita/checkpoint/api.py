@@ -164,6 +164,11 @@ def load(
             "TrainStep or a {name: ShardedTensor | Tensor} dict. Nothing was loaded. For an "
             "nn.Module use torch.distributed.checkpoint.load(model.state_dict(), ...)."
         )
+    if scheduler is not None:
+        raise CheckpointError(
+            "checkpoint.load: scheduler= is restored into a TrainStep's checkpoint; this is a "
+            "tensor dict. Nothing was loaded. Load the step, or leave scheduler= out."
+        )
     request: dict[str, Any] = {}
     for name, value in target.items():
         if isinstance(value, ShardedTensor):

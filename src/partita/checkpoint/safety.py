@@ -61,7 +61,8 @@ def atomic_directory(path: Path) -> Iterator[Path]:
     except BaseException as e:
         if main:
             shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, Exception) and not isinstance(e, CheckpointError):
+        # DCP reports a failure on any rank as a CheckpointException (a BaseException)
+        if isinstance(e, Exception | CheckpointException) and not isinstance(e, CheckpointError):
             raise CheckpointError(
                 f"checkpoint.save to {str(path)!r} failed while writing {str(tmp)!r}: "
                 f"{unwrap(e)}. The previous contents of {str(path)!r} (if any) are unchanged "
