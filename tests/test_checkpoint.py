@@ -9,7 +9,6 @@ to 1e-5 (the plans reduce in different orders). The multi-process case (4 Gloo p
 
 from __future__ import annotations
 
-import copy
 import shutil
 from pathlib import Path
 from typing import Any

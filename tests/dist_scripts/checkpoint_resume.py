@@ -31,7 +31,7 @@ def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-def fresh(mesh: Mesh):  # noqa: ANN201 - as tests/test_checkpoint.py's fresh()
+def fresh(mesh: Mesh):
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -62,7 +62,7 @@ def main() -> None:
 
     real = dcp.FileSystemWriter.write_data
 
-    def failing(self, plan, planner):  # noqa: ANN001, ANN202
+    def failing(self, plan, planner):
         if pd.process_index() == 2:
             raise OSError("rank 2: disk full (injected)")
         return real(self, plan, planner)
