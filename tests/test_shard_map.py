@@ -291,3 +291,28 @@ def test_ring_matmul_under_four_gloo_processes(tmp_path: Path) -> None:
     x, w = ring_inputs()
     torch.testing.assert_close(value, x @ w, atol=1e-5, rtol=1e-5)
     assert kinds == ["collective_permute"]
+
+
+# --- the docs page -------------------------------------------------------------------------------
+
+
+def test_manual_md_code_blocks_run(capsys: pytest.CaptureFixture[str]) -> None:
+    """Every ```python block of docs/manual.md runs, in order, and prints what it says."""
+    import re
+
+    page = Path(__file__).resolve().parents[1] / "docs" / "manual.md"
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), flags=re.S | re.M)
+    assert len(blocks) >= 6
+    namespace: dict[str, object] = {"__name__": "docs_manual"}
+    for i, block in enumerate(blocks):
+        exec(compile(block, f"manual.md[block {i}]", "exec"), namespace)
+    printed = capsys.readouterr().out
+    for expected in (
+        "{'all_reduce': 1}",
+        "varies over ['model']",
+        "{'collective_permute': 3}",
+        "P('data', None)",
+        "which 4 devices do not divide",
+        "all_to_all over ['data'] of %mul float32[8, 8] = 256 B/device",
+    ):
+        assert expected in printed, expected

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from partita import data, distributed, plans
+from partita import checkpoint, data, distributed, plans
 from partita.api import mark_sharding
 from partita.distributed import is_main_process, process_count, process_index
 from partita.errors import (
     AnnotationError,
     CaptureError,
+    CheckpointError,
     CompilerError,
     DistributedError,
     DtypeError,
+    ExplicitCollectiveError,
+    ImplicitCollectiveWarning,
     InputError,
     JitArgumentError,
     JoinTimeoutError,
@@ -22,8 +25,10 @@ from partita.errors import (
     RematerializationError,
     RematerializationWarning,
     ReplicatedOpWarning,
+    ReplicationError,
     ShardingConflictError,
     ShardingError,
+    ShardMapError,
     SpecError,
     StateDictError,
     TrainInputError,
@@ -57,12 +62,15 @@ __version__ = "0.1.0"
 __all__ = [
     "AnnotationError",
     "CaptureError",
+    "CheckpointError",
     "CollectiveRecord",
     "CompilerError",
     "DistributedError",
     "DtypeError",
+    "ExplicitCollectiveError",
     "FactorRule",
     "HybridMesh",
+    "ImplicitCollectiveWarning",
     "InputError",
     "JitArgumentError",
     "Jitted",
@@ -79,7 +87,9 @@ __all__ = [
     "RematerializationError",
     "RematerializationWarning",
     "ReplicatedOpWarning",
+    "ReplicationError",
     "Shard",
+    "ShardMapError",
     "ShardedTensor",
     "Sharding",
     "ShardingConflictError",
@@ -94,6 +104,7 @@ __all__ = [
     "all_to_all",
     "axis_index",
     "axis_size",
+    "checkpoint",
     "clear_sharding",
     "data",
     "distributed",

@@ -35,6 +35,7 @@ from partita.explain import format_program
 from partita.layout import shard_tensor
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
+from partita.partition.explicit import MODES, collectives_mode
 from partita.plans import PlanLike
 from partita.propagate import propagate
 from partita.runtime.distributed import distributed_executor
@@ -76,7 +77,15 @@ class Jitted:
         replicate_unsupported: bool = False,
         param_specs: PlanLike | None = None,
         cache_limit: int = DEFAULT_CACHE_LIMIT,
+        collectives: str = "auto",
     ) -> None:
+        if collectives not in MODES:
+            raise JitArgumentError(
+                f"partita.jit(collectives={collectives!r}): use one of {MODES}: 'auto' inserts "
+                f"every collective the program needs, 'warn' warns about those the annotations "
+                f"do not imply, 'explicit' makes them errors."
+            )
+        self.collectives = collectives
         if not isinstance(mesh, Mesh):
             raise TypeError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
         if not isinstance(cache_limit, int) or cache_limit < 1:
@@ -174,7 +183,8 @@ class Jitted:
         )
         # Keyword tensors carry no annotation: propagation chooses their sharding.
         propagate(prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported)
-        local, plan = partition(prog.graph_module, self.mesh, strict=self.strict)
+        with collectives_mode(self.collectives):
+            local, plan = partition(prog.graph_module, self.mesh, strict=self.strict)
         plan.program_text = format_program(prog.graph_module)
         (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
         shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
@@ -325,6 +335,7 @@ def jit(
     replicate_unsupported: bool = False,
     param_specs: PlanLike | None = None,
     cache_limit: int = DEFAULT_CACHE_LIMIT,
+    collectives: str = "auto",
 ) -> Any:
     """Compile ``fn`` for ``mesh``: annotate a few inputs, get every collective it needs.
 
@@ -357,6 +368,11 @@ def jit(
         cache_limit: how many compiled input signatures to keep (default 64); the least
             recently used is dropped first. At the 8th compilation a
             :class:`~partita.RecompileWarning` says which argument keeps changing.
+        collectives: ``"auto"`` (default) inserts every collective the program needs;
+            ``"explicit"`` raises :class:`~partita.errors.ExplicitCollectiveError` for any the
+            annotations do not imply directly (a reshard between two annotated values, a
+            gathered operand), listing each with its source line, bytes and the annotation
+            that avoids it; ``"warn"`` warns instead (``partita.partition.explicit``).
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -385,6 +401,7 @@ def jit(
             replicate_unsupported=replicate_unsupported,
             param_specs=param_specs,
             cache_limit=cache_limit,
+            collectives=collectives,
         )
 
     return wrap if fn is None else wrap(fn)

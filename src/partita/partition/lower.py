@@ -35,8 +35,8 @@ from partita.errors import PartitaError, UnsupportedOpError
 from partita.explain import op_name
 from partita.layout import local_shape
 from partita.mesh import Mesh
+from partita.partition import explicit, handlers
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
-from partita.partition import handlers
 from partita.partition import manual as _manual
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
 from partita.partition.assignment import check_same_dtype, dims_of, representable
@@ -70,6 +70,7 @@ class Lowering(LocalValues):
         self.src = gm
         self.local_nodes = local_nodes(gm)  # shard_map bodies, copied verbatim
         self.manual: dict[fx.Node, fx.Node] = {}  # their local nodes
+        self.moves: dict[int, explicit.Move] = {}  # collective index -> the reshard behind it
 
     # --- the driver ------------------------------------------------------------------------
 
@@ -86,8 +87,19 @@ class Lowering(LocalValues):
         for n in self.src.graph.nodes:
             if "sharding" in n.meta:
                 self.plan.shardings[n.name] = n.meta["sharding"]
+        explicit.check(self.plan, self.moves)  # collectives="explicit" / "warn"
         gm = fx.GraphModule(torch.nn.Module(), self.graph, class_name="PerDeviceProgram")
         return gm, self.plan
+
+    def reshard(self, key: ValueKey, dst: Sharding, why: str, at: fx.Node) -> fx.Node:
+        """``LocalValues.reshard``, remembering which move made each new collective."""
+        before = len(self.plan.collectives)
+        src = self.values[key].sharding
+        local = super().reshard(key, dst, why, at)
+        name = key[0].name if key[1] is None else f"{key[0].name}[{key[1]}]"
+        for i in range(before, len(self.plan.collectives)):
+            self.moves[i] = explicit.Move(name, src, dst)
+        return local
 
     def _node(self, node: fx.Node) -> None:
         if node.op == "placeholder":

@@ -1,0 +1,124 @@
+"""Explicit mode: collectives the annotations do not imply are errors (or warnings).
+
+``partita.jit(..., collectives="explicit")`` partitions as usual and then reads the Plan: a
+collective is *implied* when the annotations call for it directly, and *implicit* otherwise.
+
+Implied:
+- ``all_reduce`` / ``reduce_scatter``: the reduction of a partial value, i.e. a contraction or
+  reduction over a dim the annotations shard (the sum cannot be avoided, only placed);
+- a halo exchange (a ``collective_permute`` whose reason says so) of a spatially sharded window;
+- every collective written by hand in a ``shard_map`` body.
+
+Implicit: everything else, which moves data between two shardings: a reshard between two
+differently annotated values, an operand gathered (``all_gather``) or re-split
+(``all_to_all``, ``collective_permute``) to fit an op. Under ``"explicit"`` they raise one
+:class:`~partita.errors.ExplicitCollectiveError` listing each (op, source line, collective,
+bytes, the annotation that avoids it); under ``"warn"`` an
+:class:`~partita.errors.ImplicitCollectiveWarning` says the same. ``"auto"`` (the default) allows
+all. The mode reaches the partitioner through :func:`collectives_mode` (a context variable), so
+``partition()``'s signature stays as it is. This module does not change any lowering.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from partita.errors import ExplicitCollectiveError, ImplicitCollectiveWarning, JitArgumentError
+from partita.partition.manual import USER_COLLECTIVE
+from partita.partition.plan import CollectiveRecord, Plan
+from partita.spec import Sharding
+
+__all__ = ["MODES", "Move", "check", "collectives_mode", "current_mode"]
+
+#: The values of ``collectives=``.
+MODES = ("auto", "warn", "explicit")
+
+_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("partita_collectives", default="auto")
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """A reshard that produced some of the Plan's collectives: value ``value`` moved from
+    ``src`` to ``dst``."""
+
+    value: str
+    src: Sharding
+    dst: Sharding
+
+
+@contextmanager
+def collectives_mode(mode: str) -> Iterator[None]:
+    """Partition with ``mode`` (one of :data:`MODES`)."""
+    if mode not in MODES:
+        raise JitArgumentError(
+            f"collectives={mode!r} is not a mode: use one of {MODES} ('auto' inserts what the "
+            f"program needs, 'warn' warns about collectives the annotations do not imply, "
+            f"'explicit' makes them errors)."
+        )
+    token = _MODE.set(mode)
+    try:
+        yield
+    finally:
+        _MODE.reset(token)
+
+
+def current_mode() -> str:
+    return _MODE.get()
+
+
+def is_implied(record: CollectiveRecord) -> bool:
+    """Whether the annotations imply ``record`` directly (see the module doc)."""
+    if record.reason.startswith(USER_COLLECTIVE):
+        return True
+    if record.kind in ("all_reduce", "reduce_scatter"):
+        return True
+    return record.kind == "collective_permute" and "halo exchange" in record.reason
+
+
+def _fix(record: CollectiveRecord, move: Move | None) -> str:
+    if move is None:
+        return (
+            "the op needs this operand laid out differently along the dim it cannot split; "
+            "shard another dim of it, or mark it replicated where it is produced"
+        )
+    return (
+        f"annotate %{move.value} where it is produced with partita.mark_sharding(t, mesh, "
+        f"{move.dst.spec}), or change the annotation that gives it {move.src.spec}"
+    )
+
+
+def _line(i: int, record: CollectiveRecord, move: Move | None) -> str:
+    return (
+        f"  [{i}] {record.kind} over {list(record.mesh_axes)} of %{record.value} "
+        f"{str(record.dtype).removeprefix('torch.')}{list(record.shape)} = {record.bytes} "
+        f"B/device at {record.source or 'an unknown line'}\n"
+        f"      why: {record.reason}\n"
+        f"      fix: {_fix(record, move)}"
+    )
+
+
+def check(plan: Plan, moves: dict[int, Move]) -> None:
+    """Raise or warn (per the current mode) about the Plan's implicit collectives; ``moves``
+    maps a collective's index in ``plan.collectives`` to the reshard that made it."""
+    mode = _MODE.get()
+    if mode == "auto":
+        return
+    found = [(i, r, moves.get(i)) for i, r in enumerate(plan.collectives) if not is_implied(r)]
+    if not found:
+        return
+    total = sum(r.bytes for _, r, _ in found)
+    msg = (
+        f"collectives={mode!r}: the partitioner would insert {len(found)} collective(s) that "
+        f"the annotations do not imply ({total} B per device per run), on {plan.mesh!r}:\n"
+        + "\n".join(_line(i, r, m) for i, r, m in found)
+        + "\nEach moves a value between two shardings. Annotate as each fix says so that no "
+        "move is needed, write the communication yourself in a partita.shard_map region, or "
+        "use collectives='auto' to let partita insert them."
+    )
+    if mode == "explicit":
+        raise ExplicitCollectiveError(msg)
+    warnings.warn(msg, ImplicitCollectiveWarning, stacklevel=2)
