@@ -107,8 +107,7 @@ def save(
         )
 
 
-def _load(path: Path, request: dict[str, Any], **check: Any) -> None:
-    metadata = read_metadata(path)
+def _load(path: Path, metadata: Any, request: dict[str, Any], **check: Any) -> None:
     flat, _ = flatten_state_dict(request)
     check_request(path, metadata, flat, **check)
     try:
@@ -153,6 +152,7 @@ def load(
         request, state = request_for_load(target, metadata, scheduler)
         _load(
             path,
+            metadata,
             request,
             optional=("rng.", "extra.", "lr_scheduler.", "optimizer.param_groups."),
             ignored=RESERVED,
@@ -181,7 +181,9 @@ def load(
                 "ShardedTensors or torch tensors (templates of what to load). Nothing was "
                 "loaded. Pass a tensor of the saved shape and dtype."
             )
-    _load(path, request, ignored=("",))  # a dict may load a subset of the checkpoint
+    _load(
+        path, read_metadata(path), request, ignored=("",)
+    )  # a dict may load a subset of the checkpoint
     out: dict[str, Any] = {}
     for name, value in target.items():
         got = request[name]
