@@ -52,6 +52,7 @@ from partita.tensor import Shard, ShardedTensor, clear_sharding, reshard
 from partita.train import TrainStep, train_step
 from partita.visualize import format_sharding, visualize_sharding
 from partita.virtual import metrics, sync, use_spmd
+from partita.virtual import metrics, sync, use_spmd
 
 __version__ = "0.1.0"
 
@@ -106,6 +107,7 @@ __all__ = [
     "jit",
     "mark_sharding",
     "metrics",
+    "metrics",
     "plans",
     "pmax",
     "pmean",
@@ -117,9 +119,11 @@ __all__ = [
     "register_rule",
     "reshard",
     "sync",
+    "sync",
     "scan_layers",
     "shard_map",
     "train_step",
+    "use_spmd",
     "use_spmd",
     "visualize_sharding",
 ]

@@ -19,6 +19,8 @@ from partita import capture, propagate, tensor
 from partita.explain import format_program
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
+from partita.virtual.lazy import LazyTensor
+from partita.virtual.marking import mark_in_place
 
 __all__ = ["format_program", "mark_sharding", "propagate_program"]
 
@@ -34,6 +36,9 @@ def mark_sharding(
 
     * Outside a captured function: ``t`` is concrete data and the result is a
       :class:`~partita.ShardedTensor` (see :func:`partita.tensor.mark_sharding`).
+    * On a tensor of the virtual device (``partita.use_spmd``): in place, and returns ``t``
+      itself (an ``nn.Parameter`` stays that Parameter). Data is laid out over the mesh now; a
+      pending value (not computed yet) gets an annotation in the recorded step.
     * Inside a function being captured (``partita.jit``, ``partita.capture.trace``): records an
       annotation node and returns the annotated tensor; propagation never overrides it.
       ``priority`` (lower wins, default 0) decides conflicts between annotations.
@@ -45,6 +50,13 @@ def mark_sharding(
         ...     h = mark_sharding(a * 2, mesh, P("data", None))             # annotation
         ...     return h.sum()
     """
+    if isinstance(t, LazyTensor):
+        if priority:
+            raise ValueError(
+                "mark_sharding(priority=...) only applies to annotations inside a captured "
+                "function; a virtual-device tensor's annotation always has priority 0."
+            )
+        return mark_in_place(t, mesh, spec)
     if capture.is_tracing() and not isinstance(t, tensor.ShardedTensor):
         return capture.annotate(t, mesh, spec, priority=priority)
     if priority:

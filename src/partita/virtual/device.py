@@ -1,0 +1,136 @@
+"""Registering the virtual device ``spmd``: PyTorch's PrivateUse1 backend, renamed, in Python.
+
+``register()`` makes ``torch.device("spmd")`` a real device once per process: the backend is
+renamed, given a device module, hooks and a device guard (without the guard the autograd
+engine aborts the process on the first ``requires_grad`` tensor of the device; without the hooks
+``backward()`` refuses to run), and two factory kernels (``empty.memory_format`` and
+``empty_strided``) return a :class:`~partita.virtual.lazy.LazyTensor`. Those two kernels are
+what ``tensor.to(dev)``, ``module.to(dev)`` and ``torch.zeros(..., device=dev)`` call.
+
+This module only registers; recording lives in :mod:`partita.virtual.lazy`. The registration is
+process-global and cannot be undone (a PyTorch limitation), and it needs the Python
+PrivateUse1 hooks of torch >= 2.9 (:data:`MIN_TORCH`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from partita.errors import PartitaError
+
+__all__ = ["DEVICE_NAME", "MIN_TORCH", "VirtualDeviceError", "register", "spmd_device"]
+
+#: The name of the virtual device (``torch.device("spmd", 0)``).
+DEVICE_NAME = "spmd"
+#: The first torch release whose PrivateUse1 backend can be registered from Python.
+MIN_TORCH = (2, 9)
+
+_FACTORY: list[Callable[..., torch.Tensor]] = []
+_LIBRARY: list[torch.library.Library] = []
+
+
+class VirtualDeviceError(PartitaError, RuntimeError):
+    """The virtual device cannot be set up or used as asked."""
+
+
+def _torch_version() -> tuple[int, int]:
+    major, minor = torch.__version__.split("+")[0].split(".")[:2]
+    return int(major), int(minor)
+
+
+def check_torch(version: tuple[int, int] | None = None) -> None:
+    """Raise :class:`VirtualDeviceError` unless torch is recent enough for the virtual device.
+
+    Example:
+        >>> check_torch((2, 13))
+    """
+    version = version or _torch_version()
+    ok = version >= MIN_TORCH and hasattr(torch._C, "_acc")
+    if not ok:
+        need = ".".join(map(str, MIN_TORCH))
+        raise VirtualDeviceError(
+            f"partita.use_spmd: the virtual device needs torch >= {need}, but torch "
+            f"{'.'.join(map(str, version))} is installed. The device is registered through "
+            f"PyTorch's Python PrivateUse1 hooks (torch._C._acc), which older releases lack. "
+            f"Upgrade torch (pip install 'torch>={need}'), or use partita.jit / "
+            f"partita.train_step, which work on every supported torch."
+        )
+
+
+class _DeviceModule:
+    """What ``torch.spmd`` answers: one always-available device."""
+
+    @staticmethod
+    def is_available() -> bool:
+        return True
+
+    @staticmethod
+    def device_count() -> int:
+        return 1
+
+    @staticmethod
+    def current_device() -> int:
+        return 0
+
+    @staticmethod
+    def _is_in_bad_fork() -> bool:
+        return False
+
+    @staticmethod
+    def manual_seed_all(seed: int) -> None:
+        del seed
+
+    @staticmethod
+    def get_amp_supported_dtype() -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _empty_memory_format(size: Any, **kwargs: Any) -> torch.Tensor:
+    return _FACTORY[0](tuple(size), kwargs.get("dtype"))
+
+
+def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> torch.Tensor:
+    return _FACTORY[0](tuple(size), kwargs.get("dtype"))
+
+
+def _arange(*args: Any, **kwargs: Any) -> torch.Tensor:
+    # arange writes into an ``out`` it resizes, which a device tensor without storage cannot
+    # be; computed on the CPU instead, then wrapped.
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
+    return _FACTORY[1](torch.arange(*args, **kwargs))
+
+
+def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Tensor]) -> None:
+    """Register the device once; ``factory(shape, dtype)`` makes a new device tensor and
+    ``wrap(cpu_tensor)`` one holding that value."""
+    if _FACTORY:
+        return
+    check_torch()
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    current = torch._C._get_privateuse1_backend_name()
+    if current not in ("privateuseone", DEVICE_NAME):
+        raise VirtualDeviceError(
+            f"partita.use_spmd: PyTorch's PrivateUse1 backend is already registered as "
+            f"{current!r} in this process, so it cannot become {DEVICE_NAME!r}. A process has one "
+            f"PrivateUse1 backend; run the virtual device in a process without {current!r}."
+        )
+    _FACTORY.extend((factory, wrap))
+    _setup_privateuseone_for_python_backend(
+        rename=DEVICE_NAME if current != DEVICE_NAME else None,
+        backend_module=_DeviceModule(),
+    )
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
+    lib.impl("empty_strided", _empty_strided, "PrivateUse1")
+    for overload in ("arange", "arange.start", "arange.start_step"):
+        lib.impl(overload, _arange, "PrivateUse1")
+    _LIBRARY.append(lib)  # kept alive: dropping the Library deregisters the kernels
+
+
+def spmd_device() -> torch.device:
+    """``torch.device("spmd", 0)`` (after :func:`register`)."""
+    return torch.device(DEVICE_NAME, 0)

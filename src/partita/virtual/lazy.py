@@ -1,0 +1,155 @@
+"""The lazy tensor of the virtual device: a ``torch.Tensor`` whose operations are recorded.
+
+A :class:`LazyTensor` is a wrapper subclass on ``spmd:0`` (shape, dtype and strides are real;
+there is no storage). It points to a :class:`Cell`, the value it stands for, which is either
+*data* (a plain tensor, replicated, or a :class:`~partita.ShardedTensor` laid out over the
+mesh) or *pending* (the result of an op recorded since the last ``sync``). Every aten op that
+reaches ``__torch_dispatch__`` (forward, autograd's backward, the optimizer's kernels) is
+handed to :mod:`partita.virtual.recording`; ``.item()``, ``.cpu()`` and ``repr`` sync first.
+
+``detach``/``alias`` (what ``.data`` and ``nn.Parameter`` use) share the cell, so
+``p.data.mul_(2)`` updates ``p``. ``__tensor_flatten__`` makes ``module.to(dev)`` swap tensors,
+so an ``nn.Parameter`` keeps its identity. This module does not compile or run anything.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from partita.tensor import ShardedTensor
+from partita.virtual.device import spmd_device
+
+__all__ = ["Cell", "LazyTensor", "full_value", "new_lazy"]
+
+
+class Cell:
+    """One value of the virtual device: data, or a pending slot of the current recording.
+
+    Attributes:
+        data: the value when it is known (a plain tensor means replicated), else None.
+        slot: its slot in the recording of ``epoch`` (None when not used there yet).
+        meta: a meta tensor with its shape, dtype and strides.
+    """
+
+    __slots__ = ("__weakref__", "base", "data", "dirty", "epoch", "meta", "slot")
+
+    def __init__(
+        self,
+        meta: torch.Tensor,
+        data: torch.Tensor | ShardedTensor | None = None,
+        base: Cell | None = None,
+    ) -> None:
+        self.meta = meta
+        self.data = data
+        self.slot: int | None = None
+        self.epoch = -1
+        # The cell whose storage this one views (itself for a fresh value): an in-place update
+        # of a view marks the base dirty, so reading the base syncs first.
+        self.base: Cell = self if base is None else base.base
+        self.dirty = False
+
+    @property
+    def is_pending(self) -> bool:
+        """True when the value is only known after the next sync."""
+        return self.data is None or self.base.dirty
+
+
+class LazyTensor(torch.Tensor):
+    """A tensor on the virtual device (see the module docstring)."""
+
+    _cell: Cell
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, cell: Cell, requires_grad: bool = False) -> LazyTensor:
+        meta = cell.meta
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride(),
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=spmd_device(),
+            requires_grad=requires_grad,
+        )
+        t._cell = cell
+        return t
+
+    def __init__(self, cell: Cell, requires_grad: bool = False) -> None:
+        del cell, requires_grad
+
+    def __tensor_flatten__(self) -> tuple[list[str], Any]:
+        return [], self._cell
+
+    @staticmethod
+    def __tensor_unflatten__(
+        inner: dict[str, Any], cell: Cell, outer_size: Any, outer_stride: Any
+    ) -> LazyTensor:
+        del inner, outer_size, outer_stride
+        return LazyTensor(cell)
+
+    @classmethod
+    def __torch_dispatch__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
+    ) -> Any:
+        from partita.virtual.recording import dispatch
+
+        return dispatch(func, args, kwargs or {})
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        del tensor_contents
+        value = full_value(self)
+        body = (
+            repr(value)[len("tensor(") : -1] if repr(value).startswith("tensor(") else repr(value)
+        )
+        return f"tensor({body}, device='{self.device}')"
+
+    def full(self) -> torch.Tensor:
+        """The global value as a plain CPU tensor (syncs if it is pending)."""
+        return full_value(self)
+
+
+def new_lazy(cell: Cell) -> LazyTensor:
+    """A LazyTensor for ``cell``."""
+    return LazyTensor(cell)
+
+
+def _sync_outside_dispatch() -> None:
+    """Sync in a fresh thread when called from inside ``__torch_dispatch__``.
+
+    Inside a subclass's ``__torch_dispatch__`` PyTorch excludes the dispatch keys above Python
+    for this thread, functorch's ``vmap`` (which the LocalMesh runs on) among them; a thread
+    starts with none excluded.
+    """
+    from partita.virtual.step import sync
+
+    if not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.FuncTorchBatched):
+        sync()
+        return
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            sync()
+        except BaseException as e:  # re-raised in the caller's thread
+            errors.append(e)
+
+    worker = threading.Thread(target=run, name="partita-sync")
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+
+
+def full_value(t: LazyTensor) -> torch.Tensor:
+    """The value of ``t`` as a plain CPU tensor, syncing the recording when it is pending."""
+    cell = t._cell
+    if cell.is_pending:
+        _sync_outside_dispatch()
+    data = cell.data
+    value = data.full() if isinstance(data, ShardedTensor) else data
+    assert value is not None  # a synced cell always holds data
+    return value

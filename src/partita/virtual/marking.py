@@ -1,0 +1,47 @@
+"""``mark_sharding`` on a virtual-device tensor: in place, on data or on a pending value.
+
+On a tensor holding data the bytes are laid out over the mesh now (sliced, short shards zero
+padded; the Python object, an ``nn.Parameter`` included, stays the same); on a pending tensor
+an annotation is recorded, which propagation treats as it treats ``mark_sharding`` inside
+``partita.jit``. This module does not record other ops or compile.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from partita import capture
+from partita.mesh import Mesh
+from partita.spec import as_spec
+from partita.tensor import ShardedTensor
+from partita.virtual import step
+from partita.virtual.device import VirtualDeviceError
+from partita.virtual.lazy import LazyTensor, full_value
+from partita.virtual.recording import record_annotation
+
+__all__ = ["mark_in_place"]
+
+
+def mark_in_place(t: LazyTensor, mesh: Mesh, spec: Any) -> LazyTensor:
+    """Shard ``t`` over ``mesh`` as ``spec`` says, in place; returns ``t``.
+
+    Example:
+        >>> w = torch.ones(8, 4, device=partita.use_spmd(mesh))
+        >>> partita.mark_sharding(w, mesh, P("data", None)) is w
+        True
+    """
+    device_mesh = step.mesh()
+    if mesh != device_mesh:
+        raise VirtualDeviceError(
+            f"mark_sharding of a {list(t.shape)} tensor on the virtual device over {mesh!r}, "
+            f"but the device was switched on for {device_mesh!r}: one step runs on one mesh. "
+            f"Use the mesh given to partita.use_spmd (or call use_spmd again first)."
+        )
+    sharding = as_spec(spec).to_sharding(mesh, t.ndim)
+    sharding.check_shape(t.shape)
+    cell = t._cell
+    if cell.is_pending:
+        record_annotation(t, capture.annotate, mesh, sharding.spec)
+        return t
+    cell.data = ShardedTensor.from_global(full_value(t), sharding)
+    return t

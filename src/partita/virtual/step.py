@@ -1,0 +1,220 @@
+"""``sync()``: cut the recording, find or compile its program, run it, materialise the results.
+
+The program of a recording is a replay function: it runs the recorded ops again, in order, on
+its inputs (data cells, copied CPU tensors, lifted floats) and returns the values of the
+recorded tensors still alive. :func:`partita.jit` compiles it through the ordinary pipeline
+(capture traces the replay into a functional graph, in-place updates of data become input
+updates; propagation; partitioning; the LocalMesh, or torch.distributed when it is up), so
+annotations from ``mark_sharding`` and the input shardings decide every other sharding.
+
+Programs are cached by the recording's structural key (:meth:`Recording.key`): a cache hit
+builds no fx graph. :func:`metrics` counts compilations and hits and keeps, per compilation
+after the first, one line saying what changed since the closest cached program.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from partita.jit import Jitted
+from partita.mesh import Mesh
+from partita.tensor import ShardedTensor
+from partita.virtual import recording
+from partita.virtual.device import VirtualDeviceError
+from partita.virtual.lazy import Cell
+from partita.virtual.lift import replay_op
+from partita.virtual.why import recompile_reason
+
+__all__ = ["Metrics", "metrics", "set_mesh", "sync"]
+
+CACHE_LIMIT = 64
+
+
+@dataclass
+class Metrics:
+    """What the virtual device did so far (``partita.metrics()``).
+
+    Attributes:
+        compiles: programs compiled (in this process).
+        cache_hits: syncs that reused a compiled program.
+        disk_hits: compilations avoided by the persistent cache.
+        syncs: syncs that ran a program.
+        ops_recorded: ops recorded in all steps.
+        recompile_reasons: one line per compilation after the first: what changed and where.
+        record_seconds, compile_seconds, run_seconds: time spent in each phase.
+    """
+
+    compiles: int = 0
+    cache_hits: int = 0
+    disk_hits: int = 0
+    syncs: int = 0
+    ops_recorded: int = 0
+    recompile_reasons: list[str] = field(default_factory=list)
+    compile_seconds: float = 0.0
+    run_seconds: float = 0.0
+
+    def __str__(self) -> str:
+        lines = [
+            f"compiles={self.compiles} cache_hits={self.cache_hits} disk_hits={self.disk_hits} "
+            f"syncs={self.syncs} ops_recorded={self.ops_recorded} "
+            f"compile={self.compile_seconds:.2f}s run={self.run_seconds:.2f}s"
+        ]
+        lines += [f"recompiled: {r}" for r in self.recompile_reasons]
+        return "\n".join(lines)
+
+
+@dataclass
+class _Program:
+    jitted: Jitted
+    key: Hashable
+
+
+_STATE: dict[str, Any] = {"mesh": None, "metrics": Metrics()}
+_CACHE: OrderedDict[Hashable, _Program] = OrderedDict()
+
+
+def set_mesh(mesh: Mesh) -> None:
+    """The mesh the virtual device's programs run on (``use_spmd`` sets it)."""
+    if _STATE["mesh"] is not None and _STATE["mesh"] != mesh:
+        _CACHE.clear()
+    _STATE["mesh"] = mesh
+
+
+def mesh() -> Mesh:
+    """The virtual device's mesh (raises when ``use_spmd`` was not called)."""
+    m = _STATE["mesh"]
+    if m is None:
+        raise VirtualDeviceError(
+            "The virtual device has no mesh: a tensor on 'spmd' was used before "
+            "partita.use_spmd(mesh). Call dev = partita.use_spmd(mesh) first."
+        )
+    return m
+
+
+def metrics(reset: bool = False) -> Metrics:
+    """The virtual device's counters (``reset=True`` starts new ones and returns the old).
+
+    Example:
+        >>> m = metrics()
+        >>> m.compiles >= 0
+        True
+    """
+    m = _STATE["metrics"]
+    if reset:
+        _STATE["metrics"] = Metrics()
+    return m
+
+
+def _replay_fn(rec: recording.Recording, outputs: list[int]) -> Callable[..., list[torch.Tensor]]:
+    """The recording as a function of its inputs (in ``rec.inputs`` order, then the scalars)."""
+    ops = list(rec.ops)
+    input_slots = [slot for slot, _ in rec.inputs]
+    n_inputs = len(input_slots)
+
+    def build(template: Any, env: dict[int, Any], scalars: tuple[Any, ...]) -> Any:
+        kind, value = template
+        if kind == "t":
+            return env[value]
+        if kind == "s":
+            return scalars[value]
+        if kind == "l":
+            return [build(v, env, scalars) for v in value]
+        return value
+
+    def replay(*inputs: torch.Tensor) -> list[torch.Tensor]:
+        env: dict[int, Any] = dict(zip(input_slots, inputs[:n_inputs], strict=True))
+        scalars = inputs[n_inputs:]
+        for func, targs, tkwargs, outs in ops:
+            args = tuple(build(t, env, scalars) for t in targs)
+            kwargs = {k: build(t, env, scalars) for k, t in tkwargs}
+            result = replay_op(func, args, kwargs)
+            flat = result if isinstance(result, (list, tuple)) else [result]
+            for slot, value in zip(outs, flat, strict=False):
+                if slot is not None:
+                    env[slot] = value
+        return [env[slot] for slot in outputs]
+
+    replay.__name__ = replay.__qualname__ = "virtual_device_step"
+    return replay
+
+
+def _outputs(rec: recording.Recording) -> list[Cell]:
+    """The cells created in this recording whose tensors are still alive, once each."""
+    seen: set[int] = set()
+    cells = []
+    for ref, cell in rec.live:
+        if ref() is not None and id(cell) not in seen:
+            seen.add(id(cell))
+            cells.append(cell)
+    return cells
+
+
+def sync() -> None:
+    """Run everything recorded on the virtual device since the last sync (``mark_step``).
+
+    Example:
+        >>> partita.sync()   # nothing recorded: nothing runs
+    """
+    rec = recording.reset()
+    if rec is None or not rec.ops:
+        return
+    m: Metrics = _STATE["metrics"]
+    m.syncs += 1
+    m.ops_recorded += len(rec.ops)
+    out_cells = _outputs(rec)
+    key = (rec.key(), tuple(c.slot for c in out_cells), len(rec.scalars))
+    program = _CACHE.get(key)
+    if program is None:
+        started = time.perf_counter()
+        reason = recompile_reason(key, list(_CACHE), rec) if _CACHE else None
+        if reason:
+            m.recompile_reasons.append(reason)
+        program = _compile(rec, out_cells, key)
+        program.jitted.lower(*_inputs(rec))  # trace, propagate, partition now (timed apart)
+        m.compile_seconds += time.perf_counter() - started
+    else:
+        _CACHE.move_to_end(key)
+        m.cache_hits += 1
+    started = time.perf_counter()
+    results = program.jitted(*_inputs(rec))
+    m.run_seconds += time.perf_counter() - started
+    for cell, value in zip(out_cells, results, strict=True):
+        cell.data = value
+    for _, value in rec.inputs:
+        if isinstance(value, Cell):
+            value.base.dirty = False
+    for cell in out_cells:
+        cell.slot = None
+    for _, value in rec.inputs:
+        if isinstance(value, Cell):
+            value.slot = None
+
+
+def _inputs(rec: recording.Recording) -> list[Any]:
+    values: list[Any] = []
+    for _, value in rec.inputs:
+        values.append(value.data if isinstance(value, Cell) else value)
+    values += [torch.tensor(s, dtype=torch.float64) for s in rec.scalars]
+    return values
+
+
+def _compile(rec: recording.Recording, out_cells: list[Cell], key: Hashable) -> _Program:
+    replay = _replay_fn(rec, [c.slot for c in out_cells])  # type: ignore[misc]
+    jitted = Jitted(replay, mesh=mesh(), replicate_unsupported=False, cache_limit=1)
+    program = _Program(jitted, key)
+    _STATE["metrics"].compiles += 1
+    _CACHE[key] = program
+    if len(_CACHE) > CACHE_LIMIT:
+        _CACHE.popitem(last=False)
+    return program
+
+
+def data_of(t: Any) -> torch.Tensor | ShardedTensor:
+    """The data of a synced LazyTensor (internal to the virtual device)."""
+    return t._cell.data

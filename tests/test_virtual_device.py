@@ -1,0 +1,200 @@
+"""The SPMD virtual device: an unchanged PyTorch loop on ``partita.use_spmd(mesh)``.
+
+Every result is checked against the same code run eagerly on the CPU, unsharded.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812 - the PyTorch convention
+from torch import nn
+
+import partita
+from partita import Mesh, P
+from partita.models import GPT, GPTConfig
+from partita.virtual import VirtualDeviceError, check_torch
+
+MESH = Mesh.create((2, 4), ("data", "model"))
+CFG = GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
+STEPS = 20
+
+
+def _param_specs(model: nn.Module) -> dict[str, P]:
+    presets = getattr(partita, "presets", None) or partita.plans
+    return presets.param_specs("fsdp+tp", model, MESH)
+
+
+def _batches(n: int, batch: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (
+            torch.randint(0, 32, (batch, 8), generator=g),
+            torch.randint(0, 32, (batch, 8), generator=g),
+        )
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def dev() -> torch.device:
+    return partita.use_spmd(MESH)
+
+
+@pytest.fixture(scope="module")
+def gpt_run(dev: torch.device) -> dict:
+    """The issue's loop for STEPS steps beside eager; then one step with a new batch shape."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    ref = copy.deepcopy(model)
+    first_weight = model.head.weight
+    model = model.to(dev)
+    specs = _param_specs(model)
+    for name, spec in specs.items():
+        assert partita.mark_sharding(model.get_parameter(name), MESH, spec) is not None
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))  # lr changes
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
+    partita.metrics(reset=True)
+    losses, ref_losses = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", partita.RematerializationWarning)
+        for xb, yb in _batches(STEPS):
+            x, y = xb.to(dev), yb.to(dev)
+            partita.mark_sharding(x, MESH, P("data", None))
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            sched.step()
+            partita.sync()
+            losses.append(loss.item())
+            ref_loss = F.cross_entropy(ref(xb).flatten(0, 1), yb.flatten())
+            ref_loss.backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            ref_sched.step()
+            ref_losses.append(ref_loss.item())
+        m = partita.metrics()
+        after_loop = (m.compiles, m.cache_hits, m.syncs, list(m.recompile_reasons))
+        params = {n: p.cpu() for n, p in model.named_parameters()}
+        ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
+        xb, yb = _batches(1, batch=2)[0]  # a new batch shape: one recompilation, explained
+        x, y = xb.to(dev), yb.to(dev)
+        partita.mark_sharding(x, MESH, P("data", None))
+        F.cross_entropy(model(x).flatten(0, 1), y.flatten()).item()
+    return {
+        "model": model,
+        "specs": specs,
+        "first_weight": first_weight,
+        "losses": losses,
+        "ref_losses": ref_losses,
+        "params": params,
+        "ref_params": ref_params,
+        "after_loop": after_loop,
+        "after_shape_change": partita.metrics(),
+    }
+
+
+def test_gpt_loop_equals_eager(gpt_run: dict) -> None:
+    torch.testing.assert_close(gpt_run["losses"], gpt_run["ref_losses"], rtol=1e-5, atol=1e-5)
+    for name, value in gpt_run["ref_params"].items():
+        torch.testing.assert_close(gpt_run["params"][name], value, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_loop_compiles_once_with_an_lr_schedule(gpt_run: dict) -> None:
+    assert gpt_run["after_loop"] == (1, STEPS - 1, STEPS, [])
+
+
+def test_new_batch_shape_recompiles_and_says_why(gpt_run: dict) -> None:
+    m = gpt_run["after_shape_change"]
+    assert m.compiles == 2
+    (reason,) = m.recompile_reasons
+    assert "changed from [4, 8] torch.int64 P('data', None) to [2, 8]" in reason
+    assert "recompiled: input" in str(m)
+
+
+def test_parameters_keep_identity_and_sharding(gpt_run: dict) -> None:
+    model = gpt_run["model"]
+    weight = model.head.weight
+    assert weight is gpt_run["first_weight"] and isinstance(weight, nn.Parameter)
+    assert weight.device == torch.device("spmd", 0)
+    data = weight._cell.data
+    assert isinstance(data, partita.ShardedTensor)
+    assert data.spec == gpt_run["specs"]["head.weight"]
+    assert set(model.state_dict()) == set(gpt_run["ref_params"])
+
+
+def test_mark_sharding_lays_data_out_in_place(dev: torch.device) -> None:
+    value = torch.arange(15.0).reshape(5, 3)
+    x = value.to(dev)
+    assert partita.mark_sharding(x, MESH, P("model", None)) is x
+    data = x._cell.data
+    assert data.spec == P("model", None) and data.local_shape == (2, 3)  # 5 rows: zero padded
+    torch.testing.assert_close(x.cpu(), value)
+
+
+def test_mark_sharding_on_a_pending_tensor_records_an_annotation(dev: torch.device) -> None:
+    a, b = torch.randn(8, 4), torch.randn(4, 8)
+    out = a.to(dev) @ b.to(dev)
+    assert partita.mark_sharding(out, MESH, P(None, "model")) is out
+    partita.sync()
+    assert out._cell.data.spec == P(None, "model")
+    torch.testing.assert_close(out.cpu(), a @ b)
+
+
+def test_mark_sharding_on_another_mesh_is_refused(dev: torch.device) -> None:
+    x = torch.ones(4, 4).to(dev)
+    other = Mesh.create((8,), ("x",))
+    with pytest.raises(VirtualDeviceError, match="one step runs on one mesh"):
+        partita.mark_sharding(x, other, P("x", None))
+
+
+def test_in_place_updates_of_views(dev: torch.device) -> None:
+    def f(x: torch.Tensor) -> torch.Tensor:
+        x[0].add_(1)
+        x.t().mul_(2).add_(1)
+        v = x.view(-1)
+        v[3:5].sub_(7)
+        return x
+
+    value = torch.randn(3, 4)
+    x = value.to(dev)
+    f(x)
+    torch.testing.assert_close(x.cpu(), f(value.clone()))
+
+
+def test_batch_norm_running_stats_update_when_output_unused(dev: torch.device) -> None:
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4)
+    lazy_bn = copy.deepcopy(bn).to(dev)
+    value = torch.randn(8, 4) + 3
+    bn(value)
+    lazy_bn(value.to(dev))  # the output is dropped: only the running stats change
+    partita.sync()
+    torch.testing.assert_close(lazy_bn.running_mean.cpu(), bn.running_mean)
+    torch.testing.assert_close(lazy_bn.running_var.cpu(), bn.running_var)
+
+
+def test_cpu_tensors_are_read_when_recorded(dev: torch.device) -> None:
+    lr = torch.tensor(0.5)
+    x = torch.ones(4).to(dev)
+    y = x * lr
+    lr.fill_(3.0)  # a scheduler updating a tensor lr after the op was recorded
+    torch.testing.assert_close(y.cpu(), torch.full((4,), 0.5))
+
+
+def test_item_and_print_sync(dev: torch.device) -> None:
+    x = torch.arange(4.0).to(dev) * 2
+    assert x._cell.is_pending
+    assert x.sum().item() == 12.0
+    assert "device='spmd:0'" in repr(x) and "6." in repr(x)
+
+
+def test_old_torch_gets_a_clear_error() -> None:
+    with pytest.raises(VirtualDeviceError, match=r"needs torch >= 2\.9, but torch 2\.6 is"):
+        check_torch((2, 6))
