@@ -47,6 +47,14 @@ def _cases(n: int) -> dict[str, tuple[Callable, int, Callable, Callable]]:
 
     return {
         "psum": (lambda x, a: partita.psum(x, a), C, lambda a: P(), lambda x: blocks(x).sum(0)),
+        # psum's result is invariant, but out_specs may still declare it split: every device
+        # then holds the same block, and the gradient sums the blocks' cotangents.
+        "psum_declared_varying": (
+            lambda x, a: partita.psum(x, a),
+            C,
+            lambda a: P(a),
+            lambda x: blocks(x).sum(0).repeat(n, 1),
+        ),
         "pmean": (
             lambda x, a: partita.pmean(x, a),
             C,
@@ -172,6 +180,25 @@ def test_mlp_gradients_equal_unsharded(mesh24: Mesh, specs: str) -> None:
     want = _grads(lambda x, a, b: (((torch.relu(x @ a) @ b) - 1.0) ** 2).sum(), x, w1, w2)
     for a, b in zip(got, want, strict=True):
         torch.testing.assert_close(a.full(), b, atol=1e-4, rtol=1e-5)
+
+
+def test_body_reads_closed_over_tensors_and_creates_its_own(mesh24: Mesh) -> None:
+    bias = torch.randn(4)
+
+    def body(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return partita.psum(x @ w, "m") + bias + torch.zeros(x.shape[0], 4)
+
+    region = partita.shard_map(
+        body, mesh=mesh24, in_specs=(P("d", "m"), P("m", None)), out_specs=P("d")
+    )
+    x, w = torch.randn(8, 8), torch.randn(8, 4)
+    got = partita.jit(
+        lambda x, w: _value_and_grad(lambda w: region(x, w), w, x[:, :4]), mesh=mesh24
+    )
+    out, grad = got(x, w)
+    want, want_grad = _value_and_grad(lambda w: x @ w + bias, w, x[:, :4])
+    torch.testing.assert_close(out.full(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.full(), want_grad, atol=1e-5, rtol=1e-5)
 
 
 # --- errors, not silent collectives -----------------------------------------------------------
