@@ -1,16 +1,19 @@
-"""Compile time of a GPT training step against its depth (partita has no scan over layers).
+"""Compile time of a GPT training step against its depth, with and without ``scan_layers``.
 
 Run: ``.venv/bin/python bench/bench_compile_depth.py [--layers 2 6 12 24] [--repeat 3]``
 
-Every layer is traced, propagated and partitioned on its own, so compiling a step costs time
-roughly proportional to the number of layers. This builds ``partita.train_step`` for
-``partita.models.GPT`` (width 256, 4 heads, vocabulary 512, sequence 64, global batch 8, AdamW)
-under the ``fsdp`` plan on a 2x4 ``data x model`` mesh and times ``step.lower(batch)``, which
-compiles the whole step (forward, backward, update) without running it. The three stages are
-timed as ``partita.jit`` calls them (``capture.trace``, ``propagate``, ``partition``), by wrapping
-those functions for the duration of the run; ``total`` is the wall time of ``lower`` and also
-includes building the step's inputs and formatting the program text. Every repeat builds a new
-model and a new step, so nothing is served from the compile cache. Medians of ``--repeat``.
+Every layer is propagated and partitioned on its own, and, unless ``partita.scan_layers`` marks
+the blocks, traced on its own too, so compiling a step costs time roughly proportional to the
+number of layers. Each depth is compiled twice: ``unrolled`` (every block traced) and ``scan``
+(``partita.scan_layers(model.blocks)``: one block traced, its graph copied). This builds
+``partita.train_step`` for ``partita.models.GPT`` (width 256, 4 heads, vocabulary 512,
+sequence 64, global batch 8, AdamW) under the ``fsdp`` plan on a 2x4 ``data x model`` mesh
+and times ``step.lower(batch)``, which compiles the whole step (forward, backward, update)
+without running it. The three stages are timed as ``partita.jit`` calls them
+(``capture.trace``, ``propagate``, ``partition``), by wrapping those functions for the
+duration of the run; ``total`` is the wall time of ``lower`` and also includes building the
+step's inputs and formatting the program text. Every repeat builds a new model and a new step,
+so nothing is served from the compile cache. Medians of ``--repeat``.
 """
 
 from __future__ import annotations
@@ -64,11 +67,13 @@ def timed_stages(times: dict[str, float]) -> Iterator[None]:
             setattr(owner, attr, fn)
 
 
-def compile_once(n_layer: int, mesh: Mesh) -> tuple[dict[str, float], int]:
+def compile_once(n_layer: int, mesh: Mesh, scan: bool) -> tuple[dict[str, float], int]:
     """Times of one fresh compile of an ``n_layer`` step, and its number of values."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=n_layer, n_head=HEADS, d_model=WIDTH, vocab_size=VOCAB,
                           seq_len=SEQ))  # fmt: skip
+    if scan:
+        partita.scan_layers(model.blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,13 +102,21 @@ def main(argv: list[str] | None = None) -> None:
         f"batch={BATCH}, AdamW, plan='fsdp') on {mesh!r}; torch {torch.__version__}; "
         f"{torch.get_num_threads()} threads; median of {ns.repeat} fresh compiles (seconds)"
     )
-    header = ("layers", 6), ("values", 7), *((s, 9) for s in STAGES), ("total", 8), ("s/layer", 8)
+    header = (
+        ("layers", 6), ("mode", 8), ("values", 7), *((s, 9) for s in STAGES), ("total", 8),
+        ("s/layer", 8),
+    )  # fmt: skip
     print(" ".join(f"{c:>{w}}" for c, w in header))
     for n in ns.layers:
-        runs = [compile_once(n, mesh) for _ in range(ns.repeat)]
-        med = {k: statistics.median(r[0][k] for r in runs) for k in (*STAGES, "total")}
-        stages = " ".join(f"{med[s]:>9.2f}" for s in STAGES)
-        print(f"{n:>6} {runs[0][1]:>7} {stages} {med['total']:>8.2f} {med['total'] / n:>8.2f}")
+        for mode in ("unrolled", "scan"):
+            runs = [compile_once(n, mesh, mode == "scan") for _ in range(ns.repeat)]
+            med = {k: statistics.median(r[0][k] for r in runs) for k in (*STAGES, "total")}
+            stages = " ".join(f"{med[s]:>9.2f}" for s in STAGES)
+            print(
+                f"{n:>6} {mode:>8} {runs[0][1]:>7} {stages} {med['total']:>8.2f} "
+                f"{med['total'] / n:>8.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

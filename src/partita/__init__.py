@@ -52,6 +52,7 @@ from partita.mesh import HybridMesh, Mesh
 from partita.partition import CollectiveRecord, Plan
 from partita.rules import FactorRule, einsum_rule, register_rule
 from partita.scan_layers import scan_layers
+from partita.scan_layers import scan_layers
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor, clear_sharding, reshard
 from partita.train import TrainStep, train_step
@@ -127,6 +128,7 @@ __all__ = [
     "psum_scatter",
     "register_rule",
     "reshard",
+    "scan_layers",
     "sync",
     "scan_layers",
     "shard_map",

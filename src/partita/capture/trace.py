@@ -49,6 +49,8 @@ from partita.capture.annotate import ANNOTATE_OP, lookup, record, tracing_scope
 from partita.capture.decompositions import decomposition_table
 from partita.capture.diagnose import capture_error, check_data_independent
 from partita.capture.functionalize import InputUpdates, functionalized
+from partita.capture.layer_graph import inline_layer_calls
+from partita.capture.layers import scan_scope
 from partita.capture.lift import lift_constants
 from partita.capture.normalize import normalize
 from partita.capture.program import Program
@@ -227,7 +229,7 @@ def trace(
     shapes = [tuple(leaves[i].shape) for i in tensor_idx]
     specs = [in_spec_flat[i] for i in tensor_idx]
     updates = InputUpdates(received, input_names, shapes, specs, mesh, name)
-    with tracing_scope(mesh, "trace(mesh=...)") as state:
+    with tracing_scope(mesh, "trace(mesh=...)") as state, scan_scope(name):
         try:
             with fx_traceback.preserve_node_meta(), _compiling():
                 gm = make_fx(
@@ -240,6 +242,7 @@ def trace(
             raise
         except Exception as e:
             raise capture_error(name, e) from e
+        inline_layer_calls(gm)  # layers traced once (partita.scan_layers) become their graphs
         check_data_independent(gm, name)
         normalize(gm)
         annotations = {}

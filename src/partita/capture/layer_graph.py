@@ -1,0 +1,178 @@
+"""One traced layer as a forward graph and a backward graph, and their inlining into a program.
+
+:mod:`partita.capture.layers` traces a repeated layer once (forward and backward together, as
+one *joint* graph) and stands for every later call of an identical layer by two placeholder
+ops, ``partita::layer_call(key, inputs)``: one for the forward, one for its backward. Once the
+whole program is traced, :func:`inline_layer_calls` replaces each placeholder by a copy of the
+graph it stands for, so later stages see the same aten ops as an unrolled trace and never a
+placeholder. Copying a graph costs microseconds per node; tracing it again costs milliseconds.
+
+The joint graph is split as a partitioner would (:func:`split_joint`): the nodes that do not
+depend on the output gradients are the forward; every forward value (or input) a backward node
+reads is *saved*, i.e. an extra output of the forward placeholder and an input of the backward.
+
+This module does not decide which layers are repeated (``layers`` does) and does not trace the
+whole program (``trace`` does).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, fx
+
+__all__ = ["LAYER_CALL_OP", "LayerGraph", "inline_layer_calls", "split_joint"]
+
+
+@dataclass(frozen=True)
+class LayerGraph:
+    """One part (forward or backward) of a traced layer.
+
+    Attributes:
+        graph_module: the part as a graph; its placeholders are the part's inputs in order and
+            its output is a flat list of tensors.
+        out_meta: (shape, dtype, device) of each output, for the placeholder op's fake impl.
+    """
+
+    graph_module: fx.GraphModule
+    out_meta: tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
+
+
+_KEYS = itertools.count()
+# key -> part; filled while a trace runs and emptied with it (layers.scan_scope)
+_GRAPHS: dict[int, LayerGraph] = {}
+
+
+def register(part: LayerGraph) -> int:
+    """A fresh key for ``part`` (what a ``layer_call`` node names)."""
+    key = next(_KEYS)
+    _GRAPHS[key] = part
+    return key
+
+
+def release(keys: list[int]) -> None:
+    for key in keys:
+        _GRAPHS.pop(key, None)
+
+
+@torch.library.custom_op(
+    "partita::layer_call", mutates_args=(), schema="(int key, Tensor[] inputs) -> Tensor[]"
+)
+def layer_call(key: int, inputs: list[Tensor]) -> list[Tensor]:
+    """Run the registered part eagerly (only reached if a placeholder was not inlined)."""
+    return [t.clone() for t in _GRAPHS[key].graph_module(*inputs)]
+
+
+@layer_call.register_fake
+def _(key: int, inputs: list[Tensor]) -> list[Tensor]:
+    return [torch.empty(s, dtype=d, device=dev) for s, d, dev in _GRAPHS[key].out_meta]
+
+
+#: The placeholder op of a layer part in a program being traced.
+LAYER_CALL_OP = torch.ops.partita.layer_call.default
+
+
+def _depends_on(graph: fx.Graph, roots: set[fx.Node]) -> set[fx.Node]:
+    """Every node of ``graph`` that reads a node of ``roots``, directly or not (and the roots)."""
+    seen = set(roots)
+    for node in graph.nodes:
+        if node not in seen and any(a in seen for a in node.all_input_nodes):
+            seen.add(node)
+    return seen
+
+
+def _meta(node: fx.Node) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+    val = node.meta["val"]
+    return tuple(int(s) for s in val.shape), val.dtype, val.device
+
+
+def _subgraph(
+    joint: fx.GraphModule, inputs: list[fx.Node], nodes: list[fx.Node], outputs: list[fx.Node]
+) -> LayerGraph:
+    """The graph of ``nodes`` (in joint order) with placeholders ``inputs`` and ``outputs``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = dict(node.meta)
+    for node in nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output([env[n] for n in outputs])
+    gm = fx.GraphModule(joint, graph)  # keeps the joint's attributes (tensor constants)
+    return LayerGraph(gm, tuple(_meta(n) for n in outputs))
+
+
+def split_joint(
+    joint: fx.GraphModule, n_primal: int, n_out: int
+) -> tuple[LayerGraph, LayerGraph, list[int]]:
+    """Split a joint graph into forward and backward parts.
+
+    ``joint``'s placeholders are ``n_primal`` primal inputs then the output gradients; its
+    outputs are ``n_out`` forward results then the input gradients. Returns the forward part
+    (inputs: the primals; outputs: the results, then the saved values), the backward part
+    (inputs: the output gradients, then the saved values; outputs: the input gradients) and,
+    for each saved value, the primal position it is (or -1 for a computed value).
+    """
+    graph = joint.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    primals, cotangents = placeholders[:n_primal], placeholders[n_primal:]
+    out_node = next(n for n in graph.nodes if n.op == "output")
+    outs = list(out_node.args[0])
+    results, grads = outs[:n_out], outs[n_out:]
+    backward = _depends_on(graph, set(cotangents))
+    compute = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    fwd_nodes = [n for n in compute if n not in backward]
+    bwd_nodes = [n for n in compute if n in backward]
+    saved: list[fx.Node] = []
+    for node in bwd_nodes:
+        for a in node.all_input_nodes:
+            if a not in backward and a not in saved:
+                saved.append(a)
+    for g in grads:  # a gradient that is a forward value (or an input) is saved as well
+        if g not in backward and g not in saved:
+            saved.append(g)
+    saved_computed = [n for n in saved if n.op != "placeholder"]
+    forward = _subgraph(joint, primals, fwd_nodes, [*results, *saved_computed])
+    backward_part = _subgraph(joint, [*cotangents, *saved], bwd_nodes, grads)
+    where = [primals.index(n) if n.op == "placeholder" else -1 for n in saved]
+    return forward, backward_part, where
+
+
+def inline_layer_calls(gm: fx.GraphModule) -> int:
+    """Replace every ``layer_call`` node of ``gm`` by a copy of its part; returns how many.
+
+    Each call's results are read through ``getitem`` nodes; their users are rewired to the
+    copied outputs. A tensor constant (``get_attr``) of a part is copied onto ``gm`` under a
+    fresh name so later stages (``lift``) see it as one of the program's own.
+    """
+    graph = gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_function" and n.target == LAYER_CALL_OP]
+    constants = itertools.count()
+    for call in calls:
+        part = _GRAPHS[call.args[0]].graph_module
+        inputs = list(call.args[1])
+        env: dict[fx.Node, fx.Node] = {}
+        ins = iter(inputs)
+        with graph.inserting_before(call):
+            for node in part.graph.nodes:
+                if node.op == "placeholder":
+                    env[node] = next(ins)
+                elif node.op == "output":
+                    results = [env[a] for a in node.args[0]]
+                elif node.op == "get_attr":
+                    name = f"_layer_constant{next(constants)}"
+                    while hasattr(gm, name):
+                        name = f"_layer_constant{next(constants)}"
+                    setattr(gm, name, getattr(part, node.target))
+                    env[node] = graph.get_attr(name)
+                    env[node].meta = dict(node.meta)
+                else:
+                    env[node] = graph.node_copy(node, env.__getitem__)
+        for user in list(call.users):
+            # make_fx reads a list result through operator.getitem(call, i)
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(call)
+    return len(calls)

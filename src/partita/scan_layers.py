@@ -1,0 +1,59 @@
+"""``partita.scan_layers``: trace N identical layers once instead of N times.
+
+Compile time of a deep model is mostly tracing, and tracing grows with depth: every layer's
+forward and backward ops are dispatched one by one. ``scan_layers(model.blocks)`` marks the
+layers; from then on every trace that calls them (``partita.jit``, ``partita.train_step``)
+traces each *distinct* layer once, forward and backward, and copies that graph for the other
+identical layers. The compiled program is the unrolled one (the same ops, shardings and
+results); only the time to build it changes. The machinery is
+:mod:`partita.capture.layers`, which says exactly when a layer counts as identical and when it
+falls back (with a PartitaWarning naming the reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TypeVar
+
+from torch import nn
+
+from partita.capture.layers import mark_layers
+
+__all__ = ["scan_layers"]
+
+Layers = TypeVar("Layers", bound=Iterable[nn.Module])
+
+
+def scan_layers(layers: Layers) -> Layers:
+    """Trace each distinct layer of ``layers`` once per program; returns ``layers``.
+
+    Layers are identical when they have the same class and Python attributes (submodules
+    included), the same parameter and buffer names, shapes, dtypes and ``requires_grad``, and
+    are called with arguments of the same shapes and the same static values. Layers that
+    differ are traced once per kind (a warning names a differing attribute). A layer that
+    updates a buffer in place, has hooks, or returns non-tensors is traced as ordinary code
+    (with a warning). Outside a trace the layers run unchanged.
+
+    Raises:
+        TypeError: ``layers`` is not an iterable of ``nn.Module`` (e.g. the model itself).
+
+    Example:
+        >>> model = partita.models.GPT(partita.models.GPTConfig(n_layer=4))
+        >>> partita.scan_layers(model.blocks)  # doctest: +ELLIPSIS
+        ModuleList(...)
+    """
+    if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+        raise TypeError(
+            f"scan_layers takes the repeated layers (an nn.ModuleList such as model.blocks), "
+            f"got the {type(layers).__name__} module itself. Pass its list of layers."
+        )
+    modules = list(layers)
+    bad = [m for m in modules if not isinstance(m, nn.Module)]
+    if bad or not modules:
+        what = f"a {type(bad[0]).__name__}" if bad else "nothing"
+        raise TypeError(
+            f"scan_layers takes an iterable of nn.Module layers (model.blocks), but it holds "
+            f"{what}. Pass the nn.ModuleList of the repeated blocks."
+        )
+    mark_layers(modules)
+    return layers

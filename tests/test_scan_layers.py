@@ -1,0 +1,185 @@
+"""``partita.scan_layers``: identical layers are traced once, and the program is the unrolled one.
+
+Each case compiles the same model with and without ``scan_layers`` and compares against eager
+PyTorch: the loss and every parameter after training steps, the forward output, and the
+number of values of the captured program (the copies are the unrolled graph, op for op). A
+counting layer shows that the Python forward of N identical layers runs once per trace.
+The fallbacks (a buffer updated in place, a per-layer Python attribute, hooks) warn and stay
+correct.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import Counter
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+import partita
+from partita import Mesh, P
+from partita.capture import trace
+from partita.errors import PartitaWarning
+from partita.models import GPT, GPTConfig
+
+CFG = GPTConfig(n_layer=2, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Mesh:
+    return Mesh.create((2, 4), ("data", "model"))
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+class Counting(nn.Module):
+    """A residual MLP layer that counts how often its Python forward runs."""
+
+    calls: ClassVar[int] = 0
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Counting.calls += 1
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class Stack(nn.Module):
+    def __init__(self, layers: list[nn.Module]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x.sum(-1)
+
+
+def train(model: nn.Module, mesh: Mesh, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = partita.train_step(model, gpt_loss, opt, mesh=mesh, batch_spec=P("data"))
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(steps):
+        ids = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len), generator=g)
+        losses.append(float(step((ids, torch.roll(ids, -1, 1)))))
+    return losses, step.full_parameters()
+
+
+def test_train_step_matches_eager_and_unrolled(mesh: Mesh) -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    eager = copy.deepcopy(model)
+    scan_model = copy.deepcopy(model)
+    assert partita.scan_layers(scan_model.blocks) is scan_model.blocks
+    losses, params = train(scan_model, mesh, steps=2)
+    opt = torch.optim.AdamW(eager.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for i in range(2):
+        ids = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len), generator=g)
+        opt.zero_grad()
+        loss = gpt_loss(eager(ids), torch.roll(ids, -1, 1))
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(losses[i], loss.item(), rtol=1e-5, atol=1e-5)
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(params[name], p.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_python_forward_runs_once_and_the_graph_is_the_unrolled_one() -> None:
+    torch.manual_seed(0)
+    unrolled = Stack([Counting(8) for _ in range(6)])
+    scanned = copy.deepcopy(unrolled)
+    partita.scan_layers(scanned.layers)
+    x = torch.randn(4, 8)
+
+    def loss_grads(model: nn.Module):
+        def fn(params: dict[str, torch.Tensor], x: torch.Tensor):
+            leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+            loss = torch.func.functional_call(model, leaves, (x,)).sum()
+            return loss, torch.autograd.grad(loss, list(leaves.values()))
+
+        return fn, dict(model.named_parameters())
+
+    Counting.calls = 0
+    fn, params = loss_grads(unrolled)
+    plain = trace(fn, (params, x))
+    assert Counting.calls == 6
+    Counting.calls = 0
+    fn, params = loss_grads(scanned)
+    program = trace(fn, (params, x))
+    # Two signatures: the first layer's input needs no gradient, the other five's do; each is
+    # run twice (a shape probe on fakes, then the trace), and never again for the others.
+    assert Counting.calls == 4
+    # the same ops (a layer's backward ops that need no output gradient move to its forward)
+    ops = Counter(str(n.target) for n in program.graph.nodes if n.op == "call_function")
+    assert ops == Counter(str(n.target) for n in plain.graph.nodes if n.op == "call_function")
+    assert "partita.layer_call.default" not in ops
+    loss, grads = program(params, x)
+    eager_loss, eager_grads = fn(params, x)
+    torch.testing.assert_close(loss, eager_loss)
+    for a, b in zip(grads, eager_grads, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_forward_under_no_grad(mesh: Mesh) -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG).eval()
+    partita.scan_layers(model.blocks)
+    ids = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len))
+    with torch.no_grad():
+        out = partita.jit(model, mesh=mesh, in_specs=P("data"))(ids)
+        torch.testing.assert_close(out.full(), model(ids), rtol=1e-5, atol=1e-5)
+
+
+class Indexed(Counting):
+    def __init__(self, d: int, index: int) -> None:
+        super().__init__(d)
+        self.layer_idx = index
+
+
+def test_per_layer_attribute_is_traced_on_its_own_with_a_warning() -> None:
+    model = Stack([Indexed(8, i) for i in range(3)])
+    partita.scan_layers(model.layers)
+    x = torch.randn(4, 8)
+    with pytest.warns(PartitaWarning, match=r"Python attribute 'layer_idx'.*traced on its own"):
+        program = trace(model, (x,))
+    torch.testing.assert_close(program(x), model(x))
+
+
+def test_buffer_updated_in_place_falls_back_with_a_warning(mesh: Mesh) -> None:
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8)) for _ in range(2)]
+    model = Stack(layers).train()
+    reference = copy.deepcopy(model)
+    partita.scan_layers(model.layers)
+    x = torch.randn(8, 8)
+    with pytest.warns(PartitaWarning, match=r"traced as ordinary code.*updates a buffer"):
+        out = partita.jit(model, mesh=mesh, in_specs=P("data"))(x)
+    torch.testing.assert_close(out.full(), reference(x))
+    torch.testing.assert_close(dict(model.named_buffers()), dict(reference.named_buffers()))
+
+
+def test_hooks_fall_back_with_a_warning() -> None:
+    model = Stack([Counting(8) for _ in range(2)])
+    model.layers[0].register_forward_hook(lambda m, a, out: out * 2)
+    partita.scan_layers(model.layers)
+    x = torch.randn(4, 8)
+    with pytest.warns(PartitaWarning, match=r"traced as ordinary code.*forward_hooks"):
+        program = trace(model, (x,))
+    torch.testing.assert_close(program(x), model(x))
+
+
+def test_scan_layers_refuses_the_model_itself() -> None:
+    with pytest.raises(TypeError, match=r"takes the repeated layers.*got the GPT module itself"):
+        partita.scan_layers(GPT(CFG))
+    with pytest.raises(TypeError, match=r"iterable of nn.Module layers.*holds a int"):
+        partita.scan_layers([1, 2])
