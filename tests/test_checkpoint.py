@@ -191,6 +191,11 @@ def test_damaged_checkpoints_are_typed_errors_naming_the_tensor(
         ckpt.load(step, bad)
     with pytest.raises(CheckpointError, match=r"is not a checkpoint .*does not exist"):
         ckpt.load(step, tmp_path / "nowhere")
+    (tmp_path / "nowhere.tmp-1234").mkdir()  # what a SIGKILLed save leaves: never read
+    with pytest.raises(
+        CheckpointError, match=r"incomplete saves beside it: \['nowhere.tmp-1234'\]"
+    ):
+        ckpt.load(step, tmp_path / "nowhere")
     for name, value in step.full_parameters().items():  # nothing changed
         assert torch.equal(value, before[name]), name
 
