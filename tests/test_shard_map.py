@@ -247,6 +247,12 @@ def test_collective_over_a_non_manual_axis_is_an_error(mesh24: Mesh) -> None:
         _run(mesh24, lambda x: x, torch.ones(8, 4), in_specs=P("d"), out_specs=P(), axes=("m",))
 
 
+def test_nested_regions_are_an_error(mesh24: Mesh) -> None:
+    inner = partita.shard_map(lambda b: b, mesh=mesh24, in_specs=P("m"), out_specs=P("m"))
+    with pytest.raises(ShardMapError, match=r"inside the body of shard_map.*do not nest"):
+        _run(mesh24, lambda x: inner(x), torch.ones(8, 4), in_specs=P("d"), out_specs=P("d"))
+
+
 def test_collective_outside_shard_map_is_an_error() -> None:
     with pytest.raises(ShardMapError, match="runs outside a shard_map body"):
         partita.psum(torch.ones(2), "i")

@@ -32,7 +32,7 @@ from partita.capture.manual import REGION_TAG, Boundary, enter, exit_region, new
 from partita.capture.source import format_source, user_frame
 from partita.capture.trace import broadcast_specs
 from partita.errors import ReplicationError, ShardMapError
-from partita.manual.vma import region_scope, set_vma, vma
+from partita.manual.vma import current_region, region_scope, set_vma, vma
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec, Sharding
 
@@ -143,6 +143,13 @@ def _traced(
 ) -> Any:
     where = format_source(user_frame()) or "an unknown line"
     name = f"{name} at {where}"
+    outer = current_region()
+    if outer is not None:
+        raise ShardMapError(
+            f"{name} is called inside the body of {outer.name}: shard_map regions do not nest. "
+            f"Write the inner code directly in the outer body (it already runs per device), "
+            f"or make the outer region manual over fewer axes with axes=."
+        )
     leaves, tree = pytree.tree_flatten(args)
     specs = (
         broadcast_specs(in_specs, args, "in_specs", name)
