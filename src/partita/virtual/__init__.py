@@ -8,9 +8,12 @@ place. See docs/virtual-device.md.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from partita.mesh import Mesh
+from partita.virtual import disk_cache
 from partita.virtual.device import MIN_TORCH, VirtualDeviceError, check_torch, register
 from partita.virtual.lazy import LazyTensor
 from partita.virtual.recording import new_data
@@ -32,8 +35,12 @@ def _factory(shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
     return new_data(torch.zeros(shape, dtype=dtype or torch.get_default_dtype()))
 
 
-def use_spmd(mesh: Mesh) -> torch.device:
+def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> torch.device:
     """Switch the virtual device on for ``mesh`` and return it (``torch.device("spmd", 0)``).
+
+    ``cache_dir`` keeps compiled steps on disk for later processes (plain JSON; see
+    :mod:`partita.virtual.disk_cache`; the ``PARTITA_COMPILE_CACHE`` environment variable does
+    the same).
 
     Example:
         >>> dev = partita.use_spmd(Mesh.create((2, 4), ("data", "model")))
@@ -44,4 +51,6 @@ def use_spmd(mesh: Mesh) -> torch.device:
         raise TypeError(f"partita.use_spmd needs a partita.Mesh, got {type(mesh).__name__}")
     register(_factory, new_data)
     set_mesh(mesh)
+    if cache_dir is not None:
+        disk_cache.set_directory(cache_dir)
     return torch.device("spmd", 0)

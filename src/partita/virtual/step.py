@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from partita.jit import Jitted
 from partita.mesh import Mesh
 from partita.tensor import ShardedTensor
-from partita.virtual import recording
+from partita.virtual import disk_cache, recording
 from partita.virtual.device import VirtualDeviceError
 from partita.virtual.lazy import Cell
 from partita.virtual.lift import replay_op
+from partita.virtual.program import StepProgram, compile_step
 from partita.virtual.why import recompile_reason
 
 __all__ = ["Metrics", "metrics", "set_mesh", "sync"]
@@ -69,14 +69,8 @@ class Metrics:
         return "\n".join(lines)
 
 
-@dataclass
-class _Program:
-    jitted: Jitted
-    key: Hashable
-
-
 _STATE: dict[str, Any] = {"mesh": None, "metrics": Metrics()}
-_CACHE: OrderedDict[Hashable, _Program] = OrderedDict()
+_CACHE: OrderedDict[Hashable, StepProgram] = OrderedDict()
 
 
 def set_mesh(mesh: Mesh) -> None:
@@ -169,20 +163,21 @@ def sync() -> None:
     m.ops_recorded += len(rec.ops)
     out_cells = _outputs(rec)
     key = (rec.key(), tuple(c.slot for c in out_cells), len(rec.scalars))
+    inputs = _inputs(rec)
     program = _CACHE.get(key)
     if program is None:
         started = time.perf_counter()
         reason = recompile_reason(key, list(_CACHE), rec) if _CACHE else None
-        if reason:
+        compiles = m.compiles
+        program = _compile(rec, out_cells, key, inputs)
+        if reason and m.compiles > compiles:
             m.recompile_reasons.append(reason)
-        program = _compile(rec, out_cells, key)
-        program.jitted.lower(*_inputs(rec))  # trace, propagate, partition now (timed apart)
         m.compile_seconds += time.perf_counter() - started
     else:
         _CACHE.move_to_end(key)
         m.cache_hits += 1
     started = time.perf_counter()
-    results = program.jitted(*_inputs(rec))
+    results = program.run(mesh(), inputs)
     m.run_seconds += time.perf_counter() - started
     for cell, value in zip(out_cells, results, strict=True):
         cell.data = value
@@ -204,11 +199,18 @@ def _inputs(rec: recording.Recording) -> list[Any]:
     return values
 
 
-def _compile(rec: recording.Recording, out_cells: list[Cell], key: Hashable) -> _Program:
-    replay = _replay_fn(rec, [c.slot for c in out_cells])  # type: ignore[misc]
-    jitted = Jitted(replay, mesh=mesh(), replicate_unsupported=False, cache_limit=1)
-    program = _Program(jitted, key)
-    _STATE["metrics"].compiles += 1
+def _compile(
+    rec: recording.Recording, out_cells: list[Cell], key: Hashable, inputs: list[Any]
+) -> StepProgram:
+    m: Metrics = _STATE["metrics"]
+    program = disk_cache.load(key, mesh())
+    if program is not None:
+        m.disk_hits += 1
+    else:
+        replay = _replay_fn(rec, [c.slot for c in out_cells])  # type: ignore[misc]
+        program = compile_step(replay, inputs, mesh())
+        m.compiles += 1
+        disk_cache.save(key, mesh(), program)
     _CACHE[key] = program
     if len(_CACHE) > CACHE_LIMIT:
         _CACHE.popitem(last=False)

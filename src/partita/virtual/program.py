@@ -1,0 +1,122 @@
+"""One compiled step of the virtual device: compile a replay function, run it on the mesh.
+
+:func:`compile_step` drives the ordinary pipeline, the way ``partita.jit`` does for one input
+signature: ``capture.trace`` (inputs annotated with their data's sharding, plain tensors
+replicated), ``propagate``, ``partition``. :meth:`StepProgram.run` feeds the per-device program
+the inputs' stacked shards on the LocalMesh (or this rank's shards under torch.distributed),
+writes in-place updates of data back (the ``Parameter`` objects stay the same), and returns the
+results as ShardedTensors. This module holds no sharding logic and does not record ops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils import _pytree as pytree
+
+from partita import capture
+from partita.explain import format_program
+from partita.jit import Compiled, write_back
+from partita.layout import shard_tensor
+from partita.mesh import Mesh
+from partita.partition import partition
+from partita.propagate import propagate
+from partita.runtime.distributed import distributed_executor
+from partita.runtime.local import LocalMesh
+from partita.spec import P, Sharding
+from partita.tensor import ShardedTensor
+
+__all__ = ["StepProgram", "compile_step"]
+
+_EXECUTORS: dict[Mesh, LocalMesh] = {}
+
+
+@dataclass
+class StepProgram:
+    """A compiled step.
+
+    Attributes:
+        local: the per-device program.
+        input_shardings / output_shardings / output_shapes: of its flattened inputs/outputs.
+        constants: tensors the program uses that are not step inputs (fed last).
+        mutated_inputs: inputs the step updates in place (their new values follow the results).
+        n_results: how many outputs are results (the values of the live tensors).
+        compiled: the jit form, for the distributed executor (None when read from disk).
+    """
+
+    local: fx.GraphModule
+    input_shardings: list[Sharding]
+    output_shardings: list[Sharding]
+    output_shapes: list[tuple[int, ...]]
+    constants: tuple[torch.Tensor, ...]
+    mutated_inputs: tuple[int, ...]
+    n_results: int
+    compiled: Compiled | None = None
+
+    def run(self, mesh: Mesh, inputs: Sequence[Any]) -> list[ShardedTensor]:
+        """Run on ``inputs`` (ShardedTensors, plain tensors = replicated); the results."""
+        tensors = [*inputs, *self.constants]
+        executor = distributed_executor(mesh)
+        if executor is not None:
+            if self.compiled is None:
+                raise RuntimeError(
+                    "A step read from the persistent compile cache cannot run under "
+                    "torch.distributed; unset the cache directory for distributed runs."
+                )
+            outs = executor.run_compiled(self.compiled, tensors)
+        else:
+            outs = self._run_local(mesh, tensors)
+        for i, new in zip(self.mutated_inputs, outs[self.n_results :], strict=True):
+            write_back(tensors[i], new)
+        return outs[: self.n_results]
+
+    def _run_local(self, mesh: Mesh, tensors: list[Any]) -> list[ShardedTensor]:
+        stacked = []
+        for leaf, sharding in zip(tensors, self.input_shardings, strict=True):
+            if isinstance(leaf, ShardedTensor):
+                if leaf.sharding != sharding:
+                    leaf = ShardedTensor.from_global(leaf.full(), sharding)
+                stacked.append(leaf.stacked)
+            elif sharding.is_replicated:  # stride 0: computed once, not once per device
+                stacked.append(leaf.unsqueeze(0).expand(mesh.size, *leaf.shape))
+            else:
+                stacked.append(shard_tensor(leaf, sharding))
+        executor = _EXECUTORS.get(mesh)
+        if executor is None:
+            executor = _EXECUTORS[mesh] = LocalMesh(mesh)
+        outs = executor.run(self.local, stacked)
+        return [
+            ShardedTensor.from_stacked(o, s, shape)
+            for o, s, shape in zip(outs, self.output_shardings, self.output_shapes, strict=True)
+        ]
+
+
+def compile_step(
+    replay: Callable[..., list[torch.Tensor]], inputs: Sequence[Any], mesh: Mesh
+) -> StepProgram:
+    """Trace ``replay(*inputs)``, propagate and partition it for ``mesh``."""
+    specs = [x.spec if isinstance(x, ShardedTensor) else P() for x in inputs]
+    examples = tuple(
+        torch.empty(x.shape, dtype=x.dtype) if isinstance(x, ShardedTensor) else x for x in inputs
+    )
+    prog = capture.trace(replay, examples, mesh=mesh, in_specs=tuple(specs))
+    propagate(prog.graph_module, mesh)
+    local, plan = partition(prog.graph_module, mesh)
+    plan.program_text = format_program(prog.graph_module)
+    (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
+    shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
+    compiled = Compiled(prog, local, plan, plan.input_shardings, plan.output_shardings, shapes)
+    return StepProgram(
+        local=local,
+        input_shardings=list(plan.input_shardings),
+        output_shardings=list(plan.output_shardings),
+        output_shapes=shapes,
+        constants=tuple(prog.constants),
+        mutated_inputs=tuple(prog.mutated_inputs),
+        n_results=prog.out_tree.num_leaves,
+        compiled=compiled,
+    )
