@@ -201,6 +201,40 @@ def test_body_reads_closed_over_tensors_and_creates_its_own(mesh24: Mesh) -> Non
     torch.testing.assert_close(grad.full(), want_grad, atol=1e-5, rtol=1e-5)
 
 
+def test_region_in_a_model_trains_under_train_step(mesh24: Mesh) -> None:
+    """A module whose forward is a shard_map region (data parallel over 'd', the weight
+    replicated): train_step's losses equal torch.optim's, step for step."""
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.randn(8, 4))
+            self.region = partita.shard_map(
+                torch.matmul, mesh=mesh24, in_specs=(P("d"), P()), out_specs=P("d"), axes=["d"]
+            )
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.region(x, self.w)
+
+    torch.manual_seed(0)
+    model, ref = Model(), Model()
+    ref.load_state_dict(model.state_dict())
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return ((out - y) ** 2).mean()
+
+    step = partita.train_step(model, loss_fn, opt, mesh=mesh24, plan="dp")
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    for _ in range(2):
+        loss = step((x, y))
+        want = loss_fn(x @ ref.w, y)
+        ref_opt.zero_grad()
+        want.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss.detach(), want.detach(), atol=1e-5, rtol=1e-5)
+
+
 # --- errors, not silent collectives -----------------------------------------------------------
 
 
