@@ -6,7 +6,11 @@ Every result is checked against the same code run eagerly on the CPU, unsharded.
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,7 +20,8 @@ from torch import nn
 import partita
 from partita import Mesh, P
 from partita.models import GPT, GPTConfig
-from partita.virtual import VirtualDeviceError, check_torch
+from partita.virtual import VirtualDeviceError, check_torch, disk_cache
+from partita.virtual import step as virtual_step
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 CFG = GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
@@ -100,16 +105,19 @@ def gpt_run(dev: torch.device) -> dict:
     }
 
 
+@pytest.mark.slow  # the 20-step loop on 8 simulated devices: ~20 s
 def test_gpt_loop_equals_eager(gpt_run: dict) -> None:
     torch.testing.assert_close(gpt_run["losses"], gpt_run["ref_losses"], rtol=1e-5, atol=1e-5)
     for name, value in gpt_run["ref_params"].items():
         torch.testing.assert_close(gpt_run["params"][name], value, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # the 20-step loop on 8 simulated devices: ~20 s
 def test_gpt_loop_compiles_once_with_an_lr_schedule(gpt_run: dict) -> None:
     assert gpt_run["after_loop"] == (1, STEPS - 1, STEPS, [])
 
 
+@pytest.mark.slow  # the 20-step loop on 8 simulated devices: ~20 s
 def test_new_batch_shape_recompiles_and_says_why(gpt_run: dict) -> None:
     m = gpt_run["after_shape_change"]
     assert m.compiles == 2
@@ -118,6 +126,7 @@ def test_new_batch_shape_recompiles_and_says_why(gpt_run: dict) -> None:
     assert "recompiled: input" in str(m)
 
 
+@pytest.mark.slow  # the 20-step loop on 8 simulated devices: ~20 s
 def test_parameters_keep_identity_and_sharding(gpt_run: dict) -> None:
     model = gpt_run["model"]
     weight = model.head.weight
@@ -198,3 +207,77 @@ def test_item_and_print_sync(dev: torch.device) -> None:
 def test_old_torch_gets_a_clear_error() -> None:
     with pytest.raises(VirtualDeviceError, match=r"needs torch >= 2\.9, but torch 2\.6 is"):
         check_torch((2, 6))
+
+
+def test_eager_ops_on_sharded_tensors(dev: torch.device) -> None:
+    value = torch.randn(8, 16)
+    x = partita.mark_sharding(value, MESH, P("data", None))
+    y = 2 * x - x / 4 + 1
+    assert isinstance(y, partita.ShardedTensor)
+    torch.testing.assert_close(y.full(), 2 * value - value / 4 + 1)
+    model = nn.Sequential(nn.Linear(16, 4), nn.ReLU())
+    out = model(x)
+    assert isinstance(out, partita.ShardedTensor) and out.spec == P("data", None)
+    torch.testing.assert_close(out.full(), model(value))
+    torch.testing.assert_close(x.cpu(), value)
+
+
+def test_eager_ops_on_another_mesh_are_refused(dev: torch.device) -> None:
+    x = partita.mark_sharding(torch.ones(8), Mesh.create((8,), ("x",)), P("x"))
+    with pytest.raises(VirtualDeviceError, match=r"operations outside partita\.jit run on"):
+        x + 1
+
+
+SCRIPT = Path(__file__).parent / "dist_scripts" / "virtual_cache.py"
+
+
+def _cache_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("virtual_cache", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a_second_process_reuses_the_persistent_cache(dev: torch.device, tmp_path: Path) -> None:
+    try:
+        first = _cache_script().run(str(tmp_path))
+    finally:
+        disk_cache.set_directory(None)
+    assert (first["compiles"], first["disk_hits"]) == (1, 0)
+    (saved,) = tmp_path.glob("*.json")
+    assert json.loads(saved.read_text())["format"] == disk_cache.FORMAT  # plain JSON
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (second["compiles"], second["disk_hits"]) == (0, 1)
+    assert second["losses"] == first["losses"]
+
+
+def test_a_tampered_cache_file_is_ignored(dev: torch.device, tmp_path: Path) -> None:
+    def run_once() -> tuple[int, int]:
+        virtual_step._CACHE.clear()  # forget the in-memory programs: only the disk can help
+        partita.metrics(reset=True)
+        disk_cache.set_directory(tmp_path)
+        try:
+            x = torch.arange(12.0).reshape(4, 3).to(dev)
+            partita.mark_sharding(x, MESH, P("data", None))
+            torch.testing.assert_close((x * 3).cpu(), torch.arange(12.0).reshape(4, 3) * 3)
+        finally:
+            disk_cache.set_directory(None)
+        m = partita.metrics()
+        return m.compiles, m.disk_hits
+
+    assert run_once() == (1, 0)
+    assert run_once() == (0, 1)
+    (saved,) = tmp_path.glob("*.json")
+    data = json.loads(saved.read_text())
+    for row in data["graph"]:
+        if row["target"]:
+            row["target"] = "os::system.default"  # never resolved: only torch.ops names load
+    saved.write_text(json.dumps(data))
+    assert run_once() == (1, 0)

@@ -9,14 +9,15 @@ arithmetic of :mod:`partita.layout`; nothing here loops over devices to move dat
 
 This module works on *concrete* data only. It does not trace, propagate or partition, and it
 does not communicate: :func:`reshard` is gather-then-slice until the partitioner's reshard
-planner replaces it. Annotating traced tensors inside a captured function is wired up in
+planner replaces it. A torch operation on a ShardedTensor (``x + 1``, ``model(x)``) is run by
+the handler that :mod:`partita.virtual` installs with :func:`set_eager_ops`. Annotating traced tensors inside a captured function is wired up in
 ``partita.api``.
 """
 
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,9 +28,26 @@ from partita.layout import index_ranges, local_shape, replica_ids, shard_tensor,
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec, Sharding, as_spec
 
-__all__ = ["Shard", "ShardedTensor", "clear_sharding", "mark_sharding", "reshard"]
+__all__ = [
+    "Shard",
+    "ShardedTensor",
+    "clear_sharding",
+    "mark_sharding",
+    "reshard",
+    "set_eager_ops",
+]
 
 SpecLike = PartitionSpec | Sequence[Any] | None
+
+#: The function that runs a torch operation on ShardedTensors outside ``partita.jit``
+#: (``partita.virtual`` installs it; this module cannot import that later stage).
+_EAGER_OPS: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
+
+
+def set_eager_ops(handler: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> None:
+    """Install ``handler(func, args, kwargs)``, which runs torch functions on ShardedTensors
+    (``x + 1``, ``model(x)``); partita installs the virtual device's at import."""
+    _EAGER_OPS[:] = [handler]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -212,6 +230,53 @@ class ShardedTensor:
             unpadded = data[tuple(slice(0, stop - start) for start, stop in ranges[position])]
             shards.append(Shard(data, unpadded, device, index, replicas[position]))
         return shards
+
+    # --- eager operations (run through the virtual device; see set_eager_ops) ----------------
+
+    @classmethod
+    def __torch_function__(
+        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
+    ) -> Any:
+        if not _EAGER_OPS:
+            return NotImplemented
+        return _EAGER_OPS[0](func, args, kwargs or {})
+
+    def cpu(self) -> torch.Tensor:
+        """The global value as a plain CPU tensor (the same as :meth:`full`)."""
+        return self.full()
+
+    def __add__(self, other: Any) -> Any:
+        return torch.add(self, other)
+
+    def __radd__(self, other: Any) -> Any:
+        return torch.add(other, self)
+
+    def __sub__(self, other: Any) -> Any:
+        return torch.sub(self, other)
+
+    def __rsub__(self, other: Any) -> Any:
+        return torch.sub(other, self)
+
+    def __mul__(self, other: Any) -> Any:
+        return torch.mul(self, other)
+
+    def __rmul__(self, other: Any) -> Any:
+        return torch.mul(other, self)
+
+    def __truediv__(self, other: Any) -> Any:
+        return torch.div(self, other)
+
+    def __rtruediv__(self, other: Any) -> Any:
+        return torch.div(other, self)
+
+    def __matmul__(self, other: Any) -> Any:
+        return torch.matmul(self, other)
+
+    def __rmatmul__(self, other: Any) -> Any:
+        return torch.matmul(other, self)
+
+    def __neg__(self) -> Any:
+        return torch.neg(self)
 
     def __repr__(self) -> str:
         # Indent the tensor's continuation lines under its first line.

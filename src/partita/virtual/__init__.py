@@ -13,10 +13,12 @@ import os
 import torch
 
 from partita.mesh import Mesh
+from partita.tensor import set_eager_ops
 from partita.virtual import disk_cache
 from partita.virtual.device import MIN_TORCH, VirtualDeviceError, check_torch, register
 from partita.virtual.lazy import LazyTensor
 from partita.virtual.recording import new_data
+from partita.virtual.sharded_ops import eager_op
 from partita.virtual.step import Metrics, metrics, set_mesh, sync
 
 __all__ = [
@@ -29,6 +31,9 @@ __all__ = [
     "sync",
     "use_spmd",
 ]
+
+
+set_eager_ops(eager_op)
 
 
 def _factory(shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:

@@ -31,7 +31,7 @@ from partita.virtual.lift import replay_op
 from partita.virtual.program import StepProgram, compile_step
 from partita.virtual.why import recompile_reason
 
-__all__ = ["Metrics", "metrics", "set_mesh", "sync"]
+__all__ = ["Metrics", "current_mesh", "mesh", "metrics", "set_mesh", "sync"]
 
 CACHE_LIMIT = 64
 
@@ -78,6 +78,11 @@ def set_mesh(mesh: Mesh) -> None:
     if _STATE["mesh"] is not None and _STATE["mesh"] != mesh:
         _CACHE.clear()
     _STATE["mesh"] = mesh
+
+
+def current_mesh() -> Mesh | None:
+    """The virtual device's mesh, or None before ``use_spmd``."""
+    return _STATE["mesh"]
 
 
 def mesh() -> Mesh:

@@ -1,0 +1,47 @@
+"""A short virtual-device training loop with the persistent compile cache (used by
+tests/test_virtual_device.py in this process and in a second one).
+
+``python virtual_cache.py CACHE_DIR`` prints one JSON line: the losses and the metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F  # noqa: N812 - the PyTorch convention
+from torch import nn
+
+import partita
+from partita import Mesh, P
+
+MESH = Mesh.create((2, 4), ("data", "model"))
+
+
+def run(cache_dir: str, steps: int = 2) -> dict:
+    """Train a small MLP for ``steps`` steps on the virtual device; losses and metrics."""
+    dev = partita.use_spmd(MESH, cache_dir=cache_dir)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dev)
+    partita.mark_sharding(model[0].weight, MESH, P("model", None))
+    partita.mark_sharding(model[2].weight, MESH, P(None, "model"))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    before = partita.metrics(reset=True)
+    losses = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 8).to(dev), torch.randn(8, 4).to(dev)
+        partita.mark_sharding(x, MESH, P("data", None))
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        partita.sync()
+        losses.append(loss.item())
+    m = partita.metrics(reset=True)
+    partita.metrics().__dict__.update(before.__dict__)  # the caller's counters continue
+    return {"losses": losses, "compiles": m.compiles, "disk_hits": m.disk_hits}
+
+
+if __name__ == "__main__":
+    print(json.dumps(run(sys.argv[1])))
