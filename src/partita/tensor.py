@@ -10,8 +10,8 @@ arithmetic of :mod:`partita.layout`; nothing here loops over devices to move dat
 This module works on *concrete* data only. It does not trace, propagate or partition, and it
 does not communicate: :func:`reshard` is gather-then-slice until the partitioner's reshard
 planner replaces it. A torch operation on a ShardedTensor (``x + 1``, ``model(x)``) is run by
-the handler that :mod:`partita.virtual` installs with :func:`set_eager_ops`. Annotating traced tensors inside a captured function is wired up in
-``partita.api``.
+the handler that :mod:`partita.virtual` installs with :func:`set_eager_ops`. Annotating traced
+tensors inside a captured function is wired up in ``partita.api``.
 """
 
 from __future__ import annotations
