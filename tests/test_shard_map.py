@@ -296,7 +296,8 @@ def test_collective_outside_shard_map_is_an_error() -> None:
 
 
 def test_partially_manual_region_inside_a_2d_program(mesh24: Mesh) -> None:
-    """Manual over 'm' only; 'd' shards the program around the region by propagation."""
+    """Manual over 'm' only: 'd' shards the program around the region *and* the body (the body
+    runs on [4 / 2, 8 / 4] blocks, no gather over 'd'); gradients flow through it."""
 
     def body(h: torch.Tensor) -> torch.Tensor:
         return partita.psum(h.square().sum(1, keepdim=True), "m")  # row norms^2 over 'm'
@@ -307,17 +308,28 @@ def test_partially_manual_region_inside_a_2d_program(mesh24: Mesh) -> None:
         h = torch.tanh(x @ w)
         return region(h) * x.sum(1, keepdim=True) + 1.0
 
+    def with_grad(fn: Callable, x: torch.Tensor, w: torch.Tensor) -> tuple:
+        return _value_and_grad(lambda w: fn(x, w), w, torch.ones(8, 1))
+
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(8, 4, generator=g), torch.randn(4, 8, generator=g)
     step = partita.jit(program, mesh=mesh24, in_specs=(P("d", None), P(None, "m")))
-    h = torch.tanh(x @ w)
-    want = h.square().sum(1, keepdim=True) * x.sum(1, keepdim=True) + 1.0
+
+    def ref(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ w).square().sum(1, keepdim=True) * x.sum(1, keepdim=True) + 1.0
+
     out = step(x, w)
-    torch.testing.assert_close(out.full(), want, atol=1e-5, rtol=1e-5)
-    plan = step.lower(x, w)
+    torch.testing.assert_close(out.full(), ref(x, w), atol=1e-5, rtol=1e-5)
     assert out.sharding.spec == P("d", None)  # the program after the region is sharded on 'd'
-    mine = [c for c in plan.collectives if c.source and "in body" in c.source]
-    assert [(c.kind, c.mesh_axes) for c in mine] == [("all_reduce", ("m",))]
+    plan = step.lower(x, w)
+    assert [(c.kind, c.mesh_axes, c.shape) for c in plan.collectives] == [
+        ("all_reduce", ("m",), (4, 1))  # the psum, on the body's 'd'-split block
+    ]
+    grads = partita.jit(
+        lambda x, w: with_grad(program, x, w), mesh=mesh24, in_specs=(P("d", None), P(None, "m"))
+    )(x, w)
+    for got, want in zip(grads, with_grad(ref, x, w), strict=True):
+        torch.testing.assert_close(got.full(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_eager_call_on_sharded_tensors_takes_their_specs(mesh24: Mesh) -> None:
@@ -379,6 +391,7 @@ def test_manual_md_code_blocks_run(capsys: pytest.CaptureFixture[str]) -> None:
         "varies over ['model']",
         "{'collective_permute': 3}",
         "P('data', None)",
+        "[('all_reduce', ('model',), (4, 1))]",
         "which 4 devices do not divide",
         "all_to_all over ['data'] of %mul float32[8, 8] = 256 B/device",
     ):

@@ -35,7 +35,7 @@ from partita.explain import format_program
 from partita.layout import shard_tensor
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
-from partita.partition.explicit import MODES, collectives_mode
+from partita.partition.explicit import check_mode, collectives_mode
 from partita.plans import PlanLike
 from partita.propagate import propagate
 from partita.runtime.distributed import distributed_executor
@@ -79,13 +79,7 @@ class Jitted:
         cache_limit: int = DEFAULT_CACHE_LIMIT,
         collectives: str = "auto",
     ) -> None:
-        if collectives not in MODES:
-            raise JitArgumentError(
-                f"partita.jit(collectives={collectives!r}): use one of {MODES}: 'auto' inserts "
-                f"every collective the program needs, 'warn' warns about those the annotations "
-                f"do not imply, 'explicit' makes them errors."
-            )
-        self.collectives = collectives
+        self.collectives = check_mode(collectives)
         if not isinstance(mesh, Mesh):
             raise TypeError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
         if not isinstance(cache_limit, int) or cache_limit < 1:
@@ -369,10 +363,8 @@ def jit(
             recently used is dropped first. At the 8th compilation a
             :class:`~partita.RecompileWarning` says which argument keeps changing.
         collectives: ``"auto"`` (default) inserts every collective the program needs;
-            ``"explicit"`` raises :class:`~partita.errors.ExplicitCollectiveError` for any the
-            annotations do not imply directly (a reshard between two annotated values, a
-            gathered operand), listing each with its source line, bytes and the annotation
-            that avoids it; ``"warn"`` warns instead (``partita.partition.explicit``).
+            ``"explicit"`` makes each one the annotations do not imply an error, ``"warn"`` a
+            warning (``partita.partition.explicit``, docs/manual.md).
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))

@@ -65,7 +65,7 @@ from partita.errors import PartitaError, ShardingConflictError
 from partita.mesh import Mesh
 from partita.propagate_assign import choose_assignment, merge_axes
 from partita.propagate_rules import apply_rule, compiler_error
-from partita.propagate_state import OpState, ProgramState, ValueKey
+from partita.propagate_state import OpState, ProgramState, ValueKey, ValueState
 from partita.rules.opinfo import op_info, source_of
 from partita.spec import Sharding
 
@@ -108,6 +108,8 @@ class _Propagator(ProgramState):
         prio: int,
     ) -> bool:
         v = self.values[key]
+        if v.banned or v.prefix is not None:
+            dims, partial = _region_view(v, dims, partial)
         if v.fixed or (not any(dims) and not partial):
             return False
         if v.dims is None:
@@ -182,6 +184,21 @@ class _Propagator(ProgramState):
                     self._sharding((node, i)) if (node, i) in self.values else None
                     for i in range(len(node.meta["val"]))
                 )
+
+
+def _region_view(
+    v: ValueState, dims: list[tuple[str, ...]], partial: tuple[str, ...]
+) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
+    """A proposal as a value at a partially manual region can take it: without the region's
+    manual axes inside the body, with the spec's manual axes first on its boundary.
+
+    Example: ``[("m", "d"), ()]`` for a body value banned from ``m`` is ``[("d",), ()]``.
+    """
+    drop = set(v.banned) | {a for p in v.prefix or () for a in p}
+    dims = [tuple(a for a in d if a not in drop) for d in dims]
+    if v.prefix is not None:
+        dims = [p + d for p, d in zip(v.prefix, dims, strict=True)]
+    return dims, tuple(a for a in partial if a not in drop)
 
 
 def _find_mesh(gm: fx.GraphModule) -> Mesh | None:

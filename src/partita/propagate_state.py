@@ -18,13 +18,14 @@ from typing import Any
 
 import torch.fx as fx
 
-from partita.capture.manual import EXIT_OP, boundary, local_nodes
+from partita.capture.manual import ENTER_OP, EXIT_OP, boundary, is_fully_manual, local_nodes
 from partita.errors import PartitaError, ShardingConflictError, UnsupportedOpError
 from partita.layout import check_strided
 from partita.mesh import Mesh
 from partita.propagate_rules import apply_rule, compiler_error
 from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta
 from partita.rules.handler_names import HandlerName
+from partita.rules.manual import manual_rule
 from partita.rules.opinfo import is_tensor, op_info, source_of
 
 __all__ = ["OpState", "ProgramState", "ValueKey", "ValueState"]
@@ -47,6 +48,10 @@ class ValueState:
     reduce_op: str = "sum"
     priority: int = 1 << 30
     fixed: bool = False
+    # Partially manual regions: a body value never takes its region's manual axes (banned); a
+    # value crossing the region's boundary keeps its spec's manual axes first on each dim.
+    banned: frozenset[str] = frozenset()
+    prefix: list[tuple[str, ...]] | None = None
 
 
 @dataclass(slots=True)
@@ -86,12 +91,15 @@ class ProgramState:
         self.values[key] = ValueState(val.ndim, max(int(val.numel()), 1))
 
     def _build(self) -> None:
-        local = local_nodes(self.gm)  # shard_map bodies: per-device code, not propagated
+        local = local_nodes(self.gm)
+        # Fully manual shard_map bodies are per-device code: not propagated, copied verbatim.
+        verbatim = {n for n, a in local.items() if is_fully_manual(a, self.mesh.axis_names)}
+        self._local = local
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
-            if node in local:
+            if node in verbatim:
                 continue
-            if node.op == "call_function" and node.target is EXIT_OP:
+            if node.op == "call_function" and node.target is EXIT_OP and node.args[0] in verbatim:
                 self._add_value((node, None), val)
                 v = self.values[(node, None)]
                 v.dims, v.priority, v.fixed = (
@@ -160,6 +168,8 @@ class ProgramState:
             frozenset(rule.reduction_factors) if rule.handler in _LOOKUP_HANDLERS else frozenset()
         )
         self.ops.append(OpState(node, rule, operands, results, compound, free, result_only, weak))
+        if node in self._local or node.target is EXIT_OP:
+            self._mark_region_values(node)
         if _is_annotation(node):
             ann = node.meta["annotation"]
             if ann.sharding.mesh != self.mesh:
@@ -174,4 +184,27 @@ class ProgramState:
             v.fixed = True
 
     def _rule(self, node: fx.Node, info: OpInfo) -> FactorRule:
+        if node in self._local or node.target is EXIT_OP:
+            rule = manual_rule(info)
+            if rule is not None:
+                return rule
+            # A body op without a rule runs whole over the auto axes: the region promised it
+            # to the user as per-device code, so it must not fail for lack of a rule.
+            return apply_rule(node, info, replicate_unsupported=True)
         return apply_rule(node, info, replicate_unsupported=self.replicate_unsupported)
+
+    def _mark_region_values(self, node: fx.Node) -> None:
+        """Ban a partially manual body's values from its manual axes; give the global side of
+        each boundary its spec's manual axes as a fixed prefix."""
+        if node in self._local:
+            banned = frozenset(self._local[node])
+            for key, v in self.values.items():
+                if key[0] is node:
+                    v.banned = banned
+        if node.target in (ENTER_OP, EXIT_OP):
+            b = boundary(node.args[1])
+            key = self.key(node.args[0]) if node.target is ENTER_OP else (node, None)
+            v = self.values.get(key)
+            if v is not None:
+                v.prefix = [tuple(a for a in d if a in b.manual_axes) for d in b.sharding.dim_axes]
+                v.dims = list(v.prefix)

@@ -42,6 +42,7 @@ __all__ = [
     "boundary",
     "enter",
     "exit_region",
+    "is_fully_manual",
     "local_nodes",
     "new_boundary",
 ]
@@ -150,31 +151,40 @@ def exit_region(x: Tensor, key: int) -> Tensor:
 # --- which nodes are local -------------------------------------------------------------------
 
 #: The ``node.meta["custom"]`` key capture sets on the forward nodes of a region body (through
-#: ``torch.fx.traceback.annotate``), so that body ops without tensor operands (``torch.zeros``
-#: in the body) are known to be local too.
+#: ``torch.fx.traceback.annotate``; its value: the region's manual axes), so that body ops
+#: without tensor operands (``torch.zeros`` in the body) are known to be local too.
 REGION_TAG = "partita_manual_region"
 
 
-def local_nodes(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes of ``gm`` that compute on local blocks: region entries and every node that
-    reads a local value or was traced inside a region body, up to (not including) the exits.
+def local_nodes(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, ...]]:
+    """The nodes of ``gm`` that compute on local blocks, each with its region's manual axes:
+    region entries and every node that reads a local value or was traced inside a region body,
+    up to (not including) the exits.
 
     Example: in ``enter -> mm -> all_reduce -> exit -> relu`` the first three are local.
     """
-    local: set[fx.Node] = set()
+    local: dict[fx.Node, tuple[str, ...]] = {}
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is EXIT_OP:
             continue
         if node.target is ENTER_OP:
-            local.add(node)
+            local[node] = boundary(node.args[1]).manual_axes
             continue
-        tagged = REGION_TAG in (node.meta.get("custom") or {})
-        reads_local = any(
-            isinstance(a, fx.Node) and a in local
-            for a in pytree.tree_leaves((node.args, node.kwargs))
-        )
-        if node.target is operator.getitem:
-            tagged = False
-        if tagged or reads_local:
-            local.add(node)
+        axes = None if node.target is operator.getitem else _tag(node)
+        for a in pytree.tree_leaves((node.args, node.kwargs)):
+            if isinstance(a, fx.Node) and a in local:
+                axes = local[a]
+                break
+        if axes is not None:
+            local[node] = axes
     return local
+
+
+def _tag(node: fx.Node) -> tuple[str, ...] | None:
+    axes = (node.meta.get("custom") or {}).get(REGION_TAG)
+    return tuple(axes) if axes is not None else None
+
+
+def is_fully_manual(axes: tuple[str, ...], mesh_axes: tuple[str, ...]) -> bool:
+    """Whether a region manual over ``axes`` leaves no mesh axis to propagation."""
+    return set(mesh_axes) <= set(axes)

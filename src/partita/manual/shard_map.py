@@ -12,9 +12,10 @@ Mistakes are errors, never a silent collective: a missing in_spec or out_spec, a
 not divide a shape, a spec over a mesh axis the region is not manual over, and an out_spec that
 calls an output replicated over an axis it varies over (:mod:`partita.manual.vma`).
 
-``axes=`` makes the region manual over some mesh axes only; the body then runs replicated over
-the others (every device along them computes the same blocks), while the program around the
-region stays under propagation on all axes.
+``axes=`` makes the region manual over some mesh axes only (*partially manual*): specs and
+collectives may then name only those axes, and the other (auto) axes keep propagating through
+the body as through any code (``partita.rules.manual``), so the body's blocks may be split
+further along them. Its inputs and outputs are then not annotated on the auto axes.
 """
 
 from __future__ import annotations
@@ -176,14 +177,15 @@ def _traced(
         local = tuple(n // k for n, k in zip(shape, sharding.tile_shape, strict=True))
         grad_key = new_boundary(Boundary(sharding, shape, local, manual, what=f"grad of {what}"))
         key = new_boundary(Boundary(sharding, shape, local, manual, what=what, transpose=grad_key))
-        annotated = record(leaf, mesh, spec, source=f"{name} in_specs for {what}")
-        block = enter(annotated, key)
+        if set(manual) >= set(mesh.axis_names):  # partially manual: the auto axes stay free
+            leaf = record(leaf, mesh, spec, source=f"{name} in_specs for {what}")
+        block = enter(leaf, key)
         inputs.append(block)
         entered.append((block, frozenset(sharding.sharded_axes)))
     with region_scope(mesh, manual, name):
         for block, axes in entered:
             set_vma(block, axes)
-        with fx_traceback.annotate({REGION_TAG: True}):
+        with fx_traceback.annotate({REGION_TAG: list(manual)}):
             result = fn(*pytree.tree_unflatten(inputs, tree))
         out_leaves, out_tree = pytree.tree_flatten(result)
         varying = [vma(o) if isinstance(o, Tensor) else frozenset() for o in out_leaves]
@@ -238,4 +240,6 @@ def _exit(
         Boundary(sharding, shape, local, manual, psum_axes, what=what, transpose=grad_key)
     )
     out = exit_region(leaf, key)
+    if set(manual) < set(mesh.axis_names):  # partially manual: the auto axes stay free
+        return out
     return record(out, mesh, spec, source=f"{name} out_specs for {what}")

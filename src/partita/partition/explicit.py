@@ -32,7 +32,7 @@ from partita.partition.manual import USER_COLLECTIVE
 from partita.partition.plan import CollectiveRecord, Plan
 from partita.spec import Sharding
 
-__all__ = ["MODES", "Move", "check", "collectives_mode", "current_mode"]
+__all__ = ["MODES", "Move", "check", "check_mode", "collectives_mode", "current_mode"]
 
 #: The values of ``collectives=``.
 MODES = ("auto", "warn", "explicit")
@@ -50,16 +50,21 @@ class Move:
     dst: Sharding
 
 
+def check_mode(mode: str) -> str:
+    """``mode`` if it is one of :data:`MODES`; a JitArgumentError otherwise."""
+    if mode not in MODES:
+        raise JitArgumentError(
+            f"partita.jit(collectives={mode!r}): use one of {MODES}: 'auto' inserts every "
+            f"collective the program needs, 'warn' warns about those the annotations do not "
+            f"imply, 'explicit' makes them errors."
+        )
+    return mode
+
+
 @contextmanager
 def collectives_mode(mode: str) -> Iterator[None]:
     """Partition with ``mode`` (one of :data:`MODES`)."""
-    if mode not in MODES:
-        raise JitArgumentError(
-            f"collectives={mode!r} is not a mode: use one of {MODES} ('auto' inserts what the "
-            f"program needs, 'warn' warns about collectives the annotations do not imply, "
-            f"'explicit' makes them errors)."
-        )
-    token = _MODE.set(mode)
+    token = _MODE.set(check_mode(mode))
     try:
         yield
     finally:

@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from partita.capture.manual import EXIT_OP, local_nodes
+from partita.capture.manual import ENTER_OP, EXIT_OP, is_fully_manual, local_nodes
 from partita.errors import PartitaError, UnsupportedOpError
 from partita.explain import op_name
 from partita.layout import local_shape
@@ -68,7 +68,11 @@ class Lowering(LocalValues):
     def __init__(self, gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False) -> None:
         super().__init__(mesh, strict=strict)
         self.src = gm
-        self.local_nodes = local_nodes(gm)  # shard_map bodies, copied verbatim
+        regions = local_nodes(gm)  # shard_map bodies
+        self.local_nodes = {  # the fully manual ones, copied verbatim
+            n for n, axes in regions.items() if is_fully_manual(axes, mesh.axis_names)
+        }
+        self.region_nodes = set(regions)
         self.manual: dict[fx.Node, fx.Node] = {}  # their local nodes
         self.moves: dict[int, explicit.Move] = {}  # collective index -> the reshard behind it
 
@@ -109,13 +113,20 @@ class Lowering(LocalValues):
         elif node in self.local_nodes:
             _manual.lower_local(self, node)
         elif node.op == "call_function" and node.target is EXIT_OP:
-            _manual.lower_exit(self, node)
+            if node.args[0] in self.local_nodes:
+                _manual.lower_exit(self, node)
+            else:
+                _manual.lower_partial_exit(self, node)
+        elif node.op == "call_function" and node.target is ENTER_OP:
+            _manual.lower_partial_enter(self, node)
         elif node.op == "call_function" and node.target is operator.getitem:
             self._getitem(node)
         elif node.op == "call_function" and "annotation" in node.meta:
             self._annotation(node)
         elif node.op == "call_function":
             self._op(node)
+            if node in self.region_nodes:  # a collective the user wrote: into the Plan
+                _manual.record_user_collective(self, node)
         elif node.op == "get_attr":
             raise UnsupportedOpError(
                 f"Constant {node.target} (node {node.name}) is not supported by the "
@@ -333,6 +344,10 @@ class Lowering(LocalValues):
         text = partial_reason(self, key, node, rule, assign, j)
         if text is not None:
             self._partial_origin[key] = (text, node.meta.get("source"))
+
+    def settle_result(self, key: ValueKey, wanted: Sharding | None, node: fx.Node) -> None:
+        """Reshard a fresh value to the sharding propagation chose for it (for handlers)."""
+        self._settle(key, wanted, node)
 
     def _settle(self, key: ValueKey, wanted: Sharding | None, node: fx.Node) -> None:
         """Reshard a fresh result to the sharding propagation chose for the value."""

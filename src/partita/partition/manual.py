@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 from partita.capture.manual import ENTER_OP, boundary
 from partita.collectives import COLLECTIVE_OPS
 from partita.errors import ShardMapError
+from partita.layout import local_shape
 from partita.partition.plan import CollectiveRecord
 from partita.partition.resharding import LocalValue
 from partita.spec import Sharding
@@ -31,7 +32,14 @@ from partita.spec import Sharding
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
 
-__all__ = ["USER_COLLECTIVE", "lower_exit", "lower_local"]
+__all__ = [
+    "USER_COLLECTIVE",
+    "lower_exit",
+    "lower_local",
+    "lower_partial_enter",
+    "lower_partial_exit",
+    "record_user_collective",
+]
 
 #: How the Plan's reason of a collective written in a shard_map body starts.
 USER_COLLECTIVE = "written in a shard_map body"
@@ -64,8 +72,7 @@ def lower_local(low: Lowering, node: fx.Node) -> None:
     local = low.graph.call_function(node.target, tuple(args), kwargs)
     local.meta["val"] = node.meta.get("val")
     low.manual[node] = local
-    if node.target in _KINDS:
-        _record(low, node)
+    record_user_collective(low, node)
 
 
 def lower_exit(low: Lowering, node: fx.Node) -> None:
@@ -81,11 +88,18 @@ def lower_exit(low: Lowering, node: fx.Node) -> None:
     low.values[(node, None)] = LocalValue(low.manual[src], b.sharding, tuple(val.shape), val.dtype)
 
 
-def _record(low: Lowering, node: fx.Node) -> None:
+def record_user_collective(low: Lowering, node: fx.Node) -> None:
+    """Record ``node`` in the Plan if it is a collective (one the user wrote in a body)."""
+    if node.target not in _KINDS:
+        return
     kind = _KINDS[node.target]
     axes = tuple(node.args[-1] if kind == "collective_permute" else node.args[-2])
-    val = node.args[0].meta.get("val") if kind == "reduce_scatter" else node.meta.get("val")
+    moved = node.args[0] if kind == "reduce_scatter" else node
+    val = moved.meta.get("val")
     shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
+    if low.key(moved) in low.values:  # partially manual: the block is split further
+        v = low.value(moved)
+        shape = local_shape(v.sharding, v.shape)
     low.plan.collectives.append(
         CollectiveRecord(
             kind=kind,
@@ -99,3 +113,49 @@ def _record(low: Lowering, node: fx.Node) -> None:
             detail="",
         )
     )
+
+
+# --- partially manual regions: the auto axes were propagated through the body -----------------
+
+
+def _even(low: Lowering, sharding: Sharding, shape: tuple[int, ...]) -> Sharding:
+    """``sharding`` without partial axes and keeping, per dim, the axes that split ``shape``
+    evenly: a block that is itself padded would not line up with the global value's tiles."""
+    dims = []
+    for axes, n in zip(sharding.dim_axes, shape, strict=True):
+        kept: tuple[str, ...] = ()
+        for a in axes:
+            if n % (low.mesh.axes_size((*kept, a))):
+                break
+            kept = (*kept, a)
+        dims.append(kept)
+    return Sharding(low.mesh, tuple(dims))
+
+
+def lower_partial_enter(low: Lowering, node: fx.Node) -> None:
+    """Entering a partially manual region: the operand's tile is the spec's manual split then
+    the body value's auto split, manual axes major."""
+    b = boundary(node.args[1])
+    inner = _even(low, node.meta["sharding"], b.local_shape)
+    dims = tuple(m + a for m, a in zip(b.sharding.dim_axes, inner.dim_axes, strict=True))
+    why = f"shard_map {b.what} enters its region as {b.sharding} (then {inner} inside)"
+    local = low.reshard(low.key(node.args[0]), Sharding(low.mesh, dims), why, node)
+    val = node.meta["val"]
+    low.values[(node, None)] = LocalValue(local, inner, b.local_shape, val.dtype)
+    low.settle_result((node, None), node.meta["sharding"], node)
+
+
+def lower_partial_exit(low: Lowering, node: fx.Node) -> None:
+    """Leaving a partially manual region: the inverse of :func:`lower_partial_enter`."""
+    b = boundary(node.args[1])
+    src = node.args[0]
+    v = low.value(src)
+    inner = _even(low, v.sharding, b.local_shape)
+    why = f"shard_map {b.what} leaves its region as {b.sharding}"
+    local = low.reshard(low.key(src), inner, why, node)
+    dims = tuple(m + a for m, a in zip(b.sharding.dim_axes, inner.dim_axes, strict=True))
+    val = node.meta["val"]
+    low.values[(node, None)] = LocalValue(
+        local, Sharding(low.mesh, dims), tuple(val.shape), val.dtype
+    )
+    low.settle_result((node, None), node.meta.get("sharding"), node)
