@@ -4,7 +4,8 @@
 ``meta["sharding"]`` / ``meta["factor_axes"]`` / ``meta["rule"]`` (from ``partita.propagate``)
 into a per-device GraphModule of local aten ops and partita mesh ops, and a
 :class:`~partita.partition.plan.Plan` describing every collective. The reshard transition table
-is in ``partition.reshard``; special lowerings in ``partition.handlers``.
+is in ``partition.reshard``; special lowerings in ``partition.handlers``; fusing collectives
+into buckets in ``partition.bucket``.
 
 Importing this package registers every special lowering (``special/``, ``halo/``) and checks
 that each :class:`~partita.rules.handler_names.HandlerName` a rule may use has one, so a missing
@@ -21,20 +22,25 @@ from partita.mesh import Mesh
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import handlers
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
+from partita.partition.bucket import bucket_bytes_setting, bucket_collectives
 from partita.partition.lower import Lowering
-from partita.partition.plan import CollectiveRecord, Plan
+from partita.partition.plan import Bucket, CollectiveRecord, Plan
 
 handlers.check_registry()
 
-__all__ = ["CollectiveRecord", "Plan", "partition"]
+__all__ = ["Bucket", "CollectiveRecord", "Plan", "partition"]
 
 
 def partition(
-    gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False
+    gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False, bucket_bytes: int | None = None
 ) -> tuple[fx.GraphModule, Plan]:
     """Lower a propagated program; returns ``(per_device_program, plan)``.
 
     ``strict=True`` turns an involuntary full rematerialization into a
     :class:`~partita.errors.RematerializationError` (otherwise a warning).
+    ``bucket_bytes`` caps the per-device bytes of one fused collective (``partition.bucket``);
+    ``None`` reads ``PARTITA_BUCKET_BYTES`` (default 25 MiB), ``0`` turns bucketing off.
     """
-    return Lowering(gm, mesh, strict=strict).run()
+    local, plan = Lowering(gm, mesh, strict=strict).run()
+    bucket_collectives(local, plan, bucket_bytes_setting(bucket_bytes))
+    return local, plan

@@ -20,7 +20,7 @@ import torch
 from partita.mesh import Mesh
 from partita.spec import Sharding
 
-__all__ = ["CollectiveRecord", "Plan", "format_bytes"]
+__all__ = ["Bucket", "CollectiveRecord", "Plan", "format_bytes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,19 @@ class CollectiveRecord:
         return math.prod(self.shape) * _itemsize(self.dtype)
 
 
+@dataclass(frozen=True, slots=True)
+class Bucket:
+    """Several collectives of one kind that run as one fused call on a flat buffer.
+
+    Attributes:
+        kind: the kind of its members (``all_gather``, ``all_reduce`` or ``reduce_scatter``).
+        members: indices into ``Plan.collectives``, in the fused buffer's order.
+    """
+
+    kind: str
+    members: tuple[int, ...]
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -68,7 +81,9 @@ class Plan:
         mesh: the mesh.
         shardings: ``{value name: Sharding}`` for every value of the (global) program.
         input_shardings / output_shardings: in flattened argument / result order.
-        collectives: one record per collective, in program order.
+        collectives: one record per collective value, in program order (a bucketed value
+            keeps its own record, so bytes stay attributed to values).
+        buckets: the fused calls (``partition.bucket``); a record in no bucket runs alone.
         warnings: involuntary full rematerializations and other things worth knowing.
     """
 
@@ -77,6 +92,7 @@ class Plan:
     input_shardings: list[Sharding] = field(default_factory=list)
     output_shardings: list[Sharding] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
+    buckets: list[Bucket] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     program_text: str = ""
 
@@ -88,6 +104,17 @@ class Plan:
     def counts(self) -> dict[str, int]:
         """``{kind: number of collectives}``."""
         return dict(Counter(c.kind for c in self.collectives))
+
+    def call_counts(self) -> dict[str, int]:
+        """``{kind: number of calls}`` as the program runs them: a bucket is one call."""
+        out = Counter(c.kind for c in self.collectives)
+        for b in self.buckets:
+            out[b.kind] -= len(b.members) - 1
+        return dict(out)
+
+    def bucket_bytes(self, bucket: Bucket) -> int:
+        """Per-device bytes of one fused call: the sum of its members'."""
+        return sum(self.collectives[i].bytes for i in bucket.members)
 
     def summary(self) -> str:
         """One line per collective kind: count and per-device bytes."""
@@ -138,6 +165,15 @@ class Plan:
             lines.append(f"      why:    {c.reason}")
             if c.source:
                 lines.append(f"      source: {c.source}")
+        if self.buckets:
+            calls = sum(self.call_counts().values())
+            lines.append(f"buckets: {len(self.buckets)} fused calls; {calls} calls per run in all")
+        for j, b in enumerate(self.buckets):
+            members = ", ".join(f"[{i}]" for i in b.members)
+            lines.append(
+                f"  bucket {j}: {b.kind} x{len(b.members)} = "
+                f"{format_bytes(self.bucket_bytes(b))}/device: {members}"
+            )
         for w in self.warnings:
             lines.append(f"warning: {w}")
         return "\n".join(lines)

@@ -48,21 +48,19 @@ from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
 from partita.collectives import MESH_OPS
+from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import DistributedError
 from partita.layout import ceil_div
 from partita.mesh import Mesh
+from partita.runtime import dist_ops
 from partita.runtime.comm import (
-    REDUCE_SCATTER,
     Group,
     call_collective,
-    check_divisible,
     create_check_group,
     create_mesh_groups,
-    finish_avg,
-    gather_flat,
-    torch_reduce_op,
 )
 from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
+from partita.runtime.overlap import overlap_bytes_setting, schedule_overlap
 from partita.runtime.plan_check import verify_same_program
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
@@ -70,6 +68,19 @@ from partita.tensor import ShardedTensor
 __all__ = ["DistributedMesh", "DistributedShardedTensor", "distributed_executor", "local_shard"]
 
 ops = torch.ops.partita
+_BOUND_OPS = frozenset((*MESH_OPS, *BUCKET_OPS))
+#: The mesh ops that run as launch + wait (``runtime.dist_ops``), so that they can overlap.
+ASYNC_OPS = (
+    ops.all_gather.default,
+    ops.all_reduce.default,
+    ops.reduce_scatter.default,
+    ops.all_to_all.default,
+    *BUCKET_OPS,
+)
+
+
+def _kind(target: Any) -> str:
+    return target._schema.name.split("::")[-1]
 
 
 class DistributedMesh:
@@ -77,6 +88,9 @@ class DistributedMesh:
 
     Args:
         mesh: a mesh whose device ids are exactly the ranks ``0 .. world_size - 1``.
+        overlap_bytes: the bound on bytes in flight of the overlap schedule
+            (``runtime.overlap``); ``None`` reads ``PARTITA_OVERLAP_BYTES``, ``0`` runs every
+            collective synchronously where the partitioner put it.
 
     Built by ``partita.jit`` when ``torch.distributed`` is initialised
     (``partita.distributed.initialize()``); build one yourself only to run a per-device graph
@@ -89,7 +103,7 @@ class DistributedMesh:
         >>> step = partita.jit(fn, mesh=mesh, in_specs=...)  # doctest: +SKIP
     """
 
-    def __init__(self, mesh: Mesh) -> None:
+    def __init__(self, mesh: Mesh, *, overlap_bytes: int | None = None) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError(
                 "DistributedMesh needs torch.distributed to be initialised: call "
@@ -104,6 +118,7 @@ class DistributedMesh:
                 f"{mesh.size} processes in total (torchrun --nnodes * --nproc-per-node)."
             )
         self.mesh = mesh
+        self.overlap_bytes = overlap_bytes_setting(overlap_bytes)
         self.rank = dist.get_rank()
         self.position = mesh.position(self.rank)
         self._groups: dict[tuple[str, ...], Group | None] = {}
@@ -116,15 +131,13 @@ class DistributedMesh:
             weakref.WeakKeyDictionary()
         )
         self._verified: weakref.WeakKeyDictionary[fx.GraphModule, str] = weakref.WeakKeyDictionary()
-        self._impls: dict[Any, Callable[..., Tensor]] = {
-            ops.all_gather.default: self.all_gather,
-            ops.all_reduce.default: self.all_reduce,
-            ops.reduce_scatter.default: self.reduce_scatter,
-            ops.all_to_all.default: self.all_to_all,
+        self._impls: dict[Any, Callable[..., Any]] = {
             ops.collective_permute.default: self.collective_permute,
             ops.axis_index.default: self.axis_index,
             ops.shard_slice.default: self.shard_slice,
         }
+        for target in ASYNC_OPS:  # the ops of runtime.dist_ops, by name
+            self._impls[target] = self._caller(_kind(target))
 
     def __repr__(self) -> str:
         return f"DistributedMesh({self.mesh!r}, rank={self.rank})"
@@ -167,77 +180,40 @@ class DistributedMesh:
         return self._groups[key]
 
     # --- the mesh ops on local tensors -------------------------------------------------------
+    # Each communicating op is a generator of ``runtime.dist_ops`` (launch, yield, wait): the
+    # methods run it to the end; ``start``/``wait`` split it for the overlap schedule.
 
-    def all_gather(
-        self, x: Tensor, dim: int, mesh_axes: Sequence[str], group_size: int, node: str = ""
-    ) -> Tensor:
-        g = self.group(mesh_axes)
-        if g is None:
-            return x
-        parts = gather_flat(x, len(g.members), g.pg, node, "all_gather", mesh_axes, g)
-        if not g.same_order:  # torch order -> partita member order
-            where = [g.torch_order.index(m) for m in g.members]
-            parts = parts[torch.tensor(where, device=x.device)]
-        shape = list(x.shape)
-        shape[dim] *= len(g.members)
-        return parts.movedim(0, dim).reshape(shape)
+    def _caller(self, kind: str) -> Callable[..., Any]:
+        def call(*args: Any, node: str = "") -> Any:
+            return self.call(kind, *args, node=node)
 
-    def all_reduce(
-        self, x: Tensor, reduce_op: str, mesh_axes: Sequence[str], group_size: int, node: str = ""
-    ) -> Tensor:
-        g = self.group(mesh_axes)
-        if g is None:
-            return x.clone()
-        out = x.contiguous().clone()
-        call_collective(node, "all_reduce", mesh_axes, g,
-              lambda: dist.all_reduce(out, op=torch_reduce_op(reduce_op), group=g.pg))  # fmt: skip
-        return finish_avg(out, reduce_op, len(g.members))
+        call.__name__ = call.__qualname__ = kind  # fx names the graph's nodes after it
+        return call
 
-    def reduce_scatter(
-        self,
-        x: Tensor,
-        dim: int,
-        reduce_op: str,
-        mesh_axes: Sequence[str],
-        group_size: int,
-        node: str = "",
-    ) -> Tensor:
-        g = self.group(mesh_axes)
-        if g is None:
-            return x.clone()
-        n = len(g.members)
-        check_divisible("reduce_scatter", node, x, dim, n)
-        chunks = x.movedim(dim, 0).reshape(n, x.shape[dim] // n, *_without(x.shape, dim))
-        if not g.same_order:  # torch group rank t receives the chunk of its partita member
-            chunks = chunks[torch.tensor(g.to_torch, device=x.device)]
-        flat = chunks.reshape(-1, *chunks.shape[2:]).contiguous()
-        out = x.new_empty(chunks.shape[1:])
-        call_collective(node, "reduce_scatter", mesh_axes, g,
-              lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op),
-                                                 group=g.pg))  # fmt: skip
-        return finish_avg(out, reduce_op, n).movedim(0, dim).contiguous()
+    def call(self, kind: str, *args: Any, node: str = "") -> Any:
+        """Run mesh op ``kind`` to the end (launch and wait) with the graph's arguments."""
+        return self.wait(self.start(kind, *args, node=node))
 
-    def all_to_all(
-        self,
-        x: Tensor,
-        split_dim: int,
-        concat_dim: int,
-        mesh_axes: Sequence[str],
-        group_size: int,
-        node: str = "",
-    ) -> Tensor:
+    def start(self, kind: str, *args: Any, node: str = "") -> _InFlight:
+        """Launch mesh op ``kind`` (a name of ``runtime.dist_ops``) with the op's arguments
+        (``group_size`` last, as in the graph); :meth:`wait` returns its result."""
+        *rest, _group_size = args
+        mesh_axes = rest[-1]
         g = self.group(mesh_axes)
-        if g is None:
-            return x.clone()
-        n = len(g.members)
-        check_divisible("all_to_all", node, x, split_dim, n)
-        chunks = list(x.chunk(n, dim=split_dim))  # chunk j goes to partita member j
-        send = torch.stack([chunks[j] for j in g.to_torch]).contiguous()
-        recv = torch.empty_like(send)
-        call_collective(node, "all_to_all", mesh_axes, g,
-              lambda: dist.all_to_all_single(recv, send, group=g.pg))  # fmt: skip
-        received = [recv[g.torch_order.index(m)] for m in g.members]  # in sender order
-        return torch.cat(received, dim=concat_dim)
+        if g is None:  # this device alone: nothing moves
+            return _InFlight(None, _alone(kind, rest[0]))
+        op = getattr(dist_ops, kind)(g, *rest, node)
+        try:
+            next(op)  # launched; the local compute may go on
+        except StopIteration as stop:
+            return _InFlight(None, stop.value)
+        return _InFlight(op, None)
+
+    def wait(self, pending: _InFlight) -> Any:
+        """The result of a launched mesh op (waits for its bytes)."""
+        if pending.op is None:
+            return pending.value
+        return dist_ops.run(pending.op)
 
     def collective_permute(
         self, x: Tensor, pairs: Sequence[int], mesh_axes: Sequence[str], node: str = ""
@@ -292,8 +268,10 @@ class DistributedMesh:
             graph = fx.Graph()
             out = graph.graph_copy(gm.graph, {})
             graph.output(out)
+            if self.overlap_bytes:
+                schedule_overlap(graph, ASYNC_OPS, self.start, self.wait, _kind, self.overlap_bytes)
             for node in graph.nodes:
-                if node.op == "call_function" and node.target in MESH_OPS:
+                if node.op == "call_function" and node.target in _BOUND_OPS:
                     node.target = self._impls[node.target]
                     node.kwargs = {**node.kwargs, "node": node.name}
             bound = self._bound[gm] = fx.GraphModule(gm, graph, class_name="RankProgram")
@@ -336,8 +314,25 @@ class DistributedMesh:
         return local_shard(value, sharding, self.position)
 
 
-def _without(shape: Sequence[int], dim: int) -> list[int]:
-    return [s for i, s in enumerate(shape) if i != dim]
+class _InFlight:
+    """A launched mesh op (``op`` to resume) or its result already (``value``)."""
+
+    __slots__ = ("op", "value")
+
+    def __init__(self, op: dist_ops.Op | None, value: Any) -> None:
+        self.op = op
+        self.value = value
+
+
+def _alone(kind: str, x: Any) -> Any:
+    """What a mesh op returns on a group of one device (a copy, as the simulated mesh does)."""
+    if kind == "all_gather":
+        return x
+    if kind == "all_gather_bucket":
+        return list(x)
+    if kind.endswith("_bucket"):
+        return [t.clone() for t in x]
+    return x.clone()
 
 
 # --- selection by partita.jit ------------------------------------------------------------------

@@ -32,6 +32,7 @@ process group (that is ``runtime/distributed.py``).
 
 from __future__ import annotations
 
+import operator
 import traceback
 import weakref
 from collections.abc import Callable, Hashable, Sequence
@@ -44,6 +45,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 from partita.collectives import MESH_OPS
+from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import CompilerError, PartitaError, UnsupportedOpError
 from partita.layout import check_strided
 from partita.mesh import Mesh
@@ -57,7 +59,15 @@ _TO_RESHAPE = {aten.view.default, aten._unsafe_view.default}
 _RANK_BOUND_FORMATS = (torch.channels_last, torch.channels_last_3d)
 # Mesh ops whose result is the same on every member of the group: over the whole mesh it is
 # the same on every device, so the result can stay unbatched.
-_REPLICATING_OPS = {torch.ops.partita.all_reduce.default, torch.ops.partita.all_gather.default}
+_REPLICATING_OPS = {
+    torch.ops.partita.all_reduce.default,
+    torch.ops.partita.all_gather.default,
+    torch.ops.partita.all_reduce_bucket.default,
+    torch.ops.partita.all_gather_bucket.default,
+}
+# Steps run outside vmap: the mesh ops and the fused (bucketed) ones, whose results are lists
+# that the bucket's getitem nodes take apart (also outside vmap).
+_STEP_OPS = frozenset((*MESH_OPS, *BUCKET_OPS))
 
 Pattern = tuple[bool, ...]  # batched or not, one flag per value
 
@@ -190,6 +200,8 @@ class LocalMesh:
                 except Exception as e:
                     raise _segment_error(step, e) from e
                 env.update(zip(step.outputs, outs, strict=True))
+            elif step.target is operator.getitem:  # one member of a bucket's results
+                env[step] = env[step.args[0]][0][step.args[1]]
             else:
                 env[step] = self._run_mesh_op(step, env)
         leaves, _ = pytree.tree_flatten(plan.output)
@@ -219,7 +231,7 @@ class LocalMesh:
         return x, True
 
     def _run_mesh_op(self, node: fx.Node, env: dict[fx.Node, tuple[Any, bool]]) -> tuple[Any, bool]:
-        from partita.runtime.stacked import STACKED_IMPLS  # written alongside; imported lazily
+        from partita.runtime.stacked import STACKED_BUCKET_IMPLS, STACKED_IMPLS  # lazily
 
         n = self.mesh.size
 
@@ -231,16 +243,23 @@ class LocalMesh:
 
         args, kwargs = pytree.tree_map(stacked, (node.args, node.kwargs))
         try:
-            out = STACKED_IMPLS[node.target](self.mesh, *args, **kwargs)
+            impl = STACKED_IMPLS.get(node.target) or STACKED_BUCKET_IMPLS[node.target]
+            out = impl(self.mesh, *args, **kwargs)
         except Exception as e:
             raise RuntimeError(
                 f"LocalMesh: mesh op {node.target} at node {node.name!r} failed on stacked "
                 f"inputs of shapes {[tuple(a.shape) for a in args if isinstance(a, Tensor)]}: {e}"
             ) from e
         group_size = kwargs.get("group_size", args[-1]) if node.target in _REPLICATING_OPS else 0
-        if n > 1 and (group_size == n or out.stride(0) == 0):
-            return out[0], False
-        return out, True
+
+        def unbatch(o: Tensor) -> tuple[Tensor, bool]:
+            if n > 1 and (group_size == n or o.stride(0) == 0):
+                return o[0], False
+            return o, True
+
+        if isinstance(out, list):  # a bucket: (value, batched) per member
+            return [unbatch(o) for o in out], True
+        return unbatch(out)
 
 
 def _broadcast(value: Tensor, n: int) -> Tensor:
@@ -254,6 +273,7 @@ def _make_plan(gm: fx.GraphModule) -> _Plan:
     depth: dict[fx.Node, int] = {}
     placeholders: list[fx.Node] = []
     mesh_nodes: list[fx.Node] = []
+    buckets = {n for n in graph.nodes if n.op == "call_function" and n.target in BUCKET_OPS}
     by_depth: dict[int, list[fx.Node]] = {}
     output: Any = None
     for node in graph.nodes:
@@ -271,8 +291,11 @@ def _make_plan(gm: fx.GraphModule) -> _Plan:
             )
         _check_not_random(node)
         d = max((depth[i] for i in node.all_input_nodes), default=0)
-        if node.target in MESH_OPS:
+        if node.target in _STEP_OPS:
             depth[node] = d + 1
+            mesh_nodes.append(node)
+        elif node.target is operator.getitem and node.args[0] in buckets:
+            depth[node] = d
             mesh_nodes.append(node)
         else:
             depth[node] = d

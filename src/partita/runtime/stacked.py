@@ -9,7 +9,8 @@ and the collective is a sum, max, cat or movedim over the group dim. No Python l
 devices.
 
 :data:`STACKED_IMPLS` maps each ``torch.ops.partita.<name>.default`` to its function; the
-LocalMesh executor calls ``STACKED_IMPLS[node.target](mesh, *args)``. This module does not run
+LocalMesh executor calls ``STACKED_IMPLS[node.target](mesh, *args)``. :data:`STACKED_BUCKET_IMPLS`
+does the same for the fused ops of ``partita.collectives_bucket``. This module does not run
 graphs (``runtime.local`` does) and knows nothing of shardings.
 """
 
@@ -23,17 +24,22 @@ import torch
 from torch import Tensor
 
 from partita import collectives
+from partita import collectives_bucket as _buckets  # noqa: F401 - registers the fused ops
 from partita.layout import ceil_div
 from partita.mesh import Mesh
 
 __all__ = [
+    "STACKED_BUCKET_IMPLS",
     "STACKED_IMPLS",
     "all_gather",
+    "all_gather_bucket",
     "all_reduce",
+    "all_reduce_bucket",
     "all_to_all",
     "axis_index",
     "collective_permute",
     "reduce_scatter",
+    "reduce_scatter_bucket",
     "shard_slice",
 ]
 
@@ -207,6 +213,35 @@ def shard_slice(
     return split[torch.arange(mesh.size, device=x.device), index]
 
 
+def all_gather_bucket(
+    mesh: Mesh, xs: Sequence[Tensor], dims: Sequence[int], mesh_axes: Sequence[str], gs: int
+) -> list[Tensor]:
+    """A bucket of all_gathers: each member exactly as :func:`all_gather` (no flat buffer is
+    needed in one process; the values are the same either way)."""
+    return [all_gather(mesh, x, d, mesh_axes, gs) for x, d in zip(xs, dims, strict=True)]
+
+
+def all_reduce_bucket(
+    mesh: Mesh, xs: Sequence[Tensor], reduce_op: str, mesh_axes: Sequence[str], gs: int
+) -> list[Tensor]:
+    """A bucket of all_reduces, each member as :func:`all_reduce`."""
+    return [all_reduce(mesh, x, reduce_op, mesh_axes, gs) for x in xs]
+
+
+def reduce_scatter_bucket(
+    mesh: Mesh,
+    xs: Sequence[Tensor],
+    dims: Sequence[int],
+    reduce_op: str,
+    mesh_axes: Sequence[str],
+    gs: int,
+) -> list[Tensor]:
+    """A bucket of reduce_scatters, each member as :func:`reduce_scatter`."""
+    return [
+        reduce_scatter(mesh, x, d, reduce_op, mesh_axes, gs) for x, d in zip(xs, dims, strict=True)
+    ]
+
+
 STACKED_IMPLS: dict[Any, Callable[..., Tensor]] = {
     torch.ops.partita.all_gather.default: all_gather,
     torch.ops.partita.all_reduce.default: all_reduce,
@@ -215,4 +250,11 @@ STACKED_IMPLS: dict[Any, Callable[..., Tensor]] = {
     torch.ops.partita.collective_permute.default: collective_permute,
     torch.ops.partita.axis_index.default: axis_index,
     torch.ops.partita.shard_slice.default: shard_slice,
+}
+
+#: The fused ops of ``partita.collectives_bucket`` (results are lists, one per member).
+STACKED_BUCKET_IMPLS: dict[Any, Callable[..., list[Tensor]]] = {
+    torch.ops.partita.all_gather_bucket.default: all_gather_bucket,
+    torch.ops.partita.all_reduce_bucket.default: all_reduce_bucket,
+    torch.ops.partita.reduce_scatter_bucket.default: reduce_scatter_bucket,
 }

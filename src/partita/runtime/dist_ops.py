@@ -1,0 +1,186 @@
+"""The communicating mesh ops on this rank's local tensors, each split at its wait.
+
+Every op here is a *generator*: it prepares its buffers, launches one ``torch.distributed``
+call with ``async_op=True`` and yields; resumed, it waits for that call and finishes the result
+(reordering chunks from the torch group's member order to partita's). :func:`run` drives one to
+the end at once (a synchronous collective); the overlap schedule (``runtime.overlap``) resumes it
+later, so that local compute runs while the bytes move. An op whose group is this device alone
+returns without yielding.
+
+The chunk orders are those of ``runtime.distributed`` (its module doc); the fused ``*_bucket``
+ops (``partita.collectives_bucket``) move all their values as one flat buffer. Failures become
+:class:`~partita.errors.DistributedError` through ``runtime.comm.call_collective``, at launch and
+at wait. This module knows no graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from partita.runtime.comm import (
+    ALL_GATHER,
+    REDUCE_SCATTER,
+    Group,
+    call_collective,
+    check_divisible,
+    finish_avg,
+    torch_reduce_op,
+)
+
+__all__ = [
+    "Op",
+    "all_gather",
+    "all_gather_bucket",
+    "all_reduce",
+    "all_reduce_bucket",
+    "all_to_all",
+    "reduce_scatter",
+    "reduce_scatter_bucket",
+    "run",
+]
+
+#: A mesh op in flight: resumed once, it returns its result (``StopIteration.value``).
+Op = Generator[None, None, Any]
+
+
+def run(op: Op) -> Any:
+    """Drive ``op`` to the end now: launch, wait, finish."""
+    try:
+        while True:
+            next(op)
+    except StopIteration as stop:
+        return stop.value
+
+
+def _launch(
+    node: str, kind: str, mesh_axes: Sequence[str], g: Group, fn: Callable[[], Any]
+) -> Generator[None, None, None]:
+    """Launch ``fn`` (an ``async_op=True`` call), yield, then wait for it."""
+    work: list[Any] = []
+    call_collective(node, kind, mesh_axes, g, lambda: work.append(fn()))
+    yield
+    call_collective(node, kind, mesh_axes, g, lambda: work[0].wait())
+
+
+def _member_order(g: Group, parts: Tensor) -> Tensor:
+    """Rows in torch group order -> rows in partita member order."""
+    if g.same_order:
+        return parts
+    return parts[torch.tensor([g.torch_order.index(m) for m in g.members], device=parts.device)]
+
+
+def _gathered(parts: Tensor, shape: Sequence[int], dim: int) -> Tensor:
+    """``[n, numel]`` rows of one value (member order) -> the value concatenated along ``dim``."""
+    out = list(shape)
+    out[dim] *= parts.shape[0]
+    return parts.reshape(parts.shape[0], *shape).movedim(0, dim).reshape(out)
+
+
+def all_gather(g: Group, x: Tensor, dim: int, mesh_axes: Sequence[str], node: str) -> Op:
+    n = len(g.members)
+    flat = x.contiguous().reshape(-1)
+    out = flat.new_empty(n * flat.numel())
+    yield from _launch(node, "all_gather", mesh_axes, g,
+                       lambda: ALL_GATHER(out, flat, group=g.pg, async_op=True))  # fmt: skip
+    return _gathered(_member_order(g, out.reshape(n, -1)), x.shape, dim)
+
+
+def all_gather_bucket(
+    g: Group, xs: Sequence[Tensor], dims: Sequence[int], mesh_axes: Sequence[str], node: str
+) -> Op:
+    n = len(g.members)
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    out = flat.new_empty(n * flat.numel())
+    yield from _launch(node, "all_gather_bucket", mesh_axes, g,
+                       lambda: ALL_GATHER(out, flat, group=g.pg, async_op=True))  # fmt: skip
+    parts = _member_order(g, out.reshape(n, -1))
+    pieces = parts.split([x.numel() for x in xs], dim=1)
+    return [_gathered(p, x.shape, d) for p, x, d in zip(pieces, xs, dims, strict=True)]
+
+
+def all_reduce(g: Group, x: Tensor, reduce_op: str, mesh_axes: Sequence[str], node: str) -> Op:
+    out = x.contiguous().clone()
+    yield from _launch(node, "all_reduce", mesh_axes, g,
+          lambda: dist.all_reduce(out, op=torch_reduce_op(reduce_op), group=g.pg,
+                                  async_op=True))  # fmt: skip
+    return finish_avg(out, reduce_op, len(g.members))
+
+
+def all_reduce_bucket(
+    g: Group, xs: Sequence[Tensor], reduce_op: str, mesh_axes: Sequence[str], node: str
+) -> Op:
+    flat = torch.cat([x.reshape(-1) for x in xs])
+    yield from _launch(node, "all_reduce_bucket", mesh_axes, g,
+          lambda: dist.all_reduce(flat, op=torch_reduce_op(reduce_op), group=g.pg,
+                                  async_op=True))  # fmt: skip
+    flat = finish_avg(flat, reduce_op, len(g.members))
+    pieces = flat.split([x.numel() for x in xs])
+    return [p.reshape(x.shape) for p, x in zip(pieces, xs, strict=True)]
+
+
+def _scatter_rows(g: Group, x: Tensor, dim: int, node: str, kind: str) -> Tensor:
+    """``x`` cut along ``dim`` into one chunk per member, rows in torch group order."""
+    n = len(g.members)
+    check_divisible(kind, node, x, dim, n)
+    rest = [s for i, s in enumerate(x.shape) if i != dim]
+    chunks = x.movedim(dim, 0).reshape(n, x.shape[dim] // n, *rest)
+    if not g.same_order:  # torch group rank t receives the chunk of its partita member
+        chunks = chunks[torch.tensor(g.to_torch, device=x.device)]
+    return chunks
+
+
+def reduce_scatter(
+    g: Group, x: Tensor, dim: int, reduce_op: str, mesh_axes: Sequence[str], node: str
+) -> Op:
+    chunks = _scatter_rows(g, x, dim, node, "reduce_scatter")
+    flat = chunks.reshape(-1, *chunks.shape[2:]).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    yield from _launch(node, "reduce_scatter", mesh_axes, g,
+          lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
+                                 async_op=True))  # fmt: skip
+    return finish_avg(out, reduce_op, len(g.members)).movedim(0, dim).contiguous()
+
+
+def reduce_scatter_bucket(
+    g: Group,
+    xs: Sequence[Tensor],
+    dims: Sequence[int],
+    reduce_op: str,
+    mesh_axes: Sequence[str],
+    node: str,
+) -> Op:
+    n = len(g.members)
+    chunked = [
+        _scatter_rows(g, x, d, node, "reduce_scatter_bucket") for x, d in zip(xs, dims, strict=True)
+    ]
+    flat = torch.cat([c.reshape(n, -1) for c in chunked], dim=1).reshape(-1)  # member-major
+    out = flat.new_empty(flat.numel() // n)
+    yield from _launch(node, "reduce_scatter_bucket", mesh_axes, g,
+          lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
+                                 async_op=True))  # fmt: skip
+    out = finish_avg(out, reduce_op, n)
+    sizes = [math.prod(c.shape[1:]) for c in chunked]
+    return [
+        p.reshape(c.shape[1:]).movedim(0, d).contiguous()
+        for p, c, d in zip(out.split(sizes), chunked, dims, strict=True)
+    ]
+
+
+def all_to_all(
+    g: Group, x: Tensor, split_dim: int, concat_dim: int, mesh_axes: Sequence[str], node: str
+) -> Op:
+    n = len(g.members)
+    check_divisible("all_to_all", node, x, split_dim, n)
+    chunks = list(x.chunk(n, dim=split_dim))  # chunk j goes to partita member j
+    send = torch.stack([chunks[j] for j in g.to_torch]).contiguous()
+    recv = torch.empty_like(send)
+    yield from _launch(node, "all_to_all", mesh_axes, g,
+          lambda: dist.all_to_all_single(recv, send, group=g.pg, async_op=True))  # fmt: skip
+    received = [recv[g.torch_order.index(m)] for m in g.members]  # in sender order
+    return torch.cat(received, dim=concat_dim)

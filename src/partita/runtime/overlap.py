@@ -1,0 +1,130 @@
+"""The overlap schedule of a rank's program: launch collectives early, wait for them late.
+
+On real processes a collective only has to *start* once its input exists and only has to
+*finish* before its first use; in between, the rank can compute. :func:`schedule_overlap`
+rewrites a bound per-device graph (``runtime.distributed``) so that every collective of
+``ASYNC_OPS`` becomes a ``start`` node (launch with ``async_op=True``) and a ``wait`` node, then
+re-orders the graph: each start right after its inputs are computed (the next block's
+parameter all_gather during this block's compute, a gradient reduce_scatter as soon as the
+gradient exists), each wait just before the first use of the result (the optimizer update of
+one bucket waits only for that bucket). ``limit_bytes`` bounds the per-device bytes in flight:
+a start that would exceed it is deferred until enough earlier collectives are waited for (or
+until its own result is needed), which also bounds how much gathered memory a prefetch holds.
+
+The knob: ``DistributedMesh(mesh, overlap_bytes=)``, else ``PARTITA_OVERLAP_BYTES``, else
+:data:`DEFAULT_OVERLAP_BYTES`; ``0`` runs every collective where the partitioner put it,
+synchronously. Only the order of launches and waits changes: every rank issues the same
+collectives in the same order, and the results are the same. The simulated mesh (``LocalMesh``)
+has no overlap to gain and runs the program as partitioned.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Collection
+from typing import Any
+
+from torch import fx
+
+from partita.partition.bucket import reorder
+
+__all__ = ["DEFAULT_OVERLAP_BYTES", "overlap_bytes_setting", "schedule_overlap"]
+
+#: Default bound on the per-device bytes of collectives in flight at once (64 MiB).
+DEFAULT_OVERLAP_BYTES = 64 << 20
+
+_ENV = "PARTITA_OVERLAP_BYTES"
+
+
+def overlap_bytes_setting(overlap_bytes: int | None = None) -> int:
+    """The bound in effect: the argument, else ``PARTITA_OVERLAP_BYTES``, else the default."""
+    if overlap_bytes is None:
+        text = os.environ.get(_ENV, "").strip()
+        if not text:
+            return DEFAULT_OVERLAP_BYTES
+        try:
+            overlap_bytes = int(float(text))
+        except ValueError:
+            raise ValueError(
+                f"{_ENV}={text!r} is not a number of bytes. Set it to an integer (e.g. "
+                f"{_ENV}=67108864 for 64 MiB), or 0 to run collectives synchronously."
+            ) from None
+    if overlap_bytes < 0:
+        raise ValueError(
+            f"overlap_bytes={overlap_bytes} is negative: give the most bytes per device that "
+            f"may be in flight at once, or 0 to run collectives synchronously."
+        )
+    return overlap_bytes
+
+
+def schedule_overlap(
+    graph: fx.Graph,
+    targets: Collection[Any],
+    start: Callable[..., Any],
+    wait: Callable[..., Any],
+    kind_of: Callable[[Any], str],
+    limit_bytes: int,
+) -> None:
+    """Split each collective of ``targets`` into ``start(kind, *args, node=name)`` and
+    ``wait(handle)`` and re-order ``graph`` as the module doc says (in place)."""
+    pairs: list[tuple[fx.Node, fx.Node]] = []
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target not in targets:
+            continue
+        kwargs = {k: v for k, v in node.kwargs.items() if k != "node"}
+        if kwargs:  # the graph's mesh ops pass their arguments positionally
+            continue
+        with graph.inserting_before(node):
+            h = graph.call_function(start, (kind_of(node.target), *node.args), {"node": node.name})
+            w = graph.call_function(wait, (h,))
+        h.meta["bytes"] = node.meta.get("bytes", 0)
+        w.meta.update(node.meta)
+        node.replace_all_uses_with(w)
+        graph.erase_node(node)
+        pairs.append((h, w))
+    if not pairs:
+        return
+    nodes = list(graph.nodes)
+    pos = {n: float(i) for i, n in enumerate(nodes)}
+    priority = dict(pos)
+    for h, w in pairs:
+        priority[h] = max((pos[a] for a in h.all_input_nodes), default=-1.0) + 0.5
+        priority[w] = min(pos[u] for u in w.users) - 0.5
+    reorder(graph, priority)
+    _bound_in_flight(graph, {h: w for h, w in pairs}, limit_bytes)
+
+
+def _bound_in_flight(graph: fx.Graph, wait_of: dict[fx.Node, fx.Node], limit: int) -> None:
+    """Defer starts so that at most ``limit`` bytes are in flight (one start always may go)."""
+    start_of = {w: h for h, w in wait_of.items()}
+    order: list[fx.Node] = []
+    deferred: list[fx.Node] = []
+    in_flight = 0
+
+    def launch(h: fx.Node) -> None:
+        nonlocal in_flight
+        order.append(h)
+        in_flight += h.meta["bytes"]
+
+    for n in list(graph.nodes):
+        if n in wait_of:
+            if in_flight and in_flight + n.meta["bytes"] > limit:
+                deferred.append(n)
+            else:
+                launch(n)
+            continue
+        if n in start_of:
+            h = start_of[n]
+            while h in deferred:  # launch in order up to this one: every rank issues alike
+                launch(deferred.pop(0))
+            order.append(n)
+            in_flight -= h.meta["bytes"]
+            while deferred and (not in_flight or in_flight + deferred[0].meta["bytes"] <= limit):
+                launch(deferred.pop(0))
+            continue
+        order.append(n)
+    prev = order[0]
+    for n in order[1:]:
+        if prev.next is not n:
+            prev.append(n)
+        prev = n

@@ -1,0 +1,206 @@
+"""Bucketing (``partition.bucket``): fused collectives compute exactly what the unfused ones do,
+in fewer calls, and the Plan still attributes every byte to a value.
+
+Every program runs on the simulated mesh twice, with ``PARTITA_BUCKET_BYTES=0`` (off) and with
+bucketing on, and the two results are compared exactly. The real-process executor's fused ops
+are checked in ``test_overlap.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import fx, nn
+
+from partita import Mesh, P
+from partita.collectives import COLLECTIVE_OPS
+from partita.collectives_bucket import BUCKET_OPS
+from partita.errors import CompilerError
+from partita.partition.bucket import bucket_bytes_setting, bucket_collectives
+from partita.partition.plan import CollectiveRecord, Plan
+from partita.train import train_step
+
+ops = torch.ops.partita
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)
+    )
+
+
+def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(64, 16, generator=g), torch.randn(64, 8, generator=g)
+
+
+def _train(
+    monkeypatch: pytest.MonkeyPatch, setting: str, mesh: Mesh, plan: str, clip: float | None
+) -> tuple[list[float], dict[str, torch.Tensor], Plan]:
+    monkeypatch.setenv("PARTITA_BUCKET_BYTES", setting)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = train_step(model, F.mse_loss, opt, mesh=mesh, plan=plan, max_grad_norm=clip)
+    losses = [float(step(_batch(i))) for i in range(2)]
+    step.sync_to_module()
+    return (
+        losses,
+        {k: v.detach().clone() for k, v in model.named_parameters()},
+        step.lower(_batch()),
+    )
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs() -> dict[str, tuple[list[float], dict[str, torch.Tensor], Plan]]:
+    """An MLP, FSDP on (4,) with gradient clipping: bucketing off, default, and a 256 B cap."""
+    mp = pytest.MonkeyPatch()
+    mesh = Mesh.create((4,), ("data",))
+    try:
+        return {s: _train(mp, s, mesh, "fsdp", 1.0) for s in ("0", "", "256")}
+    finally:
+        mp.undo()
+
+
+def test_fused_fsdp_training_equals_unfused(fsdp_runs: dict) -> None:
+    base_losses, base_params, _ = fsdp_runs["0"]
+    for setting in ("", "256"):
+        losses, params, _ = fsdp_runs[setting]
+        assert losses == base_losses, setting
+        for k, v in base_params.items():
+            torch.testing.assert_close(params[k], v, rtol=0, atol=0, msg=f"{setting} {k}")
+
+
+def test_fsdp_step_gathers_the_parameters_in_one_call(fsdp_runs: dict) -> None:
+    _, _, off = fsdp_runs["0"]
+    _, _, on = fsdp_runs[""]
+    before, after = off.call_counts(), on.call_counts()
+    assert before["all_gather"] >= 4 and before["reduce_scatter"] >= 4, off.explain()
+    # The MLP fits one 25 MiB bucket: one all_gather and one reduce_scatter per step,
+    # and the clipping norms' scalar all_reduces fused as well.
+    assert after["all_gather"] == 1 and after["reduce_scatter"] == 1, on.explain()
+    assert after["all_reduce"] < before["all_reduce"]
+    # Records stay one per value: the same bytes, attributed to the same values.
+    assert on.counts() == off.counts()
+    assert [(c.value, c.bytes) for c in on.collectives] == [
+        (c.value, c.bytes) for c in off.collectives
+    ]
+    assert sum(on.bucket_bytes(b) for b in on.buckets) <= on.bytes_per_device
+
+
+def test_bucket_cap_splits_buckets(fsdp_runs: dict) -> None:
+    _, _, small = fsdp_runs["256"]
+    _, _, big = fsdp_runs[""]
+    assert small.call_counts()["all_gather"] > big.call_counts()["all_gather"]
+    for b in small.buckets:
+        assert len(b.members) >= 2
+        assert small.bucket_bytes(b) <= 256, small.explain()
+
+
+def test_explain_lists_buckets(fsdp_runs: dict) -> None:
+    _, _, on = fsdp_runs[""]
+    text = on.explain()
+    assert "buckets:" in text and "bucket 0: " in text
+    assert fsdp_runs["0"][2].buckets == []
+    assert "buckets:" not in fsdp_runs["0"][2].explain()
+
+
+def test_fused_2d_training_equals_unfused(monkeypatch: pytest.MonkeyPatch) -> None:
+    mesh = Mesh.create((2, 2), ("data", "model"))
+    off = _train(monkeypatch, "0", mesh, "fsdp+tp", None)
+    on = _train(monkeypatch, "", mesh, "fsdp+tp", None)
+    assert on[0] == off[0]
+    for k, v in off[1].items():
+        torch.testing.assert_close(on[1][k], v, rtol=0, atol=0, msg=k)
+    assert sum(on[2].call_counts().values()) < sum(off[2].call_counts().values())
+
+
+# --- the pass on hand-made programs ------------------------------------------------------------
+
+
+def _record(kind: str, value: str) -> CollectiveRecord:
+    return CollectiveRecord(kind, ("x",), ((0, 1),), (4,), torch.float32, value, "test")
+
+
+def _chain() -> tuple[fx.GraphModule, Plan]:
+    """``a = all_reduce(x)``, ``b = all_reduce(2 a)``, ``c = all_reduce(3 x)``: b depends on a."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    x3 = g.call_function(torch.ops.aten.mul.Tensor, (x, 3.0))
+    a = g.call_function(ops.all_reduce.default, (x, "sum", ["x"], 2))
+    a2 = g.call_function(torch.ops.aten.mul.Tensor, (a, 2.0))
+    b = g.call_function(ops.all_reduce.default, (a2, "sum", ["x"], 2))
+    c = g.call_function(ops.all_reduce.default, (x3, "sum", ["x"], 2))
+    g.output((b, c))
+    plan = Plan(Mesh.create((2,), ("x",)))
+    plan.collectives = [_record("all_reduce", n) for n in ("a", "b", "c")]
+    return fx.GraphModule(nn.Module(), g), plan
+
+
+def test_dependent_collectives_are_not_fused() -> None:
+    gm, plan = _chain()
+    before = copy.deepcopy(gm)
+    bucket_collectives(gm, plan, 1 << 20)
+    fused = [n for n in gm.graph.nodes if n.target in BUCKET_OPS]
+    assert len(fused) == 1 and [b.members for b in plan.buckets] == [(0, 2)]
+    # b reads a's result, so it stays alone and runs after the bucket.
+    (alone,) = [n for n in gm.graph.nodes if n.target in COLLECTIVE_OPS]
+    order = list(gm.graph.nodes)
+    assert order.index(fused[0]) < order.index(alone)
+    assert all(n.target is operator.getitem for n in fused[0].users)
+    x = torch.randn(4)
+    for got, want in zip(gm(x), before(x), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert all(n.meta["bytes"] == 16 for n in gm.graph.nodes if n.target in COLLECTIVE_OPS)
+
+
+def test_bucketing_off_leaves_the_program_alone() -> None:
+    gm, plan = _chain()
+    code = gm.code
+    bucket_collectives(gm, plan, 0)
+    assert gm.code == code and plan.buckets == []
+
+
+def test_plan_that_does_not_match_the_program_is_a_compiler_error() -> None:
+    gm, plan = _chain()
+    plan.collectives = plan.collectives[:2]
+    with pytest.raises(CompilerError, match=r"has 3 collectives but its Plan records 2.*"
+                       r"PARTITA_BUCKET_BYTES=0"):  # fmt: skip
+        bucket_collectives(gm, plan, 1 << 20)
+
+
+def test_bucket_size_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PARTITA_BUCKET_BYTES", raising=False)
+    assert bucket_bytes_setting() == 25 << 20
+    assert bucket_bytes_setting(0) == 0
+    monkeypatch.setenv("PARTITA_BUCKET_BYTES", "4e6")
+    assert bucket_bytes_setting() == 4_000_000
+    monkeypatch.setenv("PARTITA_BUCKET_BYTES", "lots")
+    with pytest.raises(ValueError, match=r"PARTITA_BUCKET_BYTES='lots' is not a number.*0 to "):
+        bucket_bytes_setting()
+    with pytest.raises(ValueError, match=r"bucket_bytes=-1 is negative.*0 to turn bucketing off"):
+        bucket_bytes_setting(-1)
+
+
+def test_partition_takes_the_knob() -> None:
+    from partita.capture import trace
+    from partita.partition import partition
+    from partita.propagate import propagate
+
+    mesh = Mesh.create((4,), ("data",))
+
+    def f(w: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return w * 2, b * 2
+
+    args = (torch.randn(8, 8), torch.randn(8))
+    plans = {}
+    for cap in (0, 1 << 20):
+        prog = trace(f, args, {}, in_specs=(P("data"), P("data")), out_specs=(P(), P()), mesh=mesh)
+        propagate(prog.graph_module, mesh)
+        _, plans[cap] = partition(prog.graph_module, mesh, bucket_bytes=cap)
+    assert plans[0].call_counts()["all_gather"] == 2
+    assert plans[1 << 20].call_counts()["all_gather"] == 1
