@@ -1,10 +1,11 @@
 """shard_map regions and their collectives, checked against the unsharded math.
 
 Each collective runs inside ``partita.jit`` on the LocalMesh, forward and gradient, on meshes
-(8,) and (2, 4) (over one axis of the 2-D mesh, and over both), and equals the same function
-written on global tensors. Then: gradients of an MLP with replicated weights, each user error,
-a partially manual region inside a 2-D program, eager calls on ShardedTensors, and a ring
-all-gather matmul written with ppermute (under 4 Gloo processes too, slow).
+(8,) and (2, 4) (over one axis of the 2-D mesh, fully or partially manual, and over both), and
+equals the same function written on global tensors. Then: gradients of an MLP with replicated
+weights, each user error, a partially manual region inside a 2-D program, eager calls on
+ShardedTensors, a region trained by train_step, and a ring all-gather matmul written with
+ppermute (under 4 Gloo processes too, slow).
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ MESHES = {
     "2x4/m": ((2, 4), ("d", "m"), "m"),
     "2x4/dm": ((2, 4), ("d", "m"), ("d", "m")),
 }
+#: Meshes whose region is manual over the collectives' axis only (partially manual: 'd' stays
+#: under propagation inside the body).
+PARTIAL = {"2x4/m-partial": "2x4/m"}
 
 B, C = 2, 3  # a device's block: B rows; columns are C per device where a dim is split
 
@@ -110,7 +114,7 @@ def _value_and_grad(fn: Callable, x: torch.Tensor, cot: torch.Tensor) -> tuple:
 # Every collective on (8,) and over one axis of (2, 4); three of them over both axes of (2, 4).
 CASES = [
     (m, c)
-    for m in MESHES
+    for m in [*MESHES, *PARTIAL]
     for c in _cases(1)
     if m != "2x4/dm" or c in ("psum", "all_gather", "ppermute")
 ]
@@ -118,17 +122,24 @@ CASES = [
 
 @pytest.mark.parametrize(("mesh_name", "name"), CASES)
 def test_collective_value_and_gradient_equal_unsharded(mesh_name: str, name: str) -> None:
-    shape, names, axis = MESHES[mesh_name]
+    shape, names, axis = MESHES[PARTIAL.get(mesh_name, mesh_name)]
     mesh = Mesh.create(shape, names)
+    manual = [axis] if mesh_name in PARTIAL else None
     n = _n(mesh, axis)
     body, cols, out_spec, ref = _cases(n)[name]
     g = torch.Generator().manual_seed(hash(name) % 1000)
     x = torch.randn(n * B, cols, generator=g)
     cot = torch.randn(ref(x).shape, generator=g)
     region = partita.shard_map(
-        lambda xb: body(xb, axis), mesh=mesh, in_specs=P(axis), out_specs=out_spec(axis)
+        lambda xb: body(xb, axis),
+        mesh=mesh,
+        in_specs=P(axis),
+        out_specs=out_spec(axis),
+        axes=manual,
     )
-    step = partita.jit(lambda x, c: _value_and_grad(region, x, c), mesh=mesh)
+    # With a partially manual region, the batch columns are sharded over 'd' around it.
+    specs = (P(None, "d"), None) if manual and cols % 2 == 0 else None
+    step = partita.jit(lambda x, c: _value_and_grad(region, x, c), mesh=mesh, in_specs=specs)
     out, grad = step(x, cot)
     want_out, want_grad = _value_and_grad(ref, x, cot)
     torch.testing.assert_close(out.full(), want_out, atol=1e-5, rtol=1e-5)

@@ -125,8 +125,6 @@ class Lowering(LocalValues):
             self._annotation(node)
         elif node.op == "call_function":
             self._op(node)
-            if node in self.region_nodes:  # a collective the user wrote: into the Plan
-                _manual.record_user_collective(self, node)
         elif node.op == "get_attr":
             raise UnsupportedOpError(
                 f"Constant {node.target} (node {node.name}) is not supported by the "
@@ -205,6 +203,10 @@ class Lowering(LocalValues):
             results = handler.lower(self, node, rule, assign)
         else:
             results = self._generic(node, rule, assign)
+        if node in self.region_nodes:  # a collective the user wrote: into the Plan, in order
+            moved = rule.operands[0] if "reduce_scatter" in str(node.target) else rule.results[0]
+            split = Sharding(self.mesh, self.dims_of(moved or (), assign)) if moved else None
+            _manual.record_user_collective(self, node, split)
         self._store_results(node, rule, assign, results)
 
     def operand_nodes(self, node: fx.Node) -> list[fx.Node]:

@@ -88,8 +88,9 @@ def lower_exit(low: Lowering, node: fx.Node) -> None:
     low.values[(node, None)] = LocalValue(low.manual[src], b.sharding, tuple(val.shape), val.dtype)
 
 
-def record_user_collective(low: Lowering, node: fx.Node) -> None:
-    """Record ``node`` in the Plan if it is a collective (one the user wrote in a body)."""
+def record_user_collective(low: Lowering, node: fx.Node, split: Sharding | None = None) -> None:
+    """Record ``node`` in the Plan if it is a collective (one the user wrote in a body);
+    ``split``: how a partially manual body splits the block it moves (auto axes)."""
     if node.target not in _KINDS:
         return
     kind = _KINDS[node.target]
@@ -97,9 +98,8 @@ def record_user_collective(low: Lowering, node: fx.Node) -> None:
     moved = node.args[0] if kind == "reduce_scatter" else node
     val = moved.meta.get("val")
     shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
-    if low.key(moved) in low.values:  # partially manual: the block is split further
-        v = low.value(moved)
-        shape = local_shape(v.sharding, v.shape)
+    if split is not None and shape:  # partially manual: the block is split further
+        shape = local_shape(split, shape)
     low.plan.collectives.append(
         CollectiveRecord(
             kind=kind,
