@@ -13,10 +13,11 @@ import os
 import torch
 
 from partita.mesh import Mesh
-from partita.tensor import set_eager_ops
-from partita.virtual import disk_cache
+from partita.spec import Sharding
+from partita.tensor import ShardedTensor, set_eager_ops
+from partita.virtual import disk_cache, step
 from partita.virtual.device import MIN_TORCH, VirtualDeviceError, check_torch, register
-from partita.virtual.lazy import LazyTensor
+from partita.virtual.lazy import LazyTensor, full_value
 from partita.virtual.recording import new_data
 from partita.virtual.sharded_ops import eager_op
 from partita.virtual.step import Metrics, metrics, set_mesh, sync
@@ -28,6 +29,7 @@ __all__ = [
     "VirtualDeviceError",
     "check_torch",
     "metrics",
+    "sharded",
     "sync",
     "use_spmd",
 ]
@@ -35,9 +37,52 @@ __all__ = [
 
 set_eager_ops(eager_op)
 
+#: Set to "1" to keep ``import partita`` from registering the virtual device.
+NO_DEVICE_ENV = "PARTITA_NO_VIRTUAL_DEVICE"
+
 
 def _factory(shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
     return new_data(torch.zeros(shape, dtype=dtype or torch.get_default_dtype()))
+
+
+def sharded(t: torch.Tensor) -> ShardedTensor:
+    """The value of a virtual-device tensor as a ShardedTensor (syncs if it is pending), for
+    :func:`partita.visualize_sharding` and the other ShardedTensor tools.
+
+    Example:
+        >>> w = torch.ones(8, 4).to(partita.use_spmd(mesh))
+        >>> partita.virtual.sharded(partita.mark_sharding(w, mesh, P("data", None))).spec
+        P('data', None)
+    """
+    if not isinstance(t, LazyTensor):
+        raise TypeError(
+            f"partita.virtual.sharded takes a tensor of the virtual device (spmd), got a "
+            f"{type(t).__name__} on {getattr(t, 'device', None)}; move it with .to(dev) first."
+        )
+    value = full_value(t)
+    data = t._cell.data
+    if isinstance(data, ShardedTensor):
+        return data
+    return ShardedTensor.from_global(value, Sharding.replicated(step.mesh(), t.ndim))
+
+
+def _register_early() -> None:
+    """Register the device when partita is imported, if it can be.
+
+    PyTorch's autograd engine sizes its per-device queues at the process's first ``backward()``;
+    a device registered after that aborts every later backward on it with an internal assert.
+    So the device is registered at import (cheap: no memory, no threads) unless torch is too
+    old, another PrivateUse1 backend owns the slot, or ``PARTITA_NO_VIRTUAL_DEVICE=1``; then
+    ``use_spmd`` registers it (or says why it cannot).
+    """
+    if os.environ.get(NO_DEVICE_ENV) == "1":
+        return
+    try:
+        check_torch()
+    except VirtualDeviceError:
+        return
+    if torch._C._get_privateuse1_backend_name() == "privateuseone":
+        register(_factory, new_data)
 
 
 def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> torch.device:
@@ -59,3 +104,6 @@ def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> 
     if cache_dir is not None:
         disk_cache.set_directory(cache_dir)
     return torch.device("spmd", 0)
+
+
+_register_early()

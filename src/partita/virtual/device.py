@@ -116,7 +116,8 @@ def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Ten
         raise VirtualDeviceError(
             f"partita.use_spmd: PyTorch's PrivateUse1 backend is already registered as "
             f"{current!r} in this process, so it cannot become {DEVICE_NAME!r}. A process has one "
-            f"PrivateUse1 backend; run the virtual device in a process without {current!r}."
+            f"PrivateUse1 backend; run the virtual device in a process without {current!r} "
+            f"(partita registers it at import unless PARTITA_NO_VIRTUAL_DEVICE=1)."
         )
     _FACTORY.extend((factory, wrap))
     _setup_privateuseone_for_python_backend(

@@ -107,6 +107,14 @@ class LazyTensor(torch.Tensor):
         )
         return f"tensor({body}, device='{self.device}')"
 
+    def tolist(self) -> Any:
+        """The value as (nested) Python numbers (syncs if it is pending)."""
+        return full_value(self).tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        """The value as a numpy array (syncs if it is pending)."""
+        return full_value(self).numpy(force=force)
+
     def full(self) -> torch.Tensor:
         """The global value as a plain CPU tensor (syncs if it is pending)."""
         return full_value(self)

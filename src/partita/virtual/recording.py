@@ -268,13 +268,79 @@ def _mutated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[L
     return found + [t for name in names for t in _lazies(kwargs.get(name))]
 
 
+#: Output metadata by (op, argument metadata): shape inference on meta tensors costs far more
+#: than the rest of recording, and a training loop repeats the same calls every step.
+_META_MEMO: dict[Any, Any] = {}
+_MEMO_LIMIT = 100_000
+
+
+def _meta_key(x: Any, lifted: bool = False) -> Any:
+    if isinstance(x, LazyTensor):
+        return ("T", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype)
+    if isinstance(x, torch.Tensor):
+        return ("C", tuple(x.shape), x.stride(), x.dtype)
+    if isinstance(x, (list, tuple)):
+        return tuple(_meta_key(v) for v in x)
+    if lifted and type(x) is float:
+        return "float"  # a lifted number never decides a shape
+    hash(x)  # an unhashable argument: no memo (TypeError)
+    return (type(x), x)
+
+
+def _infer(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], lifted: Any) -> Any:
+    """The op's output as meta tensors (an input's meta where the op returns its argument)."""
+    lazies = _lazies((args, kwargs))
+    try:
+        key: Any = (
+            func,
+            tuple(_meta_key(a, i in lifted) for i, a in enumerate(args)),
+            tuple((k, _meta_key(v, k in lifted)) for k, v in kwargs.items()),
+        )
+        memo = _META_MEMO.get(key)
+    except TypeError:
+        key, memo = None, None
+    if memo is None:
+        with _disable_current_modes():
+            out = func(*_to_meta(args), **_to_meta(kwargs))
+        if key is not None:
+            if len(_META_MEMO) > _MEMO_LIMIT:
+                _META_MEMO.clear()
+            index = {id(t._cell.meta): i for i, t in enumerate(lazies)}
+            _META_MEMO[key] = _describe(out, index)
+        return out
+    return _rebuild(memo, lazies)
+
+
+def _describe(out: Any, index: dict[int, int]) -> Any:
+    if isinstance(out, torch.Tensor):
+        if id(out) in index:
+            return ("arg", index[id(out)])
+        return ("new", tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
+    if isinstance(out, (list, tuple)):
+        return ("seq", type(out), tuple(_describe(o, index) for o in out))
+    return ("value", out)
+
+
+def _rebuild(memo: Any, lazies: list[LazyTensor]) -> Any:
+    kind = memo[0]
+    if kind == "arg":
+        return lazies[memo[1]]._cell.meta
+    if kind == "new":
+        _, shape, stride, offset, dtype = memo
+        return torch.empty_strided(shape, stride, dtype=dtype, device=_META).as_strided(
+            shape, stride, offset
+        )
+    if kind == "seq":
+        return memo[1](_rebuild(m, lazies) for m in memo[2])
+    return memo[1]
+
+
 def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     rec = current()
     lifted = liftable_positions(func)
     targs = tuple(rec.template(a, i in lifted) for i, a in enumerate(args))
     tkwargs = tuple((k, rec.template(v, k in lifted)) for k, v in kwargs.items())
-    with _disable_current_modes():
-        meta_out = func(*_to_meta(args), **_to_meta(kwargs))
+    meta_out = _infer(func, args, kwargs, lifted)
     by_meta = {id(t._cell.meta): t for t in _lazies((args, kwargs))}
     view_base = _view_base(func, args)
     outs: list[int | None] = []
