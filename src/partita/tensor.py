@@ -77,6 +77,16 @@ class Shard:
     replica_id: int
 
 
+def _torch_binary(name: str, reverse: bool = False) -> Callable[[Any, Any], Any]:
+    """An operator method that calls ``torch.<name>`` (run by the eager-ops handler)."""
+    fn = getattr(torch, name)
+
+    def method(self: Any, other: Any) -> Any:
+        return fn(other, self) if reverse else fn(self, other)
+
+    return method
+
+
 class ShardedTensor:
     """A global tensor whose shards live on the devices of a mesh (simulated in one process).
 
@@ -245,35 +255,11 @@ class ShardedTensor:
         """The global value as a plain CPU tensor (the same as :meth:`full`)."""
         return self.full()
 
-    def __add__(self, other: Any) -> Any:
-        return torch.add(self, other)
-
-    def __radd__(self, other: Any) -> Any:
-        return torch.add(other, self)
-
-    def __sub__(self, other: Any) -> Any:
-        return torch.sub(self, other)
-
-    def __rsub__(self, other: Any) -> Any:
-        return torch.sub(other, self)
-
-    def __mul__(self, other: Any) -> Any:
-        return torch.mul(self, other)
-
-    def __rmul__(self, other: Any) -> Any:
-        return torch.mul(other, self)
-
-    def __truediv__(self, other: Any) -> Any:
-        return torch.div(self, other)
-
-    def __rtruediv__(self, other: Any) -> Any:
-        return torch.div(other, self)
-
-    def __matmul__(self, other: Any) -> Any:
-        return torch.matmul(self, other)
-
-    def __rmatmul__(self, other: Any) -> Any:
-        return torch.matmul(other, self)
+    __add__, __radd__ = _torch_binary("add"), _torch_binary("add", reverse=True)
+    __sub__, __rsub__ = _torch_binary("sub"), _torch_binary("sub", reverse=True)
+    __mul__, __rmul__ = _torch_binary("mul"), _torch_binary("mul", reverse=True)
+    __truediv__, __rtruediv__ = _torch_binary("div"), _torch_binary("div", reverse=True)
+    __matmul__, __rmatmul__ = _torch_binary("matmul"), _torch_binary("matmul", reverse=True)
 
     def __neg__(self) -> Any:
         return torch.neg(self)
