@@ -1,0 +1,88 @@
+"""Run a tiny GPT train step on 4 processes under every bucketing / overlap setting.
+
+Usage (4 processes): overlap.py OUT.pt. Rank 0 saves ``{(mesh, setting): (losses, params,
+call counts)}`` and the fused ops' results beside the single ops' (on groups whose torch
+order differs from partita's member order), for ``tests/test_overlap.py`` to compare.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import partita
+import partita.distributed as pd
+from partita import Mesh, P
+from partita.models import GPT, GPTConfig, init_opt_state, make_train_step
+from partita.plans import param_specs
+from partita.runtime.distributed import close_executors, distributed_executor
+
+CFG = GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
+#: (PARTITA_BUCKET_BYTES, PARTITA_OVERLAP_BYTES): off/off against, for FSDP, small buckets with
+#: a bound of one byte in flight (every launch deferred to the previous wait) and, for 2-D, the
+#: defaults.
+SETTINGS = {"fsdp": [("0", "0"), ("4096", "1")], "fsdp+tp": [("0", "0"), ("", "")]}
+
+
+def gpt_run(mesh: Mesh, plan: str) -> tuple[list[float], dict[str, torch.Tensor], dict]:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+
+    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
+
+    step_fn = make_train_step(model, loss_fn, "adamw", lr=1e-2)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = init_opt_state(params)
+    pspecs = param_specs(plan, model, mesh)
+    step = partita.jit(
+        step_fn, mesh=mesh,
+        in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
+                  (P("data"), P("data"))),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    losses = []
+    for _ in range(2):
+        ids = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len), generator=g)
+        batch = (ids, torch.roll(ids, -1, 1))
+        loss, params, _, state = step(params, {}, state, batch)
+        losses.append(float(loss.full()))
+    counts = step.lower(params, {}, state, batch).call_counts()
+    return losses, {k: v.full() for k, v in params.items()}, counts
+
+
+def fused_ops(mesh: Mesh) -> dict[str, list[torch.Tensor]]:
+    """Each fused op beside its members run alone, over ("model", "data") (reordered group)."""
+    ex = distributed_executor(mesh)
+    g = torch.Generator().manual_seed(ex.rank)
+    xs = [torch.randn(4, 6, generator=g), torch.randn(8, generator=g)]
+    axes = ["model", "data"]
+    out = {
+        "ag": ex.call("all_gather_bucket", xs, [1, 0], axes, 4),
+        "ag1": [ex.call("all_gather", x, d, axes, 4) for x, d in zip(xs, [1, 0], strict=True)],
+        "ar": ex.call("all_reduce_bucket", xs, "avg", axes, 4),
+        "ar1": [ex.call("all_reduce", x, "avg", axes, 4) for x in xs],
+        "rs": ex.call("reduce_scatter_bucket", xs, [0, 0], "sum", axes, 4),
+        "rs1": [ex.call("reduce_scatter", x, 0, "sum", axes, 4) for x in xs],
+    }
+    return {k: [t.clone() for t in v] for k, v in out.items()}
+
+
+pd.initialize()
+results: dict = {}
+for shape, names, plan in [((4,), ("data",), "fsdp"), ((2, 2), ("data", "model"), "fsdp+tp")]:
+    mesh = Mesh.create(shape, names)
+    for setting in SETTINGS[plan]:
+        os.environ["PARTITA_BUCKET_BYTES"], os.environ["PARTITA_OVERLAP_BYTES"] = setting
+        close_executors()  # the next executor reads PARTITA_OVERLAP_BYTES
+        results[(plan, setting)] = gpt_run(mesh, plan)
+        pd.log(f"{plan} {setting}: {results[(plan, setting)][2]}")
+results["fused"] = fused_ops(Mesh.create((2, 2), ("data", "model")))
+if pd.is_main_process():
+    torch.save(results, sys.argv[1])
