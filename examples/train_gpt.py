@@ -26,7 +26,8 @@ import partita
 import partita.distributed as pd
 from partita import Mesh, P
 from partita.data import make_global, process_slice
-from partita.models import GPT, GPTConfig, init_opt_state, make_train_step
+from partita.models import GPT, GPTConfig
+from partita.training import init_opt_state, make_train_step
 
 Tensors = dict[str, torch.Tensor]
 COLUMN = ("attn.qkv.weight", "attn.qkv.bias", "mlp.fc.weight", "mlp.fc.bias")

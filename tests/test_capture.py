@@ -21,7 +21,8 @@ from partita.capture import (
     trace,
 )
 from partita.errors import CaptureError, ShardingConflictError
-from partita.models import GPT, GPTConfig, SmallCNN, init_opt_state, make_train_step
+from partita.models import GPT, GPTConfig, SmallCNN
+from partita.training import init_opt_state, make_train_step
 
 from programs import MESH, canonical_cases, cnn_step, gpt_step, mlp  # isort: skip
 
@@ -171,7 +172,7 @@ def test_source_lines_point_at_user_code(gpt):
     sources = [source_line(n) for n in _calls(gpt[2])]
     assert all(s is not None for s in sources)
     assert any(s.startswith("gpt.py:") and s.endswith("in forward") for s in sources)
-    assert any(s.startswith("steps.py:") and "_adam" in s for s in sources)
+    assert any(s.startswith("optim.py:") and "_adam" in s for s in sources)
     sdpa = [n for n in _calls(gpt[2]) if "sdpa" in str(n.target)]
     # forward and backward attention both point at the F.scaled_dot_product_attention line
     assert {source_line(n) for n in sdpa} == {source_line(sdpa[0])}

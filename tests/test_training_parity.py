@@ -48,7 +48,8 @@ from torch.utils import _pytree as pytree
 
 import partita
 from partita import Mesh, P
-from partita.models import GPT, GPTConfig, SmallCNN, init_opt_state, make_train_step
+from partita.models import GPT, GPTConfig, SmallCNN
+from partita.training import init_opt_state, make_train_step
 
 Tensors = dict[str, torch.Tensor]
 

@@ -6,7 +6,7 @@ parameter, and from then on *owns* the training state as ShardedTensors: the par
 buffers (batch-norm running statistics are program inputs and outputs, replicated), the
 optimizer states (sharded like their parameters) and the step counter. ``step(batch)`` runs
 forward, backward, optional gradient clipping and the update as one program compiled by
-``partita.jit`` from :func:`partita.models.steps.functional_step`, and returns the loss.
+``partita.jit`` from :func:`partita.training.functional_step`, and returns the loss.
 
 The learning rate is read from ``optimizer.param_groups[0]["lr"]`` at every call and passed as
 data, so ``torch.optim.lr_scheduler`` schedulers attached to the optimizer work unchanged
@@ -14,7 +14,7 @@ data, so ``torch.optim.lr_scheduler`` schedulers attached to the optimizer work 
 optimizer is fixed when the step is built.
 
 This module ties the pieces together; the sharding decisions are the plan's and propagation's,
-the update math is ``partita.models.steps``', the checks of each batch ``partita.train_checks``'
+the update math is ``partita.training``', the checks of each batch ``partita.train_checks``'
 and the checkpoint layout (tied names, optimizer indices, atomic loading)
 ``partita.train_state``'.
 """
@@ -31,13 +31,13 @@ from torch.utils import _pytree as pytree
 
 from partita.jit import Jitted, jit
 from partita.mesh import Mesh
-from partita.models.steps import functional_step, init_opt_state, optimizer_config
 from partita.partition import Plan
 from partita.plans import PlanLike, default_batch_spec, param_specs
 from partita.spec import P, PartitionSpec
 from partita.tensor import ShardedTensor
 from partita.train_checks import check_batch, check_optimizer_params
 from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
+from partita.training import functional_step, init_opt_state, optimizer_config
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
 

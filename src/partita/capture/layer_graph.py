@@ -31,12 +31,16 @@ class LayerGraph:
     """One part (forward or backward) of a traced layer.
 
     Attributes:
-        graph_module: the part as a graph; its placeholders are the part's inputs in order and
-            its output is a flat list of tensors.
+        graph: the part; its placeholders are the part's inputs in order and its output is a
+            flat list of tensors.
+        owner: the module holding the tensor constants its ``get_attr`` nodes name (a
+            GraphModule of the part is only built to run it eagerly: code generation costs
+            more than the copy).
         out_meta: (shape, dtype, device) of each output, for the placeholder op's fake impl.
     """
 
-    graph_module: fx.GraphModule
+    graph: fx.Graph
+    owner: torch.nn.Module
     out_meta: tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
 
 
@@ -62,7 +66,8 @@ def release(keys: list[int]) -> None:
 )
 def layer_call(key: int, inputs: list[Tensor]) -> list[Tensor]:
     """Run the registered part eagerly (only reached if a placeholder was not inlined)."""
-    return [t.clone() for t in _GRAPHS[key].graph_module(*inputs)]
+    part = _GRAPHS[key]
+    return [t.clone() for t in fx.GraphModule(part.owner, part.graph)(*inputs)]
 
 
 @layer_call.register_fake
@@ -100,8 +105,7 @@ def _subgraph(
     for node in nodes:
         env[node] = graph.node_copy(node, env.__getitem__)
     graph.output([env[n] for n in outputs])
-    gm = fx.GraphModule(joint, graph)  # keeps the joint's attributes (tensor constants)
-    return LayerGraph(gm, tuple(_meta(n) for n in outputs))
+    return LayerGraph(graph, joint, tuple(_meta(n) for n in outputs))
 
 
 def split_joint(
@@ -151,7 +155,7 @@ def inline_layer_calls(gm: fx.GraphModule) -> int:
     calls = [n for n in graph.nodes if n.op == "call_function" and n.target == LAYER_CALL_OP]
     constants = itertools.count()
     for call in calls:
-        part = _GRAPHS[call.args[0]].graph_module
+        part = _GRAPHS[call.args[0]]
         inputs = list(call.args[1])
         env: dict[fx.Node, fx.Node] = {}
         ins = iter(inputs)
@@ -165,7 +169,7 @@ def inline_layer_calls(gm: fx.GraphModule) -> int:
                     name = f"_layer_constant{next(constants)}"
                     while hasattr(gm, name):
                         name = f"_layer_constant{next(constants)}"
-                    setattr(gm, name, getattr(part, node.target))
+                    setattr(gm, name, getattr(part.owner, node.target))
                     env[node] = graph.get_attr(name)
                     env[node].meta = dict(node.meta)
                 else:

@@ -29,13 +29,13 @@ the attribute. Outside a trace the modules run unchanged.
 from __future__ import annotations
 
 import contextvars
-import enum
+import functools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -47,21 +47,14 @@ from torch.utils._python_dispatch import _disable_current_modes
 from partita.capture.decompositions import decomposition_table
 from partita.capture.functionalize import InputUpdates, functionalized
 from partita.capture.layer_graph import layer_call, register, release, split_joint
+from partita.capture.layer_key import IN_PLACE, LayerFallbackError, call_signature, layer_attrs
 from partita.errors import PartitaWarning
 
-__all__ = ["ScanState", "mark_layers", "scan_scope"]
+__all__ = ["ScanState", "mark_layers", "scan_scope", "trace_once"]
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 _MARKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-_SIMPLE = (type(None), bool, int, float, complex, str, bytes, enum.Enum, torch.dtype, torch.device)
-_STRUCTURE = ("_parameters", "_buffers", "_modules", "training", "forward")
-_CALL_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
-
-
-_IN_PLACE = "it updates a buffer or argument in place (e.g. batch-norm statistics)"
-
-
-class _FallbackError(Exception):
-    """This call cannot reuse a trace; the message says why."""
 
 
 @dataclass
@@ -134,79 +127,48 @@ def _routed(module: nn.Module, original: Callable[..., Any]) -> Callable[..., An
     return forward
 
 
-def _attrs(module: nn.Module) -> tuple[Any, ...]:
-    """The Python state of ``module`` and its submodules that may steer ``forward``."""
-    out = []
-    for prefix, sub in module.named_modules():
-        for hooks in _CALL_HOOKS:
-            if getattr(sub, hooks, None):
-                raise _FallbackError(f"module {prefix or type(module).__name__!r} has {hooks[1:]}")
-        for name, value in sorted(vars(sub).items()):
-            if name in _STRUCTURE or "hook" in name:  # hooks: checked above
-                continue
-            out.append((prefix, name, _value_key(value)))
-        out.append((prefix, type(sub), sub.training))
-    return tuple(out)
+def trace_once(fn: F) -> F:
+    """``fn`` (a function of tensors and hashable static values, returning tensors) traced
+    once per signature inside a :func:`partita.capture.trace`, like a marked layer; a plain
+    call outside one. For repeated pure work that is not a module, such as an optimizer's
+    per-parameter update."""
+
+    @functools.wraps(fn)
+    def once(*args: Any, **kwargs: Any) -> Any:
+        return _call(None, fn, args, kwargs)
+
+    return once  # type: ignore[return-value]
 
 
-def _value_key(value: Any) -> Any:
-    if isinstance(value, _SIMPLE):
-        return value
-    if isinstance(value, (tuple, list)) and all(isinstance(v, _SIMPLE) for v in value):
-        return (type(value), tuple(value))
-    if isinstance(value, (set, frozenset)) and all(isinstance(v, _SIMPLE) for v in value):
-        return (frozenset, frozenset(value))
-    # anything else (a config object, a function, a tensor) by identity: layers that share it
-    # see the same object
-    return ("id", id(value))
-
-
-def _signature(
-    module: nn.Module, tree: pytree.TreeSpec, leaves: list[Any], primals: list[Tensor]
-) -> tuple[Any, ...]:
-    statics = []
-    for leaf in leaves:
-        if isinstance(leaf, Tensor):
-            continue
-        try:
-            hash(leaf)
-        except TypeError:
-            raise _FallbackError(
-                f"its argument {leaf!r:.60} is neither a tensor nor hashable"
-            ) from None
-        statics.append(leaf)
-    meta = tuple((tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in primals)
-    autocast = tuple(
-        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
-    )
-    return (tree, tuple(statics), meta, torch.is_grad_enabled(), autocast)
-
-
-def _call(module: nn.Module, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+def _call(module: nn.Module | None, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
     state = _STATE.get()
     if state is None or state.inner:
         return original(*args, **kwargs)
     leaves, tree = pytree.tree_flatten((args, kwargs))
     tensors = [x for x in leaves if isinstance(x, Tensor)]
-    names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
-    weights = [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()]
+    names, weights = [], []
+    if module is not None:
+        names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+        weights = [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()]
     primals = tensors + weights
     try:
-        attrs = _attrs(module)
-        key = (type(module), attrs, tuple(names), *_signature(module, tree, leaves, primals))
-    except _FallbackError as e:
-        _warn(module, state, str(e))
+        attrs = () if module is None else layer_attrs(module)
+        owner = original if module is None else type(module)
+        key = (owner, attrs, tuple(names), *call_signature(tree, leaves, primals))
+    except LayerFallbackError as e:
+        _warn(module, original, state, str(e))
         return original(*args, **kwargs)
     traced = state.traces.get(key)
     if traced is None:
-        _note_differences(module, state, attrs)
+        if module is not None:
+            _note_differences(module, state, attrs)
         try:
             traced = _trace_layer(module, original, state, tree, leaves, names, primals)
-        except _FallbackError as e:
+        except LayerFallbackError as e:
             traced = str(e)
         state.traces[key] = traced
         if isinstance(traced, str):
-            _warn(module, state, traced)
+            _warn(module, original, state, traced)
     if isinstance(traced, str):
         return original(*args, **kwargs)
     state.reused += 1
@@ -217,9 +179,12 @@ def _call(module: nn.Module, original: Callable[..., Any], args: Any, kwargs: An
     return pytree.tree_unflatten(list(outs[: traced.n_out]), traced.out_tree)
 
 
-def _warn(module: nn.Module, state: ScanState, why: str) -> None:
+def _warn(
+    module: nn.Module | None, original: Callable[..., Any], state: ScanState, why: str
+) -> None:
+    what = f"{type(module).__name__} layer" if module is not None else original.__name__
     warnings.warn(
-        f"scan_layers: a {type(module).__name__} layer of {state.fn_name!r} is traced as "
+        f"scan_layers: a {what} of {state.fn_name!r} is traced as "
         f"ordinary code (no reuse of another layer's trace, so compile time is not cut): {why}.",
         PartitaWarning,
         stacklevel=2,
@@ -267,7 +232,7 @@ class _LayerFunction(torch.autograd.Function):
 
 
 def _trace_layer(
-    module: nn.Module,
+    module: nn.Module | None,
     original: Callable[..., Any],
     state: ScanState,
     tree: pytree.TreeSpec,
@@ -280,7 +245,7 @@ def _trace_layer(
     n_in = len(primals) - len(names)
     fake_mode = torch._guards.detect_fake_mode()
     if fake_mode is None:
-        raise _FallbackError("no fake mode is active (not inside partita's trace)")
+        raise LayerFallbackError("no fake mode is active (not inside partita's trace)")
     meta = [(tuple(t.shape), t.dtype, t.device, t.requires_grad) for t in primals]
     tensor_pos = [i for i, x in enumerate(leaves) if isinstance(x, Tensor)]
 
@@ -289,11 +254,14 @@ def _trace_layer(
         for i, t in zip(tensor_pos, ins[:n_in], strict=True):
             full[i] = t
         args, kwargs = pytree.tree_unflatten(full, tree)
-        with _reparametrize_module(module, dict(zip(names, ins[n_in:], strict=True))):
+        if module is None:
             result = original(*args, **kwargs)
+        else:
+            with _reparametrize_module(module, dict(zip(names, ins[n_in:], strict=True))):
+                result = original(*args, **kwargs)
         outs, out_tree = pytree.tree_flatten(result)
         if not all(isinstance(o, Tensor) for o in outs):
-            raise _FallbackError("it returns something other than tensors")
+            raise LayerFallbackError("it returns something other than tensors")
         return outs, out_tree
 
     def fresh() -> list[Tensor]:
@@ -304,25 +272,30 @@ def _trace_layer(
     state.inner = True
     try:
         with _disable_current_modes():
-            # Which outputs need a gradient decides the joint's inputs: run it once on fakes.
-            with fake_mode, torch.set_grad_enabled(grad):
-                probe_in = fresh()
-                versions = [t._version for t in probe_in]
-                probe, out_tree = run(probe_in)
-            if [t._version for t in probe_in] != versions:
-                raise _FallbackError(_IN_PLACE)
-            diff_outputs = [i for i, o in enumerate(probe) if grad and o.requires_grad]
+            # Which outputs need a gradient decides the joint's inputs: run it once on fakes
+            # (without grad mode there is no backward, and the trace alone tells the outputs).
+            probe: list[Any] = []
+            if grad:
+                with fake_mode:
+                    probe_in = fresh()
+                    versions = [t._version for t in probe_in]
+                    probe, _ = run(probe_in)
+                if [t._version for t in probe_in] != versions:
+                    raise LayerFallbackError(IN_PLACE)
+            diff_outputs = [i for i, o in enumerate(probe) if o.requires_grad]
             wanted = [i for i, (*_, rg) in enumerate(meta) if grad and rg]
             cot_meta = [(tuple(probe[i].shape), probe[i].dtype, probe[i].device, False)
                         for i in diff_outputs]  # fmt: skip
             found: list[list[int]] = []
+            tree_box: list[Any] = []
 
             def joint(*flat: Tensor) -> list[Tensor]:
                 ins, cots = list(flat[: len(meta)]), list(flat[len(meta) :])
                 with torch.set_grad_enabled(grad):
                     ins = [t.detach().requires_grad_(True) if rg else t
                            for t, (*_, rg) in zip(ins, meta, strict=True)]  # fmt: skip
-                    outs, _ = run(ins)
+                    outs, spec = run(ins)
+                    tree_box.append(spec)
                     if not diff_outputs:
                         return outs
                     grads = torch.autograd.grad(
@@ -343,16 +316,17 @@ def _trace_layer(
                 decomposition_table=decomposition_table(),
                 tracing_mode="fake",
             )(*example)
-    except _FallbackError:
+    except LayerFallbackError:
         raise
     except Exception as e:  # the ordinary trace will report it with the user's line
-        raise _FallbackError(f"tracing it alone failed ({type(e).__name__}: {e!s:.120})") from e
+        raise LayerFallbackError(f"tracing it alone failed ({type(e).__name__}: {e!s:.120})") from e
     finally:
         state.inner = False
     if updates.positions:
-        raise _FallbackError(_IN_PLACE)
+        raise LayerFallbackError(IN_PLACE)
     grad_of = found[0] if found else []
-    n_out = len(probe)
+    out_tree = tree_box[0]
+    n_out = out_tree.num_leaves
     forward, backward, saved_from = split_joint(gm, len(meta), n_out)
     fkey = register(forward)
     state.keys.append(fkey)

@@ -1,7 +1,8 @@
 """User source lines for captured ops: ``node.meta["source"] = "file.py:LINE in func"``.
 
 The source of an op is the innermost Python frame that is *user code*: outside torch and
-outside partita's own machinery (``partita.models``, the reference models, counts as user code).
+outside partita's own machinery (``partita.models``, the reference models, and
+``partita.training``, the step ``train_step`` compiles, count as user code).
 Forward ops take it from the Python stack when they are dispatched. Backward ops run inside the
 autograd engine, whose stack only shows the ``torch.autograd.grad`` call; they take the source of
 the forward op that created their autograd node instead (matched by the node's sequence number),
@@ -36,7 +37,11 @@ _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # The package directory, from this file's place in it (importing ``partita`` here would be a
 # cycle through the package root, which imports every stage).
 _PARTITA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_USER_DIRS_IN_PARTITA = (os.path.join(_PARTITA_DIR, "models") + os.sep,)
+# Code that is the user's program though partita wrote it: the reference models, and the
+# training step ``train_step`` compiles (its optimizer ops then point at the update's line).
+_USER_DIRS_IN_PARTITA = tuple(
+    os.path.join(_PARTITA_DIR, d) + os.sep for d in ("models", "training")
+)
 _STACK_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
 _is_internal_cache: dict[CodeType, bool] = {}

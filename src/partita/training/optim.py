@@ -1,0 +1,236 @@
+"""The optimizer updates of ``partita.train_step``, written as plain tensor ops.
+
+The updates match ``torch.optim.AdamW``, ``torch.optim.Adam`` and ``torch.optim.SGD`` step for
+step when run eagerly (:func:`optimizer_config` reads their hyperparameters and rejects the
+ones not implemented). The step counter lives in ``opt_state["step"]`` as a float32 0-d tensor
+(a Python int would be baked into the traced graph). The update of one parameter is a
+function of that parameter's tensors only, traced once per shape and dtype inside a capture
+(:func:`partita.capture.layers.trace_once`): a model's hundreds of parameters share a few
+shapes, so the optimizer costs a few traces, not one per parameter. This module does not
+shard anything and does not support several parameter groups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from partita.capture.layers import trace_once
+
+__all__ = [
+    "OPTIMIZERS",
+    "OptimizerConfig",
+    "clip_by_global_norm",
+    "init_opt_state",
+    "optimizer_config",
+]
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+Tensors = dict[str, torch.Tensor]
+Lr = float | torch.Tensor
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The hyperparameters of one optimizer update (the learning rate is passed per step).
+
+    ``kind`` is ``"adamw"`` (decoupled weight decay), ``"adam"`` (L2 weight decay added to
+    the gradient) or ``"sgd"``.
+    """
+
+    kind: str = "adamw"
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    momentum: float = 0.0
+    dampening: float = 0.0
+    nesterov: bool = False
+    maximize: bool = False
+
+    def __post_init__(self) -> None:
+        if self.kind not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.kind!r}.")
+
+
+def _unsupported(name: str, key: str, value: Any, fix: str) -> ValueError:
+    return ValueError(f"{name} with {key}={value!r} is not supported by partita's update; {fix}.")
+
+
+def optimizer_config(optimizer: torch.optim.Optimizer) -> OptimizerConfig:
+    """Read a ``torch.optim`` optimizer's hyperparameters (its one parameter group).
+
+    Supported: ``AdamW``, ``Adam`` (``amsgrad=False``) and ``SGD``; ``maximize`` for all.
+    ``foreach``/``fused``/``capturable`` only change how torch runs the same math and are
+    ignored. Anything else raises a ValueError that names the setting.
+
+    Example:
+        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+        >>> optimizer_config(opt).momentum
+        0.9
+    """
+    name = type(optimizer).__name__
+    if len(optimizer.param_groups) != 1:
+        raise ValueError(
+            f"{name} has {len(optimizer.param_groups)} parameter groups; partita's training "
+            "step supports one. Put every parameter in one group (per-group weight decay is "
+            "not implemented yet)."
+        )
+    group = optimizer.param_groups[0]
+    for key in ("lr", "weight_decay"):
+        if isinstance(group.get(key), torch.Tensor):
+            group_value = group[key]
+            raise _unsupported(name, key, group_value, "pass a Python float")
+    maximize = bool(group.get("maximize", False))
+    if isinstance(optimizer, torch.optim.Adam):  # AdamW is a subclass of Adam
+        if group.get("amsgrad"):
+            raise _unsupported(name, "amsgrad", True, "use amsgrad=False")
+        decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
+            "decoupled_weight_decay", False
+        )
+        beta1, beta2 = (float(b) for b in group["betas"])
+        return OptimizerConfig(
+            kind="adamw" if decoupled else "adam",
+            betas=(beta1, beta2),
+            eps=float(group["eps"]),
+            weight_decay=float(group["weight_decay"]),
+            maximize=maximize,
+        )
+    if isinstance(optimizer, torch.optim.SGD):
+        return OptimizerConfig(
+            kind="sgd",
+            weight_decay=float(group["weight_decay"]),
+            momentum=float(group["momentum"]),
+            dampening=float(group["dampening"]),
+            nesterov=bool(group["nesterov"]),
+            maximize=maximize,
+        )
+    raise ValueError(
+        f"partita's training step implements torch.optim.AdamW, Adam and SGD, not {name}. "
+        "Use one of those, or write the update in your own step function and use partita.jit."
+    )
+
+
+def init_opt_state(params: Tensors, optimizer: str = "adamw") -> dict[str, Any]:
+    """The initial optimizer state for ``params``.
+
+    AdamW/Adam: ``{"step": tensor(0.), "exp_avg": {...zeros}, "exp_avg_sq": {...zeros}}``;
+    SGD: ``{"step": tensor(0.), "momentum_buffer": {...zeros}}``.
+
+    Example:
+        >>> state = init_opt_state({"w": torch.ones(2)}, "sgd")
+        >>> sorted(state)
+        ['momentum_buffer', 'step']
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
+    zeros = lambda: {k: torch.zeros_like(v) for k, v in params.items()}  # noqa: E731
+    first = next(iter(params.values()), torch.zeros(()))
+    step = torch.zeros((), dtype=torch.float32, device=first.device)
+    if optimizer in ("adamw", "adam"):
+        return {"step": step, "exp_avg": zeros(), "exp_avg_sq": zeros()}
+    return {"step": step, "momentum_buffer": zeros()}
+
+
+def _f32(x: float | torch.Tensor) -> float | torch.Tensor:
+    return x.to(torch.float32) if isinstance(x, torch.Tensor) else x
+
+
+@trace_once
+def _adam_param(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    m: torch.Tensor,
+    v: torch.Tensor,
+    step_size: torch.Tensor,
+    bias2_sqrt: torch.Tensor,
+    decay: float | torch.Tensor,
+    cfg: OptimizerConfig,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One parameter's Adam(W) update: ``(new p, new exp_avg, new exp_avg_sq)``."""
+    beta1, beta2 = cfg.betas
+    g = -g if cfg.maximize else g
+    if cfg.kind == "adamw":
+        p = p * decay  # decoupled weight decay
+    elif cfg.weight_decay:
+        g = g + cfg.weight_decay * p  # Adam: L2 penalty in the gradient
+    m = m + (1 - beta1) * (g - m)  # torch.lerp(m, g, 1 - beta1) for a weight < 0.5
+    v = v * beta2 + (1 - beta2) * g * g
+    denom = torch.sqrt(v) / bias2_sqrt + cfg.eps
+    return p - step_size * (m / denom), m, v
+
+
+def _adam(
+    params: Tensors, grads: Tensors, state: dict[str, Any], lr: Lr, cfg: OptimizerConfig
+) -> tuple[Tensors, dict[str, Any]]:
+    beta1, beta2 = cfg.betas
+    step = state["step"] + 1
+    # Scalars in float64 like torch.optim's Python-float arithmetic, then rounded once.
+    step64 = step.to(torch.float64)
+    lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
+    step_size = (lr64 / (1 - torch.pow(beta1, step64))).to(torch.float32)
+    bias2_sqrt = torch.sqrt(1 - torch.pow(beta2, step64)).to(torch.float32)
+    decay = _f32(1 - lr64 * cfg.weight_decay)
+    new_params: Tensors = {}
+    new_m: Tensors = {}
+    new_v: Tensors = {}
+    for name, p in params.items():
+        m, v = state["exp_avg"][name], state["exp_avg_sq"][name]
+        if name not in grads:  # no gradient (unused by forward): torch.optim skips it too
+            new_params[name], new_m[name], new_v[name] = p, m, v
+            continue
+        new = _adam_param(p, grads[name], m, v, step_size, bias2_sqrt, decay, cfg)
+        new_params[name], new_m[name], new_v[name] = new
+    return new_params, {"step": step, "exp_avg": new_m, "exp_avg_sq": new_v}
+
+
+@trace_once
+def _sgd_param(
+    p: torch.Tensor,
+    g: torch.Tensor,
+    buf: torch.Tensor,
+    first: torch.Tensor,
+    lr32: float | torch.Tensor,
+    cfg: OptimizerConfig,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One parameter's SGD update: ``(new p, new momentum_buffer)``."""
+    g = -g if cfg.maximize else g
+    if cfg.weight_decay:
+        g = g + cfg.weight_decay * p
+    if cfg.momentum:
+        # torch.optim.SGD starts the buffer at g, then buf * momentum + (1 - dampening) * g
+        if cfg.dampening:
+            buf = torch.where(first, g, buf * cfg.momentum + (1 - cfg.dampening) * g)
+        else:
+            buf = buf * cfg.momentum + g  # 0 * momentum + g == g on the first step
+        g = g + cfg.momentum * buf if cfg.nesterov else buf
+    return p - lr32 * g, buf
+
+
+def _sgd(
+    params: Tensors, grads: Tensors, state: dict[str, Any], lr: Lr, cfg: OptimizerConfig
+) -> tuple[Tensors, dict[str, Any]]:
+    lr32 = _f32(lr)
+    first = state["step"] == 0
+    new_params: Tensors = {}
+    new_buf: Tensors = {}
+    for name, p in params.items():
+        buf = state["momentum_buffer"][name]
+        if name not in grads:  # no gradient (unused by forward): torch.optim skips it too
+            new_params[name], new_buf[name] = p, buf
+            continue
+        new_params[name], new_buf[name] = _sgd_param(p, grads[name], buf, first, lr32, cfg)
+    return new_params, {"step": state["step"] + 1, "momentum_buffer": new_buf}
+
+
+def clip_by_global_norm(grads: Tensors, max_norm: float) -> Tensors:
+    """Scale ``grads`` like ``torch.nn.utils.clip_grad_norm_(..., max_norm)`` (2-norm).
+
+    The norm is the square root of the sum of squares over *all* gradients: traced into a
+    sharded program it is a sum over every shard, so the clipping is the unsharded one.
+    """
+    total = torch.sqrt(sum((g.float() * g.float()).sum() for g in grads.values()))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return {k: g * coef.to(g.dtype) for k, g in grads.items()}
