@@ -51,6 +51,15 @@ class Cell:
         self.base: Cell = self if base is None else base.base
         self.dirty = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        # torch.save of a device tensor (a state_dict) pickles its cell: the value, synced.
+        if self.is_pending:
+            _sync_outside_dispatch()
+        return {"meta": self.meta, "data": self.data}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["meta"], state["data"])  # type: ignore[misc]
+
     @property
     def is_pending(self) -> bool:
         """True when the value is only known after the next sync."""
