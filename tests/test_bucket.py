@@ -9,6 +9,7 @@ are checked in ``test_overlap.py``.
 from __future__ import annotations
 
 import copy
+import math
 import operator
 
 import pytest
@@ -185,3 +186,40 @@ def test_partition_takes_the_knob() -> None:
         _, plans[cap] = partition(prog.graph_module, mesh, bucket_bytes=cap)
     assert plans[0].call_counts()["all_gather"] == 2
     assert plans[1 << 20].call_counts()["all_gather"] == 1
+
+
+# --- memory ------------------------------------------------------------------------------------
+
+
+def test_memory_estimate_follows_live_ranges() -> None:
+    from partita.partition.memory import estimate_memory
+
+    g = fx.Graph()
+    x = g.placeholder("x")
+    a = g.call_function(torch.ops.aten.mul.Tensor, (x, 2.0))  # 16 B
+    v = g.call_function(torch.ops.aten.view.default, (a, [2, 2]))  # a view: no new bytes
+    b = g.call_function(torch.ops.aten.mul.Tensor, (v, 3.0))  # a (via v) still live: 48 B
+    c = g.call_function(torch.ops.aten.add.Tensor, (b, 1.0))  # a is dead: 16 + 16 + 16
+    g.output(c)
+    est = estimate_memory(fx.GraphModule(nn.Module(), g), [torch.empty(4, device="meta")])
+    assert est.peak == 48 and est.inputs == 16
+    assert est.at_peak == {"inputs": 16, "gathered": 0, "other": 32}
+    assert est.peak_node in ("mul_tensor_1", "add_tensor")
+
+
+def test_plan_memory_counts_gathered_parameters(fsdp_runs: dict) -> None:
+    _, _, on = fsdp_runs[""]
+    est = on.memory()
+    shards = sum(math.prod(t.shape) * t.element_size() for t in on.local_inputs)
+    assert est.inputs == shards
+    # FSDP gathers every parameter (one bucket, kept from forward to backward).
+    params = sum(
+        math.prod(c.shape) * 4 for c in on.collectives if c.kind == "all_gather"
+    )  # fmt: skip
+    assert est.at_peak["gathered"] <= params and est.peak >= est.inputs
+    assert "MiB per device" in str(est)
+
+
+def test_plan_memory_needs_a_program() -> None:
+    with pytest.raises(ValueError, match=r"has no per-device program attached.*partition\(\)"):
+        Plan(Mesh.create((2,), ("x",))).memory()

@@ -16,8 +16,12 @@ Nothing here runs a program; executors live in ``partita.runtime``.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
 import torch.fx as fx
 
+from partita.layout import local_shape
 from partita.mesh import Mesh
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import handlers
@@ -43,4 +47,21 @@ def partition(
     """
     local, plan = Lowering(gm, mesh, strict=strict).run()
     bucket_collectives(local, plan, bucket_bytes_setting(bucket_bytes))
+    plan.local_program, plan.local_inputs = local, _local_inputs(gm, plan)
     return local, plan
+
+
+def _local_inputs(gm: fx.GraphModule, plan: Plan) -> list[Any]:
+    """Meta tensors of the per-device program's input shapes (for ``Plan.memory``)."""
+    shardings = iter(plan.input_shardings)
+    out: list[Any] = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            shape = local_shape(next(shardings), tuple(val.shape))
+            out.append(torch.empty(shape, dtype=val.dtype, device="meta"))
+        else:
+            out.append(val)
+    return out

@@ -95,6 +95,25 @@ class Plan:
     buckets: list[Bucket] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     program_text: str = ""
+    # The per-device program and meta tensors of its local inputs, for ``memory()``.
+    local_program: Any = field(default=None, repr=False, compare=False)
+    local_inputs: list[Any] = field(default_factory=list, repr=False, compare=False)
+    _memory: Any = field(default=None, repr=False, compare=False)
+
+    def memory(self) -> Any:
+        """Per-device peak memory of one run, estimated from the per-device program (a
+        :class:`~partita.partition.memory.MemoryEstimate`; computed once, on first call)."""
+        if self._memory is None:
+            from partita.partition.memory import estimate_memory  # it runs fake tensors
+
+            if self.local_program is None:
+                raise ValueError(
+                    "Plan.memory(): this Plan has no per-device program attached (it was not "
+                    "made by partita.partition.partition), so there is nothing to estimate. "
+                    "Get the Plan from partition() or jit(...).lower(*args)."
+                )
+            self._memory = estimate_memory(self.local_program, self.local_inputs)
+        return self._memory
 
     @property
     def bytes_per_device(self) -> int:
