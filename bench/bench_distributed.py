@@ -1,15 +1,21 @@
 """partita on 4 Gloo processes beside PyTorch FSDP2 and TP + FSDP2, same GPT step, same run.
 
-Run: ``.venv/bin/python bench/bench_distributed.py [--repeat 5]`` (it starts its own 4 worker
-processes on 127.0.0.1 through ``partita.runtime.launch.spawn`` and prints rank 0's report).
+Run: ``.venv/bin/python bench/bench_distributed.py [--layers 4 8] [--repeat 5]`` (each
+configuration starts its own 4 worker processes on 127.0.0.1 through
+``partita.runtime.launch.spawn``, so every process high-water mark belongs to one
+configuration; rank 0's report is printed).
 
-The step: GPT (4 layers, width 256, 8 heads, vocabulary 512, sequence 128, global batch 16),
-cross entropy, AdamW. For each configuration, the median wall time of a training step after two
-warm-ups, and the bytes each rank moves per step:
+The step: GPT (``--layers``, width 256, 8 heads, vocabulary 512, sequence 128, global batch 16),
+cross entropy, AdamW. For each configuration: the median wall time of a training step after two
+warm-ups (max over ranks), the bytes each rank moves per step, the collective calls per step,
+and memory per rank: the process high-water mark (``ru_maxrss``, max over ranks; it includes
+the Python interpreter and torch, about the same for every configuration) and, for partita,
+the Plan's estimate of the tensors live at the peak (``Plan.memory()``).
 
 * ``partita fsdp (4,)``: parameters ``P("data")``, batch ``P("data")``; bytes from the Plan
   (per-device bytes as XLA reports them: output of all_gather / all_reduce / all_to_all, input
-  of reduce_scatter);
+  of reduce_scatter); ``unfused`` is the same with bucketing and overlap off
+  (``PARTITA_BUCKET_BYTES=0 PARTITA_OVERLAP_BYTES=0``), the program as partitioned before;
 * ``partita 2-D (2, 2)``: FSDP over ``data`` and Megatron TP over ``model``;
 * ``torch FSDP2 (4,)``: ``fully_shard`` on every block and the model, ``torch.optim.AdamW``;
 * ``torch TP + FSDP2 (2, 2)``: ``parallelize_module`` on each block's MLP (fc colwise, proj
@@ -24,7 +30,9 @@ collective functions (FSDP2) and a TorchDispatchMode over ``_c10d_functional`` o
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -41,14 +49,17 @@ import partita
 import partita.distributed as pd
 from partita import Mesh, P
 from partita.data import make_global, process_slice
-from partita.models import GPT, GPTConfig, init_opt_state, make_train_step
+from partita.models import GPT, GPTConfig
+from partita.training import init_opt_state, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from train_gpt import param_spec, vector_step_counter  # noqa: E402
+from train_gpt import param_spec  # noqa: E402
 
 CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
 BATCH = 16
+#: The environment of the "unfused" runs: the program as partitioned before bucketing and overlap.
+UNFUSED = {"PARTITA_BUCKET_BYTES": "0", "PARTITA_OVERLAP_BYTES": "0"}
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,6 +91,7 @@ def _median(fn: Callable[[], Any], repeat: int) -> float:
 # --- byte counting for torch ---------------------------------------------------------------------
 
 _BYTES = [0]
+_CALLS = [0]
 
 
 def _nbytes(t: Any) -> int:
@@ -100,6 +112,7 @@ def _wrap_dist() -> None:
 
         def wrapped(*a: Any, _o: Any = original, _s: Any = size, **k: Any) -> Any:
             _BYTES[0] += _s(a, k)
+            _CALLS[0] += 1
             return _o(*a, **k)
 
         setattr(dist, name, wrapped)
@@ -113,21 +126,21 @@ class _CountFunctional(TorchDispatchMode):
         name = str(func)
         if "_c10d_functional" in name and "wait_tensor" not in name:
             _BYTES[0] += _nbytes(args[0]) if "reduce_scatter" in name else _nbytes(out)
+            _CALLS[0] += 1
         return out
 
 
 # --- configurations ------------------------------------------------------------------------------
 
 
-def bench_partita(mesh: Mesh, repeat: int) -> tuple[float, float]:
+def bench_partita(mesh: Mesh, repeat: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(CFG)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = init_opt_state(params)
-    state["step"] = state["step"].reshape(1)
     pspecs = {k: param_spec(k, v, mesh) for k, v in params.items()}
     step = partita.jit(
-        vector_step_counter(make_train_step(model, _loss, "adamw")),
+        make_train_step(model, _loss, "adamw"),
         mesh=mesh,
         in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
                   (P("data"), P("data"))),
@@ -142,12 +155,20 @@ def bench_partita(mesh: Mesh, repeat: int) -> tuple[float, float]:
     def one() -> None:
         _, carry["params"], _, carry["state"] = step(carry["params"], {}, carry["state"], batch)
 
-    seconds = _median(one, repeat)
+    start = time.perf_counter()
     plan = step.lower(carry["params"], {}, carry["state"], batch)
-    return seconds, plan.bytes_per_device
+    compile_s = time.perf_counter() - start
+    seconds = _median(one, repeat)
+    return {
+        "step": seconds,
+        "bytes": plan.bytes_per_device,
+        "calls": sum(plan.call_counts().values()),
+        "estimate": plan.memory().peak,
+        "compile": compile_s,
+    }
 
 
-def bench_torch(tp: bool, repeat: int) -> tuple[float, float]:
+def bench_torch(tp: bool, repeat: int) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -186,52 +207,79 @@ def bench_torch(tp: bool, repeat: int) -> tuple[float, float]:
         opt.zero_grad()
 
     seconds = _median(one, repeat)
-    _BYTES[0] = 0
+    _BYTES[0] = _CALLS[0] = 0
     with _CountFunctional():
         one()
-    return seconds, float(_BYTES[0])
+    return {"step": seconds, "bytes": float(_BYTES[0]), "calls": _CALLS[0]}
+
+
+CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
+    "partita fsdp (4,)": (lambda r: bench_partita(Mesh.create((4,), ("data",)), r), {}),
+    "partita fsdp (4,) unfused": (
+        lambda r: bench_partita(Mesh.create((4,), ("data",)), r), UNFUSED),
+    "torch FSDP2 (4,)": (lambda r: bench_torch(False, r), {}),
+    "partita 2-D (2, 2)": (
+        lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), {}),
+    "partita 2-D (2, 2) unfused": (
+        lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), UNFUSED),
+    "torch TP + FSDP2 (2, 2)": (lambda r: bench_torch(True, r), {}),
+}  # fmt: skip
 
 
 def worker(ns: argparse.Namespace) -> None:
+    global CFG
+    CFG = GPTConfig(n_layer=ns.layers[0], n_head=8, d_model=256, vocab_size=512, seq_len=128)
     pd.initialize()
     _wrap_dist()
-    rows = []
-    for name, run in [
-        ("partita fsdp (4,)", lambda: bench_partita(Mesh.create((4,), ("data",)), ns.repeat)),
-        ("partita 2-D (2, 2)", lambda: bench_partita(Mesh.create((2, 2), ("data", "model")),
-                                                     ns.repeat)),
-        ("torch FSDP2 (4,)", lambda: bench_torch(False, ns.repeat)),
-        ("torch TP + FSDP2 (2, 2)", lambda: bench_torch(True, ns.repeat)),
-    ]:  # fmt: skip
-        try:
-            seconds, nbytes = run()
-            rows.append(f"{name:<26} {seconds:8.3f} s   {nbytes / 1e6:8.1f} MB")
-        except Exception as e:  # report and go on: one failing configuration is a result too
-            rows.append(f"{name:<26} failed: {type(e).__name__}: {str(e).splitlines()[0][:150]}")
-        pd.log(rows[-1])
+    run, _ = CONFIGS[ns.worker]
+    row = run(ns.repeat)
+    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    row["rss"] = float(peak)
+    if pd.is_main_process():
+        print("RESULT " + json.dumps(row))
+
+
+def _row(name: str, r: dict[str, Any]) -> str:
+    est = f"{r['estimate'] / 1e6:7.1f} MB" if "estimate" in r else f"{'-':>10}"
+    return (
+        f"{name:<28} {r['step']:7.3f} s {r['bytes'] / 1e6:8.1f} MB {r['calls']:6d} "
+        f"{r['rss'] / 1e6:8.1f} MB {est}"
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="these configurations")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     ns = parser.parse_args()
-    if ns.worker or "RANK" in os.environ:
+    if ns.worker:
         worker(ns)
         return
     from partita.runtime.launch import spawn
 
     print(f"# {' '.join(['.venv/bin/python', *sys.argv])}")
-    print(f"# GPT layers={CFG.n_layer} d_model={CFG.d_model} heads={CFG.n_head} "
-          f"vocab={CFG.vocab_size} seq={CFG.seq_len} batch={BATCH}, AdamW; 4 Gloo processes "
+    print(f"# GPT d_model={CFG.d_model} heads={CFG.n_head} vocab={CFG.vocab_size} "
+          f"seq={CFG.seq_len} batch={BATCH}, AdamW; 4 Gloo processes per configuration "
           f"(OMP_NUM_THREADS=1 each), torch {torch.__version__}, {os.cpu_count()} CPUs; "
           f"median of {ns.repeat} steps after 2 warm-ups (max over ranks)")  # fmt: skip
-    print(f"{'configuration':<26} {'step':>10}   {'bytes/rank/step':>12}")
-    results = spawn([__file__, "--worker", "--repeat", str(ns.repeat)], 4, timeout=1200)
-    for r in results:
-        if r.returncode != 0:
-            print(f"rank {r.rank} exited with {r.returncode}:\n{r.stderr[-3000:]}")
-    print(results[0].stdout, end="")
+    for layers in ns.layers:
+        print(f"\n## {layers} layers")
+        print(f"{'configuration':<28} {'step':>9} {'bytes/rank':>11} {'calls':>6} "
+              f"{'peak RSS':>11} {'Plan peak':>10}")  # fmt: skip
+        for name, (_, env) in CONFIGS.items():
+            if ns.only and name not in ns.only:
+                continue
+            argv = [__file__, "--worker", name, "--repeat", str(ns.repeat), "--layers", str(layers)]
+            results = spawn(argv, 4, env=env, timeout=1800)
+            lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
+            if any(r.returncode for r in results) or not lines:
+                bad = next((r for r in results if r.returncode), results[0])
+                print(f"{name:<28} failed (rank {bad.rank}): {bad.stderr.strip()[-300:]}")
+                continue
+            print(_row(name, json.loads(lines[-1].removeprefix("RESULT "))), flush=True)
 
 
 if __name__ == "__main__":
