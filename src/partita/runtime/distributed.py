@@ -19,6 +19,13 @@ axis_index             this rank's coordinate (no communication)
 shard_slice            this rank's tile of a replicated value (no communication)
 =====================  =====================================================================
 
+The four collectives that move tensors (and the fused ``*_bucket`` ops of
+``partita.collectives_bucket``, one flat buffer per bucket) are generators of
+``runtime.dist_ops`` that launch with ``async_op=True`` and finish at their wait; by default
+``runtime.overlap`` schedules each launch right after its input exists and each wait just
+before the first use (``PARTITA_OVERLAP_BYTES`` bounds the bytes in flight; 0 runs them
+synchronously in program order).
+
 Groups. For every non-empty set of mesh axes and every group ``Mesh.groups(axes)`` of more than
 one device, every rank calls ``new_group`` in the same order when the DistributedMesh is built
 (``new_group`` is collective over the world). A torch group orders its members by global rank;

@@ -3,7 +3,9 @@
 Every value is held *stacked*: ``[mesh.size, *local_shape]``, the shard of mesh position ``p``
 at ``stacked[p]`` (see :mod:`partita.layout`). Local ops run once over the whole stack, never in
 a Python loop over devices; mesh ops (``partita.collectives``) run as tensor ops on the stack
-through ``partita.runtime.stacked.STACKED_IMPLS``.
+through ``partita.runtime.stacked.STACKED_IMPLS``. A fused bucket (``partita.collectives_bucket``)
+runs member by member, exactly as its members would; the overlap schedule of real processes
+does not apply here (nothing to overlap in one process).
 
 How. The graph is cut, once per graph module, into *segments*: maximal sets of local ops that
 need no mesh op between them (a node's segment is the number of mesh ops on its longest path
