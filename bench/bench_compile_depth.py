@@ -79,7 +79,7 @@ def compile_once(n_layer: int, mesh: Mesh, scan: bool) -> tuple[dict[str, float]
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    step = partita.train_step(model, loss_fn, opt, mesh=mesh, plan="fsdp", batch_spec=P("data"))
+    step = partita.train_step(model, loss_fn, opt, mesh=mesh, shard="fsdp", batch_spec=P("data"))
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     times: dict[str, float] = {}
     with timed_stages(times):
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {' '.join([sys.executable, *sys.argv])}")
     print(
         f"# partita.train_step(GPT d_model={WIDTH} heads={HEADS} vocab={VOCAB} seq={SEQ} "
-        f"batch={BATCH}, AdamW, plan='fsdp') on {mesh!r}; torch {torch.__version__}; "
+        f"batch={BATCH}, AdamW, shard='fsdp') on {mesh!r}; torch {torch.__version__}; "
         f"{torch.get_num_threads()} threads; median of {ns.repeat} fresh compiles (seconds)"
     )
     header = (

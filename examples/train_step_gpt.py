@@ -14,7 +14,7 @@ import copy
 import torch
 import torch.nn.functional as F  # noqa: N812
 
-import partita.plans
+import partita.presets
 from partita import Mesh
 from partita.demo import synthetic_batch
 from partita.models import GPT, GPTConfig
@@ -23,7 +23,7 @@ from partita.train import train_step
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", default="fsdp+tp", choices=partita.plans.PLANS)
+    parser.add_argument("--plan", default="fsdp+tp", choices=partita.presets.PRESETS)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
 
@@ -38,7 +38,7 @@ def main() -> None:
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
-    step = train_step(model, loss_fn, optimizer, mesh=mesh, plan=args.plan, max_grad_norm=1.0)
+    step = train_step(model, loss_fn, optimizer, mesh=mesh, shard=args.plan, max_grad_norm=1.0)
 
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_schedule = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=args.steps)

@@ -33,6 +33,7 @@ _VALUES = (
     "partita.mesh",
     "partita.plan_roles",
     "partita.plans",
+    "partita.presets",
     "partita.spec",
     "partita.tensor",
 )
@@ -58,7 +59,6 @@ _API_PACKAGES = (
     "partita.checkpoint",
     "partita.manual",
     "partita.models.",
-    "partita.presets",
     "partita.scan_layers",
     "partita.training",
     "partita.virtual",

@@ -120,7 +120,7 @@ def test_module_weights_sharded_by_param_specs():
 
 
 def test_param_specs_errors():
-    with pytest.raises(ValueError, match=r"plan keys \['nope'\] match no parameter"):
+    with pytest.raises(ValueError, match=r"preset keys \['nope'\] match no parameter"):
         partita.jit(_model(), mesh=MESH, param_specs={"nope": P("model")})
     with pytest.raises(JitArgumentError, match=r"param_specs=.*shards the weights of an nn.Mod"):
         partita.jit(lambda x: x, mesh=MESH, param_specs={"w": P()})

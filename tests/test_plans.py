@@ -1,4 +1,4 @@
-"""``partita.plans``: what each preset rule gives a parameter and the reason it reports.
+"""``partita.presets``: what each preset rule gives a parameter and the reason it reports.
 
 Models from ``transformers`` are in ``test_models.py``; these use plain ``nn`` modules named
 like the library layers, so the name tables are checked without the library.
@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from partita import Mesh, P
-from partita.plans import (
-    StandardPlan,
+from partita.presets import (
+    StandardPreset,
     explain_param_specs,
     format_param_specs,
     param_specs,
@@ -121,12 +121,12 @@ def test_every_row_has_a_reason() -> None:
     assert explain_param_specs("dp", model, MESH)[0].reason == "dp: every parameter replicated"
     odd = explain_param_specs("fsdp", nn.Linear(3, 5), MESH)
     assert odd[0].reason == "fsdp: no free dim divisible by data=2"
-    plan = {"0.weight": P("model", None)}
-    rows = explain_param_specs(plan, model, MESH)
-    assert (rows[0].spec, rows[0].reason) == (P("model", None), "plan key '0.weight'")
+    preset = {"0.weight": P("model", None)}
+    rows = explain_param_specs(preset, model, MESH)
+    assert (rows[0].spec, rows[0].reason) == (P("model", None), "preset key '0.weight'")
     assert (rows[1].spec, rows[1].reason) == (P(), "no key matches: replicated")
     rows = explain_param_specs(lambda name, p: None, model, MESH)
-    assert rows[0].reason == "the plan callable" and rows[0].spec == P()
+    assert rows[0].reason == "the preset callable" and rows[0].spec == P()
 
 
 def test_format_param_specs_is_a_table() -> None:
@@ -146,17 +146,17 @@ def test_split_fraction_counts_elements() -> None:
     assert split_fraction(param_specs("dp", model, MESH), model, "model") == 0.0
 
 
-def test_dict_plan_errors_read_the_same_through_explain() -> None:
-    with pytest.raises(ValueError, match=r"plan keys \['nope\*'\] match no parameter"):
+def test_dict_preset_errors_read_the_same_through_explain() -> None:
+    with pytest.raises(ValueError, match=r"preset keys \['nope\*'\] match no parameter"):
         explain_param_specs({"nope*": P("data")}, nn.Linear(2, 2), MESH)
     with pytest.raises(ValueError, match=r"parameter 'weight' \(shape \(2, 2\)\).*does not fit"):
         explain_param_specs({"weight": P("x")}, nn.Linear(2, 2), MESH)
     with pytest.raises(ValueError, match="splits parameters over a model mesh axis named 'mp'"):
-        explain_param_specs(StandardPlan("tp", model_axis="mp"), nn.Linear(2, 2), MESH)
+        explain_param_specs(StandardPreset("tp", model_axis="mp"), nn.Linear(2, 2), MESH)
 
 
-def test_the_dict_plan_of_docs_models() -> None:
-    """The wildcard plan docs/models.md writes for a model the presets do not know."""
+def test_the_dict_preset_of_docs_models() -> None:
+    """The wildcard preset docs/models.md writes for a model the presets do not know."""
     block = nn.ModuleDict(
         {
             "attn": nn.ModuleDict({n: nn.Linear(8, 8) for n in ("Wq", "Wk", "Wv", "Wo")}),
@@ -164,14 +164,14 @@ def test_the_dict_plan_of_docs_models() -> None:
         }
     )
     model = nn.ModuleDict({"blocks": nn.ModuleList([block])})
-    plan = {
+    preset = {
         "*.attn.W[qkv].weight": P("model", None),
         "*.attn.W[qkv].bias": P("model"),
         "*.attn.Wo.weight": P(None, "model"),
         "*.ff.inner.weight": P("model", None),
         "*.ff.outer.weight": P(None, "model"),
     }
-    specs = param_specs(plan, model, MESH)
+    specs = param_specs(preset, model, MESH)
     assert specs["blocks.0.attn.Wk.weight"] == P("model", None)
     assert specs["blocks.0.attn.Wv.bias"] == P("model")
     assert specs["blocks.0.attn.Wo.weight"] == P(None, "model")

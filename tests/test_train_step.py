@@ -33,7 +33,7 @@ from torch import nn
 from partita import Mesh, P
 from partita.errors import StateDictError
 from partita.models import GPT, GPTConfig, SmallCNN
-from partita.plans import StandardPlan, param_specs
+from partita.presets import StandardPreset, param_specs
 from partita.train import TrainStep, train_step
 
 RTOL = ATOL = 1e-5
@@ -134,7 +134,7 @@ PLAN_CASES = [
 def test_adamw_parity(plan: str, shape: tuple[int, ...]) -> None:
     model, ref = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), plan=plan)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), shard=plan)
     batches = gpt_batches()
     want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
     got = run(step, batches)
@@ -145,7 +145,7 @@ def test_optimizer_state_dict_matches_torch() -> None:
     model, ref = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), plan="fsdp+tp")
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), shard="fsdp+tp")
     batches = gpt_batches(3)
     reference(ref, gpt_loss, ref_opt, batches)
     run(step, batches)
@@ -162,7 +162,7 @@ def test_state_dict_round_trip_continues_like_torch() -> None:
     model, _ = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mesh = mesh_for("fsdp", (8,))
-    step = train_step(model, gpt_loss, opt, mesh=mesh, plan="fsdp")
+    step = train_step(model, gpt_loss, opt, mesh=mesh, shard="fsdp")
     first, rest = gpt_batches(2), gpt_batches(2, seed=1)
     run(step, first)
     checkpoint = step.state_dict()
@@ -172,7 +172,7 @@ def test_state_dict_round_trip_continues_like_torch() -> None:
     ref_opt.load_state_dict(checkpoint["optimizer"])
     fresh, _ = gpt_pair()
     resumed = train_step(
-        fresh, gpt_loss, torch.optim.AdamW(fresh.parameters(), lr=1e-2), mesh=mesh, plan="fsdp"
+        fresh, gpt_loss, torch.optim.AdamW(fresh.parameters(), lr=1e-2), mesh=mesh, shard="fsdp"
     )
     resumed.load_state_dict(checkpoint)
     want = reference(ref, gpt_loss, ref_opt, rest)
@@ -190,7 +190,7 @@ def test_clipping_by_global_norm(plan: str) -> None:
     model, ref = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = train_step(
-        model, gpt_loss, opt, mesh=mesh_for(plan, (2, 4)), plan=plan, max_grad_norm=0.3
+        model, gpt_loss, opt, mesh=mesh_for(plan, (2, 4)), shard=plan, max_grad_norm=0.3
     )
     batches = gpt_batches()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -222,7 +222,7 @@ def test_activation_checkpointing(shape: tuple[int, ...]) -> None:
     model, ref = gpt_pair(checkpoint=True, n_layer=2)
     plan = "fsdp+tp" if len(shape) == 2 else "fsdp"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), plan=plan)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), shard=plan)
     batches = gpt_batches()
     want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
     assert_same(step, ref, run(step, batches), want)
@@ -234,7 +234,7 @@ def test_lr_scheduler_changes_data_not_the_program() -> None:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.3)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for("tp", (2, 4)), plan="tp")
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("tp", (2, 4)), shard="tp")
     batches = gpt_batches(6)
     want = reference(ref, gpt_loss, ref_opt, batches, scheduler=ref_sched)
     assert_same(step, ref, run(step, batches, scheduler=sched), want)
@@ -254,7 +254,7 @@ def test_lr_scheduler_changes_data_not_the_program() -> None:
 def test_other_optimizers(make_opt: Callable[..., torch.optim.Optimizer]) -> None:
     model, ref = gpt_pair()
     step = train_step(
-        model, gpt_loss, make_opt(model.parameters()), mesh=mesh_for("fsdp", (8,)), plan="fsdp"
+        model, gpt_loss, make_opt(model.parameters()), mesh=mesh_for("fsdp", (8,)), shard="fsdp"
     )
     batches = gpt_batches(4)
     want = reference(ref, gpt_loss, make_opt(ref.parameters()), batches)
@@ -267,7 +267,7 @@ def test_cnn_batch_norm_running_stats_under_dp() -> None:
     ref = copy.deepcopy(model)
     make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
     step = train_step(
-        model, F.cross_entropy, make(model.parameters()), mesh=mesh_for("dp", (8,)), plan="dp"
+        model, F.cross_entropy, make(model.parameters()), mesh=mesh_for("dp", (8,)), shard="dp"
     )
     batches = cnn_batches()
     want = reference(ref, F.cross_entropy, make(ref.parameters()), batches)
@@ -296,7 +296,7 @@ def test_mixed_precision_bf16() -> None:
 def test_memory_and_plan() -> None:
     model, _ = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), plan="fsdp+tp")
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), shard="fsdp+tp")
     assert step.plan is None
     plan = step.lower(gpt_batches(1)[0])
     assert step.plan is plan and plan.collectives
@@ -380,7 +380,7 @@ def test_dict_and_callable_plans() -> None:
     }
     specs = param_specs(lambda name, p: P("data") if p.ndim == 2 else None, model, mesh)
     assert specs["2.weight"] == P("data") and specs["2.bias"] == P()
-    plan = StandardPlan("fsdp", data_axis="model")
+    plan = StandardPreset("fsdp", data_axis="model")
     assert param_specs(plan, model, mesh)["0.weight"] == P("model", None)
 
 
@@ -397,13 +397,13 @@ def test_dict_and_callable_plans() -> None:
 )
 def test_vocab_parallel(kind: str) -> None:
     model, ref = gpt_pair()
-    plan = StandardPlan(kind, vocab_parallel=True)
+    plan = StandardPreset(kind, vocab_parallel=True)
     mesh = mesh_for(kind, (2, 4))
     specs = param_specs(plan, model, mesh)
     assert specs["tok_emb.weight"][0] == "model" and specs["head.weight"][0] == "model"
     assert specs["pos_emb.weight"][0] != "model"  # only the largest embedding
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh, plan=plan)
+    step = train_step(model, gpt_loss, opt, mesh=mesh, shard=plan)
     batches = gpt_batches(4)
     want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
     assert_same(step, ref, run(step, batches), want)
@@ -413,7 +413,7 @@ def test_dict_plan_trains() -> None:
     model, ref = gpt_pair()
     plan = {"*.mlp.fc.weight": P("model", None), "*.mlp.proj.weight": (None, "model")}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for("tp", (2, 4)), plan=plan)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("tp", (2, 4)), shard=plan)
     batches = gpt_batches(3)
     want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
     assert_same(step, ref, run(step, batches), want)
@@ -459,14 +459,14 @@ def test_argument_errors() -> None:
         _build(sgd, max_grad_norm=0)
     with pytest.raises(ValueError, match="mixed_precision must be None, 'bf16'"):
         _build(sgd, mixed_precision="int8")
-    with pytest.raises(ValueError, match="unknown plan 'zero'; the presets are"):
-        _build(sgd, plan="zero")
-    with pytest.raises(ValueError, match=r"plan keys \['nope\*'\] match no parameter"):
-        _build(sgd, plan={"nope*": P("data")})
+    with pytest.raises(ValueError, match="unknown preset 'zero'; the presets are"):
+        _build(sgd, shard="zero")
+    with pytest.raises(ValueError, match=r"preset keys \['nope\*'\] match no parameter"):
+        _build(sgd, shard={"nope*": P("data")})
     with pytest.raises(ValueError, match="splits parameters over a model mesh axis named 'model'"):
-        _build(sgd, plan="tp")
+        _build(sgd, shard="tp")
     with pytest.raises(ValueError, match=r"parameter 'weight'.*does not fit"):
-        _build(sgd, plan={"weight": P("model")})
+        _build(sgd, shard={"weight": P("model")})
     with pytest.raises(TypeError, match=r"a torch\.optim optimizer instance"):
         train_step(nn.Linear(2, 2), F.mse_loss, "adamw", mesh=MESH)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"needs an nn\.Module"):

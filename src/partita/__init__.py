@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from partita import checkpoint, data, distributed, plans
+from partita import checkpoint, data, distributed, presets
 from partita.api import mark_sharding
 from partita.distributed import is_main_process, process_count, process_index
 from partita.errors import (
@@ -51,7 +51,6 @@ from partita.manual import (
 from partita.mesh import HybridMesh, Mesh
 from partita.partition import CollectiveRecord, Plan
 from partita.rules import FactorRule, einsum_rule, register_rule
-from partita.scan_layers import scan_layers
 from partita.scan_layers import scan_layers
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor, clear_sharding, reshard
@@ -118,10 +117,10 @@ __all__ = [
     "jit",
     "mark_sharding",
     "metrics",
-    "plans",
     "pmax",
     "pmean",
     "ppermute",
+    "presets",
     "process_count",
     "process_index",
     "psum",
@@ -129,10 +128,18 @@ __all__ = [
     "register_rule",
     "reshard",
     "scan_layers",
-    "scan_layers",
     "shard_map",
     "sync",
     "train_step",
     "use_spmd",
     "visualize_sharding",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """``partita.plans``: the deprecated name of :mod:`partita.presets` (importing it warns)."""
+    if name == "plans":
+        from partita import plans
+
+        return plans
+    raise AttributeError(f"module 'partita' has no attribute {name!r}")

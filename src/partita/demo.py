@@ -30,7 +30,7 @@ from rich.table import Table
 from partita.mesh import Mesh
 from partita.models import GPT, GPTConfig
 from partita.partition.plan import format_bytes
-from partita.plans import PLANS
+from partita.presets import PRESETS
 from partita.train import TrainStep, train_step
 
 __all__ = ["add_arguments", "run", "synthetic_batch"]
@@ -43,7 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mesh", type=mesh_arg, default="2x4", help="mesh shape: 2x4 (data x model) or 8 (data)"
     )
-    parser.add_argument("--plan", default="fsdp+tp", choices=PLANS, help="sharding plan")
+    parser.add_argument(
+        "--shard", "--plan", dest="shard", default="fsdp+tp", choices=PRESETS,
+        help="parameter sharding preset (--plan is its old name)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=int, default=80, help="training steps")
     parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
     parser.add_argument("--d-model", type=int, default=32, help="model width")
@@ -158,7 +161,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr)
-    step = train_step(model, loss_fn, opt, mesh=mesh, plan=args.plan)
+    step = train_step(model, loss_fn, opt, mesh=mesh, shard=args.shard)
     console.print(
         f"[bold]partita demo[/]: a {args.layers}-layer GPT (d_model {args.d_model}, "
         f"{args.heads} heads, vocab {args.vocab}, seq {args.seq}) learns to continue counting "
@@ -166,7 +169,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     )
     console.print(
         f"mesh: {mesh!r} = {mesh.size} simulated devices, ids {mesh.devices.tolist()}; "
-        f"plan {args.plan!r}, batch {step.batch_spec}"
+        f"plan {args.shard!r}, batch {step.batch_spec}"  # tests/test_cli.py reads this text
     )
     gen = torch.Generator().manual_seed(args.seed)
     batches = [synthetic_batch(gen, args.batch, args.seq, args.vocab) for _ in range(args.steps)]

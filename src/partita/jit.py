@@ -36,7 +36,7 @@ from partita.layout import shard_tensor
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
 from partita.partition.explicit import check_mode, collectives_mode
-from partita.plans import PlanLike
+from partita.presets import PresetLike as PlanLike
 from partita.propagate import propagate
 from partita.runtime.distributed import distributed_executor
 from partita.runtime.local import LocalMesh
@@ -356,7 +356,7 @@ def jit(
         strict: raise instead of warning on an involuntary full rematerialization.
         replicate_unsupported: run ops without a sharding rule on gathered inputs.
         param_specs: for a module: how to shard its parameters, any plan
-            :func:`partita.plans.param_specs` takes: ``{"0.weight": P("model", None)}``
+            :func:`partita.presets.param_specs` takes: ``{"0.weight": P("model", None)}``
             (names or fnmatch patterns, unmatched parameters replicated), a preset name
             (``"fsdp"``, ``"tp"``, ...) or ``fn(name, param) -> P | None``.
         cache_limit: how many compiled input signatures to keep (default 64); the least

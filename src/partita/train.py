@@ -1,19 +1,22 @@
 """``partita.train_step``: an nn.Module, a loss and a torch.optim optimizer as one sharded program.
 
-:func:`train_step` builds a :class:`TrainStep`. It reads the module's parameters and buffers
-and the optimizer's hyperparameters once, resolves the plan (``partita.plans``) to one spec per
-parameter, and from then on *owns* the training state as ShardedTensors: the parameters, the
-buffers (batch-norm running statistics are program inputs and outputs, replicated), the
-optimizer states (sharded like their parameters) and the step counter. ``step(batch)`` runs
-forward, backward, optional gradient clipping and the update as one program compiled by
-``partita.jit`` from :func:`partita.training.functional_step`, and returns the loss.
+:func:`train_step` builds a :class:`TrainStep`. It reads the module's parameters and buffers and
+the optimizer's hyperparameters once, resolves the sharding preset (``shard=``, see
+:mod:`partita.presets`) to one spec per parameter, and from then on *owns* the training state as
+ShardedTensors: the parameters, the buffers (batch-norm running statistics are program inputs
+and outputs, replicated), the optimizer states (sharded like their parameters) and the step
+counter. ``step(batch)`` runs forward, backward, optional gradient clipping and the update as
+one program compiled by ``partita.jit`` from :func:`partita.training.functional_step`, and
+returns the loss.
 
 The learning rate is read from ``optimizer.param_groups[0]["lr"]`` at every call and passed as
 data, so ``torch.optim.lr_scheduler`` schedulers attached to the optimizer work unchanged
 (call ``scheduler.step()`` as usual; never ``optimizer.step()``). Everything else about the
 optimizer is fixed when the step is built.
 
-This module ties the pieces together; the sharding decisions are the plan's and propagation's,
+Vocabulary (see docs/concepts.md): ``shard=`` is the parameter preset; ``step.plan`` is the
+report of the compiled program (:class:`partita.Plan`). This module ties the pieces together;
+the sharding decisions are the preset's and propagation's,
 the update math is ``partita.training``', the checks of each batch ``partita.train_checks``'
 and the checkpoint layout (tied names, optimizer indices, atomic loading)
 ``partita.train_state``'.
@@ -32,17 +35,22 @@ from torch.utils import _pytree as pytree
 from partita.jit import Jitted, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
-from partita.plans import PlanLike, default_batch_spec, param_specs
+from partita.presets import PresetLike, default_batch_spec, param_specs
 from partita.spec import P, PartitionSpec
 from partita.tensor import ShardedTensor
-from partita.train_checks import check_batch, check_optimizer_params
+from partita.train_checks import (
+    check_batch,
+    check_optimizer_params,
+    compute_dtype,
+    deprecated,
+    preset_argument,
+)
 from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
 from partita.training import functional_step, init_opt_state, optimizer_config
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
 
 Tensors = dict[str, torch.Tensor]
-MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _is_sharded(x: Any) -> bool:
@@ -62,9 +70,14 @@ class TrainStep:
 
     Attributes:
         mesh: the mesh.
-        param_specs: ``{parameter name: PartitionSpec}`` the plan chose.
+        param_specs: ``{parameter name: PartitionSpec}`` the preset chose.
         batch_spec: the spec every tensor of the batch gets.
         params / buffers / opt_state: the sharded training state (ShardedTensors).
+        plan: the Plan of the last compiled step (None before the first call or ``lower``).
+
+    Run a step by calling it, ``step(batch)``, like an ``nn.Module``; read the trainable
+    parameters from ``params`` (like ``optimizer.state``). The older spellings ``step.step(...)``,
+    ``step.last_plan`` and ``step.parameters()`` still work and warn DeprecationWarning.
     """
 
     def __init__(
@@ -74,13 +87,15 @@ class TrainStep:
         optimizer: torch.optim.Optimizer,
         *,
         mesh: Mesh,
-        plan: PlanLike = "fsdp",
+        shard: PresetLike = "fsdp",
         batch_spec: Any = None,
         max_grad_norm: float | None = None,
         mixed_precision: str | torch.dtype | None = None,
         strict: bool = False,
         replicate_unsupported: bool = False,
+        plan: PresetLike | None = None,
     ) -> None:
+        shard = preset_argument(shard, plan)
         if not isinstance(model, nn.Module):
             raise TypeError(f"train_step needs an nn.Module, got {type(model).__name__}.")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -96,7 +111,7 @@ class TrainStep:
         self.mesh = mesh
         self.optimizer = optimizer
         self.config = optimizer_config(optimizer)
-        self.compute_dtype = _compute_dtype(mixed_precision)
+        self.compute_dtype = compute_dtype(mixed_precision)
         named = dict(model.named_parameters())  # a tied parameter once, by its first name
         trainable = {k: v for k, v in named.items() if v.requires_grad}
         check_optimizer_params(optimizer, model, trainable)
@@ -108,8 +123,8 @@ class TrainStep:
                     "(master weights). Leave the model in float32 and pass "
                     "mixed_precision='bf16' for low-precision compute."
                 )
-        self.param_specs = param_specs(plan, model, mesh)
-        self.batch_spec = default_batch_spec(plan, mesh) if batch_spec is None else batch_spec
+        self.param_specs = param_specs(shard, model, mesh)
+        self.batch_spec = default_batch_spec(shard, mesh) if batch_spec is None else batch_spec
         self._trainable = list(trainable)
         # frozen parameters travel with the buffers: inputs and outputs, never updated (also
         # when the optimizer holds them: torch.optim skips a parameter whose grad is None)
@@ -146,7 +161,7 @@ class TrainStep:
         self._strict = strict
         self._replicate_unsupported = replicate_unsupported
         self._jitted: dict[bool, Jitted] = {}
-        self.last_plan: Plan | None = None
+        self.plan: Plan | None = None
 
     # --- compiling -------------------------------------------------------------------------
 
@@ -190,13 +205,14 @@ class TrainStep:
     def lower(self, batch: Any) -> Plan:
         """The Plan of one step on ``batch`` (compiles, does not run or change the state)."""
         plan = self._get_jitted().lower(*self._args(batch))
-        self.last_plan = plan
+        self.plan = plan
         return plan
 
     @property
-    def plan(self) -> Plan | None:
-        """The Plan of the last compiled step (None before the first ``step``/``lower``)."""
-        return self.last_plan
+    def last_plan(self) -> Plan | None:
+        """Deprecated spelling of :attr:`plan`."""
+        deprecated("TrainStep.last_plan", "TrainStep.plan")
+        return self.plan
 
     # --- running ---------------------------------------------------------------------------
 
@@ -211,16 +227,20 @@ class TrainStep:
         # This call *is* the optimizer's step: tell torch.optim.lr_scheduler so (it warns when
         # scheduler.step() comes before any optimizer.step(), reading this attribute).
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
-        if self.last_plan is None:
-            self.last_plan = jitted.lower(*args)
+        if self.plan is None:
+            self.plan = jitted.lower(*args)
         return loss.full()
 
-    step = __call__
+    def step(self, batch: Any) -> torch.Tensor:
+        """Deprecated spelling of ``step(batch)`` (call the TrainStep)."""
+        deprecated("TrainStep.step(batch)", "calling the TrainStep, step(batch)")
+        return self(batch)
 
     # --- reading the state back ------------------------------------------------------------
 
     def parameters(self) -> dict[str, ShardedTensor]:
-        """The sharded trainable parameters, by name (``.full()`` on one gathers it)."""
+        """Deprecated spelling of :attr:`params` (a copy of it)."""
+        deprecated("TrainStep.parameters()", "TrainStep.params")
         return dict(self.params)
 
     def full_parameters(self) -> Tensors:
@@ -298,31 +318,19 @@ class TrainStep:
         }
 
 
-def _compute_dtype(mixed_precision: str | torch.dtype | None) -> torch.dtype | None:
-    if mixed_precision is None or mixed_precision is torch.float32:
-        return None
-    if isinstance(mixed_precision, torch.dtype) and mixed_precision in MIXED_PRECISION.values():
-        return mixed_precision
-    if isinstance(mixed_precision, str) and mixed_precision in MIXED_PRECISION:
-        return MIXED_PRECISION[mixed_precision]
-    raise ValueError(
-        f"mixed_precision must be None, 'bf16' or 'fp16' (or the torch dtype), got "
-        f"{mixed_precision!r}."
-    )
-
-
 def train_step(
     model: nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
     optimizer: torch.optim.Optimizer,
     *,
     mesh: Mesh,
-    plan: PlanLike = "fsdp",
+    shard: PresetLike = "fsdp",
     batch_spec: Any = None,
     max_grad_norm: float | None = None,
     mixed_precision: str | torch.dtype | None = None,
     strict: bool = False,
     replicate_unsupported: bool = False,
+    plan: PresetLike | None = None,
 ) -> TrainStep:
     """Turn a module, a loss function and an optimizer into one sharded training step.
 
@@ -333,8 +341,9 @@ def train_step(
         optimizer: a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` over ``model.parameters()``
             (one parameter group). Its ``lr`` is re-read every step (schedulers work).
         mesh: the device mesh.
-        plan: ``"dp"``, ``"fsdp"``, ``"tp"``, ``"fsdp+tp"``, a dict ``{name or pattern:
-            spec}`` or a callable ``(name, param) -> spec`` (see ``partita.plans``).
+        shard: how to split the parameters, a preset (:mod:`partita.presets`): ``"dp"``,
+            ``"fsdp"``, ``"tp"``, ``"fsdp+tp"``, a dict ``{name or pattern: spec}`` or a
+            callable ``(name, param) -> spec``.
         batch_spec: the spec of every batch tensor, or a pytree prefix of the batch;
             default ``P('data')`` when the mesh has a ``data`` axis, else replicated.
         max_grad_norm: clip gradients by global 2-norm like ``clip_grad_norm_``.
@@ -343,6 +352,7 @@ def train_step(
         strict: raise on an involuntary full rematerialization instead of warning.
         replicate_unsupported: run ops without a sharding rule on gathered inputs (see
             ``partita.jit``) instead of failing.
+        plan: the deprecated name of ``shard`` (warns DeprecationWarning).
 
     Example:
         >>> from partita.models import GPT, GPTConfig
@@ -351,7 +361,7 @@ def train_step(
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         >>> def loss_fn(logits, targets):
         ...     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        >>> step = partita.train_step(model, loss_fn, opt, mesh=mesh, plan="fsdp+tp")
+        >>> step = partita.train_step(model, loss_fn, opt, mesh=mesh, shard="fsdp+tp")
         >>> ids = torch.randint(0, 64, (8, 16))
         >>> loss = step((ids, ids.roll(-1, 1)))          # ids, targets: [batch, seq]
         >>> loss.shape, sorted(step.full_parameters())[0]
@@ -362,7 +372,7 @@ def train_step(
         loss_fn,
         optimizer,
         mesh=mesh,
-        plan=plan,
+        shard=preset_argument(shard, plan),
         batch_spec=batch_spec,
         max_grad_norm=max_grad_norm,
         mixed_precision=mixed_precision,

@@ -1,15 +1,17 @@
 """What a training step checks about its inputs before it traces or runs anything.
 
 A training step's mistakes otherwise surface deep inside tracing or in the generated program,
-phrased in terms the user never wrote (``in_specs of 'step'``, a bare dtype error from a
-matmul, a ZeroDivisionError from a mean). These checks say it in the user's terms: which leaf
-of ``batch = (inputs, targets)``, its shape and dtype, what ``batch_spec`` gave it, why that
-cannot work and what to change. They also check that the optimizer was built over the model.
-This module does not trace, shard or run anything.
+phrased in terms the user never wrote (``in_specs of 'step'``, a bare dtype error from a matmul,
+a ZeroDivisionError from a mean). These checks say it in the user's terms: which leaf of ``batch
+= (inputs, targets)``, its shape and dtype, what ``batch_spec`` gave it, why that cannot work
+and what to change. They also check that the optimizer was built over the model, and read the
+step's arguments (``mixed_precision``, the deprecated ``plan=``). This module does not trace,
+shard or run anything.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -18,9 +20,17 @@ from torch.utils import _pytree as pytree
 
 from partita.errors import SpecError, TrainInputError
 from partita.mesh import Mesh
+from partita.presets import PresetLike
 from partita.spec import PartitionSpec
 
-__all__ = ["check_batch", "check_optimizer_params", "describe_batch"]
+__all__ = [
+    "check_batch",
+    "check_optimizer_params",
+    "compute_dtype",
+    "deprecated",
+    "describe_batch",
+    "preset_argument",
+]
 
 
 class _Leaf:
@@ -156,3 +166,33 @@ def check_optimizer_params(
             "the optimizer already has state (it has taken steps); train_step starts from "
             "fresh optimizer states. Load a checkpoint with TrainStep.load_state_dict instead."
         )
+
+
+MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def deprecated(old: str, new: str) -> None:
+    """Warn that ``old`` (a TrainStep spelling) is deprecated in favour of ``new``."""
+    warnings.warn(f"{old} is deprecated; use {new}.", DeprecationWarning, stacklevel=3)
+
+
+def preset_argument(shard: PresetLike, plan: PresetLike | None) -> PresetLike:
+    """``shard``, or the deprecated ``plan=`` when given (with a DeprecationWarning)."""
+    if plan is None:
+        return shard
+    deprecated("train_step(plan=...)", "train_step(shard=...) (the same presets)")
+    return plan
+
+
+def compute_dtype(mixed_precision: str | torch.dtype | None) -> torch.dtype | None:
+    """The low-precision compute dtype ``mixed_precision`` names (None: float32)."""
+    if mixed_precision is None or mixed_precision is torch.float32:
+        return None
+    if isinstance(mixed_precision, torch.dtype) and mixed_precision in MIXED_PRECISION.values():
+        return mixed_precision
+    if isinstance(mixed_precision, str) and mixed_precision in MIXED_PRECISION:
+        return MIXED_PRECISION[mixed_precision]
+    raise ValueError(
+        f"mixed_precision must be None, 'bf16' or 'fp16' (or the torch dtype), got "
+        f"{mixed_precision!r}."
+    )

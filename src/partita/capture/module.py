@@ -8,8 +8,8 @@ shape or dtype changed gives a new signature. The traced function is
 arguments are ``(params, buffers, *args)``; :class:`ModuleInputs` builds them, their in_specs
 and readable names.
 
-Weights are replicated unless ``param_specs`` shards them: any plan
-:func:`partita.plans.param_specs` accepts (a preset name, ``{name or pattern: P}``, a callable
+Weights are replicated unless ``param_specs`` shards them: any preset
+:func:`partita.presets.param_specs` accepts (a preset name, ``{name or pattern: P}``, a callable
 ``(name, param) -> P | None``), resolved once when the module is jitted. Buffers are replicated.
 
 This module does not trace or run anything.
@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from partita.mesh import Mesh
-from partita.plans import PlanLike, param_specs
+from partita.presets import PresetLike, param_specs
 from partita.spec import PartitionSpec
 
 __all__ = ["ModuleInputs"]
@@ -32,10 +32,10 @@ __all__ = ["ModuleInputs"]
 class ModuleInputs:
     """The weights of a jitted module as the first two (dict) arguments of its program."""
 
-    def __init__(self, module: nn.Module, mesh: Mesh, plan: PlanLike | None) -> None:
+    def __init__(self, module: nn.Module, mesh: Mesh, preset: PresetLike | None) -> None:
         self.module = module
         self.param_specs: dict[str, PartitionSpec] = (
-            {} if plan is None else param_specs(plan, module, mesh)
+            {} if preset is None else param_specs(preset, module, mesh)
         )
 
     def call(
