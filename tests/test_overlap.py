@@ -7,6 +7,7 @@ they run in (no processes); the multi-process test is ``slow``.
 
 from __future__ import annotations
 
+import operator
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,29 @@ def test_gloo_results_equal_under_every_setting(tmp_path: Path) -> None:
     for kind in ("ag", "ar", "rs"):
         for a, b in zip(fused[kind], fused[kind + "1"], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6, msg=kind)
+
+
+def test_a_bucket_waits_for_the_first_use_of_a_member() -> None:
+    """The getitems right after a fused call are not uses: the wait goes before the add."""
+    rec = _Recorder()
+
+    def note(tag: str, x: torch.Tensor) -> torch.Tensor:
+        rec.log.append(tag)
+        return x
+
+    g = fx.Graph()
+    w1, w2, x = g.placeholder("w1"), g.placeholder("w2"), g.placeholder("x")
+    fused = g.call_function(ops.all_gather_bucket.default, ([w1, w2], [0, 0], ["x"], 1))
+    fused.meta["bytes"] = 32
+    a, b = (g.call_function(operator.getitem, (fused, i)) for i in range(2))
+    h = g.call_function(note, ("compute", g.call_function(aten.mul.Tensor, (x, 2.0))))
+    g.output(g.call_function(aten.add.Tensor, (g.call_function(aten.add.Tensor, (h, a)), b)))
+    gm = fx.GraphModule(nn.Module(), g)
+    args = (torch.ones(4), torch.full((4,), 2.0), torch.arange(4.0))
+    want = gm(*args)
+    targets = {ops.all_gather_bucket.default}
+    schedule_overlap(gm.graph, targets, rec.start, rec.wait, lambda t: "all_gather_bucket", 64)
+    gm.recompile()
+    rec.log.clear()
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+    assert [e.split()[0] for e in rec.log] == ["start", "compute", "wait"]

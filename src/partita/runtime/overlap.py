@@ -20,6 +20,7 @@ has no overlap to gain and runs the program as partitioned.
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Callable, Collection
 from typing import Any
@@ -89,9 +90,23 @@ def schedule_overlap(
     priority = dict(pos)
     for h, w in pairs:
         priority[h] = max((pos[a] for a in h.all_input_nodes), default=-1.0) + 0.5
-        priority[w] = min(pos[u] for u in w.users) - 0.5
+        priority[w] = _first_use(w, pos) - 0.5
+        for u in w.users:  # a bucket's getitems move with its wait, not before it
+            if u.target is operator.getitem:
+                priority[u] = _first_use(u, pos) - 0.25
     reorder(graph, priority)
     _bound_in_flight(graph, {h: w for h, w in pairs}, limit_bytes)
+
+
+def _first_use(node: fx.Node, pos: dict[fx.Node, float]) -> float:
+    """Where the result is first read: through a bucket's ``getitem`` to the member's users."""
+    uses = []
+    for u in node.users:
+        if u.target is operator.getitem:
+            uses.extend(pos[v] for v in u.users)
+        else:
+            uses.append(pos[u])
+    return min(uses, default=max(pos.values()))
 
 
 def _bound_in_flight(graph: fx.Graph, wait_of: dict[fx.Node, fx.Node], limit: int) -> None:
