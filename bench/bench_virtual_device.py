@@ -61,7 +61,8 @@ def bench_virtual(cfg: GPTConfig, mesh: Mesh, data: list) -> dict[str, list[floa
     dev = partita.use_spmd(mesh)
     torch.manual_seed(0)
     model = GPT(cfg).to(dev)
-    for name, spec in partita.plans.param_specs("fsdp+tp", model, mesh).items():
+    presets = getattr(partita, "presets", None) or partita.plans
+    for name, spec in presets.param_specs("fsdp+tp", model, mesh).items():
         partita.mark_sharding(model.get_parameter(name), mesh, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     out: dict[str, list[float]] = {"step": [], "record": [], "sync": []}

@@ -279,6 +279,23 @@ def test_a_second_process_reuses_the_persistent_cache(dev: torch.device, tmp_pat
     assert second["losses"] == first["losses"]
 
 
+@pytest.mark.slow
+def test_the_loop_under_torch_distributed_equals_the_local_mesh(dev: torch.device) -> None:
+    from partita.runtime.launch import spawn
+
+    mesh = Mesh.create((1, 2), ("data", "model"))
+    try:
+        local = _cache_script().run(None, steps=3, mesh=mesh)
+    finally:
+        partita.use_spmd(MESH)
+    results = spawn([str(SCRIPT.parent / "virtual_dist.py")], 2, timeout=300)
+    assert all(r.returncode == 0 for r in results), [r.stderr[-2000:] for r in results]
+    got = json.loads(results[0].stdout.strip().splitlines()[-1])
+    torch.testing.assert_close(got["losses"], local["losses"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["weight"], local["weight"], rtol=1e-5, atol=1e-5)
+    assert got["compiles"] == 1
+
+
 def test_a_tampered_cache_file_is_ignored(dev: torch.device, tmp_path: Path) -> None:
     def run_once() -> tuple[int, int]:
         virtual_step._CACHE.clear()  # forget the in-memory programs: only the disk can help

@@ -19,19 +19,19 @@ from partita import Mesh, P
 MESH = Mesh.create((2, 4), ("data", "model"))
 
 
-def run(cache_dir: str, steps: int = 2) -> dict:
+def run(cache_dir: str | None, steps: int = 2, mesh: Mesh = MESH) -> dict:
     """Train a small MLP for ``steps`` steps on the virtual device; losses and metrics."""
-    dev = partita.use_spmd(MESH, cache_dir=cache_dir)
+    dev = partita.use_spmd(mesh, cache_dir=cache_dir)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(dev)
-    partita.mark_sharding(model[0].weight, MESH, P("model", None))
-    partita.mark_sharding(model[2].weight, MESH, P(None, "model"))
+    partita.mark_sharding(model[0].weight, mesh, P("model", None))
+    partita.mark_sharding(model[2].weight, mesh, P(None, "model"))
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     before = partita.metrics(reset=True)
     losses = []
     for _ in range(steps):
         x, y = torch.randn(8, 8).to(dev), torch.randn(8, 4).to(dev)
-        partita.mark_sharding(x, MESH, P("data", None))
+        partita.mark_sharding(x, mesh, P("data", None))
         loss = F.mse_loss(model(x), y)
         loss.backward()
         opt.step()
@@ -40,7 +40,8 @@ def run(cache_dir: str, steps: int = 2) -> dict:
         losses.append(loss.item())
     m = partita.metrics(reset=True)
     partita.metrics().__dict__.update(before.__dict__)  # the caller's counters continue
-    return {"losses": losses, "compiles": m.compiles, "disk_hits": m.disk_hits}
+    weight = model[0].weight.cpu().tolist()
+    return {"losses": losses, "compiles": m.compiles, "disk_hits": m.disk_hits, "weight": weight}
 
 
 if __name__ == "__main__":

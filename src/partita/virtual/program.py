@@ -3,9 +3,9 @@
 :func:`compile_step` drives the ordinary pipeline, the way ``partita.jit`` does for one input
 signature: ``capture.trace`` (inputs annotated with their data's sharding, plain tensors
 replicated), ``propagate``, ``partition``. :meth:`StepProgram.run` feeds the per-device program
-the inputs' stacked shards on the LocalMesh (or this rank's shards under torch.distributed),
-writes in-place updates of data back (the ``Parameter`` objects stay the same), and returns the
-results as ShardedTensors. This module holds no sharding logic and does not record ops.
+the inputs' stacked shards on the LocalMesh (or this rank's shards under torch.distributed) and
+returns the results and the new values of the inputs updated in place, as ShardedTensors.
+This module holds no sharding logic and does not record ops.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 
 from partita import capture
 from partita.explain import format_program
-from partita.jit import Compiled, write_back
+from partita.jit import Compiled
 from partita.layout import shard_tensor
 from partita.mesh import Mesh
 from partita.partition import partition
@@ -57,22 +57,24 @@ class StepProgram:
     n_results: int
     compiled: Compiled | None = None
 
-    def run(self, mesh: Mesh, inputs: Sequence[Any]) -> list[ShardedTensor]:
-        """Run on ``inputs`` (ShardedTensors, plain tensors = replicated); the results."""
+    def run(
+        self, mesh: Mesh, inputs: Sequence[Any]
+    ) -> tuple[list[ShardedTensor], list[tuple[int, ShardedTensor]]]:
+        """Run on ``inputs`` (ShardedTensors, plain tensors = replicated): the results, and
+        ``(input index, new value)`` for each input the step updated in place (the caller
+        rebinds its cell; nothing is copied, and under torch.distributed the new value is this
+        process's shards)."""
         tensors = [*inputs, *self.constants]
         executor = distributed_executor(mesh)
         if executor is not None:
-            if self.compiled is None:
-                raise RuntimeError(
-                    "A step read from the persistent compile cache cannot run under "
-                    "torch.distributed; unset the cache directory for distributed runs."
-                )
+            assert (
+                self.compiled is not None
+            )  # steps from disk are only used without a process group
             outs = executor.run_compiled(self.compiled, tensors)
         else:
             outs = self._run_local(mesh, tensors)
-        for i, new in zip(self.mutated_inputs, outs[self.n_results :], strict=True):
-            write_back(tensors[i], new)
-        return outs[: self.n_results]
+        updates = list(zip(self.mutated_inputs, outs[self.n_results :], strict=True))
+        return outs[: self.n_results], updates
 
     def _run_local(self, mesh: Mesh, tensors: list[Any]) -> list[ShardedTensor]:
         stacked = []

@@ -117,7 +117,10 @@ class Recording:
         for _, value in self.inputs:
             if isinstance(value, Cell):
                 data = value.data
-                sharding = data.sharding if isinstance(data, ShardedTensor) else None
+                # A plain tensor is replicated: the same input as a replicated ShardedTensor.
+                sharding = data.sharding if isinstance(data, ShardedTensor) else "replicated"
+                if getattr(sharding, "is_replicated", False) and not sharding.partial:
+                    sharding = "replicated"
                 described.append((tuple(value.meta.shape), value.meta.dtype, sharding))
             else:
                 described.append(("cpu", tuple(value.shape), value.dtype))

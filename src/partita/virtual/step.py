@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from partita.mesh import Mesh
-from partita.tensor import ShardedTensor
+from partita.runtime.distributed import distributed_executor
+from partita.tensor import ShardedTensor, reshard
 from partita.virtual import disk_cache, recording
 from partita.virtual.device import VirtualDeviceError
 from partita.virtual.lazy import Cell
@@ -182,10 +183,14 @@ def sync() -> None:
         _CACHE.move_to_end(key)
         m.cache_hits += 1
     started = time.perf_counter()
-    results = program.run(mesh(), inputs)
+    results, updates = program.run(mesh(), inputs)
     m.run_seconds += time.perf_counter() - started
     for cell, value in zip(out_cells, results, strict=True):
         cell.data = value
+    for i, value in updates:  # in-place updates of data: the cell (the Parameter) is kept
+        cell = rec.inputs[i][1] if i < len(rec.inputs) else None
+        if isinstance(cell, Cell):
+            cell.data = _keep_layout(cell.data, value)
     for _, value in rec.inputs:
         if isinstance(value, Cell):
             value.base.dirty = False
@@ -194,6 +199,19 @@ def sync() -> None:
     for _, value in rec.inputs:
         if isinstance(value, Cell):
             value.slot = None
+
+
+def _keep_layout(old: Any, new: ShardedTensor) -> Any:
+    """``new`` in ``old``'s layout: a tensor updated in place keeps the sharding the user gave
+    it with mark_sharding, whatever the program produced (the next step's key stays the same).
+    Under torch.distributed the program's layout is kept (this process holds only its shards).
+    """
+    old_sharding = old.sharding if isinstance(old, ShardedTensor) else None
+    if type(new) is not ShardedTensor or old_sharding == new.sharding:
+        return new
+    if old_sharding is None:
+        return new if new.sharding.is_replicated and not new.sharding.partial else new.full()
+    return reshard(new, old_sharding)
 
 
 def _inputs(rec: recording.Recording) -> list[Any]:
@@ -208,7 +226,9 @@ def _compile(
     rec: recording.Recording, out_cells: list[Cell], key: Hashable, inputs: list[Any]
 ) -> StepProgram:
     m: Metrics = _STATE["metrics"]
-    program = disk_cache.load(key, mesh())
+    # Under torch.distributed every rank compiles (the executor checks the programs agree).
+    local = distributed_executor(mesh()) is None
+    program = disk_cache.load(key, mesh()) if local else None
     if program is not None:
         m.disk_hits += 1
     else:

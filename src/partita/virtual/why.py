@@ -17,7 +17,7 @@ __all__ = ["recompile_reason"]
 def _describe_input(desc: tuple[Any, ...]) -> str:
     if desc[0] == "cpu":
         return f"CPU tensor {list(desc[1])} {desc[2]}"
-    sharding = desc[2].spec if desc[2] is not None else "replicated"
+    sharding = getattr(desc[2], "spec", desc[2])
     return f"{list(desc[0])} {desc[1]} {sharding}"
 
 
