@@ -319,3 +319,34 @@ def test_a_tampered_cache_file_is_ignored(dev: torch.device, tmp_path: Path) -> 
             row["target"] = "os::system.default"  # never resolved: only torch.ops names load
     saved.write_text(json.dumps(data))
     assert run_once() == (1, 0)
+
+
+def test_another_privateuse1_backend_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    from partita.virtual import device
+
+    monkeypatch.setattr(device, "_FACTORY", [])  # as if not registered yet
+    monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
+    with pytest.raises(VirtualDeviceError, match=r"already registered as 'npu'.*cannot become"):
+        device.register(lambda *a: None, lambda *a: None)
+
+
+def test_a_step_before_use_spmd_says_what_to_call(
+    dev: torch.device, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    x = torch.ones(4).to(dev) * 2
+    monkeypatch.setitem(virtual_step._STATE, "mesh", None)
+    with pytest.raises(VirtualDeviceError, match=r"Call dev = partita\.use_spmd\(mesh\) first"):
+        partita.sync()
+    monkeypatch.undo()
+    torch.testing.assert_close(x.cpu(), torch.full((4,), 2.0))  # the step was kept
+
+
+def test_priority_is_refused_on_device_tensors(dev: torch.device) -> None:
+    x = torch.ones(4, 4).to(dev)
+    with pytest.raises(ValueError, match="only applies to annotations inside a captured"):
+        partita.mark_sharding(x, MESH, P("data", None), priority=1)
+
+
+def test_sharded_needs_a_device_tensor() -> None:
+    with pytest.raises(TypeError, match=r"takes a tensor of the virtual device .*\.to\(dev\)"):
+        partita.virtual.sharded(torch.ones(2))

@@ -99,8 +99,10 @@ class Recording:
             return ("t", self.snapshot(x))
         if isinstance(x, ShardedTensor):
             raise VirtualDeviceError(
-                f"An op on the virtual device got a ShardedTensor of shape {tuple(x.shape)}; "
-                f"wrap it first (partita.virtual.from_sharded) or call .full()."
+                f"An op on the virtual device got a ShardedTensor of shape {tuple(x.shape)} "
+                f"({x.spec}) inside a list argument, where it cannot be converted: ops mix "
+                f"device tensors with ShardedTensors only as direct arguments. Pass x.full(), "
+                f"or move the value to the device (x.full().to(dev)) and mark_sharding it."
             )
         if lift and type(x) is float:
             self.scalars.append(x)

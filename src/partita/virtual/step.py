@@ -161,9 +161,12 @@ def sync() -> None:
     Example:
         >>> partita.sync()   # nothing recorded: nothing runs
     """
-    rec = recording.reset()
-    if rec is None or not rec.ops:
+    pending = recording.current()
+    if not pending.ops:
         return
+    mesh()  # raises before the recording is taken when use_spmd was never called
+    rec = recording.reset()
+    assert rec is pending
     m: Metrics = _STATE["metrics"]
     m.syncs += 1
     m.ops_recorded += len(rec.ops)
