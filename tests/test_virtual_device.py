@@ -350,3 +350,18 @@ def test_priority_is_refused_on_device_tensors(dev: torch.device) -> None:
 def test_sharded_needs_a_device_tensor() -> None:
     with pytest.raises(TypeError, match=r"takes a tensor of the virtual device .*\.to\(dev\)"):
         partita.virtual.sharded(torch.ones(2))
+
+
+def test_the_next_step_records_while_a_step_runs(dev: torch.device) -> None:
+    value = torch.arange(8.0)
+    w = value.to(dev)
+    partita.mark_sharding(w, MESH, P("data"))
+    y = w * 2
+    w.mul_(3)
+    partita.sync()  # runs in the background (LocalMesh)
+    z = y + 1  # recorded on values the running step computes
+    w.add_(1)  # an in-place update of a value the running step updates
+    partita.sync()
+    torch.testing.assert_close(z.cpu(), value * 2 + 1)
+    torch.testing.assert_close(w.cpu(), value * 3 + 1)
+    assert partita.virtual.sharded(w).spec == P("data")  # the layout mark_sharding gave it

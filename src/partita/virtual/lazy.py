@@ -34,7 +34,7 @@ class Cell:
         meta: a meta tensor with its shape, dtype and strides.
     """
 
-    __slots__ = ("__weakref__", "base", "data", "dirty", "epoch", "meta", "slot")
+    __slots__ = ("__weakref__", "_data", "base", "dirty", "epoch", "in_flight", "meta", "slot")
 
     def __init__(
         self,
@@ -43,7 +43,10 @@ class Cell:
         base: Cell | None = None,
     ) -> None:
         self.meta = meta
-        self.data = data
+        self._data = data
+        # True while a step that computes this value runs in the background (see step.sync):
+        # the value exists, reading it waits.
+        self.in_flight = False
         self.slot: int | None = None
         self.epoch = -1
         # The cell whose storage this one views (itself for a fresh value): an in-place update
@@ -61,9 +64,27 @@ class Cell:
         self.__init__(state["meta"], state["data"])  # type: ignore[misc]
 
     @property
+    def data(self) -> torch.Tensor | ShardedTensor | None:
+        """The value (waits for the step computing it when that step is still running)."""
+        if self.in_flight:
+            from partita.virtual.step import wait_in_flight
+
+            wait_in_flight()
+        return self._data
+
+    @data.setter
+    def data(self, value: torch.Tensor | ShardedTensor | None) -> None:
+        self._data = value
+
+    @property
+    def has_value(self) -> bool:
+        """True for data, including data a running step is computing."""
+        return self._data is not None or self.in_flight
+
+    @property
     def is_pending(self) -> bool:
         """True when the value is only known after the next sync."""
-        return self.data is None or self.base.dirty
+        return not self.has_value or self.base.dirty
 
 
 class LazyTensor(torch.Tensor):

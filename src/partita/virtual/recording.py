@@ -73,7 +73,7 @@ class Recording:
         """The cell's slot here; a data cell not used yet becomes an input."""
         if cell.epoch == self.epoch and cell.slot is not None:
             return cell.slot
-        if cell.data is None:
+        if not cell.has_value:
             raise VirtualDeviceError(
                 "partita.sync: a pending value of an earlier step was used after that step ran "
                 "without being kept (it was not alive at the sync). This is a partita bug; "
@@ -180,7 +180,7 @@ def _lazies(x: Any) -> list[LazyTensor]:
 def _is_clean_data(cell: Cell, unused: bool = False) -> bool:
     """Data whose value is known now (and, with ``unused``, not read by this recording yet, so
     changing it at once cannot reach an op recorded before)."""
-    if cell.data is None or cell.base.dirty:
+    if not cell.has_value or cell.base.dirty:
         return False
     return not unused or cell.epoch != current().epoch
 
@@ -208,7 +208,7 @@ def _eager(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             return dst
     if func in _SHARE_CELL:
         shared = LazyTensor(args[0]._cell)
-        if args[0]._cell.data is None:  # pending: this tensor may outlive the original
+        if not args[0]._cell.has_value:  # pending: this tensor may outlive the original
             current().live.append((weakref.ref(shared), args[0]._cell))
         return shared
     if func in _LIKE and _is_clean_data(args[0]._cell) and kwargs.get("device") is None:

@@ -7,6 +7,10 @@ recorded tensors still alive. :func:`partita.jit` compiles it through the ordina
 updates; propagation; partitioning; the LocalMesh, or torch.distributed when it is up), so
 annotations from ``mark_sharding`` and the input shardings decide every other sharding.
 
+On the LocalMesh the run is submitted to a background thread and ``sync`` returns: the next
+step records meanwhile, its values are *in flight* (reading one, or the next sync, waits).
+Under torch.distributed the run happens before ``sync`` returns.
+
 Programs are cached by the recording's structural key (:meth:`Recording.key`): a cache hit
 builds no fx graph. :func:`metrics` counts compilations and hits and keeps, per compilation
 after the first, one line saying what changed since the closest cached program.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +37,16 @@ from partita.virtual.lift import replay_op
 from partita.virtual.program import StepProgram, compile_step
 from partita.virtual.why import recompile_reason
 
-__all__ = ["Metrics", "current_mesh", "mesh", "metrics", "set_mesh", "sync"]
+__all__ = [
+    "RUN_IN_BACKGROUND",
+    "Metrics",
+    "current_mesh",
+    "mesh",
+    "metrics",
+    "set_mesh",
+    "sync",
+    "wait_in_flight",
+]
 
 CACHE_LIMIT = 64
 
@@ -167,6 +181,7 @@ def sync() -> None:
     mesh()  # raises before the recording is taken when use_spmd was never called
     rec = recording.reset()
     assert rec is pending
+    wait_in_flight()  # the previous step's values are this step's inputs
     m: Metrics = _STATE["metrics"]
     m.syncs += 1
     m.ops_recorded += len(rec.ops)
@@ -185,23 +200,77 @@ def sync() -> None:
     else:
         _CACHE.move_to_end(key)
         m.cache_hits += 1
-    started = time.perf_counter()
-    results, updates = program.run(mesh(), inputs)
-    m.run_seconds += time.perf_counter() - started
-    for cell, value in zip(out_cells, results, strict=True):
-        cell.data = value
-    for i, value in updates:  # in-place updates of data: the cell (the Parameter) is kept
-        cell = rec.inputs[i][1] if i < len(rec.inputs) else None
-        if isinstance(cell, Cell):
-            cell.data = _keep_layout(cell.data, value)
-    for _, value in rec.inputs:
-        if isinstance(value, Cell):
-            value.base.dirty = False
-    for cell in out_cells:
-        cell.slot = None
+    # The recording is finished: its cells leave it, and the values the step computes (its
+    # results and the data it updates in place) are in flight until it has run.
     for _, value in rec.inputs:
         if isinstance(value, Cell):
             value.slot = None
+            value.base.dirty = False
+    for cell in out_cells:
+        cell.slot, cell.in_flight = None, True
+    for i in program.mutated_inputs:
+        if isinstance(rec.inputs[i][1], Cell):
+            rec.inputs[i][1].in_flight = True  # type: ignore[union-attr]
+    run = _Run(program, inputs, out_cells, rec)
+    if RUN_IN_BACKGROUND and distributed_executor(mesh()) is None:
+        # Recording the next step (Python) overlaps this step's run; reading a value it
+        # computes, or the next sync, waits for it.
+        if not _POOL:
+            _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="partita-step"))
+        run.future = _POOL[0].submit(run.execute)
+        _IN_FLIGHT.append(run)
+    else:
+        run.execute()
+        run.finish()
+
+
+#: Run each step in a background thread (LocalMesh only): the next step records meanwhile.
+RUN_IN_BACKGROUND = True
+_POOL: list[ThreadPoolExecutor] = []
+_IN_FLIGHT: list[_Run] = []
+
+
+class _Run:
+    """One submitted step: runs the program, then hands its values to the cells."""
+
+    def __init__(
+        self, program: StepProgram, inputs: list[Any], out_cells: list[Cell], rec: Any
+    ) -> None:
+        self.program, self.inputs, self.out_cells, self.rec = program, inputs, out_cells, rec
+        self.future: Future[None] | None = None
+        self.outputs: tuple[list[ShardedTensor], list[tuple[int, ShardedTensor]]] | None = None
+        self.seconds = 0.0
+
+    def execute(self) -> None:
+        started = time.perf_counter()
+        self.outputs = self.program.run(mesh(), self.inputs)
+        self.seconds = time.perf_counter() - started
+
+    def finish(self) -> None:
+        """Give the cells their values (in the recording thread)."""
+        mutated = [self.rec.inputs[i][1] for i in self.program.mutated_inputs]
+        try:
+            if self.future is not None:
+                self.future.result()
+        finally:
+            for cell in [*self.out_cells, *mutated]:
+                if isinstance(cell, Cell):
+                    cell.in_flight = False
+        assert self.outputs is not None
+        results, updates = self.outputs
+        _STATE["metrics"].run_seconds += self.seconds
+        for cell, value in zip(self.out_cells, results, strict=True):
+            cell.data = value
+        for i, value in updates:  # in-place updates of data: the cell (the Parameter) is kept
+            cell = self.rec.inputs[i][1]
+            if isinstance(cell, Cell):
+                cell.data = _keep_layout(cell.data, value)
+
+
+def wait_in_flight() -> None:
+    """Wait for the step running in the background, if any, and hand out its values."""
+    while _IN_FLIGHT:
+        _IN_FLIGHT.pop(0).finish()
 
 
 def _keep_layout(old: Any, new: ShardedTensor) -> Any:
