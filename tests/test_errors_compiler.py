@@ -207,3 +207,16 @@ def test_custom_op_without_a_rule_names_the_three_ways_or_warns_and_replicates()
     ):
         out = partita.jit(fn, mesh=mesh, in_specs=(P("x", "y"),), replicate_unsupported=True)(x)
     torch.testing.assert_close(out.full(), x.exp() * 2 + 1)
+
+
+def test_compiler_warnings_point_at_the_users_call() -> None:
+    """RematerializationWarning used a fixed stacklevel that pointed inside partition/lower.py."""
+    mesh = Mesh.create((2, 4), ("x", "y"))
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        return partita.mark_sharding(a.tanh(), mesh, P("x", None))
+
+    step = partita.jit(f, mesh=mesh, in_specs=(P(("x", "y"), None),))
+    with pytest.warns(partita.RematerializationWarning) as caught:
+        step(torch.randn(6, 5))  # 6 rows: no collective moves the uneven tiles directly
+    assert {w.filename for w in caught} == {__file__}, [(w.filename, w.lineno) for w in caught]

@@ -8,10 +8,15 @@ join), so ``except ValueError`` keeps working in code that does not know partita
 A message has four parts: what failed (op, node, the user's source line), the values involved
 (shape, spec, mesh), why, and how to fix it. User input is never checked with ``assert``.
 
-This module only defines the types; it does not format messages for any particular stage.
+This module defines the types, and :func:`warn`, which attributes a warning to the user's line;
+it does not format messages for any particular stage.
 """
 
 from __future__ import annotations
+
+import os
+import sys
+import warnings
 
 __all__ = [
     "AnnotationError",
@@ -38,6 +43,7 @@ __all__ = [
     "StateDictError",
     "TrainInputError",
     "UnsupportedOpError",
+    "warn",
 ]
 
 
@@ -168,3 +174,20 @@ class ExplicitCollectiveError(PartitaError, ValueError):
 
 class ImplicitCollectiveWarning(PartitaWarning):
     """Under ``collectives="warn"``: a collective the annotations do not imply was inserted."""
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn(message: str | Warning, category: type[Warning] | None = None) -> None:
+    """``warnings.warn`` attributed to the user's line that called into partita.
+
+    A fixed ``stacklevel`` points inside partita as soon as the call path changes (the compiler
+    runs many frames deep); this walks out to the first frame outside the package, so the
+    warning is reported, and filtered by ``-W``/``filterwarnings``, at the user's call.
+    """
+    level, frame = 2, sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame = frame.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

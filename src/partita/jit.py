@@ -16,7 +16,6 @@ This module only ties the stages together; it holds no sharding logic.
 from __future__ import annotations
 
 import functools
-import warnings
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from torch.utils import _pytree as pytree
 from partita import capture
 from partita.capture.module import ModuleInputs
 from partita.capture.trace import broadcast_specs, input_path
-from partita.errors import JitArgumentError, RecompileWarning
+from partita.errors import JitArgumentError, RecompileWarning, warn
 from partita.explain import format_program
 from partita.layout import shard_tensor
 from partita.mesh import Mesh
@@ -195,10 +194,9 @@ class Jitted:
         names = [self._leaf_name(path) for path, _ in paths]
         self._recent.append((key, names))
         if self._compiles == RECOMPILE_WARNING_AT:
-            warnings.warn(
+            warn(
                 recompile_message(_name(self.fn), list(self._recent), self.cache_limit),
                 RecompileWarning,
-                stacklevel=4,
             )
 
     def _leaf_name(self, path: Any) -> str:

@@ -10,11 +10,15 @@ This module does not propagate anything (``partita.propagate`` does).
 
 from __future__ import annotations
 
-import warnings
-
 import torch.fx as fx
 
-from partita.errors import CompilerError, PartitaError, ReplicatedOpWarning, UnsupportedOpError
+from partita.errors import (
+    CompilerError,
+    PartitaError,
+    ReplicatedOpWarning,
+    UnsupportedOpError,
+    warn,
+)
 from partita.rules import FactorRule, OpInfo, get_rule
 from partita.rules.opinfo import is_tensor, replicate_rule, source_of
 
@@ -52,15 +56,14 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
     if fn is None:
         if replicate_unsupported:
             # One warning per op and source line (repeated layers share theirs).
-            warnings.warn(
+            warn(
                 ReplicatedOpWarning(
                     f"{node.target} has no sharding rule: its call at "
                     f"{source_of(node) or 'an unknown source line'} runs on gathered "
                     f"(replicated) inputs, as replicate_unsupported=True asks; the Plan records "
                     f"the gathers. To keep it sharded, give the op a rule with "
                     f"@partita.register_rule (docs/models.md)."
-                ),
-                stacklevel=2,
+                )
             )
             return _replicated(node, info, "it has no sharding rule")
         raise UnsupportedOpError(
@@ -83,13 +86,12 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
         cause = e
     why = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
     if replicate_unsupported:
-        warnings.warn(
+        warn(
             ReplicatedOpWarning(
                 f"{node.target} at {where} runs on gathered (replicated) inputs: its "
                 f"sharding rule cannot handle this call ({why}). The Plan records the "
                 f"gathers with this reason."
-            ),
-            stacklevel=2,
+            )
         )
         return _replicated(node, info, f"its sharding rule raised {why}")
     raise UnsupportedOpError(

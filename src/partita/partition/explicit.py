@@ -22,12 +22,16 @@ all. The mode reaches the partitioner through :func:`collectives_mode` (a contex
 from __future__ import annotations
 
 import contextvars
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from partita.errors import ExplicitCollectiveError, ImplicitCollectiveWarning, JitArgumentError
+from partita.errors import (
+    ExplicitCollectiveError,
+    ImplicitCollectiveWarning,
+    JitArgumentError,
+    warn,
+)
 from partita.partition.manual import USER_COLLECTIVE
 from partita.partition.plan import CollectiveRecord, Plan
 from partita.spec import Sharding
@@ -126,4 +130,4 @@ def check(plan: Plan, moves: dict[int, Move]) -> None:
     )
     if mode == "explicit":
         raise ExplicitCollectiveError(msg)
-    warnings.warn(msg, ImplicitCollectiveWarning, stacklevel=2)
+    warn(msg, ImplicitCollectiveWarning)

@@ -13,14 +13,13 @@ This module does not decide what sharding an op needs (``partition.lower`` does)
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 
-from partita.errors import RematerializationError, RematerializationWarning
+from partita.errors import RematerializationError, RematerializationWarning, warn
 from partita.explain import op_name
 from partita.mesh import Mesh
 from partita.partition.plan import CollectiveRecord, Plan
@@ -108,7 +107,7 @@ class LocalValues:
             )
             if self.strict:
                 raise RematerializationError(f"{msg} {fix}")
-            warnings.warn(f"{msg} {fix}", RematerializationWarning, stacklevel=4)
+            warn(f"{msg} {fix}", RematerializationWarning)
             self.plan.warnings.append(msg)
         out = emit_reshard(self.graph, start, steps, self.mesh)
         origin = self._partial_origin.get(key)
