@@ -22,7 +22,7 @@ import torch
 from partita.tensor import ShardedTensor
 from partita.virtual.device import spmd_device
 
-__all__ = ["Cell", "LazyTensor", "full_value", "new_lazy"]
+__all__ = ["Cell", "LazyTensor", "full_value"]
 
 
 class Cell:
@@ -148,11 +148,6 @@ class LazyTensor(torch.Tensor):
     def full(self) -> torch.Tensor:
         """The global value as a plain CPU tensor (syncs if it is pending)."""
         return full_value(self)
-
-
-def new_lazy(cell: Cell) -> LazyTensor:
-    """A LazyTensor for ``cell``."""
-    return LazyTensor(cell)
 
 
 def _sync_outside_dispatch() -> None:

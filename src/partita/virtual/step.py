@@ -62,7 +62,7 @@ class Metrics:
         syncs: syncs that ran a program.
         ops_recorded: ops recorded in all steps.
         recompile_reasons: one line per compilation after the first: what changed and where.
-        record_seconds, compile_seconds, run_seconds: time spent in each phase.
+        compile_seconds, run_seconds: time spent compiling and running steps.
     """
 
     compiles: int = 0
@@ -312,8 +312,3 @@ def _compile(
     if len(_CACHE) > CACHE_LIMIT:
         _CACHE.popitem(last=False)
     return program
-
-
-def data_of(t: Any) -> torch.Tensor | ShardedTensor:
-    """The data of a synced LazyTensor (internal to the virtual device)."""
-    return t._cell.data
