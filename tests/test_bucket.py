@@ -81,7 +81,7 @@ def test_fsdp_step_gathers_the_parameters_in_one_call(fsdp_runs: dict) -> None:
     _, _, on = fsdp_runs[""]
     before, after = off.call_counts(), on.call_counts()
     assert before["all_gather"] >= 4 and before["reduce_scatter"] >= 4, off.explain()
-    # The MLP fits one 25 MiB bucket: one all_gather and one reduce_scatter per step,
+    # The MLP fits one 4 MiB bucket: one all_gather and one reduce_scatter per step,
     # and the clipping norms' scalar all_reduces fused as well.
     assert after["all_gather"] == 1 and after["reduce_scatter"] == 1, on.explain()
     assert after["all_reduce"] < before["all_reduce"]
@@ -157,7 +157,7 @@ def test_plan_that_does_not_match_the_program_is_a_compiler_error() -> None:
 
 def test_bucket_size_setting(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PARTITA_BUCKET_BYTES", raising=False)
-    assert bucket_bytes_setting() == 25 << 20
+    assert bucket_bytes_setting() == 4 << 20
     assert bucket_bytes_setting(0) == 0
     monkeypatch.setenv("PARTITA_BUCKET_BYTES", "4e6")
     assert bucket_bytes_setting() == 4_000_000

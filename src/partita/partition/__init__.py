@@ -43,7 +43,7 @@ def partition(
     ``strict=True`` turns an involuntary full rematerialization into a
     :class:`~partita.errors.RematerializationError` (otherwise a warning).
     ``bucket_bytes`` caps the per-device bytes of one fused collective (``partition.bucket``);
-    ``None`` reads ``PARTITA_BUCKET_BYTES`` (default 25 MiB), ``0`` turns bucketing off.
+    ``None`` reads ``PARTITA_BUCKET_BYTES`` (default 4 MiB), ``0`` turns bucketing off.
     """
     local, plan = Lowering(gm, mesh, strict=strict).run()
     bucket_collectives(local, plan, bucket_bytes_setting(bucket_bytes))

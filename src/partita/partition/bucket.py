@@ -40,8 +40,9 @@ from partita.partition.plan import Bucket, Plan
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "bucket_bytes_setting", "bucket_collectives", "reorder"]
 
-#: Default bucket size per device (25 MiB, the size DDP buckets gradients by).
-DEFAULT_BUCKET_BYTES = 25 << 20
+#: Default bucket size per device (4 MiB: about one block of a small GPT, so the next bucket
+#: can be gathered while this one computes; measured in bench/README.md).
+DEFAULT_BUCKET_BYTES = 4 << 20
 
 _ENV = "PARTITA_BUCKET_BYTES"
 _GET_PAST = f"please report it. To get past it now, set {_ENV}=0 (bucketing off)."
