@@ -1,4 +1,4 @@
-"""Run a tiny GPT train step on 4 processes under every bucketing / overlap setting.
+"""Run a small MLP train step on 4 processes under several bucketing / overlap settings.
 
 Usage (4 processes): overlap.py OUT.pt. Rank 0 saves ``{(mesh, setting): (losses, params,
 call counts)}`` and the fused ops' results beside the single ops' (on groups whose torch
@@ -19,25 +19,23 @@ sys.path.insert(0, str(Path(__file__).parent))
 import partita
 import partita.distributed as pd
 from partita import Mesh, P
-from partita.models import GPT, GPTConfig, init_opt_state, make_train_step
 from partita.plans import param_specs
 from partita.runtime.distributed import close_executors, distributed_executor
+from partita.training import init_opt_state, make_train_step
 
-CFG = GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
 #: (PARTITA_BUCKET_BYTES, PARTITA_OVERLAP_BYTES): off/off against, for FSDP, small buckets with
 #: a bound of one byte in flight (every launch deferred to the previous wait) and, for 2-D, the
 #: defaults.
 SETTINGS = {"fsdp": [("0", "0"), ("4096", "1")], "fsdp+tp": [("0", "0"), ("", "")]}
 
 
-def gpt_run(mesh: Mesh, plan: str) -> tuple[list[float], dict[str, torch.Tensor], dict]:
+def mlp_run(mesh: Mesh, plan: str) -> tuple[list[float], dict[str, torch.Tensor], dict]:
     torch.manual_seed(0)
-    model = GPT(CFG)
-
-    def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
-
-    step_fn = make_train_step(model, loss_fn, "adamw", lr=1e-2)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
+        torch.nn.Linear(32, 8),
+    )  # fmt: skip
+    step_fn = make_train_step(model, F.mse_loss, "adamw", lr=1e-2)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     state = init_opt_state(params)
     pspecs = param_specs(plan, model, mesh)
@@ -49,8 +47,7 @@ def gpt_run(mesh: Mesh, plan: str) -> tuple[list[float], dict[str, torch.Tensor]
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(2):
-        ids = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len), generator=g)
-        batch = (ids, torch.roll(ids, -1, 1))
+        batch = (torch.randn(64, 16, generator=g), torch.randn(64, 8, generator=g))
         loss, params, _, state = step(params, {}, state, batch)
         losses.append(float(loss.full()))
     counts = step.lower(params, {}, state, batch).call_counts()
@@ -81,7 +78,7 @@ for shape, names, plan in [((4,), ("data",), "fsdp"), ((2, 2), ("data", "model")
     for setting in SETTINGS[plan]:
         os.environ["PARTITA_BUCKET_BYTES"], os.environ["PARTITA_OVERLAP_BYTES"] = setting
         close_executors()  # the next executor reads PARTITA_OVERLAP_BYTES
-        results[(plan, setting)] = gpt_run(mesh, plan)
+        results[(plan, setting)] = mlp_run(mesh, plan)
         pd.log(f"{plan} {setting}: {results[(plan, setting)][2]}")
 results["fused"] = fused_ops(Mesh.create((2, 2), ("data", "model")))
 if pd.is_main_process():
