@@ -43,9 +43,10 @@ from torch.utils import _pytree as pytree
 import partita
 from partita import Mesh, P
 from partita.capture import trace
-from partita.models import GPT, GPTConfig, init_opt_state, make_train_step
+from partita.models import GPT, GPTConfig
 from partita.partition import partition
 from partita.propagate import propagate
+from partita.training import init_opt_state, make_train_step
 
 Tensors = dict[str, torch.Tensor]
 
