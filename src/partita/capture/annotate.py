@@ -31,7 +31,7 @@ from partita.errors import ShardingConflictError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec, Sharding, as_spec
 
-__all__ = ["ANNOTATE_OP", "Annotation", "annotate", "is_tracing"]
+__all__ = ["ANNOTATE_OP", "Annotation", "annotate", "is_tracing", "new_key", "record"]
 
 #: The op that marks an annotation in a captured graph.
 ANNOTATE_OP = torch.ops.partita.annotate.default
@@ -115,16 +115,31 @@ def record(
     source: str | None = None,
 ) -> torch.Tensor:
     """Like :func:`annotate` with an explicit ``source`` (used for in_specs / out_specs)."""
-    state = _STATE.get()
-    sharding = as_spec(spec).to_sharding(mesh, t.ndim)
-    if state is None:  # eager: nothing to record, keep the value semantics
+    if _STATE.get() is None:  # eager: nothing to record, keep the value semantics
+        as_spec(spec).to_sharding(mesh, t.ndim)  # still check the spec
         return annotate_op(t, -1)
+    return annotate_op(t, new_key(mesh, spec, t.ndim, priority=priority, source=source))
+
+
+def new_key(
+    mesh: Mesh, spec: PartitionSpec | Any, ndim: int, *, priority: int = 0, source: str | None
+) -> int:
+    """Record an annotation of a value with ``ndim`` dims in the current trace; its key.
+
+    What :func:`record` does short of adding the op: trace inserts the annotate nodes of
+    ``in_specs`` and ``out_specs`` into the graph itself, after tracing (an op dispatched
+    while tracing costs milliseconds; a node added to the graph, microseconds).
+    """
+    state = _STATE.get()
+    if state is None:
+        raise RuntimeError("new_key is only meaningful inside a trace (partita bug).")
+    sharding = as_spec(spec).to_sharding(mesh, ndim)
     _check_mesh(state, mesh, source)
     key = next(_KEYS)
     ann = Annotation(sharding, priority, source)
     state.table[key] = ann
     _TABLE[key] = ann
-    return annotate_op(t, key)
+    return key
 
 
 def annotate(

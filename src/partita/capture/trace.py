@@ -45,7 +45,7 @@ import torch.fx.traceback as fx_traceback
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from partita.capture.annotate import ANNOTATE_OP, lookup, record, tracing_scope
+from partita.capture.annotate import ANNOTATE_OP, lookup, new_key, tracing_scope
 from partita.capture.decompositions import decomposition_table
 from partita.capture.diagnose import capture_error, check_data_independent
 from partita.capture.functionalize import InputUpdates, functionalized
@@ -54,7 +54,7 @@ from partita.capture.layers import scan_scope
 from partita.capture.lift import lift_constants
 from partita.capture.normalize import normalize
 from partita.capture.program import Program
-from partita.capture.source import source_from_stack_trace
+from partita.capture.source import format_source, source_from_stack_trace, user_frame
 from partita.errors import CaptureError, PartitaError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
@@ -193,14 +193,12 @@ def trace(
         in_spec_flat[:n_arg_leaves] = broadcast_specs(in_specs, args, "in_specs", name)
     out_tree_box: list[pytree.TreeSpec] = []
     received: list[torch.Tensor] = []  # what fn itself received, per tensor input
+    out_spec_box: list[tuple[PartitionSpec | None, str]] = []
 
     def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
         full = list(leaves)
         received.clear()
         for i, t in zip(tensor_idx, tensors, strict=True):
-            spec = in_spec_flat[i]
-            if spec is not None:
-                t = record(t, mesh, spec, source=f"in_specs for {input_path(leaf_paths[i][0])}")  # type: ignore[arg-type]
             full[i] = t
             received.append(t)
         call_args, call_kwargs = pytree.tree_unflatten(full, in_tree)
@@ -214,13 +212,11 @@ def trace(
                     f"{pytree.keystr(path) or 'the top level'}; a traced function must return "
                     f"tensors (in dicts, lists, tuples) only."
                 )
-        if out_specs is not None:
+        if out_specs is not None:  # annotated after tracing (_annotate_inputs_outputs)
             specs = broadcast_specs(out_specs, result, "out_specs", name)
-            outs = [
-                o
-                if s is None
-                else record(o, mesh, s, source=f"out_specs for output{pytree.keystr(p)}")  # type: ignore[arg-type]
-                for (p, _), o, s in zip(out_paths, outs, specs, strict=True)
+            out_spec_box[:] = [
+                (s, f"out_specs for output{pytree.keystr(p)}")
+                for (p, _), s in zip(out_paths, specs, strict=True)
             ]
         out_tree_box.append(out_tree)
         return outs
@@ -243,11 +239,16 @@ def trace(
         except Exception as e:
             raise capture_error(name, e) from e
         inline_layer_calls(gm)  # layers traced once (partita.scan_layers) become their graphs
+        if mesh is not None:
+            ins = [(in_spec_flat[i], f"in_specs for {input_path(leaf_paths[i][0])}")
+                   for i in tensor_idx]  # fmt: skip
+            where = format_source(user_frame())  # the user's call, as a traced annotate has
+            _annotate_inputs_outputs(gm, mesh, ins, out_spec_box, where)
         check_data_independent(gm, name)
         normalize(gm)
         annotations = {}
         for node in gm.graph.nodes:
-            if node.op == "call_function":
+            if node.op == "call_function" and "source" not in node.meta:
                 node.meta["source"] = source_from_stack_trace(node.meta.get("stack_trace"))
             if node.op == "call_function" and node.target == ANNOTATE_OP:
                 ann = lookup(node.args[1])
@@ -276,6 +277,42 @@ def trace(
         mutated_inputs=tuple(updates.positions),
         input_names=input_names,
     )
+
+
+def _annotate_inputs_outputs(
+    gm: torch.fx.GraphModule,
+    mesh: Mesh,
+    ins: list[tuple[PartitionSpec | None, str]],
+    outs: list[tuple[PartitionSpec | None, str]],
+    where: str | None,
+) -> None:
+    """Add the annotate nodes of ``in_specs`` (right after the inputs) and ``out_specs`` (right
+    before the output) to the traced graph, as tracing ``annotate`` calls would have."""
+    graph = gm.graph
+
+    def add(value: torch.fx.Node, spec: PartitionSpec, source: str) -> torch.fx.Node:
+        key = new_key(mesh, spec, value.meta["val"].ndim, source=source)
+        node = graph.create_node("call_function", ANNOTATE_OP, (value, key), name="annotate")
+        node.meta["val"] = value.meta["val"]
+        node.meta["source"] = where
+        return node
+
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    anchor = placeholders[-1] if placeholders else None
+    for node, (spec, source) in zip(placeholders, ins, strict=True):
+        if spec is None:
+            continue
+        with graph.inserting_after(anchor):
+            annotated = add(node, spec, source)
+        node.replace_all_uses_with(annotated, delete_user_cb=lambda u, a=annotated: u is not a)
+        anchor = annotated
+    output = graph.output_node()
+    results = list(output.args[0])
+    for i, (spec, source) in enumerate(outs):
+        if spec is not None:
+            with graph.inserting_before(output):
+                results[i] = add(results[i], spec, source)
+    output.args = (results,)
 
 
 def input_path(path: Any) -> str:
