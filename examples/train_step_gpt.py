@@ -1,8 +1,8 @@
 """Train partita's reference GPT with ``partita.train_step`` on 8 simulated devices.
 
-    python examples/train_step_gpt.py [--plan fsdp+tp] [--steps 30]
+    python examples/train_step_gpt.py [--shard fsdp+tp] [--steps 30]
 
-The model is ordinary PyTorch; the only partita lines are the mesh, the plan and the
+The model is ordinary PyTorch; the only partita lines are the mesh, the preset and the
 ``train_step`` call. The same weights are trained unsharded with torch.optim beside it.
 """
 
@@ -23,7 +23,7 @@ from partita.train import train_step
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--plan", default="fsdp+tp", choices=partita.presets.PRESETS)
+    parser.add_argument("--shard", default="fsdp+tp", choices=partita.presets.PRESETS)
     parser.add_argument("--steps", type=int, default=30)
     args = parser.parse_args()
 
@@ -38,7 +38,7 @@ def main() -> None:
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
-    step = train_step(model, loss_fn, optimizer, mesh=mesh, shard=args.plan, max_grad_norm=1.0)
+    step = train_step(model, loss_fn, optimizer, mesh=mesh, shard=args.shard, max_grad_norm=1.0)
 
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_schedule = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=args.steps)

@@ -1,10 +1,10 @@
-"""Train models from the ``transformers`` library, unmodified, under a preset plan.
+"""Train models from the ``transformers`` library, unmodified, under a preset.
 
     pip install transformers     # not a partita dependency
     python examples/train_transformers.py [gpt2|llama|phi3|mixtral] [dp|fsdp|tp|fsdp+tp]
 
 Built from a small config with random weights: nothing is downloaded. Prints the specs the
-plan gave (and why), then trains 5 steps on 8 simulated devices beside the same model trained
+preset gave (and why), then trains 5 steps on 8 simulated devices beside the same model trained
 unsharded with torch.optim; the losses agree to ~1e-6 (docs/models.md).
 """
 
@@ -57,16 +57,16 @@ def loss_fn(out: object, targets: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     name = sys.argv[1] if len(sys.argv) > 1 else "gpt2"
-    plan = sys.argv[2] if len(sys.argv) > 2 else "fsdp+tp"
+    preset = sys.argv[2] if len(sys.argv) > 2 else "fsdp+tp"
     torch.manual_seed(0)
     model = build(name)
     reference = copy.deepcopy(model)
     mesh = Mesh.create((2, 4), ("data", "model"))
-    print(format_param_specs(explain_param_specs(plan, model, mesh)[:12]))
+    print(format_param_specs(explain_param_specs(preset, model, mesh)[:12]))
     # eps=1e-5: GPT-2's attention key bias has a zero gradient (docs/training.md)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-5)
-    step = train_step(model, loss_fn, opt, mesh=mesh, shard=plan)
+    step = train_step(model, loss_fn, opt, mesh=mesh, shard=preset)
     gen = torch.Generator().manual_seed(0)
     for i in range(5):
         ids = torch.randint(0, 64, (8, 16), generator=gen)
