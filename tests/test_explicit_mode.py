@@ -78,3 +78,26 @@ def test_collectives_written_in_shard_map_are_explicit(mesh: Mesh) -> None:
 def test_unknown_mode_is_an_error(mesh: Mesh) -> None:
     with pytest.raises(JitArgumentError, match=r"collectives='strict'.*'auto', 'warn', 'explicit'"):
         partita.jit(mlp, mesh=mesh, collectives="strict")
+
+
+def test_train_step_takes_the_mode() -> None:
+    """dp's gradient all_reduce is implied by the annotations; fsdp's parameter gathers are not."""
+    mesh = Mesh.create((2,), ("data",))
+
+    def make(shard: str) -> partita.TrainStep:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        loss = torch.nn.functional.mse_loss
+        return partita.train_step(model, loss, opt, mesh=mesh, shard=shard, collectives="explicit")
+
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+    assert make("dp")(batch).ndim == 0
+    with pytest.raises(
+        ExplicitCollectiveError, match=r"(?s)collectives='explicit'.*all_gather over \['data'\]"
+    ):
+        make("fsdp")(batch)
+    lin = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    with pytest.raises(JitArgumentError, match=r"collectives='loud'"):
+        partita.train_step(lin, torch.nn.functional.mse_loss, opt, mesh=mesh, collectives="loud")

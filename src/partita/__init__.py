@@ -9,7 +9,6 @@ from partita.errors import (
     AnnotationError,
     CaptureError,
     CheckpointError,
-    CheckpointError,
     CompilerError,
     DistributedError,
     DtypeError,
@@ -34,6 +33,7 @@ from partita.errors import (
     StateDictError,
     TrainInputError,
     UnsupportedOpError,
+    VirtualDeviceError,
 )
 from partita.jit import Jitted, jit
 from partita.manual import (
@@ -55,15 +55,14 @@ from partita.scan_layers import scan_layers
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor, clear_sharding, reshard
 from partita.train import TrainStep, train_step
-from partita.visualize import format_sharding, visualize_sharding
 from partita.virtual import metrics, sync, use_spmd
+from partita.visualize import format_sharding, visualize_sharding
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AnnotationError",
     "CaptureError",
-    "CheckpointError",
     "CheckpointError",
     "CollectiveRecord",
     "CompilerError",
@@ -101,12 +100,12 @@ __all__ = [
     "TrainInputError",
     "TrainStep",
     "UnsupportedOpError",
+    "VirtualDeviceError",
     "__version__",
     "all_gather",
     "all_to_all",
     "axis_index",
     "axis_size",
-    "checkpoint",
     "checkpoint",
     "clear_sharding",
     "data",

@@ -43,6 +43,7 @@ __all__ = [
     "StateDictError",
     "TrainInputError",
     "UnsupportedOpError",
+    "VirtualDeviceError",
     "warn",
 ]
 
@@ -174,6 +175,10 @@ class ExplicitCollectiveError(PartitaError, ValueError):
 
 class ImplicitCollectiveWarning(PartitaWarning):
     """Under ``collectives="warn"``: a collective the annotations do not imply was inserted."""
+
+
+class VirtualDeviceError(PartitaError, RuntimeError):
+    """The virtual device (``partita.use_spmd``) cannot be set up or used as asked."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

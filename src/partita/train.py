@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 from partita.jit import Jitted, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
+from partita.partition.explicit import check_mode
 from partita.presets import PresetLike, default_batch_spec, param_specs
 from partita.spec import P, PartitionSpec
 from partita.tensor import ShardedTensor
@@ -93,6 +94,7 @@ class TrainStep:
         mixed_precision: str | torch.dtype | None = None,
         strict: bool = False,
         replicate_unsupported: bool = False,
+        collectives: str = "auto",
         plan: PresetLike | None = None,
     ) -> None:
         shard = preset_argument(shard, plan)
@@ -160,6 +162,7 @@ class TrainStep:
         self._fn = fn
         self._strict = strict
         self._replicate_unsupported = replicate_unsupported
+        self._collectives = check_mode(collectives)
         self._jitted: dict[bool, Jitted] = {}
         self.plan: Plan | None = None
 
@@ -183,6 +186,7 @@ class TrainStep:
                 out_specs=(P(), pspecs, bspecs, sspecs),
                 strict=self._strict,
                 replicate_unsupported=self._replicate_unsupported,
+                collectives=self._collectives,
             )
             self._jitted[training] = jitted
         return jitted
@@ -330,6 +334,7 @@ def train_step(
     mixed_precision: str | torch.dtype | None = None,
     strict: bool = False,
     replicate_unsupported: bool = False,
+    collectives: str = "auto",
     plan: PresetLike | None = None,
 ) -> TrainStep:
     """Turn a module, a loss function and an optimizer into one sharded training step.
@@ -352,6 +357,9 @@ def train_step(
         strict: raise on an involuntary full rematerialization instead of warning.
         replicate_unsupported: run ops without a sharding rule on gathered inputs (see
             ``partita.jit``) instead of failing.
+        collectives: ``"auto"`` (default) inserts every collective the step needs;
+            ``"explicit"`` raises :class:`~partita.ExplicitCollectiveError` for a collective the
+            annotations do not imply (``"warn"`` warns instead), as in ``partita.jit``.
         plan: the deprecated name of ``shard`` (warns DeprecationWarning).
 
     Example:
@@ -378,4 +386,5 @@ def train_step(
         mixed_precision=mixed_precision,
         strict=strict,
         replicate_unsupported=replicate_unsupported,
+        collectives=collectives,
     )

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from partita.errors import PartitaError
+from partita.errors import VirtualDeviceError
 
 __all__ = ["DEVICE_NAME", "MIN_TORCH", "VirtualDeviceError", "register", "spmd_device"]
 
@@ -30,10 +30,6 @@ MIN_TORCH = (2, 9)
 
 _FACTORY: list[Callable[..., torch.Tensor]] = []
 _LIBRARY: list[torch.library.Library] = []
-
-
-class VirtualDeviceError(PartitaError, RuntimeError):
-    """The virtual device cannot be set up or used as asked."""
 
 
 def _torch_version() -> tuple[int, int]:
