@@ -48,7 +48,7 @@ def bench_train_step(cfg: GPTConfig, mesh: Mesh, data: list) -> list[float]:
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = partita.train_step(
-        model, loss_fn, opt, mesh=mesh, plan="fsdp+tp", batch_spec=P("data", None)
+        model, loss_fn, opt, mesh=mesh, shard="fsdp+tp", batch_spec=P("data", None)
     )
     times = []
     for batch in data:
@@ -64,7 +64,7 @@ def bench_virtual(
     dev = partita.use_spmd(mesh)
     torch.manual_seed(0)
     model = GPT(cfg).to(dev)
-    presets = getattr(partita, "presets", None) or partita.plans
+    presets = partita.presets
     for name, spec in presets.param_specs("fsdp+tp", model, mesh).items():
         partita.mark_sharding(model.get_parameter(name), mesh, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

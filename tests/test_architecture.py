@@ -48,6 +48,7 @@ _API = (
     "partita.distributed",
     "partita.jit",
     "partita.models",
+    "partita.relayout",
     "partita.train",
     "partita.train_checks",
     "partita.train_state",

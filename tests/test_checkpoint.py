@@ -230,7 +230,7 @@ def test_tied_weights_save_once_and_load(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TiedLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, loss_fn, opt, mesh=Mesh.create((2,), ("data",)), plan="fsdp")
+    step = train_step(model, loss_fn, opt, mesh=Mesh.create((2,), ("data",)), shard="fsdp")
     step(batches(1)[0])
     ckpt.save(step, tmp_path / "c")
     md = dcp.FileSystemReader(tmp_path / "c").read_metadata().state_dict_metadata
@@ -246,7 +246,7 @@ def test_tied_weights_save_once_and_load(tmp_path: Path) -> None:
     torch.manual_seed(1)
     other = TiedLM()
     again = train_step(other, loss_fn, torch.optim.AdamW(other.parameters(), lr=1e-2),
-                       mesh=Mesh.create((2,), ("data",)), plan="dp")  # fmt: skip
+                       mesh=Mesh.create((2,), ("data",)), shard="dp")  # fmt: skip
     ckpt.load(again, tmp_path / "c")
     assert torch.equal(again.full_parameters()["tok_emb.weight"], want)
     assert again.state_dict()["model"]["head.weight"].equal(want)  # the tie holds

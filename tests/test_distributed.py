@@ -57,6 +57,9 @@ def test_ops_equal_local_mesh(tmp_path: Path) -> None:
         value, got_kinds = got[name]
         torch.testing.assert_close(value, want, rtol=1e-6, atol=1e-6, msg=name)
         assert kinds <= set(got_kinds), (name, got_kinds)
+    moved, (kind, local_shape) = got["reshard"]
+    torch.testing.assert_close(moved, cases()["all_to_all"][2][0] * 3)
+    assert (kind, local_shape) == ("DistributedShardedTensor", (2, 16))
 
 
 # --- training ----------------------------------------------------------------------------------

@@ -207,3 +207,16 @@ def test_public_exports() -> None:
     for name in ["ShardedTensor", "Shard", "mark_sharding", "clear_sharding", "reshard"]:
         assert name in partita.__all__ and hasattr(partita, name)
     assert partita.__all__ == sorted(partita.__all__)
+
+
+def test_public_reshard_is_the_planners_move(mesh_2x4: Mesh) -> None:
+    """partita.reshard gathered the whole value and cut it again, whatever the move."""
+    from partita import relayout
+
+    x = torch.arange(48.0).reshape(8, 6)
+    s = mark_sharding(x, mesh_2x4, P("x", "y"))
+    for spec in (P(("x", "y"), None), P(None, "x"), P("y", None), P(), P("x", "y")):
+        r = partita.reshard(s, spec)
+        assert r.spec == spec.to_sharding(mesh_2x4, 2).spec and torch.equal(r.full(), x), spec
+    move = relayout._move(mesh_2x4, P("x", "y"), P(("x", "y"), None))
+    assert move.lower(s).counts() == {"all_to_all": 1}  # not a gather of the whole value

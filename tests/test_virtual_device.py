@@ -29,7 +29,7 @@ STEPS = 20
 
 
 def _param_specs(model: nn.Module) -> dict[str, P]:
-    presets = getattr(partita, "presets", None) or partita.plans
+    presets = partita.presets
     return presets.param_specs("fsdp+tp", model, MESH)
 
 

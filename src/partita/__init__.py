@@ -50,10 +50,11 @@ from partita.manual import (
 )
 from partita.mesh import HybridMesh, Mesh
 from partita.partition import CollectiveRecord, Plan
+from partita.relayout import reshard
 from partita.rules import FactorRule, einsum_rule, register_rule
 from partita.scan_layers import scan_layers
 from partita.spec import P, PartitionSpec, Sharding
-from partita.tensor import Shard, ShardedTensor, clear_sharding, reshard
+from partita.tensor import Shard, ShardedTensor, clear_sharding
 from partita.train import TrainStep, train_step
 from partita.virtual import metrics, sync, use_spmd
 from partita.visualize import format_sharding, visualize_sharding

@@ -40,7 +40,7 @@ from partita.propagate import propagate
 from partita.runtime.distributed import distributed_executor
 from partita.runtime.local import LocalMesh
 from partita.spec import P, PartitionSpec, Sharding
-from partita.tensor import ShardedTensor, reshard
+from partita.tensor import ShardedTensor
 
 __all__ = ["DEFAULT_CACHE_LIMIT", "RECOMPILE_WARNING_AT", "Compiled", "Jitted", "jit"]
 
@@ -258,6 +258,8 @@ def write_back(leaf: torch.Tensor | ShardedTensor, new: ShardedTensor) -> None:
             leaf.copy_(new.full())
             return
         if new.sharding != leaf.sharding:
+            from partita.relayout import reshard  # relayout compiles moves with jit
+
             new = reshard(new, leaf.sharding)
         dst, src = leaf.stacked, new.stacked
         if dst.dim() and dst.stride(0) == 0:  # a replicated stride-0 stack: one copy for all

@@ -1,6 +1,6 @@
 """Which parameter a tensor-parallel preset splits, and along which dim: roles by module name.
 
-The ``tp`` and ``fsdp+tp`` presets of :mod:`partita.plans` ask one question of a model: for
+The ``tp`` and ``fsdp+tp`` presets of :mod:`partita.presets` ask one question of a model: for
 each parameter, which dim goes over the model mesh axis, and why? This module answers it from
 module types (``nn.Linear``, GPT-2's ``Conv1D``) and names: the last part of a module's path
 (:data:`COLUMN_NAMES`, :data:`ROW_NAMES`, :data:`FUSED_NAMES`), whole paths for layers a leaf
@@ -9,8 +9,8 @@ name cannot classify (:data:`PATH_ROLES`: BERT's three ``dense``), 3-D weights o
 and the output head (:data:`HEAD_NAMES`). It reads ``model.config`` for the key/value head
 count of grouped-query models so that their heads stay whole.
 
-It does not decide whether a mesh axis divides a dim, nor anything about ``data``: the plan
-does (:meth:`partita.plans.StandardPlan.explain`).
+It does not decide whether a mesh axis divides a dim, nor anything about ``data``: the preset
+does (:meth:`partita.presets.StandardPreset.explain`).
 """
 
 from __future__ import annotations

@@ -353,8 +353,10 @@ def reshard(x: ShardedTensor, spec: SpecLike | Sharding) -> ShardedTensor:
     """A new ShardedTensor with the value of ``x`` under ``spec`` (on ``x``'s mesh).
 
     ``spec`` may also be a :class:`~partita.Sharding`, possibly on another mesh. Partial values
-    are reduced. For now this gathers the whole value and slices it again; the partitioner's
-    reshard planner will replace it with the cheapest collective.
+    are reduced. This is the move through the whole value (gather, then cut again), for a
+    single process and for the two moves no program covers (another mesh, partial values):
+    :func:`partita.reshard` (``partita.relayout``) plans every other move with the
+    partitioner's collectives and runs under torch.distributed too.
 
     Example:
         >>> mesh = Mesh.create((2,), ("x",))

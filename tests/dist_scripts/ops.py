@@ -25,5 +25,13 @@ for name, (mesh, fn, args, in_specs, out_specs, _) in cases().items():
     kinds = sorted({c.kind for c in jitted.lower(*args).collectives})
     results[name] = (out.full(), kinds)  # full() on every rank: it gathers
     pd.log(f"{name}: ok {kinds}")
+
+# partita.reshard of a distributed value: each rank ends with its own tile only (it used to
+# build the whole stacked value on every rank).
+mesh, fn, args, in_specs, out_specs, _ = cases()["all_to_all"]
+moved = partita.reshard(partita.jit(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs)(*args),
+                        partita.P("data", None))  # fmt: skip
+results["reshard"] = (moved.full(), (type(moved).__name__, tuple(moved.local_shape)))
+pd.log(f"reshard: ok {results['reshard'][1]}")
 if pd.is_main_process():
     torch.save(results, sys.argv[1])

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import partita
 import partita.distributed as pd
 from partita import Mesh, P
-from partita.plans import param_specs
+from partita.presets import param_specs
 from partita.runtime.distributed import close_executors, distributed_executor
 from partita.training import init_opt_state, make_train_step
 

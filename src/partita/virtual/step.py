@@ -28,8 +28,9 @@ from typing import Any
 import torch
 
 from partita.mesh import Mesh
+from partita.relayout import reshard
 from partita.runtime.distributed import distributed_executor
-from partita.tensor import ShardedTensor, reshard
+from partita.tensor import ShardedTensor
 from partita.virtual import disk_cache, recording
 from partita.virtual.device import VirtualDeviceError
 from partita.virtual.lazy import Cell
