@@ -10,6 +10,10 @@ to 1e-5 (the plans reduce in different orders). The multi-process case (4 Gloo p
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 import partita.checkpoint as ckpt
 from partita import Mesh, P, ShardedTensor
-from partita.errors import CheckpointError
+from partita.errors import CheckpointError, PartitaWarning
 from partita.models import GPT, GPTConfig
 from partita.train import TrainStep, train_step
 
@@ -277,3 +281,29 @@ def test_gloo_resume_and_save(saved: dict, tmp_path: Path) -> None:
         torch.testing.assert_close(value, saved["params"][name], **TOL, msg=name)
     # rank 2's writer failed in the second save: every rank raised, "final" stayed loadable
     assert (out / "failed_save.txt").read_text() == "CheckpointError on every rank; reloaded"
+
+
+@pytest.mark.slow  # one subprocess (~4 s)
+def test_a_sigkilled_save_leaves_the_last_checkpoint(tmp_path: Path) -> None:
+    """A real SIGKILL midway through a save (after DCP wrote the first tensor of B)."""
+    path = tmp_path / "c"
+    script = SCRIPTS / "checkpoint_kill.py"
+    done = subprocess.run([sys.executable, str(script), str(path)], capture_output=True)
+    assert done.returncode == -signal.SIGKILL, done.stderr.decode()[-2000:]
+    (tmp,) = sorted(tmp_path.glob("c.tmp-*"))
+    assert [p.name for p in tmp.iterdir()] == ["__0_0.distcp"]  # half written, no .metadata
+    mesh = Mesh.create((2,), ("data",))
+    template = {
+        "w": ShardedTensor.from_global(torch.zeros(4, 2), P(None, "data").to_sharding(mesh, 2)),
+        "b": torch.zeros(3),
+    }
+    with pytest.warns(PartitaWarning, match=rf"\['{tmp.name}'\] beside it .*not read"):
+        got = ckpt.load(template, path)
+    assert torch.equal(got["w"].full(), torch.arange(8.0).reshape(4, 2))  # checkpoint A
+    assert torch.equal(got["b"], torch.arange(3.0))
+    with pytest.warns(PartitaWarning, match=rf"removing \['{tmp.name}'\].*did not finish"):
+        ckpt.save({"b": torch.full((3,), 7.0)}, path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no left-overs any more: no warning
+        assert torch.equal(ckpt.load({"b": torch.zeros(3)}, path)["b"], torch.full((3,), 7.0))

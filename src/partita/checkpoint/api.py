@@ -101,7 +101,10 @@ def save(
     with atomic_directory(path) as tmp, _Quiet():
         dcp.save(
             state,
-            storage_writer=FileSystemWriter(tmp),
+            # per_thread_copy_ahead=0: DCP's default overlapping loader asks the PrivateUse1
+            # backend's module for streams whenever one is registered, and partita's virtual
+            # device (registered at import) has none; the tiles are CPU tensors anyway.
+            storage_writer=FileSystemWriter(tmp, per_thread_copy_ahead=0),
             planner=SavePlanner(),
             no_dist=_no_dist(),
         )

@@ -3,8 +3,9 @@
 A save writes into ``<path>.tmp-<id>`` and renames it to ``<path>`` only once DCP has written
 every file and its ``.metadata`` (under ``torch.distributed``: after a barrier, by rank 0), so a
 save that dies midway leaves ``<path>`` as it was; a left-over ``.tmp-`` directory is never
-read. Overwriting an existing ``<path>`` moves it aside first and deletes it only after the new
-one is in place.
+read. The next save to ``<path>`` deletes such left-overs (with a warning naming them), and a
+load from ``<path>`` warns about them. Overwriting an existing ``<path>`` moves it aside first
+and deletes it only after the new one is in place.
 
 A load reads DCP's ``.metadata`` and checks the whole request against it *before* reading any
 tensor: every key present (or listed as missing), every size and dtype equal, every file there
@@ -16,9 +17,11 @@ and long enough for the bytes the metadata says it holds. Errors raised while DC
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
 import uuid
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -34,9 +37,16 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from partita.checkpoint.tiles import Tiles
-from partita.errors import CheckpointError
+from partita.errors import CheckpointError, PartitaWarning
 
-__all__ = ["NamingReader", "atomic_directory", "check_request", "read_metadata", "unwrap"]
+__all__ = [
+    "NamingReader",
+    "atomic_directory",
+    "check_request",
+    "leftovers",
+    "read_metadata",
+    "unwrap",
+]
 
 
 def _distributed() -> bool:
@@ -51,11 +61,42 @@ def _shared_id() -> str:
     return f"{int(value):016x}"
 
 
+def leftovers(path: Path) -> list[Path]:
+    """The ``<path>.tmp-*`` directories beside ``path``: saves that died before finishing."""
+    return sorted(path.parent.glob(f"{glob.escape(path.name)}.tmp-*"))
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Delete the temporaries of earlier saves to ``path`` that died (SIGKILL, power loss).
+
+    Nothing reads them, and every killed save would otherwise leak a checkpoint's worth of
+    disk. Two jobs saving to one ``path`` at once are unsupported anyway (the renames race).
+    """
+    found = leftovers(path)
+    if not found:
+        return
+    warnings.warn(
+        f"checkpoint.save to {str(path)!r}: removing {[p.name for p in found]}, left by "
+        "earlier saves to this path that did not finish (killed processes); they were never "
+        "read. Nothing to do, unless another job is saving to this same path (don't).",
+        PartitaWarning,
+        stacklevel=4,
+    )
+    for p in found:
+        shutil.rmtree(p, ignore_errors=True)
+
+
 @contextlib.contextmanager
 def atomic_directory(path: Path) -> Iterator[Path]:
-    """Yield a temporary directory beside ``path``; on success it becomes ``path``."""
-    tmp = path.with_name(f"{path.name}.tmp-{_shared_id()}")
+    """Yield a temporary directory beside ``path``; on success it becomes ``path``.
+
+    Left-over temporaries of earlier, killed saves to ``path`` are removed first (by rank 0,
+    before the id broadcast, so no rank has started writing the new one yet).
+    """
     main = not _distributed() or dist.get_rank() == 0
+    if main:
+        _remove_leftovers(path)
+    tmp = path.with_name(f"{path.name}.tmp-{_shared_id()}")
     try:
         yield tmp
     except BaseException as e:
@@ -92,12 +133,22 @@ def unwrap(e: BaseException) -> BaseException:
 def read_metadata(path: Path) -> Metadata:
     """DCP's ``.metadata`` of the checkpoint at ``path`` (a pickle, read as DCP reads it)."""
     if not (path / ".metadata").is_file():
-        leftovers = sorted(p.name for p in path.parent.glob(f"{path.name}.tmp-*"))
+        found = [p.name for p in leftovers(path)]
         raise CheckpointError(
             f"checkpoint.load: {str(path)!r} is not a checkpoint (no {str(path / '.metadata')!r}"
             f"{'; the directory does not exist' if not path.exists() else ''}). "
-            f"{f'Left-over incomplete saves beside it: {leftovers}. ' if leftovers else ''}"
+            f"{f'Left-over incomplete saves beside it: {found}. ' if found else ''}"
             "Pass the path a completed checkpoint.save wrote."
+        )
+    found = leftovers(path)
+    if found:
+        warnings.warn(
+            f"checkpoint.load from {str(path)!r}: {[p.name for p in found]} beside it are "
+            "left by saves to this path that did not finish (killed processes); they are not "
+            "read, the checkpoint at the path is the last completed save. The next "
+            "checkpoint.save to this path deletes them (or delete them yourself).",
+            PartitaWarning,
+            stacklevel=3,
         )
     try:
         return FileSystemReader(path).read_metadata()
