@@ -28,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+import partita
 import partita.checkpoint as ckpt
 from partita import Mesh, P, ShardedTensor
 from partita.errors import CheckpointError, PartitaWarning
@@ -307,3 +308,53 @@ def test_a_sigkilled_save_leaves_the_last_checkpoint(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no left-overs any more: no warning
         assert torch.equal(ckpt.load({"b": torch.zeros(3)}, path)["b"], torch.full((3,), 7.0))
+
+
+VMESH = Mesh.create((2, 4), ("data", "model"))
+VSPECS = {"0.weight": P("model", None), "0.bias": P("model"), "2.weight": P(None, "model")}
+
+
+def _virtual_mlp(seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    dev = partita.use_spmd(VMESH)
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dev)
+    for name, spec in VSPECS.items():
+        partita.mark_sharding(model.get_parameter(name), VMESH, spec)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _virtual_step(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> float:
+    g = torch.Generator().manual_seed(i)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    dev = torch.device("spmd", 0)
+    x, y = x.to(dev), y.to(dev)
+    partita.mark_sharding(x, VMESH, P("data", None))
+    loss = F.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    partita.sync()
+    return loss.item()
+
+
+def test_virtual_device_model_and_optimizer_save_and_load_in_place(tmp_path: Path) -> None:
+    model, opt = _virtual_mlp(0)
+    for i in range(2):
+        _virtual_step(model, opt, i)
+    ckpt.save(model, tmp_path / "v", optimizer=opt)
+    other, other_opt = _virtual_mlp(1)  # another init, no optimizer state yet
+    params = [id(p) for p in other.parameters()]
+    ckpt.load(other, tmp_path / "v", optimizer=other_opt)
+    assert [id(p) for p in other.parameters()] == params  # in place: same Parameter objects
+    for (name, a), b in zip(model.named_parameters(), other.parameters(), strict=True):
+        assert torch.equal(a.cpu(), b.cpu()), name
+        assert partita.virtual.sharded(b).sharding == partita.virtual.sharded(a).sharding
+    assert other_opt.state_dict()["state"][0]["step"] == 2
+    assert _virtual_step(other, other_opt, 2) == pytest.approx(_virtual_step(model, opt, 2))
+    for (name, a), b in zip(model.named_parameters(), other.parameters(), strict=True):
+        torch.testing.assert_close(a.cpu(), b.cpu(), **TOL, msg=name)
+    ckpt.save(model, tmp_path / "w")
+    with pytest.raises(CheckpointError, match=r"holds no optimizer state .*without optimizer="):
+        ckpt.load(other, tmp_path / "w", optimizer=other_opt)
+    with pytest.raises(CheckpointError, match=r"optimizer=.*target is a dict.*leave optimizer="):
+        ckpt.save({"b": torch.zeros(1)}, tmp_path / "x", optimizer=opt)

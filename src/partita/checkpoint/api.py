@@ -24,6 +24,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 
+from partita.checkpoint.module import (
+    apply_module,
+    is_virtual_module,
+    module_request,
+    module_state,
+)
 from partita.checkpoint.planner import LoadPlanner, SavePlanner
 from partita.checkpoint.safety import (
     NamingReader,
@@ -69,12 +75,15 @@ def save(
     *,
     scheduler: Any = None,
     extra: dict[str, Any] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> None:
     """Save a TrainStep (or a ``{name: ShardedTensor | Tensor}`` dict) to directory ``path``.
 
     Every process calls it; each writes only the tiles it owns (replicas once). A TrainStep's
     checkpoint holds its parameters, buffers, optimizer state and step, the RNG state, the
     ``scheduler``'s state and ``extra`` (a dict of numbers, strings, lists, dicts and tensors).
+    An ``nn.Module`` on the virtual device (``partita.use_spmd``) saves its parameters' and
+    buffers' shards, and with ``optimizer=`` its ``torch.optim`` optimizer's state.
     ``path`` appears only when the save is complete; an existing checkpoint there is replaced
     then (and stays loadable if the save fails).
 
@@ -83,7 +92,21 @@ def save(
         >>> extra = partita.checkpoint.load(step, "ckpt/step_100")  # doctest: +SKIP
     """
     path = Path(path)
-    if isinstance(target, TrainStep):
+    if optimizer is not None and not is_virtual_module(target):
+        raise CheckpointError(
+            f"checkpoint.save(optimizer=...) saves a torch.optim optimizer beside an nn.Module "
+            f"on the virtual device; the target is a {type(target).__name__}. Nothing was "
+            "saved. A TrainStep saves its own optimizer: leave optimizer= out."
+        )
+    if is_virtual_module(target):
+        if scheduler is not None or extra is not None:
+            raise CheckpointError(
+                "checkpoint.save: scheduler= and extra= are saved with a TrainStep; this is "
+                "a virtual-device nn.Module. Nothing was saved. Save scheduler.state_dict() "
+                "yourself, or use partita.train_step."
+            )
+        state = module_state(target, optimizer)
+    elif isinstance(target, TrainStep):
         state = state_for_save(target, scheduler, extra)
     elif isinstance(target, Mapping):
         if scheduler is not None or extra is not None:
@@ -136,6 +159,7 @@ def load(
     path: str | os.PathLike[str],
     *,
     scheduler: Any = None,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> Any:
     """Load the checkpoint at ``path`` into a TrainStep (or tensors laid out like a dict's).
 
@@ -144,12 +168,27 @@ def load(
     metadata first (names, shapes, dtypes, files); a :class:`~partita.errors.CheckpointError`
     names the tensor and nothing changes.
 
+    A virtual-device ``nn.Module`` (and ``optimizer=``, its torch.optim optimizer) is loaded in
+    place: every tensor keeps its object and its current layout.
+
     Returns:
-        for a TrainStep, the ``extra`` dict it was saved with (``{}`` without); for a dict,
-        a new dict of the same keys with the loaded values (ShardedTensors keep the given
-        tensors' shardings, torch tensors are new tensors).
+        None for an nn.Module; for a TrainStep, the ``extra`` dict it was saved with (``{}``
+        without); for a dict, a new dict of the same keys with the loaded values
+        (ShardedTensors keep the given tensors' shardings, torch tensors are new tensors).
     """
     path = Path(path)
+    if optimizer is not None and not is_virtual_module(target):
+        raise CheckpointError(
+            f"checkpoint.load(optimizer=...) loads a torch.optim optimizer beside an nn.Module "
+            f"on the virtual device; the target is a {type(target).__name__}. Nothing was "
+            "loaded. A TrainStep loads its own optimizer: leave optimizer= out."
+        )
+    if is_virtual_module(target):
+        metadata = read_metadata(path)
+        request = module_request(target, metadata, optimizer)
+        _load(path, metadata, request, ignored=("optimizer.",))
+        apply_module(target, request, optimizer)
+        return None
     if isinstance(target, TrainStep):
         metadata = read_metadata(path)
         request, state = request_for_load(target, metadata, scheduler)
