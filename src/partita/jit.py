@@ -31,14 +31,12 @@ from partita.capture.module import ModuleInputs
 from partita.capture.trace import broadcast_specs, input_path
 from partita.errors import JitArgumentError, RecompileWarning, warn
 from partita.explain import format_program
-from partita.layout import shard_tensor
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
 from partita.partition.explicit import check_mode, collectives_mode
 from partita.presets import PresetLike as PlanLike
 from partita.propagate import propagate
-from partita.runtime.distributed import distributed_executor
-from partita.runtime.local import LocalMesh
+from partita.runtime.executor import executor_for
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import ShardedTensor
 
@@ -96,7 +94,6 @@ class Jitted:
         self._cache: OrderedDict[Hashable, Compiled] = OrderedDict()
         self._recent: deque[tuple[Hashable, list[str]]] = deque(maxlen=RECOMPILE_WARNING_AT)
         self._compiles = 0
-        self._executor = LocalMesh(mesh)
         self._module = ModuleInputs(fn, mesh, param_specs) if isinstance(fn, nn.Module) else None
         if param_specs is not None and self._module is None:
             raise JitArgumentError(
@@ -215,35 +212,10 @@ class Jitted:
         # The lifted constants (closed-over tensors, literals) are the trailing inputs.
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor | ShardedTensor)]
         tensors += program.constants
-        distributed = distributed_executor(self.mesh)  # None unless torch.distributed is up
-        if distributed is not None:
-            results = distributed.run_compiled(compiled, tensors)
-        else:
-            results = self._run_local(compiled, tensors)
+        results = executor_for(self.mesh).run_compiled(compiled, tensors)
         for i, new in program.input_updates(results):
             write_back(tensors[i], new)
         return program.unflatten_outputs(results)
-
-    def _run_local(self, compiled: Compiled, tensors: list[Any]) -> list[ShardedTensor]:
-        stacked = []
-        for leaf, sharding in zip(tensors, compiled.input_shardings, strict=True):
-            if isinstance(leaf, ShardedTensor):
-                if leaf.sharding != sharding:  # only if a plain spec and an annotation disagree
-                    leaf = ShardedTensor.from_global(leaf.full(), sharding)
-                stacked.append(leaf.stacked)
-            elif sharding.is_replicated:
-                # A stride-0 view: the executor keeps it unbatched, so work on replicated
-                # values (a data-parallel optimizer update) runs once, not once per device.
-                stacked.append(leaf.unsqueeze(0).expand(self.mesh.size, *leaf.shape))
-            else:
-                stacked.append(shard_tensor(leaf, sharding))
-        outs = self._executor.run(compiled.local, stacked)
-        return [
-            ShardedTensor.from_stacked(o, s, shape)
-            for o, s, shape in zip(
-                outs, compiled.output_shardings, compiled.output_shapes, strict=True
-            )
-        ]
 
     @property
     def cache_size(self) -> int:

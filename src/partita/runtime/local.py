@@ -35,30 +35,24 @@ process group (that is ``runtime/distributed.py``).
 from __future__ import annotations
 
 import operator
-import traceback
 import weakref
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, fx
-from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from partita.collectives import MESH_OPS
-from partita.collectives_bucket import BUCKET_OPS
-from partita.errors import CompilerError, PartitaError, UnsupportedOpError
-from partita.layout import check_strided
+from partita.errors import PartitaError
+from partita.layout import check_strided, shard_tensor
 from partita.mesh import Mesh
+from partita.runtime.segments import Segment, SegmentPlan, plan_segments, segment_error
+from partita.tensor import ShardedTensor
 
 __all__ = ["LocalMesh"]
 
 aten = torch.ops.aten
 
-_TO_RESHAPE = {aten.view.default, aten._unsafe_view.default}
-#: Memory formats that only exist for one rank (4 and 5): not for the stacked values.
-_RANK_BOUND_FORMATS = (torch.channels_last, torch.channels_last_3d)
 # Mesh ops whose result is the same on every member of the group: over the whole mesh it is
 # the same on every device, so the result can stay unbatched.
 _REPLICATING_OPS = {
@@ -67,88 +61,6 @@ _REPLICATING_OPS = {
     torch.ops.partita.all_reduce_bucket.default,
     torch.ops.partita.all_gather_bucket.default,
 }
-# Steps run outside vmap: the mesh ops and the fused (bucketed) ones, whose results are lists
-# that the bucket's getitem nodes take apart (also outside vmap).
-_STEP_OPS = frozenset((*MESH_OPS, *BUCKET_OPS))
-
-Pattern = tuple[bool, ...]  # batched or not, one flag per value
-
-
-@dataclass
-class _Segment:
-    """Local ops that run as one vmap call: ``gm(*inputs) -> tuple(outputs)``."""
-
-    gm: fx.GraphModule
-    inputs: list[fx.Node]
-    outputs: list[fx.Node]
-    nodes: list[fx.Node]
-    vmapped: dict[Pattern, tuple[Callable[..., Any], Pattern]] = field(default_factory=dict)
-    flat: dict[Hashable, Callable[..., Any] | None] = field(default_factory=dict)
-
-    def run(self, values: list[tuple[Any, bool]]) -> list[tuple[Any, bool]]:
-        """Outputs ``(value, batched)`` for inputs ``(value, batched)``."""
-        args = [v for v, _ in values]
-        fn, out_pattern = self._vmapped(tuple(b for _, b in values))
-        if fn is not self.gm:
-            # The second run with the same signature traces vmap(segment) to a flat graph of
-            # batched aten ops, which then runs without functorch's per-op overhead.
-            key = _signature(args, out_pattern)
-            if key is not None:
-                if key not in self.flat:
-                    self.flat[key] = None  # seen once
-                else:
-                    if self.flat[key] is None:
-                        self.flat[key] = _trace_flat(fn, args)
-                    fn = self.flat[key]  # type: ignore[assignment]
-        return list(zip(fn(*args), out_pattern, strict=True))
-
-    def _vmapped(self, pattern: Pattern) -> tuple[Callable[..., Any], Pattern]:
-        """The callable for inputs batched as ``pattern``, and which outputs are batched."""
-        hit = self.vmapped.get(pattern)
-        if hit is not None:
-            return hit
-        # Under vmap an op's result is batched exactly when one of its inputs is.
-        batched = dict(zip(self.inputs, pattern, strict=True))
-        for node in self.nodes:
-            batched[node] = any(batched.get(n, False) for n in node.all_input_nodes)
-        out_pattern = tuple(batched[n] for n in self.outputs)
-        fn: Callable[..., Any] = self.gm
-        if any(pattern):
-            fn = torch.vmap(
-                self.gm,
-                in_dims=tuple(0 if b else None for b in pattern),
-                out_dims=tuple(0 if b else None for b in out_pattern),
-            )
-        self.vmapped[pattern] = (fn, out_pattern)
-        return fn, out_pattern
-
-
-def _signature(args: list[Any], out_pattern: Pattern) -> Hashable | None:
-    """What a traced flat graph depends on: every input's shape, strides, dtype and device."""
-    if not all(isinstance(a, Tensor) for a in args):
-        return None  # rare (non-tensor graph inputs): stay with vmap
-    return out_pattern, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
-
-
-def _trace_flat(fn: Callable[..., Any], args: list[Any]) -> Callable[..., Any]:
-    try:
-        flat = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
-    except Exception:  # a batching rule that make_fx cannot trace: vmap stays correct
-        return fn
-    for node in flat.graph.nodes:
-        if node.target in _TO_RESHAPE:  # traced on fake strides; reshape is safe on any
-            node.target = aten.reshape.default
-    flat.recompile()
-    return flat
-
-
-@dataclass
-class _Plan:
-    """A graph cut into segments and mesh calls, in execution order."""
-
-    placeholders: list[fx.Node]
-    steps: list[_Segment | fx.Node]
-    output: Any  # the output node's argument (a pytree of nodes and constants)
 
 
 class LocalMesh:
@@ -158,6 +70,7 @@ class LocalMesh:
         mesh: the mesh whose devices are simulated; values are ``[mesh.size, *local]``.
 
     Example:
+        >>> from torch.fx.experimental.proxy_tensor import make_fx
         >>> mesh = Mesh.create((4,), ("x",))
         >>> gm = make_fx(lambda a, b: torch.mm(a, b).relu())(torch.ones(2, 3), torch.ones(3, 5))
         >>> (out,) = LocalMesh(mesh).run(gm, [torch.ones(4, 2, 3), torch.ones(4, 3, 5)])
@@ -169,10 +82,39 @@ class LocalMesh:
         if not isinstance(mesh, Mesh):
             raise TypeError(f"LocalMesh(mesh) needs a partita Mesh, got {type(mesh).__name__}.")
         self.mesh = mesh
-        self._plans: weakref.WeakKeyDictionary[fx.GraphModule, _Plan] = weakref.WeakKeyDictionary()
+        self._plans: weakref.WeakKeyDictionary[fx.GraphModule, SegmentPlan] = (
+            weakref.WeakKeyDictionary()
+        )
 
     def __repr__(self) -> str:
         return f"LocalMesh({self.mesh!r})"
+
+    def run_compiled(self, compiled: Any, leaves: Sequence[Any]) -> list[ShardedTensor]:
+        """Run a compiled signature (``runtime.executor.CompiledProgram``) on global arguments.
+
+        ``leaves`` are ShardedTensors or plain tensors holding the whole value; each is cut
+        into its devices' tiles as ``compiled.input_shardings`` says. Returns one
+        ShardedTensor per output.
+        """
+        stacked = []
+        for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True):
+            if isinstance(leaf, ShardedTensor):
+                if leaf.sharding != sharding:  # only if a plain spec and an annotation disagree
+                    leaf = ShardedTensor.from_global(leaf.full(), sharding)
+                stacked.append(leaf.stacked)
+            elif sharding.is_replicated:
+                # A stride-0 view: the executor keeps it unbatched, so work on replicated
+                # values (a data-parallel optimizer update) runs once, not once per device.
+                stacked.append(leaf.unsqueeze(0).expand(self.mesh.size, *leaf.shape))
+            else:
+                stacked.append(shard_tensor(leaf, sharding))
+        outs = self.run(compiled.local, stacked)
+        return [
+            ShardedTensor.from_stacked(o, s, shape)
+            for o, s, shape in zip(
+                outs, compiled.output_shardings, compiled.output_shapes, strict=True
+            )
+        ]
 
     def run(self, gm: fx.GraphModule, stacked_inputs: Sequence[Any]) -> list[Any]:
         """Run the per-device program ``gm`` on every device at once.
@@ -183,7 +125,7 @@ class LocalMesh:
         """
         plan = self._plans.get(gm)
         if plan is None:
-            plan = self._plans[gm] = _make_plan(gm)
+            plan = self._plans[gm] = plan_segments(gm)
         if len(stacked_inputs) != len(plan.placeholders):
             raise ValueError(
                 f"LocalMesh.run: the graph has {len(plan.placeholders)} inputs "
@@ -194,13 +136,13 @@ class LocalMesh:
         for node, x in zip(plan.placeholders, stacked_inputs, strict=True):
             env[node] = self._read_input(node, x)
         for step in plan.steps:
-            if isinstance(step, _Segment):
+            if isinstance(step, Segment):
                 try:
                     outs = step.run([env[i] for i in step.inputs])
                 except PartitaError:
                     raise
                 except Exception as e:
-                    raise _segment_error(step, e) from e
+                    raise segment_error(step, e) from e
                 env.update(zip(step.outputs, outs, strict=True))
             elif step.target is operator.getitem:  # one member of a bucket's results
                 env[step] = env[step.args[0]][0][step.args[1]]
@@ -267,120 +209,3 @@ class LocalMesh:
 def _broadcast(value: Tensor, n: int) -> Tensor:
     """An unbatched value as a stacked one: a stride-0 view, no copy."""
     return value.expand(n, *value.shape)
-
-
-def _make_plan(gm: fx.GraphModule) -> _Plan:
-    """Cut ``gm`` into segments of local ops separated by mesh ops (see the module doc)."""
-    graph = gm.graph
-    depth: dict[fx.Node, int] = {}
-    placeholders: list[fx.Node] = []
-    mesh_nodes: list[fx.Node] = []
-    buckets = {n for n in graph.nodes if n.op == "call_function" and n.target in BUCKET_OPS}
-    by_depth: dict[int, list[fx.Node]] = {}
-    output: Any = None
-    for node in graph.nodes:
-        if node.op == "placeholder":
-            placeholders.append(node)
-            depth[node] = 0
-            continue
-        if node.op == "output":
-            output = node.args[0]
-            continue
-        if node.op not in ("call_function", "get_attr"):
-            raise UnsupportedOpError(
-                f"LocalMesh cannot run node {node.name!r} of kind {node.op!r}; a per-device "
-                f"program holds only call_function and get_attr nodes."
-            )
-        _check_not_random(node)
-        d = max((depth[i] for i in node.all_input_nodes), default=0)
-        if node.target in _STEP_OPS:
-            depth[node] = d + 1
-            mesh_nodes.append(node)
-        elif node.target is operator.getitem and node.args[0] in buckets:
-            depth[node] = d
-            mesh_nodes.append(node)
-        else:
-            depth[node] = d
-            by_depth.setdefault(d, []).append(node)
-    local = {node for nodes in by_depth.values() for node in nodes}
-    users_at: dict[fx.Node, set[int]] = {}  # where each value is read: segment or -1 (outside)
-    for node in graph.nodes:
-        where = depth[node] if node in local else -1
-        for i in node.all_input_nodes:
-            users_at.setdefault(i, set()).add(where)
-    steps: list[_Segment | fx.Node] = []
-    last = max([*by_depth, *(depth[m] for m in mesh_nodes)], default=0)
-    for d in range(last + 1):
-        steps += [m for m in mesh_nodes if depth[m] == d]
-        if d in by_depth:
-            steps.append(_build_segment(gm, by_depth[d], d, users_at))
-    return _Plan(placeholders=placeholders, steps=steps, output=output)
-
-
-def _build_segment(
-    gm: fx.GraphModule, nodes: list[fx.Node], d: int, users_at: dict[fx.Node, set[int]]
-) -> _Segment:
-    inside = set(nodes)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs: list[fx.Node] = []
-
-    def arg(i: fx.Node) -> fx.Node:
-        if i not in env:
-            inputs.append(i)
-            env[i] = graph.placeholder(f"in_{i.name}")
-        return env[i]
-
-    # Placeholders first: collect every outside input before copying nodes.
-    for node in nodes:
-        for i in node.all_input_nodes:
-            if i not in inside:
-                arg(i)
-    for node in nodes:
-        new = graph.node_copy(node, arg)
-        if new.target in _TO_RESHAPE:
-            new.target = aten.reshape.default
-        if new.kwargs.get("memory_format") in _RANK_BOUND_FORMATS:
-            # vmap adds the device dim, so channels_last would see rank 5; a functional program
-            # cannot observe memory format, so the copy keeps its input's.
-            new.kwargs = {**new.kwargs, "memory_format": torch.preserve_format}
-        env[node] = new
-    outputs = [n for n in nodes if users_at.get(n, set()) - {d}]
-    graph.output(tuple(env[n] for n in outputs))
-    seg_gm = fx.GraphModule(gm, graph, class_name=f"Segment{d}")
-    return _Segment(gm=seg_gm, inputs=inputs, outputs=outputs, nodes=nodes)
-
-
-def _segment_error(segment: _Segment, e: Exception) -> CompilerError:
-    """Name the local op that failed (from the traceback's generated-code line) with the
-    global op and the user's source line it was lowered from."""
-    by_name = {n.name: n for n in segment.gm.graph.nodes}
-    failed = None
-    for frame in traceback.extract_tb(e.__traceback__):
-        if frame.filename.startswith("<eval_with_key>") and frame.line and " = " in frame.line:
-            failed = by_name.get(frame.line.split(" = ", 1)[0].strip(), failed)
-    if failed is not None:
-        where = (
-            f"local op {failed.target} (%{failed.name}), lowered from "
-            f"{failed.meta.get('origin', 'an unknown op')} at "
-            f"{failed.meta.get('source') or 'source line unknown'}"
-        )
-    else:
-        ops = sorted({str(n.meta.get("origin", n.target)) for n in segment.nodes})
-        where = f"one of the local ops {ops}"
-    first = (str(e).strip().splitlines() or [""])[0]
-    return CompilerError(
-        f"The per-device program failed at {where}: {type(e).__name__}: {first}. The "
-        f"partitioner produced a local call that does not fit its local shapes: a bug in "
-        f"partita; {CompilerError.WORKAROUND}"
-    )
-
-
-def _check_not_random(node: fx.Node) -> None:
-    tags = getattr(node.target, "tags", ())
-    if torch.Tag.nondeterministic_seeded in tags:
-        raise UnsupportedOpError(
-            f"LocalMesh cannot run the random op {node.target} (node {node.name!r}) yet: each "
-            f"simulated device would need its own random stream. Remove the randomness from "
-            f"the program (dropout p=0, random tensors passed in as inputs)."
-        )

@@ -21,18 +21,14 @@ from torch.utils import _pytree as pytree
 from partita import capture
 from partita.explain import format_program
 from partita.jit import Compiled
-from partita.layout import shard_tensor
 from partita.mesh import Mesh
 from partita.partition import partition
 from partita.propagate import propagate
-from partita.runtime.distributed import distributed_executor
-from partita.runtime.local import LocalMesh
+from partita.runtime.executor import executor_for
 from partita.spec import P, Sharding
 from partita.tensor import ShardedTensor
 
 __all__ = ["StepProgram", "compile_step"]
-
-_EXECUTORS: dict[Mesh, LocalMesh] = {}
 
 
 @dataclass
@@ -65,36 +61,13 @@ class StepProgram:
         rebinds its cell; nothing is copied, and under torch.distributed the new value is this
         process's shards)."""
         tensors = [*inputs, *self.constants]
-        executor = distributed_executor(mesh)
-        if executor is not None:
-            assert (
-                self.compiled is not None
-            )  # steps from disk are only used without a process group
-            outs = executor.run_compiled(self.compiled, tensors)
-        else:
-            outs = self._run_local(mesh, tensors)
+        executor = executor_for(mesh)
+        # Under torch.distributed the executor checks that every process runs the same
+        # program, which needs the jit form; steps read from disk are used only without a
+        # process group.
+        outs = executor.run_compiled(self if self.compiled is None else self.compiled, tensors)
         updates = list(zip(self.mutated_inputs, outs[self.n_results :], strict=True))
         return outs[: self.n_results], updates
-
-    def _run_local(self, mesh: Mesh, tensors: list[Any]) -> list[ShardedTensor]:
-        stacked = []
-        for leaf, sharding in zip(tensors, self.input_shardings, strict=True):
-            if isinstance(leaf, ShardedTensor):
-                if leaf.sharding != sharding:
-                    leaf = ShardedTensor.from_global(leaf.full(), sharding)
-                stacked.append(leaf.stacked)
-            elif sharding.is_replicated:  # stride 0: computed once, not once per device
-                stacked.append(leaf.unsqueeze(0).expand(mesh.size, *leaf.shape))
-            else:
-                stacked.append(shard_tensor(leaf, sharding))
-        executor = _EXECUTORS.get(mesh)
-        if executor is None:
-            executor = _EXECUTORS[mesh] = LocalMesh(mesh)
-        outs = executor.run(self.local, stacked)
-        return [
-            ShardedTensor.from_stacked(o, s, shape)
-            for o, s, shape in zip(outs, self.output_shardings, self.output_shapes, strict=True)
-        ]
 
 
 def compile_step(
