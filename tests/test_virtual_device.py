@@ -365,3 +365,18 @@ def test_the_next_step_records_while_a_step_runs(dev: torch.device) -> None:
     torch.testing.assert_close(z.cpu(), value * 2 + 1)
     torch.testing.assert_close(w.cpu(), value * 3 + 1)
     assert partita.virtual.sharded(w).spec == P("data")  # the layout mark_sharding gave it
+
+
+def test_importing_partita_shows_no_accelerator() -> None:
+    """The device registered at import answered is_available() == True, so torch (and DCP's
+    writer, which asked it for streams) took it for an accelerator before use_spmd."""
+    code = (
+        "import torch, partita\n"
+        "print(torch.accelerator.is_available(), torch._utils._get_available_device_type())\n"
+        "partita.use_spmd(partita.Mesh.create((2,), ('data',)))\n"
+        "print(torch.accelerator.is_available(), torch._utils._get_available_device_type())\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    ).stdout.split("\n")
+    assert out[:2] == ["False None", "True spmd"], out

@@ -16,7 +16,13 @@ from partita.mesh import Mesh
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor, set_eager_ops
 from partita.virtual import disk_cache, step
-from partita.virtual.device import MIN_TORCH, VirtualDeviceError, check_torch, register
+from partita.virtual.device import (
+    MIN_TORCH,
+    VirtualDeviceError,
+    activate,
+    check_torch,
+    register,
+)
 from partita.virtual.lazy import LazyTensor, full_value
 from partita.virtual.recording import new_data
 from partita.virtual.sharded_ops import eager_op
@@ -100,6 +106,7 @@ def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> 
     if not isinstance(mesh, Mesh):
         raise TypeError(f"partita.use_spmd needs a partita.Mesh, got {type(mesh).__name__}")
     register(_factory, new_data)
+    activate()
     set_mesh(mesh)
     if cache_dir is not None:
         disk_cache.set_directory(cache_dir)

@@ -21,7 +21,14 @@ import torch
 
 from partita.errors import VirtualDeviceError
 
-__all__ = ["DEVICE_NAME", "MIN_TORCH", "VirtualDeviceError", "register", "spmd_device"]
+__all__ = [
+    "DEVICE_NAME",
+    "MIN_TORCH",
+    "VirtualDeviceError",
+    "activate",
+    "register",
+    "spmd_device",
+]
 
 #: The name of the virtual device (``torch.device("spmd", 0)``).
 DEVICE_NAME = "spmd"
@@ -56,12 +63,25 @@ def check_torch(version: tuple[int, int] | None = None) -> None:
         )
 
 
+#: Whether ``partita.use_spmd`` has switched the device on in this process. Until then the
+#: registered backend says it is not available, so code that looks for an accelerator
+#: (``torch.accelerator.is_available()``, ``torch._utils._get_available_device_type()``, used
+#: by torch.distributed.checkpoint among others) does not pick it just because partita was
+#: imported.
+_ACTIVE = [False]
+
+
+def activate() -> None:
+    """Report the device as available from now on (``use_spmd``)."""
+    _ACTIVE[0] = True
+
+
 class _DeviceModule:
-    """What ``torch.spmd`` answers: one always-available device."""
+    """What ``torch.spmd`` answers: one device, available once ``use_spmd`` switched it on."""
 
     @staticmethod
     def is_available() -> bool:
-        return True
+        return _ACTIVE[0]
 
     @staticmethod
     def device_count() -> int:
@@ -99,6 +119,17 @@ def _arange(*args: Any, **kwargs: Any) -> torch.Tensor:
     return _FACTORY[1](torch.arange(*args, **kwargs))
 
 
+class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
+    """The backend hooks torch's accelerator API asks: available only once switched on."""
+
+    def is_available(self) -> bool:
+        return _ACTIVE[0]
+
+    def has_primary_context(self, dev_id: int) -> bool:
+        del dev_id
+        return True
+
+
 def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Tensor]) -> None:
     """Register the device once; ``factory(shape, dtype)`` makes a new device tensor and
     ``wrap(cpu_tensor)`` one holding that value."""
@@ -119,6 +150,7 @@ def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Ten
     _setup_privateuseone_for_python_backend(
         rename=DEVICE_NAME if current != DEVICE_NAME else None,
         backend_module=_DeviceModule(),
+        hook=_Hooks(),
     )
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
