@@ -56,6 +56,7 @@ def sharded(t: torch.Tensor) -> ShardedTensor:
     :func:`partita.visualize_sharding` and the other ShardedTensor tools.
 
     Example:
+        >>> mesh = Mesh.create((2, 4), ("data", "model"))
         >>> w = torch.ones(8, 4).to(partita.use_spmd(mesh))
         >>> partita.virtual.sharded(partita.mark_sharding(w, mesh, P("data", None))).spec
         P('data', None)

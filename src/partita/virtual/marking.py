@@ -26,6 +26,7 @@ def mark_in_place(t: LazyTensor, mesh: Mesh, spec: Any) -> LazyTensor:
     """Shard ``t`` over ``mesh`` as ``spec`` says, in place; returns ``t``.
 
     Example:
+        >>> mesh = Mesh.create((2, 4), ("data", "model"))
         >>> w = torch.ones(8, 4, device=partita.use_spmd(mesh))
         >>> partita.mark_sharding(w, mesh, P("data", None)) is w
         True

@@ -29,6 +29,7 @@ def eager_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func(*args, **kwargs)`` where some arguments are ShardedTensors.
 
     Example:
+        >>> mesh = Mesh.create((2, 4), ("data", "model"))
         >>> x = partita.mark_sharding(torch.ones(8, 4), mesh, P("data", None))
         >>> (x + 1).full().sum().item()
         64.0
