@@ -375,8 +375,11 @@ def test_importing_partita_shows_no_accelerator() -> None:
         "print(torch.accelerator.is_available(), torch._utils._get_available_device_type())\n"
         "partita.use_spmd(partita.Mesh.create((2,), ('data',)))\n"
         "print(torch.accelerator.is_available(), torch._utils._get_available_device_type())\n"
+        "with torch.random.fork_rng():\n"  # it asked the device for its RNG state: none
+        "    torch.rand(1)\n"
+        "print('fork_rng ok')\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout.split("\n")
-    assert out[:2] == ["False None", "True spmd"], out
+    assert out[:3] == ["False None", "True spmd", "fork_rng ok"], out

@@ -99,6 +99,19 @@ class _DeviceModule:
     def manual_seed_all(seed: int) -> None:
         del seed
 
+    # The device's random ops run on the CPU generator (a step runs on CPU tensors), so its
+    # RNG state is the CPU's: torch.random.fork_rng and activation checkpointing save and
+    # restore it through these once the device is available.
+    @staticmethod
+    def get_rng_state(device: Any = None) -> torch.Tensor:
+        del device
+        return torch.get_rng_state()
+
+    @staticmethod
+    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        del device
+        torch.set_rng_state(state)
+
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:
         return [torch.float32, torch.bfloat16, torch.float16]
