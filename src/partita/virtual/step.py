@@ -192,7 +192,9 @@ def sync() -> None:
     program = _CACHE.get(key)
     if program is None:
         started = time.perf_counter()
-        reason = recompile_reason(key, list(_CACHE), rec) if _CACHE else None
+        # A reason for every compilation after the first one these metrics count (the cache
+        # may hold programs of earlier, unrelated loops: the first compile is not a recompile).
+        reason = recompile_reason(key, list(_CACHE), rec) if _CACHE and m.compiles else None
         compiles = m.compiles
         program = _compile(rec, out_cells, key, inputs)
         if reason and m.compiles > compiles:

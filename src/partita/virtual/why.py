@@ -21,13 +21,18 @@ def _describe_input(desc: tuple[Any, ...]) -> str:
     return f"{list(desc[0])} {desc[1]} {sharding}"
 
 
-def _distance(a: tuple[Any, ...], b: tuple[Any, ...]) -> int:
+def _distance(a: tuple[Any, ...], b: tuple[Any, ...]) -> tuple[int, int]:
+    """How far apart two keys are: first by the sequence of op names (the same program with
+    other shapes is closer than another program), then by whole entries and inputs."""
     (ops_a, in_a), (ops_b, in_b) = a[0], b[0]
-    return (
+    length = abs(len(ops_a) - len(ops_b))
+    names = sum(x[0] != y[0] for x, y in zip(ops_a, ops_b, strict=False)) + length
+    entries = (
         sum(x != y for x, y in zip(ops_a, ops_b, strict=False))
-        + abs(len(ops_a) - len(ops_b))
+        + length
         + sum(x != y for x, y in zip(in_a, in_b, strict=False))
     )
+    return names, entries
 
 
 def recompile_reason(key: Hashable, cached: list[Hashable], rec: Any) -> str:
