@@ -18,8 +18,10 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m partita demo
 
+# Both cores: each worker takes whole files (module fixtures stay shared, and the multi-process
+# files keep their own order); `$(PY) -m pytest -q` runs the same tests in one process.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
