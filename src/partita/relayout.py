@@ -19,10 +19,10 @@ from typing import Any
 import torch
 
 from partita import tensor
-from partita.errors import RematerializationWarning, ShardingError
+from partita.errors import RematerializationWarning
 from partita.jit import Jitted, jit
 from partita.mesh import Mesh
-from partita.spec import PartitionSpec, Sharding, as_spec
+from partita.spec import PartitionSpec, Sharding
 from partita.tensor import ShardedTensor
 
 __all__ = ["CACHE_SIZE", "reshard"]
@@ -66,12 +66,7 @@ def reshard(x: ShardedTensor, spec: PartitionSpec | Sharding | Any) -> ShardedTe
         >>> y.sharding, y.local_shape
         (P(None, 'x'), (4, 1))
     """
-    if not isinstance(x, ShardedTensor):
-        raise ShardingError(
-            f"reshard expects a ShardedTensor, got {type(x).__name__}. For a plain "
-            f"torch.Tensor use mark_sharding(tensor, mesh, spec)."
-        )
-    target = spec if isinstance(spec, Sharding) else as_spec(spec).to_sharding(x.mesh, x.ndim)
+    target = tensor.reshard_target(x, spec)
     if target.mesh != x.mesh or x.sharding.partial or target.partial:
         return tensor.reshard(x, target)
     move = _move(x.mesh, x.sharding.spec, target.spec)

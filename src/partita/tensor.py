@@ -34,6 +34,7 @@ __all__ = [
     "clear_sharding",
     "mark_sharding",
     "reshard",
+    "reshard_target",
     "set_eager_ops",
 ]
 
@@ -349,6 +350,16 @@ def clear_sharding(x: ShardedTensor) -> ShardedTensor:
     return x
 
 
+def reshard_target(x: ShardedTensor, spec: SpecLike | Sharding) -> Sharding:
+    """The sharding ``reshard(x, spec)`` moves ``x`` to; ``x`` must be a ShardedTensor."""
+    if not isinstance(x, ShardedTensor):
+        raise ShardingError(
+            f"reshard expects a ShardedTensor, got {type(x).__name__}. For a plain "
+            f"torch.Tensor use mark_sharding(tensor, mesh, spec)."
+        )
+    return spec if isinstance(spec, Sharding) else as_spec(spec).to_sharding(x.mesh, x.ndim)
+
+
 def reshard(x: ShardedTensor, spec: SpecLike | Sharding) -> ShardedTensor:
     """A new ShardedTensor with the value of ``x`` under ``spec`` (on ``x``'s mesh).
 
@@ -364,15 +375,7 @@ def reshard(x: ShardedTensor, spec: SpecLike | Sharding) -> ShardedTensor:
         >>> y.sharding, y.local_shape
         (P(None, 'x'), (4, 1))
     """
-    if not isinstance(x, ShardedTensor):
-        raise ShardingError(
-            f"reshard expects a ShardedTensor, got {type(x).__name__}. For a plain "
-            f"torch.Tensor use mark_sharding(tensor, mesh, spec)."
-        )
-    if isinstance(spec, Sharding):
-        sharding = spec
-    else:
-        sharding = as_spec(spec).to_sharding(x.mesh, x.ndim)
+    sharding = reshard_target(x, spec)
     return ShardedTensor.from_global(x.full(), sharding)
 
 
