@@ -358,3 +358,22 @@ def test_virtual_device_model_and_optimizer_save_and_load_in_place(tmp_path: Pat
         ckpt.load(other, tmp_path / "w", optimizer=other_opt)
     with pytest.raises(CheckpointError, match=r"optimizer=.*target is a dict.*leave optimizer="):
         ckpt.save({"b": torch.zeros(1)}, tmp_path / "x", optimizer=opt)
+
+
+def test_virtual_device_model_keeps_scheduler_extra_and_rng(tmp_path: Path) -> None:
+    """scheduler=, extra= and the RNG state were refused for a virtual-device model."""
+    model, opt = _virtual_mlp(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for i in range(2):
+        _virtual_step(model, opt, i)
+        sched.step()
+    torch.manual_seed(123)
+    ckpt.save(model, tmp_path / "v", optimizer=opt, scheduler=sched, extra={"batch": 7})
+    draw = torch.rand(3)
+    other, other_opt = _virtual_mlp(1)
+    other_sched = torch.optim.lr_scheduler.StepLR(other_opt, step_size=1, gamma=0.5)
+    extra = ckpt.load(other, tmp_path / "v", optimizer=other_opt, scheduler=other_sched)
+    assert extra == {"batch": 7}
+    assert other_sched.get_last_lr() == sched.get_last_lr()
+    assert torch.equal(torch.rand(3), draw)  # the RNG state was restored too
+    assert ckpt.load(other, tmp_path / "v") == {"batch": 7}  # scheduler= is optional

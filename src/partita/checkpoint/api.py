@@ -38,7 +38,15 @@ from partita.checkpoint.safety import (
     read_metadata,
     unwrap,
 )
-from partita.checkpoint.state import RESERVED, apply_loaded, request_for_load, state_for_save
+from partita.checkpoint.state import (
+    RESERVED,
+    apply_loaded,
+    apply_run_state,
+    request_for_load,
+    run_state,
+    run_state_request,
+    state_for_save,
+)
 from partita.checkpoint.tiles import Tiles, assemble, tiles_to_read, tiles_to_write
 from partita.errors import CheckpointError
 from partita.tensor import ShardedTensor
@@ -99,13 +107,7 @@ def save(
             "saved. A TrainStep saves its own optimizer: leave optimizer= out."
         )
     if is_virtual_module(target):
-        if scheduler is not None or extra is not None:
-            raise CheckpointError(
-                "checkpoint.save: scheduler= and extra= are saved with a TrainStep; this is "
-                "a virtual-device nn.Module. Nothing was saved. Save scheduler.state_dict() "
-                "yourself, or use partita.train_step."
-            )
-        state = module_state(target, optimizer)
+        state = {**module_state(target, optimizer), **run_state(scheduler, extra)}
     elif isinstance(target, TrainStep):
         state = state_for_save(target, scheduler, extra)
     elif isinstance(target, Mapping):
@@ -172,8 +174,8 @@ def load(
     place: every tensor keeps its object and its current layout.
 
     Returns:
-        None for an nn.Module; for a TrainStep, the ``extra`` dict it was saved with (``{}``
-        without); for a dict, a new dict of the same keys with the loaded values
+        for a TrainStep or a virtual-device nn.Module, the ``extra`` dict it was saved with
+        (``{}`` without); for a dict, a new dict of the same keys with the loaded values
         (ShardedTensors keep the given tensors' shardings, torch tensors are new tensors).
     """
     path = Path(path)
@@ -185,10 +187,19 @@ def load(
         )
     if is_virtual_module(target):
         metadata = read_metadata(path)
-        request = module_request(target, metadata, optimizer)
-        _load(path, metadata, request, ignored=("optimizer.",))
+        request = {
+            **module_request(target, metadata, optimizer),
+            **run_state_request(metadata, scheduler),
+        }
+        _load(
+            path,
+            metadata,
+            request,
+            optional=("rng.", "extra.", "lr_scheduler."),
+            ignored=("optimizer.", "rng.", "lr_scheduler.", "extra."),
+        )
         apply_module(target, request, optimizer)
-        return None
+        return apply_run_state(request, scheduler)
     if isinstance(target, TrainStep):
         metadata = read_metadata(path)
         request, state = request_for_load(target, metadata, scheduler)

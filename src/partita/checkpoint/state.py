@@ -32,7 +32,16 @@ from partita.errors import CheckpointError
 from partita.tensor import ShardedTensor
 from partita.train_state import ShardedState, set_sharded_state, sharded_state
 
-__all__ = ["RESERVED", "apply_loaded", "request_for_load", "state_for_save", "subtree"]
+__all__ = [
+    "RESERVED",
+    "apply_loaded",
+    "apply_run_state",
+    "request_for_load",
+    "run_state",
+    "run_state_request",
+    "state_for_save",
+    "subtree",
+]
 
 #: Top-level keys of a TrainStep checkpoint besides the model's own names.
 RESERVED = ("optimizer", "step", "rng", "lr_scheduler", "extra")
@@ -73,7 +82,12 @@ def state_for_save(
     group = _hyper(train_step.optimizer.param_groups[0], state.opt_names)
     out["optimizer"] = {"state": per_param, "param_groups": [group]}
     out["step"] = step
-    out["rng"] = {"torch": torch.get_rng_state()}
+    return {**out, **run_state(scheduler, extra)}
+
+
+def run_state(scheduler: Any = None, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What a checkpoint keeps beside the tensors: the RNG, the scheduler, the user's extra."""
+    out: dict[str, Any] = {"rng": {"torch": torch.get_rng_state()}}
     if scheduler is not None:
         out["lr_scheduler"] = scheduler.state_dict()
     if extra is not None:
@@ -123,7 +137,12 @@ def request_for_load(
         group["initial_lr"] = None
     out["optimizer"] = {"state": per_param, "param_groups": [group]}
     out["step"] = torch.empty((), dtype=state.step.dtype)
-    out["rng"] = {"torch": torch.empty_like(torch.get_rng_state())}
+    return {**out, **run_state_request(metadata, scheduler)}, state
+
+
+def run_state_request(metadata: Metadata, scheduler: Any = None) -> dict[str, Any]:
+    """The ``dcp.load`` request for :func:`run_state`'s entries."""
+    out: dict[str, Any] = {"rng": {"torch": torch.empty_like(torch.get_rng_state())}}
     if scheduler is not None:
         if "lr_scheduler" not in {p[0] for p in (metadata.planner_data or {}).values() if p}:
             raise CheckpointError(
@@ -133,7 +152,7 @@ def request_for_load(
             )
         out["lr_scheduler"] = subtree(metadata, "lr_scheduler")
     out["extra"] = subtree(metadata, "extra")
-    return out, state
+    return out
 
 
 def apply_loaded(
@@ -155,6 +174,11 @@ def apply_loaded(
     group = train_step.optimizer.param_groups[0]
     for key, value in loaded["optimizer"]["param_groups"][0].items():
         group[key] = value
+    return apply_run_state(loaded, scheduler)
+
+
+def apply_run_state(loaded: dict[str, Any], scheduler: Any = None) -> dict[str, Any]:
+    """Restore the RNG (and scheduler) from a loaded :func:`run_state`; returns ``extra``."""
     torch.set_rng_state(loaded["rng"]["torch"])
     if scheduler is not None:
         scheduler.load_state_dict(loaded["lr_scheduler"])
