@@ -30,8 +30,10 @@ the node and what is reduced. A few handlers change the op's factor assignment i
 puts back the result-only vocabulary factor it produces locally, and weighted_mean (mean) drops
 the batch factor because its results are already reduced.
 
-Layout: ``common`` holds the helpers the handlers share (``make_tuple``, the recorded
-``all_reduce``, padding masks, casts); each other module holds one handler family:
+Each handler is written as torch code on proxies (``partition.emit``): the maths reads as
+the code, and its collectives are explicit ``e.all_reduce`` / ``e.all_gather`` calls.
+Layout: ``common`` holds what the handlers read about an op (fake values, the mesh axes of an
+operand dim, accumulation dtype); each other module holds one handler family:
 ``softmax`` (softmax_reduce), ``embedding`` (masked_embedding), ``indexing`` (index_padding),
 ``scan`` (sharded_scan), ``reductions`` (mean, weighted_mean), ``batchnorm`` (batch_stats) and
 ``random_draw`` (global_random and the ``partita::global_random_draw`` custom op).
@@ -40,6 +42,7 @@ Importing this package registers every handler.
 
 from __future__ import annotations
 
+from partita.partition.emit import make_tuple
 from partita.partition.special import (  # noqa: F401 - each registers its handler(s)
     batchnorm,
     embedding,
@@ -49,7 +52,6 @@ from partita.partition.special import (  # noqa: F401 - each registers its handl
     scan,
     softmax,
 )
-from partita.partition.special.common import make_tuple
 from partita.partition.special.random_draw import global_random_draw
 
 __all__ = ["global_random_draw", "make_tuple"]

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
 import torch.fx as fx
+from torch.fx.proxy import Proxy
 
 from partita.layout import ceil_div
+from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
-from partita.partition.masks import emit_tile_offset
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
@@ -46,44 +48,32 @@ def _embedding_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: A
     return bool(_vocab_axes(node, rule, assign))
 
 
-def _own_rows(
-    low: Lowering, ids: fx.Node, axes: tuple[str, ...], rows: int
-) -> tuple[fx.Node, fx.Node, int]:
+def _own_rows(e: Emitter, ids: Proxy, axes: tuple[str, ...], rows: int) -> tuple[Proxy, Proxy, int]:
     """(ids shifted into this shard, where the shifted id is one of this shard's rows, tile)."""
-    tile = ceil_div(rows, low.mesh.axes_size(axes))
-    offset = emit_tile_offset(low.graph, ids, axes, tile)
-    local = low.call(aten.sub.Tensor, ids, offset)
-    inside = low.call(
-        aten.logical_and.default,
-        low.call(aten.ge.Scalar, local, 0),
-        low.call(aten.lt.Scalar, local, tile),
-    )
-    return local, inside, tile
+    tile = ceil_div(rows, e.mesh.axes_size(axes))
+    local = ids - e.tile_offset(ids, axes, tile)
+    return local, torch.logical_and(local >= 0, local < tile), tile
 
 
-def _embedding_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+@emitting
+def _embedding_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
     axes = _vocab_axes(node, rule, assign)
     if node.target == aten.embedding_dense_backward.default:
         assign[_vocab_factor(node, rule)] = axes  # this lowering makes the V tiles itself
-        grad, ids = low.localize_operands(node, rule, assign)
+        grad, ids = e.operands(rule, assign)
         num_weights = int(node.args[2])
         padding_idx = int(node.args[3]) if len(node.args) > 3 else -1
-        local, inside, tile = _own_rows(low, ids, axes, num_weights)
+        local, inside, tile = _own_rows(e, ids, axes, num_weights)
         if padding_idx >= 0:
-            inside = low.call(
-                aten.logical_and.default, inside, low.call(aten.ne.Scalar, ids, padding_idx)
-            )
-        safe = low.call(aten.where.ScalarOther, inside, local, 0)
-        keep = low.call(aten.unsqueeze.default, inside, -1)
-        grad = low.call(aten.where.ScalarOther, keep, grad, 0.0)
-        return low.call(aten.embedding_dense_backward.default, grad, safe, tile, -1, False)
-    table, ids = low.localize_operands(node, rule, assign)
+            inside = torch.logical_and(inside, ids != padding_idx)
+        safe = torch.where(inside, local, 0)
+        grad = torch.where(inside.unsqueeze(-1), grad, 0.0)
+        return aten.embedding_dense_backward.default(grad, safe, tile, -1, False)
+    table, ids = e.operands(rule, assign)
     rows = int(fake_value(node.args[0]).shape[0])
-    local, inside, _ = _own_rows(low, ids, axes, rows)
-    safe = low.call(aten.where.ScalarOther, inside, local, 0)
-    out = low.call(aten.embedding.default, table, safe)
-    keep = low.call(aten.unsqueeze.default, inside, -1)
-    return low.call(aten.where.ScalarOther, keep, out, 0.0)  # partial sum over the vocab axes
+    local, inside, _ = _own_rows(e, ids, axes, rows)
+    out = aten.embedding.default(table, torch.where(inside, local, 0))
+    return torch.where(inside.unsqueeze(-1), out, 0.0)  # partial sum over the vocab axes
 
 
 register(Handler(HandlerName.MASKED_EMBEDDING.value, _embedding_applies, _embedding_lower))

@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+from torch.fx.proxy import Proxy
 from torch.utils import _pytree as pytree
 
+from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
-from partita.partition.special.common import Assign, fake_value, mask_padding
+from partita.partition.special.common import Assign, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 
@@ -48,20 +50,21 @@ def _applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> 
     return bool(_sharded_index_dims(low, node, rule, assign))
 
 
-def _lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+@emitting
+def _lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
     """The generic lowering with the index operands' padding set to 0 first."""
-    locals_ = low.localize_operands(node, rule, assign)
-    operands = low.operand_nodes(node)
-    for i, d, axes in _sharded_index_dims(low, node, rule, assign):
+    locals_ = e.operands(rule, assign)
+    operands = e.low.operand_nodes(node)
+    for i, d, axes in _sharded_index_dims(e.low, node, rule, assign):
         shape = fake_value(operands[i]).shape
-        locals_[i] = mask_padding(low, locals_[i], axes, int(shape[d]), len(shape), d, 0)
+        locals_[i] = e.mask_padding(locals_[i], axes, int(shape[d]), len(shape), d, 0)
     it = iter(locals_)
 
     def swap(a: Any) -> Any:
         return next(it) if isinstance(a, fx.Node) and a in operands else a
 
     args, kwargs = pytree.tree_map(swap, (tuple(node.args), dict(node.kwargs)))
-    return low.call(node.target, *args, **kwargs)
+    return node.target(*args, **kwargs)
 
 
 register(Handler(HandlerName.INDEX_PADDING.value, _applies, _lower))

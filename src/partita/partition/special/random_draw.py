@@ -5,17 +5,18 @@ device's tile."""
 from __future__ import annotations
 
 import json
-import operator
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+from torch.fx.proxy import Proxy
 
 from partita.explain import op_name
+from partita.partition.emit import Emitter, emitting, node_of
 from partita.partition.handlers import Handler, register
 from partita.partition.reshard import plan_reshard
 from partita.partition.reshard_emit import emit_reshard
-from partita.partition.special.common import Assign, aten, fake_value, make_tuple
+from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 from partita.spec import Sharding
@@ -94,13 +95,13 @@ def _random_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assi
     return True  # even replicated: the executor runs the wrapped draw, never a raw random op
 
 
-def _random_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+@emitting
+def _random_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
     """Draw the global tensor(s) and keep this device's tile (docs/rules.md, random numbers)."""
-    target = node.target
+    low, target = e.low, node.target
     if target == aten.native_dropout.default and node.args[2] is False:
-        (x,) = low.localize_operands(node, rule, assign)
-        ones = low.call(aten.ones_like.default, x, dtype=torch.bool)
-        return low.call(make_tuple, low.call(aten.clone.default, x), ones)
+        (x,) = e.operands(rule, assign)
+        return e.tuple(x.clone(), torch.ones_like(x, dtype=torch.bool))
     inputs: list[fx.Node] = []
 
     def enc(a: Any) -> Any:
@@ -119,26 +120,25 @@ def _random_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
         "kwargs": {k: enc(v) for k, v in node.kwargs.items()},
     }
     op = str(target).removeprefix("aten.")
-    draw = low.call(torch.ops.partita.global_random_draw.default, inputs, op, json.dumps(spec))
+    draw = e.call(torch.ops.partita.global_random_draw.default, inputs, op, json.dumps(spec))
     vals = node.meta["val"]
     vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
     shardings = low.result_shardings(rule, assign)
     tiles = []
     for j, (v, s) in enumerate(zip(vals, shardings, strict=True)):
-        whole = low.call(operator.getitem, draw, j)
+        whole = draw[j]
         if s is None:
             tiles.append(whole)
             continue
         steps = plan_reshard(Sharding.replicated(low.mesh, v.ndim), s, tuple(v.shape))
         assert not any(step.is_collective for step in steps)
-        tiles.append(emit_reshard(low.graph, whole, steps, low.mesh))
+        tiles.append(e(emit_reshard(low.graph, node_of(whole), steps, low.mesh)))
     if target == aten.native_dropout.default:  # out = x * mask * scale, as the CPU kernel
-        (x,) = low.localize_operands(node, rule, assign)
+        (x,) = e.operands(rule, assign)
         p1m = 1.0 - float(node.args[1])
         scale = 0.0 if p1m == 0 else 1.0 / p1m
-        mask = low.call(aten._to_copy.default, tiles[1], dtype=vals[0].dtype)
-        tiles[0] = low.call(aten.mul.Tensor, low.call(aten.mul.Tensor, x, mask), scale)
-    return tiles[0] if len(tiles) == 1 else low.call(make_tuple, *tiles)
+        tiles[0] = x * aten._to_copy.default(tiles[1], dtype=vals[0].dtype) * scale
+    return tiles[0] if len(tiles) == 1 else e.tuple(*tiles)
 
 
 register(Handler(HandlerName.GLOBAL_RANDOM.value, _random_applies, _random_lower))

@@ -12,23 +12,18 @@ understanding that this handler exists.
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
+from torch.fx.proxy import Proxy
 
 from partita.explain import op_name
 from partita.layout import ceil_div
+from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
-from partita.partition.masks import emit_tile_offset, identity_of
-from partita.partition.special.common import (
-    Assign,
-    aten,
-    fake_value,
-    make_tuple,
-    record_collective,
-)
+from partita.partition.masks import identity_of
+from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 
@@ -53,75 +48,52 @@ def _applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> 
     return bool(_scan_axes(node, rule, assign))
 
 
-def _all_gather(
-    low: Lowering,
-    node: fx.Node,
-    x: fx.Node,
-    dim: int,
-    axes: tuple[str, ...],
-    dtype: torch.dtype,
-    what: str,
-) -> fx.Node:
-    """``all_gather(x)`` along ``dim`` over ``axes``, recorded in the Plan."""
-    k = low.mesh.axes_size(axes)
-    out = low.call(torch.ops.partita.all_gather.default, x, dim, list(axes), k)
-    shape = list(fake_value(node.args[0]).shape)
-    shape[dim] = k
-    why = f"{op_name(node.target)} (%{node.name}) scans a dim split over {', '.join(axes)}: {what}"
-    record_collective(
-        low, node, "all_gather", axes, tuple(shape), dtype, what, why, f"dim {dim}, {k}"
-    )
-    return out
-
-
-def _scan_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+@emitting
+def _scan_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
     """Local scan, then ``max(carry, local)`` with the carry of the tiles before this one."""
-    (x,) = low.localize_operands(node, rule, assign)
+    (x,) = e.operands(rule, assign)
     dim, axes = _scan_dim(node), _scan_axes(node, rule, assign)
     gx = fake_value(node.args[0])
-    k = low.mesh.axes_size(axes)
+    k = e.mesh.axes_size(axes)
     tile = ceil_div(int(gx.shape[dim]), k)
     is_max = node.target == aten.cummax.default
-    wins = aten.ge.Tensor if is_max else aten.le.Tensor
 
-    local = low.call(node.target, x, dim)
-    values = low.call(operator.getitem, local, 0)
-    offset = emit_tile_offset(low.graph, x, axes, tile)
-    indices = low.call(aten.add.Tensor, low.call(operator.getitem, local, 1), offset)
+    local = node.target(x, dim)
+    values = local[0]
+    indices = local[1] + e.tile_offset(x, axes, tile)
 
     # Every tile's last (value, index), then the extreme of the tiles before each one.
-    tail_v = low.call(aten.slice.Tensor, values, dim, tile - 1, tile)
-    tail_i = low.call(aten.slice.Tensor, indices, dim, tile - 1, tile)
-    tails_v = _all_gather(low, node, tail_v, dim, axes, gx.dtype, "values at every tile's end")
-    tails_i = _all_gather(low, node, tail_i, dim, axes, torch.int64, "indices at every tile's end")
-    run = low.call(node.target, tails_v, dim)
-    run_v = low.call(operator.getitem, run, 0)
-    run_i = low.call(aten.gather.default, tails_i, dim, low.call(operator.getitem, run, 1))
-    me = low.call(
-        aten.reshape.default, low.call(torch.ops.partita.axis_index.default, x, list(axes)), [1]
-    )
-    before = low.call(aten.clamp_min.default, low.call(aten.sub.Tensor, me, 1), 0)
-    carry_v = low.call(aten.index_select.default, run_v, dim, before)
-    carry_i = low.call(aten.index_select.default, run_i, dim, before)
-    first = low.call(aten.eq.Scalar, me, 0)  # the first tile has nothing before it
-    fill = identity_of("max" if is_max else "min", gx.dtype)
-    later = low.call(aten.logical_not.default, first)
-    carry_v = low.call(aten.where.ScalarOther, later, carry_v, fill)
+    tails_shape = tuple(k if d == dim else s for d, s in enumerate(gx.shape))
+    why = f"{op_name(node.target)} (%{node.name}) scans a dim split over {', '.join(axes)}"
 
-    local_wins = low.call(wins, values, carry_v)
-    if gx.dtype.is_floating_point:
-        nan_here = low.call(aten.isnan.default, values)
-        nan_before = low.call(aten.isnan.default, carry_v)
-        local_wins = low.call(
-            aten.logical_or.default,
-            nan_here,
-            low.call(
-                aten.logical_and.default, low.call(aten.logical_not.default, nan_before), local_wins
-            ),
+    def tails(v: Proxy, dtype: torch.dtype, what: str) -> Proxy:
+        last = v.slice(dim, tile - 1, tile)
+        return e.all_gather(
+            last, dim, axes, shape=tails_shape, dtype=dtype, what=what, why=f"{why}: {what}"
         )
-    out_v = low.call(aten.where.self, local_wins, values, carry_v)
-    out_i = low.call(aten.where.self, local_wins, indices, carry_i)
-    return low.call(make_tuple, out_v, out_i)
+
+    tails_v = tails(values, gx.dtype, "values at every tile's end")
+    tails_i = tails(indices, torch.int64, "indices at every tile's end")
+    run = node.target(tails_v, dim)
+    run_v, run_i = run[0], tails_i.gather(dim, run[1])
+    me = e.axis_index(x, axes).reshape([1])
+    before = (me - 1).clamp_min(0)
+    carry_v = run_v.index_select(dim, before)
+    carry_i = run_i.index_select(dim, before)
+    first = me == 0  # the first tile has nothing before it
+    fill = identity_of("max" if is_max else "min", gx.dtype)
+    carry_v = torch.where(torch.logical_not(first), carry_v, fill)
+
+    local_wins = values >= carry_v if is_max else values <= carry_v
+    if gx.dtype.is_floating_point:  # a NaN wins, and then stays
+        nan_here = torch.isnan(values)
+        nan_before = torch.isnan(carry_v)
+        local_wins = torch.logical_or(
+            nan_here, torch.logical_and(torch.logical_not(nan_before), local_wins)
+        )
+    out_v = torch.where(local_wins, values, carry_v)
+    out_i = torch.where(local_wins, indices, carry_i)
+    return e.tuple(out_v, out_i)
 
 
 register(Handler(HandlerName.SHARDED_SCAN.value, _applies, _scan_lower))

@@ -4,22 +4,16 @@ sharded - masked local max/sum, each completed by one recorded all_reduce."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+import torch
 import torch.fx as fx
+from torch.fx.proxy import Proxy
 
 from partita.layout import local_shape
+from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
-from partita.partition.special.common import (
-    Assign,
-    aten,
-    axes_of,
-    cast_to,
-    fake_value,
-    mask_padding,
-    operand_sharding,
-    recorded_all_reduce,
-)
+from partita.partition.special.common import Assign, aten, axes_of, fake_value, operand_sharding
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 
@@ -49,56 +43,45 @@ def _softmax_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Ass
     return bool(_softmax_axes(node, rule, assign))
 
 
-def _softmax_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+@emitting
+def _softmax_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
     d = _softmax_dim(node)
     axes = _softmax_axes(node, rule, assign)
     x_val, out_val = fake_value(node.args[0]), node.meta["val"]
     gshape = tuple(x_val.shape)
     n, ndim = gshape[d], len(gshape)
-    red_shape = list(local_shape(operand_sharding(low, rule, 0, assign), gshape))
-    del red_shape[d]
-    red_shape_t = tuple(red_shape)
+    row_shape = list(local_shape(operand_sharding(e.low, rule, 0, assign), gshape))
+    del row_shape[d]
     dt = out_val.dtype
-    is_log = node.target in _LOG
 
-    def reduce(v: fx.Node, op: str, fill: Any, what: str) -> fx.Node:
-        v = mask_padding(low, v, axes, n, ndim, d, fill)
-        fn = aten.amax.default if op == "max" else aten.sum.dim_IntList
-        local = low.call(fn, v, [d])
-        return low.call(
-            aten.unsqueeze.default,
-            recorded_all_reduce(low, node, local, op, axes, red_shape_t, dt, what),
-            d,
-        )
+    def over_the_dim(op: str, v: Proxy, fill: float, what: str) -> Proxy:
+        """The max or sum of ``v`` along the split dim (keepdim), the padding set to ``fill``."""
+        v = e.mask_padding(v, axes, n, ndim, d, fill)
+        local = v.amax([d]) if op == "max" else v.sum([d])
+        every = e.all_reduce(local, axes, op, shape=tuple(row_shape), dtype=dt, what=what)
+        return every.unsqueeze(d)
 
     if node.target in _BACKWARD:
-        grad, out = low.localize_operands(node, rule, assign)
-        grad = cast_to(low, grad, fake_value(node.args[0]).dtype, fake_value(node.args[1]).dtype)
-        if is_log:  # grad - exp(out) * sum(grad)
-            s = reduce(grad, "sum", 0, "sum of the gradient")
-            res = low.call(
-                aten.sub.Tensor, grad, low.call(aten.mul.Tensor, low.call(aten.exp.default, out), s)
-            )
-        else:  # grad*out - out * sum(grad*out)
-            gy = low.call(aten.mul.Tensor, grad, out)
-            s = reduce(gy, "sum", 0, "sum of grad * softmax")
-            res = low.call(aten.sub.Tensor, gy, low.call(aten.mul.Tensor, out, s))
-        return cast_to(low, res, fake_value(node.args[1]).dtype, dt)
+        grad, out = e.operands(rule, assign)
+        grad = e.cast(grad, fake_value(node.args[0]).dtype, fake_value(node.args[1]).dtype)
+        if node.target in _LOG:  # d log_softmax: grad - softmax * sum(grad)
+            s = over_the_dim("sum", grad, 0, "sum of the gradient")
+            res = grad - torch.exp(out) * s
+        else:  # d softmax: out * (grad - sum(grad * out)), as grad*out - out * sum(grad*out)
+            gy = grad * out
+            s = over_the_dim("sum", gy, 0, "sum of grad * softmax")
+            res = gy - out * s
+        return e.cast(res, fake_value(node.args[1]).dtype, dt)
 
-    (x,) = low.localize_operands(node, rule, assign)
-    x = cast_to(low, x, x_val.dtype, dt)
-    x = mask_padding(low, x, axes, n, ndim, d, -math.inf)
-    gmax = reduce(x, "max", -math.inf, "max for a stable softmax")
-    shifted = low.call(aten.sub.Tensor, x, gmax)
-    e = low.call(aten.exp.default, shifted)
-    total = reduce(e, "sum", 0, "sum of exp")
-    if is_log:
-        res = low.call(aten.sub.Tensor, shifted, low.call(aten.log.default, total))
-    else:
-        res = low.call(aten.div.Tensor, e, total)
+    (x,) = e.operands(rule, assign)
+    x = e.mask_padding(e.cast(x, x_val.dtype, dt), axes, n, ndim, d, -math.inf)
+    top = over_the_dim("max", x, -math.inf, "max for a stable softmax")
+    shifted = x - top
+    ex = torch.exp(shifted)
+    total = over_the_dim("sum", ex, 0, "sum of exp")
+    res = shifted - torch.log(total) if node.target in _LOG else ex / total
     if node.target == aten._safe_softmax.default:  # rows of only -inf give 0, not NaN
-        empty = low.call(aten.eq.Scalar, gmax, -math.inf)
-        res = low.call(aten.where.ScalarSelf, empty, 0.0, res)
+        res = torch.where(top == -math.inf, 0.0, res)
     return res
 
 
