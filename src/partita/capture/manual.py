@@ -10,10 +10,15 @@ ends with two identity-like custom ops that change the *shape* a value is traced
   whose sharding is ``Boundary.sharding`` (the region's out_specs).
 
 ``key`` indexes a module-level table of :class:`Boundary` records (kept for the life of the
-process: a compiled program may be lowered again later). Each op's gradient is the other op:
-the cotangent of an enter is an exit back to the input's sharding; the cotangent of an exit is
-an enter, summed over the manual axes the output was *declared* varying over but did not vary
-over (JAX's implicit ``pvary``, whose transpose is a ``psum``).
+process: a compiled program may be lowered again later). A key is a hash of the boundary's
+contents, so the same region called again (every step of a virtual-device loop) gives the same
+key, and a key means the same boundary in every process (it is part of the virtual device's
+structural cache key, which its persistent cache shares between processes).
+
+Each op's gradient is the other op: the cotangent of an enter is an exit back to the input's
+sharding; the cotangent of an exit is an enter, summed over the manual axes the output was
+*declared* varying over but did not vary over (JAX's implicit ``pvary``, whose transpose is a
+``psum``).
 
 :func:`local_nodes` classifies the nodes of a captured graph: which of them compute on local
 blocks (the region bodies, forward and backward). Propagation leaves them alone and the
@@ -23,7 +28,7 @@ does, at trace time) and does not lower anything.
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import operator
 from dataclasses import dataclass
 
@@ -71,14 +76,31 @@ class Boundary:
     transpose: int = -1
 
 
-_KEYS = itertools.count()
 _BOUNDARIES: dict[int, Boundary] = {}
 
 
+def _content(b: Boundary) -> str:
+    s, m = b.sharding, b.sharding.mesh
+    return repr(
+        (
+            (s.dim_axes, s.partial, s.reduce_op),
+            (m.shape, m.axis_names, m.device_ids),
+            b.global_shape,
+            b.local_shape,
+            b.manual_axes,
+            b.psum_axes,
+            b.what,
+            b.transpose,
+        )
+    )
+
+
 def new_boundary(b: Boundary) -> int:
-    """Record ``b``; returns its key."""
-    key = next(_KEYS)
-    _BOUNDARIES[key] = b
+    """Record ``b``; returns its key (the same key for an equal boundary)."""
+    digest = hashlib.sha256(_content(b).encode()).digest()
+    key = int.from_bytes(digest[:8], "little") >> 2  # fits the schema's int64, non-negative
+    while _BOUNDARIES.setdefault(key, b) != b:  # a collision of 62-bit hashes: next free key
+        key += 1
     return key
 
 

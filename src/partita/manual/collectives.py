@@ -257,8 +257,9 @@ def ppermute(x: Tensor, axis_name: AxisName, perm: Sequence[tuple[int, int]]) ->
 
 def axis_index(axis_name: AxisName) -> Tensor:
     """This device's index along ``axis_name`` (row-major over a tuple), a 0-d int64 tensor."""
-    _, axes = _axes(axis_name, "axis_index")
-    out = mesh_ops.axis_index(torch.zeros(()), axes)
+    region, axes = _axes(axis_name, "axis_index")
+    like = region.anchor.detach() if region.anchor is not None else torch.zeros(())
+    out = mesh_ops.axis_index(like, axes)
     return set_vma(out, frozenset(axes))
 
 

@@ -39,6 +39,9 @@ from partita.spec import PartitionSpec, Sharding
 
 __all__ = ["shard_map"]
 
+#: How a region annotates a global value with its spec: ``(t, mesh, spec, source=) -> t``.
+Annotate = Callable[..., Tensor]
+
 
 def shard_map(
     fn: Callable[..., Any],
@@ -73,12 +76,22 @@ def shard_map(
     def wrapped(*args: Any) -> Any:
         if is_tracing():
             return _traced(fn, name, mesh, manual, in_specs, out_specs, args)
+        if any(_on_virtual_device(a) for a in pytree.tree_leaves(args)):
+            from partita.virtual.manual import annotate_pending, check_mesh
+
+            check_mesh(name, mesh)
+            return _traced(fn, name, mesh, manual, in_specs, out_specs, args, annotate_pending)
         return _eager(traced, name, mesh, in_specs, args, eager_cache)
 
     def traced(specs: Any, *args: Any) -> Any:
         return _traced(fn, name, mesh, manual, specs, out_specs, args)
 
     return wrapped
+
+
+def _on_virtual_device(x: Any) -> bool:
+    # The virtual device's tensors record every op, the region's too (partita.virtual.manual).
+    return isinstance(x, Tensor) and x.device.type == "spmd"
 
 
 def _eager(
@@ -141,7 +154,11 @@ def _traced(
     in_specs: Any,
     out_specs: Any,
     args: tuple[Any, ...],
+    annotate: Annotate = record,
 ) -> Any:
+    """Put the region in the program being traced (or recorded, on the virtual device):
+    check the specs, enter each input, run the body on local blocks, check and exit each output;
+    ``annotate`` attaches the in_specs/out_specs of a fully manual region to the global side."""
     where = format_source(user_frame()) or "an unknown line"
     name = f"{name} at {where}"
     outer = current_region()
@@ -178,11 +195,12 @@ def _traced(
         grad_key = new_boundary(Boundary(sharding, shape, local, manual, what=f"grad of {what}"))
         key = new_boundary(Boundary(sharding, shape, local, manual, what=what, transpose=grad_key))
         if set(manual) >= set(mesh.axis_names):  # partially manual: the auto axes stay free
-            leaf = record(leaf, mesh, spec, source=f"{name} in_specs for {what}")
+            leaf = annotate(leaf, mesh, spec, source=f"{name} in_specs for {what}")
         block = enter(leaf, key)
         inputs.append(block)
         entered.append((block, frozenset(sharding.sharded_axes)))
-    with region_scope(mesh, manual, name):
+    anchor = entered[0][0] if entered else None
+    with region_scope(mesh, manual, name, anchor):
         for block, axes in entered:
             set_vma(block, axes)
         with fx_traceback.annotate({REGION_TAG: list(manual)}):
@@ -200,7 +218,7 @@ def _traced(
     for j, (leaf, spec, var) in enumerate(zip(out_leaves, outs, varying, strict=True)):
         if not isinstance(leaf, Tensor):
             raise ShardMapError(f"{name}: output {j} is a {type(leaf).__name__}, not a tensor.")
-        final.append(_exit(name, j, leaf, spec, var, mesh, manual))
+        final.append(_exit(name, j, leaf, spec, var, mesh, manual, annotate))
     return pytree.tree_unflatten(final, out_tree)
 
 
@@ -212,6 +230,7 @@ def _exit(
     var: frozenset[str],
     mesh: Mesh,
     manual: tuple[str, ...],
+    annotate: Annotate,
 ) -> Tensor:
     what = f"output {j}"
     if spec is None:
@@ -242,4 +261,4 @@ def _exit(
     out = exit_region(leaf, key)
     if set(manual) < set(mesh.axis_names):  # partially manual: the auto axes stay free
         return out
-    return record(out, mesh, spec, source=f"{name} out_specs for {what}")
+    return annotate(out, mesh, spec, source=f"{name} out_specs for {what}")

@@ -48,12 +48,17 @@ __all__ = [
 
 @dataclass(frozen=True)
 class Region:
-    """The region a body is running in: its mesh, manual axes and name (for messages)."""
+    """The region a body is running in: its mesh, manual axes and name (for messages), and
+    ``anchor``, one of its local blocks (None without tensor inputs): ops that create a local
+    value from nothing (``axis_index``) read it, so the value is known to be local from its
+    operands alone, as it must be when the region is replayed from a virtual-device recording
+    (which keeps no trace-time tags)."""
 
     mesh: Mesh
     manual_axes: tuple[str, ...]
     name: str
     vmas: WeakTensorKeyDictionary
+    anchor: Tensor | None = None
 
 
 _REGION: contextvars.ContextVar[Region | None] = contextvars.ContextVar(
@@ -139,9 +144,11 @@ class VmaMode(TorchFunctionMode):
 
 
 @contextmanager
-def region_scope(mesh: Mesh, manual_axes: tuple[str, ...], name: str) -> Iterator[Region]:
+def region_scope(
+    mesh: Mesh, manual_axes: tuple[str, ...], name: str, anchor: Tensor | None = None
+) -> Iterator[Region]:
     """Run a body: the region is current and :class:`VmaMode` is on."""
-    region = Region(mesh, manual_axes, name, WeakTensorKeyDictionary())
+    region = Region(mesh, manual_axes, name, WeakTensorKeyDictionary(), anchor)
     token = _REGION.set(region)
     try:
         with VmaMode():

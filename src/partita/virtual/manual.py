@@ -1,0 +1,81 @@
+"""``partita.shard_map`` called on virtual-device tensors: the region is recorded like any code.
+
+On the virtual device a region needs no machinery of its own. ``shard_map`` runs the same code
+as inside ``partita.jit`` (:func:`partita.manual.shard_map._traced`): the region's boundaries
+(``partita::manual_enter`` / ``manual_exit``), its body on local-shaped lazy tensors, its
+collectives and the identities the varying-axes tracking inserts are all ops, so they are
+recorded one by one, and so are their gradients when ``loss.backward()`` runs (each boundary
+and collective carries its transpose). ``partita.sync()`` replays the recording under
+``capture.trace``, which rebuilds the graph ``jit`` would have traced: propagation and the
+partitioner then treat the region exactly as in ``jit`` (copied verbatim when fully manual,
+the auto axes propagated through it when partially manual). The user's mistakes are found when
+the region is called, as in ``jit``.
+
+This module supplies the two things that differ: the mesh check, and how the in_specs and
+out_specs of a fully manual region are attached to the program (:func:`annotate_pending`).
+It does not compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from partita.capture.annotate import record
+from partita.mesh import Mesh
+from partita.spec import as_spec
+from partita.virtual import step
+from partita.virtual.device import VirtualDeviceError
+from partita.virtual.lazy import LazyTensor
+from partita.virtual.recording import record_annotation
+
+__all__ = ["annotate_pending", "check_mesh"]
+
+
+@dataclass(frozen=True)
+class _Annotate:
+    """``capture.record`` with the region's source text, as a recorded op. Frozen and compared
+    by value, so the same region recorded in every step keeps the step's structural key (and
+    its plain repr keeps the step in the persistent cache)."""
+
+    source: str
+
+    def __call__(self, t: torch.Tensor, mesh: Mesh, spec: Any) -> torch.Tensor:
+        return record(t, mesh, spec, source=self.source)
+
+
+def annotate_pending(t: torch.Tensor, mesh: Mesh, spec: Any, *, source: str) -> torch.Tensor:
+    """Attach ``spec`` to the global side of a fully manual region's boundary; returns ``t``.
+
+    A value computed in this step (the body's result leaving the region, an activation entering
+    it) is annotated in place, as ``mark_sharding`` does on a pending value: the program's later
+    uses of it see the annotated value, as in ``jit`` where they read the annotated node. Data
+    (a parameter, a batch moved to the device, even one updated in place since the last sync)
+    and views are left alone: data is an input of the step with its own layout, the region's
+    entry reshards it to the in_spec anyway, and an annotation in place would redirect a later
+    in-place update (the optimizer's) from the input to the annotated copy, losing it.
+
+    Example:
+        >>> mesh = Mesh.create((2, 4), ("data", "model"))
+        >>> x = torch.ones(8, 4, device=partita.use_spmd(mesh)) * 2   # pending
+        >>> annotate_pending(x, mesh, P("data"), source="in_specs") is x
+        True
+    """
+    as_spec(spec).to_sharding(mesh, t.ndim)  # the spec is checked either way
+    cell = t._cell if isinstance(t, LazyTensor) else None
+    if cell is not None and not cell.has_value and cell.base is cell:
+        record_annotation(t, _Annotate(source), mesh, spec)
+    return t
+
+
+def check_mesh(name: str, mesh: Mesh) -> None:
+    """Raise unless ``mesh`` is the virtual device's mesh (one step runs on one mesh)."""
+    device_mesh = step.mesh()
+    if mesh != device_mesh:
+        raise VirtualDeviceError(
+            f"{name} is called on virtual-device tensors with mesh={mesh!r}, but the device "
+            f"was switched on for {device_mesh!r}: one step runs on one mesh. Build the region "
+            f"with the mesh given to partita.use_spmd (or call use_spmd with this mesh first)."
+        )
