@@ -178,6 +178,10 @@ class Emitter:
         """This device's position in its group along ``axes`` (a 0-d int64 tensor)."""
         return torch.ops.partita.axis_index.default(like, list(axes))
 
+    def arange(self, n: int) -> Proxy:
+        """``[0, n)`` as int64 (a constructor: it has no proxy argument to trace through)."""
+        return self.call(aten.arange.default, n, dtype=torch.int64)
+
     # --- mesh collectives: explicit, and recorded in the Plan -------------------------------
 
     def all_reduce(

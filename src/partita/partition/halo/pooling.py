@@ -3,8 +3,11 @@ and global flat positions, and avg_pool's global divisors."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.fx as fx
+from torch.fx.proxy import Proxy
 
 from partita.partition.halo.exchange import window_start
 from partita.partition.halo.geometry import (
@@ -13,11 +16,19 @@ from partita.partition.halo.geometry import (
     BACKWARD_OPS,
     MAXPOOL,
     MAXPOOL_BWD,
+    Geo,
+    HaloPlan,
+    WindowedOp,
     aten,
     int_list,
     node_arg,
-    partita_ops,
 )
+
+if TYPE_CHECKING:
+    from partita.partition.emit import Emitter
+
+#: The windowed dims that exchange halos: dim -> (its geometry, mesh axes, exchange).
+Halos = dict[int, tuple[Geo, tuple[str, ...], HaloPlan]]
 
 
 def pool_args(node: fx.Node) -> tuple[list[int], list[int], list[int], bool]:
@@ -35,51 +46,55 @@ def pool_args(node: fx.Node) -> tuple[list[int], list[int], list[int], bool]:
     return ks, stride, dil, ceil
 
 
-def _spatial_offsets(low, op, halos, like):
-    """Per spatial dim (last two): the window's first global row (a node, or 0)."""
-    offs = []
+def _spatial_offsets(e: Emitter, op: WindowedOp, halos: Halos, like: Proxy) -> list[Any]:
+    """Per spatial dim (last two): the window's first global row (a proxy, or 0)."""
+    offs: list[Any] = []
     for d in sorted(op.geos):
         if d in halos:
             g, axes, h = halos[d]
-            offs.append(window_start(low, like, axes, g, h))
+            offs.append(window_start(e, like, axes, g, h))
         else:
             offs.append(0)
     return offs
 
 
-def indices_to_global(low, op, idx, wshape, halos, like):
+def _moved(v: Proxy, offset: Any, sign: int = 1) -> Proxy:
+    """``v + sign * offset``; no node when the offset is the constant 0 (a dim not split)."""
+    if isinstance(offset, int):
+        return v
+    return v + offset if sign > 0 else v - offset
+
+
+def indices_to_global(
+    e: Emitter, op: WindowedOp, idx: Proxy, wshape: list[int], halos: Halos, like: Proxy
+) -> Proxy:
+    """max_pool indices, flat positions in the window, as flat positions in the global input."""
     if not halos:
         return idx
     _, dw = sorted(op.geos)
-    off_h, off_w = _spatial_offsets(low, op, halos, like)
-    lw = wshape[dw]
-    h = low.call(aten.div.Tensor_mode, idx, lw, rounding_mode="floor")
-    w = low.call(aten.remainder.Scalar, idx, lw)
-    if not isinstance(off_h, int):
-        h = low.call(aten.add.Tensor, h, off_h)
-    if not isinstance(off_w, int):
-        w = low.call(aten.add.Tensor, w, off_w)
-    return low.call(aten.add.Tensor, low.call(aten.mul.Tensor, h, op.x_shape[dw]), w)
+    off_h, off_w = _spatial_offsets(e, op, halos, like)
+    h = torch.div(idx, wshape[dw], rounding_mode="floor")
+    w = idx.remainder(wshape[dw])
+    return _moved(h, off_h) * op.x_shape[dw] + _moved(w, off_w)
 
 
-def indices_to_local(low, op, idx, wshape, halos, like):
+def indices_to_local(
+    e: Emitter, op: WindowedOp, idx: Proxy, wshape: list[int], halos: Halos, like: Proxy
+) -> Proxy:
+    """Global flat max_pool indices as flat positions in this device's window."""
     if not halos:
         return idx
     dh, dw = sorted(op.geos)
-    off_h, off_w = _spatial_offsets(low, op, halos, like)
-    n_w = op.x_shape[dw]
-    h = low.call(aten.div.Tensor_mode, idx, n_w, rounding_mode="floor")
-    w = low.call(aten.remainder.Scalar, idx, n_w)
-    if not isinstance(off_h, int):
-        h = low.call(aten.sub.Tensor, h, off_h)
-    if not isinstance(off_w, int):
-        w = low.call(aten.sub.Tensor, w, off_w)
-    flat = low.call(aten.add.Tensor, low.call(aten.mul.Tensor, h, wshape[dw]), w)
-    return low.call(aten.clamp.default, flat, 0, wshape[dh] * wshape[dw] - 1)
+    off_h, off_w = _spatial_offsets(e, op, halos, like)
+    h = torch.div(idx, op.x_shape[dw], rounding_mode="floor")
+    w = idx.remainder(op.x_shape[dw])
+    flat = _moved(h, off_h, -1) * wshape[dw] + _moved(w, off_w, -1)
+    return flat.clamp(0, wshape[dh] * wshape[dw] - 1)
 
 
-def avg_divisor(low, node, op, halos, like) -> fx.Node:
+def avg_divisor(e: Emitter, op: WindowedOp, halos: Halos, like: Proxy) -> Proxy:
     """avg_pool2d's divisor of each local output (PyTorch's formula, per global position)."""
+    node = e.node
     include = bool(
         node_arg(node, 6 if node.target is AVGPOOL_BWD else 5, "count_include_pad", True)
     )
@@ -87,45 +102,35 @@ def avg_divisor(low, node, op, halos, like) -> fx.Node:
     facs = []
     for i, d in enumerate(dims):
         g = op.geos[d]
-        if d in halos:
+        if d in halos:  # this device's outputs: t*c_out + [0, c_out)
             _, axes, h = halos[d]
-            t = low.call(partita_ops.axis_index.default, like, list(axes))
-            o = low.call(
-                aten.add.Tensor,
-                low.call(aten.arange.default, h.c_out, dtype=torch.int64),
-                low.call(aten.mul.Tensor, t, h.c_out),
-            )
+            o = e.arange(h.c_out) + e.axis_index(like, axes) * h.c_out
             size = h.c_out
         else:
-            o = low.call(aten.arange.default, g.m, dtype=torch.int64)
+            o = e.arange(g.m)
             size = g.m
-        start = low.call(aten.sub.Tensor, low.call(aten.mul.Tensor, o, g.stride), g.pad)
-        end = low.call(
-            aten.clamp_max.default, low.call(aten.add.Tensor, start, g.kernel), g.n + g.pad
-        )
+        start = o * g.stride - g.pad
+        end = (start + g.kernel).clamp_max(g.n + g.pad)
         if include:
-            cnt = low.call(aten.sub.Tensor, end, start)
+            cnt = end - start
         else:
-            cnt = low.call(
-                aten.sub.Tensor,
-                low.call(aten.clamp_max.default, end, g.n),
-                low.call(aten.clamp_min.default, start, 0),
-            )
-        cnt = low.call(aten.clamp_min.default, cnt, 1)
-        shape = [size] + [1] * (len(dims) - 1 - i)
-        facs.append(low.call(aten.reshape.default, cnt, shape))
-    div = low.call(aten.mul.Tensor, facs[0], facs[1])
-    return low.call(aten._to_copy.default, div, dtype=node.args[0].meta["val"].dtype)
+            cnt = end.clamp_max(g.n) - start.clamp_min(0)
+        cnt = cnt.clamp_min(1)
+        facs.append(cnt.reshape([size] + [1] * (len(dims) - 1 - i)))
+    return aten._to_copy.default(facs[0] * facs[1], dtype=node.args[0].meta["val"].dtype)
 
 
-def avg_pool_local(low, node, op, xw, pad, halos, like) -> fx.Node:
-    args = list(node.args)
-    ks = int_list(args[1], 2)
+def avg_pool_local(
+    e: Emitter, op: WindowedOp, xw: Proxy, pad: list[int], halos: Halos, like: Proxy
+) -> Proxy:
+    """avg_pool2d on the window: a local sum (``divisor_override=1``) over the global divisor."""
+    node = e.node
+    ks = int_list(node.args[1], 2)
     stride = int_list(node_arg(node, 2, "stride"), 2, ks)
     ceil_mode = node_arg(node, 4, "ceil_mode", False)
     include = node_arg(node, 5, "count_include_pad", True)
     over = node_arg(node, 6, "divisor_override")
     if over is not None:
-        return low.call(AVGPOOL, xw, ks, stride, pad, ceil_mode, include, over)
-    s = low.call(AVGPOOL, xw, ks, stride, pad, ceil_mode, include, 1)
-    return low.call(aten.div.Tensor, s, avg_divisor(low, node, op, halos, like))
+        return AVGPOOL(xw, ks, stride, pad, ceil_mode, include, over)
+    s = AVGPOOL(xw, ks, stride, pad, ceil_mode, include, 1)
+    return s / avg_divisor(e, op, halos, like)
