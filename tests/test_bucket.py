@@ -41,12 +41,19 @@ def _batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _train(
-    monkeypatch: pytest.MonkeyPatch, setting: str, mesh: Mesh, plan: str, clip: float | None
+    monkeypatch: pytest.MonkeyPatch,
+    setting: str,
+    mesh: Mesh,
+    plan: str,
+    clip: float | None,
+    regather: bool | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor], Plan]:
     monkeypatch.setenv("PARTITA_BUCKET_BYTES", setting)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, F.mse_loss, opt, mesh=mesh, plan=plan, max_grad_norm=clip)
+    step = train_step(
+        model, F.mse_loss, opt, mesh=mesh, shard=plan, max_grad_norm=clip, regather=regather
+    )
     losses = [float(step(_batch(i))) for i in range(2)]
     step.sync_to_module()
     return (
@@ -62,7 +69,9 @@ def fsdp_runs() -> dict[str, tuple[list[float], dict[str, torch.Tensor], Plan]]:
     mp = pytest.MonkeyPatch()
     mesh = Mesh.create((4,), ("data",))
     try:
-        return {s: _train(mp, s, mesh, "fsdp", 1.0) for s in ("0", "")}
+        runs = {s: _train(mp, s, mesh, "fsdp", 1.0) for s in ("0", "")}
+        runs["regather"] = _train(mp, "", mesh, "fsdp", 1.0, regather=True)
+        return runs
     finally:
         mp.undo()
 
@@ -223,3 +232,72 @@ def test_plan_memory_counts_gathered_parameters(fsdp_runs: dict) -> None:
 def test_plan_memory_needs_a_program() -> None:
     with pytest.raises(ValueError, match=r"has no per-device program attached.*partition\(\)"):
         Plan(Mesh.create((2,), ("x",))).memory()
+
+
+# --- re-gathering (partition.regather) ---------------------------------------------------------
+
+
+def test_regather_training_equals_keeping(fsdp_runs: dict) -> None:
+    keep_losses, keep_params, _ = fsdp_runs[""]
+    losses, params, _ = fsdp_runs["regather"]
+    assert losses == keep_losses
+    for k, v in keep_params.items():
+        torch.testing.assert_close(params[k], v, rtol=0, atol=0, msg=k)
+
+
+def test_regather_gathers_the_middle_weight_again(fsdp_runs: dict) -> None:
+    _, _, keep = fsdp_runs[""]
+    _, _, again = fsdp_runs["regather"]
+    # Linear 0's weight is not read by the backward (the input needs no gradient), Linear 2's
+    # is read by it right after the forward (no other gather in between: kept), biases never:
+    # only Linear 1's weight is gathered a second time.
+    extra = [c for c in again.collectives if c.reason.startswith("gathered again for the backward")]
+    assert len(extra) == 1 and extra[0].kind == "all_gather" and extra[0].shape == (32, 32)
+    assert extra[0].value in {c.value for c in keep.collectives if c.kind == "all_gather"}
+    assert again.counts() == {**keep.counts(), "all_gather": keep.counts()["all_gather"] + 1}
+    assert again.bytes_per_device == keep.bytes_per_device + extra[0].bytes
+    # the re-gather is its own call, never fused with the forward's gathers
+    assert again.call_counts()["all_gather"] == keep.call_counts()["all_gather"] + 1
+
+
+def test_regather_lowers_the_memory_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Six layers, no buckets: keeping, five gathered weights are alive when the backward starts."""
+    import partita
+    from partita.presets import param_specs
+    from partita.training import init_opt_state, make_train_step
+
+    monkeypatch.setenv("PARTITA_BUCKET_BYTES", "0")
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(6)))
+    mesh = Mesh.create((4,), ("data",))
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    specs = param_specs("fsdp", model, mesh)
+    state = init_opt_state(params, "sgd")
+    sspecs = {k: P() if k == "step" else specs for k in state}
+    in_specs = (specs, {}, sspecs, (P("data"),) * 2)
+    batch = (torch.randn(128, 64), torch.randn(128, 64))
+    peaks = {}
+    for again in (False, True):
+        step = partita.jit(
+            make_train_step(model, F.mse_loss, "sgd"), mesh=mesh, in_specs=in_specs, regather=again
+        )
+        peaks[again] = step.lower(params, {}, state, batch).memory()
+    # the four middle weights (16 KiB each, gathered) are freed after the forward and the
+    # last layer's weight (read by the backward right away) is kept
+    assert peaks[False].at_peak["gathered"] - peaks[True].at_peak["gathered"] == 4 * 16384
+    assert peaks[True].peak < peaks[False].peak, peaks
+
+
+def test_regather_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    from partita.partition.regather import regather_setting
+
+    monkeypatch.delenv("PARTITA_REGATHER", raising=False)
+    assert regather_setting() is False
+    assert regather_setting(True) is True
+    monkeypatch.setenv("PARTITA_REGATHER", "1")
+    assert regather_setting() is True and regather_setting(False) is False
+    monkeypatch.setenv("PARTITA_REGATHER", "sometimes")
+    with pytest.raises(ValueError, match=r"PARTITA_REGATHER='sometimes' is neither.*=1 to.*=0"):
+        regather_setting()
+    with pytest.raises(TypeError, match=r"regather='yes': give True .*or False"):
+        regather_setting("yes")  # type: ignore[arg-type]

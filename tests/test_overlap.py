@@ -144,3 +144,33 @@ def test_a_bucket_waits_for_the_first_use_of_a_member() -> None:
     rec.log.clear()
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
     assert [e.split()[0] for e in rec.log] == ["start", "compute", "wait"]
+
+
+def test_a_regather_starts_after_the_forward_is_done_with_its_copy() -> None:
+    """A re-gather (``partition.regather``) reads a parameter shard that exists from the start,
+    but is launched only after the last forward use of the copy it replaces."""
+    rec = _Recorder()
+
+    def note(tag: str, x: torch.Tensor) -> torch.Tensor:
+        rec.log.append(tag)
+        return x
+
+    g = fx.Graph()
+    w, x = g.placeholder("w"), g.placeholder("x")
+    a1 = g.call_function(ops.all_gather.default, (w, 0, ["x"], 1), name="ag1")
+    used = g.call_function(aten.add.Tensor, (x, a1), name="forward_use")
+    h = g.call_function(note, ("compute 1", used))
+    h = g.call_function(note, ("compute 2", g.call_function(aten.mul.Tensor, (h, 3.0))))
+    a2 = g.call_function(ops.all_gather.default, (w, 0, ["x"], 1), name="ag2")
+    g.output(g.call_function(aten.add.Tensor, (h, a2)))
+    a1.meta["bytes"] = a2.meta["bytes"] = 16
+    a2.meta.update(regather="ag1", regather_after="forward_use")
+    gm = fx.GraphModule(nn.Module(), g)
+    args = (torch.ones(4), torch.arange(4.0))
+    want = gm(*args)
+    targets = {ops.all_gather.default}
+    schedule_overlap(gm.graph, targets, rec.start, rec.wait, lambda t: "all_gather", 1 << 20)
+    gm.recompile()
+    rec.log.clear()
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+    assert rec.log == ["start ag1", "wait ag1", "start ag2", "compute 1", "compute 2", "wait ag2"]

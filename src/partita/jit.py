@@ -34,6 +34,7 @@ from partita.explain import format_program
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
 from partita.partition.explicit import check_mode, collectives_mode
+from partita.partition.regather import regather_setting
 from partita.presets import PresetLike as PlanLike
 from partita.propagate import propagate
 from partita.runtime.executor import executor_for
@@ -75,8 +76,10 @@ class Jitted:
         param_specs: PlanLike | None = None,
         cache_limit: int = DEFAULT_CACHE_LIMIT,
         collectives: str = "auto",
+        regather: bool | None = None,
     ) -> None:
         self.collectives = check_mode(collectives)
+        self.regather = regather_setting(regather) if regather is not None else None
         if not isinstance(mesh, Mesh):
             raise TypeError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
         if not isinstance(cache_limit, int) or cache_limit < 1:
@@ -174,7 +177,9 @@ class Jitted:
         # Keyword tensors carry no annotation: propagation chooses their sharding.
         propagate(prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported)
         with collectives_mode(self.collectives):
-            local, plan = partition(prog.graph_module, self.mesh, strict=self.strict)
+            local, plan = partition(
+                prog.graph_module, self.mesh, strict=self.strict, regather=self.regather
+            )
         plan.program_text = format_program(prog.graph_module)
         (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
         shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
@@ -302,6 +307,7 @@ def jit(
     param_specs: PlanLike | None = None,
     cache_limit: int = DEFAULT_CACHE_LIMIT,
     collectives: str = "auto",
+    regather: bool | None = None,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: annotate a few inputs, get every collective it needs.
 
@@ -337,6 +343,9 @@ def jit(
         collectives: ``"auto"`` (default) inserts every collective the program needs;
             ``"explicit"`` makes each one the annotations do not imply an error, ``"warn"`` a
             warning (``partita.partition.explicit``, docs/manual.md).
+        regather: under FSDP, free gathered parameters after the forward and gather them
+            again for the backward (less memory, more bytes; ``partita.partition.regather``);
+            ``None`` reads ``PARTITA_REGATHER`` (default: keep them, the fewest bytes).
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -366,6 +375,7 @@ def jit(
             param_specs=param_specs,
             cache_limit=cache_limit,
             collectives=collectives,
+            regather=regather,
         )
 
     return wrap if fn is None else wrap(fn)

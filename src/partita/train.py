@@ -96,6 +96,7 @@ class TrainStep:
         replicate_unsupported: bool = False,
         collectives: str = "auto",
         plan: PresetLike | None = None,
+        regather: bool | None = None,
     ) -> None:
         shard = preset_argument(shard, plan)
         if not isinstance(model, nn.Module):
@@ -163,6 +164,7 @@ class TrainStep:
         self._strict = strict
         self._replicate_unsupported = replicate_unsupported
         self._collectives = check_mode(collectives)
+        self._regather = regather
         self._jitted: dict[bool, Jitted] = {}
         self.plan: Plan | None = None
 
@@ -187,6 +189,7 @@ class TrainStep:
                 strict=self._strict,
                 replicate_unsupported=self._replicate_unsupported,
                 collectives=self._collectives,
+                regather=self._regather,
             )
             self._jitted[training] = jitted
         return jitted
@@ -336,6 +339,7 @@ def train_step(
     replicate_unsupported: bool = False,
     collectives: str = "auto",
     plan: PresetLike | None = None,
+    regather: bool | None = None,
 ) -> TrainStep:
     """Turn a module, a loss function and an optimizer into one sharded training step.
 
@@ -361,6 +365,7 @@ def train_step(
             ``"explicit"`` raises :class:`~partita.ExplicitCollectiveError` for a collective the
             annotations do not imply (``"warn"`` warns instead), as in ``partita.jit``.
         plan: the deprecated name of ``shard`` (warns DeprecationWarning).
+        regather: gather parameters again for the backward (less memory), as in ``jit``.
 
     Example:
         >>> from partita.models import GPT, GPTConfig
@@ -387,4 +392,5 @@ def train_step(
         strict=strict,
         replicate_unsupported=replicate_unsupported,
         collectives=collectives,
+        regather=regather,
     )

@@ -23,10 +23,13 @@ from partita.presets import param_specs
 from partita.runtime.distributed import close_executors, distributed_executor
 from partita.training import init_opt_state, make_train_step
 
-#: (PARTITA_BUCKET_BYTES, PARTITA_OVERLAP_BYTES): off/off against, for FSDP, small buckets with
-#: a bound of one byte in flight (every launch deferred to the previous wait) and, for 2-D, the
-#: defaults.
-SETTINGS = {"fsdp": [("0", "0"), ("4096", "1")], "fsdp+tp": [("0", "0"), ("", "")]}
+#: (PARTITA_BUCKET_BYTES, PARTITA_OVERLAP_BYTES[, PARTITA_REGATHER]): off/off against, for
+#: FSDP, small buckets with a bound of one byte in flight (every launch deferred to the previous
+#: wait) and the defaults with re-gathering for the backward; for 2-D, the defaults.
+SETTINGS = {
+    "fsdp": [("0", "0"), ("4096", "1"), ("", "", "1")],
+    "fsdp+tp": [("0", "0"), ("", "")],
+}
 
 
 def mlp_run(mesh: Mesh, plan: str) -> tuple[list[float], dict[str, torch.Tensor], dict]:
@@ -76,7 +79,8 @@ results: dict = {}
 for shape, names, plan in [((4,), ("data",), "fsdp"), ((2, 2), ("data", "model"), "fsdp+tp")]:
     mesh = Mesh.create(shape, names)
     for setting in SETTINGS[plan]:
-        os.environ["PARTITA_BUCKET_BYTES"], os.environ["PARTITA_OVERLAP_BYTES"] = setting
+        os.environ["PARTITA_BUCKET_BYTES"], os.environ["PARTITA_OVERLAP_BYTES"] = setting[:2]
+        os.environ["PARTITA_REGATHER"] = setting[2] if len(setting) > 2 else "0"
         close_executors()  # the next executor reads PARTITA_OVERLAP_BYTES
         results[(plan, setting)] = mlp_run(mesh, plan)
         pd.log(f"{plan} {setting}: {results[(plan, setting)][2]}")

@@ -29,6 +29,8 @@ from partita.partition import special as _special  # noqa: F401 - registers its 
 from partita.partition.bucket import bucket_bytes_setting, bucket_collectives
 from partita.partition.lower import Lowering
 from partita.partition.plan import Bucket, CollectiveRecord, Plan
+from partita.partition.regather import regather as regather_gathered
+from partita.partition.regather import regather_setting
 
 handlers.check_registry()
 
@@ -36,7 +38,12 @@ __all__ = ["Bucket", "CollectiveRecord", "Plan", "partition"]
 
 
 def partition(
-    gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False, bucket_bytes: int | None = None
+    gm: fx.GraphModule,
+    mesh: Mesh,
+    *,
+    strict: bool = False,
+    bucket_bytes: int | None = None,
+    regather: bool | None = None,
 ) -> tuple[fx.GraphModule, Plan]:
     """Lower a propagated program; returns ``(per_device_program, plan)``.
 
@@ -44,8 +51,13 @@ def partition(
     :class:`~partita.errors.RematerializationError` (otherwise a warning).
     ``bucket_bytes`` caps the per-device bytes of one fused collective (``partition.bucket``);
     ``None`` reads ``PARTITA_BUCKET_BYTES`` (default 4 MiB), ``0`` turns bucketing off.
+    ``regather=True`` frees gathered parameters after the forward and gathers them again for
+    the backward (less memory, more bytes: ``partition.regather``); ``None`` reads
+    ``PARTITA_REGATHER`` (default off: kept from forward to backward).
     """
     local, plan = Lowering(gm, mesh, strict=strict).run()
+    if regather_setting(regather):
+        regather_gathered(local, plan)
     bucket_collectives(local, plan, bucket_bytes_setting(bucket_bytes))
     plan.local_program, plan.local_inputs = local, _local_inputs(gm, plan)
     return local, plan

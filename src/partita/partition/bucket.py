@@ -102,7 +102,10 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan, bucket_bytes: int) -> Non
         if node.target not in BUCKET_OF or node.kwargs or not node.users:
             continue
         rec = plan.collectives[i]
-        key = (node.target, rec.mesh_axes, rec.dtype, level[node], *_reduce_op(node))
+        # a re-gather (partition.regather) is fused only with re-gathers: with a forward
+        # gather it would be issued in the forward and hold its memory until the backward
+        again = "regather" in node.meta
+        key = (node.target, rec.mesh_axes, rec.dtype, level[node], again, *_reduce_op(node))
         if rec.kind in _GATHERS:  # ready once its collective inputs are; needed by its users
             ready = max((after[a] for a in node.all_input_nodes), default=-1)
             first = min(pos[u] for u in node.users)
@@ -202,6 +205,11 @@ def _fuse(
     with graph.inserting_before(first):
         fused = graph.call_function(bucket_op, args)
     fused.meta["bucket_members"] = [m.node.name for m in bucket]
+    afters = [m.node.meta["regather_after"] for m in bucket if "regather_after" in m.node.meta]
+    if afters:  # launched no earlier than the last forward use of any member
+        fused.meta["regather"] = first.meta["regather"]
+        at_name = {n.name: p for n, p in priority.items()}
+        fused.meta["regather_after"] = max(afters, key=at_name.__getitem__)
     fused.meta["bytes"] = sum(m.nbytes for m in bucket)
     priority[fused] = at
     for j, m in enumerate(bucket):

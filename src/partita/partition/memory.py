@@ -29,7 +29,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-__all__ = ["MemoryEstimate", "estimate_memory"]
+__all__ = ["MemoryEstimate", "estimate_memory", "is_view"]
 
 aten = torch.ops.aten
 _GATHERS = {torch.ops.partita.all_gather.default, torch.ops.partita.all_gather_bucket.default}
@@ -64,7 +64,8 @@ def _nbytes(val: Any) -> int:
     return 0
 
 
-def _is_view(node: fx.Node) -> bool:
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s result shares its first input's storage (a view or a getitem)."""
     if node.target is operator.getitem:
         return True
     schema = getattr(node.target, "_schema", None)
@@ -99,7 +100,7 @@ def estimate_memory(gm: fx.GraphModule, local_inputs: Sequence[Any]) -> MemoryEs
     last: dict[fx.Node, int] = {}
     for n in nodes:
         ins = n.all_input_nodes
-        root[n] = root[ins[0]] if _is_view(n) and ins else n
+        root[n] = root[ins[0]] if is_view(n) and ins else n
         for i in ins:
             r = root[i]
             last[r] = max(last.get(r, -1), pos[n])

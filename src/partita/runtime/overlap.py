@@ -79,6 +79,8 @@ def schedule_overlap(
             h = graph.call_function(start, (kind_of(node.target), *node.args), {"node": node.name})
             w = graph.call_function(wait, (h,))
         h.meta["bytes"] = node.meta.get("bytes", 0)
+        if "regather_after" in node.meta:
+            h.meta["regather_after"] = node.meta["regather_after"]
         w.meta.update(node.meta)
         node.replace_all_uses_with(w)
         graph.erase_node(node)
@@ -94,8 +96,26 @@ def schedule_overlap(
         for u in w.users:  # a bucket's getitems move with its wait, not before it
             if u.target is operator.getitem:
                 priority[u] = _first_use(u, pos) - 0.25
+    _hold_regathers(pairs, pos, priority)
     reorder(graph, priority)
     _bound_in_flight(graph, {h: w for h, w in pairs}, limit_bytes)
+
+
+def _hold_regathers(
+    pairs: list[tuple[fx.Node, fx.Node]], pos: dict[fx.Node, float], priority: dict[fx.Node, float]
+) -> None:
+    """A re-gather (``partition.regather``) starts after the forward is done with the copy it
+    replaces and after the previous re-gather's wait: one bucket ahead in the backward, as
+    FSDP2 prefetches, instead of right after its input (a parameter shard, there all along),
+    which would hold the gathered copy from the start of the step and save no memory."""
+    at = {n.name: p for n, p in pos.items()}
+    previous = -1.0
+    for h, w in sorted(pairs, key=lambda hw: priority[hw[1]]):
+        after = h.meta.get("regather_after")
+        if after is None:
+            continue
+        priority[h] = max(priority[h], at.get(after, -1.0) + 0.5, previous + 0.25)
+        previous = priority[w]
 
 
 def _first_use(node: fx.Node, pos: dict[fx.Node, float]) -> float:
