@@ -37,6 +37,7 @@ __all__ = [
     "RematerializationError",
     "ReplicationError",
     "ShardMapError",
+    "ShardMapWarning",
     "ShardingConflictError",
     "ShardingError",
     "SpecError",
@@ -166,6 +167,11 @@ class ShardMapError(PartitaError, ValueError):
 
 class ReplicationError(ShardMapError):
     """A shard_map ``out_specs`` calls an output replicated over a mesh axis it varies over."""
+
+
+class ShardMapWarning(PartitaWarning):
+    """A partially manual region's boundary costs a reshard: an auto axis does not divide a
+    block the region's spec splits, so the value crosses the boundary whole over it."""
 
 
 class ExplicitCollectiveError(PartitaError, ValueError):

@@ -21,9 +21,9 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from partita.capture.manual import ENTER_OP, boundary
+from partita.capture.manual import ENTER_OP, Boundary, boundary
 from partita.collectives import COLLECTIVE_OPS
-from partita.errors import ShardMapError
+from partita.errors import ShardMapError, ShardMapWarning, warn
 from partita.layout import local_shape
 from partita.partition.plan import CollectiveRecord
 from partita.partition.resharding import LocalValue
@@ -118,28 +118,75 @@ def record_user_collective(low: Lowering, node: fx.Node, split: Sharding | None 
 # --- partially manual regions: the auto axes were propagated through the body -----------------
 
 
-def _even(low: Lowering, sharding: Sharding, shape: tuple[int, ...]) -> Sharding:
-    """``sharding`` without partial axes and keeping, per dim, the axes that split ``shape``
-    evenly: a block that is itself padded would not line up with the global value's tiles."""
-    dims = []
-    for axes, n in zip(sharding.dim_axes, shape, strict=True):
+def _inner(
+    low: Lowering, b: Boundary, sharding: Sharding
+) -> tuple[Sharding, list[tuple[int, tuple[str, ...]]]]:
+    """How the body splits a block of boundary ``b`` over the auto axes: ``sharding`` (the body
+    side's, from propagation) without partial axes, on the tiles the global value can hold; and
+    the ``(dim, auto axes)`` it could not keep.
+
+    On a dim the region's spec does not split, the block's dim is the global dim, so the body's
+    tiles (uneven ones too, zero padded as everywhere in partita) are the global value's tiles:
+    the auto axes are kept. On a dim the spec splits over manual axes, an auto axis that does
+    not divide the block would pad each block, and padded blocks do not line up with the global
+    value's tiles: the axis is dropped at the boundary (the value is resharded there).
+    """
+    dims: list[tuple[str, ...]] = []
+    dropped = []
+    for d, (axes, n, manual) in enumerate(
+        zip(sharding.dim_axes, b.local_shape, b.sharding.dim_axes, strict=True)
+    ):
         kept: tuple[str, ...] = ()
         for a in axes:
-            if n % (low.mesh.axes_size((*kept, a))):
+            if manual and n % (low.mesh.axes_size((*kept, a))):
+                dropped.append((d, axes[len(kept) :]))
                 break
             kept = (*kept, a)
         dims.append(kept)
-    return Sharding(low.mesh, tuple(dims))
+    return Sharding(low.mesh, tuple(dims)), dropped
+
+
+def _warn_dropped(
+    low: Lowering,
+    b: Boundary,
+    node: fx.Node,
+    dropped: list[tuple[int, tuple[str, ...]]],
+    records: list[CollectiveRecord],
+) -> None:
+    """A :class:`ShardMapWarning` per dropped auto split: the value, why, the collectives it
+    cost at this boundary (``records``) and the fix."""
+    source = node.meta.get("source") or "an unknown line"
+    moved = ", ".join(f"{r.kind} over {r.mesh_axes} of {r.bytes} bytes" for r in records)
+    cost = f"here {moved} per device" if moved else "here no collective (a local slice)"
+    for d, auto in dropped:
+        n, k = b.local_shape[d], low.mesh.axes_size(auto)
+        manual = b.sharding.dim_axes[d]
+        warn(
+            ShardMapWarning(
+                f"shard_map {b.what} (%{node.name}, {source}): propagation splits dim {d} of "
+                f"its [{', '.join(map(str, b.local_shape))}] block over {auto} ({k} devices) "
+                f"inside the region, but {k} does not divide {n}, and the region's spec "
+                f"{b.sharding} splits that dim over {manual}: padded blocks would not line up "
+                f"with the tiles of the global {list(b.global_shape)} value, so it crosses "
+                f"the boundary whole over {auto}. That costs {cost} (see the Plan), and a "
+                f"reshard wherever the program outside wants it split over {auto}. To avoid "
+                f"it, make dim {d} a multiple of {low.mesh.axes_size(manual) * k} (pad it), "
+                f"or shard another dim over {auto}."
+            )
+        )
 
 
 def lower_partial_enter(low: Lowering, node: fx.Node) -> None:
     """Entering a partially manual region: the operand's tile is the spec's manual split then
     the body value's auto split, manual axes major."""
     b = boundary(node.args[1])
-    inner = _even(low, node.meta["sharding"], b.local_shape)
+    inner, dropped = _inner(low, b, node.meta["sharding"])
     dims = tuple(m + a for m, a in zip(b.sharding.dim_axes, inner.dim_axes, strict=True))
     why = f"shard_map {b.what} enters its region as {b.sharding} (then {inner} inside)"
+    before = len(low.plan.collectives)
     local = low.reshard(low.key(node.args[0]), Sharding(low.mesh, dims), why, node)
+    if dropped:
+        _warn_dropped(low, b, node, dropped, low.plan.collectives[before:])
     val = node.meta["val"]
     low.values[(node, None)] = LocalValue(local, inner, b.local_shape, val.dtype)
     low.settle_result((node, None), node.meta["sharding"], node)
@@ -150,9 +197,12 @@ def lower_partial_exit(low: Lowering, node: fx.Node) -> None:
     b = boundary(node.args[1])
     src = node.args[0]
     v = low.value(src)
-    inner = _even(low, v.sharding, b.local_shape)
+    inner, dropped = _inner(low, b, v.sharding)
     why = f"shard_map {b.what} leaves its region as {b.sharding}"
+    before = len(low.plan.collectives)
     local = low.reshard(low.key(src), inner, why, node)
+    if dropped:
+        _warn_dropped(low, b, node, dropped, low.plan.collectives[before:])
     dims = tuple(m + a for m, a in zip(b.sharding.dim_axes, inner.dim_axes, strict=True))
     val = node.meta["val"]
     low.values[(node, None)] = LocalValue(
