@@ -403,6 +403,7 @@ def test_manual_md_code_blocks_run(capsys: pytest.CaptureFixture[str]) -> None:
         "{'collective_permute': 3}",
         "P('data', None)",
         "[('all_reduce', ('model',), (4, 1))]",
+        "compiles: 1",
         "which 4 devices do not divide",
         "all_to_all over ['data'] of %mul float32[8, 8] = 256 B/device",
     ):
