@@ -16,6 +16,7 @@ This module only ties the stages together; it holds no sharding logic.
 from __future__ import annotations
 
 import functools
+import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -37,11 +38,19 @@ from partita.partition.explicit import check_mode, collectives_mode
 from partita.partition.regather import regather_setting
 from partita.presets import PresetLike as PlanLike
 from partita.propagate import propagate
+from partita.runtime.compiled import compile_programs_setting, stats_for
 from partita.runtime.executor import executor_for
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import ShardedTensor
 
-__all__ = ["DEFAULT_CACHE_LIMIT", "RECOMPILE_WARNING_AT", "Compiled", "Jitted", "jit"]
+__all__ = [
+    "DEFAULT_CACHE_LIMIT",
+    "RECOMPILE_WARNING_AT",
+    "Compiled",
+    "JitStats",
+    "Jitted",
+    "jit",
+]
 
 #: How many compiled signatures a jitted function keeps (least recently used evicted first).
 DEFAULT_CACHE_LIMIT = 64
@@ -59,6 +68,27 @@ class Compiled:
     input_shardings: list[Sharding]
     output_shardings: list[Sharding]
     output_shapes: list[tuple[int, ...]]
+    #: Run the per-device program's local ops compiled by Inductor (``runtime.compiled``).
+    compile_programs: bool = False
+    #: Wall seconds spent tracing, propagating and partitioning this signature.
+    partition_seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class JitStats:
+    """Compile costs of a jitted function over its cached signatures (``Jitted.stats``).
+
+    ``partition_seconds``: partita's own compile (trace, propagate, partition);
+    ``inductor_seconds`` and ``inductor_regions``: what Inductor spent compiling the
+    per-device programs' local-op regions under ``compile_programs=True`` (0 otherwise, and
+    before the first run); ``skipped``: regions left uncompiled, with why.
+    """
+
+    signatures: int
+    partition_seconds: float
+    inductor_seconds: float
+    inductor_regions: int
+    skipped: tuple[str, ...]
 
 
 class Jitted:
@@ -77,8 +107,10 @@ class Jitted:
         cache_limit: int = DEFAULT_CACHE_LIMIT,
         collectives: str = "auto",
         regather: bool | None = None,
+        compile_programs: bool | None = None,
     ) -> None:
         self.collectives = check_mode(collectives)
+        self.compile_programs = compile_programs_setting(compile_programs)
         self.regather = regather_setting(regather) if regather is not None else None
         if not isinstance(mesh, Mesh):
             raise TypeError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
@@ -160,6 +192,7 @@ class Jitted:
             self._cache.move_to_end(key)
             return compiled, leaves
         self._note_recompile(key, args, kwargs)
+        start = time.perf_counter()
         trace_leaves = [
             torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, ShardedTensor) else leaf
             for leaf in leaves
@@ -183,7 +216,16 @@ class Jitted:
         plan.program_text = format_program(prog.graph_module)
         (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
         shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
-        compiled = Compiled(prog, local, plan, plan.input_shardings, plan.output_shardings, shapes)
+        compiled = Compiled(
+            prog,
+            local,
+            plan,
+            plan.input_shardings,
+            plan.output_shardings,
+            shapes,
+            compile_programs=self.compile_programs,
+            partition_seconds=time.perf_counter() - start,
+        )
         self._cache[key] = compiled
         if len(self._cache) > self.cache_limit:
             self._cache.popitem(last=False)  # the least recently used signature
@@ -221,6 +263,18 @@ class Jitted:
         for i, new in program.input_updates(results):
             write_back(tensors[i], new)
         return program.unflatten_outputs(results)
+
+    @property
+    def stats(self) -> JitStats:
+        """Compile costs so far, partita's and Inductor's apart (see :class:`JitStats`)."""
+        records = [stats_for(c.local) for c in self._cache.values()]
+        return JitStats(
+            signatures=len(self._cache),
+            partition_seconds=sum(c.partition_seconds for c in self._cache.values()),
+            inductor_seconds=sum(r.seconds for r in records),
+            inductor_regions=sum(r.regions for r in records),
+            skipped=tuple(s for r in records for s in r.skipped),
+        )
 
     @property
     def cache_size(self) -> int:
@@ -308,6 +362,7 @@ def jit(
     cache_limit: int = DEFAULT_CACHE_LIMIT,
     collectives: str = "auto",
     regather: bool | None = None,
+    compile_programs: bool | None = None,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: annotate a few inputs, get every collective it needs.
 
@@ -346,6 +401,13 @@ def jit(
         regather: under FSDP, free gathered parameters after the forward and gather them
             again for the backward (less memory, more bytes; ``partita.partition.regather``);
             ``None`` reads ``PARTITA_REGATHER`` (default: keep them, the fewest bytes).
+        compile_programs: run the local ops of the per-device program compiled by Inductor
+            (C++ kernels on CPU), the collectives between them uncompiled, on the simulated
+            mesh and on real processes alike (``partita.runtime.compiled``). Each region
+            compiles on its first run, seconds apiece (``.stats`` reports it apart from
+            partita's compile); results equal the uncompiled run up to fp32 reassociation.
+            ``None`` (default) reads ``PARTITA_COMPILE_PROGRAMS`` (default off: see
+            docs/performance.md for when it pays).
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -376,6 +438,7 @@ def jit(
             cache_limit=cache_limit,
             collectives=collectives,
             regather=regather,
+            compile_programs=compile_programs,
         )
 
     return wrap if fn is None else wrap(fn)

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from partita.jit import Jitted, jit
+from partita.jit import JitStats, Jitted, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
 from partita.partition.explicit import check_mode
@@ -97,6 +97,7 @@ class TrainStep:
         collectives: str = "auto",
         plan: PresetLike | None = None,
         regather: bool | None = None,
+        compile_programs: bool | None = None,
     ) -> None:
         shard = preset_argument(shard, plan)
         if not isinstance(model, nn.Module):
@@ -165,6 +166,7 @@ class TrainStep:
         self._replicate_unsupported = replicate_unsupported
         self._collectives = check_mode(collectives)
         self._regather = regather
+        self._compile_programs = compile_programs
         self._jitted: dict[bool, Jitted] = {}
         self.plan: Plan | None = None
 
@@ -190,6 +192,7 @@ class TrainStep:
                 replicate_unsupported=self._replicate_unsupported,
                 collectives=self._collectives,
                 regather=self._regather,
+                compile_programs=self._compile_programs,
             )
             self._jitted[training] = jitted
         return jitted
@@ -249,6 +252,12 @@ class TrainStep:
         """Deprecated spelling of :attr:`params` (a copy of it)."""
         deprecated("TrainStep.parameters()", "TrainStep.params")
         return dict(self.params)
+
+    @property
+    def stats(self) -> JitStats:
+        """Compile costs of the step in the model's current mode (``partita.jit``'s
+        ``Jitted.stats``): partita's compile and, under ``compile_programs``, Inductor's."""
+        return self._get_jitted().stats
 
     def full_parameters(self) -> Tensors:
         """Every parameter (trainable and frozen) as a full tensor, by name (a tied
@@ -340,6 +349,7 @@ def train_step(
     collectives: str = "auto",
     plan: PresetLike | None = None,
     regather: bool | None = None,
+    compile_programs: bool | None = None,
 ) -> TrainStep:
     """Turn a module, a loss function and an optimizer into one sharded training step.
 
@@ -366,6 +376,8 @@ def train_step(
             annotations do not imply (``"warn"`` warns instead), as in ``partita.jit``.
         plan: the deprecated name of ``shard`` (warns DeprecationWarning).
         regather: gather parameters again for the backward (less memory), as in ``jit``.
+        compile_programs: run the per-device step's local ops compiled by Inductor, as in
+            ``partita.jit``; ``None`` reads ``PARTITA_COMPILE_PROGRAMS`` (default off).
 
     Example:
         >>> from partita.models import GPT, GPTConfig
@@ -393,4 +405,5 @@ def train_step(
         replicate_unsupported=replicate_unsupported,
         collectives=collectives,
         regather=regather,
+        compile_programs=compile_programs,
     )

@@ -66,6 +66,7 @@ from partita.runtime.comm import (
     create_check_group,
     create_mesh_groups,
 )
+from partita.runtime.compiled import compile_regions, stats_for
 from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
 from partita.runtime.overlap import overlap_bytes_setting, schedule_overlap
 from partita.runtime.plan_check import verify_same_program
@@ -135,6 +136,9 @@ class DistributedMesh:
         self._check_pg: Any = create_check_group(world)
         self._closed = False
         self._bound: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._compiled: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = (
             weakref.WeakKeyDictionary()
         )
         self._verified: weakref.WeakKeyDictionary[fx.GraphModule, str] = weakref.WeakKeyDictionary()
@@ -284,9 +288,21 @@ class DistributedMesh:
             bound = self._bound[gm] = fx.GraphModule(gm, graph, class_name="RankProgram")
         return bound
 
-    def run(self, gm: fx.GraphModule, local_inputs: Sequence[Any]) -> list[Any]:
-        """Run the per-device program on this rank's local tensors; the flattened outputs."""
-        return pytree.tree_leaves(self.bind(gm)(*local_inputs))
+    def compiled(self, gm: fx.GraphModule) -> fx.GraphModule:
+        """:meth:`bind`'s program with its local-op regions compiled by Inductor on first run
+        (``runtime.compiled``; the cost is recorded in ``stats_for(gm)``)."""
+        program = self._compiled.get(gm)
+        if program is None:
+            program = self._compiled[gm] = compile_regions(self.bind(gm), stats_for(gm))
+        return program
+
+    def run(
+        self, gm: fx.GraphModule, local_inputs: Sequence[Any], *, compile_programs: bool = False
+    ) -> list[Any]:
+        """Run the per-device program on this rank's local tensors; the flattened outputs.
+        ``compile_programs`` runs its local ops compiled by Inductor (:meth:`compiled`)."""
+        program = self.compiled(gm) if compile_programs else self.bind(gm)
+        return pytree.tree_leaves(program(*local_inputs))
 
     def run_compiled(self, compiled: Any, leaves: Sequence[Any]) -> list[ShardedTensor]:
         """Run a ``partita.jit`` compiled signature: what ``Jitted.__call__`` needs.
@@ -303,7 +319,8 @@ class DistributedMesh:
             self.local_input(leaf, sharding)
             for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True)
         ]
-        outs = self.run(compiled.local, inputs)
+        compile_programs = getattr(compiled, "compile_programs", False)
+        outs = self.run(compiled.local, inputs, compile_programs=compile_programs)
         return [
             DistributedShardedTensor.from_local(o, s, shape, self)
             for o, s, shape in zip(

@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 from partita.errors import PartitaError
 from partita.layout import check_strided, shard_tensor
 from partita.mesh import Mesh
+from partita.runtime.compiled import stats_for
 from partita.runtime.segments import Segment, SegmentPlan, plan_segments, segment_error
 from partita.tensor import ShardedTensor
 
@@ -108,7 +109,8 @@ class LocalMesh:
                 stacked.append(leaf.unsqueeze(0).expand(self.mesh.size, *leaf.shape))
             else:
                 stacked.append(shard_tensor(leaf, sharding))
-        outs = self.run(compiled.local, stacked)
+        compile_programs = getattr(compiled, "compile_programs", False)
+        outs = self.run(compiled.local, stacked, compile_programs=compile_programs)
         return [
             ShardedTensor.from_stacked(o, s, shape)
             for o, s, shape in zip(
@@ -116,12 +118,16 @@ class LocalMesh:
             )
         ]
 
-    def run(self, gm: fx.GraphModule, stacked_inputs: Sequence[Any]) -> list[Any]:
+    def run(
+        self, gm: fx.GraphModule, stacked_inputs: Sequence[Any], *, compile_programs: bool = False
+    ) -> list[Any]:
         """Run the per-device program ``gm`` on every device at once.
 
         ``stacked_inputs`` has one entry per placeholder: a tensor ``[mesh.size, *local]`` (a
         stride-0 device dim marks a value identical on every device) or a non-tensor passed
         through. Returns the flattened graph outputs, tensors stacked ``[mesh.size, *local]``.
+        ``compile_programs`` runs each segment compiled by Inductor (``runtime.compiled``;
+        the cost is recorded in ``runtime.compiled.stats_for(gm)``).
         """
         plan = self._plans.get(gm)
         if plan is None:
@@ -132,13 +138,14 @@ class LocalMesh:
                 f"({', '.join(n.name for n in plan.placeholders)}), got {len(stacked_inputs)}."
             )
         n = self.mesh.size
+        stats = stats_for(gm) if compile_programs else None
         env: dict[fx.Node, tuple[Any, bool]] = {}
         for node, x in zip(plan.placeholders, stacked_inputs, strict=True):
             env[node] = self._read_input(node, x)
         for step in plan.steps:
             if isinstance(step, Segment):
                 try:
-                    outs = step.run([env[i] for i in step.inputs])
+                    outs = step.run([env[i] for i in step.inputs], stats)
                 except PartitaError:
                     raise
                 except Exception as e:

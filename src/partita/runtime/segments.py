@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from partita.collectives import MESH_OPS
 from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import CompilerError, UnsupportedOpError
+from partita.runtime.compiled import CompileStats, compile_graph
 
 __all__ = ["STEP_OPS", "Pattern", "Segment", "SegmentPlan", "plan_segments", "segment_error"]
 
@@ -47,11 +48,23 @@ class Segment:
     nodes: list[fx.Node]
     vmapped: dict[Pattern, tuple[Callable[..., Any], Pattern]] = field(default_factory=dict)
     flat: dict[Hashable, Callable[..., Any] | None] = field(default_factory=dict)
+    inductor: dict[Hashable, Callable[..., Any]] = field(default_factory=dict)
 
-    def run(self, values: list[tuple[Any, bool]]) -> list[tuple[Any, bool]]:
-        """Outputs ``(value, batched)`` for inputs ``(value, batched)``."""
+    def run(
+        self, values: list[tuple[Any, bool]], compile_stats: CompileStats | None = None
+    ) -> list[tuple[Any, bool]]:
+        """Outputs ``(value, batched)`` for inputs ``(value, batched)``; with
+        ``compile_stats``, through Inductor (``runtime.compiled``), which it records."""
         args = [v for v, _ in values]
         fn, out_pattern = self._vmapped(tuple(b for _, b in values))
+        if compile_stats is not None:
+            return list(
+                zip(
+                    self._compiled(fn, args, out_pattern, compile_stats)(*args),
+                    out_pattern,
+                    strict=True,
+                )
+            )
         if fn is not self.gm:
             # The second run with the same signature traces vmap(segment) to a flat graph of
             # batched aten ops, which then runs without functorch's per-op overhead.
@@ -64,6 +77,27 @@ class Segment:
                         self.flat[key] = _trace_flat(fn, args)
                     fn = self.flat[key]  # type: ignore[assignment]
         return list(zip(fn(*args), out_pattern, strict=True))
+
+    def _compiled(
+        self, fn: Callable[..., Any], args: list[Any], out_pattern: Pattern, stats: CompileStats
+    ) -> Callable[..., Any]:
+        """The segment compiled for this signature: its flat batched graph (traced at once,
+        not at the second run: compiling is the expensive part), or the segment itself when
+        nothing is batched. A segment whose vmap cannot be traced flat stays uncompiled."""
+        key = _signature(args, out_pattern)
+        if key is None:
+            return fn
+        hit = self.inductor.get(key)
+        if hit is None:
+            graph = fn if fn is self.gm else self.flat.get(key) or _trace_flat(fn, args)
+            if isinstance(graph, fx.GraphModule):
+                self.flat[key] = graph
+                hit = compile_graph(graph, args, stats, self.gm.__class__.__name__)
+            else:
+                stats.skipped.append(f"{self.gm.__class__.__name__}: vmap not traceable")
+                hit = fn
+            self.inductor[key] = hit
+        return hit
 
     def _vmapped(self, pattern: Pattern) -> tuple[Callable[..., Any], Pattern]:
         """The callable for inputs batched as ``pattern``, and which outputs are batched."""
