@@ -21,7 +21,7 @@ per device and FSDP step XLA (8 fake CPU devices) moves 36 MB and PyTorch FSDP2 
 at most 1.5x unsharded, compile under 2 s, bytes at the floor.
 
 ``--profile`` adds a cProfile of the compile and of one sharded step (top functions by
-cumulative time).
+cumulative time); ``--compile-only`` stops after the compile (and its profile).
 """
 
 from __future__ import annotations
@@ -141,6 +141,11 @@ def run_strategy(ns: argparse.Namespace, strategy: str, step: Any, args: tuple[A
           f"(all-gather + reduce-scatter of the parameters) {floor / 1e6:.1f} MB; "
           f"XLA 36 MB, FSDP2 30 MB")  # fmt: skip
     sys.stdout.flush()
+    if ns.compile_only:
+        if prof:
+            print("-- cProfile of the compile (top 40, cumulative) --")
+            print(top_costs(prof, 40))
+        return
     jitted = partita.jit(step, mesh=mesh, in_specs=in_specs)
     want = step(*args)
     got = jitted(*args)  # compiles (again) and warms up
@@ -185,6 +190,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument(
+        "--compile-only", action="store_true", help="time (and profile) the compile only"
+    )
     ns = parser.parse_args(argv)
 
     torch.manual_seed(0)

@@ -12,10 +12,13 @@ This module does not choose shardings (``propagate_assign``) or iterate (``propa
 
 from __future__ import annotations
 
+import enum
 import operator
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.fx as fx
 
 from partita.capture.manual import ENTER_OP, EXIT_OP, boundary, is_fully_manual, local_nodes
@@ -82,6 +85,7 @@ class ProgramState:
         self.alias: dict[fx.Node, ValueKey] = {}
         self.replicate_unsupported = replicate_unsupported
         self._metas: dict[fx.Node, TensorMeta] = {}
+        self._shapes: dict[Hashable, _OpShape] = {}  # _op_shape's memo
         self._build()
 
     def key(self, node: fx.Node) -> ValueKey:
@@ -134,7 +138,7 @@ class ProgramState:
         if not any(is_tensor(v) for v in vals):
             return
         info, operand_nodes, indices = op_info(node, self._metas)
-        rule = self._rule(node, info)
+        rule, compound, free, result_only, weak = self._op_shape(node, info)
         results: list[ValueKey | None] = []
         for idx, v in zip(indices, vals, strict=True):
             if is_tensor(v):
@@ -149,24 +153,6 @@ class ProgramState:
                 f"{len(rule.results)} results, but node {node.name} has {len(operands)} and "
                 f"{len(results)}. This is a bug in the rule; please report it."
             )
-        compound = frozenset(
-            f for t in (*rule.operands, *rule.results) for d in t or () if len(d) > 1 for f in d
-        )
-        tensors = [t for t in (*rule.operands, *rule.results) if t is not None]
-        free = tuple(
-            f
-            for f in rule.factors
-            if rule.kind(f) is FactorKind.PASS_THROUGH
-            and f not in compound
-            and rule.sizes[f] > 1
-            and tensors
-            and all(any(f in d for d in t) for t in tensors)
-        )
-        in_operands = {f for t in rule.operands for d in t or () for f in d}
-        result_only = frozenset(f for f in rule.factors if f not in in_operands and rule.operands)
-        weak = (
-            frozenset(rule.reduction_factors) if rule.handler in _LOOKUP_HANDLERS else frozenset()
-        )
         self.ops.append(OpState(node, rule, operands, results, compound, free, result_only, weak))
         if node in self._local or node.target is EXIT_OP:
             self._mark_region_values(node)
@@ -182,6 +168,25 @@ class ProgramState:
             v.dims = list(ann.sharding.dim_axes)
             v.priority = int(ann.priority)
             v.fixed = True
+
+    def _op_shape(self, node: fx.Node, info: OpInfo) -> _OpShape:
+        """The op's rule and its factor groups, computed once per distinct call.
+
+        A rule function sees only its OpInfo, so calls with equal OpInfos (every layer of a
+        transformer repeats the same ops on the same shapes) get the same rule. Memoised per
+        program, and only when the registry's rule answered (a replicated fallback records a
+        reason on its node and warns, which every node must do for itself)."""
+        key = None
+        if node not in self._local and node.target is not EXIT_OP:
+            key = _info_key(info)
+        found = self._shapes.get(key) if key is not None else None
+        if found is not None:
+            return found
+        rule = self._rule(node, info)
+        shape = _op_groups(rule)
+        if key is not None and "replicated_reason" not in node.meta:
+            self._shapes[key] = shape
+        return shape
 
     def _rule(self, node: fx.Node, info: OpInfo) -> FactorRule:
         if node in self._local or node.target is EXIT_OP:
@@ -208,3 +213,69 @@ class ProgramState:
             if v is not None:
                 v.prefix = [tuple(a for a in d if a in b.manual_axes) for d in b.sharding.dim_axes]
                 v.dims = list(v.prefix)
+
+
+#: An op's rule and the factor groups propagation treats specially (see OpState).
+_OpShape = tuple[FactorRule, frozenset[str], tuple[str, ...], frozenset[str], frozenset[str]]
+
+
+def _op_groups(rule: FactorRule) -> _OpShape:
+    """``rule`` with its compound, free, result-only and weak factors (see OpState)."""
+    compound = frozenset(
+        f for t in (*rule.operands, *rule.results) for d in t or () if len(d) > 1 for f in d
+    )
+    tensors = [t for t in (*rule.operands, *rule.results) if t is not None]
+    free = tuple(
+        f
+        for f in rule.factors
+        if rule.kind(f) is FactorKind.PASS_THROUGH
+        and f not in compound
+        and rule.sizes[f] > 1
+        and tensors
+        and all(any(f in d for d in t) for t in tensors)
+    )
+    in_operands = {f for t in rule.operands for d in t or () for f in d}
+    result_only = frozenset(f for f in rule.factors if f not in in_operands and rule.operands)
+    weak = frozenset(rule.reduction_factors) if rule.handler in _LOOKUP_HANDLERS else frozenset()
+    return rule, compound, free, result_only, weak
+
+
+def _info_key(info: OpInfo) -> Hashable | None:
+    """A key equal for two OpInfos exactly when a rule cannot tell them apart, or None.
+
+    Every leaf is keyed with its type, so ``1``, ``1.0`` and ``True`` (equal in Python) stay
+    apart; an argument that is not a plain value (anything but None, bool, int, float, str,
+    dtype, device, layout, memory format, enum, TensorMeta, or lists, tuples and dicts of
+    them) makes the call not memoised."""
+    try:
+        return (
+            info.target,
+            _leaf_key(info.args),
+            _leaf_key(info.kwargs),
+            info.operands,
+            info.results,
+        )
+    except _NotPlainError:
+        return None
+
+
+class _NotPlainError(Exception):
+    """An argument _info_key does not key."""
+
+
+_PLAIN = (
+    type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout,
+    torch.memory_format, enum.Enum, TensorMeta,
+)  # fmt: skip
+
+
+def _leaf_key(a: Any) -> Hashable:
+    if isinstance(a, (list, tuple)):
+        return (type(a), tuple(_leaf_key(x) for x in a))
+    if isinstance(a, dict):
+        return (dict, tuple((k, _leaf_key(v)) for k, v in a.items()))
+    if isinstance(a, float):
+        return (type(a), a.hex())  # -0.0 and 0.0 apart, every NaN equal to itself
+    if isinstance(a, _PLAIN):
+        return (type(a), a)
+    raise _NotPlainError

@@ -39,6 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
@@ -311,11 +312,12 @@ def _trace_layer(
                 example = fresh() + [torch.empty(s, dtype=d, device=dev)
                                      for s, d, dev, _ in cot_meta]  # fmt: skip
             updates = InputUpdates([], (), [], [], None, state.fn_name)
-            gm = make_fx(
-                functionalized(_recording(joint, updates), updates),
-                decomposition_table=decomposition_table(),
-                tracing_mode="fake",
-            )(*example)
+            with _use_lazy_graph_module(True):  # the joint is split, never run: no code
+                gm = make_fx(
+                    functionalized(_recording(joint, updates), updates),
+                    decomposition_table=decomposition_table(),
+                    tracing_mode="fake",
+                )(*example)
     except LayerFallbackError:
         raise
     except Exception as e:  # the ordinary trace will report it with the user's line

@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 import torch.fx.traceback as fx_traceback
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
@@ -227,7 +228,10 @@ def trace(
     updates = InputUpdates(received, input_names, shapes, specs, mesh, name)
     with tracing_scope(mesh, "trace(mesh=...)") as state, scan_scope(name):
         try:
-            with fx_traceback.preserve_node_meta(), _compiling():
+            # A lazy GraphModule generates its Python code only when it is run or printed:
+            # later stages read the graph, and normalising and lifting edit it, so the code
+            # of a thousands-node step would be generated (up to 3 times) for nothing.
+            with fx_traceback.preserve_node_meta(), _compiling(), _use_lazy_graph_module(True):
                 gm = make_fx(
                     functionalized(flat_fn, updates),
                     decomposition_table=decomposition_table(),
