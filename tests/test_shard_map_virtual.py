@@ -10,7 +10,11 @@ partially manual); the user's mistakes raise the same typed errors at the call.
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ import partita
 from partita import Mesh, P
 from partita.errors import ReplicationError, ShardMapError, VirtualDeviceError
 from partita.partition.manual import USER_COLLECTIVE
+from partita.virtual import disk_cache
 from partita.virtual import step as vstep
 from test_shard_map import B, _cases
 
@@ -203,3 +208,69 @@ def test_mistakes_are_the_same_typed_errors(dev: torch.device) -> None:
         out_specs=P(),
     )(x)
     torch.testing.assert_close(ok.full(), torch.full((1, 4), 16.0))
+
+
+# --- the persistent compile cache ------------------------------------------------------------
+
+
+def _cached_step(cache_dir: str, shift_keys: bool = False) -> dict:
+    """One step with a region on the virtual device, compiled through ``cache_dir``: its loss,
+    a gradient and the metrics. ``shift_keys``: create another region's boundary first, as a
+    process that ran other programs before would have."""
+    if shift_keys:
+        from partita.capture.manual import Boundary, new_boundary
+
+        replicated = P().to_sharding(MESH, 1)
+        new_boundary(Boundary(replicated, (3,), (3,), ("data", "model"), what="another"))
+    dev = partita.use_spmd(MESH, cache_dir=cache_dir)
+    vstep._CACHE.clear()
+    partita.metrics(reset=True)
+    g = torch.Generator().manual_seed(3)
+    wa = torch.randn(8, 16, generator=g).to(dev).requires_grad_()
+    wb = torch.randn(16, 8, generator=g).to(dev).requires_grad_()
+    x = partita.mark_sharding(torch.randn(8, 8, generator=g).to(dev), MESH, P("data", None))
+    region = partita.shard_map(
+        _middle,
+        mesh=MESH,
+        in_specs=(P("data", None), P(None, "model"), P("model", None)),
+        out_specs=P("data", None),
+    )
+    loss = region(torch.tanh(x), wa, wb).square().mean()
+    loss.backward()
+    assert wa.grad is not None
+    m = partita.metrics()
+    return {
+        "loss": loss.item(),
+        "grad": wa.grad.cpu().tolist(),
+        "compiles": m.compiles,
+        "disk_hits": m.disk_hits,
+    }
+
+
+@pytest.mark.slow
+def test_a_second_process_reuses_the_cached_step_with_a_region(
+    dev: torch.device, tmp_path: Path
+) -> None:
+    """Boundary keys are part of the step's cache key: they must mean the same boundary in
+    every process (a per-process counter would give another process a wrong or no program)."""
+    try:
+        first = _cached_step(str(tmp_path))
+    finally:
+        disk_cache.set_directory(None)
+    assert (first["compiles"], first["disk_hits"]) == (1, 0)
+    code = (
+        "import json, sys; sys.path.insert(0, sys.argv[2]); "
+        "from test_shard_map_virtual import _cached_step; "
+        "print(json.dumps(_cached_step(sys.argv[1], shift_keys=True)))"
+    )
+    tests = str(Path(__file__).resolve().parent)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path), tests],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (second["compiles"], second["disk_hits"]) == (0, 1)
+    assert (second["loss"], second["grad"]) == (first["loss"], first["grad"])
