@@ -200,14 +200,15 @@ def test_mistakes_are_the_same_typed_errors(dev: torch.device) -> None:
     other = Mesh.create((8,), ("i",))
     with pytest.raises(VirtualDeviceError, match="switched on for"):
         partita.shard_map(lambda b: b, mesh=other, in_specs=P("i"), out_specs=P("i"))(x)
-    # The half-recorded regions do not spoil the step: a correct region after them is exact.
+    # The half-recorded regions do not spoil the step: a correct region after them is exact,
+    # and a CPU tensor among its arguments is an input like any other (not run on the CPU).
     ok = partita.shard_map(
-        lambda b: partita.psum(b.sum(0, keepdim=True), "data"),
+        lambda b, c: partita.psum((b * c).sum(0, keepdim=True), "data"),
         mesh=MESH,
-        in_specs=P("data"),
+        in_specs=(P("data"), P()),
         out_specs=P(),
-    )(x)
-    torch.testing.assert_close(ok.full(), torch.full((1, 4), 16.0))
+    )(x, torch.arange(4.0))
+    torch.testing.assert_close(ok.full(), 16.0 * torch.arange(4.0)[None])
 
 
 # --- the persistent compile cache ------------------------------------------------------------

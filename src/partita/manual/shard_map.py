@@ -5,8 +5,10 @@ graph: each input is annotated with its in_spec and enters the region as its loc
 (``partita.capture.manual``), the body is traced on local shapes with its collectives
 (:mod:`partita.manual.collectives`), and each output leaves as the global value its out_spec
 describes. Propagation treats the region as fixed and the partitioner copies it verbatim onto
-every device. Called on ShardedTensors (or plain tensors) outside a trace, shard_map compiles
-itself with ``partita.jit`` and runs on the simulated mesh.
+every device. Called on virtual-device tensors (``partita.use_spmd``), the same code runs on lazy
+tensors: the region's ops are recorded like any others and the step's sync compiles them through
+the same path (``partita.virtual.manual``). Called on ShardedTensors (or plain tensors) outside a
+trace, shard_map compiles itself with ``partita.jit`` and runs on the simulated mesh.
 
 Mistakes are errors, never a silent collective: a missing in_spec or out_spec, a spec that does
 not divide a shape, a spec over a mesh axis the region is not manual over, and an out_spec that
@@ -77,9 +79,9 @@ def shard_map(
         if is_tracing():
             return _traced(fn, name, mesh, manual, in_specs, out_specs, args)
         if any(_on_virtual_device(a) for a in pytree.tree_leaves(args)):
-            from partita.virtual.manual import annotate_pending, check_mesh
+            from partita.virtual.manual import annotate_pending, on_device
 
-            check_mesh(name, mesh)
+            args = on_device(name, mesh, args)
             return _traced(fn, name, mesh, manual, in_specs, out_specs, args, annotate_pending)
         return _eager(traced, name, mesh, in_specs, args, eager_cache)
 

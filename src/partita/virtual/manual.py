@@ -11,8 +11,9 @@ partitioner then treat the region exactly as in ``jit`` (copied verbatim when fu
 the auto axes propagated through it when partially manual). The user's mistakes are found when
 the region is called, as in ``jit``.
 
-This module supplies the two things that differ: the mesh check, and how the in_specs and
-out_specs of a fully manual region are attached to the program (:func:`annotate_pending`).
+This module supplies what differs: the arguments' device and mesh (:func:`on_device`), and how
+the in_specs and out_specs of a fully manual region are attached to the program
+(:func:`annotate_pending`).
 It does not compile.
 """
 
@@ -22,16 +23,18 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from partita.capture.annotate import record
 from partita.mesh import Mesh
 from partita.spec import as_spec
+from partita.tensor import ShardedTensor
 from partita.virtual import step
-from partita.virtual.device import VirtualDeviceError
+from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
 from partita.virtual.lazy import LazyTensor
-from partita.virtual.recording import record_annotation
+from partita.virtual.recording import new_data, record_annotation
 
-__all__ = ["annotate_pending", "check_mesh"]
+__all__ = ["annotate_pending", "on_device"]
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,20 @@ def annotate_pending(t: torch.Tensor, mesh: Mesh, spec: Any, *, source: str) -> 
     return t
 
 
-def check_mesh(name: str, mesh: Mesh) -> None:
-    """Raise unless ``mesh`` is the virtual device's mesh (one step runs on one mesh)."""
+def on_device(name: str, mesh: Mesh, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The region's arguments, all on the virtual device: a CPU tensor is uploaded (replicated
+    data, as when it meets a device tensor in any op) and a ShardedTensor becomes device data
+    with its layout. A region's entry is an op with one tensor argument, so a CPU tensor left
+    there would run it on the CPU instead of being recorded. Raises unless ``mesh`` is the
+    device's mesh (one step runs on one mesh).
+
+    Example:
+        >>> mesh = Mesh.create((2, 4), ("data", "model"))
+        >>> dev = partita.use_spmd(mesh)
+        >>> args = (torch.ones(2), torch.ones(2, device=dev))
+        >>> [a.device.type for a in on_device("f", mesh, args)]
+        ['spmd', 'spmd']
+    """
     device_mesh = step.mesh()
     if mesh != device_mesh:
         raise VirtualDeviceError(
@@ -79,3 +94,13 @@ def check_mesh(name: str, mesh: Mesh) -> None:
             f"was switched on for {device_mesh!r}: one step runs on one mesh. Build the region "
             f"with the mesh given to partita.use_spmd (or call use_spmd with this mesh first)."
         )
+    device = torch.device(DEVICE_NAME, 0)
+
+    def move(x: Any) -> Any:
+        if isinstance(x, ShardedTensor):
+            return new_data(x)
+        if isinstance(x, torch.Tensor) and x.device.type != DEVICE_NAME:
+            return x.to(device)
+        return x
+
+    return pytree.tree_map(move, args)
