@@ -83,8 +83,8 @@ def test_auto_axis_not_dividing_a_manually_split_block_warns() -> None:
     text = next(str(w.message) for w in caught if issubclass(w.category, ShardMapWarning))
     for part in (
         r"shard_map input 0 \(%manual_enter",  # what
-        r"dim 0 of its \[3, 8\] block over \('d',\) \(2 devices\)",  # the values
-        r"does not divide 3.*splits that dim over \('m',\).*would not line up",  # why
+        r"dim 0 of its \[3, 8\] block over \('d',\) inside",  # the values
+        r"2 devices do not divide 3.*splits that dim over \('m',\).*would not line up",  # why
         r"costs here all_gather over \('m', 'd'\) of \d+ bytes per device",  # the cost
         r"make dim 0 a multiple of 8 \(pad it\), or shard another dim over \('d',\)",  # the fix
     ):

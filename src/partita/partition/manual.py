@@ -118,12 +118,15 @@ def record_user_collective(low: Lowering, node: fx.Node, split: Sharding | None 
 # --- partially manual regions: the auto axes were propagated through the body -----------------
 
 
-def _inner(
-    low: Lowering, b: Boundary, sharding: Sharding
-) -> tuple[Sharding, list[tuple[int, tuple[str, ...]]]]:
+#: An auto split a boundary cannot keep: (dim, the dim's auto axes, the ones dropped, the
+#: number of devices of the first split that does not divide the block).
+_Dropped = tuple[int, tuple[str, ...], tuple[str, ...], int]
+
+
+def _inner(low: Lowering, b: Boundary, sharding: Sharding) -> tuple[Sharding, list[_Dropped]]:
     """How the body splits a block of boundary ``b`` over the auto axes: ``sharding`` (the body
     side's, from propagation) without partial axes, on the tiles the global value can hold; and
-    the ``(dim, auto axes)`` it could not keep.
+    the splits it could not keep.
 
     On a dim the region's spec does not split, the block's dim is the global dim, so the body's
     tiles (uneven ones too, zero padded as everywhere in partita) are the global value's tiles:
@@ -132,14 +135,15 @@ def _inner(
     value's tiles: the axis is dropped at the boundary (the value is resharded there).
     """
     dims: list[tuple[str, ...]] = []
-    dropped = []
+    dropped: list[_Dropped] = []
     for d, (axes, n, manual) in enumerate(
         zip(sharding.dim_axes, b.local_shape, b.sharding.dim_axes, strict=True)
     ):
         kept: tuple[str, ...] = ()
         for a in axes:
-            if manual and n % (low.mesh.axes_size((*kept, a))):
-                dropped.append((d, axes[len(kept) :]))
+            k = low.mesh.axes_size((*kept, a))
+            if manual and n % k:
+                dropped.append((d, axes, axes[len(kept) :], k))
                 break
             kept = (*kept, a)
         dims.append(kept)
@@ -150,7 +154,7 @@ def _warn_dropped(
     low: Lowering,
     b: Boundary,
     node: fx.Node,
-    dropped: list[tuple[int, tuple[str, ...]]],
+    dropped: list[_Dropped],
     records: list[CollectiveRecord],
 ) -> None:
     """A :class:`ShardMapWarning` per dropped auto split: the value, why, the collectives it
@@ -158,20 +162,20 @@ def _warn_dropped(
     source = node.meta.get("source") or "an unknown line"
     moved = ", ".join(f"{r.kind} over {r.mesh_axes} of {r.bytes} bytes" for r in records)
     cost = f"here {moved} per device" if moved else "here no collective (a local slice)"
-    for d, auto in dropped:
-        n, k = b.local_shape[d], low.mesh.axes_size(auto)
+    for d, auto, lost, k in dropped:
+        n = b.local_shape[d]
         manual = b.sharding.dim_axes[d]
         warn(
             ShardMapWarning(
                 f"shard_map {b.what} (%{node.name}, {source}): propagation splits dim {d} of "
-                f"its [{', '.join(map(str, b.local_shape))}] block over {auto} ({k} devices) "
-                f"inside the region, but {k} does not divide {n}, and the region's spec "
+                f"its [{', '.join(map(str, b.local_shape))}] block over {auto} inside the "
+                f"region, but {k} devices do not divide {n}, and the region's spec "
                 f"{b.sharding} splits that dim over {manual}: padded blocks would not line up "
                 f"with the tiles of the global {list(b.global_shape)} value, so it crosses "
-                f"the boundary whole over {auto}. That costs {cost} (see the Plan), and a "
-                f"reshard wherever the program outside wants it split over {auto}. To avoid "
+                f"the boundary whole over {lost}. That costs {cost} (see the Plan), and a "
+                f"reshard wherever the program outside wants it split over {lost}. To avoid "
                 f"it, make dim {d} a multiple of {low.mesh.axes_size(manual) * k} (pad it), "
-                f"or shard another dim over {auto}."
+                f"or shard another dim over {lost}."
             )
         )
 
