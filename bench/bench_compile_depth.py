@@ -13,7 +13,9 @@ without running it. The three stages are timed as ``partita.jit`` calls them
 (``capture.trace``, ``propagate``, ``partition``), by wrapping those functions for the
 duration of the run; ``total`` is the wall time of ``lower`` and also includes building the
 step's inputs and formatting the program text. Every repeat builds a new model and a new step,
-so nothing is served from the compile cache. Medians of ``--repeat``.
+so nothing is served from the compile cache. Medians of ``--repeat``. ``cpu`` is the process
+CPU time of ``lower`` (both cores' worth if torch used them): on a loaded machine it varies
+less than the wall times.
 """
 
 from __future__ import annotations
@@ -83,9 +85,10 @@ def compile_once(n_layer: int, mesh: Mesh, scan: bool) -> tuple[dict[str, float]
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
     times: dict[str, float] = {}
     with timed_stages(times):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plan = step.lower((ids, torch.roll(ids, -1, dims=1)))
         times["total"] = time.perf_counter() - t0
+        times["cpu"] = time.process_time() - c0
     # The program text has a title line, then one line per value of the global program.
     return times, len(plan.program_text.splitlines()) - 1
 
@@ -104,17 +107,17 @@ def main(argv: list[str] | None = None) -> None:
     )
     header = (
         ("layers", 6), ("mode", 8), ("values", 7), *((s, 9) for s in STAGES), ("total", 8),
-        ("s/layer", 8),
+        ("s/layer", 8), ("cpu", 8),
     )  # fmt: skip
     print(" ".join(f"{c:>{w}}" for c, w in header))
     for n in ns.layers:
         for mode in ("unrolled", "scan"):
             runs = [compile_once(n, mesh, mode == "scan") for _ in range(ns.repeat)]
-            med = {k: statistics.median(r[0][k] for r in runs) for k in (*STAGES, "total")}
+            med = {k: statistics.median(r[0][k] for r in runs) for k in (*STAGES, "total", "cpu")}
             stages = " ".join(f"{med[s]:>9.2f}" for s in STAGES)
             print(
                 f"{n:>6} {mode:>8} {runs[0][1]:>7} {stages} {med['total']:>8.2f} "
-                f"{med['total'] / n:>8.2f}",
+                f"{med['total'] / n:>8.2f} {med['cpu']:>8.2f}",
                 flush=True,
             )
 

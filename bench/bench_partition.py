@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import importlib
 import io
 import pstats
 import sys
@@ -120,13 +121,13 @@ def run_strategy(ns: argparse.Namespace, strategy: str, step: Any, args: tuple[A
     prof = cProfile.Profile() if ns.profile else None
     if prof:
         prof.enable()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     program = trace(step, args, in_specs=in_specs, mesh=mesh)
-    t1 = time.perf_counter()
+    t1, c1 = time.perf_counter(), time.process_time()
     propagate(program.graph_module, mesh)
-    t2 = time.perf_counter()
+    t2, c2 = time.perf_counter(), time.process_time()
     _, plan = partition(program.graph_module, mesh)
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), time.process_time()
     if prof:
         prof.disable()
 
@@ -134,6 +135,8 @@ def run_strategy(ns: argparse.Namespace, strategy: str, step: Any, args: tuple[A
           f"{n_params / 1e6:.2f} M parameters = {param_bytes / 1e6:.1f} MB")  # fmt: skip
     print(f"compile {t3 - t0:6.2f} s = trace {t1 - t0:.2f} + propagate {t2 - t1:.2f} "
           f"+ partition {t3 - t2:.2f}   (goal < 2 s)")  # fmt: skip
+    print(f"   CPU {c3 - c0:6.2f} s = trace {c1 - c0:.2f} + propagate {c2 - c1:.2f} "
+          f"+ partition {c3 - c2:.2f}   (process time: varies less under load)")  # fmt: skip
     print("collectives per step (per device):")
     print("  " + plan.summary().replace("\n", "\n  "))
     floor = 2 * param_bytes * (mesh.size - 1) / mesh.size
@@ -213,6 +216,11 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# GPT layers={ns.layers} d_model={ns.width} heads={ns.heads} vocab={ns.vocab} "
           f"seq={ns.seq} batch={ns.batch}, AdamW; torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads; median of {ns.repeat} after a warm-up")  # fmt: skip
+    t0 = time.perf_counter()
+    importlib.import_module("torch._dynamo")  # make_fx's first call would import it
+
+    print(f"# importing torch._dynamo, once per process: {time.perf_counter() - t0:.2f} s "
+          f"(not in the compile times below)")  # fmt: skip
     for strategy in ns.strategy:
         run_strategy(ns, strategy, step, args)
 
