@@ -13,8 +13,7 @@ the region is called, as in ``jit``.
 
 This module supplies what differs: the arguments' device and mesh (:func:`on_device`), and how
 the in_specs and out_specs of a fully manual region are attached to the program
-(:func:`annotate_pending`).
-It does not compile.
+(:func:`annotate_pending`). It does not compile.
 """
 
 from __future__ import annotations
@@ -54,7 +53,9 @@ def annotate_pending(t: torch.Tensor, mesh: Mesh, spec: Any, *, source: str) -> 
 
     A value computed in this step (the body's result leaving the region, an activation entering
     it) is annotated in place, as ``mark_sharding`` does on a pending value: the program's later
-    uses of it see the annotated value, as in ``jit`` where they read the annotated node. Data
+    uses of it see the annotated value. For an output that is what ``jit`` does; for an input it
+    goes a little further (in ``jit`` only the region reads the annotated copy), so it pins the
+    in_spec on the value where ``jit`` would let propagation choose. Data
     (a parameter, a batch moved to the device, even one updated in place since the last sync)
     and views are left alone: data is an input of the step with its own layout, the region's
     entry reshards it to the in_spec anyway, and an annotation in place would redirect a later
