@@ -22,7 +22,11 @@ import torch
 from partita.tensor import ShardedTensor
 from partita.virtual.device import spmd_device
 
-__all__ = ["Cell", "LazyTensor", "full_value"]
+__all__ = ["Cell", "Desc", "LazyTensor", "full_value"]
+
+#: A value's metadata: shape, strides, storage offset, dtype.
+Desc = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]
+_META = torch.device("meta")
 
 
 class Cell:
@@ -34,15 +38,29 @@ class Cell:
         meta: a meta tensor with its shape, dtype and strides.
     """
 
-    __slots__ = ("__weakref__", "_data", "base", "dirty", "epoch", "in_flight", "meta", "slot")
+    __slots__ = (
+        "__weakref__",
+        "_data",
+        "_desc",
+        "_meta",
+        "base",
+        "dirty",
+        "epoch",
+        "in_flight",
+        "slot",
+    )
 
     def __init__(
         self,
-        meta: torch.Tensor,
+        meta: torch.Tensor | None,
         data: torch.Tensor | ShardedTensor | None = None,
         base: Cell | None = None,
+        desc: Desc | None = None,
     ) -> None:
-        self.meta = meta
+        # Either a meta tensor or its description: recording's fast path knows an output's
+        # description and builds the meta tensor only if something asks for it.
+        self._meta = meta
+        self._desc = desc
         self._data = data
         # True while a step that computes this value runs in the background (see step.sync):
         # the value exists, reading it waits.
@@ -62,6 +80,25 @@ class Cell:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__init__(state["meta"], state["data"])  # type: ignore[misc]
+
+    @property
+    def meta(self) -> torch.Tensor:
+        """A meta tensor with the value's shape, dtype and strides (one object per cell)."""
+        if self._meta is None:
+            assert self._desc is not None
+            shape, stride, offset, dtype = self._desc
+            self._meta = torch.empty_strided(shape, stride, dtype=dtype, device=_META).as_strided(
+                shape, stride, offset
+            )
+        return self._meta
+
+    @property
+    def desc(self) -> Desc:
+        """``(shape, stride, storage offset, dtype)`` of the value."""
+        if self._desc is None:
+            m = self.meta
+            self._desc = (tuple(m.shape), m.stride(), m.storage_offset(), m.dtype)
+        return self._desc
 
     @property
     def data(self) -> torch.Tensor | ShardedTensor | None:
@@ -95,14 +132,14 @@ class LazyTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, cell: Cell, requires_grad: bool = False) -> LazyTensor:
-        meta = cell.meta
+        shape, stride, offset, dtype = cell.desc
         t = torch.Tensor._make_wrapper_subclass(
             cls,
-            meta.shape,
-            strides=meta.stride(),
-            storage_offset=meta.storage_offset(),
-            dtype=meta.dtype,
-            device=spmd_device(),
+            shape,
+            strides=stride,
+            storage_offset=offset,
+            dtype=dtype,
+            device=_DEVICE[0] if _DEVICE else _device(),
             requires_grad=requires_grad,
         )
         t._cell = cell
@@ -148,6 +185,14 @@ class LazyTensor(torch.Tensor):
     def full(self) -> torch.Tensor:
         """The global value as a plain CPU tensor (syncs if it is pending)."""
         return full_value(self)
+
+
+_DEVICE: list[torch.device] = []
+
+
+def _device() -> torch.device:
+    _DEVICE.append(spmd_device())
+    return _DEVICE[0]
 
 
 def _sync_outside_dispatch() -> None:

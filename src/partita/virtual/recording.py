@@ -23,25 +23,59 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import _disable_current_modes
 
 from partita.tensor import ShardedTensor
+from partita.virtual import why
 from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
-from partita.virtual.lazy import Cell, LazyTensor, full_value
-from partita.virtual.lift import liftable_positions
+from partita.virtual.immediate import new_data, run_now
+from partita.virtual.lazy import Cell, LazyTensor
+from partita.virtual.shapes import infer, lazies, op_info
 
-__all__ = ["Recording", "current", "dispatch", "new_data", "record_annotation", "reset"]
+__all__ = [
+    "Guide",
+    "Recording",
+    "current",
+    "dispatch",
+    "forget_guides",
+    "new_data",
+    "record_annotation",
+    "remember",
+    "reset",
+]
 
 aten = torch.ops.aten
-_SHARE_CELL = frozenset({aten.detach.default, aten.alias.default})
-_LIKE = {
-    aten.zeros_like.default: 0,
-    aten.ones_like.default: 1,
-    aten.empty_like.default: 0,
-}
-_FILLS = frozenset({aten.zero_.default, aten.fill_.Scalar})
 _CPU = torch.device("cpu")
-_META = torch.device("meta")
+
+
+@dataclass
+class Guide:
+    """A finished recording, to check the next one against op by op (the cache-hit fast path).
+
+    While a recording follows its guide (each op, its templates and its new inputs' metadata
+    the same as at the same position of the guide), an op's results are made from the guide's
+    description of them: no shape inference, no memo lookup. If the whole recording followed
+    it, its structural key is the guide's, so :func:`partita.sync` takes the guide's program
+    without hashing the key. The first difference drops the guide and recording goes on the
+    ordinary way.
+
+    Attributes:
+        ops: the recorded entries, as in :attr:`Recording.ops`.
+        results: per entry, how its results were made (see :func:`_describe_result`).
+        inputs: per input, the metadata checked when the next recording takes its input there.
+        described: the input part of the structural key (shapes, dtypes, shardings).
+        out_slots: the slots of the values alive at the sync (the program's results).
+        n_scalars: how many lifted floats.
+        key, program: the structural key and the compiled program of that step.
+    """
+
+    ops: list[tuple[Any, Any, Any, tuple[int | None, ...]]]
+    results: list[Any]
+    inputs: list[Any]
+    described: tuple[Any, ...]
+    out_slots: tuple[int | None, ...]
+    n_scalars: int
+    key: Any
+    program: Any
 
 
 @dataclass
@@ -53,21 +87,36 @@ class Recording:
         ops: ``(op, args template, kwargs template, output slots)`` in program order.
         inputs: ``(slot, value)`` per input: a data Cell or a copied CPU tensor.
         scalars: the lifted Python floats, in order.
+        scalar_dtypes: the dtype each becomes a program input in.
         live: weak references to the tensors created here (the candidate outputs).
+        guide: the recording this one is expected to repeat (None once it differed).
+        miss: why it stopped following its guide, in one line (None while it follows).
     """
 
     epoch: int
     ops: list[tuple[Any, Any, Any, tuple[int | None, ...]]] = field(default_factory=list)
     inputs: list[tuple[int, Cell | torch.Tensor]] = field(default_factory=list)
     scalars: list[float] = field(default_factory=list)
+    scalar_dtypes: list[torch.dtype] = field(default_factory=list)
     live: list[tuple[weakref.ref[LazyTensor], Cell]] = field(default_factory=list)
     n_slots: int = 0
-    _key: list[Any] = field(default_factory=list)
+    guide: Guide | None = None
+    miss: str | None = None
+    results: list[Any] = field(default_factory=list)
+    input_meta: list[Any] = field(default_factory=list)
     _snapshots: dict[tuple[int, int], int] = field(default_factory=dict)
 
     def new_slot(self) -> int:
         self.n_slots += 1
         return self.n_slots - 1
+
+    def _add_input(self, slot: int, value: Cell | torch.Tensor, meta: Any) -> None:
+        guide, n = self.guide, len(self.inputs)
+        if guide is not None and (n >= len(guide.inputs) or guide.inputs[n] != meta):
+            # Another shape, dtype or memory layout: the guide's results would be wrong.
+            self._leave(why.input_miss(n, guide.inputs[n] if n < len(guide.inputs) else None, meta))
+        self.inputs.append((slot, value))
+        self.input_meta.append(meta)
 
     def slot_of(self, cell: Cell) -> int:
         """The cell's slot here; a data cell not used yet becomes an input."""
@@ -80,7 +129,7 @@ class Recording:
                 "please report the loop that triggers it."
             )
         cell.epoch, cell.slot = self.epoch, self.new_slot()
-        self.inputs.append((cell.slot, cell))
+        self._add_input(cell.slot, cell, cell.desc)
         return cell.slot
 
     def snapshot(self, t: torch.Tensor) -> int:
@@ -88,11 +137,12 @@ class Recording:
         ident = (id(t), t._version)
         if ident not in self._snapshots:
             slot = self.new_slot()
-            self.inputs.append((slot, t.detach().clone()))
+            meta = ("cpu", tuple(t.shape), t.stride(), t.dtype)
+            self._add_input(slot, t.detach().clone(), meta)
             self._snapshots[ident] = slot
         return self._snapshots[ident]
 
-    def template(self, x: Any, lift: bool) -> Any:
+    def template(self, x: Any, lift: bool, like: torch.dtype = torch.float64) -> Any:
         if isinstance(x, LazyTensor):
             return ("t", self.slot_of(x._cell))
         if isinstance(x, torch.Tensor):
@@ -105,16 +155,36 @@ class Recording:
                 f"or move the value to the device (x.full().to(dev)) and mark_sharding it."
             )
         if lift and type(x) is float:
+            # One program input per use, in the dtype the op computes the number in (its first
+            # tensor's): the program does not convert it, and its value may change freely.
             self.scalars.append(x)
+            self.scalar_dtypes.append(like)
             return ("s", len(self.scalars) - 1)
         if isinstance(x, (list, tuple)):
-            return ("l", tuple(self.template(v, lift) for v in x))
+            return ("l", tuple(self.template(v, lift, like) for v in x))
         if isinstance(x, torch.device) and x.type == DEVICE_NAME:
             return ("c", _CPU)
         return ("c", x)
 
-    def key(self) -> tuple[Any, ...]:
-        """The structural key: ops, constants and input shapes/dtypes/shardings."""
+    def follow(self, func: Any, targs: Any, tkwargs: Any) -> Any:
+        """The guide's entry at this position when this op repeats it, else None (and the
+        guide is dropped)."""
+        guide = self.guide
+        if guide is None:
+            return None
+        n = len(self.ops)
+        if n < len(guide.ops):
+            entry = guide.ops[n]
+            if entry[0] is func and entry[1] == targs and entry[2] == tkwargs:
+                return entry
+        self._leave(why.op_miss(n, guide.ops[n] if n < len(guide.ops) else None, func, targs))
+        return None
+
+    def _leave(self, reason: str) -> None:
+        self.guide, self.miss = None, reason
+
+    def described_inputs(self) -> tuple[Any, ...]:
+        """The inputs' part of the structural key: shapes, dtypes, shardings."""
         described = []
         for _, value in self.inputs:
             if isinstance(value, Cell):
@@ -123,13 +193,44 @@ class Recording:
                 sharding = data.sharding if isinstance(data, ShardedTensor) else "replicated"
                 if getattr(sharding, "is_replicated", False) and not sharding.partial:
                     sharding = "replicated"
-                described.append((tuple(value.meta.shape), value.meta.dtype, sharding))
+                shape, _, _, dtype = value.desc
+                described.append((shape, dtype, sharding))
             else:
                 described.append(("cpu", tuple(value.shape), value.dtype))
-        return (tuple(self._key), tuple(described))
+        return tuple(described)
+
+    def key(self, described: tuple[Any, ...] | None = None) -> tuple[Any, ...]:
+        """The structural key: ops, constants and input shapes/dtypes/shardings."""
+        return (tuple(self.ops), described or self.described_inputs())
+
+    def repeats_guide(self, out_slots: tuple[int | None, ...], described: tuple[Any, ...]) -> bool:
+        """True when this whole recording repeated its guide: the same structural key."""
+        guide = self.guide
+        if guide is None:
+            return False
+        reason = why.end_miss(
+            (len(self.ops), len(self.inputs), len(self.scalars), out_slots, described),
+            (len(guide.ops), len(guide.inputs), guide.n_scalars, guide.out_slots, guide.described),
+        )
+        if reason is not None:
+            self._leave(reason)
+        return reason is None
+
+    def as_guide(
+        self, out_slots: tuple[int | None, ...], described: tuple[Any, ...], key: Any, program: Any
+    ) -> Guide:
+        """This recording as the guide of the next one that follows the same program."""
+        return Guide(
+            self.ops, self.results, self.input_meta, described, out_slots, len(self.scalars),
+            key, program,
+        )  # fmt: skip
 
 
-_STATE: dict[str, Any] = {"epoch": 0, "recording": None}
+_STATE: dict[str, Any] = {"epoch": 0, "recording": None, "last": None}
+#: The recording that followed each program last time, by ``id(program)``: a loop that
+#: alternates between programs (accumulation micro-steps, evaluation) is guided by each.
+_GUIDES: dict[int, Guide] = {}
+_GUIDE_LIMIT = 128
 
 
 def current() -> Recording:
@@ -137,7 +238,9 @@ def current() -> Recording:
     rec = _STATE["recording"]
     if rec is None:
         _STATE["epoch"] += 1
-        rec = _STATE["recording"] = Recording(_STATE["epoch"])
+        last = _STATE["last"]
+        guide = None if last is None else _GUIDES.get(id(last.program), last)
+        rec = _STATE["recording"] = Recording(_STATE["epoch"], guide=guide)
     return rec
 
 
@@ -147,104 +250,27 @@ def reset() -> Recording | None:
     return rec
 
 
-def new_data(value: torch.Tensor | ShardedTensor, requires_grad: bool = False) -> LazyTensor:
-    """A LazyTensor holding ``value`` as data."""
-    meta = torch.empty(tuple(value.shape), dtype=value.dtype, device=_META)
-    return LazyTensor(Cell(meta, value), requires_grad=requires_grad)
+def remember(guide: Guide) -> None:
+    """After a sync: ``guide`` is the step just run; it follows the previous step's program."""
+    last = _STATE["last"]
+    if last is not None:
+        if len(_GUIDES) >= _GUIDE_LIMIT:
+            _GUIDES.clear()
+        _GUIDES[id(last.program)] = guide
+    _STATE["last"] = guide
 
 
-def _to_meta(x: Any) -> Any:
-    if isinstance(x, LazyTensor):
-        return x._cell.meta if x._cell.meta.shape == x.shape else x._cell.meta.view(x.shape)
-    if isinstance(x, torch.Tensor):
-        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=_META)
-    if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(v) for v in x)
-    if isinstance(x, dict):
-        return {k: _to_meta(v) for k, v in x.items()}
-    if isinstance(x, torch.device) and x.type == DEVICE_NAME:
-        return _META
-    return x
-
-
-def _lazies(x: Any) -> list[LazyTensor]:
-    if isinstance(x, LazyTensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in _lazies(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in _lazies(v)]
-    return []
-
-
-def _is_clean_data(cell: Cell, unused: bool = False) -> bool:
-    """Data whose value is known now (and, with ``unused``, not read by this recording yet, so
-    changing it at once cannot reach an op recorded before)."""
-    if not cell.has_value or cell.base.dirty:
-        return False
-    return not unused or cell.epoch != current().epoch
-
-
-def _eager(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Ops that run now rather than being recorded (see the module docstring)."""
-    if func is aten._local_scalar_dense.default:
-        return full_value(args[0]).item()
-    if func is aten._to_copy.default:
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type != DEVICE_NAME:
-            return aten._to_copy.default(full_value(args[0]), **kwargs)
-    if func is aten.copy_.default:
-        dst, src = args[0], args[1]
-        if not isinstance(dst, LazyTensor):
-            return dst.copy_(full_value(src))
-        if not isinstance(src, LazyTensor) and _is_clean_data(dst._cell, unused=True):
-            value = src.detach().to(dst.dtype).expand(dst.shape).clone()
-            old = dst._cell.data
-            dst._cell.data = (
-                ShardedTensor.from_global(value, old.sharding)
-                if isinstance(old, ShardedTensor)
-                else value
-            )
-            return dst
-    if func in _SHARE_CELL:
-        shared = LazyTensor(args[0]._cell)
-        if not args[0]._cell.has_value:  # pending: this tensor may outlive the original
-            current().live.append((weakref.ref(shared), args[0]._cell))
-        return shared
-    if func in _LIKE and _is_clean_data(args[0]._cell) and kwargs.get("device") is None:
-        src = args[0]
-        value = torch.full(src.shape, _LIKE[func], dtype=kwargs.get("dtype") or src.dtype)
-        old = src._cell.data
-        if isinstance(old, ShardedTensor):
-            return new_data(ShardedTensor.from_global(value, old.sharding))
-        return new_data(value)
-    out = kwargs.get("out")
-    if isinstance(out, LazyTensor) and not _lazies(args) and _is_clean_data(out._cell, True):
-        # A factory writing into a new device tensor (torch.arange(n, device=dev)): data now.
-        # The kernel resizes its ``out`` (empty for a factory); a wrapper cannot be resized,
-        # so the result is a new device tensor.
-        value = torch.empty(out.shape, dtype=out.dtype)
-        func(*args, **{**kwargs, "out": value})
-        if value.shape == out.shape:
-            out._cell.data = value
-            return out
-        return new_data(value)
-    if func in _FILLS and _is_clean_data(args[0]._cell, unused=True):
-        cell = args[0]._cell
-        value = torch.full(args[0].shape, args[1] if len(args) > 1 else 0, dtype=args[0].dtype)
-        old = cell.data
-        cell.data = (
-            ShardedTensor.from_global(value, old.sharding)
-            if isinstance(old, ShardedTensor)
-            else value
-        )
-        return args[0]
-    return NotImplemented
+def forget_guides() -> None:
+    """Drop every guide (the mesh changed: their programs are for another mesh)."""
+    _GUIDES.clear()
+    _STATE["last"] = None
+    if _STATE["recording"] is not None:
+        _STATE["recording"].guide = None
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run (rarely) or record (usually) one aten op on LazyTensors."""
-    result = _eager(func, args, kwargs)
+    result = run_now(func, args, kwargs, current())
     if result is not NotImplemented:
         return result
     return _record(func, args, kwargs)
@@ -255,131 +281,99 @@ def record_annotation(t: LazyTensor, annotate: Any, mesh: Any, spec: Any) -> Non
     annotated value (``mark_sharding`` in place on a value being computed)."""
     rec = current()
     slot = rec.slot_of(t._cell)
-    entry = (annotate, (("t", slot), ("c", mesh), ("c", spec)), (), (slot,))
+    targs = (("t", slot), ("c", mesh), ("c", spec))
+    entry = rec.follow(annotate, targs, ()) or (annotate, targs, (), (slot,))
     rec.ops.append(entry)
-    rec._key.append(entry)
-
-
-def _mutated(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[LazyTensor]:
-    """The LazyTensors an op writes to (its ``(a!)`` arguments; batch norm's running stats,
-    which its schema does not mark)."""
-    positions = [
-        i for i, a in enumerate(func._schema.arguments) if a.alias_info and a.alias_info.is_write
-    ]
-    if func is aten.native_batch_norm.default and args[5]:
-        positions += [3, 4]
-    names = [a.name for a in func._schema.arguments if a.alias_info and a.alias_info.is_write]
-    found = [t for i in positions if i < len(args) for t in _lazies(args[i])]
-    return found + [t for name in names for t in _lazies(kwargs.get(name))]
-
-
-#: Output metadata by (op, argument metadata): shape inference on meta tensors costs far more
-#: than the rest of recording, and a training loop repeats the same calls every step.
-_META_MEMO: dict[Any, Any] = {}
-_MEMO_LIMIT = 100_000
-
-
-def _meta_key(x: Any, lifted: bool = False) -> Any:
-    if isinstance(x, LazyTensor):
-        return ("T", tuple(x.shape), x.stride(), x.storage_offset(), x.dtype)
-    if isinstance(x, torch.Tensor):
-        return ("C", tuple(x.shape), x.stride(), x.dtype)
-    if isinstance(x, (list, tuple)):
-        return tuple(_meta_key(v) for v in x)
-    if lifted and type(x) is float:
-        return "float"  # a lifted number never decides a shape
-    hash(x)  # an unhashable argument: no memo (TypeError)
-    return (type(x), x)
-
-
-def _infer(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], lifted: Any) -> Any:
-    """The op's output as meta tensors (an input's meta where the op returns its argument)."""
-    lazies = _lazies((args, kwargs))
-    try:
-        key: Any = (
-            func,
-            tuple(_meta_key(a, i in lifted) for i, a in enumerate(args)),
-            tuple((k, _meta_key(v, k in lifted)) for k, v in kwargs.items()),
-        )
-        memo = _META_MEMO.get(key)
-    except TypeError:
-        key, memo = None, None
-    if memo is None:
-        with _disable_current_modes():
-            out = func(*_to_meta(args), **_to_meta(kwargs))
-        if key is not None:
-            if len(_META_MEMO) > _MEMO_LIMIT:
-                _META_MEMO.clear()
-            index = {id(t._cell.meta): i for i, t in enumerate(lazies)}
-            _META_MEMO[key] = _describe(out, index)
-        return out
-    return _rebuild(memo, lazies)
-
-
-def _describe(out: Any, index: dict[int, int]) -> Any:
-    if isinstance(out, torch.Tensor):
-        if id(out) in index:
-            return ("arg", index[id(out)])
-        return ("new", tuple(out.shape), out.stride(), out.storage_offset(), out.dtype)
-    if isinstance(out, (list, tuple)):
-        return ("seq", type(out), tuple(_describe(o, index) for o in out))
-    return ("value", out)
-
-
-def _rebuild(memo: Any, lazies: list[LazyTensor]) -> Any:
-    kind = memo[0]
-    if kind == "arg":
-        return lazies[memo[1]]._cell.meta
-    if kind == "new":
-        _, shape, stride, offset, dtype = memo
-        return torch.empty_strided(shape, stride, dtype=dtype, device=_META).as_strided(
-            shape, stride, offset
-        )
-    if kind == "seq":
-        return memo[1](_rebuild(m, lazies) for m in memo[2])
-    return memo[1]
+    rec.results.append(None)
 
 
 def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     rec = current()
-    lifted = liftable_positions(func)
-    targs = tuple(rec.template(a, i in lifted) for i, a in enumerate(args))
-    tkwargs = tuple((k, rec.template(v, k in lifted)) for k, v in kwargs.items())
-    meta_out = _infer(func, args, kwargs, lifted)
-    by_meta = {id(t._cell.meta): t for t in _lazies((args, kwargs))}
-    view_base = _view_base(func, args)
-    outs: list[int | None] = []
-
-    def wrap(m: Any) -> Any:
-        if not isinstance(m, torch.Tensor):
-            outs.append(None)
-            return m
-        same = by_meta.get(id(m))
-        if same is not None:  # an in-place op returns its argument
-            outs.append(same._cell.slot)
-            return same
-        cell = Cell(m, base=view_base)
-        cell.epoch, cell.slot = rec.epoch, rec.new_slot()
-        t = LazyTensor(cell)
-        rec.live.append((weakref.ref(t), cell))
-        outs.append(cell.slot)
-        return t
-
-    if isinstance(meta_out, (list, tuple)):
-        result: Any = type(meta_out)(wrap(m) for m in meta_out)
+    info = op_info(func)
+    lifted = info.lifted
+    like = torch.float64
+    if lifted and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
+        like = args[0].dtype  # a Python number meets a float tensor in the tensor's dtype
+    targs = tuple(rec.template(a, i in lifted, like) for i, a in enumerate(args))
+    tkwargs = tuple((k, rec.template(v, k in lifted, like)) for k, v in kwargs.items())
+    view_base: Cell | None = None
+    if info.is_view:
+        first = lazies(args[:1])
+        view_base = first[0]._cell if first else None
+    entry = rec.follow(func, targs, tkwargs)
+    if entry is not None:
+        description = rec.guide.results[len(rec.ops)]  # type: ignore[union-attr]
+        result = _from_description(description, rec, args, kwargs, view_base)
     else:
-        result = wrap(meta_out)
-    for t in _mutated(func, args, kwargs):
+        result, outs, description = _infer_results(rec, func, args, kwargs, lifted, view_base)
+        entry = (func, targs, tkwargs, tuple(outs))
+    for t in info.mutated(func, args, kwargs):
         t._cell.base.dirty = True
-    rec.ops.append((func, targs, tkwargs, tuple(outs)))
-    rec._key.append((func, targs, tkwargs, tuple(outs)))
+    rec.ops.append(entry)
+    rec.results.append(description)
     return result
 
 
-def _view_base(func: Any, args: tuple[Any, ...]) -> Cell | None:
-    """The input cell a view op's result aliases (None for ops returning new values)."""
-    returns = func._schema.returns
-    if returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write:
-        first = _lazies(args[:1])
-        return first[0]._cell if first else None
-    return None
+def _new_result(rec: Recording, meta: Any, desc: Any, view_base: Cell | None) -> LazyTensor:
+    cell = Cell(meta, base=view_base, desc=desc)
+    cell.epoch, cell.slot = rec.epoch, rec.new_slot()
+    t = LazyTensor(cell)
+    rec.live.append((weakref.ref(t), cell))
+    return t
+
+
+def _infer_results(
+    rec: Recording,
+    func: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    lifted: frozenset[int | str],
+    view_base: Cell | None,
+) -> tuple[Any, list[int | None], Any]:
+    """The op's results by shape inference: the results, their slots and their description
+    (how the fast path makes them again: ``("new", desc)``, ``("arg", i)`` for the i-th
+    LazyTensor argument returned by an in-place op, ``("value", v)``, ``("seq", type, ...)``)."""
+    meta_out = infer(func, args, kwargs, lifted)
+    found = lazies((args, kwargs))
+    by_meta = {id(t._cell.meta): (i, t) for i, t in enumerate(found)}
+    outs: list[int | None] = []
+
+    def wrap(m: Any) -> tuple[Any, Any]:
+        if not isinstance(m, torch.Tensor):
+            outs.append(None)
+            return m, ("value", m)
+        same = by_meta.get(id(m))
+        if same is not None:  # an in-place op returns its argument
+            outs.append(same[1]._cell.slot)
+            return same[1], ("arg", same[0])
+        t = _new_result(rec, m, None, view_base)
+        outs.append(t._cell.slot)
+        return t, ("new", t._cell.desc)
+
+    if isinstance(meta_out, (list, tuple)):
+        pairs = [wrap(m) for m in meta_out]
+        result: Any = type(meta_out)(r for r, _ in pairs)
+        description: Any = ("seq", type(meta_out), tuple(d for _, d in pairs))
+    else:
+        result, description = wrap(meta_out)
+    return result, outs, description
+
+
+def _from_description(
+    description: Any,
+    rec: Recording,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    view_base: Cell | None,
+) -> Any:
+    """The op's results made again from the guide (the slots come out as the guide's)."""
+    kind = description[0]
+    if kind == "new":
+        return _new_result(rec, None, description[1], view_base)
+    if kind == "arg":
+        return lazies((args, kwargs))[description[1]]
+    if kind == "seq":
+        return description[1](
+            _from_description(d, rec, args, kwargs, view_base) for d in description[2]
+        )
+    return description[1]

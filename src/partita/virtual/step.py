@@ -50,6 +50,8 @@ __all__ = [
 ]
 
 CACHE_LIMIT = 64
+#: How many fast-path misses :class:`Metrics` keeps (the latest).
+MISSES_KEPT = 20
 
 
 @dataclass
@@ -63,6 +65,10 @@ class Metrics:
         syncs: syncs that ran a program.
         ops_recorded: ops recorded in all steps.
         recompile_reasons: one line per compilation after the first: what changed and where.
+        fast_path_hits: syncs whose step repeated the step that last followed the same program
+            op by op, so recording made no shape inference and the key was not hashed.
+        fast_path_misses: one line per step that left the fast path: the first op or input
+            that differed from the step it was checked against (the last ``MISSES_KEPT``).
         compile_seconds, run_seconds: time spent compiling and running steps.
     """
 
@@ -72,6 +78,8 @@ class Metrics:
     syncs: int = 0
     ops_recorded: int = 0
     recompile_reasons: list[str] = field(default_factory=list)
+    fast_path_hits: int = 0
+    fast_path_misses: list[str] = field(default_factory=list)
     compile_seconds: float = 0.0
     run_seconds: float = 0.0
 
@@ -79,9 +87,11 @@ class Metrics:
         lines = [
             f"compiles={self.compiles} cache_hits={self.cache_hits} disk_hits={self.disk_hits} "
             f"syncs={self.syncs} ops_recorded={self.ops_recorded} "
+            f"fast_path_hits={self.fast_path_hits} "
             f"compile={self.compile_seconds:.2f}s run={self.run_seconds:.2f}s"
         ]
         lines += [f"recompiled: {r}" for r in self.recompile_reasons]
+        lines += [f"left the fast path: {r}" for r in self.fast_path_misses]
         return "\n".join(lines)
 
 
@@ -93,6 +103,7 @@ def set_mesh(mesh: Mesh) -> None:
     """The mesh the virtual device's programs run on (``use_spmd`` sets it)."""
     if _STATE["mesh"] is not None and _STATE["mesh"] != mesh:
         _CACHE.clear()
+        recording.forget_guides()
     _STATE["mesh"] = mesh
 
 
@@ -187,22 +198,43 @@ def sync() -> None:
     m.syncs += 1
     m.ops_recorded += len(rec.ops)
     out_cells = _outputs(rec)
-    key = (rec.key(), tuple(c.slot for c in out_cells), len(rec.scalars))
+    out_slots = tuple(c.slot for c in out_cells)
+    described = rec.described_inputs()
     inputs = _inputs(rec)
-    program = _CACHE.get(key)
-    if program is None:
-        started = time.perf_counter()
-        # A reason for every compilation after the first one these metrics count (the cache
-        # may hold programs of earlier, unrelated loops: the first compile is not a recompile).
-        reason = recompile_reason(key, list(_CACHE), rec) if _CACHE and m.compiles else None
-        compiles = m.compiles
-        program = _compile(rec, out_cells, key, inputs)
-        if reason and m.compiles > compiles:
-            m.recompile_reasons.append(reason)
-        m.compile_seconds += time.perf_counter() - started
-    else:
-        _CACHE.move_to_end(key)
+    guide = rec.guide
+    if (
+        guide is not None
+        and rec.repeats_guide(out_slots, described)
+        # Only while its program is cached (an evicted or cleared program is compiled or read
+        # from disk again, as any miss).
+        and any(p is guide.program for p in _CACHE.values())
+    ):
+        # The fast path: the step repeated the guide's ops and inputs, so it has the guide's
+        # key; nothing to hash.
+        key, program = guide.key, guide.program
         m.cache_hits += 1
+        m.fast_path_hits += 1
+    else:
+        key = (rec.key(described), out_slots, len(rec.scalars))
+        program = _CACHE.get(key)
+        if program is None:
+            started = time.perf_counter()
+            # A reason for every compilation after the first one these metrics count (the
+            # cache may hold programs of earlier, unrelated loops: the first compile is not a
+            # recompile).
+            reason = recompile_reason(key, list(_CACHE), rec) if _CACHE and m.compiles else None
+            compiles = m.compiles
+            program = _compile(rec, out_cells, key, inputs)
+            if reason and m.compiles > compiles:
+                m.recompile_reasons.append(reason)
+            m.compile_seconds += time.perf_counter() - started
+        else:
+            _CACHE.move_to_end(key)
+            m.cache_hits += 1
+    if rec.miss is not None:
+        m.fast_path_misses.append(rec.miss)
+        del m.fast_path_misses[:-MISSES_KEPT]
+    recording.remember(rec.as_guide(out_slots, described, key, program))
     # The recording is finished: its cells leave it, and the values the step computes (its
     # results and the data it updates in place) are in flight until it has run.
     for _, value in rec.inputs:
@@ -293,7 +325,9 @@ def _inputs(rec: recording.Recording) -> list[Any]:
     values: list[Any] = []
     for _, value in rec.inputs:
         values.append(value.data if isinstance(value, Cell) else value)
-    values += [torch.tensor(s, dtype=torch.float64) for s in rec.scalars]
+    values += [
+        torch.tensor(s, dtype=d) for s, d in zip(rec.scalars, rec.scalar_dtypes, strict=True)
+    ]
     return values
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-__all__ = ["recompile_reason"]
+__all__ = ["end_miss", "input_miss", "op_miss", "recompile_reason"]
 
 
 def _describe_input(desc: tuple[Any, ...]) -> str:
@@ -68,3 +68,69 @@ def _first_use(rec: Any, i: int) -> str:
         if any(t == ("t", slot) for t in targs):
             return f"{n} ({func})"
     return "none"
+
+
+def _template(t: Any) -> str:
+    kind, value = t
+    if kind == "t":
+        return f"tensor value #{value}"
+    if kind == "s":
+        return f"lifted float #{value}"
+    if kind == "l":
+        return "[" + ", ".join(_template(v) for v in value) + "]"
+    return repr(value)
+
+
+def op_miss(n: int, expected: tuple[Any, ...] | None, func: Any, targs: tuple[Any, ...]) -> str:
+    """Why op ``n`` left the fast path: it is not the op the guide has there.
+
+    Example:
+        >>> before = ("aten.add", (("t", 0), ("c", 2)), (), (1,))
+        >>> op_miss(3, before, "aten.add", (("t", 0), ("c", 3)))
+        'op 3 (aten.add): argument 1 is 3, the previous step had 2'
+    """
+    if expected is None:
+        return f"op {n} ({func}): the previous step had only {n} ops"
+    if expected[0] != func:
+        return f"op {n} is {func}, the previous step had {expected[0]}"
+    for i, (new, old) in enumerate(zip(targs, expected[1], strict=False)):
+        if new != old:
+            return (
+                f"op {n} ({func}): argument {i} is {_template(new)}, the previous step had "
+                f"{_template(old)}"
+            )
+    if len(targs) != len(expected[1]):
+        return f"op {n} ({func}): {len(targs)} arguments, the previous step had {len(expected[1])}"
+    return f"op {n} ({func}): its keyword arguments changed"
+
+
+def input_miss(n: int, expected: Any, got: Any) -> str:
+    """Why taking input ``n`` left the fast path: its metadata is not the guide's."""
+    if expected is None:
+        return f"the step took more inputs than the previous one (input {n}: {_meta(got)})"
+    return f"input {n} of the step is {_meta(got)}, the previous step had {_meta(expected)}"
+
+
+def _meta(desc: Any) -> str:
+    if desc[0] == "cpu":
+        return f"a CPU tensor {list(desc[1])} {desc[3]} (strides {desc[2]})"
+    return f"{list(desc[0])} {desc[3]} (strides {desc[1]}, offset {desc[2]})"
+
+
+def end_miss(got: tuple[Any, ...], expected: tuple[Any, ...]) -> str | None:
+    """Why a step that followed its guide op by op still has another key at the sync (None
+    when it has the guide's): ``(ops, inputs, scalars, output slots, described inputs)``."""
+    ops, inputs, scalars, out_slots, described = got
+    if ops != expected[0]:
+        return f"the step ended after {ops} ops, the previous one after {expected[0]}"
+    if inputs != expected[1] or scalars != expected[2]:
+        return (
+            f"the step used {inputs} inputs and {scalars} lifted floats, the previous one "
+            f"{expected[1]} and {expected[2]}"
+        )
+    if out_slots != expected[3]:
+        return "the set of tensors alive at the sync changed (different results)"
+    for i, (new, old) in enumerate(zip(described, expected[4], strict=True)):
+        if new != old:
+            return f"input {i} of the step is {_describe_input(new)}, before {_describe_input(old)}"
+    return None

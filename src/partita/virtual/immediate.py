@@ -1,0 +1,106 @@
+"""Ops of the virtual device that run at once instead of being recorded.
+
+``.item()`` and ``.cpu()`` (sync, then read), uploads (``copy_`` of a CPU tensor into a new
+device tensor: what ``tensor.to(dev)`` does), ``detach``/``alias`` (the result shares the
+cell), factories writing into a new device tensor, and ``zeros_like``/``fill_`` on data (so the
+optimizer's state initialisation is data, not a second program). Everything else is recorded
+by :mod:`partita.virtual.recording`; this module does not record.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from partita.tensor import ShardedTensor
+from partita.virtual.device import DEVICE_NAME
+from partita.virtual.lazy import Cell, LazyTensor, full_value
+from partita.virtual.shapes import lazies
+
+__all__ = ["new_data", "run_now"]
+
+aten = torch.ops.aten
+_SHARE_CELL = frozenset({aten.detach.default, aten.alias.default})
+_LIKE = {
+    aten.zeros_like.default: 0,
+    aten.ones_like.default: 1,
+    aten.empty_like.default: 0,
+}
+_FILLS = frozenset({aten.zero_.default, aten.fill_.Scalar})
+_META = torch.device("meta")
+
+
+def new_data(value: torch.Tensor | ShardedTensor, requires_grad: bool = False) -> LazyTensor:
+    """A LazyTensor holding ``value`` as data."""
+    meta = torch.empty(tuple(value.shape), dtype=value.dtype, device=_META)
+    return LazyTensor(Cell(meta, value), requires_grad=requires_grad)
+
+
+def _is_clean_data(cell: Cell, rec: Any, unused: bool = False) -> bool:
+    """Data whose value is known now (and, with ``unused``, not read by this recording yet, so
+    changing it at once cannot reach an op recorded before)."""
+    if not cell.has_value or cell.base.dirty:
+        return False
+    return not unused or cell.epoch != rec.epoch
+
+
+def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) -> Any:
+    """Run ``func`` now if it is one of the ops above, else return ``NotImplemented``.
+
+    ``rec`` is the current :class:`~partita.virtual.recording.Recording`.
+    """
+    if func is aten._local_scalar_dense.default:
+        return full_value(args[0]).item()
+    if func is aten._to_copy.default:
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type != DEVICE_NAME:
+            return aten._to_copy.default(full_value(args[0]), **kwargs)
+    if func is aten.copy_.default:
+        dst, src = args[0], args[1]
+        if not isinstance(dst, LazyTensor):
+            return dst.copy_(full_value(src))
+        if not isinstance(src, LazyTensor) and _is_clean_data(dst._cell, rec, unused=True):
+            value = src.detach().to(dst.dtype).expand(dst.shape).clone()
+            old = dst._cell.data
+            dst._cell.data = (
+                ShardedTensor.from_global(value, old.sharding)
+                if isinstance(old, ShardedTensor)
+                else value
+            )
+            return dst
+    if func in _SHARE_CELL:
+        shared = LazyTensor(args[0]._cell)
+        if not args[0]._cell.has_value:  # pending: this tensor may outlive the original
+            rec.live.append((weakref.ref(shared), args[0]._cell))
+        return shared
+    if func in _LIKE and _is_clean_data(args[0]._cell, rec) and kwargs.get("device") is None:
+        src = args[0]
+        value = torch.full(src.shape, _LIKE[func], dtype=kwargs.get("dtype") or src.dtype)
+        old = src._cell.data
+        if isinstance(old, ShardedTensor):
+            return new_data(ShardedTensor.from_global(value, old.sharding))
+        return new_data(value)
+    out = kwargs.get("out")
+    if isinstance(out, LazyTensor) and not lazies(args) and _is_clean_data(out._cell, rec, True):
+        # A factory writing into a new device tensor (torch.arange(n, device=dev)): data now.
+        # The kernel resizes its ``out`` (empty for a factory); a wrapper cannot be resized,
+        # so the result is a new device tensor.
+        value = torch.empty(out.shape, dtype=out.dtype)
+        func(*args, **{**kwargs, "out": value})
+        if value.shape == out.shape:
+            out._cell.data = value
+            return out
+        return new_data(value)
+    if func in _FILLS and _is_clean_data(args[0]._cell, rec, unused=True):
+        cell = args[0]._cell
+        value = torch.full(args[0].shape, args[1] if len(args) > 1 else 0, dtype=args[0].dtype)
+        old = cell.data
+        cell.data = (
+            ShardedTensor.from_global(value, old.sharding)
+            if isinstance(old, ShardedTensor)
+            else value
+        )
+        return args[0]
+    return NotImplemented
