@@ -108,7 +108,8 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
-    return out.contiguous(), lse
+    # contiguous like the fake's: a compiled caller (Inductor) relies on the fake's strides
+    return out.contiguous(), lse.contiguous()
 
 
 @sdpa.register_fake
@@ -153,7 +154,8 @@ def _(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_caus
 
 @sdpa_backward.register_fake
 def _(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal, scale):
-    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+    # contiguous, as both kernels return them (empty_like would keep a permuted input's strides)
+    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
 
 
 # --- vmap: fold the vmapped dim into the leading batch dim -----------------------------------
