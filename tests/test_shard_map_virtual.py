@@ -197,6 +197,8 @@ def test_mistakes_are_the_same_typed_errors(dev: torch.device) -> None:
             out_specs=P(None, "model"),
             axes=["model"],
         )(x)
+    with pytest.raises(ShardMapError, match="no in_spec, and it is computed in this step"):
+        partita.shard_map(lambda b: b, mesh=MESH, out_specs=P("data"))(x)
     other = Mesh.create((8,), ("i",))
     with pytest.raises(VirtualDeviceError, match="switched on for"):
         partita.shard_map(lambda b: b, mesh=other, in_specs=P("i"), out_specs=P("i"))(x)
@@ -208,7 +210,13 @@ def test_mistakes_are_the_same_typed_errors(dev: torch.device) -> None:
         in_specs=(P("data"), P()),
         out_specs=P(),
     )(x, torch.arange(4.0))
+    # Data keeps its own layout as in_spec when none is given.
+    data = partita.mark_sharding(torch.ones(8, 4).to(dev), MESH, P("data", None))
+    sums = partita.shard_map(lambda b: partita.psum(b.sum(0), "data"), mesh=MESH, out_specs=P())(
+        data
+    )
     torch.testing.assert_close(ok.full(), 16.0 * torch.arange(4.0)[None])
+    torch.testing.assert_close(sums.full(), torch.full((4,), 8.0))
 
 
 # --- the persistent compile cache ------------------------------------------------------------

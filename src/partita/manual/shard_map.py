@@ -79,10 +79,11 @@ def shard_map(
         if is_tracing():
             return _traced(fn, name, mesh, manual, in_specs, out_specs, args)
         if any(_on_virtual_device(a) for a in pytree.tree_leaves(args)):
-            from partita.virtual.manual import annotate_pending, on_device
+            from partita.virtual import manual as virtual
 
-            args = on_device(name, mesh, args)
-            return _traced(fn, name, mesh, manual, in_specs, out_specs, args, annotate_pending)
+            args = virtual.on_device(name, mesh, args)
+            specs = virtual.in_specs_from_data(name, in_specs, args)
+            return _traced(fn, name, mesh, manual, specs, out_specs, args, virtual.annotate_pending)
         return _eager(traced, name, mesh, in_specs, args, eager_cache)
 
     def traced(specs: Any, *args: Any) -> Any:

@@ -11,8 +11,9 @@ partitioner then treat the region exactly as in ``jit`` (copied verbatim when fu
 the auto axes propagated through it when partially manual). The user's mistakes are found when
 the region is called, as in ``jit``.
 
-This module supplies what differs: the arguments' device and mesh (:func:`on_device`), and how
-the in_specs and out_specs of a fully manual region are attached to the program
+This module supplies what differs: the arguments' device and mesh (:func:`on_device`), in_specs
+taken from the arguments' data where they are left out (:func:`in_specs_from_data`), and how the
+in_specs and out_specs of a fully manual region are attached to the program
 (:func:`annotate_pending`). It does not compile.
 """
 
@@ -25,15 +26,18 @@ import torch
 from torch.utils import _pytree as pytree
 
 from partita.capture.annotate import record
+from partita.capture.source import format_source, user_frame
+from partita.capture.trace import broadcast_specs
+from partita.errors import ShardMapError
 from partita.mesh import Mesh
-from partita.spec import as_spec
+from partita.spec import P, as_spec
 from partita.tensor import ShardedTensor
 from partita.virtual import step
 from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
 from partita.virtual.lazy import LazyTensor
 from partita.virtual.recording import new_data, record_annotation
 
-__all__ = ["annotate_pending", "on_device"]
+__all__ = ["annotate_pending", "in_specs_from_data", "on_device"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +109,38 @@ def on_device(name: str, mesh: Mesh, args: tuple[Any, ...]) -> tuple[Any, ...]:
         return x
 
     return pytree.tree_map(move, args)
+
+
+def in_specs_from_data(name: str, in_specs: Any, args: tuple[Any, ...]) -> Any:
+    """``in_specs`` with each one left out (None) taken from its argument's data: a sharded
+    tensor's spec, ``P()`` for replicated data; as ``shard_map`` does on ShardedTensors.
+
+    A value computed in this step has no layout until the step compiles: leaving its in_spec
+    out is a :class:`ShardMapError`.
+
+    Example:
+        >>> mesh = Mesh.create((2, 4), ("data", "model"))
+        >>> w = torch.ones(8, 4, device=partita.use_spmd(mesh))
+        >>> in_specs_from_data("f", None, (partita.mark_sharding(w, mesh, P("data")),))
+        (P('data', None),)
+    """
+    leaves, tree = pytree.tree_flatten(args)
+    given = (
+        broadcast_specs(in_specs, args, "in_specs", name)
+        if in_specs is not None
+        else [None] * len(leaves)
+    )
+    specs = []
+    for i, (leaf, spec) in enumerate(zip(leaves, given, strict=True)):
+        if spec is None and isinstance(leaf, LazyTensor):
+            if leaf._cell.is_pending:
+                where = format_source(user_frame()) or "an unknown line"
+                raise ShardMapError(
+                    f"{name} at {where}: input {i} (shape {tuple(leaf.shape)}) has no in_spec, "
+                    f"and it is computed in this step, so its layout is not known until the "
+                    f"step compiles. Give in_specs=P(...) for it (P() for replicated)."
+                )
+            data = leaf._cell.data
+            spec = data.sharding.with_partial(()).spec if isinstance(data, ShardedTensor) else P()
+        specs.append(spec)
+    return pytree.tree_unflatten(specs, tree)
