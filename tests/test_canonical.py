@@ -38,8 +38,9 @@ GOLDEN: dict[str, tuple[list[str], int]] = {
     # XLA rematerializes fully (20 KiB); partita finds two all_to_alls (4 KiB), no warning.
     "T08": (["all_to_all x [4, 8, 16]", "all_to_all y [16, 2, 16]"], 20480),
     # XLA (measured with jax 0.10.2 on 8 CPU devices): collective_permute [3,32] to re-align the
-    # 10 rows into tiles of 3, then all_gather [12,32] = 1920 B; partita does the same.
-    "T09": (["collective_permute y [3, 32]", "all_gather y [12, 32]"], 1920),
+    # 10 rows into tiles of 3, then all_gather [12,32] = 1920 B; partita sends only the rows a
+    # tile lacks (at most 2, partition/retile.py): permute [2,32], then the same all_gather.
+    "T09": (["collective_permute y [2, 32]", "all_gather y [12, 32]"], 1920),
     "T10": (["all_reduce y [8]"], 32),
     "T11": (["all_reduce y [16]"], 64),
     "T12": (["all_reduce y [8]", "all_reduce y [8]"], 64),
@@ -52,7 +53,9 @@ GOLDEN: dict[str, tuple[list[str], int]] = {
     "T18": (["all_reduce y [8, 64]"], 2048),
     "T19": (["all_gather y [32, 24]"], 3072),
     "T20": (["all_to_all y [2, 8, 32]"], 2048),
-    "T21": (["all_to_all y [4, 32]", "all_to_all y [4, 32]", "all_to_all y [16, 16]"], 2048),
+    # XLA: three all_to_alls (2 KiB); partita keeps the cat dim split and sends each device the
+    # [16,8] pieces of its new tile that others hold, in two rounds (1 KiB).
+    "T21": (["collective_permute y [16, 8]", "collective_permute y [16, 8]"], 2048),
     "T22": (["collective_permute y [16, 2]", "collective_permute y [16, 2]"], 256),
     "T23": (["collective_permute y [4, 4, 1, 32]", "collective_permute y [4, 4, 1, 32]"], 4096),
     "T24": (["all_reduce y [4, 16]"], 256),

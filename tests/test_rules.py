@@ -196,9 +196,12 @@ def test_sort() -> None:
 
 def test_slice_cut_and_full() -> None:
     assert rule_of("aten.slice.Tensor", lambda a: a[:, :30], r(16, 32)) == (
-        "FactorRule(a b -> a b; windowed=b; handler=prefix_slice)"
+        "FactorRule(a b -> a b; windowed=b; handler=retile)"
     )
     assert rule_of("aten.slice.Tensor", lambda a: a[:, 2:30], r(16, 32)) == (
+        "FactorRule(a b -> a b; windowed=b; handler=retile)"
+    )
+    assert rule_of("aten.slice.Tensor", lambda a: a[:, 2:30:2], r(16, 32)) == (
         "FactorRule(a b -> a c; need-replication=b)"
     )
     assert rule_of("aten.select.int", lambda a: a[:, 3], r(16, 32)) == (
@@ -208,7 +211,7 @@ def test_slice_cut_and_full() -> None:
 
 def test_cat_and_pad() -> None:
     assert rule_of("aten.cat.default", lambda a, b: torch.cat([a, b], 1), r(16, 32), r(16, 8)) == (
-        "FactorRule(a c, a d -> a b; need-replication=c,d)"
+        "FactorRule(a b, a b -> a b; windowed=b; handler=retile)"
     )
     assert rule_of("aten.constant_pad_nd.default", lambda a: F.pad(a, (4, 4)), r(16, 32)) == (
         "FactorRule(a b -> a b; windowed=b; handler=halo)"

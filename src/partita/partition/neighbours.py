@@ -1,8 +1,10 @@
 """Shifting a local value to mesh neighbours: one collective_permute along some mesh axes.
 
 Halo exchanges (conv, pooling, pad) and the re-alignment of an uneven prefix slice both send
-each device's edge rows to the next (or previous) member of its group. This module emits that
-permute and its Plan record; callers say what the rows are for.
+each device's edge rows to the next (or previous) member of its group (:func:`emit_shift`);
+re-tiling a sliced or concatenated dim (``partition.retile``) sends pieces between any two
+members (:func:`emit_pairs`). This module emits the permute and its Plan record; callers say
+what the rows are for.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from partita.partition.plan import CollectiveRecord
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
 
-__all__ = ["emit_shift"]
+__all__ = ["emit_pairs", "emit_shift"]
 
 
 def emit_shift(
@@ -34,13 +36,33 @@ def emit_shift(
     """Every group member ``i`` sends ``x`` to member ``i + shift`` along ``axes``; members
     with no sender receive zeros. ``shape`` is the per-device shape recorded in the Plan;
     ``value`` names the value moved (default: ``node``, whose source line the record gives)."""
+    k = low.mesh.axes_size(axes)
+    pairs = [(i, i + shift) for i in range(k) if 0 <= i + shift < k]
+    detail = f"shift {shift:+d}"
+    return emit_pairs(low, node, x, axes, pairs, shape, dtype, reason, value, detail)
+
+
+def emit_pairs(
+    low: Lowering,
+    node: fx.Node,
+    x: fx.Node,
+    axes: tuple[str, ...],
+    pairs: list[tuple[int, int]],
+    shape: list[int],
+    dtype: torch.dtype,
+    reason: str,
+    value: str | None = None,
+    detail: str = "",
+) -> fx.Node:
+    """In every group along ``axes``, member ``i`` sends ``x`` to member ``j`` for each
+    ``(i, j)`` of ``pairs`` (group positions; each member sends and receives at most once);
+    members with no sender receive zeros. ``shape``, ``value``: as for :func:`emit_shift`."""
     groups = low.mesh.groups(axes)
-    pairs: list[int] = []
+    flat: list[int] = []
     for g in groups:
-        for i in range(len(g)):
-            if 0 <= i + shift < len(g):
-                pairs += [int(g[i]), int(g[i + shift])]
-    out = low.call(torch.ops.partita.collective_permute.default, x, pairs, list(axes))
+        for i, j in pairs:
+            flat += [int(g[i]), int(g[j])]
+    out = low.call(torch.ops.partita.collective_permute.default, x, flat, list(axes))
     low.plan.collectives.append(
         CollectiveRecord(
             kind="collective_permute",
@@ -51,7 +73,7 @@ def emit_shift(
             value=value or node.name,
             reason=reason,
             source=node.meta.get("source"),
-            detail=f"shift {shift:+d}",
+            detail=detail or " ".join(f"{i}->{j}" for i, j in pairs),
         )
     )
     return out

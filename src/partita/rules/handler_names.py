@@ -32,6 +32,7 @@ class HandlerName(str, enum.Enum):
     MASKED_EMBEDDING = "masked_embedding"
     MEAN = "mean"
     PREFIX_SLICE = "prefix_slice"
+    RETILE = "retile"
     SHARDED_SCAN = "sharded_scan"
     SOFTMAX_REDUCE = "softmax_reduce"
     WEIGHTED_MEAN = "weighted_mean"

@@ -26,6 +26,7 @@ from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
+from partita.rules.slicing import contiguous_part
 
 __all__ = ["expand_rule", "permute_rule", "reshape_factors", "reshape_rule"]
 
@@ -229,17 +230,13 @@ def repeat_rule(info: OpInfo) -> FactorRule:
 
 @register_rule(*aten_ops(["narrow_copy.default"]))
 def narrow_copy_rule(info: OpInfo) -> FactorRule:
-    """``a b -> a c; need-replication=b`` for ``narrow_copy(x, 1, 2, 3)`` (positions are
-    global); ``a b -> a b`` when it keeps the whole dim."""
-    (x,), (out,) = info.operands, info.results
-    fresh = Names()
-    names = fresh.take(x.ndim)
+    """``a b -> a b; windowed=b; handler=retile`` for ``narrow_copy(x, 1, 2, 3)`` (as
+    ``narrow``, ``slicing.contiguous_part``); ``a b -> a b`` when it keeps the whole dim."""
+    (x,) = info.operands
     d = norm_dim(info.arg(1, "dim"), x.ndim)
-    if out.shape[d] == x.shape[d]:
-        return build(info, [names], [names])
-    res: list[Dim] = list(names)
-    res[d] = fresh.new()
-    return build(info, [names], [res], need_replication=[names[d]])
+    part = contiguous_part(info, d)
+    names = Names().take(x.ndim)
+    return part if part is not None else build(info, [names], [names])
 
 
 @register_rule(*aten_ops(["view_as_complex.default"]))

@@ -1,14 +1,16 @@
 """Rules of ops that take parts of tensors or put them together: slice, select, narrow,
 index_select, gather, cat, stack, constant_pad_nd, tril/triu.
 
-Decision: a dim that an op cuts at *global* positions (the sliced dim of a ``slice`` that is
-not the full range, ``select``'s dim, the indexed dim of ``gather``/``index_select``) is
-need-replication on the operand; the result's dim is a fresh factor, free to be sharded by a
-local slice afterwards. Cheaper lowerings (re-aligning an uneven slice, T09) are the
-partitioner's choice. ``cat``'s dim is need-replication on every operand (the partitioner moves
-the tiles off that dim with all_to_all, T21). ``constant_pad_nd``'s padded dims are windowed
-with ``handler="halo"``: shards exchange edges with their neighbours and the edge shards pad
-(T22). This module does not cover reshapes (``shape.py``).
+Decision: a contiguous part of a dim (a step-1 ``slice``, ``narrow``) and ``cat``'s dim keep
+the dim's factor on operands and result, windowed with ``handler="retile"``: the result stays
+split the way the operand is, and the partitioner re-tiles it by sending each device the pieces
+of its new tile that others hold (collective_permutes, ``partition/retile.py``; none when the
+tiles line up, T11). A dim cut at scattered *global* positions (a strided slice, ``select``'s
+dim, the indexed dim of ``gather``/``index_select``) is need-replication on the operand; the
+result's dim is a fresh factor, free to be sharded by a local slice afterwards.
+``constant_pad_nd``'s padded dims are windowed with ``handler="halo"``: shards exchange edges
+with their neighbours and the edge shards pad (T22). This module does not cover reshapes
+(``shape.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
 
-__all__ = ["cat_rule", "pad_rule", "slice_rule"]
+__all__ = ["cat_rule", "contiguous_part", "pad_rule", "slice_rule"]
 
 
 def _cut(info: OpInfo, dim: int, *, keep_dim: bool) -> FactorRule:
@@ -37,23 +39,26 @@ def _cut(info: OpInfo, dim: int, *, keep_dim: bool) -> FactorRule:
     return build(info, [names, *rest], [res], need_replication=[names[dim]])
 
 
+def contiguous_part(info: OpInfo, dim: int, step: int = 1) -> FactorRule | None:
+    """``a b -> a b; windowed=b; handler=retile`` when the op keeps a contiguous, non-empty,
+    proper part of dim ``dim`` (the partitioner re-tiles it); None otherwise."""
+    x, out = info.operands[0], info.results[0]
+    if step != 1 or not 0 < out.shape[dim] < x.shape[dim]:
+        return None
+    names = Names().take(x.ndim)
+    rest = [None] * (len(info.operands) - 1)
+    return build(info, [names, *rest], [names], windowed=[names[dim]], handler=HandlerName.RETILE)
+
+
 @register_rule(*aten_ops(["narrow.default", "slice.Tensor"]))
 def slice_rule(info: OpInfo) -> FactorRule:
-    """``a b -> a b; windowed=b; handler=prefix_slice`` for ``x[:, :30]``;
-    ``a b -> a c; need-replication=b`` for ``x[:, 2:30]``; ``a b -> a b`` for a full slice."""
-    x, out = info.operands[0], info.results[0]
+    """``a b -> a b; windowed=b; handler=retile`` for ``x[:, 4:36]`` or ``x.narrow(1, 4, 32)``;
+    ``a b -> a c; need-replication=b`` for ``x[:, ::2]``; ``a b -> a b`` for a full slice."""
+    x = info.operands[0]
     dim = norm_dim(info.arg(1, "dim", 0), x.ndim)
-    start, step = info.arg(2, "start", None), info.arg(4, "step", 1)
-    is_slice = str(info.target).startswith("aten.slice")
-    if is_slice and start in (None, 0) and step == 1 and out.shape[dim] < x.shape[dim]:
-        # A prefix x[..., :n] keeps every tile's start: windowed, the partitioner slices
-        # locally when the tiles line up (T11) and re-aligns otherwise (T09).
-        names = Names().take(x.ndim)
-        rest = [None] * (len(info.operands) - 1)
-        return build(
-            info, [names, *rest], [names], windowed=[names[dim]], handler=HandlerName.PREFIX_SLICE
-        )
-    return _cut(info, dim, keep_dim=True)
+    step = info.arg(4, "step", 1) if str(info.target).startswith("aten.slice") else 1
+    part = contiguous_part(info, dim, step)
+    return part if part is not None else _cut(info, dim, keep_dim=True)
 
 
 @register_rule(*aten_ops(["select.int"]))
@@ -97,22 +102,14 @@ def gather_rule(info: OpInfo) -> FactorRule:
 
 @register_rule(*aten_ops(["cat.default"]))
 def cat_rule(info: OpInfo) -> FactorRule:
-    """``a b, a c -> a d; need-replication=b,c`` for ``cat([x, y], 1)``."""
+    """``a b, a b -> a b; windowed=b; handler=retile`` for ``cat([x, y], 1)``: the result keeps
+    the operands' split of the cat dim (the partitioner re-tiles it; T21)."""
     (out,) = info.results
     d = norm_dim(info.arg(1, "dim", 0), out.ndim)
-    fresh = Names()
-    names = fresh.take(out.ndim)
-    operands: list[list[Dim]] = []
-    rep: list[str] = []
-    for m in info.operands:
-        if m.ndim != out.ndim:  # legacy: 1-d empty tensors are skipped by cat
-            operands.append([None] * m.ndim)
-            continue
-        dims: list[Dim] = list(names)
-        dims[d] = fresh.new()
-        rep.append(dims[d])
-        operands.append(dims)
-    return build(info, operands, [names], need_replication=rep)
+    names = Names().take(out.ndim)
+    # legacy: 1-d empty tensors are skipped by cat
+    operands = [names if m.ndim == out.ndim else [None] * m.ndim for m in info.operands]
+    return build(info, operands, [names], windowed=[names[d]], handler=HandlerName.RETILE)
 
 
 @register_rule(*aten_ops(["stack.default"]))

@@ -1,0 +1,231 @@
+"""Re-tiling a sharded dim that a slice, narrow or cat moves: collective_permutes of pieces.
+
+``x[:, 4:36]`` of a ``[16, 40]`` value split 4 ways on dim 1 keeps dim 1 split, but the result's
+tile ``t`` (8 columns from global column ``4 + 8 t``) no longer starts where ``x``'s tile ``t``
+(10 columns from ``10 t``) does: tile 0 needs 2 columns of device 1, tile 3 needs 2 of device 2,
+the others hold theirs already. Rather than gathering the dim (or moving it to another dim with
+all_to_alls and back), each device receives just the pieces it lacks from the devices that hold
+them, as XLA does: here one collective_permute of ``[16, 2]`` (128 B per device).
+
+The same plan serves ``cat`` along a sharded dim (the operands' tiles, side by side, are the
+*window* a device cuts pieces from) and every step-1 slice (``split``/``chunk`` pieces are
+slices; a prefix whose tiles line up needs no piece at all, T11).
+
+Planning (:func:`plan_retile`, pure) lists, for every result tile, the pieces it is made of and
+who holds each; the pieces held elsewhere become *messages*, scheduled into *rounds* in which
+every device sends at most one and receives at most one (one collective_permute per round, as
+wide as the round's widest piece). Lowering (:func:`lower_retile`, the ``retile`` handler) cuts
+each device's message out of its window (a per-device index table, read at ``axis_index``),
+permutes it, and picks the result tile out of ``[window, received...]`` with a second table.
+Padding positions of the result are garbage (index 0), like every tile's padding.
+
+This module does not decide shardings (``rules/slicing.py`` makes the dim windowed with this
+handler; propagation picks the axes).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.fx as fx
+
+from partita.explain import op_name
+from partita.layout import ceil_div, local_shape
+from partita.partition import handlers
+from partita.partition.handlers import Handler
+from partita.partition.neighbours import emit_pairs
+from partita.rules import FactorRule
+from partita.rules.common import norm_dim
+from partita.rules.handler_names import HandlerName
+
+if TYPE_CHECKING:
+    from partita.partition.lower import Lowering
+
+__all__ = ["Retile", "Round", "Segment", "plan_retile"]
+
+aten = torch.ops.aten
+Assign = dict[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Result positions ``[out_start, out_start + length)`` are operand ``operand``'s positions
+    ``[in_start, in_start + length)`` (global positions along the re-tiled dim)."""
+
+    out_start: int
+    operand: int
+    in_start: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class Round:
+    """One collective_permute: group member ``i`` sends ``width`` positions of its window from
+    ``send_from[i]`` to member ``j``, for each ``(i, j)`` in ``pairs``."""
+
+    pairs: tuple[tuple[int, int], ...]
+    send_from: tuple[int, ...]
+    width: int
+
+
+@dataclass(frozen=True, slots=True)
+class Retile:
+    """How each of ``k`` group members builds its result tile of ``tile`` positions.
+
+    ``window`` is the width of the member's window (its operand tiles side by side); after the
+    rounds, member ``p``'s result position ``i`` is position ``take[p][i]`` of the window
+    followed by every round's received piece. ``offset`` is set when that is the same plain
+    slice ``[offset, offset + tile)`` of the window on every member (no table needed).
+    """
+
+    k: int
+    window: int
+    tile: int
+    rounds: tuple[Round, ...]
+    take: tuple[tuple[int, ...], ...]
+    offset: int | None
+
+
+def plan_retile(k: int, sizes: list[int], segments: list[Segment], n_out: int) -> Retile:
+    """The pieces and rounds that re-tile ``k``-way tiles of operands of ``sizes`` into ``k``
+    tiles of the ``n_out`` result positions ``segments`` describe.
+
+    Example (the ``a[:, 4:36]`` case above):
+        >>> r = plan_retile(4, [40], [Segment(0, 0, 4, 32)], 32)
+        >>> [(rd.pairs, rd.width) for rd in r.rounds]
+        [(((1, 0), (2, 3)), 2)]
+    """
+    tiles = [ceil_div(n, k) for n in sizes]
+    base = [sum(tiles[:i]) for i in range(len(tiles))]
+    window = sum(tiles)
+    tile = ceil_div(n_out, k)
+    # (receiver, result position, length, sender, window position) per piece
+    pieces: list[tuple[int, int, int, int, int]] = []
+    for t in range(k):
+        lo, hi = t * tile, min((t + 1) * tile, n_out)
+        for seg in segments:
+            pos, end = max(lo, seg.out_start), min(hi, seg.out_start + seg.length)
+            size = tiles[seg.operand]
+            while pos < end:
+                g = seg.in_start + pos - seg.out_start  # the operand's global position
+                j = g // size
+                stop = min(end, pos + (j + 1) * size - g)
+                pieces.append((t, pos - lo, stop - pos, j, base[seg.operand] + g - j * size))
+                pos = stop
+    messages = sorted((p for p in pieces if p[0] != p[3]), key=lambda p: (-p[2], p[0], p[1]))
+    sends: list[dict[int, tuple[int, int, int, int]]] = []  # round -> sender -> piece
+    busy_in: list[set[int]] = []
+    for t, at, n, j, w in messages:
+        r = 0
+        while r < len(sends) and (j in sends[r] or t in busy_in[r]):
+            r += 1
+        if r == len(sends):
+            sends.append({})
+            busy_in.append(set())
+        sends[r][j] = (t, at, n, w)
+        busy_in[r].add(t)
+    take: list[list[int | None]] = [[None] * tile for _ in range(k)]  # None: padding
+    for t, at, n, j, w in pieces:
+        if t == j:
+            take[t][at : at + n] = range(w, w + n)
+    rounds: list[Round] = []
+    start = window  # where the next round's piece lands in [window, received...]
+    for moves in sends:
+        width = max(n for _, _, n, _ in moves.values())
+        send_from = [0] * k
+        for j, (t, at, n, w) in moves.items():
+            send_from[j] = min(w, window - width)  # a piece near the window's end: send earlier
+            first = start + w - send_from[j]
+            take[t][at : at + n] = range(first, first + n)
+        pairs = tuple(sorted(((j, t) for j, (t, *_) in moves.items()), key=lambda p: p[1]))
+        rounds.append(Round(pairs, tuple(send_from), width))
+        start += width
+    # One plain slice does when every member's real positions are the same run (padding
+    # positions may read anything in bounds).
+    offset = next((row[0] for row in take if row and row[0] is not None), 0)
+    uniform = offset + tile <= start and all(
+        v is None or v == offset + i for row in take for i, v in enumerate(row)
+    )
+    table = tuple(tuple(0 if v is None else v for v in row) for row in take)
+    return Retile(k, window, tile, tuple(rounds), table, offset if uniform else None)
+
+
+# --- the ``retile`` handler: slice / narrow / narrow_copy / cat along a sharded dim -------------
+
+
+def _dim(node: fx.Node) -> int:
+    ndim = len(node.meta["val"].shape)
+    return norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), ndim)
+
+
+def _segments(low: Lowering, node: fx.Node, dim: int) -> tuple[list[int], list[Segment]]:
+    """The operands' sizes along ``dim`` and where the result's positions come from."""
+    n_out = int(node.meta["val"].shape[dim])
+    if str(node.target).startswith("aten.cat"):
+        sizes, segments, at = [], [], 0
+        for i, m in enumerate(low.operand_nodes(node)):
+            val = m.meta["val"]
+            n = int(val.shape[dim]) if val.ndim == len(node.meta["val"].shape) else 0
+            sizes.append(n)
+            segments.append(Segment(at, i, 0, n))
+            at += n
+        return sizes, segments
+    n = int(node.args[0].meta["val"].shape[dim])
+    start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start", 0)
+    start = 0 if start is None else int(start)
+    start = min(max(start + n if start < 0 else start, 0), n)
+    return [n], [Segment(0, 0, start, n_out)]
+
+
+def _applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+    (res,) = low.result_shardings(rule, assign)
+    return res is not None and bool(res.dim_axes[_dim(node)])
+
+
+def _table(low: Lowering, pos: fx.Node, rows: Any) -> fx.Node:
+    """This member's row of ``rows`` (indexed by its position in the group) as int64."""
+    values = low.call(torch.Tensor.new_tensor, pos, rows)
+    row = low.call(aten.index_select.default, values, 0, pos)
+    return low.call(aten.reshape.default, row, [-1])
+
+
+def lower_retile(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+    """Cut, permute and pick: the result tile of a slice or cat along a sharded dim."""
+    dim = _dim(node)
+    (res,) = low.result_shardings(rule, assign)
+    assert res is not None
+    axes = res.dim_axes[dim]
+    operands = low.operand_nodes(node)
+    locals_ = low.localize_operands(node, rule, assign)
+    sizes, segments = _segments(low, node, dim)
+    plan = plan_retile(low.mesh.axes_size(axes), sizes, segments, int(node.meta["val"].shape[dim]))
+    kept = [x for x, n in zip(locals_, sizes, strict=True) if n]
+    window = kept[0] if len(kept) == 1 else low.call(aten.cat.default, kept, dim)
+    pos = low.call(torch.ops.partita.axis_index.default, window, list(axes))
+    pos = low.call(aten.reshape.default, pos, [1])
+    parts = [window]
+    first = operands[0].meta["val"]
+    shape = list(local_shape(low.value(operands[0]).sharding, tuple(first.shape)))
+    what = "cat" if str(node.target).startswith("aten.cat") else "slice"
+    for i, rd in enumerate(plan.rounds):
+        index = low.call(aten.arange.default, rd.width, dtype=torch.int64)
+        index = low.call(aten.add.Tensor, index, _table(low, pos, list(rd.send_from)))
+        piece = low.call(aten.index_select.default, window, dim, index)
+        shape[dim] = rd.width
+        reason = (
+            f"{op_name(node.target)} (%{node.name}) re-tiles dim {dim} ({what} along a dim split "
+            f"over {','.join(axes)}): each device receives the {rd.width} positions of its new "
+            f"tile held by another, round {i + 1} of {len(plan.rounds)}"
+        )
+        parts.append(emit_pairs(low, node, piece, axes, list(rd.pairs), list(shape), first.dtype,
+                                reason, value=operands[0].name))  # fmt: skip
+    whole = parts[0] if len(parts) == 1 else low.call(aten.cat.default, parts, dim)
+    if plan.offset is not None:
+        return low.call(aten.slice.Tensor, whole, dim, plan.offset, plan.offset + plan.tile)
+    take = _table(low, pos, [list(r) for r in plan.take])
+    return low.call(aten.index_select.default, whole, dim, take)
+
+
+handlers.register(Handler(HandlerName.RETILE.value, _applies, lower_retile))
