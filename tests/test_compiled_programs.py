@@ -147,3 +147,26 @@ def test_sdpa_kernels_return_the_strides_of_their_fakes() -> None:
         fgrads = torch.ops.partita.sdpa_backward(fake[0], fq, fk, fv, *fake, None, 0.0, True, None)
     for r, f in zip((*real, *grads), (*fake, *fgrads), strict=True):
         assert (r.shape, r.stride()) == (f.shape, f.stride())
+
+
+def test_a_region_whose_first_compiled_run_fails_runs_uncompiled(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """As a custom op whose kernel's strides differ from its fake's fails in Inductor's code."""
+
+    def compiled_but_broken(gm: fx.GraphModule, args: Any) -> Any:
+        def run(*a: Any) -> Any:
+            raise AssertionError("expected size 8==8, stride 1==128 at dim=1")
+
+        return run
+
+    monkeypatch.setattr(compiled_module, "_inductor", compiled_but_broken)
+    stats = CompileStats()
+    args = [torch.randn(2, 3), torch.randn(3, 5)]
+    gm = make_fx(lambda x, w: (torch.relu(x @ w),))(*args)
+    fn = compiled_module.compile_graph(gm, args, stats, "region3")
+    for _ in range(2):
+        torch.testing.assert_close(fn(*args)[0], torch.relu(args[0] @ args[1]))
+    assert stats.regions == 0
+    assert stats.skipped == ["region3: first run failed: AssertionError: expected size 8==8, "
+                             "stride 1==128 at dim=1"]  # fmt: skip
