@@ -127,7 +127,7 @@ def test_mlp_with_a_region_trains_like_eager(dev: torch.device) -> None:
 # --- every collective, forward and gradient ------------------------------------------------
 
 
-# (region name, manual axes or None for all, the collectives' axis, mesh of the x columns)
+# (label, the region's manual axes (None: all of them), the axis its collectives run over)
 _REGIONS = [
     ("m", None, "model"),
     ("m-partial", ["model"], "model"),
