@@ -1,6 +1,7 @@
 """partita on 4 Gloo processes beside PyTorch FSDP2 and TP + FSDP2, same GPT step, same run.
 
-Run: ``.venv/bin/python bench/bench_distributed.py [--layers 4 8] [--repeat 5]`` (each
+Run: ``.venv/bin/python bench/bench_distributed.py [--layers 4 8 12] [--repeat 5]
+[--unfused]`` (each
 configuration starts its own 4 worker processes on 127.0.0.1 through
 ``partita.runtime.launch.spawn``, so every process high-water mark belongs to one
 configuration; rank 0's report is printed).
@@ -15,9 +16,14 @@ the Plan's estimate of the tensors live at the peak (``Plan.memory()``).
 * ``partita fsdp (4,)``: parameters ``P("data")``, batch ``P("data")``; bytes from the Plan
   (per-device bytes as XLA reports them: output of all_gather / all_reduce / all_to_all, input
   of reduce_scatter); ``unfused`` is the same with bucketing and overlap off
-  (``PARTITA_BUCKET_BYTES=0 PARTITA_OVERLAP_BYTES=0``), the program as partitioned before;
+  (``PARTITA_BUCKET_BYTES=0 PARTITA_OVERLAP_BYTES=0``), the program as partitioned before
+  (only with ``--unfused``); ``regather`` frees the gathered parameters after the forward and
+  gathers them again for the backward (``PARTITA_REGATHER=1``, FSDP2's
+  ``reshard_after_forward=True``);
 * ``partita 2-D (2, 2)``: FSDP over ``data`` and Megatron TP over ``model``;
 * ``torch FSDP2 (4,)``: ``fully_shard`` on every block and the model, ``torch.optim.AdamW``;
+  ``compiled``: the same model under ``torch.compile`` (Inductor, C++ on the CPU; its compile
+  time is spent in the warm-ups, not in the median);
 * ``torch TP + FSDP2 (2, 2)``: ``parallelize_module`` on each block's MLP (fc colwise, proj
   rowwise) over ``tp`` and ``fully_shard`` over ``dp``. Attention is not tensor-parallel: the
   model's fused qkv projection is split by the full width, which DTensor's colwise plan does
@@ -60,6 +66,8 @@ CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
 BATCH = 16
 #: The environment of the "unfused" runs: the program as partitioned before bucketing and overlap.
 UNFUSED = {"PARTITA_BUCKET_BYTES": "0", "PARTITA_OVERLAP_BYTES": "0"}
+#: The environment of the "regather" runs: gathered parameters freed after the forward.
+REGATHER = {"PARTITA_REGATHER": "1"}
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -86,6 +94,26 @@ def _median(fn: Callable[[], Any], repeat: int) -> float:
     t = torch.tensor([statistics.median(times)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+#: ``--profile``: rank 0 prints cProfile's top functions of 3 steps after the timed ones.
+PROFILE = [False]
+
+
+def _profile(fn: Callable[[], Any]) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(3):
+        fn()
+    prof.disable()
+    if dist.get_rank() == 0:
+        out = io.StringIO()
+        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(25)
+        print("\n".join("PROFILE " + line for line in out.getvalue().splitlines()))
 
 
 # --- byte counting for torch ---------------------------------------------------------------------
@@ -136,9 +164,22 @@ class _CountFunctional(TorchDispatchMode):
 def bench_partita(mesh: Mesh, repeat: int) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(CFG)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    state = init_opt_state(params)
-    pspecs = {k: param_spec(k, v, mesh) for k, v in params.items()}
+    pspecs = {k: param_spec(k, v, mesh) for k, v in model.named_parameters()}
+
+    def shard(t: torch.Tensor, spec: Any) -> Any:
+        """This process's tile of ``t`` only (as FSDP2's ``fully_shard`` keeps)."""
+        tile = t[process_slice(t.shape, mesh, spec)].clone()
+        return make_global(tile, mesh, spec, global_shape=t.shape)
+
+    params = {k: shard(v.detach(), pspecs[k]) for k, v in model.named_parameters()}
+    state = init_opt_state({"one": torch.zeros(())})
+    for key in ("exp_avg", "exp_avg_sq"):
+        state[key] = {k: shard(torch.zeros(v.shape), pspecs[k]) for k, v in params.items()}
+    state["step"] = shard(state["step"], P())
+    # The step takes the weights as arguments and never reads the module's own: free them, as
+    # fully_shard frees the unsharded parameters (a tied weight stays one Parameter).
+    for p in model.parameters():
+        p.data = torch.empty(0)
     step = partita.jit(
         make_train_step(model, _loss, "adamw"),
         mesh=mesh,
@@ -159,6 +200,8 @@ def bench_partita(mesh: Mesh, repeat: int) -> dict[str, Any]:
     plan = step.lower(carry["params"], {}, carry["state"], batch)
     compile_s = time.perf_counter() - start
     seconds = _median(one, repeat)
+    if PROFILE[0]:
+        _profile(one)
     return {
         "step": seconds,
         "bytes": plan.bytes_per_device,
@@ -168,7 +211,7 @@ def bench_partita(mesh: Mesh, repeat: int) -> dict[str, Any]:
     }
 
 
-def bench_torch(tp: bool, repeat: int) -> dict[str, Any]:
+def bench_torch(tp: bool, repeat: int, compiled: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -199,9 +242,10 @@ def bench_torch(tp: bool, repeat: int) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ids, targets = _batch(0)
     ids, targets = ids[first : first + rows], targets[first : first + rows]
+    forward = torch.compile(model) if compiled else model
 
     def one() -> None:
-        loss = _loss(model(ids), targets)
+        loss = _loss(forward(ids), targets)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -217,7 +261,10 @@ CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
     "partita fsdp (4,)": (lambda r: bench_partita(Mesh.create((4,), ("data",)), r), {}),
     "partita fsdp (4,) unfused": (
         lambda r: bench_partita(Mesh.create((4,), ("data",)), r), UNFUSED),
+    "partita fsdp (4,) regather": (
+        lambda r: bench_partita(Mesh.create((4,), ("data",)), r), REGATHER),
     "torch FSDP2 (4,)": (lambda r: bench_torch(False, r), {}),
+    "torch FSDP2 (4,) compiled": (lambda r: bench_torch(False, r, compiled=True), {}),
     "partita 2-D (2, 2)": (
         lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), {}),
     "partita 2-D (2, 2) unfused": (
@@ -229,6 +276,7 @@ CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
 def worker(ns: argparse.Namespace) -> None:
     global CFG
     CFG = GPTConfig(n_layer=ns.layers[0], n_head=8, d_model=256, vocab_size=512, seq_len=128)
+    PROFILE[0] = ns.profile
     pd.initialize()
     _wrap_dist()
     run, _ = CONFIGS[ns.worker]
@@ -251,8 +299,10 @@ def _row(name: str, r: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8, 12])
+    parser.add_argument("--unfused", action="store_true", help="also bucketing and overlap off")
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="these configurations")
+    parser.add_argument("--profile", action="store_true", help="cProfile rank 0 of partita's steps")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
@@ -265,14 +315,16 @@ def main() -> None:
           f"seq={CFG.seq_len} batch={BATCH}, AdamW; 4 Gloo processes per configuration "
           f"(OMP_NUM_THREADS=1 each), torch {torch.__version__}, {os.cpu_count()} CPUs; "
           f"median of {ns.repeat} steps after 2 warm-ups (max over ranks)")  # fmt: skip
+    print(_load())
     for layers in ns.layers:
         print(f"\n## {layers} layers")
         print(f"{'configuration':<28} {'step':>9} {'bytes/rank':>11} {'calls':>6} "
               f"{'peak RSS':>11} {'Plan peak':>10}")  # fmt: skip
         for name, (_, env) in CONFIGS.items():
-            if ns.only and name not in ns.only:
+            if (ns.only and name not in ns.only) or (env is UNFUSED and not ns.unfused):
                 continue
             argv = [__file__, "--worker", name, "--repeat", str(ns.repeat), "--layers", str(layers)]
+            argv += ["--profile"] if ns.profile else []
             results = spawn(argv, 4, env=env, timeout=1800)
             lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
             if any(r.returncode for r in results) or not lines:
@@ -280,6 +332,16 @@ def main() -> None:
                 print(f"{name:<28} failed (rank {bad.rank}): {bad.stderr.strip()[-300:]}")
                 continue
             print(_row(name, json.loads(lines[-1].removeprefix("RESULT "))), flush=True)
+            for line in results[0].stdout.splitlines():
+                if line.startswith("PROFILE "):
+                    print("    " + line.removeprefix("PROFILE "))
+        print(_load())
+
+
+def _load() -> str:
+    """The machine's load average: the rows are only comparable under a similar load."""
+    one, five, fifteen = os.getloadavg()
+    return f"# load average {one:.2f} {five:.2f} {fifteen:.2f} (1, 5, 15 min)"
 
 
 if __name__ == "__main__":
