@@ -30,6 +30,13 @@ _LIKE = {
 }
 _FILLS = frozenset({aten.zero_.default, aten.fill_.Scalar})
 _META = torch.device("meta")
+#: Every op :func:`run_now` may run (besides factories writing into an ``out=`` tensor).
+_NOW = frozenset(
+    {aten._local_scalar_dense.default, aten._to_copy.default, aten.copy_.default}
+    | _SHARE_CELL
+    | set(_LIKE)
+    | _FILLS
+)
 
 
 def new_data(value: torch.Tensor | ShardedTensor, requires_grad: bool = False) -> LazyTensor:
@@ -51,6 +58,8 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
 
     ``rec`` is the current :class:`~partita.virtual.recording.Recording`.
     """
+    if func not in _NOW and "out" not in kwargs:
+        return NotImplemented  # most ops: decided without the checks below
     if func is aten._local_scalar_dense.default:
         return full_value(args[0]).item()
     if func is aten._to_copy.default:

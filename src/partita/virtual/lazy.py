@@ -162,9 +162,11 @@ class LazyTensor(torch.Tensor):
     def __torch_dispatch__(
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
     ) -> Any:
-        from partita.virtual.recording import dispatch
+        if not _DISPATCH:
+            from partita.virtual.recording import dispatch
 
-        return dispatch(func, args, kwargs or {})
+            _DISPATCH.append(dispatch)
+        return _DISPATCH[0](func, args, kwargs or {})
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         del tensor_contents
@@ -188,6 +190,7 @@ class LazyTensor(torch.Tensor):
 
 
 _DEVICE: list[torch.device] = []
+_DISPATCH: list[Any] = []  # recording.dispatch (imported on first use: it imports this module)
 
 
 def _device() -> torch.device:

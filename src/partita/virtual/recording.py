@@ -32,6 +32,7 @@ from partita.virtual.lazy import Cell, LazyTensor
 from partita.virtual.shapes import infer, lazies, op_info
 
 __all__ = [
+    "FAST_PATH",
     "Guide",
     "Recording",
     "current",
@@ -45,6 +46,7 @@ __all__ = [
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
+_PLAIN = frozenset({int, bool, type(None), str, torch.dtype, torch.memory_format, torch.layout})
 
 
 @dataclass
@@ -145,6 +147,8 @@ class Recording:
     def template(self, x: Any, lift: bool, like: torch.dtype = torch.float64) -> Any:
         if isinstance(x, LazyTensor):
             return ("t", self.slot_of(x._cell))
+        if type(x) in _PLAIN:  # the common constants, without the checks below
+            return ("c", x)
         if isinstance(x, torch.Tensor):
             return ("t", self.snapshot(x))
         if isinstance(x, ShardedTensor):
@@ -231,6 +235,9 @@ _STATE: dict[str, Any] = {"epoch": 0, "recording": None, "last": None}
 #: alternates between programs (accumulation micro-steps, evaluation) is guided by each.
 _GUIDES: dict[int, Guide] = {}
 _GUIDE_LIMIT = 128
+#: Check each recording against its guide (the cache-hit fast path); False records every step
+#: in full (the bench compares both).
+FAST_PATH = True
 
 
 def current() -> Recording:
@@ -239,7 +246,7 @@ def current() -> Recording:
     if rec is None:
         _STATE["epoch"] += 1
         last = _STATE["last"]
-        guide = None if last is None else _GUIDES.get(id(last.program), last)
+        guide = None if last is None or not FAST_PATH else _GUIDES.get(id(last.program), last)
         rec = _STATE["recording"] = Recording(_STATE["epoch"], guide=guide)
     return rec
 
@@ -297,9 +304,9 @@ def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     targs = tuple(rec.template(a, i in lifted, like) for i, a in enumerate(args))
     tkwargs = tuple((k, rec.template(v, k in lifted, like)) for k, v in kwargs.items())
     view_base: Cell | None = None
-    if info.is_view:
-        first = lazies(args[:1])
-        view_base = first[0]._cell if first else None
+    if info.is_view and args:
+        first = args[0] if isinstance(args[0], LazyTensor) else next(iter(lazies(args[0])), None)
+        view_base = None if first is None else first._cell
     entry = rec.follow(func, targs, tkwargs)
     if entry is not None:
         description = rec.guide.results[len(rec.ops)]  # type: ignore[union-attr]
