@@ -41,14 +41,14 @@ import torch.fx as fx
 from torch.fx.proxy import Proxy, Scope, TracerBase
 
 from partita.explain import op_name
-from partita.partition.masks import emit_mask_padding, emit_tile_offset
+from partita.partition import masks
 from partita.partition.plan import CollectiveRecord
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
     from partita.rules import FactorRule
 
-__all__ = ["Emitter", "emitting", "make_tuple"]
+__all__ = ["Emitter", "emitting", "make_tuple", "node_of"]
 
 aten = torch.ops.aten
 Assign = dict[str, tuple[str, ...]]
@@ -69,6 +69,9 @@ _OPERATORS: dict[Any, str] = {
     operator.and_: "bitwise_and",
     operator.or_: "bitwise_or",
     operator.invert: "bitwise_not",
+    operator.pow: "pow",
+    operator.floordiv: "floor_divide",
+    operator.mod: "remainder",
 }
 
 _PLACEHOLDER = torch.empty(())  # stands in for a per-device tensor when resolving an overload
@@ -99,10 +102,18 @@ def _aten_target(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str
     elif target is operator.getitem or isinstance(target, torch._ops.OpOverload):
         return target
     else:  # getattr (x.shape), a Python operator aten lacks, ...
-        raise NotImplementedError(f"emit: no aten op for {target!r} on a per-device value")
+        raise TypeError(
+            f"emit: handler code applied {getattr(target, '__name__', target)!r} to a "
+            f"per-device value, which has no aten op: proxies stand for per-device nodes, so "
+            f"only tensor ops apply; read shapes and dtypes from the op's node.meta['val'] and "
+            f"call a Python helper with Emitter.call"
+        )
     packet = getattr(aten, name, None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
-        raise NotImplementedError(f"emit: torch has no aten op {name!r} (from {target!r})")
+        raise TypeError(
+            f"emit: handler code called {name!r} on a per-device value, and aten has no op of "
+            f"that name to emit; call the aten overload explicitly (aten.<op>.<overload>)"
+        )
     overload = torch._C._jit_resolve_packet(
         packet._qualified_op_name, *_example(args), **_example(kwargs)
     )
@@ -128,7 +139,10 @@ class _GraphTracer(TracerBase):
         type_expr: Any | None = None,
     ) -> fx.Node:
         if kind not in ("call_function", "call_method"):
-            raise NotImplementedError(f"emit: handler code made a {kind} node ({target!r})")
+            raise TypeError(
+                f"emit: handler code made a {kind} node ({target!r}); a per-device program "
+                f"holds only calls: emit ops on proxies, or Emitter.call"
+            )
         target = _aten_target(kind, target, args, kwargs)
         return self.graph.create_node("call_function", target, args, kwargs, name, type_expr)
 
@@ -161,26 +175,27 @@ class Emitter:
         return self.call(make_tuple, *xs)
 
     def cast(self, x: Any, have: torch.dtype, want: torch.dtype) -> Any:
-        return x if have == want else aten._to_copy.default(x, dtype=want)
+        """``x`` as ``want`` (no node when it is that dtype already)."""
+        return x if have == want else aten._to_copy.default(self(x), dtype=want)
 
     def mask_padding(
         self, x: Any, axes: tuple[str, ...], size: int, ndim: int, dim: int, fill: Any
     ) -> Any:
         """``x`` with the ceil padding of its ``dim`` (split over ``axes``) set to ``fill``."""
-        node = emit_mask_padding(self.low.graph, node_of(x), self.mesh, axes, size, ndim, dim, fill)
-        return self(node)
+        return masks.mask_padding(self(x), self.mesh, axes, size, ndim, dim, fill)
 
     def tile_offset(self, like: Any, axes: tuple[str, ...], tile: int) -> Proxy:
         """This device's first global index along a dim split over ``axes`` in ``tile`` rows."""
-        return self(emit_tile_offset(self.low.graph, node_of(like), axes, tile))
+        return masks.tile_offset(self(like), axes, tile)
 
     def axis_index(self, like: Any, axes: tuple[str, ...]) -> Proxy:
         """This device's position in its group along ``axes`` (a 0-d int64 tensor)."""
-        return torch.ops.partita.axis_index.default(like, list(axes))
+        return masks.axis_index(self(like), axes)
 
-    def arange(self, n: int) -> Proxy:
-        """``[0, n)`` as int64 (a constructor: it has no proxy argument to trace through)."""
-        return self.call(aten.arange.default, n, dtype=torch.int64)
+    def arange(self, n: int, dtype: torch.dtype = torch.int64) -> Proxy:
+        """``[0, n)`` (a constructor: it has no proxy argument to trace through, so it is
+        emitted explicitly)."""
+        return self.call(aten.arange.default, n, dtype=dtype)
 
     # --- mesh collectives: explicit, and recorded in the Plan -------------------------------
 
@@ -196,7 +211,7 @@ class Emitter:
     ) -> Proxy:
         """``all_reduce(x, op)`` over ``axes``; ``shape``/``dtype`` of ``x`` for the Plan."""
         n = self.mesh.axes_size(axes)
-        out = torch.ops.partita.all_reduce.default(x, op, list(axes), n)
+        out = torch.ops.partita.all_reduce.default(self(x), op, list(axes), n)
         why = f"{op_name(self.node.target)} (%{self.node.name}) with a sharded dim: {what}"
         self.record("all_reduce", axes, shape, dtype, what, why, f"{op}, {n}")
         return out
@@ -214,7 +229,7 @@ class Emitter:
     ) -> Proxy:
         """``all_gather(x)`` along ``dim`` over ``axes``; ``shape`` of the result for the Plan."""
         k = self.mesh.axes_size(axes)
-        out = torch.ops.partita.all_gather.default(x, dim, list(axes), k)
+        out = torch.ops.partita.all_gather.default(self(x), dim, list(axes), k)
         self.record("all_gather", axes, shape, dtype, what, why, f"dim {dim}, {k}")
         return out
 

@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
+from torch.fx.proxy import Proxy
 
 from partita.errors import CompilerError
 from partita.layout import ceil_div, local_shape
+from partita.partition.emit import Emitter, emitting, node_of
 from partita.partition.neighbours import emit_shift
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
@@ -147,16 +149,13 @@ def _bias_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
     return bool(_reduction_axes(rule, assign))
 
 
-def _bias_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+@emitting
+def _bias_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
     """The result is a partial sum over the contraction's axes: add the bias on the group's
     first device only (``where(axis_index == 0, bias, 0)``) so the sum counts it once."""
-    bias, mat1, mat2 = low.localize_operands(node, rule, assign)
-    axes = list(_reduction_axes(rule, assign))
-    idx = low.call(torch.ops.partita.axis_index.default, bias, axes)
-    first = low.call(aten.eq.Scalar, idx, 0)
-    bias = low.call(aten.where.ScalarOther, first, bias, 0.0)
-    rest: dict[str, Any] = dict(node.kwargs)
-    return low.call(node.target, bias, mat1, mat2, *node.args[3:], **rest)
+    bias, mat1, mat2 = e.operands(rule, assign)
+    bias = torch.where(e.axis_index(bias, _reduction_axes(rule, assign)) == 0, bias, 0.0)
+    return node.target(bias, mat1, mat2, *node.args[3:], **node.kwargs)
 
 
 register(Handler(HandlerName.ADD_BIAS_ONCE.value, _bias_applies, _bias_lower))
@@ -169,16 +168,16 @@ def _arange_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assi
     return str(node.target).startswith("aten.arange") and any(assign.values())
 
 
-def _arange_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+@emitting
+def _arange_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
     """``arange(start, end, step)`` sharded over its only dim: a local ``arange(tile)`` scaled
     by ``step`` and shifted by ``start + tile_offset * step`` (the padding tail holds values past
     ``end``, which is garbage like any padding)."""
     val = node.meta["val"]
-    (sharding,) = low.result_shardings(rule, assign)
+    (sharding,) = e.low.result_shardings(rule, assign)
     assert sharding is not None
     axes = sharding.dim_axes[0]
-    n = int(val.shape[0])
-    tile = ceil_div(n, low.mesh.axes_size(axes))
+    tile = ceil_div(int(val.shape[0]), e.mesh.axes_size(axes))
     args = list(node.args)
     if node.target == aten.arange.default:
         start, step = 0, 1
@@ -186,12 +185,10 @@ def _arange_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
         start, step = args[0], 1
     else:
         start, step = args[0], args[2] if len(args) > 2 else node.kwargs.get("step", 1)
-    base = low.call(aten.arange.default, tile, dtype=val.dtype)
-    idx = low.call(torch.ops.partita.axis_index.default, base, list(axes))
-    offset = low.call(aten.add.Tensor, low.call(aten.mul.Tensor, idx, tile * step), start)
-    scaled = low.call(aten.mul.Tensor, base, step) if step != 1 else base
-    out = low.call(aten.add.Tensor, scaled, offset)
-    return low.call(aten._to_copy.default, out, dtype=val.dtype)
+    base = e.arange(tile, dtype=val.dtype)
+    offset = e.axis_index(base, axes) * (tile * step) + start
+    scaled = base * step if step != 1 else base
+    return aten._to_copy.default(scaled + offset, dtype=val.dtype)
 
 
 register(Handler(HandlerName.LOCALIZE_SHAPE.value, _arange_applies, _arange_lower))
@@ -204,45 +201,42 @@ def _prefix_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assi
     return any(assign.values())
 
 
-def _prefix_lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+@emitting
+def _prefix_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
     """Tiles of ``x`` ([N] over k devices: ``ceil(N/k)`` each) and of ``x[:n]`` start at the
     same global rows when ``ceil(n/k) == ceil(N/k)``: each device keeps its tile as is and the
     rows past ``n`` become padding — no communication (T11). Otherwise the dim is gathered,
     sliced and cut again (a re-align that moves the whole dim; T09)."""
-    (x_local,) = low.localize_operands(node, rule, assign)[:1]
+    low = e.low
+    (x_local,) = e.operands(rule, assign)[:1]
     x = low.value(node.args[0])
     dim = int(node.args[1]) % len(x.shape)
     (out,) = low.result_shardings(rule, assign)
     assert out is not None
     axes = out.dim_axes[dim]
-    k = low.mesh.axes_size(axes)
+    k = e.mesh.axes_size(axes)
     n = int(node.meta["val"].shape[dim])
     tile = ceil_div(x.shape[dim], k)
     if k == 1:  # only other dims are split: the slice is local as written
-        return low.call(aten.slice.Tensor, x_local, dim, 0, n)
+        return x_local.slice(dim, 0, n)
     if ceil_div(n, k) == tile:
-        return low.call(aten.slice.Tensor, x_local, dim, 0, tile)
-    realigned = _shift_realign(low, node, x_local, dim, axes, tile, ceil_div(n, k))
+        return x_local.slice(dim, 0, tile)
+    realigned = _shift_realign(e, x_local, dim, axes, tile, ceil_div(n, k))
     if realigned is not None:
         return realigned
     key = low.key(node.args[0])
-    whole = x.sharding.with_dims(() if d == dim else a for d, a in enumerate(x.sharding.dim_axes))
+    whole = Sharding(
+        e.mesh, tuple(() if d == dim else a for d, a in enumerate(x.sharding.dim_axes))
+    )
     why = f"{node.target} (%{node.name}) re-aligns tiles of {x.shape[dim]} rows to {n}"
-    gathered = low.reshard(key, Sharding(low.mesh, whole.dim_axes), why, node)
-    sliced = low.call(aten.slice.Tensor, gathered, dim, 0, n)
-    low.note_copy(node, Sharding(low.mesh, whole.dim_axes), sliced)  # reusable, e.g. T09
-    return low.call(torch.ops.partita.shard_slice.default, sliced, dim, list(axes), k)
+    sliced = e(low.reshard(key, whole, why, node)).slice(dim, 0, n)
+    low.note_copy(node, whole, node_of(sliced))  # reusable, e.g. T09
+    return torch.ops.partita.shard_slice.default(sliced, dim, list(axes), k)
 
 
 def _shift_realign(
-    low: Lowering,
-    node: fx.Node,
-    x_local: fx.Node,
-    dim: int,
-    axes: tuple[str, ...],
-    old: int,
-    new: int,
-) -> fx.Node | None:
+    e: Emitter, x_local: Proxy, dim: int, axes: tuple[str, ...], old: int, new: int
+) -> Proxy | None:
     """Re-align tiles of ``old`` rows into tiles of ``new < old`` rows with one shift.
 
     New tile ``t`` starts at global row ``t * new``, inside the window ``[t * old - new,
@@ -252,11 +246,11 @@ def _shift_realign(
     zeros) and cuts its tile out of the window at offset ``new - t * (old - new)``. None when a
     tile would need rows from further left (the caller gathers instead).
     """
-    k = low.mesh.axes_size(axes)
-    if any(t * (old - new) > new for t in range(k)):
+    node = e.node
+    if any(t * (old - new) > new for t in range(e.mesh.axes_size(axes))):
         return None
-    x = low.value(node.args[0])
-    tail = low.call(aten.slice.Tensor, x_local, dim, old - new, old)
+    x = e.low.value(node.args[0])
+    tail = x_local.slice(dim, old - new, old)
     shape = list(local_shape(x.sharding, x.shape))
     shape[dim] = new
     reason = (
@@ -264,12 +258,12 @@ def _shift_realign(
         f"{x.shape[dim]} rows: tiles of {old} rows re-align to tiles of {new} by "
         f"shifting each tile's last {new} rows to the right neighbour"
     )
-    recv = emit_shift(low, node, tail, axes, 1, shape, x.dtype, reason, value=node.args[0].name)
-    window = low.call(aten.cat.default, [recv, x_local], dim)
-    t = low.call(torch.ops.partita.axis_index.default, x_local, list(axes))
-    offset = low.call(aten.add.Tensor, low.call(aten.mul.Tensor, t, -(old - new)), new)
-    index = low.call(aten.add.Tensor, low.call(aten.arange.default, new, dtype=torch.int64), offset)
-    return low.call(aten.index_select.default, window, dim, index)
+    recv = emit_shift(
+        e.low, node, node_of(tail), axes, 1, shape, x.dtype, reason, value=node.args[0].name
+    )
+    window = torch.cat([e(recv), x_local], dim)
+    offset = e.axis_index(x_local, axes) * -(old - new) + new
+    return window.index_select(dim, e.arange(new) + offset)
 
 
 register(Handler(HandlerName.PREFIX_SLICE.value, _prefix_applies, _prefix_lower))

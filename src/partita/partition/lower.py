@@ -40,6 +40,7 @@ from partita.partition import halo as _halo  # noqa: F401 - registers its handle
 from partita.partition import manual as _manual
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
 from partita.partition.assignment import check_same_dtype, dims_of, representable
+from partita.partition.emit import Emitter, node_of
 from partita.partition.local_args import (
     INDEX_OPERANDS,
     LOCAL_SIZE_ARGS,
@@ -47,7 +48,7 @@ from partita.partition.local_args import (
     SHAPE_ONLY,
     localize_shape_args,
 )
-from partita.partition.masks import emit_mask_padding, identity_of
+from partita.partition.masks import identity_of
 from partita.partition.plan import Plan
 from partita.partition.reasons import partial_reason
 from partita.partition.resharding import LocalValue, LocalValues, ValueKey
@@ -221,6 +222,7 @@ class Lowering(LocalValues):
     ) -> list[fx.Node]:
         """Reshard every tensor operand to what the op needs and mask reduced padding."""
         out = []
+        emit = Emitter(self, node)
         reduced = {f for f in rule.summed_factors if assign.get(f)}
         for i, (operand, factors) in enumerate(
             zip(self.operand_nodes(node), rule.operands, strict=True)
@@ -246,15 +248,8 @@ class Lowering(LocalValues):
                     # Padding of a reduced dim gets the reduction's identity; padding of an
                     # index tensor (garbage after elementwise ops) gets a valid index, 0.
                     fill = 0 if is_index else identity_of(rule.reduce_op, v.dtype)
-                    local = emit_mask_padding(
-                        self.graph,
-                        local,
-                        self.mesh,
-                        dst.dim_axes[d],
-                        v.shape[d],
-                        len(v.shape),
-                        d,
-                        fill,
+                    local = node_of(
+                        emit.mask_padding(local, dst.dim_axes[d], v.shape[d], len(v.shape), d, fill)
                     )
             out.append(local)
         return out

@@ -6,18 +6,26 @@ padded dim. Before such an op the partitioner replaces the padding by the reduct
 (0 for sum, -inf for max, +inf for min) with ``where``, never with a multiply, so NaN or inf in
 the padding cannot leak into real values.
 
-This module emits fx nodes; it decides nothing about where masks are needed.
+This module emits nodes by calling ops on ``torch.fx.Proxy`` values of the per-device graph
+(``partition.emit``); it decides nothing about where masks are needed.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.fx as fx
+from torch.fx.proxy import Proxy
 
 from partita.layout import ceil_div
 from partita.mesh import Mesh
 
-__all__ = ["emit_mask_padding", "emit_tile_offset", "emit_valid_mask", "identity_of"]
+__all__ = [
+    "arange",
+    "axis_index",
+    "identity_of",
+    "mask_padding",
+    "tile_offset",
+    "valid_mask",
+]
 
 aten = torch.ops.aten
 partita_ops = torch.ops.partita
@@ -41,47 +49,42 @@ def identity_of(reduce_op: str, dtype: torch.dtype) -> float | int | bool:
     raise ValueError(f"no identity for reduce_op {reduce_op!r}")
 
 
-def emit_tile_offset(
-    graph: fx.Graph, like: fx.Node, mesh_axes: tuple[str, ...], tile: int
-) -> fx.Node:
+def axis_index(like: Proxy, mesh_axes: tuple[str, ...]) -> Proxy:
+    """This device's position in its group along ``mesh_axes`` (0-d int64)."""
+    return partita_ops.axis_index.default(like, list(mesh_axes))
+
+
+def arange(like: Proxy, n: int, dtype: torch.dtype = torch.int64) -> Proxy:
+    """``[0, n)`` in ``like``'s graph (a constructor has no proxy argument to trace through)."""
+    return like.tracer.create_proxy("call_function", aten.arange.default, (n,), {"dtype": dtype})
+
+
+def tile_offset(like: Proxy, mesh_axes: tuple[str, ...], tile: int) -> Proxy:
     """``axis_index(mesh_axes) * tile``: where this device's tile starts (0-d int64)."""
-    idx = graph.call_function(partita_ops.axis_index.default, (like, list(mesh_axes)))
-    return graph.call_function(aten.mul.Tensor, (idx, tile))
+    return axis_index(like, mesh_axes) * tile
 
 
-def emit_valid_mask(
-    graph: fx.Graph,
-    like: fx.Node,
-    mesh: Mesh,
-    mesh_axes: tuple[str, ...],
-    size: int,
-    ndim: int,
-    dim: int,
-) -> fx.Node:
+def valid_mask(
+    like: Proxy, mesh: Mesh, mesh_axes: tuple[str, ...], size: int, ndim: int, dim: int
+) -> Proxy:
     """A bool tensor broadcastable to a local value: True on the real (unpadded) part of
     ``dim``, which has global ``size`` split over ``mesh_axes``."""
-    k = mesh.axes_size(mesh_axes)
-    tile = ceil_div(size, k)
-    offset = emit_tile_offset(graph, like, mesh_axes, tile)
-    ar = graph.call_function(aten.arange.default, (tile,), {"dtype": torch.int64})
-    pos = graph.call_function(aten.add.Tensor, (ar, offset))
-    valid = graph.call_function(aten.lt.Scalar, (pos, size))
-    shape = [tile] + [1] * (ndim - dim - 1)
-    return graph.call_function(aten.reshape.default, (valid, shape))
+    tile = ceil_div(size, mesh.axes_size(mesh_axes))
+    offset = tile_offset(like, mesh_axes, tile)
+    position = arange(like, tile) + offset
+    return (position < size).reshape([tile] + [1] * (ndim - dim - 1))
 
 
-def emit_mask_padding(
-    graph: fx.Graph,
-    x: fx.Node,
+def mask_padding(
+    x: Proxy,
     mesh: Mesh,
     mesh_axes: tuple[str, ...],
     size: int,
     ndim: int,
     dim: int,
     fill: float | int | bool,
-) -> fx.Node:
+) -> Proxy:
     """``where(real, x, fill)`` along ``dim`` (a no-op when the split is even)."""
     if not mesh_axes or size % mesh.axes_size(mesh_axes) == 0:
         return x
-    valid = emit_valid_mask(graph, x, mesh, mesh_axes, size, ndim, dim)
-    return graph.call_function(aten.where.ScalarOther, (valid, x, fill))
+    return torch.where(valid_mask(x, mesh, mesh_axes, size, ndim, dim), x, fill)

@@ -45,6 +45,9 @@ def _softmax_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Ass
 
 @emitting
 def _softmax_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
+    """``softmax(x) = exp(x - max) / sum(exp(x - max))`` with the max and the sum taken over
+    every tile of the split dim (one all_reduce each); log_softmax is ``x - max - log(sum)``;
+    the backwards need one all_reduce of a sum."""
     d = _softmax_dim(node)
     axes = _softmax_axes(node, rule, assign)
     x_val, out_val = fake_value(node.args[0]), node.meta["val"]
