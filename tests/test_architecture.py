@@ -47,6 +47,7 @@ _API = (
     "partita.demo",
     "partita.distributed",
     "partita.jit",
+    "partita.recompile",
     "partita.models",
     "partita.relayout",
     "partita.train",
@@ -69,7 +70,10 @@ _API_PACKAGES = (
 KNOWN_BACKWARD_IMPORTS: dict[tuple[str, str], str] = {}
 
 #: Modules allowed over 400 lines: name -> why it is not split yet.
-LONG_MODULES: dict[str, str] = {}
+LONG_MODULES: dict[str, str] = {
+    "partita.train": "TrainStep grew the regather= and compile_programs= knobs in one session "
+    "(409 lines); move its state_dict/memory helpers out when it is next edited",
+}
 
 
 def _module_name(path: pathlib.Path) -> str:

@@ -38,6 +38,7 @@ from partita.partition.explicit import check_mode, collectives_mode
 from partita.partition.regather import regather_setting
 from partita.presets import PresetLike as PlanLike
 from partita.propagate import propagate
+from partita.recompile import recompile_message
 from partita.runtime.compiled import compile_programs_setting, stats_for
 from partita.runtime.executor import executor_for
 from partita.spec import P, PartitionSpec, Sharding
@@ -76,13 +77,9 @@ class Compiled:
 
 @dataclass(frozen=True)
 class JitStats:
-    """Compile costs of a jitted function over its cached signatures (``Jitted.stats``).
-
-    ``partition_seconds``: partita's own compile (trace, propagate, partition);
-    ``inductor_seconds`` and ``inductor_regions``: what Inductor spent compiling the
-    per-device programs' local-op regions under ``compile_programs=True`` (0 otherwise, and
-    before the first run); ``skipped``: regions left uncompiled, with why.
-    """
+    """Compile costs over the cached signatures: ``partition_seconds`` is partita's (trace,
+    propagate, partition), ``inductor_*`` Inductor's on the per-device programs' regions under
+    ``compile_programs=True`` (0 before the first run); ``skipped``: regions left uncompiled."""
 
     signatures: int
     partition_seconds: float
@@ -298,44 +295,6 @@ def write_back(leaf: torch.Tensor | ShardedTensor, new: ShardedTensor) -> None:
         dst.copy_(src)
 
 
-def recompile_message(name: str, recent: list[tuple[Any, list[str]]], limit: int) -> str:
-    """Why ``name`` keeps recompiling: which part of its signature changed among ``recent``
-    (``(cache key, leaf names)`` of the last compilations) and how to keep it fixed."""
-    changes: list[str] = []
-    fixes: list[str] = []
-    if len({key[0] for key, _ in recent}) > 1:
-        changes.append("the structure of the arguments (containers, keyword names)")
-        fixes.append("call it with the same containers and keywords every time")
-    else:
-        names = recent[-1][1]
-        for j, leaf_name in enumerate(names):
-            seen = list(dict.fromkeys(key[j + 1] for key, _ in recent))
-            if len(seen) < 2:
-                continue
-            if seen[0][0] == "static":
-                values = ", ".join(repr(v[1]) for v in seen[:4])
-                changes.append(f"the value of {leaf_name} (a static argument: {values}, ...)")
-                fixes.append("pass a changing number as a tensor, not a Python value")
-                continue
-            for part, label, fix in (
-                (0, "shape", "pad inputs to a few fixed shapes (bucket the lengths)"),
-                (1, "dtype", "cast to one dtype before the call"),
-                (2, "sharding", "reshard the argument to one spec before the call"),
-            ):
-                values = list(dict.fromkeys(v[part] for v in seen))
-                if len(values) > 1:
-                    shown = ", ".join(str(v) for v in values[:4])
-                    changes.append(f"the {label} of {leaf_name} ({shown}, ...)")
-                    fixes.append(fix)
-    return (
-        f"partita.jit({name}) compiled {len(recent)} distinct input signatures; what keeps "
-        f"changing: {'; '.join(changes) or 'nothing visible in the last calls'}. Each new "
-        f"signature traces, propagates and partitions the program again (the cache keeps the "
-        f"last {limit}, jit(cache_limit=...)). To compile once: "
-        f"{'; '.join(dict.fromkeys(fixes)) or 'keep the arguments the same'}."
-    )
-
-
 def _name(fn: Any) -> str:
     if isinstance(fn, nn.Module):
         return type(fn).__name__
@@ -401,13 +360,10 @@ def jit(
         regather: under FSDP, free gathered parameters after the forward and gather them
             again for the backward (less memory, more bytes; ``partita.partition.regather``);
             ``None`` reads ``PARTITA_REGATHER`` (default: keep them, the fewest bytes).
-        compile_programs: run the local ops of the per-device program compiled by Inductor
-            (C++ kernels on CPU), the collectives between them uncompiled, on the simulated
-            mesh and on real processes alike (``partita.runtime.compiled``). Each region
-            compiles on its first run, seconds apiece (``.stats`` reports it apart from
-            partita's compile); results equal the uncompiled run up to fp32 reassociation.
-            ``None`` (default) reads ``PARTITA_COMPILE_PROGRAMS`` (default off: see
-            docs/performance.md for when it pays).
+        compile_programs: run the per-device program's local ops compiled by Inductor, the
+            collectives between them uncompiled, on both executors (``runtime.compiled``;
+            ``.stats`` reports the compile cost). ``None`` reads ``PARTITA_COMPILE_PROGRAMS``
+            (default off: docs/performance.md says when it pays).
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
