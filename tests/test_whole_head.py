@@ -60,6 +60,21 @@ def test_parts_and_cat_of_a_sharded_dim_only_permute(name: str, fn) -> None:
     assert torch.equal(out.full(), fn(a))
 
 
+def test_the_backward_of_an_offset_slice_only_permutes() -> None:
+    """Its gradient is a slice_scatter into zeros: x's tiles with the slice's pieces put back."""
+
+    def f(a: torch.Tensor) -> torch.Tensor:
+        a = a.requires_grad_()
+        with torch.enable_grad():
+            return torch.autograd.grad(a[:, 4:36].exp().sum(), a)[0]
+
+    a = torch.randn(16, 40)
+    step = partita.jit(f, mesh=Y4, in_specs=(P(None, "y"),), out_specs=P(None, "y"))
+    plan = step.lower(a)
+    assert _kinds(plan) == {"collective_permute"} and plan.bytes_per_device <= 256, plan.explain()
+    torch.testing.assert_close(step(a).full(), f(a))
+
+
 def test_slice_of_a_dim_split_over_two_axes_uneven() -> None:
     mesh = Mesh.create((2, 4), ("x", "y"))
     a = torch.randn(5, 45)

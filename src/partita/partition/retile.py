@@ -8,7 +8,8 @@ all_to_alls and back), each device receives just the pieces it lacks from the de
 them, as XLA does: here one collective_permute of ``[16, 2]`` (128 B per device).
 
 The same plan serves ``cat`` along a sharded dim (the operands' tiles, side by side, are the
-*window* a device cuts pieces from) and every step-1 slice (``split``/``chunk`` pieces are
+*window* a device cuts pieces from), ``slice_scatter`` (a slice's backward: ``x`` with ``src``
+put in place, a cat of three segments) and every step-1 slice (``split``/``chunk`` pieces are
 slices; a prefix whose tiles line up needs no piece at all, T11).
 
 Planning (:func:`plan_retile`, pure) lists, for every result tile, the pieces it is made of and
@@ -155,15 +156,26 @@ def plan_retile(k: int, sizes: list[int], segments: list[Segment], n_out: int) -
 # --- the ``retile`` handler: slice / narrow / narrow_copy / cat along a sharded dim -------------
 
 
+def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
 def _dim(node: fx.Node) -> int:
-    ndim = len(node.meta["val"].shape)
-    return norm_dim(node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0), ndim)
+    i = 2 if str(node.target).startswith("aten.slice_scatter") else 1
+    return norm_dim(_arg(node, i, "dim", 0), len(node.meta["val"].shape))
+
+
+def _start(node: fx.Node, i: int, n: int) -> int:
+    start = _arg(node, i, "start", 0)
+    start = 0 if start is None else int(start)
+    return min(max(start + n if start < 0 else start, 0), n)
 
 
 def _segments(low: Lowering, node: fx.Node, dim: int) -> tuple[list[int], list[Segment]]:
     """The operands' sizes along ``dim`` and where the result's positions come from."""
     n_out = int(node.meta["val"].shape[dim])
-    if str(node.target).startswith("aten.cat"):
+    target = str(node.target)
+    if target.startswith("aten.cat"):
         sizes, segments, at = [], [], 0
         for i, m in enumerate(low.operand_nodes(node)):
             val = m.meta["val"]
@@ -172,11 +184,14 @@ def _segments(low: Lowering, node: fx.Node, dim: int) -> tuple[list[int], list[S
             segments.append(Segment(at, i, 0, n))
             at += n
         return sizes, segments
+    if target.startswith("aten.slice_scatter"):
+        # x with src written at [s, s + m): x's own positions stay where they are
+        m = int(node.args[1].meta["val"].shape[dim])
+        s = _start(node, 3, n_out)
+        parts = [Segment(0, 0, 0, s), Segment(s, 1, 0, m), Segment(s + m, 0, s + m, n_out - s - m)]
+        return [n_out, m], [p for p in parts if p.length]
     n = int(node.args[0].meta["val"].shape[dim])
-    start = node.args[2] if len(node.args) > 2 else node.kwargs.get("start", 0)
-    start = 0 if start is None else int(start)
-    start = min(max(start + n if start < 0 else start, 0), n)
-    return [n], [Segment(0, 0, start, n_out)]
+    return [n], [Segment(0, 0, _start(node, 2, n), n_out)]
 
 
 def _applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
@@ -208,7 +223,7 @@ def lower_retile(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign)
     parts = [window]
     first = operands[0].meta["val"]
     shape = list(local_shape(low.value(operands[0]).sharding, tuple(first.shape)))
-    what = "cat" if str(node.target).startswith("aten.cat") else "slice"
+    what = op_name(node.target).removeprefix("aten.")
     for i, rd in enumerate(plan.rounds):
         index = low.call(aten.arange.default, rd.width, dtype=torch.int64)
         index = low.call(aten.add.Tensor, index, _table(low, pos, list(rd.send_from)))

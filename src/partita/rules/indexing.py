@@ -3,7 +3,9 @@ family, ``slice_scatter``, ``flip``, ``histc`` and ``unfold``.
 
 Decision: a dim that an op reads or writes at positions held in *data* (the indexed dims of
 ``x[i, :, j]``, the scattered dim of ``scatter``) or at global positions (a flipped dim, the
-sliced dim of ``slice_scatter``, an unfolded dim) is need-replication on the operand. Every
+sliced dim of a strided ``slice_scatter``, an unfolded dim) is need-replication on the operand; a
+step-1 ``slice_scatter`` (the backward of a slice) keeps its dim split, re-tiled by the
+partitioner like ``cat`` (``handler="retile"``). Every
 other dim passes through: the non-indexed dims of ``x[i]``, and the dims of the index tensors'
 broadcast shape, which ``x[i]`` carries into its result. A scatter's index and source tensors
 share a pass-through factor with the operand on a dim only where their sizes equal the
@@ -32,6 +34,7 @@ from partita.rules.handler_names import HandlerName
 __all__ = ["index_put_rule", "index_rule", "scatter_rule", "slice_scatter_rule"]
 
 INDEX_PADDING = HandlerName.INDEX_PADDING
+RETILE = HandlerName.RETILE
 
 
 def _indices(info: OpInfo) -> list[TensorMeta | None]:
@@ -162,13 +165,16 @@ def scatter_rule(info: OpInfo) -> FactorRule:
 
 @register_rule(*aten_ops(["slice_scatter.default"]))
 def slice_scatter_rule(info: OpInfo) -> FactorRule:
-    """``a b, a 1 -> a b; need-replication=b`` for ``slice_scatter(x, s, 1, 2, 4)``; a slice of
-    the whole dim passes through (``a b, a b -> a b``)."""
+    """``a b, a b -> a b; windowed=b; handler=retile`` for ``slice_scatter(x, s, 1, 2, 4)`` (the
+    result is ``x``'s tiles with ``s``'s pieces put in place, like a cat); a strided one is
+    ``a b, a 1 -> a b; need-replication=b``; a slice of the whole dim passes through."""
     x, src = info.operands
     dim = norm_dim(info.arg(2, "dim", 0), x.ndim)
     names = Names().take(x.ndim)
     if src.shape[dim] == x.shape[dim]:
         return build(info, [names, names], [names])
+    if info.arg(5, "step", 1) == 1 and src.shape[dim] > 0:
+        return build(info, [names, names], [names], windowed=[names[dim]], handler=RETILE)
     src_dims: list[Dim] = list(names)
     src_dims[dim] = None
     return build(info, [names, src_dims], [names], need_replication=[names[dim]])
