@@ -126,3 +126,16 @@ def test_alternating_steps_each_follow_their_own_predecessor(fresh: torch.device
     m = partita.metrics()
     assert m.compiles == 2
     assert m.fast_path_hits >= 5, str(m)
+
+
+def test_lerp_weight_is_lifted_on_either_side_of_one_half(fresh: torch.device) -> None:
+    # lerp's formula depends on |weight| < 0.5: the branch is part of the step's key, the
+    # weight itself a program input (an EMA whose decay changes every step compiles twice).
+    a, b = torch.arange(6.0).reshape(2, 3), torch.full((2, 3), 10.0)
+    ad, bd = a.to(fresh), b.to(fresh)
+    for w in (0.1, 0.3, 0.7, 0.9):
+        torch.testing.assert_close(ad.lerp(bd, w).cpu(), a.lerp(b, w))
+    m = partita.metrics()
+    assert m.compiles == 2
+    assert m.fast_path_hits == 2
+    assert m.fast_path_misses == ["op 0 (aten.lerp.Scalar): its keyword arguments changed"]

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["liftable_positions", "replay_op"]
+__all__ = ["lift_extras", "liftable_positions", "replay_op"]
 
 aten = torch.ops.aten
 
@@ -54,10 +54,17 @@ def _addc(pointwise: Any) -> Callable[..., torch.Tensor]:
     return run
 
 
-def _lerp(a: torch.Tensor, end: torch.Tensor, weight: Any) -> torch.Tensor:
-    if isinstance(weight, torch.Tensor):
-        return aten.lerp.Tensor(a, end, _as(weight, a).expand(()))
-    return aten.lerp.Scalar(a, end, weight)
+def _lerp(a: torch.Tensor, end: torch.Tensor, weight: Any, small: bool | None = None) -> Any:
+    if not isinstance(weight, torch.Tensor):
+        return aten.lerp.Scalar(a, end, weight)
+    w = _as(weight, a)
+    if small is None:
+        return aten.lerp.Tensor(a, end, w.expand(()))
+    # PyTorch's lerp (and its decomposition) with the branch on |weight| < 0.5 taken when the
+    # op was recorded (``small`` is part of the step's key): no mask, no select per element.
+    if small:
+        return w * (end - a) + a
+    return (w - 1) * (end - a) + end
 
 
 #: op -> (argument positions/names whose float is lifted, the op computed with tensors).
@@ -86,6 +93,26 @@ _INPLACE = {
 }
 
 
+_LERPS = frozenset({aten.lerp.Scalar, aten.lerp_.Scalar})
+
+
+def lift_extras(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """Extra constant keyword templates an op's lifted floats need: which branch ``lerp``
+    takes for its weight (known when recorded; a step that takes the other branch has another
+    key, so it is compiled for that branch).
+
+    Example:
+        >>> lift_extras(torch.ops.aten.lerp_.Scalar, (None, None, 0.1), {})
+        (('small', ('c', True)),)
+    """
+    if func not in _LERPS:
+        return ()
+    weight = args[2] if len(args) > 2 else kwargs.get("weight")
+    if type(weight) is not float:
+        return ()
+    return (("small", ("c", abs(weight) < 0.5)),)
+
+
 def liftable_positions(func: Any) -> frozenset[int | str]:
     """The arguments of ``func`` whose Python floats become program inputs.
 
@@ -105,6 +132,7 @@ def replay_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         isinstance(v, torch.Tensor) and k in entry[0]
         for k, v in [*enumerate(args), *kwargs.items()]
     ):
+        kwargs = {k: v for k, v in kwargs.items() if k != "small"}  # lift_extras' only
         return func(*args, **kwargs)
     out = entry[1](*args, **kwargs)
     if functional is None:

@@ -29,6 +29,7 @@ from partita.virtual import why
 from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
 from partita.virtual.immediate import new_data, run_now
 from partita.virtual.lazy import Cell, LazyTensor
+from partita.virtual.lift import lift_extras
 from partita.virtual.shapes import infer, lazies, op_info
 
 __all__ = [
@@ -303,6 +304,8 @@ def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         like = args[0].dtype  # a Python number meets a float tensor in the tensor's dtype
     targs = tuple(rec.template(a, i in lifted, like) for i, a in enumerate(args))
     tkwargs = tuple((k, rec.template(v, k in lifted, like)) for k, v in kwargs.items())
+    if lifted:
+        tkwargs += lift_extras(func, args, kwargs)
     view_base: Cell | None = None
     if info.is_view and args:
         first = args[0] if isinstance(args[0], LazyTensor) else next(iter(lazies(args[0])), None)
