@@ -1,8 +1,9 @@
 """Compiled per-device programs (``runtime.compiled``): Inductor-compiled local ops give the
 uncompiled program's results, on the LocalMesh and on Gloo processes, compiled once.
 
-Inductor compiles are slow (seconds each on a cold cache): one compiled train step is shared
-by the module. Tolerance: Inductor fuses reductions and may sum in another order, so fp32
+Inductor compiles are slow (seconds each on a cold cache, and Inductor's first use in a process
+costs 5-15 s on 2 cores): one compiled train step is shared by the module, and the tests that
+compile are marked slow. Tolerance: Inductor fuses reductions and may sum in another order, so fp32
 results agree to about 1e-6 relative, not bit for bit.
 """
 
@@ -49,6 +50,7 @@ def fsdp_runs() -> dict[str, tuple[list[torch.Tensor], Any]]:
     return {"plain": _train(False), "compiled": _train(True)}
 
 
+@pytest.mark.slow  # Inductor's first compile in a process: 10-50 s here
 def test_compiled_fsdp_step_equals_uncompiled(fsdp_runs: dict[str, Any]) -> None:
     (plain_losses, plain), (losses, step) = fsdp_runs["plain"], fsdp_runs["compiled"]
     for a, b in zip(losses, plain_losses, strict=True):
@@ -62,6 +64,7 @@ def test_compiled_fsdp_step_equals_uncompiled(fsdp_runs: dict[str, Any]) -> None
     assert plain.stats.inductor_regions == 0 and plain.stats.inductor_seconds == 0
 
 
+@pytest.mark.slow  # Inductor's first compile in a process: 10-50 s here
 def test_a_compiled_program_compiles_once(fsdp_runs: dict[str, Any]) -> None:
     _, step = fsdp_runs["compiled"]
     before = step.stats
