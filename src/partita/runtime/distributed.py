@@ -24,7 +24,8 @@ The four collectives that move tensors (and the fused ``*_bucket`` ops of
 ``runtime.dist_ops`` that launch with ``async_op=True`` and finish at their wait; by default
 ``runtime.overlap`` schedules each launch right after its input exists and each wait just
 before the first use (``PARTITA_OVERLAP_BYTES`` bounds the bytes in flight; 0 runs them
-synchronously in program order).
+synchronously in program order). Under ``compile_programs`` the runs of local ops between
+them are compiled by Inductor (``runtime.compiled``), the schedule kept.
 
 Groups. For every non-empty set of mesh axes and every group ``Mesh.groups(axes)`` of more than
 one device, every rank calls ``new_group`` in the same order when the DistributedMesh is built

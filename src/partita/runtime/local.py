@@ -15,7 +15,9 @@ per gradient. The second time a segment runs with the same input shapes and stri
 traced (``make_fx``, fake tensors) to a flat graph of batched aten ops (``mm`` on ``[n * b, k]``,
 ``bmm``, ...) that runs from then on without functorch's per-op overhead; a segment whose
 batching rules cannot be traced stays with vmap. ``view``/``_unsafe_view`` become ``reshape``
-in both (vmap may move the device dim, after which a view can fail).
+in both (vmap may move the device dim, after which a view can fail). Under
+``compile_programs`` each segment is compiled by Inductor instead, on its first run
+(``runtime.compiled``).
 
 Unbatched values. A value identical on every device is kept *unbatched* (its local shape, no
 device dim) and enters vmap with ``in_dims=None``, so the work on it (an optimizer update of
