@@ -6,7 +6,8 @@ a windowed dim, a masked lookup for a vocabulary-sharded embedding. Each such lo
 :class:`Handler` registered here under the name a rule uses. A handler decides with
 ``applies`` whether the op's factor assignment needs it (when no sharded factor needs it, the
 generic lowering runs); ``lower`` emits the local nodes and returns the op's local result node
-(a tuple-valued node for multi-output ops).
+(a tuple-valued node for multi-output ops). Lowerings are written as torch code on proxies of
+the per-device values (``partition.emit``, as the three below are).
 
 Names come from one enumeration, :class:`~partita.rules.handler_names.HandlerName`: a handler
 registered under any other name fails at import, and ``partita.partition`` checks at import

@@ -222,7 +222,6 @@ class Lowering(LocalValues):
     ) -> list[fx.Node]:
         """Reshard every tensor operand to what the op needs and mask reduced padding."""
         out = []
-        emit = Emitter(self, node)
         reduced = {f for f in rule.summed_factors if assign.get(f)}
         for i, (operand, factors) in enumerate(
             zip(self.operand_nodes(node), rule.operands, strict=True)
@@ -248,6 +247,7 @@ class Lowering(LocalValues):
                     # Padding of a reduced dim gets the reduction's identity; padding of an
                     # index tensor (garbage after elementwise ops) gets a valid index, 0.
                     fill = 0 if is_index else identity_of(rule.reduce_op, v.dtype)
+                    emit = Emitter(self, node)
                     local = node_of(
                         emit.mask_padding(local, dst.dim_axes[d], v.shape[d], len(v.shape), d, fill)
                     )
