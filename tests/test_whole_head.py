@@ -90,7 +90,7 @@ def test_plan_retile_sends_only_missing_pieces() -> None:
     assert [(rd.pairs, rd.width) for rd in r.rounds] == [(((1, 0), (2, 3)), 2)]
     # tiles that line up: a prefix keeping each tile's start moves nothing (T11)
     aligned = plan_retile(4, [32], [Segment(0, 0, 0, 30)], 30)
-    assert aligned.rounds == () and aligned.offset == 0
+    assert aligned.rounds == () and aligned.offsets == (0,)
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,8 @@ def attention() -> tuple[CausalSelfAttention, dict[str, torch.Tensor], torch.Ten
 def test_gpt_attention_under_tp_keeps_whole_heads_without_all_to_all(attention) -> None:
     """Column-parallel qkv, row-parallel proj over ``model`` (Megatron), forward and backward:
     q, k and v are sliced out of the [.., 3d] output with collective_permutes only, and each
-    device computes whole heads (no all_to_all, no all_gather of an activation)."""
+    device computes whole heads (no all_to_all, no all_gather of an activation). The backward's
+    cat of the three gradients re-tiles the same way."""
     block, params, x = attention
     mesh = Mesh.create((2, 4), ("data", "model"))
 
@@ -124,6 +125,9 @@ def test_gpt_attention_under_tp_keeps_whole_heads_without_all_to_all(attention) 
     plan = step.lower(leaves, x)
     assert "all_to_all" not in _kinds(plan), plan.explain()
     assert not [c for c in plan.collectives if c.kind == "all_gather"], plan.explain()
+    # q, k and v are planned together: 2 rounds of [.., d / 4] (one per slice would be 5)
+    slices = [c for c in plan.collectives if c.reason.startswith("aten.slice")]
+    assert len(slices) == 2 and all(c.shape[-1] == 8 for c in slices), plan.explain()
     y, grads = step(leaves, x)
     want_y, want_grads = fwd_bwd(leaves, x)
     torch.testing.assert_close(y.full(), want_y, rtol=1e-4, atol=1e-5)

@@ -26,6 +26,7 @@ handler; propagation picks the axes).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -44,7 +45,7 @@ from partita.rules.handler_names import HandlerName
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
 
-__all__ = ["Retile", "Round", "Segment", "plan_retile"]
+__all__ = ["Retile", "Round", "Segment", "plan_retile", "plan_retile_many"]
 
 aten = torch.ops.aten
 Assign = dict[str, tuple[str, ...]]
@@ -73,84 +74,100 @@ class Round:
 
 @dataclass(frozen=True, slots=True)
 class Retile:
-    """How each of ``k`` group members builds its result tile of ``tile`` positions.
+    """How each of ``k`` group members builds its tile of every result (``tiles[o]`` positions
+    of result ``o``).
 
-    ``window`` is the width of the member's window (its operand tiles side by side); after the
-    rounds, member ``p``'s result position ``i`` is position ``take[p][i]`` of the window
-    followed by every round's received piece. ``offset`` is set when that is the same plain
-    slice ``[offset, offset + tile)`` of the window on every member (no table needed).
+    ``window`` is the width of a member's window (its operand tiles side by side); after the
+    rounds, member ``p``'s position ``i`` of result ``o`` is position ``takes[o][p][i]`` of the
+    window followed by every round's received piece. ``offsets[o]`` is set when that is the
+    same plain slice ``[offset, offset + tile)`` on every member (no table needed).
     """
 
     k: int
     window: int
-    tile: int
     rounds: tuple[Round, ...]
-    take: tuple[tuple[int, ...], ...]
-    offset: int | None
+    tiles: tuple[int, ...]
+    takes: tuple[tuple[tuple[int, ...], ...], ...]
+    offsets: tuple[int | None, ...]
 
 
 def plan_retile(k: int, sizes: list[int], segments: list[Segment], n_out: int) -> Retile:
     """The pieces and rounds that re-tile ``k``-way tiles of operands of ``sizes`` into ``k``
-    tiles of the ``n_out`` result positions ``segments`` describe.
+    tiles of the ``n_out`` result positions ``segments`` describe (:func:`plan_retile_many`
+    with one result).
 
     Example (the ``a[:, 4:36]`` case above):
         >>> r = plan_retile(4, [40], [Segment(0, 0, 4, 32)], 32)
         >>> [(rd.pairs, rd.width) for rd in r.rounds]
         [(((1, 0), (2, 3)), 2)]
     """
+    return plan_retile_many(k, sizes, [(segments, n_out)])
+
+
+def plan_retile_many(k: int, sizes: list[int], outputs: list[tuple[list[Segment], int]]) -> Retile:
+    """As :func:`plan_retile` for several results cut from the same operands (the q, k and v
+    slices of one qkv projection): their pieces share rounds, so a member that sends a piece
+    of q and one of k may send both in one round each instead of one round per result."""
     tiles = [ceil_div(n, k) for n in sizes]
     base = [sum(tiles[:i]) for i in range(len(tiles))]
     window = sum(tiles)
-    tile = ceil_div(n_out, k)
-    # (receiver, result position, length, sender, window position) per piece
-    pieces: list[tuple[int, int, int, int, int]] = []
-    for t in range(k):
-        lo, hi = t * tile, min((t + 1) * tile, n_out)
-        for seg in segments:
-            pos, end = max(lo, seg.out_start), min(hi, seg.out_start + seg.length)
-            size = tiles[seg.operand]
-            while pos < end:
-                g = seg.in_start + pos - seg.out_start  # the operand's global position
-                j = g // size
-                stop = min(end, pos + (j + 1) * size - g)
-                pieces.append((t, pos - lo, stop - pos, j, base[seg.operand] + g - j * size))
-                pos = stop
-    messages = sorted((p for p in pieces if p[0] != p[3]), key=lambda p: (-p[2], p[0], p[1]))
-    sends: list[dict[int, tuple[int, int, int, int]]] = []  # round -> sender -> piece
+    out_tiles = [ceil_div(n_out, k) for _, n_out in outputs]
+    # (result, receiver, result position, length, sender, window position) per piece
+    pieces: list[tuple[int, int, int, int, int, int]] = []
+    for o, (segments, n_out) in enumerate(outputs):
+        tile = out_tiles[o]
+        for t in range(k):
+            lo, hi = t * tile, min((t + 1) * tile, n_out)
+            for seg in segments:
+                pos, end = max(lo, seg.out_start), min(hi, seg.out_start + seg.length)
+                size = tiles[seg.operand]
+                while pos < end:
+                    g = seg.in_start + pos - seg.out_start  # the operand's global position
+                    j = g // size
+                    stop = min(end, pos + (j + 1) * size - g)
+                    w = base[seg.operand] + g - j * size
+                    pieces.append((o, t, pos - lo, stop - pos, j, w))
+                    pos = stop
+    messages = sorted((p for p in pieces if p[1] != p[4]), key=lambda p: (-p[3], p[1], p[0], p[2]))
+    sends: list[dict[int, tuple[int, int, int, int, int]]] = []  # round -> sender -> piece
     busy_in: list[set[int]] = []
-    for t, at, n, j, w in messages:
+    for o, t, at, n, j, w in messages:
         r = 0
         while r < len(sends) and (j in sends[r] or t in busy_in[r]):
             r += 1
         if r == len(sends):
             sends.append({})
             busy_in.append(set())
-        sends[r][j] = (t, at, n, w)
+        sends[r][j] = (o, t, at, n, w)
         busy_in[r].add(t)
-    take: list[list[int | None]] = [[None] * tile for _ in range(k)]  # None: padding
-    for t, at, n, j, w in pieces:
+    # None: a padding position
+    takes: list[list[list[int | None]]] = [[[None] * n for _ in range(k)] for n in out_tiles]
+    for o, t, at, n, j, w in pieces:
         if t == j:
-            take[t][at : at + n] = range(w, w + n)
+            takes[o][t][at : at + n] = range(w, w + n)
     rounds: list[Round] = []
     start = window  # where the next round's piece lands in [window, received...]
     for moves in sends:
-        width = max(n for _, _, n, _ in moves.values())
+        width = max(m[3] for m in moves.values())
         send_from = [0] * k
-        for j, (t, at, n, w) in moves.items():
+        for j, (o, t, at, n, w) in moves.items():
             send_from[j] = min(w, window - width)  # a piece near the window's end: send earlier
             first = start + w - send_from[j]
-            take[t][at : at + n] = range(first, first + n)
-        pairs = tuple(sorted(((j, t) for j, (t, *_) in moves.items()), key=lambda p: p[1]))
+            takes[o][t][at : at + n] = range(first, first + n)
+        pairs = tuple(sorted(((j, m[1]) for j, m in moves.items()), key=lambda p: p[1]))
         rounds.append(Round(pairs, tuple(send_from), width))
         start += width
-    # One plain slice does when every member's real positions are the same run (padding
-    # positions may read anything in bounds).
-    offset = next((row[0] for row in take if row and row[0] is not None), 0)
-    uniform = offset + tile <= start and all(
-        v is None or v == offset + i for row in take for i, v in enumerate(row)
-    )
-    table = tuple(tuple(0 if v is None else v for v in row) for row in take)
-    return Retile(k, window, tile, tuple(rounds), table, offset if uniform else None)
+    offsets: list[int | None] = []
+    for take, tile in zip(takes, out_tiles, strict=True):
+        # One plain slice does when every member's real positions are the same run (padding
+        # positions may read anything in bounds).
+        offset = next((row[0] for row in take if row and row[0] is not None), 0)
+        uniform = offset + tile <= start and all(
+            v is None or v == offset + i for row in take for i, v in enumerate(row)
+        )
+        offsets.append(offset if uniform else None)
+    tables = tuple(tuple(tuple(0 if v is None else v for v in row) for row in t) for t in takes)
+    return Retile(k, window, tuple(rounds), tuple(out_tiles), tables, tuple(offsets))
 
 
 # --- the ``retile`` handler: slice / narrow / narrow_copy / cat along a sharded dim -------------
@@ -206,16 +223,75 @@ def _table(low: Lowering, pos: fx.Node, rows: Any) -> fx.Node:
     return low.call(aten.reshape.default, row, [-1])
 
 
+_SLICES = ("aten.narrow.default", "aten.narrow_copy.default", "aten.slice.Tensor")
+
+
+@dataclass(frozen=True, slots=True)
+class _Planned:
+    """A sibling slice whose pieces an earlier sibling's rounds brought: pick its tile."""
+
+    whole: fx.Node
+    pos: fx.Node
+    plan: Retile
+    index: int
+
+
+#: Per Lowering: sibling slice node -> its already-received pieces.
+_PLANNED: weakref.WeakKeyDictionary[Any, dict[fx.Node, _Planned]] = weakref.WeakKeyDictionary()
+
+
+def _siblings(low: Lowering, node: fx.Node, dim: int, axes: tuple[str, ...]) -> list[fx.Node]:
+    """``node`` and the later slices of the same value along the same dim that need the same
+    operand sharding and split their result the same way (q, k and v of one qkv output)."""
+    if str(node.target) not in _SLICES:
+        return [node]
+    rule: FactorRule = node.meta["rule"]
+    assign = low.representable(node.target, rule, node.meta.get("factor_axes", {}))
+    want = low.dims_of(rule.operands[0], assign)
+    out = [node]
+    for user in node.args[0].users:
+        if user is node or str(user.target) not in _SLICES or (user, None) in low.values:
+            continue
+        r = user.meta.get("rule")
+        if r is None or r.handler != HandlerName.RETILE.value or _dim(user) != dim:
+            continue
+        a = low.representable(user.target, r, user.meta.get("factor_axes", {}))
+        (res,) = low.result_shardings(r, a)
+        if res is not None and res.dim_axes[dim] == axes and low.dims_of(r.operands[0], a) == want:
+            out.append(user)
+    return out
+
+
+def _pick(low: Lowering, dim: int, planned: _Planned) -> fx.Node:
+    plan, o = planned.plan, planned.index
+    offset, tile = plan.offsets[o], plan.tiles[o]
+    if offset is not None:
+        return low.call(aten.slice.Tensor, planned.whole, dim, offset, offset + tile)
+    take = _table(low, planned.pos, [list(r) for r in plan.takes[o]])
+    return low.call(aten.index_select.default, planned.whole, dim, take)
+
+
 def lower_retile(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
-    """Cut, permute and pick: the result tile of a slice or cat along a sharded dim."""
+    """Cut, permute and pick: the result tile of a slice or cat along a sharded dim (and those
+    of its sibling slices, whose lowering later only picks)."""
     dim = _dim(node)
+    planned = _PLANNED.setdefault(low, {})
+    if node in planned:
+        return _pick(low, dim, planned.pop(node))
     (res,) = low.result_shardings(rule, assign)
     assert res is not None
     axes = res.dim_axes[dim]
     operands = low.operand_nodes(node)
     locals_ = low.localize_operands(node, rule, assign)
-    sizes, segments = _segments(low, node, dim)
-    plan = plan_retile(low.mesh.axes_size(axes), sizes, segments, int(node.meta["val"].shape[dim]))
+    siblings = _siblings(low, node, dim, axes)
+    outputs = [_segments(low, s, dim) for s in siblings]
+    sizes = outputs[0][0]
+    shapes = [int(s.meta["val"].shape[dim]) for s in siblings]
+    plan = plan_retile_many(
+        low.mesh.axes_size(axes),
+        sizes,
+        [(seg, n) for (_, seg), n in zip(outputs, shapes, strict=True)],
+    )
     kept = [x for x, n in zip(locals_, sizes, strict=True) if n]
     window = kept[0] if len(kept) == 1 else low.call(aten.cat.default, kept, dim)
     pos = low.call(torch.ops.partita.axis_index.default, window, list(axes))
@@ -223,24 +299,23 @@ def lower_retile(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign)
     parts = [window]
     first = operands[0].meta["val"]
     shape = list(local_shape(low.value(operands[0]).sharding, tuple(first.shape)))
-    what = op_name(node.target).removeprefix("aten.")
+    names = ", ".join(f"%{s.name}" for s in siblings)
     for i, rd in enumerate(plan.rounds):
         index = low.call(aten.arange.default, rd.width, dtype=torch.int64)
         index = low.call(aten.add.Tensor, index, _table(low, pos, list(rd.send_from)))
         piece = low.call(aten.index_select.default, window, dim, index)
         shape[dim] = rd.width
         reason = (
-            f"{op_name(node.target)} (%{node.name}) re-tiles dim {dim} ({what} along a dim split "
-            f"over {','.join(axes)}): each device receives the {rd.width} positions of its new "
+            f"{op_name(node.target)} ({names}) re-tiles dim {dim} (split over "
+            f"{','.join(axes)}): each device receives the {rd.width} positions of its new "
             f"tile held by another, round {i + 1} of {len(plan.rounds)}"
         )
         parts.append(emit_pairs(low, node, piece, axes, list(rd.pairs), list(shape), first.dtype,
                                 reason, value=operands[0].name))  # fmt: skip
     whole = parts[0] if len(parts) == 1 else low.call(aten.cat.default, parts, dim)
-    if plan.offset is not None:
-        return low.call(aten.slice.Tensor, whole, dim, plan.offset, plan.offset + plan.tile)
-    take = _table(low, pos, [list(r) for r in plan.take])
-    return low.call(aten.index_select.default, whole, dim, take)
+    for o, sibling in enumerate(siblings[1:], 1):
+        planned[sibling] = _Planned(whole, pos, plan, o)
+    return _pick(low, dim, _Planned(whole, pos, plan, 0))
 
 
 handlers.register(Handler(HandlerName.RETILE.value, _applies, lower_retile))
