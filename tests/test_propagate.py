@@ -14,6 +14,8 @@ from partita.api import format_program, propagate_program
 from partita.capture import ANNOTATE_OP
 from partita.models import GPT, GPTConfig, init_opt_state
 from partita.propagate import propagate
+from partita.propagate_state import info_key
+from partita.rules import OpInfo, TensorMeta
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 XY = programs.MESH
@@ -267,6 +269,45 @@ def test_replicate_unsupported_opt_in() -> None:
     mul.target = torch.ops.aten.cummax.default
     propagate(gm, replicate_unsupported=True)
     assert mul.meta["sharding"].is_replicated
+
+
+def test_replicated_fallback_is_recorded_on_every_node_of_a_repeated_call() -> None:
+    """Rules are memoised per distinct call; the replicated fallback is not (each node records
+    why it is gathered, for the Plan)."""
+    prog = partita.capture.trace(
+        lambda a: (a * 2) * 2, (torch.randn(8, 8),), in_specs=(P("data"),), mesh=MESH
+    )
+    gm = prog.graph_module
+    muls = _by_target(gm, torch.ops.aten.mul.Tensor)
+    assert len(muls) == 2
+    for mul in muls:
+        mul.target = torch.ops.aten.cummax.default  # its rule cannot take (a, 2): twice, one shape
+    propagate(gm, replicate_unsupported=True)
+    reasons = [mul.meta.get("replicated_reason") for mul in muls]
+    assert reasons[0] and reasons[0] == reasons[1]
+    assert all(mul.meta["sharding"].is_replicated for mul in muls)
+
+
+def test_memoised_rules_tell_equal_python_values_of_other_types_apart() -> None:
+    """``1``, ``1.0`` and ``True`` are equal in Python but are different arguments to a rule;
+    ``0.0`` and ``-0.0`` likewise. Equal calls share one rule object."""
+    meta = TensorMeta((8, 4), torch.float32)
+
+    def info(*args: object) -> OpInfo:
+        return OpInfo(torch.ops.aten.mul.Tensor, (meta, *args), {}, (meta,), (meta,))
+
+    keys = [info_key(info(v)) for v in (1, 1.0, True, 0.0, -0.0, [1, 2], (1, 2))]
+    assert len(set(keys)) == len(keys)
+    assert info_key(info(2.5)) == info_key(info(2.5))
+    assert info_key(info(object())) is None  # not a plain value: not memoised
+
+    prog = partita.capture.trace(
+        lambda a, b: (a @ b) @ b, (torch.randn(8, 8), torch.randn(8, 8)),
+        in_specs=(P("data"), P()), mesh=MESH,
+    )  # fmt: skip
+    propagate(prog.graph_module)
+    mms = _by_target(prog.graph_module, torch.ops.aten.mm.default)
+    assert len(mms) == 2 and mms[0].meta["rule"] is mms[1].meta["rule"]
 
 
 def test_no_annotation_and_no_mesh_is_an_error() -> None:

@@ -31,7 +31,7 @@ from partita.rules.handler_names import HandlerName
 from partita.rules.manual import manual_rule
 from partita.rules.opinfo import is_tensor, op_info, source_of
 
-__all__ = ["OpState", "ProgramState", "ValueKey", "ValueState"]
+__all__ = ["OpState", "ProgramState", "ValueKey", "ValueState", "info_key"]
 
 ValueKey = tuple[fx.Node, int | None]  # (producer, output index or None for one output)
 
@@ -178,7 +178,7 @@ class ProgramState:
         reason on its node and warns, which every node must do for itself)."""
         key = None
         if node not in self._local and node.target is not EXIT_OP:
-            key = _info_key(info)
+            key = info_key(info)
         found = self._shapes.get(key) if key is not None else None
         if found is not None:
             return found
@@ -240,7 +240,7 @@ def _op_groups(rule: FactorRule) -> _OpShape:
     return rule, compound, free, result_only, weak
 
 
-def _info_key(info: OpInfo) -> Hashable | None:
+def info_key(info: OpInfo) -> Hashable | None:
     """A key equal for two OpInfos exactly when a rule cannot tell them apart, or None.
 
     Every leaf is keyed with its type, so ``1``, ``1.0`` and ``True`` (equal in Python) stay
@@ -260,7 +260,7 @@ def _info_key(info: OpInfo) -> Hashable | None:
 
 
 class _NotPlainError(Exception):
-    """An argument _info_key does not key."""
+    """An argument info_key does not key."""
 
 
 _PLAIN = (

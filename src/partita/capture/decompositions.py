@@ -14,7 +14,8 @@ rewritten to the device-neutral ``partita::sdpa`` / ``partita::sdpa_backward`` (
 :mod:`partita.capture.ops`), so the rules name one attention op. When the dispatcher picks the
 math fallback (unsupported mask or dtype) attention decomposes to matmuls and softmax instead.
 
-Ops that are views (``view``, ``t``, ``transpose``, ``split`` ...) are not decomposed here;
+Ops that are views (``view``, ``t``, ``transpose``, ``split`` ...) are not decomposed here,
+not even those the core table decomposes (:data:`VIEW_OPS`);
 :mod:`partita.capture.normalize` rewrites them after tracing. This module does not trace.
 """
 
@@ -29,7 +30,7 @@ from torch._decomp import core_aten_decompositions
 
 from partita.capture import ops as partita_ops
 
-__all__ = ["DROPPED_CHECKS", "KEPT_OPS", "SDPA_OPS", "decomposition_table"]
+__all__ = ["DROPPED_CHECKS", "KEPT_OPS", "SDPA_OPS", "VIEW_OPS", "decomposition_table"]
 
 aten = torch.ops.aten
 
@@ -116,10 +117,25 @@ SDPA_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
 }
 
 
+#: View ops the core table decomposes that are traced as themselves: ``normalize`` rewrites
+#: each to the same op its decomposition gives (``permute``, ``reshape``, ``slice`` ...), and
+#: tracing a decomposition dispatches every such op twice (a GPT step has hundreds).
+VIEW_OPS: tuple[torch._ops.OpOverload, ...] = (
+    aten._unsafe_view.default,
+    aten.detach.default,
+    aten.split.Tensor,
+    aten.squeeze.default,
+    aten.squeeze.dim,
+    aten.t.default,
+    aten.transpose.int,
+    aten.unbind.int,
+)
+
+
 @cache
 def _table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     table = dict(core_aten_decompositions())
-    for op in KEPT_OPS:
+    for op in (*KEPT_OPS, *VIEW_OPS):
         table.pop(op, None)
     table.update(SDPA_OPS)
     return table
