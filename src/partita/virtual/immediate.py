@@ -16,10 +16,9 @@ import torch
 
 from partita.tensor import ShardedTensor
 from partita.virtual.device import DEVICE_NAME
-from partita.virtual.lazy import Cell, LazyTensor, full_value
-from partita.virtual.shapes import lazies
+from partita.virtual.lazy import Cell, LazyTensor, full_value, lazies
 
-__all__ = ["new_data", "run_now"]
+__all__ = ["RUNS_NOW", "new_data", "run_now"]
 
 aten = torch.ops.aten
 _SHARE_CELL = frozenset({aten.detach.default, aten.alias.default})
@@ -31,7 +30,7 @@ _LIKE = {
 _FILLS = frozenset({aten.zero_.default, aten.fill_.Scalar})
 _META = torch.device("meta")
 #: Every op :func:`run_now` may run (besides factories writing into an ``out=`` tensor).
-_NOW = frozenset(
+RUNS_NOW = frozenset(
     {aten._local_scalar_dense.default, aten._to_copy.default, aten.copy_.default}
     | _SHARE_CELL
     | set(_LIKE)
@@ -58,7 +57,7 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
 
     ``rec`` is the current :class:`~partita.virtual.recording.Recording`.
     """
-    if func not in _NOW and "out" not in kwargs:
+    if func not in RUNS_NOW and "out" not in kwargs:
         return NotImplemented  # most ops: decided without the checks below
     if func is aten._local_scalar_dense.default:
         return full_value(args[0]).item()

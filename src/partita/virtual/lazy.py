@@ -22,7 +22,7 @@ import torch
 from partita.tensor import ShardedTensor
 from partita.virtual.device import spmd_device
 
-__all__ = ["Cell", "Desc", "LazyTensor", "full_value"]
+__all__ = ["Cell", "Desc", "LazyTensor", "full_value", "lazies"]
 
 #: A value's metadata: shape, strides, storage offset, dtype.
 Desc = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]
@@ -234,3 +234,14 @@ def full_value(t: LazyTensor) -> torch.Tensor:
     value = data.full() if isinstance(data, ShardedTensor) else data
     assert value is not None  # a synced cell always holds data
     return value
+
+
+def lazies(x: Any) -> list[LazyTensor]:
+    """The LazyTensors in ``x`` (nested lists, tuples and dicts), in order."""
+    if isinstance(x, LazyTensor):
+        return [x]
+    if isinstance(x, (list, tuple)):
+        return [t for v in x for t in lazies(v)]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in lazies(v)]
+    return []

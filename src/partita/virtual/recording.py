@@ -28,9 +28,9 @@ from partita.tensor import ShardedTensor
 from partita.virtual import why
 from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
 from partita.virtual.immediate import new_data, run_now
-from partita.virtual.lazy import Cell, LazyTensor
+from partita.virtual.lazy import Cell, LazyTensor, lazies
 from partita.virtual.lift import lift_extras
-from partita.virtual.shapes import infer, lazies, op_info
+from partita.virtual.shapes import infer, op_info
 
 __all__ = [
     "FAST_PATH",
@@ -278,9 +278,10 @@ def forget_guides() -> None:
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run (rarely) or record (usually) one aten op on LazyTensors."""
-    result = run_now(func, args, kwargs, current())
-    if result is not NotImplemented:
-        return result
+    if op_info(func).runs_now or "out" in kwargs:
+        result = run_now(func, args, kwargs, current())
+        if result is not NotImplemented:
+            return result
     return _record(func, args, kwargs)
 
 
@@ -380,7 +381,9 @@ def _from_description(
     kind = description[0]
     if kind == "new":
         return _new_result(rec, None, description[1], view_base)
-    if kind == "arg":
+    if kind == "arg":  # an in-place op: almost always its first argument
+        if description[1] == 0 and isinstance(args[0], LazyTensor):
+            return args[0]
         return lazies((args, kwargs))[description[1]]
     if kind == "seq":
         return description[1](

@@ -16,10 +16,11 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from partita.virtual.device import DEVICE_NAME
-from partita.virtual.lazy import LazyTensor
+from partita.virtual.immediate import RUNS_NOW
+from partita.virtual.lazy import LazyTensor, lazies
 from partita.virtual.lift import liftable_positions
 
-__all__ = ["OpInfo", "infer", "lazies", "op_info"]
+__all__ = ["OpInfo", "infer", "op_info"]
 
 aten = torch.ops.aten
 _META = torch.device("meta")
@@ -35,12 +36,14 @@ class OpInfo:
             stats, which its schema does not mark, are added by :meth:`mutated`).
         write_names: the names of those arguments (when passed by keyword).
         is_view: the first result aliases the first argument (a view).
+        runs_now: the op may run at once (:mod:`partita.virtual.immediate`).
     """
 
     lifted: frozenset[int | str]
     writes: tuple[int, ...]
     write_names: tuple[str, ...]
     is_view: bool
+    runs_now: bool
 
     def mutated(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """The LazyTensors the op writes to."""
@@ -54,6 +57,9 @@ class OpInfo:
 
 
 _INFO: dict[Any, OpInfo] = {}
+#: The attribute an op's OpInfo is also kept in: reading it does not hash the op (an
+#: OpOverload's ``__hash__`` is Python code, paid on every dict lookup).
+_ATTRIBUTE = "_partita_op_info"
 
 
 def op_info(func: Any) -> OpInfo:
@@ -63,6 +69,9 @@ def op_info(func: Any) -> OpInfo:
         >>> op_info(torch.ops.aten.add_.Tensor).writes
         (0,)
     """
+    info = getattr(func, _ATTRIBUTE, None)
+    if info is not None:
+        return info
     info = _INFO.get(func)
     if info is None:
         arguments = func._schema.arguments
@@ -75,19 +84,13 @@ def op_info(func: Any) -> OpInfo:
             is_view=bool(
                 returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write
             ),
+            runs_now=func in RUNS_NOW,
         )
+        try:
+            setattr(func, _ATTRIBUTE, info)
+        except (AttributeError, TypeError):  # an op object that takes no attributes
+            pass
     return info
-
-
-def lazies(x: Any) -> list[LazyTensor]:
-    """The LazyTensors in ``x`` (nested lists, tuples and dicts), in order."""
-    if isinstance(x, LazyTensor):
-        return [x]
-    if isinstance(x, (list, tuple)):
-        return [t for v in x for t in lazies(v)]
-    if isinstance(x, dict):
-        return [t for v in x.values() for t in lazies(v)]
-    return []
 
 
 def _to_meta(x: Any) -> Any:
