@@ -1,19 +1,19 @@
 """Recording: every op on the virtual device appends to the current step's op list.
 
-:func:`dispatch` is what ``LazyTensor.__torch_dispatch__`` calls. Most ops are *recorded*: their
-output shapes come from running the op on meta tensors, and the op joins the current
+:func:`dispatch` is what ``LazyTensor.__torch_dispatch__`` calls. A few ops run at once
+(:mod:`partita.virtual.immediate`); the others are *recorded*: the op joins the current
 :class:`Recording` as ``(op, argument template, output slots)``, where a template refers to
 earlier values by slot, to lifted Python floats by index, and holds every other argument as a
 constant. Tensors enter a recording as *inputs*: a data cell of the virtual device, or a CPU
 tensor used by an op (copied when recorded, so a later in-place change, such as a scheduler
 updating a tensor learning rate, does not reach this step).
 
-A few ops run at once instead: ``.item()`` and ``.cpu()`` (sync, then read), uploads
-(``copy_`` of a CPU tensor into a new device tensor: what ``tensor.to(dev)`` does), and
-``zeros_like``/``fill_`` on data (so the optimizer's state initialisation is data, not a second
-program). The structural key of a recording (:meth:`Recording.key`) holds ops, constants,
-shapes, dtypes and input shardings but not the lifted floats, so a learning rate or Adam's bias
-corrections that change every step leave the key unchanged. This module does not compile.
+An op's results come from shape inference on meta tensors (:mod:`partita.virtual.shapes`), or,
+on the fast path, from the :class:`Guide`: the step that last followed the same program, which
+this one is checked against op by op. The structural key of a recording
+(:meth:`Recording.key`) holds ops, constants, shapes, dtypes and input shardings but not the
+lifted floats, so a learning rate or Adam's bias corrections that change every step leave the
+key unchanged. This module does not compile.
 """
 
 from __future__ import annotations

@@ -12,8 +12,11 @@ step records meanwhile, its values are *in flight* (reading one, or the next syn
 Under torch.distributed the run happens before ``sync`` returns.
 
 Programs are cached by the recording's structural key (:meth:`Recording.key`): a cache hit
-builds no fx graph. :func:`metrics` counts compilations and hits and keeps, per compilation
-after the first, one line saying what changed since the closest cached program.
+builds no fx graph, and a step that repeated its guide op by op (the fast path, see
+:class:`~partita.virtual.recording.Guide`) takes the guide's program without hashing its key.
+:func:`metrics` counts compilations, hits and fast-path steps, and keeps, per compilation after
+the first, one line saying what changed since the closest cached program, and per step that
+left the fast path the first op or input that differed.
 """
 
 from __future__ import annotations
