@@ -18,10 +18,13 @@ every device sends at most one and receives at most one (one collective_permute 
 wide as the round's widest piece). Lowering (:func:`lower_retile`, the ``retile`` handler) cuts
 each device's message out of its window (a per-device index table, read at ``axis_index``),
 permutes it, and picks the result tile out of ``[window, received...]`` with a second table.
-Padding positions of the result are garbage (index 0), like every tile's padding.
+Padding positions of the result are garbage (index 0), like every tile's padding. Slices of
+one value along one dim (the q, k and v of a fused qkv projection) are planned together when
+the first is lowered (:func:`plan_retile_many`): their pieces share rounds, and the later
+slices only pick their tiles out of what the rounds brought.
 
-This module does not decide shardings (``rules/slicing.py`` makes the dim windowed with this
-handler; propagation picks the axes).
+This module does not decide shardings (the rules of slice, narrow, cat and slice_scatter make
+the dim windowed with this handler; propagation picks the axes).
 """
 
 from __future__ import annotations
