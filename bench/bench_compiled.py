@@ -105,11 +105,11 @@ def _max_over_ranks(x: float) -> float:
     return float(t)
 
 
-def measure(mesh: Mesh, layers: int, repeat: int) -> dict[str, dict[str, float]]:
+def measure(mesh: Mesh, layers: int, repeat: int) -> dict[str, dict[str, Any]]:
     """Both runs: first call, compile costs, median step, and their parameter difference."""
     cfg = _config(layers)
     runs = {"plain": Run(mesh, cfg, False), "compiled": Run(mesh, cfg, True)}
-    rows: dict[str, dict[str, float]] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for name, run in runs.items():
         first = _timed(run)
         second = _timed(run)  # the LocalMesh traces flat graphs on the second call
@@ -121,6 +121,7 @@ def measure(mesh: Mesh, layers: int, repeat: int) -> dict[str, dict[str, float]]
             "inductor_compile": _max_over_ranks(stats.inductor_seconds),
             "regions": stats.inductor_regions,
             "skipped": len(stats.skipped),
+            "why_skipped": sorted({s.split(": ", 1)[-1][:160] for s in stats.skipped}),
         }
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(repeat):
@@ -136,7 +137,7 @@ def measure(mesh: Mesh, layers: int, repeat: int) -> dict[str, dict[str, float]]
     return rows
 
 
-def _print(title: str, rows: dict[str, dict[str, float]]) -> None:
+def _print(title: str, rows: dict[str, dict[str, Any]]) -> None:
     print(f"\n## {title}")
     print(
         f"{'configuration':<10} {'first call':>10} {'partita':>8} {'inductor':>9} {'regions':>7} "
@@ -155,6 +156,8 @@ def _print(title: str, rows: dict[str, dict[str, float]]) -> None:
         f"{c['max_abs_diff']:.2e} ({c['max_rel_diff']:.2e} of the largest parameter); "
         f"regions left uncompiled: {int(c['skipped'])}"
     )
+    for why in c["why_skipped"]:
+        print(f"  uncompiled because: {why}")
 
 
 def worker(ns: argparse.Namespace) -> None:

@@ -218,12 +218,14 @@ class CompiledRegion:
 
 
 def _is_local(node: fx.Node) -> bool:
-    """An aten op Inductor may compile (mesh ops, launches, waits and getitems are not)."""
-    return (
-        node.op == "call_function"
-        and isinstance(node.target, torch._ops.OpOverload)
-        and node.target.namespace == "aten"
-    )
+    """An aten op Inductor may compile, or an element of one's tuple or list result (mesh ops,
+    launches, waits and the elements of a bucket's results are not). Elements stay with their
+    op: a list (``split``) cannot be a compiled region's output."""
+    if node.op != "call_function":
+        return False
+    if node.target is operator.getitem:
+        return isinstance(node.args[0], fx.Node) and _is_local(node.args[0])
+    return isinstance(node.target, torch._ops.OpOverload) and node.target.namespace == "aten"
 
 
 def compile_regions(gm: fx.GraphModule, stats: CompileStats) -> fx.GraphModule:
