@@ -90,6 +90,7 @@ def gpt_run(dev: torch.device) -> dict:
             ref_losses.append(ref_loss.item())
         m = partita.metrics()
         after_loop = (m.compiles, m.cache_hits, m.syncs, list(m.recompile_reasons))
+        fast_path = (m.fast_path_hits, list(m.fast_path_misses))
         params = {n: p.cpu() for n, p in model.named_parameters()}
         ref_params = {n: p.detach().clone() for n, p in ref.named_parameters()}
         xb, yb = _batches(1, batch=2)[0]  # a new batch shape: one recompilation, explained
@@ -105,6 +106,7 @@ def gpt_run(dev: torch.device) -> dict:
         "params": params,
         "ref_params": ref_params,
         "after_loop": after_loop,
+        "fast_path": fast_path,
         "after_shape_change": partita.metrics(),
     }
 
@@ -119,6 +121,16 @@ def test_gpt_loop_equals_eager(gpt_run: dict) -> None:
 @pytest.mark.slow  # the 20-step loop on 8 simulated devices: ~20 s
 def test_gpt_loop_compiles_once_with_an_lr_schedule(gpt_run: dict) -> None:
     assert gpt_run["after_loop"] == (1, STEPS - 1, STEPS, [])
+
+
+@pytest.mark.slow  # the 20-step loop on 8 simulated devices: ~20 s
+def test_gpt_loop_takes_the_fast_path(gpt_run: dict) -> None:
+    # Every step after the first repeats its predecessor op by op (its losses and parameters
+    # equal eager: test_gpt_loop_equals_eager); the new batch shape leaves the fast path.
+    assert gpt_run["fast_path"] == (STEPS - 1, [])
+    miss = gpt_run["after_shape_change"].fast_path_misses[-1]
+    assert miss.startswith("input "), miss
+    assert "[2, 8] torch.int64 (strides (8, 1), offset 0), the previous step had [4, 8]" in miss
 
 
 @pytest.mark.slow  # the 20-step loop on 8 simulated devices: ~20 s
