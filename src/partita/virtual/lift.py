@@ -93,7 +93,7 @@ _INPLACE = {
 }
 
 
-_LERPS = frozenset({aten.lerp.Scalar, aten.lerp_.Scalar})
+_LERPS = (aten.lerp.Scalar, aten.lerp_.Scalar)
 
 
 def lift_extras(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -105,7 +105,7 @@ def lift_extras(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
         >>> lift_extras(torch.ops.aten.lerp_.Scalar, (None, None, 0.1), {})
         (('small', ('c', True)),)
     """
-    if func not in _LERPS:
+    if func is not _LERPS[0] and func is not _LERPS[1]:  # by identity: an op's hash is Python
         return ()
     weight = args[2] if len(args) > 2 else kwargs.get("weight")
     if type(weight) is not float:
