@@ -36,7 +36,7 @@ from partita.errors import (
     UnsupportedOpError,
     VirtualDeviceError,
 )
-from partita.jit import Jitted, jit
+from partita.jit import JitStats, Jitted, jit
 from partita.manual import (
     all_gather,
     all_to_all,
@@ -76,6 +76,7 @@ __all__ = [
     "ImplicitCollectiveWarning",
     "InputError",
     "JitArgumentError",
+    "JitStats",
     "Jitted",
     "JoinTimeoutError",
     "Mesh",
