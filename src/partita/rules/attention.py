@@ -20,7 +20,7 @@ kernel is not supported (capture takes the math path for it).
 from __future__ import annotations
 
 from partita.rules import register_rule
-from partita.rules.common import Dim, arg, aten_ops, broadcast_dims, build
+from partita.rules.common import Dim, aten_ops, broadcast_dims, build
 from partita.rules.factor import FactorRule, OpInfo
 
 __all__ = ["sdpa_backward_rule", "sdpa_rule"]
@@ -47,13 +47,13 @@ def _heads(info: OpInfo, q_index: int) -> Dim:
 
 def _check(info: OpInfo, q_index: int) -> list[str]:
     """The need-replication factors; raises for what no rule here expresses."""
-    if arg(info, "dropout_p", 0.0):
+    if info.arg("dropout_p", 0.0):
         raise NotImplementedError(f"{info.target} with dropout_p > 0 has no sharding rule")
     if info.operands[q_index].ndim != 4:
         raise NotImplementedError(
             f"{info.target} on a {info.operands[q_index].ndim}-d query (want [b, h, t, d])"
         )
-    return ["s", "d", "e", *(["t"] if arg(info, "is_causal", False) else [])]
+    return ["s", "d", "e", *(["t"] if info.arg("is_causal", False) else [])]
 
 
 def _masks(info: OpInfo, q_index: int, n_fixed: int, heads: Dim) -> list[list[Dim]]:

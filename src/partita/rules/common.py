@@ -9,6 +9,7 @@ module holds no per-op knowledge and registers nothing.
 from __future__ import annotations
 
 import string
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -146,8 +147,10 @@ def sizes_of(dims: Sequence[Sequence[str]], shape: Sequence[int]) -> Mapping[str
 
 
 def arg(info: OpInfo, name: str, default: Any = None) -> Any:
-    """An argument of the call by its schema name (positional or keyword)."""
-    for i, a in enumerate(info.target._schema.arguments):
-        if a.name == name:
-            return info.arg(i, name, default)
-    return default
+    """Deprecated: use ``info.arg(name, default)`` (:meth:`OpInfo.arg`), the one accessor."""
+    warnings.warn(
+        "partita.rules.common.arg(info, name) is deprecated: use info.arg(name, default)",
+        DeprecationWarning,
+        stacklevel=2,
+    )
+    return info.arg(name, default)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from partita.rules import register_rule
 from partita.rules.batched import batched_rule
-from partita.rules.common import Names, arg, aten_ops, build
+from partita.rules.common import Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
 
@@ -28,7 +28,7 @@ __all__ = ["PLANE_CORES", "conv_backward_rule", "conv_rule", "plane_rule", "pool
 
 def _conv_names(info: OpInfo, x_index: int) -> tuple[list[str], list[str], str, str]:
     """(spatial factors, kernel factors, input-channel factor, output-channel factor)."""
-    if arg(info, "transposed", False) or arg(info, "groups", 1) != 1:
+    if info.arg("transposed", False) or info.arg("groups", 1) != 1:
         raise NotImplementedError(f"{info.target}: transposed or grouped convolution")
     x = info.operands[x_index]
     if x.ndim < 3:
@@ -43,7 +43,7 @@ def _conv_names(info: OpInfo, x_index: int) -> tuple[list[str], list[str], str, 
 
 def _is_special(info: OpInfo) -> bool:
     """A transposed or grouped convolution (the halo lowering covers neither)."""
-    return bool(arg(info, "transposed", False)) or arg(info, "groups", 1) != 1
+    return bool(info.arg("transposed", False)) or info.arg("groups", 1) != 1
 
 
 def _special_conv_rule(info: OpInfo) -> FactorRule:
@@ -82,7 +82,7 @@ def conv_rule(info: OpInfo) -> FactorRule:
         return _special_conv_rule(info)
     spatial, kernel, cin, cout = _conv_names(info, 0)
     operands = [["a", cin, *spatial], [cout, cin, *kernel]]
-    if arg(info, "bias") is not None:
+    if info.arg("bias") is not None:
         operands.append([cout])
     return build(
         info,

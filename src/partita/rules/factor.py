@@ -27,10 +27,12 @@ import enum
 import functools
 import math
 import re
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from partita.errors import CompilerError
 from partita.rules.handler_names import check_handler_name
 
 __all__ = ["FactorKind", "FactorRule", "OpInfo", "TensorMeta", "einsum_rule", "parse_einsum"]
@@ -76,11 +78,57 @@ class OpInfo:
     operands: tuple[TensorMeta, ...]
     results: tuple[TensorMeta | None, ...]
 
-    def arg(self, index: int, name: str, default: Any = None) -> Any:
-        """A positional-or-keyword argument of the call."""
-        if index < len(self.args):
-            return self.args[index]
-        return self.kwargs.get(name, default)
+    def arg(self, name: str | int, default: Any = None, *legacy: Any) -> Any:
+        """The call's argument ``name`` (its name in the op's schema), passed positionally or
+        by keyword, else ``default``. The one way a rule reads an argument: the schema gives
+        the position, so a call that passes the argument by keyword reads the same.
+
+        A name the op's schema lacks raises :class:`~partita.errors.CompilerError` (a misspelt
+        name would otherwise read as ``default``); :meth:`has_arg` asks first when one rule
+        serves overloads with different arguments. The old ``arg(index, name, default)`` form
+        still works and warns.
+
+        Example:
+            >>> x = TensorMeta((4, 8))
+            >>> info = OpInfo(torch.ops.aten.sum.dim_IntList, (x,), {"dim": [1]}, (x,), (x,))
+            >>> info.arg("dim"), info.arg("keepdim", False)
+            ([1], False)
+        """
+        if isinstance(name, int):  # arg(index, name, default): positions could disagree
+            warnings.warn(
+                "OpInfo.arg(index, name, default) is deprecated: use OpInfo.arg(name, default), "
+                "which finds the position in the op's schema",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            name, default = default, (legacy[0] if legacy else None)
+        index = self._position(name)
+        if name in self.kwargs:
+            return self.kwargs[name]
+        return self.args[index] if index < len(self.args) else default
+
+    def has_arg(self, name: str) -> bool:
+        """Whether the op's schema has an argument ``name`` (one rule, several overloads)."""
+        return name in _schema_names(self.target)
+
+    def _position(self, name: str) -> int:
+        names = _schema_names(self.target)
+        if name not in names:
+            raise CompilerError(
+                f"A sharding rule of {self.target} read its argument {name!r}, which the op's "
+                f"schema does not have (its arguments: {', '.join(names) or 'none'}). A "
+                f"misspelt name would read as the default and the rule would be silently "
+                f"wrong, so this is refused. Fix the name in the rule (partita/rules/), or ask "
+                f"OpInfo.has_arg first when the rule serves overloads with different "
+                f"arguments; {CompilerError.WORKAROUND}"
+            )
+        return names.index(name)
+
+
+def _schema_names(target: Any) -> tuple[str, ...]:
+    """The argument names of an op overload's schema, in order (none for a non-op target)."""
+    schema = getattr(target, "_schema", None)
+    return tuple(a.name for a in schema.arguments) if schema is not None else ()
 
 
 @dataclass(frozen=True, slots=True, eq=False)

@@ -22,9 +22,9 @@ __all__ = ["fft_rule"]
 def fft_rule(info: OpInfo) -> FactorRule:
     """``a b -> a 1; need-replication=b`` for ``_fft_r2c(x, [1], ...)``."""
     (x,), (out,) = info.operands, info.results
-    dims = norm_dims(list(info.arg(1, "dim")), x.ndim)
+    dims = norm_dims(list(info.arg("dim")), x.ndim)
     if not dims or out.ndim != x.ndim:
-        raise NotImplementedError(f"{info.target} over dims {info.arg(1, 'dim')} of {x.shape}")
+        raise NotImplementedError(f"{info.target} over dims {info.arg('dim')} of {x.shape}")
     names = Names().take(x.ndim)
     res: list[Dim] = [None if i in dims else f for i, f in enumerate(names)]
     return build(info, [names], [res], need_replication=[names[i] for i in dims])

@@ -38,7 +38,7 @@ RETILE = HandlerName.RETILE
 
 
 def _indices(info: OpInfo) -> list[TensorMeta | None]:
-    indices = list(info.arg(1, "indices"))
+    indices = list(info.arg("indices"))
     for i in indices:
         if i is not None and i.dtype is not None and not _is_integer(i.dtype):
             raise NotImplementedError(
@@ -149,7 +149,7 @@ def scatter_rule(info: OpInfo) -> FactorRule:
     dim is gathered; another dim passes through where the index (and source) have the
     operand's size, and is gathered where they are smaller."""
     x = info.operands[0]
-    dim = norm_dim(info.arg(1, "dim"), x.ndim)
+    dim = norm_dim(info.arg("dim"), x.ndim)
     names = Names().take(x.ndim)
     others = info.operands[1:]
     rep = [names[dim]] if x.ndim else []
@@ -169,11 +169,11 @@ def slice_scatter_rule(info: OpInfo) -> FactorRule:
     result is ``x``'s tiles with ``s``'s pieces put in place, like a cat); a strided one is
     ``a b, a 1 -> a b; need-replication=b``; a slice of the whole dim passes through."""
     x, src = info.operands
-    dim = norm_dim(info.arg(2, "dim", 0), x.ndim)
+    dim = norm_dim(info.arg("dim", 0), x.ndim)
     names = Names().take(x.ndim)
     if src.shape[dim] == x.shape[dim]:
         return build(info, [names, names], [names])
-    if info.arg(5, "step", 1) == 1 and src.shape[dim] > 0:
+    if info.arg("step", 1) == 1 and src.shape[dim] > 0:
         return build(info, [names, names], [names], windowed=[names[dim]], handler=RETILE)
     src_dims: list[Dim] = list(names)
     src_dims[dim] = None
@@ -186,7 +186,7 @@ def flip_rule(info: OpInfo) -> FactorRule:
     device's tile reversed."""
     (x,) = info.operands
     names = Names().take(x.ndim)
-    dims = sorted({norm_dim(d, x.ndim) for d in info.arg(1, "dims")}) if x.ndim else []
+    dims = sorted({norm_dim(d, x.ndim) for d in info.arg("dims")}) if x.ndim else []
     return build(info, [names], [names], need_replication=[names[d] for d in dims])
 
 
@@ -209,7 +209,7 @@ def unfold_rule(info: OpInfo) -> FactorRule:
     names = fresh.take(x.ndim)
     if not x.ndim:
         return build(info, [[]], [[fresh.new()]])
-    dim = norm_dim(info.arg(1, "dimension"), x.ndim)
+    dim = norm_dim(info.arg("dimension"), x.ndim)
     res: list[Dim] = list(names)
     res[dim] = fresh.new()
     res.append(fresh.new())

@@ -16,7 +16,7 @@ only job there is to mask padded targets to ``ignore_index``.
 from __future__ import annotations
 
 from partita.rules import register_rule
-from partita.rules.common import Dim, arg, aten_ops, build
+from partita.rules.common import Dim, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
 
@@ -38,8 +38,8 @@ def _dims(info: OpInfo, x_index: int) -> tuple[list[str], list[str], list[Dim]]:
 def nll_loss_rule(info: OpInfo) -> FactorRule:
     """``a b, a, b -> , ; reduction=a; need-replication=b; handler=weighted_mean`` (mean)."""
     x_dims, t_dims, w_dims = _dims(info, 0)
-    operands = [x_dims, t_dims, *([w_dims] if arg(info, "weight") is not None else [])]
-    reduction = arg(info, "reduction", _MEAN)
+    operands = [x_dims, t_dims, *([w_dims] if info.arg("weight") is not None else [])]
+    reduction = info.arg("reduction", _MEAN)
     if reduction == _NONE:
         return build(info, operands, [t_dims, []], need_replication="b")
     return build(
@@ -58,8 +58,8 @@ def nll_loss_backward_rule(info: OpInfo) -> FactorRule:
     input, target, weight, total_weight); the handler only masks padded targets to
     ``ignore_index`` when the batch is sharded (the kernel indexes with them)."""
     x_dims, t_dims, w_dims = _dims(info, 1)
-    grad = t_dims if arg(info, "reduction", _MEAN) == _NONE else []
-    weight = [w_dims] if arg(info, "weight") is not None else []
+    grad = t_dims if info.arg("reduction", _MEAN) == _NONE else []
+    weight = [w_dims] if info.arg("weight") is not None else []
     return build(
         info,
         [grad, x_dims, t_dims, *weight, []],

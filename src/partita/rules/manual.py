@@ -28,13 +28,13 @@ from partita.rules.factor import FactorKind, FactorRule, OpInfo
 __all__ = ["manual_rule"]
 
 _p = torch.ops.partita
-#: For each mesh op: the positions of its int arguments naming dims that must stay whole.
-_WHOLE_DIMS: dict[Any, tuple[int, ...]] = {
+#: For each mesh op: the names of its int arguments naming dims that must stay whole.
+_WHOLE_DIMS: dict[Any, tuple[str, ...]] = {
     _p.all_reduce.default: (),
     _p.collective_permute.default: (),
-    _p.all_gather.default: (1,),
-    _p.reduce_scatter.default: (1,),
-    _p.all_to_all.default: (1, 2),
+    _p.all_gather.default: ("dim",),
+    _p.reduce_scatter.default: ("dim",),
+    _p.all_to_all.default: ("split_dim", "concat_dim"),
 }
 
 
@@ -59,7 +59,7 @@ def manual_rule(info: OpInfo) -> FactorRule | None:
     x = info.operands[0]
     out = info.results[0]
     assert out is not None
-    whole = {int(info.args[i]) % max(len(x.shape), 1) for i in _WHOLE_DIMS[target]}
+    whole = {int(info.arg(n)) % max(len(x.shape), 1) for n in _WHOLE_DIMS[target]}
     ins = list(_letters(len(x.shape)))
     outs = list(ins)
     kinds = {}

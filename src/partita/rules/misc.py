@@ -104,7 +104,7 @@ def index_reduce_rule(info: OpInfo) -> FactorRule:
     """``a b, c, d b -> a b; need-replication=a,c,d`` for ``index_reduce(x, 0, idx, src, "amax")``:
     the indexed dim of ``x`` and ``src`` and the index are gathered; other dims pass through."""
     x = info.operands[0]
-    d = norm_dim(info.arg(1, "dim"), x.ndim)
+    d = norm_dim(info.arg("dim"), x.ndim)
     fresh = Names()
     names = fresh.take(x.ndim)
     k, src_k = fresh.new(), fresh.new()

@@ -24,7 +24,7 @@ This module does not cover softmax (``reduction.py``).
 from __future__ import annotations
 
 from partita.rules import register_rule
-from partita.rules.common import Dim, Names, arg, aten_ops, build
+from partita.rules.common import Dim, Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 
 __all__ = ["batch_norm_rule", "layer_norm_backward_rule", "layer_norm_rule"]
@@ -32,12 +32,12 @@ __all__ = ["batch_norm_rule", "layer_norm_backward_rule", "layer_norm_rule"]
 
 def _present(info: OpInfo, names_: list[str]) -> list[str]:
     """Which of the optional tensor arguments ``names_`` the call passes, in order."""
-    return [n for n in names_ if arg(info, n) is not None]
+    return [n for n in names_ if info.arg(n) is not None]
 
 
 def _layer_norm_dims(info: OpInfo, x_index: int) -> tuple[list[str], list[str], list[Dim]]:
     x = info.operands[x_index]
-    k = len(arg(info, "normalized_shape"))
+    k = len(info.arg("normalized_shape"))
     names = Names().take(x.ndim)
     batch, normed = names[: x.ndim - k], names[x.ndim - k :]
     stats: list[Dim] = [*batch, *([None] * k)]
@@ -107,11 +107,11 @@ _BN_FORWARD = aten_ops(
 def batch_norm_rule(info: OpInfo) -> FactorRule:
     """Training: ``a b c d, b, b, b, b -> a b c d, b, b, ...; handler=batch_stats`` (plus
     ``need-replication=a,c,d`` for the in-place variants); eval: everything passes through."""
-    training = "no_training" not in str(info.target) and bool(arg(info, "training", False))
+    training = "no_training" not in str(info.target) and bool(info.arg("training", False))
     name = str(info.target)
     in_place = (
         name in ("aten.native_batch_norm.default", "aten._native_batch_norm_legit.default")
-        and arg(info, "running_mean") is not None
+        and info.arg("running_mean") is not None
     )
     names, c, kw = _bn_dims(info, 0, training, in_place)
     operands = [names, *([c] * (len(info.operands) - 1))]
@@ -125,7 +125,7 @@ def batch_norm_rule(info: OpInfo) -> FactorRule:
 @register_rule(*aten_ops(["native_batch_norm_backward.default"]))
 def batch_norm_backward_rule(info: OpInfo) -> FactorRule:
     """``grad, x, w, rm, rv, sm, sinv -> grad_x, grad_w, grad_b``."""
-    training = bool(arg(info, "train", False))
+    training = bool(info.arg("train", False))
     names, c, kw = _bn_dims(info, 1, training)
     operands: list[list[Dim]] = [names, names]
     for m in info.operands[2:]:

@@ -53,9 +53,9 @@ def _reduce(
 
 def _dims_keepdim(info: OpInfo) -> tuple[list[int], bool]:
     x = info.operands[0]
-    if len(info.args) < 2 and "dim" not in info.kwargs:
-        return list(range(x.ndim)), False  # sum.default, amax over everything, ...
-    return norm_dims(info.arg(1, "dim"), x.ndim), bool(info.arg(2, "keepdim", False))
+    if not info.has_arg("dim"):
+        return list(range(x.ndim)), False  # sum.default, any.default, ...: every dim
+    return norm_dims(info.arg("dim"), x.ndim), bool(info.arg("keepdim", False))
 
 
 _SUM = ("sum.default", "sum.dim_IntList")
@@ -96,11 +96,9 @@ _NEED_REP = aten_ops(
 def gathered_reduce_rule(info: OpInfo) -> FactorRule:
     """``a b -> a; need-replication=b`` for ``var(x, 1)``, ``max(x, 1)`` (values, indices)."""
     x = info.operands[0]
-    dim = info.arg(1, "dim")
+    dim = info.arg("dim")
     dims = norm_dims(dim, x.ndim)
-    keepdim = bool(info.arg(2, "keepdim", False)) if dim is not None else False
-    if info.target.name().endswith(("std", "var", "var_mean")):
-        keepdim = bool(info.kwargs.get("keepdim", info.args[3] if len(info.args) > 3 else False))
+    keepdim = bool(info.arg("keepdim", False))
     return _reduce(info, dims, keepdim, kind="need_replication")
 
 
@@ -125,8 +123,7 @@ def softmax_rule(info: OpInfo) -> FactorRule:
     sum); generic (per-tile) lowering of a sharded ``b`` would be wrong."""
     x = info.operands[0]
     names = Names().take(x.ndim)
-    d = info.args[1] if isinstance(info.args[1], int) else info.args[2]
-    norm_dim(d, x.ndim)  # validates the dim
+    norm_dim(info.arg("dim"), x.ndim)  # validates the dim
     dims = [names] * len(info.operands)
     return build(info, dims, [names], handler=HandlerName.SOFTMAX_REDUCE)
 
@@ -136,7 +133,7 @@ def scan_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b; need-replication=b`` for ``cumsum(x, 1)``."""
     (x,) = info.operands
     names = Names().take(x.ndim)
-    rep = [names[norm_dim(info.arg(1, "dim"), x.ndim)]] if x.ndim else []
+    rep = [names[norm_dim(info.arg("dim"), x.ndim)]] if x.ndim else []
     return build(info, [names], [names], need_replication=rep)
 
 
@@ -148,12 +145,7 @@ def sort_rule(info: OpInfo) -> FactorRule:
     fresh = Names()
     names = fresh.take(x.ndim)
     name = info.target.name()
-    if name.endswith("topk"):
-        dim = info.arg(2, "dim", -1)
-    elif str(info.target).endswith("stable"):
-        dim = info.kwargs.get("dim", info.args[2] if len(info.args) > 2 else -1)
-    else:
-        dim = info.arg(1, "dim", -1)
+    dim = info.arg("dim", -1)
     if not x.ndim:
         return build(info, [[]], [[], []])
     d = norm_dim(dim, x.ndim)
@@ -186,9 +178,8 @@ _SELECT_DIM = aten_ops(["kthvalue.default", "median.dim", "mode.default", "nanme
 def select_dim_rule(info: OpInfo) -> FactorRule:
     """``a b -> a, a; need-replication=b`` for ``kthvalue(x, 2, 1)`` (values, indices)."""
     (x,) = info.operands
-    kth = info.target.name().endswith("kthvalue")
-    dim = info.arg(2, "dim", -1) if kth else info.arg(1, "dim", -1)
-    keepdim = bool(info.arg(3, "keepdim", False) if kth else info.arg(2, "keepdim", False))
+    dim = info.arg("dim", -1)
+    keepdim = bool(info.arg("keepdim", False))
     dims = [norm_dim(dim, x.ndim)] if x.ndim else []
     return _reduce(info, dims, keepdim, kind="need_replication")
 
@@ -201,9 +192,9 @@ def vector_norm_rule(info: OpInfo) -> FactorRule:
     is need-replication: ``(sum |x|^p)^(1/p)`` is not a sum of the shards' norms, and a max of
     ``|x|`` would see ``|-inf|`` in masked padding."""
     (x,) = info.operands
-    ord_ = float(info.arg(1, "ord", 2))
-    dims = norm_dims(info.arg(2, "dim"), x.ndim)
-    keepdim = bool(info.arg(3, "keepdim", False))
+    ord_ = float(info.arg("ord", 2))
+    dims = norm_dims(info.arg("dim"), x.ndim)
+    keepdim = bool(info.arg("keepdim", False))
     if ord_ in (0.0, 1.0):
         return _reduce(info, dims, keepdim, kind="reduction")
     if ord_ == float("-inf"):

@@ -23,5 +23,5 @@ def cum_extreme_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b, a b; handler=sharded_scan`` for ``cummax(x, 1)``."""
     (x,) = info.operands
     names = Names().take(x.ndim)
-    norm_dim(info.arg(1, "dim"), x.ndim)  # validates the dim
+    norm_dim(info.arg("dim"), x.ndim)  # validates the dim
     return build(info, [names], [names, names], handler=HandlerName.SHARDED_SCAN)

@@ -148,7 +148,7 @@ def permute_rule(info: OpInfo) -> FactorRule:
     """``a b c -> c a b`` for ``permute(x, [2, 0, 1])``."""
     (x,) = info.operands
     dims = Names().take(x.ndim)
-    order = [norm_dim(d, x.ndim) for d in info.arg(1, "dims")]
+    order = [norm_dim(d, x.ndim) for d in info.arg("dims")]
     return build(info, [dims], [[dims[d] for d in order]])
 
 
@@ -159,7 +159,7 @@ def transpose_rule(info: OpInfo) -> FactorRule:
     dims = Names().take(x.ndim)
     out = list(dims)
     if x.ndim:
-        d0, d1 = norm_dim(info.arg(1, "dim0"), x.ndim), norm_dim(info.arg(2, "dim1"), x.ndim)
+        d0, d1 = norm_dim(info.arg("dim0"), x.ndim), norm_dim(info.arg("dim1"), x.ndim)
         out[d0], out[d1] = dims[d1], dims[d0]
     return build(info, [dims], [out])
 
@@ -191,7 +191,7 @@ def diagonal_rule(info: OpInfo) -> FactorRule:
     global row and column positions, so both dims are gathered; the others pass through."""
     (x,) = info.operands
     names = Names().take(x.ndim)
-    d1, d2 = norm_dim(info.arg(2, "dim1", 0), x.ndim), norm_dim(info.arg(3, "dim2", 1), x.ndim)
+    d1, d2 = norm_dim(info.arg("dim1", 0), x.ndim), norm_dim(info.arg("dim2", 1), x.ndim)
     out: list[Dim] = [f for i, f in enumerate(names) if i not in (d1, d2)] + [None]
     return build(info, [names], [out], need_replication=[names[d1], names[d2]])
 
@@ -202,7 +202,7 @@ def diagonal_scatter_rule(info: OpInfo) -> FactorRule:
     x = info.operands[0]
     fresh = Names()
     names = fresh.take(x.ndim)
-    d1, d2 = norm_dim(info.arg(3, "dim1", 0), x.ndim), norm_dim(info.arg(4, "dim2", 1), x.ndim)
+    d1, d2 = norm_dim(info.arg("dim1", 0), x.ndim), norm_dim(info.arg("dim2", 1), x.ndim)
     diag = fresh.new()
     src_dims: list[Dim] = [f for i, f in enumerate(names) if i not in (d1, d2)] + [diag]
     rep = [names[d1], names[d2], diag]
@@ -215,7 +215,7 @@ def repeat_rule(info: OpInfo) -> FactorRule:
     repeated once passes through; a tiled dim is gathered (its tiles interleave copies) and
     the result keeps it replicated, like the new leading dims."""
     (x,), (out,) = info.operands, info.results
-    repeats = list(info.arg(1, "repeats"))
+    repeats = list(info.arg("repeats"))
     names = Names().take(x.ndim)
     offset = len(repeats) - x.ndim
     res: list[Dim] = [None] * out.ndim
@@ -233,7 +233,7 @@ def narrow_copy_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b; windowed=b; handler=retile`` for ``narrow_copy(x, 1, 2, 3)`` (as
     ``narrow``, ``slicing.contiguous_part``); ``a b -> a b`` when it keeps the whole dim."""
     (x,) = info.operands
-    d = norm_dim(info.arg(1, "dim"), x.ndim)
+    d = norm_dim(info.arg("dim"), x.ndim)
     part = contiguous_part(info, d)
     names = Names().take(x.ndim)
     return part if part is not None else build(info, [names], [names])

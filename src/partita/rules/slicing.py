@@ -55,8 +55,8 @@ def slice_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b; windowed=b; handler=retile`` for ``x[:, 4:36]`` or ``x.narrow(1, 4, 32)``;
     ``a b -> a c; need-replication=b`` for ``x[:, ::2]``; ``a b -> a b`` for a full slice."""
     x = info.operands[0]
-    dim = norm_dim(info.arg(1, "dim", 0), x.ndim)
-    step = info.arg(4, "step", 1) if str(info.target).startswith("aten.slice") else 1
+    dim = norm_dim(info.arg("dim", 0), x.ndim)
+    step = info.arg("step", 1) if str(info.target).startswith("aten.slice") else 1
     part = contiguous_part(info, dim, step)
     return part if part is not None else _cut(info, dim, keep_dim=True)
 
@@ -65,7 +65,7 @@ def slice_rule(info: OpInfo) -> FactorRule:
 def select_rule(info: OpInfo) -> FactorRule:
     """``a b -> a; need-replication=b`` for ``x[:, 3]``."""
     x = info.operands[0]
-    return _cut(info, norm_dim(info.arg(1, "dim"), x.ndim), keep_dim=False)
+    return _cut(info, norm_dim(info.arg("dim"), x.ndim), keep_dim=False)
 
 
 @register_rule(*aten_ops(["gather.default", "index_select.default"]))
@@ -77,7 +77,7 @@ def gather_rule(info: OpInfo) -> FactorRule:
     (out,) = info.results
     if x.ndim == 0:  # a 0-d tensor read at index 0: nothing to split
         return build(info, [[], [None] * index.ndim], [[None] * out.ndim])
-    d = norm_dim(info.arg(1, "dim"), x.ndim)
+    d = norm_dim(info.arg("dim"), x.ndim)
     fresh = Names()
     names = fresh.take(x.ndim)
     res: list[Dim] = list(names)
@@ -105,7 +105,7 @@ def cat_rule(info: OpInfo) -> FactorRule:
     """``a b, a b -> a b; windowed=b; handler=retile`` for ``cat([x, y], 1)``: the result keeps
     the operands' split of the cat dim (the partitioner re-tiles it; T21)."""
     (out,) = info.results
-    d = norm_dim(info.arg(1, "dim", 0), out.ndim)
+    d = norm_dim(info.arg("dim", 0), out.ndim)
     names = Names().take(out.ndim)
     # legacy: 1-d empty tensors are skipped by cat
     operands = [names if m.ndim == out.ndim else [None] * m.ndim for m in info.operands]
@@ -116,7 +116,7 @@ def cat_rule(info: OpInfo) -> FactorRule:
 def stack_rule(info: OpInfo) -> FactorRule:
     """``a b, a b -> a c b`` for ``stack([x, y], 1)``: the new dim is result-only."""
     (out,) = info.results
-    d = norm_dim(info.arg(1, "dim", 0), out.ndim)
+    d = norm_dim(info.arg("dim", 0), out.ndim)
     fresh = Names()
     names = fresh.take(out.ndim - 1)
     res: list[Dim] = list(names)
@@ -128,7 +128,7 @@ def stack_rule(info: OpInfo) -> FactorRule:
 def pad_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b; windowed=b; handler=halo`` for ``F.pad(x, (4, 4))``."""
     (x,) = info.operands
-    pad = list(info.arg(1, "pad"))
+    pad = list(info.arg("pad"))
     names = Names().take(x.ndim)
     windowed = [names[x.ndim - 1 - i // 2] for i in range(0, len(pad), 2) if pad[i] or pad[i + 1]]
     return build(info, [names], [names], windowed=windowed, handler=HandlerName.HALO)
