@@ -37,6 +37,7 @@ import torch
 from torch import Tensor, fx
 
 from partita.errors import JitArgumentError
+from partita.runtime.subgraph import copy_nodes
 
 __all__ = [
     "COMPILE_PROGRAMS_ENV",
@@ -269,22 +270,7 @@ def _emit_region(
 ) -> None:
     """Build ``run`` as its own graph module, and call it from ``graph`` (filling ``env``)."""
     inside = set(run)
-    sub = fx.Graph()
-    sub_env: dict[fx.Node, fx.Node] = {}
-    inputs: list[fx.Node] = []
-
-    def arg(a: fx.Node) -> fx.Node:
-        if a not in sub_env:
-            inputs.append(a)
-            sub_env[a] = sub.placeholder(f"in_{a.name}")
-        return sub_env[a]
-
-    for node in run:  # placeholders first
-        for a in node.all_input_nodes:
-            if a not in inside:
-                arg(a)
-    for node in run:
-        sub_env[node] = sub.node_copy(node, arg)
+    sub, inputs, sub_env = copy_nodes(run)
     outputs = [n for n in run if any(u not in inside for u in n.users)]
     sub.output(tuple(sub_env[n] for n in outputs))
     region = CompiledRegion(fx.GraphModule(gm, sub, class_name=name), stats, name)

@@ -23,6 +23,7 @@ from partita.collectives import MESH_OPS
 from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import CompilerError, UnsupportedOpError
 from partita.runtime.compiled import CompileStats, compile_graph
+from partita.runtime.subgraph import copy_nodes
 
 __all__ = ["STEP_OPS", "Pattern", "Segment", "SegmentPlan", "plan_segments", "segment_error"]
 
@@ -196,34 +197,19 @@ def plan_segments(gm: fx.GraphModule) -> SegmentPlan:
     return SegmentPlan(placeholders=placeholders, steps=steps, output=output)
 
 
+def _vmap_ready(new: fx.Node) -> None:
+    if new.target in _TO_RESHAPE:
+        new.target = aten.reshape.default
+    if new.kwargs.get("memory_format") in _RANK_BOUND_FORMATS:
+        # vmap adds the device dim, so channels_last would see rank 5; a functional program
+        # cannot observe memory format, so the copy keeps its input's.
+        new.kwargs = {**new.kwargs, "memory_format": torch.preserve_format}
+
+
 def _build_segment(
     gm: fx.GraphModule, nodes: list[fx.Node], d: int, users_at: dict[fx.Node, set[int]]
 ) -> Segment:
-    inside = set(nodes)
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    inputs: list[fx.Node] = []
-
-    def arg(i: fx.Node) -> fx.Node:
-        if i not in env:
-            inputs.append(i)
-            env[i] = graph.placeholder(f"in_{i.name}")
-        return env[i]
-
-    # Placeholders first: collect every outside input before copying nodes.
-    for node in nodes:
-        for i in node.all_input_nodes:
-            if i not in inside:
-                arg(i)
-    for node in nodes:
-        new = graph.node_copy(node, arg)
-        if new.target in _TO_RESHAPE:
-            new.target = aten.reshape.default
-        if new.kwargs.get("memory_format") in _RANK_BOUND_FORMATS:
-            # vmap adds the device dim, so channels_last would see rank 5; a functional program
-            # cannot observe memory format, so the copy keeps its input's.
-            new.kwargs = {**new.kwargs, "memory_format": torch.preserve_format}
-        env[node] = new
+    graph, inputs, env = copy_nodes(nodes, _vmap_ready)
     outputs = [n for n in nodes if users_at.get(n, set()) - {d}]
     graph.output(tuple(env[n] for n in outputs))
     seg_gm = fx.GraphModule(gm, graph, class_name=f"Segment{d}")
