@@ -17,20 +17,19 @@ optimizer is fixed when the step is built.
 Vocabulary (see docs/concepts.md): ``shard=`` is the parameter preset; ``step.plan`` is the
 report of the compiled program (:class:`partita.Plan`). This module ties the pieces together;
 the sharding decisions are the preset's and propagation's,
-the update math is ``partita.training``', the checks of each batch ``partita.train_checks``'
+the update math is ``partita.training``', the checks of each batch ``partita.train_checks``',
+the state's sizes ``partita.train_memory``'
 and the checkpoint layout (tied names, optimizer indices, atomic loading)
 ``partita.train_state``'.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from partita.jit import JitStats, Jitted, jit
 from partita.mesh import Mesh
@@ -46,24 +45,13 @@ from partita.train_checks import (
     deprecated,
     preset_argument,
 )
+from partita.train_memory import full_values, state_memory
 from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
 from partita.training import functional_step, init_opt_state, optimizer_config
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
 
 Tensors = dict[str, torch.Tensor]
-
-
-def _is_sharded(x: Any) -> bool:
-    return isinstance(x, ShardedTensor)
-
-
-def _full(tree: Any) -> Any:
-    return pytree.tree_map(lambda t: t.full(), tree, is_leaf=_is_sharded)
-
-
-def _local_bytes(t: ShardedTensor) -> int:
-    return math.prod(t.local_shape) * t.stacked.element_size()
 
 
 class TrainStep:
@@ -262,7 +250,7 @@ class TrainStep:
     def full_parameters(self) -> Tensors:
         """Every parameter (trainable and frozen) as a full tensor, by name (a tied
         parameter once, under the name ``model.named_parameters()`` gives it)."""
-        full = {**_full(self.params), **{k: self.buffers[k].full() for k in self._frozen}}
+        full = {**full_values(self.params), **{k: self.buffers[k].full() for k in self._frozen}}
         return {k: full[k] for k, _ in self.model.named_parameters()}
 
     def state_dict(self) -> dict[str, Any]:
@@ -273,8 +261,8 @@ class TrainStep:
         the layout of ``optimizer.state_dict()``: states indexed by the parameter's position
         in the optimizer, only for parameters updated so far (as torch.optim), and the group.
         """
-        values = {**_full(self.params), **_full(self.buffers)}
-        moments = {k: _full(v) for k, v in self.opt_state.items() if k != "step"}
+        values = {**full_values(self.params), **full_values(self.buffers)}
+        moments = {k: full_values(v) for k, v in self.opt_state.items() if k != "step"}
         group = self.optimizer.param_groups[0]
         step = self.opt_state["step"].full()
         return to_state_dict(self._layout, values, step, moments, self._stepped, group)
@@ -320,18 +308,7 @@ class TrainStep:
 
         Per-device bytes include ceil padding; "optimizer" counts the moments and the step.
         """
-        groups = {
-            "parameters": list(self.params.values()),
-            "buffers": list(self.buffers.values()),
-            "optimizer": pytree.tree_leaves(self.opt_state, is_leaf=_is_sharded),
-        }
-        return {
-            k: (
-                sum(_local_bytes(t) for t in ts),
-                sum(t.shape.numel() * t.stacked.element_size() for t in ts),
-            )
-            for k, ts in groups.items()
-        }
+        return state_memory(self.params, self.buffers, self.opt_state)
 
 
 def train_step(
