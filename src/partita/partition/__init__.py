@@ -25,6 +25,7 @@ from partita.layout import local_shape
 from partita.mesh import Mesh
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import handlers
+from partita.partition import retile as _retile  # noqa: F401 - registers its handler
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
 from partita.partition.bucket import bucket_bytes_setting, bucket_collectives
 from partita.partition.lower import Lowering

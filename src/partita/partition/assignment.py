@@ -22,7 +22,6 @@ from partita.errors import DtypeError
 from partita.explain import op_name
 from partita.mesh import Mesh
 from partita.partition import handlers
-from partita.partition import retile as _retile  # noqa: F401 - registers the retile handler
 from partita.rules import FactorKind, FactorRule
 from partita.rules.opinfo import source_of
 

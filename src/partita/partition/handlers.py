@@ -7,7 +7,7 @@ a windowed dim, a masked lookup for a vocabulary-sharded embedding. Each such lo
 ``applies`` whether the op's factor assignment needs it (when no sharded factor needs it, the
 generic lowering runs); ``lower`` emits the local nodes and returns the op's local result node
 (a tuple-valued node for multi-output ops). Lowerings are written as torch code on proxies of
-the per-device values (``partition.emit``, as the three below are).
+the per-device values (``partition.emit``, as the two below are).
 
 Names come from one enumeration, :class:`~partita.rules.handler_names.HandlerName`: a handler
 registered under any other name fails at import, and ``partita.partition`` checks at import
@@ -27,12 +27,10 @@ import torch.fx as fx
 from torch.fx.proxy import Proxy
 
 from partita.errors import CompilerError
-from partita.layout import ceil_div, local_shape
-from partita.partition.emit import Emitter, emitting, node_of
-from partita.partition.neighbours import emit_shift
+from partita.layout import ceil_div
+from partita.partition.emit import Emitter, emitting
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-from partita.spec import Sharding
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
@@ -193,78 +191,3 @@ def _arange_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -
 
 
 register(Handler(HandlerName.LOCALIZE_SHAPE.value, _arange_applies, _arange_lower))
-
-
-# --- prefix_slice: x[..., :n] along a sharded dim ---------------------------------------------
-
-
-def _prefix_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
-    return any(assign.values())
-
-
-@emitting
-def _prefix_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
-    """Tiles of ``x`` ([N] over k devices: ``ceil(N/k)`` each) and of ``x[:n]`` start at the
-    same global rows when ``ceil(n/k) == ceil(N/k)``: each device keeps its tile as is and the
-    rows past ``n`` become padding — no communication (T11). Otherwise the dim is gathered,
-    sliced and cut again (a re-align that moves the whole dim; T09)."""
-    low = e.low
-    (x_local,) = e.operands(rule, assign)[:1]
-    x = low.value(node.args[0])
-    dim = int(node.args[1]) % len(x.shape)
-    (out,) = low.result_shardings(rule, assign)
-    assert out is not None
-    axes = out.dim_axes[dim]
-    k = e.mesh.axes_size(axes)
-    n = int(node.meta["val"].shape[dim])
-    tile = ceil_div(x.shape[dim], k)
-    if k == 1:  # only other dims are split: the slice is local as written
-        return x_local.slice(dim, 0, n)
-    if ceil_div(n, k) == tile:
-        return x_local.slice(dim, 0, tile)
-    realigned = _shift_realign(e, x_local, dim, axes, tile, ceil_div(n, k))
-    if realigned is not None:
-        return realigned
-    key = low.key(node.args[0])
-    whole = Sharding(
-        e.mesh, tuple(() if d == dim else a for d, a in enumerate(x.sharding.dim_axes))
-    )
-    why = f"{node.target} (%{node.name}) re-aligns tiles of {x.shape[dim]} rows to {n}"
-    sliced = e(low.reshard(key, whole, why, node)).slice(dim, 0, n)
-    low.note_copy(node, whole, node_of(sliced))  # reusable, e.g. T09
-    return torch.ops.partita.shard_slice.default(sliced, dim, list(axes), k)
-
-
-def _shift_realign(
-    e: Emitter, x_local: Proxy, dim: int, axes: tuple[str, ...], old: int, new: int
-) -> Proxy | None:
-    """Re-align tiles of ``old`` rows into tiles of ``new < old`` rows with one shift.
-
-    New tile ``t`` starts at global row ``t * new``, inside the window ``[t * old - new,
-    (t + 1) * old)`` made of the left neighbour's last ``new`` rows and the device's own tile
-    whenever ``t * (old - new) <= new`` for every tile: each device sends its last ``new`` rows
-    to its right neighbour (one collective_permute, as XLA does for T09; the first device gets
-    zeros) and cuts its tile out of the window at offset ``new - t * (old - new)``. None when a
-    tile would need rows from further left (the caller gathers instead).
-    """
-    node = e.node
-    if any(t * (old - new) > new for t in range(e.mesh.axes_size(axes))):
-        return None
-    x = e.low.value(node.args[0])
-    tail = x_local.slice(dim, old - new, old)
-    shape = list(local_shape(x.sharding, x.shape))
-    shape[dim] = new
-    reason = (
-        f"{node.target} (%{node.name}) keeps {node.meta['val'].shape[dim]} of "
-        f"{x.shape[dim]} rows: tiles of {old} rows re-align to tiles of {new} by "
-        f"shifting each tile's last {new} rows to the right neighbour"
-    )
-    recv = emit_shift(
-        e.low, node, node_of(tail), axes, 1, shape, x.dtype, reason, value=node.args[0].name
-    )
-    window = torch.cat([e(recv), x_local], dim)
-    offset = e.axis_index(x_local, axes) * -(old - new) + new
-    return window.index_select(dim, e.arange(new) + offset)
-
-
-register(Handler(HandlerName.PREFIX_SLICE.value, _prefix_applies, _prefix_lower))

@@ -31,7 +31,6 @@ class HandlerName(str, enum.Enum):
     LOCALIZE_SHAPE = "localize_shape"
     MASKED_EMBEDDING = "masked_embedding"
     MEAN = "mean"
-    PREFIX_SLICE = "prefix_slice"
     RETILE = "retile"
     SHARDED_SCAN = "sharded_scan"
     SOFTMAX_REDUCE = "softmax_reduce"
