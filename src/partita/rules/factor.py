@@ -80,13 +80,10 @@ class OpInfo:
 
     def arg(self, name: str | int, default: Any = None, *legacy: Any) -> Any:
         """The call's argument ``name`` (its name in the op's schema), passed positionally or
-        by keyword, else ``default``. The one way a rule reads an argument: the schema gives
-        the position, so a call that passes the argument by keyword reads the same.
-
-        A name the op's schema lacks raises :class:`~partita.errors.CompilerError` (a misspelt
-        name would otherwise read as ``default``); :meth:`has_arg` asks first when one rule
-        serves overloads with different arguments. The old ``arg(index, name, default)`` form
-        still works and warns.
+        by keyword, else ``default``: the one way a rule reads an argument. A name the schema
+        lacks raises :class:`~partita.errors.CompilerError` (it would read as ``default``);
+        :meth:`has_arg` asks first when one rule serves overloads with different arguments.
+        The old ``arg(index, name, default)`` form still works and warns.
 
         Example:
             >>> x = TensorMeta((4, 8))
@@ -95,12 +92,8 @@ class OpInfo:
             ([1], False)
         """
         if isinstance(name, int):  # arg(index, name, default): positions could disagree
-            warnings.warn(
-                "OpInfo.arg(index, name, default) is deprecated: use OpInfo.arg(name, default), "
-                "which finds the position in the op's schema",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+            msg = "OpInfo.arg(index, name, default) is deprecated: use OpInfo.arg(name, default)"
+            warnings.warn(msg, DeprecationWarning, stacklevel=2)
             name, default = default, (legacy[0] if legacy else None)
         index = self._position(name)
         if name in self.kwargs:
@@ -125,10 +118,21 @@ class OpInfo:
         return names.index(name)
 
 
+#: The attribute an op overload keeps its argument names in (see :func:`_schema_names`).
+_NAMES_ATTRIBUTE = "_partita_arg_names"
+
+
 def _schema_names(target: Any) -> tuple[str, ...]:
     """The argument names of an op overload's schema, in order (none for a non-op target)."""
-    schema = getattr(target, "_schema", None)
-    return tuple(a.name for a in schema.arguments) if schema is not None else ()
+    names = getattr(target, _NAMES_ATTRIBUTE, None)
+    if names is None:
+        schema = getattr(target, "_schema", None)
+        names = tuple(a.name for a in schema.arguments) if schema is not None else ()
+        try:  # kept on the op: reading the schema builds its Argument objects anew each time
+            setattr(target, _NAMES_ATTRIBUTE, names)
+        except (AttributeError, TypeError):  # an op object that takes no attributes
+            pass
+    return names
 
 
 @dataclass(frozen=True, slots=True, eq=False)
