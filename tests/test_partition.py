@@ -136,3 +136,25 @@ def test_zero_size_reshard_between_annotations(shape: tuple[int, int]) -> None:
     out = partita.jit(fn, mesh=MESH, in_specs=(P("data", "model"),))(a)
     torch.testing.assert_close(out.full(), a * 2 + 1)
     assert out.local_shards[0].data.shape == (-(-shape[0] // 4), -(-shape[1] // 2))
+
+
+def test_the_per_device_program_generates_its_code_only_when_read() -> None:
+    """Bucketing edits the per-device graph after lowering: generating its Python code at each
+    step was a quarter of partitioning a GPT, and the runtimes run graphs they build anyway."""
+    from partita.capture import trace
+    from partita.partition import partition
+    from partita.propagate import propagate
+
+    def f(a: torch.Tensor, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return (x @ a).relu() + (x @ b).relu()  # two partial sums reduced in one bucket
+
+    args = (torch.randn(8, 8), torch.randn(8, 8), torch.randn(4, 8))
+    specs = (P("data"), P("data"), P())
+    program = trace(f, args, in_specs=specs, mesh=MESH)
+    propagate(program.graph_module, MESH)
+    local, plan = partition(program.graph_module, MESH, bucket_bytes=1 << 20)
+    assert [b.kind for b in plan.buckets] == ["all_reduce"]
+    assert type(local)._needs_recompile()  # no code generated so far
+    assert "all_reduce_bucket" in local.code  # generated now, from the bucketed graph
+    step = partita.jit(f, mesh=MESH, in_specs=specs)
+    torch.testing.assert_close(step(*args).full(), f(*args))

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from partita.capture.manual import ENTER_OP, EXIT_OP, is_fully_manual, local_nodes
@@ -76,6 +77,7 @@ class Lowering(LocalValues):
         self.region_nodes = set(regions)
         self.manual: dict[fx.Node, fx.Node] = {}  # their local nodes
         self.moves: dict[int, explicit.Move] = {}  # collective index -> the reshard behind it
+        self._shardings: dict[tuple[Any, ...], Sharding] = {}  # see sharding()
 
     # --- the driver ------------------------------------------------------------------------
 
@@ -93,7 +95,9 @@ class Lowering(LocalValues):
             if "sharding" in n.meta:
                 self.plan.shardings[n.name] = n.meta["sharding"]
         explicit.check(self.plan, self.moves)  # collectives="explicit" / "warn"
-        gm = fx.GraphModule(torch.nn.Module(), self.graph, class_name="PerDeviceProgram")
+        # Lazy: its Python code is generated only if it is run or printed (regathering and
+        # bucketing edit the graph after this; the runtimes build their own GraphModules).
+        gm = _LazyGraphModule(torch.nn.Module(), self.graph, class_name="PerDeviceProgram")
         return gm, self.plan
 
     def reshard(self, key: ValueKey, dst: Sharding, why: str, at: fx.Node) -> fx.Node:
@@ -211,11 +215,27 @@ class Lowering(LocalValues):
         self._store_results(node, rule, assign, results)
 
     def operand_nodes(self, node: fx.Node) -> list[fx.Node]:
-        return [
-            a
-            for a in pytree.tree_leaves((node.args, node.kwargs))
-            if isinstance(a, fx.Node) and _tensor_val(a.meta.get("val"))
-        ]
+        """The op's tensor operands in argument order, repeats kept (``mul(x, x)``: twice)."""
+        out: list[fx.Node] = []
+
+        def visit(a: fx.Node) -> fx.Node:
+            if _tensor_val(a.meta.get("val")):
+                out.append(a)
+            return a
+
+        # fx's own walk (in C): the leaves of pytree.tree_leaves, in its order, far cheaper
+        fx.node.map_arg((node.args, node.kwargs), visit)
+        return out
+
+    def sharding(
+        self, dims: tuple[tuple[str, ...], ...], partial: tuple[str, ...] = (), op: str = "sum"
+    ) -> Sharding:
+        """``Sharding(self.mesh, dims, partial, op)``, validated once, not thousands of times."""
+        key = (dims, partial, op)
+        s = self._shardings.get(key)
+        if s is None:
+            s = self._shardings[key] = Sharding(self.mesh, dims, partial, op)
+        return s
 
     def localize_operands(
         self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]]
@@ -228,19 +248,16 @@ class Lowering(LocalValues):
         ):
             v = self.value(operand)
             if factors is None:
-                dst = Sharding.replicated(self.mesh, len(v.shape))
+                dst = self.sharding(((),) * len(v.shape))
             else:
-                dst = Sharding(self.mesh, self.dims_of(factors, assign))
-            why = f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"
-            if "replicated_reason" in node.meta:  # replicate_unsupported=True chose this
-                why = (
-                    f"{op_name(node.target)} (%{node.name}) runs replicated "
-                    f"(replicate_unsupported=True): {node.meta['replicated_reason']}"
-                )
+                dst = self.sharding(self.dims_of(factors, assign))
             if node.target in SHAPE_ONLY and v.sharding.with_partial(()) == dst:
                 out.append(v.node)  # only its shape is read: a partial value will do
                 continue
-            local = self.reshard(self.key(operand), dst, why, node)
+            if v.sharding == dst:  # nothing moves (what reshard would say, without the words)
+                local = v.node
+            else:
+                local = self.reshard(self.key(operand), dst, _needs_why(node, i, dst), node)
             is_index = i in INDEX_OPERANDS.get(node.target, ())
             for d, dim in enumerate(factors or ()):
                 if dst.dim_axes[d] and (is_index or any(f in reduced for f in dim)):
@@ -263,8 +280,7 @@ class Lowering(LocalValues):
                 out.append(None)
                 continue
             partial = tuple(a for f in rule.partial_factors(j) for a in assign.get(f, ()))
-            dims = self.dims_of(factors, assign)
-            out.append(Sharding(self.mesh, dims, partial, rule.reduce_op))
+            out.append(self.sharding(self.dims_of(factors, assign), partial, rule.reduce_op))
         return out
 
     def _generic(
@@ -281,7 +297,7 @@ class Lowering(LocalValues):
                 return next(locals_)
             return a
 
-        args, kwargs = pytree.tree_map(swap, (tuple(node.args), dict(node.kwargs)))
+        args, kwargs = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), swap)
         sizes = LOCAL_SIZE_ARGS.get(node.target)
         if sizes:
             # Kernels that take their input's sizes as ints (group norm's N) get local sizes,
@@ -289,7 +305,7 @@ class Lowering(LocalValues):
             ops = self.operand_nodes(node)
             args = list(args)
             for arg_index, (operand_index, dim) in sizes.items():
-                s_in = Sharding(self.mesh, self.dims_of(rule.operands[operand_index] or (), assign))
+                s_in = self.sharding(self.dims_of(rule.operands[operand_index] or (), assign))
                 args[arg_index] = local_shape(s_in, self.value(ops[operand_index]).shape)[dim]
             for j, a in enumerate(args):
                 if isinstance(a, fx.Node) and _tensor_val(node.args[j].meta.get("val")):
@@ -358,12 +374,26 @@ class Lowering(LocalValues):
         self.values[key] = LocalValue(local, wanted, v.shape, v.dtype)
 
 
+def _needs_why(node: fx.Node, i: int, dst: Sharding) -> str:
+    """Why operand ``i`` of ``node`` is resharded to ``dst``, in words for the Plan."""
+    if "replicated_reason" in node.meta:  # replicate_unsupported=True chose this
+        return (
+            f"{op_name(node.target)} (%{node.name}) runs replicated "
+            f"(replicate_unsupported=True): {node.meta['replicated_reason']}"
+        )
+    return f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"
+
+
 def _stamp_origin(node: fx.Node, first: fx.Node | None, graph: fx.Graph) -> None:
     """Tag the local nodes emitted for ``node`` (from ``first`` on; ``None``: the whole graph)
     with the op and source line they come from, so that a failure while running names them."""
     local = first if first is not None else next(iter(graph.nodes), None)
-    while local is not None and local.op != "root":
-        local.meta.setdefault("origin", f"{op_name(node.target)} (%{node.name})")
-        if "source" in node.meta:
+    if local is None or local.op == "root":  # the op emitted nothing
+        return
+    origin = f"{op_name(node.target)} (%{node.name})"
+    has_source = "source" in node.meta
+    while local.op != "root":
+        local.meta.setdefault("origin", origin)
+        if has_source:
             local.meta.setdefault("source", node.meta["source"])
         local = local.next

@@ -221,7 +221,11 @@ def _applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> 
 
 def _table(low: Lowering, pos: fx.Node, rows: Any) -> fx.Node:
     """This member's row of ``rows`` (indexed by its position in the group) as int64."""
-    values = low.call(torch.Tensor.new_tensor, pos, rows)
+    values = low.call(torch.Tensor.new_tensor, pos, [])
+    # The rows are set after the node is made: fx walks every leaf of a new node's arguments
+    # in Python to warn about raw SymInts (milliseconds for a table of thousands of ints, a
+    # tenth of partitioning a GPT); the rows are plain ints computed by plan_retile.
+    values.args = (pos, rows)
     row = low.call(aten.index_select.default, values, 0, pos)
     return low.call(aten.reshape.default, row, [-1])
 
