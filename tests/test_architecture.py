@@ -47,6 +47,7 @@ _API = (
     "partita.demo",
     "partita.distributed",
     "partita.jit",
+    "partita.jit_signature",
     "partita.recompile",
     "partita.models",
     "partita.relayout",

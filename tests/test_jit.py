@@ -378,3 +378,34 @@ def test_dict_in_specs_match_by_key_not_position() -> None:
     assert plan.input_shardings[1].is_replicated
     out = step(args)
     torch.testing.assert_close(out["a"].full(), args["a"] * 2)
+
+
+def test_a_changed_layout_after_the_cache_hit_path_recompiles_and_says_why() -> None:
+    """A repeated call skips the in_specs broadcast and the spec building (jit_signature), but
+    every leaf's shape, dtype and sharding are still read: a changed one is a new signature,
+    the result still equals eager, and the warning names the leaf that changed."""
+    step = partita.jit(
+        lambda p, x: p["w"] * x + p["b"], mesh=MESH, in_specs=({"w": P(), "b": P()}, P("data"))
+    )
+    b = partita.mark_sharding(torch.arange(4.0), MESH, P())
+    x = torch.randn(4, 4)
+    specs = [
+        P(), P("data"), P("model"), P(None, "data"), P(None, "model"), P("data", "model"),
+        P("model", "data"), P(("data", "model")),
+    ]  # fmt: skip
+    w = torch.randn(4, 4)
+    with pytest.warns(
+        RecompileWarning,
+        match=r"compiled 8 distinct.*the sharding of args\[0\]\['w'\] "
+        r"\(P\(None, None\), P\('data', None\)",
+    ):
+        for n, spec in enumerate(specs, 1):
+            for _ in range(2):  # the second call hits the cache
+                out = step({"w": partita.mark_sharding(w, MESH, spec), "b": b}, x)
+                torch.testing.assert_close(out.full(), w * x + torch.arange(4.0))
+            assert step.cache_size == n
+    assert step.lower({"w": w, "b": b}, x).input_shardings[2].spec == P("data", None)
+    step.in_specs = ({"w": P(), "b": P()}, P("model"))  # a new in_specs is read at once
+    assert step.lower({"w": w, "b": b}, x).input_shardings[2].spec == P("model", None)
+    step({"w": w, "b": b}, x.double())  # a plain tensor's dtype is part of the key too
+    assert step.cache_size == 10 and step._compiles == 10

@@ -29,9 +29,10 @@ from torch.utils import _pytree as pytree
 
 from partita import capture
 from partita.capture.module import ModuleInputs
-from partita.capture.trace import broadcast_specs, input_path
+from partita.capture.trace import input_path
 from partita.errors import JitArgumentError, RecompileWarning, warn
 from partita.explain import format_program
+from partita.jit_signature import Signatures, trace_specs
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
 from partita.partition.explicit import check_mode, collectives_mode
@@ -41,7 +42,7 @@ from partita.propagate import propagate
 from partita.recompile import recompile_message
 from partita.runtime.compiled import compile_programs_setting, stats_for
 from partita.runtime.executor import executor_for
-from partita.spec import P, PartitionSpec, Sharding
+from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 
 __all__ = [
@@ -127,6 +128,7 @@ class Jitted:
         self._recent: deque[tuple[Hashable, list[str]]] = deque(maxlen=RECOMPILE_WARNING_AT)
         self._compiles = 0
         self._module = ModuleInputs(fn, mesh, param_specs) if isinstance(fn, nn.Module) else None
+        self._signatures = Signatures(mesh, _name(fn))
         if param_specs is not None and self._module is None:
             raise JitArgumentError(
                 f"partita.jit(param_specs=...) shards the weights of an nn.Module, but "
@@ -138,50 +140,19 @@ class Jitted:
     # --- signatures ------------------------------------------------------------------------
 
     def _program_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> tuple[Callable[..., Any], tuple[Any, ...], Any]:
-        """The function to trace, its positional arguments and their in_specs prefix (for a
-        module: its parameters and buffers come first)."""
+        self, args: tuple[Any, ...]
+    ) -> tuple[Callable[..., Any], tuple[Any, ...], Callable[[], Any]]:
+        """The function to trace, its positional arguments and (a thunk of) their in_specs
+        prefix (for a module: its parameters and buffers come first)."""
         if self._module is None:
-            return self.fn, args, self.in_specs
-        return (
-            self._module.call,
-            self._module.args(args),
-            self._module.in_specs(self.in_specs, args),
-        )
-
-    def _specs_and_key(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], in_specs: Any
-    ) -> tuple[list[Any], list[Any], Hashable]:
-        leaves, tree = pytree.tree_flatten((args, kwargs))
-        n_args = pytree.tree_structure(args).num_leaves
-        name = _name(self.fn)
-        user = [None] * len(leaves)
-        if in_specs is not None:
-            user[:n_args] = broadcast_specs(in_specs, args, "in_specs", name)
-        specs: list[PartitionSpec | None] = []
-        key: list[Hashable] = [tree]
-        for leaf, spec in zip(leaves, user, strict=True):
-            if isinstance(leaf, ShardedTensor):
-                if leaf.mesh != self.mesh:
-                    raise ValueError(
-                        f"{name}: an argument lives on {leaf.mesh!r}, but the function was "
-                        f"compiled for {self.mesh!r}. Reshard it onto the jit's mesh first."
-                    )
-                sharding = leaf.sharding
-            elif isinstance(leaf, torch.Tensor):
-                sharding = (spec or P()).to_sharding(self.mesh, leaf.ndim)
-            else:
-                specs.append(None)
-                key.append(("static", _hashable(leaf)))
-                continue
-            specs.append(sharding.spec)
-            key.append((tuple(leaf.shape), leaf.dtype, sharding))
-        return leaves, specs, tuple(key)
+            return self.fn, args, lambda: self.in_specs
+        module, user = self._module, self.in_specs
+        return module.call, module.args(args), lambda: module.in_specs(user, args)
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Compiled, list[Any]]:
-        fn, args, in_specs = self._program_inputs(args, kwargs)
-        leaves, specs, key = self._specs_and_key(args, kwargs, in_specs)
+        fn, args, in_specs = self._program_inputs(args)
+        # A module's in_specs derive from self.in_specs and the argument structure (the key).
+        leaves, shardings, key = self._signatures.key(args, kwargs, self.in_specs, in_specs)
         if self._module is not None:
             key = (*key, ("mode", self._module.mode()))  # type: ignore[misc]
         compiled = self._cache.get(key)
@@ -196,6 +167,7 @@ class Jitted:
         ]
         targs, tkwargs = pytree.tree_unflatten(trace_leaves, pytree.tree_structure((args, kwargs)))
         n_args = pytree.tree_structure(args).num_leaves
+        specs = trace_specs(shardings)
         prog = capture.trace(
             fn,
             tuple(targs),
@@ -299,14 +271,6 @@ def _name(fn: Any) -> str:
     if isinstance(fn, nn.Module):
         return type(fn).__name__
     return getattr(fn, "__name__", None) or type(fn).__name__
-
-
-def _hashable(x: Any) -> Hashable:
-    try:
-        hash(x)
-    except TypeError:
-        return repr(x)
-    return x
 
 
 def jit(

@@ -1,0 +1,112 @@
+"""The input signature of one ``partita.jit`` call: its cache key, cheap on a cache hit.
+
+A signature is the argument structure plus, per tensor leaf, its global shape, dtype and
+Sharding (a static leaf: its value). :class:`Signatures` computes it on every call, so it keeps
+what does not change between calls of a training loop: the ``in_specs`` broadcast over an
+argument structure (keyed by that structure and by the ``in_specs`` object; ``jit`` reads
+``in_specs`` when it is built) and the Sharding a spec gives a plain tensor of a rank. It never
+caches a leaf's own layout: every call reads each leaf's shape, dtype and sharding, so a
+changed layout is a new key (and the RecompileWarning names it). PartitionSpecs for tracing are
+built only on a cache miss (:func:`trace_specs`). This module only computes keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from partita.capture.trace import broadcast_specs
+from partita.mesh import Mesh
+from partita.spec import P, PartitionSpec, Sharding
+from partita.tensor import ShardedTensor
+
+__all__ = ["Signatures", "trace_specs"]
+
+#: How many (argument structure, in_specs) broadcasts a jitted function keeps.
+_BROADCASTS_KEPT = 64
+
+
+class Signatures:
+    """The cache keys of one jitted function's calls (see the module docstring)."""
+
+    def __init__(self, mesh: Mesh, name: str) -> None:
+        self.mesh = mesh
+        self.name = name
+        self._user: dict[tuple[Any, int], tuple[Any, list[PartitionSpec | None]]] = {}
+        self._plain: dict[tuple[PartitionSpec | None, int], Sharding] = {}
+
+    def _user_specs(
+        self, tree: Any, source: Any, in_specs: Callable[[], Any], args: tuple[Any, ...]
+    ) -> list[PartitionSpec | None]:
+        """The user's spec per leaf of ``(args, kwargs)``, broadcast once per structure."""
+        memo = (tree, id(source))
+        hit = self._user.get(memo)
+        if hit is not None and hit[0] is source:
+            return hit[1]
+        n_args = tree.child(0).num_leaves
+        user: list[PartitionSpec | None] = [None] * tree.num_leaves
+        specs = in_specs()
+        if specs is not None:
+            user[:n_args] = broadcast_specs(specs, args, "in_specs", self.name)
+        if len(self._user) >= _BROADCASTS_KEPT:
+            self._user.clear()
+        self._user[memo] = (source, user)  # holds ``source``: its id stays its own
+        return user
+
+    def _plain_sharding(self, spec: PartitionSpec | None, ndim: int) -> Sharding:
+        sharding = self._plain.get((spec, ndim))
+        if sharding is None:
+            sharding = (spec or P()).to_sharding(self.mesh, ndim)
+            self._plain[(spec, ndim)] = sharding
+        return sharding
+
+    def key(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        source: Any,
+        in_specs: Callable[[], Any],
+    ) -> tuple[list[Any], list[Sharding | None], Hashable]:
+        """The leaves of ``(args, kwargs)``, each tensor leaf's Sharding and the cache key.
+
+        ``in_specs()`` gives the in_specs prefix of ``args``; it is called only for a new
+        (argument structure, ``source``) pair, ``source`` being the object it derives from.
+        """
+        leaves, tree = pytree.tree_flatten((args, kwargs))
+        user = self._user_specs(tree, source, in_specs, args)
+        mesh = self.mesh
+        shardings: list[Sharding | None] = []
+        key: list[Hashable] = [tree]
+        for leaf, spec in zip(leaves, user, strict=True):
+            if isinstance(leaf, ShardedTensor):
+                sharding = leaf.sharding
+                if sharding.mesh is not mesh and sharding.mesh != mesh:
+                    raise ValueError(
+                        f"{self.name}: an argument lives on {leaf.mesh!r}, but the function was "
+                        f"compiled for {mesh!r}. Reshard it onto the jit's mesh first."
+                    )
+            elif isinstance(leaf, torch.Tensor):
+                sharding = self._plain_sharding(spec, leaf.ndim)
+            else:
+                shardings.append(None)
+                key.append(("static", _hashable(leaf)))
+                continue
+            shardings.append(sharding)
+            key.append((tuple(leaf.shape), leaf.dtype, sharding))
+        return leaves, shardings, tuple(key)
+
+
+def trace_specs(shardings: list[Sharding | None]) -> list[PartitionSpec | None]:
+    """The PartitionSpec of each leaf, for tracing (built on a cache miss only)."""
+    return [None if s is None else s.spec for s in shardings]
+
+
+def _hashable(x: Any) -> Hashable:
+    try:
+        hash(x)
+    except TypeError:
+        return repr(x)
+    return x
