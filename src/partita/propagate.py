@@ -21,11 +21,19 @@ Invariants and conflict resolution (in the order they apply):
    then the larger tensor, then the earlier tensor (operands in order, then results).
    Need-replication and size-1 factors get no axes.
 5. **Choosing between factors that want the same mesh axis.** A mesh axis shards at most one
-   factor of an op. Factors claim axes in order of best priority, then *support* (the total
-   size of the tensors proposing exactly the winning axes), then first appearance; a factor
-   keeps the prefix of its axes up to the first axis already taken. (This is what makes a
-   gradient matmul under FSDP reduce over the batch axis and reduce-scatter into the
-   parameter's sharding, and what makes T19 gather the smaller operand.) Two groups claim
+   factor of an op. Factors claim axes in order of best priority, then *activation first*
+   (a factor some computed operand proposes beats one that only *stored* values, the
+   program's inputs and their views, casts and annotations, or the results propose), then
+   *support* (the total size of the tensors proposing exactly the winning axes), then first
+   appearance; a factor keeps the prefix of its axes up to the first axis already taken.
+   Activation first is FSDP's rule, "parameters are gathered, activations stay batch-split":
+   a parameter's spec says how it is stored between steps, so when a weight split over
+   ``data`` meets a batch-split activation the batch keeps ``data`` and the weight is
+   gathered, however large the weight (GSPMD and Shardy also keep the data-parallel axis on
+   the batch; by size alone a vocabulary-sized head weight would split the logits'
+   vocabulary and the loss would move them back). Support is what makes a gradient matmul
+   under FSDP reduce over the batch axis and reduce-scatter into the parameter's sharding,
+   and what makes T19 (program inputs only) gather the smaller operand. Two groups claim
    late: the rows of a table lookup (an embedding's vocabulary: under FSDP the lookup follows
    the batch of its indices and the table is gathered, rather than the batch being gathered
    for a masked lookup), and factors only the results have (they are computed whole).

@@ -4,9 +4,10 @@ Every tensor of the op that already has a sharding proposes, for each factor of 
 dims, the mesh axes that dim carries (a compound dim's axes are split over its factors, major
 first). :func:`choose_assignment` picks one proposal per factor (best priority, then larger
 tensor, then earlier tensor), lets factors claim mesh axes in rank order (one factor per mesh
-axis), moves axes proposed for need-replication factors to a free factor, and returns
-``{factor: mesh axes}`` with each factor's priority. :func:`merge_axes` turns an assignment
-back into the mesh axes of one dim.
+axis; priority, then factors a computed operand proposes before those only stored values or
+results propose, then support), moves axes proposed for need-replication factors to a free
+factor, and returns ``{factor: mesh axes}`` with each factor's priority. :func:`merge_axes`
+turns an assignment back into the mesh axes of one dim.
 
 This module reads the propagation state; it never changes it (``partita.propagate`` does).
 """
@@ -22,7 +23,10 @@ from partita.rules import FactorKind
 
 __all__ = ["choose_assignment", "merge_axes", "split_axes"]
 
-Proposal = tuple[int, int, int, tuple[str, ...]]  # (priority, -numel, order, mesh axes)
+# (priority, -numel, order, mesh axes, proposed by a computed operand)
+Proposal = tuple[int, int, int, tuple[str, ...], bool]
+# (priority, no computed operand proposes, -support, rank, factor, mesh axes)
+Ranked = tuple[int, bool, int, int, str, tuple[str, ...]]
 
 
 def split_axes(
@@ -67,6 +71,7 @@ def choose_assignment(
     rule = op.rule
     proposals: dict[str, list[Proposal]] = {}
     order = 0
+    n_operands = len(rule.operands)
     for factors, key in zip(
         (*rule.operands, *rule.results), (*op.operands, *op.results), strict=True
     ):
@@ -81,15 +86,19 @@ def choose_assignment(
                 continue
             for f, fa in split_axes(mesh, dim_axes, dim, rule.sizes).items():
                 if fa:
-                    proposals.setdefault(f, []).append((v.priority, -v.numel, order, fa))
-    best: list[tuple[int, int, int, str, tuple[str, ...]]] = []
+                    proposals.setdefault(f, []).append(
+                        (v.priority, -v.numel, order, fa, order <= n_operands and not v.stored)
+                    )
+    best: list[Ranked] = []
     for rank, f in enumerate(rule.factors):
         props = proposals.get(f)
         if not props or rule.sizes[f] <= 1 or rule.kind(f) is FactorKind.NEED_REPLICATION:
             continue
-        prio, _, _, axes = min(props)
-        support = sum(-p[1] for p in props if p[3] == axes)
-        best.append((prio, -support, rank, f, axes))
+        prio, _, _, axes, _ = min(props)
+        backers = [p for p in props if p[3] == axes]
+        support = sum(-p[1] for p in backers)
+        no_activation = not any(p[4] for p in backers)
+        best.append((prio, no_activation, -support, rank, f, axes))
     assign: dict[str, tuple[str, ...]] = {}
     prio_of: dict[str, int] = {}
     taken: set[str] = set()
@@ -97,24 +106,24 @@ def choose_assignment(
     # Factors the operands carry claim axes first, then need-replication axes move
     # (invariant 9), then factors only the results have (they are computed whole).
     late = op.result_only | op.weak
-    _claim(mesh, op, [b for b in ranked if b[3] not in late], assign, prio_of, taken)
+    _claim(mesh, op, [b for b in ranked if b[4] not in late], assign, prio_of, taken)
     _move_replicated_axes(mesh, op, proposals, assign, prio_of, taken)
-    _claim(mesh, op, [b for b in ranked if b[3] in op.weak], assign, prio_of, taken)
-    _claim(mesh, op, [b for b in ranked if b[3] in op.result_only], assign, prio_of, taken)
+    _claim(mesh, op, [b for b in ranked if b[4] in op.weak], assign, prio_of, taken)
+    _claim(mesh, op, [b for b in ranked if b[4] in op.result_only], assign, prio_of, taken)
     return assign, prio_of
 
 
 def _claim(
     mesh: Mesh,
     op: OpState,
-    ranked: list[tuple[int, int, int, str, tuple[str, ...]]],
+    ranked: list[Ranked],
     assign: dict[str, tuple[str, ...]],
     prio_of: dict[str, int],
     taken: set[str],
 ) -> None:
     """Invariant 5: factors take their axes in rank order, up to the first taken axis."""
     rule = op.rule
-    for prio, _, _, f, axes in ranked:
+    for prio, _, _, _, f, axes in ranked:
         keep: list[str] = []
         for a in axes:
             if a in taken:
@@ -143,7 +152,7 @@ def _move_replicated_axes(
         props = proposals.get(f)
         if not props or rule.kind(f) is not FactorKind.NEED_REPLICATION:
             continue
-        prio, _, _, axes = min(props)
+        prio, _, _, axes, _ = min(props)
         keep: list[str] = []
         for a in axes:
             if a in taken:

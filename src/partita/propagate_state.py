@@ -51,6 +51,7 @@ class ValueState:
     reduce_op: str = "sum"
     priority: int = 1 << 30
     fixed: bool = False
+    stored: bool = False  # a program input, or a view or cast of one (_mark_stored)
     # Partially manual regions: a body value never takes its region's manual axes (banned); a
     # value crossing the region's boundary keeps its spec's manual axes first on each dim.
     banned: frozenset[str] = frozenset()
@@ -71,6 +72,17 @@ class OpState:
 
 def _is_annotation(node: fx.Node) -> bool:
     return "annotation" in node.meta
+
+
+#: Ops that give their operand's data unchanged but for its dtype or memory.
+_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default)
+
+
+def _keeps_the_data(node: fx.Node) -> bool:
+    """An annotation, a view (transpose, detach...) or a copy/cast: its result is its operand's
+    data, so a program input stays *stored* through it (``ProgramState._mark_stored``)."""
+    target = node.target
+    return _is_annotation(node) or target in _COPIES or bool(getattr(target, "is_view", False))
 
 
 class ProgramState:
@@ -116,6 +128,7 @@ class ProgramState:
                     n_in = sum(1 for k in self.values if k[0].op == "placeholder")
                     check_strided(val, f"Input tensor {n_in} ({node.name}) of the program")
                     self._add_value((node, None), val)
+                    self.values[(node, None)].stored = True
             elif node.op == "call_function" and node.target is operator.getitem:
                 src, idx = node.args
                 if isinstance(src, fx.Node) and isinstance(src.meta.get("val"), (tuple, list)):
@@ -131,6 +144,24 @@ class ProgramState:
             for k in (*op.operands, *op.results):
                 if k is not None:
                     self.users.setdefault(k, []).append(i)
+        self._mark_stored()
+
+    def _mark_stored(self) -> None:
+        """Mark the program's inputs, and their views, casts and annotations, as *stored*
+        (``ValueState.stored``).
+
+        A stored value's sharding says how it is kept between steps (an FSDP parameter split
+        over ``data``), not how the work on it is split; invariant 5 of ``partita.propagate``
+        lets a computed operand's factor claim a mesh axis before it. Ops are in graph order,
+        so one pass sees every operand before its users."""
+        for op in self.ops:
+            keys = [k for k in op.operands if k is not None]
+            if not (keys and op.rule.is_pass_through and _keeps_the_data(op.node)):
+                continue
+            if all(self.values[k].stored for k in keys):
+                for k in op.results:
+                    if k is not None:
+                        self.values[k].stored = True
 
     def _add_op(self, node: fx.Node) -> None:
         val = node.meta.get("val")
