@@ -308,6 +308,8 @@ def jit(
         mesh: the device mesh.
         in_specs: a P (or None) per positional argument, or a matching pytree prefix. Plain
             tensors without a spec are replicated; ShardedTensors keep their sharding.
+            Broadcast once per argument structure: to change it, assign a new object to
+            ``.in_specs`` (an in-place edit of the same dict is not seen).
         out_specs: the same for the results (None lets propagation decide).
         strict: raise instead of warning on an involuntary full rematerialization.
         replicate_unsupported: run ops without a sharding rule on gathered inputs.
