@@ -1,5 +1,5 @@
 """Rules of ops that only move or relabel elements: reshape/view, squeeze, permute, transpose,
-expand, diagonal, repeat, narrow_copy, view_as_complex/real.
+expand, diagonal, repeat, view_as_complex/real (narrow_copy is a slice: rules/slicing.py).
 
 Reshape uses a generic shape-matching algorithm (:func:`reshape_factors`): size-1 dims carry no
 factor; the remaining dims of input and output are cut into minimal groups of equal product;
@@ -26,7 +26,6 @@ from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
-from partita.rules.slicing import contiguous_part
 
 __all__ = ["expand_rule", "permute_rule", "reshape_factors", "reshape_rule"]
 
@@ -226,17 +225,6 @@ def repeat_rule(info: OpInfo) -> FactorRule:
         else:
             rep.append(f)
     return build(info, [names], [res], need_replication=rep)
-
-
-@register_rule(*aten_ops(["narrow_copy.default"]))
-def narrow_copy_rule(info: OpInfo) -> FactorRule:
-    """``a b -> a b; windowed=b; handler=retile`` for ``narrow_copy(x, 1, 2, 3)`` (as
-    ``narrow``, ``slicing.contiguous_part``); ``a b -> a b`` when it keeps the whole dim."""
-    (x,) = info.operands
-    d = norm_dim(info.arg("dim"), x.ndim)
-    part = contiguous_part(info, d)
-    names = Names().take(x.ndim)
-    return part if part is not None else build(info, [names], [names])
 
 
 @register_rule(*aten_ops(["view_as_complex.default"]))

@@ -50,9 +50,10 @@ def contiguous_part(info: OpInfo, dim: int, step: int = 1) -> FactorRule | None:
     return build(info, [names, *rest], [names], windowed=[names[dim]], handler=HandlerName.RETILE)
 
 
-@register_rule(*aten_ops(["narrow.default", "slice.Tensor"]))
+@register_rule(*aten_ops(["narrow.default", "narrow_copy.default", "slice.Tensor"]))
 def slice_rule(info: OpInfo) -> FactorRule:
-    """``a b -> a b; windowed=b; handler=retile`` for ``x[:, 4:36]`` or ``x.narrow(1, 4, 32)``;
+    """``a b -> a b; windowed=b; handler=retile`` for ``x[:, 4:36]`` or ``x.narrow(1, 4, 32)``
+    (``narrow_copy`` alike); ``a c`` with ``need-replication=b`` for an empty part;
     ``a b -> a c; need-replication=b`` for ``x[:, ::2]``; ``a b -> a b`` for a full slice."""
     x = info.operands[0]
     dim = norm_dim(info.arg("dim", 0), x.ndim)
