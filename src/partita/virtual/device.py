@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from partita.errors import VirtualDeviceError
+from partita.virtual import attention
 
 __all__ = [
     "DEVICE_NAME",
@@ -170,6 +171,9 @@ def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Ten
     lib.impl("empty_strided", _empty_strided, "PrivateUse1")
     for overload in ("arange", "arange.start", "arange.start_step"):
         lib.impl(overload, _arange, "PrivateUse1")
+    # One attention op in the recording rather than PyTorch's math decomposition (see
+    # partita.virtual.attention); at the autograd key, so autograd records its derivative.
+    lib.impl("scaled_dot_product_attention", attention.sdpa, "AutogradPrivateUse1")
     _LIBRARY.append(lib)  # kept alive: dropping the Library deregisters the kernels
 
 

@@ -1,0 +1,137 @@
+"""The virtual device's recorded program against ``train_step``'s, and attention on the device.
+
+The loop records eager autograd and ``torch.optim``'s kernels, ``train_step`` traces its own
+functional step; both must become programs that move no more bytes. Attention is where they
+used to differ: PyTorch runs ``F.scaled_dot_product_attention`` on a device without a fused
+kernel through its math decomposition, whose ``(batch heads)`` reshape cost an all-gather per
+attention reshape. Every result is checked against the same code run eagerly on the CPU.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import partita
+from partita import Mesh, P
+from partita.models import GPT, GPTConfig
+from partita.virtual import recording
+from partita.virtual import step as vstep
+
+MESH = Mesh.create((2, 4), ("data", "model"))
+CFG = GPTConfig(n_layer=1, n_head=4, d_model=32, vocab_size=64, seq_len=16, bias=False)
+
+
+@pytest.fixture(scope="module")
+def dev() -> torch.device:
+    return partita.use_spmd(MESH)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _recorded_ops() -> list[str]:
+    return [str(op) for op, *_ in recording.current().ops]
+
+
+def test_the_loop_moves_no_more_than_train_step(dev: torch.device) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len), generator=g)
+    y = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len), generator=g)
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    model = copy.deepcopy(ref)
+    twin = copy.deepcopy(ref)
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
+    step = partita.train_step(
+        twin, _loss, opt, mesh=MESH, shard="fsdp+tp", batch_spec=P("data", None)
+    )
+    expected = step.lower((x, y))
+
+    model = model.to(dev)
+    for name, spec in partita.presets.param_specs("fsdp+tp", model, MESH).items():
+        partita.mark_sharding(model.get_parameter(name), MESH, spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    vstep._CACHE.clear()
+    xd, yd = x.to(dev), y.to(dev)
+    partita.mark_sharding(xd, MESH, P("data", None))
+    loss = _loss(model(xd), yd)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    attention_ops = _recorded_ops().count("partita.sdpa.default")
+    partita.sync()
+    (program,) = vstep._CACHE.values()
+    plan = program.compiled.plan
+
+    # Before the attention kernel, this 1-layer GPT's loop had 4 all-gathers over "model" more
+    # than train_step (the merged (batch heads) reshapes of the math decomposition).
+    counts, limit = plan.counts(), expected.counts()
+    assert all(counts.get(k, 0) <= n for k, n in limit.items()), (
+        plan.summary(),
+        expected.summary(),
+    )
+    assert set(counts) <= set(limit), (plan.summary(), expected.summary())
+    assert plan.bytes_per_device <= expected.bytes_per_device, (
+        plan.summary(),
+        expected.summary(),
+    )
+    assert attention_ops == CFG.n_layer
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    ref_loss = _loss(ref(x), y)
+    ref_loss.backward()
+    ref_opt.step()
+    torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=1e-5, atol=1e-5)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.cpu(), q.detach(), rtol=1e-5, atol=1e-5)
+
+
+def _attention_case(
+    dev: torch.device, heads_kv: int = 4, **kwargs: object
+) -> tuple[list[str], list[torch.Tensor], list[torch.Tensor]]:
+    """Forward and backward of one attention call on the device and eagerly on the CPU."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 8, 16, generator=g)
+    k = torch.randn(2, heads_kv, 8, 16, generator=g)
+    v = torch.randn(2, heads_kv, 8, 16, generator=g)
+    eager = [t.clone().requires_grad_() for t in (q, k, v)]
+    on_dev = [t.to(dev).requires_grad_() for t in (q, k, v)]
+    w = torch.randn(2, 4, 8, 16, generator=g)
+    out = F.scaled_dot_product_attention(*eager, **kwargs)
+    (out * w).sum().backward()
+    dout = F.scaled_dot_product_attention(*on_dev, **kwargs)
+    (dout * w.to(dev)).sum().backward()
+    ops = _recorded_ops()
+    got = [dout.cpu(), *(t.grad.cpu() for t in on_dev)]
+    want = [out.detach(), *(t.grad for t in eager)]
+    return ops, got, want
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"is_causal": True},
+        {"attn_mask": torch.ones(8, 8, dtype=torch.bool).tril(), "scale": 0.3},
+    ],
+    ids=["causal", "bool-mask"],
+)
+def test_attention_is_recorded_as_one_op(dev: torch.device, kwargs: dict) -> None:
+    ops, got, want = _attention_case(dev, **kwargs)
+    assert ops.count("partita.sdpa.default") == 1
+    assert ops.count("partita.sdpa_backward.default") == 1
+    assert "aten.bmm.default" not in ops
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_the_flash_kernel_does_not_take_runs_decomposed(dev: torch.device) -> None:
+    # Grouped-query broadcasting (2 key/value heads for 4 query heads) is the math path's.
+    ops, got, want = _attention_case(dev, heads_kv=2, is_causal=True, enable_gqa=True)
+    assert "partita.sdpa.default" not in ops
+    assert "aten.bmm.default" in ops
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
