@@ -604,3 +604,31 @@ def test_linalg_error_checks_are_not_captured() -> None:
     assert not any("check_errors" in t for t in targets), targets
     out = partita.jit(torch.linalg.inv, mesh=mesh, in_specs=(P("x", None, None),))(a)
     torch.testing.assert_close(out.full(), torch.linalg.inv(a), rtol=1e-4, atol=1e-5)
+
+
+def test_trace_pauses_the_garbage_collector_and_restores_it():
+    """gc_pause: no cyclic collection while tracing, the caller's setting back afterwards, also
+    when the trace fails (a collector left off would grow every later process's memory)."""
+    import gc
+
+    seen: list[bool] = []
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return x.sin()
+
+    def bad(x: torch.Tensor) -> torch.Tensor:
+        seen.append(gc.isenabled())
+        return 2.0
+
+    assert gc.isenabled()
+    trace(fn, (torch.ones(3),))
+    with pytest.raises(CaptureError, match="returned float 2.0"):
+        trace(bad, (torch.ones(3),))
+    assert seen == [False, False] and gc.isenabled()
+    gc.disable()
+    try:
+        trace(fn, (torch.ones(3),))
+        assert not gc.isenabled()  # a caller's disabled collector stays disabled
+    finally:
+        gc.enable()

@@ -28,6 +28,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from partita import capture
+from partita.capture.gc_pause import gc_paused
 from partita.capture.module import ModuleInputs
 from partita.capture.trace import input_path
 from partita.errors import JitArgumentError, RecompileWarning, warn
@@ -168,21 +169,25 @@ class Jitted:
         targs, tkwargs = pytree.tree_unflatten(trace_leaves, pytree.tree_structure((args, kwargs)))
         n_args = pytree.tree_structure(args).num_leaves
         specs = trace_specs(shardings)
-        prog = capture.trace(
-            fn,
-            tuple(targs),
-            tkwargs,
-            in_specs=tuple(pytree.tree_unflatten(specs[:n_args], pytree.tree_structure(args))),
-            out_specs=self.out_specs,
-            mesh=self.mesh,
-        )
-        # Keyword tensors carry no annotation: propagation chooses their sharding.
-        propagate(prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported)
-        with collectives_mode(self.collectives):
-            local, plan = partition(
-                prog.graph_module, self.mesh, strict=self.strict, regather=self.regather
+        # The three stages build graphs that all live on: no cyclic GC in between (gc_pause).
+        with gc_paused():
+            prog = capture.trace(
+                fn,
+                tuple(targs),
+                tkwargs,
+                in_specs=tuple(pytree.tree_unflatten(specs[:n_args], pytree.tree_structure(args))),
+                out_specs=self.out_specs,
+                mesh=self.mesh,
             )
-        plan.program_text = format_program(prog.graph_module)
+            # Keyword tensors carry no annotation: propagation chooses their sharding.
+            propagate(
+                prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported
+            )
+            with collectives_mode(self.collectives):
+                local, plan = partition(
+                    prog.graph_module, self.mesh, strict=self.strict, regather=self.regather
+                )
+            plan.program_text = format_program(prog.graph_module)
         (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
         shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
         compiled = Compiled(

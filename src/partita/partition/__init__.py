@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partita.capture.gc_pause import gc_paused
 from partita.layout import local_shape
 from partita.mesh import Mesh
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
@@ -56,11 +57,12 @@ def partition(
     the backward (less memory, more bytes: ``partition.regather``); ``None`` reads
     ``PARTITA_REGATHER`` (default off: kept from forward to backward).
     """
-    local, plan = Lowering(gm, mesh, strict=strict).run()
-    if regather_setting(regather):
-        regather_gathered(local, plan)
-    bucket_collectives(local, plan, bucket_bytes_setting(bucket_bytes))
-    plan.local_program, plan.local_inputs = local, _local_inputs(gm, plan)
+    with gc_paused():  # the lowering's nodes and records all live on: see capture.gc_pause
+        local, plan = Lowering(gm, mesh, strict=strict).run()
+        if regather_setting(regather):
+            regather_gathered(local, plan)
+        bucket_collectives(local, plan, bucket_bytes_setting(bucket_bytes))
+        plan.local_program, plan.local_inputs = local, _local_inputs(gm, plan)
     return local, plan
 
 
