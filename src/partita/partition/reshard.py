@@ -49,6 +49,7 @@ is true. This module does not warn or raise about it (the partitioner does, unde
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -333,13 +334,20 @@ def plan_reshard(src: Sharding, dst: Sharding, shape: Sequence[int]) -> list[Res
     dst.check_shape(shape)
     if src == dst:
         return []
+    return list(_cheapest_plan(src, dst, shape))
+
+
+@functools.lru_cache(maxsize=4096)
+def _cheapest_plan(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tuple[ReshardStep, ...]:
+    """The plan of :func:`plan_reshard` (memoised: a program reshards the same shapes the same
+    way once per layer; the steps are frozen, so sharing them is safe)."""
     steps = _Planner(src, dst, shape).run()
     pieces = plan_permute_pieces(src, dst, shape)
     count = [sum(s.is_collective for s in plan) for plan in (pieces or [], steps)]
     same = pieces and math.prod(pieces[-1].out_local_shape) == math.prod(pieces[0].in_local_shape)
     if same and count[0] <= count[1] and _bytes_hint(pieces) < _bytes_hint(steps):
-        return pieces
-    return steps
+        return tuple(pieces)
+    return tuple(steps)
 
 
 def plan_permute_pieces(
