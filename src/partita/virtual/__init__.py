@@ -108,10 +108,28 @@ def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> 
         raise TypeError(f"partita.use_spmd needs a partita.Mesh, got {type(mesh).__name__}")
     register(_factory, new_data)
     activate()
+    _use_foreach_kernels()
     set_mesh(mesh)
     if cache_dir is not None:
         disk_cache.set_directory(cache_dir)
     return torch.device("spmd", 0)
+
+
+def _use_foreach_kernels() -> None:
+    """Let ``torch.optim`` pick its foreach kernels for the device's parameters by default, as
+    it does on any accelerator that has them.
+
+    torch.optim takes them only for parameters whose type is exactly ``Tensor`` or
+    ``Parameter`` (``optimizer._foreach_supported_types``), which the device's tensor subclass
+    is not; it then runs one op per parameter per update (AdamW: about ten per parameter), and
+    recording those was most of a step's recording time. The recorded foreach ops are replayed
+    per tensor (:mod:`partita.virtual.lift`), so the program is the same.
+    """
+    from torch.optim import optimizer
+
+    types = getattr(optimizer, "_foreach_supported_types", None)
+    if isinstance(types, list) and LazyTensor not in types:
+        types.append(LazyTensor)
 
 
 _register_early()

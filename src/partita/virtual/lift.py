@@ -75,6 +75,8 @@ _REPLAY: dict[Any, tuple[frozenset[int | str], Callable[..., torch.Tensor]]] = {
     aten.div.Scalar: (frozenset({1}), _binary(aten.div.Tensor)),
     aten.add.Tensor: (frozenset({1, "alpha"}), _add_alpha(aten.add.Tensor, 1.0)),
     aten.sub.Tensor: (frozenset({1, "alpha"}), _add_alpha(aten.sub.Tensor, -1.0)),
+    aten.add.Scalar: (frozenset({1, "alpha"}), _add_alpha(aten.add.Tensor, 1.0)),
+    aten.sub.Scalar: (frozenset({1, "alpha"}), _add_alpha(aten.sub.Tensor, -1.0)),
     aten.addcdiv.default: (frozenset({"value"}), _addc(torch.div)),
     aten.addcmul.default: (frozenset({"value"}), _addc(torch.mul)),
     aten.lerp.Scalar: (frozenset({2}), _lerp),
@@ -87,6 +89,8 @@ _INPLACE = {
     aten.div_.Scalar: aten.div.Scalar,
     aten.add_.Tensor: aten.add.Tensor,
     aten.sub_.Tensor: aten.sub.Tensor,
+    aten.add_.Scalar: aten.add.Scalar,
+    aten.sub_.Scalar: aten.sub.Scalar,
     aten.addcdiv_.default: aten.addcdiv.default,
     aten.addcmul_.default: aten.addcmul.default,
     aten.lerp_.Scalar: aten.lerp.Scalar,
@@ -120,12 +124,109 @@ def liftable_positions(func: Any) -> frozenset[int | str]:
         >>> sorted(map(str, liftable_positions(torch.ops.aten.addcdiv_.default)))
         ['value']
     """
+    foreach = _foreach(func)
+    if foreach is not None:
+        return foreach[1]
     entry = _REPLAY.get(_INPLACE.get(func, func))
     return entry[0] if entry else frozenset()
 
 
+# --- torch.optim's foreach kernels: one op over a list of tensors ----------------------------
+
+#: The per-tensor op of each ``_foreach_*`` overload whose floats can be lifted (the others
+#: run their per-tensor op through its packet, which picks the overload); by the foreach
+#: overload's name: ``.Scalar`` takes one number, ``.ScalarList`` one per tensor, ``.List`` a
+#: second list of tensors.
+_FOREACH_ELEMENT: dict[tuple[str, str], Any] = {
+    **{
+        (n, o): getattr(aten, n).Scalar
+        for n in ("mul", "div", "add", "sub")
+        for o in ("Scalar", "ScalarList")
+    },
+    ("add", "List"): aten.add.Tensor,
+    ("sub", "List"): aten.sub.Tensor,
+    **{
+        (n, o): getattr(aten, n).default
+        for n in ("addcdiv", "addcmul")
+        for o in ("Scalar", "ScalarList")
+    },
+    ("lerp", "Scalar"): aten.lerp.Scalar,
+    ("lerp", "ScalarList"): aten.lerp.Scalar,
+}  # fmt: skip
+_FOREACH_PREFIX = "aten::_foreach_"
+_FOREACH_INFO: dict[Any, Any] = {}
+
+
+def _foreach(func: Any) -> tuple[Any, frozenset[int | str], Any, bool] | None:
+    """For a ``_foreach_*`` overload: (its per-tensor op, or packet when no float of it is
+    lifted; the foreach arguments whose floats are lifted; the per-tensor op's schema arguments
+    or None; whether it updates its first list in place); None for any other op."""
+    if func in _FOREACH_INFO:
+        return _FOREACH_INFO[func]
+    schema = getattr(func, "_schema", None)
+    info = None
+    if schema is not None and schema.name.startswith(_FOREACH_PREFIX):
+        base = schema.name.removeprefix(_FOREACH_PREFIX)
+        inplace = base.endswith("_")
+        element = _FOREACH_ELEMENT.get((base.rstrip("_"), func._overloadname))
+        lifted: set[int | str] = set()
+        if element is not None:
+            element_lifted = _REPLAY[element][0]
+            if inplace:
+                element = getattr(
+                    getattr(aten, element._schema.name.split("::")[1] + "_"), element._overloadname
+                )
+            # The i-th foreach argument is the i-th per-tensor argument (self, other, value...).
+            for i, (fa, ea) in enumerate(
+                zip(schema.arguments, element._schema.arguments, strict=False)
+            ):
+                if i in element_lifted or ea.name in element_lifted:
+                    lifted.add(fa.name if fa.kwarg_only else i)
+            info = (element, frozenset(lifted), element._schema.arguments, inplace)
+        elif hasattr(aten, base):
+            info = (getattr(aten, base), frozenset(), None, inplace)
+        else:  # no in-place per-tensor op (``_foreach_maximum_``): compute, then write back
+            info = (_write_back(getattr(aten, base.rstrip("_"))), frozenset(), None, inplace)
+    _FOREACH_INFO[func] = info
+    return info
+
+
+def _write_back(op: Any) -> Callable[..., torch.Tensor]:
+    def run(a: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return a.copy_(op(a, *args, **kwargs))
+
+    return run
+
+
+def _replay_foreach(info: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A ``_foreach_*`` op as its per-tensor op on each tensor of its lists (capture has no
+    foreach ops to propagate: each tensor of the list gets its own sharding)."""
+    element, _, element_args, inplace = info
+    n = next(len(a) for a in args if isinstance(a, (list, tuple)))
+
+    def pick(a: Any, i: int) -> Any:
+        return a[i] if isinstance(a, (list, tuple)) else a
+
+    results = []
+    for i in range(n):
+        args_i = [pick(a, i) for a in args]
+        kwargs_i = {k: pick(v, i) for k, v in kwargs.items()}
+        if element_args is None:
+            results.append(element(*args_i, **kwargs_i))
+            continue
+        # Positional foreach arguments that are keyword-only in the per-tensor op (value=).
+        for j in range(len(args_i) - 1, -1, -1):
+            if j < len(element_args) and element_args[j].kwarg_only:
+                kwargs_i[element_args[j].name] = args_i.pop(j)
+        results.append(replay_op(element, tuple(args_i), kwargs_i))
+    return None if inplace else results
+
+
 def replay_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run ``func`` where some Python floats of its arguments are 0-dim tensors now."""
+    foreach = _foreach(func)
+    if foreach is not None:
+        return _replay_foreach(foreach, args, kwargs)
     functional = _INPLACE.get(func)
     entry = _REPLAY.get(functional or func)
     if entry is None or not any(

@@ -301,8 +301,10 @@ def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     info = op_info(func)
     lifted = info.lifted
     like = torch.float64
-    if lifted and isinstance(args[0], torch.Tensor) and args[0].is_floating_point():
-        like = args[0].dtype  # a Python number meets a float tensor in the tensor's dtype
+    if lifted:
+        first = args[0][0] if type(args[0]) in (list, tuple) and args[0] else args[0]  # foreach
+        if isinstance(first, torch.Tensor) and first.is_floating_point():
+            like = first.dtype  # a Python number meets a float tensor in the tensor's dtype
     targs = tuple(rec.template(a, i in lifted, like) for i, a in enumerate(args))
     tkwargs = tuple((k, rec.template(v, k in lifted, like)) for k, v in kwargs.items())
     if lifted:

@@ -118,7 +118,7 @@ def _meta_key(x: Any, lifted: bool = False) -> Any:
     if isinstance(x, torch.Tensor):
         return ("C", tuple(x.shape), x.stride(), x.dtype)
     if isinstance(x, (list, tuple)):
-        return tuple(_meta_key(v) for v in x)
+        return tuple(_meta_key(v, lifted) for v in x)  # a foreach op's list of lifted floats
     if lifted and type(x) is float:
         return "float"  # a lifted number never decides a shape
     hash(x)  # an unhashable argument: no memo (TypeError)
