@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from partita import checkpoint, data, distributed, presets
+import importlib
+
+from partita import data, distributed, presets
 from partita.api import mark_sharding
 from partita.distributed import is_main_process, process_count, process_index
 from partita.errors import (
@@ -140,9 +142,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    """``partita.plans``: the deprecated name of :mod:`partita.presets` (importing it warns)."""
-    if name == "plans":
-        from partita import plans
+    """Modules loaded on first use.
 
-        return plans
+    ``partita.checkpoint`` imports ``torch.distributed.checkpoint``, about a quarter of
+    ``import partita``'s time (every process of a job pays it), so it loads when first named.
+    ``partita.plans`` is the deprecated name of :mod:`partita.presets` (importing it warns).
+    """
+    if name == "checkpoint":
+        return importlib.import_module("partita.checkpoint")
+    if name == "plans":
+        return importlib.import_module("partita.plans")
     raise AttributeError(f"module 'partita' has no attribute {name!r}")
