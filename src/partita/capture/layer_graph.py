@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, fx
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 __all__ = ["LAYER_CALL_OP", "LayerGraph", "inline_layer_calls", "split_joint"]
 
@@ -72,7 +73,16 @@ def layer_call(key: int, inputs: list[Tensor]) -> list[Tensor]:
 
 @layer_call.register_fake
 def _(key: int, inputs: list[Tensor]) -> list[Tensor]:
-    return [torch.empty(s, dtype=d, device=dev) for s, d, dev in _GRAPHS[key].out_meta]
+    # Fake outputs made from meta tensors directly: a torch.empty per output dispatched through
+    # the fake mode costs as much as tracing an op, and a layer part has dozens of outputs.
+    mode = torch._guards.detect_fake_mode(inputs)
+    if mode is None:
+        return [torch.empty(s, dtype=d, device=dev) for s, d, dev in _GRAPHS[key].out_meta]
+    with unset_fake_temporarily():
+        metas = [torch.empty(s, dtype=d, device="meta") for s, d, _ in _GRAPHS[key].out_meta]
+    return [
+        FakeTensor(mode, m, dev) for m, (*_, dev) in zip(metas, _GRAPHS[key].out_meta, strict=True)
+    ]
 
 
 #: The placeholder op of a layer part in a program being traced.
