@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -304,3 +306,18 @@ def test_no_private_name_crosses_a_module() -> None:
                     if a.name.startswith("_")
                 ]
     assert crossing == []
+
+
+def test_import_partita_leaves_checkpointing_and_the_old_name_for_first_use() -> None:
+    """``import partita`` does not import torch.distributed.checkpoint (a quarter of the import,
+    paid by every process of a job); ``partita.checkpoint`` and the deprecated ``partita.plans``
+    still resolve on first use, in a fresh interpreter where nothing imported them before."""
+    code = (
+        "import sys, warnings, partita\n"
+        "assert 'torch.distributed.checkpoint' not in sys.modules, 'imported eagerly'\n"
+        "assert callable(partita.checkpoint.save) and callable(partita.checkpoint.load)\n"
+        "warnings.simplefilter('ignore', DeprecationWarning)\n"
+        "assert partita.plans.param_specs is partita.presets.param_specs\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
