@@ -98,6 +98,11 @@ _INPLACE = {
 
 
 _LERPS = (aten.lerp.Scalar, aten.lerp_.Scalar)
+_FOREACH_LERPS = frozenset(
+    getattr(getattr(aten, name), overload)
+    for name in ("_foreach_lerp", "_foreach_lerp_")
+    for overload in ("Scalar", "ScalarList")
+)
 
 
 def lift_extras(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
@@ -110,11 +115,15 @@ def lift_extras(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tup
         (('small', ('c', True)),)
     """
     if func is not _LERPS[0] and func is not _LERPS[1]:  # by identity: an op's hash is Python
-        return ()
+        if func not in _FOREACH_LERPS:
+            return ()
     weight = args[2] if len(args) > 2 else kwargs.get("weight")
-    if type(weight) is not float:
-        return ()
-    return (("small", ("c", abs(weight) < 0.5)),)
+    if type(weight) is float:
+        return (("small", ("c", abs(weight) < 0.5)),)
+    if isinstance(weight, (list, tuple)) and all(type(w) is float for w in weight):
+        # a foreach lerp's weight per tensor: one branch each (split per tensor at replay)
+        return (("small", ("c", tuple(abs(w) < 0.5 for w in weight))),)
+    return ()
 
 
 def liftable_positions(func: Any) -> frozenset[int | str]:
