@@ -40,6 +40,7 @@ __all__ = [
     "index_ranges",
     "local_shape",
     "replica_ids",
+    "shard_compact",
     "shard_tensor",
     "tile_assignment",
     "tile_coords",
@@ -149,6 +150,44 @@ def shard_tensor(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
     axes and the identity of ``reduce_op`` (0 for sum; the value itself for max and min) on the
     others, so that reducing over the partial axes gives the value back.
     """
+    mesh = sharding.mesh
+    compact = _per_mesh(value, sharding)
+    local = compact.shape[mesh.ndim :]
+    stacked = compact.expand(*mesh.shape, *local)
+    if sharding.partial and sharding.reduce_op == "sum":
+        keep = torch.zeros(mesh.shape, dtype=torch.bool, device=value.device)
+        index = tuple(0 if a in sharding.partial else slice(None) for a in mesh.axis_names)
+        keep[index] = True
+        keep = keep.reshape(list(mesh.shape) + [1] * len(local))
+        stacked = torch.where(
+            keep, stacked, torch.zeros((), dtype=value.dtype, device=value.device)
+        )
+    return stacked.reshape(mesh.size, *local).clone()
+
+
+def shard_compact(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
+    """The distinct tiles of a non-partial sharding: ``[*k, *local_shape]`` with ``k[i]`` the
+    size of mesh axis ``i`` if it splits a dim, else 1 (every device along it holds the same
+    tile). ``shard_tensor`` is this broadcast over the mesh and flattened.
+
+    A copy unless the value is replicated everywhere (then a view: no tile to cut).
+
+    Example:
+        >>> from partita.mesh import Mesh
+        >>> from partita.spec import P
+        >>> mesh = Mesh.create((2, 4), ("data", "model"))
+        >>> shard_compact(torch.zeros(8, 6), P("model").to_sharding(mesh, 2)).shape
+        torch.Size([1, 4, 2, 6])
+    """
+    if sharding.partial:
+        raise ValueError(f"shard_compact: {sharding} is partial; use shard_tensor.")
+    compact = _per_mesh(value, sharding)
+    return compact if sharding.is_replicated else compact.clone()
+
+
+def _per_mesh(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
+    """``[*k, *local_shape]``: the tiles, mesh axes that split nothing of size 1 (a view of
+    ``value`` where no padding or permute needs a copy)."""
     check_strided(value, "the value to shard")
     sharding.check_shape(value.shape)
     mesh = sharding.mesh
@@ -162,24 +201,15 @@ def shard_tensor(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
         padded = value
     sizes, names = _dims_layout(sharding, shape)
     split = padded.reshape(sizes)
-    # Mesh-axis entries to the front in mesh order, local dims after; then add size-1 dims for
-    # the mesh axes that split nothing and broadcast over them.
+    # Mesh-axis entries to the front in mesh order, local dims after; size-1 dims for the
+    # mesh axes that split nothing.
     split_entries = sorted(
         (i for i, n in enumerate(names) if n), key=lambda i: mesh.axis_index(names[i])
     )
     local_entries = [i for i, n in enumerate(names) if not n]
     per_mesh = split.permute((*split_entries, *local_entries))
     view_shape = [mesh.axis_size(a) if a in names else 1 for a in mesh.axis_names] + list(local)
-    stacked = per_mesh.reshape(view_shape).expand(*mesh.shape, *local)
-    if sharding.partial and sharding.reduce_op == "sum":
-        keep = torch.zeros(mesh.shape, dtype=torch.bool, device=value.device)
-        index = tuple(0 if a in sharding.partial else slice(None) for a in mesh.axis_names)
-        keep[index] = True
-        keep = keep.reshape(list(mesh.shape) + [1] * len(local))
-        stacked = torch.where(
-            keep, stacked, torch.zeros((), dtype=value.dtype, device=value.device)
-        )
-    return stacked.reshape(mesh.size, *local).clone()
+    return per_mesh.reshape(view_shape)
 
 
 def unshard_tensor(stacked: torch.Tensor, sharding: Sharding, shape: Sequence[int]) -> torch.Tensor:

@@ -46,10 +46,10 @@ from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
 from partita.errors import PartitaError
-from partita.layout import check_strided, shard_tensor
+from partita.layout import check_strided, shard_compact, shard_tensor
 from partita.mesh import Mesh
 from partita.runtime.compiled import stats_for
-from partita.runtime.segments import Segment, SegmentPlan, plan_segments, segment_error
+from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
 from partita.tensor import ShardedTensor
 
 __all__ = ["LocalMesh"]
@@ -99,20 +99,22 @@ class LocalMesh:
         into its devices' tiles as ``compiled.input_shardings`` says. Returns one
         ShardedTensor per output.
         """
-        stacked = []
+        values = []
         for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True):
             if isinstance(leaf, ShardedTensor):
                 if leaf.sharding != sharding:  # only if a plain spec and an annotation disagree
                     leaf = ShardedTensor.from_global(leaf.full(), sharding)
-                stacked.append(leaf.stacked)
-            elif sharding.is_replicated:
-                # A stride-0 view: the executor keeps it unbatched, so work on replicated
-                # values (a data-parallel optimizer update) runs once, not once per device.
-                stacked.append(leaf.unsqueeze(0).expand(self.mesh.size, *leaf.shape))
+                # Rows along a replicated axis hold the same tile (what ``full`` reads back
+                # from replica 0), so only replica 0 of each is read.
+                values.append(self._compact(leaf.stacked, sharding.replicated_axes))
+            elif not sharding.partial:
+                # Only the distinct tiles: the work on a value replicated along an axis (a
+                # data-parallel optimizer update) runs once per tile, not once per device.
+                values.append(self._axes_value(shard_compact(leaf, sharding)))
             else:
-                stacked.append(shard_tensor(leaf, sharding))
+                values.append(self._compact(shard_tensor(leaf, sharding)))
         compile_programs = getattr(compiled, "compile_programs", False)
-        outs = self.run(compiled.local, stacked, compile_programs=compile_programs)
+        outs = self._execute(compiled.local, values, compile_programs)
         return [
             ShardedTensor.from_stacked(o, s, shape)
             for o, s, shape in zip(
@@ -131,46 +133,51 @@ class LocalMesh:
         ``compile_programs`` runs each segment compiled by Inductor (``runtime.compiled``;
         the cost is recorded in ``runtime.compiled.stats_for(gm)``).
         """
-        plan = self._plans.get(gm)
-        if plan is None:
-            plan = self._plans[gm] = plan_segments(gm)
+        plan = self._plan(gm)
         if len(stacked_inputs) != len(plan.placeholders):
             raise ValueError(
                 f"LocalMesh.run: the graph has {len(plan.placeholders)} inputs "
                 f"({', '.join(n.name for n in plan.placeholders)}), got {len(stacked_inputs)}."
             )
-        n = self.mesh.size
+        values = [
+            self._read_input(node, x)
+            for node, x in zip(plan.placeholders, stacked_inputs, strict=True)
+        ]
+        return self._execute(gm, values, compile_programs)
+
+    def _plan(self, gm: fx.GraphModule) -> SegmentPlan:
+        plan = self._plans.get(gm)
+        if plan is None:
+            plan = self._plans[gm] = plan_segments(gm)
+        return plan
+
+    def _execute(
+        self, gm: fx.GraphModule, values: list[tuple[Any, Axes]], compile_programs: bool
+    ) -> list[Any]:
+        plan = self._plan(gm)
+        ndim = self.mesh.ndim
         stats = stats_for(gm) if compile_programs else None
-        env: dict[fx.Node, tuple[Any, bool]] = {}
-        for node, x in zip(plan.placeholders, stacked_inputs, strict=True):
-            env[node] = self._read_input(node, x)
+        env: dict[fx.Node, Any] = dict(zip(plan.placeholders, values, strict=True))
         for step in plan.steps:
             if isinstance(step, Segment):
                 try:
-                    outs = step.run([env[i] for i in step.inputs], stats)
+                    outs = step.run([env[i] for i in step.inputs], ndim, stats)
                 except PartitaError:
                     raise
                 except Exception as e:
                     raise segment_error(step, e) from e
                 env.update(zip(step.outputs, outs, strict=True))
             elif step.target is operator.getitem:  # one member of a bucket's results
-                env[step] = env[step.args[0]][0][step.args[1]]
+                env[step] = env[step.args[0]][step.args[1]]
             else:
                 env[step] = self._run_mesh_op(step, env)
         leaves, _ = pytree.tree_flatten(plan.output)
-        results = []
-        for leaf in leaves:
-            if not isinstance(leaf, fx.Node):
-                results.append(leaf)
-                continue
-            value, b = env[leaf]
-            results.append(_broadcast(value, n) if isinstance(value, Tensor) and not b else value)
-        return results
+        return [self._stacked(*env[x]) if isinstance(x, fx.Node) else x for x in leaves]
 
-    def _read_input(self, node: fx.Node, x: Any) -> tuple[Any, bool]:
+    def _read_input(self, node: fx.Node, x: Any) -> tuple[Any, Axes]:
         n = self.mesh.size
         if not isinstance(x, Tensor):
-            return x, False
+            return x, (False,) * self.mesh.ndim
         check_strided(x, f"LocalMesh.run: input {node.name!r}")
         if x.dim() == 0 or x.shape[0] != n:
             raise ValueError(
@@ -179,20 +186,51 @@ class LocalMesh:
                 f"[{n}, *local_shape] (ShardedTensor.stacked), or t.expand({n}, *t.shape) for a "
                 f"value identical on every device."
             )
-        if n > 1 and x.stride(0) == 0:
-            return x[0], False
-        return x, True
+        return self._compact(x)
 
-    def _run_mesh_op(self, node: fx.Node, env: dict[fx.Node, tuple[Any, bool]]) -> tuple[Any, bool]:
+    def _compact(self, x: Tensor, same_along: Sequence[str] = ()) -> tuple[Tensor, Axes]:
+        """A stacked ``[n, *local]`` tensor as ``(value, axes)``: the mesh axes it varies
+        along kept as leading dims, the others (size 1, stride 0, or in ``same_along``) read
+        at index 0 (a view)."""
+        mesh = self.mesh
+        if x.stride(0) == 0:
+            return x[0], (False,) * mesh.ndim
+        y = x.view(*mesh.shape, *x.shape[1:])
+        same = {mesh.axis_index(a) for a in same_along}
+        axes = tuple(
+            mesh.shape[i] > 1 and y.stride(i) != 0 and i not in same for i in range(mesh.ndim)
+        )
+        if all(axes):
+            return y, axes
+        return y[tuple(slice(None) if v else 0 for v in axes)], axes
+
+    def _axes_value(self, y: Tensor) -> tuple[Tensor, Axes]:
+        """``[*k, *local]`` with ``k[i]`` 1 or ``mesh.shape[i]`` as ``(value, axes)``."""
+        mesh = self.mesh
+        axes = tuple(y.shape[i] > 1 for i in range(mesh.ndim))
+        return y[tuple(slice(None) if v else 0 for v in axes)], axes
+
+    def _stacked(self, value: Any, axes: Axes) -> Any:
+        """A ``(value, axes)`` as the stacked ``[n, *local]``: a view when it varies along
+        every axis or none (stride 0), a copy otherwise."""
+        mesh = self.mesh
+        if not isinstance(value, Tensor):
+            return value
+        if not any(axes):
+            return _broadcast(value, mesh.size)
+        k = sum(axes)
+        local = value.shape[k:]
+        if all(axes):
+            return value.reshape(mesh.size, *local)
+        ones = [mesh.shape[i] if v else 1 for i, v in enumerate(axes)]
+        full = value.reshape(*ones, *local).expand(*mesh.shape, *local)
+        return full.reshape(mesh.size, *local)
+
+    def _run_mesh_op(self, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
         from partita.runtime.stacked import STACKED_BUCKET_IMPLS, STACKED_IMPLS  # lazily
 
-        n = self.mesh.size
-
         def stacked(a: Any) -> Any:
-            if not isinstance(a, fx.Node):
-                return a
-            value, b = env[a]
-            return _broadcast(value, n) if isinstance(value, Tensor) and not b else value
+            return self._stacked(*env[a]) if isinstance(a, fx.Node) else a
 
         args, kwargs = pytree.tree_map(stacked, (node.args, node.kwargs))
         try:
@@ -203,16 +241,34 @@ class LocalMesh:
                 f"LocalMesh: mesh op {node.target} at node {node.name!r} failed on stacked "
                 f"inputs of shapes {[tuple(a.shape) for a in args if isinstance(a, Tensor)]}: {e}"
             ) from e
-        group_size = kwargs.get("group_size", args[-1]) if node.target in _REPLICATING_OPS else 0
+        bound = _bind(node)
+        group = {self.mesh.axis_index(a) for a in bound["mesh_axes"]}
+        ndim = self.mesh.ndim
+        if node.target in _REPLICATING_OPS:
+            # Every member of a group gets the same result: it varies along the axes its input
+            # varies along, less the group's.
+            def same(x: Any) -> list[str]:
+                axes = env[x][1]
+                return [self.mesh.axis_names[i] for i in range(ndim) if i in group or not axes[i]]
+        elif node.target is torch.ops.partita.collective_permute.default:
 
-        def unbatch(o: Tensor) -> tuple[Tensor, bool]:
-            if n > 1 and (group_size == n or o.stride(0) == 0):
-                return o[0], False
-            return o, True
+            def same(x: Any) -> list[str]:
+                return []
+        else:  # each member gets its own part: the input's axes and the group's
 
-        if isinstance(out, list):  # a bucket: (value, batched) per member
-            return [unbatch(o) for o in out], True
-        return unbatch(out)
+            def same(x: Any) -> list[str]:
+                axes = env[x][1] if isinstance(x, fx.Node) else (False,) * ndim
+                return [self.mesh.axis_names[i] for i in range(ndim) if not (i in group or axes[i])]
+
+        if isinstance(out, list):  # a bucket: (value, axes) per member
+            return [self._compact(o, same(x)) for o, x in zip(out, bound["xs"], strict=True)]
+        return self._compact(out, same(bound.get("x")))
+
+
+def _bind(node: fx.Node) -> dict[str, Any]:
+    """A mesh op node's arguments by schema name."""
+    names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
+    return {**dict(zip(names, node.args, strict=False)), **node.kwargs}  # trailing defaults
 
 
 def _broadcast(value: Tensor, n: int) -> Tensor:

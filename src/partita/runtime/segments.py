@@ -23,9 +23,18 @@ from partita.collectives import MESH_OPS
 from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import CompilerError, UnsupportedOpError
 from partita.runtime.compiled import CompileStats, compile_graph
+from partita.runtime.flat_matmul import fold_broadcast_bmms
 from partita.runtime.subgraph import copy_nodes
 
-__all__ = ["STEP_OPS", "Pattern", "Segment", "SegmentPlan", "plan_segments", "segment_error"]
+__all__ = [
+    "STEP_OPS",
+    "Axes",
+    "Pattern",
+    "Segment",
+    "SegmentPlan",
+    "plan_segments",
+    "segment_error",
+]
 
 aten = torch.ops.aten
 
@@ -36,7 +45,9 @@ _RANK_BOUND_FORMATS = (torch.channels_last, torch.channels_last_3d)
 # that the bucket's getitem nodes take apart (also outside vmap).
 STEP_OPS = frozenset((*MESH_OPS, *BUCKET_OPS))
 
-Pattern = tuple[bool, ...]  # batched or not, one flag per value
+#: The mesh axes one value varies along, one flag per mesh dim (``partita.runtime.local``).
+Axes = tuple[bool, ...]
+Pattern = tuple[Axes, ...]  # one Axes per value
 
 
 @dataclass
@@ -52,16 +63,20 @@ class Segment:
     inductor: dict[Hashable, Callable[..., Any]] = field(default_factory=dict)
 
     def run(
-        self, values: list[tuple[Any, bool]], compile_stats: CompileStats | None = None
-    ) -> list[tuple[Any, bool]]:
-        """Outputs ``(value, batched)`` for inputs ``(value, batched)``; with
-        ``compile_stats``, through Inductor (``runtime.compiled``), which it records."""
+        self,
+        values: list[tuple[Any, Axes]],
+        ndim: int,
+        compile_stats: CompileStats | None = None,
+    ) -> list[tuple[Any, Axes]]:
+        """Outputs ``(value, axes)`` for inputs ``(value, axes)`` on a mesh of ``ndim`` dims;
+        with ``compile_stats``, through Inductor (``runtime.compiled``), which it records."""
         args = [v for v, _ in values]
-        fn, out_pattern = self._vmapped(tuple(b for _, b in values))
+        pattern = tuple(a for _, a in values)
+        fn, out_pattern = self._vmapped(pattern, ndim)
         if compile_stats is not None:
             return list(
                 zip(
-                    self._compiled(fn, args, out_pattern, compile_stats)(*args),
+                    self._compiled(fn, args, pattern, out_pattern, compile_stats)(*args),
                     out_pattern,
                     strict=True,
                 )
@@ -69,7 +84,7 @@ class Segment:
         if fn is not self.gm:
             # The second run with the same signature traces vmap(segment) to a flat graph of
             # batched aten ops, which then runs without functorch's per-op overhead.
-            key = _signature(args, out_pattern)
+            key = _signature(args, pattern, out_pattern)
             if key is not None:
                 if key not in self.flat:
                     self.flat[key] = None  # seen once
@@ -80,12 +95,17 @@ class Segment:
         return list(zip(fn(*args), out_pattern, strict=True))
 
     def _compiled(
-        self, fn: Callable[..., Any], args: list[Any], out_pattern: Pattern, stats: CompileStats
+        self,
+        fn: Callable[..., Any],
+        args: list[Any],
+        pattern: Pattern,
+        out_pattern: Pattern,
+        stats: CompileStats,
     ) -> Callable[..., Any]:
         """The segment compiled for this signature: its flat batched graph (traced at once,
         not at the second run: compiling is the expensive part), or the segment itself when
         nothing is batched. A segment whose vmap cannot be traced flat stays uncompiled."""
-        key = _signature(args, out_pattern)
+        key = _signature(args, pattern, out_pattern)
         if key is None:
             return fn
         hit = self.inductor.get(key)
@@ -100,32 +120,69 @@ class Segment:
             self.inductor[key] = hit
         return hit
 
-    def _vmapped(self, pattern: Pattern) -> tuple[Callable[..., Any], Pattern]:
-        """The callable for inputs batched as ``pattern``, and which outputs are batched."""
+    def _vmapped(self, pattern: Pattern, ndim: int) -> tuple[Callable[..., Any], Pattern]:
+        """The callable for inputs varying along mesh axes as ``pattern`` says, and the axes
+        each output varies along: one ``vmap`` per mesh axis some input varies along, nested
+        in mesh order, so an input that varies along fewer axes is read once per the devices
+        it differs on (a value replicated over ``model`` is computed once per ``data`` row)."""
         hit = self.vmapped.get(pattern)
         if hit is not None:
             return hit
-        # Under vmap an op's result is batched exactly when one of its inputs is.
-        batched = dict(zip(self.inputs, pattern, strict=True))
+        # Under vmap an op's result varies along an axis exactly when one of its inputs does.
+        none = (False,) * ndim
+        varies = dict(zip(self.inputs, pattern, strict=True))
         for node in self.nodes:
-            batched[node] = any(batched.get(n, False) for n in node.all_input_nodes)
-        out_pattern = tuple(batched[n] for n in self.outputs)
+            ins = [varies.get(n, none) for n in node.all_input_nodes]
+            varies[node] = tuple(any(p[a] for p in ins) for a in range(ndim))
+        out_pattern = tuple(varies[n] for n in self.outputs)
         fn: Callable[..., Any] = self.gm
-        if any(pattern):
-            fn = torch.vmap(
-                self.gm,
-                in_dims=tuple(0 if b else None for b in pattern),
-                out_dims=tuple(0 if b else None for b in out_pattern),
-            )
+        for a in reversed(range(ndim)):  # the innermost vmap is the last mesh axis
+            if any(p[a] for p in pattern):
+                fn = _vmap_axis(
+                    fn,
+                    tuple(0 if p[a] else None for p in pattern),
+                    tuple(0 if p[a] else None for p in out_pattern),
+                )
         self.vmapped[pattern] = (fn, out_pattern)
         return fn, out_pattern
 
 
-def _signature(args: list[Any], out_pattern: Pattern) -> Hashable | None:
-    """What a traced flat graph depends on: every input's shape, strides, dtype and device."""
+class _Box:
+    """An output that does not vary along one vmap's axis, carried out of that vmap as is.
+
+    vmap refuses to return, with ``out_dims=None``, a tensor batched at *any* level; a value
+    that varies only along an outer mesh axis is batched at the outer level only, and is
+    right to leave the inner vmap unchanged."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+def _vmap_axis(
+    fn: Callable[..., Any], in_dims: tuple[int | None, ...], out_dims: tuple[int | None, ...]
+) -> Callable[..., Any]:
+    """``vmap(fn)`` over one mesh axis; the outputs with ``out_dims`` None pass through boxed."""
+
+    def boxed(*args: Any) -> tuple[Any, ...]:
+        outs = fn(*args)
+        return tuple(_Box(o) if d is None else o for o, d in zip(outs, out_dims, strict=True))
+
+    mapped = torch.vmap(boxed, in_dims=in_dims, out_dims=out_dims)
+
+    def unboxed(*args: Any) -> tuple[Any, ...]:
+        return tuple(o.value if isinstance(o, _Box) else o for o in mapped(*args))
+
+    return unboxed
+
+
+def _signature(args: list[Any], pattern: Pattern, out_pattern: Pattern) -> Hashable | None:
+    """What a traced flat graph depends on: the mesh axes each input varies along, and every
+    input's shape, strides, dtype and device."""
     if not all(isinstance(a, Tensor) for a in args):
         return None  # rare (non-tensor graph inputs): stay with vmap
-    return out_pattern, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
+    return pattern, out_pattern, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
 
 
 def _trace_flat(fn: Callable[..., Any], args: list[Any]) -> Callable[..., Any]:
@@ -137,6 +194,7 @@ def _trace_flat(fn: Callable[..., Any], args: list[Any]) -> Callable[..., Any]:
         if node.target in _TO_RESHAPE:  # traced on fake strides; reshape is safe on any
             node.target = aten.reshape.default
     flat.recompile()
+    fold_broadcast_bmms(flat)
     return flat
 
 

@@ -1,0 +1,126 @@
+"""Broadcast batched matmuls in a segment's traced flat graph, without the broadcast copies.
+
+A LocalMesh segment runs nested ``vmap``s, one per mesh axis its inputs vary along
+(``runtime.segments``). When a matmul's operands vary along *different* mesh axes (activations
+along ``data``, a tensor-parallel weight along ``model``), functorch's batching rule expands
+both to the full ``[data, model, ...]`` batch and copies them contiguous for one ``bmm``: the
+activations are copied once per ``model`` device. Traced flat, that is::
+
+    bmm(reshape(clone(expand(a, [*B, M, K])), [b, M, K]),
+        reshape(clone(expand(w, [*B, K, N])), [b, K, N]))
+
+:func:`fold_broadcast_bmms` rewrites each such ``bmm`` to :func:`broadcast_matmul`: batch
+dims only ``a`` varies along are folded into ``M``, those only ``w`` varies along into ``N``,
+and one ``mm`` (or a ``bmm`` over the dims both vary along) computes the same products with
+no copy of the larger operand. Every output element is the same dot product over ``K``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor, fx
+
+__all__ = ["broadcast_matmul", "fold_broadcast_bmms"]
+
+aten = torch.ops.aten
+
+_VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
+_CLONES = {aten.clone.default}
+
+
+def broadcast_matmul(a: Tensor, b: Tensor, batch: Sequence[int]) -> Tensor:
+    """``[*batch, M, N]``: ``a [*Ba, M, K] @ b [*Bb, K, N]`` with ``Ba``, ``Bb`` broadcast to
+    ``batch`` (leading dims may be missing, any dim may be 1), without copying a broadcast
+    operand.
+
+    >>> a, w = torch.randn(2, 1, 3, 4), torch.randn(5, 4, 6)
+    >>> torch.allclose(broadcast_matmul(a, w, [2, 5]), a @ w, atol=1e-6)
+    True
+    """
+    nb = len(batch)
+    a = a.reshape(*[1] * (nb + 2 - a.dim()), *a.shape)
+    b = b.reshape(*[1] * (nb + 2 - b.dim()), *b.shape)
+    shared = [i for i in range(nb) if a.shape[i] > 1 and b.shape[i] > 1]
+    a_only = [i for i in range(nb) if a.shape[i] > 1 and b.shape[i] == 1]
+    b_only = [i for i in range(nb) if b.shape[i] > 1 and a.shape[i] == 1]
+    unit = [i for i in range(nb) if a.shape[i] == 1 and b.shape[i] == 1]
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    s = math.prod(batch[i] for i in shared)
+    sa = math.prod(batch[i] for i in a_only)
+    sb = math.prod(batch[i] for i in b_only)
+    # a: [shared, a_only, M, K] -> [S, A*M, K]; b: [shared, K, b_only, N] -> [S, K, B*N]
+    a2 = a.permute(*shared, *a_only, *b_only, *unit, nb, nb + 1).reshape(s, sa * m, k)
+    b2 = b.permute(*shared, *a_only, *b_only, *unit, nb, nb + 1)
+    b2 = b2.reshape(s, sb, k, n).permute(0, 2, 1, 3).reshape(s, k, sb * n)
+    out = torch.bmm(a2, b2) if s > 1 else torch.mm(a2[0], b2[0]).unsqueeze(0)
+    # [S, A, M, B, N] -> [*batch, M, N] in batch order
+    sizes = [batch[i] for i in shared] + [batch[i] for i in a_only]
+    out = out.reshape(*sizes, m, *[batch[i] for i in b_only], n)
+    src = [*shared, *a_only, nb, *b_only, nb + 1]  # which batch/matrix dim each out dim is
+    out = out.permute(*[src.index(d) for d in range(nb + 2) if d in src])
+    return out.reshape(*[batch[i] if i in src else 1 for i in range(nb)], m, n)
+
+
+def _meta_shape(node: fx.Node) -> list[int] | None:
+    val = node.meta.get("val")
+    return list(val.shape) if isinstance(val, Tensor) else None
+
+
+def _broadcast_base(node: fx.Node) -> tuple[fx.Node, list[int]] | None:
+    """``(y, full)`` if ``node`` is ``reshape([clone](expand(y, full)), [b, R, C])``."""
+    if node.target not in _VIEWS or not isinstance(node.args[0], fx.Node):
+        return None
+    x = node.args[0]
+    if x.target in _CLONES and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
+    if x.target is not aten.expand.default or not isinstance(x.args[0], fx.Node):
+        return None
+    full = list(x.args[1])
+    shape = _meta_shape(node)
+    if shape is None or len(shape) != 3 or len(full) < 3 or full[-2:] != shape[1:]:
+        return None
+    if math.prod(full[:-2]) != shape[0] or any(not isinstance(d, int) for d in full):
+        return None
+    return x.args[0], full
+
+
+def fold_broadcast_bmms(gm: fx.GraphModule) -> int:
+    """Rewrite the broadcast ``bmm``s of ``gm`` in place (see the module doc); returns how
+    many. A ``bmm`` whose operands both vary along every batch dim is left alone."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.bmm.default:
+            continue
+        sides = [_broadcast_base(a) for a in node.args[:2]]
+        if sides[0] is None or sides[1] is None or sides[0][1][:-2] != sides[1][1][:-2]:
+            continue
+        (a, _), (b, full) = sides[0], sides[1]
+        batch = full[:-2]
+        sa, sb = _meta_shape(a), _meta_shape(b)
+        if sa is None or sb is None:
+            continue
+        pad_a = [1] * (len(full) - len(sa)) + sa
+        pad_b = [1] * (len(full) - len(sb)) + sb
+        if all(x > 1 and y > 1 for x, y in zip(pad_a[:-2], pad_b[:-2], strict=True)):
+            continue  # nothing broadcast: bmm is already right
+        out_shape = _meta_shape(node)
+        users = list(node.users)
+        direct = bool(users) and all(
+            u.target in _VIEWS and list(u.args[1]) == [*batch, *out_shape[1:]] for u in users
+        )
+        with gm.graph.inserting_before(node):
+            folded = gm.graph.call_function(broadcast_matmul, (a, b, batch))
+            if direct:
+                for u in users:
+                    u.replace_all_uses_with(folded)
+            else:
+                flat = gm.graph.call_function(aten.reshape.default, (folded, out_shape))
+                node.replace_all_uses_with(flat)
+        count += 1
+    if count:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return count
