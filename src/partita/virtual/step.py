@@ -328,10 +328,17 @@ def _inputs(rec: recording.Recording) -> list[Any]:
     values: list[Any] = []
     for _, value in rec.inputs:
         values.append(value.data if isinstance(value, Cell) else value)
-    values += [
-        torch.tensor(s, dtype=d) for s, d in zip(rec.scalars, rec.scalar_dtypes, strict=True)
-    ]
-    return values
+    # The lifted floats: one tensor per dtype, split into 0-dim views (a step of AdamW's foreach
+    # kernels lifts about 70; one torch.tensor each cost 0.6 ms more per step).
+    scalars: list[Any] = [None] * len(rec.scalars)
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, dtype in enumerate(rec.scalar_dtypes):
+        by_dtype.setdefault(dtype, []).append(i)
+    for dtype, where in by_dtype.items():
+        packed = torch.tensor([rec.scalars[i] for i in where], dtype=dtype)
+        for i, value in zip(where, packed.unbind(0), strict=True):
+            scalars[i] = value
+    return values + scalars
 
 
 def _compile(
