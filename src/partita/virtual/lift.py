@@ -4,8 +4,13 @@ The optimizer hands the learning rate, ``1 - lr * weight_decay`` and Adam's bias
 aten ops as Python floats whose values change from step to step. Baked into the graph, each
 new value would be a new program; lifted, they become 0-dim tensor inputs. An op's float can be
 lifted when the op has a form taking that number as a tensor; :data:`_REPLAY` holds, per op,
-the arguments that may be lifted and how to compute the op with them as tensors. This module
-does not record or compile.
+the arguments that may be lifted and how to compute the op with them as tensors.
+
+torch.optim's foreach kernels (``_foreach_mul_``, ``_foreach_addcdiv_``, ``_foreach_lerp_``...)
+take one number, or one per tensor, for a list of tensors. They are recorded as one op each and
+replayed as their per-tensor op on each tensor of the lists (:func:`replay_op`), so capture and
+propagation see ordinary ops, each tensor with its own sharding; their floats are lifted at the
+same places as the per-tensor op's. This module does not record or compile.
 """
 
 from __future__ import annotations
