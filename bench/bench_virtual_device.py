@@ -5,7 +5,9 @@ Run: ``.venv/bin/python bench/bench_virtual_device.py [--layers 2] [--d-model 64
 Both train the same GPT with AdamW and the ``"fsdp+tp"`` preset on a 2x4 LocalMesh, batch
 ``P("data", None)``. ``train_step`` traces its step once; the virtual device records every op
 of every step (forward, backward, AdamW) and syncs. Rows, each the median over the steps after
-the first two (compilation, the LocalMesh's second-run specialisation), all in one process:
+the first two (compilation, the LocalMesh's second-run specialisation), all in one process;
+the first three rows take turns step by step (A/B/C interleaved), so load from other work on
+the machine falls on them alike:
 
 - ``train_step``: the whole step (``float(step(batch))``).
 - the virtual-device loop with the fast path off (every step recorded in full: shape inference
@@ -23,10 +25,12 @@ The goal the design is measured against: recording and lookup add at most 10% to
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -37,6 +41,9 @@ from partita.models import GPT, GPTConfig
 from partita.virtual import recording
 
 Times = dict[str, list[float]]
+#: Per row, its times (the loops append to it as they step).
+TIMES: dict[str, Times] = {}
+OVERLAPPED = "fast path, loss not read per step"
 
 
 def batches(n: int, batch: int, cfg: GPTConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -59,36 +66,42 @@ def _clocks() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def bench_train_step(cfg: GPTConfig, mesh: Mesh, data: list) -> Times:
+def train_step_loop(cfg: GPTConfig, mesh: Mesh, data: list) -> Iterator[None]:
+    """``train_step`` over ``data``, one step per ``next()``; times into ``TIMES["train_step"]``."""
     torch.manual_seed(0)
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = partita.train_step(
         model, loss_fn, opt, mesh=mesh, shard="fsdp+tp", batch_spec=P("data", None)
     )
-    out: Times = {"step": [], "step_cpu": []}
+    out = TIMES.setdefault("train_step", {"step": [], "step_cpu": []})
     for batch in data:
         wall, cpu = _clocks()
         float(step(batch))
         out["step"].append(time.perf_counter() - wall)
         out["step_cpu"].append(time.process_time() - cpu)
-    return out
+        yield
 
 
-def bench_virtual(
-    cfg: GPTConfig, mesh: Mesh, data: list, *, fast_path: bool, read_loss: bool = True
-) -> Times:
-    recording.FAST_PATH = fast_path
-    recording.forget_guides()
+def virtual_loop(
+    name: str, cfg: GPTConfig, mesh: Mesh, data: list, *, fast_path: bool, read_loss: bool = True
+) -> Iterator[None]:
+    """The virtual-device loop over ``data``, one step per ``next()``; times into
+    ``TIMES[name]``. ``recording.FAST_PATH`` is set before each step (loops interleave)."""
     dev = partita.use_spmd(mesh)
     torch.manual_seed(0)
     model = GPT(cfg).to(dev)
-    for name, spec in partita.presets.param_specs("fsdp+tp", model, mesh).items():
-        partita.mark_sharding(model.get_parameter(name), mesh, spec)
+    for pname, spec in partita.presets.param_specs("fsdp+tp", model, mesh).items():
+        partita.mark_sharding(model.get_parameter(pname), mesh, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    out: Times = {k: [] for k in ("step", "step_cpu", "record", "record_cpu")}
-    partita.metrics(reset=True)
+    out = TIMES.setdefault(name, {k: [] for k in ("step", "step_cpu", "record", "record_cpu")})
     for xb, yb in data:
+        recording.FAST_PATH = fast_path
+        # The previous loop's ``loss.item()`` opened the next recording with its own setting
+        # (an op that runs at once opens one); nothing is recorded in it yet: start afresh.
+        pending = recording._STATE["recording"]
+        if pending is not None and not pending.ops:
+            recording.reset()
         wall, cpu = _clocks()
         x, y = xb.to(dev), yb.to(dev)
         partita.mark_sharding(x, mesh, P("data", None))
@@ -103,13 +116,9 @@ def bench_virtual(
             loss.item()  # waits for this step's run
         out["step"].append(time.perf_counter() - wall)
         out["step_cpu"].append(time.process_time() - cpu)
+        yield
     partita.virtual.step.wait_in_flight()
-    m = partita.metrics()
-    out["ops"] = [m.ops_recorded / m.syncs]
-    out["compiles"] = [m.compiles]
-    out["fast"] = [m.fast_path_hits]
     recording.FAST_PATH = True
-    return out
 
 
 def _row(name: str, t: Times, base: Times | None) -> str:
@@ -143,24 +152,37 @@ def main() -> None:
     )  # fmt: skip
     mesh = Mesh.create((2, 4), ("data", "model"))
     data = batches(args.steps + 2, args.batch, cfg)
-    ts = bench_train_step(cfg, mesh, data)
-    full = bench_virtual(cfg, mesh, data, fast_path=False)
-    fast = bench_virtual(cfg, mesh, data, fast_path=True)
-    overlapped = bench_virtual(cfg, mesh, data, fast_path=True, read_loss=False)
+    recording.forget_guides()
+    partita.metrics(reset=True)
+    # train_step and the two recorded loops take turns, one step each, so the machine's other
+    # load falls on all three alike.
+    loops = [
+        train_step_loop(cfg, mesh, data),
+        virtual_loop("virtual loop, fast path off", cfg, mesh, data, fast_path=False),
+        virtual_loop("virtual loop, fast path", cfg, mesh, data, fast_path=True),
+    ]
+    for _ in data:
+        for loop in loops:
+            next(loop)
+    m = partita.metrics()
+    ops = m.ops_recorded / m.syncs
+    # Not reading the loss lets a step run while the next one records: alone, after the rest.
+    for _ in virtual_loop(OVERLAPPED, cfg, mesh, data, fast_path=True, read_loss=False):
+        pass
+    after = partita.metrics()
     print(
         f"GPT layers={args.layers} d_model={args.d_model} batch={args.batch}, mesh 2x4, "
-        f"{fast['ops'][0]:.0f} ops recorded per step; medians of {args.steps} steps, ms"
+        f"{ops:.0f} ops recorded per step; medians of {args.steps} steps, ms; "
+        f"load average {' '.join(f'{v:.1f}' for v in os.getloadavg())}"
     )
     print(f"{'':<34} {'step':>15} {'record':>15} {'sync+run':>15}  {'vs train_step':>12}")
     print(f"{'':<34}" + f" {'wall':>7} {'cpu':>7}" * 3 + f"  {'wall':>6} {'cpu':>5}")
-    print(_row("train_step", ts, None))
-    print(_row("virtual loop, fast path off", full, ts))
-    print(_row("virtual loop, fast path", fast, ts))
-    print(_row("fast path, loss not read per step", overlapped, ts))
+    base = TIMES["train_step"]
+    for name, times in TIMES.items():
+        print(_row(name, times, None if times is base else base))
     print(
-        f"compiles: {full['compiles'][0]}, {fast['compiles'][0]}, {overlapped['compiles'][0]}; "
-        f"fast-path steps: {fast['fast'][0]} and {overlapped['fast'][0]} of {len(data)} "
-        f"(goal: at most +10% over train_step)"
+        f"compiles: {after.compiles}; fast-path steps: {after.fast_path_hits} of "
+        f"{after.syncs} (goal: at most +10% over train_step)"
     )
 
 
