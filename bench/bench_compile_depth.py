@@ -1,26 +1,28 @@
 """Compile time of a GPT training step against its depth, with and without ``scan_layers``.
 
-Run: ``.venv/bin/python bench/bench_compile_depth.py [--layers 2 6 12 24] [--repeat 3]``
+Run: ``.venv/bin/python bench/bench_compile_depth.py [--layers 2 6 12 24] [--repeat 3] [--gpt-m]``
 
 Every layer is propagated and partitioned on its own, and, unless ``partita.scan_layers`` marks
 the blocks, traced on its own too, so compiling a step costs time roughly proportional to the
 number of layers. Each depth is compiled twice: ``unrolled`` (every block traced) and ``scan``
 (``partita.scan_layers(model.blocks)``: one block traced, its graph copied). This builds
 ``partita.train_step`` for ``partita.models.GPT`` (width 256, 4 heads, vocabulary 512,
-sequence 64, global batch 8, AdamW) under the ``fsdp`` plan on a 2x4 ``data x model`` mesh
+sequence 64, global batch 8, AdamW; ``--gpt-m``: width 768, 12 heads, vocabulary 8192,
+sequence 256, batch 8) under the ``fsdp`` plan on a 2x4 ``data x model`` mesh
 and times ``step.lower(batch)``, which compiles the whole step (forward, backward, update)
 without running it. The three stages are timed as ``partita.jit`` calls them
 (``capture.trace``, ``propagate``, ``partition``), by wrapping those functions for the
 duration of the run; ``total`` is the wall time of ``lower`` and also includes building the
 step's inputs and formatting the program text. Every repeat builds a new model and a new step,
 so nothing is served from the compile cache. Medians of ``--repeat``. ``cpu`` is the process
-CPU time of ``lower`` (both cores' worth if torch used them): on a loaded machine it varies
-less than the wall times.
+CPU time of ``lower`` (both cores' worth if torch used them), and the ``<stage> cpu`` columns
+that of each stage: on a loaded machine they vary less than the wall times.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -52,11 +54,13 @@ def timed_stages(times: dict[str, float]) -> Iterator[None]:
 
     def wrap(stage: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 times[stage] = times.get(stage, 0.0) + time.perf_counter() - t0
+                cpu = f"{stage} cpu"
+                times[cpu] = times.get(cpu, 0.0) + time.process_time() - c0
 
         return timed
 
@@ -69,11 +73,13 @@ def timed_stages(times: dict[str, float]) -> Iterator[None]:
             setattr(owner, attr, fn)
 
 
-def compile_once(n_layer: int, mesh: Mesh, scan: bool) -> tuple[dict[str, float], int]:
+def compile_once(
+    n_layer: int, mesh: Mesh, scan: bool, size: argparse.Namespace
+) -> tuple[dict[str, float], int]:
     """Times of one fresh compile of an ``n_layer`` step, and its number of values."""
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=n_layer, n_head=HEADS, d_model=WIDTH, vocab_size=VOCAB,
-                          seq_len=SEQ))  # fmt: skip
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=size.heads, d_model=size.width,
+                          vocab_size=size.vocab, seq_len=size.seq))  # fmt: skip
     if scan:
         partita.scan_layers(model.blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -82,7 +88,7 @@ def compile_once(n_layer: int, mesh: Mesh, scan: bool) -> tuple[dict[str, float]
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
     step = partita.train_step(model, loss_fn, opt, mesh=mesh, shard="fsdp", batch_spec=P("data"))
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    ids = torch.randint(0, size.vocab, (size.batch, size.seq))
     times: dict[str, float] = {}
     with timed_stages(times):
         t0, c0 = time.perf_counter(), time.process_time()
@@ -97,29 +103,44 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, nargs="+", default=[2, 6, 12, 24])
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--width", type=int, default=WIDTH)
+    parser.add_argument("--heads", type=int, default=HEADS)
+    parser.add_argument("--vocab", type=int, default=VOCAB)
+    parser.add_argument("--seq", type=int, default=SEQ)
+    parser.add_argument("--batch", type=int, default=BATCH)
+    parser.add_argument(
+        "--gpt-m", action="store_true",
+        help="GPT-M sizes: width 768, 12 heads, vocabulary 8192, sequence 256, batch 8",
+    )  # fmt: skip
     ns = parser.parse_args(argv)
+    if ns.gpt_m:
+        ns.width, ns.heads, ns.vocab, ns.seq, ns.batch = 768, 12, 8192, 256, 8
     mesh = Mesh.create((2, 4), ("data", "model"))
     print(f"# {' '.join([sys.executable, *sys.argv])}")
     print(
-        f"# partita.train_step(GPT d_model={WIDTH} heads={HEADS} vocab={VOCAB} seq={SEQ} "
-        f"batch={BATCH}, AdamW, shard='fsdp') on {mesh!r}; torch {torch.__version__}; "
-        f"{torch.get_num_threads()} threads; median of {ns.repeat} fresh compiles (seconds)"
+        f"# partita.train_step(GPT d_model={ns.width} heads={ns.heads} vocab={ns.vocab} "
+        f"seq={ns.seq} batch={ns.batch}, AdamW, shard='fsdp') on {mesh!r}; torch "
+        f"{torch.__version__}; {torch.get_num_threads()} threads; median of {ns.repeat} fresh "
+        f"compiles (seconds); load average {os.getloadavg()[0]:.1f} at the start"
     )
     header = (
         ("layers", 6), ("mode", 8), ("values", 7), *((s, 9) for s in STAGES), ("total", 8),
-        ("s/layer", 8), ("cpu", 8),
+        ("s/layer", 8), ("cpu", 8), *((f"{s} cpu", 13) for s in STAGES),
     )  # fmt: skip
     print(" ".join(f"{c:>{w}}" for c, w in header))
+    keys = (*STAGES, "total", "cpu", *(f"{s} cpu" for s in STAGES))
     for n in ns.layers:
         for mode in ("unrolled", "scan"):
-            runs = [compile_once(n, mesh, mode == "scan") for _ in range(ns.repeat)]
-            med = {k: statistics.median(r[0][k] for r in runs) for k in (*STAGES, "total", "cpu")}
+            runs = [compile_once(n, mesh, mode == "scan", ns) for _ in range(ns.repeat)]
+            med = {k: statistics.median(r[0][k] for r in runs) for k in keys}
             stages = " ".join(f"{med[s]:>9.2f}" for s in STAGES)
+            cpus = " ".join(f"{med[f'{s} cpu']:>13.2f}" for s in STAGES)
             print(
                 f"{n:>6} {mode:>8} {runs[0][1]:>7} {stages} {med['total']:>8.2f} "
-                f"{med['total'] / n:>8.2f} {med['cpu']:>8.2f}",
+                f"{med['total'] / n:>8.2f} {med['cpu']:>8.2f} {cpus}",
                 flush=True,
             )
+    print(f"# load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":
