@@ -189,3 +189,12 @@ def test_foreach_optimizers_equal_eager_and_compile_once(dev: torch.device, make
     assert foreach_ops > 0
     # Step 1 creates the optimizer's state (data): steps 2-4 are one program.
     assert partita.metrics().compiles <= 2, str(partita.metrics())
+
+
+def test_a_fused_optimizer_is_refused_with_the_fix(dev: torch.device) -> None:
+    model = _mlp().to(dev)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ((model(torch.randn(8, 8).to(dev)) ** 2).mean()).backward()
+    with pytest.raises(partita.VirtualDeviceError, match=r"_fused_adamw_.*fused=True.*Drop fused"):
+        opt.step()
+    recording.reset()  # the refused step's recording is not run

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from partita.errors import VirtualDeviceError
 from partita.tensor import ShardedTensor
 from partita.virtual.device import DEVICE_NAME
 from partita.virtual.lazy import Cell, LazyTensor, full_value, lazies
@@ -28,6 +29,13 @@ _LIKE = {
     aten.empty_like.default: 0,
 }
 _FILLS = frozenset({aten.zero_.default, aten.fill_.Scalar})
+#: torch.optim's fused kernels (``fused=True``): refused with the fix, at the step.
+_FUSED = frozenset(
+    getattr(getattr(aten, name), overload)
+    for name in ("_fused_adamw_", "_fused_adam_", "_fused_sgd_", "_fused_adagrad_")
+    if hasattr(aten, name)
+    for overload in getattr(aten, name).overloads()
+)
 _META = torch.device("meta")
 #: Every op :func:`run_now` may run (besides factories writing into an ``out=`` tensor).
 RUNS_NOW = frozenset(
@@ -35,6 +43,7 @@ RUNS_NOW = frozenset(
     | _SHARE_CELL
     | set(_LIKE)
     | _FILLS
+    | _FUSED
 )
 
 
@@ -61,6 +70,15 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
         return NotImplemented  # most ops: decided without the checks below
     if func is aten._local_scalar_dense.default:
         return full_value(args[0]).item()
+    if func in _FUSED:
+        n = len(args[0]) if args and isinstance(args[0], (list, tuple)) else "?"
+        raise VirtualDeviceError(
+            f"{func} on the virtual device: the optimizer was built with fused=True, and its "
+            f"fused kernel (one op updating all {n} parameters and their state) has no "
+            f"per-tensor replay, so the step could not be sharded. Drop fused=True: on the "
+            f"virtual device torch.optim uses its foreach kernels by default, which are "
+            f"recorded and sharded per parameter (or pass foreach=True)."
+        )
     if func is aten._to_copy.default:
         device = kwargs.get("device")
         if device is not None and torch.device(device).type != DEVICE_NAME:
