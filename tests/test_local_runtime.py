@@ -331,3 +331,103 @@ def test_channels_last_copies_run_on_the_stacked_mesh(name: str) -> None:
     x = torch.randn(4, 3, 6, 5)
     out = partita.jit(fn, mesh=mesh, in_specs=(P("x", None, "y"),))(x)
     torch.testing.assert_close(out.full(), fn(x), rtol=1e-5, atol=1e-5)
+
+
+# --- values that vary along some mesh axes only ------------------------------------------------
+
+MESH_24 = Mesh.create((2, 4), ("x", "y"))
+
+
+def _levels(t: Tensor) -> tuple[int, tuple[int, ...]]:
+    """How many vmap levels batch ``t``, and the shape under them all."""
+    n = 0
+    while is_batchedtensor(t):
+        t, n = torch._C._functorch.get_unwrapped(t), n + 1
+    return n, tuple(t.shape)
+
+
+@needs_stacked
+def test_value_replicated_along_one_axis_runs_once_per_row() -> None:
+    """After an all_reduce over ``y`` the value varies along ``x`` only: the ops on it run on
+    2 rows, not 8 devices; meeting a value that varies along ``y`` it is read per device."""
+    seen: dict[str, list[tuple[int, tuple[int, ...]]]] = {}
+
+    def spy(name: str, op: Callable[..., Tensor]) -> Callable[..., Tensor]:
+        def wrapper(*args: Any) -> Tensor:
+            seen[name] = [_levels(a) for a in args if isinstance(a, Tensor)]
+            return op(*args)
+
+        return wrapper
+
+    def fn(a: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        r = coll.all_reduce(a, "sum", ["y"], 4)
+        s = r.exp()
+        return s, s * w
+
+    a, w = _stack(3, 5, n=8), _stack(5, n=8, seed=1)
+    gm = make_fx(fn)(a[0], w[0])
+    for node in gm.graph.nodes:
+        if node.target in (aten.exp.default, aten.mul.Tensor):
+            node.target = spy(str(node.target), node.target)
+    gm.recompile()
+    s, sw = LocalMesh(MESH_24).run(gm, [a, w])
+    assert seen["aten.exp.default"] == [(1, (2, 3, 5))]  # one vmap level (x): 2 rows
+    # s * w: s still 2 rows (broadcast by the op), w one tile per device (both levels)
+    assert seen["aten.mul.Tensor"] == [(1, (2, 3, 5)), (2, (2, 4, 5))]
+    want = a.view(2, 4, 3, 5).sum(1, keepdim=True).expand(2, 4, 3, 5).reshape(8, 3, 5).exp()
+    torch.testing.assert_close(s, want)
+    torch.testing.assert_close(sw, want * w[:, None, :])
+
+
+def test_sharded_input_is_read_once_per_distinct_tile() -> None:
+    """A ShardedTensor replicated along ``y`` enters the program as its 2 ``x`` tiles."""
+    from partita import P, mark_sharding
+
+    x = torch.randn(4, 6)
+    st = mark_sharding(x, MESH_24, P("x"))
+    runner = LocalMesh(MESH_24)
+    value, axes = runner._compact(st.stacked, st.sharding.replicated_axes)
+    assert axes == (True, False) and value.shape == (2, 2, 6)
+    torch.testing.assert_close(value.reshape(4, 6), x)
+    assert torch.equal(runner._stacked(value, axes), st.stacked)
+
+
+def test_broadcast_matmul_equals_matmul() -> None:
+    from partita.runtime.flat_matmul import broadcast_matmul
+
+    cases = [
+        ((2, 1, 3, 4), (4, 4, 6), [2, 4]),  # a along the first axis, b along the second
+        ((3, 3, 4), (2, 1, 4, 6), [2, 3]),
+        ((2, 5, 3, 4), (2, 1, 4, 6), [2, 5]),  # a shared dim and an a-only dim
+        ((3, 4), (2, 5, 4, 6), [2, 5]),
+        ((2, 1, 3, 3, 4), (2, 5, 1, 4, 6), [2, 5, 3]),
+        ((2, 4, 30, 4), (1, 4, 4, 6), [2, 4]),  # a's own dim first: b copied along it
+        ((2, 1, 3, 4), (2, 5, 4, 60), [2, 5]),  # b much larger: a copied along b's dim
+    ]
+    for i, (sa, sb, batch) in enumerate(cases):
+        a, b = _stack(*sa[1:], n=sa[0], seed=i), _stack(*sb[1:], n=sb[0], seed=i + 9)
+        want = torch.matmul(a, b).expand(*batch, sa[-2], sb[-1])
+        torch.testing.assert_close(broadcast_matmul(a, b, batch), want)
+
+
+@needs_stacked
+def test_flat_graph_folds_a_broadcast_bmm() -> None:
+    """Activations along ``x`` times a weight along ``y``: the traced flat graph has one
+    folded matmul instead of a bmm over copies, and the same values."""
+
+    def fn(a: Tensor, w: Tensor) -> Tensor:
+        return (coll.all_reduce(a, "sum", ["y"], 4) @ w).relu()
+
+    a, w = _stack(3, 5, n=8), _stack(5, 6, n=8, seed=1)
+    gm = make_fx(fn)(a[0], w[0])
+    runner = LocalMesh(MESH_24)
+    first = runner.run(gm, [a, w])[0]
+    again = runner.run(gm, [a, w])[0]
+    third = runner.run(gm, [a, w])[0]
+    reduced = a.view(2, 4, 3, 5).sum(1, keepdim=True).expand(2, 4, 3, 5).reshape(8, 3, 5)
+    torch.testing.assert_close(first, (reduced @ w).relu())
+    torch.testing.assert_close(third, first)
+    torch.testing.assert_close(again, first)
+    flats = [f for s in runner._plans[gm].steps if hasattr(s, "flat") for f in s.flat.values()]
+    code = "".join(f.code for f in flats if isinstance(f, fx.GraphModule))
+    assert "broadcast_matmul" in code and "bmm" not in code

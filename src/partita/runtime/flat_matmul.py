@@ -48,6 +48,16 @@ def broadcast_matmul(a: Tensor, b: Tensor, batch: Sequence[int]) -> Tensor:
     b_only = [i for i in range(nb) if b.shape[i] > 1 and a.shape[i] == 1]
     unit = [i for i in range(nb) if a.shape[i] == 1 and b.shape[i] == 1]
     m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    # Folding a's own dims into M is free when they follow the shared ones (a reshape); else
+    # it copies a, and copying b along them instead may be cheaper. Folding b's own dims into
+    # N always copies b; copying a along them instead may be cheaper.
+    if a_only and shared and max(shared) > min(a_only):
+        if a.numel() > b.numel() * math.prod(batch[i] for i in a_only):
+            shared, a_only = sorted(shared + a_only), []
+    if b_only and b.numel() > a.numel() * math.prod(batch[i] for i in b_only):
+        shared, b_only = sorted(shared + b_only), []
+    a = a.expand(*[batch[i] if i in shared else a.shape[i] for i in range(nb)], m, k)
+    b = b.expand(*[batch[i] if i in shared else b.shape[i] for i in range(nb)], k, n)
     s = math.prod(batch[i] for i in shared)
     sa = math.prod(batch[i] for i in a_only)
     sb = math.prod(batch[i] for i in b_only)
@@ -84,7 +94,31 @@ def _broadcast_base(node: fx.Node) -> tuple[fx.Node, list[int]] | None:
         return None
     if math.prod(full[:-2]) != shape[0] or any(not isinstance(d, int) for d in full):
         return None
-    return x.args[0], full
+    return _smallest(x.args[0], full), full
+
+
+def _padded(shape: list[int], n: int) -> list[int]:
+    return [1] * (n - len(shape)) + shape
+
+
+def _smallest(y: fx.Node, full: list[int]) -> fx.Node:
+    """Walk back from ``y`` through expands, clones and reshapes that only add or drop
+    leading 1s (vmap's own), while the value still broadcasts to ``full``."""
+    while y.target in _VIEWS or y.target in _CLONES or y.target is aten.expand.default:
+        x = y.args[0]
+        shape_x, shape_y = (
+            _meta_shape(x) if isinstance(x, fx.Node) else None,
+            _meta_shape(y),
+        )
+        if shape_x is None or shape_y is None or len(shape_x) > len(full):
+            break
+        px = _padded(shape_x, len(full))
+        if any(d not in (1, f) for d, f in zip(px, full, strict=True)):
+            break
+        if y.target in _VIEWS and px != _padded(shape_y, len(full)):
+            break  # a reshape that moves elements between dims
+        y = x
+    return y
 
 
 def fold_broadcast_bmms(gm: fx.GraphModule) -> int:
@@ -95,10 +129,21 @@ def fold_broadcast_bmms(gm: fx.GraphModule) -> int:
         if node.op != "call_function" or node.target is not aten.bmm.default:
             continue
         sides = [_broadcast_base(a) for a in node.args[:2]]
-        if sides[0] is None or sides[1] is None or sides[0][1][:-2] != sides[1][1][:-2]:
+        known = [side for side in sides if side is not None]
+        if not known or any(side[1][:-2] != known[0][1][:-2] for side in known):
             continue
-        (a, _), (b, full) = sides[0], sides[1]
-        batch = full[:-2]
+        batch = known[0][1][:-2]
+        shapes = [_meta_shape(a) for a in node.args[:2]]
+        if any(shape is None for shape in shapes):
+            continue
+        for i, side in enumerate(sides):
+            if side is None:  # an operand with every batch dim: only split its batch dim
+                with gm.graph.inserting_before(node):
+                    split = [*batch, *shapes[i][1:]]  # type: ignore[index]
+                    base = gm.graph.call_function(aten.reshape.default, (node.args[i], split))
+                base.meta["val"] = node.args[i].meta["val"].reshape(split)
+                sides[i] = (base, split)
+        (a, _), (b, full) = sides[0], sides[1]  # type: ignore[misc]
         sa, sb = _meta_shape(a), _meta_shape(b)
         if sa is None or sb is None:
             continue

@@ -36,6 +36,7 @@ process group (that is ``runtime/distributed.py``).
 
 from __future__ import annotations
 
+import math
 import operator
 import weakref
 from collections.abc import Sequence
@@ -64,6 +65,9 @@ _REPLICATING_OPS = {
     torch.ops.partita.all_reduce_bucket.default,
     torch.ops.partita.all_gather_bucket.default,
 }
+
+
+_ALL_REDUCES = {torch.ops.partita.all_reduce.default, torch.ops.partita.all_reduce_bucket.default}
 
 
 class LocalMesh:
@@ -229,6 +233,13 @@ class LocalMesh:
     def _run_mesh_op(self, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
         from partita.runtime.stacked import STACKED_BUCKET_IMPLS, STACKED_IMPLS  # lazily
 
+        if node.target in _ALL_REDUCES:
+            bound = _bind(node)
+            group = {self.mesh.axis_index(a) for a in bound["mesh_axes"]}
+            if "xs" in bound:
+                return [self._all_reduce(env[x], bound["reduce_op"], group) for x in bound["xs"]]
+            return self._all_reduce(env[bound["x"]], bound["reduce_op"], group)
+
         def stacked(a: Any) -> Any:
             return self._stacked(*env[a]) if isinstance(a, fx.Node) else a
 
@@ -263,6 +274,33 @@ class LocalMesh:
         if isinstance(out, list):  # a bucket: (value, axes) per member
             return [self._compact(o, same(x)) for o, x in zip(out, bound["xs"], strict=True)]
         return self._compact(out, same(bound.get("x")))
+
+    def _all_reduce(self, entry: tuple[Tensor, Axes], reduce_op: str, group: set[int]) -> Any:
+        """An all_reduce on ``(value, axes)`` as it is held: a reduction over the group's
+        axes the value varies along (no copy to ``[n, *local]`` and back). Along a group axis
+        it does not vary along, the members hold the same value: summing ``k`` of them is
+        ``k`` times it. The result varies along no group axis."""
+        value, axes = entry
+        mesh = self.mesh
+        dims = [sum(axes[:i]) for i in sorted(group) if axes[i]]  # where axis i is in value
+        same = math.prod(mesh.shape[i] for i in group if not axes[i])
+        if reduce_op in ("max", "min"):
+            out = value
+            if dims:
+                out = value.amax(dim=dims) if reduce_op == "max" else value.amin(dim=dims)
+        else:
+            out = value.sum(dim=dims, dtype=value.dtype) if dims else value
+            if same > 1:
+                out = out * same
+            if reduce_op == "avg":
+                g = mesh.axes_size([mesh.axis_names[i] for i in group])
+                if out.is_floating_point() or out.is_complex():
+                    out = out / g
+                else:
+                    out = torch.div(out, g, rounding_mode="trunc")
+            elif reduce_op != "sum":
+                raise ValueError(f"all_reduce: unknown reduce_op {reduce_op!r}.")
+        return out, tuple(v and i not in group for i, v in enumerate(axes))
 
 
 def _bind(node: fx.Node) -> dict[str, Any]:
