@@ -198,3 +198,30 @@ def test_a_fused_optimizer_is_refused_with_the_fix(dev: torch.device) -> None:
     with pytest.raises(partita.VirtualDeviceError, match=r"_fused_adamw_.*fused=True.*Drop fused"):
         opt.step()
     recording.reset()  # the refused step's recording is not run
+
+
+def test_a_small_pending_condition_is_read_without_cutting_the_step(dev: torch.device) -> None:
+    """What Hugging Face's causal mask does mid-forward: branch on a condition computed from an
+    ``arange``. It is computed on the side; the step stays one program."""
+    vstep._CACHE.clear()
+    partita.metrics(reset=True)
+    w = torch.randn(16, 4)
+    wd = partita.mark_sharding(w.to(dev), MESH, P("model", None))
+    h = wd.t() @ wd  # pending, and not small: not what the branch reads
+    ids = torch.arange(16, device=dev).unsqueeze(0) * 2
+    packed = (ids[:, -1] == 0).all()
+    assert bool(packed) is False
+    assert bool((ids[:, 0] == 0).all()) is True
+    assert partita.metrics().syncs == 0
+    noise = torch.rand(4, device=dev)  # a random op: read only by running the step
+    assert bool((noise < 2).all()) is True
+    assert partita.metrics().syncs == 1
+    torch.testing.assert_close(h.cpu(), w.t() @ w)
+    assert ids.cpu().tolist() == [list(range(0, 32, 2))]
+
+
+def test_a_pending_value_too_big_to_peek_syncs(dev: torch.device) -> None:
+    partita.metrics(reset=True)
+    x = torch.arange(float(1 << 17)).to(dev)
+    assert bool(((x * 2).sum() > 0).all()) is True  # its input is over MAX_ELEMENTS
+    assert partita.metrics().syncs == 1

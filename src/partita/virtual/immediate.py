@@ -69,6 +69,14 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
     if func not in RUNS_NOW and "out" not in kwargs:
         return NotImplemented  # most ops: decided without the checks below
     if func is aten._local_scalar_dense.default:
+        if args[0].dtype == torch.bool and args[0]._cell.is_pending:
+            # A branch on a condition (``if mask.all():``) in a library's forward: computed on
+            # the side when it can be, so the step is not cut in two programs.
+            from partita.virtual.peek import peek  # it reads the recording, which imports this
+
+            value = peek(args[0]._cell)
+            if value is not None:
+                return value.item()
         return full_value(args[0]).item()
     if func in _FUSED:
         n = len(args[0]) if args and isinstance(args[0], (list, tuple)) else "?"
