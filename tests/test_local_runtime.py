@@ -431,3 +431,35 @@ def test_flat_graph_folds_a_broadcast_bmm() -> None:
     flats = [f for s in runner._plans[gm].steps if hasattr(s, "flat") for f in s.flat.values()]
     code = "".join(f.code for f in flats if isinstance(f, fx.GraphModule))
     assert "broadcast_matmul" in code and "bmm" not in code
+
+
+@needs_stacked
+def test_weight_gradient_sum_is_one_contraction() -> None:
+    """``mm`` read only by a sum over the whole mesh runs as one ``mm`` over every device's
+    rows (no per-device products); over part of the mesh, per device. Both equal the sums."""
+
+    def fn(g: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        whole = coll.reduce_scatter(g.t() @ x, 0, "sum", ["x", "y"], 4)
+        avg = coll.all_reduce(torch.mm(g.t(), x), "avg", ["x", "y"], 4)
+        part = coll.all_reduce(torch.mm(g.t(), x), "sum", ["y"], 2)
+        return whole, avg, part
+
+    g, x = _stack(6, 8), _stack(6, 3, seed=1)
+    gm = make_fx(fn)(g[0], x[0])
+    runner, kinds = LocalMesh(MESH), []
+    contract = runner._contract
+
+    def recorded(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
+        out = contract(node, env)
+        kinds.append("summed" if out[1] is None else "per device")
+        return out
+
+    runner._contract = recorded  # type: ignore[method-assign]
+    whole, avg, part = runner.run(gm, [g, x])
+    assert kinds == ["summed", "summed", "per device"]
+    per_device = g.transpose(1, 2) @ x  # [4, 8, 3]
+    total = per_device.sum(0)
+    torch.testing.assert_close(whole, total.reshape(4, 2, 3))
+    torch.testing.assert_close(avg, (total / 4).expand(4, 8, 3))
+    rows = per_device.view(2, 2, 8, 3).sum(1, keepdim=True).expand(2, 2, 8, 3)
+    torch.testing.assert_close(part, rows.reshape(4, 8, 3))

@@ -19,14 +19,26 @@ in both (vmap may move the device dim, after which a view can fail). Under
 ``compile_programs`` each segment is compiled by Inductor instead, on its first run
 (``runtime.compiled``).
 
-Unbatched values. A value identical on every device is kept *unbatched* (its local shape, no
-device dim) and enters vmap with ``in_dims=None``, so the work on it (an optimizer update of
-replicated parameters, a constant) is done once, not ``mesh.size`` times. Unbatched values
-come from: inputs whose device dim has stride 0 (``t.expand(n, *t.shape)``); ops with no
-tensor inputs (``zeros``, ``arange``, constants); ops whose inputs are all unbatched; and
-``all_reduce``/``all_gather`` over the whole mesh (and any mesh op result with a stride-0
-device dim). They are broadcast only where they meet a mesh op, and an unbatched graph output
-is returned as a stride-0 ``expand`` view (read-only in spirit; clone it before writing).
+Values vary along some mesh axes. A value identical along a mesh axis is held once per
+position of the *other* axes: ``(value, axes)`` with ``axes`` one flag per mesh dim and
+``value`` of shape ``[*(mesh.shape[i] for the axes it varies along), *local]``. A segment runs
+as nested vmaps, one per mesh axis some input varies along (``runtime.segments``), each input
+entering with ``in_dims=None`` for the axes it does not vary along; so the work on a value
+replicated over ``model`` (activations after a row-parallel all_reduce, under 2-D tensor
+parallelism) runs once per ``data`` row, and on a value identical on every device (an
+optimizer update of replicated parameters, a constant) once, not ``mesh.size`` times. A
+value's axes come from: a ShardedTensor input's sharding (its replicated axes; replica 0 is
+read, as ``full()`` does) or a plain input's (``layout.shard_compact``: only the distinct
+tiles are cut); a stacked input whose device dim has stride 0 (``t.expand(n, *t.shape)``);
+ops (an op's result varies along an axis when one of its inputs does, so ops with no tensor
+inputs vary along none); and mesh ops (an all_reduce or all_gather result varies along its
+input's axes less the group's, runs on the value as held (``_all_reduce``: a reduction over
+the group axes it varies along); the others vary along their input's and the group's axes).
+A value is spread to ``[n, *local]`` only where another mesh op reads it and as a graph
+output: a stride-0 ``expand`` view for a value identical everywhere (read-only in spirit;
+clone it before writing), a copy for one that varies along some axes only. Matmuls whose
+operands vary along different axes are folded into one ``mm`` in the traced flat graph
+(``runtime.flat_matmul``) instead of a ``bmm`` over broadcast copies.
 
 What this module does not do: random ops (an ``UnsupportedOpError`` names the op), graphs
 edited after their first ``run`` (the cached plan is keyed by the graph module), a graph output
@@ -50,6 +62,7 @@ from partita.errors import PartitaError
 from partita.layout import check_strided, shard_compact, shard_tensor
 from partita.mesh import Mesh
 from partita.runtime.compiled import stats_for
+from partita.runtime.flat_matmul import broadcast_matmul
 from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
 from partita.tensor import ShardedTensor
 
@@ -68,6 +81,10 @@ _REPLICATING_OPS = {
 
 
 _ALL_REDUCES = {torch.ops.partita.all_reduce.default, torch.ops.partita.all_reduce_bucket.default}
+_REDUCE_SCATTERS = {
+    torch.ops.partita.reduce_scatter.default,
+    torch.ops.partita.reduce_scatter_bucket.default,
+}
 
 
 class LocalMesh:
@@ -173,6 +190,8 @@ class LocalMesh:
                 env.update(zip(step.outputs, outs, strict=True))
             elif step.target is operator.getitem:  # one member of a bucket's results
                 env[step] = env[step.args[0]][step.args[1]]
+            elif step.target is aten.mm.default:  # a contraction (``segments``)
+                env[step] = self._contract(step, env)
             else:
                 env[step] = self._run_mesh_op(step, env)
         leaves, _ = pytree.tree_flatten(plan.output)
@@ -239,6 +258,16 @@ class LocalMesh:
             if "xs" in bound:
                 return [self._all_reduce(env[x], bound["reduce_op"], group) for x in bound["xs"]]
             return self._all_reduce(env[bound["x"]], bound["reduce_op"], group)
+        if node.target in _REDUCE_SCATTERS:
+            bound = _bind(node)
+            if "xs" in bound:
+                return [
+                    self._reduce_scatter(env[x], d, bound["reduce_op"], bound["mesh_axes"])
+                    for x, d in zip(bound["xs"], bound["dims"], strict=True)
+                ]
+            return self._reduce_scatter(
+                env[bound["x"]], bound["dim"], bound["reduce_op"], bound["mesh_axes"]
+            )
 
         def stacked(a: Any) -> Any:
             return self._stacked(*env[a]) if isinstance(a, fx.Node) else a
@@ -282,8 +311,13 @@ class LocalMesh:
         ``k`` times it. The result varies along no group axis."""
         value, axes = entry
         mesh = self.mesh
+        if axes is None:  # already the sum over the whole mesh (a contraction)
+            axes = (False,) * mesh.ndim
+            same = 1
+            group = set(range(mesh.ndim))
         dims = [sum(axes[:i]) for i in sorted(group) if axes[i]]  # where axis i is in value
-        same = math.prod(mesh.shape[i] for i in group if not axes[i])
+        if entry[1] is not None:
+            same = math.prod(mesh.shape[i] for i in group if not axes[i])
         if reduce_op in ("max", "min"):
             out = value
             if dims:
@@ -301,6 +335,45 @@ class LocalMesh:
             elif reduce_op != "sum":
                 raise ValueError(f"all_reduce: unknown reduce_op {reduce_op!r}.")
         return out, tuple(v and i not in group for i, v in enumerate(axes))
+
+    def _reduce_scatter(
+        self, entry: tuple[Tensor, Axes | None], dim: int, reduce_op: str, mesh_axes: list[str]
+    ) -> tuple[Tensor, Axes]:
+        """A reduce_scatter of one value; a contraction's sum (``axes`` None) is only cut."""
+        from partita.runtime.stacked import reduce_scatter, scatter_reduced  # lazily
+
+        mesh = self.mesh
+        value, axes = entry
+        g = mesh.axes_size(mesh_axes)
+        if axes is None:
+            total = value / g if reduce_op == "avg" else value
+            out = scatter_reduced(mesh, total.unsqueeze(0), dim, mesh_axes)
+            axes = (False,) * mesh.ndim
+        else:
+            out = reduce_scatter(mesh, self._stacked(value, axes), dim, reduce_op, mesh_axes, g)
+        group = {mesh.axis_index(a) for a in mesh_axes}
+        same = [mesh.axis_names[i] for i in range(mesh.ndim) if not (i in group or axes[i])]
+        return self._compact(out, same)
+
+    def _contract(self, node: fx.Node, env: dict[fx.Node, Any]) -> tuple[Tensor, Axes | None]:
+        """``mm(a, b)`` read only by a sum over its group. Over the whole mesh, with both
+        operands varying along every axis, the per-device products and their sum are one
+        ``mm`` over every device's rows: ``(sum, None)`` (the reduction then only cuts it).
+        Otherwise the per-device products, as a segment would give them."""
+        (a, ax), (b, bx) = env[node.args[0]], env[node.args[1]]
+        (user,) = node.users
+        mesh, n = self.mesh, self.mesh.size
+        if n > 1 and all(ax) and all(bx) and mesh.axes_size(_bind(user)["mesh_axes"]) == n:
+            m, k = a.shape[-2:]
+            rows = a.reshape(n, m, k).permute(1, 0, 2).reshape(m, n * k)
+            return torch.mm(rows, b.reshape(n * k, b.shape[-1])), None
+        shape = [s if v else 1 for s, v in zip(mesh.shape, ax, strict=True)]
+        a_full = a.reshape(*shape, *a.shape[-2:])
+        shape = [s if v else 1 for s, v in zip(mesh.shape, bx, strict=True)]
+        b_full = b.reshape(*shape, *b.shape[-2:])
+        union = tuple(p or q for p, q in zip(ax, bx, strict=True))
+        out = broadcast_matmul(a_full, b_full, list(mesh.shape))
+        return out[tuple(slice(None) if v else 0 for v in union)], union
 
 
 def _bind(node: fx.Node) -> dict[str, Any]:

@@ -1,10 +1,12 @@
 """How the LocalMesh cuts a per-device program: segments of local ops between mesh ops.
 
 A node's segment is the number of mesh ops (``partita.collectives``, fused buckets) on its
-longest path from the inputs; each segment becomes its own ``GraphModule`` run as one
-``torch.vmap`` call, traced to a flat graph of batched aten ops from its second run with the
-same input signature (``partita.runtime.local`` says why). This module builds and runs
-segments; :class:`~partita.runtime.local.LocalMesh` runs the mesh ops between them.
+longest path from the inputs; each segment becomes its own ``GraphModule`` run as nested
+``torch.vmap`` calls, one per mesh axis its inputs vary along (outermost first), traced to a
+flat graph of batched aten ops from its second run with the same input signature
+(``partita.runtime.local`` says why), in which ``runtime.flat_matmul`` folds broadcast bmms.
+This module builds and runs segments; :class:`~partita.runtime.local.LocalMesh` runs the
+mesh ops between them.
 """
 
 from __future__ import annotations
@@ -214,6 +216,7 @@ def plan_segments(gm: fx.GraphModule) -> SegmentPlan:
     placeholders: list[fx.Node] = []
     mesh_nodes: list[fx.Node] = []
     buckets = {n for n in graph.nodes if n.op == "call_function" and n.target in BUCKET_OPS}
+    contractions: list[fx.Node] = []
     by_depth: dict[int, list[fx.Node]] = {}
     output: Any = None
     for node in graph.nodes:
@@ -234,6 +237,9 @@ def plan_segments(gm: fx.GraphModule) -> SegmentPlan:
         if node.target in STEP_OPS:
             depth[node] = d + 1
             mesh_nodes.append(node)
+        elif _is_contraction(node):
+            depth[node] = d
+            contractions.append(node)
         elif node.target is operator.getitem and node.args[0] in buckets:
             depth[node] = d
             mesh_nodes.append(node)
@@ -247,12 +253,37 @@ def plan_segments(gm: fx.GraphModule) -> SegmentPlan:
         for i in node.all_input_nodes:
             users_at.setdefault(i, set()).add(where)
     steps: list[Segment | fx.Node] = []
-    last = max([*by_depth, *(depth[m] for m in mesh_nodes)], default=0)
+    last = max([*by_depth, *(depth[m] for m in (*mesh_nodes, *contractions))], default=0)
     for d in range(last + 1):
         steps += [m for m in mesh_nodes if depth[m] == d]
         if d in by_depth:
             steps.append(_build_segment(gm, by_depth[d], d, users_at))
+        steps += [c for c in contractions if depth[c] == d]
     return SegmentPlan(placeholders=placeholders, steps=steps, output=output)
+
+
+#: Mesh ops that can take a sum already made over their whole group (``LocalMesh._contract``).
+SUMMING_OPS = frozenset(
+    (
+        torch.ops.partita.reduce_scatter.default,
+        torch.ops.partita.reduce_scatter_bucket.default,
+        torch.ops.partita.all_reduce.default,
+        torch.ops.partita.all_reduce_bucket.default,
+    )
+)
+
+
+def _is_contraction(node: fx.Node) -> bool:
+    """An ``mm`` read only by a sum or avg reduction (a weight gradient under data
+    parallelism): it runs outside its segment, where over the whole mesh the per-device
+    products and their sum are one ``mm`` over every device's rows (``LocalMesh._contract``)."""
+    if node.target is not aten.mm.default or len(node.users) != 1:
+        return False
+    (user,) = node.users
+    if user.target not in SUMMING_OPS:
+        return False
+    op = user.kwargs.get("reduce_op", next((a for a in user.args if isinstance(a, str)), None))
+    return op in ("sum", "avg")
 
 
 def _vmap_ready(new: fx.Node) -> None:

@@ -40,6 +40,7 @@ __all__ = [
     "collective_permute",
     "reduce_scatter",
     "reduce_scatter_bucket",
+    "scatter_reduced",
     "shard_slice",
 ]
 
@@ -113,14 +114,22 @@ def reduce_scatter(
 ) -> Tensor:
     """Reduce over the group, then member ``i`` keeps chunk ``i`` of ``dim``."""
     y = _to_groups(mesh, x, mesh_axes)
-    r, g = y.shape[:2]
+    g = y.shape[1]
     local = list(y.shape[2:])
     if local[dim] % g:
         raise ValueError(
             f"reduce_scatter: dim {dim} of local shape {tuple(local)} is not divisible by the "
             f"group size {g}; pad it first."
         )
-    reduced = _reduce(y, 1, reduce_op)  # [r, *local]
+    return scatter_reduced(mesh, _reduce(y, 1, reduce_op), dim, mesh_axes)
+
+
+def scatter_reduced(mesh: Mesh, reduced: Tensor, dim: int, mesh_axes: Sequence[str]) -> Tensor:
+    """The scatter half of :func:`reduce_scatter`: ``reduced`` is ``[r, *local]``, one
+    reduction per group (``r = mesh.size // group size``); member ``i`` of each group keeps
+    chunk ``i`` of ``dim`` of its group's."""
+    g = mesh.axes_size(mesh_axes)
+    r, local = reduced.shape[0], list(reduced.shape[1:])
     split = reduced.reshape(r, *local[:dim], g, local[dim] // g, *local[dim + 1 :])
     return _from_groups(mesh, split.movedim(1 + dim, 1), mesh_axes)
 
