@@ -18,6 +18,8 @@ def _blocks(path: Path) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```", path.read_text(), flags=re.S | re.M)
 
 
+# The docs teach current names: a deprecation warning attributed to a block is an error.
+@pytest.mark.filterwarnings("error::DeprecationWarning:docs_")
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
 def test_code_blocks_run_and_print_what_they_say(
     path: Path, capsys: pytest.CaptureFixture[str]
