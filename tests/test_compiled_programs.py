@@ -46,22 +46,9 @@ def _train(compile_programs: bool, steps: int = 2) -> tuple[list[torch.Tensor], 
     return losses, step
 
 
-# Inductor compiles in a pool of worker processes by default, each importing torch (seconds of
-# CPU on this 2-core machine) before it compiles anything; these tests compile a handful of small
-# kernels, which one thread in the process does sooner. The Gloo ranks get the same setting.
-ONE_COMPILE_THREAD = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-
-
 @pytest.fixture(scope="module")
 def fsdp_runs() -> dict[str, tuple[list[torch.Tensor], Any]]:
-    import torch._inductor.config as inductor_config
-
-    threads = inductor_config.compile_threads
-    inductor_config.compile_threads = 1
-    try:
-        return {"plain": _train(False), "compiled": _train(True)}
-    finally:
-        inductor_config.compile_threads = threads
+    return {"plain": _train(False), "compiled": _train(True)}
 
 
 @pytest.mark.slow  # Inductor's first compile in a process: 10-50 s here
@@ -143,9 +130,7 @@ def test_compile_programs_setting(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.slow
 def test_gloo_compiled_step_equals_uncompiled(tmp_path: Path) -> None:
     out = tmp_path / "compiled.pt"
-    results = spawn(
-        [str(SCRIPTS / "compiled_programs.py"), str(out)], 2, timeout=600, env=ONE_COMPILE_THREAD
-    )
+    results = spawn([str(SCRIPTS / "compiled_programs.py"), str(out)], 2, timeout=600)
     assert all(r.returncode == 0 for r in results), "\n".join(
         f"rank {r.rank}: {r.returncode}\n{r.stderr[-2500:]}" for r in results
     )
