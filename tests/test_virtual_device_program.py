@@ -17,6 +17,7 @@ import torch.nn.functional as F  # noqa: N812
 
 import partita
 from partita import Mesh, P
+from partita.capture.source import source_line
 from partita.models import GPT, GPTConfig
 from partita.virtual import recording
 from partita.virtual import step as vstep
@@ -81,6 +82,17 @@ def test_the_loop_moves_no_more_than_train_step(dev: torch.device) -> None:
         expected.summary(),
     )
     assert attention_ops == CFG.n_layer
+    # Each collective names the user's line that needed it, as train_step's Plan does: the
+    # model's lines for forward and backward (a gradient's reduce_scatter points at its
+    # forward's line), the loss function's for the loss, never the replay or partita.sync().
+    sources = [c.source for c in plan.collectives]
+    assert all(
+        s is not None and (s.startswith("gpt.py:") or s.endswith("in _loss")) for s in sources
+    ), plan.explain()
+    assert {
+        s for c, s in zip(plan.collectives, sources, strict=True) if c.kind == "reduce_scatter"
+    } <= {s for s in sources if s.startswith("gpt.py:") and s.endswith("in forward")}
+    assert len({s for s in sources if s.startswith("gpt.py:")}) >= 5, plan.explain()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     ref_loss = _loss(ref(x), y)
     ref_loss.backward()
@@ -225,3 +237,55 @@ def test_a_pending_value_too_big_to_peek_syncs(dev: torch.device) -> None:
     x = torch.arange(float(1 << 17)).to(dev)
     assert bool(((x * 2).sum() > 0).all()) is True  # its input is over MAX_ELEMENTS
     assert partita.metrics().syncs == 1
+
+
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _double_too(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _node_sources(program: vstep.StepProgram, target: object) -> set[str | None]:
+    graph = program.compiled.program.graph_module.graph
+    return {source_line(n) for n in graph.nodes if n.target == target}
+
+
+def test_recorded_source_lines_reach_the_program_and_not_its_key(dev: torch.device) -> None:
+    aten = torch.ops.aten
+    vstep._CACHE.clear()
+    recording.forget_guides()
+    partita.metrics(reset=True)
+    x = torch.arange(32.0).reshape(8, 4).to(dev)
+    outs = []
+    # The same ops from other lines, with the fast path and without: one program.
+    for fn, fast in [(_double, True), (_double_too, True), (_double_too, False)]:
+        recording.FAST_PATH = fast
+        try:
+            outs.append(fn(x))
+            partita.sync()
+        finally:
+            recording.FAST_PATH = True
+    m = partita.metrics()
+    assert (m.compiles, m.cache_hits, m.fast_path_hits) == (1, 2, 1), str(m)
+    (first,) = vstep._CACHE.values()
+    assert _node_sources(first, aten.mul.Tensor) == {
+        f"{__name__.split('.')[-1]}.py:{_double.__code__.co_firstlineno + 1} in _double"
+    }
+    # A step that follows its guide (the last step), then differs: the op recorded on the fast
+    # path has the guide's line, the new one its own.
+    outs.append(_double_too(x).exp())
+    partita.sync()
+    assert partita.metrics().compiles == 2
+    second = next(reversed(vstep._CACHE.values()))
+    assert _node_sources(second, aten.mul.Tensor) == {
+        f"{__name__.split('.')[-1]}.py:{_double_too.__code__.co_firstlineno + 1} in _double_too"
+    }
+    (exp_line,) = _node_sources(second, aten.exp.default)
+    assert exp_line is not None and exp_line.endswith(
+        "in test_recorded_source_lines_reach_the_program_and_not_its_key"
+    )
+    for out in outs[:3]:
+        torch.testing.assert_close(out.cpu(), torch.arange(32.0).reshape(8, 4) * 2)
+    torch.testing.assert_close(outs[3].cpu(), (torch.arange(32.0).reshape(8, 4) * 2).exp())

@@ -10,7 +10,10 @@ so a gradient op points at the line whose forward it differentiates.
 
 :class:`SourceTrackingMode` is the functionalization mode of capture with that bookkeeping
 added; it hands each source to fx through ``torch.fx.traceback`` (as a one-frame
-``stack_trace``). This module does not trace and does not touch graphs beyond reading meta.
+``stack_trace``). A caller that knows an op's source better than the stack does (the virtual
+device replays ops recorded elsewhere, see :mod:`partita.virtual.step`) pins it with
+:func:`pin_source` around the op. This module does not trace and does not touch graphs beyond
+reading meta.
 """
 
 from __future__ import annotations
@@ -28,7 +31,9 @@ from torch._subclasses.functional_tensor import FunctionalTensorMode
 __all__ = [
     "SourceTrackingMode",
     "format_source",
+    "pin_source",
     "source_line",
+    "stack_entry",
     "user_frame",
     "user_line_of_traceback",
 ]
@@ -87,7 +92,28 @@ def user_line_of_traceback(tb: TracebackType | None) -> str | None:
 
 
 def _stack_entry(frame: FrameType) -> str:
-    return f'File "{frame.f_code.co_filename}", line {frame.f_lineno}, in {frame.f_code.co_name}'
+    return stack_entry(frame.f_code, frame.f_lineno)
+
+
+def stack_entry(code: CodeType, lineno: int) -> str:
+    """One frame of an fx ``stack_trace``: ``File "path", line N, in func``."""
+    return f'File "{code.co_filename}", line {lineno}, in {code.co_name}'
+
+
+# The stack entry pinned by :func:`pin_source`, used by every op dispatched while it is set.
+# Module-level, not thread-local: a trace runs on one thread, and the pin is set and cleared
+# around each op by that thread.
+_PINNED: list[str | None] = [None]
+
+
+def pin_source(entry: str | None) -> None:
+    """Attribute the ops dispatched from now on to ``entry`` (a :func:`stack_entry`), not to the
+    stack; ``None`` goes back to the stack.
+
+    The virtual device replays recorded ops inside a trace, where the stack shows the replay
+    and the user's ``partita.sync()``; it pins each op's recorded line instead.
+    """
+    _PINNED[0] = entry
 
 
 def source_from_stack_trace(stack_trace: str | None) -> str | None:
@@ -129,7 +155,10 @@ class SourceTrackingMode(FunctionalTensorMode):
         self._forward_sources: dict[int, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        entry: str | None = None
+        entry = _PINNED[0]
+        if entry is not None:
+            fx_traceback.set_stack_trace([entry])
+            return super().__torch_dispatch__(func, types, args, kwargs)
         grad_node = torch._C._current_autograd_node()
         if grad_node is not None:  # inside the autograd engine: a backward op
             entry = self._forward_sources.get(grad_node._sequence_nr())

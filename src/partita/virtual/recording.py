@@ -27,10 +27,12 @@ import torch
 from partita.tensor import ShardedTensor
 from partita.virtual import why
 from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
+from partita.virtual.guide import Guide
 from partita.virtual.immediate import new_data, run_now
 from partita.virtual.lazy import Cell, LazyTensor, lazies
 from partita.virtual.lift import lift_extras
 from partita.virtual.shapes import infer, op_info
+from partita.virtual.sources import Source, op_source
 
 __all__ = [
     "FAST_PATH",
@@ -51,37 +53,6 @@ _PLAIN = frozenset({int, bool, type(None), str, torch.dtype, torch.memory_format
 
 
 @dataclass
-class Guide:
-    """A finished recording, to check the next one against op by op (the cache-hit fast path).
-
-    While a recording follows its guide (each op, its templates and its new inputs' metadata
-    the same as at the same position of the guide), an op's results are made from the guide's
-    description of them: no shape inference, no memo lookup. If the whole recording followed
-    it, its structural key is the guide's, so :func:`partita.sync` takes the guide's program
-    without hashing the key. The first difference drops the guide and recording goes on the
-    ordinary way.
-
-    Attributes:
-        ops: the recorded entries, as in :attr:`Recording.ops`.
-        results: per entry, how its results were made (see :func:`_describe_result`).
-        inputs: per input, the metadata checked when the next recording takes its input there.
-        described: the input part of the structural key (shapes, dtypes, shardings).
-        out_slots: the slots of the values alive at the sync (the program's results).
-        n_scalars: how many lifted floats.
-        key, program: the structural key and the compiled program of that step.
-    """
-
-    ops: list[tuple[Any, Any, Any, tuple[int | None, ...]]]
-    results: list[Any]
-    inputs: list[Any]
-    described: tuple[Any, ...]
-    out_slots: tuple[int | None, ...]
-    n_scalars: int
-    key: Any
-    program: Any
-
-
-@dataclass
 class Recording:
     """The ops recorded since the last sync (one step of the program).
 
@@ -94,6 +65,8 @@ class Recording:
         live: weak references to the tensors created here (the candidate outputs).
         guide: the recording this one is expected to repeat (None once it differed).
         miss: why it stopped following its guide, in one line (None while it follows).
+        sources: per op, its user source line; only once it left its guide (the fast path
+            records none: :meth:`op_sources` takes the guide's). Not part of the key.
     """
 
     epoch: int
@@ -108,6 +81,8 @@ class Recording:
     results: list[Any] = field(default_factory=list)
     input_meta: list[Any] = field(default_factory=list)
     _snapshots: dict[tuple[int, int], int] = field(default_factory=dict)
+    sources: list[Source] = field(default_factory=list)
+    forward_sources: dict[int, Source] = field(default_factory=dict)
 
     def new_slot(self) -> int:
         self.n_slots += 1
@@ -186,7 +161,12 @@ class Recording:
         return None
 
     def _leave(self, reason: str) -> None:
+        self.sources = self.guide.sources[: len(self.ops)]  # type: ignore[union-attr]
         self.guide, self.miss = None, reason
+
+    def op_sources(self) -> list[Source]:
+        """Each op's user source line (the guide's while this recording follows it)."""
+        return self.sources if self.guide is None else self.guide.sources
 
     def described_inputs(self) -> tuple[Any, ...]:
         """The inputs' part of the structural key: shapes, dtypes, shardings."""
@@ -227,7 +207,7 @@ class Recording:
         """This recording as the guide of the next one that follows the same program."""
         return Guide(
             self.ops, self.results, self.input_meta, described, out_slots, len(self.scalars),
-            key, program,
+            key, program, self.op_sources(),
         )  # fmt: skip
 
 
@@ -292,6 +272,8 @@ def record_annotation(t: LazyTensor, annotate: Any, mesh: Any, spec: Any) -> Non
     slot = rec.slot_of(t._cell)
     targs = (("t", slot), ("c", mesh), ("c", spec))
     entry = rec.follow(annotate, targs, ()) or (annotate, targs, (), (slot,))
+    if rec.guide is None:
+        rec.sources.append(op_source(rec.forward_sources))
     rec.ops.append(entry)
     rec.results.append(None)
 
@@ -320,6 +302,7 @@ def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     else:
         result, outs, description = _infer_results(rec, func, args, kwargs, lifted, view_base)
         entry = (func, targs, tkwargs, tuple(outs))
+        rec.sources.append(op_source(rec.forward_sources))  # the fast path's are its guide's
     for t in info.mutated(func, args, kwargs):
         t._cell.base.dirty = True
     rec.ops.append(entry)

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from partita.capture.source import pin_source
 from partita.mesh import Mesh
 from partita.relayout import reshard
 from partita.runtime.distributed import distributed_executor
@@ -39,6 +40,7 @@ from partita.virtual.device import VirtualDeviceError
 from partita.virtual.lazy import Cell
 from partita.virtual.lift import replay_op
 from partita.virtual.program import StepProgram, compile_step
+from partita.virtual.sources import stack_entries
 from partita.virtual.why import recompile_reason
 
 __all__ = [
@@ -141,8 +143,13 @@ def metrics(reset: bool = False) -> Metrics:
 
 
 def _replay_fn(rec: recording.Recording, outputs: list[int]) -> Callable[..., list[torch.Tensor]]:
-    """The recording as a function of its inputs (in ``rec.inputs`` order, then the scalars)."""
+    """The recording as a function of its inputs (in ``rec.inputs`` order, then the scalars).
+
+    Each op runs with its recorded source line pinned, so capture gives the nodes it makes the
+    user's line (the stack here shows only the replay and ``partita.sync()``).
+    """
     ops = list(rec.ops)
+    entries = stack_entries(rec.op_sources())
     input_slots = [slot for slot, _ in rec.inputs]
     n_inputs = len(input_slots)
 
@@ -159,10 +166,14 @@ def _replay_fn(rec: recording.Recording, outputs: list[int]) -> Callable[..., li
     def replay(*inputs: torch.Tensor) -> list[torch.Tensor]:
         env: dict[int, Any] = dict(zip(input_slots, inputs[:n_inputs], strict=True))
         scalars = inputs[n_inputs:]
-        for func, targs, tkwargs, outs in ops:
+        for (func, targs, tkwargs, outs), entry in zip(ops, entries, strict=True):
             args = tuple(build(t, env, scalars) for t in targs)
             kwargs = {k: build(t, env, scalars) for k, t in tkwargs}
-            result = replay_op(func, args, kwargs)
+            pin_source(entry)
+            try:
+                result = replay_op(func, args, kwargs)
+            finally:
+                pin_source(None)
             flat = result if isinstance(result, (list, tuple)) else [result]
             for slot, value in zip(outs, flat, strict=False):
                 if slot is not None:
