@@ -623,7 +623,7 @@ def test_trace_pauses_the_garbage_collector_and_restores_it():
 
     assert gc.isenabled()
     trace(fn, (torch.ones(3),))
-    with pytest.raises(CaptureError, match="returned float 2.0"):
+    with pytest.raises(CaptureError, match=r"returned float 2\.0"):
         trace(bad, (torch.ones(3),))
     assert seen == [False, False] and gc.isenabled()
     gc.disable()
