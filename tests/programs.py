@@ -18,7 +18,8 @@ import torch.nn.functional as F  # noqa: N812
 
 from partita import Mesh, P
 from partita.capture import annotate
-from partita.models import GPT, GPTConfig, SmallCNN, init_opt_state, make_train_step
+from partita.models import GPT, GPTConfig, SmallCNN
+from partita.training import init_opt_state, make_train_step
 
 MESH = Mesh.create((2, 4), ("x", "y"))
 

@@ -632,3 +632,28 @@ def test_trace_pauses_the_garbage_collector_and_restores_it():
         assert not gc.isenabled()  # a caller's disabled collector stays disabled
     finally:
         gc.enable()
+
+
+def test_a_pinned_source_names_its_own_threads_ops_only() -> None:
+    """``pin_source`` (how the virtual device gives replayed ops their recorded lines) applies
+    to the thread that set it: a trace on another thread keeps the lines of its own stack."""
+    import threading
+
+    from partita.capture.source import pin_source, stack_entry
+
+    def here() -> None:
+        pass
+
+    other: list = []
+    pin_source(stack_entry(here.__code__, 7))
+    try:
+        worker = threading.Thread(target=lambda: other.append(trace(torch.sin, (torch.ones(2),))))
+        worker.start()
+        worker.join()
+        pinned = trace(lambda x: x.cos(), (torch.ones(2),))
+    finally:
+        pin_source(None)
+    assert {source_line(n) for n in _calls(pinned.graph_module)} == {"test_capture.py:7 in here"}
+    assert "in here" not in str({source_line(n) for n in _calls(other[0].graph_module)})
+    unpinned = trace(lambda x: x.cos(), (torch.ones(2),))
+    assert all(":7 in here" not in str(source_line(n)) for n in _calls(unpinned.graph_module))

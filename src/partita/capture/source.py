@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 from types import CodeType, FrameType, TracebackType
 from typing import Any
 
@@ -100,10 +101,10 @@ def stack_entry(code: CodeType, lineno: int) -> str:
     return f'File "{code.co_filename}", line {lineno}, in {code.co_name}'
 
 
-# The stack entry pinned by :func:`pin_source`, used by every op dispatched while it is set.
-# Module-level, not thread-local: a trace runs on one thread, and the pin is set and cleared
-# around each op by that thread.
-_PINNED: list[str | None] = [None]
+# The stack entry pinned by :func:`pin_source`, used by every op the same thread dispatches
+# while it is set. Per thread: a virtual-device step may be traced while another thread
+# traces or records (a step running in the background), and neither may see the other's pin.
+_PINNED = threading.local()
 
 
 def pin_source(entry: str | None) -> None:
@@ -113,7 +114,7 @@ def pin_source(entry: str | None) -> None:
     The virtual device replays recorded ops inside a trace, where the stack shows the replay
     and the user's ``partita.sync()``; it pins each op's recorded line instead.
     """
-    _PINNED[0] = entry
+    _PINNED.entry = entry
 
 
 def source_from_stack_trace(stack_trace: str | None) -> str | None:
@@ -155,7 +156,7 @@ class SourceTrackingMode(FunctionalTensorMode):
         self._forward_sources: dict[int, str] = {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        entry = _PINNED[0]
+        entry: str | None = getattr(_PINNED, "entry", None)
         if entry is not None:
             fx_traceback.set_stack_trace([entry])
             return super().__torch_dispatch__(func, types, args, kwargs)
