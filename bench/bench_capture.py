@@ -20,7 +20,8 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 from partita.capture import trace
-from partita.models import GPT, GPTConfig, init_opt_state, make_train_step
+from partita.models import GPT, GPTConfig
+from partita.training import init_opt_state, make_train_step
 
 WIDTH, HEADS, VOCAB, SEQ, BATCH = 768, 12, 8192, 128, 8
 

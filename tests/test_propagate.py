@@ -12,10 +12,11 @@ import programs
 from partita import Mesh, P, UnsupportedOpError
 from partita.api import format_program, propagate_program
 from partita.capture import ANNOTATE_OP
-from partita.models import GPT, GPTConfig, init_opt_state
+from partita.models import GPT, GPTConfig
 from partita.propagate import propagate
 from partita.propagate_state import info_key
 from partita.rules import OpInfo, TensorMeta
+from partita.training import init_opt_state
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 XY = programs.MESH
