@@ -20,7 +20,7 @@ from torch import nn
 import partita
 from partita import Mesh, P
 from partita.models import GPT, GPTConfig
-from partita.virtual import VirtualDeviceError, check_torch, disk_cache
+from partita.virtual import VirtualDeviceError, check_torch, disk_cache, recording
 from partita.virtual import step as virtual_step
 from partita.virtual import step as vstep
 
@@ -66,8 +66,11 @@ def gpt_run(dev: torch.device) -> dict:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1.0 / (1 + s))
     # Programs of earlier tests in this process (same mesh) would be the "closest" cached
-    # program for the recompilation reason below: this loop starts from an empty cache.
+    # program for the recompilation reason below, and the step that followed one of them a
+    # guide the first step here is compared with (a "left the fast path" line): this loop
+    # starts from an empty cache and no guides, whichever test files ran before it.
     vstep._CACHE.clear()
+    recording.forget_guides()
     partita.metrics(reset=True)
     losses, ref_losses = [], []
     with warnings.catch_warnings():
