@@ -44,17 +44,6 @@ def _slots(template: Any, out: set[int]) -> None:
             _slots(v, out)
 
 
-def _build(template: Any, env: dict[int, Any], scalars: list[float]) -> Any:
-    kind, value = template
-    if kind == "t":
-        return env[value]
-    if kind == "s":
-        return scalars[value]
-    if kind == "l":
-        return [_build(v, env, scalars) for v in value]
-    return value
-
-
 def _replayable(func: Any) -> bool:
     schema = getattr(func, "_schema", None)
     if schema is None or not schema.name.startswith("aten::"):
@@ -94,8 +83,8 @@ def peek(cell: Cell) -> torch.Tensor | None:
         env[slot] = value.full() if isinstance(value, ShardedTensor) else value
     for index in reversed(chosen):
         func, targs, tkwargs, outs = rec.ops[index]
-        args = tuple(_build(t, env, rec.scalars) for t in targs)
-        kwargs = {k: _build(t, env, rec.scalars) for k, t in tkwargs}
+        args = tuple(recording.build(t, env, rec.scalars) for t in targs)
+        kwargs = {k: recording.build(t, env, rec.scalars) for k, t in tkwargs}
         result = replay_op(func, args, kwargs)
         flat = result if isinstance(result, (list, tuple)) else [result]
         for slot, value in zip(outs, flat, strict=False):

@@ -19,6 +19,7 @@ key unchanged. This module does not compile.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "FAST_PATH",
     "Guide",
     "Recording",
+    "build",
     "current",
     "dispatch",
     "forget_guides",
@@ -219,6 +221,19 @@ _GUIDE_LIMIT = 128
 #: Check each recording against its guide (the cache-hit fast path); False records every step
 #: in full (the bench compares both).
 FAST_PATH = True
+
+
+def build(template: Any, env: dict[int, Any], scalars: Sequence[Any]) -> Any:
+    """An argument from its :meth:`Recording.template`: tensors from ``env`` by slot, lifted
+    floats from ``scalars`` (numbers, or the program's 0-dim inputs when replayed)."""
+    kind, value = template
+    if kind == "t":
+        return env[value]
+    if kind == "s":
+        return scalars[value]
+    if kind == "l":
+        return [build(v, env, scalars) for v in value]
+    return value
 
 
 def current() -> Recording:

@@ -153,22 +153,12 @@ def _replay_fn(rec: recording.Recording, outputs: list[int]) -> Callable[..., li
     input_slots = [slot for slot, _ in rec.inputs]
     n_inputs = len(input_slots)
 
-    def build(template: Any, env: dict[int, Any], scalars: tuple[Any, ...]) -> Any:
-        kind, value = template
-        if kind == "t":
-            return env[value]
-        if kind == "s":
-            return scalars[value]
-        if kind == "l":
-            return [build(v, env, scalars) for v in value]
-        return value
-
     def replay(*inputs: torch.Tensor) -> list[torch.Tensor]:
         env: dict[int, Any] = dict(zip(input_slots, inputs[:n_inputs], strict=True))
         scalars = inputs[n_inputs:]
         for (func, targs, tkwargs, outs), entry in zip(ops, entries, strict=True):
-            args = tuple(build(t, env, scalars) for t in targs)
-            kwargs = {k: build(t, env, scalars) for k, t in tkwargs}
+            args = tuple(recording.build(t, env, scalars) for t in targs)
+            kwargs = {k: recording.build(t, env, scalars) for k, t in tkwargs}
             pin_source(entry)
             try:
                 result = replay_op(func, args, kwargs)
