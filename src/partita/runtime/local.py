@@ -318,22 +318,10 @@ class LocalMesh:
         dims = [sum(axes[:i]) for i in sorted(group) if axes[i]]  # where axis i is in value
         if entry[1] is not None:
             same = math.prod(mesh.shape[i] for i in group if not axes[i])
-        if reduce_op in ("max", "min"):
-            out = value
-            if dims:
-                out = value.amax(dim=dims) if reduce_op == "max" else value.amin(dim=dims)
-        else:
-            out = value.sum(dim=dims, dtype=value.dtype) if dims else value
-            if same > 1:
-                out = out * same
-            if reduce_op == "avg":
-                g = mesh.axes_size([mesh.axis_names[i] for i in group])
-                if out.is_floating_point() or out.is_complex():
-                    out = out / g
-                else:
-                    out = torch.div(out, g, rounding_mode="trunc")
-            elif reduce_op != "sum":
-                raise ValueError(f"all_reduce: unknown reduce_op {reduce_op!r}.")
+        from partita.runtime.stacked import reduce_over  # lazily, as the mesh ops
+
+        g = mesh.axes_size([mesh.axis_names[i] for i in group])
+        out = reduce_over(value, dims, reduce_op, copies=same, count=g)
         return out, tuple(v and i not in group for i, v in enumerate(axes))
 
     def _reduce_scatter(

@@ -16,6 +16,7 @@ graphs (``runtime.local`` does) and knows nothing of shardings.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -72,19 +73,32 @@ def _from_groups(mesh: Mesh, y: Tensor, mesh_axes: Sequence[str]) -> Tensor:
     return z.reshape(mesh.size, *local)
 
 
-def _reduce(y: Tensor, dim: int, reduce_op: str) -> Tensor:
+def reduce_over(
+    y: Tensor, dims: Sequence[int], reduce_op: str, copies: int = 1, count: int | None = None
+) -> Tensor:
+    """``y`` reduced over ``dims`` as the members of a group: each element stands for
+    ``copies`` members holding the same value (the group axes a value does not vary along),
+    and ``avg`` divides by ``count`` members (default: the elements reduced times ``copies``).
+
+    Example:
+        >>> reduce_over(torch.tensor([[1.0, 2.0], [3.0, 4.0]]), [0], "avg", copies=2)
+        tensor([2., 3.])
+    """
+    if reduce_op in ("max", "min"):
+        if not dims:
+            return y
+        return y.amax(dim=list(dims)) if reduce_op == "max" else y.amin(dim=list(dims))
+    if reduce_op not in ("sum", "avg"):
+        raise ValueError(f"reduce_op must be one of {collectives.REDUCE_OPS}, got {reduce_op!r}.")
+    total = y.sum(dim=list(dims), dtype=y.dtype) if dims else y  # sum(dim=[]) sums everything
+    if copies > 1:
+        total = total * copies
     if reduce_op == "sum":
-        return y.sum(dim=dim, dtype=y.dtype)
-    if reduce_op == "max":
-        return y.amax(dim=dim)
-    if reduce_op == "min":
-        return y.amin(dim=dim)
-    if reduce_op == "avg":
-        total = y.sum(dim=dim, dtype=y.dtype)
-        if total.is_floating_point() or total.is_complex():
-            return total / y.shape[dim]
-        return torch.div(total, y.shape[dim], rounding_mode="trunc")
-    raise ValueError(f"reduce_op must be one of {collectives.REDUCE_OPS}, got {reduce_op!r}.")
+        return total
+    n = count if count is not None else math.prod(y.shape[d] for d in dims) * copies
+    if total.is_floating_point() or total.is_complex():
+        return total / n
+    return torch.div(total, n, rounding_mode="trunc")
 
 
 def all_gather(
@@ -105,7 +119,7 @@ def all_reduce(
 ) -> Tensor:
     """Every member gets the reduction of the group's local tensors."""
     y = _to_groups(mesh, x, mesh_axes)
-    reduced = _reduce(y, 1, reduce_op).unsqueeze(1).expand_as(y)
+    reduced = reduce_over(y, [1], reduce_op).unsqueeze(1).expand_as(y)
     return _from_groups(mesh, reduced, mesh_axes)
 
 
@@ -121,7 +135,7 @@ def reduce_scatter(
             f"reduce_scatter: dim {dim} of local shape {tuple(local)} is not divisible by the "
             f"group size {g}; pad it first."
         )
-    return scatter_reduced(mesh, _reduce(y, 1, reduce_op), dim, mesh_axes)
+    return scatter_reduced(mesh, reduce_over(y, [1], reduce_op), dim, mesh_axes)
 
 
 def scatter_reduced(mesh: Mesh, reduced: Tensor, dim: int, mesh_axes: Sequence[str]) -> Tensor:
