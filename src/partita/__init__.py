@@ -59,7 +59,7 @@ from partita.scan_layers import scan_layers
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor, clear_sharding
 from partita.train import TrainStep, train_step
-from partita.virtual import metrics, sync, use_spmd
+from partita.virtual import compile, metrics, sync, use_spmd
 from partita.visualize import format_sharding, visualize_sharding
 
 __version__ = "0.1.0"
@@ -114,6 +114,7 @@ __all__ = [
     "axis_size",
     "checkpoint",
     "clear_sharding",
+    "compile",
     "data",
     "distributed",
     "einsum_rule",

@@ -2,7 +2,8 @@
 
 ``dev = partita.use_spmd(mesh)`` returns ``torch.device("spmd", 0)``. Tensors moved there are
 lazy (:mod:`lazy`): their ops are recorded (:mod:`recording`), ``partita.sync()`` compiles and
-runs the step (:mod:`step`), and ``partita.mark_sharding`` lays a tensor out over the mesh in
+runs the step (:mod:`step`), ``partita.compile(step_fn)`` replays a captured step
+(:mod:`compiled`), and ``partita.mark_sharding`` lays a tensor out over the mesh in
 place. See docs/virtual-device.md.
 """
 
@@ -16,6 +17,7 @@ from partita.mesh import Mesh
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor, set_eager_ops
 from partita.virtual import disk_cache, step
+from partita.virtual.compiled import CompiledStep, compile
 from partita.virtual.device import (
     MIN_TORCH,
     VirtualDeviceError,
@@ -30,10 +32,12 @@ from partita.virtual.step import Metrics, metrics, set_mesh, sync
 
 __all__ = [
     "MIN_TORCH",
+    "CompiledStep",
     "LazyTensor",
     "Metrics",
     "VirtualDeviceError",
     "check_torch",
+    "compile",
     "metrics",
     "sharded",
     "sync",

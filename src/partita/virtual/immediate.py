@@ -19,7 +19,7 @@ from partita.tensor import ShardedTensor
 from partita.virtual.device import DEVICE_NAME
 from partita.virtual.lazy import Cell, LazyTensor, full_value, lazies
 
-__all__ = ["RUNS_NOW", "new_data", "run_now"]
+__all__ = ["RUNS_NOW", "UPLOADS", "new_data", "run_now"]
 
 aten = torch.ops.aten
 _SHARE_CELL = frozenset({aten.detach.default, aten.alias.default})
@@ -37,6 +37,9 @@ _FUSED = frozenset(
     for overload in getattr(aten, name).overloads()
 )
 _META = torch.device("meta")
+#: While a compiled step records (:mod:`partita.virtual.compiled`): ``(source, cell)`` per CPU
+#: tensor copied into a new device tensor, so a replay can upload the next call's argument.
+UPLOADS: list[list[tuple[torch.Tensor, Cell]]] = []
 #: Every op :func:`run_now` may run (besides factories writing into an ``out=`` tensor).
 RUNS_NOW = frozenset(
     {aten._local_scalar_dense.default, aten._to_copy.default, aten.copy_.default}
@@ -97,6 +100,8 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
             return dst.copy_(full_value(src))
         if not isinstance(src, LazyTensor) and _is_clean_data(dst._cell, rec, unused=True):
             value = src.detach().to(dst.dtype).expand(dst.shape).clone()
+            if UPLOADS:
+                UPLOADS[-1].append((src, dst._cell))
             old = dst._cell.data
             dst._cell.data = (
                 ShardedTensor.from_global(value, old.sharding)

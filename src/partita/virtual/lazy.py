@@ -14,6 +14,7 @@ so an ``nn.Parameter`` keeps its identity. This module does not compile or run a
 
 from __future__ import annotations
 
+import itertools
 import threading
 from typing import Any
 
@@ -22,11 +23,12 @@ import torch
 from partita.tensor import ShardedTensor
 from partita.virtual.device import spmd_device
 
-__all__ = ["Cell", "Desc", "LazyTensor", "full_value", "lazies"]
+__all__ = ["Cell", "Desc", "LazyTensor", "full_value", "lazies", "next_serial"]
 
 #: A value's metadata: shape, strides, storage offset, dtype.
 Desc = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]
 _META = torch.device("meta")
+_SERIALS = itertools.count()
 
 
 class Cell:
@@ -36,6 +38,7 @@ class Cell:
         data: the value when it is known (a plain tensor means replicated), else None.
         slot: its slot in the recording of ``epoch`` (None when not used there yet).
         meta: a meta tensor with its shape, dtype and strides.
+        serial: increases with each cell made (which cells a call of a compiled step made).
     """
 
     __slots__ = (
@@ -47,6 +50,7 @@ class Cell:
         "dirty",
         "epoch",
         "in_flight",
+        "serial",
         "slot",
     )
 
@@ -71,6 +75,8 @@ class Cell:
         # of a view marks the base dirty, so reading the base syncs first.
         self.base: Cell = self if base is None else base.base
         self.dirty = False
+        # Creation order: a compiled step tells the values it made from those it was given.
+        self.serial = next(_SERIALS)
 
     def __getstate__(self) -> dict[str, Any]:
         # torch.save of a device tensor (a state_dict) pickles its cell: the value, synced.
@@ -245,3 +251,8 @@ def lazies(x: Any) -> list[LazyTensor]:
     if isinstance(x, dict):
         return [t for v in x.values() for t in lazies(v)]
     return []
+
+
+def next_serial() -> int:
+    """A number above every cell's ``serial`` so far (cells made later have higher ones)."""
+    return next(_SERIALS)

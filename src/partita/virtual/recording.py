@@ -122,6 +122,10 @@ class Recording:
             self._snapshots[ident] = slot
         return self._snapshots[ident]
 
+    def snapshot_slot(self, t: torch.Tensor) -> int | None:
+        """The slot of the copy of CPU tensor ``t`` (as it is now), if an op read it."""
+        return self._snapshots.get((id(t), t._version))
+
     def template(self, x: Any, lift: bool, like: torch.dtype = torch.float64) -> Any:
         if isinstance(x, LazyTensor):
             return ("t", self.slot_of(x._cell))

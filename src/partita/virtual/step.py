@@ -25,7 +25,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,68 +39,47 @@ from partita.virtual import disk_cache, recording
 from partita.virtual.device import VirtualDeviceError
 from partita.virtual.lazy import Cell
 from partita.virtual.lift import replay_op
+from partita.virtual.metrics import MISSES_KEPT, Metrics
 from partita.virtual.program import StepProgram, compile_step
 from partita.virtual.sources import stack_entries
 from partita.virtual.why import recompile_reason
 
 __all__ = [
     "RUN_IN_BACKGROUND",
+    "LastSync",
     "Metrics",
     "current_mesh",
+    "last_sync",
     "mesh",
     "metrics",
     "set_mesh",
+    "submit",
     "sync",
     "wait_in_flight",
 ]
 
 CACHE_LIMIT = 64
-#: How many fast-path misses :class:`Metrics` keeps (the latest).
-MISSES_KEPT = 20
 
 
 @dataclass
-class Metrics:
-    """What the virtual device did so far (``partita.metrics()``).
+class LastSync:
+    """The step the last :func:`sync` ran, for :mod:`partita.virtual.compiled` to capture.
 
     Attributes:
-        compiles: programs compiled (in this process).
-        cache_hits: syncs that reused a compiled program.
-        disk_hits: compilations avoided by the persistent cache.
-        syncs: syncs that ran a program.
-        ops_recorded: ops recorded in all steps.
-        recompile_reasons: one line per compilation after the first: what changed and where.
-        fast_path_hits: syncs whose step repeated the step that last followed the same program
-            op by op, so recording made no shape inference and the key was not hashed.
-        fast_path_misses: one line per step that left the fast path: the first op or input
-            that differed from the step it was checked against (the last ``MISSES_KEPT``).
-        compile_seconds, run_seconds: time spent compiling and running steps.
+        rec: its recording (inputs, lifted floats, ops and their sources).
+        key, program: its structural key and compiled program.
+        inputs: the values it ran on (the inputs' data, then the lifted floats as tensors).
+        out_cells: the cells of its results (the tensors alive at the sync).
     """
 
-    compiles: int = 0
-    cache_hits: int = 0
-    disk_hits: int = 0
-    syncs: int = 0
-    ops_recorded: int = 0
-    recompile_reasons: list[str] = field(default_factory=list)
-    fast_path_hits: int = 0
-    fast_path_misses: list[str] = field(default_factory=list)
-    compile_seconds: float = 0.0
-    run_seconds: float = 0.0
-
-    def __str__(self) -> str:
-        lines = [
-            f"compiles={self.compiles} cache_hits={self.cache_hits} disk_hits={self.disk_hits} "
-            f"syncs={self.syncs} ops_recorded={self.ops_recorded} "
-            f"fast_path_hits={self.fast_path_hits} "
-            f"compile={self.compile_seconds:.2f}s run={self.run_seconds:.2f}s"
-        ]
-        lines += [f"recompiled: {r}" for r in self.recompile_reasons]
-        lines += [f"left the fast path: {r}" for r in self.fast_path_misses]
-        return "\n".join(lines)
+    rec: recording.Recording
+    key: Hashable
+    program: StepProgram
+    inputs: list[Any]
+    out_cells: list[Cell]
 
 
-_STATE: dict[str, Any] = {"mesh": None, "metrics": Metrics()}
+_STATE: dict[str, Any] = {"mesh": None, "metrics": Metrics(), "last_sync": None}
 _CACHE: OrderedDict[Hashable, StepProgram] = OrderedDict()
 
 
@@ -140,6 +119,11 @@ def metrics(reset: bool = False) -> Metrics:
     if reset:
         _STATE["metrics"] = Metrics()
     return m
+
+
+def last_sync() -> LastSync | None:
+    """The step the last :func:`sync` ran (None before the first)."""
+    return _STATE["last_sync"]
 
 
 def _replay_fn(rec: recording.Recording, outputs: list[int]) -> Callable[..., list[torch.Tensor]]:
@@ -246,11 +230,26 @@ def sync() -> None:
             value.slot = None
             value.base.dirty = False
     for cell in out_cells:
-        cell.slot, cell.in_flight = None, True
+        cell.slot = None
+    _STATE["last_sync"] = LastSync(rec, key, program, inputs, out_cells)
+    submit(program, inputs, out_cells, [value for _, value in rec.inputs])
+
+
+def submit(
+    program: StepProgram, inputs: list[Any], out_cells: list[Cell], input_cells: list[Any]
+) -> None:
+    """Run ``program`` on ``inputs``: in the background on the LocalMesh, else now.
+
+    ``out_cells`` get its results; ``input_cells[i]`` (a Cell, or anything else for an input
+    that is not a device value) gets the new value of input ``i`` when the step updates it in
+    place. Until the run finishes these cells are in flight (reading one waits).
+    """
+    for cell in out_cells:
+        cell.in_flight = True
     for i in program.mutated_inputs:
-        if isinstance(rec.inputs[i][1], Cell):
-            rec.inputs[i][1].in_flight = True  # type: ignore[union-attr]
-    run = _Run(program, inputs, out_cells, rec)
+        if isinstance(input_cells[i], Cell):
+            input_cells[i].in_flight = True
+    run = _Run(program, inputs, out_cells, input_cells)
     if RUN_IN_BACKGROUND and distributed_executor(mesh()) is None:
         # Recording the next step (Python) overlaps this step's run; reading a value it
         # computes, or the next sync, waits for it.
@@ -273,9 +272,10 @@ class _Run:
     """One submitted step: runs the program, then hands its values to the cells."""
 
     def __init__(
-        self, program: StepProgram, inputs: list[Any], out_cells: list[Cell], rec: Any
+        self, program: StepProgram, inputs: list[Any], out_cells: list[Cell], input_cells: list[Any]
     ) -> None:
-        self.program, self.inputs, self.out_cells, self.rec = program, inputs, out_cells, rec
+        self.program, self.inputs, self.out_cells = program, inputs, out_cells
+        self.input_cells = input_cells
         self.future: Future[None] | None = None
         self.outputs: tuple[list[ShardedTensor], list[tuple[int, ShardedTensor]]] | None = None
         self.seconds = 0.0
@@ -287,7 +287,7 @@ class _Run:
 
     def finish(self) -> None:
         """Give the cells their values (in the recording thread)."""
-        mutated = [self.rec.inputs[i][1] for i in self.program.mutated_inputs]
+        mutated = [self.input_cells[i] for i in self.program.mutated_inputs]
         try:
             if self.future is not None:
                 self.future.result()
@@ -301,7 +301,7 @@ class _Run:
         for cell, value in zip(self.out_cells, results, strict=True):
             cell.data = value
         for i, value in updates:  # in-place updates of data: the cell (the Parameter) is kept
-            cell = self.rec.inputs[i][1]
+            cell = self.input_cells[i]
             if isinstance(cell, Cell):
                 cell.data = _keep_layout(cell.data, value)
 
