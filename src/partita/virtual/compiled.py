@@ -73,7 +73,7 @@ class CompiledStep:
 
     @property
     def name(self) -> str:
-        return getattr(self.fn, "__qualname__", repr(self.fn))
+        return getattr(self.fn, "__name__", repr(self.fn))
 
     def reset(self) -> None:
         """Drop every capture: the next calls run the function again (after
