@@ -2,12 +2,13 @@
 
 Run: ``.venv/bin/python bench/bench_virtual_device.py [--layers 2] [--d-model 64] [--steps 10]``
 
-Both train the same GPT with AdamW and the ``"fsdp+tp"`` preset on a 2x4 LocalMesh, batch
+All train the same GPT with AdamW and the ``"fsdp+tp"`` preset on a 2x4 LocalMesh, batch
 ``P("data", None)``. ``train_step`` traces its step once; the virtual device records every op
-of every step (forward, backward, AdamW) and syncs. Rows, each the median over the steps after
-the first two (compilation, the LocalMesh's second-run specialisation), all in one process;
-the first three rows take turns step by step (A/B/C interleaved), so load from other work on
-the machine falls on them alike:
+of every step (forward, backward, AdamW) and syncs; ``partita.compile`` records until the step
+repeats, then replays it. Rows, each the median over the steps after the first two
+(compilation, the LocalMesh's second-run specialisation; three for the compiled step, whose
+third call is its last recorded one), all in one process; the first five rows take turns step
+by step (interleaved), so load from other work on the machine falls on them alike:
 
 - ``train_step``: the whole step (``float(step(batch))``).
 - the virtual-device loop with the fast path off (every step recorded in full: shape inference
@@ -15,6 +16,12 @@ the machine falls on them alike:
   op by op takes its results from it and its program without hashing), reading the loss every
   step; ``record`` is the loop's Python until ``partita.sync()``, ``sync+run`` the rest (the
   cache lookup, the run, ``loss.item()``);
+- the fast path again with ``torch.optim.AdamW(..., capturable=True)`` (its step counters and
+  bias corrections are device tensors: the program the compiled step replays);
+- the compiled step (``partita.compile``, ``torch.optim.AdamW(..., capturable=True)``; the
+  other virtual-device rows keep the default ``capturable=False``, whose bias corrections are
+  Python floats, lifted): ``record`` is the call (on a replay: the guards and the submission),
+  ``sync+run`` the rest (``loss.item()`` waits for the run);
 - the fast path without reading the loss every step (a step runs in a background thread while
   the next one records).
 
@@ -31,6 +38,7 @@ import sys
 import time
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -44,6 +52,10 @@ Times = dict[str, list[float]]
 #: Per row, its times (the loops append to it as they step).
 TIMES: dict[str, Times] = {}
 OVERLAPPED = "fast path, loss not read per step"
+COMPILED = "compiled step (partita.compile)"
+CAPTURABLE = "fast path, AdamW capturable=True"
+#: Steps left out of a row's median (compilation; the compiled step's recorded calls).
+SKIP = {COMPILED: 3}
 
 
 def batches(n: int, batch: int, cfg: GPTConfig) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -83,8 +95,29 @@ def train_step_loop(cfg: GPTConfig, mesh: Mesh, data: list) -> Iterator[None]:
         yield
 
 
+def _own_guide(guide: list[Any]) -> None:
+    """Start this loop's next recording from its own last step (the fast path's guide).
+
+    The loops take turns in one process: left alone, each step's guide would be the step the
+    previous loop ran, and the loops would throw each other off the fast path. The previous
+    loop's ``loss.item()`` may also have opened a recording (an op that runs at once opens
+    one) with nothing in it: it starts afresh.
+    """
+    pending = recording._STATE["recording"]
+    if pending is not None and not pending.ops:
+        recording.reset()
+    recording._STATE["last"] = guide[0]
+
+
 def virtual_loop(
-    name: str, cfg: GPTConfig, mesh: Mesh, data: list, *, fast_path: bool, read_loss: bool = True
+    name: str,
+    cfg: GPTConfig,
+    mesh: Mesh,
+    data: list,
+    *,
+    fast_path: bool,
+    read_loss: bool = True,
+    capturable: bool = False,
 ) -> Iterator[None]:
     """The virtual-device loop over ``data``, one step per ``next()``; times into
     ``TIMES[name]``. ``recording.FAST_PATH`` is set before each step (loops interleave)."""
@@ -93,15 +126,12 @@ def virtual_loop(
     model = GPT(cfg).to(dev)
     for pname, spec in partita.presets.param_specs("fsdp+tp", model, mesh).items():
         partita.mark_sharding(model.get_parameter(pname), mesh, spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=capturable)
     out = TIMES.setdefault(name, {k: [] for k in ("step", "step_cpu", "record", "record_cpu")})
+    guide: list[Any] = [None]
     for xb, yb in data:
         recording.FAST_PATH = fast_path
-        # The previous loop's ``loss.item()`` opened the next recording with its own setting
-        # (an op that runs at once opens one); nothing is recorded in it yet: start afresh.
-        pending = recording._STATE["recording"]
-        if pending is not None and not pending.ops:
-            recording.reset()
+        _own_guide(guide)
         wall, cpu = _clocks()
         x, y = xb.to(dev), yb.to(dev)
         partita.mark_sharding(x, mesh, P("data", None))
@@ -112,6 +142,7 @@ def virtual_loop(
         out["record"].append(time.perf_counter() - wall)
         out["record_cpu"].append(time.process_time() - cpu)
         partita.sync()
+        guide[0] = recording._STATE["last"]
         if read_loss:
             loss.item()  # waits for this step's run
         out["step"].append(time.perf_counter() - wall)
@@ -121,8 +152,46 @@ def virtual_loop(
     recording.FAST_PATH = True
 
 
+def compiled_loop(cfg: GPTConfig, mesh: Mesh, data: list) -> Iterator[None]:
+    """The same step as :func:`virtual_loop` under ``partita.compile``, CPU batches as
+    arguments; times into ``TIMES[COMPILED]``."""
+    dev = partita.use_spmd(mesh)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(dev)
+    for pname, spec in partita.presets.param_specs("fsdp+tp", model, mesh).items():
+        partita.mark_sharding(model.get_parameter(pname), mesh, spec)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+
+    @partita.compile
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
+        x, y = xb.to(dev), yb.to(dev)
+        partita.mark_sharding(x, mesh, P("data", None))
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    out = TIMES.setdefault(COMPILED, {k: [] for k in ("step", "step_cpu", "record", "record_cpu")})
+    guide: list[Any] = [None]
+    for xb, yb in data:
+        recording.FAST_PATH = True
+        _own_guide(guide)
+        wall, cpu = _clocks()
+        loss = step(xb, yb)
+        guide[0] = recording._STATE["last"]
+        out["record"].append(time.perf_counter() - wall)
+        out["record_cpu"].append(time.process_time() - cpu)
+        loss.item()
+        out["step"].append(time.perf_counter() - wall)
+        out["step_cpu"].append(time.process_time() - cpu)
+        yield
+    partita.virtual.step.wait_in_flight()
+
+
 def _row(name: str, t: Times, base: Times | None) -> str:
-    med = {k: statistics.median(v[2:]) * 1e3 for k, v in t.items() if len(v) > 2}
+    skip = SKIP.get(name, 2)
+    med = {k: statistics.median(v[skip:]) * 1e3 for k, v in t.items() if len(v) > skip}
     text = f"{name:<34} {med['step']:7.1f} {med['step_cpu']:7.1f}"
     if "record" in med:
         run, run_cpu = med["step"] - med["record"], med["step_cpu"] - med["record_cpu"]
@@ -154,18 +223,20 @@ def main() -> None:
     data = batches(args.steps + 2, args.batch, cfg)
     recording.forget_guides()
     partita.metrics(reset=True)
-    # train_step and the two recorded loops take turns, one step each, so the machine's other
-    # load falls on all three alike.
+    # train_step, the three recorded loops and the compiled step take turns, one step each, so
+    # the machine's other load falls on all five alike.
     loops = [
         train_step_loop(cfg, mesh, data),
         virtual_loop("virtual loop, fast path off", cfg, mesh, data, fast_path=False),
         virtual_loop("virtual loop, fast path", cfg, mesh, data, fast_path=True),
+        virtual_loop(CAPTURABLE, cfg, mesh, data, fast_path=True, capturable=True),
+        compiled_loop(cfg, mesh, data),
     ]
     for _ in data:
         for loop in loops:
             next(loop)
     m = partita.metrics()
-    ops = m.ops_recorded / m.syncs
+    ops = m.ops_recorded / m.syncs  # the compiled step's three recorded calls count too
     # Not reading the loss lets a step run while the next one records: alone, after the rest.
     for _ in virtual_loop(OVERLAPPED, cfg, mesh, data, fast_path=True, read_loss=False):
         pass
@@ -182,7 +253,17 @@ def main() -> None:
         print(_row(name, times, None if times is base else base))
     print(
         f"compiles: {after.compiles}; fast-path steps: {after.fast_path_hits} of "
-        f"{after.syncs} (goal: at most +10% over train_step)"
+        f"{after.syncs}; compiled-step replays: {after.compiled_step_replays}"
+    )
+    print(*(f"compiled step {k}: {v}" for k, v in after.compiled_steps.items()), sep="\n")
+    cpu = {
+        name: statistics.median(TIMES[name]["step_cpu"][SKIP.get(name, 2) :]) * 1e3
+        for name in ("train_step", COMPILED)
+    }
+    print(
+        f"goal row: compiled step {cpu[COMPILED]:.1f} ms CPU vs train_step "
+        f"{cpu['train_step']:.1f} ms CPU: {(cpu[COMPILED] / cpu['train_step'] - 1) * 100:+.0f}% "
+        f"(goal: at most +10%)"
     )
 
 
