@@ -69,6 +69,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from partita.capture.gc_pause import gc_paused
 from partita.errors import PartitaError, ShardingConflictError
 from partita.mesh import Mesh
 from partita.propagate_assign import choose_assignment, merge_axes
@@ -83,7 +84,21 @@ __all__ = ["apply_rule", "compiler_error", "op_info", "propagate", "source_of"]
 class _Propagator(ProgramState):
     """The worklist over a program's state: visit ops to a fixpoint, then write node.meta."""
 
+    def _snapshot(self, op: OpState, round_priority: int) -> tuple[Any, ...]:
+        """What a visit of ``op`` reads that can change: its values' versions, the round."""
+        values = self.values
+        return (
+            round_priority,
+            *(values[k].version if k is not None else -1 for k in op.operands),
+            *(values[k].version if k is not None else -1 for k in op.results),
+        )
+
     def _visit(self, op: OpState, round_priority: int) -> list[ValueKey]:
+        # A visit is a function of the op and its values' states: if it changed nothing last
+        # time and none of them has moved since, it would change nothing again.
+        snapshot = self._snapshot(op, round_priority)
+        if op.settled == snapshot:
+            return []
         assign, prio_of = choose_assignment(self.mesh, self.values, op, round_priority)
         rule = op.rule
         changed: list[ValueKey] = []
@@ -104,7 +119,9 @@ class _Propagator(ProgramState):
                     partial = tuple(a for a in self.mesh.axis_names if a in axes)
                 prio = min((prio_of[f] for f in used), default=round_priority)
                 if self._refine(key, dims, partial, rule.reduce_op, prio):
+                    self.values[key].version += 1
                     changed.append(key)
+        op.settled, op.settled_assign = (None, None) if changed else (snapshot, assign)
         return changed
 
     def _refine(
@@ -178,7 +195,9 @@ class _Propagator(ProgramState):
 
     def _write_meta(self, last_priority: int) -> None:
         for op in self.ops:
-            assign, _ = choose_assignment(self.mesh, self.values, op, last_priority)
+            assign = op.settled_assign
+            if assign is None or op.settled != self._snapshot(op, last_priority):
+                assign, _ = choose_assignment(self.mesh, self.values, op, last_priority)
             op.node.meta["factor_axes"] = assign
             op.node.meta["rule"] = op.rule
         for node in self.gm.graph.nodes:
@@ -244,7 +263,8 @@ def propagate(
             "The program has no sharding annotation and no mesh was given, so there is nothing "
             "to propagate. Annotate at least one input (in_specs=...) or pass mesh=."
         )
-    _Propagator(gm, mesh, replicate_unsupported).run()
+    with gc_paused():  # the state built here lives until we return: see capture.gc_pause
+        _Propagator(gm, mesh, replicate_unsupported).run()
     return gm
 
 

@@ -56,6 +56,7 @@ class ValueState:
     # value crossing the region's boundary keeps its spec's manual axes first on each dim.
     banned: frozenset[str] = frozenset()
     prefix: list[tuple[str, ...]] | None = None
+    version: int = 0  # bumped by every refinement (an op's visit is skipped if none of its moved)
 
 
 @dataclass(slots=True)
@@ -68,6 +69,10 @@ class OpState:
     free: tuple[str, ...] = ()  # pass-through factors on every tensor: targets of invariant 9
     result_only: frozenset[str] = field(default_factory=frozenset)  # in no operand
     weak: frozenset[str] = field(default_factory=frozenset)  # claim axes after the others
+    # (round priority, versions of its values) of its last visit that changed nothing, and the
+    # assignment that visit chose: the same state gives the same (no-op) visit again.
+    settled: tuple[Any, ...] | None = None
+    settled_assign: dict[str, tuple[str, ...]] | None = None
 
 
 def _is_annotation(node: fx.Node) -> bool:
@@ -111,6 +116,7 @@ class ProgramState:
         # Fully manual shard_map bodies are per-device code: not propagated, copied verbatim.
         verbatim = {n for n, a in local.items() if is_fully_manual(a, self.mesh.axis_names)}
         self._local = local
+        n_in = 0  # tensor inputs so far (for messages)
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
             if node in verbatim:
@@ -125,8 +131,8 @@ class ProgramState:
                 )
             elif node.op == "placeholder":
                 if is_tensor(val):
-                    n_in = sum(1 for k in self.values if k[0].op == "placeholder")
                     check_strided(val, f"Input tensor {n_in} ({node.name}) of the program")
+                    n_in += 1
                     self._add_value((node, None), val)
                     self.values[(node, None)].stored = True
             elif node.op == "call_function" and node.target is operator.getitem:
