@@ -37,14 +37,16 @@ def _batches(n: int, batch: int = 4, seed: int = 0) -> list[tuple[torch.Tensor, 
     ]
 
 
-def _models(dev: torch.device, capturable: bool = True) -> tuple[nn.Module, Any, nn.Module, Any]:
+def _models(
+    dev: torch.device, capturable: bool = True, lr: float | torch.Tensor = 1e-2
+) -> tuple[nn.Module, Any, nn.Module, Any]:
     """An MLP on the device (fsdp+tp-like specs) with its AdamW, and its eager twin."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     model = copy.deepcopy(ref).to(dev)
     partita.mark_sharding(model[0].weight, MESH, P("model", "data"))
     partita.mark_sharding(model[2].weight, MESH, P(None, "model"))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, capturable=capturable)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=capturable)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     return model, opt, ref, ref_opt
 
@@ -74,10 +76,18 @@ def _counted(fn: Callable[..., Any]) -> tuple[Any, list[int]]:
 
 
 def test_compiled_step_replays_and_equals_eager(dev: torch.device) -> None:
-    """8 calls with capturable AdamW equal eager; the function ran 3 times (warm-up, then two
-    equal calls), 5 replays; a new batch shape runs the function again and is captured apart;
-    a parameter resharded by mark_sharding after the capture is not replayed stale."""
-    model, opt, ref, ref_opt = _models(dev)
+    """8 calls with capturable AdamW and an lr schedule on a device tensor lr (stepped outside
+    the step: its update is synced before each replay) equal eager; the function ran 3 times
+    (warm-up, then two equal calls), 5 replays; a new batch shape runs the function again and
+    is captured apart; a parameter resharded by mark_sharding is not replayed stale."""
+    model, opt, ref, ref_opt = _models(dev, lr=torch.tensor(1e-2).to(dev))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s))
+    ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, lambda s: 1 / (1 + s))
+
+    def eager_step(x: torch.Tensor, y: torch.Tensor) -> float:
+        loss = _eager_step(ref, ref_opt, x, y)
+        ref_sched.step()
+        return loss
 
     def train_step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         x, y = x.to(dev), y.to(dev)  # CPU arguments: the step moves them
@@ -94,24 +104,31 @@ def test_compiled_step_replays_and_equals_eager(dev: torch.device) -> None:
     partita.metrics(reset=True)
     for x, y in _batches(8):
         loss = step(x, y)
+        sched.step()
         assert loss.device == dev and not loss.requires_grad
-        assert loss.item() == pytest.approx(_eager_step(ref, ref_opt, x, y), abs=1e-5)
+        assert loss.item() == pytest.approx(eager_step(x, y), abs=1e-5)
     _same_params(model, ref)
     m = partita.metrics()
     assert calls[0] == 3, str(m)
     assert m.compiled_step_replays == 5
-    assert m.compiles in (1, 2), str(m)
+    # The step's program (twice if the warm-up call differs), and the scheduler's lr update
+    # (recorded outside the step, synced before the next call).
+    assert m.compiles in (2, 3), str(m)
     assert "compiled step train_step: captured after 3 calls" in str(m)
     assert "compiled_step_replays=5" in str(m)
 
     for x, y in _batches(4, batch=2, seed=1):  # another signature: run, then captured apart
-        assert step(x, y).item() == pytest.approx(_eager_step(ref, ref_opt, x, y), abs=1e-5)
+        loss = step(x, y)
+        sched.step()
+        assert loss.item() == pytest.approx(eager_step(x, y), abs=1e-5)
     assert (calls[0], m.compiled_step_replays) == (6, 6)
     assert len(step.signatures) == 2
 
     partita.mark_sharding(model[0].weight, MESH, P(None, "model"))  # a captured input
     for i, (x, y) in enumerate(_batches(3, seed=2)):
-        assert step(x, y).item() == pytest.approx(_eager_step(ref, ref_opt, x, y), abs=1e-5)
+        loss = step(x, y)
+        sched.step()
+        assert loss.item() == pytest.approx(eager_step(x, y), abs=1e-5)
         if i == 0:
             assert calls[0] == 7, "a resharded parameter must not replay the stale capture"
             line = m.compiled_steps["train_step"]
