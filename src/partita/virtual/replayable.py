@@ -185,7 +185,7 @@ def differs(a: Call, b: Call) -> str | None:
                 f"{y!r} in the next (a number computed in Python each step: AdamW with "
                 f"capturable=False computes its bias corrections from a CPU step counter, an lr "
                 f"scheduler sets a float lr). Fix: torch.optim.AdamW(..., capturable=True), and "
-                f"a tensor lr (lr=torch.tensor(1e-3)) for a schedule"
+                f"a tensor lr on the device (lr=torch.tensor(1e-3).to(dev)) for a schedule"
             )
     for n, (x, y) in enumerate(zip(a.roles, b.roles, strict=True)):
         if x[0] != y[0]:
