@@ -147,6 +147,7 @@ class CompiledStep:
             if why is not None:
                 self._say(f"not captured yet: {why}; it runs the function every call")
                 return out
+            state.last = None  # the capture keeps what a replay needs, not the recording
             state.capture = _Capture(
                 call.program, call.roles, call.scalars, call.returns, call.out_descs, out_spec,
                 call.cpu_guards,

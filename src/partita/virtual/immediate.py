@@ -38,8 +38,9 @@ _FUSED = frozenset(
 )
 _META = torch.device("meta")
 #: While a compiled step records (:mod:`partita.virtual.compiled`): ``(source, cell)`` per CPU
-#: tensor copied into a new device tensor, so a replay can upload the next call's argument.
-UPLOADS: list[list[tuple[torch.Tensor, Cell]]] = []
+#: tensor copied into a new device tensor, so a replay can upload the next call's argument, and
+#: ``(None, cell)`` when an op here overwrites a cell's data (it no longer holds the upload).
+UPLOADS: list[list[tuple[torch.Tensor | None, Cell]]] = []
 #: Every op :func:`run_now` may run (besides factories writing into an ``out=`` tensor).
 RUNS_NOW = frozenset(
     {aten._local_scalar_dense.default, aten._to_copy.default, aten.copy_.default}
@@ -129,11 +130,15 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
         value = torch.empty(out.shape, dtype=out.dtype)
         func(*args, **{**kwargs, "out": value})
         if value.shape == out.shape:
+            if UPLOADS:
+                UPLOADS[-1].append((None, out._cell))
             out._cell.data = value
             return out
         return new_data(value)
     if func in _FILLS and _is_clean_data(args[0]._cell, rec, unused=True):
         cell = args[0]._cell
+        if UPLOADS:
+            UPLOADS[-1].append((None, cell))
         value = torch.full(args[0].shape, args[1] if len(args) > 1 else 0, dtype=args[0].dtype)
         old = cell.data
         cell.data = (

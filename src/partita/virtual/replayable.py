@@ -116,7 +116,7 @@ def describe_call(
         if isinstance(t, torch.Tensor) and not isinstance(t, LazyTensor)
     }
     read = {rec.snapshot_slot(leaves[i]): i for i in cpu_args.values()}
-    sources = {id(cell): src for src, cell in uploads}
+    sources = {id(cell): src for src, cell in uploads}  # the last event of each cell
     roles: list[tuple[Any, ...]] = []
     for n, (slot, value) in enumerate(rec.inputs):
         if not isinstance(value, Cell) and slot in read:  # a CPU argument an op read
@@ -130,20 +130,19 @@ def describe_call(
         else:
             src = sources.get(id(value))
             shape, _, _, dtype = value.desc
-            if (
-                src is not None
-                and id(src) in cpu_args
-                and tuple(src.shape) == shape
-                and equal_values(value.data, src.detach().to(dtype))
-            ):  # an argument moved to the device inside the step (x.to(dev))
+            if src is not None and id(src) in cpu_args and tuple(src.shape) == shape:
+                # An argument moved to the device inside the step (x.to(dev)), its data not
+                # overwritten since (a later mark_sharding lays the same values out).
                 roles.append(("upload", cpu_args[id(src)], dtype, sharding_of(value.data)))
             else:  # made on the device inside the step from no argument
                 roles.append(("const", value.data, _op_using(rec, "t", slot)))
     outs = {id(c): i for i, c in enumerate(last.out_cells)}
+    returned: set[int] = set()
     returns: list[tuple[Any, ...]] = []
     for i, leaf in enumerate(out_leaves):
         if isinstance(leaf, LazyTensor) and id(leaf._cell) in outs:
-            returns.append(("out", outs.pop(id(leaf._cell))))
+            returns.append(("out", outs[id(leaf._cell)]))
+            returned.add(id(leaf._cell))
         elif isinstance(leaf, LazyTensor) and id(leaf._cell) in args:
             returns.append(("arg", args[id(leaf._cell)]))
         elif isinstance(leaf, torch.Tensor):
@@ -154,8 +153,9 @@ def describe_call(
             )
         else:
             returns.append(("value", leaf))
-    if outs:
-        cell = last.out_cells[next(iter(outs.values()))]
+    kept = [c for c in last.out_cells if id(c) not in returned]
+    if kept:
+        cell = kept[0]
         what = extra or f"{list(cell.desc[0])} {cell.desc[3]}"
         return (
             f"a tensor the step made ({what}) is still "
