@@ -239,16 +239,17 @@ def test_not_capturable_reasons(
 
 
 def test_nested_returns_in_place_arguments_and_signatures(dev: torch.device) -> None:
-    """A step updating a device argument and a non-argument tensor in place, returning a dict
-    of tensors inside a tuple with a plain value: replays equal eager; a keyword's new value is
-    a new signature; an unhashable argument is never captured."""
+    """A step updating a device argument and a non-argument tensor in place, reading a CPU
+    argument, returning a dict of tensors inside a tuple with a plain value: replays equal
+    eager; a keyword's new value is a new signature; a CPU argument read only in Python is
+    compared by value; an unhashable argument is never captured."""
     w = torch.zeros(4, 8).to(dev)
     partita.mark_sharding(w, MESH, P(None, "model"))
     acc = torch.zeros(4).to(dev)
     w_ref, acc_ref = torch.zeros(4, 8), torch.zeros(4)
 
-    def accumulate(x: torch.Tensor, acc: torch.Tensor, *, k: float) -> Any:
-        w.add_(x * k)  # a tensor the step reads and updates, not an argument
+    def accumulate(x: torch.Tensor, acc: torch.Tensor, scale: torch.Tensor, *, k: float) -> Any:
+        w.add_(x * k * scale)  # w: read and updated, not an argument; scale: a CPU argument
         acc.add_(x.sum(1))  # an argument updated in place
         return {"total": w.sum(), "parts": (w[0] * 1, [acc * 2])}, "tag"
 
@@ -257,8 +258,9 @@ def test_nested_returns_in_place_arguments_and_signatures(dev: torch.device) -> 
     for i in range(7):
         k = 2.0 if i < 5 else 3.0
         x = torch.randn(4, 8, generator=g)
-        (out, tag) = step(x.to(dev), acc, k=k)
-        w_ref.add_(x * k)
+        scale = torch.tensor(1.0 + i)  # a new value each call: read by the replay too
+        (out, tag) = step(x.to(dev), acc, scale, k=k)
+        w_ref.add_(x * k * scale)
         acc_ref.add_(x.sum(1))
         assert tag == "tag" and set(out) == {"total", "parts"}
         torch.testing.assert_close(out["total"].cpu(), w_ref.sum())
@@ -268,6 +270,18 @@ def test_nested_returns_in_place_arguments_and_signatures(dev: torch.device) -> 
     torch.testing.assert_close(w.cpu(), w_ref)
     assert calls[0] == 5, "3 calls to capture k=2.0 (2 replays), then k=3.0 runs again"
     assert len(step.signatures) == 2
+
+    scaled = partita.compile(lambda x, n: x * float(n))  # n: read in Python, not by an op
+    two = [scaled(torch.ones(2).to(dev), torch.tensor(2.0)).cpu() for _ in range(4)]
+    assert partita.metrics().compiled_step_replays > 0 and all(t.tolist() == [2, 2] for t in two)
+    assert scaled(torch.ones(2).to(dev), torch.tensor(3.0)).cpu().tolist() == [3, 3]
+    assert (
+        partita.metrics()
+        .compiled_steps["<lambda>"]
+        .startswith(
+            "capture dropped: the CPU argument leaf 1, not read by the program, has another value"
+        )
+    )
 
     unhashable = partita.compile(lambda x, opts: x * 2)
     for _ in range(4):
