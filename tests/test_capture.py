@@ -657,3 +657,39 @@ def test_a_pinned_source_names_its_own_threads_ops_only() -> None:
     assert "in here" not in str({source_line(n) for n in _calls(other[0].graph_module)})
     unpinned = trace(lambda x: x.cos(), (torch.ones(2),))
     assert all(":7 in here" not in str(source_line(n)) for n in _calls(unpinned.graph_module))
+
+
+def _positional(program) -> list[tuple]:
+    """Every node as (op, target, arguments by position, shape, dtype, source): the program
+    up to node names (an inlined copy names its nodes differently)."""
+    nodes = list(program.graph.nodes)
+    index = {n: i for i, n in enumerate(nodes)}
+    out = []
+    for n in nodes:
+        args = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: f"%{index[a]}")
+        vals = n.meta.get("val")
+        vals = vals if isinstance(vals, (list, tuple)) else [vals]
+        metas = [(tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in vals]
+        out.append((n.op, str(n.target), repr(args), metas, n.meta.get("source")))
+    return out
+
+
+def test_scanned_layers_trace_the_unrolled_program_op_for_op():
+    """scan_layers copies a block's forward and backward where the unrolled trace has them:
+    the same nodes in the same order (a backward op that reads no output gradient, such as a
+    matmul's ``weight.t()``, stays in the backward), the same shapes and source lines."""
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=16, vocab_size=32, seq_len=8)
+    model = GPT(cfg)
+
+    def loss_fn(logits, targets):
+        return F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1))
+
+    step = make_train_step(model, loss_fn, "sgd")
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    ids = torch.randint(0, cfg.vocab_size, (2, cfg.seq_len))
+    args = (params, {}, init_opt_state(params, "sgd"), (ids, ids))
+    unrolled = _positional(trace(step, args))
+    partita.scan_layers(model.blocks)
+    scanned = trace(step, args)
+    assert _positional(scanned) == unrolled

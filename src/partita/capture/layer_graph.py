@@ -118,8 +118,20 @@ def _subgraph(
     return LayerGraph(graph, joint, tuple(_meta(n) for n in outputs))
 
 
+def _ancestors(roots: list[fx.Node]) -> set[fx.Node]:
+    """``roots`` and every node they read, directly or not."""
+    seen: set[fx.Node] = set()
+    stack = [r for r in roots if isinstance(r, fx.Node)]
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(node.all_input_nodes)
+    return seen
+
+
 def split_joint(
-    joint: fx.GraphModule, n_primal: int, n_out: int
+    joint: fx.GraphModule, n_primal: int, n_out: int, last_forward: fx.Node | None = None
 ) -> tuple[LayerGraph, LayerGraph, list[int]]:
     """Split a joint graph into forward and backward parts.
 
@@ -128,6 +140,13 @@ def split_joint(
     (inputs: the primals; outputs: the results, then the saved values), the backward part
     (inputs: the output gradients, then the saved values; outputs: the input gradients) and,
     for each saved value, the primal position it is (or -1 for a computed value).
+
+    The forward is what the layer's forward traced: the nodes up to ``last_forward`` (the last
+    node traced before the backward began) and whatever the results read. A node the backward
+    traced that does not read an output gradient (``weight.t()`` for a matmul's input
+    gradient) stays in the backward, where an unrolled trace has it: the copies then put every
+    op where tracing the layer in place would. Without ``last_forward``, every node that does
+    not read an output gradient is forward.
     """
     graph = joint.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -137,6 +156,11 @@ def split_joint(
     results, grads = outs[:n_out], outs[n_out:]
     backward = _depends_on(graph, set(cotangents))
     compute = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+    if last_forward is not None:
+        traced_first = set(itertools.takewhile(lambda n: n is not last_forward, graph.nodes))
+        traced_first.add(last_forward)
+        forward_set = (traced_first | _ancestors(results)) - backward
+        backward = backward | {n for n in compute if n not in forward_set}
     fwd_nodes = [n for n in compute if n not in backward]
     bwd_nodes = [n for n in compute if n in backward]
     saved: list[fx.Node] = []

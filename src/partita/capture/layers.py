@@ -40,7 +40,7 @@ from typing import Any, TypeVar
 import torch
 from torch import Tensor, nn
 from torch.fx._lazy_graph_module import _use_lazy_graph_module
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import get_proxy_mode, make_fx
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
@@ -289,6 +289,7 @@ def _trace_layer(
                         for i in diff_outputs]  # fmt: skip
             found: list[list[int]] = []
             tree_box: list[Any] = []
+            last_forward: list[torch.fx.Node | None] = []
 
             def joint(*flat: Tensor) -> list[Tensor]:
                 ins, cots = list(flat[: len(meta)]), list(flat[len(meta) :])
@@ -297,6 +298,7 @@ def _trace_layer(
                            for t, (*_, rg) in zip(ins, meta, strict=True)]  # fmt: skip
                     outs, spec = run(ins)
                     tree_box.append(spec)
+                    last_forward.append(_last_traced_node())
                     if not diff_outputs:
                         return outs
                     grads = torch.autograd.grad(
@@ -333,7 +335,7 @@ def _trace_layer(
     grad_of = found[0] if found else []
     out_tree = tree_box[0]
     n_out = out_tree.num_leaves
-    forward, backward, saved_from = split_joint(gm, len(meta), n_out)
+    forward, backward, saved_from = split_joint(gm, len(meta), n_out, last_forward[0])
     fkey = register(forward)
     state.keys.append(fkey)
     bkey = None
@@ -341,6 +343,15 @@ def _trace_layer(
         bkey = register(backward)
         state.keys.append(bkey)
     return _Traced(fkey, bkey, n_out, out_tree, saved_from, diff_outputs, grad_of)
+
+
+def _last_traced_node() -> torch.fx.Node | None:
+    """The node the running make_fx trace added last (None outside one)."""
+    mode = get_proxy_mode()
+    graph = getattr(getattr(mode, "tracer", None), "graph", None)
+    if graph is None or not len(graph.nodes):
+        return None
+    return next(iter(reversed(graph.nodes)))
 
 
 def _recording(fn: Callable[..., list[Tensor]], updates: InputUpdates) -> Callable[..., Any]:
