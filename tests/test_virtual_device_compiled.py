@@ -288,3 +288,41 @@ def test_nested_returns_in_place_arguments_and_signatures(dev: torch.device) -> 
         unhashable(torch.ones(2).to(dev), bytearray(b"x"))
     line = partita.metrics().compiled_steps["<lambda>"]
     assert re.search(r"not capturable: argument leaf 1 is a bytearray, which is not hashable", line)
+
+
+def test_steps_that_cannot_be_replayed_say_why(dev: torch.device) -> None:
+    """A step that alternates between two programs, one returning a CPU tensor, one with no
+    device op: each runs every call, gives eager's values, and says why."""
+    w = torch.zeros(4).to(dev)
+    parity = [0]
+
+    def alternating(x: torch.Tensor) -> torch.Tensor:
+        parity[0] += 1
+        return x * 2 if parity[0] % 2 else x + 2
+
+    def host_result(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return x * 2, torch.ones(2)
+
+    def host_only(x: torch.Tensor) -> int:
+        return 1
+
+    lines = {}
+    for fn in (alternating, host_result, host_only):
+        step, calls = _counted(fn)
+        got = [step(w + i) for i in range(4)]
+        assert calls[0] == 4, fn.__name__
+        lines[fn.__name__] = partita.metrics().compiled_steps[fn.__name__]
+        if fn is alternating:
+            assert [t.cpu().tolist() for t in got] == [
+                [i * 2] * 4 if i % 2 == 0 else [i + 2] * 4 for i in range(4)
+            ]
+    assert re.search(
+        r"not captured yet: two consecutive calls recorded different steps \(op 0 changed: "
+        r"aten\.mul\.Tensor\(2\) became aten\.add\.Tensor\(2\)\)",
+        lines["alternating"],
+    ), lines["alternating"]
+    assert re.search(
+        r"return value leaf 1 \(Tensor \[2\]\) is not a tensor the step computed on the device",
+        lines["host_result"],
+    ), lines["host_result"]
+    assert lines["host_only"].startswith("not capturable: the call recorded no device op")

@@ -37,7 +37,10 @@ from partita.virtual.replayable import (
     sharding_of,
 )
 
-__all__ = ["CompiledStep", "compile"]
+__all__ = ["SIGNATURE_LIMIT", "CompiledStep", "compile"]
+
+#: Argument signatures a compiled function keeps (each with its capture), the oldest dropped.
+SIGNATURE_LIMIT = 16
 
 
 @dataclass
@@ -60,7 +63,6 @@ class _Signature:
     calls: int = 0
     last: Call | None = None
     capture: _Capture | None = None
-    reason: str | None = None
 
 
 @dataclass
@@ -91,7 +93,11 @@ class CompiledStep:
         if isinstance(sig, str):
             self._say(f"not capturable: {sig}; it runs the function every call")
             return self._run(None, leaves, args, kwargs)
-        state = self.signatures.setdefault(sig, _Signature())
+        state = self.signatures.get(sig)
+        if state is None:
+            if len(self.signatures) >= SIGNATURE_LIMIT:  # the oldest signature goes
+                del self.signatures[next(iter(self.signatures))]
+            state = self.signatures[sig] = _Signature()
         cap = state.capture
         if cap is not None:
             stale = _stale(cap, leaves)
@@ -125,14 +131,14 @@ class CompiledStep:
         state.calls += 1
         last = step.last_sync()
         reason = None
-        if not rec.ops or last is None or last.rec is not rec:
-            reason = "the call recorded no device op after its last sync"
-        elif inner:
+        if inner:
             reason = (
                 f"the function synced {inner} time(s) inside the call (.item(), print(t), "
                 f".cpu() or bool(t) of a device value), so the call ran more than one program "
                 f"and a replay runs one. Fix: return the value and read it after the call"
             )
+        elif not rec.ops or last is None or last.rec is not rec:
+            reason = "the call recorded no device op after its last sync"
         if reason is None:
             call = describe_call(last, leaves, out_leaves, start, uploads, extra)
             reason = call if isinstance(call, str) else None
@@ -155,6 +161,10 @@ class CompiledStep:
             self._say(
                 f"captured after {state.calls} calls ({len(rec.ops)} ops, "
                 f"{len(call.roles)} inputs); later calls with the same signature replay it"
+            )
+        else:  # a line until the next call decides (a dropped capture's stays)
+            m.compiled_steps.setdefault(
+                self.name, f"capturing: {state.calls} call(s) recorded (captured at the 3rd)"
             )
         return out
 
