@@ -326,3 +326,26 @@ def test_steps_that_cannot_be_replayed_say_why(dev: torch.device) -> None:
         lines["host_result"],
     ), lines["host_result"]
     assert lines["host_only"].startswith("not capturable: the call recorded no device op")
+
+
+def test_a_new_mesh_drops_the_capture(dev: torch.device) -> None:
+    """A capture is for the mesh it was compiled on: after use_spmd(another mesh) the function
+    runs again (and is captured for that mesh)."""
+    w = torch.zeros(4).to(dev)
+
+    def add_one() -> torch.Tensor:
+        w.add_(1)
+        return w * 1
+
+    step, calls = _counted(add_one)
+    assert [step().cpu()[0].item() for _ in range(4)] == [1, 2, 3, 4] and calls[0] == 3
+    try:
+        partita.use_spmd(Mesh.create((4, 2), ("data", "model")))
+        assert step().cpu()[0].item() == 5 and calls[0] == 4
+        assert (
+            partita.metrics()
+            .compiled_steps["add_one"]
+            .startswith("capture dropped: the virtual device's mesh changed from Mesh(")
+        )
+    finally:
+        partita.use_spmd(MESH)

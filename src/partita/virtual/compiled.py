@@ -54,6 +54,7 @@ class _Capture:
     out_descs: list[Any]
     out_spec: Any
     cpu_guards: list[tuple[int, torch.Tensor]]
+    mesh: Any
 
 
 @dataclass
@@ -156,7 +157,7 @@ class CompiledStep:
             state.last = None  # the capture keeps what a replay needs, not the recording
             state.capture = _Capture(
                 call.program, call.roles, call.scalars, call.returns, call.out_descs, out_spec,
-                call.cpu_guards,
+                call.cpu_guards, step.current_mesh(),
             )  # fmt: skip
             self._say(
                 f"captured after {state.calls} calls ({len(rec.ops)} ops, "
@@ -233,6 +234,9 @@ def _signature(leaves: list[Any], spec: Any) -> tuple[Any, ...] | str:
 
 def _stale(cap: _Capture, leaves: list[Any]) -> str | None:
     """Why a captured step's non-argument inputs no longer are what it was captured with."""
+    mesh = step.current_mesh()
+    if mesh is not cap.mesh and mesh != cap.mesh:
+        return f"the virtual device's mesh changed from {cap.mesh!r} to {mesh!r} (use_spmd)"
     for i, value in cap.cpu_guards:
         if not equal_values(leaves[i], value):
             return f"the CPU argument leaf {i}, not read by the program, has another value"
