@@ -186,7 +186,7 @@ def compile(fn: Callable[..., Any]) -> CompiledStep:
     every tensor the step reads besides its arguments must still be alive with the same shape
     and sharding. A different signature runs ``fn`` and is captured separately.
     ``partita.metrics()`` says, per compiled function, whether it was captured or why not (and
-    the fix); ``step.reset()`` drops the captures. See docs/virtual-device.md.
+    the fix); the compiled function's ``reset()`` drops its captures. See docs/virtual-device.md.
 
     Example:
         >>> dev = partita.use_spmd(Mesh.create((2, 4), ("data", "model")))
