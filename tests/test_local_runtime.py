@@ -463,3 +463,91 @@ def test_weight_gradient_sum_is_one_contraction() -> None:
     torch.testing.assert_close(avg, (total / 4).expand(4, 8, 3))
     rows = per_device.view(2, 2, 8, 3).sum(1, keepdim=True).expand(2, 2, 8, 3)
     torch.testing.assert_close(part, rows.reshape(4, 8, 3))
+
+
+# --- selections at a per-device index (runtime.device_index) ---------------------------------
+
+
+def _per_device(fn: Callable[..., list[Tensor]], mesh: Mesh, *stacked: Tensor) -> list[Tensor]:
+    """The reference: ``fn(coords, *locals)`` once per device, stacked."""
+    outs = [fn(mesh.coords(d), *(x[p] for x in stacked)) for p, d in enumerate(mesh.device_ids)]
+    return [torch.stack(o) for o in zip(*outs, strict=True)]
+
+
+@needs_stacked
+def test_slices_at_a_per_device_offset_equal_the_per_device_loop() -> None:
+    """``index_select`` at an index made of ``axis_index`` and constants (as the partitioner
+    lowers a slice at a device-dependent offset) is folded per device when the plan is made:
+    an arithmetic start is a strided view of the stack, any other start or table is one
+    selection per device, the same index everywhere a ``narrow``; a cat read only by such
+    selections is not built. Every result equals the per-device program's."""
+    from partita.runtime.device_index import run_take
+
+    table = torch.tensor([[5, 0, 2], [1, 1, 7], [6, 3, 3], [0, 4, 2]])
+
+    def fn(a: Tensor, b: Tensor) -> tuple[Tensor, ...]:
+        y = coll.axis_index(a, ["y"])
+        ramp = torch.arange(3)
+        strided = a.index_select(1, ramp + 2 * y + 1)  # start 1 + 2y: a view
+        shuffled = a.index_select(1, table.index_select(0, y.reshape(1)).reshape(-1))  # any
+        starts = torch.tensor([4, 0, 6, 1])[y.reshape(1)]
+        ranged = a.index_select(1, ramp + starts)  # ranges at arbitrary starts
+        same = a.index_select(1, ramp + 2)  # the same on every device: a narrow
+        cat = torch.cat([a, b], 1)  # 10 + 4 wide; rows inside a, inside b, and spanning both
+        pieces = [cat.index_select(1, ramp + torch.tensor(s)[y.reshape(1)]) for s in
+                  ([0, 7, 10, 11], [10, 11, 11, 10], [8, 9, 10, 11])]  # fmt: skip
+        return strided, shuffled, ranged, same, *pieces
+
+    def want(c: dict[str, int], a: Tensor, b: Tensor) -> list[Tensor]:
+        y, cat = c["y"], torch.cat([a, b], 1)
+        starts = [[0, 7, 10, 11], [10, 11, 11, 10], [8, 9, 10, 11]]
+        return [
+            a[:, 1 + 2 * y : 4 + 2 * y],
+            a[:, table[y]],
+            a[:, [4, 0, 6, 1][y] : [4, 0, 6, 1][y] + 3],
+            a[:, 2:5],
+            *(cat[:, s[y] : s[y] + 3] for s in starts),
+        ]
+
+    a, b = _stack(2, 10, n=8), _stack(2, 4, n=8, seed=1)
+    gm = make_fx(fn)(a[0], b[0])
+    runner = LocalMesh(MESH_24)
+    got = runner.run(gm, [a, b])
+    for g, w in zip(got, _per_device(want, MESH_24, a, b), strict=True):
+        torch.testing.assert_close(g, w)
+    plan = runner._plan(gm)
+    assert len(plan.takes) == 7
+    assert sum(t.from_cat for t in plan.takes.values()) == 3
+    assert not any(n.target is aten.cat.default for s in plan.steps if not isinstance(s, fx.Node)
+                   for n in s.nodes)  # fmt: skip
+    # The arithmetic start is a view of the value as held: no copy.
+    (node,) = [n for n in plan.takes if plan.takes[n].starts is not None
+               and plan.takes[n].starts.tolist() == [1, 3, 5, 7]]  # fmt: skip
+    value = a.view(2, 4, 2, 10)
+    out, axes = run_take(plan.takes[node], [(value, (True, True))], MESH_24)
+    assert axes == (True, True) and out.data_ptr() == value[0, 0, 0, 1].data_ptr()
+    assert out.untyped_storage().data_ptr() == a.untyped_storage().data_ptr()
+    torch.testing.assert_close(out.reshape(8, 2, 3), got[0])
+
+
+@needs_stacked
+def test_per_device_selection_of_a_value_replicated_along_an_axis() -> None:
+    """A value identical along ``y`` (after an all_reduce) selected at a ``y``-dependent
+    index varies along ``y`` afterwards; one selected at the same index everywhere does not."""
+
+    def fn(a: Tensor) -> tuple[Tensor, Tensor]:
+        r = coll.all_reduce(a, "sum", ["y"], 4)
+        y = coll.axis_index(a, ["y"])
+        return r.index_select(0, torch.arange(2) + y), r.index_select(0, torch.arange(2) * 2)
+
+    a = _stack(5, 3, n=8)
+    gm = make_fx(fn)(a[0])
+    got = LocalMesh(MESH_24).run(gm, [a])
+    total = a.view(2, 4, 5, 3).sum(1)
+
+    def want(c: dict[str, int], a_p: Tensor) -> list[Tensor]:
+        r = total[c["x"]]
+        return [r[c["y"] : c["y"] + 2], r[[0, 2]]]
+
+    for g, w in zip(got, _per_device(want, MESH_24, a), strict=True):
+        torch.testing.assert_close(g, w)

@@ -62,6 +62,7 @@ from partita.errors import PartitaError
 from partita.layout import check_strided, shard_compact, shard_tensor
 from partita.mesh import Mesh
 from partita.runtime.compiled import stats_for
+from partita.runtime.device_index import run_take, take_inputs
 from partita.runtime.flat_matmul import broadcast_matmul
 from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
 from partita.tensor import ShardedTensor
@@ -169,7 +170,7 @@ class LocalMesh:
     def _plan(self, gm: fx.GraphModule) -> SegmentPlan:
         plan = self._plans.get(gm)
         if plan is None:
-            plan = self._plans[gm] = plan_segments(gm)
+            plan = self._plans[gm] = plan_segments(gm, self.mesh)
         return plan
 
     def _execute(
@@ -190,6 +191,9 @@ class LocalMesh:
                 env.update(zip(step.outputs, outs, strict=True))
             elif step.target is operator.getitem:  # one member of a bucket's results
                 env[step] = env[step.args[0]][step.args[1]]
+            elif step in plan.takes:  # a selection at a per-device index
+                take = plan.takes[step]
+                env[step] = run_take(take, [env[i] for i in take_inputs(step, take)], self.mesh)
             elif step.target is aten.mm.default:  # a contraction (``segments``)
                 env[step] = self._contract(step, env)
             else:

@@ -24,7 +24,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from partita.collectives import MESH_OPS
 from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import CompilerError, UnsupportedOpError
+from partita.mesh import Mesh
 from partita.runtime.compiled import CompileStats, compile_graph
+from partita.runtime.device_index import DeviceTake, find_device_takes, take_inputs
 from partita.runtime.flat_matmul import fold_broadcast_bmms
 from partita.runtime.subgraph import copy_nodes
 
@@ -207,11 +209,16 @@ class SegmentPlan:
     placeholders: list[fx.Node]
     steps: list[Segment | fx.Node]
     output: Any  # the output node's argument (a pytree of nodes and constants)
+    #: ``index_select`` steps whose index is a per-device constant (``runtime.device_index``).
+    takes: dict[fx.Node, DeviceTake] = field(default_factory=dict)
 
 
-def plan_segments(gm: fx.GraphModule) -> SegmentPlan:
-    """Cut ``gm`` into segments of local ops separated by mesh ops (see the module doc)."""
+def plan_segments(gm: fx.GraphModule, mesh: Mesh | None = None) -> SegmentPlan:
+    """Cut ``gm`` into segments of local ops separated by mesh ops (see the module doc).
+    With ``mesh``, selections at a per-device index are steps too (``runtime.device_index``),
+    and the nodes that only compute their index do not run."""
     graph = gm.graph
+    takes, skipped = find_device_takes(gm, mesh) if mesh is not None else ({}, set())
     depth: dict[fx.Node, int] = {}
     placeholders: list[fx.Node] = []
     mesh_nodes: list[fx.Node] = []
@@ -233,6 +240,13 @@ def plan_segments(gm: fx.GraphModule) -> SegmentPlan:
                 f"program holds only call_function and get_attr nodes."
             )
         _check_not_random(node)
+        if node in skipped:
+            depth[node] = 0
+            continue
+        if node in takes:  # depends on its input only: its index is a constant
+            depth[node] = max(depth[i] for i in take_inputs(node, takes[node])) + 1
+            mesh_nodes.append(node)
+            continue
         d = max((depth[i] for i in node.all_input_nodes), default=0)
         if node.target in STEP_OPS:
             depth[node] = d + 1
@@ -249,8 +263,10 @@ def plan_segments(gm: fx.GraphModule) -> SegmentPlan:
     local = {node for nodes in by_depth.values() for node in nodes}
     users_at: dict[fx.Node, set[int]] = {}  # where each value is read: segment or -1 (outside)
     for node in graph.nodes:
+        if node in skipped:
+            continue
         where = depth[node] if node in local else -1
-        for i in node.all_input_nodes:
+        for i in take_inputs(node, takes[node]) if node in takes else node.all_input_nodes:
             users_at.setdefault(i, set()).add(where)
     steps: list[Segment | fx.Node] = []
     last = max([*by_depth, *(depth[m] for m in (*mesh_nodes, *contractions))], default=0)
@@ -259,7 +275,7 @@ def plan_segments(gm: fx.GraphModule) -> SegmentPlan:
         if d in by_depth:
             steps.append(_build_segment(gm, by_depth[d], d, users_at))
         steps += [c for c in contractions if depth[c] == d]
-    return SegmentPlan(placeholders=placeholders, steps=steps, output=output)
+    return SegmentPlan(placeholders=placeholders, steps=steps, output=output, takes=takes)
 
 
 #: Mesh ops that can take a sum already made over their whole group (``LocalMesh._contract``).

@@ -200,10 +200,11 @@ def collective_permute(
     source = torch.full((mesh.size,), -1, dtype=torch.int64)
     source[torch.tensor(dsts, dtype=torch.int64)] = torch.tensor(srcs, dtype=torch.int64)
     source = source.to(x.device)
-    received = source >= 0
-    moved = x.index_select(0, source.clamp(min=0))
-    keep = received.reshape(-1, *([1] * (x.dim() - 1)))
-    return torch.where(keep, moved, torch.zeros((), dtype=x.dtype, device=x.device))
+    moved = x.index_select(0, source.clamp(min=0))  # a new tensor: zeroing rows in place is safe
+    missing = (source < 0).nonzero().flatten()
+    if missing.numel():  # only the rows that receive nothing (a full permutation has none)
+        moved.index_fill_(0, missing, 0)
+    return moved
 
 
 def _coordinate(mesh: Mesh, mesh_axes: Sequence[str]) -> np.ndarray:
