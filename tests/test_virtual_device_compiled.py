@@ -349,3 +349,26 @@ def test_a_new_mesh_drops_the_capture(dev: torch.device) -> None:
         )
     finally:
         partita.use_spmd(MESH)
+
+
+def test_a_tensor_made_and_updated_in_the_step_is_replayed_from_its_first_value(
+    dev: torch.device,
+) -> None:
+    """A device tensor the step makes from no argument and then updates in place is a constant
+    of the step: each replay starts from the value it was made with, not the updated one."""
+    w = torch.zeros(4).to(dev)
+
+    def step_fn(x: torch.Tensor) -> torch.Tensor:
+        buf = torch.ones(4, device=dev)  # data made inside the step
+        buf.add_(x)  # recorded: the program updates it
+        w.add_(buf)
+        return buf * 1
+
+    step, calls = _counted(step_fn)
+    want = torch.zeros(4)
+    for i in range(5):
+        got = step(torch.full((4,), float(i)).to(dev))
+        want += 1 + i
+        torch.testing.assert_close(got.cpu(), torch.full((4,), 1.0 + i))
+    torch.testing.assert_close(w.cpu(), want)
+    assert calls[0] == 3

@@ -119,23 +119,25 @@ def describe_call(
     sources = {id(cell): src for src, cell in uploads}  # the last event of each cell
     roles: list[tuple[Any, ...]] = []
     for n, (slot, value) in enumerate(rec.inputs):
+        # The value the step ran on (a cell the step updates in place holds its new value now).
+        data = last.inputs[n]
         if not isinstance(value, Cell) and slot in read:  # a CPU argument an op read
             roles.append(("snapshot", read[slot]))
         elif not isinstance(value, Cell):  # another CPU tensor an op read (copied then)
-            roles.append(("const", last.inputs[n], _op_using(rec, "t", slot)))
+            roles.append(("const", data, _op_using(rec, "t", slot)))
         elif id(value) in args:
             roles.append(("arg", args[id(value)]))
         elif value.serial < start:  # a parameter, optimizer state, a buffer
-            roles.append(("cell", weakref.ref(value), value.desc, sharding_of(value.data)))
+            roles.append(("cell", weakref.ref(value), value.desc, sharding_of(data)))
         else:
             src = sources.get(id(value))
             shape, _, _, dtype = value.desc
             if src is not None and id(src) in cpu_args and tuple(src.shape) == shape:
                 # An argument moved to the device inside the step (x.to(dev)), its data not
                 # overwritten since (a later mark_sharding lays the same values out).
-                roles.append(("upload", cpu_args[id(src)], dtype, sharding_of(value.data)))
+                roles.append(("upload", cpu_args[id(src)], dtype, sharding_of(data)))
             else:  # made on the device inside the step from no argument
-                roles.append(("const", value.data, _op_using(rec, "t", slot)))
+                roles.append(("const", data, _op_using(rec, "t", slot)))
     outs = {id(c): i for i, c in enumerate(last.out_cells)}
     returned: set[int] = set()
     returns: list[tuple[Any, ...]] = []
