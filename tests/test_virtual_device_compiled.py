@@ -38,14 +38,16 @@ def _batches(n: int, batch: int = 4, seed: int = 0) -> list[tuple[torch.Tensor, 
 
 
 def _models(
-    dev: torch.device, capturable: bool = True, lr: float | torch.Tensor = 1e-2
+    dev: torch.device, capturable: bool = True, lr: float | torch.Tensor = 1e-2, shard: bool = True
 ) -> tuple[nn.Module, Any, nn.Module, Any]:
-    """An MLP on the device (fsdp+tp-like specs) with its AdamW, and its eager twin."""
+    """An MLP on the device (fsdp+tp-like specs, or replicated) with its AdamW, and its eager
+    twin."""
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     model = copy.deepcopy(ref).to(dev)
-    partita.mark_sharding(model[0].weight, MESH, P("model", "data"))
-    partita.mark_sharding(model[2].weight, MESH, P(None, "model"))
+    if shard:
+        partita.mark_sharding(model[0].weight, MESH, P("model", "data"))
+        partita.mark_sharding(model[2].weight, MESH, P(None, "model"))
     opt = torch.optim.AdamW(model.parameters(), lr=lr, capturable=capturable)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     return model, opt, ref, ref_opt
@@ -125,22 +127,19 @@ def test_compiled_step_replays_and_equals_eager(dev: torch.device) -> None:
     assert len(step.signatures) == 2
 
     partita.mark_sharding(model[0].weight, MESH, P(None, "model"))  # a captured input
-    for i, (x, y) in enumerate(_batches(3, seed=2)):
-        loss = step(x, y)
-        sched.step()
-        assert loss.item() == pytest.approx(eager_step(x, y), abs=1e-5)
-        if i == 0:
-            assert calls[0] == 7, "a resharded parameter must not replay the stale capture"
-            line = m.compiled_steps["train_step"]
-            assert line.startswith("capture dropped: input"), line
-            assert "P(None, 'model')" in line
-    assert calls[0] == 9 and "captured after 3 calls" in m.compiled_steps["train_step"]
+    x, y = _batches(1, seed=2)[0]
+    loss = step(x, y)
+    sched.step()
+    assert loss.item() == pytest.approx(eager_step(x, y), abs=1e-5)
+    assert calls[0] == 7, "a resharded parameter must not replay the stale capture"
+    line = m.compiled_steps["train_step"]
+    assert line.startswith("capture dropped: input") and "P(None, 'model')" in line, line
     _same_params(model, ref)
 
     step.reset()
     x, y = _batches(1, seed=3)[0]
     step(x, y)
-    assert calls[0] == 10 and not step.signatures[next(iter(step.signatures))].capture
+    assert calls[0] == 8 and not step.signatures[next(iter(step.signatures))].capture
 
 
 def _not_capturable(
@@ -151,8 +150,9 @@ def _not_capturable(
     after: Callable[[Any], None] | None = None,
 ) -> str:
     """Run ``train_step(model, opt, x, y)`` 4 times beside eager: losses and parameters equal,
-    the function ran every call; returns its line in ``partita.metrics()``."""
-    model, opt, ref, ref_opt = _models(dev, capturable=capturable)
+    the function ran every call; returns its line in ``partita.metrics()``. (Replicated: the
+    reasons do not depend on the sharding, and the programs compile faster.)"""
+    model, opt, ref, ref_opt = _models(dev, capturable=capturable, shard=False)
     step, calls = _counted(
         functools.update_wrapper(functools.partial(train_step, model, opt), train_step)
     )
