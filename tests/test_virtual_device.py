@@ -305,6 +305,7 @@ def test_the_loop_under_torch_distributed_equals_the_local_mesh(dev: torch.devic
     mesh = Mesh.create((1, 2), ("data", "model"))
     try:
         local = _cache_script().run(None, steps=3, mesh=mesh)
+        compiled = _cache_script().run_compiled(steps=6, mesh=mesh)
     finally:
         partita.use_spmd(MESH)
     results = spawn([str(SCRIPT.parent / "virtual_dist.py")], 2, timeout=300)
@@ -313,6 +314,11 @@ def test_the_loop_under_torch_distributed_equals_the_local_mesh(dev: torch.devic
     torch.testing.assert_close(got["losses"], local["losses"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got["weight"], local["weight"], rtol=1e-5, atol=1e-5)
     assert got["compiles"] == 1
+    # partita.compile under torch.distributed: captured after 3 calls, 3 replays, as local.
+    got = got["compiled"]
+    assert (got["calls"], got["replays"]) == (compiled["calls"], compiled["replays"]) == (3, 3)
+    torch.testing.assert_close(got["losses"], compiled["losses"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got["weight"], compiled["weight"], rtol=1e-5, atol=1e-5)
 
 
 def test_a_tampered_cache_file_is_ignored(dev: torch.device, tmp_path: Path) -> None:
