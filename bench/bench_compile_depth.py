@@ -2,9 +2,11 @@
 
 Run: ``.venv/bin/python bench/bench_compile_depth.py [--layers 2 6 12 24] [--repeat 3] [--gpt-m]``
 
-Every layer is propagated and partitioned on its own, and, unless ``partita.scan_layers`` marks
-the blocks, traced on its own too, so compiling a step costs time roughly proportional to the
-number of layers. Each depth is compiled twice: ``unrolled`` (every block traced) and ``scan``
+Every layer is propagated and partitioned on its own, and, unless its trace is reused (``auto``
+and ``scan`` below), traced on its own too, so compiling a step costs time roughly proportional to the
+number of layers. Each depth is compiled three ways: ``unrolled`` (every block traced:
+``PARTITA_SCAN_LAYERS=0``), ``auto`` (the default: ``train_step`` finds the repeated blocks and
+traces two of each kind, compares them, and copies the graph for the others) and ``scan``
 (``partita.scan_layers(model.blocks)``: one block traced, its graph copied). This builds
 ``partita.train_step`` for ``partita.models.GPT`` (width 256, 4 heads, vocabulary 512,
 sequence 64, global batch 8, AdamW; ``--gpt-m``: width 768, 12 heads, vocabulary 8192,
@@ -74,20 +76,31 @@ def timed_stages(times: dict[str, float]) -> Iterator[None]:
 
 
 def compile_once(
-    n_layer: int, mesh: Mesh, scan: bool, size: argparse.Namespace
+    n_layer: int, mesh: Mesh, mode: str, size: argparse.Namespace
 ) -> tuple[dict[str, float], int]:
     """Times of one fresh compile of an ``n_layer`` step, and its number of values."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=n_layer, n_head=size.heads, d_model=size.width,
                           vocab_size=size.vocab, seq_len=size.seq))  # fmt: skip
-    if scan:
+    if mode == "scan":
         partita.scan_layers(model.blocks)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
     def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
-    step = partita.train_step(model, loss_fn, opt, mesh=mesh, shard="fsdp", batch_spec=P("data"))
+    # train_step finds the repeated blocks itself unless PARTITA_SCAN_LAYERS=0 (layer_auto)
+    old = os.environ.get("PARTITA_SCAN_LAYERS")
+    os.environ["PARTITA_SCAN_LAYERS"] = "0" if mode == "unrolled" else "1"
+    try:
+        step = partita.train_step(
+            model, loss_fn, opt, mesh=mesh, shard="fsdp", batch_spec=P("data")
+        )
+    finally:
+        if old is None:
+            del os.environ["PARTITA_SCAN_LAYERS"]
+        else:
+            os.environ["PARTITA_SCAN_LAYERS"] = old
     ids = torch.randint(0, size.vocab, (size.batch, size.seq))
     times: dict[str, float] = {}
     with timed_stages(times):
@@ -130,8 +143,8 @@ def main(argv: list[str] | None = None) -> None:
     print(" ".join(f"{c:>{w}}" for c, w in header))
     keys = (*STAGES, "total", "cpu", *(f"{s} cpu" for s in STAGES))
     for n in ns.layers:
-        for mode in ("unrolled", "scan"):
-            runs = [compile_once(n, mesh, mode == "scan", ns) for _ in range(ns.repeat)]
+        for mode in ("unrolled", "auto", "scan"):
+            runs = [compile_once(n, mesh, mode, ns) for _ in range(ns.repeat)]
             med = {k: statistics.median(r[0][k] for r in runs) for k in keys}
             stages = " ".join(f"{med[s]:>9.2f}" for s in STAGES)
             cpus = " ".join(f"{med[f'{s} cpu']:>13.2f}" for s in STAGES)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import operator
 import re
+import warnings
+from typing import ClassVar
 
 import pytest
 import torch
@@ -693,3 +695,55 @@ def test_scanned_layers_trace_the_unrolled_program_op_for_op():
     partita.scan_layers(model.blocks)
     scanned = trace(step, args)
     assert _positional(scanned) == unrolled
+
+
+class _Block(torch.nn.Module):
+    """A layer that counts its forward calls; with ``by_position`` the layers first called at
+    an even position compute relu, the others tanh (a difference the layer signature, which
+    sees the class, the attributes and the shapes, cannot see)."""
+
+    calls = 0
+    order: ClassVar[dict[int, int]] = {}
+
+    def __init__(self, by_position: bool) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.by_position = by_position
+
+    def forward(self, x):
+        type(self).calls += 1
+        y = self.lin(x)
+        position = type(self).order.setdefault(id(self), len(type(self).order))
+        return y.tanh() if self.by_position and position % 2 else y.relu()
+
+
+def _stack_program(by_position: bool, n: int = 6):
+    torch.manual_seed(0)
+    _Block.calls, _Block.order = 0, {}
+    model = torch.nn.Sequential(*[_Block(by_position) for _ in range(n)])
+    step = make_train_step(model, F.mse_loss, "sgd")
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    args = (params, {}, init_opt_state(params, "sgd"), (torch.randn(2, 4), torch.randn(2, 4)))
+    return trace(step, args), _Block.calls
+
+
+@pytest.mark.parametrize("by_position", [False, True])
+def test_training_step_traces_repeated_layers_once_when_two_trace_alike(by_position, monkeypatch):
+    """make_train_step marks a module list's same-class children (capture.layer_auto): the
+    second layer of a signature is traced too, and only if it traced like the first do the
+    others reuse the trace. Either way the program is the unrolled one op for op."""
+    monkeypatch.setenv("PARTITA_SCAN_LAYERS", "0")
+    unrolled, unrolled_calls = _stack_program(by_position)
+    monkeypatch.setenv("PARTITA_SCAN_LAYERS", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # found layers fall back silently
+        scanned, scanned_calls = _stack_program(by_position)
+    assert unrolled_calls == 6
+    # Layers 0 (its input needs no gradient) and 1 run as ordinary code (first of their
+    # signatures), layer 2 is traced alone (a shape probe and the trace), layer 3 too, to
+    # compare; if it differs (by_position), it and layers 4, 5 run as ordinary code, else they
+    # reuse layer 2's trace.
+    assert scanned_calls == (1 + 1 + 2 + 3 + 1 + 1 if by_position else 6)
+    assert _positional(scanned) == _positional(unrolled)
+    tanh = sum(n.target == torch.ops.aten.tanh.default for n in scanned.graph.nodes)
+    assert tanh == (3 if by_position else 0)

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from partita import capture
 from partita.capture.gc_pause import gc_paused
+from partita.capture.layer_auto import scan_repeated_layers
 from partita.capture.module import ModuleInputs
 from partita.capture.trace import input_path
 from partita.errors import JitArgumentError, RecompileWarning, warn
@@ -129,6 +130,8 @@ class Jitted:
         self._recent: deque[tuple[Hashable, list[str]]] = deque(maxlen=RECOMPILE_WARNING_AT)
         self._compiles = 0
         self._module = ModuleInputs(fn, mesh, param_specs) if isinstance(fn, nn.Module) else None
+        if isinstance(fn, nn.Module):
+            scan_repeated_layers(fn)  # its repeated layers traced once, checked (layer_auto)
         self._signatures = Signatures(mesh, _name(fn))
         if param_specs is not None and self._module is None:
             raise JitArgumentError(

@@ -24,7 +24,14 @@ import torch
 from torch import Tensor, fx
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
-__all__ = ["LAYER_CALL_OP", "LayerGraph", "inline_layer_calls", "split_joint"]
+__all__ = [
+    "LAYER_CALL_OP",
+    "LayerGraph",
+    "inline_layer_calls",
+    "part",
+    "positional_form",
+    "split_joint",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,11 @@ def register(part: LayerGraph) -> int:
     key = next(_KEYS)
     _GRAPHS[key] = part
     return key
+
+
+def part(key: int) -> LayerGraph:
+    """The part registered under ``key``."""
+    return _GRAPHS[key]
 
 
 def release(keys: list[int]) -> None:
@@ -176,6 +188,32 @@ def split_joint(
     backward_part = _subgraph(joint, [*cotangents, *saved], bwd_nodes, grads)
     where = [primals.index(n) if n.op == "placeholder" else -1 for n in saved]
     return forward, backward_part, where
+
+
+def positional_form(part: LayerGraph) -> list[tuple[object, ...]]:
+    """``part`` up to node names: per node its kind, op, arguments by position, result shapes
+    and dtypes, and source line. Two layers whose parts have equal forms trace to the same ops
+    on the same values (``layers`` compares two calls before reusing one trace for the rest)."""
+    index: dict[fx.Node, int] = {}
+    out: list[tuple[object, ...]] = []
+    for i, node in enumerate(part.graph.nodes):
+        index[node] = i
+        args = fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{index[a]}")
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (list, tuple)) else [val]
+        metas = [(tuple(v.shape), v.dtype) if isinstance(v, Tensor) else repr(v) for v in vals]
+        target = node.target
+        if node.op == "get_attr":  # a constant: its value, not its (fresh) name
+            target = _constant_key(getattr(part.owner, node.target))
+        out.append((node.op, target, repr(args), metas, node.meta.get("stack_trace")))
+    return out
+
+
+def _constant_key(value: object) -> object:
+    if not isinstance(value, Tensor) or isinstance(value, FakeTensor):
+        return ("id", id(value))
+    raw = value.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+    return (tuple(value.shape), value.dtype, bytes(raw.tolist()))
 
 
 def inline_layer_calls(gm: fx.GraphModule) -> int:

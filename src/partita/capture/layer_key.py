@@ -62,6 +62,12 @@ def value_key(value: Any) -> Any:
 def call_signature(
     tree: pytree.TreeSpec, leaves: list[Any], primals: list[Tensor]
 ) -> tuple[Any, ...]:
+    if torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+        # activation checkpointing recomputes the layer in the backward and checks that it
+        # saves the same tensors as its forward did; a placeholder saves others
+        raise LayerFallbackError(
+            "it runs under saved-tensor hooks (activation checkpointing, offloading)"
+        )
     statics = []
     for leaf in leaves:
         if isinstance(leaf, Tensor):

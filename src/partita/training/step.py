@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn.utils.stateless import _reparametrize_module
 
+from partita.capture.layer_auto import scan_repeated_layers
 from partita.errors import TrainInputError
 from partita.training import optim
 from partita.training.optim import (
@@ -111,6 +112,7 @@ def functional_step(
         >>> loss, params, buffers, state = step(params, {}, init_opt_state(params, "sgd"),
         ...     torch.tensor(0.1), (torch.randn(3, 4), torch.randn(3, 2)))
     """
+    scan_repeated_layers(model)  # trace each kind of repeated layer once, checked (layer_auto)
 
     def step(
         params: Tensors, buffers: Tensors, opt_state: dict[str, Any], lr: Lr, batch: Any

@@ -1,0 +1,60 @@
+"""Find a model's repeated layers, so a training step traces each kind of layer once by default.
+
+Why. Tracing is most of compile time, and a transformer's blocks trace to the same ops block
+after block; :mod:`partita.capture.layers` traces one and copies it (``partita.scan_layers``).
+The copies are the unrolled program op for op (same ops, order, shapes and source lines), but
+reuse rests on a block's ops depending only on its signature (class, Python attributes,
+parameter shapes, arguments). So layers found here are marked with ``verify=True``: the first
+layer of each signature is traced as ordinary code, the second and third alone, and only if
+those two traced alike do the others reuse the trace; otherwise every layer is traced as
+ordinary code.
+
+Which layers: the children of every ``nn.ModuleList`` or ``nn.Sequential`` that share their
+class with a sibling (``model.blocks``, ``model.layers``, ``encoder.layer``...). Setting
+``PARTITA_SCAN_LAYERS=0`` turns this off (layers the user marked with ``scan_layers`` are still
+traced once). This module decides nothing about a trace; ``layers`` does the tracing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+from torch import nn
+
+from partita.capture.layers import mark_layers
+
+__all__ = ["auto_scan_setting", "repeated_layers", "scan_repeated_layers"]
+
+
+def auto_scan_setting() -> bool:
+    """Whether training steps trace repeated layers once (``PARTITA_SCAN_LAYERS``, default on)."""
+    return os.environ.get("PARTITA_SCAN_LAYERS", "1").strip().lower() not in ("0", "off", "false")
+
+
+def repeated_layers(model: nn.Module) -> list[nn.Module]:
+    """The children of ``model``'s module lists that share their class with a sibling.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> [type(m).__name__ for m in repeated_layers(model)]
+        ['Linear', 'Linear']
+    """
+    out: list[nn.Module] = []
+    seen: set[int] = set()
+    for container in model.modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        children = list(container.children())
+        kinds = Counter(type(c) for c in children)
+        for child in children:
+            if kinds[type(child)] > 1 and id(child) not in seen:
+                seen.add(id(child))
+                out.append(child)
+    return out
+
+
+def scan_repeated_layers(model: nn.Module) -> None:
+    """Mark ``model``'s repeated layers to be traced once, checked (see the module doc)."""
+    if auto_scan_setting():
+        mark_layers(repeated_layers(model), verify=True)
