@@ -2,12 +2,13 @@
 
 Run: ``.venv/bin/python bench/bench_compile_depth.py [--layers 2 6 12 24] [--repeat 3] [--gpt-m]``
 
-Every layer is propagated and partitioned on its own, and, unless its trace is reused (``auto``
-and ``scan`` below), traced on its own too, so compiling a step costs time roughly proportional to the
-number of layers. Each depth is compiled three ways: ``unrolled`` (every block traced:
-``PARTITA_SCAN_LAYERS=0``), ``auto`` (the default: ``train_step`` finds the repeated blocks and
-traces two of each kind, compares them, and copies the graph for the others) and ``scan``
-(``partita.scan_layers(model.blocks)``: one block traced, its graph copied). This builds
+Every layer is propagated and partitioned on its own, and, unless its trace is reused
+(``auto`` and ``scan`` below), traced on its own too, so compiling a step costs time roughly
+proportional to the number of layers. Each depth is compiled three ways: ``unrolled`` (every
+block traced: ``PARTITA_SCAN_LAYERS=0``), ``auto`` (the default: ``train_step`` finds the
+repeated blocks, traces one as ordinary code and two alone, compares those two, and copies the
+graph for the others) and ``scan`` (``partita.scan_layers(model.blocks)``: one block traced,
+its graph copied). This builds
 ``partita.train_step`` for ``partita.models.GPT`` (width 256, 4 heads, vocabulary 512,
 sequence 64, global batch 8, AdamW; ``--gpt-m``: width 768, 12 heads, vocabulary 8192,
 sequence 256, batch 8) under the ``fsdp`` plan on a 2x4 ``data x model`` mesh
