@@ -551,3 +551,24 @@ def test_per_device_selection_of_a_value_replicated_along_an_axis() -> None:
 
     for g, w in zip(got, _per_device(want, MESH_24, a), strict=True):
         torch.testing.assert_close(g, w)
+
+
+def test_flat_graph_adds_the_bias_inside_the_matmul() -> None:
+    """A linear layer whose input alone varies along the mesh: vmap batches it as ``mm`` then
+    ``add``; the traced flat graph has one ``addmm`` instead, and the per-device values."""
+
+    def fn(x: Tensor, w: Tensor, b: Tensor) -> Tensor:
+        return F.linear(x, w, b).relu()
+
+    x, w, b = _stack(2, 3, 5), torch.randn(6, 5), torch.randn(6)
+    gm = make_fx(fn)(x[0], w, b)
+    runner = LocalMesh(MESH)
+    inputs = [x, w.expand(MESH.size, 6, 5), b.expand(MESH.size, 6)]
+    outs = [runner.run(gm, inputs)[0] for _ in range(3)]  # the second run traces flat
+    want = _loop(gm, inputs)[0]
+    for out in outs:
+        torch.testing.assert_close(out, want)
+    flats = [f for s in runner._plans[gm].steps if hasattr(s, "flat") for f in s.flat.values()]
+    (flat,) = [f for f in flats if isinstance(f, fx.GraphModule)]
+    targets = [n.target for n in flat.graph.nodes]
+    assert aten.addmm.default in targets and aten.add.Tensor not in targets

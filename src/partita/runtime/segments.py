@@ -27,7 +27,7 @@ from partita.errors import CompilerError, UnsupportedOpError
 from partita.mesh import Mesh
 from partita.runtime.compiled import CompileStats, compile_graph
 from partita.runtime.device_index import DeviceTake, find_device_takes, take_inputs
-from partita.runtime.flat_matmul import fold_broadcast_bmms
+from partita.runtime.flat_matmul import fold_broadcast_bmms, fuse_bias_adds
 from partita.runtime.subgraph import copy_nodes
 
 __all__ = [
@@ -199,6 +199,7 @@ def _trace_flat(fn: Callable[..., Any], args: list[Any]) -> Callable[..., Any]:
             node.target = aten.reshape.default
     flat.recompile()
     fold_broadcast_bmms(flat)
+    fuse_bias_adds(flat)
     return flat
 
 
