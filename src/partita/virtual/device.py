@@ -126,11 +126,39 @@ def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> torch.Tensor:
     return _FACTORY[0](tuple(size), kwargs.get("dtype"))
 
 
-def _arange(*args: Any, **kwargs: Any) -> torch.Tensor:
-    # arange writes into an ``out`` it resizes, which a device tensor without storage cannot
-    # be; computed on the CPU instead, then wrapped.
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
-    return _FACTORY[1](torch.arange(*args, **kwargs))
+#: Factories whose kernels write into an ``out`` they resize (``torch.eye(n, device=dev)`` makes
+#: an empty tensor and fills it with ``eye.m_out``), which a device tensor without storage
+#: cannot be: the result would silently stay empty. They run on the CPU, and are wrapped.
+_CPU_FACTORIES = (
+    "arange", "arange.start", "arange.start_step", "eye", "eye.m", "tril_indices",
+    "triu_indices", "hann_window", "hann_window.periodic", "hamming_window",
+    "hamming_window.periodic", "hamming_window.periodic_alpha",
+    "hamming_window.periodic_alpha_beta", "blackman_window", "blackman_window.periodic",
+    "bartlett_window", "bartlett_window.periodic", "kaiser_window", "kaiser_window.periodic",
+    "kaiser_window.beta",
+)  # fmt: skip
+
+
+def _on_cpu(name: str) -> Callable[..., torch.Tensor]:
+    """The PrivateUse1 kernel of the factory ``name``: computed on the CPU, then wrapped."""
+    packet, _, overload = name.partition(".")
+    op = getattr(getattr(torch.ops.aten, packet), overload or "default")
+
+    def kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
+        return _FACTORY[1](op(*args, **kwargs))
+
+    return kernel
+
+
+def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    # torch.tensor(data, device=dev), torch.as_tensor and Tensor.new_tensor build the value on
+    # the CPU and copy it in with the Python dispatch key excluded, so the copy reaches the
+    # backend's kernel rather than the LazyTensor's __torch_dispatch__: hand it there.
+    del non_blocking
+    from partita.virtual.recording import dispatch  # it imports this module
+
+    return dispatch(torch.ops.aten.copy_.default, (dst, src), {})  # type: ignore[no-any-return]
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
@@ -169,8 +197,9 @@ def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Ten
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("empty.memory_format", _empty_memory_format, "PrivateUse1")
     lib.impl("empty_strided", _empty_strided, "PrivateUse1")
-    for overload in ("arange", "arange.start", "arange.start_step"):
-        lib.impl(overload, _arange, "PrivateUse1")
+    for name in _CPU_FACTORIES:
+        lib.impl(name, _on_cpu(name), "PrivateUse1")
+    lib.impl("_copy_from", _copy_from, "PrivateUse1")
     # One attention op in the recording rather than PyTorch's math decomposition (see
     # partita.virtual.attention); at the autograd key, so autograd records its derivative.
     lib.impl("scaled_dot_product_attention", attention.sdpa, "AutogradPrivateUse1")

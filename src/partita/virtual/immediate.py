@@ -10,6 +10,7 @@ by :mod:`partita.virtual.recording`; this module does not record.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from partita.virtual.lazy import Cell, LazyTensor, full_value, lazies
 __all__ = ["RUNS_NOW", "UPLOADS", "new_data", "run_now"]
 
 aten = torch.ops.aten
-_SHARE_CELL = frozenset({aten.detach.default, aten.alias.default})
+_SHARE_CELL = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh.default})
 _LIKE = {
     aten.zeros_like.default: 0,
     aten.ones_like.default: 1,
@@ -37,6 +38,27 @@ _FUSED = frozenset(
     for overload in getattr(aten, name).overloads()
 )
 _META = torch.device("meta")
+#: Ops whose result's shape depends on the values (``nonzero``, ``unique``; ``x[mask]`` is
+#: ``index`` with a boolean index): no program can hold them, so they read their arguments'
+#: values (syncing pending ones, as ``.item()`` does) and run now on the CPU.
+_VALUE_SHAPED = frozenset(
+    getattr(getattr(aten, name), overload)
+    for name in (
+        "nonzero", "argwhere", "masked_select", "_unique", "_unique2", "unique_dim",
+        "unique_consecutive", "unique_dim_consecutive",
+    )
+    if hasattr(aten, name)
+    for overload in getattr(aten, name).overloads()
+)  # fmt: skip
+#: Indexing ops, whose boolean-mask indices are turned into integer positions (``x[mask]``):
+#: only the mask's value is needed now, the indexing itself is recorded.
+_INDEXING = frozenset(
+    {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+    | {aten._index_put_impl_.default}
+)
+#: In-place random fills with no sharding rule (``torch.randint(..., device=dev)`` fills a new
+#: tensor with ``random_``): on a value known now, drawn now from the CPU generator.
+_RANDOM_FILLS = frozenset(getattr(aten.random_, o) for o in aten.random_.overloads())
 #: While a compiled step records (:mod:`partita.virtual.compiled`): ``(source, cell)`` per CPU
 #: tensor copied into a new device tensor, so a replay can upload the next call's argument, and
 #: ``(None, cell)`` when an op here overwrites a cell's data (it no longer holds the upload).
@@ -48,6 +70,9 @@ RUNS_NOW = frozenset(
     | set(_LIKE)
     | _FILLS
     | _FUSED
+    | _VALUE_SHAPED
+    | _RANDOM_FILLS
+    | _INDEXING
 )
 
 
@@ -82,6 +107,20 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
             if value is not None:
                 return value.item()
         return full_value(args[0]).item()
+    if func in _VALUE_SHAPED:
+        result = func(*_values(args), **_values(kwargs))
+        if isinstance(result, tuple):  # unique: values, inverse, counts
+            return tuple(new_data(r) for r in result)
+        return new_data(result)
+    if func in _INDEXING and any(_is_mask(i) for i in args[1]):
+        from partita.virtual.recording import dispatch  # it imports this module
+
+        return dispatch(func, (args[0], _positions(args[1]), *args[2:]), kwargs)
+    if func in _RANDOM_FILLS and _is_clean_data(args[0]._cell, rec, unused=True):
+        value = torch.empty(args[0].shape, dtype=args[0].dtype)
+        func(value, *args[1:], **kwargs)
+        _set_data(args[0]._cell, value)
+        return args[0]
     if func in _FUSED:
         n = len(args[0]) if args and isinstance(args[0], (list, tuple)) else "?"
         raise VirtualDeviceError(
@@ -136,15 +175,54 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
             return out
         return new_data(value)
     if func in _FILLS and _is_clean_data(args[0]._cell, rec, unused=True):
-        cell = args[0]._cell
-        if UPLOADS:
-            UPLOADS[-1].append((None, cell))
         value = torch.full(args[0].shape, args[1] if len(args) > 1 else 0, dtype=args[0].dtype)
-        old = cell.data
-        cell.data = (
-            ShardedTensor.from_global(value, old.sharding)
-            if isinstance(old, ShardedTensor)
-            else value
-        )
+        _set_data(args[0]._cell, value)
         return args[0]
     return NotImplemented
+
+
+def _values(x: Any) -> Any:
+    """``x`` with every device tensor replaced by its value on the CPU (syncing pending ones)."""
+    if isinstance(x, LazyTensor):
+        return full_value(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_values(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _values(v) for k, v in x.items()}
+    return x
+
+
+def _set_data(cell: Cell, value: torch.Tensor) -> None:
+    """Overwrite a cell's data with ``value``, in the layout it had."""
+    if UPLOADS:
+        UPLOADS[-1].append((None, cell))
+    old = cell.data
+    cell.data = (
+        ShardedTensor.from_global(value, old.sharding) if isinstance(old, ShardedTensor) else value
+    )
+
+
+def _is_mask(index: Any) -> bool:
+    return isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+
+
+def _positions(indices: Sequence[Any]) -> list[Any]:
+    """``indices`` with each boolean mask replaced by the integer positions it selects (one
+    index tensor per dimension it covers, as PyTorch reads a mask), computed from its value.
+
+    A pending mask is computed on the side when it is small (:mod:`partita.virtual.peek`), else
+    the step syncs to read it, as ``.item()`` does: the result's shape depends on it.
+    """
+    from partita.virtual.peek import peek  # it reads the recording, which imports this
+
+    out: list[Any] = []
+    for index in indices:
+        if not _is_mask(index):
+            out.append(index)
+            continue
+        mask = index
+        if isinstance(index, LazyTensor):
+            peeked = peek(index._cell) if index._cell.is_pending else None
+            mask = peeked if peeked is not None else full_value(index)
+        out.extend(mask.to(torch.bool).nonzero().unbind(1))
+    return out

@@ -15,6 +15,7 @@ caller syncs. This module does not compile or record.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -78,7 +79,7 @@ def peek(cell: Cell) -> torch.Tensor | None:
             if value.base.dirty:
                 return None
             value = value.data
-        if value is None or value.numel() > MAX_ELEMENTS:
+        if value is None or math.prod(value.shape) > MAX_ELEMENTS:  # a ShardedTensor too
             return None
         env[slot] = value.full() if isinstance(value, ShardedTensor) else value
     for index in reversed(chosen):
