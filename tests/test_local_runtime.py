@@ -22,6 +22,7 @@ from partita import Mesh
 from partita import collectives as coll
 from partita.capture import trace
 from partita.errors import UnsupportedOpError
+from partita.runtime.contraction import Summed
 from partita.runtime.local import LocalMesh
 
 from programs import gpt_step  # isort: skip
@@ -436,7 +437,8 @@ def test_flat_graph_folds_a_broadcast_bmm() -> None:
 @needs_stacked
 def test_weight_gradient_sum_is_one_contraction() -> None:
     """``mm`` read only by a sum over the whole mesh runs as one ``mm`` over every device's
-    rows (no per-device products); over part of the mesh, per device. Both equal the sums."""
+    rows (no per-device products); over part of the mesh, one ``mm`` per tile of the other
+    axes over the group's slices of the contraction dim. All equal the sums."""
 
     def fn(g: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         whole = coll.reduce_scatter(g.t() @ x, 0, "sum", ["x", "y"], 4)
@@ -451,12 +453,18 @@ def test_weight_gradient_sum_is_one_contraction() -> None:
 
     def recorded(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
         out = contract(node, env)
-        kinds.append("summed" if out[1] is None else "per device")
+        kinds.append(
+            "summed"
+            if out[1] is None
+            else f"summed over {sorted(out[1].group)}"
+            if isinstance(out[1], Summed)
+            else "per device"
+        )
         return out
 
     runner._contract = recorded  # type: ignore[method-assign]
     whole, avg, part = runner.run(gm, [g, x])
-    assert kinds == ["summed", "summed", "per device"]
+    assert kinds == ["summed", "summed", "summed over [1]"]
     per_device = g.transpose(1, 2) @ x  # [4, 8, 3]
     total = per_device.sum(0)
     torch.testing.assert_close(whole, total.reshape(4, 2, 3))
@@ -572,3 +580,36 @@ def test_flat_graph_adds_the_bias_inside_the_matmul() -> None:
     (flat,) = [f for f in flats if isinstance(f, fx.GraphModule)]
     targets = [n.target for n in flat.graph.nodes]
     assert aten.addmm.default in targets and aten.add.Tensor not in targets
+
+
+@needs_stacked
+def test_row_parallel_matmul_is_one_matmul_over_the_joined_slices() -> None:
+    """``all_reduce(mm(x, w), group)`` with ``x`` along ``x`` and ``y`` and ``w`` along ``y``
+    only (a row-parallel layer on a 2-D mesh) is one matmul per ``x`` row over the joined
+    ``K``, no stack of partial products; an operand identical along the group keeps the
+    per-device products. Every result equals the per-device loop's sums."""
+    from partita.runtime.contraction import group_contract
+
+    def fn(a: Tensor, w: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        row = coll.all_reduce(torch.mm(a, w), "sum", ["y"], 4)
+        avg = coll.all_reduce(torch.mm(a, w), "avg", ["y"], 4)
+        same = coll.all_reduce(torch.mm(a, coll.all_reduce(v, "sum", ["y"], 4)), "sum", ["y"], 4)
+        return row, avg, same
+
+    a, w, v = _stack(3, 5, n=8), _stack(5, 6, n=8, seed=1), _stack(5, 6, n=8, seed=2)
+    w = w.view(2, 4, 5, 6)[:1].expand(2, 4, 5, 6).reshape(8, 5, 6)  # along y only
+    gm = make_fx(fn)(a[0], w[0], v[0])
+    row, avg, same = LocalMesh(MESH_24).run(gm, [a, w, v])
+    products = (a @ w).view(2, 4, 3, 6).sum(1, keepdim=True).expand(2, 4, 3, 6).reshape(8, 3, 6)
+    torch.testing.assert_close(row, products)
+    torch.testing.assert_close(avg, products / 4)
+    v_sum = v.view(2, 4, 5, 6).sum(1, keepdim=True).expand(2, 4, 5, 6).reshape(8, 5, 6)
+    want = (a @ v_sum).view(2, 4, 3, 6).sum(1, keepdim=True).expand(2, 4, 3, 6).reshape(8, 3, 6)
+    torch.testing.assert_close(same, want)
+    # The weight as held ([4, 5, 6] along y), the activations [2, 4, 3, 5]: a [2, 3, 6] sum.
+    out, summed = group_contract(a.view(2, 4, 3, 5), (True, True), w[:4], (False, True), {1},
+                                 MESH_24)  # fmt: skip
+    assert out.shape == (2, 3, 6) and summed.axes == (True, False)
+    assert (
+        group_contract(a.view(2, 4, 3, 5), (True, True), v[0], (False, False), {1}, MESH_24) is None
+    )

@@ -62,6 +62,7 @@ from partita.errors import PartitaError
 from partita.layout import check_strided, shard_compact, shard_tensor
 from partita.mesh import Mesh
 from partita.runtime.compiled import stats_for
+from partita.runtime.contraction import Summed, group_contract
 from partita.runtime.device_index import run_take, take_inputs
 from partita.runtime.flat_matmul import broadcast_matmul
 from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
@@ -315,6 +316,9 @@ class LocalMesh:
         ``k`` times it. The result varies along no group axis."""
         value, axes = entry
         mesh = self.mesh
+        if isinstance(axes, Summed):  # a contraction already summed over this group
+            g = mesh.axes_size([mesh.axis_names[i] for i in group])
+            return (value / g if reduce_op == "avg" else value), axes.axes
         if axes is None:  # already the sum over the whole mesh (a contraction)
             axes = (False,) * mesh.ndim
             same = 1
@@ -351,6 +355,8 @@ class LocalMesh:
         """``mm(a, b)`` read only by a sum over its group. Over the whole mesh, with both
         operands varying along every axis, the per-device products and their sum are one
         ``mm`` over every device's rows: ``(sum, None)`` (the reduction then only cuts it).
+        Read by an all_reduce over part of the mesh along which both vary, one ``mm`` per
+        tile of the other axes over the group's slices of ``K`` (``runtime.contraction``).
         Otherwise the per-device products, as a segment would give them."""
         (a, ax), (b, bx) = env[node.args[0]], env[node.args[1]]
         (user,) = node.users
@@ -359,6 +365,11 @@ class LocalMesh:
             m, k = a.shape[-2:]
             rows = a.reshape(n, m, k).permute(1, 0, 2).reshape(m, n * k)
             return torch.mm(rows, b.reshape(n * k, b.shape[-1])), None
+        group = {mesh.axis_index(x) for x in _bind(user)["mesh_axes"]}
+        if user.target in _ALL_REDUCES:  # over part of the mesh: one matmul per other tile
+            summed = group_contract(a, ax, b, bx, group, mesh)
+            if summed is not None:
+                return summed  # type: ignore[return-value]
         shape = [s if v else 1 for s, v in zip(mesh.shape, ax, strict=True)]
         a_full = a.reshape(*shape, *a.shape[-2:])
         shape = [s if v else 1 for s, v in zip(mesh.shape, bx, strict=True)]
