@@ -10,7 +10,9 @@ those two traced alike do the others reuse the trace; otherwise every layer is t
 ordinary code.
 
 Which layers: the children of every ``nn.ModuleList`` or ``nn.Sequential`` that share their
-class with a sibling (``model.blocks``, ``model.layers``, ``encoder.layer``...). Setting
+class with a sibling and have submodules of their own (``model.blocks``, ``model.layers``,
+``encoder.layer``...). A leaf such as ``nn.Linear`` or ``nn.ReLU`` is left alone: its few ops
+trace faster than the two placeholder ops and the layer traces that would replace them. Setting
 ``PARTITA_SCAN_LAYERS=0`` turns this off (layers the user marked with ``scan_layers`` are still
 traced once). This module decides nothing about a trace; ``layers`` does the tracing.
 """
@@ -33,12 +35,14 @@ def auto_scan_setting() -> bool:
 
 
 def repeated_layers(model: nn.Module) -> list[nn.Module]:
-    """The children of ``model``'s module lists that share their class with a sibling.
+    """The children of ``model``'s module lists that share their class with a sibling and
+    have submodules.
 
     Example:
-        >>> model = nn.Sequential(nn.Linear(2, 2), nn.ReLU(), nn.Linear(2, 2))
+        >>> block = lambda: nn.Sequential(nn.Linear(2, 2), nn.ReLU())
+        >>> model = nn.Sequential(block(), block(), nn.Linear(2, 2), nn.Linear(2, 2))
         >>> [type(m).__name__ for m in repeated_layers(model)]
-        ['Linear', 'Linear']
+        ['Sequential', 'Sequential']
     """
     out: list[nn.Module] = []
     seen: set[int] = set()
@@ -48,7 +52,8 @@ def repeated_layers(model: nn.Module) -> list[nn.Module]:
         children = list(container.children())
         kinds = Counter(type(c) for c in children)
         for child in children:
-            if kinds[type(child)] > 1 and id(child) not in seen:
+            composite = next(child.children(), None) is not None
+            if composite and kinds[type(child)] > 1 and id(child) not in seen:
                 seen.add(id(child))
                 out.append(child)
     return out
