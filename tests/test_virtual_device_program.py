@@ -346,3 +346,38 @@ def test_a_condition_on_a_sharded_input_is_read_on_the_side(dev: torch.device) -
     assert bool((ids[:, -1] > 0).all()) is True  # a ShardedTensor input of the peeked ops
     assert partita.metrics().syncs == 0
     partita.sync()  # the recorded condition runs here, not in the next test's first step
+
+
+def test_autocast_on_the_device_follows_the_cpu_policy(dev: torch.device) -> None:
+    """``torch.autocast("spmd", dtype=torch.bfloat16)``: matmuls in bfloat16, losses in float32,
+    ``cat`` promoted, as ``torch.autocast("cpu")`` does for the same model; training matches it
+    to bfloat16's precision."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 32), nn.GELU(), nn.LayerNorm(32), nn.Linear(32, 4))
+    model = copy.deepcopy(ref).to(dev)
+    partita.mark_sharding(model[0].weight, MESH, P("model", None))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+    g = torch.Generator().manual_seed(0)
+    for _ in range(2):
+        x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+        with torch.autocast("spmd", dtype=torch.bfloat16):
+            out = model(x.to(dev))
+            loss = F.mse_loss(out, y.to(dev))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            ref_out = ref(x)
+            ref_loss = F.mse_loss(ref_out, y)
+        assert (out.dtype, loss.dtype) == (ref_out.dtype, ref_loss.dtype)
+        assert (out.dtype, loss.dtype) == (torch.bfloat16, torch.float32)
+        for o, lo in ((opt, loss), (ref_opt, ref_loss)):
+            lo.backward()
+            o.step()
+            o.zero_grad()
+        partita.sync()
+        torch.testing.assert_close(loss.cpu(), ref_loss.detach(), rtol=1e-2, atol=1e-2)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert p.dtype == torch.float32
+        torch.testing.assert_close(p.cpu(), q.detach(), rtol=1e-2, atol=1e-2)
+    with torch.autocast("spmd", dtype=torch.bfloat16):
+        half = torch.ones(2, device=dev, dtype=torch.bfloat16)
+        assert torch.cat([half, torch.ones(2, device=dev)]).dtype == torch.float32
+        assert (half @ half).dtype == torch.bfloat16

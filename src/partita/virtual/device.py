@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from partita.errors import VirtualDeviceError
-from partita.virtual import attention
+from partita.virtual import attention, autocast
 
 __all__ = [
     "DEVICE_NAME",
@@ -203,7 +203,10 @@ def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Ten
     # One attention op in the recording rather than PyTorch's math decomposition (see
     # partita.virtual.attention); at the autograd key, so autograd records its derivative.
     lib.impl("scaled_dot_product_attention", attention.sdpa, "AutogradPrivateUse1")
-    _LIBRARY.append(lib)  # kept alive: dropping the Library deregisters the kernels
+    # Mixed precision: torch.autocast("spmd", dtype=...) with PyTorch's CPU policy.
+    fallback = torch.library.Library("_", "IMPL")
+    autocast.register(lib, fallback)
+    _LIBRARY.extend((lib, fallback))  # kept alive: dropping a Library deregisters its kernels
 
 
 def spmd_device() -> torch.device:
