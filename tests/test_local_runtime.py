@@ -501,10 +501,11 @@ def test_slices_at_a_per_device_offset_equal_the_per_device_loop() -> None:
         starts = torch.tensor([4, 0, 6, 1])[y.reshape(1)]
         ranged = a.index_select(1, ramp + starts)  # ranges at arbitrary starts
         same = a.index_select(1, ramp + 2)  # the same on every device: a narrow
+        scattered = a.index_select(1, (torch.arange(10) * 3 + y) % 10)  # 10 runs: a gather
         cat = torch.cat([a, b], 1)  # 10 + 4 wide; rows inside a, inside b, and spanning both
         pieces = [cat.index_select(1, ramp + torch.tensor(s)[y.reshape(1)]) for s in
                   ([0, 7, 10, 11], [10, 11, 11, 10], [8, 9, 10, 11])]  # fmt: skip
-        return strided, shuffled, ranged, same, *pieces
+        return strided, shuffled, ranged, same, scattered, *pieces
 
     def want(c: dict[str, int], a: Tensor, b: Tensor) -> list[Tensor]:
         y, cat = c["y"], torch.cat([a, b], 1)
@@ -514,6 +515,7 @@ def test_slices_at_a_per_device_offset_equal_the_per_device_loop() -> None:
             a[:, table[y]],
             a[:, [4, 0, 6, 1][y] : [4, 0, 6, 1][y] + 3],
             a[:, 2:5],
+            a[:, [(3 * i + y) % 10 for i in range(10)]],
             *(cat[:, s[y] : s[y] + 3] for s in starts),
         ]
 
@@ -524,7 +526,7 @@ def test_slices_at_a_per_device_offset_equal_the_per_device_loop() -> None:
     for g, w in zip(got, _per_device(want, MESH_24, a, b), strict=True):
         torch.testing.assert_close(g, w)
     plan = runner._plan(gm)
-    assert len(plan.takes) == 7
+    assert len(plan.takes) == 8
     assert sum(t.from_cat for t in plan.takes.values()) == 3
     assert not any(n.target is aten.cat.default for s in plan.steps if not isinstance(s, fx.Node)
                    for n in s.nodes)  # fmt: skip
@@ -613,3 +615,16 @@ def test_row_parallel_matmul_is_one_matmul_over_the_joined_slices() -> None:
     assert (
         group_contract(a.view(2, 4, 3, 5), (True, True), v[0], (False, False), {1}, MESH_24) is None
     )
+
+
+def test_a_per_device_index_is_copied_as_runs_cut_at_the_pieces() -> None:
+    """A device's index as ``(piece, source, destination, length)`` copies: its ascending
+    runs, cut where the pieces of a cat meet; too many runs and it is left to a gather."""
+    from partita.runtime.device_index import _MAX_RUNS, _runs
+
+    # pieces of sizes 4 and 6 (global 0..3 and 4..9)
+    assert _runs([2, 3, 4, 5, 0, 1], [0, 4], [4, 6]) == [
+        (0, 2, 0, 2), (1, 0, 2, 2), (0, 0, 4, 2)
+    ]  # fmt: skip
+    assert _runs([7, 8, 9], [0, 4], [4, 6]) == [(1, 3, 0, 3)]
+    assert _runs(list(range(2 * _MAX_RUNS + 2, 0, -2)), [0], [64]) is None  # 9 runs

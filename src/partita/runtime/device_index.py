@@ -15,11 +15,14 @@ selection as a step between segments, outside vmap (:func:`run_take`), on the va
   else one ``index_select`` with the constant index;
 * contiguous ranges whose start is ``base + k * coordinate`` along one mesh axis: a strided
   view of the stack (that axis' stride becomes ``stride_axis + k * stride_dim``), no copy;
-* any other per-device index: one ``narrow`` (contiguous range) or ``index_select`` per
-  distinct device, stacked.
+* any other per-device index made of a few ascending runs: each device's runs copied into
+  one new stack (the output written once); beyond ``_MAX_RUNS`` runs, one ``index_select``
+  per distinct device, stacked.
 
-The nodes that only compute such an index (and ``axis_index`` calls read by nothing else) do
-not run at all. The result equals the per-device program's, device by device.
+A ``cat`` along the same dim read by nothing but such selections does not run: they copy from
+its pieces (a view of one piece when every device reads that one). The nodes that only
+compute an index (and ``axis_index`` calls read by nothing else) do not run at all. The
+result equals the per-device program's, device by device.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ Axes = tuple[bool, ...]  # the mesh axes a value varies along (``runtime.local``
 
 #: Per-device indices larger than this stay with vmap (evaluating them would cost memory).
 _MAX_INDEX = 1 << 16
+#: A device's index copied as at most this many ranges; beyond, one gather per device.
+_MAX_RUNS = 8
 
 
 @dataclass(frozen=True)
@@ -157,9 +162,11 @@ def find_device_takes(
             continue
         table, axes = found
         length = table.shape[-1]
+        if length == 0:
+            continue
         ramp = torch.arange(length)
         first = table[..., :1]
-        contiguous = length > 0 and bool((table == first + ramp).all())
+        contiguous = bool((table == first + ramp).all())
         starts = first[..., 0].clone() if contiguous else None
         takes[node] = DeviceTake(dim, table, axes, starts)
     # Nodes read only as takes' indices (or by such nodes) need not run.
@@ -192,29 +199,20 @@ def run_take(
     ``(value, axes)``, varying along the axes of its input and of the index."""
     lead_shape = tuple(take.table.shape[:-1])
     rows = {r: take.table[r] for r in itertools.product(*(range(s) for s in lead_shape))}
-    if len(inputs) == 1:
-        return _take_one(take, rows, *inputs[0], mesh)
     sizes = [v.shape[sum(a) + take.dim % (v.dim() - sum(a))] for v, a in inputs]
     starts = [e - n for e, n in zip(itertools.accumulate(sizes), sizes, strict=True)]
-    # The piece holding each device's whole row (None when a row spans pieces).
-    which = {r: _piece_of(row, starts, sizes) for r, row in rows.items()}
-    if None in which.values():  # the cat itself, then the take
-        return _take_one(take, rows, *_cat(inputs, take.dim, mesh), mesh)
-    if len(set(which.values())) == 1:  # every device reads the same piece: a take on it
-        j = next(iter(which.values()))
+    which = {_piece_of(row, starts, sizes) for row in rows.values()}
+    if len(which) == 1 and None not in which:  # every device reads one piece: maybe a view
+        (j,) = which
         shifted = {r: row - starts[j] for r, row in rows.items()}
-        return _take_one(take, shifted, *inputs[j], mesh)
-    union = _union([take.axes, *(a for _, a in inputs)])
-    lead = [mesh.shape[i] for i, v in enumerate(union) if v]
-    pieces = []
-    for pos in itertools.product(*(range(s) for s in lead)):
-        coords = _coords(pos, union)
-        r = tuple(coords[i] for i, v in enumerate(take.axes) if v)
-        value, axes = inputs[which[r]]
-        local = value[tuple(coords[i] for i, v in enumerate(axes) if v)]
-        pieces.append(_select(local, take.dim, rows[r] - starts[which[r]], take.starts))
-    out = torch.stack(pieces)
-    return out.reshape(*lead, *out.shape[1:]), union
+        view = _take_view(take, shifted, *inputs[j], mesh)
+        if view is not None:
+            return view
+    copied = _copy_runs(take, rows, inputs, starts, sizes, mesh)
+    if copied is not None:
+        return copied
+    value, axes = inputs[0] if len(inputs) == 1 else _cat(inputs, take.dim, mesh)
+    return _take_each(take, rows, value, axes, mesh)
 
 
 def _piece_of(row: Tensor, starts: list[int], sizes: list[int]) -> int | None:
@@ -224,31 +222,98 @@ def _piece_of(row: Tensor, starts: list[int], sizes: list[int]) -> int | None:
     return next((j for j, (b, n) in enumerate(spans) if b <= lo and hi < b + n), None)
 
 
-def _take_one(
-    take: DeviceTake, rows: dict[tuple[int, ...], Tensor], value: Tensor, axes: Axes, mesh: Mesh
-) -> tuple[Tensor, Axes]:
-    """The take on one value as held, with each device's index row given by ``rows``."""
-    if not any(take.axes):  # the same index on every device
-        local_dim = take.dim % max(value.dim() - sum(axes), 1)
-        return _select(value, sum(axes) + local_dim, rows[()], take.starts), axes
-    union = _union([axes, take.axes])
-    lead = [mesh.shape[i] for i, v in enumerate(union) if v]
-    # ``value`` with a (stride-0) dim for every axis of the union: a view.
+def _expanded(value: Tensor, axes: Axes, union: Axes, mesh: Mesh) -> Tensor:
+    """``value`` with a leading dim for every axis of ``union`` (stride 0 where it does not
+    vary): a view."""
     k = 0
     for i, v in enumerate(union):
         if v and not axes[i]:
             value = value.unsqueeze(k)
         k += v
-    value = value.expand(*lead, *value.shape[len(lead) :])
-    view = _strided(take, rows, value, union, len(lead))
-    if view is not None:
-        return view, union
-    # One selection per distinct device (``union`` positions), stacked.
-    pieces = []
+    lead = [mesh.shape[i] for i, v in enumerate(union) if v]
+    return value.expand(*lead, *value.shape[len(lead) :])
+
+
+def _take_view(
+    take: DeviceTake, rows: dict[tuple[int, ...], Tensor], value: Tensor, axes: Axes, mesh: Mesh
+) -> tuple[Tensor, Axes] | None:
+    """The same index on every device (a ``narrow``, or one ``index_select``), or ranges at
+    an arithmetic start (a strided view); None otherwise."""
+    if not any(take.axes):
+        local_dim = take.dim % max(value.dim() - sum(axes), 1)
+        return _select(value, sum(axes) + local_dim, rows[()], take.starts), axes
+    union = _union([axes, take.axes])
+    full = _expanded(value, axes, union, mesh)
+    view = _strided(take, rows, full, union, sum(union))
+    return None if view is None else (view, union)
+
+
+def _runs(row: list[int], starts: list[int], sizes: list[int]) -> list[tuple[int, ...]] | None:
+    """``row`` as ``(piece, source start, destination start, length)`` copies: its ascending
+    runs, cut where the pieces meet; None beyond ``_MAX_RUNS`` (then a gather is cheaper)."""
+    runs: list[tuple[int, ...]] = []
+    i = 0
+    while i < len(row):
+        j = i
+        while j + 1 < len(row) and row[j + 1] == row[j] + 1:
+            j += 1
+        lo, hi = row[i], row[j]
+        while lo <= hi:
+            p = next(
+                p for p, (b, n) in enumerate(zip(starts, sizes, strict=True)) if b <= lo < b + n
+            )
+            end = min(hi, starts[p] + sizes[p] - 1)
+            runs.append((p, lo - starts[p], i + lo - row[i], end - lo + 1))
+            lo = end + 1
+        if len(runs) > _MAX_RUNS:
+            return None
+        i = j + 1
+    return runs
+
+
+def _copy_runs(
+    take: DeviceTake,
+    rows: dict[tuple[int, ...], Tensor],
+    inputs: list[tuple[Tensor, Axes]],
+    starts: list[int],
+    sizes: list[int],
+    mesh: Mesh,
+) -> tuple[Tensor, Axes] | None:
+    """Each device's rows copied run by run from the piece holding them into one new
+    stack: the output written once, nothing else."""
+    runs = {r: _runs(row.tolist(), starts, sizes) for r, row in rows.items()}
+    if any(v is None for v in runs.values()):
+        return None
+    union = _union([take.axes, *(a for _, a in inputs)])
+    lead = [mesh.shape[i] for i, v in enumerate(union) if v]
+    first, first_axes = inputs[0]
+    local = list(first.shape[sum(first_axes) :])
+    dim = take.dim % max(len(local), 1)
+    local[dim] = take.table.shape[-1]
+    out = first.new_empty(*lead, *local)
     for pos in itertools.product(*(range(s) for s in lead)):
         coords = _coords(pos, union)
-        r = tuple(coords[i] for i, v in enumerate(take.axes) if v)
-        pieces.append(_select(value[pos], take.dim, rows[r], take.starts))
+        dst = out[pos]
+        for piece, src, at, length in runs[
+            tuple(c for c, v in zip(coords, take.axes, strict=True) if v)
+        ]:
+            value, axes = inputs[piece]
+            x = value[tuple(c for c, v in zip(coords, axes, strict=True) if v)]
+            dst.narrow(dim, at, length).copy_(x.narrow(dim, src, length))
+    return out, union
+
+
+def _take_each(
+    take: DeviceTake, rows: dict[tuple[int, ...], Tensor], value: Tensor, axes: Axes, mesh: Mesh
+) -> tuple[Tensor, Axes]:
+    """One ``index_select`` per distinct device (``union`` positions), stacked."""
+    union = _union([axes, take.axes])
+    lead = [mesh.shape[i] for i, v in enumerate(union) if v]
+    full = _expanded(value, axes, union, mesh)
+    pieces = []
+    for pos in itertools.product(*(range(s) for s in lead)):
+        r = tuple(c for c, v in zip(_coords(pos, union), take.axes, strict=True) if v)
+        pieces.append(_select(full[pos], take.dim, rows[r], take.starts))
     out = torch.stack(pieces)
     return out.reshape(*lead, *out.shape[1:]), union
 
