@@ -592,19 +592,33 @@ def test_row_parallel_matmul_is_one_matmul_over_the_joined_slices() -> None:
     per-device products. Every result equals the per-device loop's sums."""
     from partita.runtime.contraction import group_contract
 
-    def fn(a: Tensor, w: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def fn(a: Tensor, w: Tensor, v: Tensor, c: Tensor) -> tuple[Tensor, ...]:
         row = coll.all_reduce(torch.mm(a, w), "sum", ["y"], 4)
         avg = coll.all_reduce(torch.mm(a, w), "avg", ["y"], 4)
         same = coll.all_reduce(torch.mm(a, coll.all_reduce(v, "sum", ["y"], 4)), "sum", ["y"], 4)
-        return row, avg, same
+        biased = coll.all_reduce(torch.addmm(c, a, w), "avg", ["y"], 4)  # c: along y only
+        whole = coll.all_reduce(torch.addmm(c, a, v), "sum", ["x", "y"], 8)
+        a_sum = coll.all_reduce(a, "sum", ["y"], 4)  # identical along y: per-device products
+        per_device = coll.all_reduce(torch.addmm(c, a_sum, w), "sum", ["y"], 4)
+        return row, avg, same, biased, whole, per_device
 
     a, w, v = _stack(3, 5, n=8), _stack(5, 6, n=8, seed=1), _stack(5, 6, n=8, seed=2)
     w = w.view(2, 4, 5, 6)[:1].expand(2, 4, 5, 6).reshape(8, 5, 6)  # along y only
-    gm = make_fx(fn)(a[0], w[0], v[0])
-    row, avg, same = LocalMesh(MESH_24).run(gm, [a, w, v])
+    c = _stack(6, n=8, seed=3).view(2, 4, 6)[:1].expand(2, 4, 6).reshape(8, 6)
+    gm = make_fx(fn)(a[0], w[0], v[0], c[0])
+    runner = LocalMesh(MESH_24)
+    row, avg, same, biased, whole, per_device = runner.run(gm, [a, w, v, c])
+    steps = runner._plan(gm).steps
+    assert sum(getattr(s, "target", None) is aten.addmm.default for s in steps) == 3
     products = (a @ w).view(2, 4, 3, 6).sum(1, keepdim=True).expand(2, 4, 3, 6).reshape(8, 3, 6)
     torch.testing.assert_close(row, products)
     torch.testing.assert_close(avg, products / 4)
+    c_sum = c[:4].sum(0)
+    torch.testing.assert_close(biased, (products + c_sum) / 4)
+    torch.testing.assert_close(whole, (a @ v + c[:, None]).sum(0).expand(8, 3, 6))
+    a_sum = a.view(2, 4, 3, 5).sum(1)  # [x, 3, 5]
+    want_pd = (a_sum @ w[:4].sum(0) + c_sum)[:, None].expand(2, 4, 3, 6).reshape(8, 3, 6)
+    torch.testing.assert_close(per_device, want_pd)
     v_sum = v.view(2, 4, 5, 6).sum(1, keepdim=True).expand(2, 4, 5, 6).reshape(8, 5, 6)
     want = (a @ v_sum).view(2, 4, 3, 6).sum(1, keepdim=True).expand(2, 4, 3, 6).reshape(8, 3, 6)
     torch.testing.assert_close(same, want)

@@ -14,15 +14,17 @@ then only divides (``avg``) or passes it on (:class:`Summed`).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, fx
 
 from partita.mesh import Mesh
 from partita.runtime.flat_matmul import broadcast_matmul
 
-__all__ = ["Summed", "group_contract"]
+__all__ = ["Summed", "contract", "group_contract"]
 
 Axes = tuple[bool, ...]  # the mesh axes a value varies along (``runtime.local``)
 
@@ -67,3 +69,68 @@ def group_contract(
     else:
         out = torch.mm(a2, b2)
     return out, Summed(tuple(v and i not in group for i, v in enumerate(union)), frozenset(group))
+
+
+Entry = tuple[Any, Any]  # ``(value, axes)`` as the LocalMesh holds it (``axes`` may be a marker)
+
+
+def contract(
+    mesh: Mesh,
+    node: fx.Node,
+    env: dict[fx.Node, Entry],
+    mesh_axes: Sequence[str],
+    all_reduce_user: bool,
+    all_reduce: Callable[[Entry, str, set[int]], Entry],
+) -> Entry:
+    """``mm(a, b)`` or ``addmm(c, a, b)`` read only by a sum over ``mesh_axes``. Over the
+    whole mesh, with both operands varying along every axis, the per-device products and
+    their sum are one ``mm`` over every device's rows: ``(sum, None)`` (the reduction then
+    only cuts it). Read by an all_reduce over part of the mesh along which both vary, one
+    ``mm`` per tile of the other axes (:func:`group_contract`). Otherwise the per-device
+    products, as a segment would give them. ``addmm``'s ``c`` is summed over the group
+    (``all_reduce``, on the value as held: it is a bias, small) and added to the sum."""
+    if node.target is torch.ops.aten.addmm.default:
+        bias: Entry | None = env[node.args[0]]
+        (a, ax), (b, bx) = env[node.args[1]], env[node.args[2]]
+    else:
+        bias = None
+        (a, ax), (b, bx) = env[node.args[0]], env[node.args[1]]
+    n = mesh.size
+    group = {mesh.axis_index(x) for x in mesh_axes}
+    if n > 1 and all(ax) and all(bx) and mesh.axes_size(list(mesh_axes)) == n and bias is None:
+        m, k = a.shape[-2:]
+        rows = a.reshape(n, m, k).permute(1, 0, 2).reshape(m, n * k)
+        return torch.mm(rows, b.reshape(n * k, b.shape[-1])), None
+    if all_reduce_user:  # over part of the mesh: one matmul per tile of the other axes
+        summed = group_contract(a, ax, b, bx, group, mesh)
+        if summed is not None and bias is None:
+            return summed
+        if summed is not None:
+            out, mark = summed
+            c, c_axes = all_reduce(bias, "sum", group)  # type: ignore[arg-type]
+            if all(mark.axes[i] or not v for i, v in enumerate(c_axes)):
+                rest = [i for i, v in enumerate(mark.axes) if v]
+                sizes = [mesh.shape[i] for i in rest]
+                return out + _padded(c, tuple(c_axes[i] for i in rest), sizes), mark
+    union = tuple(p or q for p, q in zip(ax, bx, strict=True))
+    out = broadcast_matmul(_full(a, ax, mesh), _full(b, bx, mesh), list(mesh.shape))
+    if bias is not None:
+        c, c_axes = bias
+        union = tuple(p or q for p, q in zip(union, c_axes, strict=True))
+        out = out + _padded(c, c_axes, list(mesh.shape))
+    return out[tuple(slice(None) if v else 0 for v in union)], union
+
+
+def _full(v: Tensor, axes: Axes, mesh: Mesh) -> Tensor:
+    """``[*mesh dims (1 where it does not vary), r, c]`` of a matrix as held."""
+    shape = [s if x else 1 for s, x in zip(mesh.shape, axes, strict=True)]
+    return v.reshape(*shape, *v.shape[-2:])
+
+
+def _padded(c: Tensor, axes: Axes, sizes: list[int]) -> Tensor:
+    """An addend as held (local rank 1 or 2; leading dims for ``axes``, of the dims
+    ``sizes``) as ``[*sizes (1 where it does not vary), r, c]``, broadcasting against the
+    products."""
+    local = c.shape[sum(axes) :]
+    shape = [s if x else 1 for s, x in zip(sizes, axes, strict=True)]
+    return c.reshape(*shape, *[1] * (2 - len(local)), *local)

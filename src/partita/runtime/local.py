@@ -62,9 +62,8 @@ from partita.errors import PartitaError
 from partita.layout import check_strided, shard_compact, shard_tensor
 from partita.mesh import Mesh
 from partita.runtime.compiled import stats_for
-from partita.runtime.contraction import Summed, group_contract
+from partita.runtime.contraction import Summed, contract
 from partita.runtime.device_index import run_take, take_inputs
-from partita.runtime.flat_matmul import broadcast_matmul
 from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
 from partita.tensor import ShardedTensor
 
@@ -195,7 +194,7 @@ class LocalMesh:
             elif step in plan.takes:  # a selection at a per-device index
                 take = plan.takes[step]
                 env[step] = run_take(take, [env[i] for i in take_inputs(step, take)], self.mesh)
-            elif step.target is aten.mm.default:  # a contraction (``segments``)
+            elif step.target in (aten.mm.default, aten.addmm.default):  # a contraction
                 env[step] = self._contract(step, env)
             else:
                 env[step] = self._run_mesh_op(step, env)
@@ -351,32 +350,18 @@ class LocalMesh:
         same = [mesh.axis_names[i] for i in range(mesh.ndim) if not (i in group or axes[i])]
         return self._compact(out, same)
 
-    def _contract(self, node: fx.Node, env: dict[fx.Node, Any]) -> tuple[Tensor, Axes | None]:
-        """``mm(a, b)`` read only by a sum over its group. Over the whole mesh, with both
-        operands varying along every axis, the per-device products and their sum are one
-        ``mm`` over every device's rows: ``(sum, None)`` (the reduction then only cuts it).
-        Read by an all_reduce over part of the mesh along which both vary, one ``mm`` per
-        tile of the other axes over the group's slices of ``K`` (``runtime.contraction``).
-        Otherwise the per-device products, as a segment would give them."""
-        (a, ax), (b, bx) = env[node.args[0]], env[node.args[1]]
+    def _contract(self, node: fx.Node, env: dict[fx.Node, Any]) -> tuple[Tensor, Any]:
+        """``mm(a, b)`` or ``addmm(c, a, b)`` read only by a sum over its group, as
+        ``runtime.contraction.contract`` computes it."""
         (user,) = node.users
-        mesh, n = self.mesh, self.mesh.size
-        if n > 1 and all(ax) and all(bx) and mesh.axes_size(_bind(user)["mesh_axes"]) == n:
-            m, k = a.shape[-2:]
-            rows = a.reshape(n, m, k).permute(1, 0, 2).reshape(m, n * k)
-            return torch.mm(rows, b.reshape(n * k, b.shape[-1])), None
-        group = {mesh.axis_index(x) for x in _bind(user)["mesh_axes"]}
-        if user.target in _ALL_REDUCES:  # over part of the mesh: one matmul per other tile
-            summed = group_contract(a, ax, b, bx, group, mesh)
-            if summed is not None:
-                return summed  # type: ignore[return-value]
-        shape = [s if v else 1 for s, v in zip(mesh.shape, ax, strict=True)]
-        a_full = a.reshape(*shape, *a.shape[-2:])
-        shape = [s if v else 1 for s, v in zip(mesh.shape, bx, strict=True)]
-        b_full = b.reshape(*shape, *b.shape[-2:])
-        union = tuple(p or q for p, q in zip(ax, bx, strict=True))
-        out = broadcast_matmul(a_full, b_full, list(mesh.shape))
-        return out[tuple(slice(None) if v else 0 for v in union)], union
+        return contract(
+            self.mesh,
+            node,
+            env,
+            _bind(user)["mesh_axes"],
+            user.target in _ALL_REDUCES,
+            self._all_reduce,
+        )
 
 
 def _bind(node: fx.Node) -> dict[str, Any]:

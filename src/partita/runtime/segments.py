@@ -291,10 +291,16 @@ SUMMING_OPS = frozenset(
 
 
 def _is_contraction(node: fx.Node) -> bool:
-    """An ``mm`` read only by a sum or avg reduction (a weight gradient under data
-    parallelism): it runs outside its segment, where over the whole mesh the per-device
-    products and their sum are one ``mm`` over every device's rows (``LocalMesh._contract``)."""
-    if node.target is not aten.mm.default or len(node.users) != 1:
+    """An ``mm`` (or ``addmm`` with its defaults) read only by a sum or avg reduction (a
+    weight gradient under data parallelism, a row-parallel matmul): it runs outside its
+    segment, where the per-device products and their sum are one matmul over the joined
+    slices (``runtime.contraction``)."""
+    if len(node.users) != 1:
+        return False
+    if node.target is aten.addmm.default:
+        if node.kwargs or len(node.args) != 3 or not isinstance(node.args[0], fx.Node):
+            return False
+    elif node.target is not aten.mm.default:
         return False
     (user,) = node.users
     if user.target not in SUMMING_OPS:
