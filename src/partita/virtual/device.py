@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from partita.errors import VirtualDeviceError
-from partita.virtual import attention, autocast
+from partita.virtual import attention, autocast, rnn
 
 __all__ = [
     "DEVICE_NAME",
@@ -203,6 +203,9 @@ def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Ten
     # One attention op in the recording rather than PyTorch's math decomposition (see
     # partita.virtual.attention); at the autograd key, so autograd records its derivative.
     lib.impl("scaled_dot_product_attention", attention.sdpa, "AutogradPrivateUse1")
+    # nn.LSTM / nn.GRU: their fused cells (CUDA kernels) as the ops the CPU computes them with.
+    lib.impl("_thnn_fused_lstm_cell", rnn.lstm_cell, "AutogradPrivateUse1")
+    lib.impl("_thnn_fused_gru_cell", rnn.gru_cell, "AutogradPrivateUse1")
     # Mixed precision: torch.autocast("spmd", dtype=...) with PyTorch's CPU policy.
     fallback = torch.library.Library("_", "IMPL")
     autocast.register(lib, fallback)

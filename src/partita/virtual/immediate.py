@@ -56,6 +56,19 @@ _INDEXING = frozenset(
     {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
     | {aten._index_put_impl_.default}
 )
+#: In-place view ops and the view each does in place (``x.transpose_(0, 1)``: PyTorch changes
+#: the wrapper's shape and strides itself; :func:`run_now` records the view and rebinds the cell).
+_INPLACE_VIEWS = {
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.as_strided_.default: aten.as_strided.default,
+    aten.swapdims_.default: aten.swapdims.default,
+    aten.swapaxes_.default: aten.swapaxes.default,
+}
 #: In-place random fills with no sharding rule (``torch.randint(..., device=dev)`` fills a new
 #: tensor with ``random_``): on a value known now, drawn now from the CPU generator.
 _RANDOM_FILLS = frozenset(getattr(aten.random_, o) for o in aten.random_.overloads())
@@ -73,6 +86,7 @@ RUNS_NOW = frozenset(
     | _VALUE_SHAPED
     | _RANDOM_FILLS
     | _INDEXING
+    | set(_INPLACE_VIEWS)
 )
 
 
@@ -107,6 +121,24 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
             if value is not None:
                 return value.item()
         return full_value(args[0]).item()
+    if func in _INPLACE_VIEWS:
+        from partita.virtual.recording import dispatch  # it imports this module
+
+        view = dispatch(_INPLACE_VIEWS[func], args, kwargs)
+        args[0]._cell = view._cell
+        if not view._cell.has_value:  # an output of the step while this tensor is alive
+            rec.live.append((weakref.ref(args[0]), view._cell))
+        # The wrapper's own shape and strides, changed the way PyTorch's subclasses do it
+        # (torch.utils._python_dispatch.return_and_correct_aliasing): the op again with
+        # dispatch off, as if on the meta device (no storage to check against).
+        with torch.utils._mode_utils.no_dispatch():
+            meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                func(*args, **kwargs)
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+        return args[0]
     if func in _VALUE_SHAPED:
         result = func(*_values(args), **_values(kwargs))
         if isinstance(result, tuple):  # unique: values, inverse, counts
