@@ -38,7 +38,11 @@ A value is spread to ``[n, *local]`` only where another mesh op reads it and as 
 output: a stride-0 ``expand`` view for a value identical everywhere (read-only in spirit;
 clone it before writing), a copy for one that varies along some axes only. Matmuls whose
 operands vary along different axes are folded into one ``mm`` in the traced flat graph
-(``runtime.flat_matmul``) instead of a ``bmm`` over broadcast copies.
+(``runtime.flat_matmul``) instead of a ``bmm`` over broadcast copies. A matmul read only by a
+sum over mesh axes runs as one matmul over the joined slices of its contraction dim
+(``runtime.contraction``), and an ``index_select`` at a per-device constant index (a slice
+at a device-dependent offset) as a step outside vmap: a view where it can be, else one copy
+of the output (``runtime.device_index``).
 
 What this module does not do: random ops (an ``UnsupportedOpError`` names the op), graphs
 edited after their first ``run`` (the cached plan is keyed by the graph module), a graph output
