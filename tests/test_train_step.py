@@ -275,6 +275,37 @@ def test_cnn_batch_norm_running_stats_under_dp() -> None:
     assert step.state_dict()["model"]["bn1.num_batches_tracked"].item() == STEPS
 
 
+class _Recurrent(nn.Module):
+    def __init__(self, kind: type[nn.Module]) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.rnn = kind(8, 16, batch_first=True)
+        self.out = nn.Linear(16, 20)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, _ = self.rnn(self.embed(x))
+        return self.out(h[:, -1])
+
+
+def test_lstm_under_fsdp() -> None:
+    """nn.LSTM traced to its cells, as nn.GRU and nn.RNN are (oneDNN's fused layer, which a CPU
+    trace picked, has no rule)."""
+    torch.manual_seed(0)
+    model = _Recurrent(nn.LSTM)
+    ref = copy.deepcopy(model)
+    make = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
+    step = train_step(
+        model, F.cross_entropy, make(model.parameters()), mesh=mesh_for("fsdp", (8,)), shard="fsdp"
+    )
+    g = torch.Generator().manual_seed(0)
+    batches = [
+        (torch.randint(0, 20, (BATCH, 5), generator=g), torch.randint(0, 20, (BATCH,), generator=g))
+        for _ in range(3)
+    ]
+    want = reference(ref, F.cross_entropy, make(ref.parameters()), batches)
+    assert_same(step, ref, run(step, batches), want)
+
+
 def test_mixed_precision_bf16() -> None:
     """bf16 compute, fp32 master weights: close to the fp32 run, parameters stay float32."""
     model, ref = gpt_pair()

@@ -381,7 +381,14 @@ def _compiling() -> Iterator[None]:
     (``if mask.all(): ...``) that cannot run on fake tensors."""
     old = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
+    # A CPU nn.LSTM picks oneDNN's fused layer (aten.mkldnn_rnn_layer: no sharding rule) while
+    # oneDNN is on; off, it traces to its cells' matmuls and activations, as nn.GRU and nn.RNN
+    # do. The flag only selects kernels: every other traced op is the same. (Not
+    # torch.backends.mkldnn.flags, which also sets the TF32 precision and warns about it.)
+    mkldnn = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
     try:
         yield
     finally:
+        torch._C._set_mkldnn_enabled(mkldnn)
         torch.compiler._is_compiling_flag = old
