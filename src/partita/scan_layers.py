@@ -7,7 +7,10 @@ traces each *distinct* layer once, forward and backward, and copies that graph f
 identical layers. The compiled program is the unrolled one (the same ops, shardings and
 results); only the time to build it changes. The machinery is
 :mod:`partita.capture.layers`, which says exactly when a layer counts as identical and when it
-falls back (with a PartitaWarning naming the reason).
+falls back (with a PartitaWarning naming the reason). Training steps (``train_step``,
+``make_train_step``, ``jit`` of a module) already do this for a model's repeated blocks by
+default, after checking that two of them trace alike (:mod:`partita.capture.layer_auto`;
+``PARTITA_SCAN_LAYERS=0`` turns it off); ``scan_layers`` marks layers explicitly.
 """
 
 from __future__ import annotations
