@@ -104,7 +104,8 @@ def _evaluate(
             env[node] = functools.reduce(getattr, node.target.split("."), gm)
             continue
         if node.target is torch.ops.partita.axis_index.default:
-            coords = axis_index(mesh, torch.empty(0), node.args[1])
+            axes = node.kwargs.get("mesh_axes", node.args[1] if len(node.args) > 1 else None)
+            coords = axis_index(mesh, torch.empty(0), axes)
             env[node] = coords[device]
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
@@ -154,8 +155,12 @@ def find_device_takes(
     for node in gm.graph.nodes:
         if node.target is not aten.index_select.default or node in const:
             continue
+        if len(node.args) != 3 or node.kwargs:  # as aten traces it: (x, dim, index)
+            continue
         x, dim, idx = node.args
         if not isinstance(idx, fx.Node) or idx not in const or not isinstance(x, fx.Node):
+            continue
+        if not isinstance(dim, int):
             continue
         found = _table(gm, idx, mesh)
         if found is None:
