@@ -642,3 +642,23 @@ def test_a_per_device_index_is_copied_as_runs_cut_at_the_pieces() -> None:
     ]  # fmt: skip
     assert _runs([7, 8, 9], [0, 4], [4, 6]) == [(1, 3, 0, 3)]
     assert _runs(list(range(2 * _MAX_RUNS + 2, 0, -2)), [0], [64]) is None  # 9 runs
+
+
+@needs_stacked
+def test_per_device_index_passed_by_keyword_runs_under_vmap() -> None:
+    """An ``index_select`` whose arguments are keywords (a hand-built graph) is not folded
+    at plan time (that reads them by position): it runs under vmap, per device as written."""
+    graph = fx.Graph()
+    a = graph.placeholder("a")
+    y = graph.call_function(torch.ops.partita.axis_index.default, (a,), {"mesh_axes": ["y"]})
+    idx = graph.call_function(aten.add.Tensor, (graph.call_function(aten.arange.default, (2,)), y))
+    out = graph.call_function(aten.index_select.default, (a,), {"dim": 0, "index": idx})
+    graph.output((out,))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    stacked = _stack(5, 3, n=8)
+    runner = LocalMesh(MESH_24)
+    (got,) = runner.run(gm, [stacked])
+    assert not runner._plan(gm).takes
+    for p, d in enumerate(MESH_24.device_ids):
+        c = MESH_24.coords(d)["y"]
+        torch.testing.assert_close(got[p], stacked[p, c : c + 2])
