@@ -95,7 +95,18 @@ def test_gpt_training_equals_local_mesh(local_run: tuple[list[str], dict], tmp_p
     got, want = torch.load(out), local_run[1]
     assert got.keys() == want.keys()
     for k in want:
-        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-5, msg=k)
+        g, w = got[k], want[k]
+        if k.endswith("attn.qkv.bias"):
+            # The key bias's gradient is zero in exact arithmetic (softmax ignores a shift), so
+            # what is computed is rounding noise whose sign follows the order of the sums,
+            # which differs between 4 processes and the LocalMesh; AdamW divides it by its own
+            # root mean square, so that third of the bias moves by up to ~lr per step either
+            # way (lr 1e-3, 2 steps). It is compared apart, as loosely as that.
+            third = w.shape[0] // 3
+            key = slice(third, 2 * third)
+            torch.testing.assert_close(g[key], w[key], rtol=0, atol=2e-3, msg=k)
+            g, w = torch.cat([g[:third], g[2 * third :]]), torch.cat([w[:third], w[2 * third :]])
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=k)
 
 
 def test_two_hosts_with_torchrun(local_run: tuple[list[str], dict]) -> None:
