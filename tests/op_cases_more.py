@@ -142,6 +142,14 @@ case(
     f(6, 5),
     f(6, 5),
 )
+case(
+    aten.view.dtype,  # the same element size, and complex64 (pairs of the last dim)
+    lambda x: (
+        aten.view.dtype(x * 1, torch.int32) * 1,
+        torch.view_as_real(aten.view.dtype(x * 1, torch.complex64)) * 1,
+    ),
+    f(6, 4),
+)
 
 # --- matmul ---------------------------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
 """Rules of ops that only move or relabel elements: reshape/view, squeeze, permute, transpose,
-expand, diagonal, repeat, view_as_complex/real (narrow_copy is a slice: rules/slicing.py).
+expand, diagonal, repeat, view_as_complex/real, view(dtype) (narrow_copy is a slice:
+rules/slicing.py).
 
 Reshape uses a generic shape-matching algorithm (:func:`reshape_factors`): size-1 dims carry no
 factor; the remaining dims of input and output are cut into minimal groups of equal product;
@@ -233,6 +234,18 @@ def view_as_complex_rule(info: OpInfo) -> FactorRule:
     (x,) = info.operands
     names = Names().take(x.ndim)
     return build(info, [names], [names[:-1]], need_replication=names[-1:])
+
+
+@register_rule(*aten_ops(["view.dtype"]))
+def view_dtype_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a b`` when the element sizes match (``x.view(torch.int32)`` of a float32);
+    else ``a b -> a 1; need-replication=b``: the last dim is regrouped into elements of the
+    new size (``x.view(torch.complex64)`` halves it), so it is gathered first."""
+    (x,), (out,) = info.operands, info.results
+    names = Names().take(x.ndim)
+    if x.ndim == 0 or out.shape == x.shape:
+        return build(info, [names], [names])
+    return build(info, [names], [[*names[:-1], None]], need_replication=names[-1:])
 
 
 @register_rule(*aten_ops(["view_as_real.default"]))
