@@ -109,6 +109,36 @@ def _own_guide(guide: list[Any]) -> None:
     recording._STATE["last"] = guide[0]
 
 
+def _device_gpt(
+    cfg: GPTConfig, mesh: Mesh, capturable: bool
+) -> tuple[torch.device, torch.nn.Module, torch.optim.Optimizer]:
+    """The GPT on the virtual device with the ``"fsdp+tp"`` preset marked, and its AdamW."""
+    dev = partita.use_spmd(mesh)
+    torch.manual_seed(0)
+    model = GPT(cfg).to(dev)
+    for pname, spec in partita.presets.param_specs("fsdp+tp", model, mesh).items():
+        partita.mark_sharding(model.get_parameter(pname), mesh, spec)
+    return dev, model, torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=capturable)
+
+
+def _train(
+    dev: torch.device,
+    mesh: Mesh,
+    model: torch.nn.Module,
+    opt: torch.optim.Optimizer,
+    xb: torch.Tensor,
+    yb: torch.Tensor,
+) -> torch.Tensor:
+    """One unchanged torch training step on the device (the batch split over ``data``)."""
+    x, y = xb.to(dev), yb.to(dev)
+    partita.mark_sharding(x, mesh, P("data", None))
+    loss = loss_fn(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
 def virtual_loop(
     name: str,
     cfg: GPTConfig,
@@ -121,24 +151,14 @@ def virtual_loop(
 ) -> Iterator[None]:
     """The virtual-device loop over ``data``, one step per ``next()``; times into
     ``TIMES[name]``. ``recording.FAST_PATH`` is set before each step (loops interleave)."""
-    dev = partita.use_spmd(mesh)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(dev)
-    for pname, spec in partita.presets.param_specs("fsdp+tp", model, mesh).items():
-        partita.mark_sharding(model.get_parameter(pname), mesh, spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=capturable)
+    dev, model, opt = _device_gpt(cfg, mesh, capturable)
     out = TIMES.setdefault(name, {k: [] for k in ("step", "step_cpu", "record", "record_cpu")})
     guide: list[Any] = [None]
     for xb, yb in data:
         recording.FAST_PATH = fast_path
         _own_guide(guide)
         wall, cpu = _clocks()
-        x, y = xb.to(dev), yb.to(dev)
-        partita.mark_sharding(x, mesh, P("data", None))
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        loss = _train(dev, mesh, model, opt, xb, yb)
         out["record"].append(time.perf_counter() - wall)
         out["record_cpu"].append(time.process_time() - cpu)
         partita.sync()
@@ -155,22 +175,11 @@ def virtual_loop(
 def compiled_loop(cfg: GPTConfig, mesh: Mesh, data: list) -> Iterator[None]:
     """The same step as :func:`virtual_loop` under ``partita.compile``, CPU batches as
     arguments; times into ``TIMES[COMPILED]``."""
-    dev = partita.use_spmd(mesh)
-    torch.manual_seed(0)
-    model = GPT(cfg).to(dev)
-    for pname, spec in partita.presets.param_specs("fsdp+tp", model, mesh).items():
-        partita.mark_sharding(model.get_parameter(pname), mesh, spec)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=True)
+    dev, model, opt = _device_gpt(cfg, mesh, capturable=True)
 
     @partita.compile
     def step(xb: torch.Tensor, yb: torch.Tensor) -> torch.Tensor:
-        x, y = xb.to(dev), yb.to(dev)
-        partita.mark_sharding(x, mesh, P("data", None))
-        loss = loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
+        return _train(dev, mesh, model, opt, xb, yb)
 
     out = TIMES.setdefault(COMPILED, {k: [] for k in ("step", "step_cpu", "record", "record_cpu")})
     guide: list[Any] = [None]
