@@ -222,6 +222,8 @@ case(aten.cauchy.default, lambda x: aten.cauchy.default(x), f(6, 5), **RND)
 case(aten.exponential.default, lambda x: aten.exponential.default(x, 2.0), f(7, 5), **RND)
 case(aten.geometric.default, lambda x: aten.geometric.default(x, 0.3), f(6, 5), **RND)
 case(aten.log_normal.default, lambda x: aten.log_normal.default(x), f(6, 5), **RND)
+_RANDOM_FROM = getattr(aten.random, "from")  # `from` is a Python keyword
+case(_RANDOM_FROM, lambda x: _RANDOM_FROM(x, 0, 7), f(6, 5), **RND)
 
 # --- gathered whole, and index_reduce -------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Rules of random ops: ``bernoulli``, ``native_dropout``, ``rand``/``randn`` and their
 ``*_like`` forms, ``uniform``/``normal``, and the distributions that fill a tensor's shape
-(``cauchy``, ``exponential``, ``geometric``, ``log_normal``).
+(``cauchy``, ``exponential``, ``geometric``, ``log_normal``, ``random_``: ``randint`` on a
+device other than the CPU).
 
 Random-number policy (see docs/rules.md): partita draws every random tensor with its *global*
 shape from the global generator state and each device keeps its own tile, so a sharded
@@ -36,6 +37,12 @@ RANDOM_LIKE_OPS = aten_ops(
         "rand_like.default",
         "randint_like.default",
         "randn_like.default",
+        "random.default",
+        "random.from",
+        "random.to",
+        "random_.default",
+        "random_.from",
+        "random_.to",
         "uniform.default",
         "uniform_.default",
     ]
