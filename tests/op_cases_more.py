@@ -224,6 +224,8 @@ case(aten.geometric.default, lambda x: aten.geometric.default(x, 0.3), f(6, 5), 
 case(aten.log_normal.default, lambda x: aten.log_normal.default(x), f(6, 5), **RND)
 _RANDOM_FROM = getattr(aten.random, "from")  # `from` is a Python keyword
 case(_RANDOM_FROM, lambda x: _RANDOM_FROM(x, 0, 7), f(6, 5), **RND)
+case(aten.random.to, lambda x: aten.random.to(x, 7), f(6, 5), **RND)
+case(aten.random.default, lambda x: aten.random.default(x.to(torch.int32)), f(6, 5), **RND)
 
 # --- gathered whole, and index_reduce -------------------------------------------------------------
 

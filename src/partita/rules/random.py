@@ -1,7 +1,7 @@
 """Rules of random ops: ``bernoulli``, ``native_dropout``, ``rand``/``randn`` and their
 ``*_like`` forms, ``uniform``/``normal``, and the distributions that fill a tensor's shape
-(``cauchy``, ``exponential``, ``geometric``, ``log_normal``, ``random_``: ``randint`` on a
-device other than the CPU).
+(``cauchy``, ``exponential``, ``geometric``, ``log_normal``, and ``random``, the functional
+``random_``: ``randint`` on a device other than the CPU).
 
 Random-number policy (see docs/rules.md): partita draws every random tensor with its *global*
 shape from the global generator state and each device keeps its own tile, so a sharded
@@ -40,9 +40,6 @@ RANDOM_LIKE_OPS = aten_ops(
         "random.default",
         "random.from",
         "random.to",
-        "random_.default",
-        "random_.from",
-        "random_.to",
         "uniform.default",
         "uniform_.default",
     ]
