@@ -320,9 +320,40 @@ def test_input_metadata_update_is_refused():
         trace(fn, (torch.ones(2, 3),))
 
 
-def test_non_tensor_output_is_refused():
-    with pytest.raises(CaptureError, match="returned int"):
-        trace(lambda a: (a, 3), (torch.ones(2),))
+def test_static_outputs_come_back_beside_the_tensors():
+    """None, numbers, strings and shapes in the result are fixed while tracing and returned."""
+
+    def fn(a, b):
+        b.add_(1)  # an in-place update: its new value follows the results in the graph
+        return {"y": a * 2, "n": a.shape[0], "none": None, "rows": a.shape, "tag": "x"}, a + 1
+
+    program = trace(fn, (torch.ones(2, 3), torch.zeros(3)))
+    assert program.static_outputs == {1: 2, 2: None, 3: 2, 4: 3, 5: "x"}
+    assert program.num_results == 2
+    b = torch.zeros(3)
+    out, z = program(torch.full((2, 3), 3.0), b)
+    assert (out["n"], out["none"], tuple(out["rows"]), out["tag"]) == (2, None, (2, 3), "x")
+    assert torch.equal(out["y"], torch.full((2, 3), 6.0)) and torch.equal(
+        z, torch.full((2, 3), 4.0)
+    )
+    assert torch.equal(b, torch.ones(3))
+
+
+def test_jit_returns_static_outputs_and_shards_only_the_tensors():
+    mesh = Mesh.create((2, 2), ("x", "y"))
+    f = partita.jit(
+        lambda a: (a.sum(0), None, a.shape[1], 0.5), mesh=mesh, in_specs=P("x", None),
+        out_specs=(P("y"), None, None, None),
+    )  # fmt: skip
+    a = torch.randn(4, 6)
+    total, none, cols, half = f(a)
+    assert (none, cols, half) == (None, 6, 0.5)
+    assert total.spec == P("y") and torch.allclose(total.full(), a.sum(0))
+
+
+def test_an_object_output_is_refused_with_the_fix():
+    with pytest.raises(CaptureError, match=r"returned object <object.*at \[1\].*build the object"):
+        trace(lambda a: (a, object()), (torch.ones(2),))
 
 
 def test_internal_mutation_is_functionalized():

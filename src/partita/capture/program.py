@@ -26,8 +26,8 @@ class Program:
             placeholders are the tensor leaves of ``(args, kwargs)`` in flattened order, then
             one per lifted tensor constant (see ``constants``).
         in_tree: pytree spec of ``(args, kwargs)`` (tensor and static leaves).
-        out_tree: pytree spec of the function's result (tensor leaves only). The graph's
-            outputs are these leaves, then one new value per entry of ``mutated_inputs``.
+        out_tree: pytree spec of the function's result. The graph's outputs are its tensor
+            leaves, then one new value per entry of ``mutated_inputs``.
         input_nodes: the placeholder nodes, in flattened order (constants last).
         num_inputs: ``len(input_nodes)``.
         annotations: each ``partita::annotate`` node and its Annotation.
@@ -41,6 +41,8 @@ class Program:
             place; the graph returns their new values after the result, and the caller copies
             them back (``torch.compile`` semantics).
         input_names: a readable name per user-input placeholder (``args[0]['w']``).
+        static_outputs: the result's non-tensor leaves (None, numbers, strings), by leaf index
+            of ``out_tree``: fixed while tracing, so the same on every call.
     """
 
     graph_module: fx.GraphModule
@@ -55,6 +57,7 @@ class Program:
     constants: tuple[torch.Tensor, ...] = ()
     mutated_inputs: tuple[int, ...] = ()
     input_names: tuple[str, ...] = ()
+    static_outputs: dict[int, Any] = field(default_factory=dict)
 
     @property
     def graph(self) -> fx.Graph:
@@ -72,13 +75,23 @@ class Program:
             )
         return [leaves[i] for i in self.tensor_leaves] + list(self.constants)
 
+    @property
+    def num_results(self) -> int:
+        """How many of the graph's outputs are the result (the tensor leaves of ``out_tree``)."""
+        return self.out_tree.num_leaves - len(self.static_outputs)
+
     def unflatten_outputs(self, flat: list[Any] | tuple[Any, ...]) -> Any:
         """The function's result from the graph outputs (the in-place updates are left out)."""
-        return pytree.tree_unflatten(list(flat)[: self.out_tree.num_leaves], self.out_tree)
+        tensors = iter(list(flat)[: self.num_results])
+        leaves = [
+            self.static_outputs[i] if i in self.static_outputs else next(tensors)
+            for i in range(self.out_tree.num_leaves)
+        ]
+        return pytree.tree_unflatten(leaves, self.out_tree)
 
     def input_updates(self, flat: list[Any] | tuple[Any, ...]) -> list[tuple[int, Any]]:
         """``(input position, new value)`` for each input the function updated in place."""
-        news = list(flat)[self.out_tree.num_leaves :]
+        news = list(flat)[self.num_results :]
         return list(zip(self.mutated_inputs, news, strict=True))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

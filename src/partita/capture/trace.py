@@ -24,6 +24,11 @@ literal such as ``torch.tensor(2.0)``, the parameters of a module it calls) is l
 program input after the user's inputs (:mod:`lift`; ``Program.constants`` holds the values,
 annotated replicated), so later stages only see inputs.
 
+Results: the tensor leaves of the result are the graph's outputs. A non-tensor leaf (None, a
+number, a string, a shape: the static types inputs may have) is computed while tracing, so it is
+the same on every call with this signature (a value read from a tensor is data-dependent and
+fails, below); ``Program.static_outputs`` keeps it and ``unflatten_outputs`` puts it back.
+
 In-place updates of inputs (``x.add_(1)``, ``x[0] = 5``, a buffer's ``mul_``) take effect as in
 ``torch.compile``: the graph returns each updated input's new value after the result
 (``Program.mutated_inputs``) and the caller copies it back (:mod:`functionalize`).
@@ -208,6 +213,7 @@ def _trace(
     out_tree_box: list[pytree.TreeSpec] = []
     received: list[torch.Tensor] = []  # what fn itself received, per tensor input
     out_spec_box: list[tuple[PartitionSpec | None, str]] = []
+    static_outs: dict[int, Any] = {}  # non-tensor result leaves, by leaf index
 
     def flat_fn(*tensors: torch.Tensor) -> list[torch.Tensor]:
         full = list(leaves)
@@ -218,19 +224,26 @@ def _trace(
         call_args, call_kwargs = pytree.tree_unflatten(full, in_tree)
         result = fn(*call_args, **call_kwargs)
         out_paths, out_tree = pytree.tree_flatten_with_path(result)
-        outs = [leaf for _, leaf in out_paths]
-        for path, leaf in out_paths:
-            if not isinstance(leaf, torch.Tensor):
+        outs = [leaf for _, leaf in out_paths if isinstance(leaf, torch.Tensor)]
+        static_outs.clear()
+        for i, (path, leaf) in enumerate(out_paths):
+            if isinstance(leaf, torch.Tensor):
+                continue
+            if not isinstance(leaf, _STATIC_TYPES):
                 raise CaptureError(
                     f"{name!r} returned {type(leaf).__name__} {leaf!r:.80} at "
-                    f"{pytree.keystr(path) or 'the top level'}; a traced function must return "
-                    f"tensors (in dicts, lists, tuples) only."
+                    f"{pytree.keystr(path) or 'the top level'}; a traced function returns "
+                    f"tensors and static Python values (None, numbers, strings, dtypes) in "
+                    f"dicts, lists and tuples. Return the tensors it is made of, or build the "
+                    f"object outside the traced function."
                 )
+            static_outs[i] = leaf  # fixed for the signature: it cannot depend on values
         if out_specs is not None:  # annotated after tracing (_annotate_inputs_outputs)
             specs = broadcast_specs(out_specs, result, "out_specs", name)
             out_spec_box[:] = [
                 (s, f"out_specs for output{pytree.keystr(p)}")
-                for (p, _), s in zip(out_paths, specs, strict=True)
+                for (p, leaf), s in zip(out_paths, specs, strict=True)
+                if isinstance(leaf, torch.Tensor)
             ]
         out_tree_box.append(out_tree)
         return outs
@@ -297,6 +310,7 @@ def _trace(
         constants=tuple(constants),
         mutated_inputs=tuple(updates.positions),
         input_names=input_names,
+        static_outputs=dict(static_outs),
     )
 
 

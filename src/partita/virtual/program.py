@@ -92,6 +92,6 @@ def compile_step(
         output_shapes=shapes,
         constants=tuple(prog.constants),
         mutated_inputs=tuple(prog.mutated_inputs),
-        n_results=prog.out_tree.num_leaves,
+        n_results=prog.num_results,
         compiled=compiled,
     )
