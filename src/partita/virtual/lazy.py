@@ -182,6 +182,15 @@ class LazyTensor(torch.Tensor):
         )
         return f"tensor({body}, device='{self.device}')"
 
+    def __reduce_ex__(self, proto: Any) -> Any:
+        """Pickled as its value, like an XLA tensor (``torch.save``): the CPU value, dtype and
+        device, rebuilt by a function ``torch.load(weights_only=True)`` allows. Loading puts it
+        on this device (``use_spmd`` must have run) or where ``map_location`` says. A sharding
+        is not part of it: ``partita.checkpoint`` saves and restores shardings."""
+        del proto
+        rebuild = torch._utils._rebuild_device_tensor_from_cpu_tensor
+        return rebuild, (full_value(self), self.dtype, str(self.device), self.requires_grad)
+
     def tolist(self) -> Any:
         """The value as (nested) Python numbers (syncs if it is pending)."""
         return full_value(self).tolist()
