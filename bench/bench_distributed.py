@@ -8,10 +8,11 @@ configuration; rank 0's report is printed).
 
 The step: GPT (``--layers``, width 256, 8 heads, vocabulary 512, sequence 128, global batch 16),
 cross entropy, AdamW. For each configuration: the median wall time of a training step after two
-warm-ups (max over ranks), the bytes each rank moves per step, the collective calls per step,
-and memory per rank: the process high-water mark (``ru_maxrss``, max over ranks; it includes
-the Python interpreter and torch, about the same for every configuration) and, for partita,
-the Plan's estimate of the tensors live at the peak (``Plan.memory()``).
+warm-ups (max over ranks), the process CPU time of a step (median, summed over the ranks: what
+the step costs the machine's cores), the bytes each rank moves per step, the collective calls
+per step, and memory per rank: the process high-water mark (``ru_maxrss``, max over ranks; it
+includes the Python interpreter and torch, about the same for every configuration) and, for
+partita, the Plan's estimate of the tensors live at the peak (``Plan.memory()``).
 
 * ``partita fsdp (4,)``: parameters ``P("data")``, batch ``P("data")``; bytes from the Plan
   (per-device bytes as XLA reports them: output of all_gather / all_reduce / all_to_all, input
@@ -24,6 +25,13 @@ the Plan's estimate of the tensors live at the peak (``Plan.memory()``).
 * ``torch FSDP2 (4,)``: ``fully_shard`` on every block and the model, ``torch.optim.AdamW``;
   ``compiled``: the same model under ``torch.compile`` (Inductor, C++ on the CPU; its compile
   time is spent in the warm-ups, not in the median);
+* ``torch unsharded 1 x 2 threads``: the compute floor: the same step, unsharded, in ONE
+  process using both cores (``OMP_NUM_THREADS=2``, the whole batch, ``torch.optim.AdamW``, no
+  collectives). The 4 processes of the other rows share the same 2 cores and together compute
+  at least this step (FSDP: every rank runs the full-width model on a quarter of the batch), so
+  a 4-process step cannot be much faster than this row; ``1 x 1 thread``: the same on one
+  thread (its CPU/step is the step's compute with no thread spinning: half of it is the
+  floor on 2 cores);
 * ``torch TP + FSDP2 (2, 2)``: ``parallelize_module`` on each block's MLP (fc colwise, proj
   rowwise) over ``tp`` and ``fully_shard`` over ``dp``. Attention is not tensor-parallel: the
   model's fused qkv projection is split by the full width, which DTensor's colwise plan does
@@ -66,6 +74,10 @@ CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
 BATCH = 16
 #: The environment of the "unfused" runs: the program as partitioned before bucketing and overlap.
 UNFUSED = {"PARTITA_BUCKET_BYTES": "0", "PARTITA_OVERLAP_BYTES": "0"}
+#: The compute-floor row: one process, both cores (the others run 4 processes of 1 thread).
+FLOOR = "torch unsharded 1 x 2 threads"
+#: The same on one thread: its CPU/step is the step's compute alone, with no thread waiting.
+FLOOR1 = "torch unsharded 1 x 1 thread"
 #: The environment of the "regather" runs: gathered parameters freed after the forward.
 REGATHER = {"PARTITA_REGATHER": "1"}
 
@@ -81,18 +93,27 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
 
 
+#: Process CPU seconds per step (median), summed over the ranks: set by ``_median``.
+CPU = [0.0]
+
+
 def _median(fn: Callable[[], Any], repeat: int) -> float:
     fn()
     fn()
-    times = []
+    times, cpu = [], []
     for _ in range(repeat):
         dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
     # the slowest rank decides a step: take the max over ranks of each median
     t = torch.tensor([statistics.median(times)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    # the CPU the step costs the machine: every rank's (all its threads), summed
+    c = torch.tensor([statistics.median(cpu)])
+    dist.all_reduce(c, op=dist.ReduceOp.SUM)
+    CPU[0] = float(c)
     return float(t)
 
 
@@ -211,6 +232,22 @@ def bench_partita(mesh: Mesh, repeat: int) -> dict[str, Any]:
     }
 
 
+def bench_unsharded(repeat: int) -> dict[str, Any]:
+    """The compute floor: the whole step in this one process (run with 2 threads), no sharding."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids, targets = _batch(0)
+
+    def one() -> None:
+        loss = _loss(model(ids), targets)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+    return {"step": _median(one, repeat), "bytes": 0.0, "calls": 0}
+
+
 def bench_torch(tp: bool, repeat: int, compiled: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -270,6 +307,8 @@ CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
     "partita 2-D (2, 2) unfused": (
         lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), UNFUSED),
     "torch TP + FSDP2 (2, 2)": (lambda r: bench_torch(True, r), {}),
+    FLOOR: (bench_unsharded, {"OMP_NUM_THREADS": "2"}),
+    FLOOR1: (bench_unsharded, {"OMP_NUM_THREADS": "1"}),
 }  # fmt: skip
 
 
@@ -281,6 +320,7 @@ def worker(ns: argparse.Namespace) -> None:
     _wrap_dist()
     run, _ = CONFIGS[ns.worker]
     row = run(ns.repeat)
+    row["cpu"] = CPU[0]
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     row["rss"] = float(peak)
@@ -291,8 +331,8 @@ def worker(ns: argparse.Namespace) -> None:
 def _row(name: str, r: dict[str, Any]) -> str:
     est = f"{r['estimate'] / 1e6:7.1f} MB" if "estimate" in r else f"{'-':>10}"
     return (
-        f"{name:<28} {r['step']:7.3f} s {r['bytes'] / 1e6:8.1f} MB {r['calls']:6d} "
-        f"{r['rss'] / 1e6:8.1f} MB {est}"
+        f"{name:<30} {r['step']:7.3f} s {r['cpu']:7.3f} s {r['bytes'] / 1e6:8.1f} MB "
+        f"{r['calls']:6d} {r['rss'] / 1e6:8.1f} MB {est}"
     )
 
 
@@ -318,18 +358,18 @@ def main() -> None:
     print(_load())
     for layers in ns.layers:
         print(f"\n## {layers} layers")
-        print(f"{'configuration':<28} {'step':>9} {'bytes/rank':>11} {'calls':>6} "
+        print(f"{'configuration':<30} {'step':>9} {'CPU/step':>9} {'bytes/rank':>11} {'calls':>6} "
               f"{'peak RSS':>11} {'Plan peak':>10}")  # fmt: skip
         for name, (_, env) in CONFIGS.items():
             if (ns.only and name not in ns.only) or (env is UNFUSED and not ns.unfused):
                 continue
             argv = [__file__, "--worker", name, "--repeat", str(ns.repeat), "--layers", str(layers)]
             argv += ["--profile"] if ns.profile else []
-            results = spawn(argv, 4, env=env, timeout=1800)
+            results = spawn(argv, 1 if name in (FLOOR, FLOOR1) else 4, env=env, timeout=1800)
             lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
             if any(r.returncode for r in results) or not lines:
                 bad = next((r for r in results if r.returncode), results[0])
-                print(f"{name:<28} failed (rank {bad.rank}): {bad.stderr.strip()[-300:]}")
+                print(f"{name:<30} failed (rank {bad.rank}): {bad.stderr.strip()[-300:]}")
                 continue
             print(_row(name, json.loads(lines[-1].removeprefix("RESULT "))), flush=True)
             for line in results[0].stdout.splitlines():
