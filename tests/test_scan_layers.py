@@ -22,8 +22,10 @@ from torch import nn
 import partita
 from partita import Mesh, P
 from partita.capture import trace
+from partita.capture.layers import OnceFunction, trace_once
 from partita.errors import PartitaWarning
 from partita.models import GPT, GPTConfig
+from partita.training import init_opt_state, make_train_step
 
 CFG = GPTConfig(n_layer=2, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
 
@@ -183,3 +185,94 @@ def test_scan_layers_refuses_the_model_itself() -> None:
         partita.scan_layers(GPT(CFG))
     with pytest.raises(TypeError, match=r"iterable of nn.Module layers.*holds a int"):
         partita.scan_layers([1, 2])
+
+
+# --- trace_once's each: one placeholder for many calls --------------------------------------
+
+
+def _form(gm: torch.fx.GraphModule) -> list[tuple[object, ...]]:
+    """The graph up to node names: per node its op, target, arguments by position, result
+    shapes and dtypes, and source line."""
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for node in gm.graph.nodes:
+        args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{index[a]}")
+        val = node.meta.get("val")
+        meta = (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
+        out.append((node.op, str(node.target), repr(args), meta, node.meta.get("source")))
+    return out
+
+
+class _Rate:
+    """A learning rate that is not hashable (so a call with it cannot be keyed)."""
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, value: float) -> None:
+        self.value = value
+
+    def __mul__(self, other: torch.Tensor) -> torch.Tensor:
+        return self.value * other
+
+
+@trace_once
+def _scaled_update(p: torch.Tensor, g: torch.Tensor, lr: float) -> tuple[torch.Tensor, ...]:
+    return p - lr * g, g * g
+
+
+def test_each_traces_the_program_of_one_call_per_item() -> None:
+    # Mixed shapes and dtypes (one trace each), a call under grad mode with an input that needs
+    # a gradient (its trace has a backward: it runs on its own between two runs) and one whose
+    # static argument is unhashable (it falls back to ordinary code, with a warning).
+    shapes = [((3, 4), torch.float32), ((5,), torch.float64), ((3, 4), torch.float32),
+              ((2, 2), torch.float16), ((5,), torch.float64)]  # fmt: skip
+    ps = [torch.randn(s).to(d) for s, d in shapes]
+    gs = [torch.randn(s).to(d) for s, d in shapes]
+
+    def per_call(ps: list[torch.Tensor], gs: list[torch.Tensor]) -> list[object]:
+        with torch.enable_grad():
+            leaf = ps[1].detach().requires_grad_(True)
+            out = [_scaled_update(p, g, 0.5) for p, g in zip(ps[:3], gs, strict=False)]
+            out.append(_scaled_update(leaf, gs[1], 0.5))
+            out.append(_scaled_update(ps[3], gs[3], _Rate(0.5)))  # type: ignore[arg-type]
+            out += [_scaled_update(p, g, 0.5) for p, g in zip(ps[3:], gs[3:], strict=True)]
+            return [out[:3], out[3][0].detach(), out[3][1], out[4:]]
+
+    def grouped(ps: list[torch.Tensor], gs: list[torch.Tensor]) -> list[object]:
+        with torch.enable_grad():
+            leaf = ps[1].detach().requires_grad_(True)
+            calls = [(p, g, 0.5) for p, g in zip(ps[:3], gs, strict=False)]
+            calls += [(leaf, gs[1], 0.5), (ps[3], gs[3], _Rate(0.5))]
+            calls += [(p, g, 0.5) for p, g in zip(ps[3:], gs[3:], strict=True)]
+            out = _scaled_update.each(calls)  # type: ignore[attr-defined]
+            return [out[:3], out[3][0].detach(), out[3][1], out[4:]]
+
+    with pytest.warns(PartitaWarning, match=r"_scaled_update.*neither a tensor nor hashable"):
+        want = trace(per_call, (ps, gs))
+    with pytest.warns(PartitaWarning, match=r"_scaled_update.*neither a tensor nor hashable"):
+        got = trace(grouped, (ps, gs))
+    assert _form(got.graph_module) == _form(want.graph_module)
+    calls = [n for n in got.graph.nodes if n.op == "call_function"]
+    assert "partita.layer_call.default" not in {str(n.target) for n in calls}
+    want_values = per_call(ps, gs)
+    torch.testing.assert_close(got(ps, gs), want_values)
+    torch.testing.assert_close(grouped(ps, gs), want_values)  # eager: plain calls
+
+
+def test_the_optimizer_update_is_the_program_of_one_placeholder_per_parameter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # GPT's untied output head is unused when the embedding is tied; here a parameter the
+    # forward never reads gets no gradient and must be skipped inside the run.
+    torch.manual_seed(0)
+    model = Stack([nn.Linear(8, 8), nn.Linear(8, 8).double(), nn.Linear(8, 4, bias=False)])
+    model.unused = nn.Linear(3, 2)
+    model.layers[1].forward = lambda x: x  # type: ignore[method-assign]
+    step = make_train_step(model, lambda out, t: (out - t).pow(2).mean(), "adamw")
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    args = (params, {}, init_opt_state(params), (torch.randn(4, 8), torch.randn(4)))
+    got = trace(step, args)
+    monkeypatch.setattr(OnceFunction, "each", lambda self, calls: [self(*c) for c in calls])
+    want = trace(step, args)
+    assert _form(got.graph_module) == _form(want.graph_module)
+    torch.testing.assert_close(got(*args), step(*args))

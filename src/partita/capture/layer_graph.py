@@ -11,6 +11,11 @@ The joint graph is split as a partitioner would (:func:`split_joint`): the nodes
 depend on the output gradients are the forward; every forward value (or input) a backward node
 reads is *saved*, i.e. an extra output of the forward placeholder and an input of the backward.
 
+Many calls of a ``trace_once`` function (an optimizer's per-parameter update) can share one
+placeholder: :func:`register_run` registers a :class:`PartRun`, parts called one after another
+on consecutive slices of the inputs, and inlining copies each part in turn, as it would copy one
+placeholder per call.
+
 This module does not decide which layers are repeated (``layers`` does) and does not trace the
 whole program (``trace`` does).
 """
@@ -18,7 +23,9 @@ whole program (``trace`` does).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor, fx
@@ -27,9 +34,11 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 __all__ = [
     "LAYER_CALL_OP",
     "LayerGraph",
+    "PartRun",
     "inline_layer_calls",
     "part",
     "positional_form",
+    "register_run",
     "split_joint",
 ]
 
@@ -52,9 +61,23 @@ class LayerGraph:
     out_meta: tuple[tuple[tuple[int, ...], torch.dtype, torch.device], ...]
 
 
+Meta = tuple[tuple[int, ...], torch.dtype, torch.device]
+
+
+@dataclass(frozen=True)
+class PartRun:
+    """Registered parts called one after another, part ``i`` on the next ``n_inputs[i]`` inputs;
+    the outputs are every part's outputs in turn. One placeholder stands for the calls of a run
+    of ``trace_once`` calls, so tracing pays one dispatch, not one per call."""
+
+    keys: tuple[int, ...]
+    n_inputs: tuple[int, ...]
+    out_meta: tuple[Meta, ...]
+
+
 _KEYS = itertools.count()
-# key -> part; filled while a trace runs and emptied with it (layers.scan_scope)
-_GRAPHS: dict[int, LayerGraph] = {}
+# key -> part (or run of parts); filled while a trace runs and emptied with it (scan_scope)
+_GRAPHS: dict[int, LayerGraph | PartRun] = {}
 
 
 def register(part: LayerGraph) -> int:
@@ -64,9 +87,31 @@ def register(part: LayerGraph) -> int:
     return key
 
 
+def register_run(keys: list[int], n_inputs: list[int]) -> int:
+    """A fresh key for the parts ``keys`` called in turn on ``n_inputs`` inputs each."""
+    out_meta = tuple(m for k in keys for m in _GRAPHS[k].out_meta)
+    key = next(_KEYS)
+    _GRAPHS[key] = PartRun(tuple(keys), tuple(n_inputs), out_meta)
+    return key
+
+
 def part(key: int) -> LayerGraph:
     """The part registered under ``key``."""
-    return _GRAPHS[key]
+    found = _GRAPHS[key]
+    assert isinstance(found, LayerGraph), f"key {key} names a run of parts"
+    return found
+
+
+def _pieces(key: int, inputs: list[Any]) -> list[tuple[LayerGraph, list[Any]]]:
+    """The parts a placeholder of ``key`` stands for, each with its inputs, in call order."""
+    found = _GRAPHS[key]
+    if isinstance(found, LayerGraph):
+        return [(found, inputs)]
+    out, start = [], 0
+    for k, n in zip(found.keys, found.n_inputs, strict=True):
+        out.append((part(k), inputs[start : start + n]))
+        start += n
+    return out
 
 
 def release(keys: list[int]) -> None:
@@ -79,8 +124,11 @@ def release(keys: list[int]) -> None:
 )
 def layer_call(key: int, inputs: list[Tensor]) -> list[Tensor]:
     """Run the registered part eagerly (only reached if a placeholder was not inlined)."""
-    part = _GRAPHS[key]
-    return [t.clone() for t in fx.GraphModule(part.owner, part.graph)(*inputs)]
+    return [
+        t.clone()
+        for one, ins in _pieces(key, inputs)
+        for t in fx.GraphModule(one.owner, one.graph)(*ins)
+    ]
 
 
 @layer_call.register_fake
@@ -110,7 +158,7 @@ def _depends_on(graph: fx.Graph, roots: set[fx.Node]) -> set[fx.Node]:
     return seen
 
 
-def _meta(node: fx.Node) -> tuple[tuple[int, ...], torch.dtype, torch.device]:
+def _meta(node: fx.Node) -> Meta:
     val = node.meta["val"]
     return tuple(int(s) for s in val.shape), val.dtype, val.device
 
@@ -227,28 +275,39 @@ def inline_layer_calls(gm: fx.GraphModule) -> int:
     calls = [n for n in graph.nodes if n.op == "call_function" and n.target == LAYER_CALL_OP]
     constants = itertools.count()
     for call in calls:
-        part = _GRAPHS[call.args[0]]
-        inputs = list(call.args[1])
-        env: dict[fx.Node, fx.Node] = {}
-        ins = iter(inputs)
+        results: list[fx.Node] = []
         with graph.inserting_before(call):
-            for node in part.graph.nodes:
-                if node.op == "placeholder":
-                    env[node] = next(ins)
-                elif node.op == "output":
-                    results = [env[a] for a in node.args[0]]
-                elif node.op == "get_attr":
-                    name = f"_layer_constant{next(constants)}"
-                    while hasattr(gm, name):
-                        name = f"_layer_constant{next(constants)}"
-                    setattr(gm, name, getattr(part.owner, node.target))
-                    env[node] = graph.get_attr(name)
-                    env[node].meta = dict(node.meta)
-                else:
-                    env[node] = graph.node_copy(node, env.__getitem__)
+            for one, inputs in _pieces(call.args[0], list(call.args[1])):
+                results += _copy_part(gm, one, inputs, constants)
         for user in list(call.users):
             # make_fx reads a list result through operator.getitem(call, i)
             user.replace_all_uses_with(results[user.args[1]])
             graph.erase_node(user)
         graph.erase_node(call)
     return len(calls)
+
+
+def _copy_part(
+    gm: fx.GraphModule, part: LayerGraph, inputs: list[fx.Node], constants: Iterator[int]
+) -> list[fx.Node]:
+    """Copy ``part``'s nodes into ``gm`` at its insertion point, reading ``inputs``; returns
+    the copies of its outputs."""
+    graph = gm.graph
+    env: dict[fx.Node, fx.Node] = {}
+    ins = iter(inputs)
+    results: list[fx.Node] = []
+    for node in part.graph.nodes:
+        if node.op == "placeholder":
+            env[node] = next(ins)
+        elif node.op == "output":
+            results = [env[a] for a in node.args[0]]
+        elif node.op == "get_attr":
+            name = f"_layer_constant{next(constants)}"
+            while hasattr(gm, name):
+                name = f"_layer_constant{next(constants)}"
+            setattr(gm, name, getattr(part.owner, node.target))
+            env[node] = graph.get_attr(name)
+            env[node].meta = dict(node.meta)
+        else:
+            env[node] = graph.node_copy(node, env.__getitem__)
+    return results

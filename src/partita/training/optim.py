@@ -6,8 +6,9 @@ ones not implemented). The step counter lives in ``opt_state["step"]`` as a floa
 (a Python int would be baked into the traced graph). The update of one parameter is a
 function of that parameter's tensors only, traced once per shape and dtype inside a capture
 (:func:`partita.capture.layers.trace_once`): a model's hundreds of parameters share a few
-shapes, so the optimizer costs a few traces, not one per parameter. This module does not
-shard anything and does not support several parameter groups.
+shapes, so the optimizer costs a few traces, not one per parameter, and one placeholder op
+stands for all the updates until the traced parts are copied in, parameter by parameter.
+This module does not shard anything (several parameter groups: :mod:`partita.training.groups`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ __all__ = [
     "OPTIMIZERS",
     "OptimizerConfig",
     "clip_by_global_norm",
+    "group_config",
     "init_opt_state",
     "optimizer_config",
 ]
@@ -60,7 +62,8 @@ def _unsupported(name: str, key: str, value: Any, fix: str) -> ValueError:
 
 
 def optimizer_config(optimizer: torch.optim.Optimizer) -> OptimizerConfig:
-    """Read a ``torch.optim`` optimizer's hyperparameters (its one parameter group).
+    """Read a ``torch.optim`` optimizer's hyperparameters: its first parameter group's, after
+    checking every group (``partita.training.groups`` reads each group's).
 
     Supported: ``AdamW``, ``Adam`` (``amsgrad=False``) and ``SGD``; ``maximize`` for all.
     ``foreach``/``fused``/``capturable`` only change how torch runs the same math and are
@@ -71,14 +74,13 @@ def optimizer_config(optimizer: torch.optim.Optimizer) -> OptimizerConfig:
         >>> optimizer_config(opt).momentum
         0.9
     """
+    configs = [group_config(optimizer, group) for group in optimizer.param_groups]
+    return configs[0]
+
+
+def group_config(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> OptimizerConfig:
+    """The hyperparameters of one of ``optimizer``'s parameter groups (see optimizer_config)."""
     name = type(optimizer).__name__
-    if len(optimizer.param_groups) != 1:
-        raise ValueError(
-            f"{name} has {len(optimizer.param_groups)} parameter groups; partita's training "
-            "step supports one. Put every parameter in one group (per-group weight decay is "
-            "not implemented yet)."
-        )
-    group = optimizer.param_groups[0]
     for key in ("lr", "weight_decay"):
         if isinstance(group.get(key), torch.Tensor):
             group_value = group[key]
@@ -86,7 +88,9 @@ def optimizer_config(optimizer: torch.optim.Optimizer) -> OptimizerConfig:
     maximize = bool(group.get("maximize", False))
     if isinstance(optimizer, torch.optim.Adam):  # AdamW is a subclass of Adam
         if group.get("amsgrad"):
-            raise _unsupported(name, "amsgrad", True, "use amsgrad=False")
+            raise _unsupported(
+                name, "amsgrad", True, "use amsgrad=False, or the virtual device (partita.use_spmd)"
+            )
         decoupled = isinstance(optimizer, torch.optim.AdamW) or group.get(
             "decoupled_weight_decay", False
         )
@@ -109,7 +113,9 @@ def optimizer_config(optimizer: torch.optim.Optimizer) -> OptimizerConfig:
         )
     raise ValueError(
         f"partita's training step implements torch.optim.AdamW, Adam and SGD, not {name}. "
-        "Use one of those, or write the update in your own step function and use partita.jit."
+        "Use one of those; or keep your torch.optim loop on the virtual device "
+        "(partita.use_spmd), which runs every torch.optim optimizer; or write the update in "
+        "your own step function and use partita.jit."
     )
 
 
@@ -173,16 +179,20 @@ def _adam(
     step_size = (lr64 / (1 - torch.pow(beta1, step64))).to(torch.float32)
     bias2_sqrt = torch.sqrt(1 - torch.pow(beta2, step64)).to(torch.float32)
     decay = _f32(1 - lr64 * cfg.weight_decay)
-    new_params: Tensors = {}
-    new_m: Tensors = {}
-    new_v: Tensors = {}
-    for name, p in params.items():
-        m, v = state["exp_avg"][name], state["exp_avg_sq"][name]
-        if name not in grads:  # no gradient (unused by forward): torch.optim skips it too
-            new_params[name], new_m[name], new_v[name] = p, m, v
-            continue
-        new = _adam_param(p, grads[name], m, v, step_size, bias2_sqrt, decay, cfg)
-        new_params[name], new_m[name], new_v[name] = new
+    # A parameter without a gradient (unused by forward) keeps its values: torch.optim skips
+    # it too. The others are updated by one placeholder (trace_once's each).
+    new_params = dict(params)
+    new_m = {name: state["exp_avg"][name] for name in params}
+    new_v = {name: state["exp_avg_sq"][name] for name in params}
+    updated = [name for name in params if name in grads]
+    news = _adam_param.each(  # type: ignore[attr-defined]
+        [
+            (params[n], grads[n], new_m[n], new_v[n], step_size, bias2_sqrt, decay, cfg)
+            for n in updated
+        ]
+    )
+    for name, (p, m, v) in zip(updated, news, strict=True):
+        new_params[name], new_m[name], new_v[name] = p, m, v
     return new_params, {"step": step, "exp_avg": new_m, "exp_avg_sq": new_v}
 
 
@@ -214,14 +224,14 @@ def _sgd(
 ) -> tuple[Tensors, dict[str, Any]]:
     lr32 = _f32(lr)
     first = state["step"] == 0
-    new_params: Tensors = {}
-    new_buf: Tensors = {}
-    for name, p in params.items():
-        buf = state["momentum_buffer"][name]
-        if name not in grads:  # no gradient (unused by forward): torch.optim skips it too
-            new_params[name], new_buf[name] = p, buf
-            continue
-        new_params[name], new_buf[name] = _sgd_param(p, grads[name], buf, first, lr32, cfg)
+    new_params = dict(params)
+    new_buf = {name: state["momentum_buffer"][name] for name in params}
+    updated = [name for name in params if name in grads]  # as in _adam
+    news = _sgd_param.each(  # type: ignore[attr-defined]
+        [(params[n], grads[n], new_buf[n], first, lr32, cfg) for n in updated]
+    )
+    for name, (p, buf) in zip(updated, news, strict=True):
+        new_params[name], new_buf[name] = p, buf
     return new_params, {"step": state["step"] + 1, "momentum_buffer": new_buf}
 
 
