@@ -270,6 +270,20 @@ for _op, _fn, _mx, _my, _partial in [
         f(6, 5),
         True,
     ),
+    (
+        aten.hardshrink_backward.default,
+        lambda g, x: aten.hardshrink_backward.default(g, x, 0.5),
+        f(6, 5),
+        f(6, 5),
+        True,
+    ),
+    (
+        aten.softshrink_backward.default,
+        lambda g, x: aten.softshrink_backward.default(g, x, 0.5),
+        f(6, 5),
+        f(6, 5),
+        True,
+    ),
 ]:
     case(_op, _fn, _mx, _my, partial=_partial)
 

@@ -10,9 +10,12 @@ Imported at the end of ``op_cases`` (it registers into the same ``CASES``); data
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
-from op_cases import R, case, f, pos, small_ints_f, unit  # isort: skip
+from op_cases import R, case, f, ints, pos, small_ints_f, unit  # isort: skip
 
 aten = torch.ops.aten
 
@@ -286,6 +289,65 @@ case(
     lambda x, n: aten.segment_reduce.default(x, "sum", lengths=n),
     f(7, 5),
     lambda g: torch.tensor([2, 0, 4, 1]),
+    **R,
+)
+
+
+# --- nn.EmbeddingBag: bags by offsets [0, 3, 3, 5] (an empty bag) over 8 ids of a [10, 6] table
+
+
+def _bag(mode: int) -> Callable[..., Any]:
+    def fn(w: torch.Tensor, ids: torch.Tensor, *psw: torch.Tensor) -> Any:
+        offsets = torch.tensor([0, 3, 3, 5])
+        return aten._embedding_bag.default(w, ids, offsets, False, mode, False, *psw)
+
+    return fn
+
+
+def _bag_backward(op: Any, mode: int) -> Callable[..., Any]:
+    def fn(g: torch.Tensor, w: torch.Tensor, ids: torch.Tensor) -> Any:
+        offsets = torch.tensor([0, 3, 3, 5])
+        _, o2b, size, imax = aten._embedding_bag.default(w, ids, offsets, False, mode)
+        if op == aten._embedding_bag_dense_backward.default:
+            return op(g, ids, o2b, size, imax, 10, False, mode, None)
+        return op(g, ids, offsets, o2b, size, imax, 10, False, mode, False, None)
+
+    return fn
+
+
+def _bag_weights_backward(
+    g: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, psw: torch.Tensor
+) -> Any:
+    offsets = torch.tensor([0, 3, 3, 5])
+    _, o2b, _, _ = aten._embedding_bag.default(w, ids, offsets, False, 0, False, psw)
+    return aten._embedding_bag_per_sample_weights_backward.default(g, w, ids, offsets, o2b, 0)
+
+
+IDS = ints(10, 8)
+case(aten._embedding_bag.default, _bag(2), f(10, 6), IDS)  # max: argmax [bags, D] too
+case(
+    aten._embedding_bag_backward.default,
+    _bag_backward(aten._embedding_bag_backward.default, 1),
+    f(4, 6),
+    f(10, 6),
+    IDS,
+    **R,
+)
+case(
+    aten._embedding_bag_dense_backward.default,
+    _bag_backward(aten._embedding_bag_dense_backward.default, 2),
+    f(4, 6),
+    f(10, 6),
+    IDS,
+    **R,
+)
+case(
+    aten._embedding_bag_per_sample_weights_backward.default,
+    _bag_weights_backward,
+    f(4, 6),
+    f(10, 6),
+    IDS,
+    f(8),
     **R,
 )
 

@@ -92,11 +92,6 @@ PLANE: list[tuple[Any, Callable[..., Any], tuple[Any, ...]]] = [
         (X4,),
     ),
     (
-        aten.upsample_bilinear2d_backward.default,
-        lambda g: aten.upsample_bilinear2d_backward.default(g, [9, 5], [2, 3, 7, 6], False),
-        (f(2, 3, 9, 5),),
-    ),
-    (
         aten.upsample_trilinear3d.default,
         lambda x: aten.upsample_trilinear3d.default(x, [6, 4, 5], False),
         (X5,),
@@ -159,21 +154,6 @@ BACKWARDS: list[tuple[Any, Callable[..., Any], tuple[Any, ...]]] = [
         (G5, X5),
     ),
     (aten.max_pool3d_with_indices_backward.default, _max3d_backward, (f(2, 3, 2, 3, 3), X5)),
-    (
-        aten._upsample_bilinear2d_aa_backward.default,
-        lambda g: aten._upsample_bilinear2d_aa_backward.default(g, [4, 3], [2, 3, 7, 6], False),
-        (f(2, 3, 4, 3),),
-    ),
-    (
-        aten.upsample_bicubic2d_backward.default,
-        lambda g: aten.upsample_bicubic2d_backward.default(g, [9, 5], [2, 3, 7, 6], True),
-        (f(2, 3, 9, 5),),
-    ),
-    (
-        aten.upsample_trilinear3d_backward.default,
-        lambda g: aten.upsample_trilinear3d_backward.default(g, [6, 4, 5], [2, 3, 5, 6, 7], False),
-        (f(2, 3, 6, 4, 5),),
-    ),
     (aten.grid_sampler_2d_backward.default, _grid_backward, (f(2, 3, 5, 6), X4, unit(2, 5, 6, 2))),
     (
         aten.grid_sampler_3d_backward.default,
@@ -184,3 +164,43 @@ BACKWARDS: list[tuple[Any, Callable[..., Any], tuple[Any, ...]]] = [
 ]
 for _op, _fn, _mks in BACKWARDS:
     case(_op, _fn, *_mks, **L)
+
+# --- interpolation backwards (batch and channels pass through: input_size is localised) -----------
+
+#: op -> (output_size, input_size, extra args): grad [2, 3, *output_size] -> [2, 3, *input plane]
+INTERPOLATION_BACKWARDS: dict[Any, tuple[list[int], list[int], tuple[Any, ...]]] = {
+    aten._upsample_bicubic2d_aa_backward.default: ([4, 3], [7, 6], (False,)),
+    aten._upsample_bilinear2d_aa_backward.default: ([4, 3], [7, 6], (False,)),
+    aten._upsample_nearest_exact1d_backward.default: ([9], [5], ()),
+    aten._upsample_nearest_exact2d_backward.default: ([9, 5], [7, 6], ()),
+    aten._upsample_nearest_exact3d_backward.default: ([6, 4, 5], [5, 6, 7], ()),
+    aten.upsample_bicubic2d_backward.default: ([9, 5], [7, 6], (True,)),
+    aten.upsample_bilinear2d_backward.default: ([9, 5], [7, 6], (False,)),
+    aten.upsample_linear1d_backward.default: ([9], [5], (False,)),
+    aten.upsample_nearest1d_backward.default: ([9], [5], ()),
+    aten.upsample_nearest2d_backward.default: ([9, 5], [7, 6], ()),
+    aten.upsample_nearest3d_backward.default: ([6, 4, 5], [5, 6, 7], ()),
+    aten.upsample_trilinear3d_backward.default: ([6, 4, 5], [5, 6, 7], (False,)),
+}
+for _op, (_out, _in, _extra) in INTERPOLATION_BACKWARDS.items():
+    case(
+        _op,
+        lambda g, op=_op, o=_out, i=_in, e=_extra: op(g, o, [2, 3, *i], *e),
+        f(2, 3, *_out),
+        **L,
+    )
+
+# --- replication padding backwards: grad of the padded input, and the input ----------------------
+
+for _op, _x, _pad in [
+    (aten.replication_pad1d_backward.default, (3, 5), [1, 2]),
+    (aten.replication_pad2d_backward.default, (2, 3, 7, 6), [1, 2, 2, 1]),
+    (aten.replication_pad3d_backward.default, (2, 3, 5, 6, 7), [1, 0, 2, 1, 0, 2]),
+]:
+    _padded = [
+        s + _pad[2 * (len(_x) - 1 - d)] + _pad[2 * (len(_x) - 1 - d) + 1]
+        if d >= len(_x) - len(_pad) // 2
+        else s
+        for d, s in enumerate(_x)
+    ]
+    case(_op, lambda g, x, op=_op, p=_pad: op(g, x, p), f(*_padded), f(*_x), **L)

@@ -143,7 +143,6 @@ STATUS: dict[str, tuple[str, str]] = {
     "randint_like": ("SKIP", "random"),
     "randn": ("SKIP", "random"),
     "randn_like": ("SKIP", "random"),
-    "resize_": ("UNSUPPORTED", "aten.as_strided.default"),
     "resize_as_": ("UNSUPPORTED", "aten.resize.default"),
     "scatter": ("UNSUPPORTED", "aten.scatter.reduce"),
     "signal.windows.exponential": ("SKIP", "random"),

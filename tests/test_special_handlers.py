@@ -356,3 +356,31 @@ def test_nll_loss_backward_masks_padded_targets(mesh_name: str, reduction: int) 
     batch = axes(mesh)
     out, _ = run(f, (logp, shifted), mesh, (P(batch, None), P(batch)), P(batch, None))
     torch.testing.assert_close(out.full(), f(logp, shifted))
+
+
+# --- contiguous -----------------------------------------------------------------------------------
+
+
+def _complex_rotary_grad(x: torch.Tensor) -> torch.Tensor:
+    """The gradient of Meta-Llama's complex rotary: the backward of ``view_as_real`` calls
+    ``view_as_complex`` on the (stride-0, broadcast) gradient of the ``sum``."""
+    x = x.detach().requires_grad_(True)
+    freqs = torch.polar(torch.ones(3), torch.arange(3.0))
+    xc = torch.view_as_complex(x.reshape(*x.shape[:-1], 3, 2))
+    return torch.autograd.grad(torch.view_as_real(xc * freqs).sum(), x)[0]
+
+
+@pytest.mark.parametrize("spec", [P(), P("x", "y"), P(None, "y", None)])
+def test_view_as_complex_of_a_broadcast_gradient(spec: P) -> None:
+    x = rand(4, 2, 6)
+    out, _ = run(_complex_rotary_grad, (x,), MESHES["2x2"], (spec,))
+    torch.testing.assert_close(full(out), _complex_rotary_grad(x))
+
+
+def test_view_dtype_of_a_broadcast() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:  # capture drops the contiguous() copy
+        return x.sum(1, keepdim=True).expand(4, 6).contiguous().view(torch.int16)
+
+    x = rand(4, 6)
+    out, _ = run(fn, (x,), MESHES["2"], (P("x"),))
+    torch.testing.assert_close(full(out), fn(x))

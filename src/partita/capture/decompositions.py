@@ -14,6 +14,9 @@ rewritten to the device-neutral ``partita::sdpa`` / ``partita::sdpa_backward`` (
 :mod:`partita.capture.ops`), so the rules name one attention op. When the dispatcher picks the
 math fallback (unsupported mask or dtype) attention decomposes to matmuls and softmax instead.
 
+``as_strided`` (and its scatter) that reads a contiguous tensor whole and in order is traced as
+the ``reshape`` it is (:data:`AS_STRIDED_OPS`); other calls stay as themselves.
+
 Ops that are views (``view``, ``t``, ``transpose``, ``split`` ...) are not decomposed here,
 not even those the core table decomposes (:data:`VIEW_OPS`);
 :mod:`partita.capture.normalize` rewrites them after tracing. This module does not trace.
@@ -21,6 +24,7 @@ not even those the core table decomposes (:data:`VIEW_OPS`);
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from functools import cache
 from typing import Any
@@ -30,7 +34,14 @@ from torch._decomp import core_aten_decompositions
 
 from partita.capture import ops as partita_ops
 
-__all__ = ["DROPPED_CHECKS", "KEPT_OPS", "SDPA_OPS", "VIEW_OPS", "decomposition_table"]
+__all__ = [
+    "AS_STRIDED_OPS",
+    "DROPPED_CHECKS",
+    "KEPT_OPS",
+    "SDPA_OPS",
+    "VIEW_OPS",
+    "decomposition_table",
+]
 
 aten = torch.ops.aten
 
@@ -117,6 +128,57 @@ SDPA_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
 }
 
 
+def _is_whole_reshape(
+    x: torch.Tensor, size: list[int], stride: list[int], offset: int | None
+) -> bool:
+    """Whether ``as_strided(x, size, stride, offset)`` reads every element of ``x`` in order:
+    ``x`` is contiguous from its storage offset and ``size``/``stride`` describe a contiguous
+    tensor of the same numel (strides of size-1 dims do not matter) at that offset."""
+    if not x.is_contiguous() or (offset is not None and offset != x.storage_offset()):
+        return False
+    if math.prod(size) != x.numel() or len(size) != len(stride):
+        return False
+    want = 1
+    for n, st in zip(reversed(size), reversed(stride), strict=True):
+        if n != 1 and st != want:
+            return False
+        want *= n
+    return True
+
+
+def _as_strided(
+    x: torch.Tensor, size: list[int], stride: list[int], storage_offset: int | None = None
+) -> Any:
+    if _is_whole_reshape(x, size, stride, storage_offset):
+        return aten.reshape.default(x, size)
+    return NotImplemented  # traced as itself (no rule: docs/rules.md, "Not covered")
+
+
+def _as_strided_scatter(
+    x: torch.Tensor,
+    src: torch.Tensor,
+    size: list[int],
+    stride: list[int],
+    storage_offset: int | None = None,
+) -> Any:
+    if _is_whole_reshape(x, size, stride, storage_offset):
+        return aten.reshape.default(src, list(x.shape)).to(x.dtype)
+    return NotImplemented
+
+
+#: ``as_strided`` that only re-reads a contiguous tensor in order is a ``reshape`` (and its
+#: scatter overwrites the whole base). ATen emits such calls where the program has none: a
+#: 1x1 ``adaptive_avg_pool2d`` of a channels-last-strided input restrides its result with
+#: ``as_strided_`` (Swin's and ConvNeXt-like poolers of a transposed ``[B, L, C]``), and
+#: autograd's copy of that view becomes ``as_strided_scatter``. Any other call stays as
+#: itself.
+AS_STRIDED_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
+    aten.as_strided.default: _as_strided,
+    aten.as_strided_copy.default: _as_strided,
+    aten.as_strided_scatter.default: _as_strided_scatter,
+}
+
+
 #: View ops the core table decomposes that are traced as themselves: ``normalize`` rewrites
 #: each to the same op its decomposition gives (``permute``, ``reshape``, ``slice`` ...), and
 #: tracing a decomposition dispatches every such op twice (a GPT step has hundreds).
@@ -138,6 +200,7 @@ def _table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     for op in (*KEPT_OPS, *VIEW_OPS):
         table.pop(op, None)
     table.update(SDPA_OPS)
+    table.update(AS_STRIDED_OPS)
     return table
 
 

@@ -12,7 +12,8 @@ input: the backward must use the same tiling, which the halo handler guarantees.
 
 Plane ops (``PLANE_CORES``: adaptive pools, 3-d and fractional pools, interpolations) and
 ``grid_sampler`` gather their spatial plane and pass batch and channels through ("gather,
-compute, keep replicated", ``batched.py``).
+compute, keep replicated", ``batched.py``); so do the interpolation backwards, whose global
+``input_size`` argument the partitioner localises, and ``replication_pad*_backward``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,17 @@ from partita.rules.common import Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
 
-__all__ = ["PLANE_CORES", "conv_backward_rule", "conv_rule", "plane_rule", "pool_rule"]
+__all__ = [
+    "INTERPOLATION_BACKWARDS",
+    "PLANE_CORES",
+    "REPLICATION_PAD_BACKWARDS",
+    "conv_backward_rule",
+    "conv_rule",
+    "interpolation_backward_rule",
+    "plane_rule",
+    "pool_rule",
+    "replication_pad_backward_rule",
+]
 
 
 def _conv_names(info: OpInfo, x_index: int) -> tuple[list[str], list[str], str, str]:
@@ -150,7 +161,6 @@ PLANE_CORES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "_adaptive_avg_pool3d.default": ((3,), (3,)),
     "_adaptive_avg_pool3d_backward.default": ((3, 3), (3,)),
     "_upsample_bilinear2d_aa.default": ((2,), (2,)),
-    "_upsample_bilinear2d_aa_backward.default": ((4,), (4,)),
     "adaptive_max_pool2d.default": ((2,), (2, 2)),
     "adaptive_max_pool2d_backward.default": ((2, 2, 2), (2,)),
     "adaptive_max_pool3d.default": ((3,), (3, 3)),
@@ -162,12 +172,8 @@ PLANE_CORES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
     "max_pool3d_with_indices.default": ((3,), (3, 3)),
     "max_pool3d_with_indices_backward.default": ((3, 3, 3), (3,)),
     "upsample_bicubic2d.default": ((2,), (2,)),
-    # the interpolation backwards take the global input_size: no dim may be local
-    "upsample_bicubic2d_backward.default": ((4,), (4,)),
     "upsample_bilinear2d.default": ((2,), (2,)),
-    "upsample_bilinear2d_backward.default": ((4,), (4,)),
     "upsample_trilinear3d.default": ((3,), (3,)),
-    "upsample_trilinear3d_backward.default": ((5,), (5,)),
 }
 
 
@@ -180,6 +186,74 @@ def plane_rule(info: OpInfo) -> FactorRule:
         # The random samples must lie in [0, 1): padding garbage would index out of the plane.
         return batched_rule(info, [None] * len(core), core_out)
     return batched_rule(info, core, core_out)
+
+
+#: The backwards of the interpolations (``F.interpolate``: nearest, nearest-exact, linear,
+#: bilinear, bicubic, trilinear; the forwards decompose into index ops or are plane ops). Their
+#: arguments hold the *global* ``input_size`` ``[n, c, *plane]``; the partitioner gives it the
+#: local sizes (``handler="localize_shape"``), so batch and channels pass through.
+INTERPOLATION_BACKWARDS = aten_ops(
+    [
+        "_upsample_bicubic2d_aa_backward.default",
+        "_upsample_bilinear2d_aa_backward.default",
+        "_upsample_nearest_exact1d_backward.default",
+        "_upsample_nearest_exact2d_backward.default",
+        "_upsample_nearest_exact3d_backward.default",
+        "upsample_bicubic2d_backward.default",
+        "upsample_bilinear2d_backward.default",
+        "upsample_linear1d_backward.default",
+        "upsample_nearest1d_backward.default",
+        "upsample_nearest2d_backward.default",
+        "upsample_nearest3d_backward.default",
+        "upsample_trilinear3d_backward.default",
+    ]
+)
+
+
+@register_rule(*INTERPOLATION_BACKWARDS)
+def interpolation_backward_rule(info: OpInfo) -> FactorRule:
+    """``a b c d -> a b 1 1; need-replication=c,d; handler=localize_shape`` for
+    ``upsample_nearest2d_backward(grad [n, c, 2h, 2w], [2h, 2w], [n, c, h, w])``: each input
+    pixel sums the output pixels the global scale maps to it, so the plane is gathered."""
+    (grad,) = info.operands
+    if grad.ndim < 3:
+        raise NotImplementedError(f"{info.target} on a {grad.ndim}-d gradient")
+    names = Names().take(grad.ndim)
+    plane = [None] * (grad.ndim - 2)
+    return build(
+        info,
+        [names],
+        [[*names[:2], *plane]],
+        need_replication=names[2:],
+        handler=HandlerName.LOCALIZE_SHAPE,
+    )
+
+
+#: ``replication_padNd_backward(grad, x, padding)``: op -> N, the padded trailing dims (the
+#: forwards decompose into index ops; reflection's backward decomposes too).
+REPLICATION_PAD_BACKWARDS = {
+    "replication_pad1d_backward.default": 1,
+    "replication_pad2d_backward.default": 2,
+    "replication_pad3d_backward.default": 3,
+}
+
+
+@register_rule(*aten_ops(sorted(REPLICATION_PAD_BACKWARDS)))
+def replication_pad_backward_rule(info: OpInfo) -> FactorRule:
+    """``a b c d, a b e f -> a b 1 1; need-replication=c,d,e,f`` for 2-d padding: the edge
+    rows sum the gradient of every copy of them, so the padded dims are gathered; the leading
+    dims (batch, channels, or channels alone for an unbatched input) pass through."""
+    x = info.operands[1]
+    k = REPLICATION_PAD_BACKWARDS[str(info.target).removeprefix("aten.")]
+    fresh = Names()
+    lead = fresh.take(x.ndim - k)
+    g_plane, x_plane = fresh.take(k), fresh.take(k)
+    return build(
+        info,
+        [[*lead, *g_plane], [*lead, *x_plane]],
+        [[*lead, *([None] * k)]],
+        need_replication=[*g_plane, *x_plane],
+    )
 
 
 @register_rule(*aten_ops(["grid_sampler_2d.default", "grid_sampler_3d.default"]))

@@ -25,6 +25,7 @@ class HandlerName(str, enum.Enum):
 
     ADD_BIAS_ONCE = "add_bias_once"
     BATCH_STATS = "batch_stats"
+    CONTIGUOUS = "contiguous"
     GLOBAL_RANDOM = "global_random"
     HALO = "halo"
     INDEX_PADDING = "index_padding"

@@ -233,7 +233,13 @@ def view_as_complex_rule(info: OpInfo) -> FactorRule:
     """``a b c -> a b; need-replication=c`` (``c`` is the (real, imag) pair of size 2)."""
     (x,) = info.operands
     names = Names().take(x.ndim)
-    return build(info, [names], [names[:-1]], need_replication=names[-1:])
+    return build(
+        info,
+        [names],
+        [names[:-1]],
+        need_replication=names[-1:],
+        handler=HandlerName.CONTIGUOUS,  # the kernel wants a last dim of stride 1
+    )
 
 
 @register_rule(*aten_ops(["view.dtype"]))
@@ -245,7 +251,13 @@ def view_dtype_rule(info: OpInfo) -> FactorRule:
     names = Names().take(x.ndim)
     if x.ndim == 0 or out.shape == x.shape:
         return build(info, [names], [names])
-    return build(info, [names], [[*names[:-1], None]], need_replication=names[-1:])
+    return build(
+        info,
+        [names],
+        [[*names[:-1], None]],
+        need_replication=names[-1:],
+        handler=HandlerName.CONTIGUOUS,
+    )
 
 
 @register_rule(*aten_ops(["view_as_real.default"]))

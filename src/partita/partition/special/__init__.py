@@ -22,6 +22,8 @@ index_padding      index.Tensor and the scatters with a sharded index tensor: it
                    set to 0 (a valid index) before the local op
 sharded_scan       cummax/cummin along a split dim: local scan, one all_gather of every tile's
                    last (value, index), combine with the extreme of the tiles before
+contiguous         view_as_complex, view(dtype) of another size: the op on a contiguous copy
+                   of its local tile (capture drops the program's clone)
 =================  ==========================================================================
 
 The all_reduces a handler emits are recorded in the Plan (``CollectiveRecord``) with the op,
@@ -35,8 +37,9 @@ the code, and its collectives are explicit ``e.all_reduce`` / ``e.all_gather`` c
 Layout: ``common`` holds what the handlers read about an op (fake values, the mesh axes of an
 operand dim, accumulation dtype); each other module holds one handler family:
 ``softmax`` (softmax_reduce), ``embedding`` (masked_embedding), ``indexing`` (index_padding),
-``scan`` (sharded_scan), ``reductions`` (mean, weighted_mean), ``batchnorm`` (batch_stats) and
-``random_draw`` (global_random and the ``partita::global_random_draw`` custom op).
+``scan`` (sharded_scan), ``reductions`` (mean, weighted_mean), ``batchnorm`` (batch_stats),
+``contiguous`` and ``random_draw`` (global_random and the ``partita::global_random_draw``
+custom op).
 Importing this package registers every handler.
 """
 
@@ -45,6 +48,7 @@ from __future__ import annotations
 from partita.partition.emit import make_tuple
 from partita.partition.special import (  # noqa: F401 - each registers its handler(s)
     batchnorm,
+    contiguous,
     embedding,
     indexing,
     random_draw,
