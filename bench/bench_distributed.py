@@ -179,6 +179,51 @@ class _CountFunctional(TorchDispatchMode):
         return out
 
 
+class _HeapPeak(TorchDispatchMode):
+    """The most bytes malloc holds in use (glibc ``mallinfo2``: heap + mmapped chunks) at any
+    op boundary of a step, above what it held when the step began: the memory the step itself
+    holds at its peak, measured the same way for partita and torch (tensors, and the Python
+    objects and collective buffers malloc serves). Linux/glibc only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import ctypes
+
+        class _Info(ctypes.Structure):
+            _fields_ = [
+                (n, ctypes.c_size_t)
+                for n in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+                "keepcost".split()
+            ]
+
+        self._libc = ctypes.CDLL(None)
+        self._libc.mallinfo2.restype = _Info
+        self.start = self.peak = self.in_use()
+
+    def in_use(self) -> int:
+        info = self._libc.mallinfo2()
+        return int(info.uordblks + info.hblkhd)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.peak = max(self.peak, self.in_use())
+        out = func(*args, **(kwargs or {}))
+        self.peak = max(self.peak, self.in_use())
+        return out
+
+
+def _step_heap(fn: Callable[[], Any]) -> float:
+    """``_HeapPeak`` of one step of ``fn``, max over ranks (0 where mallinfo2 is missing)."""
+    try:
+        mode = _HeapPeak()
+    except (OSError, AttributeError):
+        return 0.0
+    with mode:
+        fn()
+    t = torch.tensor([float(mode.peak - mode.start)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
 # --- configurations ------------------------------------------------------------------------------
 
 
@@ -221,9 +266,11 @@ def bench_partita(mesh: Mesh, repeat: int) -> dict[str, Any]:
     plan = step.lower(carry["params"], {}, carry["state"], batch)
     compile_s = time.perf_counter() - start
     seconds = _median(one, repeat)
+    heap = _step_heap(one)
     if PROFILE[0]:
         _profile(one)
     return {
+        "heap": heap,
         "step": seconds,
         "bytes": plan.bytes_per_device,
         "calls": sum(plan.call_counts().values()),
@@ -245,7 +292,7 @@ def bench_unsharded(repeat: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
 
-    return {"step": _median(one, repeat), "bytes": 0.0, "calls": 0}
+    return {"step": _median(one, repeat), "heap": _step_heap(one), "bytes": 0.0, "calls": 0}
 
 
 def bench_torch(tp: bool, repeat: int, compiled: bool = False) -> dict[str, Any]:
@@ -288,10 +335,12 @@ def bench_torch(tp: bool, repeat: int, compiled: bool = False) -> dict[str, Any]
         opt.zero_grad()
 
     seconds = _median(one, repeat)
+    # under a dispatch mode the compiled model would run another way: no heap for it
+    heap = None if compiled else _step_heap(one)
     _BYTES[0] = _CALLS[0] = 0
     with _CountFunctional():
         one()
-    return {"step": seconds, "bytes": float(_BYTES[0]), "calls": _CALLS[0]}
+    return {"step": seconds, "heap": heap, "bytes": float(_BYTES[0]), "calls": _CALLS[0]}
 
 
 CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
@@ -330,9 +379,10 @@ def worker(ns: argparse.Namespace) -> None:
 
 def _row(name: str, r: dict[str, Any]) -> str:
     est = f"{r['estimate'] / 1e6:7.1f} MB" if "estimate" in r else f"{'-':>10}"
+    heap = f"{r['heap'] / 1e6:7.1f} MB" if r.get("heap") is not None else f"{'-':>10}"
     return (
         f"{name:<30} {r['step']:7.3f} s {r['cpu']:7.3f} s {r['bytes'] / 1e6:8.1f} MB "
-        f"{r['calls']:6d} {r['rss'] / 1e6:8.1f} MB {est}"
+        f"{r['calls']:6d} {r['rss'] / 1e6:8.1f} MB {heap} {est}"
     )
 
 
@@ -359,7 +409,7 @@ def main() -> None:
     for layers in ns.layers:
         print(f"\n## {layers} layers")
         print(f"{'configuration':<30} {'step':>9} {'CPU/step':>9} {'bytes/rank':>11} {'calls':>6} "
-              f"{'peak RSS':>11} {'Plan peak':>10}")  # fmt: skip
+              f"{'peak RSS':>11} {'step heap':>10} {'Plan peak':>10}")  # fmt: skip
         for name, (_, env) in CONFIGS.items():
             if (ns.only and name not in ns.only) or (env is UNFUSED and not ns.unfused):
                 continue
