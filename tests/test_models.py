@@ -315,3 +315,84 @@ def test_mixtral_default_experts_run_replicated_with_a_warning() -> None:
     with pytest.warns(ReplicatedOpWarning, match=r"grouped_mm_fallback.* has no sharding rule"):
         got = [float(step(batch)) for batch in batches]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+
+
+# --- layers users write by hand: the ops their training steps need ----------------------------
+
+
+class _VisionLayers(nn.Module):
+    """A U-Net-style block (replicate padding, nearest and bilinear upsampling, pooling), then
+    Swin's head: the pixels as tokens [B, L, C], pooled by AdaptiveAvgPool1d after a transpose."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down = nn.Conv2d(3, 8, 3, padding=1, padding_mode="replicate")
+        self.up = nn.Conv2d(8, 8, 3, padding=1)
+        self.norm = nn.LayerNorm(8)
+        self.pool = nn.AdaptiveAvgPool1d(1)
+        self.head = nn.Linear(8, 10)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = F.max_pool2d(F.relu(self.down(x)), 2)
+        h = F.interpolate(h, scale_factor=2, mode="nearest")
+        h = F.interpolate(self.up(h), size=(6, 6), mode="bilinear", align_corners=False)
+        tokens = self.norm(h.flatten(2).transpose(1, 2))
+        return self.head(self.pool(tokens.transpose(1, 2)).flatten(1))
+
+
+class _TextLayers(nn.Module):
+    """fastText's mean of word embeddings (nn.EmbeddingBag) beside Meta-Llama's complex rotary
+    (q as complex pairs times unit complex frequencies)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = nn.EmbeddingBag(VOCAB, 32, mode="mean")
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.q_proj = nn.Linear(32, 32)
+        self.head = nn.Linear(32, 10)
+        angles = torch.outer(torch.arange(SEQ, dtype=torch.float32), torch.rand(16))
+        self.register_buffer("freqs", torch.polar(torch.ones_like(angles), angles))
+
+    def forward(self, ids: torch.Tensor) -> Any:
+        q = self.q_proj(self.emb(ids))
+        qc = torch.view_as_complex(q.reshape(*q.shape[:-1], 16, 2))
+        q = torch.view_as_real(qc * self.freqs).flatten(2)
+        return self.head(q.mean(1) + self.bag(ids))
+
+
+def _class_ids(g: torch.Generator) -> list[Batch]:
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+    return [(ids, torch.randint(0, 10, (BATCH,), generator=g))]
+
+
+def _logits(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out, targets)
+
+
+LAYERS: dict[str, ModelCase] = {
+    "vision": ModelCase(_VisionLayers, lambda g: image_batches(g)[:1], _logits),
+    "text": ModelCase(_TextLayers, _class_ids, _logits),
+}
+
+
+SMALL_MESH = Mesh.create((2, 2), ("data", "model"))  # one step, 4 devices: quick to compile
+
+
+@pytest.mark.parametrize("name", sorted(LAYERS))
+def test_hand_written_layers_train_like_torch_optim(name: str) -> None:
+    """One step under fsdp+tp. Each layer failed before its fix: the nearest-upsampling and
+    replication-pad backwards and _embedding_bag had no rule; Swin's pooler traced an
+    as_strided; the complex rotary's backward ran view_as_complex on a stride-0 tile."""
+    case = LAYERS[name]
+    torch.manual_seed(0)
+    model = case.build()
+    ref = copy.deepcopy(model)
+    batches = case.batches(torch.Generator().manual_seed(0))
+    want = reference(ref, case, batches)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
+    step = train_step(model, case.loss, opt, mesh=SMALL_MESH, shard="fsdp+tp")
+    got = [float(step(b)) for b in batches]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
+    full = step.full_parameters()
+    for pname, value in ref.named_parameters():
+        torch.testing.assert_close(full[pname], value, rtol=RTOL, atol=ATOL)
