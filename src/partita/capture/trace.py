@@ -62,6 +62,7 @@ from partita.capture.lift import lift_constants
 from partita.capture.normalize import normalize
 from partita.capture.program import Program
 from partita.capture.source import format_source, source_from_stack_trace, user_frame
+from partita.capture.spec_tree import broadcast_specs
 from partita.errors import CaptureError, PartitaError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
@@ -74,68 +75,8 @@ _STATIC_TYPES = (
 )  # fmt: skip
 
 
-class _NoSpec:
-    """Stands for None in a spec tree (pytree treats None as an empty node)."""
-
-
-_NO_SPEC = _NoSpec()
-
-
 def _fn_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
-
-
-def _is_spec_leaf(x: Any) -> bool:
-    return x is None or isinstance(x, PartitionSpec)
-
-
-def _key_ordered(specs: Any, tree: Any) -> Any:
-    """``specs`` with every dict in the key order of ``tree``'s dict at the same place.
-
-    ``torch.utils._pytree`` broadcasts a prefix by *position*, so ``{"b": P(), "a": P("x")}``
-    given for ``{"a": ..., "b": ...}`` would annotate ``a`` with ``P()``. Dicts match by key.
-
-    Example:
-        >>> _key_ordered({"b": 1, "a": 2}, {"a": None, "b": None})
-        {'a': 2, 'b': 1}
-    """
-    if isinstance(specs, dict) and isinstance(tree, dict) and set(specs) == set(tree):
-        return {k: _key_ordered(specs[k], tree[k]) for k in tree}
-    if (
-        isinstance(specs, (tuple, list))
-        and isinstance(tree, (tuple, list))
-        and len(specs) == len(tree)
-        and not isinstance(specs, PartitionSpec)
-    ):
-        items = [_key_ordered(s, t) for s, t in zip(specs, tree, strict=True)]
-        return type(specs)(*items) if hasattr(specs, "_fields") else type(specs)(items)
-    return specs
-
-
-def broadcast_specs(specs: Any, tree: Any, what: str, fn_name: str) -> list[PartitionSpec | None]:
-    """One spec (or None) per leaf of ``tree``; ``specs`` is a prefix of ``tree`` (dicts match
-    by key)."""
-    specs = _key_ordered(specs, tree)
-    leaves, spec_tree = pytree.tree_flatten(specs, is_leaf=_is_spec_leaf)
-    for leaf in leaves:
-        if leaf is not None and not isinstance(leaf, PartitionSpec):
-            raise CaptureError(
-                f"{what} of {fn_name!r} must be a pytree of P(...) or None, but it holds "
-                f"{leaf!r} of type {type(leaf).__name__}. Write P('x', None), not ('x', None)."
-            )
-    marked = pytree.tree_unflatten([_NO_SPEC if s is None else s for s in leaves], spec_tree)
-    flat = pytree._broadcast_to_and_flatten(
-        marked,
-        pytree.tree_structure(tree),
-        is_leaf=lambda x: isinstance(x, (_NoSpec, PartitionSpec)),
-    )
-    if flat is None:
-        raise CaptureError(
-            f"{what} of {fn_name!r} does not match the structure of the values: {what} is "
-            f"{specs!r}, the values have structure {pytree.tree_structure(tree)}. Give a P or "
-            f"None per value (or one for a whole container)."
-        )
-    return [None if isinstance(s, _NoSpec) else s for s in flat]
 
 
 def _check_leaves(paths: list[tuple[Any, Any]], fn_name: str) -> None:
