@@ -116,6 +116,37 @@ def test_plain_torch_resumes_from_the_checkpoint(saved: dict) -> None:
         torch.testing.assert_close(value.detach(), saved["params"][name], **TOL, msg=name)
 
 
+def test_parameter_groups_save_and_resume_each_groups_lr(tmp_path: Path) -> None:
+    """Two groups (decay on matrices only, their own lr schedules): a resumed run on another
+    mesh gets each group's lr back and continues like the uninterrupted one."""
+
+    def build(mesh: Mesh) -> tuple[TrainStep, Any]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        decay = [p for p in model.parameters() if p.dim() == 2]
+        rest = [p for p in model.parameters() if p.dim() == 1]
+        groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "lr": 3e-2}]
+        opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda i: 0.5**i, lambda i: 1 / (1 + i)])
+        return train_step(model, F.mse_loss, opt, mesh=mesh, shard="fsdp"), sched
+
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(4)]
+    step, sched = build(Mesh.create((4,), ("data",)))
+    run(step, sched, data[:2])
+    ckpt.save(step, tmp_path / "groups", scheduler=sched)
+    want = run(step, sched, data[2:])
+    resumed, resumed_sched = build(Mesh.create((2,), ("data",)))
+    ckpt.load(resumed, tmp_path / "groups", scheduler=resumed_sched)
+    lrs = [group["lr"] for group in resumed.optimizer.param_groups]
+    assert lrs == pytest.approx([1e-2 * 0.25, 3e-2 / 3])
+    torch.testing.assert_close(
+        torch.tensor(run(resumed, resumed_sched, data[2:])), torch.tensor(want)
+    )
+    for name, value in resumed.full_parameters().items():
+        torch.testing.assert_close(value, step.full_parameters()[name], **TOL, msg=name)
+
+
 def test_shards_are_written_once_without_padding(tmp_path: Path) -> None:
     mesh = Mesh.create((2, 4), ("data", "model"))
     x = torch.arange(54.0).reshape(9, 6)  # 9 rows over 2 (5 + 4), 6 cols over 4 (2,2,2,0)

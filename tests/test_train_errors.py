@@ -238,7 +238,7 @@ def test_optimizer_of_another_size_and_uneven_steps() -> None:
     sd = checkpoint()
     groups = [{**sd["optimizer"]["param_groups"][0], "params": [0, 1, 2]}]
     with pytest.raises(
-        StateDictError, match=r"groups of sizes \[3\], this step's optimizer one group of 2"
+        StateDictError, match=r"groups of sizes \[3\], this step's optimizer groups of sizes \[2\]"
     ):
         step.load_state_dict({**sd, "optimizer": {**sd["optimizer"], "param_groups": groups}})
     state = {

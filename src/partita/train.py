@@ -9,8 +9,10 @@ counter. ``step(batch)`` runs forward, backward, optional gradient clipping and 
 one program compiled by ``partita.jit`` from :func:`partita.training.functional_step`, and
 returns the loss.
 
-The learning rate is read from ``optimizer.param_groups[0]["lr"]`` at every call and passed as
-data, so ``torch.optim.lr_scheduler`` schedulers attached to the optimizer work unchanged
+The learning rate of each parameter group is read from ``optimizer.param_groups[i]["lr"]`` at
+every call and passed as data (:mod:`partita.training.groups`: each group is updated with its
+own hyperparameters), so ``torch.optim.lr_scheduler`` schedulers attached to the optimizer work
+unchanged
 (call ``scheduler.step()`` as usual; never ``optimizer.step()``). Everything else about the
 optimizer is fixed when the step is built.
 
@@ -48,6 +50,7 @@ from partita.train_checks import (
 from partita.train_memory import full_values, state_memory
 from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
 from partita.training import functional_step, init_opt_state, optimizer_config
+from partita.training.groups import group_lrs, read_param_groups
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
 
@@ -134,6 +137,9 @@ class TrainStep:
             k: put(v, self.param_specs[k]) for k, v in named.items() if k in self._frozen
         }
         self.buffers.update({k: put(v, P()) for k, v in model.named_buffers()})
+        by_id = {id(p): k for k, p in named.items()}
+        groups = read_param_groups(optimizer, by_id, set(trainable))
+        update_config = groups if len(groups.configs) > 1 else self.config
         state = init_opt_state({k: v.detach() for k, v in trainable.items()}, self.config.kind)
         self.opt_state = {
             key: put(value, P())
@@ -144,7 +150,7 @@ class TrainStep:
         fn = functional_step(
             model,
             loss_fn,
-            self.config,
+            update_config,
             max_grad_norm=max_grad_norm,
             compute_dtype=self.compute_dtype,
             on_unused=self._unused.__setitem__,
@@ -186,7 +192,7 @@ class TrainStep:
         return jitted
 
     def _lr(self) -> torch.Tensor:
-        return torch.tensor(float(self.optimizer.param_groups[0]["lr"]), dtype=torch.float64)
+        return group_lrs(self.optimizer)
 
     def _args(self, batch: Any) -> tuple[Any, ...]:
         if not (isinstance(batch, tuple | list) and len(batch) == 2):
@@ -263,9 +269,9 @@ class TrainStep:
         """
         values = {**full_values(self.params), **full_values(self.buffers)}
         moments = {k: full_values(v) for k, v in self.opt_state.items() if k != "step"}
-        group = self.optimizer.param_groups[0]
         step = self.opt_state["step"].full()
-        return to_state_dict(self._layout, values, step, moments, self._stepped, group)
+        groups = self.optimizer.param_groups
+        return to_state_dict(self._layout, values, step, moments, self._stepped, groups)
 
     def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> LoadResult:
         """Load what :meth:`state_dict` returned (full tensors are re-sharded); atomic.
@@ -274,11 +280,17 @@ class TrainStep:
         shape and dtype and the expected ones. ``strict=False`` loads the keys that match and
         returns the missing and unexpected ones, like ``nn.Module.load_state_dict``. Without
         an ``"optimizer"`` entry only the model is loaded. Floating-point tensors are cast to
-        the state's dtype; other dtype changes are refused (see ``partita.train_state``).
+        the state's dtype; other dtype changes are refused (see ``partita.train_state``). Each
+        parameter group's learning rate (``lr``, and a scheduler's ``initial_lr``) is restored
+        into the optimizer, as ``torch.optim`` does; the other hyperparameters are the
+        compiled step's and stay.
         """
         current = {**self.params, **self.buffers}
         moments = {k: v for k, v in self.opt_state.items() if k != "step"}
         new = load_state(self._layout, state_dict, current, moments, strict=strict)
+        loaded_groups = (state_dict.get("optimizer") or {}).get("param_groups", ())
+        for group, loaded in zip(self.optimizer.param_groups, loaded_groups, strict=False):
+            group.update({k: loaded[k] for k in ("lr", "initial_lr") if k in loaded})
 
         def put(old: ShardedTensor, value: torch.Tensor | None) -> ShardedTensor:
             return old if value is None else ShardedTensor.from_global(value, old.sharding)
@@ -334,8 +346,9 @@ def train_step(
         model: an ordinary ``nn.Module`` (float32 parameters). It is read once; the step owns
             the training state afterwards (``sync_to_module()`` writes it back).
         loss_fn: ``loss_fn(model(inputs), targets) -> 0-d tensor``.
-        optimizer: a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` over ``model.parameters()``
-            (one parameter group). Its ``lr`` is re-read every step (schedulers work).
+        optimizer: a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` over ``model.parameters()``,
+            in one or several parameter groups (each with its own hyperparameters). Each
+            group's ``lr`` is re-read every step (schedulers work).
         mesh: the device mesh.
         shard: how to split the parameters, a preset (:mod:`partita.presets`): ``"dp"``,
             ``"fsdp"``, ``"tp"``, ``"fsdp+tp"``, a dict ``{name or pattern: spec}`` or a

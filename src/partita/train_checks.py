@@ -149,7 +149,7 @@ def check_optimizer_params(
     optimizer: torch.optim.Optimizer, model: nn.Module, trainable: dict[str, torch.Tensor]
 ) -> None:
     """The optimizer holds the model's trainable parameters (and perhaps frozen ones)."""
-    params = optimizer.param_groups[0]["params"]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
     given = {id(p) for p in params}
     wanted = {id(p) for p in trainable.values()}
     everything = {id(p) for p in model.parameters()}

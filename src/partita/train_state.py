@@ -28,6 +28,7 @@ from torch import nn
 
 from partita.errors import StateDictError
 from partita.tensor import ShardedTensor
+from partita.training.groups import optimizer_params
 
 __all__ = [
     "LoadResult",
@@ -65,7 +66,8 @@ class StateLayout:
         trainable: canonical names of the parameters the optimizer updates.
         buffer_keys: the other ``model_keys`` (frozen parameters' names are in ``aliases``).
         opt_index: trainable name -> its index in ``optimizer.state_dict()``.
-        n_opt_params: how many tensors the optimizer's parameter group holds.
+        n_opt_params: how many tensors the optimizer holds (all groups).
+        group_sizes: how many of them each parameter group holds, in order.
         moments: the per-parameter optimizer states (``exp_avg``, ...).
     """
 
@@ -76,6 +78,7 @@ class StateLayout:
     opt_index: dict[str, int]
     n_opt_params: int
     moments: tuple[str, ...]
+    group_sizes: tuple[int, ...] = ()
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer, kind: str) -> StateLayout:
@@ -84,7 +87,7 @@ class StateLayout:
         for name, p in model.named_parameters(remove_duplicate=False):
             aliases[name] = by_id.setdefault(id(p), name)
         trainable = tuple(k for k, p in model.named_parameters() if p.requires_grad)
-        opt_params = optimizer.param_groups[0]["params"]
+        opt_params = optimizer_params(optimizer)
         position = {id(p): i for i, p in enumerate(opt_params)}
         named = dict(model.named_parameters())
         model_keys = tuple(model.state_dict())
@@ -96,6 +99,7 @@ class StateLayout:
             opt_index={k: position[id(named[k])] for k in trainable},
             n_opt_params=len(opt_params),
             moments=MOMENTS[kind],
+            group_sizes=tuple(len(group["params"]) for group in optimizer.param_groups),
         )
 
 
@@ -115,7 +119,7 @@ def to_state_dict(
     step: torch.Tensor,
     moments: dict[str, dict[str, torch.Tensor]],
     stepped: frozenset[str],
-    group: dict[str, Any],
+    groups: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """``{"model": ..., "optimizer": ...}`` in the layouts of ``model.state_dict()`` and
     ``optimizer.state_dict()``. ``values`` holds full tensors by canonical parameter name and
@@ -127,9 +131,13 @@ def to_state_dict(
         entry = {"step": step.clone()}
         entry.update({key: moments[key][name] for key in layout.moments})
         state[layout.opt_index[name]] = entry
-    group = {k: v for k, v in group.items() if k != "params"}
-    group["params"] = list(range(layout.n_opt_params))
-    return {"model": model_sd, "optimizer": {"state": state, "param_groups": [group]}}
+    param_groups, start = [], 0
+    for group in groups:  # torch.optim numbers the tensors group after group
+        entry = {k: v for k, v in group.items() if k != "params"}
+        entry["params"] = list(range(start, start + len(group["params"])))
+        start += len(group["params"])
+        param_groups.append(entry)
+    return {"model": model_sd, "optimizer": {"state": state, "param_groups": param_groups}}
 
 
 def _check_tensor(where: str, new: Any, old: ShardedTensor | torch.Tensor) -> torch.Tensor:
@@ -204,13 +212,14 @@ def _load_optimizer(
             "{'state': {...}, 'param_groups': [...]} of optimizer.state_dict(). Nothing was "
             "loaded. Leave the key out to load only the model weights."
         )
+    expected = list(layout.group_sizes or (layout.n_opt_params,))
     groups = opt.get("param_groups", [{"params": list(range(layout.n_opt_params))}])
-    if len(groups) != 1 or len(groups[0].get("params", ())) != layout.n_opt_params:
-        sizes = [len(g.get("params", ())) for g in groups]
+    sizes = [len(g.get("params", ())) for g in groups]
+    if sizes != expected:
         raise StateDictError(
             f"load_state_dict: the optimizer checkpoint has parameter groups of sizes {sizes}, "
-            f"this step's optimizer one group of {layout.n_opt_params} tensors. Nothing was "
-            "loaded. Load a checkpoint of the same model with the same optimizer parameters."
+            f"this step's optimizer groups of sizes {expected}. Nothing was loaded. Load a "
+            "checkpoint of the same model with the same optimizer parameter groups."
         )
     by_index = {i: name for name, i in layout.opt_index.items()}
     new: dict[str, dict[str, torch.Tensor]] = {key: {} for key in layout.moments}
@@ -336,7 +345,7 @@ def sharded_state(train_step: Any) -> ShardedState:
     values = {k: held[k] for k in canonical}
     moments = {k: dict(v) for k, v in train_step.opt_state.items() if k != "step"}
     names = {id(p): n for n, p in model.named_parameters()}
-    opt_names = [names[id(p)] for p in optimizer.param_groups[0]["params"]]
+    opt_names = [names[id(p)] for p in optimizer_params(optimizer)]
     return ShardedState(layout, values, moments, train_step.opt_state["step"], opt_names)
 
 

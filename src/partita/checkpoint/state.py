@@ -8,7 +8,7 @@ The layout is PyTorch's, so plain PyTorch loads it (``docs/checkpointing.md``):
 ``optimizer.state.<name>.<key>``      ``exp_avg``/``exp_avg_sq``/``momentum_buffer`` and the
                                       per-parameter ``step`` (AdamW/Adam), as
                                       ``get_optimizer_state_dict`` names them
-``optimizer.param_groups.0.<hyper>``  the group's hyperparameters; ``params`` lists the names
+``optimizer.param_groups.<i>.<h>``    each group's hyperparameters; ``params`` lists the names
 ``step``                              partita's optimizer step counter
 ``rng.torch``                         ``torch.get_rng_state()`` of the saving process (rank 0)
 ``lr_scheduler.*``                    ``scheduler.state_dict()``, when given
@@ -79,8 +79,12 @@ def state_for_save(
         for key, tensors in state.moments.items():
             entry[key] = tiles_to_write(f"optimizer.state.{name}.{key}", tensors[name])
         per_param[name] = entry
-    group = _hyper(train_step.optimizer.param_groups[0], state.opt_names)
-    out["optimizer"] = {"state": per_param, "param_groups": [group]}
+    groups, start = [], 0
+    for group in train_step.optimizer.param_groups:  # names group after group, as saved
+        end = start + len(group["params"])
+        groups.append(_hyper(group, state.opt_names[start:end]))
+        start = end
+    out["optimizer"] = {"state": per_param, "param_groups": groups}
     out["step"] = step
     return {**out, **run_state(scheduler, extra)}
 
@@ -132,10 +136,13 @@ def request_for_load(
         for key, tensors in state.moments.items():
             entry[key] = tiles_to_read(f"optimizer.state.{name}.{key}", tensors[name])
         per_param[name] = entry
-    group = {"lr": None}
-    if "optimizer.param_groups.0.initial_lr" in metadata.state_dict_metadata:
-        group["initial_lr"] = None
-    out["optimizer"] = {"state": per_param, "param_groups": [group]}
+    groups = []  # each group's learning rate (the other hyperparameters are the step's)
+    for i in range(len(train_step.optimizer.param_groups)):
+        group: dict[str, Any] = {"lr": None}
+        if f"optimizer.param_groups.{i}.initial_lr" in metadata.state_dict_metadata:
+            group["initial_lr"] = None
+        groups.append(group)
+    out["optimizer"] = {"state": per_param, "param_groups": groups}
     out["step"] = torch.empty((), dtype=state.step.dtype)
     return {**out, **run_state_request(metadata, scheduler)}, state
 
@@ -171,9 +178,9 @@ def apply_loaded(
     }
     step = ShardedTensor.from_global(loaded["step"], state.step.sharding)
     set_sharded_state(train_step, values, moments, step)
-    group = train_step.optimizer.param_groups[0]
-    for key, value in loaded["optimizer"]["param_groups"][0].items():
-        group[key] = value
+    groups = loaded["optimizer"]["param_groups"]
+    for group, values in zip(train_step.optimizer.param_groups, groups, strict=True):
+        group.update(values)
     return apply_run_state(loaded, scheduler)
 
 

@@ -23,6 +23,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from partita.capture.layer_auto import scan_repeated_layers
 from partita.errors import TrainInputError
 from partita.training import optim
+from partita.training.groups import ParamGroups
 from partita.training.optim import (
     OPTIMIZERS,
     OptimizerConfig,
@@ -85,7 +86,7 @@ def _check_loss(loss: Any, loss_fn: Callable[..., Any]) -> torch.Tensor:
 def functional_step(
     model: nn.Module,
     loss_fn: Callable[[Any, Any], torch.Tensor],
-    cfg: OptimizerConfig,
+    cfg: OptimizerConfig | ParamGroups,
     *,
     max_grad_norm: float | None = None,
     compute_dtype: torch.dtype | None = None,
@@ -96,6 +97,8 @@ def functional_step(
     ``batch`` is ``(inputs, targets)``; the loss is ``loss_fn(model(inputs), targets)``
     (``inputs`` a tuple: ``model(*inputs)``; a dict: ``model(**inputs)``). ``lr`` is a 0-d
     tensor (a program input, so a schedule does not recompile) or a float (a constant).
+    With several parameter groups (``cfg`` a :class:`ParamGroups`), ``lr`` holds one rate per
+    group and each group is updated with its own hyperparameters.
     ``max_grad_norm`` clips by global norm before the update, like ``clip_grad_norm_``.
     ``compute_dtype`` (e.g. ``torch.bfloat16``) runs forward and backward on copies of the
     parameters (and floating inputs) in that dtype while the parameters, the gradients given
@@ -148,7 +151,10 @@ def functional_step(
                 grad_map = clip_by_global_norm(grad_map, max_grad_norm)
             # looked up per call (tests wrap optim._adam)
             update = optim._sgd if cfg.kind == "sgd" else optim._adam
-            new_params, new_state = update(params, grad_map, opt_state, lr, cfg)
+            if isinstance(cfg, ParamGroups):
+                new_params, new_state = cfg.update(update, params, grad_map, opt_state, lr)
+            else:
+                new_params, new_state = update(params, grad_map, opt_state, lr, cfg)
         return loss.detach(), new_params, new_buffers, new_state
 
     return step
