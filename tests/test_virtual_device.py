@@ -158,6 +158,9 @@ def test_parameters_keep_identity_and_sharding(gpt_run: dict) -> None:
 
 
 def test_state_dict_saves_and_loads(dev: torch.device) -> None:
+    """``torch.save`` writes a device tensor's value, as for an XLA tensor, so the default
+    ``torch.load`` (``weights_only=True``) reads it back on the device, or on the CPU with
+    ``map_location`` (it used to pickle partita's tensor class, which weights_only refuses)."""
     import io
 
     torch.manual_seed(0)
@@ -168,11 +171,18 @@ def test_state_dict_saves_and_loads(dev: torch.device) -> None:
         model.bias.mul_(2)  # pending when saved: saving syncs it
     buf = io.BytesIO()
     torch.save(model.state_dict(), buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
+    loaded = torch.load(io.BytesIO(buf.getvalue()))
     assert loaded["weight"].device == torch.device("spmd", 0)
     torch.testing.assert_close(loaded["weight"].cpu(), ref.weight.detach())
     torch.testing.assert_close(loaded["bias"].cpu(), 2 * ref.bias.detach())
+    on_cpu = torch.load(io.BytesIO(buf.getvalue()), map_location="cpu")
+    assert type(on_cpu["bias"]) is torch.Tensor
+    torch.testing.assert_close(on_cpu["bias"], 2 * ref.bias.detach())
+    twin = copy.deepcopy(model)  # a copy keeps values and sharding, and is its own tensor
+    assert partita.virtual.sharded(twin.weight).spec == P("model", None)
+    with torch.no_grad():
+        model.weight.zero_()
+    torch.testing.assert_close(twin.weight.cpu(), ref.weight.detach())
     fresh = nn.Linear(4, 8).to(dev)
     fresh.load_state_dict(ref.state_dict())  # CPU values into device parameters
     torch.testing.assert_close(fresh.weight.cpu(), ref.weight.detach())

@@ -174,29 +174,3 @@ def test_in_place_views_change_the_tensor_and_its_value(dev: torch.device) -> No
     w = torch.ones(3, 4).to(dev)  # data
     w.t_()
     assert w.shape == (4, 3) and (w * 2).cpu().shape == (4, 3)
-
-
-def test_torch_save_and_load_of_device_tensors(dev: torch.device) -> None:
-    """``torch.save(model.state_dict())`` writes values, as for an XLA tensor: the default
-    ``torch.load`` (``weights_only=True``) reads it back on the device, or on the CPU with
-    ``map_location``; it used to pickle partita's tensor class, which ``weights_only`` refuses."""
-    import io
-
-    torch.manual_seed(0)
-    ref = nn.Linear(4, 8)
-    model = copy.deepcopy(ref).to(dev)
-    partita.mark_sharding(model.weight, MESH, P("model", None))
-    with torch.no_grad():
-        model.weight.mul_(2)  # pending until the save reads it
-    buf = io.BytesIO()
-    torch.save(model.state_dict(), buf)
-    on_device = torch.load(io.BytesIO(buf.getvalue()))
-    on_cpu = torch.load(io.BytesIO(buf.getvalue()), map_location="cpu")
-    assert on_device["weight"].device == dev and type(on_cpu["weight"]) is torch.Tensor
-    torch.testing.assert_close(on_device["weight"].cpu(), ref.weight.detach() * 2)
-    torch.testing.assert_close(on_cpu["bias"], ref.bias.detach())
-    twin = copy.deepcopy(model)  # a copy keeps values and sharding, and is its own tensor
-    assert partita.virtual.sharded(twin.weight).spec == P("model", None)
-    with torch.no_grad():
-        model.weight.zero_()
-    torch.testing.assert_close(twin.weight.cpu(), ref.weight.detach() * 2)

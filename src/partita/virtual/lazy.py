@@ -78,15 +78,6 @@ class Cell:
         # Creation order: a compiled step tells the values it made from those it was given.
         self.serial = next(_SERIALS)
 
-    def __getstate__(self) -> dict[str, Any]:
-        # torch.save of a device tensor (a state_dict) pickles its cell: the value, synced.
-        if self.is_pending:
-            _sync_outside_dispatch()
-        return {"meta": self.meta, "data": self.data}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["meta"], state["data"])  # type: ignore[misc]
-
     @property
     def meta(self) -> torch.Tensor:
         """A meta tensor with the value's shape, dtype and strides (one object per cell)."""
