@@ -12,7 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
 import partita
-from partita import Mesh
+from partita import Mesh, P
 from partita.rules import OpInfo, TensorMeta, get_rule
 from partita.rules.shape import reshape_factors
 
@@ -372,3 +372,25 @@ def test_index_select_of_a_0d_tensor() -> None:
     x, idx = torch.tensor(3.5), torch.tensor([0])
     out = partita.jit(lambda a, i: torch.index_select(a, 0, i), mesh=mesh)(x, idx)
     torch.testing.assert_close(out.full(), torch.index_select(x, 0, idx))
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="capture/ops.py _fold_mask (the vmap rule of partita::sdpa) expands a 2-d [t, s] "
+    "mask of shape [devices, t, s] to [devices, b, h, t, s] aligned from the right, so the "
+    "devices dim lands on the heads: a wrong result (an error when h == 1). Fix: unsqueeze the "
+    "per-example mask to the scores' rank before the expand",
+)
+def test_sdpa_two_d_mask_with_a_split_query_sequence() -> None:
+    """A [t, s] attention mask with the query sequence split: the mask's t follows the query's
+    (the rule), and each device's attention must read its own rows of the mask."""
+    mesh = Mesh.create((2,), ("x",))
+
+    def attend(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 2, 4, 6, generator=g), torch.randn(2, 2, 4, 6, generator=g)
+    mask = torch.randn(4, 4, generator=g) > 0
+    step = partita.jit(attend, mesh=mesh, in_specs=(P(None, None, "x"), P(), P("x", None)))
+    torch.testing.assert_close(step(q, k, mask).full(), attend(q, k, mask))
