@@ -21,11 +21,12 @@ from torch import nn
 
 import partita
 from partita import Mesh, P
-from partita.capture import trace
+from partita.capture import layers, trace
 from partita.capture.layers import OnceFunction, trace_once
 from partita.errors import PartitaWarning
 from partita.models import GPT, GPTConfig
 from partita.training import init_opt_state, make_train_step
+from partita.training import step as step_module
 
 CFG = GPTConfig(n_layer=2, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
 
@@ -272,7 +273,48 @@ def test_the_optimizer_update_is_the_program_of_one_placeholder_per_parameter(
     params = {k: v.detach() for k, v in model.named_parameters()}
     args = (params, {}, init_opt_state(params), (torch.randn(4, 8), torch.randn(4)))
     got = trace(step, args)
+    # the program of one placeholder per parameter, each parameter detached for autograd
     monkeypatch.setattr(OnceFunction, "each", lambda self, calls: [self(*c) for c in calls])
+    monkeypatch.setattr(step_module, "_grad_leaf", lambda v: v.detach().requires_grad_(True))
     want = trace(step, args)
     assert _form(got.graph_module) == _form(want.graph_module)
+    monkeypatch.undo()
     torch.testing.assert_close(got(*args), step(*args))
+    assert not any(p.requires_grad for p in params.values())  # eager: the caller's untouched
+
+
+def _axpy(p: torch.Tensor, g: torch.Tensor, lr: float) -> tuple[torch.Tensor, torch.Tensor]:
+    return p - lr * g, g * g
+
+
+def _normalized(p: torch.Tensor) -> torch.Tensor:
+    return p / p.sum()  # a reduction: its trace is not reused at other sizes
+
+
+def test_any_sizes_traces_once_per_rank_and_gives_the_program_of_a_trace_per_size(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    traces: list[int] = []
+    real = layers.trace_layer
+    monkeypatch.setattr(layers, "trace_layer", lambda *a: traces.append(1) or real(*a))
+    shapes = [(3, 4), (5, 4), (7, 2), (1, 4), (6,), (9,)]
+    ps, gs = [torch.randn(s) for s in shapes], [torch.randn(s) for s in shapes]
+
+    def step(update: OnceFunction, norm: OnceFunction):
+        def fn(ps: list[torch.Tensor], gs: list[torch.Tensor]) -> list[object]:
+            out = update.each([(p, g, 0.5) for p, g in zip(ps, gs, strict=True)])
+            return [out, [norm(p) for p in ps[:2]]]
+
+        return fn
+
+    plain = step(trace_once(_axpy), trace_once(_normalized))
+    want = trace(plain, (ps, gs))
+    assert len(traces) == 8  # one per shape
+    traces.clear()
+    any_sizes = trace_once(any_sizes=True)
+    got = trace(step(any_sizes(_axpy), any_sizes(_normalized)), (ps, gs))
+    # _axpy: (3, 4), then (1, 4) (a size-1 dim broadcasts differently) and (6,); the others
+    # reuse those; _normalized has a non-pointwise op: traced at each size
+    assert len(traces) == 5
+    assert _form(got.graph_module) == _form(want.graph_module)
+    torch.testing.assert_close(got(ps, gs), plain(ps, gs))

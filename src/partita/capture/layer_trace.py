@@ -127,7 +127,9 @@ def trace_layer(
             def joint(*flat: Tensor) -> list[Tensor]:
                 ins, cots = list(flat[: len(meta)]), list(flat[len(meta) :])
                 with torch.set_grad_enabled(grad):
-                    ins = [t.detach().requires_grad_(True) if rg else t
+                    # fresh leaves to differentiate against (without grad mode none is needed:
+                    # a detach would only add an op for capture to drop)
+                    ins = [t.detach().requires_grad_(True) if grad and rg else t
                            for t, (*_, rg) in zip(ins, meta, strict=True)]  # fmt: skip
                     outs, spec = run(ins)
                     tree_box.append(spec)

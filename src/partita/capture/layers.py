@@ -35,6 +35,7 @@ the attribute. Outside a trace the modules run unchanged.
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -47,8 +48,9 @@ import torch
 from torch import Tensor, nn
 from torch.utils import _pytree as pytree
 
-from partita.capture.layer_graph import layer_call, part, register_run, release
+from partita.capture.layer_graph import layer_call, part, register, register_run, release
 from partita.capture.layer_key import LayerFallbackError, call_signature, layer_attrs
+from partita.capture.layer_sizes import resized, size_class
 from partita.capture.layer_trace import Traced, trace_layer, traces_alike
 from partita.errors import PartitaWarning
 
@@ -73,6 +75,7 @@ class ScanState:
     reused: int = 0
     inner: bool = False
     unverified: set[Any] = field(default_factory=set)  # signatures traced once, not yet checked
+    by_size_class: dict[Any, Traced] = field(default_factory=dict)  # any_sizes functions
     seen_once: set[Any] = field(default_factory=set)  # signatures of found layers called once
 
 
@@ -130,12 +133,13 @@ def _routed(module: nn.Module, original: Callable[..., Any]) -> Callable[..., An
 class OnceFunction:
     """A :func:`trace_once` function: call it, or :meth:`each` for many calls at once."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], any_sizes: bool = False) -> None:
         self.fn = fn
+        self.any_sizes = any_sizes
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return _call(None, self.fn, args, kwargs)
+        return _call(None, self.fn, args, kwargs, self.any_sizes)
 
     def each(self, calls: Sequence[tuple[Any, ...]]) -> list[Any]:
         """``[fn(*args) for args in calls]``; inside a trace, each signature is traced once and
@@ -150,7 +154,7 @@ class OnceFunction:
         results: list[Any] = [None] * len(calls)
         run: list[tuple[int, Traced, list[Tensor]]] = []
         for i, args in enumerate(calls):
-            traced, primals = _lookup(None, self.fn, args, {}, state)
+            traced, primals = _lookup(None, self.fn, args, {}, state, self.any_sizes)
             if traced is not None and traced.backward_key is None:
                 run.append((i, traced, primals))
                 continue
@@ -160,12 +164,19 @@ class OnceFunction:
         return results
 
 
-def trace_once(fn: F) -> F:
+def trace_once(fn: F | None = None, *, any_sizes: bool = False) -> Any:
     """``fn`` (a function of tensors and hashable static values, returning tensors) traced
     once per signature inside a :func:`partita.capture.trace`, like a marked layer; a plain
     call outside one. For repeated pure work that is not a module, such as an optimizer's
-    per-parameter update; ``fn.each(calls)`` makes many calls under one placeholder."""
-    return OnceFunction(fn)  # type: ignore[return-value]
+    per-parameter update; ``fn.each(calls)`` makes many calls under one placeholder.
+
+    ``any_sizes=True`` (``@trace_once(any_sizes=True)``) promises that ``fn``'s Python code
+    does not look at its inputs' sizes: a call at new sizes of an already traced rank then
+    reuses that trace with its values' shapes recomputed, when every traced op is pointwise
+    (:mod:`~partita.capture.layer_sizes`), instead of tracing again."""
+    if fn is None:
+        return functools.partial(trace_once, any_sizes=any_sizes)
+    return OnceFunction(fn, any_sizes)
 
 
 def _call_run(run: list[tuple[int, Traced, list[Tensor]]], results: list[Any]) -> None:
@@ -188,11 +199,17 @@ def _call_run(run: list[tuple[int, Traced, list[Tensor]]], results: list[Any]) -
     run.clear()
 
 
-def _call(module: nn.Module | None, original: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+def _call(
+    module: nn.Module | None,
+    original: Callable[..., Any],
+    args: Any,
+    kwargs: Any,
+    any_sizes: bool = False,
+) -> Any:
     state = _STATE.get()
     if state is None or state.inner:
         return original(*args, **kwargs)
-    traced, primals = _lookup(module, original, args, kwargs, state)
+    traced, primals = _lookup(module, original, args, kwargs, state, any_sizes)
     if traced is None:
         return original(*args, **kwargs)
     return _reuse(state, traced, primals)
@@ -214,6 +231,7 @@ def _lookup(
     args: Any,
     kwargs: Any,
     state: ScanState,
+    any_sizes: bool = False,
 ) -> tuple[Traced | None, list[Tensor]]:
     """The trace this call reuses (tracing it first if its signature is new) and the call's
     primals; None when the call runs as ordinary code (having warned if it should)."""
@@ -239,6 +257,8 @@ def _lookup(
         # does not repeat costs nothing more), the second is traced alone, the third compared.
         state.seen_once.add(key)
         return None, primals
+    if traced is None and any_sizes:
+        traced = _resized(state, key, primals)
     if traced is None:
         if module is not None and not verify:
             _note_differences(module, state, attrs)
@@ -247,6 +267,8 @@ def _lookup(
         except LayerFallbackError as e:
             traced = str(e)
         state.traces[key] = traced
+        if any_sizes and isinstance(traced, Traced):
+            state.by_size_class.setdefault(_size_key(key, primals), traced)
         if isinstance(traced, str) and not verify:
             _warn(module, original, state, traced)
         elif verify:
@@ -260,6 +282,28 @@ def _lookup(
     if isinstance(traced, str):
         return None, primals
     return traced, primals
+
+
+def _size_key(key: tuple[Any, ...], primals: list[Tensor]) -> tuple[Any, ...]:
+    """``key`` (owner, attrs, names, tree, statics, meta, grad, autocast) with the inputs'
+    size class (:func:`~partita.capture.layer_sizes.size_class`) instead of their sizes."""
+    return (*key[:5], size_class(primals), *key[6:])
+
+
+def _resized(state: ScanState, key: tuple[Any, ...], primals: list[Tensor]) -> Traced | None:
+    """A trace of an ``any_sizes`` function at these inputs' sizes made from one at other
+    sizes of the same size class (None when there is none or it cannot be resized)."""
+    seen = state.by_size_class.get(_size_key(key, primals))
+    mode = torch._guards.detect_fake_mode()
+    if seen is None or seen.backward_key is not None or mode is None:
+        return None
+    forward = resized(part(seen.forward_key), primals, mode)
+    if forward is None:
+        return None
+    fkey = register(forward)
+    state.keys.append(fkey)
+    traced = state.traces[key] = dataclasses.replace(seen, forward_key=fkey)
+    return traced
 
 
 def _warn(

@@ -144,7 +144,7 @@ def _f32(x: float | torch.Tensor) -> float | torch.Tensor:
     return x.to(torch.float32) if isinstance(x, torch.Tensor) else x
 
 
-@trace_once
+@trace_once(any_sizes=True)
 def _adam_param(
     p: torch.Tensor,
     g: torch.Tensor,
@@ -196,7 +196,7 @@ def _adam(
     return new_params, {"step": step, "exp_avg": new_m, "exp_avg_sq": new_v}
 
 
-@trace_once
+@trace_once(any_sizes=True)
 def _sgd_param(
     p: torch.Tensor,
     g: torch.Tensor,
