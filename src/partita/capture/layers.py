@@ -19,6 +19,10 @@ layer's Python code; after tracing, :func:`~partita.capture.layer_graph.inline_l
 replaces them by copies of the graphs. The program is the unrolled one: the same ops on the
 same values, so propagation, partitioning and the results do not change.
 
+:func:`trace_once` does the same for a plain function (an optimizer's per-parameter update):
+``fn.each(calls)`` puts one placeholder for a run of calls, and ``any_sizes=True`` lets calls
+at other sizes of a traced rank reuse its trace (:mod:`~partita.capture.layer_sizes`).
+
 Layers partita found itself (:mod:`~partita.capture.layer_auto`, ``verify=True``) are checked
 first: the first call of a signature runs as ordinary code, the second and third are traced
 alone and compared op for op, and only if they traced alike do the later calls reuse the

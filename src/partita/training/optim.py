@@ -4,10 +4,11 @@ The updates match ``torch.optim.AdamW``, ``torch.optim.Adam`` and ``torch.optim.
 step when run eagerly (:func:`optimizer_config` reads their hyperparameters and rejects the
 ones not implemented). The step counter lives in ``opt_state["step"]`` as a float32 0-d tensor
 (a Python int would be baked into the traced graph). The update of one parameter is a
-function of that parameter's tensors only, traced once per shape and dtype inside a capture
-(:func:`partita.capture.layers.trace_once`): a model's hundreds of parameters share a few
-shapes, so the optimizer costs a few traces, not one per parameter, and one placeholder op
-stands for all the updates until the traced parts are copied in, parameter by parameter.
+function of that parameter's tensors only, traced once per rank and dtype inside a capture
+(:func:`partita.capture.layers.trace_once` with ``any_sizes=True``: its code never reads a
+size, and other sizes reuse the trace with recomputed shapes), so a model's hundreds of
+parameters cost a few traces, not one per parameter, and one placeholder op stands for all
+the updates until the traced parts are copied in, parameter by parameter.
 This module does not shard anything (several parameter groups: :mod:`partita.training.groups`).
 """
 
