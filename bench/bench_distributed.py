@@ -12,7 +12,10 @@ warm-ups (max over ranks), the process CPU time of a step (median, summed over t
 the step costs the machine's cores), the bytes each rank moves per step, the collective calls
 per step, and memory per rank: the process high-water mark (``ru_maxrss``, max over ranks; it
 includes the Python interpreter and torch, about the same for every configuration) and, for
-partita, the Plan's estimate of the tensors live at the peak (``Plan.memory()``).
+partita, the Plan's estimate of the tensors live at the peak (``Plan.memory()``); ``step heap``
+measures what a step holds for partita and eager torch alike (``_HeapPeak``: malloc's bytes in
+use at the step's peak op boundary, above its start; the caller's parameters and optimizer
+state excluded, so it compares with the Plan peak minus its ``inputs``).
 
 * ``partita fsdp (4,)``: parameters ``P("data")``, batch ``P("data")``; bytes from the Plan
   (per-device bytes as XLA reports them: output of all_gather / all_reduce / all_to_all, input
