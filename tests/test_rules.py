@@ -374,23 +374,25 @@ def test_index_select_of_a_0d_tensor() -> None:
     torch.testing.assert_close(out.full(), torch.index_select(x, 0, idx))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="capture/ops.py _fold_mask (the vmap rule of partita::sdpa) expands a 2-d [t, s] "
-    "mask of shape [devices, t, s] to [devices, b, h, t, s] aligned from the right, so the "
-    "devices dim lands on the heads: a wrong result (an error when h == 1). Fix: unsqueeze the "
-    "per-example mask to the scores' rank before the expand",
-)
-def test_sdpa_two_d_mask_with_a_split_query_sequence() -> None:
-    """A [t, s] attention mask with the query sequence split: the mask's t follows the query's
-    (the rule), and each device's attention must read its own rows of the mask."""
+@pytest.mark.parametrize("mask_shape", [(4, 4), (2, 4, 4)], ids=["t-s", "h-t-s"])
+def test_sdpa_mask_without_batch_dims_and_a_split_query_sequence(
+    mask_shape: tuple[int, ...],
+) -> None:
+    """A [t, s] (or [h, t, s]) attention mask with the query sequence split: the mask's t follows
+    the query's, and each device's attention (forward and backward) reads its own rows of the
+    mask. The LocalMesh's batching of partita::sdpa once aligned the devices dim of such a mask
+    with the heads: a wrong result."""
     mesh = Mesh.create((2,), ("x",))
 
-    def attend(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+    def attend(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        q, k = q.detach().requires_grad_(), k.detach().requires_grad_()
+        out = F.scaled_dot_product_attention(q, k, k, attn_mask=mask)
+        return (out, *torch.autograd.grad((out * out).sum(), (q, k)))
 
     g = torch.Generator().manual_seed(0)
-    q, k = torch.randn(2, 2, 4, 6, generator=g), torch.randn(2, 2, 4, 6, generator=g)
-    mask = torch.randn(4, 4, generator=g) > 0
-    step = partita.jit(attend, mesh=mesh, in_specs=(P(None, None, "x"), P(), P("x", None)))
-    torch.testing.assert_close(step(q, k, mask).full(), attend(q, k, mask))
+    q, k = torch.randn(3, 2, 4, 6, generator=g), torch.randn(3, 2, 4, 6, generator=g)
+    mask = torch.randn(*mask_shape, generator=g) > 0
+    mask_spec = P(*([None] * (len(mask_shape) - 2)), "x", None)
+    step = partita.jit(attend, mesh=mesh, in_specs=(P(None, None, "x"), P(), mask_spec))
+    for got, want in zip(step(q, k, mask), attend(q, k, mask), strict=True):
+        torch.testing.assert_close(got.full(), want)

@@ -177,6 +177,8 @@ def _fold_mask(
         return mask  # broadcasts as is
     per_example = (q.shape[0] // size, *q.shape[1:-1], k.shape[-2])
     mask = mask.unsqueeze(0).expand(size, *mask.shape) if dim is None else mask.movedim(dim, 0)
+    while mask.dim() < 1 + len(per_example):  # an example's mask broadcasts from the right:
+        mask = mask.unsqueeze(1)  # its missing leading dims go after the devices dim
     return mask.expand(size, *per_example).reshape(size * per_example[0], *per_example[1:])
 
 
