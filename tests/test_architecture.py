@@ -38,6 +38,7 @@ _VALUES = (
     "partita.presets",
     "partita.spec",
     "partita.tensor",
+    "partita.tensor_ops",
 )
 #: Modules that tie the stages together for users (they may import any stage).
 _API = (

@@ -662,3 +662,72 @@ def test_per_device_index_passed_by_keyword_runs_under_vmap() -> None:
     for p, d in enumerate(MESH_24.device_ids):
         c = MESH_24.coords(d)["y"]
         torch.testing.assert_close(got[p], stacked[p, c : c + 2])
+
+
+# --- results held once per distinct tile; plain inputs read in place ---------------------------
+
+
+def test_result_varying_along_some_axes_stays_held_until_read() -> None:
+    """A jitted result sharded over ``y`` and replicated over ``x`` is held as its 4 ``y``
+    tiles, not copied to 8 stacked shards; fed back, the held form is read (no copy); its
+    ``stacked`` is built once, on the first read, and is the value from then on."""
+    import partita
+    from partita import P, ShardedTensor, mark_sharding
+
+    def step(w: Tensor) -> Tensor:
+        return w * 2 + 1
+
+    jitted = partita.jit(step, mesh=MESH_24, in_specs=(P("y"),))
+    w = torch.randn(8, 3)
+    out = jitted(w)
+    assert isinstance(out, ShardedTensor) and out.held is not None
+    value, axes = out.held
+    assert axes == (False, True) and value.shape == (4, 2, 3)
+    again = jitted(out)  # reads out.held
+    assert again.held is not None and out.held is not None
+    torch.testing.assert_close(again.full(), step(step(w)))
+    stacked = out.stacked
+    assert out.held is None and stacked.shape == (8, 2, 3)
+    assert torch.equal(stacked, mark_sharding(step(w), MESH_24, P("y")).stacked)
+    stacked[:4] = 0  # the stacked storage is now the value: the held form is gone
+    assert out.stacked is stacked and torch.equal(out.full()[:2], torch.zeros(2, 3))
+
+
+def test_plain_inputs_are_read_in_place_and_no_result_aliases_them() -> None:
+    """A plain input is cut as a view of the caller's tensor (no copy); a result that is a
+    view of it is copied, so writing the caller's tensor later changes no result."""
+    import partita
+    from partita import P
+
+    def fn(x: Tensor, y: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        return x, y.reshape(-1), x + y
+
+    jitted = partita.jit(fn, mesh=MESH_24, in_specs=(P("x", "y"), P("x", "y")))
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    want = [t.clone() for t in fn(x, y)]
+    got = jitted(x, y)
+    x.zero_()
+    y.zero_()
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g.full(), w)
+
+
+def test_attention_results_are_laid_out_heads_inner() -> None:
+    """partita::sdpa and its backward return ``[B, H, L, E]`` laid out as ``[B, L, H, E]``
+    (the fused CPU kernels' own layout, which they used to copy out of): merging the heads
+    back, ``transpose(1, 2).reshape(B, L, H * E)``, is then a view, not a copy."""
+    from partita.capture import ops
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 6, 3, 4, generator=g).transpose(1, 2) for _ in range(3))
+    out, lse = ops.sdpa(q, k, v, None, 0.0, True, None)
+    grads = ops.sdpa_backward(torch.randn_like(out), q, k, v, out, lse, None, 0.0, True, None)
+    for t in (out, *grads):
+        merged = t.transpose(1, 2).reshape(2, 6, 12)
+        assert merged.data_ptr() == t.data_ptr()
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    torch.testing.assert_close(out, want)
+    # Another layout (the reference math's) is copied into this one.
+    t = torch.randn(2, 3, 6, 4)
+    assert ops._as_heads_inner(t).transpose(1, 2).is_contiguous()
+    assert torch.equal(ops._as_heads_inner(t), t)

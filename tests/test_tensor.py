@@ -168,6 +168,22 @@ def test_from_stacked_validates(mesh_4: Mesh) -> None:
         ShardedTensor.from_stacked(torch.zeros(4, 3), P("x"), (10,))  # type: ignore[arg-type]
 
 
+def test_from_held_expands_on_first_read_and_validates(mesh_2x4: Mesh) -> None:
+    """Held once per ``y`` position (replicated over ``x``): the stacked storage is the 4
+    tiles repeated for each ``x`` row, built on the first read; a wrong shape is refused."""
+    sharding = P(None, "y").to_sharding(mesh_2x4, 2)
+    value = torch.arange(24.0).reshape(4, 3, 2)  # [y, *local]
+    s = ShardedTensor.from_held(value, (False, True), sharding, (3, 8))
+    assert s.held is not None and s.local_shape == (3, 2) and s.dtype == torch.float32
+    assert torch.equal(s.full(), torch.cat(list(value), dim=1))
+    assert s.held is None and torch.equal(s.stacked, value.repeat(2, 1, 1))
+    with pytest.raises(ShardingError, match=r"from_held got a value of shape \(2, 3, 2\).*"
+                       r"needs \(4, 3, 2\) \(one leading dim per mesh axis"):  # fmt: skip
+        ShardedTensor.from_held(value[:2], (False, True), sharding, (3, 8))
+    whole = ShardedTensor.from_held(value[0], (False, False), P().to_sharding(mesh_2x4, 2), (3, 2))
+    assert whole.held is None and whole.stacked.stride(0) == 0  # a view: nothing to defer
+
+
 def test_from_global(mesh_4: Mesh) -> None:
     x = torch.arange(10)
     s = ShardedTensor.from_global(x, P("x").to_sharding(mesh_4, 1))

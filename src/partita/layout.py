@@ -31,17 +31,19 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from partita.errors import InputError
+from partita.errors import InputError, ShardingError
 from partita.spec import Sharding
 
 __all__ = [
     "ceil_div",
+    "check_held",
     "check_strided",
     "index_ranges",
     "local_shape",
     "replica_ids",
     "shard_compact",
     "shard_tensor",
+    "stack_held",
     "tile_assignment",
     "tile_coords",
     "unshard_tensor",
@@ -165,12 +167,14 @@ def shard_tensor(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
     return stacked.reshape(mesh.size, *local).clone()
 
 
-def shard_compact(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
+def shard_compact(value: torch.Tensor, sharding: Sharding, *, copy: bool = True) -> torch.Tensor:
     """The distinct tiles of a non-partial sharding: ``[*k, *local_shape]`` with ``k[i]`` the
     size of mesh axis ``i`` if it splits a dim, else 1 (every device along it holds the same
     tile). ``shard_tensor`` is this broadcast over the mesh and flattened.
 
-    A copy unless the value is replicated everywhere (then a view: no tile to cut).
+    A copy unless the value is replicated everywhere (then a view: no tile to cut); with
+    ``copy=False``, a view of ``value`` wherever no padding or permute needs a copy (the
+    caller then must not hand it out, nor write it).
 
     Example:
         >>> from partita.mesh import Mesh
@@ -182,7 +186,52 @@ def shard_compact(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
     if sharding.partial:
         raise ValueError(f"shard_compact: {sharding} is partial; use shard_tensor.")
     compact = _per_mesh(value, sharding)
-    return compact if sharding.is_replicated else compact.clone()
+    return compact if sharding.is_replicated or not copy else compact.clone()
+
+
+def check_held(
+    value: torch.Tensor, axes: Sequence[bool], sharding: Sharding, shape: tuple[int, ...]
+) -> tuple[bool, ...]:
+    """``axes`` as bools, after checking that ``value`` holds a value of global ``shape``
+    under ``sharding`` once per position of those mesh axes (see :func:`stack_held`)."""
+    sharding.check_shape(shape)
+    mesh = sharding.mesh
+    flags = tuple(bool(a) for a in axes)
+    lead = tuple(n for n, a in zip(mesh.shape, flags, strict=False) if a)
+    expected = lead + local_shape(sharding, shape)
+    if len(flags) != mesh.ndim or tuple(value.shape) != expected:
+        raise ShardingError(
+            f"ShardedTensor.from_held got a value of shape {tuple(value.shape)} varying along "
+            f"{flags}, but a global shape {shape} under {sharding} on {mesh!r} needs {expected} "
+            f"(one leading dim per mesh axis it varies along, then the local shape) and one "
+            f"flag per mesh axis ({mesh.ndim}). Check the flags and the global shape."
+        )
+    return flags
+
+
+def stack_held(value: torch.Tensor, axes: Sequence[bool], sizes: Sequence[int]) -> torch.Tensor:
+    """A value held once per position of the mesh axes it varies along as the stacked
+    ``[prod(sizes), *local]`` of every device (``sizes`` the mesh's shape).
+
+    ``value`` is ``[*(sizes[i] for the axes with axes[i] set), *local]``: identical along
+    every other axis, so held once for it (the LocalMesh's compact form). A view when it
+    varies along every axis or none (a stride-0 device dim), else a copy.
+
+    Example:
+        >>> stack_held(torch.tensor([[1], [2]]), (False, True), (3, 2)).flatten().tolist()
+        [1, 2, 1, 2, 1, 2]
+    """
+    n = 1
+    for size in sizes:
+        n *= size
+    k = sum(bool(a) for a in axes)
+    local = value.shape[k:]
+    if k == 0:
+        return value.expand(n, *local)
+    if k == len(sizes):
+        return value.reshape(n, *local)
+    ones = [size if a else 1 for size, a in zip(sizes, axes, strict=True)]
+    return value.reshape(*ones, *local).expand(*sizes, *local).reshape(n, *local)
 
 
 def _per_mesh(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:

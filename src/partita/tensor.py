@@ -17,16 +17,25 @@ tensors inside a captured function is wired up in ``partita.api``.
 from __future__ import annotations
 
 import reprlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from partita.errors import AnnotationError, ShardingError
-from partita.layout import index_ranges, local_shape, replica_ids, shard_tensor, unshard_tensor
+from partita.layout import (
+    check_held,
+    index_ranges,
+    local_shape,
+    replica_ids,
+    shard_tensor,
+    stack_held,
+    unshard_tensor,
+)
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec, Sharding, as_spec
+from partita.tensor_ops import EagerOps, set_eager_ops
 
 __all__ = [
     "Shard",
@@ -39,16 +48,6 @@ __all__ = [
 ]
 
 SpecLike = PartitionSpec | Sequence[Any] | None
-
-#: The function that runs a torch operation on ShardedTensors outside ``partita.jit``
-#: (``partita.virtual`` installs it; this module cannot import that later stage).
-_EAGER_OPS: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
-
-
-def set_eager_ops(handler: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]) -> None:
-    """Install ``handler(func, args, kwargs)``, which runs torch functions on ShardedTensors
-    (``x + 1``, ``model(x)``); partita installs the virtual device's at import."""
-    _EAGER_OPS[:] = [handler]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -78,17 +77,7 @@ class Shard:
     replica_id: int
 
 
-def _torch_binary(name: str, reverse: bool = False) -> Callable[[Any, Any], Any]:
-    """An operator method that calls ``torch.<name>`` (run by the eager-ops handler)."""
-    fn = getattr(torch, name)
-
-    def method(self: Any, other: Any) -> Any:
-        return fn(other, self) if reverse else fn(self, other)
-
-    return method
-
-
-class ShardedTensor:
+class ShardedTensor(EagerOps):
     """A global tensor whose shards live on the devices of a mesh (simulated in one process).
 
     Build one with :func:`mark_sharding`, :meth:`from_global` or :meth:`from_stacked`. The
@@ -101,18 +90,21 @@ class ShardedTensor:
         (torch.Size([4, 2]), [0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0])
     """
 
-    __slots__ = ("_annotated", "_shape", "_sharding", "_stacked")
+    __slots__ = ("_annotated", "_held", "_shape", "_sharding", "_stacked")
 
     def __init__(
         self,
-        stacked: torch.Tensor,
+        stacked: torch.Tensor | None,
         sharding: Sharding,
         shape: Sequence[int],
         *,
         annotated: bool = True,
+        held: tuple[torch.Tensor, tuple[bool, ...]] | None = None,
     ) -> None:
-        # Internal: use from_stacked (validated) or from_global.
+        # Internal: use from_stacked / from_held (validated) or from_global. One of
+        # ``stacked`` and ``held`` is set.
         self._stacked = stacked
+        self._held = held
         self._sharding = sharding
         self._shape = torch.Size(shape)
         self._annotated = annotated
@@ -164,6 +156,22 @@ class ShardedTensor:
             )
         return cls(stacked, sharding, shape)
 
+    @classmethod
+    def from_held(
+        cls, value: torch.Tensor, axes: Sequence[bool], sharding: Sharding, shape: Sequence[int]
+    ) -> ShardedTensor:
+        """Wrap storage held once per position of the mesh axes it varies along: ``value`` is
+        ``[*(mesh.shape[i] for the axes with axes[i] set), *local_shape]``, the same along
+        every other axis (how the LocalMesh holds a weight sharded over ``model`` and
+        replicated over ``data``). ``stacked`` copies it out to ``[mesh.size, *local]`` on its
+        first read, which drops the held form; ``partita.jit`` reads it as held, no copy."""
+        value = _check_tensor(value, "ShardedTensor.from_held")
+        _check_sharding(sharding, "ShardedTensor.from_held")
+        axes = check_held(value, axes, sharding, tuple(int(n) for n in shape))
+        if all(axes) or not any(axes):  # the stacked storage is a view: nothing to defer
+            return cls(stack_held(value, axes, sharding.mesh.shape), sharding, shape)
+        return cls(None, sharding, shape, held=(value, axes))
+
     # --- the value -----------------------------------------------------------------------
 
     @property
@@ -191,17 +199,31 @@ class ShardedTensor:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self._stacked.dtype
+        return self._held[0].dtype if self._held is not None else self._storage().dtype
 
     @property
     def stacked(self) -> torch.Tensor:
         """The storage: ``[mesh.size, *local_shape]``, one padded shard per mesh position."""
-        return self._stacked
+        return self._storage()
+
+    @property
+    def held(self) -> tuple[torch.Tensor, tuple[bool, ...]] | None:
+        """``(value, axes)`` while held as :meth:`from_held` says, else None. Read-only."""
+        return self._held
 
     @property
     def local_shape(self) -> tuple[int, ...]:
         """The padded shape every device holds."""
-        return tuple(self._stacked.shape[1:])
+        return local_shape(self._sharding, self._shape)
+
+    def _storage(self) -> torch.Tensor:
+        """``stacked``; the first read copies it out of the held form and drops that."""
+        if self._stacked is None:
+            assert self._held is not None  # one of the two is always set
+            value, axes = self._held
+            self._stacked = stack_held(value, axes, self.mesh.shape)
+            self._held = None
+        return self._stacked
 
     @property
     def is_annotated(self) -> bool:
@@ -215,11 +237,9 @@ class ShardedTensor:
             >>> mark_sharding(torch.arange(3), Mesh.create((2,), ("x",)), P("x")).full()
             tensor([0, 1, 2])
         """
-        out = unshard_tensor(self._stacked, self._sharding, self._shape)
-        if (
-            out.numel()
-            and out.untyped_storage().data_ptr() == self._stacked.untyped_storage().data_ptr()
-        ):
+        stacked = self._storage()
+        out = unshard_tensor(stacked, self._sharding, self._shape)
+        if out.numel() and out.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr():
             out = out.clone()  # never hand out a view of the shards
         return out
 
@@ -237,33 +257,10 @@ class ShardedTensor:
         shards = []
         for position, device in enumerate(self.mesh.device_ids):
             index = tuple(slice(start, stop) for start, stop in ranges[position])
-            data = self._stacked[position]
+            data = self._storage()[position]
             unpadded = data[tuple(slice(0, stop - start) for start, stop in ranges[position])]
             shards.append(Shard(data, unpadded, device, index, replicas[position]))
         return shards
-
-    # --- eager operations (run through the virtual device; see set_eager_ops) ----------------
-
-    @classmethod
-    def __torch_function__(
-        cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
-    ) -> Any:
-        if not _EAGER_OPS:
-            return NotImplemented
-        return _EAGER_OPS[0](func, args, kwargs or {})
-
-    def cpu(self) -> torch.Tensor:
-        """The global value as a plain CPU tensor (the same as :meth:`full`)."""
-        return self.full()
-
-    __add__, __radd__ = _torch_binary("add"), _torch_binary("add", reverse=True)
-    __sub__, __rsub__ = _torch_binary("sub"), _torch_binary("sub", reverse=True)
-    __mul__, __rmul__ = _torch_binary("mul"), _torch_binary("mul", reverse=True)
-    __truediv__, __rtruediv__ = _torch_binary("div"), _torch_binary("div", reverse=True)
-    __matmul__, __rmatmul__ = _torch_binary("matmul"), _torch_binary("matmul", reverse=True)
-
-    def __neg__(self) -> Any:
-        return torch.neg(self)
 
     def __repr__(self) -> str:
         # Indent the tensor's continuation lines under its first line.
@@ -315,6 +312,7 @@ def _mark_sharded(x: ShardedTensor, mesh: Mesh, spec: SpecLike) -> ShardedTensor
     if not x.is_annotated:
         value = x.full()
         x._stacked = shard_tensor(value, sharding)
+        x._held = None
         x._sharding = sharding
         x._annotated = True
         return x

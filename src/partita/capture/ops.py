@@ -18,6 +18,7 @@ the ops go; ``decompositions`` and ``annotate`` put them in graphs.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -84,6 +85,29 @@ def _scores(
     return scores
 
 
+def _heads_inner_empty(like: Tensor, shape: Sequence[int]) -> Tensor:
+    """An empty ``[..., H, L, E]`` tensor laid out as ``[..., L, H, E]`` (heads inside
+    positions), the layout ATen's fused CPU kernels write ``out`` and the gradients in: a
+    model's ``out.transpose(-3, -2).reshape(..., L, H * E)`` is then a view, not a copy.
+    Below rank 3 (no heads dim), contiguous."""
+    if len(shape) < 3:
+        return like.new_empty(shape)
+    *lead, h, length, e = shape
+    return like.new_empty((*lead, length, h, e)).transpose(-3, -2)
+
+
+def _as_heads_inner(t: Tensor) -> Tensor:
+    """``t`` in the layout of :func:`_heads_inner_empty` (the fakes'): as is when it already
+    is (the fused CPU kernels' results), else copied into it."""
+    if t.dim() < 3:
+        return t.contiguous()
+    *lead, h, length, e = t.shape
+    strides = torch.empty((*lead, length, h, e), device="meta").stride()
+    if t.stride() == (*strides[:-3], strides[-2], strides[-3], strides[-1]):
+        return t
+    return _heads_inner_empty(t, t.shape).copy_(t)
+
+
 @torch.library.custom_op("partita::sdpa", mutates_args=(), schema=_SDPA_SCHEMA)
 def sdpa(
     query: Tensor,
@@ -100,7 +124,7 @@ def sdpa(
     scores = _scores(query, key, attn_mask, is_causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value)
-    return out.contiguous(), lse
+    return _as_heads_inner(out), lse
 
 
 @sdpa.register_kernel("cpu")
@@ -108,13 +132,13 @@ def _(query, key, value, attn_mask, dropout_p, is_causal, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
-    # contiguous like the fake's: a compiled caller (Inductor) relies on the fake's strides
-    return out.contiguous(), lse.contiguous()
+    # the fake's strides: a compiled caller (Inductor) relies on them
+    return _as_heads_inner(out), lse.contiguous()
 
 
 @sdpa.register_fake
 def _(query, key, value, attn_mask, dropout_p, is_causal, scale):
-    out = query.new_empty((*query.shape[:-1], value.shape[-1]))
+    out = _heads_inner_empty(query, (*query.shape[:-1], value.shape[-1]))
     lse = query.new_empty(query.shape[:-1], dtype=torch.float32)
     return out, lse
 
@@ -140,7 +164,8 @@ def sdpa_backward(
     grad_p = torch.matmul(grad_out, value.transpose(-2, -1))
     delta = (grad_out * out).sum(-1, keepdim=True)
     grad_s = probs * (grad_p - delta) * s
-    return torch.matmul(grad_s, key), torch.matmul(grad_s.transpose(-2, -1), query), grad_v
+    grads = torch.matmul(grad_s, key), torch.matmul(grad_s.transpose(-2, -1), query), grad_v
+    return tuple(_as_heads_inner(g) for g in grads)
 
 
 @sdpa_backward.register_kernel("cpu")
@@ -149,13 +174,13 @@ def _(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_caus
         grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
         attn_mask=attn_mask, scale=scale,
     )  # fmt: skip
-    return gq.contiguous(), gk.contiguous(), gv.contiguous()
+    return _as_heads_inner(gq), _as_heads_inner(gk), _as_heads_inner(gv)
 
 
 @sdpa_backward.register_fake
 def _(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal, scale):
-    # contiguous, as both kernels return them (empty_like would keep a permuted input's strides)
-    return query.new_empty(query.shape), key.new_empty(key.shape), value.new_empty(value.shape)
+    # the layout both kernels return (empty_like would keep a permuted input's strides)
+    return tuple(_heads_inner_empty(t, t.shape) for t in (query, key, value))
 
 
 # --- vmap: fold the vmapped dim into the leading batch dim -----------------------------------

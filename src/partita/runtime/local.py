@@ -35,8 +35,11 @@ inputs vary along none); and mesh ops (an all_reduce or all_gather result varies
 input's axes less the group's, runs on the value as held (``_all_reduce``: a reduction over
 the group axes it varies along); the others vary along their input's and the group's axes).
 A value is spread to ``[n, *local]`` only where another mesh op reads it and as a graph
-output: a stride-0 ``expand`` view for a value identical everywhere (read-only in spirit;
-clone it before writing), a copy for one that varies along some axes only. Matmuls whose
+output of ``run``: a stride-0 ``expand`` view for a value identical everywhere (read-only in
+spirit; clone it before writing), a copy for one that varies along some axes only.
+``run_compiled`` (``partita.jit``) hands such an output out held instead
+(``ShardedTensor.from_held``: copied to ``[n, *local]`` only if read so), and reads a held
+input as it is; a plain input is cut as a view of the caller's tensor, not a copy. Matmuls whose
 operands vary along different axes are folded into one ``mm`` in the traced flat graph
 (``runtime.flat_matmul``) instead of a ``bmm`` over broadcast copies. A matmul read only by a
 sum over mesh axes runs as one matmul over the joined slices of its contraction dim
@@ -63,7 +66,7 @@ from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
 from partita.errors import PartitaError
-from partita.layout import check_strided, shard_compact, shard_tensor
+from partita.layout import check_strided, shard_compact, shard_tensor, stack_held
 from partita.mesh import Mesh
 from partita.runtime.compiled import stats_for
 from partita.runtime.contraction import Summed, contract
@@ -123,30 +126,38 @@ class LocalMesh:
 
         ``leaves`` are ShardedTensors or plain tensors holding the whole value; each is cut
         into its devices' tiles as ``compiled.input_shardings`` says. Returns one
-        ShardedTensor per output.
+        ShardedTensor per output. An output that varies along some mesh axes only stays held
+        once per position of those (``ShardedTensor.from_held``); such an input is read as held.
         """
         values = []
+        borrowed: set[int] = set()  # storages of plain inputs read in place, not copied
         for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True):
             if isinstance(leaf, ShardedTensor):
                 if leaf.sharding != sharding:  # only if a plain spec and an annotation disagree
                     leaf = ShardedTensor.from_global(leaf.full(), sharding)
                 # Rows along a replicated axis hold the same tile (what ``full`` reads back
                 # from replica 0), so only replica 0 of each is read.
-                values.append(self._compact(leaf.stacked, sharding.replicated_axes))
+                held = leaf.held
+                values.append(held or self._compact(leaf.stacked, sharding.replicated_axes))
             elif not sharding.partial:
                 # Only the distinct tiles: the work on a value replicated along an axis (a
                 # data-parallel optimizer update) runs once per tile, not once per device.
-                values.append(self._axes_value(shard_compact(leaf, sharding)))
+                # Read in place (no op writes an input); an output sharing its storage is
+                # copied below, so no result aliases the caller's tensor.
+                values.append(self._axes_value(shard_compact(leaf, sharding, copy=False)))
+                borrowed.add(leaf.untyped_storage().data_ptr())
             else:
                 values.append(self._compact(shard_tensor(leaf, sharding)))
         compile_programs = getattr(compiled, "compile_programs", False)
-        outs = self._execute(compiled.local, values, compile_programs)
-        return [
-            ShardedTensor.from_stacked(o, s, shape)
-            for o, s, shape in zip(
-                outs, compiled.output_shardings, compiled.output_shapes, strict=True
-            )
-        ]
+        outs = self._execute(compiled.local, values, compile_programs, held=True)
+        results = []
+        for (value, axes), s, shape in zip(
+            outs, compiled.output_shardings, compiled.output_shapes, strict=True
+        ):
+            if value.numel() and value.untyped_storage().data_ptr() in borrowed:
+                value = value.clone()
+            results.append(ShardedTensor.from_held(value, axes, s, shape))
+        return results
 
     def run(
         self, gm: fx.GraphModule, stacked_inputs: Sequence[Any], *, compile_programs: bool = False
@@ -178,8 +189,13 @@ class LocalMesh:
         return plan
 
     def _execute(
-        self, gm: fx.GraphModule, values: list[tuple[Any, Axes]], compile_programs: bool
+        self,
+        gm: fx.GraphModule,
+        values: list[tuple[Any, Axes]],
+        compile_programs: bool,
+        held: bool = False,
     ) -> list[Any]:
+        """The graph's flattened outputs, stacked; with ``held``, as ``(value, axes)``."""
         plan = self._plan(gm)
         ndim = self.mesh.ndim
         stats = stats_for(gm) if compile_programs else None
@@ -203,6 +219,8 @@ class LocalMesh:
             else:
                 env[step] = self._run_mesh_op(step, env)
         leaves, _ = pytree.tree_flatten(plan.output)
+        if held:
+            return [env[x] if isinstance(x, fx.Node) else (x, ()) for x in leaves]
         return [self._stacked(*env[x]) if isinstance(x, fx.Node) else x for x in leaves]
 
     def _read_input(self, node: fx.Node, x: Any) -> tuple[Any, Axes]:
@@ -244,18 +262,9 @@ class LocalMesh:
     def _stacked(self, value: Any, axes: Axes) -> Any:
         """A ``(value, axes)`` as the stacked ``[n, *local]``: a view when it varies along
         every axis or none (stride 0), a copy otherwise."""
-        mesh = self.mesh
         if not isinstance(value, Tensor):
             return value
-        if not any(axes):
-            return _broadcast(value, mesh.size)
-        k = sum(axes)
-        local = value.shape[k:]
-        if all(axes):
-            return value.reshape(mesh.size, *local)
-        ones = [mesh.shape[i] if v else 1 for i, v in enumerate(axes)]
-        full = value.reshape(*ones, *local).expand(*mesh.shape, *local)
-        return full.reshape(mesh.size, *local)
+        return stack_held(value, axes, self.mesh.shape)
 
     def _run_mesh_op(self, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
         from partita.runtime.stacked import STACKED_BUCKET_IMPLS, STACKED_IMPLS  # lazily
@@ -372,8 +381,3 @@ def _bind(node: fx.Node) -> dict[str, Any]:
     """A mesh op node's arguments by schema name."""
     names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
     return {**dict(zip(names, node.args, strict=False)), **node.kwargs}  # trailing defaults
-
-
-def _broadcast(value: Tensor, n: int) -> Tensor:
-    """An unbatched value as a stacked one: a stride-0 view, no copy."""
-    return value.expand(n, *value.shape)
