@@ -435,16 +435,29 @@ def test_flat_graph_folds_a_broadcast_bmm() -> None:
 
 
 @needs_stacked
-def test_weight_gradient_sum_is_one_contraction() -> None:
+def test_weight_gradient_sum_is_one_contraction(monkeypatch: pytest.MonkeyPatch) -> None:
     """``mm`` read only by a sum over the whole mesh runs as one ``mm`` over every device's
     rows (no per-device products); over part of the mesh, one ``mm`` per tile of the other
-    axes over the group's slices of the contraction dim. All equal the sums."""
+    axes over the group's slices of the contraction dim, or, where joining the slices would
+    copy the transposed operand (the sum over ``x``, the outer axis), one matmul per slice
+    summed in place (``sum_of_slices``). All equal the sums."""
+    from partita.runtime import contraction
 
-    def fn(g: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    slices: list[int] = []
+
+    def counted(a: Tensor, b: Tensor, sizes: list[int]) -> Tensor:
+        slices.append(a.shape[len(sizes)])
+        return sum_of_slices(a, b, sizes)
+
+    sum_of_slices = contraction.sum_of_slices
+    monkeypatch.setattr(contraction, "sum_of_slices", counted)
+
+    def fn(g: Tensor, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         whole = coll.reduce_scatter(g.t() @ x, 0, "sum", ["x", "y"], 4)
         avg = coll.all_reduce(torch.mm(g.t(), x), "avg", ["x", "y"], 4)
         part = coll.all_reduce(torch.mm(g.t(), x), "sum", ["y"], 2)
-        return whole, avg, part
+        outer = coll.all_reduce(torch.mm(g.t(), x), "sum", ["x"], 2)
+        return whole, avg, part, outer
 
     g, x = _stack(6, 8), _stack(6, 3, seed=1)
     gm = make_fx(fn)(g[0], x[0])
@@ -463,14 +476,17 @@ def test_weight_gradient_sum_is_one_contraction() -> None:
         return out
 
     runner._contract = recorded  # type: ignore[method-assign]
-    whole, avg, part = runner.run(gm, [g, x])
-    assert kinds == ["summed", "summed", "summed over [1]"]
+    whole, avg, part, outer = runner.run(gm, [g, x])
+    assert kinds == ["summed", "summed", "summed over [1]", "summed over [0]"]
+    assert slices == [2]  # only the sum over x, as 2 slices
     per_device = g.transpose(1, 2) @ x  # [4, 8, 3]
     total = per_device.sum(0)
     torch.testing.assert_close(whole, total.reshape(4, 2, 3))
     torch.testing.assert_close(avg, (total / 4).expand(4, 8, 3))
     rows = per_device.view(2, 2, 8, 3).sum(1, keepdim=True).expand(2, 2, 8, 3)
     torch.testing.assert_close(part, rows.reshape(4, 8, 3))
+    cols = per_device.view(2, 2, 8, 3).sum(0, keepdim=True).expand(2, 2, 8, 3)
+    torch.testing.assert_close(outer, cols.reshape(4, 8, 3))
 
 
 # --- selections at a per-device index (runtime.device_index) ---------------------------------

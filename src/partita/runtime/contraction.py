@@ -8,7 +8,10 @@ output written and read again. But the sum over the group of ``a_g @ w_g`` is
 ``[a_1 | a_2 | ...] @ [w_1; w_2; ...]``: one matmul over the group's slices side by side along
 ``K``, the matmul the unsharded program runs. :func:`group_contract` computes it on values as
 the LocalMesh holds them (``(value, axes)``, ``runtime.local``); the all_reduce that reads it
-then only divides (``avg``) or passes it on (:class:`Summed`).
+then only divides (``avg``) or passes it on (:class:`Summed`). Where joining the slices
+would copy an operand (a weight gradient's output gradient, transposed, summed over the
+outer mesh axis), the products of the slices are summed in place instead
+(:func:`sum_of_slices`): no copy, one output.
 """
 
 from __future__ import annotations
@@ -61,6 +64,14 @@ def group_contract(
     m, k = a.shape[-2:]
     n = b.shape[-1]
     a2 = lead(a, a_axes).movedim(len(rest), -2)  # [*rest, M, group, K]
+    if len(rest) <= 1 and not _joins(a2):
+        # Joining the slices would copy ``a`` (a weight gradient's transposed output
+        # gradient): sum one batched matmul per slice into the output instead.
+        sizes = [mesh.shape[i] for i in rest]
+        out = sum_of_slices(a2.movedim(-2, len(rest)), lead(b, b_axes), sizes)
+        return out, Summed(
+            tuple(v and i not in group for i, v in enumerate(union)), frozenset(group)
+        )
     a2 = a2.reshape(*a2.shape[: len(rest)], m, size * k)
     b2 = lead(b, b_axes)  # [*rest, group, K, N]
     b2 = b2.reshape(*b2.shape[: len(rest)], size * k, n)
@@ -69,6 +80,31 @@ def group_contract(
     else:
         out = torch.mm(a2, b2)
     return out, Summed(tuple(v and i not in group for i, v in enumerate(union)), frozenset(group))
+
+
+def _joins(a: Tensor) -> bool:
+    """Whether ``[..., M, G, K]`` reshapes to ``[..., M, G * K]`` as a view."""
+    g, k = a.shape[-2:]
+    return g == 1 or k == 1 or a.stride(-2) == k * a.stride(-1)
+
+
+def sum_of_slices(a: Tensor, b: Tensor, sizes: list[int]) -> Tensor:
+    """``sum over g of a[..., g, :, :] @ b[..., g, :, :]`` for ``a [*Ra, G, M, K]`` and
+    ``b [*Rb, G, K, N]`` with at most one leading dim ``Ra``, ``Rb`` (1 or ``sizes[0]``):
+    ``[*sizes, M, N]``, one (batched) matmul per slice accumulated in place, no operand
+    copied (a broadcast operand is a stride-0 batch)."""
+    nr = len(sizes)
+    m, k, n = a.shape[-2], a.shape[-1], b.shape[-1]
+    out: Tensor | None = None
+    for g in range(a.shape[nr]):
+        ag, bg = a.select(nr, g), b.select(nr, g)
+        if nr:
+            ag, bg = ag.expand(sizes[0], m, k), bg.expand(sizes[0], k, n)
+            out = torch.bmm(ag, bg) if out is None else out.baddbmm_(ag, bg)
+        else:
+            out = torch.mm(ag, bg) if out is None else out.addmm_(ag, bg)
+    assert out is not None  # G >= 1
+    return out
 
 
 Entry = tuple[Any, Any]  # ``(value, axes)`` as the LocalMesh holds it (``axes`` may be a marker)
