@@ -352,5 +352,31 @@ case(
 )
 
 
+# --- margin losses' backwards (gathered whole): scores [5, 4], class targets ---------------------
+
+
+def _multilabel_backward(g: torch.Tensor, x: torch.Tensor) -> Any:
+    target = torch.tensor(
+        [[1, 3, -1, 0], [0, -1, 2, 2], [2, 1, 0, -1], [3, -1, 0, 0], [0, 1, 2, 3]]
+    )
+    _, is_target = aten.multilabel_margin_loss_forward.default(x, target, 1)
+    return aten.multilabel_margin_loss_backward.default(g, x, target, 1, is_target)
+
+
+case(
+    aten.multi_margin_loss_backward.default,
+    lambda g, x: aten.multi_margin_loss_backward.default(
+        g, x, torch.tensor([1, 0, 3, 2, 1]), 1, 1.0, None, 1
+    ),
+    lambda g: torch.randn((), generator=g),
+    f(5, 4),
+)
+case(
+    aten.multilabel_margin_loss_backward.default,
+    _multilabel_backward,
+    lambda g: torch.randn((), generator=g),
+    f(5, 4),
+)
+
 import op_cases_linalg  # noqa: E402,F401
 import op_cases_plane  # noqa: E402,F401

@@ -1,7 +1,8 @@
 """Rules of distance, lookup and whole-tensor ops: ``cdist`` (and its backward), ``pdist``,
 ``dist``, ``bucketize``, ``searchsorted``, ``index_reduce``, and the ops that are gathered whole
 (``embedding_bag``, histograms, ``put``, ``masked_scatter``, ``nonzero_static``,
-``segment_reduce``, ``hash_tensor``, ``_trilinear``).
+``segment_reduce``, ``hash_tensor``, ``_trilinear``, the backwards of the multi-class margin
+losses, whose forwards decompose).
 
 Decisions: a distance sums a *p*-th power over the feature dim and takes a root, which is not a
 sum of per-shard distances, so the feature dim is need-replication; the points of ``cdist``
@@ -60,6 +61,8 @@ _GATHERED = aten_ops(
         "histogram.bin_ct",
         "histogram.bins_tensor",
         "masked_scatter.default",
+        "multi_margin_loss_backward.default",
+        "multilabel_margin_loss_backward.default",
         "nonzero_static.default",
         "put.default",
         "segment_reduce.default",
