@@ -418,15 +418,10 @@ class _PerHeadNorm(nn.Module):
         return (q * k).sum(-1)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=KeyError,
-    reason="partition/bucket.py: the gradient of a per-head weight is partial over both axes; "
-    "under fsdp+tp on 2x2 a reduce_scatter over data feeds an all_reduce over model, and "
-    "bucketing the all_reduces reads pos[] of the getitem the reduce_scatters' bucket made "
-    "(KeyError). Fix: take the bucket's position from priority[], which has the new nodes",
-)
 def test_per_head_norm_weights_fsdp_tp_on_a_2x2_mesh() -> None:
+    """A per-head weight (Qwen3's q_norm) under fsdp+tp on 2x2: its gradient's reduce_scatter
+    over data feeds an all_reduce over model, and bucketing the all_reduces read the position
+    of a node the reduce_scatters' bucket had just made (a KeyError)."""
     torch.manual_seed(0)
     model = _PerHeadNorm()
     ref = copy.deepcopy(model)

@@ -125,7 +125,9 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan, bucket_bytes: int) -> Non
             at = (
                 min(m.first_use for m in bucket) - 0.5
                 if gather
-                else max(pos[a] for m in bucket for a in m.node.all_input_nodes) + 0.5
+                # priority, not pos: an input may be a getitem of a bucket fused just before
+                # (a reduce_scatter over one axis feeding an all_reduce over the other)
+                else max(priority[a] for m in bucket for a in m.node.all_input_nodes) + 0.5
             )
             _fuse(gm.graph, bucket, priority, at)
             plan.buckets.append(Bucket(kind, tuple(m.record for m in bucket)))
