@@ -778,3 +778,22 @@ def test_training_step_traces_repeated_layers_once_when_two_trace_alike(by_posit
     assert _positional(scanned) == _positional(unrolled)
     tanh = sum(n.target == torch.ops.aten.tanh.default for n in scanned.graph.nodes)
     assert tanh == (3 if by_position else 0)
+
+
+def test_constants_read_twice_through_autograd_grad_are_one_input():
+    """The backward of a closed-over module's op (traced through autograd.grad) reads its
+    weight with a second get_attr of the same constant; lifting it used to fail on the
+    second (AttributeError '_param_constant0')."""
+    torch.manual_seed(0)
+    conv = torch.nn.ConvTranspose2d(3, 4, 4, stride=2, padding=1)
+    targets = torch.tensor([1, 0, 3, 2])
+
+    def grads(x):
+        x = x.detach().requires_grad_(True)
+        smooth = F.cross_entropy(conv(x).mean((2, 3)), targets, label_smoothing=0.1)
+        return torch.autograd.grad(smooth, x)[0]
+
+    x = torch.randn(4, 3, 5, 4)
+    mesh = Mesh.create((2,), ("x",))
+    got = partita.jit(grads, mesh=mesh, in_specs=(P("x"),))(x).full()
+    torch.testing.assert_close(got, grads(x))

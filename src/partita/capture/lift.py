@@ -38,7 +38,14 @@ def lift_constants(
     values: list[torch.Tensor] = []
     lifted: list[fx.Node] = []
     last = placeholders[-1] if placeholders else None
+    by_target: dict[str, fx.Node] = {}
     for node in getters:
+        if str(node.target) in by_target:
+            # A second get_attr of the same constant (the backward of a closed-over module's
+            # op, traced through autograd.grad, reads its weight again): the same input.
+            node.replace_all_uses_with(by_target[str(node.target)])
+            graph.erase_node(node)
+            continue
         value = _fetch(gm, str(node.target))
         if not isinstance(value, torch.Tensor):
             continue
@@ -55,6 +62,7 @@ def lift_constants(
         _drop(gm, str(node.target))
         values.append(value.detach())
         lifted.append(ph)
+        by_target[str(node.target)] = ph
         last = ph
     annotations: dict[fx.Node, Annotation] = {}
     if mesh is not None:
