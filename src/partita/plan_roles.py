@@ -38,13 +38,14 @@ COLUMN_NAMES = frozenset(
         "qkv", "c_attn", "q_proj", "k_proj", "v_proj", "query", "key", "value", "in_proj",
         "query_key_value", "Wqkv", "qkv_proj", "fc", "fc1", "c_fc", "fc_in", "up_proj",
         "gate_proj", "gate_up_proj", "w1", "w3", "wi", "wi_0", "wi_1", "q", "k", "v",
-        "dense_h_to_4h",
+        "dense_h_to_4h", "q_lin", "k_lin", "v_lin", "lin1", "query_proj", "key_proj",
+        "value_proj", "ffn", "pwconv1",
     }
 )  # fmt: skip
 ROW_NAMES = frozenset(
     {
         "proj", "out_proj", "o_proj", "c_proj", "down_proj", "fc2", "fc_out", "w2", "wo", "o",
-        "dense_4h_to_h",
+        "dense_4h_to_h", "out_lin", "lin2", "ffn_output", "pwconv2",
     }
 )  # fmt: skip
 # Column linears whose output features are several tensors side by side (q|k|v, gate|up).
