@@ -106,7 +106,10 @@ def test_gpt_training_equals_local_mesh(local_run: tuple[list[str], dict], tmp_p
             key = slice(third, 2 * third)
             torch.testing.assert_close(g[key], w[key], rtol=0, atol=2e-3, msg=k)
             g, w = torch.cat([g[:third], g[2 * third :]]), torch.cat([w[:third], w[2 * third :]])
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=k)
+        # The rest to 3e-5: AdamW divides each gradient by its own root mean square, so an
+        # element whose gradient is near zero turns a reordered sum's rounding into a visible
+        # move (ci23: one element of 12,288 in blocks.1.attn.qkv.weight, 1.1e-5 on 0.09).
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=3e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 def test_two_hosts_with_torchrun(local_run: tuple[list[str], dict]) -> None:
