@@ -13,7 +13,6 @@ skipped with that reason.
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -22,20 +21,18 @@ import torch
 from torch import nn
 
 from test_models import (  # isort: skip
-    ATOL,
     BATCH,
     LM,
     PLANS,
-    RTOL,
     STEPS,
     VOCAB,
     Batch,
     ModelCase,
     _logits,
+    assert_trains_like_torch_optim,
+    build,
     class_loss,
-    reference,
     seq2seq_batches,
-    sharded,
     transformers,
 )
 
@@ -296,19 +293,4 @@ def _zoo_cases() -> list[Any]:
 @pytest.mark.skipif(not os.environ.get("PARTITA_MODEL_ZOO"), reason="set PARTITA_MODEL_ZOO=1")
 @pytest.mark.parametrize(("name", "plan"), _zoo_cases())
 def test_zoo_trains_like_torch_optim(name: str, plan: str) -> None:
-    case = ZOO[name]
-    torch.manual_seed(0)
-    model = case.build()
-    if hasattr(model, "config"):
-        model.config.use_cache = False
-    ref = copy.deepcopy(model)
-    batches = case.batches(torch.Generator().manual_seed(0))
-    want = reference(ref, case, batches)
-    step = sharded(model, case, plan)
-    got = [float(step(batch)) for batch in batches]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
-    full = step.full_parameters()
-    for pname, value in ref.named_parameters():
-        torch.testing.assert_close(
-            full[pname], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=pname: f"{n}: {m}"
-        )
+    assert_trains_like_torch_optim(build(name, ZOO), ZOO[name], plan)

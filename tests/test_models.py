@@ -186,9 +186,9 @@ FAST = frozenset({"llama", "mistral", "phi3", "mixtral", "gpt2", "bert"})
 XFAIL: dict[tuple[str, str], str] = {}
 
 
-def build(name: str) -> nn.Module:
+def build(name: str, models: dict[str, ModelCase] | None = None) -> nn.Module:
     torch.manual_seed(0)
-    model = MODELS[name].build()
+    model = (models or MODELS)[name].build()
     if hasattr(model, "config"):
         model.config.use_cache = False  # training builds no KV cache (T5 reads it at forward)
     return model
@@ -227,8 +227,12 @@ def _cases() -> list[Any]:
 
 @pytest.mark.parametrize(("name", "plan"), _cases())
 def test_trains_like_torch_optim(name: str, plan: str) -> None:
-    case = MODELS[name]
-    model = build(name)
+    assert_trains_like_torch_optim(build(name), MODELS[name], plan)
+
+
+def assert_trains_like_torch_optim(model: nn.Module, case: ModelCase, plan: str) -> None:
+    """``model`` trained by ``train_step`` under ``plan`` and by torch.optim: the same losses
+    and final parameters."""
     ref = copy.deepcopy(model)
     batches = case.batches(torch.Generator().manual_seed(0))
     want = reference(ref, case, batches)
