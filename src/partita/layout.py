@@ -26,6 +26,7 @@ communication.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -221,9 +222,7 @@ def stack_held(value: torch.Tensor, axes: Sequence[bool], sizes: Sequence[int]) 
         >>> stack_held(torch.tensor([[1], [2]]), (False, True), (3, 2)).flatten().tolist()
         [1, 2, 1, 2, 1, 2]
     """
-    n = 1
-    for size in sizes:
-        n *= size
+    n = math.prod(sizes)
     k = sum(bool(a) for a in axes)
     local = value.shape[k:]
     if k == 0:

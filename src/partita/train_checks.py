@@ -22,6 +22,7 @@ from partita.errors import SpecError, TrainInputError
 from partita.mesh import Mesh
 from partita.presets import PresetLike
 from partita.spec import PartitionSpec
+from partita.training.groups import optimizer_params
 
 __all__ = [
     "check_batch",
@@ -149,7 +150,7 @@ def check_optimizer_params(
     optimizer: torch.optim.Optimizer, model: nn.Module, trainable: dict[str, torch.Tensor]
 ) -> None:
     """The optimizer holds the model's trainable parameters (and perhaps frozen ones)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = optimizer_params(optimizer)
     given = {id(p) for p in params}
     wanted = {id(p) for p in trainable.values()}
     everything = {id(p) for p in model.parameters()}
