@@ -36,6 +36,7 @@ _VALUES = (
     "partita.plan_roles",
     "partita.plans",
     "partita.presets",
+    "partita.serialization",
     "partita.spec",
     "partita.tensor",
     "partita.tensor_ops",

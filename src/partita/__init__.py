@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 
+import partita.serialization  # noqa: F401  (lets torch.load(weights_only=True) read partita values)
 from partita import data, distributed, presets
 from partita.api import mark_sharding
 from partita.distributed import is_main_process, process_count, process_index
