@@ -328,11 +328,12 @@ def test_static_outputs_come_back_beside_the_tensors():
         return {"y": a * 2, "n": a.shape[0], "none": None, "rows": a.shape, "tag": "x"}, a + 1
 
     program = trace(fn, (torch.ones(2, 3), torch.zeros(3)))
-    assert program.static_outputs == {1: 2, 2: None, 3: 2, 4: 3, 5: "x"}
+    assert program.static_outputs == {1: 2, 2: None, 3: torch.Size([2, 3]), 4: "x"}
     assert program.num_results == 2
     b = torch.zeros(3)
     out, z = program(torch.full((2, 3), 3.0), b)
-    assert (out["n"], out["none"], tuple(out["rows"]), out["tag"]) == (2, None, (2, 3), "x")
+    assert (out["n"], out["none"], out["rows"], out["tag"]) == (2, None, (2, 3), "x")
+    assert type(out["rows"]) is torch.Size  # not the plain tuple pytree rebuilds
     assert torch.equal(out["y"], torch.full((2, 3), 6.0)) and torch.equal(
         z, torch.full((2, 3), 4.0)
     )
@@ -349,6 +350,16 @@ def test_jit_returns_static_outputs_and_shards_only_the_tensors():
     total, none, cols, half = f(a)
     assert (none, cols, half) == (None, 6, 0.5)
     assert total.spec == P("y") and torch.allclose(total.full(), a.sum(0))
+
+
+def test_a_size_argument_reaches_the_function_as_a_size():
+    """``shape.numel()`` on a ``torch.Size`` argument works under jit as it does eagerly."""
+    mesh = Mesh.create((2, 2), ("x", "y"))
+    f = partita.jit(lambda a, shape: a.reshape(shape) * shape.numel(), mesh=mesh,
+                    in_specs=(P("x", None), None))  # fmt: skip
+    a = torch.randn(4, 6)
+    out = f(a, torch.Size([4, 3, 2]))
+    assert torch.allclose(out.full(), a.reshape(4, 3, 2) * 24)
 
 
 def test_an_object_output_is_refused_with_the_fix():

@@ -31,7 +31,7 @@ from partita import capture
 from partita.capture.gc_pause import gc_paused
 from partita.capture.layer_auto import scan_repeated_layers
 from partita.capture.module import ModuleInputs
-from partita.capture.trace import input_path
+from partita.capture.trace import input_path, unflatten_args
 from partita.errors import JitArgumentError, RecompileWarning, warn
 from partita.explain import format_program
 from partita.jit_signature import Signatures, trace_specs
@@ -169,7 +169,7 @@ class Jitted:
             torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, ShardedTensor) else leaf
             for leaf in leaves
         ]
-        targs, tkwargs = pytree.tree_unflatten(trace_leaves, pytree.tree_structure((args, kwargs)))
+        targs, tkwargs = unflatten_args(trace_leaves, pytree.tree_structure((args, kwargs)))
         n_args = pytree.tree_structure(args).num_leaves
         specs = trace_specs(shardings)
         # The three stages build graphs that all live on: no cyclic GC in between (gc_pause).

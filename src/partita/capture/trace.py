@@ -67,12 +67,37 @@ from partita.errors import CaptureError, PartitaError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
 
-__all__ = ["broadcast_specs", "input_path", "trace"]
+__all__ = ["broadcast_specs", "input_path", "trace", "unflatten_args"]
 
 _STATIC_TYPES = (
     type(None), bool, int, float, complex, str, bytes, type(Ellipsis), slice, enum.Enum,
     torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, Mesh, PartitionSpec,
 )  # fmt: skip
+
+
+def _is_size(value: Any) -> bool:
+    return isinstance(value, torch.Size)
+
+
+def unflatten_args(leaves: list[Any], tree: pytree.TreeSpec) -> Any:
+    """``pytree.tree_unflatten``, except that a ``torch.Size`` argument comes back a
+    ``torch.Size`` (the pytree registration ``make_fx`` installs rebuilds it as a plain tuple,
+    and ``shape.numel()`` in the user's function would fail while tracing only)."""
+    if tree.is_leaf():
+        return leaves[0]
+    if not _has_size(tree):
+        return pytree.tree_unflatten(leaves, tree)
+    children, start = [], 0
+    for child in tree.children():
+        children.append(unflatten_args(leaves[start : start + child.num_leaves], child))
+        start += child.num_leaves
+    if tree.type is torch.Size:
+        return torch.Size(children)
+    return pytree.SUPPORTED_NODES[tree.type].unflatten_fn(children, tree.context)
+
+
+def _has_size(tree: pytree.TreeSpec) -> bool:
+    return tree.type is torch.Size or any(_has_size(c) for c in tree.children())
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
@@ -162,9 +187,10 @@ def _trace(
         for i, t in zip(tensor_idx, tensors, strict=True):
             full[i] = t
             received.append(t)
-        call_args, call_kwargs = pytree.tree_unflatten(full, in_tree)
+        call_args, call_kwargs = unflatten_args(full, in_tree)
         result = fn(*call_args, **call_kwargs)
-        out_paths, out_tree = pytree.tree_flatten_with_path(result)
+        # A torch.Size is one static leaf (pytree would return it as a plain tuple of ints).
+        out_paths, out_tree = pytree.tree_flatten_with_path(result, is_leaf=_is_size)
         outs = [leaf for _, leaf in out_paths if isinstance(leaf, torch.Tensor)]
         static_outs.clear()
         for i, (path, leaf) in enumerate(out_paths):
