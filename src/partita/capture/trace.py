@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,6 +74,25 @@ _STATIC_TYPES = (
     type(None), bool, int, float, complex, str, bytes, type(Ellipsis), slice, enum.Enum,
     torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, Mesh, PartitionSpec,
 )  # fmt: skip
+
+
+class _DropMetaFailure(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def _quiet_meta_failures() -> Iterator[None]:
+    """While tracing, FakeTensor logs a traceback at ERROR level for every op whose shape
+    check fails, before the exception reaches partita, which re-raises it as a CaptureError
+    naming the user's line (with the original chained): the log would print it twice."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    drop = _DropMetaFailure()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)
 
 
 def _is_size(value: Any) -> bool:
@@ -224,7 +244,12 @@ def _trace(
             # A lazy GraphModule generates its Python code only when it is run or printed:
             # later stages read the graph, and normalising and lifting edit it, so the code
             # of a thousands-node step would be generated (up to 3 times) for nothing.
-            with fx_traceback.preserve_node_meta(), _compiling(), _use_lazy_graph_module(True):
+            with (
+                fx_traceback.preserve_node_meta(),
+                _compiling(),
+                _use_lazy_graph_module(True),
+                _quiet_meta_failures(),
+            ):
                 gm = make_fx(
                     functionalized(flat_fn, updates),
                     decomposition_table=decomposition_table(),
