@@ -438,7 +438,8 @@ def test_spec_errors():
         trace(lambda a: a, (torch.ones(2),), in_specs=P())
     with pytest.raises(CaptureError, match=r"Write P\('x', None\)"):
         trace(lambda a: a, (torch.ones(2, 2),), mesh=MESH, in_specs=(("x", None),))
-    with pytest.raises(CaptureError, match="does not match the structure"):
+    shown = r"in_specs is \(P\(\), P\(\)\), the values are \(tensor\[2\],\)"
+    with pytest.raises(CaptureError, match=rf"does not match the structure of the values: {shown}"):
         trace(lambda a: a, (torch.ones(2),), mesh=MESH, in_specs=(P(), P()))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch.utils import _pytree as pytree
 
 from partita.errors import CaptureError
@@ -51,6 +52,32 @@ def _key_ordered(specs: Any, tree: Any) -> Any:
     return specs
 
 
+class _Shown:
+    """A leaf shown by a short text in an error message."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def __repr__(self) -> str:
+        return self.text
+
+
+def _skeleton(tree: Any) -> Any:
+    """``tree`` with each tensor shown as ``tensor[4, 3]``, for messages.
+
+    Example:
+        >>> _skeleton(((torch.ones(4), 2), {"mask": None}))
+        ((tensor[4], 2), {'mask': None})
+    """
+
+    def show(leaf: Any) -> Any:
+        if isinstance(leaf, torch.Tensor):
+            return _Shown(f"tensor{list(leaf.shape)}")
+        return _Shown(f"{leaf!r:.40}")
+
+    return pytree.tree_map(show, tree)
+
+
 def broadcast_specs(specs: Any, tree: Any, what: str, fn_name: str) -> list[PartitionSpec | None]:
     """One spec (or None) per leaf of ``tree``; ``specs`` is a prefix of ``tree`` (dicts match
     by key)."""
@@ -71,7 +98,7 @@ def broadcast_specs(specs: Any, tree: Any, what: str, fn_name: str) -> list[Part
     if flat is None:
         raise CaptureError(
             f"{what} of {fn_name!r} does not match the structure of the values: {what} is "
-            f"{specs!r}, the values have structure {pytree.tree_structure(tree)}. Give a P or "
-            f"None per value (or one for a whole container)."
+            f"{specs!r}, the values are {_skeleton(tree)!r}. Give a P or None per value (or "
+            f"one for a whole container)."
         )
     return [None if isinstance(s, _NoSpec) else s for s in flat]
