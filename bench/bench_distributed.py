@@ -100,9 +100,40 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 CPU = [0.0]
 
 
+#: Process memory around the steps (bytes, this rank), set by ``_median``: ``setup`` the
+#: high-water mark before the first step (imports, model, and for partita the compile),
+#: ``maxrss`` the whole-process ``ru_maxrss`` before the high-water mark is reset, ``steps``
+#: the high-water mark of the timed steps alone (reset after the warm-ups; 0 off Linux).
+MEM = {"setup": 0.0, "maxrss": 0.0, "steps": 0.0}
+
+
+def _hwm() -> float:
+    """This process's resident high-water mark (``VmHWM``), bytes; 0 where there is none."""
+    try:
+        with open("/proc/self/status") as f:
+            line = next(ln for ln in f if ln.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0.0
+    return float(line.split()[1]) * 1024
+
+
+def _reset_hwm() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux ``clear_refs`` 5). It also lowers what
+    ``ru_maxrss`` reports afterwards: ``MEM["maxrss"]`` keeps the earlier whole-process peak."""
+    MEM["maxrss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True
+
+
 def _median(fn: Callable[[], Any], repeat: int) -> float:
+    MEM["setup"] = _hwm()
     fn()
     fn()
+    reset = _reset_hwm()
     times, cpu = [], []
     for _ in range(repeat):
         dist.barrier()
@@ -110,6 +141,7 @@ def _median(fn: Callable[[], Any], repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
+    MEM["steps"] = _hwm() if reset else 0.0
     # the slowest rank decides a step: take the max over ranks of each median
     t = torch.tensor([statistics.median(times)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -373,9 +405,11 @@ def worker(ns: argparse.Namespace) -> None:
     run, _ = CONFIGS[ns.worker]
     row = run(ns.repeat)
     row["cpu"] = CPU[0]
-    peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0])
+    # the whole process, as before the high-water mark was reset for the steps' own
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+    peak = torch.tensor([max(maxrss, MEM["maxrss"]), MEM["setup"], MEM["steps"]])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    row["rss"] = float(peak)
+    row["rss"], row["setup_rss"], row["step_rss"] = (float(v) for v in peak)
     if pd.is_main_process():
         print("RESULT " + json.dumps(row))
 
@@ -385,7 +419,8 @@ def _row(name: str, r: dict[str, Any]) -> str:
     heap = f"{r['heap'] / 1e6:7.1f} MB" if r.get("heap") is not None else f"{'-':>10}"
     return (
         f"{name:<30} {r['step']:7.3f} s {r['cpu']:7.3f} s {r['bytes'] / 1e6:8.1f} MB "
-        f"{r['calls']:6d} {r['rss'] / 1e6:8.1f} MB {heap} {est}"
+        f"{r['calls']:6d} {r['rss'] / 1e6:8.1f} MB {r['setup_rss'] / 1e6:8.1f} MB "
+        f"{r['step_rss'] / 1e6:8.1f} MB {heap} {est}"
     )
 
 
@@ -412,7 +447,8 @@ def main() -> None:
     for layers in ns.layers:
         print(f"\n## {layers} layers")
         print(f"{'configuration':<30} {'step':>9} {'CPU/step':>9} {'bytes/rank':>11} {'calls':>6} "
-              f"{'peak RSS':>11} {'step heap':>10} {'Plan peak':>10}")  # fmt: skip
+              f"{'peak RSS':>11} {'setup RSS':>11} {'step RSS':>11} {'step heap':>10} "
+              f"{'Plan peak':>10}")  # fmt: skip
         for name, (_, env) in CONFIGS.items():
             if (ns.only and name not in ns.only) or (env is UNFUSED and not ns.unfused):
                 continue

@@ -16,7 +16,7 @@ import torch
 from torch import fx, nn
 
 from partita.runtime.launch import spawn
-from partita.runtime.overlap import overlap_bytes_setting, schedule_overlap
+from partita.runtime.overlap import overlap_bytes_setting, run_measuring, schedule_overlap
 
 SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
 ops = torch.ops.partita
@@ -174,3 +174,41 @@ def test_a_regather_starts_after_the_forward_is_done_with_its_copy() -> None:
     rec.log.clear()
     torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
     assert rec.log == ["start ag1", "wait ag1", "start ag2", "compute 1", "compute 2", "wait ag2"]
+
+
+def test_a_prefetch_does_not_stack_on_the_peak() -> None:
+    """With the sizes of a first run (``run_measuring``), a gather is launched only where its
+    buffer fits under the program's peak: after the big activation is freed, not beside it."""
+    rec = _Recorder()
+
+    def note(tag: str, x: torch.Tensor) -> torch.Tensor:
+        rec.log.append(tag)
+        return x
+
+    def program() -> fx.GraphModule:
+        g = fx.Graph()
+        w, x = g.placeholder("w"), g.placeholder("x")
+        act = g.call_function(aten.mul.Tensor, (x, 2.0))  # the peak: x and act alive
+        s = g.call_function(aten.sum.default, (g.call_function(note, ("peak", act)),))
+        s = g.call_function(note, ("after", s))
+        ag = g.call_function(ops.all_gather.default, (w, 0, ["x"], 1), name="ag")
+        ag.meta["bytes"] = 64
+        g.output(g.call_function(aten.add.Tensor, (s, ag)))
+        return fx.GraphModule(nn.Module(), g)
+
+    args = (torch.ones(16), torch.arange(64.0))
+    want, sizes = run_measuring(program(), args)
+    assert sizes["mul_tensor"] == 256 and sizes["ag"] == 64
+    logs = []
+    for measured in (None, sizes):
+        gm = program()
+        targets = {ops.all_gather.default}
+        schedule_overlap(
+            gm.graph, targets, rec.start, rec.wait, lambda t: "all_gather", 1 << 20, measured
+        )
+        gm.recompile()
+        rec.log.clear()
+        torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+        logs.append(list(rec.log))
+    assert logs[0] == ["start ag", "peak", "after", "wait ag"]  # prefetched from the start
+    assert logs[1] == ["peak", "start ag", "after", "wait ag"]  # once the activation is freed

@@ -95,10 +95,14 @@ def all_gather_bucket(
     g: Group, xs: Sequence[Tensor], dims: Sequence[int], mesh_axes: Sequence[str], node: str
 ) -> Op:
     n = len(g.members)
-    flat = torch.cat([x.reshape(-1) for x in xs])
-    out = flat.new_empty(n * flat.numel())
+    numel = sum(x.numel() for x in xs)
+    out = xs[0].new_empty(n * numel)
+    # gathered in place, as FSDP2 does: this rank's values go straight into its own slot of
+    # the output, so no separate flat input is held while the bytes move
+    mine = out.narrow(0, g.torch_order.index(g.members[g.index]) * numel, numel)
+    torch.cat([x.reshape(-1) for x in xs], out=mine)
     yield from _launch(node, "all_gather_bucket", mesh_axes, g,
-                       lambda: ALL_GATHER(out, flat, group=g.pg, async_op=True))  # fmt: skip
+                       lambda: ALL_GATHER(out, mine, group=g.pg, async_op=True))  # fmt: skip
     parts = _member_order(g, out.reshape(n, -1))
     pieces = parts.split([x.numel() for x in xs], dim=1)
     return [_gathered(p, x.shape, d) for p, x, d in zip(pieces, xs, dims, strict=True)]
@@ -106,6 +110,7 @@ def all_gather_bucket(
 
 def all_reduce(g: Group, x: Tensor, reduce_op: str, mesh_axes: Sequence[str], node: str) -> Op:
     out = x.contiguous().clone()
+    del x  # not held while the bytes move (as in reduce_scatter_bucket)
     yield from _launch(node, "all_reduce", mesh_axes, g,
           lambda: dist.all_reduce(out, op=torch_reduce_op(reduce_op), group=g.pg,
                                   async_op=True))  # fmt: skip
@@ -116,12 +121,14 @@ def all_reduce_bucket(
     g: Group, xs: Sequence[Tensor], reduce_op: str, mesh_axes: Sequence[str], node: str
 ) -> Op:
     flat = torch.cat([x.reshape(-1) for x in xs])
+    shapes = [x.shape for x in xs]
+    del xs  # not held while the bytes move (as in reduce_scatter_bucket)
     yield from _launch(node, "all_reduce_bucket", mesh_axes, g,
           lambda: dist.all_reduce(flat, op=torch_reduce_op(reduce_op), group=g.pg,
                                   async_op=True))  # fmt: skip
     flat = finish_avg(flat, reduce_op, len(g.members))
-    pieces = flat.split([x.numel() for x in xs])
-    return [p.reshape(x.shape) for p, x in zip(pieces, xs, strict=True)]
+    pieces = flat.split([math.prod(s) for s in shapes])
+    return [p.reshape(s) for p, s in zip(pieces, shapes, strict=True)]
 
 
 def _scatter_rows(g: Group, x: Tensor, dim: int, node: str, kind: str) -> Tensor:
@@ -141,6 +148,7 @@ def reduce_scatter(
     chunks = _scatter_rows(g, x, dim, node, "reduce_scatter")
     flat = chunks.reshape(-1, *chunks.shape[2:]).contiguous()
     out = x.new_empty(chunks.shape[1:])
+    del x, chunks  # not held while the bytes move (as in reduce_scatter_bucket)
     yield from _launch(node, "reduce_scatter", mesh_axes, g,
           lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
                                  async_op=True))  # fmt: skip
@@ -161,14 +169,17 @@ def reduce_scatter_bucket(
     ]
     flat = torch.cat([c.reshape(n, -1) for c in chunked], dim=1).reshape(-1)  # member-major
     out = flat.new_empty(flat.numel() // n)
+    shapes = [c.shape[1:] for c in chunked]
+    # the flat copy is what moves: the inputs (a block's unsharded gradients) are not held
+    # while the bytes move, so each is freed at the launch once the program is done with it
+    del xs, chunked
     yield from _launch(node, "reduce_scatter_bucket", mesh_axes, g,
           lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
                                  async_op=True))  # fmt: skip
     out = finish_avg(out, reduce_op, n)
-    sizes = [math.prod(c.shape[1:]) for c in chunked]
     return [
-        p.reshape(c.shape[1:]).movedim(0, d).contiguous()
-        for p, c, d in zip(out.split(sizes), chunked, dims, strict=True)
+        p.reshape(shape).movedim(0, d).contiguous()
+        for p, shape, d in zip(out.split([math.prod(s) for s in shapes]), shapes, dims, strict=True)
     ]
 
 

@@ -69,7 +69,7 @@ from partita.runtime.comm import (
 )
 from partita.runtime.compiled import compile_regions, stats_for
 from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
-from partita.runtime.overlap import overlap_bytes_setting, schedule_overlap
+from partita.runtime.overlap import overlap_bytes_setting, run_measuring, schedule_overlap
 from partita.runtime.plan_check import verify_same_program
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
@@ -277,17 +277,21 @@ class DistributedMesh:
         """A copy of ``gm`` whose mesh ops call this executor (built once per graph)."""
         bound = self._bound.get(gm)
         if bound is None:
-            graph = fx.Graph()
-            out = graph.graph_copy(gm.graph, {})
-            graph.output(out)
-            if self.overlap_bytes:
-                schedule_overlap(graph, ASYNC_OPS, self.start, self.wait, _kind, self.overlap_bytes)
-            for node in graph.nodes:
-                if node.op == "call_function" and node.target in _BOUND_OPS:
-                    node.target = self._impls[node.target]
-                    node.kwargs = {**node.kwargs, "node": node.name}
-            bound = self._bound[gm] = fx.GraphModule(gm, graph, class_name="RankProgram")
+            bound = self._bound[gm] = self._bind(gm, self.overlap_bytes)
         return bound
+
+    def _bind(
+        self, gm: fx.GraphModule, overlap: int, sizes: dict[str, int] | None = None
+    ) -> fx.GraphModule:
+        graph = fx.Graph()
+        graph.output(graph.graph_copy(gm.graph, {}))
+        if overlap:
+            schedule_overlap(graph, ASYNC_OPS, self.start, self.wait, _kind, overlap, sizes)
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in _BOUND_OPS:
+                node.target = self._impls[node.target]
+                node.kwargs = {**node.kwargs, "node": node.name}
+        return fx.GraphModule(gm, graph, class_name="RankProgram")
 
     def compiled(self, gm: fx.GraphModule) -> fx.GraphModule:
         """:meth:`bind`'s program with its local-op regions compiled by Inductor on first run
@@ -302,6 +306,12 @@ class DistributedMesh:
     ) -> list[Any]:
         """Run the per-device program on this rank's local tensors; the flattened outputs.
         ``compile_programs`` runs its local ops compiled by Inductor (:meth:`compiled`)."""
+        if not compile_programs and self.overlap_bytes and gm not in self._bound:
+            # the first run goes as partitioned (collectives synchronous) and measures every
+            # value, so that the overlap schedule holds prefetches under the program's peak
+            outs, sizes = run_measuring(self._bind(gm, 0), local_inputs)
+            self._bound[gm] = self._bind(gm, self.overlap_bytes, sizes)
+            return pytree.tree_leaves(outs)
         program = self.compiled(gm) if compile_programs else self.bind(gm)
         return pytree.tree_leaves(program(*local_inputs))
 

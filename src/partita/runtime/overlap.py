@@ -20,16 +20,18 @@ has no overlap to gain and runs the program as partitioned.
 
 from __future__ import annotations
 
+import math
 import operator
 import os
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from torch import fx
+from torch import Tensor, fx
 
 from partita.partition.bucket import reorder
+from partita.partition.memory import is_view
 
-__all__ = ["DEFAULT_OVERLAP_BYTES", "overlap_bytes_setting", "schedule_overlap"]
+__all__ = ["DEFAULT_OVERLAP_BYTES", "overlap_bytes_setting", "run_measuring", "schedule_overlap"]
 
 #: Default bound on the per-device bytes of collectives in flight at once (64 MiB).
 DEFAULT_OVERLAP_BYTES = 64 << 20
@@ -65,9 +67,13 @@ def schedule_overlap(
     wait: Callable[..., Any],
     kind_of: Callable[[Any], str],
     limit_bytes: int,
+    sizes: Mapping[str, int] | None = None,
 ) -> None:
     """Split each collective of ``targets`` into ``start(kind, *args, node=name)`` and
-    ``wait(handle)`` and re-order ``graph`` as the module doc says (in place)."""
+    ``wait(handle)`` and re-order ``graph`` as the module doc says (in place). ``sizes`` (bytes
+    of each node's result, by name: :func:`run_measuring`) lets gathers be held under the
+    program's peak (:func:`_hold_under_peak`); without it they are not."""
+    size_of = {n: sizes.get(n.name, 0) for n in graph.nodes} if sizes is not None else None
     pairs: list[tuple[fx.Node, fx.Node]] = []
     for node in list(graph.nodes):
         if node.op != "call_function" or node.target not in targets:
@@ -82,6 +88,8 @@ def schedule_overlap(
         if "regather_after" in node.meta:
             h.meta["regather_after"] = node.meta["regather_after"]
         w.meta.update(node.meta)
+        if size_of is not None:
+            size_of[w] = size_of.pop(node, 0)
         node.replace_all_uses_with(w)
         graph.erase_node(node)
         pairs.append((h, w))
@@ -97,6 +105,8 @@ def schedule_overlap(
             if u.target is operator.getitem:
                 priority[u] = _first_use(u, pos) - 0.25
     _hold_regathers(pairs, pos, priority)
+    if size_of is not None:
+        _hold_under_peak(pairs, nodes, priority, size_of)
     reorder(graph, priority)
     _bound_in_flight(graph, {h: w for h, w in pairs}, limit_bytes)
 
@@ -116,6 +126,84 @@ def _hold_regathers(
             continue
         priority[h] = max(priority[h], at.get(after, -1.0) + 0.5, previous + 0.25)
         previous = priority[w]
+
+
+def _hold_under_peak(
+    pairs: list[tuple[fx.Node, fx.Node]],
+    nodes: list[fx.Node],
+    priority: dict[fx.Node, float],
+    size_of: Mapping[fx.Node, int],
+) -> None:
+    """A gather starts no earlier than the point after which its buffer, added to what the
+    program holds, stays within the peak of the program as partitioned (synchronous).
+
+    Prefetching trades memory for overlap: the gathered buffer is held from the launch to
+    its first use. Launched where the program already holds its peak (the start of the
+    backward, every activation alive), the next re-gather bucket would stack on that peak;
+    held until the backward has freed that much, it still overlaps the rest of the block.
+    Gathers are placed in order of their waits, each counting the buffers already in flight.
+    """
+    held = _live_bytes(nodes, size_of)
+    cap = max(held, default=0)
+    if not cap:
+        return
+    at = {n: i for i, n in enumerate(nodes)}
+    for h in sorted((h for h, _ in pairs), key=at.__getitem__):
+        if not str(h.args[0]).startswith("all_gather"):
+            continue
+        size = int(h.meta.get("bytes", 0))
+        q = at[h] - 1  # h sits right before w; the buffer is held from after q up to w
+        while q >= 0 and held[q] + size <= cap:
+            q -= 1
+        priority[h] = max(priority[h], q + 0.5)
+        for i in range(max(math.floor(priority[h]) + 1, 0), at[h]):
+            held[i] += size
+
+
+def _live_bytes(nodes: list[fx.Node], size_of: Mapping[fx.Node, int]) -> list[int]:
+    """Bytes of tensors live while each node runs, the program run in this order with every
+    collective synchronous (as ``partition.memory`` counts them: a view holds its base)."""
+    root: dict[fx.Node, fx.Node] = {}
+    last: dict[fx.Node, int] = {}
+    for i, n in enumerate(nodes):
+        ins = n.all_input_nodes
+        root[n] = root[ins[0]] if ins and is_view(n) else n
+        for a in ins:
+            last[root[a]] = i
+    out: list[int] = []
+    live = 0
+    frees: dict[int, int] = {}
+    for i, n in enumerate(nodes):
+        if root[n] is n and n.op != "output":
+            size = size_of.get(n, 0)
+            live += size
+            if n.op != "placeholder":
+                frees[last.get(n, i)] = frees.get(last.get(n, i), 0) + size
+        out.append(live)
+        live -= frees.pop(i, 0)
+    return out
+
+
+def run_measuring(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[Any, dict[str, int]]:
+    """Run ``gm`` once on ``args``; its result and the bytes of each node's result, by name
+    (an fx ``Interpreter``, which frees each value after its last use as the program does)."""
+    sizes: dict[str, int] = {}
+
+    class _Measure(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            out = super().run_node(n)
+            sizes[n.name] = _nbytes(out)
+            return out
+
+    return _Measure(gm).run(*args), sizes
+
+
+def _nbytes(val: Any) -> int:
+    if isinstance(val, Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(_nbytes(v) for v in val)
+    return 0
 
 
 def _first_use(node: fx.Node, pos: dict[fx.Node, float]) -> float:
