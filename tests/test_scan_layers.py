@@ -21,7 +21,7 @@ from torch import nn
 
 import partita
 from partita import Mesh, P
-from partita.capture import layers, trace
+from partita.capture import functionalize, layers, trace
 from partita.capture.layers import OnceFunction, trace_once
 from partita.errors import PartitaWarning
 from partita.models import GPT, GPTConfig
@@ -318,3 +318,40 @@ def test_any_sizes_traces_once_per_rank_and_gives_the_program_of_a_trace_per_siz
     assert len(traces) == 5
     assert _form(got.graph_module) == _form(want.graph_module)
     torch.testing.assert_close(got(ps, gs), plain(ps, gs))
+
+
+def test_placeholders_added_directly_give_the_program_of_dispatched_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # capture's functionalization adds layer_call placeholders to the graph itself
+    # (layer_dispatch); dispatched as an op they give the reference program. One layer reads a
+    # view with a pending in-place update (functionalization must replay it first), the
+    # optimizer-like update runs under one placeholder for many calls.
+    torch.manual_seed(0)
+    model = Stack([Counting(8) for _ in range(3)])
+    partita.scan_layers(model.layers)
+    x = torch.randn(4, 16)
+
+    def fn(params: dict[str, torch.Tensor], x: torch.Tensor) -> object:
+        leaves = {k: v.detach().requires_grad_(True) for k, v in params.items()}
+        y = x.clone()
+        view = y[:, :8]
+        y.mul_(2)  # view is stale until functionalization syncs it
+        loss = torch.func.functional_call(model, leaves, (view,)).sum()
+        grads = torch.autograd.grad(loss, list(leaves.values()))
+        with torch.no_grad():
+            news = _scaled_update.each(
+                [(p, g, 0.1) for p, g in zip(leaves.values(), grads, strict=True)]
+            )
+        return loss, news
+
+    params = dict(model.named_parameters())
+    direct: list[int] = []
+    real = functionalize.add_layer_call
+    monkeypatch.setattr(functionalize, "add_layer_call", lambda *a: direct.append(1) or real(*a))
+    got = trace(fn, (params, x))
+    assert len(direct) == 3 + 3 + 1  # 3 layer forwards (the first as well), their backwards, a run
+    monkeypatch.setattr(functionalize, "add_layer_call", lambda *a: None)
+    want = trace(fn, (params, x))
+    assert _form(got.graph_module) == _form(want.graph_module)
+    torch.testing.assert_close(got(params, x), fn(params, x))

@@ -22,6 +22,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from partita.capture.annotate import record
 from partita.capture.decompositions import DROPPED_CHECKS
+from partita.capture.layer_dispatch import add_layer_call
+from partita.capture.layer_graph import LAYER_CALL_OP
 from partita.capture.source import SourceTrackingMode
 from partita.errors import CaptureError
 from partita.mesh import Mesh
@@ -87,6 +89,10 @@ class _CaptureMode(SourceTrackingMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in DROPPED_CHECKS:
             return None
+        if func is LAYER_CALL_OP:  # a placeholder: added to the graph directly (layer_dispatch)
+            outs = add_layer_call(self, *args)
+            if outs is not None:
+                return outs
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 

@@ -29,12 +29,14 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx
-from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.utils._mode_utils import no_dispatch
 
 __all__ = [
     "LAYER_CALL_OP",
     "LayerGraph",
     "PartRun",
+    "fake_outputs",
     "inline_layer_calls",
     "part",
     "positional_form",
@@ -133,12 +135,18 @@ def layer_call(key: int, inputs: list[Tensor]) -> list[Tensor]:
 
 @layer_call.register_fake
 def _(key: int, inputs: list[Tensor]) -> list[Tensor]:
-    # Fake outputs made from meta tensors directly: a torch.empty per output dispatched through
-    # the fake mode costs as much as tracing an op, and a layer part has dozens of outputs.
     mode = torch._guards.detect_fake_mode(inputs)
     if mode is None:
         return [torch.empty(s, dtype=d, device=dev) for s, d, dev in _GRAPHS[key].out_meta]
-    with unset_fake_temporarily():
+    return list(fake_outputs(key, mode))
+
+
+def fake_outputs(key: int, mode: FakeTensorMode) -> list[FakeTensor]:
+    """Fake tensors of ``mode`` shaped like the outputs of the part (or run) ``key``."""
+    # Made from meta tensors directly: a torch.empty per output dispatched through the fake
+    # mode costs as much as tracing an op, and a layer part has dozens of outputs. No mode
+    # sees them (a proxy mode above the fake one would trace them).
+    with no_dispatch():
         metas = [torch.empty(s, dtype=d, device="meta") for s, d, _ in _GRAPHS[key].out_meta]
     return [
         FakeTensor(mode, m, dev) for m, (*_, dev) in zip(metas, _GRAPHS[key].out_meta, strict=True)
