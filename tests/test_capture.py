@@ -364,6 +364,12 @@ def test_a_size_argument_reaches_the_function_as_a_size():
     assert torch.allclose(out.full(), a.reshape(4, 3, 2) * 24)
 
 
+def test_a_number_read_from_a_tensor_in_the_result_is_called_data_dependent():
+    with pytest.raises(CaptureError, match=r"returns a Python number read from a tensor at "
+                       r"\[1\] .*This is data-dependent"):  # fmt: skip
+        trace(lambda a: (a, a.sum().tolist()), (torch.ones(2),))
+
+
 def test_an_object_output_is_refused_with_the_fix():
     with pytest.raises(CaptureError, match=r"returned object <object.*at \[1\].*build the object"):
         trace(lambda a: (a, object()), (torch.ones(2),))
@@ -754,18 +760,21 @@ class _Block(torch.nn.Module):
         super().__init__()
         self.lin = torch.nn.Linear(4, 4)
         self.by_position = by_position
+        self.gain = 1.0
 
     def forward(self, x):
         type(self).calls += 1
-        y = self.lin(x)
+        y = self.lin(x) if self.gain == 1.0 else self.lin(x) * self.gain
         position = type(self).order.setdefault(id(self), len(type(self).order))
         return y.tanh() if self.by_position and position % 2 else y.relu()
 
 
-def _stack_program(by_position: bool, n: int = 6):
+def _stack_program(by_position: bool, n: int = 6, odd: int | None = None):
     torch.manual_seed(0)
     _Block.calls, _Block.order = 0, {}
     model = torch.nn.Sequential(*[_Block(by_position) for _ in range(n)])
+    if odd is not None:
+        model[odd].gain = 2.0  # one layer differs in a Python attribute
     step = make_train_step(model, F.mse_loss, "sgd")
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     args = (params, {}, init_opt_state(params, "sgd"), (torch.randn(2, 4), torch.randn(2, 4)))
@@ -784,14 +793,31 @@ def test_training_step_traces_repeated_layers_once_when_two_trace_alike(by_posit
         warnings.simplefilter("error")  # found layers fall back silently
         scanned, scanned_calls = _stack_program(by_position)
     assert unrolled_calls == 6
-    # Layers 0 (its input needs no gradient) and 1 run as ordinary code (first of their
-    # signatures), layer 2 is traced alone (a shape probe and the trace), layer 3 too, to
-    # compare; if it differs (by_position), it and layers 4, 5 run as ordinary code, else they
-    # reuse layer 2's trace.
-    assert scanned_calls == (1 + 1 + 2 + 3 + 1 + 1 if by_position else 6)
+    # The layers are twins (same class and attributes), so the first call of each signature
+    # is traced alone (a shape probe and the trace): layer 0 (its input needs no gradient)
+    # and layer 1. Layer 2 is traced once more, to compare with layer 1 (no probe: it has
+    # layer 1's outputs); if it differs (by_position), it and layers 3-5 run as ordinary code,
+    # else they reuse layer 1's trace.
+    assert scanned_calls == (2 + 2 + (1 + 1) + 1 + 1 + 1 if by_position else 2 + 2 + 1)
     assert _positional(scanned) == _positional(unrolled)
     tanh = sum(n.target == torch.ops.aten.tanh.default for n in scanned.graph.nodes)
     assert tanh == (3 if by_position else 0)
+
+
+def test_a_found_layer_without_a_twin_is_traced_as_ordinary_code(monkeypatch):
+    """A layer whose Python attributes differ from every other's (here its gain) is no twin of
+    any: it runs as ordinary code, and the others still reuse one trace; the program is the
+    unrolled one op for op."""
+    monkeypatch.setenv("PARTITA_SCAN_LAYERS", "0")
+    unrolled, _ = _stack_program(False, odd=3)
+    monkeypatch.setenv("PARTITA_SCAN_LAYERS", "1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        scanned, calls = _stack_program(False, odd=3)
+    # layers 0 and 1 traced alone (probe and trace), 2 compared, 3 ordinary, 4 and 5 reuse
+    assert calls == 2 + 2 + 1 + 1
+    assert _positional(scanned) == _positional(unrolled)
+    assert sum(n.target == torch.ops.aten.mul.Tensor for n in scanned.graph.nodes) >= 1
 
 
 def test_constants_read_twice_through_autograd_grad_are_one_input():

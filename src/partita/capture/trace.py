@@ -54,7 +54,11 @@ from torch.utils import _pytree as pytree
 
 from partita.capture.annotate import ANNOTATE_OP, lookup, new_key, tracing_scope
 from partita.capture.decompositions import decomposition_table
-from partita.capture.diagnose import capture_error, check_data_independent
+from partita.capture.diagnose import (
+    DATA_DEPENDENT_HINT,
+    capture_error,
+    check_data_independent,
+)
 from partita.capture.functionalize import InputUpdates, functionalized
 from partita.capture.gc_pause import gc_paused
 from partita.capture.layer_graph import inline_layer_calls
@@ -216,10 +220,16 @@ def _trace(
         for i, (path, leaf) in enumerate(out_paths):
             if isinstance(leaf, torch.Tensor):
                 continue
+            where = pytree.keystr(path) or "the top level"
+            if isinstance(leaf, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                raise CaptureError(
+                    f"{name!r} returns a Python number read from a tensor at {where} (.item(), "
+                    f".tolist()): {DATA_DEPENDENT_HINT}"
+                )
             if not isinstance(leaf, _STATIC_TYPES):
                 raise CaptureError(
                     f"{name!r} returned {type(leaf).__name__} {leaf!r:.80} at "
-                    f"{pytree.keystr(path) or 'the top level'}; a traced function returns "
+                    f"{where}; a traced function returns "
                     f"tensors and static Python values (None, numbers, strings, dtypes) in "
                     f"dicts, lists and tuples. Return the tensors it is made of, or build the "
                     f"object outside the traced function."
