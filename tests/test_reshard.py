@@ -65,6 +65,7 @@ MESHES = [
     Mesh.create((2,), ("x",)),
     Mesh.create((2, 2), ("x", "y")),
     Mesh.create((2, 4), ("x", "y")),
+    Mesh.create((2, 1), ("x", "y")),  # a size-1 axis: splits over it move nothing
 ]
 M24 = Mesh.create((2, 4), ("x", "y"))
 
@@ -215,6 +216,19 @@ def test_t21_cat_operand_is_one_all_to_all() -> None:
 def test_same_sharding_is_no_steps() -> None:
     s = P("x", "y").to_sharding(M24, 2)
     assert plan_reshard(s, s, (16, 32)) == []
+
+
+def test_a_size_1_mesh_axis_moves_nothing() -> None:
+    """Shardings that differ only in a size-1 axis hold the same bytes on every device: no
+    collective over that axis (it would be a call on a one-rank group)."""
+    m = Mesh.create((2, 1), ("x", "y"))
+    for a, b in [(P(None, None), P("y", None)), (P("x", "y"), P("x", None)),
+                 (P("x", "y"), P(("x", "y"), None)), (P("y", "x"), P(None, "x"))]:  # fmt: skip
+        assert plan_reshard(a.to_sharding(m, 2), b.to_sharding(m, 2), (8, 6)) == [], (a, b)
+    partial = Sharding(m, ((), ()), ("y",))
+    assert plan_reshard(partial, P().to_sharding(m, 2), (8, 6)) == []
+    steps = plan_reshard(P("y", None).to_sharding(m, 2), P(None, "x").to_sharding(m, 2), (8, 6))
+    assert [(s.kind, s.mesh_axes) for s in steps] == [("shard_slice", ("x",))]
 
 
 def test_emit_reshard_builds_a_graph_that_matches_the_stacked_run() -> None:

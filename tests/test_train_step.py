@@ -141,6 +141,22 @@ def test_adamw_parity(plan: str, shape: tuple[int, ...]) -> None:
     assert_same(step, ref, got, want)
 
 
+def test_a_size_1_mesh_axis_costs_no_collective() -> None:
+    """A mesh axis of size 1 (a job with one data-parallel replica, say) splits nothing: the
+    step trains like torch and moves nothing over it (no call on a one-rank group; the loss's
+    all_reduce over `data` was one). tests/test_reshard.py checks the reshards."""
+    model, ref = gpt_pair()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mesh = Mesh.create((1, 4), ("data", "model"))
+    step = train_step(model, gpt_loss, opt, mesh=mesh, shard="fsdp+tp")
+    batches = gpt_batches()
+    want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
+    got = run(step, batches)
+    assert_same(step, ref, got, want)
+    assert step.plan.collectives, "the model axis still needs collectives"
+    assert all("data" not in c.mesh_axes for c in step.plan.collectives), step.plan.summary()
+
+
 def _decay_groups(model: nn.Module, **no_decay: Any) -> list[dict[str, Any]]:
     """nanoGPT's split: weight decay on the matrices, none on the rest (own lr here)."""
     params = list(model.parameters())

@@ -209,8 +209,11 @@ class Emitter:
         dtype: torch.dtype,
         what: str,
     ) -> Proxy:
-        """``all_reduce(x, op)`` over ``axes``; ``shape``/``dtype`` of ``x`` for the Plan."""
+        """``all_reduce(x, op)`` over ``axes``; ``shape``/``dtype`` of ``x`` for the Plan. Over
+        one device (axes of size 1) it is ``x``: no collective."""
         n = self.mesh.axes_size(axes)
+        if n == 1:
+            return self(x)
         out = torch.ops.partita.all_reduce.default(self(x), op, list(axes), n)
         why = f"{op_name(self.node.target)} (%{self.node.name}) with a sharded dim: {what}"
         self.record("all_reduce", axes, shape, dtype, what, why, f"{op}, {n}")
@@ -227,8 +230,11 @@ class Emitter:
         what: str,
         why: str,
     ) -> Proxy:
-        """``all_gather(x)`` along ``dim`` over ``axes``; ``shape`` of the result for the Plan."""
+        """``all_gather(x)`` along ``dim`` over ``axes``; ``shape`` of the result for the Plan.
+        Over one device (axes of size 1) it is ``x``: no collective."""
         k = self.mesh.axes_size(axes)
+        if k == 1:
+            return self(x)
         out = torch.ops.partita.all_gather.default(self(x), dim, list(axes), k)
         self.record("all_gather", axes, shape, dtype, what, why, f"dim {dim}, {k}")
         return out

@@ -332,9 +332,23 @@ def plan_reshard(src: Sharding, dst: Sharding, shape: Sequence[int]) -> list[Res
         raise ValueError(f"Cannot reshard between meshes {src.mesh!r} and {dst.mesh!r}.")
     src.check_shape(shape)
     dst.check_shape(shape)
+    src, dst = _without_unit_axes(src), _without_unit_axes(dst)
     if src == dst:
         return []
     return list(_cheapest_plan(src, dst, shape))
+
+
+def _without_unit_axes(s: Sharding) -> Sharding:
+    """``s`` without the mesh axes of size 1: splitting a dim over one device, or holding a
+    partial value over one device, lays out no byte differently, so a reshard between
+    shardings that differ only there moves nothing (it would be a collective over one device;
+    on a real mesh, a call on a one-rank group)."""
+    unit = {a for a, n in zip(s.mesh.axis_names, s.mesh.shape, strict=True) if n == 1}
+    if not unit or not (unit & {*s.sharded_axes, *s.partial}):
+        return s
+    dims = tuple(tuple(a for a in d if a not in unit) for d in s.dim_axes)
+    partial = tuple(a for a in s.partial if a not in unit)
+    return Sharding(s.mesh, dims, partial, s.reduce_op)
 
 
 @functools.lru_cache(maxsize=4096)
