@@ -39,6 +39,7 @@ from torch import nn
 os.environ["HF_HUB_OFFLINE"] = "1"  # never download: every model is built from a config
 transformers = pytest.importorskip("transformers")
 
+import partita  # noqa: E402
 from partita import Mesh, P, ReplicatedOpWarning  # noqa: E402
 from partita.presets import param_specs  # noqa: E402
 from partita.train import TrainStep, train_step  # noqa: E402
@@ -439,3 +440,87 @@ def test_per_head_norm_weights_fsdp_tp_on_a_2x2_mesh() -> None:
     torch.testing.assert_close(float(step((x, y))), loss.item(), rtol=RTOL, atol=ATOL)
     for name, value in step.full_parameters().items():
         torch.testing.assert_close(value, dict(ref.named_parameters())[name], rtol=RTOL, atol=ATOL)
+
+
+# --- nn modules whose kernels have no rule: inference under partita.jit ------------------------
+
+
+def _encoder() -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, dropout=0.0)
+    return nn.TransformerEncoder(layer, 1, enable_nested_tensor=True).eval()
+
+
+def test_transformer_encoder_inference_fast_path() -> None:
+    """nn.TransformerEncoderLayer in eval mode without grad calls its fused kernel
+    aten._transformer_encoder_layer_fwd, which had no rule (UnsupportedOpError); capture
+    rewrites it to the layer's ordinary ops. With a key padding mask eager's fast path also
+    packs a nested tensor and writes 0 at the padded positions, which no other path does: the
+    valid positions equal it, every position equals eager's ordinary (fast path off) run.
+    Without a mask the kernel is the same rewrite (``test_transformer_encoder_kernel_...``)."""
+    enc, mesh = _encoder(), SMALL_MESH
+    x = torch.randn(4, 6, 16, generator=torch.Generator().manual_seed(1))
+    pad = torch.zeros(4, 6, dtype=torch.bool)
+    pad[0, 4:], pad[2, 3:] = True, True
+    masked = partita.jit(
+        lambda x, m: enc(x, src_key_padding_mask=m), mesh=mesh, in_specs=(P("data"), P("data"))
+    )
+    with torch.no_grad():
+        got, fast = masked(x, pad).full(), enc(x, src_key_padding_mask=pad)
+        torch.testing.assert_close(got[~pad], fast[~pad], rtol=RTOL, atol=ATOL)
+        assert not fast[pad].any()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            slow = enc(x, src_key_padding_mask=pad)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(True)
+    torch.testing.assert_close(got, slow, rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("masks", ["none", "attn", "padding", "both", "float"])
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_transformer_encoder_kernel_decomposition(masks: str, norm_first: bool) -> None:
+    """The rewrite of aten._transformer_encoder_layer_fwd equals the kernel on every mask type
+    it takes (0: [L, S], 1: [B, S], 2: [B, H, L, S]; a float mask counts as boolean, nonzero
+    masked, as in the kernel; a query with every key masked gives NaN in both)."""
+    from partita.capture.decompositions import NN_KERNEL_OPS
+
+    torch.manual_seed(0)
+    act = "gelu" if norm_first else "relu"
+    layer = nn.TransformerEncoderLayer(16, 4, 32, batch_first=True, norm_first=norm_first,
+                                       activation=act, dropout=0.0).eval()  # fmt: skip
+    x = torch.randn(3, 5, 16)
+    pad = torch.zeros(3, 5, dtype=torch.bool)
+    pad[0, 3:], pad[1, :] = True, True  # row 1: every key masked
+    causal = torch.triu(torch.ones(5, 5, dtype=torch.bool), 1)
+    attn = {"attn": causal, "both": causal}.get(masks)
+    key = {"padding": pad, "both": pad, "float": pad.float() * 0.5}.get(masks)
+    sa = layer.self_attn
+    mask, mask_type = sa.merge_masks(attn, key, x)
+    args = (
+        x, 16, 4, sa.in_proj_weight, sa.in_proj_bias, sa.out_proj.weight, sa.out_proj.bias,
+        act == "gelu", norm_first, layer.norm1.eps, layer.norm1.weight, layer.norm1.bias,
+        layer.norm2.weight, layer.norm2.bias, layer.linear1.weight, layer.linear1.bias,
+        layer.linear2.weight, layer.linear2.bias, mask, mask_type,
+    )  # fmt: skip
+    op = torch.ops.aten._transformer_encoder_layer_fwd.default
+    with torch.no_grad():
+        want, got = op(*args), NN_KERNEL_OPS[op](*args)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, equal_nan=True)
+
+
+def test_embedding_max_norm_renormalises_the_rows_it_reads() -> None:
+    """nn.Embedding(max_norm=...) renormalises, in place, the rows its ids name
+    (aten.embedding_renorm, no rule before: UnsupportedOpError). Capture rewrites it to a
+    scatter, a norm and a where: the table stays split over model (10 rows on 4 devices:
+    padded tiles), and the module's weight is updated as in eager."""
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 8, max_norm=1.0)
+    ref, before = copy.deepcopy(emb), emb.weight.detach().clone()
+    ids = torch.randint(0, 10, (4, 7), generator=torch.Generator().manual_seed(0))
+    step = partita.jit(emb, mesh=MESH, in_specs=(P("data"),), param_specs={"weight": P("model")})
+    with torch.no_grad():
+        got, want = step(ids), ref(ids)
+    torch.testing.assert_close(got.full(), want, rtol=RTOL, atol=ATOL)
+    assert not torch.equal(ref.weight, before)  # eager renormalised some rows
+    torch.testing.assert_close(emb.weight, ref.weight, rtol=RTOL, atol=ATOL)

@@ -38,6 +38,7 @@ __all__ = [
     "AS_STRIDED_OPS",
     "DROPPED_CHECKS",
     "KEPT_OPS",
+    "NN_KERNEL_OPS",
     "SDPA_OPS",
     "VIEW_OPS",
     "decomposition_table",
@@ -166,6 +167,87 @@ def _as_strided_scatter(
     return NotImplemented
 
 
+def _transformer_encoder_layer_fwd(
+    src: torch.Tensor,
+    embed_dim: int,
+    num_heads: int,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor,
+    proj_weight: torch.Tensor,
+    proj_bias: torch.Tensor,
+    use_gelu: bool,
+    norm_first: bool,
+    eps: float,
+    norm_weight_1: torch.Tensor,
+    norm_bias_1: torch.Tensor,
+    norm_weight_2: torch.Tensor,
+    norm_bias_2: torch.Tensor,
+    ffn_weight_1: torch.Tensor,
+    ffn_bias_1: torch.Tensor,
+    ffn_weight_2: torch.Tensor,
+    ffn_bias_2: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    mask_type: int | None = None,
+) -> torch.Tensor:
+    """``nn.TransformerEncoderLayer``'s inference fast path (eval, no grad) as the ops of its
+    slow path. The kernel has no sharding rule and no backward; its math is a linear, masked
+    softmax attention, layer norms and a two-linear MLP. Mask semantics are the kernel's: a
+    float mask counts as a boolean one (nonzero = masked), a key padding mask (``mask_type``
+    1) is ``[B, S]``, an attention mask ``[L, S]`` (0) or ``[B, H, L, S]`` (2); a query whose
+    keys are all masked gives NaN, as in the kernel."""
+    F = torch.nn.functional  # noqa: N806 - the PyTorch convention
+    b, t, _ = src.shape
+    head = embed_dim // num_heads
+
+    def attention(x: torch.Tensor) -> torch.Tensor:
+        qkv = F.linear(x, qkv_weight, qkv_bias).view(b, t, 3, num_heads, head)
+        q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+        scores = (q / math.sqrt(head)) @ k.transpose(-2, -1)
+        if mask is not None:
+            m = mask if mask.dtype == torch.bool else mask != 0
+            m = m[:, None, None, :] if mask_type == 1 else m
+            scores = scores.masked_fill(m, float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, embed_dim)
+        return F.linear(out, proj_weight, proj_bias)
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, ffn_weight_1, ffn_bias_1)
+        return F.linear(F.gelu(h) if use_gelu else F.relu(h), ffn_weight_2, ffn_bias_2)
+
+    def norm(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, (embed_dim,), w, bias, eps)
+
+    if norm_first:
+        x = src + attention(norm(src, norm_weight_1, norm_bias_1))
+        return x + mlp(norm(x, norm_weight_2, norm_bias_2))
+    x = norm(src + attention(src), norm_weight_1, norm_bias_1)
+    return norm(x + mlp(x), norm_weight_2, norm_bias_2)
+
+
+def _embedding_renorm(
+    weight: torch.Tensor, indices: torch.Tensor, max_norm: float, norm_type: float
+) -> torch.Tensor:
+    """``nn.Embedding(max_norm=...)``'s renormalisation (functional): every row that
+    ``indices`` names and whose ``norm_type``-norm exceeds ``max_norm`` is scaled by
+    ``max_norm / (norm + 1e-7)``, as the kernel does; the others are kept. As a scatter, a
+    norm and a ``where``, the table's rows can stay split."""
+    named = torch.zeros(weight.shape[0], dtype=torch.bool, device=weight.device)
+    named = named.index_fill(0, indices.reshape(-1), True)
+    norm = torch.linalg.vector_norm(weight, norm_type, dim=1)
+    scale = torch.where(named & (norm > max_norm), max_norm / (norm + 1e-7), 1.0)
+    return weight * scale.to(weight.dtype)[:, None]
+
+
+#: Kernels of ``torch.nn`` modules without a sharding rule, rewritten to the ops they compute,
+#: which have rules: ``nn.TransformerEncoderLayer``'s inference fast path (eval mode, no grad;
+#: ``nn.MultiheadAttention`` skips its own fast path while ``make_fx`` traces, this layer does
+#: not) and ``nn.Embedding(max_norm=...)``'s in-place renormalisation of the looked-up rows.
+NN_KERNEL_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
+    aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
+    aten.embedding_renorm.default: _embedding_renorm,
+}
+
+
 #: ``as_strided`` that only re-reads a contiguous tensor in order is a ``reshape`` (and its
 #: scatter overwrites the whole base). ATen emits such calls where the program has none: a
 #: 1x1 ``adaptive_avg_pool2d`` of a channels-last-strided input restrides its result with
@@ -201,6 +283,7 @@ def _table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
         table.pop(op, None)
     table.update(SDPA_OPS)
     table.update(AS_STRIDED_OPS)
+    table.update(NN_KERNEL_OPS)
     return table
 
 
