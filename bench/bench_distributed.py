@@ -11,7 +11,10 @@ cross entropy, AdamW. For each configuration: the median wall time of a training
 warm-ups (max over ranks), the process CPU time of a step (median, summed over the ranks: what
 the step costs the machine's cores), the bytes each rank moves per step, the collective calls
 per step, and memory per rank: the process high-water mark (``ru_maxrss``, max over ranks; it
-includes the Python interpreter and torch, about the same for every configuration) and, for
+includes the Python interpreter and torch, about the same for every configuration), split in
+two: ``setup RSS``, the high-water mark before the first step (imports, model, partita's
+compile) and ``step RSS``, the high-water mark of the timed steps alone (``VmHWM`` reset after
+the warm-ups through ``/proc/self/clear_refs``, the same for partita and torch), and, for
 partita, the Plan's estimate of the tensors live at the peak (``Plan.memory()``); ``step heap``
 measures what a step holds for partita and eager torch alike (``_HeapPeak``: malloc's bytes in
 use at the step's peak op boundary, above its start; the caller's parameters and optimizer

@@ -212,3 +212,55 @@ def test_a_prefetch_does_not_stack_on_the_peak() -> None:
         logs.append(list(rec.log))
     assert logs[0] == ["start ag", "peak", "after", "wait ag"]  # prefetched from the start
     assert logs[1] == ["peak", "start ag", "after", "wait ag"]  # once the activation is freed
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+def test_bucket_ops_hold_only_their_flat_buffers_in_flight(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between launch and wait (``runtime.dist_ops``): a reduce_scatter bucket no longer holds
+    its inputs (the flat copy moves), and an all_gather bucket gathers in place, its input this
+    rank's slot of the output. A fake 2-rank torch (rank 1 of 2, reversed member order) stands
+    in for Gloo: what arrives is checked against the chunks a real group would deliver."""
+    import weakref
+
+    from partita.runtime import dist_ops
+    from partita.runtime.comm import Group
+
+    def reduce_scatter(out: torch.Tensor, flat: torch.Tensor, **kw: Any) -> _Done:
+        out.copy_(flat.reshape(2, -1)[0] * 2)  # torch rank 0's chunk, from 2 equal ranks
+        return _Done()
+
+    seen: dict[str, torch.Tensor] = {}
+
+    def all_gather(out: torch.Tensor, mine: torch.Tensor, **kw: Any) -> _Done:
+        seen["mine"], seen["out"] = mine, out
+        out.reshape(2, -1)[0].copy_(mine + 100)  # torch rank 0's slot: the other rank's values
+        return _Done()
+
+    monkeypatch.setattr(dist_ops, "REDUCE_SCATTER", reduce_scatter)
+    monkeypatch.setattr(dist_ops, "ALL_GATHER", all_gather)
+    g = Group(None, (1, 0), (0, 1), 0)  # this is rank 1, partita's member 0, torch's rank 1
+    grads = [torch.arange(8.0).reshape(4, 2), torch.arange(6.0)]
+    alive = [weakref.ref(x) for x in grads]
+    op = dist_ops.reduce_scatter_bucket(g, grads, [0, 0], "sum", ["x"], "rs")
+    next(op)  # launched
+    del grads
+    assert [r() for r in alive] == [None, None]  # freed while the bytes move
+    got = dist_ops.run(op)
+    # torch rank 0 (partita member 1) receives the second half of each input
+    torch.testing.assert_close(got[0], torch.arange(4.0, 8.0).reshape(2, 2) * 2)
+    torch.testing.assert_close(got[1], torch.arange(3.0, 6.0) * 2)
+
+    xs = [torch.ones(2, 2), torch.full((3,), 2.0)]
+    op = dist_ops.all_gather_bucket(g, xs, [0, 0], ["x"], "ag")
+    next(op)
+    mine, out = seen["mine"], seen["out"]
+    # in place: the input is torch rank 1's slot of the output itself
+    assert mine.data_ptr() == out.data_ptr() + 7 * out.element_size() and mine.numel() == 7
+    a, b = dist_ops.run(op)
+    # partita member 0 (this rank) first, then member 1 (torch rank 0: the +100 values)
+    torch.testing.assert_close(a, torch.cat([torch.ones(2, 2), torch.ones(2, 2) + 100]))
+    torch.testing.assert_close(b, torch.cat([torch.full((3,), 2.0), torch.full((3,), 102.0)]))

@@ -24,8 +24,10 @@ The four collectives that move tensors (and the fused ``*_bucket`` ops of
 ``runtime.dist_ops`` that launch with ``async_op=True`` and finish at their wait; by default
 ``runtime.overlap`` schedules each launch right after its input exists and each wait just
 before the first use (``PARTITA_OVERLAP_BYTES`` bounds the bytes in flight; 0 runs them
-synchronously in program order). Under ``compile_programs`` the runs of local ops between
-them are compiled by Inductor (``runtime.compiled``), the schedule kept.
+synchronously in program order). A program's first run goes as partitioned and measures its
+values, so that the schedule holds each gather under the program's peak. Under
+``compile_programs`` the runs of local ops between them are compiled by Inductor
+(``runtime.compiled``), the schedule kept (without the measured hold).
 
 Groups. For every non-empty set of mesh axes and every group ``Mesh.groups(axes)`` of more than
 one device, every rank calls ``new_group`` in the same order when the DistributedMesh is built
@@ -286,7 +288,8 @@ class DistributedMesh:
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
         if overlap:
-            schedule_overlap(graph, ASYNC_OPS, self.start, self.wait, _kind, overlap, sizes)
+            copies = 2 if dist.get_backend() == "gloo" else 1  # Gloo gathers via a temporary
+            schedule_overlap(graph, ASYNC_OPS, self.start, self.wait, _kind, overlap, sizes, copies)
         for node in graph.nodes:
             if node.op == "call_function" and node.target in _BOUND_OPS:
                 node.target = self._impls[node.target]
@@ -307,8 +310,7 @@ class DistributedMesh:
         """Run the per-device program on this rank's local tensors; the flattened outputs.
         ``compile_programs`` runs its local ops compiled by Inductor (:meth:`compiled`)."""
         if not compile_programs and self.overlap_bytes and gm not in self._bound:
-            # the first run goes as partitioned (collectives synchronous) and measures every
-            # value, so that the overlap schedule holds prefetches under the program's peak
+            # the first run goes as partitioned, measuring every value for the schedule's hold
             outs, sizes = run_measuring(self._bind(gm, 0), local_inputs)
             self._bound[gm] = self._bind(gm, self.overlap_bytes, sizes)
             return pytree.tree_leaves(outs)

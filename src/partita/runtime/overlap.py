@@ -10,6 +10,9 @@ gradient exists), each wait just before the first use of the result (the optimiz
 one bucket waits only for that bucket). ``limit_bytes`` bounds the per-device bytes in flight:
 a start that would exceed it is deferred until enough earlier collectives are waited for (or
 until its own result is needed), which also bounds how much gathered memory a prefetch holds.
+Given the size of every value (``sizes``, measured by the program's first run:
+:func:`run_measuring`), a gather is also held until its buffer fits under the peak of the
+program as partitioned: a prefetch overlaps compute but does not raise the step's peak.
 
 The knob: ``DistributedMesh(mesh, overlap_bytes=)``, else ``PARTITA_OVERLAP_BYTES``, else
 :data:`DEFAULT_OVERLAP_BYTES`; ``0`` runs every collective where the partitioner put it,
@@ -68,11 +71,14 @@ def schedule_overlap(
     kind_of: Callable[[Any], str],
     limit_bytes: int,
     sizes: Mapping[str, int] | None = None,
+    gather_buffers: int = 1,
 ) -> None:
     """Split each collective of ``targets`` into ``start(kind, *args, node=name)`` and
     ``wait(handle)`` and re-order ``graph`` as the module doc says (in place). ``sizes`` (bytes
     of each node's result, by name: :func:`run_measuring`) lets gathers be held under the
-    program's peak (:func:`_hold_under_peak`); without it they are not."""
+    program's peak (:func:`_hold_under_peak`), each counted as ``gather_buffers`` buffers of its
+    size (2 on Gloo, which gathers into a temporary and copies it out when done); without
+    ``sizes`` they are not held."""
     size_of = {n: sizes.get(n.name, 0) for n in graph.nodes} if sizes is not None else None
     pairs: list[tuple[fx.Node, fx.Node]] = []
     for node in list(graph.nodes):
@@ -106,7 +112,7 @@ def schedule_overlap(
                 priority[u] = _first_use(u, pos) - 0.25
     _hold_regathers(pairs, pos, priority)
     if size_of is not None:
-        _hold_under_peak(pairs, nodes, priority, size_of)
+        _hold_under_peak(pairs, nodes, priority, size_of, gather_buffers)
     reorder(graph, priority)
     _bound_in_flight(graph, {h: w for h, w in pairs}, limit_bytes)
 
@@ -133,6 +139,7 @@ def _hold_under_peak(
     nodes: list[fx.Node],
     priority: dict[fx.Node, float],
     size_of: Mapping[fx.Node, int],
+    gather_buffers: int,
 ) -> None:
     """A gather starts no earlier than the point after which its buffer, added to what the
     program holds, stays within the peak of the program as partitioned (synchronous).
@@ -151,7 +158,7 @@ def _hold_under_peak(
     for h in sorted((h for h, _ in pairs), key=at.__getitem__):
         if not str(h.args[0]).startswith("all_gather"):
             continue
-        size = int(h.meta.get("bytes", 0))
+        size = int(h.meta.get("bytes", 0)) * gather_buffers
         q = at[h] - 1  # h sits right before w; the buffer is held from after q up to w
         while q >= 0 and held[q] + size <= cap:
             q -= 1
