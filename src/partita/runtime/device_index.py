@@ -31,12 +31,15 @@ import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, fx
 
 from partita.mesh import Mesh
+
+if TYPE_CHECKING:
+    from partita.runtime.device_route import RoutedTake
 
 __all__ = ["DeviceTake", "find_device_takes", "run_take", "take_inputs"]
 
@@ -66,8 +69,10 @@ class DeviceTake:
     from_cat: bool = False
 
 
-def take_inputs(node: fx.Node, take: DeviceTake) -> list[fx.Node]:
+def take_inputs(node: fx.Node, take: DeviceTake | RoutedTake) -> list[fx.Node]:
     """The values a take step reads: its input, or the pieces of the cat it selects from."""
+    if not isinstance(take, DeviceTake):  # a take routed through permutes (runtime.device_route)
+        return list(take.sources)
     x = node.args[0]
     return list(x.args[0]) if take.from_cat else [x]  # type: ignore[union-attr,arg-type]
 
@@ -197,11 +202,13 @@ def find_device_takes(
 
 
 def run_take(
-    take: DeviceTake, inputs: list[tuple[Tensor, Axes]], mesh: Mesh
+    take: DeviceTake | RoutedTake, inputs: list[tuple[Tensor, Axes]], mesh: Mesh
 ) -> tuple[Tensor, Axes]:
     """The take on its input as held, ``(value, axes)`` (``runtime.local``), or on the
     pieces of the ``cat`` it selects from (``DeviceTake.from_cat``): the result as
     ``(value, axes)``, varying along the axes of its input and of the index."""
+    if not isinstance(take, DeviceTake):  # a take routed through permutes (runtime.device_route)
+        return take.run(inputs, mesh)
     lead_shape = tuple(take.table.shape[:-1])
     rows = {r: take.table[r] for r in itertools.product(*(range(s) for s in lead_shape))}
     sizes = [v.shape[sum(a) + take.dim % (v.dim() - sum(a))] for v, a in inputs]

@@ -27,6 +27,7 @@ from partita.errors import CompilerError, UnsupportedOpError
 from partita.mesh import Mesh
 from partita.runtime.compiled import CompileStats, compile_graph
 from partita.runtime.device_index import DeviceTake, find_device_takes, take_inputs
+from partita.runtime.device_route import RoutedTake, route_permutes
 from partita.runtime.flat_matmul import fold_broadcast_bmms, fuse_bias_adds
 from partita.runtime.subgraph import copy_nodes
 
@@ -211,7 +212,7 @@ class SegmentPlan:
     steps: list[Segment | fx.Node]
     output: Any  # the output node's argument (a pytree of nodes and constants)
     #: ``index_select`` steps whose index is a per-device constant (``runtime.device_index``).
-    takes: dict[fx.Node, DeviceTake] = field(default_factory=dict)
+    takes: dict[fx.Node, DeviceTake | RoutedTake] = field(default_factory=dict)
 
 
 def plan_segments(gm: fx.GraphModule, mesh: Mesh | None = None) -> SegmentPlan:
@@ -219,7 +220,11 @@ def plan_segments(gm: fx.GraphModule, mesh: Mesh | None = None) -> SegmentPlan:
     With ``mesh``, selections at a per-device index are steps too (``runtime.device_index``),
     and the nodes that only compute their index do not run."""
     graph = gm.graph
-    takes, skipped = find_device_takes(gm, mesh) if mesh is not None else ({}, set())
+    takes: dict[fx.Node, DeviceTake | RoutedTake] = {}
+    skipped: set[fx.Node] = set()
+    if mesh is not None:
+        takes, skipped = find_device_takes(gm, mesh)  # type: ignore[assignment]
+        route_permutes(mesh, takes, skipped)  # through collective_permutes: runtime.device_route
     depth: dict[fx.Node, int] = {}
     placeholders: list[fx.Node] = []
     mesh_nodes: list[fx.Node] = []
