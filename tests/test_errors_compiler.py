@@ -220,3 +220,20 @@ def test_compiler_warnings_point_at_the_users_call() -> None:
     with pytest.warns(partita.RematerializationWarning) as caught:
         step(torch.randn(6, 5))  # 6 rows: no collective moves the uneven tiles directly
     assert {w.filename for w in caught} == {__file__}, [(w.filename, w.lineno) for w in caught]
+
+
+def _noise(x: torch.Tensor) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(7)
+    return x + torch.rand(x.shape, generator=gen)
+
+
+def test_a_random_op_with_its_own_generator_says_how_to_seed() -> None:
+    """Also under replicate_unsupported=True: the generator object cannot be replicated."""
+    for replicate in (False, True):
+        step = partita.jit(_noise, mesh=MESH, in_specs=(P("x"),), replicate_unsupported=replicate)
+        with pytest.raises(
+            UnsupportedOpError,
+            match=r"aten.rand.generator at node rand \(test_errors_compiler.py:\d+ in _noise\) "
+            r"draws from an explicit torch.Generator.*Seed with torch.manual_seed",
+        ):
+            step.lower(torch.zeros(8))

@@ -42,6 +42,31 @@ def compiler_error(node: fx.Node, stage: str, e: BaseException) -> CompilerError
     )
 
 
+def _draws_from_a_generator(node: fx.Node) -> bool:
+    """Whether ``node`` passes a ``torch.Generator`` to its op (``torch.rand(generator=g)``)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return False
+    for i, arg in enumerate(schema.arguments):
+        if "Generator" in str(arg.type):
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            return value is not None
+    return False
+
+
+def _generator_message(node: fx.Node, where: str) -> str:
+    """Why an op given its own generator cannot be sharded, and the ways around it."""
+    return (
+        f"{node.target} at {where} draws from an explicit torch.Generator "
+        f"(generator=...). partita's random ops draw from the default generator, so "
+        f"that each device draws its own part of one global tensor and the result "
+        f"equals the unsharded program's for the same seed; a generator object inside "
+        f"the program has no sharding rule. Seed with torch.manual_seed(...) before "
+        f"the call and drop generator=, or draw the tensor outside and pass it in as "
+        f"an input."
+    )
+
+
 def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> FactorRule:
     """The FactorRule of ``node`` (whose arguments ``info`` describes) from the registry.
 
@@ -54,6 +79,8 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
     fn = get_rule(node.target)
     where = f"node {node.name} ({source_of(node) or 'source line unknown'})"
     if fn is None:
+        if _draws_from_a_generator(node):  # replicating it cannot help: see the message
+            raise UnsupportedOpError(_generator_message(node, where))
         if replicate_unsupported:
             # One warning per op and source line (repeated layers share theirs).
             warn(
