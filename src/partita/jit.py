@@ -31,7 +31,9 @@ from partita import capture
 from partita.capture.gc_pause import gc_paused
 from partita.capture.layer_auto import scan_repeated_layers
 from partita.capture.module import ModuleInputs
-from partita.capture.trace import input_path, unflatten_args
+from partita.capture.spec_tree import unflatten_args
+from partita.capture.trace import input_path
+from partita.capture.uncompile import uncompiled
 from partita.errors import JitArgumentError, RecompileWarning, warn
 from partita.explain import format_program
 from partita.jit_signature import Signatures, trace_specs
@@ -119,6 +121,7 @@ class Jitted:
                 f"partita.jit(cache_limit={cache_limit!r}): the number of compiled signatures "
                 f"to keep must be an int >= 1 (default {DEFAULT_CACHE_LIMIT})."
             )
+        fn = uncompiled(fn, "partita.jit")
         self.fn = fn
         self.mesh = mesh
         self.in_specs = in_specs

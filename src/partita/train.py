@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from partita.capture.uncompile import uncompiled
 from partita.jit import JitStats, Jitted, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
@@ -45,6 +46,7 @@ from partita.train_checks import (
     check_optimizer_params,
     compute_dtype,
     deprecated,
+    model_argument,
     preset_argument,
 )
 from partita.train_memory import full_values, state_memory
@@ -91,8 +93,7 @@ class TrainStep:
         compile_programs: bool | None = None,
     ) -> None:
         shard = preset_argument(shard, plan)
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"train_step needs an nn.Module, got {type(model).__name__}.")
+        model, loss_fn = model_argument(model), uncompiled(loss_fn, "partita.train_step")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
                 f"train_step needs a torch.optim optimizer instance (AdamW, Adam, SGD), got "

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from partita.capture.uncompile import uncompiled
 from partita.errors import SpecError, TrainInputError
 from partita.mesh import Mesh
 from partita.presets import PresetLike
@@ -30,6 +31,7 @@ __all__ = [
     "compute_dtype",
     "deprecated",
     "describe_batch",
+    "model_argument",
     "preset_argument",
 ]
 
@@ -197,3 +199,12 @@ def compute_dtype(mixed_precision: str | torch.dtype | None) -> torch.dtype | No
         f"mixed_precision must be None, 'bf16' or 'fp16' (or the torch dtype), got "
         f"{mixed_precision!r}."
     )
+
+
+def model_argument(model: Any) -> nn.Module:
+    """``train_step``'s model: an ``nn.Module``, taken out of ``torch.compile`` (so that its
+    parameters keep their own names, not ``_orig_mod.<name>``)."""
+    model = uncompiled(model, "partita.train_step")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"train_step needs an nn.Module, got {type(model).__name__}.")
+    return model

@@ -13,6 +13,10 @@ This module only builds messages; ``trace`` decides when to raise them.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from collections.abc import Iterator
+
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
@@ -21,7 +25,13 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from partita.capture.source import source_from_stack_trace, user_line_of_traceback
 from partita.errors import CaptureError
 
-__all__ = ["DATA_DEPENDENT_HINT", "capture_error", "check_data_independent", "is_data_dependent"]
+__all__ = [
+    "DATA_DEPENDENT_HINT",
+    "capture_error",
+    "check_data_independent",
+    "is_data_dependent",
+    "quiet_meta_failures",
+]
 
 _DATA_DEPENDENT_TYPES = (
     DataDependentOutputException,
@@ -93,3 +103,22 @@ def check_data_independent(gm: fx.GraphModule, fn_name: str) -> None:
         raise CaptureError(
             f"Cannot trace {fn_name!r} at {where}: it computes {what}. {DATA_DEPENDENT_HINT}"
         )
+
+
+class _DropMetaFailure(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def quiet_meta_failures() -> Iterator[None]:
+    """While tracing, FakeTensor logs a traceback at ERROR level for every op whose shape
+    check fails, before the exception reaches partita, which re-raises it as a CaptureError
+    naming the user's line (with the original chained): the log would print it twice."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    drop = _DropMetaFailure()
+    logger.addFilter(drop)
+    try:
+        yield
+    finally:
+        logger.removeFilter(drop)

@@ -1,4 +1,5 @@
-"""``in_specs`` / ``out_specs`` as pytree prefixes: one PartitionSpec (or None) per leaf.
+"""``in_specs`` / ``out_specs`` as pytree prefixes: one PartitionSpec (or None) per leaf; and
+argument trees rebuilt with their ``torch.Size`` values intact.
 
 The JAX convention, PyTorch-spelled: a spec tree is a *prefix* of the values' pytree whose
 leaves are ``P`` or None; a ``P`` given for a container applies to every tensor in it, and a
@@ -15,7 +16,7 @@ from torch.utils import _pytree as pytree
 from partita.errors import CaptureError
 from partita.spec import PartitionSpec
 
-__all__ = ["broadcast_specs"]
+__all__ = ["broadcast_specs", "is_size", "unflatten_args"]
 
 
 class _NoSpec:
@@ -102,3 +103,28 @@ def broadcast_specs(specs: Any, tree: Any, what: str, fn_name: str) -> list[Part
             f"one for a whole container)."
         )
     return [None if isinstance(s, _NoSpec) else s for s in flat]
+
+
+def is_size(value: Any) -> bool:
+    return isinstance(value, torch.Size)
+
+
+def unflatten_args(leaves: list[Any], tree: pytree.TreeSpec) -> Any:
+    """``pytree.tree_unflatten``, except that a ``torch.Size`` argument comes back a
+    ``torch.Size`` (the pytree registration ``make_fx`` installs rebuilds it as a plain tuple,
+    and ``shape.numel()`` in the user's function would fail while tracing only)."""
+    if tree.is_leaf():
+        return leaves[0]
+    if not _has_size(tree):
+        return pytree.tree_unflatten(leaves, tree)
+    children, start = [], 0
+    for child in tree.children():
+        children.append(unflatten_args(leaves[start : start + child.num_leaves], child))
+        start += child.num_leaves
+    if tree.type is torch.Size:
+        return torch.Size(children)
+    return pytree.SUPPORTED_NODES[tree.type].unflatten_fn(children, tree.context)
+
+
+def _has_size(tree: pytree.TreeSpec) -> bool:
+    return tree.type is torch.Size or any(_has_size(c) for c in tree.children())

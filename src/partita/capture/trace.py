@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -58,6 +57,7 @@ from partita.capture.diagnose import (
     DATA_DEPENDENT_HINT,
     capture_error,
     check_data_independent,
+    quiet_meta_failures,
 )
 from partita.capture.functionalize import InputUpdates, functionalized
 from partita.capture.gc_pause import gc_paused
@@ -67,61 +67,17 @@ from partita.capture.lift import lift_constants
 from partita.capture.normalize import normalize
 from partita.capture.program import Program
 from partita.capture.source import format_source, source_from_stack_trace, user_frame
-from partita.capture.spec_tree import broadcast_specs
+from partita.capture.spec_tree import broadcast_specs, is_size, unflatten_args
 from partita.errors import CaptureError, PartitaError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
 
-__all__ = ["broadcast_specs", "input_path", "trace", "unflatten_args"]
+__all__ = ["broadcast_specs", "input_path", "trace"]
 
 _STATIC_TYPES = (
     type(None), bool, int, float, complex, str, bytes, type(Ellipsis), slice, enum.Enum,
     torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, Mesh, PartitionSpec,
 )  # fmt: skip
-
-
-class _DropMetaFailure(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith("failed while attempting to run meta")
-
-
-@contextlib.contextmanager
-def _quiet_meta_failures() -> Iterator[None]:
-    """While tracing, FakeTensor logs a traceback at ERROR level for every op whose shape
-    check fails, before the exception reaches partita, which re-raises it as a CaptureError
-    naming the user's line (with the original chained): the log would print it twice."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    drop = _DropMetaFailure()
-    logger.addFilter(drop)
-    try:
-        yield
-    finally:
-        logger.removeFilter(drop)
-
-
-def _is_size(value: Any) -> bool:
-    return isinstance(value, torch.Size)
-
-
-def unflatten_args(leaves: list[Any], tree: pytree.TreeSpec) -> Any:
-    """``pytree.tree_unflatten``, except that a ``torch.Size`` argument comes back a
-    ``torch.Size`` (the pytree registration ``make_fx`` installs rebuilds it as a plain tuple,
-    and ``shape.numel()`` in the user's function would fail while tracing only)."""
-    if tree.is_leaf():
-        return leaves[0]
-    if not _has_size(tree):
-        return pytree.tree_unflatten(leaves, tree)
-    children, start = [], 0
-    for child in tree.children():
-        children.append(unflatten_args(leaves[start : start + child.num_leaves], child))
-        start += child.num_leaves
-    if tree.type is torch.Size:
-        return torch.Size(children)
-    return pytree.SUPPORTED_NODES[tree.type].unflatten_fn(children, tree.context)
-
-
-def _has_size(tree: pytree.TreeSpec) -> bool:
-    return tree.type is torch.Size or any(_has_size(c) for c in tree.children())
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
@@ -214,7 +170,7 @@ def _trace(
         call_args, call_kwargs = unflatten_args(full, in_tree)
         result = fn(*call_args, **call_kwargs)
         # A torch.Size is one static leaf (pytree would return it as a plain tuple of ints).
-        out_paths, out_tree = pytree.tree_flatten_with_path(result, is_leaf=_is_size)
+        out_paths, out_tree = pytree.tree_flatten_with_path(result, is_leaf=is_size)
         outs = [leaf for _, leaf in out_paths if isinstance(leaf, torch.Tensor)]
         static_outs.clear()
         for i, (path, leaf) in enumerate(out_paths):
@@ -258,7 +214,7 @@ def _trace(
                 fx_traceback.preserve_node_meta(),
                 _compiling(),
                 _use_lazy_graph_module(True),
-                _quiet_meta_failures(),
+                quiet_meta_failures(),
             ):
                 gm = make_fx(
                     functionalized(flat_fn, updates),
