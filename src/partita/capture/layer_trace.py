@@ -48,7 +48,7 @@ class Traced:
 def traces_alike(traced: Traced, *how: Any) -> bool:
     """Whether this call traces to the same parts as ``traced`` (traced from another layer)."""
     try:
-        again = trace_layer(*how)
+        again = trace_layer(*how, like=traced)
     except LayerFallbackError:
         return False
     pairs = [(traced.forward_key, again.forward_key), (traced.backward_key, again.backward_key)]
@@ -73,8 +73,13 @@ def trace_layer(
     leaves: list[Any],
     names: list[str],
     primals: list[Tensor],
+    like: Traced | None = None,
 ) -> Traced:
-    """Trace one call of ``module`` alone (forward and, under grad mode, backward)."""
+    """Trace one call of ``module`` alone (forward and, under grad mode, backward).
+
+    ``like``: a trace of the same signature this call is compared with (``traces_alike``).
+    Its outputs tell which need a gradient, so the forward is not probed first; an output
+    that differs from ``like``'s in shape, dtype or needing a gradient stops the trace."""
     grad = torch.is_grad_enabled()
     n_in = len(primals) - len(names)
     fake_mode = torch._guards.detect_fake_mode()
@@ -108,18 +113,24 @@ def trace_layer(
         with _disable_current_modes():
             # Which outputs need a gradient decides the joint's inputs: run it once on fakes
             # (without grad mode there is no backward, and the trace alone tells the outputs).
-            probe: list[Any] = []
-            if grad:
-                with fake_mode:
-                    probe_in = fresh()
-                    versions = [t._version for t in probe_in]
-                    probe, _ = run(probe_in)
-                if [t._version for t in probe_in] != versions:
-                    raise LayerFallbackError(IN_PLACE)
-            diff_outputs = [i for i, o in enumerate(probe) if o.requires_grad]
+            # (An in-place update of an input is caught twice: by the probe's versions, and
+            # by functionalization in the joint below.)
+            if grad and like is not None:
+                out_meta = part(like.forward_key).out_meta[: like.n_out]
+                diff_outputs = list(like.diff_outputs)
+            else:
+                probe: list[Any] = []
+                if grad:
+                    with fake_mode:
+                        probe_in = fresh()
+                        versions = [t._version for t in probe_in]
+                        probe, _ = run(probe_in)
+                    if [t._version for t in probe_in] != versions:
+                        raise LayerFallbackError(IN_PLACE)
+                out_meta = tuple((tuple(o.shape), o.dtype, o.device) for o in probe)
+                diff_outputs = [i for i, o in enumerate(probe) if o.requires_grad]
             wanted = [i for i, (*_, rg) in enumerate(meta) if grad and rg]
-            cot_meta = [(tuple(probe[i].shape), probe[i].dtype, probe[i].device, False)
-                        for i in diff_outputs]  # fmt: skip
+            cot_meta = [(*out_meta[i], False) for i in diff_outputs]
             found: list[list[int]] = []
             tree_box: list[Any] = []
             last_forward: list[torch.fx.Node | None] = []
@@ -132,6 +143,12 @@ def trace_layer(
                     ins = [t.detach().requires_grad_(True) if grad and rg else t
                            for t, (*_, rg) in zip(ins, meta, strict=True)]  # fmt: skip
                     outs, spec = run(ins)
+                    if (
+                        like is not None
+                        and grad
+                        and not _outputs_like(outs, out_meta, diff_outputs)
+                    ):
+                        raise LayerFallbackError("its outputs differ from the first layer's")
                     tree_box.append(spec)
                     last_forward.append(_last_traced_node())
                     if not diff_outputs:
@@ -178,6 +195,16 @@ def trace_layer(
         bkey = register(backward)
         state.keys.append(bkey)
     return Traced(fkey, bkey, n_out, out_tree, saved_from, diff_outputs, grad_of)
+
+
+def _outputs_like(outs: list[Tensor], out_meta: Any, diff_outputs: list[int]) -> bool:
+    """Whether ``outs`` have the shapes and dtypes of ``out_meta`` and need a gradient exactly
+    at ``diff_outputs``."""
+    return (
+        len(outs) == len(out_meta)
+        and all((tuple(o.shape), o.dtype) == m[:2] for o, m in zip(outs, out_meta, strict=True))
+        and [i for i, o in enumerate(outs) if o.requires_grad] == diff_outputs
+    )
 
 
 def _last_traced_node() -> torch.fx.Node | None:

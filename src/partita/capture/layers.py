@@ -38,11 +38,13 @@ the attribute. Outside a trace the modules run unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
 import warnings
 import weakref
+from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -81,6 +83,7 @@ class ScanState:
     unverified: set[Any] = field(default_factory=set)  # signatures traced once, not yet checked
     by_size_class: dict[Any, Traced] = field(default_factory=dict)  # any_sizes functions
     seen_once: set[Any] = field(default_factory=set)  # signatures of found layers called once
+    twins: Counter[tuple[Any, ...]] | None = None  # found layers per layer_attrs (_has_twin)
 
 
 _STATE: contextvars.ContextVar[ScanState | None] = contextvars.ContextVar(
@@ -256,9 +259,11 @@ def _lookup(
         return None, primals
     verify = module is not None and _MARKED.get(module, False)
     traced = state.traces.get(key)
-    if traced is None and verify and key not in state.seen_once:
-        # A found layer: its first call of a signature runs as ordinary code (a layer that
-        # does not repeat costs nothing more), the second is traced alone, the third compared.
+    if traced is None and verify and key not in state.seen_once and not _has_twin(state, attrs):
+        # A found layer no other layer is the twin of (same class and Python attributes, as a
+        # per-layer index makes them differ): its first call of a signature runs as ordinary
+        # code (a layer that does not repeat costs nothing more); a second call is traced alone
+        # and a third compared, as for the layers below.
         state.seen_once.add(key)
         return None, primals
     if traced is None and any_sizes:
@@ -286,6 +291,19 @@ def _lookup(
     if isinstance(traced, str):
         return None, primals
     return traced, primals
+
+
+def _has_twin(state: ScanState, attrs: tuple[Any, ...]) -> bool:
+    """Whether two layers partita found have these Python attributes (``layer_attrs``, which
+    include the class): the first call of such a layer is traced alone, and the first call of
+    its twin compared with it; a layer without a twin is traced as ordinary code."""
+    if state.twins is None:
+        state.twins = Counter()
+        for module, verify in list(_MARKED.items()):
+            if verify:
+                with contextlib.suppress(LayerFallbackError):  # hooks: never traced alone
+                    state.twins[layer_attrs(module)] += 1
+    return state.twins[attrs] >= 2
 
 
 def _size_key(key: tuple[Any, ...], primals: list[Tensor]) -> tuple[Any, ...]:
