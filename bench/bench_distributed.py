@@ -17,8 +17,9 @@ compile) and ``step RSS``, the high-water mark of the timed steps alone (``VmHWM
 the warm-ups through ``/proc/self/clear_refs``, the same for partita and torch), and, for
 partita, the Plan's estimate of the tensors live at the peak (``Plan.memory()``); ``step heap``
 measures what a step holds for partita and eager torch alike (``_HeapPeak``: malloc's bytes in
-use at the step's peak op boundary, above its start; the caller's parameters and optimizer
-state excluded, so it compares with the Plan peak minus its ``inputs``).
+use at the step's peak op boundary, above its start, median of 3 steps; the caller's
+parameters and optimizer state excluded, so it compares with the Plan peak minus its
+``inputs``).
 
 * ``partita fsdp (4,)``: parameters ``P("data")``, batch ``P("data")``; bytes from the Plan
   (per-device bytes as XLA reports them: output of all_gather / all_reduce / all_to_all, input
@@ -249,15 +250,20 @@ class _HeapPeak(TorchDispatchMode):
         return out
 
 
-def _step_heap(fn: Callable[[], Any]) -> float:
-    """``_HeapPeak`` of one step of ``fn``, max over ranks (0 where mallinfo2 is missing)."""
-    try:
-        mode = _HeapPeak()
-    except (OSError, AttributeError):
-        return 0.0
-    with mode:
-        fn()
-    t = torch.tensor([float(mode.peak - mode.start)])
+def _step_heap(fn: Callable[[], Any], repeat: int = 3) -> float:
+    """``_HeapPeak`` of a step of ``fn``: the median of ``repeat`` steps (when a collective's
+    temporary buffers are freed depends on the other ranks, so one step varies by a bucket),
+    max over ranks (0 where mallinfo2 is missing)."""
+    peaks = []
+    for _ in range(repeat):
+        try:
+            mode = _HeapPeak()
+        except (OSError, AttributeError):
+            return 0.0
+        with mode:
+            fn()
+        peaks.append(float(mode.peak - mode.start))
+    t = torch.tensor([statistics.median(peaks)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 

@@ -264,3 +264,36 @@ def test_bucket_ops_hold_only_their_flat_buffers_in_flight(monkeypatch: pytest.M
     # partita member 0 (this rank) first, then member 1 (torch rank 0: the +100 values)
     torch.testing.assert_close(a, torch.cat([torch.ones(2, 2), torch.ones(2, 2) + 100]))
     torch.testing.assert_close(b, torch.cat([torch.full((3,), 2.0), torch.full((3,), 102.0)]))
+
+
+def test_a_prefetch_does_not_stack_on_a_reduce_scatter_in_flight() -> None:
+    """A reduce_scatter in flight holds a flat copy of its input: a gather that would fit
+    beside the program as partitioned, but not beside that copy, waits for it."""
+    rec = _Recorder()
+
+    def program() -> fx.GraphModule:
+        g = fx.Graph()
+        w, x = g.placeholder("w"), g.placeholder("x")
+        big = g.call_function(aten.cat.default, ([x, x, x],))  # the peak of the program
+        s = g.call_function(aten.sum.default, (big,))
+        grad = g.call_function(aten.mul.Tensor, (x, 2.0))
+        rs = g.call_function(ops.reduce_scatter.default, (grad, 0, "sum", ["x"], 1), name="rs")
+        s = g.call_function(aten.add.Tensor, (s, g.call_function(aten.sum.default, (rs,))))
+        ag = g.call_function(ops.all_gather.default, (w, 0, ["x"], 1), name="ag")
+        rs.meta["bytes"], ag.meta["bytes"] = 256, 300  # fits beside the program, not the copy
+        g.output(g.call_function(aten.add.Tensor, (s, ag)))
+        return fx.GraphModule(nn.Module(), g)
+
+    args = (torch.ones(16), torch.arange(64.0))
+    want, sizes = run_measuring(program(), args)
+    gm = program()
+    targets = {ops.all_gather.default, ops.reduce_scatter.default}
+    schedule_overlap(gm.graph, targets, rec.start, rec.wait, _kind_of, 1 << 20, sizes)
+    gm.recompile()
+    rec.log.clear()
+    torch.testing.assert_close(gm(*args), want, rtol=0, atol=0)
+    assert rec.log == ["start rs", "wait rs", "start ag", "wait ag"]
+
+
+def _kind_of(target: Any) -> str:
+    return target._schema.name.split("::")[-1]

@@ -151,6 +151,12 @@ def _hold_under_peak(
     Gathers are placed in order of their waits, each counting the buffers already in flight.
     """
     held = _live_bytes(nodes, size_of)
+    for h, w in pairs:  # a reduce_scatter's flat copy (and Gloo's temporary) while it moves
+        if str(h.args[0]).startswith("reduce_scatter"):
+            flat = sum(size_of.get(a, 0) for a in h.all_input_nodes)
+            extra = flat + (gather_buffers - 1) * (flat + size_of.get(w, 0))
+            for i in range(math.floor(priority[h]) + 1, min(math.ceil(priority[w]), len(held))):
+                held[i] += extra
     cap = max(held, default=0)
     if not cap:
         return
