@@ -33,6 +33,35 @@ __all__ = ["global_random_draw"]
 _VALUE_OPERANDS = {aten.bernoulli.default}
 
 
+#: Ops that make a tensor whose values nothing reads: a random op on one fills it.
+_EMPTY_OPS = {
+    aten.empty.memory_format,
+    aten.empty_like.default,
+    aten.empty_permuted.default,
+    aten.empty_strided.default,
+}
+
+
+def _draw_op(node: fx.Node) -> str:
+    """The aten op (``packet.overload``) that draws ``node``'s numbers as eager does.
+
+    Eager dropout is ``empty_like(x).bernoulli_(p)``: it fills ``x``'s memory layout in memory
+    order. Functionalization turns it into ``bernoulli.p``, whose kernel returns a contiguous
+    tensor filled in *logical* order: for a permuted ``x`` (``nn.TransformerEncoderLayer``'s
+    attention output) every mask element lands elsewhere. The in-place draw on an empty tensor
+    of ``x``'s strides is eager's. (The other functional random ops keep their input's layout.)
+    """
+    op = str(node.target).removeprefix("aten.")
+    first = node.args[0] if node.args else None
+    if (
+        node.target == aten.bernoulli.p
+        and isinstance(first, fx.Node)
+        and first.target in _EMPTY_OPS
+    ):
+        return "bernoulli_.float"
+    return op
+
+
 def _encode(a: Any) -> Any:
     if a is None or isinstance(a, (bool, int, float, str)):
         return a
@@ -126,7 +155,7 @@ def _random_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -
         "args": [enc(a) for a in node.args],
         "kwargs": {k: enc(v) for k, v in node.kwargs.items()},
     }
-    op = str(target).removeprefix("aten.")
+    op = _draw_op(node)
     draw = e.call(torch.ops.partita.global_random_draw.default, inputs, op, json.dumps(spec))
     vals = node.meta["val"]
     vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]
