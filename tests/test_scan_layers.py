@@ -193,13 +193,13 @@ def test_scan_layers_refuses_the_model_itself() -> None:
 
 def _form(gm: torch.fx.GraphModule) -> list[tuple[object, ...]]:
     """The graph up to node names: per node its op, target, arguments by position, result
-    shapes and dtypes, and source line."""
+    shapes, strides and dtypes, and source line."""
     index = {n: i for i, n in enumerate(gm.graph.nodes)}
     out = []
     for node in gm.graph.nodes:
         args = torch.fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{index[a]}")
         val = node.meta.get("val")
-        meta = (tuple(val.shape), val.dtype) if isinstance(val, torch.Tensor) else None
+        meta = (val.shape, val.stride(), val.dtype) if isinstance(val, torch.Tensor) else None
         out.append((node.op, str(node.target), repr(args), meta, node.meta.get("source")))
     return out
 
