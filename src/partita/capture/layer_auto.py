@@ -5,19 +5,21 @@ after block; :mod:`partita.capture.layers` traces one and copies it (``partita.s
 The copies are the unrolled program op for op (same ops, order, shapes and source lines), but
 reuse rests on a block's ops depending only on its signature (class, Python attributes,
 parameter shapes, arguments). So layers found here are marked with ``verify=True``: the first
-layer of each signature is traced as ordinary code, the second and third alone, and only if
-those two traced alike do the others reuse the trace; otherwise every layer is traced as
-ordinary code.
+layer of each signature is traced alone, the second is traced alone too and compared with it,
+and only if those two traced alike do the others reuse the trace; otherwise the rest are
+traced as ordinary code. (A layer that has no twin, no other found layer with its class and
+Python attributes, such as a per-layer index, is traced as ordinary code first.)
 
 Which layers: the children of every ``nn.ModuleList`` or ``nn.Sequential`` that have
 submodules of their own and share their class with at least :data:`MIN_REPEATS` - 1 siblings
 (``model.blocks``, ``model.layers``, ``encoder.layer``...). The check costs: a layer traced
-alone costs about 1.6 ordinary traces (a shape probe, and the placeholders), so the first three
-layers of a kind cost about 4 ordinary ones, and reuse only pays from about five layers on
-(measured on the GPT training step: 4 blocks traced 0.5 s slower with reuse than without, 12
-blocks 1.5 s faster). A leaf such as ``nn.Linear`` is left alone for the same reason. Setting
-``PARTITA_SCAN_LAYERS=0`` turns this off (layers the user marked with ``scan_layers`` are still
-traced once). This module decides nothing about a trace; ``layers`` does the tracing.
+alone costs more than an ordinary trace (a shape probe, the split into forward and backward),
+so reuse only pays from about five layers on (measured on the GPT training step when the
+first layer ran as ordinary code and two more were traced alone: 4 blocks traced 0.5 s slower
+with reuse than without, 12 blocks 1.5 s faster). A leaf such as ``nn.Linear`` is left alone
+for the same reason. Setting ``PARTITA_SCAN_LAYERS=0`` turns this off (layers the user
+marked with ``scan_layers`` are still traced once). This module decides nothing about a
+trace; ``layers`` does the tracing.
 """
 
 from __future__ import annotations

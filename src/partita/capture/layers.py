@@ -23,10 +23,12 @@ same values, so propagation, partitioning and the results do not change.
 ``fn.each(calls)`` puts one placeholder for a run of calls, and ``any_sizes=True`` lets calls
 at other sizes of a traced rank reuse its trace (:mod:`~partita.capture.layer_sizes`).
 
-Layers partita found itself (:mod:`~partita.capture.layer_auto`, ``verify=True``) are checked
-first: the first call of a signature runs as ordinary code, the second and third are traced
-alone and compared op for op, and only if they traced alike do the later calls reuse the
-trace; otherwise, and in every case below, they run as ordinary code without a warning.
+Layers partita found itself (:mod:`~partita.capture.layer_auto`, ``verify=True``) are checked:
+the first call of a signature is traced alone, the second is traced alone too (without a
+probe: the first trace tells its outputs) and compared op for op, and only if they traced
+alike do the later calls reuse the trace; otherwise, and in every case below, they run as
+ordinary code without a warning. A found layer with no twin (no other found layer has its
+class and Python attributes) runs as ordinary code at its first call, as it may not repeat.
 
 When it falls back (the layer runs as ordinary traced code, with a PartitaWarning that says
 why): the layer updates a buffer in place (batch-norm statistics), returns something other
@@ -94,10 +96,10 @@ _STATE: contextvars.ContextVar[ScanState | None] = contextvars.ContextVar(
 def mark_layers(modules: Iterable[nn.Module], *, verify: bool = False) -> None:
     """Trace each of ``modules`` once per signature from now on (see the module doc).
 
-    ``verify=True`` (layers partita found, not the user): the first call of a signature runs
-    as ordinary code, the second and third are traced alone, and the others reuse the trace
-    only if those two traced alike (same ops, arguments, shapes, constants and source lines);
-    otherwise they all run as ordinary code, silently. A module the user marked keeps
+    ``verify=True`` (layers partita found, not the user): the first and second calls of a
+    signature are traced alone, and the others reuse the trace only if those two traced alike
+    (same ops, arguments, shapes, constants and source lines); otherwise they run as ordinary
+    code, silently (see the module doc for a layer without a twin). A module the user marked keeps
     ``verify=False``."""
     for m in modules:
         _MARKED[m] = _MARKED.get(m, True) and verify
