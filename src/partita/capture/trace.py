@@ -66,6 +66,7 @@ from partita.capture.layers import scan_scope
 from partita.capture.lift import lift_constants
 from partita.capture.normalize import normalize
 from partita.capture.program import Program
+from partita.capture.rng import DrawKeys, replay_draws, tracing_rng
 from partita.capture.source import format_source, source_from_stack_trace, user_frame
 from partita.capture.spec_tree import broadcast_specs, is_size, unflatten_args
 from partita.errors import CaptureError, PartitaError
@@ -205,6 +206,7 @@ def _trace(
     shapes = [tuple(leaves[i].shape) for i in tensor_idx]
     specs = [in_spec_flat[i] for i in tensor_idx]
     updates = InputUpdates(received, input_names, shapes, specs, mesh, name)
+    draws = DrawKeys()  # each random op's generator state (capture/rng.py)
     with tracing_scope(mesh, "trace(mesh=...)") as state, scan_scope(name):
         try:
             # A lazy GraphModule generates its Python code only when it is run or printed:
@@ -215,10 +217,11 @@ def _trace(
                 _compiling(),
                 _use_lazy_graph_module(True),
                 quiet_meta_failures(),
+                tracing_rng(),
             ):
                 gm = make_fx(
                     functionalized(flat_fn, updates),
-                    decomposition_table=decomposition_table(),
+                    decomposition_table=draws.wrap(decomposition_table()),
                     tracing_mode="fake",
                     # No TorchFunctionMode recording each torch call's function in node.meta
                     # (nothing reads it): with one active every tensor method leaves the C++ fast
@@ -230,6 +233,7 @@ def _trace(
             raise
         except Exception as e:
             raise capture_error(name, e) from e
+        replay_draws(gm, draws, name)  # a checkpointed block's dropout draws its mask once
         inline_layer_calls(gm)  # layers traced once (partita.scan_layers) become their graphs
         if mesh is not None:
             ins = [(in_spec_flat[i], f"in_specs for {input_path(leaf_paths[i][0])}")
