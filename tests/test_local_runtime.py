@@ -749,6 +749,36 @@ def test_attention_results_are_laid_out_heads_inner() -> None:
     assert torch.equal(ops._as_heads_inner(t), t)
 
 
+def test_attention_over_devices_holding_heads_side_by_side_folds_them_into_the_heads() -> None:
+    """vmap of partita::sdpa and its backward over devices whose q, k, v sit side by side in
+    memory, just outside their heads (slices of one column-parallel projection laid out as
+    the global matmul's result): the devices fold into the heads dim, so the fused kernel
+    reads them in place and its result keeps the devices beside the heads (a row-parallel
+    projection then joins them without a copy). Results equal the per-device loop."""
+    from partita.capture import ops
+
+    n, b, h, length, e = 4, 2, 2, 6, 4
+    g = torch.Generator().manual_seed(0)
+    proj = torch.randn(b, length, 3, n, h, e, generator=g)  # the global [B, L, 3 * n * H * E]
+    q, k, v = (proj[:, :, i].permute(2, 0, 3, 1, 4) for i in range(3))  # [n, B, H, L, E]
+    assert ops._heads_fold([(t, 0, -3) for t in (q, k, v)], n)
+    out, lse = torch.vmap(lambda *a: ops.sdpa(*a, None, 0.0, True, None))(q, k, v)
+    assert out.stride(0) == h * out.stride(2)  # device n's heads follow device n - 1's
+    grad = torch.randn(n, b, h, length, e, generator=g)  # contiguous: one copy, not five
+    grads = torch.vmap(lambda *a: ops.sdpa_backward(*a, None, 0.0, True, None))(
+        grad, q, k, v, out, lse
+    )
+    for i in range(n):
+        o, s = ops.sdpa(q[i], k[i], v[i], None, 0.0, True, None)
+        torch.testing.assert_close(out[i], o)
+        torch.testing.assert_close(lse[i], s)
+        want = ops.sdpa_backward(grad[i], q[i], k[i], v[i], o, s, None, 0.0, True, None)
+        for got_g, want_g in zip(grads, want, strict=True):
+            torch.testing.assert_close(got_g[i], want_g)
+    # Devices stacked outermost (data parallel) fold into the batch dim, as before.
+    assert not ops._heads_fold([(t.contiguous(), 0, -3) for t in (q, k, v)], n)
+
+
 @needs_stacked
 def test_selection_through_collective_permutes_reads_the_senders_rows() -> None:
     """``q|k|v`` split out of a column-parallel fused projection whose shards cross their

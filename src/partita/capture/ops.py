@@ -211,10 +211,54 @@ def _unfold(x: Tensor, size: int) -> Tensor:
     return x.reshape(size, x.shape[0] // size, *x.shape[1:])
 
 
+def _heads_fold(tensors: Sequence[tuple[Tensor | None, int | None, int]], size: int) -> bool:
+    """Whether to fold the vmapped dim into the heads dim rather than the batch dim: when
+    that copies fewer of the tensors. It is a view when the devices sit just outside the
+    heads in memory (the devices of a ``model`` axis holding the heads of one projection
+    side by side); the fused kernel then reads them in place and writes its result with
+    those devices' heads side by side, as the unsharded result is laid out. ``tensors``:
+    ``(t, dim, heads)``, ``heads`` the heads dim counted from the end (per device
+    ``[B, H, L, E]``, logsumexp ``[B, H, L]``)."""
+    batched = [(t, d, h) for t, d, h in tensors if t is not None and d is not None]
+    if size == 1 or not batched or any(t.dim() + h != 2 for t, _, h in batched):
+        return False
+
+    def merges(x: Tensor, i: int) -> bool:  # dims i, i + 1 flatten as a view
+        return x.shape[i + 1] == 1 or x.stride(i) == x.shape[i + 1] * x.stride(i + 1)
+
+    heads = sum(not merges(t.movedim(d, h - 1), t.dim() + h - 1) for t, d, h in batched)
+    batch = sum(not merges(t.movedim(d, 0), 0) for t, d, _ in batched)
+    return heads < batch
+
+
+def _fold_heads(x: Tensor, dim: int | None, size: int, heads_dim: int) -> Tensor:
+    """The vmapped dim merged into the heads dim (``heads_dim`` from the end) as its outer
+    part; an unbatched ``x`` is broadcast."""
+    if dim is None:
+        x = x.unsqueeze(heads_dim - 1)
+        shape = list(x.shape)
+        shape[heads_dim - 1] = size
+        x = x.expand(shape)
+    else:
+        x = x.movedim(dim, heads_dim - 1)
+    return x.flatten(heads_dim - 1, heads_dim)
+
+
+def _unfold_heads(x: Tensor, size: int, heads_dim: int) -> Tensor:
+    d = x.dim() + heads_dim
+    return x.unflatten(d, (size, x.shape[d] // size)).movedim(d, 0)
+
+
 @sdpa.register_vmap
 def _(info, in_dims, query, key, value, attn_mask, dropout_p, is_causal, scale):
     n = info.batch_size
-    q, k, v = (_fold(t, d, n) for t, d in zip((query, key, value), in_dims[:3], strict=True))
+    qkv = (query, key, value)
+    simple_mask = attn_mask is None or (in_dims[3] is None and attn_mask.dim() <= 2)
+    if simple_mask and _heads_fold([(t, d, -3) for t, d in zip(qkv, in_dims[:3], strict=True)], n):
+        q, k, v = (_fold_heads(t, d, n, -3) for t, d in zip(qkv, in_dims[:3], strict=True))
+        out, lse = sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale)
+        return (_unfold_heads(out, n, -3), _unfold_heads(lse, n, -2)), (0, 0)
+    q, k, v = (_fold(t, d, n) for t, d in zip(qkv, in_dims[:3], strict=True))
     mask = _fold_mask(attn_mask, in_dims[3], n, q, k)
     out, lse = sdpa(q, k, v, mask, dropout_p, is_causal, scale)
     return (_unfold(out, n), _unfold(lse, n)), (0, 0)
@@ -237,6 +281,14 @@ def _(
 ):
     n = info.batch_size
     tensors = (grad_out, query, key, value, out, logsumexp)
+    heads = (-3, -3, -3, -3, -3, -2)
+    simple_mask = attn_mask is None or (in_dims[6] is None and attn_mask.dim() <= 2)
+    if simple_mask and _heads_fold(list(zip(tensors, in_dims[:6], heads, strict=True)), n):
+        folded = [
+            _fold_heads(t, d, n, h) for t, d, h in zip(tensors, in_dims[:6], heads, strict=True)
+        ]
+        grads = sdpa_backward(*folded, attn_mask, dropout_p, is_causal, scale)
+        return tuple(_unfold_heads(g, n, -3) for g in grads), (0, 0, 0)
     folded = [_fold(t, d, n) for t, d in zip(tensors, in_dims[:6], strict=True)]
     mask = _fold_mask(attn_mask, in_dims[6], n, folded[1], folded[2])
     grads = sdpa_backward(*folded, mask, dropout_p, is_causal, scale)

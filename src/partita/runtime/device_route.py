@@ -75,7 +75,10 @@ class RoutedTake:
         if runs is None:
             runs = self._runs[sizes] = self._device_runs(sizes)
         view = _as_view(runs, inputs, dim, len(self.table[0]), mesh)
-        return view if view is not None else _copy(runs, inputs, dim, len(self.table[0]), mesh)
+        if view is not None:
+            return view
+        index_axes = _varies(list(self.table), mesh)
+        return _copy(runs, inputs, dim, len(self.table[0]), index_axes, mesh)
 
     def _device_runs(self, sizes: tuple[int, ...]) -> tuple[tuple[Run, ...], ...]:
         """Each flat device's rows as runs of consecutive source rows (cached per sizes)."""
@@ -183,6 +186,7 @@ def _copy(
     inputs: list[tuple[Tensor, Axes]],
     dim: int,
     length: int,
+    index_axes: Axes,
     mesh: Mesh,
 ) -> tuple[Tensor, Axes]:
     """Each distinct device's runs copied into one new stack: the output written once."""
@@ -198,7 +202,7 @@ def _copy(
     first = next((value, axes) for value, axes in inputs)
     local = list(first[0].shape[sum(first[1]) :])
     local[dim] = length
-    out = first[0].new_empty(*lead, *local)
+    out = _global_layout(first[0], out_axes, index_axes, local, dim, mesh)
     strides = [math.prod(mesh.shape[i + 1 :]) for i in range(mesh.ndim)]
     for pos in itertools.product(*(range(s) for s in lead)):
         it = iter(pos)
@@ -212,6 +216,30 @@ def _copy(
                 x = _held(*inputs[k], sender, mesh)
                 dst.narrow(dim, at, n).copy_(x.narrow(dim, src, n))
     return out, out_axes
+
+
+def _global_layout(
+    like: Tensor, out_axes: Axes, index_axes: Axes, local: list[int], dim: int, mesh: Mesh
+) -> Tensor:
+    """An empty ``[*lead, *local]`` (``lead``: the ``out_axes`` dims) laid out as the global
+    value would be: the mesh dims the index varies along just outside ``dim`` (the slices of
+    a column-parallel value side by side), the others outermost. A matmul summed over those
+    axes then reads the slices as one operand, without a copy (``runtime.contraction``)."""
+    lead = [i for i, v in enumerate(out_axes) if v]
+    outer = [i for i in lead if not index_axes[i]]
+    inner = [i for i in lead if index_axes[i]]
+    # memory order of the result's dims (lead dims numbered by position in ``lead``)
+    pos = {a: j for j, a in enumerate(lead)}
+    k = len(lead)
+    memory = [
+        *(pos[a] for a in outer),
+        *(k + d for d in range(dim)),
+        *(pos[a] for a in inner),
+        *(k + d for d in range(dim, len(local))),
+    ]
+    sizes = [*(mesh.shape[a] for a in lead), *local]
+    out = like.new_empty([sizes[d] for d in memory])
+    return out.permute(*(memory.index(d) for d in range(len(sizes))))
 
 
 def _held_coords(flat: int, axes: Axes, mesh: Mesh) -> tuple[int, ...]:

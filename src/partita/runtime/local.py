@@ -45,7 +45,10 @@ operands vary along different axes are folded into one ``mm`` in the traced flat
 sum over mesh axes runs as one matmul over the joined slices of its contraction dim
 (``runtime.contraction``), and an ``index_select`` at a per-device constant index (a slice
 at a device-dependent offset) as a step outside vmap: a view where it can be, else one copy
-of the output (``runtime.device_index``).
+of the output (``runtime.device_index``); one that selects from collective_permuted pieces
+reads the rows where they were sent from, and the permutes do not run
+(``runtime.device_route``). Attention over devices holding heads side by side folds them
+into the heads dim (``capture.ops``), so its inputs and result are not copied.
 
 What this module does not do: random ops (an ``UnsupportedOpError`` names the op), graphs
 edited after their first ``run`` (the cached plan is keyed by the graph module), a graph output
