@@ -591,6 +591,44 @@ case(aten.randn.default, lambda: aten.randn.default([7, 5]), **RND)
 case(aten.randint.default, lambda: aten.randint.default(10, [6, 5]), **RND)
 case(aten.randint.low, lambda: aten.randint.low(3, 10, [6, 5]), **RND)
 case(aten.randperm.default, lambda: aten.randperm.default(7), **RND)
+# Draws whose tensors are the distribution's parameters (read whole, then each device its tile).
+case(
+    aten.binomial.default,
+    lambda c, p: aten.binomial.default(c, p),
+    lambda g: torch.randint(0, 9, (6, 5), generator=g).float(),
+    lambda g: torch.rand(6, 5, generator=g),
+    **RND,
+)
+case(
+    aten.multinomial.default,
+    lambda p: aten.multinomial.default(p, 3, False),
+    lambda g: torch.rand(6, 5, generator=g) + 0.1,
+    **RND,
+)
+case(
+    aten.normal.Tensor_Tensor,
+    lambda m, s: aten.normal.Tensor_Tensor(m, s.abs()),
+    f(6, 5),
+    f(5),
+    **RND,
+)
+case(aten.normal.Tensor_float, lambda m: aten.normal.Tensor_float(m, 0.5), f(7, 5), **RND)
+case(aten.normal.float_Tensor, lambda s: aten.normal.float_Tensor(1.0, s.abs()), f(6, 5), **RND)
+case(aten.poisson.default, lambda r: aten.poisson.default(r.abs() * 3), f(6, 5), **RND)
+case(
+    aten.rrelu_with_noise_functional.default,
+    lambda x, n: aten.rrelu_with_noise_functional.default(x, n, 0.1, 0.3, True),
+    f(6, 5),
+    f(6, 5),
+    **RND,
+)
+case(
+    aten.rrelu_with_noise_backward.default,
+    lambda g, x, n: aten.rrelu_with_noise_backward.default(g, x, n, 0.1, 0.3, True, False),
+    f(6, 5),
+    f(6, 5),
+    f(6, 5),
+)
 
 # --- norms ----------------------------------------------------------------------------------------
 

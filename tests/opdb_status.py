@@ -129,7 +129,6 @@ STATUS: dict[str, tuple[str, str]] = {
     "nn.functional.normalize": ("SKIP", "random"),
     "nn.functional.one_hot": ("SKIP", "no float32 on CPU"),
     "nn.functional.poisson_nll_loss": ("SKIP", "random"),
-    "nn.functional.rrelu": ("UNSUPPORTED", "aten.rrelu_with_noise_functional.default"),
     "nn.functional.silu.complex": ("SKIP", "no float32 on CPU"),
     "nonzero": (
         "CAPTURE",

@@ -136,6 +136,7 @@ _NAMES = (
     "remainder.Tensor",
     "round.decimals",
     "round.default",
+    "rrelu_with_noise_backward.default",
     "rsqrt.default",
     "rsub.Scalar",
     "rsub.Tensor",

@@ -1,7 +1,8 @@
 """Rules of random ops: ``bernoulli``, ``native_dropout``, ``rand``/``randn`` and their
 ``*_like`` forms, ``uniform``/``normal``, and the distributions that fill a tensor's shape
 (``cauchy``, ``exponential``, ``geometric``, ``log_normal``, and ``random``, the functional
-``random_``: ``randint`` on a device other than the CPU).
+``random_``: ``randint`` on a device other than the CPU); the draws whose tensors are the
+distribution's parameters (``normal(mean, std)``, ``poisson``, ``binomial``, ``multinomial``).
 
 Random-number policy (see docs/rules.md): partita draws every random tensor with its *global*
 shape from the global generator state and each device keeps its own tile, so a sharded
@@ -20,7 +21,14 @@ from partita.rules.elementwise import elementwise_rule
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
 
-__all__ = ["RANDOM_LIKE_OPS", "random_create_rule", "random_like_rule"]
+__all__ = [
+    "RANDOM_LIKE_OPS",
+    "RANDOM_VALUE_OPS",
+    "multinomial_rule",
+    "random_create_rule",
+    "random_like_rule",
+    "random_value_rule",
+]
 
 RANDOM_LIKE_OPS = aten_ops(
     [
@@ -50,6 +58,55 @@ RANDOM_LIKE_OPS = aten_ops(
 def random_like_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b, a b; handler=global_random`` for ``native_dropout`` (output, mask)."""
     return elementwise_rule(info, handler=HandlerName.GLOBAL_RANDOM)
+
+
+#: Draws whose tensor operands are parameters of the distribution (a mean, a rate, a count,
+#: probabilities), not only a shape: the draw reads their whole global values.
+RANDOM_VALUE_OPS = aten_ops(
+    [
+        "bernoulli.default",
+        "binomial.default",
+        "multinomial.default",
+        "normal.Tensor_Tensor",
+        "normal.Tensor_float",
+        "normal.float_Tensor",
+        "poisson.default",
+        "rrelu_with_noise_functional.default",
+    ]
+)
+
+
+@register_rule(
+    *aten_ops(
+        [
+            "binomial.default",
+            "normal.Tensor_Tensor",
+            "normal.Tensor_float",
+            "normal.float_Tensor",
+            "poisson.default",
+            "rrelu_with_noise_functional.default",
+        ]
+    )
+)
+def random_value_rule(info: OpInfo) -> FactorRule:
+    """``a b, a b -> a b; handler=global_random`` for ``torch.normal(mean, std)``: one draw
+    per element of the broadcast parameters (``torch.poisson(rates)``, ``binomial(count,
+    prob)``, ``F.rrelu`` in training: a slope drawn for each negative element of ``x``)."""
+    return elementwise_rule(info, handler=HandlerName.GLOBAL_RANDOM)
+
+
+@register_rule(*aten_ops(["multinomial.default"]))
+def multinomial_rule(info: OpInfo) -> FactorRule:
+    """``b c -> b n; need_replication=c; handler=global_random`` for ``torch.multinomial(probs,
+    n)``: each row of ``n`` samples reads its whole row of probabilities (``c -> n`` for one
+    row)."""
+    (probs,) = info.operands
+    names = Names()
+    c, n = names.new(), names.new()
+    batch = names.take(probs.ndim - 1)
+    return build(
+        info, [[*batch, c]], [[*batch, n]], need_replication=c, handler=HandlerName.GLOBAL_RANDOM
+    )
 
 
 @register_rule(

@@ -19,6 +19,7 @@ from partita.partition.reshard_emit import emit_reshard
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
+from partita.rules.random import RANDOM_VALUE_OPS
 from partita.spec import Sharding
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ __all__ = ["global_random_draw"]
 # --- global_random -------------------------------------------------------------------------------
 
 #: Random ops whose tensor operands' *values* matter (the others only give a shape).
-_VALUE_OPERANDS = {aten.bernoulli.default}
+_VALUE_OPERANDS = frozenset(RANDOM_VALUE_OPS)
 
 
 #: Ops that make a tensor whose values nothing reads: a random op on one fills it.
@@ -138,7 +139,7 @@ def _random_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -
     if target == aten.native_dropout.default and node.args[2] is False:
         (x,) = e.operands(rule, assign)
         return e.tuple(x.clone(), torch.ones_like(x, dtype=torch.bool))
-    inputs: list[fx.Node] = []
+    inputs: list[Proxy] = []
 
     def enc(a: Any) -> Any:
         if isinstance(a, fx.Node):
@@ -146,7 +147,7 @@ def _random_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -
             if target in _VALUE_OPERANDS:
                 dst = Sharding.replicated(low.mesh, v.ndim)
                 why = f"{op_name(target)} (%{node.name}) draws from the global tensor"
-                inputs.append(low.reshard(low.key(a), dst, why, node))
+                inputs.append(e(low.reshard(low.key(a), dst, why, node)))
                 return {"tensor": len(inputs) - 1}
             return {"like": [list(v.shape), list(v.stride()), _encode(v.dtype)]}
         return _encode(a)
