@@ -6,7 +6,7 @@ Every layer is propagated and partitioned on its own, and, unless its trace is r
 (``auto`` and ``scan`` below), traced on its own too, so compiling a step costs time roughly
 proportional to the number of layers. Each depth is compiled three ways: ``unrolled`` (every
 block traced: ``PARTITA_SCAN_LAYERS=0``), ``auto`` (the default: ``train_step`` finds the
-repeated blocks, traces one as ordinary code and two alone, compares those two, and copies the
+repeated blocks, traces two alone (the second to compare with the first), and copies the
 graph for the others) and ``scan`` (``partita.scan_layers(model.blocks)``: one block traced,
 its graph copied). This builds
 ``partita.train_step`` for ``partita.models.GPT`` (width 256, 4 heads, vocabulary 512,
