@@ -180,6 +180,25 @@ def test_embedding_dense_backward_accumulates_own_rows(
     assert plan.collectives == []  # each device computes its own rows only
 
 
+@pytest.mark.parametrize("specs", ["ids split", "table split"])
+def test_embedding_scale_grad_by_freq_counts_the_whole_batch(specs: str) -> None:
+    """scale_grad_by_freq divides each row's gradient by its id's count in the whole batch. It
+    used to count per device: the ids' split batch counted its own ids, and a row-split table
+    counted every other device's id as row 0 (the masked lookup), silently (up to 9x off)."""
+    ids = torch.randint(0, 6, (8, 5), generator=_g(0))
+    ids[0, 0] = 0
+    w = rand(6, 4)
+
+    def f(i: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        w = w.detach().requires_grad_()
+        y = F.embedding(i, w, scale_grad_by_freq=True)
+        return torch.autograd.grad((y * torch.arange(4.0)).sum(), w)[0]
+
+    in_specs = (P("x", "y"), P()) if specs == "ids split" else (P("x"), P("y"))
+    step = partita.jit(f, mesh=MESHES["2x2"], in_specs=in_specs)
+    torch.testing.assert_close(step(ids, w).full(), f(ids, w))
+
+
 def test_embedding_training_step_vocab_and_data_parallel() -> None:
     """Table on y, ids on x: forward all_reduce over y; the table's gradient is made
     V-sharded locally and only summed over x."""

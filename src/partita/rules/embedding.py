@@ -46,11 +46,19 @@ def embedding_rule(info: OpInfo) -> FactorRule:
 
 @register_rule(*aten_ops(["embedding_dense_backward.default"]))
 def embedding_backward_rule(info: OpInfo) -> FactorRule:
-    """``c d b, c d -> a b; reduction=c,d; handler=masked_embedding``."""
+    """``c d b, c d -> a b; reduction=c,d; handler=masked_embedding``.
+
+    With ``scale_grad_by_freq`` each row's gradient is divided by how often its id occurs in
+    the *whole* batch: the ids and the gradient are gathered and the table's rows kept whole
+    (a split batch would count its own ids, and the masked lookup would count every foreign id
+    as row 0); only the embedding dim ``b`` passes through.
+    """
     _, ids = info.operands
     fresh = Names()
     v, d = fresh.take(2)
     idx = fresh.take(ids.ndim)
+    if len(info.args) > 4 and info.args[4]:
+        return build(info, [[*idx, d], idx], [[v, d]], need_replication=[*idx, v])
     return build(
         info, [[*idx, d], idx], [[v, d]], reduction=idx, handler=HandlerName.MASKED_EMBEDDING
     )
