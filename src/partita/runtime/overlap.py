@@ -208,7 +208,9 @@ def run_measuring(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[Any, dict[st
             sizes[n.name] = _nbytes(out)
             return out
 
-    return _Measure(gm).run(*args), sizes
+    interpreter = _Measure(gm)
+    interpreter.extra_traceback = False  # a failing collective's message stays as it is
+    return interpreter.run(*args), sizes
 
 
 def _nbytes(val: Any) -> int:
