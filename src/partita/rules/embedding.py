@@ -57,7 +57,7 @@ def embedding_backward_rule(info: OpInfo) -> FactorRule:
     fresh = Names()
     v, d = fresh.take(2)
     idx = fresh.take(ids.ndim)
-    if len(info.args) > 4 and info.args[4]:
+    if info.arg("scale_grad_by_freq", False):
         return build(info, [[*idx, d], idx], [[v, d]], need_replication=[*idx, v])
     return build(
         info, [[*idx, d], idx], [[v, d]], reduction=idx, handler=HandlerName.MASKED_EMBEDDING
