@@ -238,13 +238,32 @@ def _embedding_renorm(
     return weight * scale.to(weight.dtype)[:, None]
 
 
+def _weight_norm_interface_backward(
+    grad_w: torch.Tensor,
+    saved_v: torch.Tensor,
+    saved_g: torch.Tensor,
+    saved_norms: torch.Tensor,
+    dim: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradients of weight norm ``w = g * v / ||v||`` (the norm over every dim but
+    ``dim``, ``g`` and the norms keeping size 1 there): ``grad_g = sum(grad_w * v) / ||v||``,
+    ``grad_v = g / ||v|| * (grad_w - v * grad_g / ||v||)``. Its forward already decomposes
+    (torch's table); the backward kernel has no rule."""
+    dims = [d for d in range(saved_v.ndim) if d != dim % saved_v.ndim]
+    grad_g = (grad_w * saved_v).sum(dims, keepdim=True) / saved_norms
+    grad_v = saved_g / saved_norms * (grad_w - saved_v * (grad_g / saved_norms))
+    return grad_v, grad_g.to(saved_g.dtype)
+
+
 #: Kernels of ``torch.nn`` modules without a sharding rule, rewritten to the ops they compute,
 #: which have rules: ``nn.TransformerEncoderLayer``'s inference fast path (eval mode, no grad;
 #: ``nn.MultiheadAttention`` skips its own fast path while ``make_fx`` traces, this layer does
-#: not) and ``nn.Embedding(max_norm=...)``'s in-place renormalisation of the looked-up rows.
+#: not), ``nn.Embedding(max_norm=...)``'s in-place renormalisation of the looked-up rows, and
+#: the backward of ``torch.nn.utils.parametrizations.weight_norm``.
 NN_KERNEL_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
     aten.embedding_renorm.default: _embedding_renorm,
+    aten._weight_norm_interface_backward.default: _weight_norm_interface_backward,
 }
 
 
