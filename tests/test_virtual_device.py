@@ -239,6 +239,45 @@ def test_batch_norm_running_stats_update_when_output_unused(dev: torch.device) -
     torch.testing.assert_close(lazy_bn.running_var.cpu(), bn.running_var)
 
 
+def test_dropout_inside_checkpoint_repeats_its_mask_like_eager(dev: torch.device) -> None:
+    """checkpoint restores the device's RNG state to recompute its block: the recomputed
+    dropout must draw the forward's mask (partita.virtual.draws), and the generator end where
+    eager leaves it."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    lin, head = nn.Linear(8, 16), nn.Linear(16, 4)
+    ref = nn.ModuleList([lin, head])
+    model = copy.deepcopy(ref).to(dev)
+
+    def run(m: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+        block = lambda a: F.dropout(torch.tanh(m[0](a)), 0.5, training=True)  # noqa: E731
+        return m[1](checkpoint(block, x, use_reentrant=False)).sum()
+
+    x = torch.randn(8, 8)
+    torch.manual_seed(1)
+    run(model, x.to(dev)).backward()
+    partita.sync()
+    after = torch.rand(3)
+    torch.manual_seed(1)
+    run(ref, x).backward()
+    torch.testing.assert_close(model[0].weight.grad.cpu(), ref[0].weight.grad)
+    assert torch.equal(after, torch.rand(3))
+
+
+def test_a_step_with_dropout_draws_where_eager_does(dev: torch.device) -> None:
+    """A step's draws take the generator where the sync left it, even when the Python thread
+    draws on the CPU right after the sync (a step that runs in the background would race)."""
+    x = torch.ones(8, 8)
+    torch.manual_seed(1)
+    y = F.dropout(x.to(dev), 0.5, training=True)
+    partita.sync()
+    after = torch.rand(3)  # before the step's result is read
+    torch.manual_seed(1)
+    assert torch.equal(y.cpu(), F.dropout(x, 0.5, training=True))
+    assert torch.equal(after, torch.rand(3))
+
+
 def test_cpu_tensors_are_read_when_recorded(dev: torch.device) -> None:
     lr = torch.tensor(0.5)
     x = torch.ones(4).to(dev)

@@ -14,6 +14,7 @@ PrivateUse1 hooks of torch >= 2.9 (:data:`MIN_TORCH`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -84,6 +85,16 @@ class _DeviceModule:
     def is_available() -> bool:
         return _ACTIVE[0]
 
+    @property
+    def _initialized(self) -> bool:
+        # torch.utils.checkpoint saves and restores the device's RNG state only when set.
+        return _ACTIVE[0]
+
+    @staticmethod
+    def device(index: Any) -> contextlib.AbstractContextManager[None]:
+        del index  # one device
+        return contextlib.nullcontext()
+
     @staticmethod
     def device_count() -> int:
         return 1
@@ -101,17 +112,22 @@ class _DeviceModule:
         del seed
 
     # The device's random ops run on the CPU generator (a step runs on CPU tensors), so its
-    # RNG state is the CPU's: torch.random.fork_rng and activation checkpointing save and
-    # restore it through these once the device is available.
+    # RNG state is the CPU's, with the number of draws recorded but not yet run:
+    # torch.random.fork_rng and activation checkpointing save and restore it through these
+    # once the device is available (partita.virtual.draws).
     @staticmethod
     def get_rng_state(device: Any = None) -> torch.Tensor:
+        from partita.virtual.draws import device_rng_state
+
         del device
-        return torch.get_rng_state()
+        return device_rng_state()
 
     @staticmethod
     def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
+        from partita.virtual.draws import set_device_rng_state
+
         del device
-        torch.set_rng_state(state)
+        set_device_rng_state(state)
 
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:

@@ -10,6 +10,7 @@ This module holds no sharding logic and does not record ops.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from partita import capture
+from partita.capture.rng import random_ops
 from partita.explain import format_program
 from partita.jit import Compiled
 from partita.mesh import Mesh
@@ -52,6 +54,12 @@ class StepProgram:
     mutated_inputs: tuple[int, ...]
     n_results: int
     compiled: Compiled | None = None
+
+    @functools.cached_property
+    def draws_random(self) -> bool:
+        """Whether the program draws from the CPU generator (dropout, ``torch.rand``...)."""
+        draws = {torch.ops.partita.global_random_draw.default, *random_ops()}
+        return any(n.op == "call_function" and n.target in draws for n in self.local.graph.nodes)
 
     def run(
         self, mesh: Mesh, inputs: Sequence[Any]

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from partita.tensor import ShardedTensor
-from partita.virtual import why
+from partita.virtual import draws, why
 from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
 from partita.virtual.guide import Guide
 from partita.virtual.immediate import new_data, run_now
@@ -254,6 +254,7 @@ def current() -> Recording:
 def reset() -> Recording | None:
     """End the current recording (a sync does this) and return it."""
     rec, _STATE["recording"] = _STATE["recording"], None
+    draws.reset()
     return rec
 
 
@@ -281,6 +282,8 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         result = run_now(func, args, kwargs, current())
         if result is not NotImplemented:
             return result
+    if draws.is_random(func):  # a draw checkpoint's recomputation repeats (virtual/draws.py)
+        return draws.record_draw(func, args, kwargs, _record)
     return _record(func, args, kwargs)
 
 

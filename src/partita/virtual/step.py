@@ -250,7 +250,10 @@ def submit(
         if isinstance(input_cells[i], Cell):
             input_cells[i].in_flight = True
     run = _Run(program, inputs, out_cells, input_cells)
-    if RUN_IN_BACKGROUND and distributed_executor(mesh()) is None:
+    # A step that draws random numbers runs now: in the background its draws would take the
+    # CPU generator from whatever the Python thread draws meanwhile (the next batch's
+    # torch.randn), not from where eager PyTorch takes them.
+    if RUN_IN_BACKGROUND and distributed_executor(mesh()) is None and not program.draws_random:
         # Recording the next step (Python) overlaps this step's run; reading a value it
         # computes, or the next sync, waits for it.
         if not _POOL:
