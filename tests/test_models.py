@@ -477,8 +477,10 @@ def test_transformer_encoder_inference_fast_path() -> None:
     torch.testing.assert_close(got, slow, rtol=RTOL, atol=ATOL)
 
 
-@pytest.mark.parametrize("masks", ["none", "attn", "padding", "both", "float"])
-@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize(
+    ("masks", "norm_first"),
+    [("none", False), ("attn", True), ("padding", False), ("both", True), ("float", False)],
+)
 def test_transformer_encoder_kernel_decomposition(masks: str, norm_first: bool) -> None:
     """The rewrite of aten._transformer_encoder_layer_fwd equals the kernel on every mask type
     it takes (0: [L, S], 1: [B, S], 2: [B, H, L, S]; a float mask counts as boolean, nonzero
