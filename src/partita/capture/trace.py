@@ -81,6 +81,17 @@ _STATIC_TYPES = (
 )  # fmt: skip
 
 
+def _kv_cache_hint(leaf: Any) -> str:
+    """For a ``transformers`` KV cache (models return one unless ``use_cache=False``)."""
+    kind = type(leaf)
+    if kind.__module__.startswith("transformers") and kind.__name__.endswith("Cache"):
+        return (
+            " (a transformers KV cache, returned by default: call the model with "
+            "use_cache=False, or set model.config.use_cache = False)"
+        )
+    return ""
+
+
 def _fn_name(fn: Callable[..., Any]) -> str:
     return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
 
@@ -189,7 +200,7 @@ def _trace(
                     f"{where}; a traced function returns "
                     f"tensors and static Python values (None, numbers, strings, dtypes) in "
                     f"dicts, lists and tuples. Return the tensors it is made of, or build the "
-                    f"object outside the traced function."
+                    f"object outside the traced function{_kv_cache_hint(leaf)}."
                 )
             static_outs[i] = leaf  # fixed for the signature: it cannot depend on values
         if out_specs is not None:  # annotated after tracing (_annotate_inputs_outputs)
