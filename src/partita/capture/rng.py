@@ -152,8 +152,8 @@ def _arguments(node: fx.Node) -> tuple[Any, ...]:
     out: list[Any] = []
     for a in (*node.args, *sorted(node.kwargs.items())):
         val = a.meta.get("val") if isinstance(a, fx.Node) else None
-        if shape_only and isinstance(val, torch.Tensor):
-            out.append((tuple(val.shape), val.dtype))
+        if shape_only and isinstance(val, torch.Tensor):  # strides: dropout draws in layout
+            out.append((tuple(val.shape), val.stride(), val.dtype))
         else:
             out.append(a if isinstance(a, fx.Node) else repr(a))
     return tuple(out)
