@@ -18,7 +18,8 @@ from torch._C._functorch import is_batchedtensor
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from partita import Mesh
+import partita
+from partita import Mesh, P
 from partita import collectives as coll
 from partita.capture import trace
 from partita.errors import UnsupportedOpError
@@ -834,3 +835,15 @@ def test_selection_through_collective_permutes_reads_the_senders_rows() -> None:
         plain = partita.jit(fn, mesh=mesh, in_specs=(P("data"), P("model")), out_specs=out_specs)
         for g, want in zip(plain(x, w), got, strict=True):
             torch.testing.assert_close(g.full(), want.full(), rtol=0, atol=0)
+
+
+def test_no_vmap_fallback_warning_from_the_local_mesh(capfd: pytest.CaptureFixture[str]) -> None:
+    """An op without a vmap batching rule (eval-mode batch norm) runs once per device on the
+    LocalMesh; torch's "performance drop" warning about it is partita's business, not printed."""
+    bn = torch.nn.BatchNorm1d(4).eval()
+    x = torch.randn(8, 4)
+    step = partita.jit(bn, mesh=Mesh.create((2,), ("x",)), in_specs=(P("x", None),))
+    for _ in range(2):  # the second run takes the traced flat graph
+        out = step(x)
+    assert torch.allclose(out.full(), bn(x), atol=1e-6)
+    assert "performance drop" not in capfd.readouterr().err

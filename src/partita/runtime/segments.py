@@ -11,9 +11,10 @@ mesh ops between them.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import traceback
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,6 +76,15 @@ class Segment:
     ) -> list[tuple[Any, Axes]]:
         """Outputs ``(value, axes)`` for inputs ``(value, axes)`` on a mesh of ``ndim`` dims;
         with ``compile_stats``, through Inductor (``runtime.compiled``), which it records."""
+        with _no_fallback_warning():
+            return self._run(values, ndim, compile_stats)
+
+    def _run(
+        self,
+        values: list[tuple[Any, Axes]],
+        ndim: int,
+        compile_stats: CompileStats | None,
+    ) -> list[tuple[Any, Axes]]:
         args = [v for v, _ in values]
         pattern = tuple(a for _, a in values)
         fn, out_pattern = self._vmapped(pattern, ndim)
@@ -163,6 +173,18 @@ class _Box:
 
     def __init__(self, value: Any) -> None:
         self.value = value
+
+
+@contextlib.contextmanager
+def _no_fallback_warning() -> Iterator[None]:
+    """No "There is a performance drop because we have not yet implemented the batching rule"
+    warnings from inside partita's own vmaps (the user cannot act on them: the LocalMesh
+    simply runs such an op once per device). Turned back on after, torch's default."""
+    torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
 
 
 def _vmap_axis(
