@@ -96,9 +96,9 @@ def _shape_or_value(a: Any) -> Any:
 def _repeat(func: Any, args: tuple[Any, ...], earlier: Any) -> Any:
     if func == aten.native_dropout.default:
         x, p = args[0], float(args[1])
-        out, mask = earlier
+        mask = aten.clone.default(earlier[1])  # a result of its own, as the op would return
         if len(args) > 2 and args[2] is False:  # evaluation: no draw to repeat
-            return out.clone(), mask.clone()
+            return aten.clone.default(x), mask
         scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
         return aten.mul.Scalar(aten.mul.Tensor(x, mask), scale), mask  # the kernel's formula
     if func in _VALUE_DRAWS:
