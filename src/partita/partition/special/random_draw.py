@@ -14,7 +14,7 @@ from torch.fx.proxy import Proxy
 from partita.explain import op_name
 from partita.partition.emit import Emitter, emitting, node_of
 from partita.partition.handlers import Handler, register
-from partita.partition.reshard import ReshardStep, plan_reshard
+from partita.partition.reshard import plan_reshard
 from partita.partition.reshard_emit import emit_reshard
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
@@ -121,13 +121,6 @@ def _(inputs: list[torch.Tensor], op: str, args: str) -> list[torch.Tensor]:
     return _run_draw(inputs, op, args)
 
 
-def _is_identity_permute(step: ReshardStep) -> bool:
-    if step.kind != "collective_permute":
-        return False
-    pairs = step.args[0]
-    return all(pairs[i] == pairs[i + 1] for i in range(0, len(pairs), 2))
-
-
 def _random_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return True  # even replicated: the executor runs the wrapped draw, never a raw random op
 
@@ -168,9 +161,7 @@ def _random_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -
             tiles.append(whole)
             continue
         steps = plan_reshard(Sharding.replicated(low.mesh, v.ndim), s, tuple(v.shape))
-        # A dim over a size-1 mesh axis can plan a permute where every device sends to
-        # itself (nothing moves); any real collective here would be a planner bug.
-        steps = [step for step in steps if not _is_identity_permute(step)]
+        # Slicing a replicated value is local (a size-1 mesh axis plans nothing at all).
         assert not any(step.is_collective for step in steps), steps
         tiles.append(e(emit_reshard(low.graph, node_of(whole), steps, low.mesh)))
     if target == aten.native_dropout.default:  # out = x * mask * scale, as the CPU kernel
