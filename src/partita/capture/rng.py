@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from partita.errors import CaptureError
 
-__all__ = ["DrawKeys", "random_ops", "replay_draws", "tracing_rng"]
+__all__ = ["DrawKeys", "draws_from_values", "random_ops", "replay_draws", "tracing_rng"]
 
 aten = torch.ops.aten
 
@@ -60,6 +60,13 @@ _SHAPE_ONLY = frozenset(
     {"cauchy", "exponential", "geometric", "log_normal", "random", "uniform", "rand_like",
      "randn_like"}
 )  # fmt: skip
+
+
+def draws_from_values(op: torch._ops.OpOverload) -> bool:
+    """Whether ``op``'s draw depends on its tensor operands' values (probabilities, means,
+    counts), not only on their shapes: repeating such a draw needs the very same operands."""
+    has_tensor = any("Tensor" in str(a.type) for a in op._schema.arguments)
+    return has_tensor and not _shape_only(op)
 
 
 def _shape_only(op: torch._ops.OpOverload) -> bool:

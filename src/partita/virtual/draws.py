@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from partita.capture.rng import random_ops
+from partita.capture.rng import draws_from_values, random_ops
 from partita.virtual.device import VirtualDeviceError
 
 __all__ = ["device_rng_state", "is_random", "record_draw", "reset", "set_device_rng_state"]
@@ -101,18 +101,10 @@ def _repeat(func: Any, args: tuple[Any, ...], earlier: Any) -> Any:
             return aten.clone.default(x), mask
         scale = 0.0 if p == 1.0 else 1.0 / (1.0 - p)
         return aten.mul.Scalar(aten.mul.Tensor(x, mask), scale), mask  # the kernel's formula
-    if func in _VALUE_DRAWS:
+    if draws_from_values(func):
         raise VirtualDeviceError(
             f"{func} inside torch.utils.checkpoint draws from values the recomputation makes "
             f"again, which the virtual device cannot repeat as eager PyTorch does. Keep it out "
             f"of the checkpointed block, or train with partita.train_step."
         )
     return aten.clone.default(earlier)
-
-
-#: Random ops whose draws depend on their tensor operands' values (probabilities, means...).
-_VALUE_DRAWS = frozenset(
-    {aten.bernoulli.default, aten.bernoulli.Tensor, aten.binomial.default,
-     aten.multinomial.default, aten.normal.Tensor_Tensor, aten.normal.Tensor_float,
-     aten.normal.float_Tensor, aten.poisson.default, aten._standard_gamma.default}
-)  # fmt: skip
