@@ -174,3 +174,35 @@ def test_in_place_views_change_the_tensor_and_its_value(dev: torch.device) -> No
     w = torch.ones(3, 4).to(dev)  # data
     w.t_()
     assert w.shape == (4, 3) and (w * 2).cpu().shape == (4, 3)
+
+
+def test_ops_returning_python_values_read_the_values(dev: torch.device) -> None:
+    """``torch.equal`` / ``torch.allclose`` return a Python bool, which no recorded step can hand
+    back: they ran their meta kernel (``Tensor.item() cannot be called on meta tensors``)."""
+    a = torch.randn(4, 8)
+    x = a.to(dev)
+    y = x * 2  # pending
+    assert torch.equal(y, x + x) and not torch.equal(y, x)
+    assert torch.allclose(y, (a * 2).to(dev)) and not torch.allclose(y, x)
+    assert torch.is_same_size(y, x)
+
+
+def test_a_sharded_tensor_has_the_tensor_methods(dev: torch.device) -> None:
+    """A jitted result (a ShardedTensor) answers ``loss.item()``, ``x.sum(0)``, ``x[0]``,
+    ``len(x)``, comparisons and ``torch.as_tensor(x)`` as a torch.Tensor does, reading the
+    global value (``x.sum()`` used to raise AttributeError)."""
+    a = torch.randn(8, 4)
+    x = partita.mark_sharding(a, MESH, P("data", None))
+    torch.testing.assert_close(x.sum(0).full(), a.sum(0))
+    torch.testing.assert_close(x.view(4, 8).t().full(), a.view(4, 8).t())
+    assert x.sum().item() == pytest.approx(a.sum().item(), abs=1e-5)
+    assert float(x.max()) == a.max().item() and x.tolist() == a.tolist()
+    torch.testing.assert_close(x[1:3, 2].full(), a[1:3, 2])
+    torch.testing.assert_close(((x > 0) & (x < 1)).full(), (a > 0) & (a < 1))
+    torch.testing.assert_close((x**2 % 1).full(), a**2 % 1)
+    assert len(x) == 8 and [r.shape for r in x] == [torch.Size([4])] * 8
+    assert torch.equal(torch.as_tensor(x), a) and x.numpy().shape == (8, 4)
+    assert bool((x > 100).any()) is False
+    assert not hasattr(x, "_private") and not hasattr(x, "requires_grad")
+    with pytest.raises(AttributeError, match=r"no autograd history.*partita\.train_step"):
+        x.sum().backward()

@@ -1,14 +1,16 @@
-"""The torch-operator surface of a ShardedTensor: ``x + 1``, ``torch.exp(x)``, ``model(x)``.
+"""The torch-operator surface of a ShardedTensor: ``x + 1``, ``torch.exp(x)``, ``model(x)``,
+``x.sum().item()``.
 
-Every torch function called on a :class:`~partita.tensor.ShardedTensor` (and the arithmetic
-operators, which call them) goes to one handler, installed with :func:`set_eager_ops`;
-``partita.virtual`` installs the virtual device's at import (this stage cannot import that
-later one). Without a handler, torch functions return ``NotImplemented``.
+Every torch function called on a :class:`~partita.tensor.ShardedTensor` (and the operators and
+``torch.Tensor`` methods, which call them) goes to one handler, installed with
+:func:`set_eager_ops`; ``partita.virtual`` installs the virtual device's at import (this stage
+cannot import that later one). Without a handler, torch functions return ``NotImplemented``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -58,5 +60,97 @@ class EagerOps:
     __truediv__, __rtruediv__ = _torch_binary("div"), _torch_binary("div", reverse=True)
     __matmul__, __rmatmul__ = _torch_binary("matmul"), _torch_binary("matmul", reverse=True)
 
+    __pow__, __rpow__ = _torch_binary("pow"), _torch_binary("pow", reverse=True)
+    __floordiv__ = _torch_binary("floor_divide")
+    __mod__ = _torch_binary("remainder")
+    __and__, __or__, __xor__ = (
+        _torch_binary(n) for n in ("bitwise_and", "bitwise_or", "bitwise_xor")
+    )
+    __lt__, __le__ = _torch_binary("lt"), _torch_binary("le")
+    __gt__, __ge__ = _torch_binary("gt"), _torch_binary("ge")
+    # ``==`` and ``!=`` stay identity (a ShardedTensor is a dict key and a list member inside
+    # partita, as a torch.Tensor is hashed by identity); ``torch.eq(x, y)`` compares values.
+
     def __neg__(self) -> Any:
         return torch.neg(self)
+
+    def __abs__(self) -> Any:
+        return torch.abs(self)
+
+    def __invert__(self) -> Any:
+        return torch.bitwise_not(self)
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._tensor_method(torch.Tensor.__getitem__, index)
+
+    def __len__(self) -> int:
+        if not self.shape:  # type: ignore[attr-defined]
+            raise TypeError("len() of a 0-d tensor")
+        return int(self.shape[0])  # type: ignore[attr-defined]
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __index__(self) -> int:
+        return self.full().__index__()  # type: ignore[attr-defined]
+
+    def item(self) -> Any:
+        """The value of a one-element tensor as a Python number (gathers it)."""
+        return self.full().item()  # type: ignore[attr-defined]
+
+    def tolist(self) -> Any:
+        """The global value as nested Python lists (gathers it)."""
+        return self.full().tolist()  # type: ignore[attr-defined]
+
+    def numpy(self) -> Any:
+        """The global value as a NumPy array (gathers it)."""
+        return self.full().numpy()  # type: ignore[attr-defined]
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        array = self.numpy()
+        return array if dtype is None else array.astype(dtype)
+
+    def __iter__(self) -> Iterator[Any]:
+        if not self.shape:  # type: ignore[attr-defined]
+            raise TypeError("iteration over a 0-d tensor")
+        return iter(torch.unbind(self))  # one op, not one per element
+
+    # ``torch.as_tensor(x)`` / ``torch.from_dlpack(x)`` read the global value through DLPack.
+    def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.full().__dlpack__(*args, **kwargs)  # type: ignore[attr-defined]
+
+    def __dlpack_device__(self) -> Any:
+        return self.full().__dlpack_device__()  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> Any:
+        # Any other public torch.Tensor method (``x.sum()``, ``x.view(2, -1)``, ``x.max(0)``)
+        # runs as the matching torch function does: through the eager-ops handler. Private
+        # names and attributes that are not methods stay missing (``hasattr`` answers False).
+        method = getattr(torch.Tensor, name, None) if not name.startswith("_") else None
+        if method is None or not callable(method):
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute {name!r}")
+        if name in _NO_AUTOGRAD:
+            raise AttributeError(
+                f"ShardedTensor.{name}: a ShardedTensor carries no autograd history, so it has "
+                f"no gradient to compute or hook. Differentiate inside the sharded program: "
+                f"torch.autograd.grad or loss.backward() in a function given to partita.jit, "
+                f"or partita.train_step for a training step."
+            )
+        return functools.partial(self._tensor_method, method)
+
+    def _tensor_method(self, method: Any, *args: Any, **kwargs: Any) -> Any:
+        if not _EAGER_OPS:
+            raise TypeError(f"{method.__name__} on a ShardedTensor needs partita.virtual")
+        return _EAGER_OPS[0](method, (self, *args), kwargs)
+
+
+#: torch.Tensor methods of autograd, which a ShardedTensor (a value) does not have.
+_NO_AUTOGRAD = frozenset(
+    {"backward", "register_hook", "register_post_accumulate_grad_hook", "retain_grad"}
+)

@@ -110,6 +110,8 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
     ``rec`` is the current :class:`~partita.virtual.recording.Recording`.
     """
     if func not in RUNS_NOW and "out" not in kwargs:
+        if returns_values(func):
+            return _python_result(func, args, kwargs)
         return NotImplemented  # most ops: decided without the checks below
     if func is aten._local_scalar_dense.default:
         if args[0].dtype == torch.bool and args[0]._cell.is_pending:
@@ -211,6 +213,31 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
         _set_data(args[0]._cell, value)
         return args[0]
     return NotImplemented
+
+
+#: Schema types of results that are Python values, not tensors.
+_VALUE_TYPES = frozenset(
+    {"bool", "int", "float", "complex", "Scalar", "SymInt", "SymFloat", "SymBool"}
+)
+
+
+def returns_values(func: Any) -> bool:
+    """Whether every result of ``func`` is a Python value (``aten.equal``, ``aten.allclose``,
+    ``aten.is_nonzero``): a recorded step cannot hand one back to the Python code branching
+    on it, so such an op runs at once (:func:`_python_result`)."""
+    returns = getattr(getattr(func, "_schema", None), "returns", None)
+    return bool(returns) and all(str(r.type) in _VALUE_TYPES for r in returns)
+
+
+def _python_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The Python value ``func`` returns: from the shapes alone when its meta kernel gives it
+    (``is_same_size``), else from the values, syncing pending ones as ``.item()`` does."""
+    from partita.virtual.shapes import to_meta  # shapes imports this module
+
+    try:
+        return func(*to_meta(args), **to_meta(kwargs))
+    except (RuntimeError, NotImplementedError):  # the meta kernel needs values, or has none
+        return func(*_values(args), **_values(kwargs))
 
 
 def _values(x: Any) -> Any:

@@ -16,11 +16,11 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 from partita.virtual.device import DEVICE_NAME
-from partita.virtual.immediate import RUNS_NOW
+from partita.virtual.immediate import RUNS_NOW, returns_values
 from partita.virtual.lazy import LazyTensor, lazies
 from partita.virtual.lift import liftable_positions
 
-__all__ = ["OpInfo", "infer", "op_info"]
+__all__ = ["OpInfo", "infer", "op_info", "to_meta"]
 
 aten = torch.ops.aten
 _META = torch.device("meta")
@@ -84,7 +84,7 @@ def op_info(func: Any) -> OpInfo:
             is_view=bool(
                 returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write
             ),
-            runs_now=func in RUNS_NOW,
+            runs_now=func in RUNS_NOW or returns_values(func),
         )
         try:
             setattr(func, _ATTRIBUTE, info)
@@ -93,15 +93,15 @@ def op_info(func: Any) -> OpInfo:
     return info
 
 
-def _to_meta(x: Any) -> Any:
+def to_meta(x: Any) -> Any:
     if isinstance(x, LazyTensor):
         return x._cell.meta if x._cell.meta.shape == x.shape else x._cell.meta.view(x.shape)
     if isinstance(x, torch.Tensor):
         return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=_META)
     if isinstance(x, (list, tuple)):
-        return type(x)(_to_meta(v) for v in x)
+        return type(x)(to_meta(v) for v in x)
     if isinstance(x, dict):
-        return {k: _to_meta(v) for k, v in x.items()}
+        return {k: to_meta(v) for k, v in x.items()}
     if isinstance(x, torch.device) and x.type == DEVICE_NAME:
         return _META
     return x
@@ -142,7 +142,7 @@ def infer(
         key, memo = None, None
     if memo is None:
         with _disable_current_modes():
-            out = func(*_to_meta(args), **_to_meta(kwargs))
+            out = func(*to_meta(args), **to_meta(kwargs))
         if key is not None:
             if len(_MEMO) > _MEMO_LIMIT:
                 _MEMO.clear()
