@@ -206,3 +206,29 @@ def test_a_sharded_tensor_has_the_tensor_methods(dev: torch.device) -> None:
     assert not hasattr(x, "_private") and not hasattr(x, "requires_grad")
     with pytest.raises(AttributeError, match=r"no autograd history.*partita\.train_step"):
         x.sum().backward()
+
+
+def test_torch_distributed_checkpoint_saves_and_loads_device_tensors(
+    dev: torch.device, tmp_path
+) -> None:
+    """``dcp.save(model.state_dict())`` of a model on the device asked the device module for
+    its current stream (AttributeError); it now writes the values, and ``dcp.load`` reads them
+    back into the device tensors, keeping their shardings."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).to(dev)
+    partita.mark_sharding(model[0].weight, MESH, P("model", None))
+    want = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.save(model.state_dict(), checkpoint_id=tmp_path / "ckpt")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    state = model.state_dict()
+    with pytest.warns(UserWarning, match="single process"):
+        dcp.load(state, checkpoint_id=tmp_path / "ckpt")
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v.cpu(), want[k])
+    assert partita.virtual.sharded(model[0].weight).spec == P("model", None)
+    assert torch.get_device_module(dev).current_stream().query()

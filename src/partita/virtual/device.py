@@ -133,6 +133,55 @@ class _DeviceModule:
     def get_amp_supported_dtype() -> list[torch.dtype]:
         return [torch.float32, torch.bfloat16, torch.float16]
 
+    # Streams, as code written for accelerators asks them (torch.distributed.checkpoint's
+    # writer copies device tensors to the CPU on the device's current stream). The device has
+    # one stream and its copies to the CPU finish before they return (they sync the step).
+    @staticmethod
+    def current_stream(device: Any = None) -> _Stream:
+        del device
+        return _STREAM
+
+    @staticmethod
+    def default_stream(device: Any = None) -> _Stream:
+        del device
+        return _STREAM
+
+    @staticmethod
+    def stream(stream: Any) -> contextlib.AbstractContextManager[None]:
+        del stream
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def synchronize(device: Any = None) -> None:
+        """Wait for the steps already submitted (what ``torch.cuda.synchronize`` is to kernels);
+        recorded ops still run at the next ``partita.sync()``."""
+        del device
+        from partita.virtual.step import wait_in_flight
+
+        wait_in_flight()
+
+
+class _Stream:
+    """The virtual device's one stream: its work is ordered, and a copy out is complete."""
+
+    device_type = DEVICE_NAME
+    device_index = 0
+
+    def synchronize(self) -> None:
+        _DeviceModule.synchronize()
+
+    def wait_stream(self, stream: Any) -> None:
+        del stream
+
+    def query(self) -> bool:
+        return True
+
+    def __repr__(self) -> str:
+        return f"<{DEVICE_NAME} stream>"
+
+
+_STREAM = _Stream()
+
 
 def _empty_memory_format(size: Any, **kwargs: Any) -> torch.Tensor:
     return _FACTORY[0](tuple(size), kwargs.get("dtype"))
