@@ -153,6 +153,23 @@ case(
     ),
     f(6, 4),
 )
+# as_strided reads storage: a window over a transposed value must read the trace's layout
+case(
+    aten.as_strided.default,
+    lambda x: aten.as_strided.default((x * 1).t(), [4, 3], [2, 1], 1),
+    f(6, 5),
+)
+case(
+    aten.as_strided_copy.default,
+    lambda x: aten.as_strided_copy.default(x * 1, [5, 4], [5, 1], 3),
+    f(6, 5),
+)
+case(
+    aten.as_strided_scatter.default,
+    lambda x, y: aten.as_strided_scatter.default((x * 1).t(), y, [3, 2], [1, 5], 2),
+    f(6, 5),
+    f(3, 2),
+)
 
 # --- matmul ---------------------------------------------------------------------------------------
 

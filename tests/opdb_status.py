@@ -19,10 +19,6 @@ STATUS: dict[str, tuple[str, str]] = {
         "CAPTURE",
         "it computes a tensor whose shape depends on the data (aten.nonzero.default, shap",
     ),
-    "as_strided": ("UNSUPPORTED", "aten.as_strided.default"),
-    "as_strided.partial_views": ("UNSUPPORTED", "aten.as_strided.default"),
-    "as_strided_copy": ("UNSUPPORTED", "aten.as_strided_copy.default"),
-    "as_strided_scatter": ("UNSUPPORTED", "aten.as_strided_scatter.default"),
     "bernoulli": ("SKIP", "random"),
     "bincount": ("SKIP", "no float32 on CPU"),
     "bitwise_and": ("SKIP", "no float32 on CPU"),
@@ -147,7 +143,6 @@ STATUS: dict[str, tuple[str, str]] = {
     "signal.windows.exponential": ("SKIP", "random"),
     "sparse.mm.reduce": ("SKIP", "sparse or other non-strided layout"),
     "sparse.sampled_addmm": ("SKIP", "sparse or other non-strided layout"),
-    "stft": ("UNSUPPORTED", "aten.as_strided.default"),
     "take": (
         "CAPTURE",
         "GuardOnDataDependentSymNode: Could not extract specialized integer from data-dep",

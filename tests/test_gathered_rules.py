@@ -12,12 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import pytest
 import torch
 
 import partita
 from partita import Mesh, P
-from partita.errors import UnsupportedOpError
 from partita.partition.plan import Plan
 
 aten = torch.ops.aten
@@ -87,8 +85,9 @@ def test_adaptive_pool_passes_batch_and_channels_through() -> None:
     assert plan.collectives == []
 
 
-def test_as_strided_has_no_rule() -> None:
-    """A gathered operand's storage layout is not the user's: no rule, a clear error."""
+def test_as_strided_reads_the_traced_storage() -> None:
+    """A gathered operand's storage layout is not the user's: the as_strided handler replays
+    the traced one (partition/special/strided.py)."""
+    x = torch.randn(3, 3)
     step = partita.jit(lambda x: x.as_strided((2, 2), (1, 2)) * 1, mesh=MESH, in_specs=(P("y"),))
-    with pytest.raises(UnsupportedOpError, match=r"No sharding rule for aten.as_strided"):
-        step.lower(torch.randn(3, 3))
+    torch.testing.assert_close(step(x).full(), x.as_strided((2, 2), (1, 2)))

@@ -437,3 +437,37 @@ def test_view_dtype_of_a_broadcast() -> None:
     x = rand(4, 6)
     out, _ = run(fn, (x,), MESHES["2"], (P("x"),))
     torch.testing.assert_close(full(out), fn(x))
+
+
+# --- as_strided ---------------------------------------------------------------------------------
+
+
+def _stft_grad(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.stft frames its (reflect-padded) signal with as_strided; its gradient scatters
+    back through as_strided_scatter."""
+    x = x.detach().requires_grad_(True)
+    spec = torch.stft(x, 4, hop_length=2, window=torch.hann_window(4), return_complex=True)
+    return spec.abs(), torch.autograd.grad(spec.abs().sum(), x)[0]
+
+
+def test_stft_and_its_gradient() -> None:
+    """as_strided had no rule (UnsupportedOpError at torch.stft)."""
+    x = rand(3, 12)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", partita.RematerializationWarning)  # the frames gather
+        out = partita.jit(_stft_grad, mesh=MESHES["2"], in_specs=(P(None, "x"),))(x)
+    for got, want in zip(full(out), _stft_grad(x), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("window", "match"),
+    [
+        (lambda x: (x * 1)[2:, 1:].as_strided((3, 3), (1, 1)), "overlap or leave gaps"),
+        (lambda x: (x * 1).as_strided((3,), (1,), 58), "reads storage positions 58..60, outside"),
+    ],
+)
+def test_as_strided_outside_its_operand_is_refused(window: Any, match: str) -> None:
+    step = partita.jit(window, mesh=MESHES["2"], in_specs=(P("x"),))
+    with pytest.raises(partita.UnsupportedOpError, match=match):
+        step(rand(6, 10))

@@ -24,6 +24,7 @@ class HandlerName(str, enum.Enum):
     """Every handler name a rule may use; each value is the name the partitioner registers."""
 
     ADD_BIAS_ONCE = "add_bias_once"
+    AS_STRIDED = "as_strided"
     BATCH_STATS = "batch_stats"
     CONTIGUOUS = "contiguous"
     GLOBAL_RANDOM = "global_random"

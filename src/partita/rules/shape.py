@@ -13,9 +13,10 @@ operand is gathered on them) and its output dims fresh result-only factors (slic
 Ops whose arguments are shapes (view, expand) carry ``handler="localize_shape"``: the
 partitioner rewrites the shape argument to local sizes. Ops that pair or tile *global*
 positions (``diagonal``'s two dims, a dim that ``repeat`` tiles) gather those dims. This module
-does not cover slicing, concatenation or padding (``slicing.py``), nor ``as_strided``, which
-has no rule: it reads storage through strides, and a gathered operand's layout is not the
-user's.
+does not cover slicing, concatenation or padding (``slicing.py``). ``as_strided`` (and its copy
+and scatter) reads storage through strides, which no factor describes: its operands are
+gathered and the ``as_strided`` handler replays the trace's storage order on a contiguous copy
+(a gathered tile's layout is not the user's), so the result is replicated.
 """
 
 from __future__ import annotations
@@ -266,3 +267,24 @@ def view_as_real_rule(info: OpInfo) -> FactorRule:
     (x,) = info.operands
     names = Names().take(x.ndim)
     return build(info, [names], [[*names, None]])
+
+
+@register_rule(
+    *aten_ops(["as_strided.default", "as_strided_copy.default", "as_strided_scatter.default"])
+)
+def as_strided_rule(info: OpInfo) -> FactorRule:
+    """``a b -> 1 1; need-replication=a b`` (the scatter: ``a b, c d -> 1 1``): a strided
+    window over storage (``torch.stft``'s frames, a hand-written sliding window) pairs global
+    positions in ways no factor says, so every operand is gathered and the result replicated;
+    the handler reads the storage in the order the trace had it."""
+    names = Names()
+    operands = [names.take(t.ndim) for t in info.operands]
+    (out,) = info.results
+    assert out is not None
+    return build(
+        info,
+        operands,
+        [[None] * out.ndim],
+        need_replication=[f for dims in operands for f in dims],
+        handler=HandlerName.AS_STRIDED,
+    )

@@ -24,6 +24,8 @@ sharded_scan       cummax/cummin along a split dim: local scan, one all_gather o
                    last (value, index), combine with the extreme of the tiles before
 contiguous         view_as_complex, view(dtype) of another size: the op on a contiguous copy
                    of its local tile (capture drops the program's clone)
+as_strided         as_strided and its scatter (operands gathered): the op on a copy of the
+                   operand laid out in the traced storage order, at the traced offset
 =================  ==========================================================================
 
 The all_reduces a handler emits are recorded in the Plan (``CollectiveRecord``) with the op,
@@ -38,8 +40,8 @@ Layout: ``common`` holds what the handlers read about an op (fake values, the me
 operand dim, accumulation dtype); each other module holds one handler family:
 ``softmax`` (softmax_reduce), ``embedding`` (masked_embedding), ``indexing`` (index_padding),
 ``scan`` (sharded_scan), ``reductions`` (mean, weighted_mean), ``batchnorm`` (batch_stats),
-``contiguous`` and ``random_draw`` (global_random and the ``partita::global_random_draw``
-custom op).
+``contiguous``, ``strided`` (as_strided) and ``random_draw`` (global_random and the
+``partita::global_random_draw`` custom op).
 Importing this package registers every handler.
 """
 
@@ -55,6 +57,7 @@ from partita.partition.special import (  # noqa: F401 - each registers its handl
     reductions,
     scan,
     softmax,
+    strided,
 )
 from partita.partition.special.random_draw import global_random_draw
 
