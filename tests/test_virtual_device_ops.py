@@ -232,3 +232,41 @@ def test_torch_distributed_checkpoint_saves_and_loads_device_tensors(
         torch.testing.assert_close(v.cpu(), want[k])
     assert partita.virtual.sharded(model[0].weight).spec == P("model", None)
     assert torch.get_device_module(dev).current_stream().query()
+
+
+def test_module_dtype_conversions_and_deepcopy_after_training(dev: torch.device) -> None:
+    """``model.to(torch.bfloat16)``, ``.half()``, ``.double()`` of a model on the device, and
+    ``.float()`` of its ``copy.deepcopy`` (an EMA copy), failed with "Couldn't swap
+    Linear.weight": the converted value was pending, and torch.utils.swap_tensors refuses a
+    tensor the recording holds a weak reference to. They keep each parameter object and its
+    sharding, and training goes on like eager."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = copy.deepcopy(ref).to(dev)
+    partita.mark_sharding(model[0].weight, MESH, P("model", None))
+    weight = model[0].weight
+
+    def train(m: nn.Module, device: torch.device | str, dtype: torch.dtype) -> list[float]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        losses = []
+        for i in range(2):
+            x = torch.randn(8, 8, generator=torch.Generator().manual_seed(i)).to(device, dtype)
+            loss = m(x).float().square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            partita.sync()
+            losses.append(loss.item())
+        return losses
+
+    assert train(model, dev, torch.float32) == pytest.approx(train(ref, "cpu", torch.float32))
+    ema, ref_ema = copy.deepcopy(model), copy.deepcopy(ref)
+    model.half().double().to(torch.bfloat16)
+    ref.to(torch.bfloat16)
+    assert model[0].weight is weight and weight.dtype == torch.bfloat16
+    assert partita.virtual.sharded(weight).spec == P("model", None)
+    got, want = train(model, dev, torch.bfloat16), train(ref, "cpu", torch.bfloat16)
+    assert got == pytest.approx(want, rel=2e-2)
+    ema.float()
+    for p, q in zip(ema.parameters(), ref_ema.parameters(), strict=True):
+        torch.testing.assert_close(p.cpu(), q)

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from partita.errors import VirtualDeviceError
+from partita.runtime.dist_tensor import DistributedShardedTensor
 from partita.tensor import ShardedTensor
 from partita.virtual.device import DEVICE_NAME
-from partita.virtual.lazy import Cell, LazyTensor, full_value, lazies
+from partita.virtual.lazy import COPYING, Cell, LazyTensor, full_value, lazies
 
 __all__ = ["RUNS_NOW", "UPLOADS", "new_data", "run_now"]
 
@@ -79,6 +80,7 @@ UPLOADS: list[list[tuple[torch.Tensor | None, Cell]]] = []
 #: Every op :func:`run_now` may run (besides factories writing into an ``out=`` tensor).
 RUNS_NOW = frozenset(
     {aten._local_scalar_dense.default, aten._to_copy.default, aten.copy_.default}
+    | {aten.clone.default}
     | _SHARE_CELL
     | set(_LIKE)
     | _FILLS
@@ -168,6 +170,13 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
         device = kwargs.get("device")
         if device is not None and torch.device(device).type != DEVICE_NAME:
             return aten._to_copy.default(full_value(args[0]), **kwargs)
+        converted = _convert_data(args[0], kwargs, rec)
+        if converted is not None:
+            return converted
+    if func is aten.clone.default and COPYING[0] and _is_clean_data(args[0]._cell, rec):
+        copied = _copied_data(args[0], args[0].dtype)  # copy.deepcopy of data: data
+        if copied is not None:
+            return copied
     if func is aten.copy_.default:
         dst, src = args[0], args[1]
         if not isinstance(dst, LazyTensor):
@@ -238,6 +247,34 @@ def _python_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> 
         return func(*to_meta(args), **to_meta(kwargs))
     except (RuntimeError, NotImplementedError):  # the meta kernel needs values, or has none
         return func(*_values(args), **_values(kwargs))
+
+
+def _convert_data(t: LazyTensor, kwargs: dict[str, Any], rec: Any) -> LazyTensor | None:
+    """``t.to(dtype)`` under no_grad, of data held on the LocalMesh: the converted data now,
+    in the same layout. ``module.half()`` / ``module.to(torch.bfloat16)`` swap each parameter
+    with its converted value, and ``torch.utils.swap_tensors`` refuses a pending one (the
+    recording holds a weak reference to every pending tensor)."""
+    if torch.is_grad_enabled() or set(kwargs) - {"dtype", "device", "layout", "non_blocking"}:
+        return None
+    if kwargs.get("layout") not in (None, torch.strided) or not _is_clean_data(t._cell, rec):
+        return None
+    return _copied_data(t, kwargs.get("dtype") or t.dtype)
+
+
+def _copied_data(t: LazyTensor, dtype: torch.dtype) -> LazyTensor | None:
+    """A new device tensor holding a copy of ``t``'s data in ``dtype``, in the same layout
+    (None where the layout is not one this process can copy as is)."""
+    old = t._cell.data
+    if isinstance(old, DistributedShardedTensor):  # this process's shard only
+        local = old.addressable_data[0].to(dtype, copy=True)
+        device = old.addressable_devices[0]
+        return new_data(DistributedShardedTensor(local, old.sharding, t.shape, device))
+    if type(old) is ShardedTensor:  # (one held per distinct tile is expanded here)
+        stacked = old.stacked.to(dtype, copy=True)
+        return new_data(ShardedTensor.from_stacked(stacked, old.sharding, t.shape))
+    if type(old) is torch.Tensor and tuple(old.shape) == tuple(t.shape):
+        return new_data(old.to(dtype, copy=True))
+    return None
 
 
 def _values(x: Any) -> Any:

@@ -23,12 +23,16 @@ import torch
 from partita.tensor import ShardedTensor
 from partita.virtual.device import spmd_device
 
-__all__ = ["Cell", "Desc", "LazyTensor", "full_value", "lazies", "next_serial"]
+__all__ = ["COPYING", "Cell", "Desc", "LazyTensor", "full_value", "lazies", "next_serial"]
 
 #: A value's metadata: shape, strides, storage offset, dtype.
 Desc = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]
 _META = torch.device("meta")
 _SERIALS = itertools.count()
+#: True while ``copy.deepcopy`` copies a device tensor: a copy of data is data at once
+#: (:mod:`partita.virtual.immediate`), so the copy can later be swapped by ``module.half()``,
+#: which ``torch.utils.swap_tensors`` refuses for a pending tensor.
+COPYING = [False]
 
 
 class Cell:
@@ -172,6 +176,13 @@ class LazyTensor(torch.Tensor):
             repr(value)[len("tensor(") : -1] if repr(value).startswith("tensor(") else repr(value)
         )
         return f"tensor({body}, device='{self.device}')"
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        outer, COPYING[0] = COPYING[0], True
+        try:
+            return super().__deepcopy__(memo)
+        finally:
+            COPYING[0] = outer
 
     def __reduce_ex__(self, proto: Any) -> Any:
         """Pickled as its value, like an XLA tensor (``torch.save``): the CPU value, dtype and
