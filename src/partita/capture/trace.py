@@ -59,6 +59,7 @@ from partita.capture.diagnose import (
     check_data_independent,
     quiet_meta_failures,
 )
+from partita.capture.fake_inputs import fake_inputs
 from partita.capture.functionalize import InputUpdates, functionalized
 from partita.capture.gc_pause import gc_paused
 from partita.capture.layer_graph import inline_layer_calls
@@ -239,7 +240,7 @@ def _trace(
                     # path for Python; 14% of GPT-M's trace (measured, same graph).
                     _disable_torch_fn_metadata_mode=True,
                     _allow_non_fake_inputs=True,
-                )(*_distinct([leaves[i] for i in tensor_idx]))
+                )(*fake_inputs(_distinct([leaves[i] for i in tensor_idx])))
         except PartitaError:
             raise
         except Exception as e:
