@@ -441,19 +441,26 @@ def test_the_next_step_records_while_a_step_runs(dev: torch.device) -> None:
     assert partita.virtual.sharded(w).spec == P("data")  # the layout mark_sharding gave it
 
 
-def test_importing_partita_shows_no_accelerator() -> None:
+def test_partita_shows_no_accelerator() -> None:
     """The device registered at import answered is_available() == True, so torch (and DCP's
-    writer, which asked it for streams) took it for an accelerator before use_spmd."""
+    writer, which asked it for streams) took it for an accelerator before use_spmd; after
+    use_spmd, DataLoader(pin_memory=True) pinned each batch for it and raised
+    NotImplementedError (a Python backend has no pinned-memory allocator). It is never
+    reported as an accelerator: the loader does not pin, as on any CPU machine."""
     code = (
         "import torch, partita\n"
         "print(torch.accelerator.is_available(), torch._utils._get_available_device_type())\n"
-        "partita.use_spmd(partita.Mesh.create((2,), ('data',)))\n"
+        "dev = partita.use_spmd(partita.Mesh.create((2,), ('data',)))\n"
         "print(torch.accelerator.is_available(), torch._utils._get_available_device_type())\n"
         "with torch.random.fork_rng():\n"  # it asked the device for its RNG state: none
         "    torch.rand(1)\n"
         "print('fork_rng ok')\n"
+        "import warnings; warnings.simplefilter('ignore')\n"
+        "data = torch.utils.data.TensorDataset(torch.arange(8.0))\n"
+        "loader = torch.utils.data.DataLoader(data, batch_size=4, pin_memory=True)\n"
+        "print([b.to(dev).sum().item() for (b,) in loader])\n"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout.split("\n")
-    assert out[:3] == ["False None", "True spmd", "fork_rng ok"], out
+    assert out[:4] == ["False None", "False None", "fork_rng ok", "[6.0, 22.0]"], out

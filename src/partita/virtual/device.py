@@ -65,11 +65,9 @@ def check_torch(version: tuple[int, int] | None = None) -> None:
         )
 
 
-#: Whether ``partita.use_spmd`` has switched the device on in this process. Until then the
-#: registered backend says it is not available, so code that looks for an accelerator
-#: (``torch.accelerator.is_available()``, ``torch._utils._get_available_device_type()``, used
-#: by torch.distributed.checkpoint among others) does not pick it just because partita was
-#: imported.
+#: Whether ``partita.use_spmd`` has switched the device on in this process (the backend hooks
+#: and torch.utils.checkpoint's RNG stash ask). The device *module* never reports itself
+#: available (:meth:`_DeviceModule.is_available`).
 _ACTIVE = [False]
 
 
@@ -79,11 +77,17 @@ def activate() -> None:
 
 
 class _DeviceModule:
-    """What ``torch.spmd`` answers: one device, available once ``use_spmd`` switched it on."""
+    """What ``torch.spmd`` answers: one device, its streams and RNG state."""
 
     @staticmethod
     def is_available() -> bool:
-        return _ACTIVE[0]
+        # Never, even after use_spmd: code that looks for an accelerator by itself
+        # (``torch.accelerator.is_available()``, DataLoader(pin_memory=True), DCP's
+        # ``_get_available_device_type()``) must treat the machine as the CPU machine it is.
+        # DataLoader would pin every batch for it, and a Python backend cannot give torch a
+        # pinned-memory allocator (the first batch raised NotImplementedError). The device is
+        # named explicitly instead: ``dev = partita.use_spmd(mesh)``.
+        return False
 
     @property
     def _initialized(self) -> bool:
