@@ -270,3 +270,37 @@ def test_module_dtype_conversions_and_deepcopy_after_training(dev: torch.device)
     ema.float()
     for p, q in zip(ema.parameters(), ref_ema.parameters(), strict=True):
         torch.testing.assert_close(p.cpu(), q)
+
+
+def test_grad_scaler_trains_float16_like_eager(dev: torch.device) -> None:
+    """``torch.amp.GradScaler(dev.type)``: its unscale and scale-update kernels had no rule
+    (UnsupportedOpError). Losses, weights and the scale follow the CPU's, through an overflow
+    (the scale backs off and the step is skipped) and a growth (``growth_interval=2``)."""
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = copy.deepcopy(ref).to(dev)
+    partita.mark_sharding(model[0].weight, MESH, P("model", None))
+
+    def train(m: nn.Module, device: torch.device | str) -> tuple[list[float], list[float]]:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler(torch.device(device).type, init_scale=2.0**16,
+                                      growth_interval=2)  # fmt: skip
+        losses, scales = [], []
+        for i in range(4):
+            x = torch.randn(8, 8, generator=torch.Generator().manual_seed(i))
+            x = x * 1e38 if i == 1 else x  # an overflow: inf gradients at step 1
+            loss = m(x.to(device)).square().mean()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            partita.sync()
+            losses.append(loss.item())
+            scales.append(scaler.get_scale())
+        return losses, scales
+
+    (got, got_scales), (want, want_scales) = train(model, dev), train(ref, "cpu")
+    assert got_scales == want_scales == [2.0**16, 2.0**15, 2.0**15, 2.0**16]
+    assert got == pytest.approx(want, rel=1e-5, nan_ok=True)
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.cpu(), q)

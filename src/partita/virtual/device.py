@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from partita.errors import VirtualDeviceError
-from partita.virtual import attention, autocast, rnn
+from partita.virtual import attention, autocast, grad_scaler, rnn
 
 __all__ = [
     "DEVICE_NAME",
@@ -275,6 +275,10 @@ def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Ten
     # nn.LSTM / nn.GRU: their fused cells (CUDA kernels) as the ops the CPU computes them with.
     lib.impl("_thnn_fused_lstm_cell", rnn.lstm_cell, "AutogradPrivateUse1")
     lib.impl("_thnn_fused_gru_cell", rnn.gru_cell, "AutogradPrivateUse1")
+    # torch.amp.GradScaler: its unscale and scale-update kernels as ordinary ops.
+    lib.impl("_amp_foreach_non_finite_check_and_unscale_", grad_scaler.unscale_,
+             "AutogradPrivateUse1")  # fmt: skip
+    lib.impl("_amp_update_scale_", grad_scaler.update_scale_, "AutogradPrivateUse1")
     # Mixed precision: torch.autocast("spmd", dtype=...) with PyTorch's CPU policy.
     fallback = torch.library.Library("_", "IMPL")
     autocast.register(lib, fallback)
