@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.fx as fx
@@ -388,17 +390,33 @@ def test_gpt_step_fsdp_grads_and_adamw_states_get_the_parameter_sharding() -> No
 
 
 class _NeverSettled(propagate_module._Propagator):
-    """Propagation that visits every queued op in full (no skipping of settled ops)."""
+    """Propagation that visits every queued op in full (no skipping of settled ops), each
+    visit choosing its assignment anew (no memo shared between ops)."""
 
     def _snapshot(self, op: object, round_priority: int) -> tuple[object, ...]:
         return (object(),)  # equal to no earlier snapshot
+
+    def _assignment(self, op: Any, round_priority: int) -> Any:
+        self._memo.clear()
+        return super()._assignment(op, round_priority)
+
+
+class _Counting(propagate_module._Propagator):
+    """The default propagation, counting the visits that choose an assignment."""
+
+    calls = 0
+
+    def _assignment(self, op: Any, round_priority: int) -> Any:
+        self.calls += 1
+        return super()._assignment(op, round_priority)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "2d"])
 def test_skipping_settled_ops_gives_the_same_shardings(strategy: str) -> None:
     """An op whose values did not move since a visit that changed nothing is not visited again
-    (and _write_meta reuses that visit's assignment): same shardings and assignments as
-    visiting every queued op in full, on the GPT step under FSDP and under 2-D."""
+    (and _write_meta reuses that visit's assignment), and ops of one rule whose values are in
+    the same states share one assignment (``_assignment``'s memo): same shardings and
+    assignments as visiting every queued op in full, on the GPT step under FSDP and 2-D."""
     step, args = programs.gpt_step(GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32,
                                              seq_len=8))  # fmt: skip
     mesh = Mesh.create((8,), ("data",)) if strategy == "fsdp" else MESH
@@ -410,12 +428,13 @@ def test_skipping_settled_ops_gives_the_same_shardings(strategy: str) -> None:
     specs = (pspecs, None, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs}, P("data"))
     gm = partita.capture.trace(step, args, in_specs=specs, mesh=mesh).graph_module
     results = []
-    for propagator in (propagate_module._Propagator, _NeverSettled):
+    for propagator in (_Counting, _NeverSettled):
         state = propagator(gm, mesh, False)
         state.run()
         results.append(
             [(n.name, n.meta.get("sharding"), n.meta.get("factor_axes")) for n in gm.graph.nodes]
         )
-        if propagator is propagate_module._Propagator:
+        if isinstance(state, _Counting):
             assert sum(op.settled is not None for op in state.ops) > len(state.ops) // 2
+            assert len(state._memo) < state.calls * 3 // 4  # a quarter reuse one (1 layer)
     assert results[0] == results[1]

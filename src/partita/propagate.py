@@ -81,8 +81,17 @@ from partita.spec import Sharding
 __all__ = ["apply_rule", "compiler_error", "op_info", "propagate", "source_of"]
 
 
+Assignment = dict[str, tuple[str, ...]]
+# (slot of the op's operands then results, dims, partial axes, priority) a visit proposes
+_SlotWrite = tuple[int, tuple[tuple[str, ...], ...], tuple[str, ...], int]
+_Write = tuple[ValueKey, tuple[tuple[str, ...], ...], tuple[str, ...], int]
+
+
 class _Propagator(ProgramState):
     """The worklist over a program's state: visit ops to a fixpoint, then write node.meta."""
+
+    # _assignment's memo: (rule, round, what the op's values propose) -> (assign, writes)
+    _memo: dict[tuple[Any, ...], tuple[Assignment, list[_SlotWrite]]]
 
     def _snapshot(self, op: OpState, round_priority: int) -> tuple[Any, ...]:
         """What a visit of ``op`` reads that can change: its values' versions, the round."""
@@ -99,17 +108,60 @@ class _Propagator(ProgramState):
         snapshot = self._snapshot(op, round_priority)
         if op.settled == snapshot:
             return []
-        assign, prio_of = choose_assignment(self.mesh, self.values, op, round_priority)
-        rule = op.rule
+        assign, writes = self._assignment(op, round_priority)
         changed: list[ValueKey] = []
+        reduce_op = op.rule.reduce_op
+        for key, dims, partial, prio in writes:
+            if self._refine(key, list(dims), partial, reduce_op, prio):
+                self.values[key].version += 1
+                changed.append(key)
+        op.settled, op.settled_assign = (None, None) if changed else (snapshot, assign)
+        return changed
+
+    def _assignment(self, op: OpState, round_priority: int) -> tuple[Assignment, list[_Write]]:
+        """The op's assignment and what it proposes to each of its values, memoised.
+
+        Both are a function of the op's rule (with its factor groups, which come with it) and
+        of what :func:`choose_assignment` reads of its values (sharding, priority, size,
+        stored), so ops of the same rule whose values are in the same states (each layer of
+        a transformer) share one computation."""
+        values = self.values
+        parts: list[Any] = [id(op.rule), round_priority]
+        for k in (*op.operands, *op.results):
+            v = values[k] if k is not None else None
+            if v is None or v.dims is None or v.priority > round_priority:
+                parts.append(k is None)  # proposes nothing
+            else:
+                parts.append((*v.dims, v.priority, v.numel, v.stored))
+        memo_key = tuple(parts)
+        found = self._memo.get(memo_key)
+        if found is None:
+            assign, prio_of = choose_assignment(self.mesh, values, op, round_priority)
+            writes = self._writes(op, assign, prio_of, round_priority)
+            found = self._memo[memo_key] = (assign, writes)
+        assign, slots = found
+        keys = (*op.operands, *op.results)
+        return assign, [(keys[i], dims, partial, prio) for i, dims, partial, prio in slots]
+
+    def _writes(
+        self, op: OpState, assign: Assignment, prio_of: dict[str, int], round_priority: int
+    ) -> list[_SlotWrite]:
+        """``(slot, dims, partial, priority)`` that ``assign`` gives each tensor of the op
+        (operands then results), whatever its current sharding (``_refine`` decides)."""
+        rule = op.rule
+        out = []
+        slot = 0
         for is_result, factors_list, keys in (
             (False, rule.operands, op.operands),
             (True, rule.results, op.results),
         ):
             for j, (factors, key) in enumerate(zip(factors_list, keys, strict=True)):
+                slot += 1
                 if factors is None or key is None:
                     continue
-                dims = [merge_axes(self.mesh, d, assign, rule.sizes) if d else () for d in factors]
+                dims = tuple(
+                    merge_axes(self.mesh, d, assign, rule.sizes) if d else () for d in factors
+                )
                 used = {f for d in factors for f in d if assign.get(f)}
                 partial: tuple[str, ...] = ()
                 if is_result:
@@ -118,11 +170,8 @@ class _Propagator(ProgramState):
                     axes = {a for f in summed for a in assign[f]}
                     partial = tuple(a for a in self.mesh.axis_names if a in axes)
                 prio = min((prio_of[f] for f in used), default=round_priority)
-                if self._refine(key, dims, partial, rule.reduce_op, prio):
-                    self.values[key].version += 1
-                    changed.append(key)
-        op.settled, op.settled_assign = (None, None) if changed else (snapshot, assign)
-        return changed
+                out.append((slot - 1, dims, partial, prio))
+        return out
 
     def _refine(
         self,
@@ -158,6 +207,7 @@ class _Propagator(ProgramState):
     # --- driver ----------------------------------------------------------------------------
 
     def run(self) -> None:
+        self._memo = {}
         priorities = sorted({v.priority for v in self.values.values() if v.fixed}) or [0]
         for p in priorities:
             for only_pass_through in (True, False):
@@ -198,7 +248,7 @@ class _Propagator(ProgramState):
             assign = op.settled_assign
             if assign is None or op.settled != self._snapshot(op, last_priority):
                 assign, _ = choose_assignment(self.mesh, self.values, op, last_priority)
-            op.node.meta["factor_axes"] = assign
+            op.node.meta["factor_axes"] = dict(assign)  # memoised assignments are shared
             op.node.meta["rule"] = op.rule
         for node in self.gm.graph.nodes:
             if node.op == "output":
