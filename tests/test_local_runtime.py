@@ -847,3 +847,66 @@ def test_no_vmap_fallback_warning_from_the_local_mesh(capfd: pytest.CaptureFixtu
         out = step(x)
     assert torch.allclose(out.full(), bn(x), atol=1e-6)
     assert "performance drop" not in capfd.readouterr().err
+
+
+MESH_3D = Mesh.create((2, 3, 2), ("x", "y", "z"))
+
+
+@pytest.mark.parametrize("group", [["x"], ["y"], ["z", "x"], ["x", "y", "z"], ["y", "z"]])
+def test_mesh_ops_on_held_values_equal_the_stacked_ones(group: list[str]) -> None:
+    """all_reduce, all_gather and reduce_scatter on a value as held (once per position of
+    the axes it varies along, ``runtime.held``) equal ``runtime.stacked``'s on the stacked
+    value, for every set of axes it varies along, both local dims and every reduce op; the
+    group's axes in any order. An all_gather of a value identical along a group axis is
+    left to ``runtime.stacked`` (None)."""
+    import itertools
+
+    from partita.layout import stack_held
+    from partita.runtime import stacked as st
+    from partita.runtime.held import all_gather_held, all_reduce_held, reduce_scatter_held
+
+    mesh = MESH_3D
+    g = mesh.axes_size(group)
+    idx = {mesh.axis_index(a) for a in group}
+    gen = torch.Generator().manual_seed(0)
+    for axes in itertools.product((False, True), repeat=3):
+        lead = [n for n, a in zip(mesh.shape, axes, strict=True) if a]
+        value = torch.randn(*lead, 12, 12, generator=gen)
+        full = stack_held(value, axes, mesh.shape)
+        for dim in (0, 1):
+            got = all_gather_held(mesh, (value, axes), dim, group)
+            if got is None:
+                assert not all(axes[i] for i in idx)
+            else:
+                want = st.all_gather(mesh, full, dim, group, g)
+                torch.testing.assert_close(stack_held(*got, mesh.shape), want)
+            for op in ("sum", "avg", "max"):
+                out, out_axes = reduce_scatter_held(mesh, (value, axes), dim, op, group)
+                want = st.reduce_scatter(mesh, full, dim, op, group, g)
+                torch.testing.assert_close(stack_held(out, out_axes, mesh.shape), want)
+        for op in ("sum", "avg", "min"):
+            out, out_axes = all_reduce_held(mesh, (value, axes), op, idx)
+            want = st.all_reduce(mesh, full, op, group, g)
+            torch.testing.assert_close(stack_held(out, out_axes, mesh.shape), want)
+    # A contraction's result (already the sum over the whole mesh) is only cut.
+    total = torch.randn(24, 5, generator=gen)
+    whole = list(mesh.axis_names)
+    out, out_axes = reduce_scatter_held(mesh, (total, None), 0, "avg", whole)
+    want = st.scatter_reduced(mesh, (total / mesh.size).unsqueeze(0), 0, whole)
+    torch.testing.assert_close(stack_held(out, out_axes, mesh.shape), want)
+
+
+def test_fsdp_gather_and_scatter_are_views_of_the_held_values() -> None:
+    """Under FSDP (dim-0 shards over the whole mesh) the all_gather of a held shard is a
+    view of it (no copy) and a contraction's reduce_scatter a view of the sum."""
+    from partita.runtime.held import all_gather_held, reduce_scatter_held
+
+    mesh = Mesh.create((4,), ("d",))
+    shards = torch.randn(4, 3, 5)
+    gathered, axes = all_gather_held(mesh, (shards, (True,)), 0, ["d"])
+    assert axes == (False,) and gathered.data_ptr() == shards.data_ptr()
+    torch.testing.assert_close(gathered, shards.reshape(12, 5))
+    total = torch.randn(12, 5)
+    cut, axes = reduce_scatter_held(mesh, (total, None), 0, "sum", ["d"])
+    assert axes == (True,) and cut.data_ptr() == total.data_ptr()
+    torch.testing.assert_close(cut, total.reshape(4, 3, 5))

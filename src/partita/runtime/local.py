@@ -32,9 +32,10 @@ read, as ``full()`` does) or a plain input's (``layout.shard_compact``: only the
 tiles are cut); a stacked input whose device dim has stride 0 (``t.expand(n, *t.shape)``);
 ops (an op's result varies along an axis when one of its inputs does, so ops with no tensor
 inputs vary along none); and mesh ops (an all_reduce or all_gather result varies along its
-input's axes less the group's, runs on the value as held (``_all_reduce``: a reduction over
-the group axes it varies along); the others vary along their input's and the group's axes).
-A value is spread to ``[n, *local]`` only where another mesh op reads it and as a graph
+input's axes less the group's; the others along their input's and the group's axes). An
+all_reduce, all_gather or reduce_scatter runs on the value as held (``runtime.held``: a sum,
+flatten or split of its leading dims, no per-device work); the other mesh ops read values
+spread to ``[n, *local]``. A value is spread so only there and as a graph
 output of ``run``: a stride-0 ``expand`` view for a value identical everywhere (read-only in
 spirit; clone it before writing), a copy for one that varies along some axes only.
 ``run_compiled`` (``partita.jit``) hands such an output out held instead
@@ -58,7 +59,6 @@ process group (that is ``runtime/distributed.py``).
 
 from __future__ import annotations
 
-import math
 import operator
 import weakref
 from collections.abc import Sequence
@@ -72,8 +72,9 @@ from partita.errors import PartitaError
 from partita.layout import check_strided, shard_compact, shard_tensor, stack_held
 from partita.mesh import Mesh
 from partita.runtime.compiled import stats_for
-from partita.runtime.contraction import Summed, contract
+from partita.runtime.contraction import contract
 from partita.runtime.device_index import run_take, take_inputs
+from partita.runtime.held import all_gather_held, all_reduce_held, reduce_scatter_held
 from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
 from partita.tensor import ShardedTensor
 
@@ -92,6 +93,7 @@ _REPLICATING_OPS = {
 
 
 _ALL_REDUCES = {torch.ops.partita.all_reduce.default, torch.ops.partita.all_reduce_bucket.default}
+_ALL_GATHERS = {torch.ops.partita.all_gather.default, torch.ops.partita.all_gather_bucket.default}
 _REDUCE_SCATTERS = {
     torch.ops.partita.reduce_scatter.default,
     torch.ops.partita.reduce_scatter_bucket.default,
@@ -280,14 +282,24 @@ class LocalMesh:
             return self._all_reduce(env[bound["x"]], bound["reduce_op"], group)
         if node.target in _REDUCE_SCATTERS:
             bound = _bind(node)
+            op, axes = bound["reduce_op"], bound["mesh_axes"]
             if "xs" in bound:
                 return [
-                    self._reduce_scatter(env[x], d, bound["reduce_op"], bound["mesh_axes"])
+                    reduce_scatter_held(self.mesh, env[x], d, op, axes)
                     for x, d in zip(bound["xs"], bound["dims"], strict=True)
                 ]
-            return self._reduce_scatter(
-                env[bound["x"]], bound["dim"], bound["reduce_op"], bound["mesh_axes"]
+            return reduce_scatter_held(self.mesh, env[bound["x"]], bound["dim"], op, axes)
+        if node.target in _ALL_GATHERS:  # as held, where each value varies along the group
+            bound = _bind(node)
+            bucket = "xs" in bound
+            members = (
+                list(zip(bound["xs"], bound["dims"], strict=True))
+                if bucket
+                else [(bound["x"], bound["dim"])]
             )
+            outs = [all_gather_held(self.mesh, env[x], d, bound["mesh_axes"]) for x, d in members]
+            if all(o is not None for o in outs):
+                return outs if bucket else outs[0]
 
         def stacked(a: Any) -> Any:
             return self._stacked(*env[a]) if isinstance(a, fx.Node) else a
@@ -324,47 +336,8 @@ class LocalMesh:
             return [self._compact(o, same(x)) for o, x in zip(out, bound["xs"], strict=True)]
         return self._compact(out, same(bound.get("x")))
 
-    def _all_reduce(self, entry: tuple[Tensor, Axes], reduce_op: str, group: set[int]) -> Any:
-        """An all_reduce on ``(value, axes)`` as it is held: a reduction over the group's
-        axes the value varies along (no copy to ``[n, *local]`` and back). Along a group axis
-        it does not vary along, the members hold the same value: summing ``k`` of them is
-        ``k`` times it. The result varies along no group axis."""
-        value, axes = entry
-        mesh = self.mesh
-        if isinstance(axes, Summed):  # a contraction already summed over this group
-            g = mesh.axes_size([mesh.axis_names[i] for i in group])
-            return (value / g if reduce_op == "avg" else value), axes.axes
-        if axes is None:  # already the sum over the whole mesh (a contraction)
-            axes = (False,) * mesh.ndim
-            same = 1
-            group = set(range(mesh.ndim))
-        dims = [sum(axes[:i]) for i in sorted(group) if axes[i]]  # where axis i is in value
-        if entry[1] is not None:
-            same = math.prod(mesh.shape[i] for i in group if not axes[i])
-        from partita.runtime.stacked import reduce_over  # lazily, as the mesh ops
-
-        g = mesh.axes_size([mesh.axis_names[i] for i in group])
-        out = reduce_over(value, dims, reduce_op, copies=same, count=g)
-        return out, tuple(v and i not in group for i, v in enumerate(axes))
-
-    def _reduce_scatter(
-        self, entry: tuple[Tensor, Axes | None], dim: int, reduce_op: str, mesh_axes: list[str]
-    ) -> tuple[Tensor, Axes]:
-        """A reduce_scatter of one value; a contraction's sum (``axes`` None) is only cut."""
-        from partita.runtime.stacked import reduce_scatter, scatter_reduced  # lazily
-
-        mesh = self.mesh
-        value, axes = entry
-        g = mesh.axes_size(mesh_axes)
-        if axes is None:
-            total = value / g if reduce_op == "avg" else value
-            out = scatter_reduced(mesh, total.unsqueeze(0), dim, mesh_axes)
-            axes = (False,) * mesh.ndim
-        else:
-            out = reduce_scatter(mesh, self._stacked(value, axes), dim, reduce_op, mesh_axes, g)
-        group = {mesh.axis_index(a) for a in mesh_axes}
-        same = [mesh.axis_names[i] for i in range(mesh.ndim) if not (i in group or axes[i])]
-        return self._compact(out, same)
+    def _all_reduce(self, entry: tuple[Tensor, Any], reduce_op: str, group: set[int]) -> Any:
+        return all_reduce_held(self.mesh, entry, reduce_op, group)
 
     def _contract(self, node: fx.Node, env: dict[fx.Node, Any]) -> tuple[Tensor, Any]:
         """``mm(a, b)`` or ``addmm(c, a, b)`` read only by a sum over its group, as
