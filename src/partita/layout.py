@@ -26,6 +26,7 @@ communication.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -69,6 +70,14 @@ def local_shape(sharding: Sharding, shape: Sequence[int]) -> tuple[int, ...]:
         >>> local_shape(P("x", None).to_sharding(Mesh.create((4,), ("x",)), 2), (10, 6))
         (3, 6)
     """
+    try:  # executors ask this of every input and output of every step: remembered
+        return _local_shape(sharding, tuple(shape))
+    except TypeError:  # an unhashable size (symbolic): computed
+        return _local_shape.__wrapped__(sharding, shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _local_shape(sharding: Sharding, shape: Sequence[int]) -> tuple[int, ...]:
     sharding.check_shape(shape)
     return tuple(ceil_div(n, k) for n, k in zip(shape, sharding.tile_shape, strict=True))
 
@@ -195,7 +204,6 @@ def check_held(
 ) -> tuple[bool, ...]:
     """``axes`` as bools, after checking that ``value`` holds a value of global ``shape``
     under ``sharding`` once per position of those mesh axes (see :func:`stack_held`)."""
-    sharding.check_shape(shape)
     mesh = sharding.mesh
     flags = tuple(bool(a) for a in axes)
     lead = tuple(n for n, a in zip(mesh.shape, flags, strict=False) if a)
@@ -237,27 +245,36 @@ def _per_mesh(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
     """``[*k, *local_shape]``: the tiles, mesh axes that split nothing of size 1 (a view of
     ``value`` where no padding or permute needs a copy)."""
     check_strided(value, "the value to shard")
-    sharding.check_shape(value.shape)
-    mesh = sharding.mesh
     shape = tuple(value.shape)
-    local = local_shape(sharding, shape)
-    padded_shape = tuple(c * k for c, k in zip(local, sharding.tile_shape, strict=True))
+    padded_shape, sizes, order, view_shape = _tiling(sharding, shape)
     if padded_shape != shape:
         padded = value.new_zeros(padded_shape)
         padded[tuple(slice(0, n) for n in shape)] = value
     else:
         padded = value
+    return padded.reshape(sizes).permute(order).reshape(view_shape)
+
+
+@functools.lru_cache(maxsize=4096)
+def _tiling(
+    sharding: Sharding, shape: tuple[int, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """How :func:`_per_mesh` cuts a value of ``shape`` (the same for every step of a
+    program, so remembered): the padded shape, the interleaved split shape, the permute
+    that brings the mesh-axis entries to the front in mesh order, and the result's shape."""
+    sharding.check_shape(shape)
+    mesh = sharding.mesh
+    local = local_shape(sharding, shape)
+    padded_shape = tuple(c * k for c, k in zip(local, sharding.tile_shape, strict=True))
     sizes, names = _dims_layout(sharding, shape)
-    split = padded.reshape(sizes)
     # Mesh-axis entries to the front in mesh order, local dims after; size-1 dims for the
     # mesh axes that split nothing.
     split_entries = sorted(
         (i for i, n in enumerate(names) if n), key=lambda i: mesh.axis_index(names[i])
     )
     local_entries = [i for i, n in enumerate(names) if not n]
-    per_mesh = split.permute((*split_entries, *local_entries))
-    view_shape = [mesh.axis_size(a) if a in names else 1 for a in mesh.axis_names] + list(local)
-    return per_mesh.reshape(view_shape)
+    view_shape = (*(mesh.axis_size(a) if a in names else 1 for a in mesh.axis_names), *local)
+    return padded_shape, tuple(sizes), (*split_entries, *local_entries), view_shape
 
 
 def unshard_tensor(stacked: torch.Tensor, sharding: Sharding, shape: Sequence[int]) -> torch.Tensor:
