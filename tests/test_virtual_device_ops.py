@@ -304,3 +304,12 @@ def test_grad_scaler_trains_float16_like_eager(dev: torch.device) -> None:
     assert got == pytest.approx(want, rel=1e-5, nan_ok=True)
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.cpu(), q)
+
+
+def test_torch_compile_of_device_tensors_says_what_to_do(dev: torch.device) -> None:
+    """torch.compile of a model on the device failed inside TorchDynamo ("`tensor` needs to be a
+    `FakeTensor`"); the error now names the virtual device and the way forward."""
+    model = nn.Linear(8, 4).to(dev)
+    with pytest.raises(Exception, match=r"VirtualDeviceError: torch\.compile was given tensors"):
+        torch.compile(model)(torch.randn(2, 8).to(dev))
+    torch._dynamo.reset()

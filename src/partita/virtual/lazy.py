@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from partita.errors import VirtualDeviceError
 from partita.tensor import ShardedTensor
 from partita.virtual.device import spmd_device
 
@@ -157,6 +158,14 @@ class LazyTensor(torch.Tensor):
         inner: dict[str, Any], cell: Cell, outer_size: Any, outer_stride: Any
     ) -> LazyTensor:
         del inner, outer_size, outer_stride
+        if torch.compiler.is_compiling():  # TorchDynamo making a fake copy of a device tensor
+            raise VirtualDeviceError(
+                "torch.compile was given tensors of the virtual device (spmd), which "
+                "TorchDynamo cannot trace: their values exist only once a step runs. Call the "
+                "model or function without torch.compile: every step on "
+                "the device is already one compiled, sharded program; partita.compile(fn) "
+                "captures a whole step function to replay it (docs/virtual-device.md)."
+            )
         return LazyTensor(cell)
 
     @classmethod
