@@ -192,6 +192,21 @@ def test_open_slice_forward_and_backward():
         torch.testing.assert_close(step(x).full(), fn(x))
 
 
+def test_an_argument_that_requires_grad_records_no_history():
+    """The per-device program ran with autograd on over an argument that requires grad: its
+    results carried history, and ops without complex autograd (the slice_scatter of stft's
+    backward) refused to run."""
+
+    def fn(x):
+        spec = torch.stft(x, n_fft=8, hop_length=2, window=torch.ones(8), return_complex=True)
+        return torch.autograd.grad(spec.abs().sum(), x)[0]
+
+    x = torch.randn(2, 24, requires_grad=True)
+    out = partita.jit(fn, mesh=MESH, in_specs=(P("data", None),))(x)
+    torch.testing.assert_close(out.full(), fn(x))
+    assert not out.full().requires_grad and x.grad is None
+
+
 @pytest.mark.parametrize(
     "fn",
     [

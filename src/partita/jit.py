@@ -239,7 +239,10 @@ class Jitted:
         # The lifted constants (closed-over tensors, literals) are the trailing inputs.
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor | ShardedTensor)]
         tensors += program.constants
-        results = executor_for(self.mesh).run_compiled(compiled, tensors)
+        # The program holds its own backward: running it must not record autograd history
+        # over an argument that requires grad (ops without complex autograd refused to run).
+        with torch.no_grad():
+            results = executor_for(self.mesh).run_compiled(compiled, tensors)
         for i, new in program.input_updates(results):
             write_back(tensors[i], new)
         return program.unflatten_outputs(results)
