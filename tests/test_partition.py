@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
 import partita
+import partita.partition.lower as lower_module
 from partita import Mesh, P
+from partita.partition import partition
+from partita.propagate import propagate
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 
@@ -158,3 +163,32 @@ def test_the_per_device_program_generates_its_code_only_when_read() -> None:
     assert "all_reduce_bucket" in local.code  # generated now, from the bucketed graph
     step = partita.jit(f, mesh=MESH, in_specs=specs)
     torch.testing.assert_close(step(*args).full(), f(*args))
+
+
+def test_memoised_lowering_gives_the_program_of_lowering_every_op(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The lowering memoises what an op's rule and assignment decide (``memo_by_rule``):
+    the per-device program and the Plan are those of working each op out anew."""
+
+    def layers(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
+        for w in ws:  # one matmul rule (equal shapes) under three assignments, one repeated
+            x = torch.relu(x @ w)
+        return x.sum()
+
+    col, row = P(None, "model"), P("model", None)
+    specs = (P("data"), [col, row, P(), col, row])
+    ws = [torch.randn(8, 8) for _ in specs[1]]
+    gm = partita.capture.trace(layers, (torch.randn(4, 8), ws), in_specs=specs, mesh=MESH)
+    propagate(gm.graph_module, MESH)
+    memoised, plan = partition(gm.graph_module, MESH)
+    keys: list[tuple[object, ...]] = []
+
+    def every_time(memo: object, key: tuple[object, ...], rule: object, compute: Any) -> Any:
+        keys.append(key)
+        return compute()
+
+    monkeypatch.setattr(lower_module, "memo_by_rule", every_time)
+    anew, plan_anew = partition(gm.graph_module, MESH)
+    assert memoised.code == anew.code and plan == plan_anew
+    assert len(set(keys)) < len(keys) * 3 // 4  # the last two layers repeat the first two

@@ -92,6 +92,7 @@ class _Propagator(ProgramState):
 
     # _assignment's memo: (rule, round, what the op's values propose) -> (assign, writes)
     _memo: dict[tuple[Any, ...], tuple[Assignment, list[_SlotWrite]]]
+    _shardings: dict[tuple[Any, ...], Sharding]  # _sharding's memo
 
     def _snapshot(self, op: OpState, round_priority: int) -> tuple[Any, ...]:
         """What a visit of ``op`` reads that can change: its values' versions, the round."""
@@ -207,7 +208,7 @@ class _Propagator(ProgramState):
     # --- driver ----------------------------------------------------------------------------
 
     def run(self) -> None:
-        self._memo = {}
+        self._memo, self._shardings = {}, {}
         priorities = sorted({v.priority for v in self.values.values() if v.fixed}) or [0]
         for p in priorities:
             for only_pass_through in (True, False):
@@ -215,9 +216,7 @@ class _Propagator(ProgramState):
         self._write_meta(priorities[-1])
 
     def _fixpoint(self, round_priority: int, only_pass_through: bool) -> None:
-        eligible = [
-            i for i, op in enumerate(self.ops) if not only_pass_through or op.rule.is_pass_through
-        ]
+        eligible = [i for i, op in enumerate(self.ops) if not only_pass_through or op.pass_through]
         allowed = set(eligible)
         queue = deque(eligible)
         queued = set(eligible)
@@ -240,8 +239,12 @@ class _Propagator(ProgramState):
 
     def _sharding(self, key: ValueKey) -> Sharding:
         v = self.values[key]
-        dims = v.dims if v.dims is not None else [()] * v.ndim
-        return Sharding(self.mesh, tuple(dims), v.partial, v.reduce_op)
+        dims = tuple(v.dims) if v.dims is not None else ((),) * v.ndim
+        memo_key = (dims, v.partial, v.reduce_op)  # a Sharding is immutable: values share one
+        found = self._shardings.get(memo_key)
+        if found is None:
+            found = self._shardings[memo_key] = Sharding(self.mesh, dims, v.partial, v.reduce_op)
+        return found
 
     def _write_meta(self, last_priority: int) -> None:
         for op in self.ops:

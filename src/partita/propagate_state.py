@@ -69,6 +69,7 @@ class OpState:
     free: tuple[str, ...] = ()  # pass-through factors on every tensor: targets of invariant 9
     result_only: frozenset[str] = field(default_factory=frozenset)  # in no operand
     weak: frozenset[str] = field(default_factory=frozenset)  # claim axes after the others
+    pass_through: bool = False  # rule.is_pass_through, computed once per rule
     # (round priority, versions of its values) of its last visit that changed nothing, and the
     # assignment that visit chose: the same state gives the same (no-op) visit again.
     settled: tuple[Any, ...] | None = None
@@ -162,7 +163,7 @@ class ProgramState:
         so one pass sees every operand before its users."""
         for op in self.ops:
             keys = [k for k in op.operands if k is not None]
-            if not (keys and op.rule.is_pass_through and _keeps_the_data(op.node)):
+            if not (keys and op.pass_through and _keeps_the_data(op.node)):
                 continue
             if all(self.values[k].stored for k in keys):
                 for k in op.results:
@@ -175,7 +176,7 @@ class ProgramState:
         if not any(is_tensor(v) for v in vals):
             return
         info, operand_nodes, indices = op_info(node, self._metas)
-        rule, compound, free, result_only, weak = self._op_shape(node, info)
+        rule, compound, free, result_only, weak, pass_through = self._op_shape(node, info)
         results: list[ValueKey | None] = []
         for idx, v in zip(indices, vals, strict=True):
             if is_tensor(v):
@@ -190,7 +191,9 @@ class ProgramState:
                 f"{len(rule.results)} results, but node {node.name} has {len(operands)} and "
                 f"{len(results)}. This is a bug in the rule; please report it."
             )
-        self.ops.append(OpState(node, rule, operands, results, compound, free, result_only, weak))
+        self.ops.append(
+            OpState(node, rule, operands, results, compound, free, result_only, weak, pass_through)
+        )
         if node in self._local or node.target is EXIT_OP:
             self._mark_region_values(node)
         if _is_annotation(node):
@@ -253,11 +256,12 @@ class ProgramState:
 
 
 #: An op's rule and the factor groups propagation treats specially (see OpState).
-_OpShape = tuple[FactorRule, frozenset[str], tuple[str, ...], frozenset[str], frozenset[str]]
+_OpShape = tuple[FactorRule, frozenset[str], tuple[str, ...], frozenset[str], frozenset[str], bool]
 
 
 def _op_groups(rule: FactorRule) -> _OpShape:
-    """``rule`` with its compound, free, result-only and weak factors (see OpState)."""
+    """``rule`` with its compound, free, result-only and weak factors, and whether it passes
+    every dim through (see OpState)."""
     compound = frozenset(
         f for t in (*rule.operands, *rule.results) for d in t or () if len(d) > 1 for f in d
     )
@@ -274,7 +278,7 @@ def _op_groups(rule: FactorRule) -> _OpShape:
     in_operands = {f for t in rule.operands for d in t or () for f in d}
     result_only = frozenset(f for f in rule.factors if f not in in_operands and rule.operands)
     weak = frozenset(rule.reduction_factors) if rule.handler in _LOOKUP_HANDLERS else frozenset()
-    return rule, compound, free, result_only, weak
+    return rule, compound, free, result_only, weak, rule.is_pass_through
 
 
 def info_key(info: OpInfo) -> Hashable | None:

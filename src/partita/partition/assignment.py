@@ -13,7 +13,8 @@ This module emits nothing (``partition.lower`` does).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
@@ -25,7 +26,9 @@ from partita.partition import handlers
 from partita.rules import FactorKind, FactorRule
 from partita.rules.opinfo import source_of
 
-__all__ = ["check_same_dtype", "dims_of", "representable"]
+__all__ = ["check_same_dtype", "dims_of", "memo_by_rule", "representable"]
+
+T = TypeVar("T")
 
 
 def representable(
@@ -64,6 +67,23 @@ def representable(
                         del out[minor]
                         changed = True
     return out
+
+
+def memo_by_rule(
+    memo: dict[tuple[Any, ...], Any],
+    key: tuple[Any, ...],
+    rule: FactorRule,
+    compute: Callable[[], T],
+) -> T:
+    """``compute()`` memoised in ``memo`` under ``key`` and ``rule``, for a pure function of an
+    op's rule and assignment (``key`` names the function and holds the assignment's items):
+    the ops of every layer repeat a few (rule, assignment) pairs. Keyed by the rule's id, the
+    rule itself is kept with the answer and compared, so a hit is the very rule."""
+    full = (id(rule), *key)
+    found = memo.get(full)
+    if found is None or found[0] is not rule:
+        found = memo[full] = (rule, compute())
+    return found[1]
 
 
 def dims_of(

@@ -40,7 +40,7 @@ from partita.partition import explicit, handlers
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import manual as _manual
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
-from partita.partition.assignment import check_same_dtype, dims_of, representable
+from partita.partition.assignment import check_same_dtype, dims_of, memo_by_rule, representable
 from partita.partition.emit import Emitter, node_of
 from partita.partition.local_args import (
     INDEX_OPERANDS,
@@ -51,7 +51,7 @@ from partita.partition.local_args import (
 )
 from partita.partition.masks import identity_of
 from partita.partition.plan import Plan
-from partita.partition.reasons import partial_reason
+from partita.partition.reasons import needs_why, partial_reason
 from partita.partition.resharding import LocalValue, LocalValues, ValueKey
 from partita.propagate_rules import compiler_error
 from partita.rules import FactorRule
@@ -78,6 +78,7 @@ class Lowering(LocalValues):
         self.manual: dict[fx.Node, fx.Node] = {}  # their local nodes
         self.moves: dict[int, explicit.Move] = {}  # collective index -> the reshard behind it
         self._shardings: dict[tuple[Any, ...], Sharding] = {}  # see sharding()
+        self._memo: dict[tuple[Any, ...], Any] = {}  # see assignment.memo_by_rule
 
     # --- the driver ------------------------------------------------------------------------
 
@@ -184,7 +185,9 @@ class Lowering(LocalValues):
         self, target: Any, rule: FactorRule, assign: dict[str, tuple[str, ...]]
     ) -> dict[str, tuple[str, ...]]:
         """The axes of ``assign`` the op can be lowered with (``assignment.representable``)."""
-        return representable(self.mesh, target, rule, assign)
+        key = ("representable", target, *assign.items())
+        compute = lambda: representable(self.mesh, target, rule, assign)  # noqa: E731
+        return dict(memo_by_rule(self._memo, key, rule, compute))
 
     def dims_of(
         self, factors: tuple[tuple[str, ...], ...], assign: dict[str, tuple[str, ...]]
@@ -257,7 +260,7 @@ class Lowering(LocalValues):
             if v.sharding == dst:  # nothing moves (what reshard would say, without the words)
                 local = v.node
             else:
-                local = self.reshard(self.key(operand), dst, _needs_why(node, i, dst), node)
+                local = self.reshard(self.key(operand), dst, needs_why(node, i, dst), node)
             is_index = i in INDEX_OPERANDS.get(node.target, ())
             for d, dim in enumerate(factors or ()):
                 if dst.dim_axes[d] and (is_index or any(f in reduced for f in dim)):
@@ -274,6 +277,11 @@ class Lowering(LocalValues):
     def result_shardings(
         self, rule: FactorRule, assign: dict[str, tuple[str, ...]]
     ) -> list[Sharding | None]:
+        """The sharding of each result of an op lowered with ``assign`` (None: not a tensor)."""
+        key = ("results", *assign.items())
+        return list(memo_by_rule(self._memo, key, rule, lambda: self._results(rule, assign)))
+
+    def _results(self, rule: FactorRule, assign: dict[str, tuple[str, ...]]) -> list[Any]:
         out: list[Sharding | None] = []
         for j, factors in enumerate(rule.results):
             if factors is None:
@@ -372,16 +380,6 @@ class Lowering(LocalValues):
         why = f"the result of {op_name(node.target)} (%{node.name}) is wanted as {wanted}"
         local = self.reshard(key, wanted, why, node)
         self.values[key] = LocalValue(local, wanted, v.shape, v.dtype)
-
-
-def _needs_why(node: fx.Node, i: int, dst: Sharding) -> str:
-    """Why operand ``i`` of ``node`` is resharded to ``dst``, in words for the Plan."""
-    if "replicated_reason" in node.meta:  # replicate_unsupported=True chose this
-        return (
-            f"{op_name(node.target)} (%{node.name}) runs replicated "
-            f"(replicate_unsupported=True): {node.meta['replicated_reason']}"
-        )
-    return f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"
 
 
 def _stamp_origin(node: fx.Node, first: fx.Node | None, graph: fx.Graph) -> None:

@@ -19,11 +19,12 @@ from partita.explain import op_name
 from partita.layout import local_shape
 from partita.partition.plan import format_bytes
 from partita.rules import FactorRule
+from partita.spec import Sharding
 
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
 
-__all__ = ["nbytes", "partial_reason"]
+__all__ = ["nbytes", "needs_why", "partial_reason"]
 
 
 def partial_reason(
@@ -83,3 +84,13 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
     for d in shape:
         n *= d
     return n
+
+
+def needs_why(node: fx.Node, i: int, dst: Sharding) -> str:
+    """Why operand ``i`` of ``node`` is resharded to ``dst``, in words for the Plan."""
+    if "replicated_reason" in node.meta:  # replicate_unsupported=True chose this
+        return (
+            f"{op_name(node.target)} (%{node.name}) runs replicated "
+            f"(replicate_unsupported=True): {node.meta['replicated_reason']}"
+        )
+    return f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"
