@@ -192,6 +192,49 @@ def test_open_slice_forward_and_backward():
         torch.testing.assert_close(step(x).full(), fn(x))
 
 
+class _Tempered(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.drop = nn.Dropout(0.5)
+        self.temperature = 1.0
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor, count: bool = False) -> torch.Tensor:
+        if count:
+            self.calls += 1
+        return self.drop(self.lin(x)) / self.temperature * max(self.calls, 1)
+
+
+def test_a_module_attribute_changed_between_calls_recompiles():
+    """jit(module) kept the value a plain attribute had when it was traced: after
+    ``m.temperature = 0.5`` or ``m.drop.p = 0.0`` it silently computed the old program."""
+    m = _Tempered()
+    x = torch.randn(4, 8)
+    step = partita.jit(m, mesh=MESH, in_specs=(P("data", None),))
+    m.eval()
+    torch.testing.assert_close(step(x).full(), m(x))
+    m.temperature = 0.5
+    torch.testing.assert_close(step(x).full(), m(x))
+    m.train()
+    m.drop.p = 0.0
+    torch.testing.assert_close(step(x).full(), m(x))
+    assert step.cache_size == 3
+
+
+def test_a_forward_that_changes_module_attributes_warns():
+    """A forward that counts its calls in a Python attribute ran once, at trace time: later
+    calls replayed the traced count without a word. It now warns, naming the attribute."""
+    m = _Tempered().eval()
+    step = partita.jit(m, mesh=MESH, in_specs=(P("data", None),))
+    with pytest.warns(partita.PartitaWarning, match=r"'calls' of _Tempered \(0 -> 1\).*buffer"):
+        step(torch.randn(4, 8), count=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(torch.randn(4, 8), count=True)  # the traced program, under the new value too
+    assert m.calls == 1  # not traced again
+
+
 def test_an_argument_that_requires_grad_records_no_history():
     """The per-device program ran with autograd on over an argument that requires grad: its
     results carried history, and ops without complex autograd (the slice_scatter of stft's

@@ -34,7 +34,7 @@ from partita.capture.module import ModuleInputs
 from partita.capture.spec_tree import unflatten_args
 from partita.capture.trace import input_path
 from partita.capture.uncompile import uncompiled
-from partita.errors import JitArgumentError, RecompileWarning, warn
+from partita.errors import JitArgumentError, PartitaWarning, RecompileWarning, warn
 from partita.explain import format_program
 from partita.jit_signature import Signatures, trace_specs
 from partita.mesh import Mesh
@@ -175,6 +175,7 @@ class Jitted:
         targs, tkwargs = unflatten_args(trace_leaves, pytree.tree_structure((args, kwargs)))
         n_args = pytree.tree_structure(args).num_leaves
         specs = trace_specs(shardings)
+        before = self._module.mode() if self._module is not None else None
         # The three stages build graphs that all live on: no cyclic GC in between (gc_pause).
         with gc_paused():
             prog = capture.trace(
@@ -207,9 +208,28 @@ class Jitted:
             partition_seconds=time.perf_counter() - start,
         )
         self._cache[key] = compiled
+        if self._module is not None and before is not None and self._module.mode() != before:
+            self._note_mutation(key, before, compiled)
         if len(self._cache) > self.cache_limit:
             self._cache.popitem(last=False)  # the least recently used signature
         return compiled, leaves
+
+    def _note_mutation(self, key: Hashable, before: tuple[Any, ...], compiled: Compiled) -> None:
+        """The traced forward changed Python attributes of the module: the program holds the
+        values it read, so later calls do not change them again. Warn, naming them; the
+        program also answers the attributes' new values (a lazy initialisation in the first
+        forward then costs no second compile)."""
+        assert self._module is not None
+        changed = self._module.mutated(before)
+        warn(
+            f"partita.jit({_name(self.fn)}): the forward changed Python attribute(s) while "
+            f"it was traced: {'; '.join(changed[:4])}. The compiled program ran that Python "
+            f"once and keeps the values it read, so later calls neither change the attributes "
+            f"again nor see new values they would compute. Keep state that must change per "
+            f"call in a buffer (module.register_buffer) or pass it as an argument.",
+            PartitaWarning,
+        )
+        self._cache[(*key[:-1], ("mode", self._module.mode()))] = compiled  # type: ignore[index]
 
     def _note_recompile(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Count compilations; warn once when the signature keeps changing."""

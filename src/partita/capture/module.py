@@ -65,10 +65,24 @@ class ModuleInputs:
             user = tuple(in_specs)
         return (params, buffers, *user)
 
-    def mode(self) -> tuple[bool, ...]:
-        """The train/eval flag of every submodule: part of the signature, because
-        ``model.eval()`` changes what the forward computes (dropout, batch norm)."""
-        return tuple(m.training for m in self.module.modules())
+    def mode(self) -> tuple[Any, ...]:
+        """The plain Python attributes of every submodule (numbers, strings, flags, tuples of
+        them; the train/eval flag among them): part of the signature, because the forward
+        reads them while tracing and the program keeps the values it read. ``model.eval()``,
+        ``model.temperature = 0.5`` or ``dropout.p = 0.0`` compile a new program."""
+        return tuple(_plain_attributes(m) for m in self.module.modules())
+
+    def mutated(self, before: tuple[Any, ...]) -> list[str]:
+        """The attributes (``'calls' of Counter``) whose value differs from ``before`` (a
+        :meth:`mode` taken earlier): what a traced forward changed."""
+        names = [n or type(self.module).__name__ for n, _ in self.module.named_modules()]
+        changed = []
+        for name, old, new in zip(names, before, self.mode(), strict=False):
+            old_d, new_d = dict(old), dict(new)
+            for key in sorted(set(old_d) | set(new_d), key=str):
+                if old_d.get(key, _MISSING) != new_d.get(key, _MISSING):
+                    changed.append(f"{key!r} of {name} ({old_d.get(key)!r} -> {new_d.get(key)!r})")
+        return changed
 
     def leaf_name(self, name: str) -> str:
         """A readable name for a leaf of ``(params, buffers, *args)``: ``args[0]['fc.weight']``
@@ -80,3 +94,19 @@ class ModuleInputs:
             index, rest = name[5:].split("]", 1)
             return f"args[{int(index) - 2}]{rest}"
         return name
+
+
+_MISSING = object()
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return len(value) <= 16 and all(isinstance(v, _PLAIN) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def _plain_attributes(module: nn.Module) -> tuple[tuple[str, Any], ...]:
+    """``(name, value)`` of a module's own plain attributes (``vars(module)``; parameters,
+    buffers, submodules and hooks live in dicts of their own, so they are not among them)."""
+    return tuple((k, v) for k, v in vars(module).items() if _is_plain(v))
