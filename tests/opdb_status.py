@@ -51,7 +51,6 @@ STATUS: dict[str, tuple[str, str]] = {
     "geometric": ("SKIP", "random"),
     "histogramdd": ("UNSUPPORTED", "aten._histogramdd_bin_edges.default"),
     "imag": ("SKIP", "no float32 on CPU"),
-    "index_put": ("UNSUPPORTED", "aten.index_put.default"),
     "istft": ("SKIP", "no float32 on CPU"),
     "item": ("SKIP", "results that are not all tensors"),
     "jiterator_2inputs_2outputs": (

@@ -224,7 +224,36 @@ def _setitem_add(x: torch.Tensor, i: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return y
 
 
+def _mask_write(x: torch.Tensor, m: torch.Tensor, v: Any, accumulate: bool = False) -> torch.Tensor:
+    """``x[..., m] = v`` (or ``+=`` through index_put_): a boolean-mask write, a where."""
+    y = x * 1
+    lead = (slice(None),) * (y.ndim - m.ndim - (v.ndim if isinstance(v, torch.Tensor) else 0))
+    if accumulate:
+        return aten.index_put.default(y, [*[None] * len(lead), m], torch.as_tensor(v), True)
+    else:
+        y[(*lead, m)] = v
+    return y
+
+
 WRITES: list[tuple[str, Callable[..., Any], tuple[Any, ...], Any]] = [
+    (
+        "x[x < 0] = 0",
+        lambda x: _mask_write(x, x < 0, 0.0),
+        (torch.randn(7, 5),),
+        (P("x", "y"),),
+    ),
+    (
+        "x[m] = row (mask over the leading dim)",
+        lambda x, m, v: _mask_write(x, m, v),
+        (torch.randn(7, 5), torch.rand(7) > 0.5, torch.randn(5)),
+        (P("x", "y"), P("x"), P("y")),
+    ),
+    (
+        "x[:, m] = v accumulate, uneven",
+        lambda x, m, v: _mask_write(x, m, v, accumulate=True),
+        (torch.randn(3, 7, 5), torch.rand(7, 5) > 0.5, torch.tensor(2.0)),
+        (P("x", "y"), P("y", "x"), None),
+    ),
     (
         "x[:, i] = v",
         _setitem,
@@ -273,6 +302,19 @@ WRITES: list[tuple[str, Callable[..., Any], tuple[Any, ...], Any]] = [
 @pytest.mark.parametrize("fn, args, specs", [c[1:] for c in WRITES], ids=[c[0] for c in WRITES])
 def test_writes_equal_eager(fn: Callable[..., Any], args: Any, specs: Any) -> None:
     _check(fn, args, specs)
+
+
+def test_boolean_mask_write_moves_nothing() -> None:
+    """``x[mask] = v`` had no rule (UnsupportedOpError: a boolean index); it is a where, and
+    neither its forward nor its gradient moves anything."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        x = x.detach().requires_grad_(True)
+        y = _mask_write(x, x > 0.5, float("-inf")).softmax(-1)
+        return torch.autograd.grad((y * x).sum(), x)[0]
+
+    plan = _check(fn, (torch.randn(6, 8),), (P("x", None),))
+    assert not plan.collectives
 
 
 def test_slice_scatter_on_another_dim_moves_nothing() -> None:

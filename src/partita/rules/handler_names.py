@@ -32,6 +32,7 @@ class HandlerName(str, enum.Enum):
     INDEX_PADDING = "index_padding"
     LOCALIZE_SHAPE = "localize_shape"
     MASKED_EMBEDDING = "masked_embedding"
+    MASK_WRITE = "mask_write"
     MEAN = "mean"
     RETILE = "retile"
     SHARDED_SCAN = "sharded_scan"

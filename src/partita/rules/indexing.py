@@ -17,7 +17,9 @@ What capture rewrites never reaches a rule: ``index_put_`` and ``x[i] = v`` beco
 ``index_put``, ``index_add`` becomes ``index_put(accumulate=True)``, ``roll`` an
 ``index_select``, ``select_scatter`` a ``where`` and ``take_along_dim`` a ``gather``; an upsample
 index becomes ``index.Tensor``. Boolean-mask indexing (``x[x > 0]``) has a data-dependent
-shape and no rule. This module does not cover ``gather``/``index_select`` (``slicing.py``).
+shape and no rule; a boolean-mask *write* ``x[x > 0] = v`` whose values do not depend on the
+number of selected positions is a ``where`` and passes every dim through (handler
+``mask_write``). This module does not cover ``gather``/``index_select`` (``slicing.py``).
 """
 
 from __future__ import annotations
@@ -112,7 +114,12 @@ def index_rule(info: OpInfo) -> FactorRule:
 def index_put_rule(info: OpInfo) -> FactorRule:
     """``a b c, 1, a 1 c -> a b c; need-replication=b`` for ``x[:, i] = v`` (accumulate or
     not): the indexed dims and the index tensors are whole (every device must write every
-    position of its tile), the other dims of ``x`` pass through with the values' dims."""
+    position of its tile), the other dims of ``x`` pass through with the values' dims.
+    ``x[mask] = v`` with a boolean mask and values that do not depend on how many positions
+    it selects is elementwise: ``a b c, a b, c -> a b c``."""
+    masked = _mask_put(info)
+    if masked is not None:
+        return masked
     names, indexed, out, index_dims, bcast = _layout(info, Names())
     x, values = info.operands[0], info.operands[-1]
     # The values broadcast to the shape of x[indices]; its index dims stay whole.
@@ -125,6 +132,32 @@ def index_put_rule(info: OpInfo) -> FactorRule:
         [names],
         need_replication=[names[d] for d in indexed],
     )
+
+
+def _mask_put(info: OpInfo) -> FactorRule | None:
+    """The rule of ``x[..., mask, ...] = v`` (``index_put`` with one boolean index) when it is
+    a ``where``: the mask covers dims ``j..j+k`` of ``x`` with their sizes and ``v`` broadcasts
+    against the dims after them, so each position of ``x`` is written (or, accumulating,
+    added to) iff the mask holds there, and ``v``'s value there does not depend on how many
+    positions the mask selects. Each device then writes its own tiles (the ``mask_write``
+    handler emits the ``where``); the padding of a split mask may write into ``x``'s padding,
+    which is garbage anyway. None otherwise (an integer index, several indices, values with
+    one entry per selected position)."""
+    entries = list(info.arg("indices"))
+    given = [(d, i) for d, i in enumerate(entries) if i is not None]
+    if len(given) != 1 or given[0][1].dtype != torch.bool:
+        return None
+    (j, mask), x, values = given[0], info.operands[0], info.operands[-1]
+    end = j + mask.ndim
+    if tuple(x.shape[j:end]) != tuple(mask.shape):
+        return None
+    trailing = x.ndim - end
+    lead = values.ndim - trailing  # values' dims before those aligned with x's trailing dims
+    if lead > 0 and any(n != 1 for n in values.shape[:lead]):
+        return None
+    names = Names().take(x.ndim)
+    vals = _values_dims(values, x.shape[end:], names[end:]) if trailing else [None] * values.ndim
+    return build(info, [names, names[j:end], vals], [names], handler=HandlerName.MASK_WRITE)
 
 
 def _values_dims(values: TensorMeta, shape: Sequence[int], dims: Sequence[Dim]) -> list[Dim]:

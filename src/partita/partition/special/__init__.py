@@ -24,6 +24,8 @@ sharded_scan       cummax/cummin along a split dim: local scan, one all_gather o
                    last (value, index), combine with the extreme of the tiles before
 contiguous         view_as_complex, view(dtype) of another size: the op on a contiguous copy
                    of its local tile (capture drops the program's clone)
+mask_write         index_put with one boolean mask and values that broadcast without it
+                   (x[mask] = v): where(mask, v, x) on each tile (vmap refuses the op)
 as_strided         as_strided and its scatter (operands gathered): the op on a copy of the
                    operand laid out in the traced storage order, at the traced offset
 =================  ==========================================================================
@@ -53,6 +55,7 @@ from partita.partition.special import (  # noqa: F401 - each registers its handl
     contiguous,
     embedding,
     indexing,
+    mask_write,
     random_draw,
     reductions,
     scan,
