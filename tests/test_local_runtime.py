@@ -207,6 +207,10 @@ def test_repeated_runs_use_a_traced_flat_graph() -> None:
     traced = [f for s in segments for f in s.flat.values()]
     assert any(isinstance(f, fx.GraphModule) for f in traced)
     assert first[1].stride(0) == 0
+    # Nothing in the flat graph is computed for nothing (the batching rules' unread views).
+    for f in traced:
+        if isinstance(f, fx.GraphModule):
+            assert all(n.users for n in f.graph.nodes if n.op == "call_function")
 
 
 # --- mesh ops ----------------------------------------------------------------------------------

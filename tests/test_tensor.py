@@ -180,8 +180,12 @@ def test_from_held_expands_on_first_read_and_validates(mesh_2x4: Mesh) -> None:
     with pytest.raises(ShardingError, match=r"from_held got a value of shape \(2, 3, 2\).*"
                        r"needs \(4, 3, 2\) \(one leading dim per mesh axis"):  # fmt: skip
         ShardedTensor.from_held(value[:2], (False, True), sharding, (3, 8))
+    # Identical everywhere (or varying along every axis): held too (jit reads it as is);
+    # its stacked storage is a view, a stride-0 expand, built on the first read.
     whole = ShardedTensor.from_held(value[0], (False, False), P().to_sharding(mesh_2x4, 2), (3, 2))
-    assert whole.held is None and whole.stacked.stride(0) == 0  # a view: nothing to defer
+    assert whole.held is not None
+    assert whole.stacked.stride(0) == 0 and whole.stacked.data_ptr() == value.data_ptr()
+    assert whole.held is None
 
 
 def test_from_global(mesh_4: Mesh) -> None:

@@ -164,12 +164,11 @@ class ShardedTensor(EagerOps):
         ``[*(mesh.shape[i] for the axes with axes[i] set), *local_shape]``, the same along
         every other axis (how the LocalMesh holds a weight sharded over ``model`` and
         replicated over ``data``). ``stacked`` copies it out to ``[mesh.size, *local]`` on its
-        first read, which drops the held form; ``partita.jit`` reads it as held, no copy."""
+        first read (a view when it varies along every axis or none), which drops the held
+        form; ``partita.jit`` reads it as held, no copy."""
         value = _check_tensor(value, "ShardedTensor.from_held")
         _check_sharding(sharding, "ShardedTensor.from_held")
         axes = check_held(value, axes, sharding, tuple(int(n) for n in shape))
-        if all(axes) or not any(axes):  # the stacked storage is a view: nothing to defer
-            return cls(stack_held(value, axes, sharding.mesh.shape), sharding, shape)
         return cls(None, sharding, shape, held=(value, axes))
 
     # --- the value -----------------------------------------------------------------------

@@ -138,7 +138,8 @@ class LocalMesh:
         borrowed: set[int] = set()  # storages of plain inputs read in place, not copied
         for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True):
             if isinstance(leaf, ShardedTensor):
-                if leaf.sharding != sharding:  # only if a plain spec and an annotation disagree
+                if leaf.sharding is not sharding and leaf.sharding != sharding:
+                    # only if a plain spec and an annotation disagree
                     leaf = ShardedTensor.from_global(leaf.full(), sharding)
                 # Rows along a replicated axis hold the same tile (what ``full`` reads back
                 # from replica 0), so only replica 0 of each is read.
@@ -248,21 +249,19 @@ class LocalMesh:
         at index 0 (a view)."""
         mesh = self.mesh
         if x.stride(0) == 0:
-            return x[0], (False,) * mesh.ndim
-        y = x.view(*mesh.shape, *x.shape[1:])
-        same = {mesh.axis_index(a) for a in same_along}
+            return x.select(0, 0), (False,) * mesh.ndim
+        y = x.view(mesh.shape + x.shape[1:])
+        strides = y.stride()
+        same = {mesh.axis_index(a) for a in same_along} if same_along else ()
         axes = tuple(
-            mesh.shape[i] > 1 and y.stride(i) != 0 and i not in same for i in range(mesh.ndim)
+            size > 1 and strides[i] != 0 and i not in same for i, size in enumerate(mesh.shape)
         )
-        if all(axes):
-            return y, axes
-        return y[tuple(slice(None) if v else 0 for v in axes)], axes
+        return _select_first(y, axes), axes
 
     def _axes_value(self, y: Tensor) -> tuple[Tensor, Axes]:
         """``[*k, *local]`` with ``k[i]`` 1 or ``mesh.shape[i]`` as ``(value, axes)``."""
-        mesh = self.mesh
-        axes = tuple(y.shape[i] > 1 for i in range(mesh.ndim))
-        return y[tuple(slice(None) if v else 0 for v in axes)], axes
+        axes = tuple(k > 1 for k in y.shape[: self.mesh.ndim])
+        return _select_first(y, axes), axes
 
     def _stacked(self, value: Any, axes: Axes) -> Any:
         """A ``(value, axes)`` as the stacked ``[n, *local]``: a view when it varies along
@@ -351,6 +350,14 @@ class LocalMesh:
             user.target in _ALL_REDUCES,
             self._all_reduce,
         )
+
+
+def _select_first(y: Tensor, axes: Axes) -> Tensor:
+    """``y`` read at index 0 of each leading dim whose ``axes`` flag is off (a view)."""
+    for i in range(len(axes) - 1, -1, -1):
+        if not axes[i]:
+            y = y.select(i, 0)
+    return y
 
 
 def _bind(node: fx.Node) -> dict[str, Any]:

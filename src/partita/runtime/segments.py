@@ -220,6 +220,7 @@ def _trace_flat(fn: Callable[..., Any], args: list[Any]) -> Callable[..., Any]:
     for node in flat.graph.nodes:
         if node.target in _TO_RESHAPE:  # traced on fake strides; reshape is safe on any
             node.target = aten.reshape.default
+    flat.graph.eliminate_dead_code()  # views the batching rules made and nothing reads
     flat.recompile()
     fold_broadcast_bmms(flat)
     fuse_bias_adds(flat)
