@@ -36,15 +36,24 @@ from partita.training import init_opt_state, make_train_step
 
 def median_seconds(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:
     """Median wall seconds of each function; runs are interleaved so load drift hits all alike."""
+    return {name: wall for name, (wall, _) in median_times(fns, repeat).items()}
+
+
+def median_times(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, tuple[float, float]]:
+    """Median ``(wall, process CPU)`` seconds of each function, runs interleaved (CPU time
+    varies less with other processes' load)."""
     for fn in fns.values():
         fn()  # warm-up (and LocalMesh's plan)
-    times: dict[str, list[float]] = {name: [] for name in fns}
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in fns}
     for _ in range(repeat):
         for name, fn in fns.items():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(ts) for name, ts in times.items()}
+            times[name].append((time.perf_counter() - start, time.process_time() - cpu))
+    return {
+        name: (statistics.median(w for w, _ in ts), statistics.median(c for _, c in ts))
+        for name, ts in times.items()
+    }
 
 
 def data_parallel_step(step: Callable[..., Any], n: int) -> Callable[..., Any]:

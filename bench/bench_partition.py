@@ -11,7 +11,9 @@ tensor parallelism on ``model`` plus the batch on ``data``) this prints
 * the median wall time (after one warm-up) of the sharded step on LocalMesh, as a ratio to the
   same step run unsharded in plain PyTorch in this process: once from plain tensors
   (``jitted(*args)``, which also scatters the inputs and wraps the outputs) and once from
-  inputs that are already ShardedTensors (a training loop keeps its state sharded);
+  inputs that are already ShardedTensors (a training loop keeps its state sharded); the
+  median process CPU time beside it (two threads busy count twice; it varies less than wall
+  time with other processes' load);
 * the collectives of one step by kind with per-device bytes (``plan.summary()``), against the
   floor of one all-gather plus one reduce-scatter of the parameters (FSDP);
 * the largest difference of any result from the unsharded step.
@@ -39,7 +41,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F  # noqa: N812
-from bench_local import median_seconds  # bench/ is on sys.path
+from bench_local import median_times  # bench/ is on sys.path
 from torch.utils import _pytree as pytree
 
 import partita
@@ -159,7 +161,7 @@ def run_strategy(ns: argparse.Namespace, strategy: str, step: Any, args: tuple[A
         [partita.mark_sharding(x, mesh, s) for x, s in zip(leaves, spec_leaves, strict=True)],
         tree,
     )
-    seconds = median_seconds(
+    seconds = median_times(
         {
             "unsharded": lambda: step(*args),
             "sharded, plain inputs": lambda: jitted(*args),
@@ -167,10 +169,11 @@ def run_strategy(ns: argparse.Namespace, strategy: str, step: Any, args: tuple[A
         },
         ns.repeat,
     )
-    base = seconds["unsharded"]
+    base, base_cpu = seconds["unsharded"]
     goal = 1.1 if strategy == "fsdp" else 1.2  # issue 11
-    for name, t in seconds.items():
-        print(f"{name:<31} {t:7.3f} s   ratio {t / base:5.2f}   (goal <= {goal}; DTensor 6.2)")
+    for name, (t, cpu) in seconds.items():
+        print(f"{name:<31} {t:7.3f} s   ratio {t / base:5.2f}   (goal <= {goal}; DTensor 6.2)"
+              f"   CPU {cpu:6.3f} s, ratio {cpu / base_cpu:5.2f}")  # fmt: skip
     print("load average (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
     print(f"warnings: {len(plan.warnings)}; max |sharded - unsharded| over all results: "
           f"{max_diff(got, want):.2e}")  # fmt: skip
