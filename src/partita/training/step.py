@@ -56,6 +56,40 @@ def _grad_leaf(v: torch.Tensor) -> torch.Tensor:
     return v.detach().requires_grad_(True)
 
 
+def _hook_leaves(model: nn.Module, leaves: dict[str, torch.Tensor]) -> None:
+    """Give each leaf the gradient hooks of the parameter it stands for (``p.register_hook``:
+    masking or scaling a gradient), which eager runs before ``.grad`` is set; the module's own
+    Parameters, which hold them, are not differentiated here. A post-accumulate-grad hook acts
+    on ``p.grad`` in place after accumulation (an optimizer step inside the backward): there
+    is no ``.grad`` in a traced step, so it is refused."""
+    for name, leaf in leaves.items():
+        try:
+            param = model.get_parameter(name)
+        except AttributeError:
+            continue
+        if getattr(param, "_post_accumulate_grad_hooks", None):
+            raise TrainInputError(
+                f"parameter {name!r} has a post-accumulate-grad hook "
+                f"(register_post_accumulate_grad_hook): it acts on p.grad in place after the "
+                f"backward, which a compiled step does not have. Remove the hook; put its work "
+                f"in loss_fn (a gradient mask: p.register_hook) or in the optimizer settings."
+            )
+        for hook in (getattr(param, "_backward_hooks", None) or {}).values():
+            leaf.register_hook(hook)
+
+
+def _accumulated(grad: torch.Tensor | None, leaf: torch.Tensor) -> torch.Tensor | None:
+    """``grad`` plus what a nested ``.backward()`` accumulated into ``leaf.grad``: a custom
+    autograd Function whose backward recomputes a layer and calls ``.backward()`` on it
+    (reversible layers) gives the layer's parameters their gradient that way, which
+    ``torch.autograd.grad`` does not return, as eager's ``.grad`` collects both."""
+    nested = leaf.grad
+    if nested is None:
+        return grad
+    leaf.grad = None
+    return nested if grad is None else grad + nested
+
+
 def _call(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, dict):
         return model(**inputs)
@@ -135,6 +169,7 @@ def functional_step(
         inputs, targets = batch
         with torch.enable_grad():
             leaves = {k: _grad_leaf(v) for k, v in params.items()}
+            _hook_leaves(model, leaves)
             compute = leaves
             if compute_dtype is not None:
                 compute = {k: v.to(compute_dtype) for k, v in leaves.items()}
@@ -155,6 +190,7 @@ def functional_step(
                 grads = torch.autograd.grad(
                     loss, list(leaves.values()), create_graph=False, allow_unused=True
                 )
+                grads = [_accumulated(g, v) for g, v in zip(grads, leaves.values(), strict=True)]
         grad_map = {k: g for k, g in zip(leaves, grads, strict=True) if g is not None}
         if on_unused is not None:
             on_unused(model.training, frozenset(leaves) - set(grad_map))
