@@ -12,6 +12,7 @@ import partita
 import partita.partition.lower as lower_module
 from partita import Mesh, P
 from partita.partition import partition
+from partita.partition.resharding import LocalValues
 from partita.propagate import propagate
 
 MESH = Mesh.create((2, 4), ("data", "model"))
@@ -168,13 +169,14 @@ def test_the_per_device_program_generates_its_code_only_when_read() -> None:
 def test_memoised_lowering_gives_the_program_of_lowering_every_op(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The lowering memoises what an op's rule and assignment decide (``memo_by_rule``):
-    the per-device program and the Plan are those of working each op out anew."""
+    """The lowering memoises what an op's rule and assignment decide (``memo_by_rule``) and
+    adds its nodes bare (``LocalValues.emit``): the per-device program and the Plan are those
+    of working each op out anew and adding nodes with ``graph.call_function``."""
 
     def layers(x: torch.Tensor, ws: list[torch.Tensor]) -> torch.Tensor:
         for w in ws:  # one matmul rule (equal shapes) under three assignments, one repeated
             x = torch.relu(x @ w)
-        return x.sum()
+        return x.to(torch.float64).sum()  # _to_copy(x, dtype=...): an op with kwargs
 
     col, row = P(None, "model"), P("model", None)
     specs = (P("data"), [col, row, P(), col, row])
@@ -188,7 +190,11 @@ def test_memoised_lowering_gives_the_program_of_lowering_every_op(
         keys.append(key)
         return compute()
 
+    def call_function(low: Any, target: Any, args: Any, kwargs: Any = None) -> Any:
+        return low.graph.call_function(target, args, kwargs)
+
     monkeypatch.setattr(lower_module, "memo_by_rule", every_time)
+    monkeypatch.setattr(LocalValues, "emit", call_function)
     anew, plan_anew = partition(gm.graph_module, MESH)
     assert memoised.code == anew.code and plan == plan_anew
     assert len(set(keys)) < len(keys) * 3 // 4  # the last two layers repeat the first two

@@ -329,7 +329,7 @@ class Lowering(LocalValues):
             args, kwargs = localize_shape_args(
                 args, kwargs, tuple(gval.shape), local_shape(res, tuple(gval.shape))
             )
-        return self.graph.call_function(node.target, tuple(args), kwargs)
+        return self.emit(node.target, tuple(args), kwargs)
 
     def _store_results(
         self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]], local: fx.Node
@@ -341,7 +341,7 @@ class Lowering(LocalValues):
             for i, (v, s) in enumerate(zip(val, natural, strict=True)):
                 if not _tensor_val(v) or s is None:
                     continue
-                item = self.graph.call_function(operator.getitem, (local, i))
+                item = self.emit(operator.getitem, (local, i))
                 self.values[(node, i)] = LocalValue(item, s, tuple(v.shape), v.dtype)
                 self._explain_partial((node, i), node, rule, assign, i)
                 self._settle((node, i), wanted[i] if isinstance(wanted, tuple) else None, node)

@@ -67,7 +67,19 @@ class LocalValues:
         return self.values[self.key(node)]
 
     def call(self, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-        return self.graph.call_function(target, tuple(args), kwargs)
+        return self.emit(target, tuple(args), kwargs)
+
+    def emit(
+        self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any] | None = None
+    ) -> fx.Node:
+        """``self.graph.call_function(target, args, kwargs)`` without fx's walk of every
+        argument for a raw SymInt (a pytree walk, 10-15% of partitioning GPT-M; the per-device
+        program's arguments have none): the node is made bare, then given its arguments."""
+        node = self.graph.call_function(target)
+        node.args = args
+        if kwargs:
+            node.kwargs = kwargs
+        return node
 
     def reshard(self, key: ValueKey, dst: Sharding, why: str, at: fx.Node) -> fx.Node:
         """The local node of value ``key`` under ``dst``, inserting collectives as needed."""
