@@ -393,6 +393,21 @@ def test_batch_norm_training_step_sync(mesh_name: str, n: int, spatial: bool) ->
     assert all(c.kind == "all_reduce" for c in plan.collectives), kinds(plan)
 
 
+def test_batch_norm_statistics_of_an_offset_input() -> None:
+    """A channel whose mean is 1000x its std (saturated activations): the variance was
+    E[x^2] - E[x]^2 summed in float32, and y came out up to 1.5e-2 off eager's; its sums are
+    float64 now."""
+    x = rand(8, 3, 5, 4) * 0.1 + 100
+    w, b = rand(3, seed=1), rand(3, seed=2)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    xs = P("x", None, None, None)
+    out_specs = (xs, P(), xs, P(), P(), P(), P())
+    got, _ = run(_bn_step, (x, w, b, rm, rv), MESHES["2"], (xs, P(), P(), P(), P()), out_specs)
+    names = ["y", "loss", "grad_x", "grad_w", "grad_b", "running_mean", "running_var"]
+    for name, a, e in zip(names, full(got), _bn_step(x, w, b, rm, rv), strict=True):
+        torch.testing.assert_close(a, e, rtol=1e-4, atol=1e-4, msg=lambda m, n=name: f"{n}: {m}")
+
+
 @pytest.mark.parametrize("mesh_name", sorted(MESHES))
 @pytest.mark.parametrize("reduction", [1, 2])
 def test_nll_loss_backward_masks_padded_targets(mesh_name: str, reduction: int) -> None:

@@ -95,12 +95,24 @@ def _bn_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Pr
     acc = acc_dtype(x_val.dtype)
     bshape = [1, -1] + [1] * (len(gshape) - 2)
     xa = e.cast(x, x_val.dtype, acc)
+    # var = E[x^2] - E[x]^2 cancels catastrophically when |mean| >> std (post-ReLU6
+    # activations): the sums are float64, as eager's CPU kernel accumulates, so one all_reduce
+    # still gives eager's statistics to float32 rounding.
+    stat = torch.float64
+    xs = e.cast(x, x_val.dtype, stat)
     s1, s2 = _channel_sums(
-        e, rule, assign, 0, [xa, xa * xa], acc, "per-channel sum and sum of squares (SyncBatchNorm)"
+        e,
+        rule,
+        assign,
+        0,
+        [xs, xs * xs],
+        stat,
+        "per-channel sum and sum of squares (SyncBatchNorm)",
     )
-    mean = s1 / count
-    var = (s2 / count - mean * mean).clamp_min(0.0)
-    rstd = torch.rsqrt(var + eps)
+    mean64 = s1 / count
+    var64 = (s2 / count - mean64 * mean64).clamp_min(0.0)
+    mean, var = e.cast(mean64, stat, acc), e.cast(var64, stat, acc)
+    rstd = e.cast(torch.rsqrt(var64 + eps), stat, acc)
     out = (xa - mean.reshape(bshape)) * rstd.reshape(bshape)
     if w is not None:
         out = out * w.reshape(bshape)
