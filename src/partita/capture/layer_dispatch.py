@@ -29,6 +29,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch._subclasses.functional_tensor import FunctionalTensor, FunctionalTensorMode
 from torch.fx.experimental.proxy_tensor import _ProxyTensor, get_proxy_slot, set_proxy_slot
 
+from partita.capture.fx_nodes import add_node
 from partita.capture.layer_graph import LAYER_CALL_OP, fake_outputs
 
 __all__ = ["add_layer_call"]
@@ -60,12 +61,12 @@ def add_layer_call(
     if fake_mode is None:
         return None
     graph = tracer.graph
-    call = graph.create_node("call_function", LAYER_CALL_OP, (key, nodes), {}, name="layer_call")
+    call = add_node(graph, LAYER_CALL_OP, (key, nodes), name="layer_call")
     outs: list[FunctionalTensor] = []
     fakes = fake_outputs(key, fake_mode)
     call.meta["val"] = fakes
     for i, fake in enumerate(fakes):
-        node = graph.create_node("call_function", operator.getitem, (call, i), {})
+        node = add_node(graph, operator.getitem, (call, i))
         node.meta["val"] = fake
         set_proxy_slot(fake, tracer, _ProxyTensor(fx.Proxy(node, tracer), None))
         outs.append(FunctionalTensor(torch._to_functional_tensor(fake), mode))

@@ -32,6 +32,8 @@ from torch import Tensor, fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 
+from partita.capture.fx_nodes import copy_node
+
 __all__ = [
     "LAYER_CALL_OP",
     "LayerGraph",
@@ -181,7 +183,7 @@ def _subgraph(
         env[node] = graph.placeholder(node.name)
         env[node].meta = dict(node.meta)
     for node in nodes:
-        env[node] = graph.node_copy(node, env.__getitem__)
+        env[node] = copy_node(graph, node, env.__getitem__)
     graph.output([env[n] for n in outputs])
     return LayerGraph(graph, joint, tuple(_meta(n) for n in outputs))
 
@@ -317,5 +319,5 @@ def _copy_part(
             env[node] = graph.get_attr(name)
             env[node].meta = dict(node.meta)
         else:
-            env[node] = graph.node_copy(node, env.__getitem__)
+            env[node] = copy_node(graph, node, env.__getitem__)
     return results

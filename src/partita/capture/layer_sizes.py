@@ -26,6 +26,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import _disable_current_modes
 
+from partita.capture.fx_nodes import copy_node
 from partita.capture.layer_graph import LayerGraph
 
 __all__ = ["resized", "size_class"]
@@ -98,7 +99,7 @@ def resized(part: LayerGraph, primals: list[Tensor], mode: FakeTensorMode) -> La
                 vals[node] = _broadcast(node, args, kwargs, mode)
                 if vals[node] is None:
                     vals[node] = node.target(*args, **kwargs)
-                env[node] = graph.node_copy(node, env.__getitem__)
+                env[node] = copy_node(graph, node, env.__getitem__)
             env[node].meta = dict(node.meta)
             env[node].meta["val"] = vals[node]
             env[node].meta["tensor_meta"] = _extract_tensor_metadata(vals[node])

@@ -18,6 +18,7 @@ import torch
 from torch import fx
 
 from partita.capture.annotate import ANNOTATE_OP, Annotation
+from partita.capture.fx_nodes import add_node
 from partita.mesh import Mesh
 from partita.spec import P
 
@@ -77,7 +78,7 @@ def _annotate_replicated(graph: fx.Graph, ph: fx.Node, mesh: Mesh) -> tuple[fx.N
     users = list(ph.users)
     first_user = min(users, key=_position(graph)) if users else None
     with graph.inserting_before(first_user):
-        ann_node = graph.call_function(ANNOTATE_OP, (ph, -1))
+        ann_node = add_node(graph, ANNOTATE_OP, (ph, -1))
     val = ph.meta["val"]
     where = next((u.meta.get("source") for u in users if u.meta.get("source")), None)
     ann = Annotation(

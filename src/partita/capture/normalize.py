@@ -35,6 +35,7 @@ import torch
 from torch import fx
 
 from partita.capture.annotate import ANNOTATE_OP
+from partita.capture.fx_nodes import add_node
 
 __all__ = ["VALUE_VIEW_OPS", "normalize"]
 
@@ -106,7 +107,7 @@ def _val(node: fx.Node) -> torch.Tensor | None:
 
 def _replace(gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple) -> fx.Node:
     with gm.graph.inserting_before(node):
-        new = gm.graph.call_function(target, args)
+        new = add_node(gm.graph, target, args)
     new.meta = dict(node.meta)
     node.replace_all_uses_with(new)
     gm.graph.erase_node(node)

@@ -61,6 +61,7 @@ from partita.capture.diagnose import (
 )
 from partita.capture.fake_inputs import fake_inputs
 from partita.capture.functionalize import InputUpdates, functionalized
+from partita.capture.fx_nodes import add_node
 from partita.capture.gc_pause import gc_paused
 from partita.capture.layer_graph import inline_layer_calls
 from partita.capture.layers import scan_scope
@@ -301,7 +302,7 @@ def _annotate_inputs_outputs(
 
     def add(value: torch.fx.Node, spec: PartitionSpec, source: str) -> torch.fx.Node:
         key = new_key(mesh, spec, value.meta["val"].ndim, source=source)
-        node = graph.create_node("call_function", ANNOTATE_OP, (value, key), name="annotate")
+        node = add_node(graph, ANNOTATE_OP, (value, key), name="annotate")
         node.meta["val"] = value.meta["val"]
         node.meta["source"] = where
         return node

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partita.capture.fx_nodes import add_node
 from partita.errors import RematerializationError, RematerializationWarning, warn
 from partita.explain import op_name
 from partita.mesh import Mesh
@@ -75,11 +76,7 @@ class LocalValues:
         """``self.graph.call_function(target, args, kwargs)`` without fx's walk of every
         argument for a raw SymInt (a pytree walk, 10-15% of partitioning GPT-M; the per-device
         program's arguments have none): the node is made bare, then given its arguments."""
-        node = self.graph.call_function(target)
-        node.args = args
-        if kwargs:
-            node.kwargs = kwargs
-        return node
+        return add_node(self.graph, target, args, kwargs)
 
     def reshard(self, key: ValueKey, dst: Sharding, why: str, at: fx.Node) -> fx.Node:
         """The local node of value ``key`` under ``dst``, inserting collectives as needed."""
