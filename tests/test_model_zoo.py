@@ -1,14 +1,16 @@
-"""A zoo of 18 more ``transformers`` models under every preset, run on demand.
+"""A zoo of 32 more ``transformers`` models under every preset, run on demand.
 
 ``PARTITA_MODEL_ZOO=1 .venv/bin/python -m pytest tests/test_model_zoo.py`` trains each model
 (Qwen3, Gemma2, GPT-NeoX, Falcon, OPT, BLOOM, GPT-J, StableLM, Qwen2-MoE, DistilBERT, RoBERTa,
-ALBERT, DeBERTa-v2, BART, CLIP vision, ConvNeXt, Swin, ResNet; tiny configs, random weights,
-nothing downloaded) 3 AdamW steps under ``dp``, ``fsdp``, ``tp`` and ``fsdp+tp`` on the 2x4 mesh
-and compares it with ``torch.optim``, as ``tests/test_models.py`` does for its models. About
-30 s per model and preset on 2 cores: 72 cases are too many for every CI run, so they run on
-demand (before a release, after a change to the rules or the presets); the results are the
-table of docs/models.md, "More models, checked on demand". Without the variable every case is
-skipped with that reason.
+ALBERT, DeBERTa-v2, BART, CLIP vision, ConvNeXt, Swin, ResNet; then Mamba, Mamba-2, RWKV,
+DeepSeek-V3, GPT-OSS, Qwen3-Next, GPT-BigCode, Llama sequence classification, BERT token
+classification, ModernBERT, FNet, SegFormer, Wav2Vec2, Whisper; tiny configs, random weights,
+nothing downloaded) 3 AdamW steps under ``dp``, ``fsdp``, ``tp`` and ``fsdp+tp`` on the 2x4
+mesh and compares it with ``torch.optim``, as ``tests/test_models.py`` does for its models.
+About 30 s per model and preset on 2 cores: 128 cases are too many for every CI run, so they
+run on demand (before a release, after a change to the rules or the presets); the results are
+the tables of docs/models.md, "More models, checked on demand" and "More families, checked by
+hand". Without the variable every case is skipped with that reason.
 """
 
 from __future__ import annotations
@@ -18,12 +20,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from test_models import (  # isort: skip
     BATCH,
     LM,
     PLANS,
+    SEQ,
     STEPS,
     VOCAB,
     Batch,
@@ -277,6 +281,300 @@ ZOO: dict[str, ModelCase] = {
         class_loss,
     ),
 }
+
+
+def _padded_class_ids(g: torch.Generator) -> list[Batch]:
+    """Sequence classification: the head reads each row's last non-pad token (id 0) by index;
+    one row ends in padding."""
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(2, VOCAB, (BATCH, SEQ), generator=g)
+        ids[0, -3:] = 0
+        out.append((ids, torch.randint(0, 3, (BATCH,), generator=g)))
+    return out
+
+
+def _token_labels(g: torch.Generator) -> list[Batch]:
+    return [
+        (
+            torch.randint(0, VOCAB, (BATCH, SEQ), generator=g),
+            torch.randint(0, 5, (BATCH, SEQ), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def _segment_maps(g: torch.Generator) -> list[Batch]:  # 32x32 images, a label per 2x2 pixel
+    return [
+        (
+            torch.randn(BATCH, 3, 32, 32, generator=g),
+            torch.randint(0, 4, (BATCH, 16, 16), generator=g),
+        )
+        for _ in range(STEPS)
+    ]
+
+
+def _waveforms(g: torch.Generator) -> list[Batch]:  # 400 samples -> 39 frames
+    return [
+        (torch.randn(BATCH, 400, generator=g), torch.randint(0, 10, (BATCH,), generator=g))
+        for _ in range(STEPS)
+    ]
+
+
+def _mel_batches(g: torch.Generator) -> list[Batch]:  # Whisper: 16 mel bins x 32 frames
+    out = []
+    for _ in range(STEPS):
+        tgt = torch.randint(0, VOCAB, (BATCH, 8), generator=g)
+        inputs = {
+            "input_features": torch.randn(BATCH, 16, 32, generator=g),
+            "decoder_input_ids": tgt,
+        }
+        out.append((inputs, torch.roll(tgt, -1, 1)))
+    return out
+
+
+def _per_token_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits.flatten(0, 1), targets.flatten())
+
+
+def _pixel_loss(out: Any, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(out.logits, targets)
+
+
+AUDIO = dict(
+    hidden_size=32,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    intermediate_size=64,
+    conv_dim=(16, 16),
+    conv_stride=(5, 2),
+    conv_kernel=(10, 3),
+    num_conv_pos_embeddings=8,
+    num_conv_pos_embedding_groups=4,
+    num_labels=10,
+    hidden_dropout=0.0,
+    attention_dropout=0.0,
+    activation_dropout=0.0,
+    feat_proj_dropout=0.0,
+    final_dropout=0.0,
+    layerdrop=0.0,
+    mask_time_prob=0.0,
+)
+MOE = dict(experts_implementation="batched_mm")
+
+ZOO.update(
+    {
+        "mamba": ModelCase(
+            lambda: T.MambaForCausalLM(
+                T.MambaConfig(
+                    vocab_size=VOCAB,
+                    hidden_size=32,
+                    state_size=4,
+                    num_hidden_layers=1,
+                    expand=2,
+                    conv_kernel=4,
+                    use_mambapy=False,
+                )
+            )
+        ),
+        "mamba2": ModelCase(
+            lambda: T.Mamba2ForCausalLM(
+                T.Mamba2Config(
+                    vocab_size=VOCAB,
+                    hidden_size=32,
+                    state_size=8,
+                    num_hidden_layers=1,
+                    expand=2,
+                    conv_kernel=4,
+                    num_heads=8,
+                    head_dim=8,
+                    n_groups=1,
+                    chunk_size=4,
+                )
+            )
+        ),
+        "rwkv": ModelCase(
+            lambda: T.RwkvForCausalLM(
+                T.RwkvConfig(
+                    vocab_size=VOCAB,
+                    hidden_size=32,
+                    num_hidden_layers=2,
+                    attention_hidden_size=32,
+                    intermediate_size=64,
+                    context_length=32,
+                )
+            )
+        ),
+        "deepseek_v3": ModelCase(
+            lambda: T.DeepseekV3ForCausalLM(
+                T.DeepseekV3Config(
+                    **{**LM, "num_hidden_layers": 2},
+                    num_key_value_heads=4,
+                    n_routed_experts=4,
+                    num_experts_per_tok=2,
+                    n_group=2,
+                    topk_group=1,
+                    moe_intermediate_size=16,
+                    first_k_dense_replace=1,
+                    kv_lora_rank=16,
+                    q_lora_rank=16,
+                    qk_rope_head_dim=4,
+                    qk_nope_head_dim=4,
+                    v_head_dim=8,
+                    n_shared_experts=1,
+                    **MOE,
+                )
+            )
+        ),
+        "gpt_oss": ModelCase(
+            lambda: T.GptOssForCausalLM(
+                T.GptOssConfig(
+                    **{**LM, "num_hidden_layers": 2},
+                    num_key_value_heads=2,
+                    head_dim=8,
+                    num_local_experts=4,
+                    num_experts_per_tok=2,
+                    sliding_window=8,
+                    **MOE,
+                )
+            )
+        ),
+        "qwen3_next": ModelCase(
+            lambda: T.Qwen3NextForCausalLM(
+                T.Qwen3NextConfig(
+                    **{**LM, "num_hidden_layers": 2},
+                    num_key_value_heads=2,
+                    head_dim=8,
+                    linear_num_value_heads=4,
+                    linear_num_key_heads=2,
+                    linear_key_head_dim=8,
+                    linear_value_head_dim=8,
+                    linear_conv_kernel_dim=4,
+                    num_experts=4,
+                    num_experts_per_tok=2,
+                    moe_intermediate_size=16,
+                    shared_expert_intermediate_size=16,
+                    layer_types=["linear_attention", "full_attention"],
+                    **MOE,
+                )
+            )
+        ),
+        "gpt_bigcode": ModelCase(
+            lambda: T.GPTBigCodeForCausalLM(
+                T.GPTBigCodeConfig(
+                    vocab_size=VOCAB,
+                    n_embd=32,
+                    n_layer=1,
+                    n_head=4,
+                    n_positions=32,
+                    multi_query=True,
+                    resid_pdrop=0.0,
+                    embd_pdrop=0.0,
+                    attn_pdrop=0.0,
+                )
+            )
+        ),
+        "llama_seq_cls": ModelCase(
+            lambda: T.LlamaForSequenceClassification(
+                T.LlamaConfig(**LM, num_key_value_heads=4, num_labels=3, pad_token_id=0)
+            ),
+            _padded_class_ids,
+            class_loss,
+        ),
+        "bert_token_cls": ModelCase(
+            lambda: T.BertForTokenClassification(T.BertConfig(**ENC, num_labels=5)),
+            _token_labels,
+            _per_token_loss,
+        ),
+        "modernbert": ModelCase(
+            lambda: T.ModernBertForMaskedLM(
+                T.ModernBertConfig(
+                    vocab_size=VOCAB,
+                    hidden_size=32,
+                    intermediate_size=64,
+                    num_hidden_layers=2,
+                    num_attention_heads=4,
+                    global_attn_every_n_layers=2,
+                    local_attention=4,
+                    max_position_embeddings=32,
+                    pad_token_id=0,
+                    bos_token_id=1,
+                    eos_token_id=2,
+                    sep_token_id=2,
+                    cls_token_id=1,
+                )
+            )
+        ),
+        "fnet": ModelCase(
+            lambda: T.FNetForMaskedLM(
+                T.FNetConfig(
+                    vocab_size=VOCAB,
+                    hidden_size=32,
+                    num_hidden_layers=1,
+                    intermediate_size=64,
+                    max_position_embeddings=32,
+                    hidden_dropout_prob=0.0,
+                    use_tpu_fourier_optimizations=False,
+                )
+            )
+        ),
+        "segformer": ModelCase(
+            lambda: T.SegformerForSemanticSegmentation(
+                T.SegformerConfig(
+                    num_channels=3,
+                    num_encoder_blocks=2,
+                    depths=[1, 1],
+                    sr_ratios=[2, 1],
+                    hidden_sizes=[8, 16],
+                    patch_sizes=[3, 3],
+                    strides=[2, 2],
+                    num_attention_heads=[1, 2],
+                    mlp_ratios=[2, 2],
+                    decoder_hidden_size=16,
+                    num_labels=4,
+                    drop_path_rate=0.0,
+                    classifier_dropout_prob=0.0,
+                    hidden_dropout_prob=0.0,
+                    attention_probs_dropout_prob=0.0,
+                )
+            ),
+            _segment_maps,
+            _pixel_loss,
+        ),
+        "wav2vec2": ModelCase(
+            lambda: T.Wav2Vec2ForSequenceClassification(T.Wav2Vec2Config(**AUDIO)),
+            _waveforms,
+            class_loss,
+        ),
+        "whisper": ModelCase(
+            lambda: T.WhisperForConditionalGeneration(
+                T.WhisperConfig(
+                    vocab_size=VOCAB,
+                    num_mel_bins=16,
+                    d_model=32,
+                    encoder_layers=1,
+                    decoder_layers=1,
+                    encoder_attention_heads=4,
+                    decoder_attention_heads=4,
+                    encoder_ffn_dim=64,
+                    decoder_ffn_dim=64,
+                    max_source_positions=16,
+                    max_target_positions=16,
+                    pad_token_id=0,
+                    bos_token_id=0,
+                    eos_token_id=0,
+                    decoder_start_token_id=0,
+                    dropout=0.0,
+                    attention_dropout=0.0,
+                    activation_dropout=0.0,
+                )
+            ),
+            _mel_batches,
+        ),
+    }
+)
+
+
 ZOO_XFAIL: dict[tuple[str, str], str] = {}
 
 
