@@ -834,6 +834,20 @@ def test_selection_through_collective_permutes_reads_the_senders_rows() -> None:
         o for o, src in seen if o.untyped_storage().data_ptr() == src.untyped_storage().data_ptr()
     ]
     assert len(views) >= 3  # q, k and v read the projection in place
+    # The re-layout (block b of the global cat is block b // 4 of model device b % 4) is one
+    # strided copy for all devices; the copy per device and run gives the same.
+    from partita.runtime import block_copy, device_route
+
+    at_once: list[bool] = []
+    copy_at_once = block_copy.copy_at_once
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device_route, "copy_at_once", lambda *a: at_once.append(copy_at_once(*a)))
+        ref = step(x, w)
+    assert at_once and all(at_once)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device_route, "copy_at_once", lambda *a: False)
+        for g, want in zip(step(x, w), ref, strict=True):
+            torch.testing.assert_close(g.full(), want.full(), rtol=0, atol=0)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(segments, "route_permutes", lambda *a: None)
         plain = partita.jit(fn, mesh=mesh, in_specs=(P("data"), P("model")), out_specs=out_specs)
@@ -914,3 +928,15 @@ def test_fsdp_gather_and_scatter_are_views_of_the_held_values() -> None:
     cut, axes = reduce_scatter_held(mesh, (total, None), 0, "sum", ["d"])
     assert axes == (True,) and cut.data_ptr() == total.data_ptr()
     torch.testing.assert_close(cut, total.reshape(4, 3, 5))
+
+
+def test_block_addresses_factor_into_strides() -> None:
+    """``block_copy.factor_blocks``: block addresses as sizes and strides (outermost first),
+    or None when no factoring gives them."""
+    from partita.runtime.block_copy import factor_blocks as _factor
+
+    # 12 blocks of 64 rows: block b is block b // 4 of device b % 4 (device stride 1000)
+    addresses = [(b % 4) * 1000 + (b // 4) * 64 for b in range(12)]
+    assert _factor(addresses) == [(3, 64), (4, 1000)]
+    assert _factor([5, 7, 9]) == [(3, 2)] and _factor([4]) == []
+    assert _factor([0, 3, 1, 2]) is None

@@ -14,7 +14,9 @@ feed them and the cat do not run. At run time (:meth:`RoutedTake.run`):
   result, so ``q`` of device ``m`` starts ``64 m`` columns further): a strided view of that
   source, no copy;
 * otherwise each device's runs are copied once into one new stack (rows from a device that
-  received nothing are zeros, as the permute gives).
+  received nothing are zeros, as the permute gives): one strided copy for all devices when
+  the runs form a regular pattern (``runtime.block_copy``: the q|k|v gradients' way back),
+  else one per device and run.
 
 The result equals the per-device program's, device by device.
 """
@@ -29,6 +31,7 @@ import torch
 from torch import Tensor, fx
 
 from partita.mesh import Mesh
+from partita.runtime.block_copy import copy_at_once
 from partita.runtime.device_index import DeviceTake, take_inputs
 
 __all__ = ["Piece", "RoutedTake", "route_permutes"]
@@ -204,6 +207,8 @@ def _copy(
     local[dim] = length
     out = _global_layout(first[0], out_axes, index_axes, local, dim, mesh)
     strides = [math.prod(mesh.shape[i + 1 :]) for i in range(mesh.ndim)]
+    if copy_at_once(out, out_axes, index_axes, runs, inputs, dim, mesh):
+        return out, out_axes
     for pos in itertools.product(*(range(s) for s in lead)):
         it = iter(pos)
         coords = [next(it) if v else 0 for v in out_axes]
