@@ -58,6 +58,7 @@ _API = (
     "partita.train",
     "partita.train_checks",
     "partita.train_memory",
+    "partita.train_snapshot",
     "partita.train_state",
     "partita.visualize",
 )

@@ -10,19 +10,16 @@ one program compiled by ``partita.jit`` from :func:`partita.training.functional_
 returns the loss.
 
 The learning rate of each parameter group is read from ``optimizer.param_groups[i]["lr"]`` at
-every call and passed as data (:mod:`partita.training.groups`: each group is updated with its
-own hyperparameters), so ``torch.optim.lr_scheduler`` schedulers attached to the optimizer work
-unchanged
-(call ``scheduler.step()`` as usual; never ``optimizer.step()``). Everything else about the
-optimizer is fixed when the step is built.
+every call and passed as data (:mod:`partita.training.groups`), so ``torch.optim.lr_scheduler``
+schedulers work unchanged (call ``scheduler.step()``; never ``optimizer.step()``). Everything
+else is fixed when the step is built; a change made later is an error (``train_snapshot``).
 
 Vocabulary (see docs/concepts.md): ``shard=`` is the parameter preset; ``step.plan`` is the
 report of the compiled program (:class:`partita.Plan`). This module ties the pieces together;
-the sharding decisions are the preset's and propagation's,
-the update math is ``partita.training``', the checks of each batch ``partita.train_checks``',
-the state's sizes ``partita.train_memory``'
-and the checkpoint layout (tied names, optimizer indices, atomic loading)
-``partita.train_state``'.
+the sharding decisions are the preset's and propagation's, the update math is
+``partita.training``', the checks of each batch ``partita.train_checks``', the state's sizes
+``partita.train_memory``' and the checkpoint layout (tied names, optimizer indices, atomic
+loading) ``partita.train_state``'.
 """
 
 from __future__ import annotations
@@ -50,6 +47,7 @@ from partita.train_checks import (
     preset_argument,
 )
 from partita.train_memory import full_values, state_memory
+from partita.train_snapshot import BuildSnapshot
 from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
 from partita.training import functional_step, init_opt_state, optimizer_config
 from partita.training.groups import group_lrs, read_param_groups
@@ -164,6 +162,7 @@ class TrainStep:
         self._compile_programs = compile_programs
         self._jitted: dict[bool, Jitted] = {}
         self.plan: Plan | None = None
+        self._snapshot = BuildSnapshot.of(model, optimizer)
 
     # --- compiling -------------------------------------------------------------------------
 
@@ -223,6 +222,7 @@ class TrainStep:
 
     def __call__(self, batch: Any) -> torch.Tensor:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
+        self._snapshot.check(self.model, self.optimizer)
         jitted = self._get_jitted()
         args = self._args(batch)
         loss, params, buffers, opt_state = jitted(*args)
@@ -312,15 +312,14 @@ class TrainStep:
     def sync_to_module(self) -> nn.Module:
         """Copy the full parameters and buffers into the original module; returns it."""
         self.model.load_state_dict(self.state_dict()["model"])
+        self._snapshot = BuildSnapshot.of(self.model, self.optimizer)  # the step's own write
         return self.model
 
     # --- memory ----------------------------------------------------------------------------
 
     def memory(self) -> dict[str, tuple[int, int]]:
-        """``{"parameters" | "buffers" | "optimizer": (bytes per device, unsharded bytes)}``.
-
-        Per-device bytes include ceil padding; "optimizer" counts the moments and the step.
-        """
+        """``{"parameters" | "buffers" | "optimizer": (bytes per device, unsharded bytes)}``;
+        per-device bytes include ceil padding, "optimizer" counts the moments and the step."""
         return state_memory(self.params, self.buffers, self.opt_state)
 
 

@@ -1,0 +1,88 @@
+"""What ``train_step`` read from the model and the optimizer when it was built, checked on each
+call.
+
+A :class:`~partita.train.TrainStep` copies the parameters and the optimizer's hyperparameters
+once and owns the training state from then on (only each group's ``lr`` is read per call).
+Changes a PyTorch loop would see at the next ``optimizer.step()`` would otherwise be ignored
+silently: a parameter frozen or unfrozen (``requires_grad``), a hyperparameter edited in
+``param_groups`` (weight decay, betas, momentum), the module's parameters written in place
+(``model.load_state_dict``, an in-place re-initialisation). :class:`BuildSnapshot` notices them
+with a few Python reads per parameter and says what to do instead. This module does not trace or
+run anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from partita.errors import TrainInputError
+
+__all__ = ["BuildSnapshot"]
+
+#: Group keys the step reads per call, or that a scheduler adds (not compared).
+_PER_CALL = frozenset({"params", "lr", "initial_lr"})
+
+
+@dataclass(frozen=True)
+class BuildSnapshot:
+    """Each parameter's ``requires_grad`` and version counter, and each group's
+    hyperparameters, as the step read them."""
+
+    params: dict[str, tuple[bool, int]]
+    groups: tuple[dict[str, Any], ...]
+
+    @classmethod
+    def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> BuildSnapshot:
+        return cls(
+            {k: (p.requires_grad, p._version) for k, p in model.named_parameters()},
+            tuple(_hyperparameters(g) for g in optimizer.param_groups),
+        )
+
+    def check(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Raise a TrainInputError naming what changed since the step was built."""
+        for name, p in model.named_parameters():
+            before = self.params.get(name)
+            if before is None or before == (p.requires_grad, p._version):
+                continue
+            if before[0] != p.requires_grad:
+                what = (
+                    f"parameter {name!r} was {'frozen' if before[0] else 'unfrozen'} "
+                    f"(requires_grad {before[0]} -> {p.requires_grad})"
+                )
+            else:
+                what = (
+                    f"parameter {name!r} of the module was written in place (by "
+                    f"model.load_state_dict, an initialisation or an optimizer of its own)"
+                )
+            raise TrainInputError(_message(what))
+        for i, (before_group, group) in enumerate(
+            zip(self.groups, optimizer.param_groups, strict=False)
+        ):
+            now = _hyperparameters(group)
+            changed = sorted(k for k in before_group.keys() | now.keys()
+                             if before_group.get(k) != now.get(k))  # fmt: skip
+            if changed:
+                values = ", ".join(
+                    f"{k} {before_group.get(k)!r} -> {now.get(k)!r}" for k in changed
+                )
+                raise TrainInputError(
+                    _message(f"parameter group {i} of the optimizer changed ({values})")
+                )
+
+
+def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in group.items() if k not in _PER_CALL}
+
+
+def _message(what: str) -> str:
+    return (
+        f"train_step: {what} after the step was built. The step read the model and the "
+        f"optimizer once and owns the training state since (only each group's lr is read "
+        f"per call), so this change would be ignored. Build a new step for the new setting "
+        f"(carry the state over: new_step.load_state_dict(old_step.state_dict())); to load "
+        f"weights into this step, call step.load_state_dict(...) instead of the module's."
+    )
