@@ -283,6 +283,16 @@ def test_user_bug_gets_no_fake_tensor_hint(caplog):
     assert "data-dependent" not in str(info.value) and "fake tensors" not in str(info.value)
     # FakeTensor's own ERROR log of the failed shape check is not printed beside the error.
     assert not [r for r in caplog.records if r.name.startswith("torch._subclasses")]
+    # A library's compile path (transformers leaves attention_mask None under is_compiling):
+    # eager does not fail, and the message says what differs.
+
+    def compile_path(x, mask=None):
+        if mask is None and not torch.compiler.is_compiling():
+            mask = torch.ones_like(x)
+        return x * mask[0]
+
+    with pytest.raises(CaptureError, match=r"is_compiling\(\) True.*attention_mask="):
+        trace(compile_path, (torch.ones(4),))
     where = re.escape(_line_of(typo, "x.sum("))
     with pytest.raises(CaptureError, match=rf"Cannot trace .*typo' at {where}: TypeError") as info:
         trace(typo, (torch.ones(4),))

@@ -84,8 +84,11 @@ def capture_error(fn_name: str, e: BaseException) -> CaptureError:
         return CaptureError(f"{head}. {DATA_DEPENDENT_HINT}")
     return CaptureError(
         f"{head}. The function itself raised this while being captured (not partita's "
-        f"sharding): fix the call at that line; running the function eagerly on the same "
-        f"inputs shows the same error."
+        f"sharding). If it runs eagerly on the same inputs, note that capture runs it with "
+        f"torch.compiler.is_compiling() True, as torch.export does, so libraries take their "
+        f"compile path: transformers, for one, then skips filling in "
+        f"optional inputs (pass attention_mask= and the like explicitly). Otherwise fix the "
+        f"call at that line."
     )
 
 
