@@ -875,8 +875,9 @@ def test_mesh_ops_on_held_values_equal_the_stacked_ones(group: list[str]) -> Non
     """all_reduce, all_gather and reduce_scatter on a value as held (once per position of
     the axes it varies along, ``runtime.held``) equal ``runtime.stacked``'s on the stacked
     value, for every set of axes it varies along, both local dims and every reduce op; the
-    group's axes in any order. An all_gather of a value identical along a group axis is
-    left to ``runtime.stacked`` (None)."""
+    group's axes in any order; gathered and scattered results are contiguous even from a
+    strided value. An all_gather of a value identical along a group axis is left to
+    ``runtime.stacked`` (None)."""
     import itertools
 
     from partita.layout import stack_held
@@ -889,7 +890,7 @@ def test_mesh_ops_on_held_values_equal_the_stacked_ones(group: list[str]) -> Non
     gen = torch.Generator().manual_seed(0)
     for axes in itertools.product((False, True), repeat=3):
         lead = [n for n, a in zip(mesh.shape, axes, strict=True) if a]
-        value = torch.randn(*lead, 12, 12, generator=gen)
+        value = torch.randn(*lead, 12, 13, generator=gen)[..., 1:]  # not contiguous
         full = stack_held(value, axes, mesh.shape)
         for dim in (0, 1):
             got = all_gather_held(mesh, (value, axes), dim, group)
@@ -898,8 +899,10 @@ def test_mesh_ops_on_held_values_equal_the_stacked_ones(group: list[str]) -> Non
             else:
                 want = st.all_gather(mesh, full, dim, group, g)
                 torch.testing.assert_close(stack_held(*got, mesh.shape), want)
+                assert got[0].is_contiguous()  # as a collective's buffer (ops may need it)
             for op in ("sum", "avg", "max"):
                 out, out_axes = reduce_scatter_held(mesh, (value, axes), dim, op, group)
+                assert out.is_contiguous()
                 want = st.reduce_scatter(mesh, full, dim, op, group, g)
                 torch.testing.assert_close(stack_held(out, out_axes, mesh.shape), want)
         for op in ("sum", "avg", "min"):

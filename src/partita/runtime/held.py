@@ -7,8 +7,10 @@ flatten or a split of those leading dims: this module computes them on the value
 with no copy to ``[mesh.size, *local]`` and back and no Python work per device. The
 results are exactly those of ``runtime.stacked`` on the stacked values (the tests compare
 them); the result varies along the input's axes less the group's (all_reduce, all_gather)
-or plus them (reduce_scatter). An all_gather of a value that does not vary along some
-group axis (its members hold copies) is left to ``runtime.stacked`` (``None`` here).
+or plus them (reduce_scatter). Their results are contiguous, as a collective's buffer is
+(ops such as ``_pdist_forward`` need it): a view where the input already is laid out so (FSDP's
+dim-0 shards), else a copy. An all_gather of a value that does not vary along some group
+axis (its members hold copies) is left to ``runtime.stacked`` (``None`` here).
 """
 
 from __future__ import annotations
@@ -74,7 +76,7 @@ def all_gather_held(
     order = [*keep, *range(k, k + dim), *(_held_dim(axes, i) for i in group)]
     order += range(k + dim, k + len(local))
     local[dim] *= math.prod(mesh.shape[i] for i in group)
-    out = value.permute(order).reshape(*(value.shape[d] for d in keep), *local)
+    out = value.permute(order).reshape(*(value.shape[d] for d in keep), *local).contiguous()
     return out, tuple(v and i not in group for i, v in enumerate(axes))
 
 
@@ -87,7 +89,8 @@ def reduce_scatter_held(
 ) -> tuple[Tensor, Axes]:
     """Reduce over the group (as :func:`all_reduce_held`), then member ``i`` of each group
     keeps chunk ``i`` of local ``dim``: ``dim`` split into the group's axes and the chunk, the
-    group's parts moved to the leading dims (a view of the reduction). ``axes`` ``None``: a
+    group's parts moved to the leading dims (a view of the reduction when ``dim`` is the
+    outermost local dim). ``axes`` ``None``: a
     contraction's sum over the whole mesh, only cut."""
     group = [mesh.axis_index(a) for a in mesh_axes]
     g = math.prod(mesh.shape[i] for i in group)
@@ -107,4 +110,5 @@ def reduce_scatter_held(
     where = {i: _held_dim(raxes, i) for i in range(mesh.ndim) if raxes[i]}
     where.update({i: k + dim + j for j, i in enumerate(group)})
     lead = [where[i] for i in range(mesh.ndim) if out_axes[i]]
-    return split.permute(*lead, *(d for d in range(split.dim()) if d not in lead)), out_axes
+    out = split.permute(*lead, *(d for d in range(split.dim()) if d not in lead)).contiguous()
+    return out, out_axes
