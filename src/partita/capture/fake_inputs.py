@@ -18,10 +18,8 @@ from __future__ import annotations
 from collections import Counter
 
 import torch
-from torch._dynamo.source import ConstantSource
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 __all__ = ["fake_inputs"]
 
@@ -47,7 +45,10 @@ def fake_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     uses that mode)."""
     if detect_fake_mode(tensors) is not None:
         return tensors
+    # Imported here, as make_fx does: torch._dynamo costs about 1 s to import.
     import torch._functorch.config as functorch_config
+    from torch._dynamo.source import ConstantSource
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     with functorch_config.patch(fake_tensor_allow_unsafe_data_ptr_access=False):
         mode = FakeTensorMode(
