@@ -39,28 +39,33 @@ COLUMN_NAMES = frozenset(
         "query_key_value", "Wqkv", "qkv_proj", "fc", "fc1", "c_fc", "fc_in", "up_proj",
         "gate_proj", "gate_up_proj", "w1", "w3", "wi", "wi_0", "wi_1", "q", "k", "v",
         "dense_h_to_4h", "q_lin", "k_lin", "v_lin", "lin1", "query_proj", "key_proj",
-        "value_proj", "ffn", "pwconv1",
+        "value_proj", "ffn", "pwconv1", "intermediate_dense", "Wi", "q_head", "k_head",
+        "v_head",
     }
 )  # fmt: skip
 ROW_NAMES = frozenset(
     {
         "proj", "out_proj", "o_proj", "c_proj", "down_proj", "fc2", "fc_out", "w2", "wo", "o",
-        "dense_4h_to_h", "out_lin", "lin2", "ffn_output", "pwconv2",
+        "dense_4h_to_h", "out_lin", "lin2", "ffn_output", "pwconv2", "output_dense", "Wo",
+        "post_proj",
     }
 )  # fmt: skip
 # Column linears whose output features are several tensors side by side (q|k|v, gate|up).
 FUSED_NAMES = frozenset(
-    {"qkv", "c_attn", "qkv_proj", "query_key_value", "Wqkv", "in_proj", "gate_up_proj"}
+    {"qkv", "c_attn", "qkv_proj", "query_key_value", "Wqkv", "in_proj", "gate_up_proj", "Wi"}
 )
 # Linears a leaf name cannot classify (BERT's and Phi's "dense"): fnmatch patterns on the whole
 # module path, first match wins. BERT: attention.output.dense (row), intermediate.dense
-# (column), output.dense (row); Phi-1/2 and GPT-NeoX: the attention's dense (row).
+# (column), output.dense (row); Phi-1/2 and GPT-NeoX: the attention's dense (row); Funnel's
+# position-wise feed-forward (linear_1, linear_2: names too common to match alone).
 PATH_ROLES: tuple[tuple[str, str], ...] = (
     ("*attention.output.dense", "row"),
     ("*intermediate.dense", "column"),
     ("*output.dense", "row"),
     ("*self_attn.dense", "row"),
     ("*attention.dense", "row"),
+    ("*ffn.linear_1", "column"),  # Funnel
+    ("*ffn.linear_2", "row"),
 )
 # 3-D expert weights [experts, ., .] of a module named "experts" (Mixtral, Qwen-MoE): dim 0.
 EXPERT_NAMES = frozenset({"gate_up_proj", "up_proj", "gate_proj", "down_proj", "w1", "w2", "w3"})
