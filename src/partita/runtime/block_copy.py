@@ -20,13 +20,14 @@ from torch import Tensor
 
 from partita.mesh import Mesh
 
-__all__ = ["copy_at_once", "factor_blocks"]
+__all__ = ["copy_at_once", "factor_blocks", "unravel"]
 
 Axes = tuple[bool, ...]  # the mesh axes a value varies along (``runtime.local``)
 Run = tuple[int, int, int, int, int]  # (source, sender, source start, destination start, length)
 
 
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+def unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The mesh coordinates of flat position ``flat`` (row-major, as the stacked storage)."""
     out = []
     for s in reversed(shape):
         flat, c = divmod(flat, s)
@@ -66,7 +67,7 @@ def copy_at_once(
         p = sum(coords.get(i, 0) * mesh_strides[i] for i in range(mesh.ndim))
         out: list[int] = []
         for _, sender, src, _, n in runs[p]:
-            held = _unravel(sender, mesh.shape)
+            held = unravel(sender, mesh.shape)
             base = sum(held[i] * s for i, s in held_strides.items())
             out += [base + (src + t) * row for t in range(0, n, size)]
         return out

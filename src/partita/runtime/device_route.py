@@ -31,7 +31,7 @@ import torch
 from torch import Tensor, fx
 
 from partita.mesh import Mesh
-from partita.runtime.block_copy import copy_at_once
+from partita.runtime.block_copy import copy_at_once, unravel
 from partita.runtime.device_index import DeviceTake, take_inputs
 
 __all__ = ["Piece", "RoutedTake", "route_permutes"]
@@ -120,16 +120,8 @@ class RoutedTake:
 
 def _held(value: Tensor, axes: Axes, flat: int, mesh: Mesh) -> Tensor:
     """Device ``flat``'s local value of ``(value, axes)`` (a view)."""
-    coords = _unravel(flat, mesh.shape)
+    coords = unravel(flat, mesh.shape)
     return value[tuple(c for c, v in zip(coords, axes, strict=True) if v)]
-
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    out = []
-    for s in reversed(shape):
-        flat, c = divmod(flat, s)
-        out.append(c)
-    return tuple(reversed(out))
 
 
 def _varies(keys: list[object], mesh: Mesh) -> Axes:
@@ -137,7 +129,7 @@ def _varies(keys: list[object], mesh: Mesh) -> Axes:
     shape = mesh.shape
     strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
     return tuple(
-        any(keys[p] != keys[p - strides[i]] for p in range(len(keys)) if _unravel(p, shape)[i])
+        any(keys[p] != keys[p - strides[i]] for p in range(len(keys)) if unravel(p, shape)[i])
         for i in range(len(shape))
     )
 
@@ -159,7 +151,7 @@ def _as_view(
 
     def address(p: int) -> int:
         _, sender, start, _, _ = runs[p][0]
-        coords = _unravel(sender, mesh.shape)
+        coords = unravel(sender, mesh.shape)
         held = [c for c, v in zip(coords, axes, strict=True) if v]
         return sum(c * s for c, s in zip(held, lead_strides, strict=True)) + start * row_stride
 
@@ -173,7 +165,7 @@ def _as_view(
     if any(s < 0 for s in steps):
         return None
     for p in range(mesh.size):
-        coords = _unravel(p, shape)
+        coords = unravel(p, shape)
         if addresses[p] != base + sum(c * s for c, s in zip(coords, steps, strict=True)):
             return None
     out_axes = tuple(s != 0 for s in steps)
@@ -248,7 +240,7 @@ def _global_layout(
 
 
 def _held_coords(flat: int, axes: Axes, mesh: Mesh) -> tuple[int, ...]:
-    coords = _unravel(flat, mesh.shape)
+    coords = unravel(flat, mesh.shape)
     return tuple(c for c, v in zip(coords, axes, strict=True) if v)
 
 
@@ -256,7 +248,7 @@ def _rows(take: DeviceTake, mesh: Mesh) -> tuple[tuple[int, ...], ...]:
     """A DeviceTake's index on every flat device."""
     rows = []
     for p in range(mesh.size):
-        coords = _unravel(p, mesh.shape)
+        coords = unravel(p, mesh.shape)
         rows.append(
             tuple(
                 take.table[tuple(c for c, v in zip(coords, take.axes, strict=True) if v)].tolist()
