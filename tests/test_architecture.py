@@ -313,8 +313,9 @@ def test_no_private_name_crosses_a_module() -> None:
 
 def test_import_partita_leaves_checkpointing_and_the_old_name_for_first_use() -> None:
     """``import partita`` does not import torch.distributed.checkpoint (a quarter of the import,
-    paid by every process of a job) nor torch._dynamo (about 1 s; tracing imports it); ``partita.checkpoint`` and the deprecated ``partita.plans``
-    still resolve on first use, in a fresh interpreter where nothing imported them before."""
+    paid by every process of a job) nor torch._dynamo (about 1 s; tracing imports it);
+    ``partita.checkpoint`` and the deprecated ``partita.plans`` still resolve on first use, in a
+    fresh interpreter where nothing imported them before."""
     code = (
         "import sys, warnings, partita\n"
         "assert 'torch.distributed.checkpoint' not in sys.modules, 'imported eagerly'\n"
