@@ -59,6 +59,7 @@ process group (that is ``runtime/distributed.py``).
 
 from __future__ import annotations
 
+import functools
 import operator
 import weakref
 from collections.abc import Sequence
@@ -276,9 +277,10 @@ class LocalMesh:
         if node.target in _ALL_REDUCES:
             bound = _bind(node)
             group = {self.mesh.axis_index(a) for a in bound["mesh_axes"]}
+            op = bound["reduce_op"]
             if "xs" in bound:
-                return [self._all_reduce(env[x], bound["reduce_op"], group) for x in bound["xs"]]
-            return self._all_reduce(env[bound["x"]], bound["reduce_op"], group)
+                return [all_reduce_held(self.mesh, env[x], op, group) for x in bound["xs"]]
+            return all_reduce_held(self.mesh, env[bound["x"]], op, group)
         if node.target in _REDUCE_SCATTERS:
             bound = _bind(node)
             op, axes = bound["reduce_op"], bound["mesh_axes"]
@@ -335,9 +337,6 @@ class LocalMesh:
             return [self._compact(o, same(x)) for o, x in zip(out, bound["xs"], strict=True)]
         return self._compact(out, same(bound.get("x")))
 
-    def _all_reduce(self, entry: tuple[Tensor, Any], reduce_op: str, group: set[int]) -> Any:
-        return all_reduce_held(self.mesh, entry, reduce_op, group)
-
     def _contract(self, node: fx.Node, env: dict[fx.Node, Any]) -> tuple[Tensor, Any]:
         """``mm(a, b)`` or ``addmm(c, a, b)`` read only by a sum over its group, as
         ``runtime.contraction.contract`` computes it."""
@@ -348,7 +347,7 @@ class LocalMesh:
             env,
             _bind(user)["mesh_axes"],
             user.target in _ALL_REDUCES,
-            self._all_reduce,
+            functools.partial(all_reduce_held, self.mesh),
         )
 
 
