@@ -18,12 +18,15 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from partita.capture.kv_cache import flatten_registering_caches, is_transformers_cache
 from partita.capture.trace import broadcast_specs
 from partita.mesh import Mesh
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import ShardedTensor
 
 __all__ = ["Signatures", "trace_specs"]
+
+_TENSORS = (torch.Tensor, ShardedTensor)
 
 #: How many (argument structure, in_specs) broadcasts a jitted function keeps.
 _BROADCASTS_KEPT = 64
@@ -76,6 +79,9 @@ class Signatures:
         (argument structure, ``source``) pair, ``source`` being the object it derives from.
         """
         leaves, tree = pytree.tree_flatten((args, kwargs))
+        if any(is_transformers_cache(leaf) for leaf in leaves if not isinstance(leaf, _TENSORS)):
+            paths, tree = flatten_registering_caches((args, kwargs))  # a KV cache passed back
+            leaves = [leaf for _, leaf in paths]
         user = self._user_specs(tree, source, in_specs, args)
         mesh = self.mesh
         shardings: list[Sharding | None] = []

@@ -63,6 +63,7 @@ from partita.capture.fake_inputs import fake_inputs
 from partita.capture.functionalize import InputUpdates, functionalized
 from partita.capture.fx_nodes import add_node
 from partita.capture.gc_pause import gc_paused
+from partita.capture.kv_cache import flatten_registering_caches, kv_cache_hint
 from partita.capture.layer_graph import inline_layer_calls
 from partita.capture.layers import scan_scope
 from partita.capture.lift import lift_constants
@@ -81,17 +82,6 @@ _STATIC_TYPES = (
     type(None), bool, int, float, complex, str, bytes, type(Ellipsis), slice, enum.Enum,
     torch.dtype, torch.device, torch.layout, torch.memory_format, torch.Size, Mesh, PartitionSpec,
 )  # fmt: skip
-
-
-def _kv_cache_hint(leaf: Any) -> str:
-    """For a ``transformers`` KV cache (models return one unless ``use_cache=False``)."""
-    kind = type(leaf)
-    if kind.__module__.startswith("transformers") and kind.__name__.endswith("Cache"):
-        return (
-            " (a transformers KV cache, returned by default: call the model with "
-            "use_cache=False, or set model.config.use_cache = False)"
-        )
-    return ""
 
 
 def _fn_name(fn: Callable[..., Any]) -> str:
@@ -161,7 +151,7 @@ def _trace(
         raise CaptureError(
             f"trace({name!r}) got in_specs/out_specs but mesh={mesh!r}: pass mesh=Mesh(...)."
         )
-    leaf_paths, in_tree = pytree.tree_flatten_with_path((args, kwargs))
+    leaf_paths, in_tree = flatten_registering_caches((args, kwargs))
     _check_leaves(leaf_paths, name)
     leaves = [leaf for _, leaf in leaf_paths]
     tensor_idx = tuple(i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor))
@@ -184,7 +174,7 @@ def _trace(
         call_args, call_kwargs = unflatten_args(full, in_tree)
         result = fn(*call_args, **call_kwargs)
         # A torch.Size is one static leaf (pytree would return it as a plain tuple of ints).
-        out_paths, out_tree = pytree.tree_flatten_with_path(result, is_leaf=is_size)
+        out_paths, out_tree = flatten_registering_caches(result, is_leaf=is_size)
         outs = [leaf for _, leaf in out_paths if isinstance(leaf, torch.Tensor)]
         static_outs.clear()
         for i, (path, leaf) in enumerate(out_paths):
@@ -202,7 +192,7 @@ def _trace(
                     f"{where}; a traced function returns "
                     f"tensors and static Python values (None, numbers, strings, dtypes) in "
                     f"dicts, lists and tuples. Return the tensors it is made of, or build the "
-                    f"object outside the traced function{_kv_cache_hint(leaf)}."
+                    f"object outside the traced function{kv_cache_hint(leaf)}."
                 )
             static_outs[i] = leaf  # fixed for the signature: it cannot depend on values
         if out_specs is not None:  # annotated after tracing (_annotate_inputs_outputs)
