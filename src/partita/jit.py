@@ -36,7 +36,7 @@ from partita.capture.trace import input_path
 from partita.capture.uncompile import uncompiled
 from partita.errors import JitArgumentError, PartitaWarning, RecompileWarning, warn
 from partita.explain import format_program
-from partita.jit_signature import Signatures, trace_specs
+from partita.jit_signature import Signatures, placeholder_names, readable_name, trace_specs
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
 from partita.partition.explicit import check_mode, collectives_mode
@@ -195,6 +195,7 @@ class Jitted:
                     prog.graph_module, self.mesh, strict=self.strict, regather=self.regather
                 )
             plan.program_text = format_program(prog.graph_module)
+        plan.input_names = placeholder_names(prog, self.fn, self._module)
         (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
         shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
         compiled = Compiled(
@@ -244,8 +245,7 @@ class Jitted:
             )
 
     def _leaf_name(self, path: Any) -> str:
-        name = input_path(path)
-        return self._module.leaf_name(name) if self._module is not None else name
+        return readable_name(input_path(path), self.fn, self._module)
 
     # --- public ----------------------------------------------------------------------------
 

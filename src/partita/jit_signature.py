@@ -12,6 +12,7 @@ built only on a cache miss (:func:`trace_specs`). This module only computes keys
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -24,7 +25,7 @@ from partita.mesh import Mesh
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import ShardedTensor
 
-__all__ = ["Signatures", "trace_specs"]
+__all__ = ["Signatures", "placeholder_names", "readable_name", "trace_specs"]
 
 _TENSORS = (torch.Tensor, ShardedTensor)
 
@@ -116,3 +117,41 @@ def _hashable(x: Any) -> Hashable:
     except TypeError:
         return repr(x)
     return x
+
+
+def readable_name(name: str, fn: Callable[..., Any], module: Any = None) -> str:
+    """What the user calls the input ``name`` (``args[1]['w']``, as capture names it):
+    ``parameter 'fc.weight'`` for a module's weights, else the function's own parameter name
+    (``w1`` for ``args[1]`` of ``def mlp(x, w1, w2)``, ``mask`` for ``kwargs['mask']``).
+
+    Example:
+        >>> readable_name("args[1]['w']", lambda x, params: x)
+        "params['w']"
+    """
+    if module is not None:
+        return module.leaf_name(name)
+    if name.startswith("kwargs['"):
+        key, rest = name[len("kwargs['") :].split("']", 1)
+        return key + rest
+    if not name.startswith("args["):
+        return name
+    index, rest = name[len("args[") :].split("]", 1)
+    positional = _positional_names(fn)
+    return positional[int(index)] + rest if int(index) < len(positional) else name
+
+
+def _positional_names(fn: Callable[..., Any]) -> list[str]:
+    try:
+        parameters = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C function: no signature
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.kind in kinds]
+
+
+def placeholder_names(program: Any, fn: Callable[..., Any], module: Any = None) -> dict[str, str]:
+    """The readable name of each user input of ``program``, by its placeholder's node name
+    (for ``Plan.explain``); lifted constants (the trailing placeholders) have none."""
+    names = [readable_name(name, fn, module) for name in program.input_names]
+    nodes = program.input_nodes[: len(names)]
+    return {node.name: name for node, name in zip(nodes, names, strict=True)}

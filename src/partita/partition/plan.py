@@ -95,6 +95,8 @@ class Plan:
     buckets: list[Bucket] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     program_text: str = ""
+    #: a readable name per input placeholder (``parameter 'fc.weight'``, ``x``), set by jit
+    input_names: dict[str, str] = field(default_factory=dict)
     # The per-device program and meta tensors of its local inputs, for ``memory()``.
     local_program: Any = field(default=None, repr=False, compare=False)
     local_inputs: list[Any] = field(default_factory=list, repr=False, compare=False)
@@ -162,7 +164,13 @@ class Plan:
         if values and self.program_text:
             lines.append("values:")
             lines.extend("  " + line for line in self.program_text.splitlines()[1:])
-        lines.append("inputs:  " + ", ".join(str(s) for s in self.input_shardings))
+        if self.input_names:  # one line per input, with the name the user knows it by
+            lines.append("inputs:")
+            width = max(map(len, self.input_names.values()))
+            shardings = dict(zip(self.input_names.values(), self.input_shardings, strict=False))
+            lines.extend(f"  {name:<{width}}  {s}" for name, s in shardings.items())
+        else:
+            lines.append("inputs:  " + ", ".join(str(s) for s in self.input_shardings))
         lines.append("outputs: " + ", ".join(str(s) for s in self.output_shardings))
         if not self.collectives:
             lines.append("collectives: none — every op runs on local shards.")
@@ -180,7 +188,8 @@ class Plan:
             )
             lines.append(head)
             lines.append(f"      groups: {groups}")
-            lines.append(f"      value:  %{c.value}")
+            name = self.input_names.get(c.value)
+            lines.append(f"      value:  %{c.value}" + (f" ({name})" if name else ""))
             lines.append(f"      why:    {c.reason}")
             if c.source:
                 lines.append(f"      source: {c.source}")
