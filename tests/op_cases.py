@@ -892,5 +892,6 @@ case(
     mesh_fn=lambda mesh: lambda x: _annotate(x.exp(), mesh, P(mesh.axis_names[-1], None)) * 2,
     partial=True,
 )
+import op_cases_bits  # noqa: E402,F401
 import op_cases_indexing  # noqa: E402,F401
 import op_cases_more  # noqa: E402,F401

@@ -11,22 +11,16 @@ or why the entry is skipped).
 from __future__ import annotations
 
 STATUS: dict[str, tuple[str, str]] = {
-    "__rand__": ("SKIP", "no float32 on CPU"),
-    "__ror__": ("SKIP", "no float32 on CPU"),
-    "__rxor__": ("SKIP", "no float32 on CPU"),
     "allclose": ("SKIP", "results that are not all tensors"),
     "argwhere": (
         "CAPTURE",
         "it computes a tensor whose shape depends on the data (aten.nonzero.default, shap",
     ),
     "bernoulli": ("SKIP", "random"),
-    "bincount": ("SKIP", "no float32 on CPU"),
-    "bitwise_and": ("SKIP", "no float32 on CPU"),
-    "bitwise_left_shift": ("SKIP", "no float32 on CPU"),
-    "bitwise_not": ("SKIP", "no float32 on CPU"),
-    "bitwise_or": ("SKIP", "no float32 on CPU"),
-    "bitwise_right_shift": ("SKIP", "no float32 on CPU"),
-    "bitwise_xor": ("SKIP", "no float32 on CPU"),
+    "bincount": (
+        "CAPTURE",
+        "it computes a tensor whose shape depends on the data (aten.bincount.default, sha",
+    ),
     "broadcast_shapes": ("SKIP", "results that are not all tensors"),
     "cauchy": ("SKIP", "random"),
     "combinations": (
@@ -47,11 +41,11 @@ STATUS: dict[str, tuple[str, str]] = {
     "empty_strided": ("SKIP", "uninitialised values (empty*)"),
     "equal": ("SKIP", "results that are not all tensors"),
     "exponential": ("SKIP", "random"),
-    "gcd": ("SKIP", "no float32 on CPU"),
     "geometric": ("SKIP", "random"),
-    "histogramdd": ("UNSUPPORTED", "aten._histogramdd_bin_edges.default"),
-    "imag": ("SKIP", "no float32 on CPU"),
-    "istft": ("SKIP", "no float32 on CPU"),
+    "istft": (
+        "CAPTURE",
+        "DataDependentOutputException: aten.equal.default. This is data-dependent: the li",
+    ),
     "item": ("SKIP", "results that are not all tensors"),
     "jiterator_2inputs_2outputs": (
         "SKIP",
@@ -73,7 +67,6 @@ STATUS: dict[str, tuple[str, str]] = {
         "SKIP",
         "eager raises AssertionError: Jiterator is only supported on CUDA and ROCm GPUs, ",
     ),
-    "lcm": ("SKIP", "no float32 on CPU"),
     "linalg.lstsq": (
         "CAPTURE",
         "DynamicOutputShapeException: aten.linalg_lstsq.default. This is data-dependent: ",
@@ -97,7 +90,7 @@ STATUS: dict[str, tuple[str, str]] = {
     "new_empty": ("SKIP", "uninitialised values (empty*)"),
     "new_empty_strided": ("SKIP", "uninitialised values (empty*)"),
     "nn.functional.alpha_dropout": ("SKIP", "random"),
-    "nn.functional.batch_norm.without_cudnn": ("SKIP", "no float32 on CPU"),
+    "nn.functional.batch_norm.without_cudnn": ("SKIP", "no float32, int64 or complex64 on CPU"),
     "nn.functional.ctc_loss": (
         "CAPTURE",
         "DynamicOutputShapeException: aten._ctc_loss.default. This is data-dependent: the",
@@ -122,9 +115,11 @@ STATUS: dict[str, tuple[str, str]] = {
         "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default",
     ),
     "nn.functional.normalize": ("SKIP", "random"),
-    "nn.functional.one_hot": ("SKIP", "no float32 on CPU"),
+    "nn.functional.one_hot": (
+        "CAPTURE",
+        "GuardOnDataDependentSymNode: Could not extract specialized integer from data-dep",
+    ),
     "nn.functional.poisson_nll_loss": ("SKIP", "random"),
-    "nn.functional.silu.complex": ("SKIP", "no float32 on CPU"),
     "nonzero": (
         "CAPTURE",
         "it computes a tensor whose shape depends on the data (aten.nonzero.default, shap",
@@ -137,8 +132,6 @@ STATUS: dict[str, tuple[str, str]] = {
     "randint_like": ("SKIP", "random"),
     "randn": ("SKIP", "random"),
     "randn_like": ("SKIP", "random"),
-    "resize_as_": ("UNSUPPORTED", "aten.resize.default"),
-    "scatter": ("UNSUPPORTED", "aten.scatter.reduce"),
     "signal.windows.exponential": ("SKIP", "random"),
     "sparse.mm.reduce": ("SKIP", "sparse or other non-strided layout"),
     "sparse.sampled_addmm": ("SKIP", "sparse or other non-strided layout"),
@@ -151,12 +144,13 @@ STATUS: dict[str, tuple[str, str]] = {
         "RuntimeError: The tensor has a non-zero number of elements, but its data is not ",
     ),
     "to_sparse": ("SKIP", "sparse or other non-strided layout"),
-    "torch._scaled_mm": ("SKIP", "no float32 on CPU"),
-    "torch._scaled_mm_v2": ("SKIP", "no float32 on CPU"),
-    "torch.ops.aten._efficient_attention_forward": ("SKIP", "no float32 on CPU"),
-    "torch.ops.aten._flash_attention_forward": ("SKIP", "no float32 on CPU"),
-    "tril_indices": ("SKIP", "no float32 on CPU"),
-    "triu_indices": ("SKIP", "no float32 on CPU"),
+    "torch._scaled_mm": ("SKIP", "no float32, int64 or complex64 on CPU"),
+    "torch._scaled_mm_v2": ("SKIP", "no float32, int64 or complex64 on CPU"),
+    "torch.ops.aten._efficient_attention_forward": (
+        "SKIP",
+        "no float32, int64 or complex64 on CPU",
+    ),
+    "torch.ops.aten._flash_attention_forward": ("SKIP", "no float32, int64 or complex64 on CPU"),
     "uniform": ("SKIP", "random"),
     "unique": (
         "CAPTURE",
@@ -166,6 +160,4 @@ STATUS: dict[str, tuple[str, str]] = {
         "CAPTURE",
         "it computes a tensor whose shape depends on the data (<built-in function getitem",
     ),
-    "unravel_index": ("SKIP", "no float32 on CPU"),
-    "view_as_real": ("SKIP", "no float32 on CPU"),
 }

@@ -1,7 +1,8 @@
 """PyTorch's operator database run through ``partita.jit``: one status per op-db entry.
 
-For each entry of ``torch.testing._internal.common_methods_invocations.op_db`` that supports
-float32 on CPU, the first few samples (``op.sample_inputs("cpu", torch.float32)``) are run
+For each entry of ``torch.testing._internal.common_methods_invocations.op_db``, the first few
+samples in float32 on CPU (``op.sample_inputs("cpu", torch.float32)``; int64 for an entry
+without float32, such as the bitwise ops, ``gcd``, ``one_hot``; else complex64) are run
 twice: eagerly, and under ``partita.jit`` on a 2x4 mesh with seeded random input specs (each
 tensor dim unsplit or split over one mesh axis, each mesh axis at most once per tensor; sizes
 that do not divide the mesh happen naturally). Every tensor of the sample becomes an argument of
@@ -15,7 +16,7 @@ An entry's status is the worst over its samples, in this order:
 * ``CAPTURE``: ``partita.CaptureError`` (records its cause);
 * ``UNSUPPORTED``: ``partita.UnsupportedOpError`` (records the aten op it names);
 * ``PASS``;
-* ``SKIP``: no sample could be run at all (no float32, random or non-deterministic, eager
+* ``SKIP``: no sample could be run at all (none of those dtypes, random or non-deterministic, eager
   raises, sparse layouts or complex inputs, non-tensor results: the reason says which).
   Complex *results* (FFTs, ``linalg.eig``, ``polar``) are compared as real and imaginary parts.
 
@@ -77,6 +78,9 @@ LOOSE: dict[str, tuple[float, float]] = {
     "cumprod": (1e-3, 1e-3),
     "logcumsumexp": (1e-3, 1e-3),
 }
+
+#: The sample dtypes, in order of preference (``sample_dtype``).
+_DTYPES = (torch.float32, torch.int64, torch.complex64)
 
 #: Names that mark a random op (results cannot match eager draw for draw).
 _RANDOM = re.compile(
@@ -261,15 +265,22 @@ def _tensor_leaves(x: Any) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(x) if isinstance(t, torch.Tensor)]
 
 
-def _skip_reason(sample: Any, want: Any) -> str | None:
+def sample_dtype(op: Any) -> torch.dtype | None:
+    """The dtype an entry's samples are drawn in: float32, else (an integer, bitwise or
+    complex-only op) int64, else complex64; None if it has none of them on CPU."""
+    supported = op.supported_dtypes("cpu")
+    return next((d for d in _DTYPES if d in supported), None)
+
+
+def _skip_reason(sample: Any, want: Any, dtype: torch.dtype = torch.float32) -> str | None:
     tensors = _tensor_leaves((sample.input, sample.args, sample.kwargs))
     if any(t.layout != torch.strided for t in tensors + _tensor_leaves(want)):
         return "sparse or other non-strided layout"
     outs = pytree.tree_leaves(want)
     if not outs or not all(isinstance(o, torch.Tensor) for o in outs):
         return "results that are not all tensors"
-    if any(t.is_complex() for t in tensors):
-        return "complex inputs"  # float32 samples only; complex *results* are compared
+    if not dtype.is_complex and any(t.is_complex() for t in tensors):
+        return "complex inputs"  # in a float32 sample; complex *results* are compared
     return None
 
 
@@ -327,7 +338,9 @@ def _seed(seed: int) -> None:
     torch.random.default_generator.manual_seed(seed)
 
 
-def run_sample(op: Any, sample: Any, g: torch.Generator) -> tuple[str, str]:
+def run_sample(
+    op: Any, sample: Any, g: torch.Generator, dtype: torch.dtype = torch.float32
+) -> tuple[str, str]:
     """(status, detail) of one sample."""
     name = entry_name(op)
     leaves, tree = pytree.tree_flatten((sample.input, sample.args, sample.kwargs))
@@ -350,7 +363,7 @@ def run_sample(op: Any, sample: Any, g: torch.Generator) -> tuple[str, str]:
         other = fn(*[t.clone() for t in tensors])
     except Exception as e:  # the sample itself is not valid eagerly
         return "SKIP", f"eager raises {_first_line(e)}"
-    reason = _skip_reason(sample, want)
+    reason = _skip_reason(sample, want, dtype)
     if reason:
         return "SKIP", reason
     for other_run, what in ((again, "non-deterministic"), (other, "random")):
@@ -379,12 +392,14 @@ def run_sample(op: Any, sample: Any, g: torch.Generator) -> tuple[str, str]:
 
 
 def run_entry(op: Any, samples: int = SAMPLES, seed: int = 0) -> Result:
-    """Run up to ``samples`` float32 samples of one op-db entry and classify it."""
+    """Run up to ``samples`` samples of one op-db entry (in ``sample_dtype``) and classify
+    it."""
     name = entry_name(op)
     start = time.perf_counter()
-    if torch.float32 not in op.supported_dtypes("cpu"):
-        return Result(name, "SKIP", "no float32 on CPU")
-    if _RANDOM.search(op.name):
+    dtype = sample_dtype(op)
+    if dtype is None:
+        return Result(name, "SKIP", "no float32, int64 or complex64 on CPU")
+    if _RANDOM.search(op.name) and not op.name.startswith("__"):  # not __rand__ (bitwise and)
         return Result(name, "SKIP", "random")
     if _UNINITIALISED.search(op.name):
         return Result(name, "SKIP", "uninitialised values (empty*)")
@@ -392,13 +407,13 @@ def run_entry(op: Any, samples: int = SAMPLES, seed: int = 0) -> Result:
     worst = Result(name, "SKIP", "no samples")
     ran = 0
     try:
-        it = iter(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+        it = iter(op.sample_inputs("cpu", dtype, requires_grad=False))
         while ran < samples:
             try:
                 sample = next(it)
             except StopIteration:
                 break
-            status, detail = run_sample(op, sample, g)
+            status, detail = run_sample(op, sample, g, dtype)
             ran += 1
             first = worst.detail == "no samples"
             if first or _ORDER[status] > _ORDER[worst.status]:

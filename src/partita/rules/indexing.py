@@ -173,7 +173,16 @@ def _values_dims(values: TensorMeta, shape: Sequence[int], dims: Sequence[Dim]) 
     return out
 
 
-_SCATTER = aten_ops(["scatter.src", "scatter.value", "scatter_add.default", "scatter_reduce.two"])
+_SCATTER = aten_ops(
+    [
+        "scatter.reduce",
+        "scatter.src",
+        "scatter.value",
+        "scatter.value_reduce",
+        "scatter_add.default",
+        "scatter_reduce.two",
+    ]
+)
 
 
 @register_rule(*_SCATTER)

@@ -1,8 +1,9 @@
 """Rules of distance, lookup and whole-tensor ops: ``cdist`` (and its backward), ``pdist``,
 ``dist``, ``bucketize``, ``searchsorted``, ``index_reduce``, and the ops that are gathered whole
-(``embedding_bag``, histograms, ``put``, ``masked_scatter``, ``nonzero_static``,
-``segment_reduce``, ``hash_tensor``, ``_trilinear``, the backwards of the multi-class margin
-losses, whose forwards decompose).
+(``embedding_bag``, histograms, ``put``, ``resize`` to another shape, ``masked_scatter``,
+``nonzero_static``, ``segment_reduce``, ``hash_tensor``, ``_trilinear``, the backwards of the
+multi-class margin losses, whose forwards decompose; ``tril_indices``/``triu_indices``, which
+have no operands, are computed whole too).
 
 Decisions: a distance sums a *p*-th power over the feature dim and takes a root, which is not a
 sum of per-shard distances, so the feature dim is need-replication; the points of ``cdist``
@@ -12,9 +13,9 @@ vector: the elements pass through like an elementwise op, the boundaries are gat
 ``index_reduce`` combines rows picked by a global index: the indexed dim and the index are
 gathered, the other dims pass through. Ops whose every output element may depend on any input
 element through global positions or counts (the bags of ``embedding_bag``, ``pdist``'s
-flattened pairs, a histogram, ``put``'s flat indices, ``masked_scatter``'s running count of
-``True``s, ``nonzero_static``, segment reductions, a hash) are gathered whole and computed
-replicated; the Plan records the gathers with the op as the reason.
+flattened pairs, a histogram and its bin edges, ``put``'s flat indices, ``masked_scatter``'s
+running count of ``True``s, ``nonzero_static``, segment reductions, a hash) are gathered whole
+and computed replicated; the Plan records the gathers with the op as the reason.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from partita.rules import register_rule
 from partita.rules.batched import batched_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.handler_names import HandlerName
 
 __all__ = [
     "bucketize_rule",
@@ -30,6 +32,7 @@ __all__ = [
     "cdist_rule",
     "gathered_rule",
     "index_reduce_rule",
+    "resize_rule",
 ]
 
 
@@ -53,7 +56,9 @@ def cdist_rule(info: OpInfo) -> FactorRule:
 _GATHERED = aten_ops(
     [
         "_embedding_bag_forward_only.default",
+        "_histogramdd_bin_edges.default",
         "_histogramdd_from_bin_cts.default",
+        "_histogramdd_from_bin_tensors.default",
         "_pdist_forward.default",
         "_trilinear.default",
         "dist.default",
@@ -66,6 +71,8 @@ _GATHERED = aten_ops(
         "nonzero_static.default",
         "put.default",
         "segment_reduce.default",
+        "tril_indices.default",
+        "triu_indices.default",
     ]
 )
 
@@ -75,6 +82,20 @@ def gathered_rule(info: OpInfo) -> FactorRule:
     """``*, * -> 1``: every operand gathered, the result computed whole and kept replicated."""
     results = [None if r is None else [None] * r.ndim for r in info.results]
     return build(info, [None] * len(info.operands), results)
+
+
+@register_rule(*aten_ops(["resize.default"]))
+def resize_rule(info: OpInfo) -> FactorRule:
+    """``a b -> a b; handler=localize_shape`` for ``resize(x, x.shape)`` (what
+    ``x.resize_as_(y)`` traces to when the shapes agree: each tile keeps its local shape); to
+    another shape the elements are re-read in storage order, so the operand
+    is gathered whole and the result computed replicated (``*, -> 1``)."""
+    (x,) = info.operands
+    (out,) = info.results
+    if tuple(out.shape) != tuple(x.shape):
+        return gathered_rule(info)
+    names = Names().take(x.ndim)
+    return build(info, [names], [names], handler=HandlerName.LOCALIZE_SHAPE)
 
 
 @register_rule(*aten_ops(["bucketize.Tensor"]))
