@@ -14,15 +14,23 @@ This module only builds messages; ``trace`` decides when to raise them.
 from __future__ import annotations
 
 import contextlib
+import linecache
 import logging
+import re
 from collections.abc import Iterator
+from types import TracebackType
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from partita.capture.source import source_from_stack_trace, user_line_of_traceback
+from partita.capture.source import (
+    STACK_RE,
+    is_internal,
+    source_from_stack_trace,
+    user_line_of_traceback,
+)
 from partita.errors import CaptureError
 
 __all__ = [
@@ -38,7 +46,12 @@ _DATA_DEPENDENT_TYPES = (
     DynamicOutputShapeException,
     GuardOnDataDependentSymNode,
 )
-_DATA_DEPENDENT_TEXT = (".numpy()", "data-dependent", "data dependent")
+_DATA_DEPENDENT_TEXT = (
+    ".numpy()",
+    "data-dependent",
+    "data dependent",
+    "its data is not allocated yet",  # a kernel read a fake tensor's values
+)
 
 #: Why data-dependent code cannot be captured, and what to write instead.
 DATA_DEPENDENT_HINT = (
@@ -48,6 +61,68 @@ DATA_DEPENDENT_HINT = (
     "in tensor ops (torch.where(c, a, b) instead of `if`, t.sum() instead of t.sum().item()), "
     "or compute the value outside the jitted function and pass it as a static argument."
 )
+
+#: Calls whose result shape (or an argument) comes from the data, each with the way to write it
+#: without: (a pattern of the op's name in the message or of the call in the user's line, fix).
+_FIXES: tuple[tuple[str, str], ...] = (
+    (r"one_hot", "Pass num_classes= to one_hot (without it the width is the largest index + 1)."),
+    (
+        r"repeat_interleave",
+        "Pass output_size= (the total number of repeats) to repeat_interleave.",
+    ),
+    (
+        r"\bnonzero|argwhere",
+        "Use torch.nonzero_static(x, size=n) (padded with fill_value), or keep the mask and "
+        "use torch.where.",
+    ),
+    (
+        r"masked_select|aten\.index\.Tensor",
+        "Indexing with a boolean mask (x[mask], masked_select) keeps as many elements as the "
+        "mask has Trues: keep the shape with torch.where(mask, x, 0) or x.masked_fill(~mask, 0).",
+    ),
+    (
+        r"bincount",
+        "Count into a known number of bins: torch.zeros(n).scatter_add_(0, i, torch.ones(...)) "
+        "or F.one_hot(i, n).sum(0).",
+    ),
+    (r"tensor_split", "Pass the split points of tensor_split as a list of ints, not a tensor."),
+    (
+        r"narrow",
+        "Pass narrow's start as an int, or read the window with "
+        "index_select(dim, start + torch.arange(length)).",
+    ),
+    (
+        r"\bunique",
+        "unique has as many elements as the data has distinct values: compute it outside the "
+        "jitted function.",
+    ),
+)
+
+
+def _user_code(tb: TracebackType | None) -> str:
+    """The text of the innermost user line of a traceback ('' if unknown)."""
+    text = ""
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if not is_internal(code):
+            text = linecache.getline(code.co_filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return text.strip()
+
+
+def _code_of_stack_trace(stack_trace: str | None) -> str:
+    matches = list(STACK_RE.finditer(stack_trace or ""))
+    if not matches:
+        return ""
+    return linecache.getline(matches[-1]["file"], int(matches[-1]["line"])).strip()
+
+
+def _hint(*texts: str) -> str:
+    """The data-dependent hint, led by the specific fix of a known call in ``texts``."""
+    for pattern, fix in _FIXES:
+        if any(re.search(pattern, t) for t in texts):
+            return f"{fix} {DATA_DEPENDENT_HINT}"
+    return DATA_DEPENDENT_HINT
 
 
 def _chain(e: BaseException) -> list[BaseException]:
@@ -81,7 +156,7 @@ def capture_error(fn_name: str, e: BaseException) -> CaptureError:
     at = f" at {where}" if where else ""
     head = f"Cannot trace {fn_name!r}{at}: {type(e).__name__}: {_first_line(e)}"
     if is_data_dependent(e):
-        return CaptureError(f"{head}. {DATA_DEPENDENT_HINT}")
+        return CaptureError(f"{head}. {_hint(_user_code(e.__traceback__), str(e))}")
     return CaptureError(
         f"{head}. The function itself raised this while being captured (not partita's "
         f"sharding). If it runs eagerly on the same inputs, note that capture runs it with "
@@ -102,10 +177,10 @@ def check_data_independent(gm: fx.GraphModule, fn_name: str) -> None:
             what = f"a tensor whose shape depends on the data ({node.target}, shape {val.shape})"
         else:
             continue
-        where = source_from_stack_trace(node.meta.get("stack_trace")) or "an unknown line"
-        raise CaptureError(
-            f"Cannot trace {fn_name!r} at {where}: it computes {what}. {DATA_DEPENDENT_HINT}"
-        )
+        stack = node.meta.get("stack_trace")
+        where = source_from_stack_trace(stack) or "an unknown line"
+        hint = _hint(str(node.target), _code_of_stack_trace(stack))
+        raise CaptureError(f"Cannot trace {fn_name!r} at {where}: it computes {what}. {hint}")
 
 
 class _DropMetaFailure(logging.Filter):

@@ -30,8 +30,10 @@ import torch.fx.traceback as fx_traceback
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
 __all__ = [
+    "STACK_RE",
     "SourceTrackingMode",
     "format_source",
+    "is_internal",
     "pin_source",
     "source_line",
     "stack_entry",
@@ -48,27 +50,27 @@ _PARTITA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.
 _USER_DIRS_IN_PARTITA = tuple(
     os.path.join(_PARTITA_DIR, d) + os.sep for d in ("models", "training")
 )
-_STACK_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
+STACK_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
-_is_internal_cache: dict[CodeType, bool] = {}
+is_internal_cache: dict[CodeType, bool] = {}
 
 
-def _is_internal(code: CodeType) -> bool:
-    hit = _is_internal_cache.get(code)
+def is_internal(code: CodeType) -> bool:
+    hit = is_internal_cache.get(code)
     if hit is None:
         name = code.co_filename
         if name.startswith(_PARTITA_DIR):
             hit = not name.startswith(_USER_DIRS_IN_PARTITA)
         else:
             hit = name.startswith(_TORCH_DIR) or name.startswith("<") or "/torch/" in name
-        _is_internal_cache[code] = hit
+        is_internal_cache[code] = hit
     return hit
 
 
 def user_frame(start: FrameType | None = None) -> FrameType | None:
     """The innermost frame outside torch and partita's machinery, or None."""
     frame = start if start is not None else sys._getframe(1)
-    while frame is not None and _is_internal(frame.f_code):
+    while frame is not None and is_internal(frame.f_code):
         frame = frame.f_back
     return frame
 
@@ -85,7 +87,7 @@ def user_line_of_traceback(tb: TracebackType | None) -> str | None:
     """``"file.py:LINE in func"`` of the innermost user frame of an exception's traceback."""
     line = None
     while tb is not None:
-        if not _is_internal(tb.tb_frame.f_code):
+        if not is_internal(tb.tb_frame.f_code):
             code = tb.tb_frame.f_code
             line = f"{os.path.basename(code.co_filename)}:{tb.tb_lineno} in {code.co_name}"
         tb = tb.tb_next
@@ -121,7 +123,7 @@ def source_from_stack_trace(stack_trace: str | None) -> str | None:
     """Parse the last frame of an fx ``stack_trace`` into ``"file.py:LINE in func"``."""
     if not stack_trace:
         return None
-    matches = list(_STACK_RE.finditer(stack_trace))
+    matches = list(STACK_RE.finditer(stack_trace))
     if not matches:
         return None
     m = matches[-1]
