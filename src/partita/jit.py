@@ -43,7 +43,7 @@ from partita.partition.explicit import check_mode, collectives_mode
 from partita.partition.regather import regather_setting
 from partita.presets import PresetLike as PlanLike
 from partita.propagate import propagate
-from partita.recompile import recompile_message
+from partita.recompile import RECOMPILE_WARNING_AT, recompile_message
 from partita.runtime.compiled import compile_programs_setting, stats_for
 from partita.runtime.executor import executor_for
 from partita.spec import Sharding
@@ -60,8 +60,6 @@ __all__ = [
 
 #: How many compiled signatures a jitted function keeps (least recently used evicted first).
 DEFAULT_CACHE_LIMIT = 64
-#: The compilation count at which a jitted function warns that its signature keeps changing.
-RECOMPILE_WARNING_AT = 8
 
 
 @dataclass

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["recompile_message"]
+__all__ = ["RECOMPILE_WARNING_AT", "recompile_message"]
+
+#: The compilation count at which a jitted function (or the virtual device) warns that what
+#: it compiles keeps changing.
+RECOMPILE_WARNING_AT = 8
 
 
 def recompile_message(name: str, recent: list[tuple[Any, list[str]]], limit: int) -> str:

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 
 from partita.capture.source import pin_source
+from partita.errors import RecompileWarning, warn
 from partita.mesh import Mesh
+from partita.recompile import RECOMPILE_WARNING_AT
 from partita.relayout import reshard
 from partita.runtime.distributed import distributed_executor
 from partita.tensor import ShardedTensor
@@ -42,7 +44,7 @@ from partita.virtual.lift import replay_op
 from partita.virtual.metrics import MISSES_KEPT, Metrics
 from partita.virtual.program import StepProgram, compile_step
 from partita.virtual.sources import stack_entries
-from partita.virtual.why import recompile_reason
+from partita.virtual.why import recompile_reason, recompile_warning
 
 __all__ = [
     "RUN_IN_BACKGROUND",
@@ -216,6 +218,11 @@ def sync() -> None:
             if reason and m.compiles > compiles:
                 m.recompile_reasons.append(reason)
             m.compile_seconds += time.perf_counter() - started
+            if m.compiles == RECOMPILE_WARNING_AT > compiles:  # once per metrics window
+                text = recompile_warning(
+                    m.compiles, m.recompile_reasons, m.compile_seconds, m.run_seconds
+                )
+                warn(text, RecompileWarning)
         else:
             _CACHE.move_to_end(key)
             m.cache_hits += 1

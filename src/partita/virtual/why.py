@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import Any
 
-__all__ = ["end_miss", "input_miss", "op_miss", "recompile_reason"]
+__all__ = ["end_miss", "input_miss", "op_miss", "recompile_reason", "recompile_warning"]
 
 
 def _describe_input(desc: tuple[Any, ...]) -> str:
@@ -134,3 +134,24 @@ def end_miss(got: tuple[Any, ...], expected: tuple[Any, ...]) -> str | None:
         if new != old:
             return f"input {i} of the step is {_describe_input(new)}, before {_describe_input(old)}"
     return None
+
+
+def recompile_warning(compiles: int, reasons: list[str], compile_s: float, run_s: float) -> str:
+    """The RecompileWarning of a loop whose steps keep compiling: the last reasons and the fix.
+
+    Example:
+        >>> print(recompile_warning(8, ["input 1 of the step changed from [8, 7] torch.int64 "
+        ...       "P('data', None) to [8, 8] torch.int64 P('data', None) (first used by op 0 "
+        ...       "(aten.embedding))"], 6.0, 1.5)[:71])
+        the virtual device compiled 8 distinct step programs since metrics were
+    """
+    last = "; ".join(reasons[-3:]) or "(no reason recorded)"
+    return (
+        f"the virtual device compiled {compiles} distinct step programs since metrics were "
+        f"reset ({compile_s:.1f} s compiling, {run_s:.1f} s running); the latest changes: "
+        f"{last}. Every new program traces, propagates and partitions the step again, so a "
+        f"loop whose steps differ compiles at every step. To compile once: pad inputs to a few "
+        f"fixed shapes (bucket the sequence lengths), keep the same ops every step (no Python "
+        f"branch on a changing value), and mark the same shardings. partita.metrics() lists "
+        f"every reason."
+    )
