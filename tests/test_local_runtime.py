@@ -37,6 +37,13 @@ needs_stacked = pytest.mark.skipif(
 MESH = Mesh.create((2, 2), ("x", "y"))
 
 
+@pytest.fixture(autouse=True)
+def _trace_flat_at_second_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests check the flat graphs too: trace each at its second run, not once its eager
+    runs have cost as much (``runtime.flat_trace``, tested in ``test_flat_trace.py``)."""
+    monkeypatch.setenv("PARTITA_TRACE_FLAT_AT", "2")
+
+
 def _stack(*shape: int, n: int = MESH.size, seed: int = 0) -> Tensor:
     return torch.randn(n, *shape, generator=torch.Generator().manual_seed(seed))
 

@@ -11,11 +11,13 @@ How. The graph is cut, once per graph module, into *segments*: maximal sets of l
 need no mesh op between them (a node's segment is the number of mesh ops on its longest path
 from the inputs). Each segment becomes its own ``GraphModule`` and runs as one
 ``torch.vmap(segment)`` call, so a data-parallel training step is two vmap calls and one mesh op
-per gradient. The second time a segment runs with the same input shapes and strides, its vmap is
-traced (``make_fx``, fake tensors) to a flat graph of batched aten ops (``mm`` on ``[n * b, k]``,
-``bmm``, ...) that runs from then on without functorch's per-op overhead; a segment whose
-batching rules cannot be traced stays with vmap. ``view``/``_unsafe_view`` become ``reshape``
-in both (vmap may move the device dim, after which a view can fail). Under
+per gradient. Once a segment's eager runs with the same input shapes and strides have cost
+as much as tracing it would (``runtime.flat_trace``), its vmap is traced (``make_fx``, fake
+tensors) to a flat graph of batched aten ops (``mm`` on ``[n * b, k]``, ``bmm``, ...) that runs
+from then on without functorch's per-op overhead; a segment whose batching rules cannot be
+traced stays with vmap. Each step drops the values nothing reads after it.
+``view``/``_unsafe_view`` become ``reshape`` in both (vmap may move the device dim, after
+which a view can fail). Under
 ``compile_programs`` each segment is compiled by Inductor instead, on its first run
 (``runtime.compiled``).
 
@@ -207,7 +209,7 @@ class LocalMesh:
         ndim = self.mesh.ndim
         stats = stats_for(gm) if compile_programs else None
         env: dict[fx.Node, Any] = dict(zip(plan.placeholders, values, strict=True))
-        for step in plan.steps:
+        for step, frees in zip(plan.steps, plan.frees, strict=True):
             if isinstance(step, Segment):
                 try:
                     outs = step.run([env[i] for i in step.inputs], ndim, stats)
@@ -225,6 +227,8 @@ class LocalMesh:
                 env[step] = self._contract(step, env)
             else:
                 env[step] = self._run_mesh_op(step, env)
+            for node in frees:  # nothing reads it later: its memory can go now
+                del env[node]
         leaves, _ = pytree.tree_flatten(plan.output)
         if held:
             return [env[x] if isinstance(x, fx.Node) else (x, ()) for x in leaves]

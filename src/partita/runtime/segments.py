@@ -3,24 +3,24 @@
 A node's segment is the number of mesh ops (``partita.collectives``, fused buckets) on its
 longest path from the inputs; each segment becomes its own ``GraphModule`` run as nested
 ``torch.vmap`` calls, one per mesh axis its inputs vary along (outermost first), traced to a
-flat graph of batched aten ops from its second run with the same input signature
-(``partita.runtime.local`` says why), in which ``runtime.flat_matmul`` folds broadcast bmms.
+flat graph of batched aten ops once its eager runs with one input signature have cost as
+much as that trace (``runtime.flat_trace``; ``partita.runtime.local`` says why), in which
+``runtime.flat_matmul`` folds broadcast bmms.
 This module builds and runs segments; :class:`~partita.runtime.local.LocalMesh` runs the
 mesh ops between them.
 """
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import traceback
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor, fx
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils import _pytree as pytree
 
 from partita.collectives import MESH_OPS
 from partita.collectives_bucket import BUCKET_OPS
@@ -29,7 +29,13 @@ from partita.mesh import Mesh
 from partita.runtime.compiled import CompileStats, compile_graph
 from partita.runtime.device_index import DeviceTake, find_device_takes, take_inputs
 from partita.runtime.device_route import RoutedTake, route_permutes
-from partita.runtime.flat_matmul import fold_broadcast_bmms, fuse_bias_adds
+from partita.runtime.flat_trace import (
+    FlatTracer,
+    no_fallback_warning,
+    timed_run,
+    trace_flat,
+    vmap_axis,
+)
 from partita.runtime.subgraph import copy_nodes
 
 __all__ = [
@@ -65,7 +71,8 @@ class Segment:
     outputs: list[fx.Node]
     nodes: list[fx.Node]
     vmapped: dict[Pattern, tuple[Callable[..., Any], Pattern]] = field(default_factory=dict)
-    flat: dict[Hashable, Callable[..., Any] | None] = field(default_factory=dict)
+    flat: dict[Hashable, Callable[..., Any]] = field(default_factory=dict)
+    tracers: dict[Hashable, FlatTracer] = field(default_factory=dict)
     inductor: dict[Hashable, Callable[..., Any]] = field(default_factory=dict)
 
     def run(
@@ -76,7 +83,7 @@ class Segment:
     ) -> list[tuple[Any, Axes]]:
         """Outputs ``(value, axes)`` for inputs ``(value, axes)`` on a mesh of ``ndim`` dims;
         with ``compile_stats``, through Inductor (``runtime.compiled``), which it records."""
-        with _no_fallback_warning():
+        with no_fallback_warning():
             return self._run(values, ndim, compile_stats)
 
     def _run(
@@ -97,16 +104,18 @@ class Segment:
                 )
             )
         if fn is not self.gm:
-            # The second run with the same signature traces vmap(segment) to a flat graph of
-            # batched aten ops, which then runs without functorch's per-op overhead.
+            # Once its eager runs cost as much as tracing (runtime.flat_trace), vmap(segment)
+            # is traced to a flat graph of batched aten ops, which then runs without
+            # functorch's per-op overhead.
             key = _signature(args, pattern, out_pattern)
             if key is not None:
-                if key not in self.flat:
-                    self.flat[key] = None  # seen once
-                else:
-                    if self.flat[key] is None:
-                        self.flat[key] = _trace_flat(fn, args)
-                    fn = self.flat[key]  # type: ignore[assignment]
+                flat = self.flat.get(key)
+                if flat is None:
+                    tracer = self.tracers.setdefault(key, FlatTracer())
+                    if not tracer.due(len(self.nodes)):
+                        return list(zip(timed_run(fn, args, tracer), out_pattern, strict=True))
+                    flat = self.flat[key] = trace_flat(fn, args, len(self.nodes))
+                fn = flat
         return list(zip(fn(*args), out_pattern, strict=True))
 
     def _compiled(
@@ -125,7 +134,7 @@ class Segment:
             return fn
         hit = self.inductor.get(key)
         if hit is None:
-            graph = fn if fn is self.gm else self.flat.get(key) or _trace_flat(fn, args)
+            graph = fn if fn is self.gm else self.flat.get(key) or trace_flat(fn, args)
             if isinstance(graph, fx.GraphModule):
                 self.flat[key] = graph
                 hit = compile_graph(graph, args, stats, self.gm.__class__.__name__)
@@ -153,7 +162,7 @@ class Segment:
         fn: Callable[..., Any] = self.gm
         for a in reversed(range(ndim)):  # the innermost vmap is the last mesh axis
             if any(p[a] for p in pattern):
-                fn = _vmap_axis(
+                fn = vmap_axis(
                     fn,
                     tuple(0 if p[a] else None for p in pattern),
                     tuple(0 if p[a] else None for p in out_pattern),
@@ -162,69 +171,12 @@ class Segment:
         return fn, out_pattern
 
 
-class _Box:
-    """An output that does not vary along one vmap's axis, carried out of that vmap as is.
-
-    vmap refuses to return, with ``out_dims=None``, a tensor batched at *any* level; a value
-    that varies only along an outer mesh axis is batched at the outer level only, and is
-    right to leave the inner vmap unchanged."""
-
-    __slots__ = ("value",)
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-
-@contextlib.contextmanager
-def _no_fallback_warning() -> Iterator[None]:
-    """No "There is a performance drop because we have not yet implemented the batching rule"
-    warnings from inside partita's own vmaps (the user cannot act on them: the LocalMesh
-    simply runs such an op once per device). Turned back on after, torch's default."""
-    torch._C._functorch._set_vmap_fallback_warning_enabled(False)
-    try:
-        yield
-    finally:
-        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
-
-
-def _vmap_axis(
-    fn: Callable[..., Any], in_dims: tuple[int | None, ...], out_dims: tuple[int | None, ...]
-) -> Callable[..., Any]:
-    """``vmap(fn)`` over one mesh axis; the outputs with ``out_dims`` None pass through boxed."""
-
-    def boxed(*args: Any) -> tuple[Any, ...]:
-        outs = fn(*args)
-        return tuple(_Box(o) if d is None else o for o, d in zip(outs, out_dims, strict=True))
-
-    mapped = torch.vmap(boxed, in_dims=in_dims, out_dims=out_dims)
-
-    def unboxed(*args: Any) -> tuple[Any, ...]:
-        return tuple(o.value if isinstance(o, _Box) else o for o in mapped(*args))
-
-    return unboxed
-
-
 def _signature(args: list[Any], pattern: Pattern, out_pattern: Pattern) -> Hashable | None:
     """What a traced flat graph depends on: the mesh axes each input varies along, and every
     input's shape, strides, dtype and device."""
     if not all(isinstance(a, Tensor) for a in args):
         return None  # rare (non-tensor graph inputs): stay with vmap
     return pattern, out_pattern, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
-
-
-def _trace_flat(fn: Callable[..., Any], args: list[Any]) -> Callable[..., Any]:
-    try:
-        flat = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
-    except Exception:  # a batching rule that make_fx cannot trace: vmap stays correct
-        return fn
-    for node in flat.graph.nodes:
-        if node.target in _TO_RESHAPE:  # traced on fake strides; reshape is safe on any
-            node.target = aten.reshape.default
-    flat.graph.eliminate_dead_code()  # views the batching rules made and nothing reads
-    flat.recompile()
-    fold_broadcast_bmms(flat)
-    fuse_bias_adds(flat)
-    return flat
 
 
 @dataclass
@@ -236,6 +188,9 @@ class SegmentPlan:
     output: Any  # the output node's argument (a pytree of nodes and constants)
     #: ``index_select`` steps whose index is a per-device constant (``runtime.device_index``).
     takes: dict[fx.Node, DeviceTake | RoutedTake] = field(default_factory=dict)
+    #: Per step, the values nothing reads after it (not graph outputs): the LocalMesh drops
+    #: them there, so a step holds what the program still needs, not every value so far.
+    frees: list[tuple[fx.Node, ...]] = field(default_factory=list)
 
 
 def plan_segments(gm: fx.GraphModule, mesh: Mesh | None = None) -> SegmentPlan:
@@ -304,7 +259,38 @@ def plan_segments(gm: fx.GraphModule, mesh: Mesh | None = None) -> SegmentPlan:
         if d in by_depth:
             steps.append(_build_segment(gm, by_depth[d], d, users_at))
         steps += [c for c in contractions if depth[c] == d]
-    return SegmentPlan(placeholders=placeholders, steps=steps, output=output, takes=takes)
+    frees = _last_uses(placeholders, steps, takes, output)
+    return SegmentPlan(placeholders, steps, output, takes, frees)
+
+
+def _step_reads(step: Segment | fx.Node, takes: dict[fx.Node, Any]) -> list[fx.Node]:
+    """The values one step of a plan reads (``LocalMesh._execute`` runs them)."""
+    if isinstance(step, Segment):
+        return step.inputs
+    if step in takes:
+        return take_inputs(step, takes[step])
+    return step.all_input_nodes
+
+
+def _last_uses(
+    placeholders: list[fx.Node],
+    steps: list[Segment | fx.Node],
+    takes: dict[fx.Node, Any],
+    output: Any,
+) -> list[tuple[fx.Node, ...]]:
+    """Per step, the values last read (or made and never read) there, graph outputs kept."""
+    last: dict[fx.Node, int] = dict.fromkeys(placeholders, 0)
+    for i, step in enumerate(steps):
+        for node in step.outputs if isinstance(step, Segment) else (step,):
+            last[node] = i
+        for node in _step_reads(step, takes):
+            last[node] = i
+    kept = {x for x in pytree.tree_leaves(output) if isinstance(x, fx.Node)}
+    frees: list[list[fx.Node]] = [[] for _ in steps]
+    for node, i in last.items():
+        if node not in kept and steps:
+            frees[i].append(node)
+    return [tuple(f) for f in frees]
 
 
 #: Mesh ops that can take a sum already made over their whole group (``LocalMesh._contract``).

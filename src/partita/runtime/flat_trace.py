@@ -1,0 +1,163 @@
+"""When the LocalMesh traces a segment's vmap to a flat graph, and the trace itself.
+
+A segment runs as nested ``torch.vmap`` calls (``runtime.segments``). Traced with ``make_fx``
+to a flat graph of batched aten ops, it runs without functorch's per-op overhead; but tracing
+costs about a millisecond per node, 25 to 50 times one eager run of a small segment (a tiny
+model's forward, an optimizer update), about as much as compiling the whole program. Traced at
+the second run, that made a jitted function's second call as slow as its first.
+
+So a segment signature is traced once its eager runs have cost as much as the trace is
+expected to (ski rental: whatever the number of runs, the time spent is at most twice what
+the best choice in hindsight would have spent). The expected cost is the segment's node count
+times the seconds per node of the traces made so far in this process (1 ms per node before
+the first). A large segment whose eager run is long (a GPT step's forward or backward) is
+traced at its second or third run; a tiny model's forward after some dozens of calls, and a
+function called a few times never. ``PARTITA_TRACE_FLAT_AT=n`` traces every segment at its
+``n``-th run with one signature instead (``2``: at the second, as before; ``0``: never).
+The results of eager and flat runs agree to float rounding (the flat graph may fold a
+broadcast ``bmm`` into one ``mm``: another summation order).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from partita.errors import JitArgumentError
+from partita.runtime.flat_matmul import fold_broadcast_bmms, fuse_bias_adds
+
+__all__ = [
+    "TRACE_AT_ENV",
+    "FlatTracer",
+    "no_fallback_warning",
+    "timed_run",
+    "trace_at",
+    "trace_flat",
+    "vmap_axis",
+]
+
+aten = torch.ops.aten
+
+TRACE_AT_ENV = "PARTITA_TRACE_FLAT_AT"
+_TO_RESHAPE = {aten.view.default, aten._unsafe_view.default}
+#: Seconds per traced node assumed before this process has traced anything.
+_DEFAULT_SECONDS_PER_NODE = 1e-3
+#: Traces made in this process: [seconds, nodes] (the estimate of the next trace's cost).
+_TRACED = [0.0, 0]
+
+
+def trace_at() -> int | None:
+    """``PARTITA_TRACE_FLAT_AT`` as a run count (None: unset, the cost-based choice)."""
+    raw = os.environ.get(TRACE_AT_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit():
+        raise JitArgumentError(
+            f"{TRACE_AT_ENV}={raw!r}: the LocalMesh traces a segment's flat graph at its n-th "
+            f"run with one input signature, so the variable is a whole number (2: at the "
+            f"second run; 0: never). Unset it to trace once the eager runs cost as much."
+        )
+    return int(raw)
+
+
+class FlatTracer:
+    """The eager runs so far of one segment signature, and when to trace it.
+
+    ``due(n_nodes)`` says whether this run should trace; ``spent(seconds)`` records an
+    eager run."""
+
+    __slots__ = ("runs", "seconds")
+
+    def __init__(self) -> None:
+        self.runs = 0
+        self.seconds = 0.0
+
+    def due(self, n_nodes: int) -> bool:
+        at = trace_at()
+        if at is not None:
+            return at > 0 and self.runs + 1 >= at
+        seconds, nodes = _TRACED
+        per_node = seconds / nodes if nodes else _DEFAULT_SECONDS_PER_NODE
+        return self.runs > 0 and self.seconds >= per_node * n_nodes
+
+    def spent(self, seconds: float) -> None:
+        self.runs += 1
+        self.seconds += seconds
+
+
+def timed_run(fn: Callable[..., Any], args: list[Any], tracer: FlatTracer) -> Any:
+    """``fn(*args)``, its wall time recorded as one eager run."""
+    start = time.perf_counter()
+    out = fn(*args)
+    tracer.spent(time.perf_counter() - start)
+    return out
+
+
+def trace_flat(fn: Callable[..., Any], args: list[Any], n_nodes: int = 0) -> Callable[..., Any]:
+    """``fn`` (nested vmaps) traced on ``args``' metadata to a flat graph of batched aten
+    ops, or ``fn`` itself when its batching rules cannot be traced. ``n_nodes`` (the
+    segment's) calibrates the cost estimate of later traces."""
+    start = time.perf_counter()
+    try:
+        flat = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+    except Exception:  # a batching rule that make_fx cannot trace: vmap stays correct
+        return fn
+    for node in flat.graph.nodes:
+        if node.target in _TO_RESHAPE:  # traced on fake strides; reshape is safe on any
+            node.target = aten.reshape.default
+    flat.graph.eliminate_dead_code()  # views the batching rules made and nothing reads
+    flat.recompile()
+    fold_broadcast_bmms(flat)
+    fuse_bias_adds(flat)
+    if n_nodes:
+        _TRACED[0] += time.perf_counter() - start
+        _TRACED[1] += n_nodes
+    return flat
+
+
+class _Box:
+    """An output that does not vary along one vmap's axis, carried out of that vmap as is.
+
+    vmap refuses to return, with ``out_dims=None``, a tensor batched at *any* level; a value
+    that varies only along an outer mesh axis is batched at the outer level only, and is
+    right to leave the inner vmap unchanged."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+@contextlib.contextmanager
+def no_fallback_warning() -> Iterator[None]:
+    """No "There is a performance drop because we have not yet implemented the batching rule"
+    warnings from inside partita's own vmaps (the user cannot act on them: the LocalMesh
+    simply runs such an op once per device). Turned back on after, torch's default."""
+    torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+
+
+def vmap_axis(
+    fn: Callable[..., Any], in_dims: tuple[int | None, ...], out_dims: tuple[int | None, ...]
+) -> Callable[..., Any]:
+    """``vmap(fn)`` over one mesh axis; the outputs with ``out_dims`` None pass through boxed."""
+
+    def boxed(*args: Any) -> tuple[Any, ...]:
+        outs = fn(*args)
+        return tuple(_Box(o) if d is None else o for o, d in zip(outs, out_dims, strict=True))
+
+    mapped = torch.vmap(boxed, in_dims=in_dims, out_dims=out_dims)
+
+    def unboxed(*args: Any) -> tuple[Any, ...]:
+        return tuple(o.value if isinstance(o, _Box) else o for o in mapped(*args))
+
+    return unboxed
