@@ -106,14 +106,6 @@ STATUS: dict[str, tuple[str, str]] = {
         "CAPTURE",
         "GuardOnDataDependentSymNode: Could not guard on data-dependent expression Eq(u0,",
     ),
-    "nn.functional.linear_cross_entropy.chunked": (
-        "UNSUPPORTED",
-        "torch_nn._linear_cross_entropy_batch_chunked.default",
-    ),
-    "nn.functional.linear_cross_entropy.chunked_none": (
-        "UNSUPPORTED",
-        "torch_nn._linear_cross_entropy_batch_chunked_no_reduction.default",
-    ),
     "nn.functional.normalize": ("SKIP", "random"),
     "nn.functional.one_hot": (
         "CAPTURE",

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache
 from typing import Any
 
 import torch
@@ -80,15 +81,41 @@ class InputUpdates:
         return news
 
 
+@cache
+def _traced_through() -> dict[Any, Callable[..., Any]]:
+    """PyTorch's own Python custom ops that are traced as their implementation: the chunked
+    ``F.linear_cross_entropy`` (``options=``), whose loop over batch chunks is plain torch ops
+    (sharded like any others) and whose registered backward reads the op's outputs."""
+    try:
+        from torch.nn.modules import linear_cross_entropy as lce
+    except ImportError:  # an older torch
+        return {}
+    ops = {}
+    for name in (
+        "_linear_cross_entropy_batch_chunked",
+        "_linear_cross_entropy_batch_chunked_no_reduction",
+    ):
+        op_def = getattr(lce, name, None)
+        if op_def is not None and hasattr(op_def, "_init_fn"):
+            ops[getattr(torch.ops.torch_nn, name).default] = op_def._init_fn
+    return ops
+
+
 class _CaptureMode(SourceTrackingMode):
     """Source-tracking functionalization that records no data-dependent check
     (:data:`~partita.capture.decompositions.DROPPED_CHECKS`): those ops return nothing and only
     raise on values a trace cannot see. They are dropped here, before functionalization would
-    ask for an effect token they cannot have outside AOTAutograd."""
+    ask for an effect token they cannot have outside AOTAutograd. The custom ops of
+    :func:`_traced_through` run their implementation under this mode, so that its in-place
+    updates (of buffers it allocates) are functionalized too."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in DROPPED_CHECKS:
             return None
+        impl = _traced_through().get(func)
+        if impl is not None:
+            with self:
+                return impl(*args, **(kwargs or {}))
         if func is LAYER_CALL_OP:  # a placeholder: added to the graph directly (layer_dispatch)
             outs = add_layer_call(self, *args)
             if outs is not None:
