@@ -9,10 +9,11 @@ counter. ``step(batch)`` runs forward, backward, optional gradient clipping and 
 one program compiled by ``partita.jit`` from :func:`partita.training.functional_step`, and
 returns the loss.
 
-The learning rate of each parameter group is read from ``optimizer.param_groups[i]["lr"]`` at
-every call and passed as data (:mod:`partita.training.groups`), so ``torch.optim.lr_scheduler``
-schedulers work unchanged (call ``scheduler.step()``; never ``optimizer.step()``). Everything
-else is fixed when the step is built; a change made later is an error (``train_snapshot``).
+Each parameter group's ``lr``, and ``betas`` or ``momentum``, are read from
+``optimizer.param_groups[i]`` at every call and passed as data (:mod:`partita.training.groups`),
+so ``torch.optim.lr_scheduler`` schedulers work unchanged (call ``scheduler.step()``; never
+``optimizer.step()``). Everything else is fixed when the step is built; a change made later is
+an error (``train_snapshot``).
 
 Vocabulary (see docs/concepts.md): ``shard=`` is the parameter preset; ``step.plan`` is the
 report of the compiled program (:class:`partita.Plan`). This module ties the pieces together;
@@ -50,7 +51,7 @@ from partita.train_memory import full_values, state_memory
 from partita.train_snapshot import BuildSnapshot
 from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
 from partita.training import functional_step, init_opt_state, optimizer_config
-from partita.training.groups import group_lrs, read_param_groups
+from partita.training.groups import group_hyperparameters, read_param_groups
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
 
@@ -191,8 +192,8 @@ class TrainStep:
             self._jitted[training] = jitted
         return jitted
 
-    def _lr(self) -> torch.Tensor:
-        return group_lrs(self.optimizer)
+    def _lr(self) -> dict[str, torch.Tensor]:
+        return group_hyperparameters(self.optimizer, self.config.kind)
 
     def _args(self, batch: Any) -> tuple[Any, ...]:
         if not (isinstance(batch, tuple | list) and len(batch) == 2):

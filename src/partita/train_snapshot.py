@@ -2,7 +2,8 @@
 call.
 
 A :class:`~partita.train.TrainStep` copies the parameters and the optimizer's hyperparameters
-once and owns the training state from then on (only each group's ``lr`` is read per call).
+once and owns the training state from then on (only what a scheduler moves is read per call:
+each group's ``lr``, and ``betas`` or a nonzero ``momentum``).
 Changes a PyTorch loop would see at the next ``optimizer.step()`` would otherwise be ignored
 silently: a parameter frozen or unfrozen (``requires_grad``), a hyperparameter edited in
 ``param_groups`` (weight decay, betas, momentum), the module's parameters written in place
@@ -24,7 +25,8 @@ from partita.errors import TrainInputError
 __all__ = ["BuildSnapshot"]
 
 #: Group keys the step reads per call, or that a scheduler adds (not compared).
-_PER_CALL = frozenset({"params", "lr", "initial_lr"})
+_PER_CALL = frozenset({"params", "lr", "initial_lr", "betas", "max_lr", "min_lr",
+                       "max_momentum", "base_momentum"})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -75,14 +77,18 @@ class BuildSnapshot:
 
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in group.items() if k not in _PER_CALL}
+    out = {k: v for k, v in group.items() if k not in _PER_CALL}
+    if "momentum" in out:  # its value is read per call; whether SGD keeps a buffer is not
+        out["momentum"] = "0" if out["momentum"] == 0 else "nonzero"
+    return out
 
 
 def _message(what: str) -> str:
     return (
         f"train_step: {what} after the step was built. The step read the model and the "
-        f"optimizer once and owns the training state since (only each group's lr is read "
-        f"per call), so this change would be ignored. Build a new step for the new setting "
-        f"(carry the state over: new_step.load_state_dict(old_step.state_dict())); to load "
-        f"weights into this step, call step.load_state_dict(...) instead of the module's."
+        f"optimizer once and owns the training state since (only each group's lr, betas "
+        f"and momentum are read per call), so this change would be ignored. Build a new "
+        f"step for the new setting (carry the state over: "
+        f"new_step.load_state_dict(old_step.state_dict())); to load weights into this step, "
+        f"call step.load_state_dict(...) instead of the module's."
     )

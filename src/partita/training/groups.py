@@ -5,9 +5,11 @@ torch.optim lets every parameter group carry its own ``lr``, ``weight_decay``, `
 norms (nanoGPT's ``configure_optimizers``, the Hugging Face ``Trainer``). ``train_step`` reads
 each group's hyperparameters once (:func:`read_param_groups`), keeps one step counter and one
 set of optimizer states (sharded like their parameters) and runs each group's update on its own
-parameters (:meth:`ParamGroups.update`). The learning rates are data: a 1-D float64 tensor
-with one entry per group, read from ``optimizer.param_groups[i]["lr"]`` at every call
-(:func:`group_lrs`), so a scheduler that sets different rates per group works unchanged.
+parameters (:meth:`ParamGroups.update`). The hyperparameters a scheduler moves are data, read
+from ``optimizer.param_groups[i]`` at every call (:func:`group_hyperparameters`): ``lr``, and
+``betas`` (Adam) or ``momentum`` (SGD), which OneCycleLR and CyclicLR cycle against the rate;
+each a float64 tensor with one entry per group, so a scheduler that sets different values per
+group works unchanged.
 
 Every group must be of the same optimizer (one ``torch.optim`` object); the parameter order of
 the optimizer (group by group) is the index order of ``optimizer.state_dict()``
@@ -24,7 +26,7 @@ import torch
 
 from partita.training.optim import OptimizerConfig, group_config
 
-__all__ = ["ParamGroups", "group_lrs", "optimizer_params", "read_param_groups"]
+__all__ = ["ParamGroups", "group_hyperparameters", "optimizer_params", "read_param_groups"]
 
 Tensors = dict[str, torch.Tensor]
 Update = Callable[
@@ -45,11 +47,12 @@ class ParamGroups:
         return self.configs[0].kind
 
     def update(
-        self, update: Update, params: Tensors, grads: Tensors, state: dict[str, Any], lr: Any
+        self, update: Update, params: Tensors, grads: Tensors, state: dict[str, Any], hyper: Any
     ) -> tuple[Tensors, dict[str, Any]]:
         """Run ``update`` (``optim._adam`` or ``optim._sgd``) group by group, each on its own
-        parameters, states, config and ``lr[group]``; parameters in no group keep their values
-        and states (torch.optim does not know them)."""
+        parameters, states, config and hyperparameters (entry ``[group]`` of each tensor of
+        ``hyper``); parameters in no group keep their values and states (torch.optim does not
+        know them)."""
         new_params = dict(params)
         new_state = {k: v if k == "step" else dict(v) for k, v in state.items()}
         for index, (cfg, names) in enumerate(zip(self.configs, self.members, strict=True)):
@@ -59,9 +62,13 @@ class ParamGroups:
                 k: v if k == "step" else {n: v[n] for n in names} for k, v in state.items()
             }
             sub_grads = {n: grads[n] for n in names if n in grads}
-            rate = lr[index] if isinstance(lr, torch.Tensor) and lr.ndim == 1 else lr
+            group_hyper = (
+                {k: _entry(v, index) for k, v in hyper.items()}
+                if isinstance(hyper, dict)
+                else _entry(hyper, index)
+            )
             group_params, group_state = update(
-                {n: params[n] for n in names}, sub_grads, sub_state, rate, cfg
+                {n: params[n] for n in names}, sub_grads, sub_state, group_hyper, cfg
             )
             new_params.update(group_params)
             for key, value in group_state.items():
@@ -92,9 +99,27 @@ def read_param_groups(
     return ParamGroups(configs, members)
 
 
-def group_lrs(optimizer: torch.optim.Optimizer) -> torch.Tensor:
-    """The learning rates now: 0-d for one group, else one entry per group (float64)."""
-    rates = [float(group["lr"]) for group in optimizer.param_groups]
-    if len(rates) == 1:
-        return torch.tensor(rates[0], dtype=torch.float64)
-    return torch.tensor(rates, dtype=torch.float64)
+def _entry(value: Any, index: int) -> Any:
+    return value[index] if isinstance(value, torch.Tensor) and value.ndim == 1 else value
+
+
+def group_hyperparameters(optimizer: torch.optim.Optimizer, kind: str) -> dict[str, torch.Tensor]:
+    """The hyperparameters a scheduler may move, now: ``lr``, and ``beta1`` and ``beta2`` (Adam)
+    or ``momentum`` (SGD); each 0-d for one group, else one entry per group (float64).
+
+    Example:
+        >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
+        >>> group_hyperparameters(opt, "sgd")["momentum"]
+        tensor(0.9000, dtype=torch.float64)
+    """
+    groups = optimizer.param_groups
+    columns = {"lr": [float(g["lr"]) for g in groups]}
+    if kind == "sgd":
+        columns["momentum"] = [float(g["momentum"]) for g in groups]
+    else:
+        columns["beta1"] = [float(g["betas"][0]) for g in groups]
+        columns["beta2"] = [float(g["betas"][1]) for g in groups]
+    return {
+        key: torch.tensor(values[0] if len(values) == 1 else values, dtype=torch.float64)
+        for key, values in columns.items()
+    }

@@ -28,12 +28,17 @@ __all__ = [
     "group_config",
     "init_opt_state",
     "optimizer_config",
+    "scheduled",
 ]
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 
 Tensors = dict[str, torch.Tensor]
 Lr = float | torch.Tensor
+#: The hyperparameters read at every call: ``{"lr": ..., "beta1": ..., "beta2": ...}`` (Adam) or
+#: ``{"lr": ..., "momentum": ...}`` (SGD), floats or float64 0-d tensors; a bare ``Lr`` is the
+#: learning rate alone, the rest coming from the config.
+Hyper = Lr | dict[str, Lr]
 
 
 @dataclass(frozen=True)
@@ -145,6 +150,15 @@ def _f32(x: float | torch.Tensor) -> float | torch.Tensor:
     return x.to(torch.float32) if isinstance(x, torch.Tensor) else x
 
 
+def scheduled(hyper: Hyper, cfg: OptimizerConfig) -> tuple[Lr, Lr, Lr, Lr]:
+    """``(lr, beta1, beta2, momentum)`` now: from ``hyper`` where it has them (a scheduler such
+    as OneCycleLR moves ``betas`` or ``momentum`` every step), else the config's."""
+    if not isinstance(hyper, dict):
+        return hyper, cfg.betas[0], cfg.betas[1], cfg.momentum
+    beta1, beta2 = hyper.get("beta1", cfg.betas[0]), hyper.get("beta2", cfg.betas[1])
+    return hyper["lr"], beta1, beta2, hyper.get("momentum", cfg.momentum)
+
+
 @trace_once(any_sizes=True)
 def _adam_param(
     p: torch.Tensor,
@@ -154,25 +168,27 @@ def _adam_param(
     step_size: torch.Tensor,
     bias2_sqrt: torch.Tensor,
     decay: float | torch.Tensor,
+    betas: tuple[Lr, Lr, Lr],
     cfg: OptimizerConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One parameter's Adam(W) update: ``(new p, new exp_avg, new exp_avg_sq)``."""
-    beta1, beta2 = cfg.betas
+    """One parameter's Adam(W) update: ``(new p, new exp_avg, new exp_avg_sq)``; ``betas`` is
+    ``(1 - beta1, beta2, 1 - beta2)`` in float32."""
+    one_minus_beta1, beta2, one_minus_beta2 = betas
     g = -g if cfg.maximize else g
     if cfg.kind == "adamw":
         p = p * decay  # decoupled weight decay
     elif cfg.weight_decay:
         g = g + cfg.weight_decay * p  # Adam: L2 penalty in the gradient
-    m = m + (1 - beta1) * (g - m)  # torch.lerp(m, g, 1 - beta1) for a weight < 0.5
-    v = v * beta2 + (1 - beta2) * g * g
+    m = m + one_minus_beta1 * (g - m)  # torch.lerp(m, g, 1 - beta1) for a weight < 0.5
+    v = v * beta2 + one_minus_beta2 * g * g
     denom = torch.sqrt(v) / bias2_sqrt + cfg.eps
     return p - step_size * (m / denom), m, v
 
 
 def _adam(
-    params: Tensors, grads: Tensors, state: dict[str, Any], lr: Lr, cfg: OptimizerConfig
+    params: Tensors, grads: Tensors, state: dict[str, Any], hyper: Hyper, cfg: OptimizerConfig
 ) -> tuple[Tensors, dict[str, Any]]:
-    beta1, beta2 = cfg.betas
+    lr, beta1, beta2, _ = scheduled(hyper, cfg)
     step = state["step"] + 1
     # Scalars in float64 like torch.optim's Python-float arithmetic, then rounded once.
     step64 = step.to(torch.float64)
@@ -180,6 +196,8 @@ def _adam(
     step_size = (lr64 / (1 - torch.pow(beta1, step64))).to(torch.float32)
     bias2_sqrt = torch.sqrt(1 - torch.pow(beta2, step64)).to(torch.float32)
     decay = _f32(1 - lr64 * cfg.weight_decay)
+    # Rounded to float32 once, as torch.optim's kernels round these Python floats.
+    betas = (_f32(1 - beta1), _f32(beta2), _f32(1 - beta2))
     # A parameter without a gradient (unused by forward) keeps its values: torch.optim skips
     # it too. The others are updated by one placeholder (trace_once's each).
     new_params = dict(params)
@@ -188,7 +206,7 @@ def _adam(
     updated = [name for name in params if name in grads]
     news = _adam_param.each(  # type: ignore[attr-defined]
         [
-            (params[n], grads[n], new_m[n], new_v[n], step_size, bias2_sqrt, decay, cfg)
+            (params[n], grads[n], new_m[n], new_v[n], step_size, bias2_sqrt, decay, betas, cfg)
             for n in updated
         ]
     )
@@ -204,6 +222,7 @@ def _sgd_param(
     buf: torch.Tensor,
     first: torch.Tensor,
     lr32: float | torch.Tensor,
+    momentum: float | torch.Tensor,
     cfg: OptimizerConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One parameter's SGD update: ``(new p, new momentum_buffer)``."""
@@ -213,23 +232,24 @@ def _sgd_param(
     if cfg.momentum:
         # torch.optim.SGD starts the buffer at g, then buf * momentum + (1 - dampening) * g
         if cfg.dampening:
-            buf = torch.where(first, g, buf * cfg.momentum + (1 - cfg.dampening) * g)
+            buf = torch.where(first, g, buf * momentum + (1 - cfg.dampening) * g)
         else:
-            buf = buf * cfg.momentum + g  # 0 * momentum + g == g on the first step
-        g = g + cfg.momentum * buf if cfg.nesterov else buf
+            buf = buf * momentum + g  # 0 * momentum + g == g on the first step
+        g = g + momentum * buf if cfg.nesterov else buf
     return p - lr32 * g, buf
 
 
 def _sgd(
-    params: Tensors, grads: Tensors, state: dict[str, Any], lr: Lr, cfg: OptimizerConfig
+    params: Tensors, grads: Tensors, state: dict[str, Any], hyper: Hyper, cfg: OptimizerConfig
 ) -> tuple[Tensors, dict[str, Any]]:
-    lr32 = _f32(lr)
+    lr, _, _, momentum = scheduled(hyper, cfg)
+    lr32, momentum = _f32(lr), _f32(momentum)
     first = state["step"] == 0
     new_params = dict(params)
     new_buf = {name: state["momentum_buffer"][name] for name in params}
     updated = [name for name in params if name in grads]  # as in _adam
     news = _sgd_param.each(  # type: ignore[attr-defined]
-        [(params[n], grads[n], new_buf[n], first, lr32, cfg) for n in updated]
+        [(params[n], grads[n], new_buf[n], first, lr32, momentum, cfg) for n in updated]
     )
     for name, (p, buf) in zip(updated, news, strict=True):
         new_params[name], new_buf[name] = p, buf

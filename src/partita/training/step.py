@@ -27,6 +27,7 @@ from partita.training import optim
 from partita.training.groups import ParamGroups
 from partita.training.optim import (
     OPTIMIZERS,
+    Hyper,
     OptimizerConfig,
     clip_by_global_norm,
     init_opt_state,  # noqa: F401 - the examples use it
@@ -142,9 +143,10 @@ def functional_step(
 
     ``batch`` is ``(inputs, targets)``; the loss is ``loss_fn(model(inputs), targets)``
     (``inputs`` a tuple: ``model(*inputs)``; a dict: ``model(**inputs)``). ``lr`` is a 0-d
-    tensor (a program input, so a schedule does not recompile) or a float (a constant).
-    With several parameter groups (``cfg`` a :class:`ParamGroups`), ``lr`` holds one rate per
-    group and each group is updated with its own hyperparameters.
+    tensor (a program input, so a schedule does not recompile) or a float (a constant), or a
+    dict of them that also holds the ``beta1``/``beta2`` or ``momentum`` a scheduler moves
+    (``optim.Hyper``). With several parameter groups (``cfg`` a :class:`ParamGroups`), each
+    tensor holds one value per group and each group is updated with its own hyperparameters.
     ``max_grad_norm`` clips by global norm before the update, like ``clip_grad_norm_``.
     ``compute_dtype`` (e.g. ``torch.bfloat16``) runs forward and backward on copies of the
     parameters (and floating inputs) in that dtype while the parameters, the gradients given
@@ -164,7 +166,7 @@ def functional_step(
     scan_repeated_layers(model)  # trace each kind of repeated layer once, checked (layer_auto)
 
     def step(
-        params: Tensors, buffers: Tensors, opt_state: dict[str, Any], lr: Lr, batch: Any
+        params: Tensors, buffers: Tensors, opt_state: dict[str, Any], lr: Hyper, batch: Any
     ) -> tuple[torch.Tensor, Tensors, Tensors, dict[str, Any]]:
         inputs, targets = batch
         with torch.enable_grad():
