@@ -34,12 +34,14 @@ from partita.runtime.comm import (
 )
 
 __all__ = [
+    "InFlight",
     "Op",
     "all_gather",
     "all_gather_bucket",
     "all_reduce",
     "all_reduce_bucket",
     "all_to_all",
+    "alone",
     "reduce_scatter",
     "reduce_scatter_bucket",
     "run",
@@ -47,6 +49,28 @@ __all__ = [
 
 #: A mesh op in flight: resumed once, it returns its result (``StopIteration.value``).
 Op = Generator[None, None, Any]
+
+
+class InFlight:
+    """A launched mesh op (``op`` to resume) or its result already (``value``)."""
+
+    __slots__ = ("op", "value")
+
+    def __init__(self, op: Op | None, value: Any) -> None:
+        self.op = op
+        self.value = value
+
+
+def alone(kind: str, x: Any) -> Any:
+    """What mesh op ``kind`` returns on a group of one device (a copy, as the simulated mesh
+    does; a gather returns its input)."""
+    if kind == "all_gather":
+        return x
+    if kind == "all_gather_bucket":
+        return list(x)
+    if kind.endswith("_bucket"):
+        return [t.clone() for t in x]
+    return x.clone()
 
 
 def run(op: Op) -> Any:
@@ -108,8 +132,11 @@ def all_gather_bucket(
     return [_gathered(p, x.shape, d) for p, x, d in zip(pieces, xs, dims, strict=True)]
 
 
-def all_reduce(g: Group, x: Tensor, reduce_op: str, mesh_axes: Sequence[str], node: str) -> Op:
-    out = x.contiguous().clone()
+def all_reduce(
+    g: Group, x: Tensor, reduce_op: str, mesh_axes: Sequence[str], node: str, donate: bool = False
+) -> Op:
+    """``donate``: nothing else reads ``x`` (``runtime.distributed``): reduced in place."""
+    out = x.contiguous() if donate else x.contiguous().clone()
     del x  # not held while the bytes move (as in reduce_scatter_bucket)
     yield from _launch(node, "all_reduce", mesh_axes, g,
           lambda: dist.all_reduce(out, op=torch_reduce_op(reduce_op), group=g.pg,

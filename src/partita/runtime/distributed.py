@@ -70,7 +70,9 @@ from partita.runtime.comm import (
     create_mesh_groups,
 )
 from partita.runtime.compiled import compile_regions, stats_for
+from partita.runtime.dist_ops import InFlight, alone
 from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
+from partita.runtime.donate import donated_all_reduces
 from partita.runtime.overlap import overlap_bytes_setting, run_measuring, schedule_overlap
 from partita.runtime.plan_check import verify_same_program
 from partita.spec import Sharding
@@ -198,32 +200,35 @@ class DistributedMesh:
     # methods run it to the end; ``start``/``wait`` split it for the overlap schedule.
 
     def _caller(self, kind: str) -> Callable[..., Any]:
-        def call(*args: Any, node: str = "") -> Any:
-            return self.call(kind, *args, node=node)
+        def call(*args: Any, node: str = "", donate: bool = False) -> Any:
+            return self.call(kind, *args, node=node, donate=donate)
 
         call.__name__ = call.__qualname__ = kind  # fx names the graph's nodes after it
         return call
 
-    def call(self, kind: str, *args: Any, node: str = "") -> Any:
+    def call(self, kind: str, *args: Any, node: str = "", donate: bool = False) -> Any:
         """Run mesh op ``kind`` to the end (launch and wait) with the graph's arguments."""
-        return self.wait(self.start(kind, *args, node=node))
+        return self.wait(self.start(kind, *args, node=node, donate=donate))
 
-    def start(self, kind: str, *args: Any, node: str = "") -> _InFlight:
+    def start(self, kind: str, *args: Any, node: str = "", donate: bool = False) -> InFlight:
         """Launch mesh op ``kind`` (a name of ``runtime.dist_ops``) with the op's arguments
-        (``group_size`` last, as in the graph); :meth:`wait` returns its result."""
+        (``group_size`` last, as in the graph); :meth:`wait` returns its result. ``donate``:
+        the program reads the input of this ``all_reduce`` nowhere else (``runtime.donate``),
+        so it is reduced in place instead of in a copy."""
         *rest, _group_size = args
         mesh_axes = rest[-1]
         g = self.group(mesh_axes)
         if g is None:  # this device alone: nothing moves
-            return _InFlight(None, _alone(kind, rest[0]))
-        op = getattr(dist_ops, kind)(g, *rest, node)
+            return InFlight(None, alone(kind, rest[0]))
+        extra = {"donate": True} if donate else {}
+        op = getattr(dist_ops, kind)(g, *rest, node, **extra)
         try:
             next(op)  # launched; the local compute may go on
         except StopIteration as stop:
-            return _InFlight(None, stop.value)
-        return _InFlight(op, None)
+            return InFlight(None, stop.value)
+        return InFlight(op, None)
 
-    def wait(self, pending: _InFlight) -> Any:
+    def wait(self, pending: InFlight) -> Any:
         """The result of a launched mesh op (waits for its bytes)."""
         if pending.op is None:
             return pending.value
@@ -283,17 +288,31 @@ class DistributedMesh:
         return bound
 
     def _bind(
-        self, gm: fx.GraphModule, overlap: int, sizes: dict[str, int] | None = None
+        self,
+        gm: fx.GraphModule,
+        overlap: int,
+        sizes: dict[str, int] | None = None,
+        donate: bool = True,
     ) -> fx.GraphModule:
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
+        donated = donated_all_reduces(graph) if donate else set()
         if overlap:
             copies = 2 if dist.get_backend() == "gloo" else 1  # Gloo gathers via a temporary
             schedule_overlap(graph, ASYNC_OPS, self.start, self.wait, _kind, overlap, sizes, copies)
         for node in graph.nodes:
-            if node.op == "call_function" and node.target in _BOUND_OPS:
+            if node.op != "call_function":
+                continue
+            if node.target in _BOUND_OPS:
+                name = node.name
                 node.target = self._impls[node.target]
-                node.kwargs = {**node.kwargs, "node": node.name}
+                node.kwargs = {**node.kwargs, "node": name}
+            elif node.target == self.start:  # launched by the overlap schedule
+                name = node.kwargs["node"]
+            else:
+                continue
+            if name in donated:
+                node.kwargs = {**node.kwargs, "donate": True}
         return fx.GraphModule(gm, graph, class_name="RankProgram")
 
     def compiled(self, gm: fx.GraphModule) -> fx.GraphModule:
@@ -301,7 +320,9 @@ class DistributedMesh:
         (``runtime.compiled``; the cost is recorded in ``stats_for(gm)``)."""
         program = self._compiled.get(gm)
         if program is None:
-            program = self._compiled[gm] = compile_regions(self.bind(gm), stats_for(gm))
+            # no donation: a compiled region's outputs are Inductor's buffers
+            bound = self._bind(gm, self.overlap_bytes, donate=False)
+            program = self._compiled[gm] = compile_regions(bound, stats_for(gm))
         return program
 
     def run(
@@ -349,27 +370,6 @@ class DistributedMesh:
             return leaf.stacked[self.position]
         value = leaf.full() if isinstance(leaf, ShardedTensor) else leaf
         return local_shard(value, sharding, self.position)
-
-
-class _InFlight:
-    """A launched mesh op (``op`` to resume) or its result already (``value``)."""
-
-    __slots__ = ("op", "value")
-
-    def __init__(self, op: dist_ops.Op | None, value: Any) -> None:
-        self.op = op
-        self.value = value
-
-
-def _alone(kind: str, x: Any) -> Any:
-    """What a mesh op returns on a group of one device (a copy, as the simulated mesh does)."""
-    if kind == "all_gather":
-        return x
-    if kind == "all_gather_bucket":
-        return list(x)
-    if kind.endswith("_bucket"):
-        return [t.clone() for t in x]
-    return x.clone()
 
 
 # --- selection by partita.jit ------------------------------------------------------------------
