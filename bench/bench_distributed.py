@@ -28,7 +28,9 @@ parameters and optimizer state excluded, so it compares with the Plan peak minus
   (only with ``--unfused``); ``regather`` frees the gathered parameters after the forward and
   gathers them again for the backward (``PARTITA_REGATHER=1``, FSDP2's
   ``reshard_after_forward=True``);
-* ``partita 2-D (2, 2)``: FSDP over ``data`` and Megatron TP over ``model``;
+* ``partita 2-D (2, 2)``: FSDP over ``data`` and Megatron TP over ``model``; ``MLP TP``: TP on
+  the MLP only, attention FSDP only: the sharding of the ``torch TP + FSDP2`` row (fewer
+  collectives on the critical path, unsharded attention activations);
 * ``torch FSDP2 (4,)``: ``fully_shard`` on every block and the model, ``torch.optim.AdamW``;
   ``compiled``: the same model under ``torch.compile`` (Inductor, C++ on the CPU; its compile
   time is spent in the warm-ups, not in the median);
@@ -75,7 +77,7 @@ from partita.training import init_opt_state, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
-from train_gpt import param_spec  # noqa: E402
+from train_gpt import COLUMN, ROW, param_spec  # noqa: E402
 
 CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
 BATCH = 16
@@ -156,7 +158,8 @@ def _median(fn: Callable[[], Any], repeat: int) -> float:
     return float(t)
 
 
-#: ``--profile``: rank 0 prints cProfile's top functions of 3 steps after the timed ones.
+#: ``--profile``: rank 0 prints cProfile's top functions (main thread CPU time) of 3 steps
+#: after the timed ones.
 PROFILE = [False]
 
 
@@ -165,7 +168,9 @@ def _profile(fn: Callable[[], Any]) -> None:
     import io
     import pstats
 
-    prof = cProfile.Profile()
+    # the main thread's CPU time, not wall time: 4 processes share the cores, so wall time
+    # would charge a wait with the time the other ranks were scheduled
+    prof = cProfile.Profile(time.thread_time)
     prof.enable()
     for _ in range(3):
         fn()
@@ -271,10 +276,20 @@ def _step_heap(fn: Callable[[], Any], repeat: int = 3) -> float:
 # --- configurations ------------------------------------------------------------------------------
 
 
-def bench_partita(mesh: Mesh, repeat: int) -> dict[str, Any]:
+def mlp_param_spec(name: str, p: torch.Tensor, mesh: Mesh) -> P:
+    """``param_spec`` with tensor parallelism on the MLP only (attention FSDP only), the
+    sharding of the ``torch TP + FSDP2`` row."""
+    if "attn." in name and name.endswith(COLUMN + ROW):
+        return P("data") if p.shape[0] % mesh.axis_size("data") == 0 else P()
+    return param_spec(name, p, mesh)
+
+
+def bench_partita(
+    mesh: Mesh, repeat: int, spec: Callable[[str, torch.Tensor, Mesh], P] = param_spec
+) -> dict[str, Any]:
     torch.manual_seed(0)
     model = GPT(CFG)
-    pspecs = {k: param_spec(k, v, mesh) for k, v in model.named_parameters()}
+    pspecs = {k: spec(k, v, mesh) for k, v in model.named_parameters()}
 
     def shard(t: torch.Tensor, spec: Any) -> Any:
         """This process's tile of ``t`` only (as FSDP2's ``fully_shard`` keeps)."""
@@ -397,6 +412,8 @@ CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
     "torch FSDP2 (4,) compiled": (lambda r: bench_torch(False, r, compiled=True), {}),
     "partita 2-D (2, 2)": (
         lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), {}),
+    "partita 2-D (2, 2) MLP TP": (
+        lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r, mlp_param_spec), {}),
     "partita 2-D (2, 2) unfused": (
         lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), UNFUSED),
     "torch TP + FSDP2 (2, 2)": (lambda r: bench_torch(True, r), {}),
