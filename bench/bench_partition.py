@@ -203,6 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         "--compile-only", action="store_true", help="time (and profile) the compile only"
     )
     ns = parser.parse_args(argv)
+    # The steady state of a training loop: every segment runs its traced flat graph from the
+    # second call on (by default the LocalMesh traces once the eager runs cost as much as
+    # the trace, which for the small segments is some dozens of calls: runtime/flat_trace.py).
+    os.environ.setdefault("PARTITA_TRACE_FLAT_AT", "2")
 
     torch.manual_seed(0)
     cfg = GPTConfig(ns.layers, ns.heads, ns.width, ns.vocab, ns.seq)

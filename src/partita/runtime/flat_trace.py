@@ -6,16 +6,21 @@ costs about a millisecond per node, 25 to 50 times one eager run of a small segm
 model's forward, an optimizer update), about as much as compiling the whole program. Traced at
 the second run, that made a jitted function's second call as slow as its first.
 
-So a segment signature is traced once its eager runs have cost as much as the trace is
-expected to (ski rental: whatever the number of runs, the time spent is at most twice what
-the best choice in hindsight would have spent). The expected cost is the segment's node count
-times the seconds per node of the traces made so far in this process (1 ms per node before
-the first). A large segment whose eager run is long (a GPT step's forward or backward) is
-traced at its second or third run; a tiny model's forward after some dozens of calls, and a
-function called a few times never. ``PARTITA_TRACE_FLAT_AT=n`` traces every segment at its
-``n``-th run with one signature instead (``2``: at the second, as before; ``0``: never).
-The results of eager and flat runs agree to float rounding (the flat graph may fold a
-broadcast ``bmm`` into one ``mm``: another summation order).
+So a segment is traced once its eager runs have cost as much as the trace is expected to
+(ski rental: whatever the number of runs, the time spent is at most twice what the best
+choice in hindsight would have spent). The expected cost is the segment's node count times
+the seconds per node of the traces made so far in this process (1 ms per node before the
+first). A large segment whose eager run is long (a GPT step's forward or backward) is traced
+at its second or third run; a tiny model's forward after some dozens of calls, and a function
+called a few times never. The runs are counted per segment, not per input signature: a flat
+graph's outputs may have other strides than vmap's, so tracing one segment changes the
+signature of the next; counted per signature, each segment waited a call more than the one
+before it (GPT's 2-D step traced 14 segments at its second call and 12 at its third).
+Counted per segment, a segment that is due traces a new signature at once: the 2-D step
+traces all 26 in one call. ``PARTITA_TRACE_FLAT_AT=n`` traces every segment at its ``n``-th
+run instead (``2``: the second; ``0``: never). The results of eager and flat runs agree to
+float rounding (the flat graph may fold a broadcast ``bmm`` into one ``mm``: another
+summation order).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def trace_at() -> int | None:
 
 
 class FlatTracer:
-    """The eager runs so far of one segment signature, and when to trace it.
+    """The eager runs so far of one segment (any input signature), and when to trace it.
 
     ``due(n_nodes)`` says whether this run should trace; ``spent(seconds)`` records an
     eager run."""

@@ -72,7 +72,8 @@ class Segment:
     nodes: list[fx.Node]
     vmapped: dict[Pattern, tuple[Callable[..., Any], Pattern]] = field(default_factory=dict)
     flat: dict[Hashable, Callable[..., Any]] = field(default_factory=dict)
-    tracers: dict[Hashable, FlatTracer] = field(default_factory=dict)
+    #: The eager runs so far, over all signatures (``runtime.flat_trace``).
+    tracer: FlatTracer = field(default_factory=FlatTracer)
     inductor: dict[Hashable, Callable[..., Any]] = field(default_factory=dict)
 
     def run(
@@ -111,9 +112,9 @@ class Segment:
             if key is not None:
                 flat = self.flat.get(key)
                 if flat is None:
-                    tracer = self.tracers.setdefault(key, FlatTracer())
-                    if not tracer.due(len(self.nodes)):
-                        return list(zip(timed_run(fn, args, tracer), out_pattern, strict=True))
+                    if not self.tracer.due(len(self.nodes)):
+                        outs = timed_run(fn, args, self.tracer)
+                        return list(zip(outs, out_pattern, strict=True))
                     flat = self.flat[key] = trace_flat(fn, args, len(self.nodes))
                 fn = flat
         return list(zip(fn(*args), out_pattern, strict=True))
