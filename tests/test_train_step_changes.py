@@ -32,7 +32,7 @@ def _built() -> tuple[nn.Module, torch.optim.Optimizer, Callable[..., torch.Tens
     ("change", "match"),
     [
         (lambda m, o: m[0].weight.requires_grad_(False), r"'0\.weight' was frozen"),
-        (lambda m, o: o.param_groups[0].update(weight_decay=0.5), r"weight_decay 0\.0 -> 0\.5"),
+        (lambda m, o: o.param_groups[0].update(weight_decay=0.5), r"weight_decay '0' -> 'nonzero'"),
         (lambda m, o: o.param_groups[0].update(eps=1e-6), r"eps 1e-08 -> 1e-06"),
         (lambda m, o: m.load_state_dict(m.state_dict()), r"'0\.weight' of the module was written"),
         (lambda m, o: nn.init.zeros_(m[2].bias), r"'2\.bias' of the module was written in place"),

@@ -81,3 +81,26 @@ def test_momentum_switched_off_is_still_a_change_the_step_refuses() -> None:
     opt.param_groups[0]["momentum"] = 0.0  # no buffer any more: another update
     with pytest.raises(TrainInputError, match=r"momentum 'nonzero' -> '0'"):
         step((torch.randn(8, 8), torch.randn(8, 4)))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "adam", "sgd"])
+def test_a_weight_decay_schedule_set_in_the_loop(kind: str) -> None:
+    """DINO-style: ``param_group["weight_decay"] = schedule[it]`` before every step."""
+    schedule = [0.04, 0.1, 0.2, 0.3, 0.4, 0.5]
+
+    def make_opt(m: nn.Module) -> torch.optim.Optimizer:
+        if kind == "sgd":
+            return torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=0.04)
+        cls = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+        return cls(m.parameters(), lr=1e-2, weight_decay=0.04)
+
+    class WeightDecaySchedule:
+        def __init__(self, opt: torch.optim.Optimizer) -> None:
+            self.opt, self.it = opt, 0
+
+        def step(self) -> None:
+            self.it += 1
+            for group in self.opt.param_groups:
+                group["weight_decay"] = schedule[self.it]
+
+    _run(make_opt, WeightDecaySchedule, steps=5)

@@ -9,7 +9,7 @@ counter. ``step(batch)`` runs forward, backward, optional gradient clipping and 
 one program compiled by ``partita.jit`` from :func:`partita.training.functional_step`, and
 returns the loss.
 
-Each parameter group's ``lr``, and ``betas`` or ``momentum``, are read from
+Each parameter group's ``lr``, ``weight_decay``, and ``betas`` or ``momentum`` are read from
 ``optimizer.param_groups[i]`` at every call and passed as data (:mod:`partita.training.groups`),
 so ``torch.optim.lr_scheduler`` schedulers work unchanged (call ``scheduler.step()``; never
 ``optimizer.step()``). Everything else is fixed when the step is built; a change made later is

@@ -3,7 +3,7 @@ call.
 
 A :class:`~partita.train.TrainStep` copies the parameters and the optimizer's hyperparameters
 once and owns the training state from then on (only what a scheduler moves is read per call:
-each group's ``lr``, and ``betas`` or a nonzero ``momentum``).
+each group's ``lr``, ``betas``, and a nonzero ``momentum`` or ``weight_decay``).
 Changes a PyTorch loop would see at the next ``optimizer.step()`` would otherwise be ignored
 silently: a parameter frozen or unfrozen (``requires_grad``), a hyperparameter edited in
 ``param_groups`` (weight decay, betas, momentum), the module's parameters written in place
@@ -78,16 +78,17 @@ class BuildSnapshot:
 
 def _hyperparameters(group: dict[str, Any]) -> dict[str, Any]:
     out = {k: v for k, v in group.items() if k not in _PER_CALL}
-    if "momentum" in out:  # its value is read per call; whether SGD keeps a buffer is not
-        out["momentum"] = "0" if out["momentum"] == 0 else "nonzero"
+    for key in ("momentum", "weight_decay"):  # values read per call; zero or not is the update
+        if key in out:
+            out[key] = "0" if out[key] == 0 else "nonzero"
     return out
 
 
 def _message(what: str) -> str:
     return (
         f"train_step: {what} after the step was built. The step read the model and the "
-        f"optimizer once and owns the training state since (only each group's lr, betas "
-        f"and momentum are read per call), so this change would be ignored. Build a new "
+        f"optimizer once and owns the training state since (each group's lr, betas, momentum "
+        f"and weight_decay are read per call), so this change would be ignored. Build a new "
         f"step for the new setting (carry the state over: "
         f"new_step.load_state_dict(old_step.state_dict())); to load weights into this step, "
         f"call step.load_state_dict(...) instead of the module's."

@@ -6,8 +6,9 @@ norms (nanoGPT's ``configure_optimizers``, the Hugging Face ``Trainer``). ``trai
 each group's hyperparameters once (:func:`read_param_groups`), keeps one step counter and one
 set of optimizer states (sharded like their parameters) and runs each group's update on its own
 parameters (:meth:`ParamGroups.update`). The hyperparameters a scheduler moves are data, read
-from ``optimizer.param_groups[i]`` at every call (:func:`group_hyperparameters`): ``lr``, and
-``betas`` (Adam) or ``momentum`` (SGD), which OneCycleLR and CyclicLR cycle against the rate;
+from ``optimizer.param_groups[i]`` at every call (:func:`group_hyperparameters`): ``lr``,
+``weight_decay`` (DINO-style schedules set it), and ``betas`` (Adam) or ``momentum`` (SGD),
+which OneCycleLR and CyclicLR cycle against the rate;
 each a float64 tensor with one entry per group, so a scheduler that sets different values per
 group works unchanged.
 
@@ -104,8 +105,9 @@ def _entry(value: Any, index: int) -> Any:
 
 
 def group_hyperparameters(optimizer: torch.optim.Optimizer, kind: str) -> dict[str, torch.Tensor]:
-    """The hyperparameters a scheduler may move, now: ``lr``, and ``beta1`` and ``beta2`` (Adam)
-    or ``momentum`` (SGD); each 0-d for one group, else one entry per group (float64).
+    """The hyperparameters a scheduler may move, now: ``lr``, ``weight_decay``, and ``beta1`` and
+    ``beta2`` (Adam) or ``momentum`` (SGD); each 0-d for one group, else one entry per group
+    (float64).
 
     Example:
         >>> opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1, momentum=0.9)
@@ -113,7 +115,7 @@ def group_hyperparameters(optimizer: torch.optim.Optimizer, kind: str) -> dict[s
         tensor(0.9000, dtype=torch.float64)
     """
     groups = optimizer.param_groups
-    columns = {"lr": [float(g["lr"]) for g in groups]}
+    columns = {key: [float(g[key]) for g in groups] for key in ("lr", "weight_decay")}
     if kind == "sgd":
         columns["momentum"] = [float(g["momentum"]) for g in groups]
     else:

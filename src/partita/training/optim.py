@@ -35,8 +35,8 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 
 Tensors = dict[str, torch.Tensor]
 Lr = float | torch.Tensor
-#: The hyperparameters read at every call: ``{"lr": ..., "beta1": ..., "beta2": ...}`` (Adam) or
-#: ``{"lr": ..., "momentum": ...}`` (SGD), floats or float64 0-d tensors; a bare ``Lr`` is the
+#: The hyperparameters read at every call: ``lr``, ``weight_decay`` and ``beta1``/``beta2``
+#: (Adam) or ``momentum`` (SGD), floats or float64 0-d tensors in a dict; a bare ``Lr`` is the
 #: learning rate alone, the rest coming from the config.
 Hyper = Lr | dict[str, Lr]
 
@@ -150,13 +150,18 @@ def _f32(x: float | torch.Tensor) -> float | torch.Tensor:
     return x.to(torch.float32) if isinstance(x, torch.Tensor) else x
 
 
-def scheduled(hyper: Hyper, cfg: OptimizerConfig) -> tuple[Lr, Lr, Lr, Lr]:
-    """``(lr, beta1, beta2, momentum)`` now: from ``hyper`` where it has them (a scheduler such
-    as OneCycleLR moves ``betas`` or ``momentum`` every step), else the config's."""
+def scheduled(hyper: Hyper, cfg: OptimizerConfig) -> tuple[Lr, Lr, Lr, Lr, Lr]:
+    """``(lr, beta1, beta2, momentum, weight_decay)`` now: from ``hyper`` where it has them (a
+    scheduler such as OneCycleLR moves ``betas`` or ``momentum`` every step; DINO-style loops
+    set ``weight_decay``), else the config's."""
     if not isinstance(hyper, dict):
-        return hyper, cfg.betas[0], cfg.betas[1], cfg.momentum
+        return hyper, cfg.betas[0], cfg.betas[1], cfg.momentum, cfg.weight_decay
     beta1, beta2 = hyper.get("beta1", cfg.betas[0]), hyper.get("beta2", cfg.betas[1])
-    return hyper["lr"], beta1, beta2, hyper.get("momentum", cfg.momentum)
+    momentum, decay = (
+        hyper.get("momentum", cfg.momentum),
+        hyper.get("weight_decay", cfg.weight_decay),
+    )
+    return hyper["lr"], beta1, beta2, momentum, decay
 
 
 @trace_once(any_sizes=True)
@@ -168,17 +173,17 @@ def _adam_param(
     step_size: torch.Tensor,
     bias2_sqrt: torch.Tensor,
     decay: float | torch.Tensor,
-    betas: tuple[Lr, Lr, Lr],
+    scalars: tuple[Lr, Lr, Lr, Lr],
     cfg: OptimizerConfig,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One parameter's Adam(W) update: ``(new p, new exp_avg, new exp_avg_sq)``; ``betas`` is
-    ``(1 - beta1, beta2, 1 - beta2)`` in float32."""
-    one_minus_beta1, beta2, one_minus_beta2 = betas
+    """One parameter's Adam(W) update: ``(new p, new exp_avg, new exp_avg_sq)``; ``scalars``
+    is ``(1 - beta1, beta2, 1 - beta2, weight_decay)`` in float32."""
+    one_minus_beta1, beta2, one_minus_beta2, weight_decay = scalars
     g = -g if cfg.maximize else g
     if cfg.kind == "adamw":
         p = p * decay  # decoupled weight decay
-    elif cfg.weight_decay:
-        g = g + cfg.weight_decay * p  # Adam: L2 penalty in the gradient
+    elif cfg.weight_decay:  # nonzero when the step was built (train_snapshot keeps it so)
+        g = g + weight_decay * p  # Adam: L2 penalty in the gradient
     m = m + one_minus_beta1 * (g - m)  # torch.lerp(m, g, 1 - beta1) for a weight < 0.5
     v = v * beta2 + one_minus_beta2 * g * g
     denom = torch.sqrt(v) / bias2_sqrt + cfg.eps
@@ -188,16 +193,16 @@ def _adam_param(
 def _adam(
     params: Tensors, grads: Tensors, state: dict[str, Any], hyper: Hyper, cfg: OptimizerConfig
 ) -> tuple[Tensors, dict[str, Any]]:
-    lr, beta1, beta2, _ = scheduled(hyper, cfg)
+    lr, beta1, beta2, _, weight_decay = scheduled(hyper, cfg)
     step = state["step"] + 1
     # Scalars in float64 like torch.optim's Python-float arithmetic, then rounded once.
     step64 = step.to(torch.float64)
     lr64 = lr.to(torch.float64) if isinstance(lr, torch.Tensor) else lr
     step_size = (lr64 / (1 - torch.pow(beta1, step64))).to(torch.float32)
     bias2_sqrt = torch.sqrt(1 - torch.pow(beta2, step64)).to(torch.float32)
-    decay = _f32(1 - lr64 * cfg.weight_decay)
+    decay = _f32(1 - lr64 * weight_decay)
     # Rounded to float32 once, as torch.optim's kernels round these Python floats.
-    betas = (_f32(1 - beta1), _f32(beta2), _f32(1 - beta2))
+    scalars = (_f32(1 - beta1), _f32(beta2), _f32(1 - beta2), _f32(weight_decay))
     # A parameter without a gradient (unused by forward) keeps its values: torch.optim skips
     # it too. The others are updated by one placeholder (trace_once's each).
     new_params = dict(params)
@@ -206,7 +211,7 @@ def _adam(
     updated = [name for name in params if name in grads]
     news = _adam_param.each(  # type: ignore[attr-defined]
         [
-            (params[n], grads[n], new_m[n], new_v[n], step_size, bias2_sqrt, decay, betas, cfg)
+            (params[n], grads[n], new_m[n], new_v[n], step_size, bias2_sqrt, decay, scalars, cfg)
             for n in updated
         ]
     )
@@ -223,12 +228,13 @@ def _sgd_param(
     first: torch.Tensor,
     lr32: float | torch.Tensor,
     momentum: float | torch.Tensor,
+    weight_decay: float | torch.Tensor,
     cfg: OptimizerConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One parameter's SGD update: ``(new p, new momentum_buffer)``."""
     g = -g if cfg.maximize else g
-    if cfg.weight_decay:
-        g = g + cfg.weight_decay * p
+    if cfg.weight_decay:  # nonzero when the step was built (train_snapshot keeps it so)
+        g = g + weight_decay * p
     if cfg.momentum:
         # torch.optim.SGD starts the buffer at g, then buf * momentum + (1 - dampening) * g
         if cfg.dampening:
@@ -242,14 +248,17 @@ def _sgd_param(
 def _sgd(
     params: Tensors, grads: Tensors, state: dict[str, Any], hyper: Hyper, cfg: OptimizerConfig
 ) -> tuple[Tensors, dict[str, Any]]:
-    lr, _, _, momentum = scheduled(hyper, cfg)
-    lr32, momentum = _f32(lr), _f32(momentum)
+    lr, _, _, momentum, weight_decay = scheduled(hyper, cfg)
+    lr32, momentum, weight_decay = _f32(lr), _f32(momentum), _f32(weight_decay)
     first = state["step"] == 0
     new_params = dict(params)
     new_buf = {name: state["momentum_buffer"][name] for name in params}
     updated = [name for name in params if name in grads]  # as in _adam
     news = _sgd_param.each(  # type: ignore[attr-defined]
-        [(params[n], grads[n], new_buf[n], first, lr32, momentum, cfg) for n in updated]
+        [
+            (params[n], grads[n], new_buf[n], first, lr32, momentum, weight_decay, cfg)
+            for n in updated
+        ]
     )
     for name, (p, buf) in zip(updated, news, strict=True):
         new_params[name], new_buf[name] = p, buf
