@@ -135,6 +135,7 @@ class DistributedMesh:
         self.rank = dist.get_rank()
         self.position = mesh.position(self.rank)
         self._groups: dict[tuple[str, ...], Group | None] = {}
+        self._coordinates: dict[tuple[str, ...], int] = {}
         # Every rank creates every group in the same order (new_group is collective), each
         # with the bounded collective timeout (runtime.comm says why that matters).
         self._pgs = create_mesh_groups(mesh, self.rank)
@@ -184,7 +185,10 @@ class DistributedMesh:
     def group(self, mesh_axes: Sequence[str]) -> Group | None:
         """This rank's group over ``mesh_axes`` (None when the group is this device alone)."""
         self._require_open()
-        key = tuple(self.mesh.axis_name(a) for a in mesh_axes)
+        raw = tuple(mesh_axes)  # as the graph spells them: no name lookups per call
+        if raw in self._groups:
+            return self._groups[raw]
+        key = tuple(self.mesh.axis_name(a) for a in raw)
         if key not in self._groups:
             pg = self._pgs[frozenset(key)].get(self.rank) if key else None
             if pg is None:
@@ -193,6 +197,7 @@ class DistributedMesh:
                 (members,) = [g for g in self.mesh.groups(key) if self.rank in g]
                 torch_order = tuple(dist.get_process_group_ranks(pg))
                 self._groups[key] = Group(pg, tuple(members), torch_order, members.index(self.rank))
+        self._groups[raw] = self._groups[key]
         return self._groups[key]
 
     # --- the mesh ops on local tensors -------------------------------------------------------
@@ -271,12 +276,13 @@ class DistributedMesh:
         return x.narrow(dim, self._coordinate(mesh_axes) * chunk, chunk).contiguous()
 
     def _coordinate(self, mesh_axes: Sequence[str]) -> int:
-        coords = self.mesh.coords(self.rank)
-        out = 0
-        for a in mesh_axes:
-            name = self.mesh.axis_name(a)
-            out = out * self.mesh.axis_size(name) + coords[name]
-        return out
+        raw = tuple(mesh_axes)
+        if raw not in self._coordinates:
+            coords, out = self.mesh.coords(self.rank), 0
+            for name in (self.mesh.axis_name(a) for a in raw):
+                out = out * self.mesh.axis_size(name) + coords[name]
+            self._coordinates[raw] = out
+        return self._coordinates[raw]
 
     # --- running -----------------------------------------------------------------------------
 
@@ -301,18 +307,11 @@ class DistributedMesh:
             copies = 2 if dist.get_backend() == "gloo" else 1  # Gloo gathers via a temporary
             schedule_overlap(graph, ASYNC_OPS, self.start, self.wait, _kind, overlap, sizes, copies)
         for node in graph.nodes:
-            if node.op != "call_function":
-                continue
-            if node.target in _BOUND_OPS:
-                name = node.name
+            if node.op == "call_function" and node.target in _BOUND_OPS:
                 node.target = self._impls[node.target]
-                node.kwargs = {**node.kwargs, "node": name}
-            elif node.target == self.start:  # launched by the overlap schedule
-                name = node.kwargs["node"]
-            else:
-                continue
-            if name in donated:
-                node.kwargs = {**node.kwargs, "donate": True}
+                node.kwargs = {**node.kwargs, "node": node.name}
+            if node.op == "call_function" and node.kwargs.get("node") in donated:
+                node.kwargs = {**node.kwargs, "donate": True}  # a mesh op or its start
         return fx.GraphModule(gm, graph, class_name="RankProgram")
 
     def compiled(self, gm: fx.GraphModule) -> fx.GraphModule:
