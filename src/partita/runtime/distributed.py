@@ -247,7 +247,7 @@ class DistributedMesh:
         recv_from = srcs[dsts.index(self.rank)] if self.rank in dsts else None
         if recv_from == self.rank:
             return x.clone()
-        out = torch.zeros_like(x)
+        out = torch.zeros_like(x) if recv_from is None else torch.empty_like(x)  # recv fills it
         p2p = []
         if send_to is not None and send_to != self.rank:
             p2p.append(dist.P2POp(dist.isend, x.contiguous(), send_to))
