@@ -51,7 +51,7 @@ from partita.train_memory import full_values, state_memory
 from partita.train_snapshot import BuildSnapshot
 from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
 from partita.training import functional_step, init_opt_state, optimizer_config
-from partita.training.groups import group_hyperparameters, read_param_groups
+from partita.training.groups import RESTORED_KEYS, group_hyperparameters, read_param_groups
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
 
@@ -283,16 +283,16 @@ class TrainStep:
         returns the missing and unexpected ones, like ``nn.Module.load_state_dict``. Without
         an ``"optimizer"`` entry only the model is loaded. Floating-point tensors are cast to
         the state's dtype; other dtype changes are refused (see ``partita.train_state``). Each
-        parameter group's learning rate (``lr``, and a scheduler's ``initial_lr``) is restored
-        into the optimizer, as ``torch.optim`` does; the other hyperparameters are the
-        compiled step's and stay.
+        parameter group's ``lr``, ``betas``, ``momentum``, ``weight_decay`` (what the step reads
+        per call) and a scheduler's ``initial_lr`` are restored into the optimizer, as
+        ``torch.optim`` does; the other hyperparameters are the compiled step's and stay.
         """
         current = {**self.params, **self.buffers}
         moments = {k: v for k, v in self.opt_state.items() if k != "step"}
         new = load_state(self._layout, state_dict, current, moments, strict=strict)
         loaded_groups = (state_dict.get("optimizer") or {}).get("param_groups", ())
         for group, loaded in zip(self.optimizer.param_groups, loaded_groups, strict=False):
-            group.update({k: loaded[k] for k in ("lr", "initial_lr") if k in loaded})
+            group.update({k: loaded[k] for k in RESTORED_KEYS if k in loaded and k in group})
 
         def put(old: ShardedTensor, value: torch.Tensor | None) -> ShardedTensor:
             return old if value is None else ShardedTensor.from_global(value, old.sharding)

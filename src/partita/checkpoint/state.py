@@ -31,6 +31,7 @@ from partita.checkpoint.tiles import Tiles, assemble, tiles_to_read, tiles_to_wr
 from partita.errors import CheckpointError
 from partita.tensor import ShardedTensor
 from partita.train_state import ShardedState, set_sharded_state, sharded_state
+from partita.training.groups import RESTORED_KEYS
 
 __all__ = [
     "RESERVED",
@@ -136,11 +137,12 @@ def request_for_load(
         for key, tensors in state.moments.items():
             entry[key] = tiles_to_read(f"optimizer.state.{name}.{key}", tensors[name])
         per_param[name] = entry
-    groups = []  # each group's learning rate (the other hyperparameters are the step's)
-    for i in range(len(train_step.optimizer.param_groups)):
-        group: dict[str, Any] = {"lr": None}
-        if f"optimizer.param_groups.{i}.initial_lr" in metadata.state_dict_metadata:
-            group["initial_lr"] = None
+    groups = []  # what the step reads per call (the other hyperparameters are the step's)
+    saved = metadata.state_dict_metadata
+    for i, now in enumerate(train_step.optimizer.param_groups):
+        keys = [k for k in RESTORED_KEYS if f"optimizer.param_groups.{i}.{k}" in saved
+                and (k in now or k == "initial_lr")]  # fmt: skip
+        group: dict[str, Any] = {"lr": None, **dict.fromkeys(keys)}
         groups.append(group)
     out["optimizer"] = {"state": per_param, "param_groups": groups}
     out["step"] = torch.empty((), dtype=state.step.dtype)

@@ -27,7 +27,17 @@ import torch
 
 from partita.training.optim import OptimizerConfig, group_config
 
-__all__ = ["ParamGroups", "group_hyperparameters", "optimizer_params", "read_param_groups"]
+__all__ = [
+    "RESTORED_KEYS",
+    "ParamGroups",
+    "group_hyperparameters",
+    "optimizer_params",
+    "read_param_groups",
+]
+
+#: What loading a checkpoint restores into each optimizer group, as ``torch.optim`` does: the
+#: hyperparameters the step reads per call, and the scheduler's ``initial_lr``.
+RESTORED_KEYS = ("lr", "initial_lr", "betas", "momentum", "weight_decay")
 
 Tensors = dict[str, torch.Tensor]
 Update = Callable[
