@@ -1,4 +1,5 @@
-"""A call whose result shape comes from the data stops capture with the fix for that call.
+"""A call whose result shape comes from the data, or a higher-order op (``torch.cond``,
+``flex_attention``), stops capture with the fix for that call.
 
 Each case is a common PyTorch idiom that cannot be captured as written (capture runs on fake
 tensors: shapes, no values). The CaptureError must name the user's line and lead with the
@@ -52,3 +53,30 @@ def test_other_data_dependent_code_gets_the_generic_hint() -> None:
     step = partita.jit(lambda x: x * 2 if x.sum() > 0 else x, mesh=MESH, in_specs=(P(),))
     with pytest.raises(CaptureError, match=r"^Cannot trace .*This is data-dependent"):
         step(X)
+
+
+def _cond(x: torch.Tensor) -> torch.Tensor:
+    return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
+
+
+def _flex(x: torch.Tensor) -> torch.Tensor:
+    from torch.nn.attention.flex_attention import flex_attention
+
+    q = x.view(1, 1, 6, 4)
+    return flex_attention(q, q, q)
+
+
+@pytest.mark.parametrize(
+    ("fn", "name", "fix"),
+    [(_cond, "cond", "torch.where(pred, a, b)"), (_flex, "flex_attention", "sdpa")],
+    ids=["cond", "flex_attention"],
+)
+def test_higher_order_op_names_itself_and_the_fix(fn: Any, name: str, fix: str) -> None:
+    """Was torch's "no rule registered for HigherOrderOperator ... and mode <_CaptureMode>",
+    presented as the function's own bug."""
+    with pytest.raises(CaptureError) as info:
+        partita.jit(fn, mesh=MESH, in_specs=(P(),))(X)
+    message = str(info.value)
+    assert "test_data_dependent_fixes.py:" in message
+    assert f"higher-order op {name} " in message and fix in message
+    assert "_CaptureMode" not in message and "itself raised" not in message

@@ -99,6 +99,36 @@ _FIXES: tuple[tuple[str, str], ...] = (
 )
 
 
+#: Higher-order ops (a function as an argument) that capture cannot trace into, and what to write.
+_HOP_FIXES: dict[str, str] = {
+    "cond": "compute both branches and pick with torch.where(pred, a, b)",
+    "while_loop": "loop in Python over a count known when tracing (it is unrolled)",
+    "flex_attention": (
+        "use F.scaled_dot_product_attention with the mask as a tensor (a score_mod or block "
+        "mask can be written as an additive mask; in transformers pass "
+        "attn_implementation='sdpa')"
+    ),
+    "scan": "loop in Python over the sequence (it is unrolled)",
+    "map": "loop in Python over the leading dim, or vectorise the body",
+}
+_HOP = re.compile(r"no rule registered for HigherOrderOperator (\w+)")
+
+
+def _higher_order_error(head: str, e: BaseException) -> CaptureError | None:
+    """The CaptureError of a higher-order op (``torch.cond``, ``flex_attention`` ...) that
+    capture's functionalization has no rule for, or None if ``e`` is not one."""
+    m = next((m for err in _chain(e) if (m := _HOP.search(str(err)))), None)
+    if m is None:
+        return None
+    name = m.group(1)
+    fix = _HOP_FIXES.get(name, "write its body as plain tensor ops")
+    where = head.split(": ", 1)[0]
+    return CaptureError(
+        f"{where}: the higher-order op {name} (a function passed as an argument: torch.cond, "
+        f"while_loop, flex_attention, ...) cannot be captured by partita. Instead, {fix}."
+    )
+
+
 def _user_code(tb: TracebackType | None) -> str:
     """The text of the innermost user line of a traceback ('' if unknown)."""
     text = ""
@@ -157,6 +187,9 @@ def capture_error(fn_name: str, e: BaseException) -> CaptureError:
     head = f"Cannot trace {fn_name!r}{at}: {type(e).__name__}: {_first_line(e)}"
     if is_data_dependent(e):
         return CaptureError(f"{head}. {_hint(_user_code(e.__traceback__), str(e))}")
+    higher_order = _higher_order_error(head, e)
+    if higher_order is not None:
+        return higher_order
     return CaptureError(
         f"{head}. The function itself raised this while being captured (not partita's "
         f"sharding). If it runs eagerly on the same inputs, note that capture runs it with "
