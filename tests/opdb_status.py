@@ -127,10 +127,6 @@ STATUS: dict[str, tuple[str, str]] = {
     "signal.windows.exponential": ("SKIP", "random"),
     "sparse.mm.reduce": ("SKIP", "sparse or other non-strided layout"),
     "sparse.sampled_addmm": ("SKIP", "sparse or other non-strided layout"),
-    "take": (
-        "CAPTURE",
-        "GuardOnDataDependentSymNode: Could not extract specialized integer from data-dep",
-    ),
     "tensor_split": (
         "CAPTURE",
         "RuntimeError: The tensor has a non-zero number of elements, but its data is not ",

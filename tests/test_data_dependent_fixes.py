@@ -33,6 +33,7 @@ CASES: list[tuple[str, Callable[..., Any], tuple[torch.Tensor, ...], str]] = [
     ("tensor_split", lambda x: torch.tensor_split(x, torch.tensor([1, 3])), (X,), "list of ints"),
     ("narrow", lambda x, i: x.narrow(0, i[0], 2), (X, I), "start as an int"),
     ("unique", lambda i: torch.unique(i), (I,), "distinct values"),
+    ("cov", lambda x: torch.cov(x), (X,), "xm @ xm.T"),
 ]
 
 
@@ -80,3 +81,11 @@ def test_higher_order_op_names_itself_and_the_fix(fn: Any, name: str, fix: str) 
     assert "test_data_dependent_fixes.py:" in message
     assert f"higher-order op {name} " in message and fix in message
     assert "_CaptureMode" not in message and "itself raised" not in message
+
+
+def test_take_with_a_0d_index_is_not_data_dependent() -> None:
+    """torch's decomposition of take indexes with the index tensor (``flat[index]``): a 0-d
+    index became a Python int, read from the data; capture decomposes it to ``index.Tensor``."""
+    index = torch.tensor(7)
+    step = partita.jit(lambda x, i: torch.take(x, i), mesh=MESH, in_specs=(P("x"), P()))
+    torch.testing.assert_close(step(X, index).full(), torch.take(X, index))

@@ -263,7 +263,14 @@ def _weight_norm_interface_backward(
 #: ``nn.MultiheadAttention`` skips its own fast path while ``make_fx`` traces, this layer does
 #: not), ``nn.Embedding(max_norm=...)``'s in-place renormalisation of the looked-up rows, and
 #: the backward of ``torch.nn.utils.parametrizations.weight_norm``.
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``take`` as an index of the flattened tensor. The core decomposition writes
+    ``flat[index]``, which turns a 0-d index into a Python int (a value capture cannot read)."""
+    return aten.index.Tensor(x.reshape(-1), [index])
+
+
 NN_KERNEL_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
+    aten.take.default: _take,
     aten._transformer_encoder_layer_fwd.default: _transformer_encoder_layer_fwd,
     aten.embedding_renorm.default: _embedding_renorm,
     aten._weight_norm_interface_backward.default: _weight_norm_interface_backward,

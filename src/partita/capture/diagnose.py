@@ -92,6 +92,11 @@ _FIXES: tuple[tuple[str, str], ...] = (
         "index_select(dim, start + torch.arange(length)).",
     ),
     (
+        r"\b(cov|corrcoef)\(",
+        "torch.cov and torch.corrcoef check values inside; write it out: xm = x - x.mean(1, "
+        "keepdim=True); xm @ xm.T / (x.shape[1] - 1).",
+    ),
+    (
         r"\bunique",
         "unique has as many elements as the data has distinct values: compute it outside the "
         "jitted function.",
