@@ -34,6 +34,7 @@ CASES: list[tuple[str, Callable[..., Any], tuple[torch.Tensor, ...], str]] = [
     ("narrow", lambda x, i: x.narrow(0, i[0], 2), (X, I), "start as an int"),
     ("unique", lambda i: torch.unique(i), (I,), "distinct values"),
     ("cov", lambda x: torch.cov(x), (X,), "xm @ xm.T"),
+    ("gaussian_nll", lambda x: F.gaussian_nll_loss(x, x * 0, x.abs() + 1), (X,), "clamp_min"),
 ]
 
 

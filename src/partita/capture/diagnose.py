@@ -97,6 +97,16 @@ _FIXES: tuple[tuple[str, str], ...] = (
         "keepdim=True); xm @ xm.T / (x.shape[1] - 1).",
     ),
     (
+        r"gaussian_nll_loss|GaussianNLLLoss",
+        "F.gaussian_nll_loss checks any(var < 0) in Python; write the loss out: "
+        "v = var.clamp_min(eps); (0.5 * (v.log() + (input - target) ** 2 / v)).mean().",
+    ),
+    (
+        r"ctc_loss|CTCLoss",
+        "ctc_loss sizes its work by the longest target, a value: compute it outside the "
+        "jitted function.",
+    ),
+    (
         r"\bunique",
         "unique has as many elements as the data has distinct values: compute it outside the "
         "jitted function.",
