@@ -73,11 +73,13 @@ def test_traced_once_the_eager_runs_cost_as_much(monkeypatch: pytest.MonkeyPatch
     assert nodes > 10**12 and seconds > 1e-12
 
 
-def test_the_first_run_is_never_traced_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_first_two_runs_are_not_traced_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     tracer = flat_trace.FlatTracer()
     monkeypatch.delenv(flat_trace.TRACE_AT_ENV, raising=False)
     monkeypatch.setattr(flat_trace, "_TRACED", [0.0, 0])
     assert not tracer.due(0)
+    tracer.spent(5.0)  # the first run is not counted
+    assert not tracer.due(0) and tracer.seconds == 0.0
     tracer.spent(0.0)
     assert tracer.due(0)
     monkeypatch.setenv(flat_trace.TRACE_AT_ENV, "1")

@@ -10,8 +10,9 @@ So a segment is traced once its eager runs have cost as much as the trace is exp
 (ski rental: whatever the number of runs, the time spent is at most twice what the best
 choice in hindsight would have spent). The expected cost is the segment's node count times
 the seconds per node of the traces made so far in this process (1 ms per node before the
-first). A large segment whose eager run is long (a GPT step's forward or backward) is traced
-at its second or third run; a tiny model's forward after some dozens of calls, and a function
+first); both are thread CPU time, and a segment's first run is not counted (it also pays
+one-time costs). A large segment whose eager run is long (a GPT step's forward or backward)
+is traced at its third run; a tiny model's forward after some dozens of calls, and a function
 called a few times never. The runs are counted per segment, not per input signature: a flat
 graph's outputs may have other strides than vmap's, so tracing one segment changes the
 signature of the next; counted per signature, each segment waited a call more than the one
@@ -89,18 +90,22 @@ class FlatTracer:
             return at > 0 and self.runs + 1 >= at
         seconds, nodes = _TRACED
         per_node = seconds / nodes if nodes else _DEFAULT_SECONDS_PER_NODE
-        return self.runs > 0 and self.seconds >= per_node * n_nodes
+        return self.runs > 1 and self.seconds >= per_node * n_nodes
 
     def spent(self, seconds: float) -> None:
+        """Record an eager run. The first is not counted: it also pays one-time costs (the
+        dispatcher's and the allocator's first use), which would trace a segment early."""
         self.runs += 1
-        self.seconds += seconds
+        if self.runs > 1:
+            self.seconds += seconds
 
 
 def timed_run(fn: Callable[..., Any], args: list[Any], tracer: FlatTracer) -> Any:
-    """``fn(*args)``, its wall time recorded as one eager run."""
-    start = time.perf_counter()
+    """``fn(*args)``, its thread CPU time recorded as one eager run (CPU time, as the traces
+    are timed: other processes' load inflates neither)."""
+    start = time.thread_time()
     out = fn(*args)
-    tracer.spent(time.perf_counter() - start)
+    tracer.spent(time.thread_time() - start)
     return out
 
 
@@ -108,7 +113,7 @@ def trace_flat(fn: Callable[..., Any], args: list[Any], n_nodes: int = 0) -> Cal
     """``fn`` (nested vmaps) traced on ``args``' metadata to a flat graph of batched aten
     ops, or ``fn`` itself when its batching rules cannot be traced. ``n_nodes`` (the
     segment's) calibrates the cost estimate of later traces."""
-    start = time.perf_counter()
+    start = time.thread_time()
     try:
         flat = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
     except Exception:  # a batching rule that make_fx cannot trace: vmap stays correct
@@ -121,7 +126,7 @@ def trace_flat(fn: Callable[..., Any], args: list[Any], n_nodes: int = 0) -> Cal
     fold_broadcast_bmms(flat)
     fuse_bias_adds(flat)
     if n_nodes:
-        _TRACED[0] += time.perf_counter() - start
+        _TRACED[0] += time.thread_time() - start
         _TRACED[1] += n_nodes
     return flat
 
