@@ -205,6 +205,14 @@ def capture_error(fn_name: str, e: BaseException) -> CaptureError:
     higher_order = _higher_order_error(head, e)
     if higher_order is not None:
         return higher_order
+    if any("Cannot access data pointer of Tensor" in str(err) for err in _chain(e)):
+        return CaptureError(
+            f"{head}. A compiled kernel (a torch.compile'd function such as flex_attention's, "
+            f"a C++ extension, a Triton kernel) ran on capture's fake tensors, which have no "
+            f"data: partita must see the torch ops themselves. Call the uncompiled code (in "
+            f"transformers, attn_implementation='sdpa' instead of 'flex_attention'), or wrap "
+            f"the kernel as a custom op (torch.library.custom_op) with a sharding rule."
+        )
     return CaptureError(
         f"{head}. The function itself raised this while being captured (not partita's "
         f"sharding). If it runs eagerly on the same inputs, note that capture runs it with "

@@ -52,18 +52,23 @@ _USER_DIRS_IN_PARTITA = tuple(
 )
 STACK_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
-is_internal_cache: dict[CodeType, bool] = {}
+_is_internal_cache: dict[CodeType, bool] = {}
 
 
 def is_internal(code: CodeType) -> bool:
-    hit = is_internal_cache.get(code)
+    hit = _is_internal_cache.get(code)
     if hit is None:
         name = code.co_filename
         if name.startswith(_PARTITA_DIR):
             hit = not name.startswith(_USER_DIRS_IN_PARTITA)
         else:
-            hit = name.startswith(_TORCH_DIR) or name.startswith("<") or "/torch/" in name
-        is_internal_cache[code] = hit
+            hit = (
+                name.startswith(_TORCH_DIR)
+                or name.startswith("<")
+                or "/torch/" in name
+                or "torchinductor" in name  # code torch.compile generated (its cache dir)
+            )
+        _is_internal_cache[code] = hit
     return hit
 
 

@@ -357,17 +357,22 @@ def _distinct(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
 def _compiling() -> Iterator[None]:
     """Say that a compiler is tracing, as torch.export does: model libraries check
     ``torch.compiler.is_compiling()`` to skip data-dependent Python branches
-    (``if mask.all(): ...``) that cannot run on fake tensors."""
+    (``if mask.all(): ...``) that cannot run on fake tensors. torch.compile'd functions run
+    eagerly meanwhile (``set_stance("force_eager")``)."""
     old = torch.compiler._is_compiling_flag
     torch.compiler._is_compiling_flag = True
     # A CPU nn.LSTM picks oneDNN's fused layer (aten.mkldnn_rnn_layer: no sharding rule) while
     # oneDNN is on; off, it traces to its cells' matmuls and activations, as nn.GRU and nn.RNN
     # do. The flag only selects kernels: every other traced op is the same. (Not
     # torch.backends.mkldnn.flags, which also sets the TF32 precision and warns about it.)
+    # A torch.compile'd function called inside (a compiled submodule, transformers' flex
+    # attention masks) runs its Python code, traced like the rest: compiled, its kernel would
+    # run on fake tensors, which have no data.
     mkldnn = torch._C._get_mkldnn_enabled()
     torch._C._set_mkldnn_enabled(False)
     try:
-        yield
+        with torch.compiler.set_stance("force_eager"):
+            yield
     finally:
         torch._C._set_mkldnn_enabled(mkldnn)
         torch.compiler._is_compiling_flag = old
