@@ -113,6 +113,11 @@ SUBSET: tuple[str, ...] = (
     "isnan",
     "to",
     "float",
+    # integer- and complex-only entries (int64 / complex64 samples)
+    "bitwise_left_shift",
+    "gcd",
+    "view_as_real",
+    "nn.functional.one_hot",
     # reductions
     "sum",
     "mean",
@@ -155,6 +160,8 @@ SUBSET: tuple[str, ...] = (
     "masked_fill",
     "index_add",
     "scatter_add",
+    "scatter",
+    "take",
     "__getitem__",
     # matmuls and linear algebra
     "mm",
