@@ -10,7 +10,10 @@ mesh and compares it with ``torch.optim``, as ``tests/test_models.py`` does for 
 About 30 s per model and preset on 2 cores: 128 cases are too many for every CI run, so they
 run on demand (before a release, after a change to the rules or the presets); the results are
 the tables of docs/models.md, "More models, checked on demand" and "More families, checked by
-hand". Without the variable every case is skipped with that reason.
+hand". Without the variable every case is skipped with that reason. 32 more families (newer
+decoder LMs and their mixtures of experts, Pegasus, Marian, mT5, T5Gemma, SigLIP, DINOv2, CLIP
+and SigLIP with their contrastive loss ...) are in ``tests/test_model_zoo_more.py``, run the same
+way.
 """
 
 from __future__ import annotations
