@@ -1,19 +1,28 @@
-"""When the LocalMesh traces a segment to a flat graph (``runtime.flat_trace``), and that each
-step drops the values nothing reads after it (``SegmentPlan.frees``)."""
+"""When the LocalMesh traces a segment to a flat graph (``runtime.flat_trace``), that each
+step drops the values nothing reads after it (``SegmentPlan.frees``), and that contractions run
+where their operands are complete (``runtime.step_order``)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, fx
+from torch.utils import _pytree as pytree
 
+import partita
+from partita import P
 from partita import collectives as coll
 from partita.capture import trace
 from partita.errors import JitArgumentError
 from partita.mesh import Mesh
-from partita.runtime import flat_trace
+from partita.runtime import flat_trace, step_order
+from partita.runtime.executor import executor_for
 from partita.runtime.local import LocalMesh
 from partita.runtime.segments import Segment
+
+from programs import gpt_step  # isort: skip
 
 MESH = Mesh.create((2, 2), ("x", "y"))
 
@@ -110,3 +119,42 @@ def test_each_step_drops_what_nothing_reads_later() -> None:
                 node in (s.inputs if isinstance(s, Segment) else s.all_input_nodes) for s in later
             )
     assert len(plan.frees) == len(plan.steps)
+
+
+def _fsdp_gpt(monkeypatch: pytest.MonkeyPatch, min_chunk: int) -> tuple[list[Any], Any]:
+    """A tiny GPT FSDP step on 4 devices with segments cut after ``min_chunk`` nodes."""
+    monkeypatch.setattr(step_order, "_MIN_CHUNK", min_chunk)
+    step, args = gpt_step(batch=4)
+    mesh = Mesh.create((4,), ("d",))
+    pspecs = {k: P("d") if v.shape[0] % 4 == 0 else P() for k, v in args[0].items()}
+    state_specs = {k: (pspecs if isinstance(v, dict) else P()) for k, v in args[2].items()}
+    in_specs = (pspecs, {k: P() for k in args[1]}, state_specs, (P("d"), P("d")))
+    jitted = partita.jit(step, mesh=mesh, in_specs=in_specs)
+    outs = [jitted(*args) for _ in range(3)]  # eager, traced, flat
+    leaves = [[x.full() for x in pytree.tree_leaves(o)] for o in outs]
+    plan = executor_for(mesh)._plan(jitted._cache[next(iter(jitted._cache))].local)
+    return leaves, plan
+
+
+def test_contractions_run_where_their_operands_are_complete(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A weight gradient's matmul runs after the part of the backward that completes its
+    operands (then they are dropped), not after the whole backward; the results are the
+    same bit for bit as with the backward uncut."""
+    monkeypatch.setenv(flat_trace.TRACE_AT_ENV, "2")
+    cut, plan = _fsdp_gpt(monkeypatch, 4)
+    whole, whole_plan = _fsdp_gpt(monkeypatch, 10**9)
+    for a, b in zip(cut, whole, strict=True):
+        for x, y in zip(a, b, strict=True):
+            assert torch.equal(x, y)
+    kinds = ["S" if isinstance(s, Segment) else "n" for s in plan.steps]
+    whole_kinds = ["S" if isinstance(s, Segment) else "n" for s in whole_plan.steps]
+    assert kinds.count("S") > whole_kinds.count("S")
+    # some contraction runs between two segments of the same depth
+    names = [s.gm.__class__.__name__ if isinstance(s, Segment) else "" for s in plan.steps]
+    assert any(
+        names[i - 1] and names[i + 1] and names[i - 1].split("_")[0] == names[i + 1].split("_")[0]
+        for i in range(1, len(names) - 1)
+        if not names[i]
+    )

@@ -6,6 +6,8 @@ longest path from the inputs; each segment becomes its own ``GraphModule`` run a
 flat graph of batched aten ops once its eager runs with one input signature have cost as
 much as that trace (``runtime.flat_trace``; ``partita.runtime.local`` says why), in which
 ``runtime.flat_matmul`` folds broadcast bmms.
+A depth's segment is cut further where a contraction's operands are complete
+(``runtime.step_order``), so the contraction runs there and its operands can go.
 This module builds and runs segments; :class:`~partita.runtime.local.LocalMesh` runs the
 mesh ops between them.
 """
@@ -20,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx
-from torch.utils import _pytree as pytree
 
 from partita.collectives import MESH_OPS
 from partita.collectives_bucket import BUCKET_OPS
@@ -36,6 +37,7 @@ from partita.runtime.flat_trace import (
     trace_flat,
     vmap_axis,
 )
+from partita.runtime.step_order import chunks_at_contractions, last_uses
 from partita.runtime.subgraph import copy_nodes
 
 __all__ = [
@@ -245,53 +247,31 @@ def plan_segments(gm: fx.GraphModule, mesh: Mesh | None = None) -> SegmentPlan:
         else:
             depth[node] = d
             by_depth.setdefault(d, []).append(node)
-    local = {node for nodes in by_depth.values() for node in nodes}
-    users_at: dict[fx.Node, set[int]] = {}  # where each value is read: segment or -1 (outside)
+    chunks = {
+        d: chunks_at_contractions(nodes, [c for c in contractions if depth[c] == d])
+        for d, nodes in by_depth.items()
+    }
+    seg_of = {n: (d, k) for d, cs in chunks.items() for k, (ns, _) in enumerate(cs) for n in ns}
+    users_at: dict[fx.Node, set[Any]] = {}  # where each value is read: segment or -1 (outside)
     for node in graph.nodes:
         if node in skipped:
             continue
-        where = depth[node] if node in local else -1
+        where = seg_of.get(node, -1)
         for i in take_inputs(node, takes[node]) if node in takes else node.all_input_nodes:
             users_at.setdefault(i, set()).add(where)
     steps: list[Segment | fx.Node] = []
     last = max([*by_depth, *(depth[m] for m in (*mesh_nodes, *contractions))], default=0)
     for d in range(last + 1):
         steps += [m for m in mesh_nodes if depth[m] == d]
-        if d in by_depth:
-            steps.append(_build_segment(gm, by_depth[d], d, users_at))
-        steps += [c for c in contractions if depth[c] == d]
-    frees = _last_uses(placeholders, steps, takes, output)
+        done: set[fx.Node] = set()
+        for k, (nodes, ready) in enumerate(chunks.get(d, [])):
+            if nodes:
+                steps.append(_build_segment(gm, nodes, (d, k), users_at))
+            steps += ready
+            done.update(ready)
+        steps += [c for c in contractions if depth[c] == d and c not in done]
+    frees = last_uses(placeholders, steps, takes, output)
     return SegmentPlan(placeholders, steps, output, takes, frees)
-
-
-def _step_reads(step: Segment | fx.Node, takes: dict[fx.Node, Any]) -> list[fx.Node]:
-    """The values one step of a plan reads (``LocalMesh._execute`` runs them)."""
-    if isinstance(step, Segment):
-        return step.inputs
-    if step in takes:
-        return take_inputs(step, takes[step])
-    return step.all_input_nodes
-
-
-def _last_uses(
-    placeholders: list[fx.Node],
-    steps: list[Segment | fx.Node],
-    takes: dict[fx.Node, Any],
-    output: Any,
-) -> list[tuple[fx.Node, ...]]:
-    """Per step, the values last read (or made and never read) there, graph outputs kept."""
-    last: dict[fx.Node, int] = dict.fromkeys(placeholders, 0)
-    for i, step in enumerate(steps):
-        for node in step.outputs if isinstance(step, Segment) else (step,):
-            last[node] = i
-        for node in _step_reads(step, takes):
-            last[node] = i
-    kept = {x for x in pytree.tree_leaves(output) if isinstance(x, fx.Node)}
-    frees: list[list[fx.Node]] = [[] for _ in steps]
-    for node, i in last.items():
-        if node not in kept and steps:
-            frees[i].append(node)
-    return [tuple(f) for f in frees]
 
 
 #: Mesh ops that can take a sum already made over their whole group (``LocalMesh._contract``).
@@ -334,12 +314,16 @@ def _vmap_ready(new: fx.Node) -> None:
 
 
 def _build_segment(
-    gm: fx.GraphModule, nodes: list[fx.Node], d: int, users_at: dict[fx.Node, set[int]]
+    gm: fx.GraphModule,
+    nodes: list[fx.Node],
+    seg: tuple[int, int],
+    users_at: dict[fx.Node, set[Any]],
 ) -> Segment:
     graph, inputs, env = copy_nodes(nodes, _vmap_ready)
-    outputs = [n for n in nodes if users_at.get(n, set()) - {d}]
+    outputs = [n for n in nodes if users_at.get(n, set()) - {seg}]
     graph.output(tuple(env[n] for n in outputs))
-    seg_gm = fx.GraphModule(gm, graph, class_name=f"Segment{d}")
+    name = f"Segment{seg[0]}" + (f"_{seg[1]}" if seg[1] > 1 else "")
+    seg_gm = fx.GraphModule(gm, graph, class_name=name)
     return Segment(gm=seg_gm, inputs=inputs, outputs=outputs, nodes=nodes)
 
 
