@@ -82,6 +82,14 @@ def _skeleton(tree: Any) -> Any:
 def broadcast_specs(specs: Any, tree: Any, what: str, fn_name: str) -> list[PartitionSpec | None]:
     """One spec (or None) per leaf of ``tree``; ``specs`` is a prefix of ``tree`` (dicts match
     by key)."""
+    if isinstance(specs, dict) and isinstance(tree, (tuple, list)):
+        raise CaptureError(
+            f"{what} of {fn_name!r} is a dict ({', '.join(map(repr, specs))}), but the specs go "
+            f"to the positional arguments, a tuple of {len(tree)}: for one dict argument write "
+            f"{what}=({{...}},). Keyword arguments take no spec (they are replicated): pass "
+            f"the tensors to shard positionally, e.g. step(ids, mask) with "
+            f"{what}=(P('data'), P('data'))."
+        )
     specs = _key_ordered(specs, tree)
     leaves, spec_tree = pytree.tree_flatten(specs, is_leaf=_is_spec_leaf)
     for leaf in leaves:
