@@ -108,6 +108,7 @@ def trace(
     in_specs: Any = None,
     out_specs: Any = None,
     mesh: Mesh | None = None,
+    kwarg_specs: dict[str, Any] | None = None,
 ) -> Program:
     """Capture ``fn(*args, **kwargs)`` as a functional graph of aten ops.
 
@@ -117,6 +118,8 @@ def trace(
         in_specs: a prefix of the ``args`` pytree with ``P`` / None leaves (see module doc).
         out_specs: a prefix of the result pytree with ``P`` / None leaves.
         mesh: the mesh of ``in_specs`` and ``out_specs`` (required when they are given).
+        kwarg_specs: the specs of keyword arguments, by name (a prefix of the ``kwargs``
+            pytree); a keyword argument without one is replicated.
 
     Raises:
         CaptureError: ``fn`` cannot be traced (the message names fn and the cause).
@@ -130,7 +133,7 @@ def trace(
         2
     """
     with gc_paused():  # every object built here lives until we return: see gc_pause
-        return _trace(fn, args, kwargs, in_specs, out_specs, mesh)
+        return _trace(fn, args, kwargs, in_specs, out_specs, mesh, kwarg_specs)
 
 
 def _trace(
@@ -140,6 +143,7 @@ def _trace(
     in_specs: Any,
     out_specs: Any,
     mesh: Mesh | None,
+    kwarg_specs: dict[str, Any] | None = None,
 ) -> Program:
     name = _fn_name(fn)
     if not isinstance(args, (tuple, list)):
@@ -147,7 +151,8 @@ def _trace(
             f"trace({name!r}, args): args must be a tuple, got {type(args).__name__}."
         )
     args, kwargs = tuple(args), dict(kwargs or {})
-    if (in_specs is not None or out_specs is not None) and not isinstance(mesh, Mesh):
+    given = (in_specs, out_specs, kwarg_specs)
+    if any(s is not None for s in given) and not isinstance(mesh, Mesh):
         raise CaptureError(
             f"trace({name!r}) got in_specs/out_specs but mesh={mesh!r}: pass mesh=Mesh(...)."
         )
@@ -160,6 +165,15 @@ def _trace(
     in_spec_flat: list[PartitionSpec | None] = [None] * len(leaves)
     if in_specs is not None:
         in_spec_flat[:n_arg_leaves] = broadcast_specs(in_specs, args, "in_specs", name)
+    if kwarg_specs:
+        unknown = sorted(set(kwarg_specs) - set(kwargs))
+        if unknown:
+            raise CaptureError(
+                f"in_specs of {name!r} name {unknown}, which are not keyword arguments of this "
+                f"call (it has {sorted(kwargs)})."
+            )
+        by_key = {k: kwarg_specs.get(k) for k in kwargs}
+        in_spec_flat[n_arg_leaves:] = broadcast_specs(by_key, kwargs, "in_specs", name)
     out_tree_box: list[pytree.TreeSpec] = []
     received: list[torch.Tensor] = []  # what fn itself received, per tensor input
     out_spec_box: list[tuple[PartitionSpec | None, str]] = []
