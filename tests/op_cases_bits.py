@@ -117,3 +117,9 @@ case(
     lambda g: torch.linspace(-2.0, 2.0, 4),
     lambda g: torch.linspace(-1.5, 1.5, 6),
 )
+case(
+    aten.masked_scatter_backward.default,
+    lambda g, m: aten.masked_scatter_backward.default(g, m, [4, 5]),
+    f(6, 5),
+    lambda gen: torch.rand(6, 5, generator=gen) < 0.5,
+)

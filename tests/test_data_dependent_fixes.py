@@ -90,3 +90,22 @@ def test_take_with_a_0d_index_is_not_data_dependent() -> None:
     index = torch.tensor(7)
     step = partita.jit(lambda x, i: torch.take(x, i), mesh=MESH, in_specs=(P("x"), P()))
     torch.testing.assert_close(step(X, index).full(), torch.take(X, index))
+
+
+def test_a_value_read_only_for_a_check_is_dropped() -> None:
+    """``torch._check_tensor_all(cond)`` (transformers' ``torch_compilable_check``, e.g. the
+    image-token count check of Llava) reads a value only for a deferred assertion: it was
+    refused as data-dependent; the check is dropped, the program runs."""
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        torch._check_tensor_all((x > -100).all())
+        return x * 2
+
+    out = partita.jit(fn, mesh=MESH, in_specs=(P("x"),))(X)
+    torch.testing.assert_close(out.full(), X * 2)
+
+
+def test_a_value_used_by_the_program_is_still_refused() -> None:
+    step = partita.jit(lambda x: x * x.sum().item(), mesh=MESH, in_specs=(P(),))
+    with pytest.raises(CaptureError, match="data-dependent"):
+        step(X)

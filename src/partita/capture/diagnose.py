@@ -223,8 +223,28 @@ def capture_error(fn_name: str, e: BaseException) -> CaptureError:
     )
 
 
+def _drop_value_checks(gm: fx.GraphModule) -> None:
+    """Remove the values read from a tensor only to be checked: ``torch._check`` on a tensor
+    (``torch._check_tensor_all``, transformers' ``torch_compilable_check``) traces to a
+    ``_local_scalar_dense`` that nothing in the graph uses (the check became a deferred
+    assertion of the trace), and the aten ops that computed only it. Like
+    :data:`~partita.capture.decompositions.DROPPED_CHECKS`, such checks are not run."""
+    dense = torch.ops.aten._local_scalar_dense.default
+    dead = [n for n in gm.graph.nodes if n.target is dense and not n.users]
+    while dead:
+        node = dead.pop()
+        inputs = [a for a in node.all_input_nodes if a.op == "call_function"]
+        gm.graph.erase_node(node)
+        for a in inputs:
+            pure_aten = isinstance(a.target, torch._ops.OpOverload) and a.target.namespace == "aten"
+            if not a.users and pure_aten and not a.target._schema.is_mutable:
+                dead.append(a)
+
+
 def check_data_independent(gm: fx.GraphModule, fn_name: str) -> None:
-    """Refuse a traced graph holding a value or shape only known at run time."""
+    """Refuse a traced graph holding a value or shape only known at run time (after dropping
+    the values read only for a check, :func:`_drop_value_checks`)."""
+    _drop_value_checks(gm)
     for node in gm.graph.nodes:
         val = node.meta.get("val")
         if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):

@@ -1,9 +1,9 @@
 """Rules of distance, lookup and whole-tensor ops: ``cdist`` (and its backward), ``pdist``,
 ``dist``, ``bucketize``, ``searchsorted``, ``index_reduce``, and the ops that are gathered whole
-(``embedding_bag``, histograms, ``put``, ``resize`` to another shape, ``masked_scatter``,
-``nonzero_static``, ``segment_reduce``, ``hash_tensor``, ``_trilinear``, the backwards of the
-multi-class margin losses, whose forwards decompose; ``tril_indices``/``triu_indices``, which
-have no operands, are computed whole too).
+(``embedding_bag``, histograms, ``put``, ``resize`` to another shape, ``masked_scatter`` and
+its backward, ``nonzero_static``, ``segment_reduce``, ``hash_tensor``, ``_trilinear``, the
+backwards of the multi-class margin losses, whose forwards decompose; ``tril_indices`` and
+``triu_indices``, which have no operands, are computed whole too).
 
 Decisions: a distance sums a *p*-th power over the feature dim and takes a root, which is not a
 sum of per-shard distances, so the feature dim is need-replication; the points of ``cdist``
@@ -66,6 +66,7 @@ _GATHERED = aten_ops(
         "histogram.bin_ct",
         "histogram.bins_tensor",
         "masked_scatter.default",
+        "masked_scatter_backward.default",
         "multi_margin_loss_backward.default",
         "multilabel_margin_loss_backward.default",
         "nonzero_static.default",
