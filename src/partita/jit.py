@@ -36,7 +36,7 @@ from partita.capture.trace import input_path
 from partita.capture.uncompile import uncompiled
 from partita.errors import JitArgumentError, PartitaWarning, RecompileWarning, warn
 from partita.explain import format_program
-from partita.jit_signature import Signatures, placeholder_names, readable_name, trace_specs
+from partita.jit_signature import Signatures, by_name, placeholder_names, readable_name, trace_specs
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
 from partita.partition.explicit import check_mode, collectives_mode
@@ -145,17 +145,17 @@ class Jitted:
     # --- signatures ------------------------------------------------------------------------
 
     def _program_inputs(
-        self, args: tuple[Any, ...]
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> tuple[Callable[..., Any], tuple[Any, ...], Callable[[], Any]]:
         """The function to trace, its positional arguments and (a thunk of) their in_specs
-        prefix (for a module: its parameters and buffers come first)."""
+        prefix (for a module: its parameters and buffers come first) and the keyword specs."""
         if self._module is None:
-            return self.fn, args, lambda: self.in_specs
-        module, user = self._module, self.in_specs
-        return module.call, module.args(args), lambda: module.in_specs(user, args)
+            return self.fn, args, lambda: by_name(self.in_specs, self.fn, args, kwargs)
+        module, (user, kw) = self._module, by_name(self.in_specs, self.fn.forward, args, kwargs)
+        return module.call, module.args(args), lambda: (module.in_specs(user, args), kw)
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Compiled, list[Any]]:
-        fn, args, in_specs = self._program_inputs(args)
+        fn, args, in_specs = self._program_inputs(args, kwargs)
         # A module's in_specs derive from self.in_specs and the argument structure (the key).
         leaves, shardings, key = self._signatures.key(args, kwargs, self.in_specs, in_specs)
         if self._module is not None:
@@ -170,7 +170,7 @@ class Jitted:
             torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, ShardedTensor) else leaf
             for leaf in leaves
         ]
-        targs, tkwargs = unflatten_args(trace_leaves, pytree.tree_structure((args, kwargs)))
+        targs, tkwargs = unflatten_args(trace_leaves, tree := pytree.tree_structure((args, kwargs)))
         n_args = pytree.tree_structure(args).num_leaves
         specs = trace_specs(shardings)
         before = self._module.mode() if self._module is not None else None
@@ -181,10 +181,12 @@ class Jitted:
                 tuple(targs),
                 tkwargs,
                 in_specs=tuple(pytree.tree_unflatten(specs[:n_args], pytree.tree_structure(args))),
+                kwarg_specs=self._signatures.kwarg_specs(
+                    tree, self.in_specs, in_specs, args, leaves
+                ),
                 out_specs=self.out_specs,
                 mesh=self.mesh,
             )
-            # Keyword tensors carry no annotation: propagation chooses their sharding.
             propagate(
                 prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported
             )

@@ -21,11 +21,12 @@ from torch.utils import _pytree as pytree
 
 from partita.capture.kv_cache import flatten_registering_caches, is_transformers_cache
 from partita.capture.trace import broadcast_specs
+from partita.errors import CaptureError
 from partita.mesh import Mesh
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import ShardedTensor
 
-__all__ = ["Signatures", "placeholder_names", "readable_name", "trace_specs"]
+__all__ = ["Signatures", "by_name", "placeholder_names", "readable_name", "trace_specs"]
 
 _TENSORS = (torch.Tensor, ShardedTensor)
 
@@ -52,13 +53,33 @@ class Signatures:
             return hit[1]
         n_args = tree.child(0).num_leaves
         user: list[PartitionSpec | None] = [None] * tree.num_leaves
-        specs = in_specs()
+        specs, kwarg_specs = in_specs()
         if specs is not None:
             user[:n_args] = broadcast_specs(specs, args, "in_specs", self.name)
+        if kwarg_specs is not None:  # in_specs by name: the keyword arguments' too
+            kwargs = pytree.tree_unflatten([None] * (len(user) - n_args), tree.child(1))
+            user[n_args:] = broadcast_specs(kwarg_specs, kwargs, "in_specs", self.name)
         if len(self._user) >= _BROADCASTS_KEPT:
             self._user.clear()
         self._user[memo] = (source, user)  # holds ``source``: its id stays its own
         return user
+
+    def kwarg_specs(
+        self, tree: Any, source: Any, in_specs: Callable[[], Any], args: tuple[Any, ...],
+        leaves: list[Any],
+    ) -> dict[str, Any]:  # fmt: skip
+        """What trace annotates on the keyword arguments: a ShardedTensor's own spec, the spec
+        ``in_specs`` gave by name, else None (propagation chooses). A keyword argument that is
+        an object pytree knows (a KV cache passed back) is left to propagation whole."""
+        n_args = tree.child(0).num_leaves
+        user = self._user_specs(tree, source, in_specs, args)[n_args:]
+        specs = [leaf.sharding.spec if isinstance(leaf, ShardedTensor) else spec
+                 for leaf, spec in zip(leaves[n_args:], user, strict=True)]  # fmt: skip
+        kwargs_tree, out, start = tree.child(1), {}, 0
+        for key, sub in zip(kwargs_tree.context, kwargs_tree.children(), strict=True):
+            mine, start = specs[start : start + sub.num_leaves], start + sub.num_leaves
+            out[key] = pytree.tree_unflatten(mine, sub) if _builtin(sub) else None
+        return out
 
     def _plain_sharding(self, spec: PartitionSpec | None, ndim: int) -> Sharding:
         sharding = self._plain.get((spec, ndim))
@@ -76,8 +97,9 @@ class Signatures:
     ) -> tuple[list[Any], list[Sharding | None], Hashable]:
         """The leaves of ``(args, kwargs)``, each tensor leaf's Sharding and the cache key.
 
-        ``in_specs()`` gives the in_specs prefix of ``args``; it is called only for a new
-        (argument structure, ``source``) pair, ``source`` being the object it derives from.
+        ``in_specs()`` gives the in_specs prefix of ``args`` and the specs of ``kwargs`` (None:
+        no keyword specs); it is called only for a new (argument structure, ``source``) pair,
+        ``source`` being the object it derives from.
         """
         leaves, tree = pytree.tree_flatten((args, kwargs))
         if any(is_transformers_cache(leaf) for leaf in leaves if not isinstance(leaf, _TENSORS)):
@@ -106,6 +128,13 @@ class Signatures:
         return leaves, shardings, tuple(key)
 
 
+def _builtin(tree: pytree.TreeSpec) -> bool:
+    """Whether ``tree`` holds only dicts, lists and tuples (no registered object)."""
+    if tree.is_leaf():
+        return True
+    return tree.type in (dict, list, tuple) and all(_builtin(c) for c in tree.children())
+
+
 def trace_specs(shardings: list[Sharding | None]) -> list[PartitionSpec | None]:
     """The PartitionSpec of each leaf, for tracing (built on a cache miss only)."""
     return [None if s is None else s.spec for s in shardings]
@@ -128,11 +157,11 @@ def readable_name(name: str, fn: Callable[..., Any], module: Any = None) -> str:
         >>> readable_name("args[1]['w']", lambda x, params: x)
         "params['w']"
     """
-    if module is not None:
-        return module.leaf_name(name)
     if name.startswith("kwargs['"):
         key, rest = name[len("kwargs['") :].split("']", 1)
         return key + rest
+    if module is not None:
+        return module.leaf_name(name)
     if not name.startswith("args["):
         return name
     index, rest = name[len("args[") :].split("]", 1)
@@ -155,3 +184,38 @@ def placeholder_names(program: Any, fn: Callable[..., Any], module: Any = None) 
     names = [readable_name(name, fn, module) for name in program.input_names]
     nodes = program.input_nodes[: len(names)]
     return {node.name: name for node, name in zip(nodes, names, strict=True)}
+
+
+def by_name(
+    in_specs: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Any, dict[str, Any] | None]:
+    """``in_specs`` given by parameter name (``{"input_ids": P("data"), "mask": P("data")}``, a
+    dict whose keys are all names of ``fn``'s parameters) as ``(specs of the positional
+    arguments, specs of the keyword arguments)``, for this call's arguments; any other
+    ``in_specs`` is the positional prefix it always was, with no keyword specs.
+
+    Example:
+        >>> by_name({"mask": P("x")}, lambda ids, mask=None: ids, (1,), {"mask": 2})
+        ((None,), {'mask': P('x')})
+    """
+    if not (isinstance(in_specs, dict) and in_specs and all(isinstance(k, str) for k in in_specs)):
+        return in_specs, None
+    try:
+        parameters = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return in_specs, None
+    unknown = [k for k in in_specs if k not in parameters]
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    if unknown and not takes_any:
+        raise CaptureError(
+            f"in_specs names {unknown}, which {getattr(fn, '__qualname__', fn)!r} has no "
+            f"parameter for (its parameters: {list(parameters)}). in_specs may be given by "
+            f"parameter name ({{'input_ids': P('data')}}, for positional and keyword "
+            f"arguments alike) or as a tuple, one entry per positional argument (for one dict "
+            f"argument: in_specs=({{...}},))."
+        )
+    positional = _positional_names(fn)
+    arg_specs = tuple(
+        in_specs.get(positional[i]) if i < len(positional) else None for i in range(len(args))
+    )
+    return arg_specs, {k: in_specs.get(k) for k in kwargs}

@@ -21,6 +21,7 @@ methods) stays an error that says to call the model with ``use_cache=False``.
 from __future__ import annotations
 
 import enum
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -35,6 +36,8 @@ __all__ = ["flatten_registering_caches", "is_transformers_cache", "kv_cache_hint
 _STATIC = (type(None), bool, int, float, str, torch.device, torch.dtype, torch.Size, type,
            enum.Enum)  # fmt: skip
 _UNSUPPORTED: set[type] = set()  # cache classes found not to flatten (see _flat)
+#: Caches pytree rebuilt, by id: (a weak reference, the context they were rebuilt from).
+_REBUILT: dict[int, tuple[weakref.ref[Any], Hashable]] = {}
 
 
 class _Leaf:
@@ -100,22 +103,51 @@ def _rebuild(context: Any, leaves: list[Any]) -> Any:
     return obj
 
 
-def _flatten(cache: Any) -> tuple[list[Any], Hashable]:
+def _by_context(obj: Any, context: Any, leaves: list[Any], names: list[str], name: str) -> None:
+    """The leaves of an object rebuilt from ``context``, wherever the context has one: pytree
+    rebuilds a cache around placeholders (``0``, a PartitionSpec) and flattens it again."""
+    if isinstance(context, _Leaf):
+        leaves.append(obj)
+        names.append(name)
+        return
+    tag = context[0]
+    if tag in ("list", "tuple"):
+        for i, (x, c) in enumerate(zip(obj, context[1], strict=True)):
+            _by_context(x, c, leaves, names, f"{name}[{i}]")
+    elif tag == "dict":
+        for k, c in zip(context[1], context[2], strict=True):
+            _by_context(obj[k], c, leaves, names, f"{name}[{k!r}]")
+    elif tag == "object":
+        for k, c in zip(context[2], context[3], strict=True):
+            _by_context(vars(obj)[k], c, leaves, names, f"{name}.{k}")
+
+
+def _flat_names(cache: Any) -> tuple[list[Any], list[str], Hashable]:
     leaves: list[Any] = []
-    context = _flat(cache, leaves, [], "")
+    names: list[str] = []
+    rebuilt = _REBUILT.get(id(cache))
+    if rebuilt is not None and rebuilt[0]() is cache:
+        _by_context(cache, rebuilt[1], leaves, names, "")
+        return leaves, names, rebuilt[1]
+    return leaves, names, _flat(cache, leaves, names, "")
+
+
+def _flatten(cache: Any) -> tuple[list[Any], Hashable]:
+    leaves, _, context = _flat_names(cache)
     return leaves, context
 
 
 def _flatten_with_keys(cache: Any) -> tuple[list[tuple[Any, Any]], Hashable]:
-    leaves: list[Any] = []
-    names: list[str] = []
-    context = _flat(cache, leaves, names, "")
+    leaves, names, context = _flat_names(cache)
     keys = [pytree.GetAttrKey(name.lstrip(".")) for name in names]
     return list(zip(keys, leaves, strict=True)), context
 
 
 def _unflatten(values: Any, context: Hashable) -> Any:
-    return _rebuild(context, list(values)[::-1])  # popped from the end: reversed
+    cache = _rebuild(context, list(values)[::-1])  # popped from the end: reversed
+    key = id(cache)
+    _REBUILT[key] = (weakref.ref(cache, lambda _: _REBUILT.pop(key, None)), context)
+    return cache
 
 
 def _register(cache: Any) -> bool:

@@ -1,0 +1,51 @@
+"""``in_specs`` by parameter name: keyword arguments get specs too (jit_signature.by_name)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from torch import nn
+
+import partita
+from partita import Mesh, P
+from partita.errors import CaptureError
+
+MESH = Mesh.create((4,), ("data",))
+
+
+class Scorer(nn.Module):
+    """A forward called by keyword, as transformers models are."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.out = nn.Linear(8, 16)
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        h = self.emb(input_ids) * attention_mask[..., None]
+        return self.out(h)
+
+
+def test_keyword_batch_is_split_as_named_and_equals_eager() -> None:
+    torch.manual_seed(0)
+    model = Scorer()
+    ids, mask = torch.randint(0, 16, (8, 5)), (torch.rand(8, 5) > 0.3).float()
+    fwd = partita.jit(model, mesh=MESH, param_specs="fsdp",
+                      in_specs={"input_ids": P("data"), "attention_mask": P("data")})  # fmt: skip
+    plan = fwd.lower(input_ids=ids, attention_mask=mask)
+    assert re.search(r"\n  input_ids +P\('data', None\)\n", plan.explain())  # not replicated
+    assert {c.kind for c in plan.collectives} == {"all_gather"}, plan.explain()  # FSDP only
+    want = model(input_ids=ids, attention_mask=mask)
+    torch.testing.assert_close(fwd(input_ids=ids, attention_mask=mask).full(), want)
+    torch.testing.assert_close(fwd(ids, attention_mask=mask).full(), want)  # mixed
+
+
+def test_a_function_keyword_spec_and_an_unknown_name() -> None:
+    step = partita.jit(lambda x, *, scale: x * scale, mesh=MESH,
+                       in_specs={"x": P("data"), "scale": P()})  # fmt: skip
+    out = step(torch.ones(8, 2), scale=torch.tensor(3.0))
+    assert out.sharding.spec == P("data", None) and torch.equal(out.full(), torch.full((8, 2), 3.0))
+    with pytest.raises(CaptureError, match=r"in_specs names \['y'\].*its parameters: \['x'\]"):
+        partita.jit(lambda x: x, mesh=MESH, in_specs={"y": P("data")})(torch.ones(8))
