@@ -25,3 +25,12 @@ def mesh_2x4() -> Mesh:
 @pytest.fixture
 def mesh_4() -> Mesh:
     return Mesh.create((4,), ("x",))
+
+
+@pytest.fixture(autouse=True)
+def _trace_flat_at_second_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The LocalMesh traces a segment's flat graph once its eager runs cost as much as the trace
+    (runtime/flat_trace.py): in a test that runs a program two or three times, often never.
+    Tracing at the second run keeps the flat graphs (folded matmuls, fused bias adds) under
+    test wherever a program runs twice; tests of the cost-based policy unset it."""
+    monkeypatch.setenv("PARTITA_TRACE_FLAT_AT", "2")
