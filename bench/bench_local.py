@@ -15,6 +15,7 @@ equal the unsharded step's. This script does not measure capture or partitioning
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -120,6 +121,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--skip-per-node", action="store_true")
     ns = parser.parse_args(argv)
+    # The steady state: every segment runs its flat graph from the second run on (by default
+    # the LocalMesh traces once the eager runs cost as much: runtime/flat_trace.py).
+    os.environ.setdefault("PARTITA_TRACE_FLAT_AT", "2")
     n = ns.devices
     if ns.batch % n:
         parser.error(f"--batch {ns.batch} must be divisible by --devices {n}")
