@@ -1,4 +1,4 @@
-"""32 more ``transformers`` families under every preset, run on demand like ``test_model_zoo``.
+"""33 more ``transformers`` families under every preset, run on demand like ``test_model_zoo``.
 
 ``PARTITA_MODEL_ZOO=1 .venv/bin/python -m pytest tests/test_model_zoo_more.py`` trains each
 model 3 AdamW steps under ``dp``, ``fsdp``, ``tp`` and ``fsdp+tp`` on the 2x4 mesh and compares
@@ -10,7 +10,8 @@ The families: decoder LMs and their mixtures of experts (Qwen3-MoE, Granite-MoE,
 GLM, GLM-4, EXAONE-4, SmolLM3, DeepSeek-V2, OLMo-3, Llama 4 text, Ministral, Helium, ERNIE-4.5,
 Seed-OSS, Apertus, XGLM, BioGPT, Bamba), sequence-to-sequence models (Pegasus, Marian, mT5,
 M2M100, Blenderbot, mBART, PLBart, T5Gemma), vision encoders (SigLIP vision, DINOv2, BEiT,
-RegNet) and two-tower contrastive models trained with their own loss (CLIP, SigLIP). Without
+RegNet), two-tower contrastive models trained with their own loss (CLIP, SigLIP) and a
+vision-language model (Llava: image features scattered into the text embeddings). Without
 the variable every case is skipped with that reason.
 """
 
@@ -333,6 +334,38 @@ MORE.update(
 )
 
 
+def _llava() -> nn.Module:
+    """Llava: a CLIP vision tower, a projector and a Llama; 17 image tokens per image."""
+    vision = T.CLIPVisionConfig(**VISION, image_size=16, patch_size=4)
+    text = T.LlamaConfig(**{**LM, "vocab_size": 80}, **KV2)
+    return T.LlavaForConditionalGeneration(
+        T.LlavaConfig(
+            vision_config=vision,
+            text_config=text,
+            image_token_index=IMAGE_TOKEN,
+            vision_feature_layer=-1,
+            vision_feature_select_strategy="full",
+            projector_hidden_act="gelu",
+        )
+    )
+
+
+IMAGE_TOKEN = 70
+
+
+def _image_and_text(g: torch.Generator) -> list[Batch]:
+    """Each row: 2 text tokens, the 17 image tokens (16 patches and the class token), 5 more."""
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, 24), generator=g)
+        ids[:, 2:19] = IMAGE_TOKEN
+        pixels = torch.randn(BATCH, 3, 16, 16, generator=g)
+        out.append(({"input_ids": ids, "pixel_values": pixels}, torch.roll(ids, -1, 1)))
+    return out
+
+
+MORE["llava"] = ModelCase(_llava, _image_and_text)
+
 #: Families with parameters whose gradient is zero or tiny in exact arithmetic (the key biases
 #: of SigLIP and CLIP, softmax being shift invariant; an almost dead gated unit of mT5's
 #: feed-forward): AdamW (eps=1e-5) divides their float32 rounding by about eps, so the final
@@ -371,4 +404,4 @@ def test_more_builds_every_family() -> None:
     for name, case in MORE.items():
         torch.manual_seed(0)
         sizes[name] = sum(p.numel() for p in case.build().parameters())
-    assert len(sizes) == 32 and all(n > 0 for n in sizes.values())
+    assert len(sizes) == 33 and all(n > 0 for n in sizes.values())
