@@ -1,4 +1,4 @@
-"""33 more ``transformers`` families under every preset, run on demand like ``test_model_zoo``.
+"""34 more ``transformers`` families under every preset, run on demand like ``test_model_zoo``.
 
 ``PARTITA_MODEL_ZOO=1 .venv/bin/python -m pytest tests/test_model_zoo_more.py`` trains each
 model 3 AdamW steps under ``dp``, ``fsdp``, ``tp`` and ``fsdp+tp`` on the 2x4 mesh and compares
@@ -11,7 +11,8 @@ GLM, GLM-4, EXAONE-4, SmolLM3, DeepSeek-V2, OLMo-3, Llama 4 text, Ministral, Hel
 Seed-OSS, Apertus, XGLM, BioGPT, Bamba), sequence-to-sequence models (Pegasus, Marian, mT5,
 M2M100, Blenderbot, mBART, PLBart, T5Gemma), vision encoders (SigLIP vision, DINOv2, BEiT,
 RegNet), two-tower contrastive models trained with their own loss (CLIP, SigLIP) and a
-vision-language model (Llava: image features scattered into the text embeddings). Without
+vision-language models (Llava and PaliGemma: image features scattered into the text
+embeddings; PaliGemma's prefix-LM mask). Without
 the variable every case is skipped with that reason.
 """
 
@@ -366,6 +367,40 @@ def _image_and_text(g: torch.Generator) -> list[Batch]:
 
 MORE["llava"] = ModelCase(_llava, _image_and_text)
 
+
+def _paligemma() -> nn.Module:
+    """PaliGemma: a SigLIP tower, a projector and a Gemma with a prefix-LM mask."""
+    vision = T.SiglipVisionConfig(**VISION, image_size=16, patch_size=4)
+    text = T.GemmaConfig(**{**LM, "vocab_size": 80}, num_key_value_heads=1, head_dim=8)
+    return T.PaliGemmaForConditionalGeneration(
+        T.PaliGemmaConfig(
+            vision_config=vision,
+            text_config=text,
+            image_token_index=IMAGE_TOKEN,
+            projection_dim=32,
+        )
+    )
+
+
+def _image_prefix(g: torch.Generator) -> list[Batch]:
+    """16 image tokens, a text prefix, then 4 suffix tokens (token_type_ids 1: causal)."""
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, VOCAB, (BATCH, 24), generator=g)
+        ids[:, :16] = IMAGE_TOKEN
+        types = torch.zeros_like(ids)
+        types[:, 20:] = 1
+        inputs = {
+            "input_ids": ids,
+            "pixel_values": torch.randn(BATCH, 3, 16, 16, generator=g),
+            "token_type_ids": types,
+        }
+        out.append((inputs, torch.roll(ids, -1, 1)))
+    return out
+
+
+MORE["paligemma"] = ModelCase(_paligemma, _image_prefix)
+
 #: Families with parameters whose gradient is zero or tiny in exact arithmetic (the key biases
 #: of SigLIP and CLIP, softmax being shift invariant; an almost dead gated unit of mT5's
 #: feed-forward): AdamW (eps=1e-5) divides their float32 rounding by about eps, so the final
@@ -404,4 +439,4 @@ def test_more_builds_every_family() -> None:
     for name, case in MORE.items():
         torch.manual_seed(0)
         sizes[name] = sum(p.numel() for p in case.build().parameters())
-    assert len(sizes) == 33 and all(n > 0 for n in sizes.values())
+    assert len(sizes) == 34 and all(n > 0 for n in sizes.values())
