@@ -10,10 +10,11 @@ The families: decoder LMs and their mixtures of experts (Qwen3-MoE, Granite-MoE,
 GLM, GLM-4, EXAONE-4, SmolLM3, DeepSeek-V2, OLMo-3, Llama 4 text, Ministral, Helium, ERNIE-4.5,
 Seed-OSS, Apertus, XGLM, BioGPT, Bamba), sequence-to-sequence models (Pegasus, Marian, mT5,
 M2M100, Blenderbot, mBART, PLBart, T5Gemma), vision encoders (SigLIP vision, DINOv2, BEiT,
-RegNet), two-tower contrastive models trained with their own loss (CLIP, SigLIP) and a
+RegNet), two-tower contrastive models trained with their own loss (CLIP, SigLIP) and
 vision-language models (Llava and PaliGemma: image features scattered into the text
-embeddings; PaliGemma's prefix-LM mask). Without
-the variable every case is skipped with that reason.
+embeddings; PaliGemma's prefix-LM mask). Four families compare their parameters at a looser
+``atol`` (``PARAM_ATOL``, with the reason). Without the variable every case is skipped with
+that reason.
 """
 
 from __future__ import annotations
