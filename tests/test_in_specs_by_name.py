@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ from torch import nn
 
 import partita
 from partita import Mesh, P
-from partita.errors import CaptureError
+from partita.errors import CaptureError, PartitaWarning
 
 MESH = Mesh.create((4,), ("data",))
 
@@ -49,3 +50,18 @@ def test_a_function_keyword_spec_and_an_unknown_name() -> None:
     assert out.sharding.spec == P("data", None) and torch.equal(out.full(), torch.full((8, 2), 3.0))
     with pytest.raises(CaptureError, match=r"in_specs names \['y'\].*its parameters: \['x'\]"):
         partita.jit(lambda x: x, mesh=MESH, in_specs={"y": P("data")})(torch.ones(8))
+
+
+def test_a_module_batch_left_replicated_over_data_warns_once() -> None:
+    torch.manual_seed(0)
+    model = Scorer()
+    ids, mask = torch.randint(0, 16, (8, 5)), torch.ones(8, 5)
+    fwd = partita.jit(model, mesh=MESH, param_specs="fsdp")
+    said = r"input_ids, attention_mask got no in_specs, so they are replicated over 'data'"
+    with pytest.warns(PartitaWarning, match=said + r".*in_specs=\{'input_ids': P\('data'\)"):
+        fwd(input_ids=ids, attention_mask=mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fwd(input_ids=ids[:4], attention_mask=mask[:4])  # another signature: said once
+        named = partita.jit(model, mesh=MESH, param_specs="fsdp", in_specs={"input_ids": P()})
+        named(input_ids=ids, attention_mask=mask)  # in_specs given: the layout is chosen

@@ -36,7 +36,14 @@ from partita.capture.trace import input_path
 from partita.capture.uncompile import uncompiled
 from partita.errors import JitArgumentError, PartitaWarning, RecompileWarning, warn
 from partita.explain import format_program
-from partita.jit_signature import Signatures, by_name, placeholder_names, readable_name, trace_specs
+from partita.jit_signature import (
+    Signatures,
+    by_name,
+    placeholder_names,
+    readable_name,
+    replicated_batch,
+    trace_specs,
+)
 from partita.mesh import Mesh
 from partita.partition import Plan, partition
 from partita.partition.explicit import check_mode, collectives_mode
@@ -198,16 +205,11 @@ class Jitted:
         plan.input_names = placeholder_names(prog, self.fn, self._module)
         (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
         shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
-        compiled = Compiled(
-            prog,
-            local,
-            plan,
-            plan.input_shardings,
-            plan.output_shardings,
-            shapes,
-            compile_programs=self.compile_programs,
-            partition_seconds=time.perf_counter() - start,
-        )
+        compiled = Compiled(prog, local, plan, plan.input_shardings, plan.output_shardings, shapes,
+                            compile_programs=self.compile_programs,
+                            partition_seconds=time.perf_counter() - start)  # fmt: skip
+        if not self._cache and (text := replicated_batch(plan, self._module, self.in_specs)):
+            warn(text, PartitaWarning)  # once: at the first compile
         self._cache[key] = compiled
         if self._module is not None and before is not None and self._module.mode() != before:
             self._note_mutation(key, before, compiled)
@@ -216,10 +218,8 @@ class Jitted:
         return compiled, leaves
 
     def _note_mutation(self, key: Hashable, before: tuple[Any, ...], compiled: Compiled) -> None:
-        """The traced forward changed Python attributes of the module: the program holds the
-        values it read, so later calls do not change them again. Warn, naming them; the
-        program also answers the attributes' new values (a lazy initialisation in the first
-        forward then costs no second compile)."""
+        """The traced forward changed Python attributes of the module: warn, naming them; the
+        program also answers their new values (a lazy initialisation costs no second compile)."""
         assert self._module is not None
         changed = self._module.mutated(before)
         warn(

@@ -26,7 +26,14 @@ from partita.mesh import Mesh
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import ShardedTensor
 
-__all__ = ["Signatures", "by_name", "placeholder_names", "readable_name", "trace_specs"]
+__all__ = [
+    "Signatures",
+    "by_name",
+    "placeholder_names",
+    "readable_name",
+    "replicated_batch",
+    "trace_specs",
+]
 
 _TENSORS = (torch.Tensor, ShardedTensor)
 
@@ -219,3 +226,27 @@ def by_name(
         in_specs.get(positional[i]) if i < len(positional) else None for i in range(len(args))
     )
     return arg_specs, {k: in_specs.get(k) for k in kwargs}
+
+
+def replicated_batch(plan: Any, module: Any, in_specs: Any) -> str | None:
+    """The warning for a module's inputs left replicated over the mesh's ``data`` axis because
+    ``jit`` was given no ``in_specs`` (None when there are none): every device along ``data``
+    then computes the whole batch, a data-parallel plan in name only."""
+    if module is None or in_specs is not None or "data" not in plan.mesh.axis_names:
+        return None
+    names = [
+        name for node, name in plan.input_names.items()
+        if not name.startswith(("parameter ", "buffer "))
+        and (s := plan.shardings.get(node)) is not None and s.ndim
+        and not any("data" in axes for axes in s.dim_axes)
+    ]  # fmt: skip
+    if not names:
+        return None
+    specs = ", ".join(f"{n!r}: P('data')" for n in names[:3])
+    return (
+        f"partita.jit({type(module.module).__name__}): {', '.join(names[:3])} got no in_specs, so "
+        f"{'they are' if len(names) > 1 else 'it is'} replicated over 'data': every device "
+        f"along 'data' computes the whole batch (plan.explain() lists the inputs). Split the "
+        f"batch with in_specs={{{specs}}} (by parameter name, keyword arguments included), or "
+        f"give in_specs explicitly (P() for a replicated input) to keep this layout."
+    )
