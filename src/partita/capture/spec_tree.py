@@ -86,9 +86,9 @@ def broadcast_specs(specs: Any, tree: Any, what: str, fn_name: str) -> list[Part
         raise CaptureError(
             f"{what} of {fn_name!r} is a dict ({', '.join(map(repr, specs))}), but the specs go "
             f"to the positional arguments, a tuple of {len(tree)}: for one dict argument write "
-            f"{what}=({{...}},). Keyword arguments take no spec (they are replicated): pass "
-            f"the tensors to shard positionally, e.g. step(ids, mask) with "
-            f"{what}=(P('data'), P('data'))."
+            f"{what}=({{...}},). partita.jit also takes {what} by parameter name, keyword "
+            f"arguments included ({what}={{'ids': P('data')}} for fn(ids, mask=None)); "
+            f"capture.trace takes keyword specs as kwarg_specs."
         )
     specs = _key_ordered(specs, tree)
     leaves, spec_tree = pytree.tree_flatten(specs, is_leaf=_is_spec_leaf)
