@@ -65,3 +65,17 @@ def test_a_module_batch_left_replicated_over_data_warns_once() -> None:
         fwd(input_ids=ids[:4], attention_mask=mask[:4])  # another signature: said once
         named = partita.jit(model, mesh=MESH, param_specs="fsdp", in_specs={"input_ids": P()})
         named(input_ids=ids, attention_mask=mask)  # in_specs given: the layout is chosen
+
+
+def test_a_name_only_kwargs_could_take_must_be_passed() -> None:
+    """fn(batch, **kw) with in_specs={'input_ids': ...} meant for the batch dict: an error, not
+    a spec that silently applies to nothing."""
+
+    def fn(batch, **kw):
+        return batch["input_ids"] * 2
+
+    step = partita.jit(fn, mesh=MESH, in_specs={"input_ids": P("data")})
+    with pytest.raises(CaptureError, match=r"in_specs names \['input_ids'\]"):
+        step({"input_ids": torch.ones(8)})
+    out = step({"input_ids": torch.ones(8)}, input_ids=torch.ones(8))  # a keyword of **kw
+    assert out.sharding.spec == P(None)

@@ -211,9 +211,10 @@ def by_name(
         parameters = inspect.signature(fn).parameters
     except (TypeError, ValueError):
         return in_specs, None
+    # A name the signature lacks is a keyword of **kwargs only if this call passes it.
     unknown = [k for k in in_specs if k not in parameters]
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
-    if unknown and not takes_any:
+    if unknown and (not takes_any or not set(unknown) <= set(kwargs)):
         raise CaptureError(
             f"in_specs names {unknown}, which {getattr(fn, '__qualname__', fn)!r} has no "
             f"parameter for (its parameters: {list(parameters)}). in_specs may be given by "
