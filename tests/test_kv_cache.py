@@ -79,3 +79,18 @@ def test_a_cache_that_cannot_be_rebuilt_says_use_cache_false() -> None:
     with pytest.raises(CaptureError, match=r"returned SlottedCache .*a transformers KV cache, "
                        r"returned by default: call the model with use_cache=False"):  # fmt: skip
         trace(lambda a: {"logits": a, "past_key_values": cache}, (torch.ones(2),))
+
+
+def test_an_empty_cache_passed_in_comes_back_filled() -> None:
+    """The model grows a cache it was given (layers appended while traced): the result holds
+    what it holds now, not the empty structure it came in with."""
+    model = _llama()
+    fwd = partita.jit(model, mesh=Mesh.create((2,), ("data",)), param_specs="fsdp")
+    ids = torch.randint(0, 48, (2, 5))
+    out = fwd(input_ids=ids, past_key_values=transformers.DynamicCache())
+    with torch.no_grad():
+        ref = model(input_ids=ids, past_key_values=transformers.DynamicCache())
+    assert out.past_key_values.get_seq_length() == 5 == ref.past_key_values.get_seq_length()
+    torch.testing.assert_close(
+        out.past_key_values.layers[1].values.full(), ref.past_key_values.layers[1].values
+    )

@@ -240,3 +240,20 @@ def test_public_reshard_is_the_planners_move(mesh_2x4: Mesh) -> None:
         assert r.spec == spec.to_sharding(mesh_2x4, 2).spec and torch.equal(r.full(), x), spec
     move = relayout._move(mesh_2x4, P("x", "y"), P(("x", "y"), None))
     assert move.lower(s).counts() == {"all_to_all": 1}  # not a gather of the whole value
+
+
+def test_metadata_methods_read_the_global_shape_without_running_an_op(
+    mesh_2x4: Mesh, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """numel / size / dim answer on any mesh, without the virtual device (a KV cache's
+    get_seq_length() reads keys.shape; transformers calls numel() on its tensors)."""
+    from partita import tensor_ops
+
+    monkeypatch.setattr(tensor_ops, "_EAGER_OPS", [])  # an op would raise: none may run
+    x = partita.mark_sharding(torch.ones(6, 5, dtype=torch.float16), mesh_2x4, P("x", "y"))
+    assert x.size() == torch.Size([6, 5]) and x.size(-1) == 5 and x.size(0) == 6
+    assert x.dim() == x.ndimension() == 2
+    assert x.numel() == x.nelement() == 30
+    assert x.element_size() == 2 and x.is_floating_point() and not x.is_complex()
+    with pytest.raises(TypeError, match="needs partita.virtual"):
+        x.sum()

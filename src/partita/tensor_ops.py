@@ -100,6 +100,30 @@ class EagerOps:
     def __index__(self) -> int:
         return self.full().__index__()  # type: ignore[attr-defined]
 
+    # Metadata: read from the global shape and dtype, on any mesh (no op runs).
+    def size(self, dim: int | None = None) -> Any:
+        shape = torch.Size(self.shape)  # type: ignore[attr-defined]
+        return shape if dim is None else shape[dim]
+
+    def dim(self) -> int:
+        return len(self.shape)  # type: ignore[attr-defined]
+
+    ndimension = dim
+
+    def numel(self) -> int:
+        return torch.Size(self.shape).numel()  # type: ignore[attr-defined]
+
+    nelement = numel
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize  # type: ignore[attr-defined]
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point  # type: ignore[attr-defined]
+
+    def is_complex(self) -> bool:
+        return self.dtype.is_complex  # type: ignore[attr-defined]
+
     def item(self) -> Any:
         """The value of a one-element tensor as a Python number (gathers it)."""
         return self.full().item()  # type: ignore[attr-defined]

@@ -123,13 +123,32 @@ def _by_context(obj: Any, context: Any, leaves: list[Any], names: list[str], nam
 
 
 def _flat_names(cache: Any) -> tuple[list[Any], list[str], Hashable]:
+    """Leaves, their names and the context of ``cache``. A cache pytree rebuilt around
+    placeholders flattens by the context it was rebuilt from; one holding tensors (a rebuilt
+    cache the model has since grown, say) by what it holds now."""
     leaves: list[Any] = []
     names: list[str] = []
     rebuilt = _REBUILT.get(id(cache))
-    if rebuilt is not None and rebuilt[0]() is cache:
-        _by_context(cache, rebuilt[1], leaves, names, "")
-        return leaves, names, rebuilt[1]
-    return leaves, names, _flat(cache, leaves, names, "")
+    if rebuilt is None or rebuilt[0]() is not cache:
+        return leaves, names, _flat(cache, leaves, names, "")
+    try:
+        context = _flat(cache, leaves, names, "")
+        if sum(isinstance(x, torch.Tensor | ShardedTensor) for x in leaves) >= _count(rebuilt[1]):
+            return leaves, names, context
+    except TypeError:  # a PartitionSpec or a marker where a tensor was
+        pass
+    leaves, names = [], []
+    _by_context(cache, rebuilt[1], leaves, names, "")
+    return leaves, names, rebuilt[1]
+
+
+def _count(context: Any) -> int:
+    """How many tensors a context holds."""
+    if isinstance(context, _Leaf):
+        return 1
+    if context[0] == "static":
+        return 0
+    return sum(_count(c) for c in context[-1])
 
 
 def _flatten(cache: Any) -> tuple[list[Any], Hashable]:
