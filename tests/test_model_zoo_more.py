@@ -19,7 +19,6 @@ that reason.
 
 from __future__ import annotations
 
-import copy
 import os
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch import nn
 
 from test_model_zoo import MOE, _images16  # isort: skip
 from test_models import (  # isort: skip
+    ATOL,
     BATCH,
     LM,
     PLANS,
@@ -41,9 +41,7 @@ from test_models import (  # isort: skip
     assert_trains_like_torch_optim,
     build,
     class_loss,
-    reference,
     seq2seq_batches,
-    sharded,
     transformers,
 )
 
@@ -419,19 +417,8 @@ def _cases() -> list[Any]:
 @pytest.mark.skipif(not os.environ.get("PARTITA_MODEL_ZOO"), reason="set PARTITA_MODEL_ZOO=1")
 @pytest.mark.parametrize(("name", "plan"), _cases())
 def test_more_trains_like_torch_optim(name: str, plan: str) -> None:
-    model, case = build(name, MORE), MORE[name]
-    if name not in PARAM_ATOL:
-        assert_trains_like_torch_optim(model, case, plan)
-        return
-    ref = copy.deepcopy(model)
-    batches = case.batches(torch.Generator().manual_seed(0))
-    want = reference(ref, case, batches)
-    step = sharded(model, case, plan)
-    got = [float(step(batch)) for batch in batches]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=1e-5, atol=1e-5)
-    full = step.full_parameters()
-    for pname, value in ref.named_parameters():
-        torch.testing.assert_close(full[pname], value, rtol=1e-5, atol=PARAM_ATOL[name])
+    param_atol = PARAM_ATOL.get(name, ATOL)
+    assert_trains_like_torch_optim(build(name, MORE), MORE[name], plan, param_atol=param_atol)
 
 
 def test_more_builds_every_family() -> None:
