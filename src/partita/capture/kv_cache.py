@@ -36,8 +36,9 @@ __all__ = ["flatten_registering_caches", "is_transformers_cache", "kv_cache_hint
 _STATIC = (type(None), bool, int, float, str, torch.device, torch.dtype, torch.Size, type,
            enum.Enum)  # fmt: skip
 _UNSUPPORTED: set[type] = set()  # cache classes found not to flatten (see _flat)
-#: Caches pytree rebuilt, by id: (a weak reference, the context they were rebuilt from).
-_REBUILT: dict[int, tuple[weakref.ref[Any], Hashable]] = {}
+#: Caches pytree rebuilt, by id: (a weak reference, the context they were rebuilt from, how
+#: many tensors that context holds).
+_REBUILT: dict[int, tuple[weakref.ref[Any], Hashable, int]] = {}
 
 
 class _Leaf:
@@ -133,22 +134,13 @@ def _flat_names(cache: Any) -> tuple[list[Any], list[str], Hashable]:
         return leaves, names, _flat(cache, leaves, names, "")
     try:
         context = _flat(cache, leaves, names, "")
-        if sum(isinstance(x, torch.Tensor | ShardedTensor) for x in leaves) >= _count(rebuilt[1]):
+        if sum(isinstance(x, torch.Tensor | ShardedTensor) for x in leaves) >= rebuilt[2]:
             return leaves, names, context
     except TypeError:  # a PartitionSpec or a marker where a tensor was
         pass
     leaves, names = [], []
     _by_context(cache, rebuilt[1], leaves, names, "")
     return leaves, names, rebuilt[1]
-
-
-def _count(context: Any) -> int:
-    """How many tensors a context holds."""
-    if isinstance(context, _Leaf):
-        return 1
-    if context[0] == "static":
-        return 0
-    return sum(_count(c) for c in context[-1])
 
 
 def _flatten(cache: Any) -> tuple[list[Any], Hashable]:
@@ -163,9 +155,10 @@ def _flatten_with_keys(cache: Any) -> tuple[list[tuple[Any, Any]], Hashable]:
 
 
 def _unflatten(values: Any, context: Hashable) -> Any:
-    cache = _rebuild(context, list(values)[::-1])  # popped from the end: reversed
+    values = list(values)
+    cache = _rebuild(context, values[::-1])  # popped from the end: reversed
     key = id(cache)
-    _REBUILT[key] = (weakref.ref(cache, lambda _: _REBUILT.pop(key, None)), context)
+    _REBUILT[key] = (weakref.ref(cache, lambda _: _REBUILT.pop(key, None)), context, len(values))
     return cache
 
 
