@@ -31,6 +31,7 @@ __all__ = [
     "JitArgumentError",
     "JoinTimeoutError",
     "MeshError",
+    "OptionError",
     "PartitaError",
     "PlanMismatchError",
     "RecompileWarning",
@@ -55,6 +56,11 @@ class PartitaError(Exception):
 
 class MeshError(PartitaError, ValueError):
     """A :class:`~partita.Mesh` was built from inconsistent device ids, shape or axis names."""
+
+
+class OptionError(PartitaError, ValueError):
+    """An option (``partita.options``: a keyword, ``using(...)`` or a ``PARTITA_*`` environment
+    variable) has a value it cannot take, or no option has that name."""
 
 
 class SpecError(PartitaError, ValueError):
