@@ -22,6 +22,7 @@ __all__ = [
     "AnnotationError",
     "CaptureError",
     "CheckpointError",
+    "CompileCacheWarning",
     "CompilerError",
     "DistributedError",
     "DtypeError",
@@ -191,6 +192,13 @@ class ImplicitCollectiveWarning(PartitaWarning):
 
 class VirtualDeviceError(PartitaError, RuntimeError):
     """The virtual device (``partita.use_spmd``) cannot be set up or used as asked."""
+
+
+class CompileCacheWarning(PartitaWarning):
+    """The virtual device's on-disk compile cache was not used: its directory or a file in it
+    is not private to the current user, a file names something outside the table of ops a
+    cache file may call or fails its content hash, or the directory cannot be read or written.
+    The step compiles (or runs) as if the cache were off; the message says what to fix."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -14,6 +14,7 @@ so an ``nn.Parameter`` keeps its identity. This module does not compile or run a
 
 from __future__ import annotations
 
+import contextvars
 import itertools
 import threading
 from typing import Any
@@ -244,7 +245,10 @@ def _sync_outside_dispatch() -> None:
         except BaseException as e:  # re-raised in the caller's thread
             errors.append(e)
 
-    worker = threading.Thread(target=run, name="partita-sync")
+    # The caller's context goes along: partita.options.using(...) blocks apply to the sync.
+    worker = threading.Thread(
+        target=contextvars.copy_context().run, args=(run,), name="partita-sync"
+    )
     worker.start()
     worker.join()
     if errors:

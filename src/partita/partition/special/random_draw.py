@@ -11,7 +11,9 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy
 
+from partita.errors import CompilerError
 from partita.explain import op_name
+from partita.op_lookup import find_op, torch_constant
 from partita.partition.emit import Emitter, emitting, node_of
 from partita.partition.handlers import Handler, register
 from partita.partition.reshard import plan_reshard
@@ -25,7 +27,7 @@ from partita.spec import Sharding
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
 
-__all__ = ["global_random_draw"]
+__all__ = ["draw_target", "global_random_draw"]
 
 
 # --- global_random -------------------------------------------------------------------------------
@@ -88,16 +90,37 @@ def _decode(a: Any, inputs: list[torch.Tensor]) -> Any:
         return inputs[a["tensor"]]
     if "like" in a:  # only its shape, strides and dtype matter
         shape, stride, dtype = a["like"]
-        return torch.empty_strided(shape, stride, dtype=getattr(torch, dtype["dtype"]))
+        return torch.empty_strided(shape, stride, dtype=_constant(dtype["dtype"]))
     if "device" in a:
         return torch.device(a["device"])
     ((_kind, name),) = a.items()
-    return getattr(torch, name)
+    return _constant(name)
+
+
+def _constant(name: Any) -> Any:
+    """A dtype, layout or memory format by its exact name (never another torch attribute)."""
+    value = torch_constant(name, (torch.dtype, torch.layout, torch.memory_format))
+    if value is None:
+        raise CompilerError(
+            f"partita::global_random_draw: {name!r} is not a torch dtype, layout or memory "
+            f"format (its arguments are not what partita wrote); {CompilerError.WORKAROUND}"
+        )
+    return value
+
+
+def draw_target(op: Any) -> torch._ops.OpOverload | None:
+    """The aten op a draw names (``"packet.overload"``), found by exact name, or None."""
+    parts = op.split(".") if isinstance(op, str) else []
+    return find_op("aten", parts[0], parts[1], ("aten",)) if len(parts) == 2 else None
 
 
 def _run_draw(inputs: list[torch.Tensor], op: str, args: str) -> list[torch.Tensor]:
-    packet, overload = op.split(".")
-    target = getattr(getattr(aten, packet), overload)
+    target = draw_target(op)
+    if target is None:
+        raise CompilerError(
+            f"partita::global_random_draw: {op!r} is not an aten op named 'packet.overload' "
+            f"(the program is not what partita wrote); {CompilerError.WORKAROUND}"
+        )
     spec = json.loads(args)
     out = target(
         *_decode(spec["args"], inputs), **{k: _decode(v, inputs) for k, v in spec["kwargs"].items()}
