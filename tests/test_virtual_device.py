@@ -390,9 +390,14 @@ def test_a_tampered_cache_file_is_ignored(dev: torch.device, tmp_path: Path) -> 
     data = json.loads(saved.read_text())
     for row in data["graph"]:
         if row["target"]:
-            row["target"] = "os::system.default"  # never resolved: only torch.ops names load
+            row["target"] = "os::system.default"  # never resolved: only the op table loads
     saved.write_text(json.dumps(data))
-    assert run_once() == (1, 0)
+    with pytest.warns(partita.CompileCacheWarning, match=r"does not match the SHA-256"):
+        assert run_once() == (1, 0)
+    data["sha256"] = disk_cache._digest(data)  # as whoever edits it would recompute it
+    saved.write_text(json.dumps(data))
+    with pytest.warns(partita.CompileCacheWarning, match=r"'os::system\.default' as a function"):
+        assert run_once() == (1, 0)
 
 
 def test_another_privateuse1_backend_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
