@@ -33,6 +33,7 @@ _VALUES = (
     "partita.explain",
     "partita.layout",
     "partita.mesh",
+    "partita.op_lookup",
     "partita.options",
     "partita.plan_roles",
     "partita.plans",
