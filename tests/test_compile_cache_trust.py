@@ -176,6 +176,39 @@ def test_a_kwarg_that_is_not_an_argument_of_the_op_is_refused(
     _ignored(tmp_path, r"is malformed .*a node name must be a plain identifier")
 
 
+def test_a_random_draw_naming_another_function_is_ignored_at_load(
+    dev: torch.device, tmp_path: Path
+) -> None:
+    """A random draw names its aten op as a string argument: the file is checked for it."""
+
+    def draw() -> tuple[torch.Tensor, int]:
+        virtual_step._CACHE.clear()
+        partita.metrics(reset=True)
+        disk_cache.set_directory(tmp_path)
+        try:
+            torch.manual_seed(0)
+            x = torch.ones(8, 4).to(torch.device("spmd", 0))
+            partita.mark_sharding(x, MESH, P("data", None))
+            out = (torch.rand_like(x) + x).cpu()
+        finally:
+            disk_cache.set_directory(None)
+        return out, partita.metrics().disk_hits
+
+    first, _ = draw()
+    (path,) = tmp_path.glob("*.json")
+    data = json.loads(path.read_bytes())
+    (row,) = [r for r in data["graph"] if r["target"] == "partita::global_random_draw.default"]
+    assert row["args"]["tuple"][1] == "rand_like.default"
+    row["args"]["tuple"][1] = "__dict__.clear"
+    data["sha256"] = disk_cache._digest(data)
+    _replace(path, json.dumps(data).encode())
+    with pytest.warns(CompileCacheWarning, match=r"global_random_draw names '__dict__\.clear'"):
+        again, hits = draw()
+    assert hits == 0
+    torch.testing.assert_close(again, first)  # the same seed, compiled again: the same draw
+    assert bool(((first >= 1) & (first < 2)).all())
+
+
 # --- 2. the content hash --------------------------------------------------------------------
 
 
