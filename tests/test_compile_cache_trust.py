@@ -427,6 +427,8 @@ def test_the_directory_comes_from_the_options(
     assert len(list((tmp_path / "opt").glob("*.json"))) == 1
     monkeypatch.setenv("PARTITA_COMPILE_CACHE", str(tmp_path / "env"))
     assert disk_cache.directory() == tmp_path / "env"
+    assert _run(None) == (RIGHT, 1, 0)
+    assert _run(None) == (RIGHT, 0, 1)
     disk_cache.set_directory(tmp_path / "explicit")  # set_directory (use_spmd) comes first
     assert disk_cache.directory() == tmp_path / "explicit"
     disk_cache.set_directory("~/partita-cache")

@@ -99,9 +99,9 @@ def _register_early() -> None:
 def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> torch.device:
     """Switch the virtual device on for ``mesh`` and return it (``torch.device("spmd", 0)``).
 
-    ``cache_dir`` keeps compiled steps on disk for later processes (plain JSON; see
-    :mod:`partita.virtual.disk_cache`; the ``PARTITA_COMPILE_CACHE`` environment variable does
-    the same).
+    ``cache_dir`` keeps compiled steps on disk for later processes, in a directory only you
+    can write (plain JSON, checked when read; see :mod:`partita.virtual.disk_cache`; the
+    ``compile_cache`` option, environment variable ``PARTITA_COMPILE_CACHE``, does the same).
 
     Example:
         >>> dev = partita.use_spmd(Mesh.create((2, 4), ("data", "model")))
