@@ -235,10 +235,10 @@ def save(key: Hashable, mesh: Mesh, program: StepProgram) -> None:
         return
     try:
         data: dict[str, Any] = {"format": FORMAT, "versions": _versions(), **to_data(program)}
-    except NotPlainError:
+        data["sha256"] = _digest(data)
+        blob = json.dumps(data).encode()
+    except (NotPlainError, TypeError, ValueError):  # e.g. a complex constant: not JSON
         return
-    data["sha256"] = _digest(data)
-    blob = json.dumps(data).encode()
     root = path.parent
     try:
         dfd = _open_directory(root, create=True)
@@ -248,7 +248,8 @@ def save(key: Hashable, mesh: Mesh, program: StepProgram) -> None:
     except OSError as e:
         _unreadable_directory(root, e, "save compiled steps in")
         return
-    assert dfd is not None  # created above
+    if dfd is None:  # not reached: create=True made it or raised
+        return
     try:
         _write_atomically(dfd, path.name, blob)
     except OSError as e:
