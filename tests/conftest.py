@@ -5,13 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import HealthCheck, settings
 
-import partita
 from partita import Mesh
-
-# The virtual device is registered by the first use_spmd, which must come before a process's
-# first backward() (PyTorch sizes its autograd queues then); in a test session other tests'
-# backward() often runs first, so the session registers it before any test runs.
-partita.virtual.register_device()
 
 # Modest example counts keep the property tests to seconds; CI can raise them with
 # HYPOTHESIS_PROFILE=ci.
