@@ -120,6 +120,14 @@ def test_the_engine_check_raises_a_typed_error(monkeypatch: pytest.MonkeyPatch) 
         device._check_autograd_engine()
 
 
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_the_engine_check_runs_under_no_grad(mode: str) -> None:
+    from partita.virtual import device
+
+    with getattr(torch, mode)():
+        device._check_autograd_engine()  # the registered device's backward runs: no error
+
+
 def test_one_state_for_every_thread() -> None:
     seen: list[virtual_state.DeviceState] = []
     threads = [threading.Thread(target=lambda: seen.append(virtual_state.get())) for _ in range(8)]

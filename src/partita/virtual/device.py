@@ -9,9 +9,10 @@ what ``tensor.to(dev)``, ``module.to(dev)`` and ``torch.zeros(..., device=dev)``
 
 This module only registers; recording lives in :mod:`partita.virtual.dispatch`. Nothing is
 registered when partita is imported: ``partita.use_spmd`` (or
-:func:`partita.virtual.register_device`) calls :func:`register`. The registration is process-global and cannot be undone (a PyTorch
-limitation), it needs the Python PrivateUse1 hooks of torch >= 2.9 (:data:`MIN_TORCH`), and it
-must come before the process's first ``backward()`` (:func:`register` checks).
+:func:`partita.virtual.register_device`) calls :func:`register`. The registration is
+process-global and cannot be undone (a PyTorch limitation), it needs the Python PrivateUse1
+hooks of torch >= 2.9 (:data:`MIN_TORCH`), and it must come before the process's first
+``backward()`` (:func:`register` checks).
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ __all__ = [
     "VirtualDeviceError",
     "activate",
     "register",
-    "spmd_device",
 ]
 
 #: The first torch release whose PrivateUse1 backend can be registered from Python.
@@ -299,9 +299,11 @@ def _check_autograd_engine() -> None:
     ``backward()`` and never again; a device registered later has none, and every backward on
     it fails an internal assert. One backward through a node on the device tells.
     """
-    x = lazy.new_data(torch.zeros(()), requires_grad=True)
     try:
-        torch.autograd.grad(_Probe.apply(x), x, lazy.new_data(torch.ones(())))
+        # use_spmd may be called under no_grad (the first ShardedTensor op outside jit is).
+        with torch.inference_mode(False), torch.enable_grad():
+            x = lazy.new_data(torch.zeros(()), requires_grad=True)
+            torch.autograd.grad(_Probe.apply(x), x, lazy.new_data(torch.ones(())))
     except RuntimeError as e:
         if "device_ready_queues_" not in str(e):
             raise
@@ -312,8 +314,3 @@ def _check_autograd_engine() -> None:
             "Call partita.use_spmd(mesh) (or partita.virtual.register_device()) before the "
             "first backward() of the process, e.g. at the top of the script."
         ) from e
-
-
-def spmd_device() -> torch.device:
-    """``torch.device("spmd", 0)`` (after :func:`register`)."""
-    return torch.device(DEVICE_NAME, 0)
