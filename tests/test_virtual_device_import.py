@@ -87,10 +87,14 @@ def test_import_changes_nothing_in_torch_and_use_spmd_registers() -> None:
 _BACKWARD_FIRST = """
 import torch
 import partita
+from partita import P
 {prepare}
 w = torch.ones(2, requires_grad=True)
 (w * 2).sum().backward()  # the process's first backward(), on the CPU
-dev = partita.use_spmd(partita.Mesh.create((2,), ("x",)))
+mesh = partita.Mesh.create((2,), ("x",))
+x = partita.mark_sharding(torch.ones(4, 2), mesh, P("x", None))
+print((x + 1).full().sum().item())  # a ShardedTensor op outside jit: no backward, it runs
+dev = partita.use_spmd(mesh)
 v = torch.ones(2, device=dev, requires_grad=True)
 (v * 3).sum().backward()
 print(v.grad.cpu().tolist())
@@ -101,23 +105,29 @@ print(v.grad.cpu().tolist())
 def test_use_spmd_after_a_backward_says_to_register_first() -> None:
     proc = _python(_BACKWARD_FIRST.format(prepare=""))
     assert proc.returncode != 0
+    assert proc.stdout.split() == ["16.0"]
     assert "VirtualDeviceError" in proc.stderr
     assert "ran a backward() before the virtual device was registered" in proc.stderr
     assert "partita.virtual.register_device()" in proc.stderr
     proc = _python(_BACKWARD_FIRST.format(prepare="partita.virtual.register_device()"))
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == "[3.0, 3.0]"
+    assert proc.stdout.split() == ["16.0", "[3.0,", "3.0]"]
 
 
-def test_the_engine_check_raises_a_typed_error(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_late_registration_is_refused_with_the_fix(monkeypatch: pytest.MonkeyPatch) -> None:
     from partita.virtual import device
 
     def no_queue(*args: object, **kwargs: object) -> None:
         raise RuntimeError("0 <= device.index() && device.index() < device_ready_queues_.size()")
 
-    monkeypatch.setattr(torch.autograd, "grad", no_queue)
+    with monkeypatch.context() as m:
+        m.setattr(torch.autograd, "grad", no_queue)
+        assert device._backward_runs() is False
+    registration = virtual_state.get().registration
+    assert registration is not None and registration.backward_runs
+    monkeypatch.setattr(registration, "backward_runs", False)
     with pytest.raises(partita.VirtualDeviceError, match=r"before the first backward\(\)"):
-        device._check_autograd_engine()
+        partita.use_spmd(Mesh.create((2,), ("x",)))
 
 
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
@@ -125,7 +135,7 @@ def test_the_engine_check_runs_under_no_grad(mode: str) -> None:
     from partita.virtual import device
 
     with getattr(torch, mode)():
-        device._check_autograd_engine()  # the registered device's backward runs: no error
+        assert device._backward_runs()  # the registered device's backward runs
 
 
 def test_one_state_for_every_thread() -> None:

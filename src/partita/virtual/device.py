@@ -275,7 +275,7 @@ def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Ten
     fallback = torch.library.Library("_", "IMPL")
     autocast.register(lib, fallback)
     registration.libraries += [lib, fallback]  # kept: dropping a Library drops its kernels
-    _check_autograd_engine()
+    registration.backward_runs = _backward_runs()
 
 
 class _Probe(torch.autograd.Function):
@@ -292,8 +292,9 @@ class _Probe(torch.autograd.Function):
         return grad
 
 
-def _check_autograd_engine() -> None:
-    """Raise when this process ran a ``backward()`` before the device was registered.
+def _backward_runs() -> bool:
+    """Whether a ``backward()`` can run on the device: False when this process ran one before
+    the device was registered.
 
     PyTorch's autograd engine makes one queue per accelerator device at the process's first
     ``backward()`` and never again; a device registered later has none, and every backward on
@@ -307,10 +308,19 @@ def _check_autograd_engine() -> None:
     except RuntimeError as e:
         if "device_ready_queues_" not in str(e):
             raise
+        return False
+    return True
+
+
+def check_backward() -> None:
+    """Raise :class:`VirtualDeviceError` when no ``backward()`` can run on the registered
+    device (``use_spmd`` asks; ShardedTensor ops outside jit run no backward and do not)."""
+    registration = state.get().registration
+    if registration is not None and not registration.backward_runs:
         raise VirtualDeviceError(
             "partita.use_spmd: this process ran a backward() before the virtual device was "
             "registered, and PyTorch's autograd engine sizes its per-device queues at the "
-            "first backward() of a process, so no backward can run on the device from now on. "
-            "Call partita.use_spmd(mesh) (or partita.virtual.register_device()) before the "
-            "first backward() of the process, e.g. at the top of the script."
-        ) from e
+            "first backward() of a process, so no backward can run on the device in this "
+            "process. Call partita.use_spmd(mesh) (or partita.virtual.register_device()) before "
+            "the first backward() of the process, e.g. at the top of the script."
+        )

@@ -20,7 +20,7 @@ from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 from partita.virtual import step
 from partita.virtual.lazy import LazyTensor, full_value, new_data
-from partita.virtual.switch import use_spmd
+from partita.virtual.switch import switch_on
 
 __all__ = ["eager_op"]
 
@@ -44,7 +44,7 @@ def eager_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             f"device's mesh. Reshard onto {current!r}, or use partita.jit with mesh={mesh!r}."
         )
     if current is None:
-        use_spmd(mesh)
+        switch_on(mesh)  # ShardedTensor ops run no backward(): no check for one
 
     def to_lazy(x: Any) -> Any:
         return new_data(x) if isinstance(x, ShardedTensor) else x

@@ -40,11 +40,13 @@ DEVICE_NAME = "spmd"
 @dataclass
 class Registration:
     """What registering the device with torch left: the Python kernels' callables and the
-    ``torch.library`` objects holding them (process-global; never undone)."""
+    ``torch.library`` objects holding them (process-global; never undone), and whether a
+    ``backward()`` can run on the device (not when the process ran one before registering)."""
 
     factory: Callable[..., torch.Tensor]
     wrap: Callable[..., torch.Tensor]
     libraries: list[torch.library.Library] = field(default_factory=list)
+    backward_runs: bool = True
 
 
 @dataclass

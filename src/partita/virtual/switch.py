@@ -17,10 +17,10 @@ from partita.mesh import Mesh
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 from partita.virtual import disk_cache, state, step
-from partita.virtual.device import activate, register
+from partita.virtual.device import activate, check_backward, register
 from partita.virtual.lazy import LazyTensor, full_value, new_data
 
-__all__ = ["register_device", "sharded", "use_spmd"]
+__all__ = ["register_device", "sharded", "switch_on", "use_spmd"]
 
 
 def _factory(shape: tuple[int, ...], dtype: torch.dtype | None) -> torch.Tensor:
@@ -41,6 +41,7 @@ def register_device() -> None:
         'spmd'
     """
     register(_factory, new_data)
+    check_backward()
 
 
 def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> torch.device:
@@ -58,6 +59,14 @@ def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> 
     if not isinstance(mesh, Mesh):
         raise TypeError(f"partita.use_spmd needs a partita.Mesh, got {type(mesh).__name__}")
     register_device()
+    return switch_on(mesh, cache_dir=cache_dir)
+
+
+def switch_on(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> torch.device:
+    """:func:`use_spmd` without the check that a ``backward()`` can run on the device, for
+    ShardedTensor operations outside jit (:mod:`partita.virtual.sharded_ops`): they run no
+    backward, so a process that ran one before still runs them."""
+    register(_factory, new_data)
     activate()
     _use_foreach_kernels()
     step.set_mesh(mesh)
