@@ -13,7 +13,8 @@ it; the step and program layer (:mod:`step`, :mod:`compiled`) above those; :mod:
 (``use_spmd``) and this package on top. The two calls the lazy tensor makes upward (record an
 op, sync the step) are handed to it here, by :func:`lazy.connect`.
 
-Importing this package changes nothing in torch: ``use_spmd`` registers the device.
+Importing this package changes nothing in torch (no device, no kernel, no setting):
+``use_spmd`` registers the device (:mod:`switch`).
 """
 
 from __future__ import annotations

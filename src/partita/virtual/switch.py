@@ -1,10 +1,11 @@
 """Switching the virtual device on: :func:`use_spmd`, and everything it changes in torch.
 
-Importing partita changes nothing in torch. The first ``use_spmd`` (or
-:func:`register_device`) registers the device (:mod:`partita.virtual.device`: PyTorch's
-PrivateUse1 backend renamed ``spmd``, its hooks, device guard and kernels), and ``use_spmd``
-also reports it available and lets ``torch.optim`` pick its foreach kernels for the device's
-parameters. Both are process-global and stay for the rest of the process.
+Importing partita registers no device and changes none of torch's settings (it adds its own
+``torch.ops.partita`` ops and allows its value classes in ``torch.load``). The first
+``use_spmd`` (or :func:`register_device`) registers the device (:mod:`partita.virtual.device`:
+PyTorch's PrivateUse1 backend renamed ``spmd``, its hooks, device guard and kernels), and
+``use_spmd`` also reports it available and lets ``torch.optim`` pick its foreach kernels for the
+device's parameters. Both are process-global and stay for the rest of the process.
 """
 
 from __future__ import annotations
