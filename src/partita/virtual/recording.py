@@ -45,7 +45,6 @@ __all__ = [
     "reset",
 ]
 
-aten = torch.ops.aten
 _CPU = torch.device("cpu")
 _PLAIN = frozenset({int, bool, type(None), str, torch.dtype, torch.memory_format, torch.layout})
 
