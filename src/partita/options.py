@@ -147,8 +147,6 @@ KNOBS: tuple[Knob, ...] = (
          "seconds one collective may wait", keyed=False),
     Knob("compile_cache", "PARTITA_COMPILE_CACHE", _path,
          "directory of the virtual device's on-disk compile cache (None: off)", keyed=False),
-    Knob("virtual_device", "PARTITA_VIRTUAL_DEVICE", _bool,
-         "let use_spmd register the virtual device with torch", keyed=False),
 )  # fmt: skip
 
 _BY_NAME = {k.name: k for k in KNOBS}
@@ -175,7 +173,6 @@ class CompileOptions:
     join_timeout: float = 300.0
     collective_timeout: float = 300.0
     compile_cache: str | None = None
-    virtual_device: bool = True
     _source: str = field(default="CompileOptions", compare=False, repr=False)
 
     def __post_init__(self) -> None:
