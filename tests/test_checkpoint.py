@@ -220,16 +220,22 @@ def test_damaged_checkpoints_are_typed_errors_naming_the_tensor(
     raw = bytearray(data.read_bytes())
     raw[: len(raw) // 2] = bytes(len(raw) // 2)  # same length, zeroed: torch.load fails
     data.write_bytes(bytes(raw))
-    with pytest.raises(CheckpointError, match=r"reading tensor '.+' .*damaged"):
-        ckpt.load(step, bad)
+    with pytest.raises(CheckpointError, match=rf"'{data}' does not match its checksum in"):
+        ckpt.load(step, bad)  # the checksum names the file before torch.load trips on it
     (bad / ".metadata").write_bytes(b"not a pickle")
+    with pytest.raises(CheckpointError, match=r"\.metadata' does not match its checksum"):
+        ckpt.load(step, bad)
+    (bad / "partita.json").unlink()  # a plain DCP checkpoint: no checksums to check
     with pytest.raises(CheckpointError, match=r"\.metadata' cannot be read"):
+        ckpt.load(step, bad)
+    shutil.copy(saved["path"] / ".metadata", bad / ".metadata")
+    with pytest.raises(CheckpointError, match=r"reading tensor '.+' .*damaged"):
         ckpt.load(step, bad)
     with pytest.raises(CheckpointError, match=r"is not a checkpoint .*does not exist"):
         ckpt.load(step, tmp_path / "nowhere")
-    (tmp_path / "nowhere.tmp-1234").mkdir()  # what a SIGKILLed save leaves: never read
+    (tmp_path / "nowhere.tmp-00000000000004d2").mkdir()  # what a SIGKILLed save leaves: never read
     with pytest.raises(
-        CheckpointError, match=r"incomplete saves beside it: \['nowhere.tmp-1234'\]"
+        CheckpointError, match=r"incomplete saves beside it: \['nowhere.tmp-00000000000004d2'\]"
     ):
         ckpt.load(step, tmp_path / "nowhere")
     for name, value in step.full_parameters().items():  # nothing changed
