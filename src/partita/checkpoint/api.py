@@ -192,11 +192,11 @@ def save(
         with _Quiet():
             dcp.save(state, storage_writer=writer, planner=SavePlanner(), no_dist=_no_dist())
         digests = _gather_digests(writer.digests)
+        sync.from_main(call, "publishing the checkpoint", lambda: publish(path, save_id, digests))
     except BaseException as e:
         if sync.is_main():
-            remove_temporary(path, save_id)
+            remove_temporary(path, save_id)  # unless publish renamed it to path already
         raise _save_failure(path, tmp, e) from e
-    sync.from_main(call, "publishing the checkpoint", lambda: publish(path, save_id, digests))
 
 
 # --- load ----------------------------------------------------------------------------------

@@ -334,7 +334,7 @@ def publish(path: Path, save_id: str, digests: dict[str, tuple[int, str]]) -> No
         os.replace(tmp, path)
         _fsync_dir(path.parent)
         step_done("new_renamed")
-    except Exception:
+    except BaseException:  # an error or Ctrl-C: put the previous checkpoint back
         if not path.exists() and aside.exists():
             os.replace(aside, path)
         raise
