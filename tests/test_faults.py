@@ -362,13 +362,18 @@ def _checkpoint_offset(path: Path) -> float:
 def test_ranks_passing_different_paths_is_an_error_on_every_rank(tmp_path: Path) -> None:
     """Each rank used to write its own shards to its own path and return normally."""
     results = run_fault("ckpt_paths", FAULT_DIR=str(tmp_path))
+    assert [r.returncode for r in results] == [0, 0], _explain(results)
     for r in results:
-        _, message = partita_error(r, "CheckpointError")
-        paths = ", ".join(f"rank {i}: '{tmp_path / f'rank{i}'}'" for i in range(2))
-        assert f"checkpoint.save: the processes passed different paths ({paths})" in message
-        assert "Pass the same path on every process" in message
-        assert "ckpt_paths returned" not in r.stdout
-    assert list(tmp_path.iterdir()) == []  # checked before anything was written
+        for call, names in (("save", ("rank0", "rank1")), ("load", ("c", "d"))):
+            found = re.search(
+                rf"^PARTITA CheckpointError case={call} at [\d.]+: (.*)$", r.stderr, re.M
+            )
+            assert found, _explain(results)
+            paths = ", ".join(f"rank {i}: '{tmp_path / name}'" for i, name in enumerate(names))
+            assert f"checkpoint.{call}: the processes passed different paths ({paths})" in found[1]
+            assert "Pass the same path on every process" in found[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # refused before any write
+    assert _checkpoint_offset(tmp_path / "c") == 0.0
 
 
 @pytest.mark.slow

@@ -15,7 +15,8 @@ mismatch         four mistakes, each a typed error on every rank, then a matchin
 fewer_steps      stops after 2 steps, calls ``shutdown()`` and checks that partita let go of
                  its process groups, then exits cleanly; the others run 4
 main_only_print  (rank 0 misbehaves) prints a sharded value alone; rank 1 compiles on
-ckpt_paths       each rank passes ``checkpoint.save`` its own path (``FAULT_DIR/rank<r>``)
+ckpt_paths       each rank passes ``checkpoint.save`` its own path (``FAULT_DIR/rank<r>``),
+                 then all save to ``FAULT_DIR/c``; rank 1 loads from ``FAULT_DIR/d``
 ckpt_one_rank    (rank 0 misbehaves) calls ``checkpoint.save`` alone; rank 1 sleeps
                  ``FAULT_STALL`` seconds and exits 0
 ckpt_crash       both save checkpoint A to ``FAULT_DIR/c`` (unless ``FAULT_FIRST_SAVE=0``),
@@ -44,7 +45,7 @@ import partita.checkpoint as ckpt
 import partita.distributed as pd
 from partita import Mesh, P, ShardedTensor
 from partita.checkpoint import directory
-from partita.errors import DistributedError, PartitaError, PlanMismatchError
+from partita.errors import CheckpointError, DistributedError, PartitaError, PlanMismatchError
 from partita.runtime.distributed import distributed_executor
 
 PARTITA_EXIT = 17
@@ -127,9 +128,17 @@ def checkpoint_state(mesh: Mesh, offset: float) -> dict[str, torch.Tensor]:
 
 def checkpoint_faults(mode: str, mesh: Mesh, rank: int) -> None:
     base = Path(os.environ["FAULT_DIR"])
-    if mode == "ckpt_paths":  # WRONG: a path per rank
+    if mode == "ckpt_paths":  # WRONG: a path per rank, to save and then to load
         print(f"fault {mode} at {time.time():.3f}", flush=True)
-        ckpt.save(checkpoint_state(mesh, 0.0), base / f"rank{rank}")
+        try:
+            ckpt.save(checkpoint_state(mesh, 0.0), base / f"rank{rank}")
+        except CheckpointError as e:
+            report(e, "save")
+        ckpt.save(checkpoint_state(mesh, 0.0), base / "c")  # right: one path
+        try:
+            ckpt.load(checkpoint_state(mesh, 0.0), base / ("c" if rank == 0 else "d"))
+        except CheckpointError as e:
+            report(e, "load")
     elif mode == "ckpt_one_rank":
         print(f"fault {mode} at {time.time():.3f}", flush=True)
         if rank == 0:  # WRONG: save is collective
