@@ -392,6 +392,22 @@ def test_save_on_one_rank_only_times_out_typed(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
+def test_a_rank_dying_inside_dcp_is_a_checkpoint_error_on_its_peer(tmp_path: Path) -> None:
+    """DCP's own collectives (here: gathering the write results) are bounded and typed too."""
+    results = run_fault("ckpt_rank_dies", FAULT_DIR=str(tmp_path))
+    survivor, gone = results
+    assert gone.returncode == 3, _explain(results)
+    when, message = partita_error(survivor, "CheckpointError")
+    assert when - fault_time(gone) <= TIMEOUT + SLACK, _explain(results)
+    assert message.startswith(
+        "checkpoint.save on rank 0 of 2: torch.distributed.checkpoint's planning and finishing"
+    ), message
+    assert "every process must call it" in message
+    assert _checkpoint_offset(tmp_path / "c") == 0.0  # A, untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]  # rank 0 removed the temporary
+
+
 #: The checkpoint at the path after a crash at each point: A (0) before, B (100) once B is
 #: complete and the old one is out of the way.
 CRASHED = {

@@ -22,6 +22,8 @@ ckpt_one_rank    (rank 0 misbehaves) calls ``checkpoint.save`` alone; rank 1 sle
 ckpt_crash       both save checkpoint A to ``FAULT_DIR/c`` (unless ``FAULT_FIRST_SAVE=0``),
                  then B; rank 0 calls ``os._exit(CRASH_EXIT)`` at the save's crash point
                  ``FAULT_CRASH_AT`` (``partita.checkpoint.directory.CRASH_POINTS``)
+ckpt_rank_dies   both save A to ``FAULT_DIR/c``, then B; rank 1 ``os._exit``s inside DCP's
+                 write of B
 ===============  =====================================================================
 
 The faulty rank prints ``fault MODE at <time.time()>`` when it misbehaves. A PartitaError is printed
@@ -39,6 +41,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 import partita
 import partita.checkpoint as ckpt
@@ -157,6 +160,18 @@ def checkpoint_faults(mode: str, mesh: Mesh, rank: int) -> None:
 
         if rank == 0:
             directory.step_done = crash
+        ckpt.save(checkpoint_state(mesh, 100.0), base / "c")
+    elif mode == "ckpt_rank_dies":
+        ckpt.save(checkpoint_state(mesh, 0.0), base / "c")
+        if rank == 1:  # dies inside DCP's write, while rank 0 waits in DCP's collective
+            write = dcp.FileSystemWriter.write_data
+
+            def die(*args: object, **kwargs: object) -> None:
+                write(*args, **kwargs)
+                print(f"fault {mode} at {time.time():.3f}", flush=True)
+                os._exit(CRASH_EXIT)
+
+            dcp.FileSystemWriter.write_data = die  # type: ignore[method-assign]
         ckpt.save(checkpoint_state(mesh, 100.0), base / "c")
     print(f"{mode} returned", flush=True)
 

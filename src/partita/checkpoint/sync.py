@@ -43,14 +43,14 @@ def collective_error(call: str, what: str, cause: BaseException) -> CheckpointEr
     text = str(cause).strip()
     first = text.splitlines()[0][:300] if text else type(cause).__name__
     timeout = launch.active_collective_timeout()
+    kept = "the checkpoint at the path is unchanged" if "save" in call else "nothing was loaded"
     return CheckpointError(
         f"{call} on rank {rank} of {world}: {what} (a collective over every process) failed: "
         f"{first}. {call} is collective: every process must call it, with the same path. A "
         f"process that does not (the call is under `if is_main_process():`, or that process "
         f"stopped or died) leaves the others waiting until the collective timeout ({timeout:g} "
         f"s, PARTITA_COLLECTIVE_TIMEOUT), then this error. Call {call} on every process; the "
-        "run cannot continue after this error: restart every process (an earlier checkpoint "
-        "is unchanged)."
+        f"run cannot continue after this error: restart every process ({kept})."
     )
 
 
