@@ -43,7 +43,11 @@ def collective_error(call: str, what: str, cause: BaseException) -> CheckpointEr
     text = str(cause).strip()
     first = text.splitlines()[0][:300] if text else type(cause).__name__
     timeout = launch.active_collective_timeout()
-    kept = "the checkpoint at the path is unchanged" if "save" in call else "nothing was loaded"
+    kept = (
+        "the path keeps a complete checkpoint: the previous one, or this one if rank 0 completed it"
+        if "save" in call
+        else "nothing was loaded"
+    )
     return CheckpointError(
         f"{call} on rank {rank} of {world}: {what} (a collective over every process) failed: "
         f"{first}. {call} is collective: every process must call it, with the same path. A "
