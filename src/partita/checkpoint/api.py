@@ -116,7 +116,9 @@ def _state_for_save(
 class _HashingWriter(FileSystemWriter):
     """DCP's FileSystemWriter that hashes the files this process wrote, once written."""
 
-    digests: dict[str, tuple[int, str]]
+    def __init__(self, path: Path, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.digests: dict[str, tuple[int, str]] = {}
 
     def write_data(self, plan: Any, planner: Any) -> Any:
         future = super().write_data(plan, planner)  # written synchronously; the future is set
@@ -196,7 +198,10 @@ def save(
     except BaseException as e:
         if sync.is_main():
             remove_temporary(path, save_id)  # unless publish renamed it to path already
-        raise _save_failure(path, tmp, e) from e
+        failure = _save_failure(path, tmp, e)
+        if failure is e:
+            raise
+        raise failure from e
 
 
 # --- load ----------------------------------------------------------------------------------
