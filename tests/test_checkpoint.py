@@ -579,3 +579,11 @@ def test_a_failed_rename_puts_the_previous_checkpoint_back(
     monkeypatch.undo()
     assert [p.name for p in tmp_path.iterdir()] == ["c"]
     assert torch.equal(ckpt.load(_tensors(0.0), path)["w"].full(), torch.full((4,), 1.0))
+
+
+def test_a_relative_path_saves_and_loads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    ckpt.save(_tensors(1.0), "run/")
+    ckpt.save(_tensors(2.0), Path("run"))
+    assert torch.equal(ckpt.load(_tensors(0.0), "./run")["w"].full(), torch.full((4,), 2.0))
+    assert [p.name for p in tmp_path.iterdir()] == ["run"]

@@ -372,6 +372,11 @@ def test_ranks_passing_different_paths_is_an_error_on_every_rank(tmp_path: Path)
             paths = ", ".join(f"rank {i}: '{tmp_path / name}'" for i, name in enumerate(names))
             assert f"checkpoint.{call}: the processes passed different paths ({paths})" in found[1]
             assert "Pass the same path on every process" in found[1]
+        found = re.search(r"^PARTITA CheckpointError case=one at [\d.]+: (.*)$", r.stderr, re.M)
+        assert found, _explain(results)
+        mine = "checkpoint.save: 'note' is a str; a tensor dict holds ShardedTensors"
+        theirs = f"checkpoint.save failed on rank 1 (so on every rank): {mine}"
+        assert found[1].startswith(mine if r.rank == 1 else theirs), found[1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # refused before any write
     assert _checkpoint_offset(tmp_path / "c") == 0.0
 

@@ -15,8 +15,9 @@ mismatch         four mistakes, each a typed error on every rank, then a matchin
 fewer_steps      stops after 2 steps, calls ``shutdown()`` and checks that partita let go of
                  its process groups, then exits cleanly; the others run 4
 main_only_print  (rank 0 misbehaves) prints a sharded value alone; rank 1 compiles on
-ckpt_paths       each rank passes ``checkpoint.save`` its own path (``FAULT_DIR/rank<r>``),
-                 then all save to ``FAULT_DIR/c``; rank 1 loads from ``FAULT_DIR/d``
+ckpt_paths       each rank passes ``checkpoint.save`` its own path (``FAULT_DIR/rank<r>``);
+                 then rank 1 alone passes a non-tensor; then all save to ``FAULT_DIR/c``;
+                 then rank 1 loads from ``FAULT_DIR/d``
 ckpt_one_rank    (rank 0 misbehaves) calls ``checkpoint.save`` alone; rank 1 sleeps
                  ``FAULT_STALL`` seconds and exits 0
 ckpt_crash       both save checkpoint A to ``FAULT_DIR/c`` (unless ``FAULT_FIRST_SAVE=0``),
@@ -137,7 +138,12 @@ def checkpoint_faults(mode: str, mesh: Mesh, rank: int) -> None:
             ckpt.save(checkpoint_state(mesh, 0.0), base / f"rank{rank}")
         except CheckpointError as e:
             report(e, "save")
-        ckpt.save(checkpoint_state(mesh, 0.0), base / "c")  # right: one path
+        state = checkpoint_state(mesh, 0.0)
+        try:  # a mistake on one rank only (a value that is not a tensor)
+            ckpt.save({**state, "note": "hi"} if rank == 1 else state, base / "c")
+        except CheckpointError as e:
+            report(e, "one")
+        ckpt.save(state, base / "c")  # right: one path
         try:
             ckpt.load(checkpoint_state(mesh, 0.0), base / ("c" if rank == 0 else "d"))
         except CheckpointError as e:

@@ -181,7 +181,7 @@ def save(
         >>> partita.checkpoint.save(step, "ckpt/step_100", extra={"batch": 100})  # doctest: +SKIP
         >>> extra = partita.checkpoint.load(step, "ckpt/step_100")  # doctest: +SKIP
     """
-    path = Path(path)
+    path = Path(os.path.abspath(path))  # "." and "run/" get a name to put a temporary beside
     call = "checkpoint.save"
     state = sync.agree(call, path, lambda: _state_for_save(target, scheduler, extra, optimizer))
     save_id = sync.from_main(call, "preparing the directory", lambda: prepare(path))
@@ -336,7 +336,7 @@ def load(
         (``{}`` without); for a dict, a new dict of the same keys with the loaded values
         (ShardedTensors keep the given tensors' shardings, torch tensors are new tensors).
     """
-    path = Path(path)
+    path = Path(os.path.abspath(path))  # "." and "run/" get a name to put a temporary beside
     source, manifest, request, apply = sync.agree(
         "checkpoint.load", path, lambda: _plan_load(target, path, scheduler, optimizer)
     )
