@@ -8,12 +8,13 @@ manifest is what recognises a checkpoint of ours: :func:`prepare` lets a save re
 empty directory or a partita checkpoint holding nothing but its listed files, and refuses
 anything else before touching the disk.
 
-A save to ``<path>`` goes through these filesystem steps (rank 0 does all but the first);
-:data:`CRASH_POINTS` names the moment after each, where a crash can stop it:
+A save to ``<path>`` goes through these filesystem steps (rank 0 does all but
+``files_written``); :data:`CRASH_POINTS` names the moment after each, where a crash can stop it:
 
 =====================  ========================================================================
-``leftovers_removed``  :func:`prepare`: a complete left-over restored to ``<path>`` if
-                       ``<path>`` is missing (``restored``), the other left-overs deleted
+``restored``           :func:`prepare`: if ``<path>`` is missing or empty, the newest complete
+                       left-over renamed back to ``<path>`` (only then)
+``leftovers_removed``  :func:`prepare`: the other left-overs deleted
 ``files_written``      every process wrote its files into ``<path>.tmp-<id>`` (DCP)
 ``manifest_written``   ``partita.json`` written into the temporary (now complete)
 ``old_moved_aside``    the previous ``<path>`` renamed to ``<path>.old-<id>``
