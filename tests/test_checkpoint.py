@@ -490,9 +490,27 @@ def test_a_flipped_byte_is_an_error_naming_the_file(tmp_path: Path) -> None:
         CheckpointError, match=rf"'{data}' does not match its checksum in partita.json"
     ):
         ckpt.load(_tensors(0.0), tmp_path / "c")
-    (tmp_path / "c" / "partita.json").write_text("{not json")
+    manifest = tmp_path / "c" / "partita.json"
+    body = json.loads(manifest.read_text())
+    del body["files"][data.name]
+    manifest.write_text(json.dumps(body))
+    with pytest.raises(CheckpointError, match=r"is read by this checkpoint's .metadata but is "
+                       r"not listed in its partita.json"):  # fmt: skip
+        ckpt.load(_tensors(0.0), tmp_path / "c")
+    data.unlink()
+    ckpt.save(_tensors(1.0), tmp_path / "d")
+    (tmp_path / "d" / ".metadata").unlink()
+    with pytest.raises(CheckpointError, match=r"\.metadata' is missing \(partita.json lists it"):
+        ckpt.load(_tensors(0.0), tmp_path / "d")
+    manifest.write_text(json.dumps({**body, "version": 99}))
+    with pytest.raises(CheckpointError, match=r"has format version 99; this partita reads "
+                       r"version 1\..*Load it with the partita version that saved it"):  # fmt: skip
+        ckpt.load(_tensors(0.0), tmp_path / "c")
+    manifest.write_text("{not json")
     with pytest.raises(CheckpointError, match=r"partita.json' is not a valid partita manifest"):
         ckpt.load(_tensors(0.0), tmp_path / "c")
+    with pytest.raises(CheckpointError, match=r"'.*c': its partita.json is damaged"):
+        ckpt.save(_tensors(2.0), tmp_path / "c")  # not ours to replace any more
 
 
 def _step() -> TrainStep:
@@ -533,6 +551,8 @@ def test_extra_holds_only_what_loads_back(tmp_path: Path) -> None:
         ({"a.b": 1, "a": {"b": 2}}, r"two entries of extra get the same checkpoint name "
          r"\(duplicated flatten key extra.a.b\)"),
         ([1], r"extra is a list; it must be a dict"),
+        ({"w": _tensors(1.0)["w"]}, r"extra\['w'\] is not a type .*Save a plain tensor: "
+         r"\.full\(\) of a ShardedTensor"),
     ]  # fmt: skip
     for bad, message in refused:
         with pytest.raises(CheckpointError, match=message):

@@ -210,9 +210,15 @@ def verify_file(directory: Path, name: str, manifest: Manifest) -> None:
             "loaded. Load an earlier checkpoint, or copy this one again from where it was saved."
         )
     size, want = manifest.files[name]
-    got = digest(file) if file.is_file() else "(missing)"
+    if not file.is_file():
+        raise CheckpointError(
+            f"checkpoint.load: {str(file)!r} is missing ({MANIFEST} lists it with {size} bytes): "
+            "the checkpoint is incomplete (copied in part?). Nothing was loaded. Load an "
+            "earlier checkpoint, or copy this one again from where it was saved."
+        )
+    got = digest(file)
     if got != want:
-        have = file.stat().st_size if file.is_file() else "no"
+        have = file.stat().st_size
         raise CheckpointError(
             f"checkpoint.load: {str(file)!r} does not match its checksum in {MANIFEST} "
             f"(sha256 {want[:16]}... over {size} bytes recorded at save; {have} bytes with sha256 "

@@ -49,11 +49,6 @@ def read_metadata(directory: Path, manifest: Manifest | None) -> Metadata:
     after checking it against its sha256 in the manifest (when the checkpoint has one)."""
     if manifest is not None:
         verify_file(directory, ".metadata", manifest)
-    elif not (directory / ".metadata").is_file():
-        raise CheckpointError(
-            f"checkpoint.load: {str(directory)!r} is not a checkpoint (no "
-            f"{str(directory / '.metadata')!r}). Pass the path a completed checkpoint.save wrote."
-        )
     try:
         return FileSystemReader(directory).read_metadata()
     except Exception as e:

@@ -145,7 +145,7 @@ def _loadable(value: Any, where: str) -> Any:
                 )  # fmt: skip
             out[key] = _loadable(v, f"{where}[{key!r}]")
         return out
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, ShardedTensor | torch.Tensor):
         fix = "Save a plain tensor: .full() of a ShardedTensor, or .detach().clone().cpu()."
     elif kind.__module__ == "numpy":
         fix = "Convert it: torch.from_numpy(a) for an array, .item() for a scalar."
