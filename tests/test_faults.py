@@ -12,14 +12,17 @@ from __future__ import annotations
 import re
 import socket
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import partita
-from partita import Mesh, P
-from partita.errors import DistributedError, JoinTimeoutError, PlanMismatchError
+import partita.checkpoint as ckpt
+from partita import Mesh, P, ShardedTensor
+from partita.checkpoint import directory
+from partita.errors import DistributedError, JoinTimeoutError, PartitaWarning, PlanMismatchError
 from partita.runtime import launch
 from partita.runtime.launch import ProcessEnv, RankResult, free_port, spawn
 from partita.runtime.plan_check import mismatch_error, program_digest, program_lines
@@ -331,3 +334,131 @@ def test_a_plan_mismatch_leaves_the_run_usable(mismatch_run: list[RankResult]) -
     """The checks run before any collective that could mismatch: the ranks stay in step."""
     losses = [re.findall(r"^after mismatches loss=\S+$", r.stdout, re.M) for r in mismatch_run]
     assert losses[0] and losses[0] == losses[1], _explain(mismatch_run)
+
+
+# --- checkpoints (2 processes) -------------------------------------------------------------
+
+
+def _checkpoint_template() -> dict[str, torch.Tensor]:
+    mesh = Mesh.create((2,), ("data",))
+    return {
+        "w": ShardedTensor.from_global(torch.zeros(4, 2), P(None, "data").to_sharding(mesh, 2)),
+        "b": torch.zeros(3),
+    }
+
+
+def _checkpoint_offset(path: Path) -> float:
+    """Which of faults.py's checkpoints (A: 0, B: 100, C: 200) ``path`` loads as."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PartitaWarning)  # left-overs beside it are expected
+        got = ckpt.load(_checkpoint_template(), path)
+    offset = float(got["b"][0])
+    assert torch.equal(got["w"].full(), torch.arange(8.0).reshape(4, 2) + offset)
+    assert torch.equal(got["b"], torch.arange(3.0) + offset)
+    return offset
+
+
+@pytest.mark.slow
+def test_ranks_passing_different_paths_is_an_error_on_every_rank(tmp_path: Path) -> None:
+    """Each rank used to write its own shards to its own path and return normally."""
+    results = run_fault("ckpt_paths", FAULT_DIR=str(tmp_path))
+    assert [r.returncode for r in results] == [0, 0], _explain(results)
+    for r in results:
+        for call, names in (("save", ("rank0", "rank1")), ("load", ("c", "d"))):
+            found = re.search(
+                rf"^PARTITA CheckpointError case={call} at [\d.]+: (.*)$", r.stderr, re.M
+            )
+            assert found, _explain(results)
+            paths = ", ".join(f"rank {i}: '{tmp_path / name}'" for i, name in enumerate(names))
+            assert f"checkpoint.{call}: the processes passed different paths ({paths})" in found[1]
+            assert "Pass the same path on every process" in found[1]
+        found = re.search(r"^PARTITA CheckpointError case=one at [\d.]+: (.*)$", r.stderr, re.M)
+        assert found, _explain(results)
+        mine = "checkpoint.save: 'note' is a str; a tensor dict holds ShardedTensors"
+        theirs = f"checkpoint.save failed on rank 1 (so on every rank): {mine}"
+        assert found[1].startswith(mine if r.rank == 1 else theirs), found[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # refused before any write
+    assert _checkpoint_offset(tmp_path / "c") == 0.0
+
+
+@pytest.mark.slow
+def test_save_on_one_rank_only_times_out_typed(tmp_path: Path) -> None:
+    """Used to be a raw Gloo RuntimeError out of the save's first broadcast."""
+    results = run_fault(
+        "ckpt_one_rank", FAULT_DIR=str(tmp_path), FAULT_STALL=f"{TIMEOUT + SLACK:g}"
+    )
+    alone, idle = results
+    when, message = partita_error(alone, "CheckpointError")
+    assert when - fault_time(alone) <= TIMEOUT + SLACK, _explain(results)
+    assert message.startswith("checkpoint.save on rank 0 of 2: the check that every process")
+    assert "every process must call it, with the same path" in message
+    assert "collective timeout (5 s, PARTITA_COLLECTIVE_TIMEOUT)" in message
+    assert idle.returncode == 0, _explain(results)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_a_rank_dying_inside_dcp_is_a_checkpoint_error_on_its_peer(tmp_path: Path) -> None:
+    """DCP's own collectives (here: gathering the write results) are bounded and typed too."""
+    results = run_fault("ckpt_rank_dies", FAULT_DIR=str(tmp_path))
+    survivor, gone = results
+    assert gone.returncode == 3, _explain(results)
+    when, message = partita_error(survivor, "CheckpointError")
+    assert when - fault_time(gone) <= TIMEOUT + SLACK, _explain(results)
+    assert message.startswith(
+        "checkpoint.save on rank 0 of 2: torch.distributed.checkpoint's planning and finishing"
+    ), message
+    assert "every process must call it" in message
+    assert _checkpoint_offset(tmp_path / "c") == 0.0  # A, untouched
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]  # rank 0 removed the temporary
+
+
+#: The checkpoint at the path after a crash at each point: A (0) before, B (100) once B is
+#: complete and the old one is out of the way.
+CRASHED = {
+    "restored": 0.0,
+    "leftovers_removed": 0.0,
+    "files_written": 0.0,
+    "manifest_written": 0.0,
+    "old_moved_aside": 100.0,
+    "new_renamed": 100.0,
+    "old_removed": 100.0,
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", directory.CRASH_POINTS)
+def test_a_save_crashed_at_any_point_keeps_a_complete_checkpoint(
+    tmp_path: Path, point: str
+) -> None:
+    """Rank 0 os._exit()s after each filesystem step of saving B over A. A crash between
+    the two renames used to leave no checkpoint at the path, and the next save deleted both."""
+    assert set(CRASHED) == set(directory.CRASH_POINTS)
+    env = {"FAULT_DIR": str(tmp_path), "FAULT_CRASH_AT": point}
+    path = tmp_path / "c"
+    if point == "restored":  # a save that stopped between its renames left A aside
+        ckpt.save(_checkpoint_state(0.0), path)
+        path.rename(tmp_path / "c.old-00000000000000a1")
+        env["FAULT_FIRST_SAVE"] = "0"
+    results = run_fault("ckpt_crash", **env)
+    crashed, peer = results
+    assert crashed.returncode == 3, _explain(results)
+    fault_time(crashed)
+    _, message = partita_error(peer, "CheckpointError")
+    assert message.startswith("checkpoint.save on rank 1 of 2: "), message
+    assert CRASHED[point] == _checkpoint_offset(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PartitaWarning)  # naming the left-overs it cleans up
+        ckpt.save(_checkpoint_state(200.0), path)  # the next save succeeds, and is complete
+    assert _checkpoint_offset(path) == 200.0
+    assert [p.name for p in tmp_path.iterdir()] == ["c"]
+    assert sorted(p.name for p in path.iterdir()) == [".metadata", "__0_0.distcp", "partita.json"]
+
+
+def _checkpoint_state(offset: float) -> dict[str, torch.Tensor]:
+    mesh = Mesh.create((2,), ("data",))
+    w = torch.arange(8.0).reshape(4, 2) + offset
+    return {
+        "w": ShardedTensor.from_global(w, P("data", None).to_sharding(mesh, 2)),
+        "b": torch.arange(3.0) + offset,
+    }

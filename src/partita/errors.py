@@ -125,9 +125,12 @@ class StateDictError(PartitaError, ValueError):
 
 
 class CheckpointError(PartitaError, ValueError):
-    """A ``partita.checkpoint`` save or load failed: a missing or truncated file, a tensor
-    whose shape, dtype or name does not match, a save that did not complete. A failed save
-    leaves the previous checkpoint as it was; a failed load changes nothing."""
+    """A ``partita.checkpoint`` save or load failed: a missing, truncated or changed file (its
+    sha256 differs from the manifest's), a tensor whose shape, dtype or name does not match, a
+    directory that is not a partita checkpoint, an ``extra`` value a load could not give back,
+    processes that pass different paths or do not all call it, a save that did not complete.
+    A failed save leaves a complete checkpoint at the path (the previous one); a failed load
+    changes nothing."""
 
 
 class RecompileWarning(PartitaWarning):

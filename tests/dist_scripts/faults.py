@@ -15,6 +15,16 @@ mismatch         four mistakes, each a typed error on every rank, then a matchin
 fewer_steps      stops after 2 steps, calls ``shutdown()`` and checks that partita let go of
                  its process groups, then exits cleanly; the others run 4
 main_only_print  (rank 0 misbehaves) prints a sharded value alone; rank 1 compiles on
+ckpt_paths       each rank passes ``checkpoint.save`` its own path (``FAULT_DIR/rank<r>``);
+                 then rank 1 alone passes a non-tensor; then all save to ``FAULT_DIR/c``;
+                 then rank 1 loads from ``FAULT_DIR/d``
+ckpt_one_rank    (rank 0 misbehaves) calls ``checkpoint.save`` alone; rank 1 sleeps
+                 ``FAULT_STALL`` seconds and exits 0
+ckpt_crash       both save checkpoint A to ``FAULT_DIR/c`` (unless ``FAULT_FIRST_SAVE=0``),
+                 then B; rank 0 calls ``os._exit(CRASH_EXIT)`` at the save's crash point
+                 ``FAULT_CRASH_AT`` (``partita.checkpoint.directory.CRASH_POINTS``)
+ckpt_rank_dies   both save A to ``FAULT_DIR/c``, then B; rank 1 ``os._exit``s inside DCP's
+                 write of B
 ===============  =====================================================================
 
 The faulty rank prints ``fault MODE at <time.time()>`` when it misbehaves. A PartitaError is printed
@@ -29,16 +39,21 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 
 import partita
+import partita.checkpoint as ckpt
 import partita.distributed as pd
-from partita import Mesh, P
-from partita.errors import DistributedError, PartitaError, PlanMismatchError
+from partita import Mesh, P, ShardedTensor
+from partita.checkpoint import directory
+from partita.errors import CheckpointError, DistributedError, PartitaError, PlanMismatchError
 from partita.runtime.distributed import distributed_executor
 
 PARTITA_EXIT = 17
+CRASH_EXIT = 3  # ckpt_crash: rank 0 stopped at the crash point
 STEPS = 4
 MISMATCHES = ("shapes", "dtypes", "programs")
 
@@ -106,11 +121,74 @@ def main_only_print(mesh: Mesh) -> None:
     print(f"step loss={step(x, w).full().item():.6f}", flush=True)
 
 
+def checkpoint_state(mesh: Mesh, offset: float) -> dict[str, torch.Tensor]:
+    """Checkpoint A is ``checkpoint_state(mesh, 0.0)``, B ``(mesh, 100.0)``."""
+    w = torch.arange(8.0).reshape(4, 2) + offset
+    return {
+        "w": ShardedTensor.from_global(w, P("data", None).to_sharding(mesh, 2)),
+        "b": torch.arange(3.0) + offset,
+    }
+
+
+def checkpoint_faults(mode: str, mesh: Mesh, rank: int) -> None:
+    base = Path(os.environ["FAULT_DIR"])
+    if mode == "ckpt_paths":  # WRONG: a path per rank, to save and then to load
+        print(f"fault {mode} at {time.time():.3f}", flush=True)
+        try:
+            ckpt.save(checkpoint_state(mesh, 0.0), base / f"rank{rank}")
+        except CheckpointError as e:
+            report(e, "save")
+        state = checkpoint_state(mesh, 0.0)
+        try:  # a mistake on one rank only (a value that is not a tensor)
+            ckpt.save({**state, "note": "hi"} if rank == 1 else state, base / "c")
+        except CheckpointError as e:
+            report(e, "one")
+        ckpt.save(state, base / "c")  # right: one path
+        try:
+            ckpt.load(checkpoint_state(mesh, 0.0), base / ("c" if rank == 0 else "d"))
+        except CheckpointError as e:
+            report(e, "load")
+    elif mode == "ckpt_one_rank":
+        print(f"fault {mode} at {time.time():.3f}", flush=True)
+        if rank == 0:  # WRONG: save is collective
+            ckpt.save(checkpoint_state(mesh, 0.0), base / "c")
+        else:
+            time.sleep(float(os.environ.get("FAULT_STALL", "45")))
+    elif mode == "ckpt_crash":
+        point = os.environ["FAULT_CRASH_AT"]
+        if os.environ.get("FAULT_FIRST_SAVE", "1") == "1":
+            ckpt.save(checkpoint_state(mesh, 0.0), base / "c")
+
+        def crash(reached: str) -> None:
+            if reached == point:
+                print(f"fault {mode} at {time.time():.3f}", flush=True)
+                os._exit(CRASH_EXIT)
+
+        if rank == 0:
+            directory.step_done = crash
+        ckpt.save(checkpoint_state(mesh, 100.0), base / "c")
+    elif mode == "ckpt_rank_dies":
+        ckpt.save(checkpoint_state(mesh, 0.0), base / "c")
+        if rank == 1:  # dies inside DCP's write, while rank 0 waits in DCP's collective
+            write = dcp.FileSystemWriter.write_data
+
+            def die(*args: object, **kwargs: object) -> None:
+                write(*args, **kwargs)
+                print(f"fault {mode} at {time.time():.3f}", flush=True)
+                os._exit(CRASH_EXIT)
+
+            dcp.FileSystemWriter.write_data = die  # type: ignore[method-assign]
+        ckpt.save(checkpoint_state(mesh, 100.0), base / "c")
+    print(f"{mode} returned", flush=True)
+
+
 def main(mode: str) -> None:
     pd.initialize()
     rank = pd.process_index()
     mesh = Mesh.create((pd.process_count(),), ("data",))
     faulty = rank == 1
+    if mode.startswith("ckpt_"):
+        return checkpoint_faults(mode, mesh, rank)
     if mode == "mismatch":
         return mismatches(mesh, faulty)
     if mode == "main_only_print":
