@@ -26,7 +26,7 @@ from partita import CompileCacheWarning, Mesh, P
 from partita.op_lookup import find_op
 from partita.partition.special.random_draw import _run_draw
 from partita.virtual import disk_cache
-from partita.virtual import step as virtual_step
+from partita.virtual import state as virtual_state
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 RIGHT, POISONED = 64.0, 48.0
@@ -49,7 +49,7 @@ def _fresh_warnings() -> Iterator[None]:
 
 def _run(cache: Path | None) -> tuple[float, int, int]:
     """The step's value (every element is the same), its compiles and its disk hits."""
-    virtual_step._CACHE.clear()  # forget the in-memory programs: only the disk can help
+    virtual_state.get().programs.clear()  # forget the in-memory programs: only the disk can help
     partita.metrics(reset=True)
     disk_cache.set_directory(cache)
     try:
@@ -182,7 +182,7 @@ def test_a_random_draw_naming_another_function_is_ignored_at_load(
     """A random draw names its aten op as a string argument: the file is checked for it."""
 
     def draw() -> tuple[torch.Tensor, int]:
-        virtual_step._CACHE.clear()
+        virtual_state.get().programs.clear()
         partita.metrics(reset=True)
         disk_cache.set_directory(tmp_path)
         try:
