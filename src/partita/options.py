@@ -149,6 +149,9 @@ KNOBS: tuple[Knob, ...] = (
          "directory of the virtual device's on-disk compile cache (None: off)", keyed=False),
     Knob("virtual_device", "PARTITA_VIRTUAL_DEVICE", _bool,
          "let use_spmd register the virtual device with torch", keyed=False),
+    Knob("check_calls", "PARTITA_CHECK_CALLS", _bool,
+         "under torch.distributed, check before every run of a program (not only its first) "
+         "that every rank runs it with the same input shapes and dtypes", keyed=False),
 )  # fmt: skip
 
 _BY_NAME = {k.name: k for k in KNOBS}
@@ -176,6 +179,7 @@ class CompileOptions:
     collective_timeout: float = 300.0
     compile_cache: str | None = None
     virtual_device: bool = True
+    check_calls: bool = True
     _source: str = field(default="CompileOptions", compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -38,9 +38,10 @@ the partitioner expects.
 
 Values are :class:`~partita.runtime.dist_tensor.DistributedShardedTensor` (this process's
 shard only). Groups are created with the bounded collective timeout and every collective
-failure is a :class:`~partita.errors.DistributedError` (``runtime.comm``); before a compiled
-program first runs, the ranks check that they all compiled the same one, inputs included
-(``runtime.plan_check``).
+failure is a :class:`~partita.errors.DistributedError` (``runtime.comm``); before every run of
+a compiled program, the ranks check that they all run the same one, input shapes and dtypes
+included (one all-gather of an int64, ``runtime.plan_check``), and at its first run that the
+inputs replicated over a mesh axis are equal on their replicas.
 
 This module does not start processes or join them (``runtime.launch`` does) and has no
 sharding logic.
@@ -62,6 +63,8 @@ from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import DistributedError
 from partita.layout import ceil_div
 from partita.mesh import Mesh
+from partita.options import CompileOptions
+from partita.options import current as current_options
 from partita.runtime import dist_ops
 from partita.runtime.comm import (
     Group,
@@ -71,10 +74,10 @@ from partita.runtime.comm import (
 )
 from partita.runtime.compiled import compile_regions, stats_for
 from partita.runtime.dist_ops import InFlight, alone
-from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
+from partita.runtime.dist_tensor import DistributedShardedTensor, is_computed, local_shard
 from partita.runtime.donate import donated_all_reduces
 from partita.runtime.overlap import overlap_bytes_setting, run_measuring, schedule_overlap
-from partita.runtime.plan_check import verify_same_program
+from partita.runtime.plan_check import call_digest, check_replicas, check_same_program
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 
@@ -147,7 +150,13 @@ class DistributedMesh:
         self._compiled: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = (
             weakref.WeakKeyDictionary()
         )
-        self._verified: weakref.WeakKeyDictionary[fx.GraphModule, str] = weakref.WeakKeyDictionary()
+        # Per program: its 64-bit digest, whether every rank ran it once (the plan check
+        # passed), whether its replicated inputs were compared (runtime.plan_check).
+        self._digests: weakref.WeakKeyDictionary[fx.GraphModule, int] = weakref.WeakKeyDictionary()
+        self._agreed: weakref.WeakKeyDictionary[fx.GraphModule, bool] = weakref.WeakKeyDictionary()
+        self._replicas: weakref.WeakKeyDictionary[fx.GraphModule, bool] = (
+            weakref.WeakKeyDictionary()
+        )
         self._impls: dict[Any, Callable[..., Any]] = {
             ops.collective_permute.default: self.collective_permute,
             ops.axis_index.default: self.axis_index,
@@ -344,18 +353,27 @@ class DistributedMesh:
         value on every process); the results are :class:`DistributedShardedTensor`.
         """
         self._require_open()
-        if compiled.local not in self._verified:
-            self._verified[compiled.local] = verify_same_program(
-                compiled, self.mesh, self._check_pg
-            )
+        gm, options = compiled.local, run_options()
+        digest = self._digests.get(gm)
+        if digest is None:
+            digest = self._digests[gm] = call_digest(compiled)
+        # Before any collective of the program, so that a mismatch is an error on every rank
+        # and the ranks stay in step (a later matching call runs).
+        if options.check_calls or gm not in self._agreed:
+            check_same_program(compiled, digest, self.mesh, self._check_pg)
+            self._agreed[gm] = True
         inputs = [
             self.local_input(leaf, sharding)
             for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True)
         ]
+        if options.check_replicas and gm not in self._replicas:
+            users = [not is_computed(leaf) for leaf in leaves]
+            check_replicas(compiled, inputs, users, self.mesh, self._check_pg)
+            self._replicas[gm] = True
         compile_programs = getattr(compiled, "compile_programs", False)
         outs = self.run(compiled.local, inputs, compile_programs=compile_programs)
         return [
-            DistributedShardedTensor.from_local(o, s, shape, self)
+            DistributedShardedTensor.from_local(o, s, shape, self, computed=True)
             for o, s, shape in zip(
                 outs, compiled.output_shardings, compiled.output_shapes, strict=True
             )
@@ -369,6 +387,12 @@ class DistributedMesh:
             return leaf.stacked[self.position]
         value = leaf.full() if isinstance(leaf, ShardedTensor) else leaf
         return local_shard(value, sharding, self.position)
+
+
+def run_options() -> CompileOptions:
+    """The options the DistributedMesh runs a program with (``check_calls``,
+    ``check_replicas``): the current ones (``partita.options.current()``)."""
+    return current_options()
 
 
 # --- selection by partita.jit ------------------------------------------------------------------
