@@ -51,7 +51,6 @@ __all__ = [
     "program_lines",
     "replicated_axes",
     "tensor_digest",
-    "verify_same_program",
 ]
 
 _INPUT = "input "
@@ -129,13 +128,6 @@ def check_same_program(compiled: Any, digest: int, mesh: Mesh, pg: Any = None) -
     raise mismatch_error(dist.get_rank(), digests, lines)
 
 
-def verify_same_program(compiled: Any, mesh: Mesh, pg: Any = None) -> int:
-    """:func:`check_same_program` with the digest computed here; returns it."""
-    digest = call_digest(compiled)
-    check_same_program(compiled, digest, mesh, pg)
-    return digest
-
-
 def mismatch_error(rank: int, digests: list[str], lines: list[list[str]]) -> PlanMismatchError:
     """The error for ``rank``, given every rank's digest and program lines."""
     by_digest: dict[str, list[int]] = {}
@@ -165,7 +157,8 @@ def mismatch_error(rank: int, digests: list[str], lines: list[list[str]]) -> Pla
         fix = (
             "Every process must pass the same global shapes, dtypes and specs: shapes are "
             "global, not a process's rows; build a global batch from per-process rows with "
-            "partita.data.make_global or GlobalBatchLoader, and cast on every process alike."
+            "partita.data.make_global or GlobalBatchLoader, drop (or pad alike) a last batch "
+            "that is short on some processes only, and cast on every process alike."
         )
     else:
         where = (
