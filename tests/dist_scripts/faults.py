@@ -16,8 +16,9 @@ calls            after warm-up (every rank compiled every variant), the ranks ca
                  ones: ``shapes`` (f on (8, 4) / (10, 4)), ``functions`` (two jit functions),
                  ``dtypes`` (float32 / float64), ``short_batch`` (a train step whose last batch
                  is short on rank 1 only, first compiled there), ``replicas`` (a module built
-                 unseeded on each rank, its parameters replicated); each a typed error on
-                 every rank; then every variant on both ranks, checked against one process
+                 unseeded on each rank, its parameters replicated), ``unchecked_first`` (the
+                 first run of a program under check_calls=False); each a typed error on every
+                 rank; then every variant on both ranks, checked against one process
 fewer_steps      stops after 2 steps, calls ``shutdown()`` and checks that partita let go of
                  its process groups, then exits cleanly; the others run 4
 main_only_print  (rank 0 misbehaves) prints a sharded value alone; rank 1 compiles on
@@ -40,6 +41,7 @@ import torch
 
 import partita
 import partita.distributed as pd
+import partita.options
 from partita import Mesh, P
 from partita.errors import DistributedError, PartitaError, PlanMismatchError
 from partita.runtime.distributed import distributed_executor
@@ -130,6 +132,12 @@ def calls(mesh: Mesh, faulty: bool) -> None:
             report(e, case)
         else:
             print(f"case={case} ran {value}", flush=True)
+    with partita.options.using(check_calls=False):  # still checked: a program's first run
+        half = partita.jit(lambda x: x.sum() / 2, mesh=mesh, in_specs=P("data", None))
+        try:
+            print(f"case=unchecked_first ran {half(ten if faulty else eight).full()}", flush=True)
+        except PlanMismatchError as e:
+            report(e, "unchecked_first")
     torch.manual_seed(1000 + pd.process_index())  # WRONG: unseeded, a different init per rank
     model = torch.nn.Linear(4, 3)
     forward = partita.jit(model, mesh=mesh, in_specs=(P("data", None),))
