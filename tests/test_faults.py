@@ -528,3 +528,36 @@ def test_replica_digest_is_exact_and_axes_are_the_replicated_ones() -> None:
     params = partita.Sharding(mesh, (("model",), ()))
     assert replicated_axes(params) == ("data",)  # 'pipe' has one device: nothing to compare
     assert replicated_axes(partita.Sharding(mesh, ((), ()), partial=("data",))) == ("model",)
+
+
+def test_replica_groups_follow_the_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a (2, 2) mesh a weight split over 'model' is compared within each 'data' group: ranks
+    1 and 3 differ while 0 and 2 agree; every rank sees every group and raises alike."""
+    from partita.errors import ReplicaMismatchError
+    from partita.runtime import plan_check
+
+    mesh = Mesh.create((2, 2), ("data", "model"))
+    step = partita.jit(
+        lambda x, w: (x @ w).sum(), mesh=mesh, in_specs=(P("data", None), P(None, "model"))
+    )
+    compiled = step._compile((torch.ones(4, 4), torch.ones(4, 6)), {})[0]
+    assert [plan_check.replicated_axes(s) for s in compiled.input_shardings] == [
+        ("model",),
+        ("data",),
+    ]
+    # every rank's digests of (x, w): x agrees within each 'model' group {0, 1} and {2, 3}
+    gathered = torch.tensor([[10, 7], [10, 8], [20, 7], [20, 9]], dtype=torch.int64)
+    monkeypatch.setattr(plan_check, "gather_flat", lambda *a, **k: gathered)
+    monkeypatch.setattr(plan_check.dist, "get_world_size", lambda *a: 4)
+    local = [torch.ones(2, 4), torch.ones(4, 3)]
+    with pytest.raises(
+        ReplicaMismatchError,
+        match=re.escape(
+            "1 of the 2 replicated input(s) differ between ranks that must hold equal copies of "
+            "them: w (input 1), replicated over mesh axis 'data': ranks [1], ranks [3] "
+            "hold 2 different values."
+        ),
+    ):
+        plan_check.check_replicas(compiled, local, [True, True], mesh)
+    # only the user's values are compared: w computed by partita is skipped, x agrees
+    plan_check.check_replicas(compiled, local, [True, False], mesh)
