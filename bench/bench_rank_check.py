@@ -41,9 +41,9 @@ import partita.distributed as pd
 from partita import Mesh, P
 from partita.data import make_global, process_slice
 from partita.models import GPT
-from partita.options import current, using
+from partita.options import using
 from partita.runtime.distributed import distributed_executor
-from partita.runtime.plan_check import check_same_program
+from partita.runtime.plan_check import call_digest, check_same_program, run_options
 from partita.training import init_opt_state, make_train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -106,13 +106,12 @@ def worker(ns: argparse.Namespace) -> None:
     compiled = step._compile((carry["params"], {}, carry["state"], batch), {})[0]
     executor = distributed_executor(mesh)
     assert executor is not None
-    digest = executor._digests[compiled.local]
+    digest = call_digest(compiled)
     alone = []
     for _ in range(ns.calls):
         dist.barrier()
         start = time.perf_counter()
-        executor_options = current()  # what run_compiled reads per call
-        if executor_options.check_calls:
+        if run_options().check_calls:  # what CallChecks.program reads per call
             check_same_program(compiled, digest, mesh, executor._check_pg)
         alone.append(time.perf_counter() - start)
     check = statistics.median(_max_over_ranks(alone))

@@ -63,8 +63,6 @@ from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import DistributedError
 from partita.layout import ceil_div
 from partita.mesh import Mesh
-from partita.options import CompileOptions
-from partita.options import current as current_options
 from partita.runtime import dist_ops
 from partita.runtime.comm import (
     Group,
@@ -74,10 +72,10 @@ from partita.runtime.comm import (
 )
 from partita.runtime.compiled import compile_regions, stats_for
 from partita.runtime.dist_ops import InFlight, alone
-from partita.runtime.dist_tensor import DistributedShardedTensor, is_computed, local_shard
+from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
 from partita.runtime.donate import donated_all_reduces
 from partita.runtime.overlap import overlap_bytes_setting, run_measuring, schedule_overlap
-from partita.runtime.plan_check import call_digest, check_replicas, check_same_program
+from partita.runtime.plan_check import CallChecks
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 
@@ -150,13 +148,7 @@ class DistributedMesh:
         self._compiled: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = (
             weakref.WeakKeyDictionary()
         )
-        # Per program: its 64-bit digest, whether every rank ran it once (the plan check
-        # passed), whether its replicated inputs were compared (runtime.plan_check).
-        self._digests: weakref.WeakKeyDictionary[fx.GraphModule, int] = weakref.WeakKeyDictionary()
-        self._agreed: weakref.WeakKeyDictionary[fx.GraphModule, bool] = weakref.WeakKeyDictionary()
-        self._replicas: weakref.WeakKeyDictionary[fx.GraphModule, bool] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._checks = CallChecks(mesh)  # the plan and replica checks (runtime.plan_check)
         self._impls: dict[Any, Callable[..., Any]] = {
             ops.collective_permute.default: self.collective_permute,
             ops.axis_index.default: self.axis_index,
@@ -353,23 +345,14 @@ class DistributedMesh:
         value on every process); the results are :class:`DistributedShardedTensor`.
         """
         self._require_open()
-        gm, options = compiled.local, run_options()
-        digest = self._digests.get(gm)
-        if digest is None:
-            digest = self._digests[gm] = call_digest(compiled)
-        # Before any collective of the program, so that a mismatch is an error on every rank
-        # and the ranks stay in step (a later matching call runs).
-        if options.check_calls or gm not in self._agreed:
-            check_same_program(compiled, digest, self.mesh, self._check_pg)
-            self._agreed[gm] = True
+        # Before any collective of the program: a mismatch is an error on every rank, and the
+        # ranks stay in step (a later matching call runs).
+        self._checks.program(compiled, self._check_pg)
         inputs = [
             self.local_input(leaf, sharding)
             for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True)
         ]
-        if options.check_replicas and gm not in self._replicas:
-            users = [not is_computed(leaf) for leaf in leaves]
-            check_replicas(compiled, inputs, users, self.mesh, self._check_pg)
-            self._replicas[gm] = True
+        self._checks.replicas(compiled, leaves, inputs, self._check_pg)
         compile_programs = getattr(compiled, "compile_programs", False)
         outs = self.run(compiled.local, inputs, compile_programs=compile_programs)
         return [
@@ -387,12 +370,6 @@ class DistributedMesh:
             return leaf.stacked[self.position]
         value = leaf.full() if isinstance(leaf, ShardedTensor) else leaf
         return local_shard(value, sharding, self.position)
-
-
-def run_options() -> CompileOptions:
-    """The options the DistributedMesh runs a program with (``check_calls``,
-    ``check_replicas``): the current ones (``partita.options.current()``)."""
-    return current_options()
 
 
 # --- selection by partita.jit ------------------------------------------------------------------

@@ -31,6 +31,7 @@ This module does not run programs; it only compares them.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -40,18 +41,67 @@ from torch.utils import _pytree as pytree
 
 from partita.errors import PlanMismatchError, ReplicaMismatchError
 from partita.mesh import Mesh
+from partita.options import CompileOptions
+from partita.options import current as current_options
 from partita.runtime.comm import call_collective, gather_flat
+from partita.runtime.dist_tensor import is_computed
 from partita.spec import Sharding
 
 __all__ = [
+    "CallChecks",
     "call_digest",
     "check_replicas",
     "check_same_program",
     "program_digest",
     "program_lines",
     "replicated_axes",
+    "run_options",
     "tensor_digest",
 ]
+
+
+def run_options() -> CompileOptions:
+    """The options the checks run with (``check_calls``, ``check_replicas``): the current ones
+    (``partita.options.current()``), read at each call."""
+    return current_options()
+
+
+class CallChecks:
+    """The checks one DistributedMesh runs before each program, with what it remembers per
+    program: its digest, whether every rank ran it once, whether its replicas were compared.
+
+    Collective over every rank (``pg``: a group of all of them): every rank calls
+    :meth:`program` and then :meth:`replicas` before running a compiled program.
+    """
+
+    def __init__(self, mesh: Mesh) -> None:
+        self.mesh = mesh
+        self._digests: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._agreed: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+        self._replicas: weakref.WeakKeyDictionary[Any, bool] = weakref.WeakKeyDictionary()
+
+    def program(self, compiled: Any, pg: Any) -> None:
+        """:func:`check_same_program` on every call (its first only if ``check_calls`` is off)."""
+        gm = compiled.local
+        digest = self._digests.get(gm)
+        if digest is None:
+            digest = self._digests[gm] = call_digest(compiled)
+        if run_options().check_calls or gm not in self._agreed:
+            check_same_program(compiled, digest, self.mesh, pg)
+            self._agreed[gm] = True
+
+    def replicas(
+        self, compiled: Any, leaves: Sequence[Any], inputs: Sequence[torch.Tensor], pg: Any
+    ) -> None:
+        """:func:`check_replicas` at the program's first run (unless ``check_replicas`` is off),
+        on the inputs the user supplied (``leaves``: the arguments, ``inputs``: their shards)."""
+        gm = compiled.local
+        if gm in self._replicas or not run_options().check_replicas:
+            return
+        users = [not is_computed(leaf) for leaf in leaves]
+        check_replicas(compiled, inputs, users, self.mesh, pg)
+        self._replicas[gm] = True
+
 
 _INPUT = "input "
 
