@@ -37,6 +37,7 @@ __all__ = [
     "PlanMismatchError",
     "RecompileWarning",
     "RematerializationError",
+    "ReplicaMismatchError",
     "ReplicationError",
     "ShardMapError",
     "ShardMapWarning",
@@ -112,6 +113,11 @@ class JoinTimeoutError(DistributedError, TimeoutError):
 
 class PlanMismatchError(DistributedError):
     """The processes compiled different per-device programs (running them would deadlock)."""
+
+
+class ReplicaMismatchError(DistributedError):
+    """An input that must be an equal copy on several ranks (replicated over a mesh axis, such
+    as a data-parallel parameter) differs between them: unseeded initialisation."""
 
 
 class TrainInputError(PartitaError, ValueError):

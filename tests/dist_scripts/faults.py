@@ -12,6 +12,13 @@ mismatch         four mistakes, each a typed error on every rank, then a matchin
                  ``shapes`` (rank 1 passes a global input of shape (10, 4), rank 0
                  (8, 4)), ``dtypes`` (float64 against float32), ``programs`` (a branch),
                  ``prints`` (each rank prints a different sharded value)
+calls            after warm-up (every rank compiled every variant), the ranks call different
+                 ones: ``shapes`` (f on (8, 4) / (10, 4)), ``functions`` (two jit functions),
+                 ``dtypes`` (float32 / float64), ``short_batch`` (a train step whose last batch
+                 is short on rank 1 only, first compiled there), ``replicas`` (a module built
+                 unseeded on each rank, its parameters replicated), ``unchecked_first`` (the
+                 first run of a program under check_calls=False); each a typed error on every
+                 rank; then every variant on both ranks, checked against one process
 fewer_steps      stops after 2 steps, calls ``shutdown()`` and checks that partita let go of
                  its process groups, then exits cleanly; the others run 4
 main_only_print  (rank 0 misbehaves) prints a sharded value alone; rank 1 compiles on
@@ -47,6 +54,7 @@ import torch.distributed.checkpoint as dcp
 import partita
 import partita.checkpoint as ckpt
 import partita.distributed as pd
+import partita.options
 from partita import Mesh, P, ShardedTensor
 from partita.checkpoint import directory
 from partita.errors import CheckpointError, DistributedError, PartitaError, PlanMismatchError
@@ -103,6 +111,66 @@ def mismatches(mesh: Mesh, faulty: bool) -> None:
         report(e, "prints")
     step = partita.jit(lambda x, w: (x @ w).sum(), mesh=mesh, in_specs=(P("data", None), P()))
     print(f"after mismatches loss={step(*inputs('', False)).full().item():.6f}", flush=True)
+
+
+def calls(mesh: Mesh, faulty: bool) -> None:
+    """Mistakes a check of a program's first run alone cannot see (docstring table)."""
+    from partita.errors import ReplicaMismatchError
+
+    quarter = partita.jit(lambda x: x.sum() / 4, mesh=mesh, in_specs=P("data", None))
+    double = partita.jit(lambda x: (x * 2).sum(), mesh=mesh, in_specs=P("data", None))
+    triple = partita.jit(lambda x: (x * 3).sum(), mesh=mesh, in_specs=P("data", None))
+    eight, ten = torch.ones(8, 4), torch.ones(10, 4)
+    wide = torch.ones(8, 4, dtype=torch.float64)
+    for fn, x in ((quarter, eight), (quarter, ten), (quarter, wide), (double, eight),
+                  (triple, eight)):  # fmt: skip
+        fn(x).full()  # warm-up: every rank compiled and ran every variant
+    gen = torch.Generator().manual_seed(0)
+    w, x, short = torch.randn(4, 3, generator=gen), torch.randn(8, 4, generator=gen), None
+    short = x[:6]
+    train = partita.jit(
+        lambda w, x: (w - 0.1 * (x @ w).tanh().mean() * w, ((x @ w) ** 2).mean()),
+        mesh=mesh,
+        in_specs=(P(), P("data", None)),
+    )
+    w = train(w, x)[0]  # a full step on both ranks
+    cases = {
+        "shapes": lambda: quarter(ten if faulty else eight),
+        "functions": lambda: (triple if faulty else double)(eight),
+        "dtypes": lambda: quarter(wide if faulty else eight),
+        "short_batch": lambda: train(w, short if faulty else x)[1],
+    }
+    for case, run in cases.items():
+        try:
+            value = run().full().item()
+        except PlanMismatchError as e:
+            report(e, case)
+        else:
+            print(f"case={case} ran {value}", flush=True)
+    with partita.options.using(check_calls=False):  # still checked: a program's first run
+        half = partita.jit(lambda x: x.sum() / 2, mesh=mesh, in_specs=P("data", None))
+        try:
+            print(f"case=unchecked_first ran {half(ten if faulty else eight).full()}", flush=True)
+        except PlanMismatchError as e:
+            report(e, "unchecked_first")
+    torch.manual_seed(1000 + pd.process_index())  # WRONG: unseeded, a different init per rank
+    model = torch.nn.Linear(4, 3)
+    forward = partita.jit(model, mesh=mesh, in_specs=(P("data", None),))
+    try:
+        print(f"case=replicas ran {forward(x).full().sum().item()}", flush=True)
+    except ReplicaMismatchError as e:
+        report(e, "replicas")
+    torch.manual_seed(0)  # the fix: the same seed on every process
+    model = torch.nn.Linear(4, 3)
+    forward = partita.jit(model, mesh=mesh, in_specs=(P("data", None),))
+    results = {
+        "quarter8": quarter(eight), "quarter10": quarter(ten), "quarter64": quarter(wide),
+        "double": double(eight), "triple": triple(eight), "loss": train(w, x)[1],
+        "short": train(w, short)[1], "forward": forward(x).full().sum(),
+    }  # fmt: skip
+    for name, value in results.items():
+        v = value.full() if hasattr(value, "full") else value
+        print(f"after {name}={float(v):.6f}", flush=True)
 
 
 def main_only_print(mesh: Mesh) -> None:
@@ -193,6 +261,8 @@ def main(mode: str) -> None:
         return mismatches(mesh, faulty)
     if mode == "main_only_print":
         return main_only_print(mesh)
+    if mode == "calls":
+        return calls(mesh, faulty)
     step = partita.jit(lambda x, w: (x @ w).sum(), mesh=mesh, in_specs=(P("data", None), P()))
     x, w = inputs(mode, faulty)
     steps = 2 if mode == "fewer_steps" and faulty else STEPS
