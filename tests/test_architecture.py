@@ -2,7 +2,8 @@
 rules name partition handlers through one enumeration that the partitioner covers.
 
 The import graph is read from the source with ``ast`` (module-level and function-level imports
-alike; imports under ``if TYPE_CHECKING:`` are exempt, they never run).
+alike). The stage order exempts imports under ``if TYPE_CHECKING:`` (they never run); the cycle
+check counts them too: a type-only cycle still ties the modules together.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+from collections.abc import Collection, Mapping
 
 import pytest
 import torch
@@ -81,8 +83,8 @@ KNOWN_BACKWARD_IMPORTS: dict[tuple[str, str], str] = {}
 LONG_MODULES: dict[str, str] = {}
 
 
-def _module_name(path: pathlib.Path) -> str:
-    parts = ("partita", *path.relative_to(SRC).with_suffix("").parts)
+def _module_name(path: pathlib.Path, root: pathlib.Path = SRC, package: str = "partita") -> str:
+    parts = (package, *path.relative_to(root).with_suffix("").parts)
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
@@ -113,31 +115,125 @@ def _type_checking_nodes(tree: ast.AST) -> set[int]:
     return out
 
 
-def imports_of(module: str) -> set[str]:
-    """The partita modules ``module`` imports (``from partita import x`` is ``partita.x`` when x
-    is a module, else the package root)."""
-    path = MODULES[module]
+def read_imports(
+    path: pathlib.Path, module: str, modules: Collection[str], *, type_only: bool
+) -> set[str]:
+    """The modules of ``modules`` that the file ``path`` (module ``module``) imports, at module
+    level or inside a function; ``type_only`` counts those under ``if TYPE_CHECKING:`` too.
+    ``from pkg import x`` is ``pkg.x`` when that is a module, else ``pkg`` (its __init__)."""
     tree = ast.parse(path.read_text(), str(path))
-    exempt = _type_checking_nodes(tree)
+    exempt = set() if type_only else _type_checking_nodes(tree)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    root = module.split(".")[0]
     out: set[str] = set()
     for node in ast.walk(tree):
         if id(node) in exempt:
             continue
         if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names if a.name.split(".")[0] == "partita")
+            out.update(a.name for a in node.names if a.name.split(".")[0] == root)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, *([base] if base else [])])
-            if base.split(".")[0] != "partita":
+            if base.split(".")[0] != root:
                 continue
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                out.add(sub if sub in MODULES else base)
+                out.add(sub if sub in modules else base)
     out.discard(module)
     return out
+
+
+def imports_of(module: str) -> set[str]:
+    """The partita modules ``module`` imports when it runs (TYPE_CHECKING imports exempt)."""
+    return read_imports(MODULES[module], module, MODULES, type_only=False)
+
+
+def import_graph(root: pathlib.Path, package: str) -> dict[str, set[str]]:
+    """Every module of the package at ``root`` -> the modules of it that it imports, counting
+    function-local and TYPE_CHECKING imports."""
+    files = {_module_name(p, root, package): p for p in sorted(root.rglob("*.py"))}
+    return {
+        m: {i for i in read_imports(p, m, files, type_only=True) if i in files}
+        for m, p in files.items()
+    }
+
+
+def import_cycles(graph: Mapping[str, Collection[str]]) -> list[list[str]]:
+    """One cycle per tangle (:func:`import_tangles`): the shortest cycle through its first
+    module, closed (first == last)."""
+    return [_shortest_cycle(graph, t[0], set(t)) for t in import_tangles(graph)]
+
+
+def import_tangles(graph: Mapping[str, Collection[str]]) -> list[list[str]]:
+    """The strongly connected components of ``graph`` with more than one module (or a module
+    importing itself), each sorted, in sorted order."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+
+    def visit(start: str) -> None:  # Tarjan's algorithm, iterative
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, edges = work[-1]
+            for nxt in edges:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph.get(nxt, ())))))
+                    break
+                if nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        top = stack.pop()
+                        on_stack.discard(top)
+                        component.append(top)
+                        if top == node:
+                            break
+                    if len(component) > 1 or node in graph.get(node, ()):
+                        components.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return sorted(components)
+
+
+def _shortest_cycle(
+    graph: Mapping[str, Collection[str]], start: str, within: set[str]
+) -> list[str]:
+    """The shortest path start -> ... -> start inside ``within`` (breadth first)."""
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while frontier:
+        following = []
+        for node in frontier:
+            for nxt in sorted(graph.get(node, ())):
+                if nxt not in within:
+                    continue
+                if nxt == start:
+                    path = [node]
+                    while path[-1] != start:
+                        path.append(parent[path[-1]])
+                    return [*reversed(path), start]
+                if nxt not in parent:
+                    parent[nxt] = node
+                    following.append(nxt)
+        frontier = following
+    raise AssertionError(f"{start} is on no cycle")
 
 
 def backward_imports() -> dict[tuple[str, str], str]:
@@ -181,6 +277,60 @@ def test_the_import_check_sees_a_backward_import(tmp_path: pathlib.Path) -> None
         assert (module, "partita.runtime.local") in backward_imports()
     finally:
         MODULES[module] = original
+
+
+def cycle_report(graph: Mapping[str, Collection[str]]) -> str:
+    """Each tangle: one cycle through it and the number of modules tied in it."""
+    tangles = import_tangles(graph)
+    lines = [
+        f"{' -> '.join(_shortest_cycle(graph, t[0], set(t)))}  ({len(t)} modules: {', '.join(t)})"
+        for t in tangles
+    ]
+    return "\n".join([f"{len(tangles)} import cycles (one per tangle):", *lines])
+
+
+def test_no_import_cycles() -> None:
+    """No two modules of partita import each other, directly or around a loop, counting imports
+    inside functions and under ``if TYPE_CHECKING:`` (docs/architecture.md, Imports)."""
+    graph = import_graph(SRC, "partita")
+    report = cycle_report(graph)
+    print(report)
+    if import_cycles(graph):
+        pytest.fail(report, pytrace=False)
+
+
+def test_the_cycle_check_sees_a_hidden_cycle(tmp_path: pathlib.Path) -> None:
+    """A cycle closed only by a function-local import, another only by a TYPE_CHECKING import,
+    and ``from pkg import name`` read as pkg.name (a module) or pkg (its __init__)."""
+    root = tmp_path / "fake"
+    (root / "sub").mkdir(parents=True)
+    files = {
+        "__init__.py": "from fake import a\n",
+        "a.py": "import fake.b\n",
+        "b.py": "def f():\n    from fake import a\n",
+        "c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from fake.sub import d\n",
+        "sub/__init__.py": "",
+        "sub/d.py": "from ..c import x\n",
+        "e.py": "from fake.sub import name_not_a_module\n",
+        "sub/f.py": "from fake.e import y\n",
+    }
+    for name, text in files.items():
+        (root / name).write_text(text)
+    graph = import_graph(root, "fake")
+    assert graph["fake.e"] == {"fake.sub"}
+    assert graph["fake.sub.d"] == {"fake.c"}
+    assert import_cycles(graph) == [
+        ["fake.a", "fake.b", "fake.a"],
+        ["fake.c", "fake.sub.d", "fake.c"],
+    ]
+    (root / "sub/__init__.py").write_text("from fake.sub import f\n")
+    assert ["fake.e", "fake.sub", "fake.sub.f", "fake.e"] in import_cycles(
+        import_graph(root, "fake")
+    )
+    (root / "b.py").write_text("")
+    (root / "c.py").write_text("")
+    (root / "sub/__init__.py").write_text("")
+    assert import_cycles(import_graph(root, "fake")) == []
 
 
 def test_modules_stay_short() -> None:
