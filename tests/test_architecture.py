@@ -21,8 +21,10 @@ import partita
 from partita import Mesh, P
 from partita.errors import CompilerError
 from partita.partition import handlers
-from partita.rules.factor import FactorRule, TensorMeta, einsum_rule
+from partita.rules.factor import FactorRule, OpInfo, TensorMeta, einsum_rule
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+from partita.rules.table import FAMILIES, TABLE, build_table
 
 SRC = pathlib.Path(partita.__file__).parent
 STAGES = ("values", "capture", "rules", "propagate", "partition", "runtime", "api")
@@ -339,6 +341,54 @@ def test_modules_stay_short() -> None:
     long = {m: n for m, n in long.items() if n > 400}
     assert set(long) <= set(LONG_MODULES), f"modules over 400 lines: {long}"
     assert set(LONG_MODULES) <= set(long), "a listed module is short now: drop it from the list"
+
+
+# --- the rule registry ---------------------------------------------------------------------
+
+
+def test_an_op_registered_twice_fails() -> None:
+    """Within a family, across two families (when the table is built, i.e. at import) and by a
+    user: the message names both rule functions."""
+    aten = torch.ops.aten
+
+    def one(info: OpInfo) -> FactorRule:
+        raise AssertionError
+
+    def two(info: OpInfo) -> FactorRule:
+        raise AssertionError
+
+    family = RuleSet("mine")
+    family.register(aten.mm.default)(one)
+    with pytest.raises(CompilerError, match=r"op aten.mm.default already has the sharding rule "):
+        family.register(aten.mm.default)(two)
+    other = RuleSet("other")
+    other.register((aten.bmm.default, aten.mm.default))(two)
+    with pytest.raises(
+        CompilerError,
+        match=r"aten.mm.default already has the sharding rule .*\.one; .*\.two would register "
+        r"it twice. An op has exactly one rule",
+    ):
+        build_table((family, other))
+    with pytest.raises(CompilerError, match=r"matmul\.mm_rule; .*\.one would register it twice"):
+        partita.register_rule(aten.mm.default)(one)
+    assert partita.rules.get_rule(aten.mm.default) is TABLE[aten.mm.default]
+
+
+def test_every_family_is_in_the_table() -> None:
+    """The table imports every rule module that declares a RuleSet, and nothing in rules/
+    imports the package ``partita.rules`` back."""
+    families = {f.family for f in FAMILIES}
+    declaring = {
+        m.rpartition(".")[2]
+        for m, p in MODULES.items()
+        if m.startswith("partita.rules.") and "\nRULES = RuleSet(" in p.read_text()
+    }
+    assert families == declaring
+    assert sum(len(f) for f in FAMILIES) == len(TABLE)
+    backs = [
+        m for m in MODULES if m.startswith("partita.rules.") and "partita.rules" in imports_of(m)
+    ]
+    assert backs == []
 
 
 # --- the typed rule -> handler link -----------------------------------------------------------

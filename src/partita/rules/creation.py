@@ -10,10 +10,12 @@ like an elementwise op and need no handler. Random creation ops are in ``random.
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("creation")
 
 __all__ = ["CREATION_OPS", "create_rule", "like_rule"]
 
@@ -39,7 +41,7 @@ CREATION_OPS = aten_ops(
 )
 
 
-@register_rule(*CREATION_OPS)
+@RULES.register(*CREATION_OPS)
 def create_rule(info: OpInfo) -> FactorRule:
     """``* -> a b; handler=localize_shape`` for ``full([4, 8], 0.)`` (no operands) and
     ``new_zeros`` (whose operand only supplies a dtype, so it is not sharded)."""
@@ -50,7 +52,7 @@ def create_rule(info: OpInfo) -> FactorRule:
     return build(info, [None] * len(info.operands), [names], handler=HandlerName.LOCALIZE_SHAPE)
 
 
-@register_rule(
+@RULES.register(
     *aten_ops(
         ["empty_like.default", "full_like.default", "ones_like.default", "zeros_like.default"]
     )
