@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -29,11 +29,9 @@ from torch.fx.proxy import Proxy
 from partita.errors import CompilerError
 from partita.layout import ceil_div
 from partita.partition.emit import Emitter, emitting
+from partita.partition.lowering_api import LoweringAPI
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 __all__ = ["GENERIC", "WHOLE_OP", "Handler", "check_registry", "get", "has", "register"]
 
@@ -44,8 +42,8 @@ Assign = dict[str, tuple[str, ...]]
 @dataclass(frozen=True)
 class Handler:
     name: str
-    applies: Callable[[Lowering, fx.Node, FactorRule, Assign], bool]
-    lower: Callable[[Lowering, fx.Node, FactorRule, Assign], fx.Node]
+    applies: Callable[[LoweringAPI, fx.Node, FactorRule, Assign], bool]
+    lower: Callable[[LoweringAPI, fx.Node, FactorRule, Assign], fx.Node]
 
 
 _HANDLERS: dict[str, Handler] = {}
@@ -144,7 +142,7 @@ def _reduction_axes(rule: FactorRule, assign: Assign) -> tuple[str, ...]:
     return tuple(a for f in rule.reduction_factors for a in assign.get(f, ()))
 
 
-def _bias_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _bias_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return bool(_reduction_axes(rule, assign))
 
 
@@ -163,7 +161,7 @@ register(Handler(HandlerName.ADD_BIAS_ONCE.value, _bias_applies, _bias_lower))
 # --- localize_shape for arange: each device's tile starts at its own offset -------------------
 
 
-def _arange_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _arange_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return str(node.target).startswith("aten.arange") and any(assign.values())
 
 

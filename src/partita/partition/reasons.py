@@ -10,25 +10,21 @@ text.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx as fx
 
 from partita.explain import op_name
 from partita.layout import local_shape
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import format_bytes
 from partita.rules import FactorRule
 from partita.spec import Sharding
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 __all__ = ["nbytes", "needs_why", "partial_reason"]
 
 
 def partial_reason(
-    low: Lowering,
+    low: LoweringAPI,
     key: tuple[fx.Node, int | None],
     node: fx.Node,
     rule: FactorRule,

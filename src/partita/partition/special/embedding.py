@@ -3,8 +3,6 @@ vocabulary sharded - local lookups of this shard's rows, the rest zeroed (a part
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy
@@ -12,13 +10,10 @@ from torch.fx.proxy import Proxy
 from partita.layout import ceil_div
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
-
 
 # --- masked_embedding ---------------------------------------------------------------------------
 
@@ -44,7 +39,7 @@ def _vocab_axes(node: fx.Node, rule: FactorRule, assign: Assign) -> tuple[str, .
     return assign.get(v, ())
 
 
-def _embedding_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _embedding_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return bool(_vocab_axes(node, rule, assign))
 
 
