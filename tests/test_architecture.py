@@ -99,9 +99,7 @@ def stage_of(module: str) -> str:
         return "values"
     if module in _API or module.startswith(_API_PACKAGES):
         return "api"
-    if module == "partita.propagate" or module.startswith("partita.propagate_"):
-        return "propagate"
-    for stage in ("capture", "rules", "partition", "runtime"):
+    for stage in ("capture", "rules", "propagate", "partition", "runtime"):
         if module == f"partita.{stage}" or module.startswith(f"partita.{stage}."):
             return stage
     raise AssertionError(

@@ -53,7 +53,7 @@ from partita.partition.masks import identity_of
 from partita.partition.plan import Plan
 from partita.partition.reasons import needs_why, partial_reason
 from partita.partition.resharding import LocalValue, LocalValues, ValueKey
-from partita.propagate_rules import compiler_error
+from partita.propagate.rules import compiler_error
 from partita.rules import FactorRule
 from partita.spec import Sharding
 

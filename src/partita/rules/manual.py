@@ -12,7 +12,7 @@ may split them further along the auto axes. Two kinds of op there have no regist
   auto axes (need-replication), since the op concatenates or splits them across devices.
 
 These rules are not in the registry (it holds the rules of ops any program may contain; these
-only appear inside regions), so :func:`manual_rule` is asked first, by ``propagate_state``.
+only appear inside regions), so :func:`manual_rule` is asked first, by ``propagate.state``.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ factor groups the assignment treats specially (compound, free, result-only, weak
 annotations fix their value's sharding and priority here (invariant 1 of
 ``partita.propagate``).
 
-This module does not choose shardings (``propagate_assign``) or iterate (``propagate``).
+This module does not choose shardings (``propagate.assign``) or iterate (``propagate``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from partita.capture.manual import ENTER_OP, EXIT_OP, boundary, is_fully_manual,
 from partita.errors import PartitaError, ShardingConflictError, UnsupportedOpError
 from partita.layout import check_strided
 from partita.mesh import Mesh
-from partita.propagate_rules import apply_rule, compiler_error
+from partita.propagate.rules import apply_rule, compiler_error
 from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta
 from partita.rules.handler_names import HandlerName
 from partita.rules.manual import manual_rule
