@@ -22,7 +22,9 @@ from partita import Mesh, P
 from partita.errors import CompilerError
 from partita.partition import handlers
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta, einsum_rule
+from partita.rules.facts import OpFacts, SizeArg
 from partita.rules.handler_names import HandlerName
+from partita.rules.registry import facts_of
 from partita.rules.ruleset import RuleSet
 from partita.rules.table import FAMILIES, TABLE, build_table
 
@@ -387,6 +389,41 @@ def test_every_family_is_in_the_table() -> None:
         m for m in MODULES if m.startswith("partita.rules.") and "partita.rules" in imports_of(m)
     ]
     assert backs == []
+
+
+def test_per_op_facts_are_on_the_rule() -> None:
+    """What the stages know of an op's local call comes with its FactorRule (declared next to
+    the rule), also for an op run replicated; no stage matches an op by name."""
+    aten = torch.ops.aten
+    a, b = TensorMeta((4, 8)), TensorMeta((8, 2))
+    mm = partita.rules.get_rule(aten.mm.default)
+    assert mm is not None
+    info = OpInfo(aten.mm.default, (a, b), {}, (a, b), (TensorMeta((4, 2)),))
+    assert mm(info).facts == OpFacts(same_dtype=True)
+    assert facts_of(aten.gather.default).index_operands == (1,)
+    assert facts_of(aten.native_group_norm.default).size_args == (SizeArg(3, 0, 0),)
+    assert facts_of(aten.zeros_like.default).shape_only
+    assert facts_of(aten.full.default).local_results
+    assert not facts_of(aten.eye.default).local_results
+    assert facts_of(aten.clone.default).keeps_data
+    assert facts_of(aten.add.Tensor) == OpFacts()
+    assert "str(node.target)" not in MODULES["partita.partition.lower"].read_text()
+    assert "_to_copy" not in MODULES["partita.propagate.state"].read_text()
+
+
+def test_facts_declared_twice_or_without_a_rule_fail() -> None:
+    aten = torch.ops.aten
+    family = RuleSet("mine")
+    family.register(aten.mm.default, facts=OpFacts(same_dtype=True))(lambda info: None)
+    with pytest.raises(
+        CompilerError, match=r"aten.mm.default is given its OpFacts twice in the mine"
+    ):
+        family.declare([aten.mm.default], OpFacts(shape_only=True))
+    family.declare([aten.bmm.default], OpFacts(same_dtype=True))
+    with pytest.raises(
+        CompilerError, match=r"aten.bmm.default is given OpFacts in the mine rules "
+    ):
+        build_table((family,)) and dict(family.facts())
 
 
 # --- the typed rule -> handler link -----------------------------------------------------------

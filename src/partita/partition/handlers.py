@@ -67,30 +67,11 @@ WHOLE_OP: tuple[str, ...] = tuple(
 )
 
 
-#: Ops whose result-only factors (dims no operand has) the generic lowering produces locally
-#: by localising shape arguments: every tile of their result is the same function of the local
-#: shape (constants, broadcasts). arange is here through its handler; eye and reshape are not.
-_LOCAL_RESULT_OPS = (
-    "aten.arange",
-    "aten.empty",
-    "aten.expand",
-    "aten.full",
-    "aten.new_empty",
-    "aten.new_full",
-    "aten.new_ones",
-    "aten.new_zeros",
-    "aten.ones",
-    "aten.scalar_tensor",
-    "aten.zeros",
-)
-
-
 def makes_local_results(target: Any, rule: FactorRule) -> bool:
-    """Whether ``target`` can produce a tile of a result dim that no operand has."""
-    name = str(target)
-    return rule.handler == HandlerName.LOCALIZE_SHAPE.value and any(
-        name == op or name.startswith(op + ".") for op in _LOCAL_RESULT_OPS
-    )
+    """Whether the op can produce a tile of a result dim that no operand has: every tile of its
+    result is the same function of the local shape (constants, broadcasts), made by localising
+    shape arguments (``OpFacts.local_results``; arange through its handler)."""
+    return rule.handler == HandlerName.LOCALIZE_SHAPE.value and rule.facts.local_results
 
 
 def register(handler: Handler) -> Handler:

@@ -42,13 +42,7 @@ from partita.partition import manual as _manual
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
 from partita.partition.assignment import check_same_dtype, dims_of, memo_by_rule, representable
 from partita.partition.emit import Emitter, node_of
-from partita.partition.local_args import (
-    INDEX_OPERANDS,
-    LOCAL_SIZE_ARGS,
-    SAME_DTYPE,
-    SHAPE_ONLY,
-    localize_shape_args,
-)
+from partita.partition.local_args import localize_shape_args
 from partita.partition.masks import identity_of
 from partita.partition.plan import Plan
 from partita.partition.reasons import needs_why, partial_reason
@@ -202,9 +196,9 @@ class Lowering(LocalValues):
                 f"Node {node.name} ({op_name(node.target)}) produces no tensor; the partitioner "
                 f"only handles tensor programs."
             )
-        if node.target in SAME_DTYPE:
-            check_same_dtype(node)
         rule: FactorRule = node.meta["rule"]
+        if rule.facts.same_dtype:
+            check_same_dtype(node)
         assign = self.representable(node.target, rule, node.meta.get("factor_axes", {}))
         handler = handlers.get(rule.handler)
         if handler is not None and handler.applies(self, node, rule, assign):
@@ -212,7 +206,7 @@ class Lowering(LocalValues):
         else:
             results = self._generic(node, rule, assign)
         if node in self.region_nodes:  # a collective the user wrote: into the Plan, in order
-            moved = rule.operands[0] if "reduce_scatter" in str(node.target) else rule.results[0]
+            moved = rule.operands[0] if rule.facts.moves == "operand" else rule.results[0]
             split = Sharding(self.mesh, self.dims_of(moved or (), assign)) if moved else None
             _manual.record_user_collective(self, node, split)
         self._store_results(node, rule, assign, results)
@@ -254,14 +248,14 @@ class Lowering(LocalValues):
                 dst = self.sharding(((),) * len(v.shape))
             else:
                 dst = self.sharding(self.dims_of(factors, assign))
-            if node.target in SHAPE_ONLY and v.sharding.with_partial(()) == dst:
+            if rule.facts.shape_only and v.sharding.with_partial(()) == dst:
                 out.append(v.node)  # only its shape is read: a partial value will do
                 continue
             if v.sharding == dst:  # nothing moves (what reshard would say, without the words)
                 local = v.node
             else:
                 local = self.reshard(self.key(operand), dst, needs_why(node, i, dst), node)
-            is_index = i in INDEX_OPERANDS.get(node.target, ())
+            is_index = i in rule.facts.index_operands
             for d, dim in enumerate(factors or ()):
                 if dst.dim_axes[d] and (is_index or any(f in reduced for f in dim)):
                     # Padding of a reduced dim gets the reduction's identity; padding of an
@@ -306,13 +300,13 @@ class Lowering(LocalValues):
             return a
 
         args, kwargs = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), swap)
-        sizes = LOCAL_SIZE_ARGS.get(node.target)
+        sizes = rule.facts.size_args
         if sizes:
             # Kernels that take their input's sizes as ints (group norm's N) get local sizes,
             # and contiguous inputs.
             ops = self.operand_nodes(node)
             args = list(args)
-            for arg_index, (operand_index, dim) in sizes.items():
+            for arg_index, operand_index, dim in sizes:
                 s_in = self.sharding(self.dims_of(rule.operands[operand_index] or (), assign))
                 args[arg_index] = local_shape(s_in, self.value(ops[operand_index]).shape)[dim]
             for j, a in enumerate(args):

@@ -10,6 +10,8 @@ This module does not propagate anything (``partita.propagate`` does).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
 from partita.errors import (
@@ -21,6 +23,7 @@ from partita.errors import (
 )
 from partita.rules import FactorRule, OpInfo, get_rule
 from partita.rules.opinfo import is_tensor, replicate_rule, source_of
+from partita.rules.registry import facts_of
 
 __all__ = ["apply_rule", "compiler_error"]
 
@@ -133,4 +136,4 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
 def _replicated(node: fx.Node, info: OpInfo, reason: str) -> FactorRule:
     """The replicate rule, with the reason the partitioner records for its gathers."""
     node.meta["replicated_reason"] = reason
-    return replicate_rule(info)
+    return dataclasses.replace(replicate_rule(info), facts=facts_of(node.target))

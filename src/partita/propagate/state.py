@@ -80,15 +80,16 @@ def _is_annotation(node: fx.Node) -> bool:
     return "annotation" in node.meta
 
 
-#: Ops that give their operand's data unchanged but for its dtype or memory.
-_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default)
-
-
-def _keeps_the_data(node: fx.Node) -> bool:
-    """An annotation, a view (transpose, detach...) or a copy/cast: its result is its operand's
-    data, so a program input stays *stored* through it (``ProgramState._mark_stored``)."""
-    target = node.target
-    return _is_annotation(node) or target in _COPIES or bool(getattr(target, "is_view", False))
+def _keeps_the_data(op: OpState) -> bool:
+    """An annotation, a view (transpose, detach...) or a copy/cast (``OpFacts.keeps_data``):
+    its result is its operand's data, so a program input stays *stored* through it
+    (``ProgramState._mark_stored``)."""
+    node = op.node
+    return (
+        _is_annotation(node)
+        or op.rule.facts.keeps_data
+        or bool(getattr(node.target, "is_view", False))
+    )
 
 
 class ProgramState:
@@ -163,7 +164,7 @@ class ProgramState:
         so one pass sees every operand before its users."""
         for op in self.ops:
             keys = [k for k in op.operands if k is not None]
-            if not (keys and op.pass_through and _keeps_the_data(op.node)):
+            if not (keys and op.pass_through and _keeps_the_data(op)):
                 continue
             if all(self.values[k].stored for k in keys):
                 for k in op.results:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from partita.rules.common import Dim, aten_ops, broadcast_dims, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.ruleset import RuleSet
 
 RULES = RuleSet("attention")
@@ -90,7 +91,10 @@ def sdpa_backward_rule(info: OpInfo) -> FactorRule:
     return build(info, operands, [q, _K, _V], need_replication=rep, result_reductions=red)
 
 
-RULES.register(*aten_ops(["_scaled_dot_product_flash_attention_for_cpu.default"]))(sdpa_rule)
+RULES.register(
+    *aten_ops(["_scaled_dot_product_flash_attention_for_cpu.default"]),
+    facts=OpFacts(same_dtype=True),
+)(sdpa_rule)
 RULES.register(*aten_ops(["_scaled_dot_product_flash_attention_for_cpu_backward.default"]))(
     sdpa_backward_rule
 )

@@ -21,6 +21,7 @@ from __future__ import annotations
 from partita.rules.batched import batched_rule
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
 from partita.rules.ruleset import RuleSet
 
@@ -87,7 +88,7 @@ def _special_conv_backward_rule(info: OpInfo) -> FactorRule:
     return build(info, [g_dims, x_dims, None], results, need_replication=rep, result_reductions=red)
 
 
-@RULES.register(*aten_ops(["convolution.default"]))
+@RULES.register(*aten_ops(["convolution.default"]), facts=OpFacts(same_dtype=True))
 def conv_rule(info: OpInfo) -> FactorRule:
     """``a b d e, c b f g, c -> a c d e; reduction=b; need-replication=f,g; windowed=d,e;
     handler=halo`` (NCHW input, OIHW weight, bias)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
 from partita.rules.ruleset import RuleSet
 
@@ -41,6 +42,29 @@ CREATION_OPS = aten_ops(
 )
 
 
+#: Every tile of their result is the same function of the local shape: a result dim no
+#: operand has is produced tile by tile (eye's is not, nor the strided/permuted empties').
+RULES.declare(
+    aten_ops(
+        [
+            "arange.default",
+            "arange.start",
+            "arange.start_step",
+            "empty.memory_format",
+            "full.default",
+            "new_empty.default",
+            "new_full.default",
+            "new_ones.default",
+            "new_zeros.default",
+            "ones.default",
+            "scalar_tensor.default",
+            "zeros.default",
+        ]
+    ),
+    OpFacts(local_results=True),
+)
+
+
 @RULES.register(*CREATION_OPS)
 def create_rule(info: OpInfo) -> FactorRule:
     """``* -> a b; handler=localize_shape`` for ``full([4, 8], 0.)`` (no operands) and
@@ -55,7 +79,8 @@ def create_rule(info: OpInfo) -> FactorRule:
 @RULES.register(
     *aten_ops(
         ["empty_like.default", "full_like.default", "ones_like.default", "zeros_like.default"]
-    )
+    ),
+    facts=OpFacts(shape_only=True),
 )
 def like_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b`` for ``zeros_like(x)``."""

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from partita.rules.common import Names, aten_ops, broadcast_dims, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.ruleset import RuleSet
 
 RULES = RuleSet("elementwise")
@@ -248,6 +249,10 @@ _NAMES = (
 )
 
 ELEMENTWISE_OPS = aten_ops(_NAMES)
+
+
+#: A cast or copy: its result is its operand's data, so a stored input stays stored through it.
+RULES.declare(aten_ops(["_to_copy.default", "clone.default"]), OpFacts(keeps_data=True))
 
 
 @RULES.register(*ELEMENTWISE_OPS)

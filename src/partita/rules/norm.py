@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from partita.rules.common import Dim, Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts, SizeArg
 from partita.rules.ruleset import RuleSet
 
 RULES = RuleSet("norm")
@@ -137,7 +138,9 @@ def batch_norm_backward_rule(info: OpInfo) -> FactorRule:
     return build(info, operands, [names, c, c], result_reductions=red, **kw)
 
 
-@RULES.register(*aten_ops(["native_group_norm.default"]))
+@RULES.register(
+    *aten_ops(["native_group_norm.default"]), facts=OpFacts(size_args=(SizeArg(3, 0, 0),))
+)
 def group_norm_rule(info: OpInfo) -> FactorRule:
     """``a b c d, b, b -> a b c d, a g, a g; need-replication=b,c,d,g``."""
     fresh = Names()
@@ -149,7 +152,10 @@ def group_norm_rule(info: OpInfo) -> FactorRule:
     return build(info, [names, *params], [names, stats, stats], need_replication=rep)
 
 
-@RULES.register(*aten_ops(["native_group_norm_backward.default"]))
+@RULES.register(
+    *aten_ops(["native_group_norm_backward.default"]),
+    facts=OpFacts(size_args=(SizeArg(5, 0, 0),)),
+)
 def group_norm_backward_rule(info: OpInfo) -> FactorRule:
     """``grad, x, mean, rstd, w -> grad_x, grad_w, grad_b``; grad_w/grad_b sum over ``a``."""
     fresh = Names()

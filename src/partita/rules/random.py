@@ -18,6 +18,7 @@ from __future__ import annotations
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.elementwise import elementwise_rule
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
 from partita.rules.ruleset import RuleSet
 
@@ -54,6 +55,10 @@ RANDOM_LIKE_OPS = aten_ops(
         "uniform_.default",
     ]
 )
+
+
+#: They read only their operand's shape and dtype.
+RULES.declare(aten_ops(["rand_like.default", "randn_like.default"]), OpFacts(shape_only=True))
 
 
 @RULES.register(*RANDOM_LIKE_OPS)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
 from partita.rules.ruleset import RuleSet
 
@@ -173,6 +174,10 @@ def t_rule(info: OpInfo) -> FactorRule:
     (x,) = info.operands
     dims = Names().take(x.ndim)
     return build(info, [dims], [dims[::-1]])
+
+
+#: Its result's new dims are produced tile by tile (the local shape argument).
+RULES.declare(aten_ops(["expand.default"]), OpFacts(local_results=True))
 
 
 @RULES.register(*aten_ops(["expand.default", "expand_copy.default"]))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
 from partita.rules.ruleset import RuleSet
 
@@ -71,7 +72,9 @@ def select_rule(info: OpInfo) -> FactorRule:
     return _cut(info, norm_dim(info.arg("dim"), x.ndim), keep_dim=False)
 
 
-@RULES.register(*aten_ops(["gather.default", "index_select.default"]))
+@RULES.register(
+    *aten_ops(["gather.default", "index_select.default"]), facts=OpFacts(index_operands=(1,))
+)
 def gather_rule(info: OpInfo) -> FactorRule:
     """``a b, a c -> a c; need-replication=b`` for ``gather(x, 1, idx)``; an index smaller than
     ``x`` on another dim gives ``a b, 1 c -> d c; need-replication=a,b``; index_select's index

@@ -29,9 +29,10 @@ from partita.rules import (
     shape,
     slicing,
 )
+from partita.rules.facts import OpFacts
 from partita.rules.ruleset import RuleFn, RuleSet, refuse_twice
 
-__all__ = ["FAMILIES", "TABLE", "build_table"]
+__all__ = ["FACTS", "FAMILIES", "TABLE", "build_table"]
 
 #: Each family's rules, sorted by family name.
 FAMILIES: tuple[RuleSet, ...] = (
@@ -67,3 +68,5 @@ def build_table(families: tuple[RuleSet, ...]) -> dict[Any, RuleFn]:
 
 
 TABLE: Mapping[Any, RuleFn] = build_table(FAMILIES)
+#: op -> its OpFacts, for the ops that have some.
+FACTS: Mapping[Any, OpFacts] = {op: facts for family in FAMILIES for op, facts in family.facts()}
