@@ -39,6 +39,7 @@ _VALUES = (
     "partita.explain",
     "partita.layout",
     "partita.mesh",
+    "partita.node_meta",
     "partita.options",
     "partita.plan_roles",
     "partita.plans",
@@ -424,6 +425,66 @@ def test_facts_declared_twice_or_without_a_rule_fail() -> None:
         CompilerError, match=r"aten.bmm.default is given OpFacts in the mine rules "
     ):
         build_table((family,)) and dict(family.facts())
+
+
+# --- what the stages record on nodes ---------------------------------------------------------
+
+#: The node.meta keys partita's stages write; only partita.node_meta spells them.
+NODE_META_KEYS = frozenset(
+    "annotation bucket_members bytes factor_axes lifted_from local_shape origin regather "
+    "regather_after replicated_reason rule sharding source".split()
+)
+#: Modules that still spell a key: module -> why.
+KNOWN_META_KEY_USERS = {
+    "partita.virtual.disk_cache": "virtual/ is another helper's; it writes origin and source rows",
+}
+
+
+def _meta_key_uses(tree: ast.AST) -> list[tuple[int, str]]:
+    """``x.meta["k"]``, ``x.meta.get("k")`` (setdefault, pop), ``"k" in x.meta`` and
+    ``x.meta = {"k": ...}`` for a partita key ``k``."""
+
+    def is_meta(n: ast.AST) -> bool:
+        return isinstance(n, ast.Attribute) and n.attr == "meta"
+
+    def key(n: ast.AST) -> str | None:
+        ok = isinstance(n, ast.Constant) and n.value in NODE_META_KEYS
+        return n.value if ok else None  # type: ignore[union-attr]
+
+    found = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Subscript) and is_meta(n.value) and key(n.slice):
+            found.append((n.lineno, key(n.slice)))
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.args:
+            if is_meta(n.func.value) and key(n.args[0]):
+                found.append((n.lineno, key(n.args[0])))
+        elif isinstance(n, ast.Compare) and key(n.left) and any(map(is_meta, n.comparators)):
+            found.append((n.lineno, key(n.left)))
+        elif isinstance(n, ast.Assign) and any(map(is_meta, n.targets)):
+            if isinstance(n.value, ast.Dict):
+                found += [(n.lineno, key(k)) for k in n.value.keys if k is not None and key(k)]
+    return found
+
+
+def test_node_facts_go_through_node_meta() -> None:
+    """No module but partita.node_meta spells a key partita records on a node (13 before)."""
+    users = {}
+    for module, path in MODULES.items():
+        if module == "partita.node_meta":
+            continue
+        uses = _meta_key_uses(ast.parse(path.read_text()))
+        if uses:
+            users[module] = uses
+    assert set(users) == set(KNOWN_META_KEY_USERS), users
+
+
+def test_the_meta_key_check_sees_each_spelling() -> None:
+    code = (
+        "a = n.meta['sharding']\nb = n.meta.get('rule')\nc = 'origin' in n.meta\n"
+        "n.meta = {'val': 1, 'source': 2}\nn.meta.setdefault('bytes', 0)\nd = n.meta['val']\n"
+    )
+    found = _meta_key_uses(ast.parse(code))
+    assert sorted(k for _, k in found) == ["bytes", "origin", "rule", "sharding", "source"]
 
 
 # --- the typed rule -> handler link -----------------------------------------------------------

@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy, Scope, TracerBase
 
+from partita import node_meta
 from partita.explain import op_name
 from partita.partition import masks
 from partita.partition.lowering_api import LoweringAPI
@@ -260,7 +261,7 @@ class Emitter:
                 dtype=dtype,
                 value=f"{self.node.name}.{what.split()[0]}",
                 reason=reason,
-                source=self.node.meta.get("source"),
+                source=node_meta.source(self.node),
                 detail=detail,
             )
         )

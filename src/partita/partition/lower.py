@@ -2,7 +2,7 @@
 
 For each op, in program order (DESIGN.md, Partitioning):
 
-1. The op's factor assignment (``node.meta["factor_axes"]``, chosen by propagation) fixes the
+1. The op's factor assignment (``node_meta.factor_axes(node)``, chosen by propagation) fixes the
    sharding each operand must have. It is first made *representable*: a minor factor of a
    compound dim keeps its axes only when the major factor is fully split, and factors whose
    lowering needs a handler this module does not have lose theirs (computed whole).
@@ -13,7 +13,7 @@ For each op, in program order (DESIGN.md, Partitioning):
    pass-through axes as dims and the sharded reduction factors' axes as *partial*.
 5. The result is resharded to the sharding propagation chose for the value (for example a
    partial result wanted sharded becomes a reduce_scatter), so that every value in the per-device
-   program has exactly ``node.meta["sharding"]``.
+   program has exactly ``node_meta.sharding(node)``.
 
 Special lowerings named by rules (``FactorRule.handler``) live in ``partition.handlers``; which
 factor axes an op keeps (step 1) is ``partition.assignment``; resharding a value and recording
@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
+from partita import node_meta
 from partita.capture.manual import ENTER_OP, EXIT_OP, is_fully_manual, local_nodes
 from partita.errors import PartitaError, UnsupportedOpError
 from partita.explain import op_name
@@ -87,8 +88,8 @@ class Lowering(LocalValues):
             except Exception as e:  # anything else is partita's bug: say where it happened
                 raise compiler_error(node, "Partitioning", e) from e
         for n in self.src.graph.nodes:
-            if "sharding" in n.meta:
-                self.plan.shardings[n.name] = n.meta["sharding"]
+            if node_meta.sharding(n) is not None:
+                self.plan.shardings[n.name] = node_meta.sharding(n)
         explicit.check(self.plan, self.moves)  # collectives="explicit" / "warn"
         # Lazy: its Python code is generated only if it is run or printed (regathering and
         # bucketing edit the graph after this; the runtimes build their own GraphModules).
@@ -121,7 +122,7 @@ class Lowering(LocalValues):
             _manual.lower_partial_enter(self, node)
         elif node.op == "call_function" and node.target is operator.getitem:
             self._getitem(node)
-        elif node.op == "call_function" and "annotation" in node.meta:
+        elif node.op == "call_function" and node_meta.annotation(node) is not None:
             self._annotation(node)
         elif node.op == "call_function":
             self._op(node)
@@ -136,7 +137,7 @@ class Lowering(LocalValues):
         local = self.graph.placeholder(node.name)
         if not _tensor_val(val):
             return
-        sharding = node.meta["sharding"]
+        sharding = node_meta.sharding(node)
         self.values[(node, None)] = LocalValue(local, sharding, tuple(val.shape), val.dtype)
         self.plan.input_shardings.append(sharding)
 
@@ -146,7 +147,7 @@ class Lowering(LocalValues):
             self.alias[node] = (src, int(idx))
 
     def _annotation(self, node: fx.Node) -> None:
-        ann = node.meta["annotation"]
+        ann = node_meta.annotation(node)
         operand = node.args[0]
         why = f"annotation {ann.source or node.name} asks for {ann.sharding}"
         local = self.reshard(self.key(operand), ann.sharding, why, node)
@@ -196,10 +197,10 @@ class Lowering(LocalValues):
                 f"Node {node.name} ({op_name(node.target)}) produces no tensor; the partitioner "
                 f"only handles tensor programs."
             )
-        rule: FactorRule = node.meta["rule"]
+        rule: FactorRule = node_meta.rule(node)
         if rule.facts.same_dtype:
             check_same_dtype(node)
-        assign = self.representable(node.target, rule, node.meta.get("factor_axes", {}))
+        assign = self.representable(node.target, rule, node_meta.factor_axes(node))
         handler = handlers.get(rule.handler)
         if handler is not None and handler.applies(self, node, rule, assign):
             results = handler.lower(self, node, rule, assign)
@@ -330,7 +331,7 @@ class Lowering(LocalValues):
     ) -> None:
         val = node.meta["val"]
         natural = self.result_shardings(rule, assign)
-        wanted = node.meta.get("sharding")
+        wanted = node_meta.sharding(node)
         if isinstance(val, (tuple, list)):
             for i, (v, s) in enumerate(zip(val, natural, strict=True)):
                 if not _tensor_val(v) or s is None:
@@ -358,7 +359,7 @@ class Lowering(LocalValues):
         """Remember, in words, why an op's result is partial (for the Plan's reasons)."""
         text = partial_reason(self, key, node, rule, assign, j)
         if text is not None:
-            self._partial_origin[key] = (text, node.meta.get("source"))
+            self._partial_origin[key] = (text, node_meta.source(node))
 
     def settle_result(self, key: ValueKey, wanted: Sharding | None, node: fx.Node) -> None:
         """Reshard a fresh value to the sharding propagation chose for it (for handlers)."""
@@ -383,9 +384,9 @@ def _stamp_origin(node: fx.Node, first: fx.Node | None, graph: fx.Graph) -> None
     if local is None or local.op == "root":  # the op emitted nothing
         return
     origin = f"{op_name(node.target)} (%{node.name})"
-    has_source = "source" in node.meta
+    has_source = node_meta.has_source(node)
     while local.op != "root":
-        local.meta.setdefault("origin", origin)
+        node_meta.set_origin_once(local, origin)
         if has_source:
-            local.meta.setdefault("source", node.meta["source"])
+            node_meta.set_source_once(local, node_meta.source(node))
         local = local.next

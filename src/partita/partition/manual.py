@@ -21,6 +21,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from partita import node_meta
 from partita.capture.manual import ENTER_OP, Boundary, boundary
 from partita.collectives import COLLECTIVE_OPS
 from partita.errors import ShardMapError, ShardMapWarning, warn
@@ -107,7 +108,7 @@ def record_user_collective(low: LoweringAPI, node: fx.Node, split: Sharding | No
             dtype=val.dtype if isinstance(val, torch.Tensor) else torch.float32,
             value=node.name,
             reason=f"{USER_COLLECTIVE} ({math.prod(shape)} elements)",
-            source=node.meta.get("source"),
+            source=node_meta.source(node),
             detail="",
         )
     )
@@ -157,7 +158,7 @@ def _warn_dropped(
 ) -> None:
     """A :class:`ShardMapWarning` per dropped auto split: the value, why, the collectives it
     cost at this boundary (``records``) and the fix."""
-    source = node.meta.get("source") or "an unknown line"
+    source = node_meta.source(node) or "an unknown line"
     moved = ", ".join(f"{r.kind} over {r.mesh_axes} of {r.bytes} bytes" for r in records)
     cost = f"here {moved} per device" if moved else "here no collective (a local slice)"
     for d, auto, lost, k in dropped:
@@ -182,7 +183,7 @@ def lower_partial_enter(low: LoweringAPI, node: fx.Node) -> None:
     """Entering a partially manual region: the operand's tile is the spec's manual split then
     the body value's auto split, manual axes major."""
     b = boundary(node.args[1])
-    inner, dropped = _inner(low, b, node.meta["sharding"])
+    inner, dropped = _inner(low, b, node_meta.sharding(node))
     dims = tuple(m + a for m, a in zip(b.sharding.dim_axes, inner.dim_axes, strict=True))
     why = f"shard_map {b.what} enters its region as {b.sharding} (then {inner} inside)"
     before = len(low.plan.collectives)
@@ -191,7 +192,7 @@ def lower_partial_enter(low: LoweringAPI, node: fx.Node) -> None:
         _warn_dropped(low, b, node, dropped, low.plan.collectives[before:])
     val = node.meta["val"]
     low.values[(node, None)] = LocalValue(local, inner, b.local_shape, val.dtype)
-    low.settle_result((node, None), node.meta["sharding"], node)
+    low.settle_result((node, None), node_meta.sharding(node), node)
 
 
 def lower_partial_exit(low: LoweringAPI, node: fx.Node) -> None:
@@ -210,4 +211,4 @@ def lower_partial_exit(low: LoweringAPI, node: fx.Node) -> None:
     low.values[(node, None)] = LocalValue(
         local, Sharding(low.mesh, dims), tuple(val.shape), val.dtype
     )
-    low.settle_result((node, None), node.meta.get("sharding"), node)
+    low.settle_result((node, None), node_meta.sharding(node), node)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import CollectiveRecord
 
@@ -68,7 +69,7 @@ def emit_pairs(
             dtype=dtype,
             value=value or node.name,
             reason=reason,
-            source=node.meta.get("source"),
+            source=node_meta.source(node),
             detail=detail or " ".join(f"{i}->{j}" for i, j in pairs),
         )
     )

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.explain import op_name
 from partita.layout import local_shape
 from partita.partition.lowering_api import LoweringAPI
@@ -84,9 +85,9 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def needs_why(node: fx.Node, i: int, dst: Sharding) -> str:
     """Why operand ``i`` of ``node`` is resharded to ``dst``, in words for the Plan."""
-    if "replicated_reason" in node.meta:  # replicate_unsupported=True chose this
+    if node_meta.replicated_reason(node) is not None:  # replicate_unsupported=True chose this
         return (
             f"{op_name(node.target)} (%{node.name}) runs replicated "
-            f"(replicate_unsupported=True): {node.meta['replicated_reason']}"
+            f"(replicate_unsupported=True): {node_meta.replicated_reason(node)}"
         )
     return f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.explain import op_name
 from partita.layout import ceil_div, local_shape
 from partita.partition import handlers
@@ -250,17 +251,17 @@ def _siblings(low: LoweringAPI, node: fx.Node, dim: int, axes: tuple[str, ...]) 
     operand sharding and split their result the same way (q, k and v of one qkv output)."""
     if str(node.target) not in _SLICES:
         return [node]
-    rule: FactorRule = node.meta["rule"]
-    assign = low.representable(node.target, rule, node.meta.get("factor_axes", {}))
+    rule: FactorRule = node_meta.rule(node)
+    assign = low.representable(node.target, rule, node_meta.factor_axes(node))
     want = low.dims_of(rule.operands[0], assign)
     out = [node]
     for user in node.args[0].users:
         if user is node or str(user.target) not in _SLICES or (user, None) in low.values:
             continue
-        r = user.meta.get("rule")
+        r = node_meta.rule(user)
         if r is None or r.handler != HandlerName.RETILE.value or _dim(user) != dim:
             continue
-        a = low.representable(user.target, r, user.meta.get("factor_axes", {}))
+        a = low.representable(user.target, r, node_meta.factor_axes(user))
         (res,) = low.result_shardings(r, a)
         if res is not None and res.dim_axes[dim] == axes and low.dims_of(r.operands[0], a) == want:
             out.append(user)

@@ -52,9 +52,9 @@ Invariants and conflict resolution (in the order they apply):
    with an all_to_all instead of gathering (XLA does the same for T21 and T25).
 9. **Determinism.** Ops are visited in graph order, the worklist is FIFO without duplicates.
 
-Values nobody proposes anything for end up replicated. The result is ``node.meta["sharding"]``
+Values nobody proposes anything for end up replicated. The result is ``node_meta.sharding(node)``
 (a :class:`~partita.spec.Sharding`, or a tuple of them, with ``None`` for non-tensor outputs, on
-multi-output nodes) and ``node.meta["factor_axes"]`` (the op's chosen ``{factor: mesh axes}``).
+multi-output nodes) and ``node_meta.factor_axes(node)`` (the op's chosen ``{factor: mesh axes}``).
 
 The package: the worklist and the entry point :func:`propagate` are in ``fixpoint``; the
 per-value and per-op state is built in ``state``; one op's assignment is chosen in ``assign``

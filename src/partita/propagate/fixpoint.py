@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.fx as fx
 
+from partita import node_meta
 from partita.capture.gc_pause import gc_paused
 from partita.errors import PartitaError, ShardingConflictError
 from partita.mesh import Mesh
@@ -193,18 +194,22 @@ class _Propagator(ProgramState):
             assign = op.settled_assign
             if assign is None or op.settled != self._snapshot(op, last_priority):
                 assign, _ = choose_assignment(self.mesh, self.values, op, last_priority)
-            op.node.meta["factor_axes"] = dict(assign)  # memoised assignments are shared
-            op.node.meta["rule"] = op.rule
+            # a copy: memoised assignments are shared
+            node_meta.set_factor_axes(op.node, dict(assign))
+            node_meta.set_rule(op.node, op.rule)
         for node in self.gm.graph.nodes:
             if node.op == "output":
                 continue
             key = self.key(node)
             if key in self.values:
-                node.meta["sharding"] = self._sharding(key)
+                node_meta.set_sharding(node, self._sharding(key))
             elif isinstance(node.meta.get("val"), (tuple, list)):
-                node.meta["sharding"] = tuple(
-                    self._sharding((node, i)) if (node, i) in self.values else None
-                    for i in range(len(node.meta["val"]))
+                node_meta.set_sharding(
+                    node,
+                    tuple(
+                        self._sharding((node, i)) if (node, i) in self.values else None
+                        for i in range(len(node.meta["val"]))
+                    ),
                 )
 
 
@@ -225,7 +230,7 @@ def _region_view(
 
 def _find_mesh(gm: fx.GraphModule) -> Mesh | None:
     for node in gm.graph.nodes:
-        ann = node.meta.get("annotation")
+        ann = node_meta.annotation(node)
         if ann is not None:
             return ann.sharding.mesh
     return None
@@ -241,12 +246,12 @@ def propagate(
 
     Args:
         gm: a captured program (``partita.capture.trace(...).graph_module``): aten ops with
-            ``node.meta["val"]`` and annotation nodes with ``node.meta["annotation"]``.
+            ``node.meta["val"]`` and annotation nodes with their ``node_meta.annotation``.
         mesh: the mesh; defaults to the mesh of the program's annotations.
         replicate_unsupported: run ops without a sharding rule on whole (gathered) tensors
             instead of raising :class:`~partita.errors.UnsupportedOpError`.
 
-    Returns ``gm`` with ``node.meta["sharding"]`` and ``node.meta["factor_axes"]`` set.
+    Returns ``gm`` with every node's ``node_meta.sharding`` and ``node_meta.factor_axes`` set.
 
     Example:
         >>> prog = partita.capture.trace(fn, (x, w), in_specs=(P("data"), P()))  # doctest: +SKIP
@@ -265,4 +270,5 @@ def propagate(
 
 def shardings(gm: fx.GraphModule) -> dict[str, Any]:
     """``{node name: sharding}`` for every node that has one (a convenience for tests)."""
-    return {n.name: n.meta["sharding"] for n in gm.graph.nodes if "sharding" in n.meta}
+    found = ((n.name, node_meta.sharding(n)) for n in gm.graph.nodes)
+    return {name: s for name, s in found if s is not None}

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.capture.manual import ENTER_OP, EXIT_OP, boundary, is_fully_manual, local_nodes
 from partita.errors import PartitaError, ShardingConflictError, UnsupportedOpError
 from partita.layout import check_strided
@@ -77,7 +78,7 @@ class OpState:
 
 
 def _is_annotation(node: fx.Node) -> bool:
-    return "annotation" in node.meta
+    return node_meta.annotation(node) is not None
 
 
 def _keeps_the_data(op: OpState) -> bool:
@@ -198,7 +199,7 @@ class ProgramState:
         if node in self._local or node.target is EXIT_OP:
             self._mark_region_values(node)
         if _is_annotation(node):
-            ann = node.meta["annotation"]
+            ann = node_meta.annotation(node)
             if ann.sharding.mesh != self.mesh:
                 raise ShardingConflictError(
                     f"Annotation {node.name} ({source_of(node) or 'unknown source'}) uses "
@@ -225,7 +226,7 @@ class ProgramState:
             return found
         rule = self._rule(node, info)
         shape = _op_groups(rule)
-        if key is not None and "replicated_reason" not in node.meta:
+        if key is not None and node_meta.replicated_reason(node) is None:
             self._shapes[key] = shape
         return shape
 

@@ -7,6 +7,7 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy
 
+from partita import node_meta
 from partita.layout import ceil_div
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
@@ -35,7 +36,7 @@ def _vocab_axes(node: fx.Node, rule: FactorRule, assign: Assign) -> tuple[str, .
         # propagation's choice is in the node's meta.
         if bool(node.args[4] if len(node.args) > 4 else False):
             return ()  # scale_grad_by_freq counts ids globally: compute whole (generic)
-        return tuple(node.meta.get("factor_axes", {}).get(v, ()))
+        return tuple(node_meta.factor_axes(node).get(v, ()))
     return assign.get(v, ())
 
 
