@@ -9,6 +9,7 @@ check counts them too: a type-only cycle still ties the modules together.
 from __future__ import annotations
 
 import ast
+import inspect
 import pathlib
 import subprocess
 import sys
@@ -21,6 +22,8 @@ import partita
 from partita import Mesh, P
 from partita.errors import CompilerError
 from partita.partition import handlers
+from partita.partition.lower import Lowering
+from partita.partition.lowering_api import LoweringAPI
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta, einsum_rule
 from partita.rules.facts import OpFacts, SizeArg
 from partita.rules.handler_names import HandlerName
@@ -425,6 +428,30 @@ def test_facts_declared_twice_or_without_a_rule_fail() -> None:
         CompilerError, match=r"aten.bmm.default is given OpFacts in the mine rules "
     ):
         build_table((family,)) and dict(family.facts())
+
+
+# --- partition: handlers see the lowering through a Protocol ----------------------------------
+
+
+def test_handlers_see_the_lowering_through_its_protocol() -> None:
+    """Only the package __init__ (which runs it) imports partition.lower, and Lowering has
+    every member of LoweringAPI, with the Protocol's signatures."""
+    importers = sorted(
+        m
+        for m in MODULES
+        if "partita.partition.lower" in read_imports(MODULES[m], m, MODULES, type_only=True)
+    )
+    assert importers == ["partita.partition"]
+    members = [n for n in vars(LoweringAPI) if not n.startswith("_")]
+    members += list(LoweringAPI.__annotations__)
+    low = Lowering(torch.fx.symbolic_trace(torch.nn.Identity()), Mesh.create((2,), ("x",)))
+    assert len(members) >= 14
+    for name in members:
+        assert hasattr(low, name), name
+        if callable(getattr(LoweringAPI, name, None)):
+            want = inspect.signature(getattr(LoweringAPI, name)).parameters
+            got = inspect.signature(getattr(Lowering, name)).parameters
+            assert list(want) == list(got), name
 
 
 # --- what the stages record on nodes ---------------------------------------------------------
