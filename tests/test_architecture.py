@@ -411,7 +411,9 @@ def test_per_op_facts_are_on_the_rule() -> None:
     assert not facts_of(aten.eye.default).local_results
     assert facts_of(aten.clone.default).keeps_data
     assert facts_of(aten.add.Tensor) == OpFacts()
-    assert "str(node.target)" not in MODULES["partita.partition.lower"].read_text()
+    assert facts_of(aten.arange.start).values_from_index
+    for module in ("partita.partition.lower", "partita.partition.handlers"):
+        assert "str(node.target)" not in MODULES[module].read_text()
     assert "_to_copy" not in MODULES["partita.propagate.state"].read_text()
 
 

@@ -143,7 +143,7 @@ register(Handler(HandlerName.ADD_BIAS_ONCE.value, _bias_applies, _bias_lower))
 
 
 def _arange_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
-    return str(node.target).startswith("aten.arange") and any(assign.values())
+    return rule.facts.values_from_index and any(assign.values())
 
 
 @emitting

@@ -45,11 +45,12 @@ CREATION_OPS = aten_ops(
 #: Every tile of their result is the same function of the local shape: a result dim no
 #: operand has is produced tile by tile (eye's is not, nor the strided/permuted empties').
 RULES.declare(
+    aten_ops(["arange.default", "arange.start", "arange.start_step"]),
+    OpFacts(local_results=True, values_from_index=True),
+)
+RULES.declare(
     aten_ops(
         [
-            "arange.default",
-            "arange.start",
-            "arange.start_step",
             "empty.memory_format",
             "full.default",
             "new_empty.default",

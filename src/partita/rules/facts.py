@@ -38,6 +38,9 @@ class OpFacts:
         size_args: int arguments the local call gets as local sizes (:class:`SizeArg`).
         local_results: with ``handler="localize_shape"``, a result dim no operand has is
             produced tile by tile by localising the shape argument (``full``, ``expand``).
+        values_from_index: the result's values are a function of their global index
+            (``arange``): each tile is computed from its own offset (the ``localize_shape``
+            handler's lowering).
         keeps_data: the result is the operand's data in another dtype or memory (``_to_copy``,
             ``clone``): a stored input stays stored through it (propagation, invariant 5).
         moves: which tensor a user collective in a partially manual body moves, for the Plan's
@@ -49,6 +52,7 @@ class OpFacts:
     index_operands: tuple[int, ...] = ()
     size_args: tuple[SizeArg, ...] = ()
     local_results: bool = False
+    values_from_index: bool = False
     keeps_data: bool = False
     moves: Literal["result", "operand"] = "result"
 
