@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,15 @@ from partita.runtime.comm import call_collective, gather_flat
 from partita.spec import Sharding
 from partita.tensor import Shard, ShardedTensor
 
-if TYPE_CHECKING:
-    from partita.runtime.distributed import DistributedMesh
-
 __all__ = ["DistributedShardedTensor", "is_computed", "local_shard"]
+
+
+class RankedExecutor(Protocol):
+    """What a shard's constructor reads of its executor (``runtime.distributed``'s
+    ``DistributedMesh``, which imports this module)."""
+
+    @property
+    def rank(self) -> int: ...
 
 
 def local_shard(value: Tensor, sharding: Sharding, position: int) -> Tensor:
@@ -83,7 +88,7 @@ class DistributedShardedTensor(ShardedTensor):
         local: Tensor,
         sharding: Sharding,
         shape: Sequence[int],
-        executor: DistributedMesh,
+        executor: RankedExecutor,
         *,
         computed: bool = False,
     ) -> DistributedShardedTensor:

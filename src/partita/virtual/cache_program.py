@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from partita import node_meta
 from partita.mesh import Mesh
 from partita.op_lookup import find_op, torch_constant
 from partita.partition.special.random_draw import draw_target
@@ -191,8 +192,8 @@ def _graph_data(gm: fx.GraphModule) -> list[dict[str, Any]]:
                 "target": _target_name(node.target) if node.op == "call_function" else None,
                 "args": _encode(tuple(node.args)),
                 "kwargs": {k: _encode(v) for k, v in node.kwargs.items()},
-                "origin": str(node.meta.get("origin") or ""),
-                "source": str(node.meta.get("source") or ""),
+                "origin": node_meta.origin(node) or "",
+                "source": node_meta.source(node) or "",
             }
         )
     return rows
@@ -248,7 +249,8 @@ def _build(data: dict[str, Any], mesh: Mesh) -> StepProgram:
             node.name = name
         else:
             raise ValueError(f"unknown node kind {row['op']!r}")
-        node.meta["origin"], node.meta["source"] = str(row["origin"]), str(row["source"])
+        node_meta.set_origin_once(node, str(row["origin"]))
+        node_meta.set_source(node, str(row["source"]))
         nodes[name] = node
     graph.lint()
     local = fx.GraphModule(torch.nn.Module(), graph)

@@ -5,7 +5,7 @@ device's tile."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -16,6 +16,7 @@ from partita.explain import op_name
 from partita.op_lookup import find_op, torch_constant
 from partita.partition.emit import Emitter, emitting, node_of
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.reshard import plan_reshard
 from partita.partition.reshard_emit import emit_reshard
 from partita.partition.special.common import Assign, aten, fake_value
@@ -23,9 +24,6 @@ from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 from partita.rules.random import RANDOM_VALUE_OPS
 from partita.spec import Sharding
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 __all__ = ["draw_target", "global_random_draw"]
 
@@ -144,7 +142,7 @@ def _(inputs: list[torch.Tensor], op: str, args: str) -> list[torch.Tensor]:
     return _run_draw(inputs, op, args)
 
 
-def _random_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _random_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return True  # even replicated: the executor runs the wrapped draw, never a raw random op
 
 
