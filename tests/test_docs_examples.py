@@ -21,7 +21,7 @@ import partita.virtual
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 # Pages whose `print(...)  # text` comments are the exact output (the README's describe it).
-EXACT_PRINTS = {"concepts.md", "faq.md"}
+EXACT_PRINTS = {"concepts.md", "faq.md", "virtual-device.md"}
 _FENCE = re.compile(r"^```python\n(.*?)^```", flags=re.S | re.M)
 _FRAGMENT = re.compile(r"<!--\s*fragment:\s*(\S.*?)\s*-->")
 
