@@ -401,6 +401,18 @@ def test_virtual_device_model_and_optimizer_save_and_load_in_place(tmp_path: Pat
         ckpt.save({"b": torch.zeros(1)}, tmp_path / "x", optimizer=opt)
 
 
+def test_virtual_device_optimizer_saved_before_its_first_step_loads(tmp_path: Path) -> None:
+    """An optimizer with no state yet saved, then loading failed with KeyError: 'state'."""
+    model, opt = _virtual_mlp(0)
+    ckpt.save(model, tmp_path / "v", optimizer=opt)
+    other, other_opt = _virtual_mlp(1)
+    ckpt.load(other, tmp_path / "v", optimizer=other_opt)
+    assert other_opt.state_dict()["state"] == {}
+    for a, b in zip(model.parameters(), other.parameters(), strict=True):
+        assert torch.equal(a.cpu(), b.cpu())
+    assert _virtual_step(other, other_opt, 0) == pytest.approx(_virtual_step(model, opt, 0))
+
+
 def test_virtual_device_model_keeps_scheduler_extra_and_rng(tmp_path: Path) -> None:
     """scheduler=, extra= and the RNG state were refused for a virtual-device model."""
     model, opt = _virtual_mlp(0)
