@@ -71,7 +71,7 @@ class Run:
             mesh=mesh,
             in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
                       (P("data"), P("data"))),
-            compile_programs=compile_programs,
+            options={"compile_programs": compile_programs},
         )  # fmt: skip
         ids = torch.randint(
             0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=torch.Generator().manual_seed(0)

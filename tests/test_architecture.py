@@ -55,6 +55,7 @@ _API = (
     "partita.jit_signature",
     "partita.recompile",
     "partita.models",
+    "partita.pipeline",
     "partita.relayout",
     "partita.train",
     "partita.train_checks",

@@ -210,7 +210,7 @@ def reference(model: nn.Module, case: ModelCase, batches: list[Batch]) -> list[f
 
 def sharded(model: nn.Module, case: ModelCase, plan: str) -> TrainStep:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
-    return train_step(model, case.loss, opt, mesh=MESH, shard=plan, replicate_unsupported=False)
+    return train_step(model, case.loss, opt, mesh=MESH, shard=plan)
 
 
 def _cases() -> list[Any]:
@@ -322,7 +322,9 @@ def test_mixtral_default_experts_run_replicated_with_a_warning() -> None:
     batches = case.batches(torch.Generator().manual_seed(0))
     want = reference(ref, case, batches)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
-    step = train_step(model, case.loss, opt, mesh=MESH, shard="fsdp+tp", replicate_unsupported=True)
+    step = train_step(
+        model, case.loss, opt, mesh=MESH, shard="fsdp+tp", options={"replicate_unsupported": True}
+    )
     with pytest.warns(ReplicatedOpWarning, match=r"grouped_mm_fallback.* has no sharding rule"):
         got = [float(step(batch)) for batch in batches]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)

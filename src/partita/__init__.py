@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 import partita.serialization  # noqa: F401  (lets torch.load(weights_only=True) read partita values)
-from partita import data, distributed, presets
+from partita import data, distributed, options, presets
 from partita.api import mark_sharding
 from partita.distributed import is_main_process, process_count, process_index
 from partita.errors import (
@@ -21,6 +21,7 @@ from partita.errors import (
     JitArgumentError,
     JoinTimeoutError,
     MeshError,
+    OptionError,
     PartitaError,
     PartitaWarning,
     PlanMismatchError,
@@ -53,6 +54,7 @@ from partita.manual import (
     shard_map,
 )
 from partita.mesh import HybridMesh, Mesh
+from partita.options import CompileOptions
 from partita.partition import CollectiveRecord, Plan
 from partita.relayout import reshard
 from partita.rules import FactorRule, einsum_rule, register_rule
@@ -70,6 +72,7 @@ __all__ = [
     "CaptureError",
     "CheckpointError",
     "CollectiveRecord",
+    "CompileOptions",
     "CompilerError",
     "DistributedError",
     "DtypeError",
@@ -84,6 +87,7 @@ __all__ = [
     "JoinTimeoutError",
     "Mesh",
     "MeshError",
+    "OptionError",
     "P",
     "PartitaError",
     "PartitaWarning",
@@ -124,6 +128,7 @@ __all__ = [
     "jit",
     "mark_sharding",
     "metrics",
+    "options",
     "pmax",
     "pmean",
     "ppermute",

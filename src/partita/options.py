@@ -260,16 +260,32 @@ _OVERRIDES: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.Co
 )
 #: The last environment read and the options it gave (the environment rarely changes).
 _ENV_CACHE: list[Any] = [None, None]
+#: (environment snapshot, using() overrides) -> the options they give (a call reads this on
+#: every run of a compiled program: building and validating a value each time would cost more).
+_MEMO: dict[tuple[Any, ...], CompileOptions] = {}
 
 
 def current() -> CompileOptions:
     """The active options: defaults, then the environment, then :func:`using` blocks."""
     snapshot = tuple(os.environ.get(k.env) for k in KNOBS)
+    overrides = _OVERRIDES.get()
+    memo_key = (snapshot, overrides)
+    try:
+        found = _MEMO.get(memo_key)
+    except TypeError:  # an unhashable value in using(): validated below, never memoized
+        found, memo_key = None, None
+    if found is not None:
+        return found
     if _ENV_CACHE[0] != snapshot:
         _ENV_CACHE[1] = environment()
         _ENV_CACHE[0] = snapshot
-    values = {**_ENV_CACHE[1], **dict(_OVERRIDES.get())}
-    return CompileOptions(**values, _source="partita options") if values else _DEFAULT
+    values = {**_ENV_CACHE[1], **dict(overrides)}
+    value = CompileOptions(**values, _source="partita options") if values else _DEFAULT
+    if memo_key is not None:
+        if len(_MEMO) > 256:
+            _MEMO.clear()
+        _MEMO[memo_key] = value
+    return value
 
 
 _DEFAULT = CompileOptions()

@@ -31,11 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from partita import options as options_module
 from partita.capture.uncompile import uncompiled
-from partita.jit import JitStats, Jitted, jit
+from partita.jit import JitStats, Jitted, OptionsLike, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
-from partita.partition.explicit import check_mode
 from partita.presets import PresetLike, default_batch_spec, param_specs
 from partita.spec import P, PartitionSpec
 from partita.tensor import ShardedTensor
@@ -84,14 +84,11 @@ class TrainStep:
         batch_spec: Any = None,
         max_grad_norm: float | None = None,
         mixed_precision: str | torch.dtype | None = None,
-        strict: bool = False,
-        replicate_unsupported: bool = False,
-        collectives: str = "auto",
         plan: PresetLike | None = None,
-        regather: bool | None = None,
-        compile_programs: bool | None = None,
+        options: OptionsLike = None,
     ) -> None:
         shard = preset_argument(shard, plan)
+        scan_layers = options_module.resolve(options).scan_layers  # also checks ``options``
         model, loss_fn = model_argument(model), uncompiled(loss_fn, "partita.train_step")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -154,13 +151,11 @@ class TrainStep:
             max_grad_norm=max_grad_norm,
             compute_dtype=self.compute_dtype,
             on_unused=self._unused.__setitem__,
+            scan_layers=scan_layers,
         )
         self._fn = fn
-        self._strict = strict
-        self._replicate_unsupported = replicate_unsupported
-        self._collectives = check_mode(collectives)
-        self._regather = regather
-        self._compile_programs = compile_programs
+        #: As given (``jit``'s ``options=``): resolved over the current options at each call.
+        self.options = options
         self._jitted: dict[bool, Jitted] = {}
         self.plan: Plan | None = None
         self._snapshot = BuildSnapshot.of(model, optimizer)
@@ -183,11 +178,7 @@ class TrainStep:
                 mesh=self.mesh,
                 in_specs=(pspecs, bspecs, sspecs, P(), self.batch_spec),
                 out_specs=(P(), pspecs, bspecs, sspecs),
-                strict=self._strict,
-                replicate_unsupported=self._replicate_unsupported,
-                collectives=self._collectives,
-                regather=self._regather,
-                compile_programs=self._compile_programs,
+                options=self.options,
             )
             self._jitted[training] = jitted
         return jitted
@@ -334,12 +325,8 @@ def train_step(
     batch_spec: Any = None,
     max_grad_norm: float | None = None,
     mixed_precision: str | torch.dtype | None = None,
-    strict: bool = False,
-    replicate_unsupported: bool = False,
-    collectives: str = "auto",
     plan: PresetLike | None = None,
-    regather: bool | None = None,
-    compile_programs: bool | None = None,
+    options: OptionsLike = None,
 ) -> TrainStep:
     """Turn a module, a loss function and an optimizer into one sharded training step.
 
@@ -359,16 +346,12 @@ def train_step(
         max_grad_norm: clip gradients by global 2-norm like ``clip_grad_norm_``.
         mixed_precision: ``"bf16"`` (or ``"fp16"``): forward and backward in that dtype on
             copies of the float32 master weights; the update stays float32.
-        strict: raise on an involuntary full rematerialization instead of warning.
-        replicate_unsupported: run ops without a sharding rule on gathered inputs (see
-            ``partita.jit``) instead of failing.
-        collectives: ``"auto"`` (default) inserts every collective the step needs;
-            ``"explicit"`` raises :class:`~partita.ExplicitCollectiveError` for a collective the
-            annotations do not imply (``"warn"`` warns instead), as in ``partita.jit``.
         plan: the deprecated name of ``shard`` (warns DeprecationWarning).
-        regather: gather parameters again for the backward (less memory), as in ``jit``.
-        compile_programs: run the per-device step's local ops compiled by Inductor, as in
-            ``partita.jit``; ``None`` reads ``PARTITA_COMPILE_PROGRAMS`` (default off).
+        options: the compiler's and runtime's knobs, as in ``partita.jit`` (docs/options.md):
+            a :class:`~partita.CompileOptions`, a dict of changes to the current options
+            (``{"strict": True, "collectives": "explicit", "regather": True}``) or None;
+            resolved at each step, part of the compile cache key. ``scan_layers`` is read
+            when the step is built.
 
     Example:
         >>> from partita.models import GPT, GPTConfig
@@ -392,9 +375,5 @@ def train_step(
         batch_spec=batch_spec,
         max_grad_norm=max_grad_norm,
         mixed_precision=mixed_precision,
-        strict=strict,
-        replicate_unsupported=replicate_unsupported,
-        collectives=collectives,
-        regather=regather,
-        compile_programs=compile_programs,
+        options=options,
     )

@@ -26,7 +26,12 @@ def run(compile_programs: bool) -> tuple[list[float], dict[str, torch.Tensor], p
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mesh = Mesh.create((2,), ("data",))
     step = partita.train_step(
-        model, F.mse_loss, opt, mesh=mesh, shard="fsdp", compile_programs=compile_programs
+        model,
+        F.mse_loss,
+        opt,
+        mesh=mesh,
+        shard="fsdp",
+        options={"compile_programs": compile_programs},
     )
     g = torch.Generator().manual_seed(0)
     losses = []

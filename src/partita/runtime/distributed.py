@@ -62,6 +62,7 @@ from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import DistributedError
 from partita.layout import ceil_div
 from partita.mesh import Mesh
+from partita.options import CompileOptions, current
 from partita.runtime import dist_ops
 from partita.runtime.comm import (
     Group,
@@ -73,7 +74,7 @@ from partita.runtime.compiled import compile_regions, stats_for
 from partita.runtime.dist_ops import InFlight, alone
 from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
 from partita.runtime.donate import donated_all_reduces
-from partita.runtime.overlap import overlap_bytes_setting, run_measuring, schedule_overlap
+from partita.runtime.overlap import run_measuring, schedule_overlap
 from partita.runtime.plan_check import verify_same_program
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
@@ -101,9 +102,6 @@ class DistributedMesh:
 
     Args:
         mesh: a mesh whose device ids are exactly the ranks ``0 .. world_size - 1``.
-        overlap_bytes: the bound on bytes in flight of the overlap schedule
-            (``runtime.overlap``); ``None`` reads ``PARTITA_OVERLAP_BYTES``, ``0`` runs every
-            collective synchronously where the partitioner put it.
 
     Built by ``partita.jit`` when ``torch.distributed`` is initialised
     (``partita.distributed.initialize()``); build one yourself only to run a per-device graph
@@ -116,7 +114,7 @@ class DistributedMesh:
         >>> step = partita.jit(fn, mesh=mesh, in_specs=...)  # doctest: +SKIP
     """
 
-    def __init__(self, mesh: Mesh, *, overlap_bytes: int | None = None) -> None:
+    def __init__(self, mesh: Mesh) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError(
                 "DistributedMesh needs torch.distributed to be initialised: call "
@@ -131,7 +129,6 @@ class DistributedMesh:
                 f"{mesh.size} processes in total (torchrun --nnodes * --nproc-per-node)."
             )
         self.mesh = mesh
-        self.overlap_bytes = overlap_bytes_setting(overlap_bytes)
         self.rank = dist.get_rank()
         self.position = mesh.position(self.rank)
         self._groups: dict[tuple[str, ...], Group | None] = {}
@@ -286,11 +283,11 @@ class DistributedMesh:
 
     # --- running -----------------------------------------------------------------------------
 
-    def bind(self, gm: fx.GraphModule) -> fx.GraphModule:
+    def bind(self, gm: fx.GraphModule, overlap: int) -> fx.GraphModule:
         """A copy of ``gm`` whose mesh ops call this executor (built once per graph)."""
         bound = self._bound.get(gm)
         if bound is None:
-            bound = self._bound[gm] = self._bind(gm, self.overlap_bytes)
+            bound = self._bound[gm] = self._bind(gm, overlap)
         return bound
 
     def _bind(
@@ -314,27 +311,30 @@ class DistributedMesh:
                 node.kwargs = {**node.kwargs, "donate": True}  # a mesh op or its start
         return fx.GraphModule(gm, graph, class_name="RankProgram")
 
-    def compiled(self, gm: fx.GraphModule) -> fx.GraphModule:
+    def compiled(self, gm: fx.GraphModule, overlap: int) -> fx.GraphModule:
         """:meth:`bind`'s program with its local-op regions compiled by Inductor on first run
         (``runtime.compiled``; the cost is recorded in ``stats_for(gm)``)."""
         program = self._compiled.get(gm)
         if program is None:
             # no donation: a compiled region's outputs are Inductor's buffers
-            bound = self._bind(gm, self.overlap_bytes, donate=False)
+            bound = self._bind(gm, overlap, donate=False)
             program = self._compiled[gm] = compile_regions(bound, stats_for(gm))
         return program
 
     def run(
-        self, gm: fx.GraphModule, local_inputs: Sequence[Any], *, compile_programs: bool = False
+        self, gm: fx.GraphModule, local_inputs: Sequence[Any], options: CompileOptions | None = None
     ) -> list[Any]:
         """Run the per-device program on this rank's local tensors; the flattened outputs.
-        ``compile_programs`` runs its local ops compiled by Inductor (:meth:`compiled`)."""
-        if not compile_programs and self.overlap_bytes and gm not in self._bound:
+        ``options`` (None: the current ones): ``compile_programs`` runs its local ops compiled by
+        Inductor (:meth:`compiled`), ``overlap_bytes`` bounds the overlap schedule."""
+        opts = options or current()
+        compile_programs, overlap = opts.compile_programs, opts.overlap_bytes
+        if not compile_programs and overlap and gm not in self._bound:
             # the first run goes as partitioned, measuring every value for the schedule's hold
             outs, sizes = run_measuring(self._bind(gm, 0), local_inputs)
-            self._bound[gm] = self._bind(gm, self.overlap_bytes, sizes)
+            self._bound[gm] = self._bind(gm, overlap, sizes)
             return pytree.tree_leaves(outs)
-        program = self.compiled(gm) if compile_programs else self.bind(gm)
+        program = self.compiled(gm, overlap) if compile_programs else self.bind(gm, overlap)
         return pytree.tree_leaves(program(*local_inputs))
 
     def run_compiled(self, compiled: Any, leaves: Sequence[Any]) -> list[ShardedTensor]:
@@ -352,8 +352,7 @@ class DistributedMesh:
             self.local_input(leaf, sharding)
             for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True)
         ]
-        compile_programs = getattr(compiled, "compile_programs", False)
-        outs = self.run(compiled.local, inputs, compile_programs=compile_programs)
+        outs = self.run(compiled.local, inputs, compiled.options)
         return [
             DistributedShardedTensor.from_local(o, s, shape, self)
             for o, s, shape in zip(

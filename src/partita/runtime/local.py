@@ -74,6 +74,7 @@ from torch.utils import _pytree as pytree
 from partita.errors import PartitaError
 from partita.layout import check_strided, shard_compact, shard_tensor, stack_held
 from partita.mesh import Mesh
+from partita.options import CompileOptions, current
 from partita.runtime.compiled import stats_for
 from partita.runtime.contraction import contract
 from partita.runtime.device_index import run_take, take_inputs
@@ -157,8 +158,8 @@ class LocalMesh:
                 borrowed.add(leaf.untyped_storage().data_ptr())
             else:
                 values.append(self._compact(shard_tensor(leaf, sharding)))
-        compile_programs = getattr(compiled, "compile_programs", False)
-        outs = self._execute(compiled.local, values, compile_programs, held=True)
+        options = compiled.options
+        outs = self._execute(compiled.local, values, options, held=True)
         results = []
         for (value, axes), s, shape in zip(
             outs, compiled.output_shardings, compiled.output_shapes, strict=True
@@ -169,15 +170,19 @@ class LocalMesh:
         return results
 
     def run(
-        self, gm: fx.GraphModule, stacked_inputs: Sequence[Any], *, compile_programs: bool = False
+        self,
+        gm: fx.GraphModule,
+        stacked_inputs: Sequence[Any],
+        options: CompileOptions | None = None,
     ) -> list[Any]:
         """Run the per-device program ``gm`` on every device at once.
 
         ``stacked_inputs`` has one entry per placeholder: a tensor ``[mesh.size, *local]`` (a
         stride-0 device dim marks a value identical on every device) or a non-tensor passed
         through. Returns the flattened graph outputs, tensors stacked ``[mesh.size, *local]``.
-        ``compile_programs`` runs each segment compiled by Inductor (``runtime.compiled``;
-        the cost is recorded in ``runtime.compiled.stats_for(gm)``).
+        ``options`` (None: the current ones): ``compile_programs`` runs each segment compiled by
+        Inductor (``runtime.compiled``; the cost is recorded in
+        ``runtime.compiled.stats_for(gm)``), ``trace_flat_at`` (``runtime.flat_trace``).
         """
         plan = self._plan(gm)
         if len(stacked_inputs) != len(plan.placeholders):
@@ -189,7 +194,7 @@ class LocalMesh:
             self._read_input(node, x)
             for node, x in zip(plan.placeholders, stacked_inputs, strict=True)
         ]
-        return self._execute(gm, values, compile_programs)
+        return self._execute(gm, values, options or current())
 
     def _plan(self, gm: fx.GraphModule) -> SegmentPlan:
         plan = self._plans.get(gm)
@@ -201,18 +206,20 @@ class LocalMesh:
         self,
         gm: fx.GraphModule,
         values: list[tuple[Any, Axes]],
-        compile_programs: bool,
+        options: CompileOptions,
         held: bool = False,
     ) -> list[Any]:
-        """The graph's flattened outputs, stacked; with ``held``, as ``(value, axes)``."""
+        """The graph's flattened outputs, stacked; with ``held``, as ``(value, axes)``.
+        ``options``: ``compile_programs`` and ``trace_flat_at`` are read here."""
         plan = self._plan(gm)
         ndim = self.mesh.ndim
-        stats = stats_for(gm) if compile_programs else None
+        stats = stats_for(gm) if options.compile_programs else None
+        trace_at = options.trace_flat_at
         env: dict[fx.Node, Any] = dict(zip(plan.placeholders, values, strict=True))
         for step, frees in zip(plan.steps, plan.frees, strict=True):
             if isinstance(step, Segment):
                 try:
-                    outs = step.run([env[i] for i in step.inputs], ndim, stats)
+                    outs = step.run([env[i] for i in step.inputs], ndim, stats, trace_at)
                 except PartitaError:
                     raise
                 except Exception as e:
