@@ -74,7 +74,7 @@ def worker(repeat: int, plan: str, root: Path) -> None:
         return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
 
     mesh = Mesh.create((4,), ("data",))
-    step = train_step(model, loss_fn, opt, mesh=mesh, plan=plan)
+    step = train_step(model, loss_fn, opt, mesh=mesh, param_specs=plan)
     ids = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len))
     step((ids, torch.roll(ids, -1, 1)))  # the state now lives in the 4 processes
 

@@ -54,7 +54,7 @@ def _train(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     options = None if regather is None else {"regather": regather}
     step = train_step(
-        model, F.mse_loss, opt, mesh=mesh, shard=plan, max_grad_norm=clip, options=options
+        model, F.mse_loss, opt, mesh=mesh, param_specs=plan, max_grad_norm=clip, options=options
     )
     losses = [float(step(_batch(i))) for i in range(2)]
     step.sync_to_module()

@@ -91,7 +91,7 @@ def test_train_step_takes_the_mode() -> None:
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loss = torch.nn.functional.mse_loss
         return partita.train_step(
-            model, loss, opt, mesh=mesh, shard=shard, options={"collectives": "explicit"}
+            model, loss, opt, mesh=mesh, param_specs=shard, options={"collectives": "explicit"}
         )
 
     batch = (torch.randn(8, 4), torch.randn(8, 2))

@@ -32,7 +32,7 @@ BAD = {
     "replicate_unsupported": ("2", "one of 1/true/on/yes"),
     "collectives": ("loud", "one of auto, explicit, warn"),
     "regather": ("sometimes", "one of 1/true"),
-    "compile_programs": ("fast", "one of 1/true"),
+    "inductor": ("fast", "one of 1/true"),
     "bucket_bytes": ("4MB", "a whole number of bytes"),
     "overlap_bytes": ("-5", "a whole number of bytes"),
     "scan_layers": ("auto", "one of 1/true"),
@@ -118,8 +118,8 @@ def test_resolve_takes_a_value_a_dict_or_none() -> None:
         assert resolve(None).regather is True
     with pytest.raises(OptionError, match=r"options=\['strict'\]: expected a partita"):
         resolve(["strict"])  # type: ignore[arg-type]
-    with pytest.raises(OptionError, match=r"replace: no option named 'inductor'"):
-        partita.jit(torch.sin, mesh=MESH, options={"inductor": True})
+    with pytest.raises(OptionError, match=r"replace: no option named 'compile_programs'"):
+        partita.jit(torch.sin, mesh=MESH, options={"compile_programs": True})
 
 
 def test_options_are_part_of_the_jit_cache_key() -> None:
@@ -181,13 +181,13 @@ def test_strict_reaches_a_virtual_device_step(dev: torch.device) -> None:
 
 
 @pytest.mark.slow
-def test_compile_programs_reaches_a_virtual_device_step(dev: torch.device) -> None:
-    """Under ``using(compile_programs=True)`` the step's per-device program runs Inductor-
+def test_inductor_reaches_a_virtual_device_step(dev: torch.device) -> None:
+    """Under ``using(inductor=True)`` the step's per-device program runs Inductor-
     compiled regions (runtime.compiled's record of that program)."""
     vstep._CACHE.clear()
     x, w = torch.randn(8, 4), torch.randn(4, 6)
     for enabled in (False, True):
-        with using(compile_programs=enabled):
+        with using(inductor=enabled):
             xd, wd = x.to(dev), w.to(dev)
             partita.mark_sharding(xd, MESH, P("data", None))
             y = torch.relu(xd @ wd).sum(1)
@@ -195,7 +195,7 @@ def test_compile_programs_reaches_a_virtual_device_step(dev: torch.device) -> No
             torch.testing.assert_close(y.cpu(), torch.relu(x @ w).sum(1), rtol=1e-5, atol=1e-5)
     plain, compiled = vstep._CACHE.values()
     assert stats_for(plain.local).regions == 0
-    assert compiled.options.compile_programs and stats_for(compiled.local).regions >= 1
+    assert compiled.options.inductor and stats_for(compiled.local).regions >= 1
 
 
 def _model() -> torch.nn.Module:
@@ -236,7 +236,7 @@ def test_the_same_program_is_the_same_plan_through_jit_train_step_and_use_spmd(
         # a training step: train_step against jit of the same functional step and specs
         model = _model()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        train = partita.train_step(model, F.mse_loss, opt, mesh=MESH, shard="fsdp")
+        train = partita.train_step(model, F.mse_loss, opt, mesh=MESH, param_specs="fsdp")
         batch = (x, torch.randn(8, 4))
         by_train_step = train.lower(batch)
         pspecs, bspecs, sspecs = train._specs()

@@ -50,7 +50,7 @@ def _step(shard: str, mesh: Mesh) -> tuple[TrainStep, GPT]:
     model = GPT(CFG)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return train_step(model, _loss, opt, mesh=mesh, shard=shard), ref
+    return train_step(model, _loss, opt, mesh=mesh, param_specs=shard), ref
 
 
 @pytest.fixture(scope="module")

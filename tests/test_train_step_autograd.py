@@ -24,7 +24,7 @@ def _trains_like_torch(make: Callable[[], nn.Module], shard: str = "fsdp+tp") ->
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     step = train_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), mesh=MESH,
-                      shard=shard)  # fmt: skip
+                      param_specs=shard)  # fmt: skip
     for _ in range(2):
         opt.zero_grad()
         F.mse_loss(ref(x), y).backward()
@@ -98,4 +98,4 @@ class _Reversible(nn.Module):
 def test_gradients_a_nested_backward_accumulates_are_used() -> None:
     """``mid``'s gradient reaches eager only through ``.grad`` (the nested backward): the step
     took it for an unused parameter and never updated it (Reformer's reversible layers)."""
-    _trains_like_torch(_Reversible, shard="dp")
+    _trains_like_torch(_Reversible, param_specs="dp")

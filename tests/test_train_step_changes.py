@@ -23,7 +23,7 @@ def _built() -> tuple[nn.Module, torch.optim.Optimizer, Callable[..., torch.Tens
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    step = train_step(model, F.mse_loss, opt, mesh=MESH, shard="fsdp")
+    step = train_step(model, F.mse_loss, opt, mesh=MESH, param_specs="fsdp")
     step(BATCH)
     return model, opt, step
 

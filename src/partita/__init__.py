@@ -153,10 +153,7 @@ def __getattr__(name: str) -> object:
 
     ``partita.checkpoint`` imports ``torch.distributed.checkpoint``, about a quarter of
     ``import partita``'s time (every process of a job pays it), so it loads when first named.
-    ``partita.plans`` is the deprecated name of :mod:`partita.presets` (importing it warns).
     """
     if name == "checkpoint":
         return importlib.import_module("partita.checkpoint")
-    if name == "plans":
-        return importlib.import_module("partita.plans")
     raise AttributeError(f"module 'partita' has no attribute {name!r}")

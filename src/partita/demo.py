@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr)
-    step = train_step(model, loss_fn, opt, mesh=mesh, shard=args.shard)
+    step = train_step(model, loss_fn, opt, mesh=mesh, param_specs=args.shard)
     console.print(
         f"[bold]partita demo[/]: a {args.layers}-layer GPT (d_model {args.d_model}, "
         f"{args.heads} heads, vocab {args.vocab}, seq {args.seq}) learns to continue counting "

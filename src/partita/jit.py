@@ -71,7 +71,7 @@ OptionsLike = CompileOptions | Mapping[str, Any] | None
 class JitStats:
     """Compile costs over the cached signatures: ``partition_seconds`` is partita's (trace,
     propagate, partition), ``inductor_*`` Inductor's on the per-device programs' regions under
-    ``compile_programs=True`` (0 before the first run); ``skipped``: regions left uncompiled."""
+    ``inductor=True`` (0 before the first run); ``skipped``: regions left uncompiled."""
 
     signatures: int
     partition_seconds: float
@@ -321,7 +321,7 @@ def jit(
             ``replicate_unsupported`` runs ops without a sharding rule on gathered inputs,
             ``collectives="explicit"`` makes each collective the annotations do not imply an
             error (docs/manual.md), ``regather`` gathers FSDP parameters again for the
-            backward, ``compile_programs`` runs the per-device program's local ops compiled by
+            backward, ``inductor`` runs the per-device program's local ops compiled by
             Inductor (``.stats`` reports the cost; docs/performance.md says when it pays).
 
     Example:

@@ -128,7 +128,7 @@ KNOBS: tuple[Knob, ...] = (
          "an error, 'warn' a warning"),
     Knob("regather", "PARTITA_REGATHER", _bool,
          "under FSDP, gather parameters again for the backward (less memory, more bytes)"),
-    Knob("compile_programs", "PARTITA_COMPILE_PROGRAMS", _bool,
+    Knob("inductor", "PARTITA_INDUCTOR", _bool,
          "run the per-device programs' local ops compiled by Inductor"),
     Knob("bucket_bytes", "PARTITA_BUCKET_BYTES", _bytes,
          "fuse small collectives of one kind and group up to this many bytes (0: off)"),
@@ -137,7 +137,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("scan_layers", "PARTITA_SCAN_LAYERS", _bool,
          "trace a module's repeated layers once"),
     Knob("trace_flat_at", "PARTITA_TRACE_FLAT_AT", _count,
-         "the LocalMesh traces a segment's flat graph at its n-th run (None: cost-based)"),
+         "the LocalMesh traces a segment's flat graph at its n-th run (None: cost-based)",
+         keyed=False),
     Knob("check_replicas", "PARTITA_CHECK_REPLICAS", _bool,
          "under torch.distributed, compare a checksum of replicated inputs across ranks at a "
          "program's first run"),
@@ -166,7 +167,7 @@ class CompileOptions:
     replicate_unsupported: bool = False
     collectives: CollectivesMode = "auto"
     regather: bool = False
-    compile_programs: bool = False
+    inductor: bool = False
     bucket_bytes: int = 4 << 20
     overlap_bytes: int = 64 << 20
     scan_layers: bool = True
@@ -295,8 +296,8 @@ _DEFAULT = CompileOptions()
 def using(**changes: Any) -> Iterator[CompileOptions]:
     """Set options for a block (per thread and per asyncio task); yields the new value.
 
-    >>> with using(compile_programs=True) as options:
-    ...     options.compile_programs
+    >>> with using(inductor=True) as options:
+    ...     options.inductor
     True
     """
     _check_names(changes, "partita.options.using")

@@ -51,8 +51,8 @@ __all__ = ["Compiled", "compile_function", "propagated_program"]
 @dataclass
 class Compiled:
     """One compiled input signature: the global program, the per-device program, the Plan,
-    and the options it was compiled with (the executors read ``options.compile_programs``,
-    ``options.trace_flat_at`` and ``options.overlap_bytes`` from here)."""
+    and the options it was compiled with (the executors read ``options.inductor`` and
+    ``options.overlap_bytes`` from here)."""
 
     program: capture.Program
     local: fx.GraphModule

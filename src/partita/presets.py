@@ -184,7 +184,7 @@ class StandardPreset:
                 raise ValueError(
                     f"preset {self.kind!r} splits parameters over a {role} mesh axis named "
                     f"{axis!r}, but {mesh!r} has none. Name the mesh axes ('data', 'model') "
-                    f"or pass shard=partita.presets.StandardPreset({self.kind!r}, "
+                    f"or pass param_specs=partita.presets.StandardPreset({self.kind!r}, "
                     f"{role}_axis=<one of {list(mesh.axis_names)}>)."
                 )
 

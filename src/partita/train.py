@@ -1,7 +1,7 @@
 """``partita.train_step``: an nn.Module, a loss and a torch.optim optimizer as one sharded program.
 
 :func:`train_step` builds a :class:`TrainStep`. It reads the module's parameters and buffers and
-the optimizer's hyperparameters once, resolves the sharding preset (``shard=``, see
+the optimizer's hyperparameters once, resolves the sharding preset (``param_specs=``, see
 :mod:`partita.presets`) to one spec per parameter, and from then on *owns* the training state as
 ShardedTensors: the parameters, the buffers (batch-norm running statistics are program inputs
 and outputs, replicated), the optimizer states (sharded like their parameters) and the step
@@ -15,12 +15,12 @@ so ``torch.optim.lr_scheduler`` schedulers work unchanged (call ``scheduler.step
 ``optimizer.step()``). Everything else is fixed when the step is built; a change made later is
 an error (``train_snapshot``).
 
-Vocabulary (see docs/concepts.md): ``shard=`` is the parameter preset; ``step.plan`` is the
-report of the compiled program (:class:`partita.Plan`). This module ties the pieces together;
-the sharding decisions are the preset's and propagation's, the update math is
-``partita.training``', the checks of each batch ``partita.train_checks``', the state's sizes
-``partita.train_memory``' and the checkpoint layout (tied names, optimizer indices, atomic
-loading) ``partita.train_state``'.
+Vocabulary (see docs/concepts.md): ``param_specs=`` is how parameters are split (a preset, a
+dict or a callable, as ``partita.jit``'s); ``step.plan`` is the report of the compiled program
+(:class:`partita.Plan`). This module ties the pieces together; the sharding decisions are the
+preset's and propagation's, the update math is ``partita.training``', the checks of each batch
+``partita.train_checks``', the state's sizes ``partita.train_memory``' and the checkpoint
+layout (tied names, optimizer indices, atomic loading) ``partita.train_state``'.
 """
 
 from __future__ import annotations
@@ -36,16 +36,15 @@ from partita.capture.uncompile import uncompiled
 from partita.jit import JitStats, Jitted, OptionsLike, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
-from partita.presets import PresetLike, default_batch_spec, param_specs
+from partita.presets import PresetLike, default_batch_spec
+from partita.presets import param_specs as preset_param_specs
 from partita.spec import P, PartitionSpec
 from partita.tensor import ShardedTensor
 from partita.train_checks import (
     check_batch,
     check_optimizer_params,
     compute_dtype,
-    deprecated,
     model_argument,
-    preset_argument,
 )
 from partita.train_memory import full_values, state_memory
 from partita.train_snapshot import BuildSnapshot
@@ -69,8 +68,7 @@ class TrainStep:
         plan: the Plan of the last compiled step (None before the first call or ``lower``).
 
     Run a step by calling it, ``step(batch)``, like an ``nn.Module``; read the trainable
-    parameters from ``params`` (like ``optimizer.state``). The older spellings ``step.step(...)``,
-    ``step.last_plan`` and ``step.parameters()`` still work and warn DeprecationWarning.
+    parameters from ``params`` (like ``optimizer.state``).
     """
 
     def __init__(
@@ -80,14 +78,12 @@ class TrainStep:
         optimizer: torch.optim.Optimizer,
         *,
         mesh: Mesh,
-        shard: PresetLike = "fsdp",
+        param_specs: PresetLike = "fsdp",
         batch_spec: Any = None,
         max_grad_norm: float | None = None,
         mixed_precision: str | torch.dtype | None = None,
-        plan: PresetLike | None = None,
         options: OptionsLike = None,
     ) -> None:
-        shard = preset_argument(shard, plan)
         scan_layers = options_module.resolve(options).scan_layers  # also checks ``options``
         model, loss_fn = model_argument(model), uncompiled(loss_fn, "partita.train_step")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -115,8 +111,9 @@ class TrainStep:
                     "(master weights). Leave the model in float32 and pass "
                     "mixed_precision='bf16' for low-precision compute."
                 )
-        self.param_specs = param_specs(shard, model, mesh)
-        self.batch_spec = default_batch_spec(shard, mesh) if batch_spec is None else batch_spec
+        self.param_specs = preset_param_specs(param_specs, model, mesh)
+        default = default_batch_spec(param_specs, mesh)
+        self.batch_spec = default if batch_spec is None else batch_spec
         self._trainable = list(trainable)
         # frozen parameters travel with the buffers: inputs and outputs, never updated (also
         # when the optimizer holds them: torch.optim skips a parameter whose grad is None)
@@ -204,12 +201,6 @@ class TrainStep:
         self.plan = plan
         return plan
 
-    @property
-    def last_plan(self) -> Plan | None:
-        """Deprecated spelling of :attr:`plan`."""
-        deprecated("TrainStep.last_plan", "TrainStep.plan")
-        return self.plan
-
     # --- running ---------------------------------------------------------------------------
 
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -228,22 +219,12 @@ class TrainStep:
             self.plan = jitted.lower(*args)
         return loss.full()
 
-    def step(self, batch: Any) -> torch.Tensor:
-        """Deprecated spelling of ``step(batch)`` (call the TrainStep)."""
-        deprecated("TrainStep.step(batch)", "calling the TrainStep, step(batch)")
-        return self(batch)
-
     # --- reading the state back ------------------------------------------------------------
-
-    def parameters(self) -> dict[str, ShardedTensor]:
-        """Deprecated spelling of :attr:`params` (a copy of it)."""
-        deprecated("TrainStep.parameters()", "TrainStep.params")
-        return dict(self.params)
 
     @property
     def stats(self) -> JitStats:
         """Compile costs of the step in the model's current mode (``partita.jit``'s
-        ``Jitted.stats``): partita's compile and, under ``compile_programs``, Inductor's."""
+        ``Jitted.stats``): partita's compile and, under ``inductor``, Inductor's."""
         return self._get_jitted().stats
 
     def full_parameters(self) -> Tensors:
@@ -321,11 +302,10 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     *,
     mesh: Mesh,
-    shard: PresetLike = "fsdp",
+    param_specs: PresetLike = "fsdp",
     batch_spec: Any = None,
     max_grad_norm: float | None = None,
     mixed_precision: str | torch.dtype | None = None,
-    plan: PresetLike | None = None,
     options: OptionsLike = None,
 ) -> TrainStep:
     """Turn a module, a loss function and an optimizer into one sharded training step.
@@ -338,7 +318,8 @@ def train_step(
             in one or several parameter groups (each with its own hyperparameters). Each
             group's ``lr`` is re-read every step (schedulers work).
         mesh: the device mesh.
-        shard: how to split the parameters, a preset (:mod:`partita.presets`): ``"dp"``,
+        param_specs: how to split the parameters (as ``partita.jit``'s ``param_specs``), a
+            preset (:mod:`partita.presets`): ``"dp"``,
             ``"fsdp"``, ``"tp"``, ``"fsdp+tp"``, a dict ``{name or pattern: spec}`` or a
             callable ``(name, param) -> spec``.
         batch_spec: the spec of every batch tensor, or a pytree prefix of the batch;
@@ -346,7 +327,6 @@ def train_step(
         max_grad_norm: clip gradients by global 2-norm like ``clip_grad_norm_``.
         mixed_precision: ``"bf16"`` (or ``"fp16"``): forward and backward in that dtype on
             copies of the float32 master weights; the update stays float32.
-        plan: the deprecated name of ``shard`` (warns DeprecationWarning).
         options: the compiler's and runtime's knobs, as in ``partita.jit`` (docs/options.md):
             a :class:`~partita.CompileOptions`, a dict of changes to the current options
             (``{"strict": True, "collectives": "explicit", "regather": True}``) or None;
@@ -360,7 +340,7 @@ def train_step(
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         >>> def loss_fn(logits, targets):
         ...     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        >>> step = partita.train_step(model, loss_fn, opt, mesh=mesh, shard="fsdp+tp")
+        >>> step = partita.train_step(model, loss_fn, opt, mesh=mesh, param_specs="fsdp+tp")
         >>> ids = torch.randint(0, 64, (8, 16))
         >>> loss = step((ids, ids.roll(-1, 1)))          # ids, targets: [batch, seq]
         >>> loss.shape, sorted(step.full_parameters())[0]
@@ -371,7 +351,7 @@ def train_step(
         loss_fn,
         optimizer,
         mesh=mesh,
-        shard=preset_argument(shard, plan),
+        param_specs=param_specs,
         batch_spec=batch_spec,
         max_grad_norm=max_grad_norm,
         mixed_precision=mixed_precision,

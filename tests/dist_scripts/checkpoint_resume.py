@@ -36,7 +36,7 @@ def fresh(mesh: Mesh):
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    return train_step(model, loss_fn, opt, mesh=mesh, shard="fsdp"), sched
+    return train_step(model, loss_fn, opt, mesh=mesh, param_specs="fsdp"), sched
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Compiled per-device programs: the local-op regions of a per-device program run by Inductor.
 
-Under the ``compile_programs`` option (``options={"compile_programs": True}``,
-``partita.options.using(compile_programs=True)`` or ``PARTITA_COMPILE_PROGRAMS=1``) both
+Under the ``inductor`` option (``options={"inductor": True}``,
+``partita.options.using(inductor=True)`` or ``PARTITA_INDUCTOR=1``) both
 executors compile the *local* parts of the per-device program with Inductor
 (``torch._inductor.compile``: C++/OpenMP kernels on CPU) and keep the mesh ops outside, as
 graph breaks:

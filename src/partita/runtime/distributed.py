@@ -26,7 +26,7 @@ The four collectives that move tensors (and the fused ``*_bucket`` ops of
 before the first use (``PARTITA_OVERLAP_BYTES`` bounds the bytes in flight; 0 runs them
 synchronously in program order). A program's first run goes as partitioned and measures its
 values, so that the schedule holds each gather under the program's peak. Under
-``compile_programs`` the runs of local ops between them are compiled by Inductor
+``inductor`` the runs of local ops between them are compiled by Inductor
 (``runtime.compiled``), the schedule kept (without the measured hold).
 
 Groups. For every non-empty set of mesh axes and every group ``Mesh.groups(axes)`` of more than
@@ -325,16 +325,16 @@ class DistributedMesh:
         self, gm: fx.GraphModule, local_inputs: Sequence[Any], options: CompileOptions | None = None
     ) -> list[Any]:
         """Run the per-device program on this rank's local tensors; the flattened outputs.
-        ``options`` (None: the current ones): ``compile_programs`` runs its local ops compiled by
+        ``options`` (None: the current ones): ``inductor`` runs its local ops compiled by
         Inductor (:meth:`compiled`), ``overlap_bytes`` bounds the overlap schedule."""
         opts = options or current()
-        compile_programs, overlap = opts.compile_programs, opts.overlap_bytes
-        if not compile_programs and overlap and gm not in self._bound:
+        inductor, overlap = opts.inductor, opts.overlap_bytes
+        if not inductor and overlap and gm not in self._bound:
             # the first run goes as partitioned, measuring every value for the schedule's hold
             outs, sizes = run_measuring(self._bind(gm, 0), local_inputs)
             self._bound[gm] = self._bind(gm, overlap, sizes)
             return pytree.tree_leaves(outs)
-        program = self.compiled(gm, overlap) if compile_programs else self.bind(gm, overlap)
+        program = self.compiled(gm, overlap) if inductor else self.bind(gm, overlap)
         return pytree.tree_leaves(program(*local_inputs))
 
     def run_compiled(self, compiled: Any, leaves: Sequence[Any]) -> list[ShardedTensor]:

@@ -18,7 +18,7 @@ from then on without functorch's per-op overhead; a segment whose batching rules
 traced stays with vmap. Each step drops the values nothing reads after it.
 ``view``/``_unsafe_view`` become ``reshape`` in both (vmap may move the device dim, after
 which a view can fail). Under
-``compile_programs`` each segment is compiled by Inductor instead, on its first run
+``inductor`` each segment is compiled by Inductor instead, on its first run
 (``runtime.compiled``).
 
 Values vary along some mesh axes. A value identical along a mesh axis is held once per
@@ -158,8 +158,9 @@ class LocalMesh:
                 borrowed.add(leaf.untyped_storage().data_ptr())
             else:
                 values.append(self._compact(shard_tensor(leaf, sharding)))
-        options = compiled.options
-        outs = self._execute(compiled.local, values, options, held=True)
+        # inductor is the program's; trace_flat_at (not keyed) is read as it runs
+        trace_at = current().trace_flat_at
+        outs = self._execute(compiled.local, values, compiled.options.inductor, trace_at, held=True)
         results = []
         for (value, axes), s, shape in zip(
             outs, compiled.output_shardings, compiled.output_shapes, strict=True
@@ -180,7 +181,7 @@ class LocalMesh:
         ``stacked_inputs`` has one entry per placeholder: a tensor ``[mesh.size, *local]`` (a
         stride-0 device dim marks a value identical on every device) or a non-tensor passed
         through. Returns the flattened graph outputs, tensors stacked ``[mesh.size, *local]``.
-        ``options`` (None: the current ones): ``compile_programs`` runs each segment compiled by
+        ``options`` (None: the current ones): ``inductor`` runs each segment compiled by
         Inductor (``runtime.compiled``; the cost is recorded in
         ``runtime.compiled.stats_for(gm)``), ``trace_flat_at`` (``runtime.flat_trace``).
         """
@@ -194,7 +195,8 @@ class LocalMesh:
             self._read_input(node, x)
             for node, x in zip(plan.placeholders, stacked_inputs, strict=True)
         ]
-        return self._execute(gm, values, options or current())
+        opts = options or current()
+        return self._execute(gm, values, opts.inductor, opts.trace_flat_at)
 
     def _plan(self, gm: fx.GraphModule) -> SegmentPlan:
         plan = self._plans.get(gm)
@@ -206,15 +208,15 @@ class LocalMesh:
         self,
         gm: fx.GraphModule,
         values: list[tuple[Any, Axes]],
-        options: CompileOptions,
+        inductor: bool,
+        trace_at: int | None,
         held: bool = False,
     ) -> list[Any]:
         """The graph's flattened outputs, stacked; with ``held``, as ``(value, axes)``.
-        ``options``: ``compile_programs`` and ``trace_flat_at`` are read here."""
+        ``trace_at``: the ``trace_flat_at`` option (``runtime.flat_trace``)."""
         plan = self._plan(gm)
         ndim = self.mesh.ndim
-        stats = stats_for(gm) if options.compile_programs else None
-        trace_at = options.trace_flat_at
+        stats = stats_for(gm) if inductor else None
         env: dict[fx.Node, Any] = dict(zip(plan.placeholders, values, strict=True))
         for step, frees in zip(plan.steps, plan.frees, strict=True):
             if isinstance(step, Segment):

@@ -41,8 +41,8 @@ class StepProgram:
         mutated_inputs: inputs the step updates in place (their new values follow the results).
         n_results: how many outputs are results (the values of the live tensors).
         compiled: the jit form, for the distributed executor (None when read from disk).
-        options: the options it was compiled with (the executors read ``compile_programs``
-            and ``trace_flat_at`` here; set again when read from disk, whose key holds them).
+        options: the options it was compiled with (the executors read ``inductor`` here;
+            set again when read from disk, whose key holds them).
     """
 
     local: fx.GraphModule
