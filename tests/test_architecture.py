@@ -56,11 +56,6 @@ _API = (
     "partita.models",
     "partita.pipeline",
     "partita.relayout",
-    "partita.train",
-    "partita.train_checks",
-    "partita.train_memory",
-    "partita.train_snapshot",
-    "partita.train_state",
     "partita.visualize",
 )
 

@@ -61,7 +61,7 @@ from partita.rules import FactorRule, einsum_rule, register_rule
 from partita.scan_layers import scan_layers
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor, clear_sharding
-from partita.train import TrainStep, train_step
+from partita.training.train import TrainStep, train_step
 from partita.virtual import compile, metrics, sync, use_spmd
 from partita.visualize import format_sharding, visualize_sharding
 

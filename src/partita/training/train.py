@@ -13,14 +13,14 @@ Each parameter group's ``lr``, ``weight_decay``, and ``betas`` or ``momentum`` a
 ``optimizer.param_groups[i]`` at every call and passed as data (:mod:`partita.training.groups`),
 so ``torch.optim.lr_scheduler`` schedulers work unchanged (call ``scheduler.step()``; never
 ``optimizer.step()``). Everything else is fixed when the step is built; a change made later is
-an error (``train_snapshot``).
+an error (``training.snapshot``).
 
 Vocabulary (see docs/concepts.md): ``param_specs=`` is how parameters are split (a preset, a
 dict or a callable, as ``partita.jit``'s); ``step.plan`` is the report of the compiled program
 (:class:`partita.Plan`). This module ties the pieces together; the sharding decisions are the
 preset's and propagation's, the update math is ``partita.training``', the checks of each batch
-``partita.train_checks``', the state's sizes ``partita.train_memory``' and the checkpoint
-layout (tied names, optimizer indices, atomic loading) ``partita.train_state``'.
+``partita.training.checks``', the state's sizes ``partita.training.memory``' and the checkpoint
+layout (tied names, optimizer indices, atomic loading) ``partita.training.state``'.
 """
 
 from __future__ import annotations
@@ -40,17 +40,18 @@ from partita.presets import PresetLike, default_batch_spec
 from partita.presets import param_specs as preset_param_specs
 from partita.spec import P, PartitionSpec
 from partita.tensor import ShardedTensor
-from partita.train_checks import (
+from partita.training.checks import (
     check_batch,
     check_optimizer_params,
     compute_dtype,
     model_argument,
 )
-from partita.train_memory import full_values, state_memory
-from partita.train_snapshot import BuildSnapshot
-from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
-from partita.training import functional_step, init_opt_state, optimizer_config
 from partita.training.groups import RESTORED_KEYS, group_hyperparameters, read_param_groups
+from partita.training.memory import full_values, state_memory
+from partita.training.optim import init_opt_state, optimizer_config
+from partita.training.snapshot import BuildSnapshot
+from partita.training.state import LoadResult, StateLayout, load_state, to_state_dict
+from partita.training.step import functional_step
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
 
@@ -254,7 +255,7 @@ class TrainStep:
         shape and dtype and the expected ones. ``strict=False`` loads the keys that match and
         returns the missing and unexpected ones, like ``nn.Module.load_state_dict``. Without
         an ``"optimizer"`` entry only the model is loaded. Floating-point tensors are cast to
-        the state's dtype; other dtype changes are refused (see ``partita.train_state``). Each
+        the state's dtype; other dtype changes are refused (see ``partita.training.state``). Each
         parameter group's ``lr``, ``betas``, ``momentum``, ``weight_decay`` (what the step reads
         per call) and a scheduler's ``initial_lr`` are restored into the optimizer, as
         ``torch.optim`` does; the other hyperparameters are the compiled step's and stay.
