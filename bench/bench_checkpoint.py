@@ -37,7 +37,7 @@ import partita.distributed as pd
 from partita import Mesh
 from partita.models import GPT, GPTConfig
 from partita.runtime.launch import spawn
-from partita.training.train import train_step
+from partita.training import train_step
 
 CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
 BATCH = 16

@@ -18,7 +18,7 @@ import partita.presets
 from partita import Mesh
 from partita.demo import synthetic_batch
 from partita.models import GPT, GPTConfig
-from partita.training.train import train_step
+from partita.training import train_step
 
 
 def main() -> None:

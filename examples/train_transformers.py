@@ -22,7 +22,7 @@ import transformers
 
 from partita import Mesh
 from partita.presets import explain_param_specs, format_param_specs
-from partita.training.train import train_step
+from partita.training import train_step
 
 LM = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -24,7 +24,7 @@ from partita.errors import CompilerError, OptionError
 from partita.options import CompileOptions
 from partita.partition.bucket import DEFAULT_BUCKET_BYTES, bucket_collectives
 from partita.partition.plan import CollectiveRecord, Plan
-from partita.training.train import train_step
+from partita.training import train_step
 
 ops = torch.ops.partita
 

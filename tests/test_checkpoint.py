@@ -33,7 +33,7 @@ import partita.checkpoint as ckpt
 from partita import Mesh, P, ShardedTensor
 from partita.errors import CheckpointError, PartitaWarning
 from partita.models import GPT, GPTConfig
-from partita.training.train import TrainStep, train_step
+from partita.training import TrainStep, train_step
 
 CFG = GPTConfig(n_layer=1, n_head=4, d_model=16, vocab_size=32, seq_len=8, bias=False)
 TOL = {"rtol": 1e-5, "atol": 1e-5}

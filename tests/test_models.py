@@ -42,7 +42,7 @@ transformers = pytest.importorskip("transformers")
 import partita  # noqa: E402
 from partita import Mesh, P, ReplicatedOpWarning  # noqa: E402
 from partita.presets import param_specs  # noqa: E402
-from partita.training.train import TrainStep, train_step  # noqa: E402
+from partita.training import TrainStep, train_step  # noqa: E402
 
 RTOL = ATOL = 1e-5
 STEPS = 3

@@ -25,7 +25,7 @@ from partita import Mesh, P
 from partita.api import propagate_program
 from partita.models import GPT, GPTConfig
 from partita.partition.plan import Plan
-from partita.training.train import TrainStep, train_step
+from partita.training import TrainStep, train_step
 
 CFG = GPTConfig(n_layer=2, n_head=4, d_model=16, vocab_size=128, seq_len=8, bias=False)
 BATCH = 8

@@ -34,7 +34,7 @@ from partita import Mesh, P
 from partita.errors import StateDictError
 from partita.models import GPT, GPTConfig, SmallCNN
 from partita.presets import StandardPreset, param_specs
-from partita.training.train import TrainStep, train_step
+from partita.training import TrainStep, train_step
 
 RTOL = ATOL = 1e-5
 STEPS = 10

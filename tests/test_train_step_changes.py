@@ -13,7 +13,7 @@ from torch import nn
 
 from partita import Mesh
 from partita.errors import TrainInputError
-from partita.training.train import train_step
+from partita.training import train_step
 
 MESH = Mesh.create((2, 2), ("data", "model"))
 BATCH = (torch.randn(8, 8), torch.randn(8, 4))

@@ -22,7 +22,7 @@ import partita.distributed as pd
 from partita import Mesh
 from partita.errors import CheckpointError
 from partita.models import GPT, GPTConfig
-from partita.training.train import train_step
+from partita.training import train_step
 
 CFG = GPTConfig(n_layer=1, n_head=4, d_model=16, vocab_size=32, seq_len=8, bias=False)
 
