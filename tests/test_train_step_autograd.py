@@ -98,4 +98,4 @@ class _Reversible(nn.Module):
 def test_gradients_a_nested_backward_accumulates_are_used() -> None:
     """``mid``'s gradient reaches eager only through ``.grad`` (the nested backward): the step
     took it for an unused parameter and never updated it (Reformer's reversible layers)."""
-    _trains_like_torch(_Reversible, param_specs="dp")
+    _trains_like_torch(_Reversible, shard="dp")
