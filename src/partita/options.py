@@ -266,9 +266,21 @@ _ENV_CACHE: list[Any] = [None, None]
 _MEMO: dict[tuple[Any, ...], CompileOptions] = {}
 
 
+#: The variables' keys in ``os.environ``'s own mapping (read on every call: a jitted function
+#: resolves its options per call, and ``os.environ.get`` costs microseconds per variable).
+_ENV_KEYS = tuple(getattr(os.environ, "encodekey", str)(k.env) for k in KNOBS)
+
+
+def _environ_snapshot() -> tuple[Any, ...]:
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict):
+        return tuple(map(data.get, _ENV_KEYS))
+    return tuple(os.environ.get(k.env) for k in KNOBS)
+
+
 def current() -> CompileOptions:
     """The active options: defaults, then the environment, then :func:`using` blocks."""
-    snapshot = tuple(os.environ.get(k.env) for k in KNOBS)
+    snapshot = _environ_snapshot()
     overrides = _OVERRIDES.get()
     memo_key = (snapshot, overrides)
     try:
