@@ -71,7 +71,7 @@ OptionsLike = CompileOptions | Mapping[str, Any] | None
 class JitStats:
     """Compile costs over the cached signatures: ``partition_seconds`` is partita's (trace,
     propagate, partition), ``inductor_*`` Inductor's on the per-device programs' regions under
-    ``inductor=True`` (0 before the first run); ``skipped``: regions left uncompiled."""
+    the ``inductor`` option (0 before the first run); ``skipped``: regions left uncompiled."""
 
     signatures: int
     partition_seconds: float

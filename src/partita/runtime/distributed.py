@@ -23,10 +23,10 @@ The four collectives that move tensors (and the fused ``*_bucket`` ops of
 ``partita.collectives_bucket``, one flat buffer per bucket) are generators of
 ``runtime.dist_ops`` that launch with ``async_op=True`` and finish at their wait; by default
 ``runtime.overlap`` schedules each launch right after its input exists and each wait just
-before the first use (``PARTITA_OVERLAP_BYTES`` bounds the bytes in flight; 0 runs them
-synchronously in program order). A program's first run goes as partitioned and measures its
+before the first use (the program's ``overlap_bytes`` option bounds the bytes in flight; 0 runs
+them synchronously in program order). A program's first run goes as partitioned and measures its
 values, so that the schedule holds each gather under the program's peak. Under
-``inductor`` the runs of local ops between them are compiled by Inductor
+the ``inductor`` option the runs of local ops between them are compiled by Inductor
 (``runtime.compiled``), the schedule kept (without the measured hold).
 
 Groups. For every non-empty set of mesh axes and every group ``Mesh.groups(axes)`` of more than

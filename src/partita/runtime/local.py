@@ -18,7 +18,7 @@ from then on without functorch's per-op overhead; a segment whose batching rules
 traced stays with vmap. Each step drops the values nothing reads after it.
 ``view``/``_unsafe_view`` become ``reshape`` in both (vmap may move the device dim, after
 which a view can fail). Under
-``inductor`` each segment is compiled by Inductor instead, on its first run
+the ``inductor`` option each segment is compiled by Inductor instead, on its first run
 (``runtime.compiled``).
 
 Values vary along some mesh axes. A value identical along a mesh axis is held once per
