@@ -264,3 +264,12 @@ def test_docs_options_lists_every_knob() -> None:
         assert row is not None, f"docs/options.md has no row for {knob.name}"
         assert f"`{knob.env}`" in row and f"`{getattr(defaults, knob.name)!r}`" in row, row
     assert "options.md" in (DOCS.parent / "mkdocs.yml").read_text()
+
+
+def test_the_recompile_warning_names_changing_options() -> None:
+    step = partita.jit(lambda x: x * 2, mesh=MESH, in_specs=(P("data"),))
+    x = torch.randn(8)
+    with pytest.warns(partita.RecompileWarning, match=r"what keeps changing: the options"):
+        for i in range(8):
+            with using(bucket_bytes=i):
+                step(x)
