@@ -3,7 +3,7 @@
 A preset answers one question — *how is each parameter split over the mesh?* — and nothing else:
 the batch gets one spec, and propagation derives every activation, gradient and optimizer
 temporary from those annotations. (The word *plan* is kept for the report of what a compiled
-program communicates, :class:`partita.Plan`; this module was ``partita.plans`` before.) A
+program communicates, :class:`partita.Plan`.) A
 preset is any of:
 
 * a name: ``"dp"``, ``"fsdp"``, ``"tp"``, ``"fsdp+tp"`` (the :class:`StandardPreset` kinds);
