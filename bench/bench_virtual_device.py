@@ -85,7 +85,7 @@ def train_step_loop(cfg: GPTConfig, mesh: Mesh, data: list) -> Iterator[None]:
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = partita.train_step(
-        model, loss_fn, opt, mesh=mesh, shard="fsdp+tp", batch_spec=P("data", None)
+        model, loss_fn, opt, mesh=mesh, param_specs="fsdp+tp", batch_spec=P("data", None)
     )
     out = TIMES.setdefault("train_step", {"step": [], "step_cpu": []})
     for batch in data:

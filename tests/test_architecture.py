@@ -46,7 +46,6 @@ _VALUES = (
     "partita.op_lookup",
     "partita.options",
     "partita.plan_roles",
-    "partita.plans",
     "partita.presets",
     "partita.serialization",
     "partita.spec",
@@ -66,12 +65,8 @@ _API = (
     "partita.jit_signature",
     "partita.recompile",
     "partita.models",
+    "partita.pipeline",
     "partita.relayout",
-    "partita.train",
-    "partita.train_checks",
-    "partita.train_memory",
-    "partita.train_snapshot",
-    "partita.train_state",
     "partita.visualize",
 )
 
@@ -639,15 +634,13 @@ def test_no_private_name_crosses_a_module() -> None:
 def test_import_partita_leaves_checkpointing_and_the_old_name_for_first_use() -> None:
     """``import partita`` does not import torch.distributed.checkpoint (a quarter of the import,
     paid by every process of a job) nor torch._dynamo (about 1 s; tracing imports it);
-    ``partita.checkpoint`` and the deprecated ``partita.plans`` still resolve on first use, in a
-    fresh interpreter where nothing imported them before."""
+    ``partita.checkpoint`` still resolves on first use, in a fresh interpreter where nothing
+    imported it before."""
     code = (
         "import sys, warnings, partita\n"
         "assert 'torch.distributed.checkpoint' not in sys.modules, 'imported eagerly'\n"
         "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported eagerly'\n"
         "assert callable(partita.checkpoint.save) and callable(partita.checkpoint.load)\n"
-        "warnings.simplefilter('ignore', DeprecationWarning)\n"
-        "assert partita.plans.param_specs is partita.presets.param_specs\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]

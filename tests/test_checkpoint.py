@@ -37,7 +37,7 @@ import partita.checkpoint as ckpt
 from partita import Mesh, P, ShardedTensor
 from partita.errors import CheckpointError, PartitaWarning
 from partita.models import GPT, GPTConfig
-from partita.train import TrainStep, train_step
+from partita.training import TrainStep, train_step
 
 CFG = GPTConfig(n_layer=1, n_head=4, d_model=16, vocab_size=32, seq_len=8, bias=False)
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -62,7 +62,7 @@ def fresh(mesh: Mesh, plan: str, cfg: GPTConfig = CFG) -> tuple[TrainStep, Any]:
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    return train_step(model, loss_fn, opt, mesh=mesh, plan=plan), sched
+    return train_step(model, loss_fn, opt, mesh=mesh, param_specs=plan), sched
 
 
 def run(step: TrainStep, sched: Any, data: list[Any]) -> list[float]:
@@ -132,7 +132,7 @@ def test_parameter_groups_save_and_resume_each_groups_lr(tmp_path: Path) -> None
         groups = [{"params": decay, "weight_decay": 0.1}, {"params": rest, "lr": 3e-2}]
         opt = torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, [lambda i: 0.5**i, lambda i: 1 / (1 + i)])
-        return train_step(model, F.mse_loss, opt, mesh=mesh, shard="fsdp"), sched
+        return train_step(model, F.mse_loss, opt, mesh=mesh, param_specs="fsdp"), sched
 
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)) for _ in range(4)]
@@ -276,7 +276,7 @@ def test_tied_weights_save_once_and_load(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = TiedLM()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, loss_fn, opt, mesh=Mesh.create((2,), ("data",)), shard="fsdp")
+    step = train_step(model, loss_fn, opt, mesh=Mesh.create((2,), ("data",)), param_specs="fsdp")
     step(batches(1)[0])
     ckpt.save(step, tmp_path / "c")
     md = dcp.FileSystemReader(tmp_path / "c").read_metadata().state_dict_metadata
@@ -292,7 +292,7 @@ def test_tied_weights_save_once_and_load(tmp_path: Path) -> None:
     torch.manual_seed(1)
     other = TiedLM()
     again = train_step(other, loss_fn, torch.optim.AdamW(other.parameters(), lr=1e-2),
-                       mesh=Mesh.create((2,), ("data",)), shard="dp")  # fmt: skip
+                       mesh=Mesh.create((2,), ("data",)), param_specs="dp")  # fmt: skip
     ckpt.load(again, tmp_path / "c")
     assert torch.equal(again.full_parameters()["tok_emb.weight"], want)
     assert again.state_dict()["model"]["head.weight"].equal(want)  # the tie holds
@@ -529,7 +529,7 @@ def _step() -> TrainStep:
     torch.manual_seed(0)
     model = nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return train_step(model, F.mse_loss, opt, mesh=Mesh.create((2,), ("data",)), shard="dp")
+    return train_step(model, F.mse_loss, opt, mesh=Mesh.create((2,), ("data",)), param_specs="dp")
 
 
 def test_extra_holds_only_what_loads_back(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ def test_a_train_step_loss_is_a_plain_tensor_read_with_item() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     step = partita.train_step(
         model, lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()), opt,
-        mesh=MESH, shard="fsdp",
+        mesh=MESH, param_specs="fsdp",
     )  # fmt: skip
     ids = torch.randint(0, 32, (4, 8))
     loss = step((ids, ids.roll(-1, 1)))

@@ -50,7 +50,7 @@ def test_the_loop_moves_no_more_than_train_step(dev: torch.device) -> None:
     twin = copy.deepcopy(ref)
     opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
     step = partita.train_step(
-        twin, _loss, opt, mesh=MESH, shard="fsdp+tp", batch_spec=P("data", None)
+        twin, _loss, opt, mesh=MESH, param_specs="fsdp+tp", batch_spec=P("data", None)
     )
     expected = step.lower((x, y))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 
 import partita.serialization  # noqa: F401  (lets torch.load(weights_only=True) read partita values)
-from partita import data, distributed, presets
+from partita import data, distributed, options, presets
 from partita.api import mark_sharding
 from partita.distributed import is_main_process, process_count, process_index
 from partita.errors import (
@@ -22,6 +22,7 @@ from partita.errors import (
     JitArgumentError,
     JoinTimeoutError,
     MeshError,
+    OptionError,
     PartitaError,
     PartitaWarning,
     PlanMismatchError,
@@ -55,13 +56,14 @@ from partita.manual import (
     shard_map,
 )
 from partita.mesh import HybridMesh, Mesh
+from partita.options import CompileOptions
 from partita.partition import CollectiveRecord, Plan
 from partita.relayout import reshard
 from partita.rules import FactorRule, einsum_rule, register_rule
 from partita.scan_layers import scan_layers
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor, clear_sharding
-from partita.train import TrainStep, train_step
+from partita.training.train import TrainStep, train_step
 from partita.virtual import compile, metrics, sync, use_spmd
 from partita.visualize import format_sharding, visualize_sharding
 
@@ -73,6 +75,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveRecord",
     "CompileCacheWarning",
+    "CompileOptions",
     "CompilerError",
     "DistributedError",
     "DtypeError",
@@ -87,6 +90,7 @@ __all__ = [
     "JoinTimeoutError",
     "Mesh",
     "MeshError",
+    "OptionError",
     "P",
     "PartitaError",
     "PartitaWarning",
@@ -128,6 +132,7 @@ __all__ = [
     "jit",
     "mark_sharding",
     "metrics",
+    "options",
     "pmax",
     "pmean",
     "ppermute",
@@ -152,10 +157,7 @@ def __getattr__(name: str) -> object:
 
     ``partita.checkpoint`` imports ``torch.distributed.checkpoint``, about a quarter of
     ``import partita``'s time (every process of a job pays it), so it loads when first named.
-    ``partita.plans`` is the deprecated name of :mod:`partita.presets` (importing it warns).
     """
     if name == "checkpoint":
         return importlib.import_module("partita.checkpoint")
-    if name == "plans":
-        return importlib.import_module("partita.plans")
     raise AttributeError(f"module 'partita' has no attribute {name!r}")

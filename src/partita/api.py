@@ -15,9 +15,10 @@ from typing import Any
 
 import torch
 
-from partita import capture, propagate, tensor
+from partita import capture, tensor
 from partita.explain import format_program
 from partita.mesh import Mesh
+from partita.pipeline import propagated_program
 from partita.spec import PartitionSpec
 from partita.virtual.lazy import LazyTensor
 from partita.virtual.marking import mark_in_place
@@ -79,6 +80,7 @@ def propagate_program(
     ``print(partita.api.format_program(prog.graph_module))`` shows every value. This is an
     internal step of ``partita.jit(...).lower()``.
     """
-    prog = capture.trace(fn, args, kwargs, in_specs=in_specs, out_specs=out_specs, mesh=mesh)
-    propagate.propagate(prog.graph_module, mesh, replicate_unsupported=replicate_unsupported)
-    return prog
+    return propagated_program(
+        fn, args, kwargs, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+        replicate_unsupported=replicate_unsupported,
+    )  # fmt: skip

@@ -152,8 +152,8 @@ class CompilerError(PartitaError, RuntimeError):
     #: What every CompilerError message ends with: report it, and how to get past it now.
     WORKAROUND = (
         "please report it. To get past it now, annotate around the op (mark its inputs and "
-        "output replicated with partita.mark_sharding(t, mesh, P())) or pass "
-        "replicate_unsupported=True."
+        "output replicated with partita.mark_sharding(t, mesh, P())) or set the option "
+        "replicate_unsupported=True (options={'replicate_unsupported': True})."
     )
 
 

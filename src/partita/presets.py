@@ -3,7 +3,7 @@
 A preset answers one question — *how is each parameter split over the mesh?* — and nothing else:
 the batch gets one spec, and propagation derives every activation, gradient and optimizer
 temporary from those annotations. (The word *plan* is kept for the report of what a compiled
-program communicates, :class:`partita.Plan`; this module was ``partita.plans`` before.) A
+program communicates, :class:`partita.Plan`.) A
 preset is any of:
 
 * a name: ``"dp"``, ``"fsdp"``, ``"tp"``, ``"fsdp+tp"`` (the :class:`StandardPreset` kinds);
@@ -184,7 +184,7 @@ class StandardPreset:
                 raise ValueError(
                     f"preset {self.kind!r} splits parameters over a {role} mesh axis named "
                     f"{axis!r}, but {mesh!r} has none. Name the mesh axes ('data', 'model') "
-                    f"or pass shard=partita.presets.StandardPreset({self.kind!r}, "
+                    f"or pass param_specs=partita.presets.StandardPreset({self.kind!r}, "
                     f"{role}_axis=<one of {list(mesh.axis_names)}>)."
                 )
 

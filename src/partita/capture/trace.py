@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -73,7 +73,7 @@ from partita.capture.program import Program
 from partita.capture.rng import DrawKeys, replay_draws, tracing_rng
 from partita.capture.source import format_source, source_from_stack_trace, user_frame
 from partita.capture.spec_tree import broadcast_specs, is_size, unflatten_args
-from partita.errors import CaptureError, PartitaError
+from partita.errors import CaptureError, CompilerError, PartitaError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
 
@@ -110,6 +110,7 @@ def trace(
     out_specs: Any = None,
     mesh: Mesh | None = None,
     kwarg_specs: dict[str, Any] | None = None,
+    leaf_specs: Sequence[PartitionSpec | None] | None = None,
 ) -> Program:
     """Capture ``fn(*args, **kwargs)`` as a functional graph of aten ops.
 
@@ -121,6 +122,7 @@ def trace(
         mesh: the mesh of ``in_specs`` and ``out_specs`` (required when they are given).
         kwarg_specs: the specs of keyword arguments, by name (a prefix of the ``kwargs``
             pytree); a keyword argument without one is replicated.
+        leaf_specs: one spec (or None) per leaf of ``(args, kwargs)``, already broadcast.
 
     Raises:
         CaptureError: ``fn`` cannot be traced (the message names fn and the cause).
@@ -134,7 +136,7 @@ def trace(
         2
     """
     with gc_paused():  # every object built here lives until we return: see gc_pause
-        return _trace(fn, args, kwargs, in_specs, out_specs, mesh, kwarg_specs)
+        return _trace(fn, args, kwargs, in_specs, out_specs, mesh, kwarg_specs, leaf_specs)
 
 
 def _trace(
@@ -145,6 +147,7 @@ def _trace(
     out_specs: Any,
     mesh: Mesh | None,
     kwarg_specs: dict[str, Any] | None = None,
+    leaf_specs: Sequence[PartitionSpec | None] | None = None,
 ) -> Program:
     name = _fn_name(fn)
     if not isinstance(args, (tuple, list)):
@@ -152,7 +155,7 @@ def _trace(
             f"trace({name!r}, args): args must be a tuple, got {type(args).__name__}."
         )
     args, kwargs = tuple(args), dict(kwargs or {})
-    given = (in_specs, out_specs, kwarg_specs)
+    given = (in_specs, out_specs, kwarg_specs, leaf_specs)
     if any(s is not None for s in given) and not isinstance(mesh, Mesh):
         raise CaptureError(
             f"trace({name!r}) got in_specs/out_specs but mesh={mesh!r}: pass mesh=Mesh(...)."
@@ -164,6 +167,10 @@ def _trace(
     statics = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
     n_arg_leaves = pytree.tree_structure(args).num_leaves
     in_spec_flat: list[PartitionSpec | None] = [None] * len(leaves)
+    if leaf_specs is not None:  # one per leaf, broadcast by the front end (partita.pipeline)
+        if len(leaf_specs) != len(leaves):
+            raise CompilerError(f"trace({name!r}): {len(leaf_specs)} specs, {len(leaves)} leaves")
+        in_spec_flat = list(leaf_specs)
     if in_specs is not None:
         in_spec_flat[:n_arg_leaves] = broadcast_specs(in_specs, args, "in_specs", name)
     if kwarg_specs:

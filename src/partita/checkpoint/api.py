@@ -56,7 +56,7 @@ from partita.checkpoint.state import (
 from partita.checkpoint.tiles import Tiles, assemble, tiles_to_read, tiles_to_write
 from partita.errors import CheckpointError
 from partita.tensor import ShardedTensor
-from partita.train import TrainStep
+from partita.training.train import TrainStep
 
 __all__ = ["load", "save"]
 

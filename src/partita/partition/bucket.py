@@ -17,8 +17,8 @@ groups of them by the fused ops of ``partita.collectives_bucket``:
 - the Plan keeps one :class:`~partita.partition.plan.CollectiveRecord` per value (bytes stay
   attributed to values) and gains one :class:`~partita.partition.plan.Bucket` per fused call.
 
-The knob: ``bucket_bytes`` (``partition(..., bucket_bytes=)``), else the environment variable
-``PARTITA_BUCKET_BYTES``, else :data:`DEFAULT_BUCKET_BYTES`; ``0`` turns bucketing off.
+The knob: the ``bucket_bytes`` option (:mod:`partita.options`; the environment variable
+``PARTITA_BUCKET_BYTES``), default :data:`DEFAULT_BUCKET_BYTES`; ``0`` turns bucketing off.
 
 This module changes only which call moves a value, never what arrives: the fused program
 computes exactly what the unfused one does. It does not decide shardings or run anything.
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import heapq
 import operator
-import os
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -39,38 +38,16 @@ from partita.collectives_bucket import BUCKET_OF
 from partita.errors import CompilerError
 from partita.partition.plan import Bucket, Plan
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "bucket_bytes_setting", "bucket_collectives", "reorder"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "bucket_collectives", "reorder"]
 
 #: Default bucket size per device (4 MiB: about one block of a small GPT, so the next bucket
 #: can be gathered while this one computes; measured in bench/README.md).
 DEFAULT_BUCKET_BYTES = 4 << 20
 
-_ENV = "PARTITA_BUCKET_BYTES"
-_GET_PAST = f"please report it. To get past it now, set {_ENV}=0 (bucketing off)."
+_GET_PAST = "please report it. To get past it now, set PARTITA_BUCKET_BYTES=0 (bucketing off)."
 
 # Ops whose result is read only after they are fused: gathers go just before their first use.
 _GATHERS = {"all_gather"}
-
-
-def bucket_bytes_setting(bucket_bytes: int | None = None) -> int:
-    """The bucket size in effect: the argument, else ``PARTITA_BUCKET_BYTES``, else the default."""
-    if bucket_bytes is None:
-        text = os.environ.get(_ENV, "").strip()
-        if not text:
-            return DEFAULT_BUCKET_BYTES
-        try:
-            bucket_bytes = int(float(text))
-        except ValueError:
-            raise ValueError(
-                f"{_ENV}={text!r} is not a number of bytes. Set it to an integer (e.g. "
-                f"{_ENV}=26214400 for 25 MiB), or 0 to turn bucketing off."
-            ) from None
-    if bucket_bytes < 0:
-        raise ValueError(
-            f"bucket_bytes={bucket_bytes} is negative: give the largest number of bytes per "
-            f"device one fused collective may move, or 0 to turn bucketing off."
-        )
-    return bucket_bytes
 
 
 @dataclass

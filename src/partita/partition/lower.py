@@ -62,9 +62,12 @@ def _tensor_val(v: Any) -> bool:
 class Lowering(LocalValues):
     """Builds the per-device graph for one propagated GraphModule (use :meth:`run` once)."""
 
-    def __init__(self, gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False, collectives: str = "auto"
+    ) -> None:
         super().__init__(mesh, strict=strict)
         self.src = gm
+        self.collectives = collectives  # partition.explicit's mode
         regions = local_nodes(gm)  # shard_map bodies
         self.local_nodes = {  # the fully manual ones, copied verbatim
             n for n, axes in regions.items() if is_fully_manual(axes, mesh.axis_names)
@@ -90,7 +93,7 @@ class Lowering(LocalValues):
         for n in self.src.graph.nodes:
             if node_meta.sharding(n) is not None:
                 self.plan.shardings[n.name] = node_meta.sharding(n)
-        explicit.check(self.plan, self.moves)  # collectives="explicit" / "warn"
+        explicit.check(self.plan, self.moves, self.collectives)  # "explicit" / "warn"
         # Lazy: its Python code is generated only if it is run or printed (regathering and
         # bucketing edit the graph after this; the runtimes build their own GraphModules).
         gm = _LazyGraphModule(torch.nn.Module(), self.graph, class_name="PerDeviceProgram")

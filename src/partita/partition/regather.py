@@ -24,16 +24,15 @@ Which gathers and where (on the per-device program, before bucketing):
   than that (``runtime.overlap``).
 
 The Plan gains one :class:`~partita.partition.plan.CollectiveRecord` per re-issued all_gather
-(so its bytes and ``Plan.memory()`` reflect the choice). The knob: ``regather`` of
-``partition``/``jit``/``train_step``, else the environment variable ``PARTITA_REGATHER``
-(``1``/``0``), else off. Values computed are the same either way, bit for bit.
+(so its bytes and ``Plan.memory()`` reflect the choice). The knob: the ``regather`` option
+(:mod:`partita.options`; the environment variable ``PARTITA_REGATHER``), default off. Values
+computed are the same either way, bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 
 import torch
 import torch.fx as fx
@@ -43,33 +42,9 @@ from partita.collectives import COLLECTIVE_OPS
 from partita.partition.memory import is_view
 from partita.partition.plan import CollectiveRecord, Plan
 
-__all__ = ["regather", "regather_setting"]
+__all__ = ["regather"]
 
-_ENV = "PARTITA_REGATHER"
-_ON = {"1", "true", "yes", "on"}
-_OFF = {"", "0", "false", "no", "off"}
 _ALL_GATHER = torch.ops.partita.all_gather.default
-
-
-def regather_setting(regather: bool | None = None) -> bool:
-    """The choice in effect: the argument, else ``PARTITA_REGATHER``, else ``False`` (keep)."""
-    if regather is not None:
-        if not isinstance(regather, bool):
-            raise TypeError(
-                f"regather={regather!r}: give True (free gathered parameters after the forward "
-                f"and gather them again for the backward: less memory) or False (keep them: "
-                f"fewer bytes)."
-            )
-        return regather
-    text = os.environ.get(_ENV, "").strip().lower()
-    if text in _ON:
-        return True
-    if text in _OFF:
-        return False
-    raise ValueError(
-        f"{_ENV}={text!r} is neither on nor off. Set {_ENV}=1 to re-gather parameters for the "
-        f"backward (less memory) or {_ENV}=0 to keep them from the forward (fewer bytes)."
-    )
 
 
 def regather(gm: fx.GraphModule, plan: Plan) -> int:

@@ -104,8 +104,9 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
             f"returning partita.einsum_rule(...) (docs/models.md, 'A rule for your own op'); "
             f"(2) annotate around it — mark its inputs and output replicated with "
             f"partita.mark_sharding(t, mesh, P()) so the op runs on whole tensors; "
-            f"(3) opt in to replicating every op without a rule with "
-            f"replicate_unsupported=True (correct, but it gathers the inputs)."
+            f"(3) opt in to replicating every op without a rule with the option "
+            f"replicate_unsupported=True (options={{'replicate_unsupported': True}} or "
+            f"PARTITA_REPLICATE_UNSUPPORTED=1; correct, but it gathers the inputs)."
         )
     try:
         return fn(info)
@@ -129,8 +130,8 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
         f"The sharding rule of {node.target} cannot handle the call at {where} "
         f"(operands {[m.shape for m in info.operands]}): {why}. Two ways forward: annotate "
         f"around it (mark its inputs and output replicated with "
-        f"partita.mark_sharding(t, mesh, P())), or pass replicate_unsupported=True; if the "
-        f"call is valid PyTorch, please report it."
+        f"partita.mark_sharding(t, mesh, P())), or set the option replicate_unsupported=True; "
+        f"if the call is valid PyTorch, please report it."
     ) from cause
 
 

@@ -27,7 +27,6 @@ import enum
 import functools
 import math
 import re
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,12 +78,11 @@ class OpInfo:
     operands: tuple[TensorMeta, ...]
     results: tuple[TensorMeta | None, ...]
 
-    def arg(self, name: str | int, default: Any = None, *legacy: Any) -> Any:
+    def arg(self, name: str, default: Any = None) -> Any:
         """The call's argument ``name`` (its name in the op's schema), passed positionally or
         by keyword, else ``default``: the one way a rule reads an argument. A name the schema
         lacks raises :class:`~partita.errors.CompilerError` (it would read as ``default``);
         :meth:`has_arg` asks first when one rule serves overloads with different arguments.
-        The old ``arg(index, name, default)`` form still works and warns.
 
         Example:
             >>> x = TensorMeta((4, 8))
@@ -92,10 +90,6 @@ class OpInfo:
             >>> info.arg("dim"), info.arg("keepdim", False)
             ([1], False)
         """
-        if isinstance(name, int):  # arg(index, name, default): positions could disagree
-            msg = "OpInfo.arg(index, name, default) is deprecated: use OpInfo.arg(name, default)"
-            warnings.warn(msg, DeprecationWarning, stacklevel=2)
-            name, default = default, (legacy[0] if legacy else None)
         index = self._position(name)
         if name in self.kwargs:
             return self.kwargs[name]

@@ -14,18 +14,18 @@ Given the size of every value (``sizes``, measured by the program's first run:
 :func:`run_measuring`), a gather is also held until its buffer fits under the peak of the
 program as partitioned: a prefetch overlaps compute but does not raise the step's peak.
 
-The knob: ``DistributedMesh(mesh, overlap_bytes=)``, else ``PARTITA_OVERLAP_BYTES``, else
-:data:`DEFAULT_OVERLAP_BYTES`; ``0`` runs every collective where the partitioner put it,
-synchronously. Only the order of launches and waits changes: every rank issues the same
-collectives in the same order, and the results are the same. The simulated mesh (``LocalMesh``)
-has no overlap to gain and runs the program as partitioned.
+The knob: the ``overlap_bytes`` option of the compiled program (:mod:`partita.options`; the
+environment variable ``PARTITA_OVERLAP_BYTES``), default :data:`DEFAULT_OVERLAP_BYTES`; ``0``
+runs every collective where the partitioner put it, synchronously. Only the order of launches
+and waits changes: every rank issues the same collectives in the same order, and the results
+are the same. The simulated mesh (``LocalMesh``) has no overlap to gain and runs the program as
+partitioned.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -35,33 +35,10 @@ from partita import node_meta
 from partita.partition.bucket import reorder
 from partita.partition.memory import is_view
 
-__all__ = ["DEFAULT_OVERLAP_BYTES", "overlap_bytes_setting", "run_measuring", "schedule_overlap"]
+__all__ = ["DEFAULT_OVERLAP_BYTES", "run_measuring", "schedule_overlap"]
 
 #: Default bound on the per-device bytes of collectives in flight at once (64 MiB).
 DEFAULT_OVERLAP_BYTES = 64 << 20
-
-_ENV = "PARTITA_OVERLAP_BYTES"
-
-
-def overlap_bytes_setting(overlap_bytes: int | None = None) -> int:
-    """The bound in effect: the argument, else ``PARTITA_OVERLAP_BYTES``, else the default."""
-    if overlap_bytes is None:
-        text = os.environ.get(_ENV, "").strip()
-        if not text:
-            return DEFAULT_OVERLAP_BYTES
-        try:
-            overlap_bytes = int(float(text))
-        except ValueError:
-            raise ValueError(
-                f"{_ENV}={text!r} is not a number of bytes. Set it to an integer (e.g. "
-                f"{_ENV}=67108864 for 64 MiB), or 0 to run collectives synchronously."
-            ) from None
-    if overlap_bytes < 0:
-        raise ValueError(
-            f"overlap_bytes={overlap_bytes} is negative: give the most bytes per device that "
-            f"may be in flight at once, or 0 to run collectives synchronously."
-        )
-    return overlap_bytes
 
 
 def schedule_overlap(

@@ -84,17 +84,20 @@ class Segment:
         values: list[tuple[Any, Axes]],
         ndim: int,
         compile_stats: CompileStats | None = None,
+        trace_at: int | None = None,
     ) -> list[tuple[Any, Axes]]:
         """Outputs ``(value, axes)`` for inputs ``(value, axes)`` on a mesh of ``ndim`` dims;
-        with ``compile_stats``, through Inductor (``runtime.compiled``), which it records."""
+        with ``compile_stats``, through Inductor (``runtime.compiled``), which it records;
+        ``trace_at``: the ``trace_flat_at`` option (``runtime.flat_trace``)."""
         with no_fallback_warning():
-            return self._run(values, ndim, compile_stats)
+            return self._run(values, ndim, compile_stats, trace_at)
 
     def _run(
         self,
         values: list[tuple[Any, Axes]],
         ndim: int,
         compile_stats: CompileStats | None,
+        trace_at: int | None = None,
     ) -> list[tuple[Any, Axes]]:
         args = [v for v, _ in values]
         pattern = tuple(a for _, a in values)
@@ -115,7 +118,7 @@ class Segment:
             if key is not None:
                 flat = self.flat.get(key)
                 if flat is None:
-                    if not self.tracer.due(len(self.nodes)):
+                    if not self.tracer.due(len(self.nodes), trace_at):
                         outs = timed_run(fn, args, self.tracer)
                         return list(zip(outs, out_pattern, strict=True))
                     flat = self.flat[key] = trace_flat(fn, args, len(self.nodes))

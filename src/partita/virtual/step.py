@@ -33,6 +33,8 @@ import torch
 from partita.capture.source import pin_source
 from partita.errors import RecompileWarning, VirtualDeviceError, warn
 from partita.mesh import Mesh
+from partita.options import CompileOptions
+from partita.options import current as current_options
 from partita.recompile import RECOMPILE_WARNING_AT
 from partita.relayout import reshard
 from partita.runtime.distributed import distributed_executor
@@ -194,8 +196,10 @@ def sync() -> None:
     described = rec.described_inputs()
     inputs = _inputs(rec)
     guide = rec.guide
+    options = current_options()
     if (
         guide is not None
+        and guide.key[-1] == options.key()  # the options are part of the key
         and rec.repeats_guide(out_slots, described)
         # Only while its program is cached (an evicted or cleared program is compiled or read
         # from disk again, as any miss).
@@ -207,7 +211,7 @@ def sync() -> None:
         m.cache_hits += 1
         m.fast_path_hits += 1
     else:
-        key = (rec.key(described), out_slots, len(rec.scalars))
+        key = (rec.key(described), out_slots, len(rec.scalars), options.key())
         program = cache.get(key)
         if program is None:
             started = time.perf_counter()
@@ -216,7 +220,7 @@ def sync() -> None:
             # recompile).
             reason = recompile_reason(key, list(cache), rec) if cache and m.compiles else None
             compiles = m.compiles
-            program = _compile(rec, out_cells, key, inputs)
+            program = _compile(rec, out_cells, key, inputs, options)
             if reason and m.compiles > compiles:
                 m.recompile_reasons.append(reason)
             m.compile_seconds += time.perf_counter() - started
@@ -352,7 +356,11 @@ def _inputs(rec: recording.Recording) -> list[Any]:
 
 
 def _compile(
-    rec: recording.Recording, out_cells: list[Cell], key: Hashable, inputs: list[Any]
+    rec: recording.Recording,
+    out_cells: list[Cell],
+    key: Hashable,
+    inputs: list[Any],
+    options: CompileOptions,
 ) -> StepProgram:
     device = state.get()
     m: Metrics = device.metrics
@@ -360,10 +368,11 @@ def _compile(
     local = distributed_executor(mesh()) is None
     program = disk_cache.load(key, mesh()) if local else None
     if program is not None:
+        program.options = options  # the key it was found by holds options.key()
         m.disk_hits += 1
     else:
         replay = _replay_fn(rec, [c.slot for c in out_cells])  # type: ignore[misc]
-        program = compile_step(replay, inputs, mesh())
+        program = compile_step(replay, inputs, mesh(), options)
         m.compiles += 1
         disk_cache.save(key, mesh(), program)
     device.programs[key] = program
