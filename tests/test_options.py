@@ -21,7 +21,7 @@ import partita
 from partita import CompileOptions, Mesh, OptionError, P, RematerializationError
 from partita.options import KNOBS, current, environment, resolve, using
 from partita.runtime.compiled import stats_for
-from partita.virtual import step as vstep
+from partita.virtual import state as vstate
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 DOCS = Path(__file__).resolve().parents[1] / "docs"
@@ -142,7 +142,7 @@ def test_options_are_part_of_the_jit_cache_key() -> None:
 
 
 def test_options_are_part_of_the_virtual_device_step_key(dev: torch.device) -> None:
-    vstep._CACHE.clear()
+    vstate.get().programs.clear()
     x = torch.randn(8, 4)
     outs = []
     for changes in ({}, {"bucket_bytes": 0}, {}):
@@ -152,7 +152,7 @@ def test_options_are_part_of_the_virtual_device_step_key(dev: torch.device) -> N
             y = (xd * 2).sum(0)
             partita.sync()
             outs.append(y.cpu())
-    assert sorted(p.options.bucket_bytes for p in vstep._CACHE.values()) == [0, 4 << 20]
+    assert sorted(p.options.bucket_bytes for p in vstate.get().programs.values()) == [0, 4 << 20]
     for out in outs:
         torch.testing.assert_close(out, (x * 2).sum(0))
 
@@ -161,7 +161,7 @@ def test_strict_reaches_a_virtual_device_step(dev: torch.device) -> None:
     """A step whose annotation asks for a full rematerialization (rows split over 'data' to
     rows split over 'model': no collective moves those tiles) warns by default and raises
     RematerializationError under ``using(strict=True)``."""
-    vstep._CACHE.clear()
+    vstate.get().programs.clear()
     x = torch.randn(8, 4)
 
     def step() -> torch.Tensor:
@@ -174,17 +174,17 @@ def test_strict_reaches_a_virtual_device_step(dev: torch.device) -> None:
 
     with pytest.warns(partita.RematerializationWarning, match="involuntary full remat"):
         torch.testing.assert_close(step().cpu(), x * 2)
-    vstep._CACHE.clear()
+    vstate.get().programs.clear()
     with using(strict=True), pytest.raises(RematerializationError, match="involuntary full"):
         step()
-    vstep._CACHE.clear()
+    vstate.get().programs.clear()
 
 
 @pytest.mark.slow
 def test_inductor_reaches_a_virtual_device_step(dev: torch.device) -> None:
     """Under ``using(inductor=True)`` the step's per-device program runs Inductor-
     compiled regions (runtime.compiled's record of that program)."""
-    vstep._CACHE.clear()
+    vstate.get().programs.clear()
     x, w = torch.randn(8, 4), torch.randn(4, 6)
     for enabled in (False, True):
         with using(inductor=enabled):
@@ -193,7 +193,7 @@ def test_inductor_reaches_a_virtual_device_step(dev: torch.device) -> None:
             y = torch.relu(xd @ wd).sum(1)
             partita.sync()
             torch.testing.assert_close(y.cpu(), torch.relu(x @ w).sum(1), rtol=1e-5, atol=1e-5)
-    plain, compiled = vstep._CACHE.values()
+    plain, compiled = vstate.get().programs.values()
     assert stats_for(plain.local).regions == 0
     assert compiled.options.inductor and stats_for(compiled.local).regions >= 1
 
@@ -226,11 +226,11 @@ def test_the_same_program_is_the_same_plan_through_jit_train_step_and_use_spmd(
             partita.mark_sharding(model.get_parameter(name), MESH, spec)
         xd = x.to(dev)
         partita.mark_sharding(xd, MESH, P("data", None))
-        vstep._CACHE.clear()
+        vstate.get().programs.clear()
         with torch.no_grad():
             y = model(xd)
             partita.sync()
-        (program,) = vstep._CACHE.values()
+        (program,) = vstate.get().programs.values()
         by_device = program.compiled.plan
         torch.testing.assert_close(y.cpu(), _model()(x), rtol=1e-5, atol=1e-5)
         # a training step: train_step against jit of the same functional step and specs
@@ -263,6 +263,8 @@ def test_docs_options_lists_every_knob() -> None:
         row = next((ln for ln in text.splitlines() if ln.startswith(f"| `{knob.name}`")), None)
         assert row is not None, f"docs/options.md has no row for {knob.name}"
         assert f"`{knob.env}`" in row and f"`{getattr(defaults, knob.name)!r}`" in row, row
+    listed = [ln.split("`")[1] for ln in text.splitlines() if ln.startswith("| `")]
+    assert listed == [k.name for k in KNOBS], "docs/options.md lists an option that is gone"
     assert "options.md" in (DOCS.parent / "mkdocs.yml").read_text()
 
 
