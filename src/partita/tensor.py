@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from partita.errors import AnnotationError, ShardingError
 from partita.layout import (
@@ -40,8 +42,11 @@ from partita.tensor_ops import EagerOps, set_eager_ops
 __all__ = [
     "Shard",
     "ShardedTensor",
+    "annotation_conflict",
     "clear_sharding",
+    "mark_parameter",
     "mark_sharding",
+    "marked_param_specs",
     "reshard",
     "reshard_target",
     "set_eager_ops",
@@ -55,8 +60,8 @@ class Shard:
     """What one device holds of a :class:`ShardedTensor`.
 
     Attributes:
-        data: the padded local tensor (every device has the same shape); a view of the
-            executor's storage, so treat it as read-only.
+        data: the padded local tensor (every device has the same shape): a copy from
+            ``local_shards``, a read-only view of the storage from ``local_shard_views``.
         unpadded_data: ``data`` without its padding: exactly ``global_tensor[index]``.
         device: the mesh device id (``mesh.device_ids[position]``).
         index: one ``slice`` per dim into the global tensor; a device holding only padding
@@ -246,17 +251,31 @@ class ShardedTensor(EagerOps):
     def local_shards(self) -> list[Shard]:
         """One :class:`Shard` per device, in mesh position order (padding-only devices too).
 
+        Each shard's ``data`` is a snapshot (a copy), as in PyTorch/XLA: writing to it changes
+        nothing, and later updates of ``x`` do not show in it. :attr:`local_shard_views` gives
+        views of the storage instead (no copy; read-only).
+
         Example:
             >>> x = mark_sharding(torch.arange(3), Mesh.create((2,), ("x",)), P("x"))
             >>> [(s.device, s.index, s.unpadded_data.tolist()) for s in x.local_shards]
             [(0, (slice(0, 2, None),), [0, 1]), (1, (slice(2, 3, None),), [2])]
         """
+        return self._shards(copy=True)
+
+    @property
+    def local_shard_views(self) -> list[Shard]:
+        """:attr:`local_shards` without the copy: each ``data`` views the storage, so treat it
+        as read-only (writing to it would change the value behind partita's back)."""
+        return self._shards(copy=False)
+
+    def _shards(self, *, copy: bool) -> list[Shard]:
         ranges = index_ranges(self._sharding, self._shape).tolist()
         replicas = replica_ids(self._sharding).tolist()
+        storage = self._storage().clone() if copy else self._storage()
         shards = []
         for position, device in enumerate(self.mesh.device_ids):
             index = tuple(slice(start, stop) for start, stop in ranges[position])
-            data = self._storage()[position]
+            data = storage[position]
             unpadded = data[tuple(slice(0, stop - start) for start, stop in ranges[position])]
             shards.append(Shard(data, unpadded, device, index, replicas[position]))
         return shards
@@ -317,11 +336,23 @@ def _mark_sharded(x: ShardedTensor, mesh: Mesh, spec: SpecLike) -> ShardedTensor
         return x
     if sharding == x.sharding:
         return x
-    raise AnnotationError(
-        f"Existing annotation must be cleared first: the tensor of shape {tuple(x.shape)} is "
-        f"annotated with {x.sharding} on {x.mesh!r}, and mark_sharding was asked for {sharding} "
+    raise annotation_conflict(x.shape, x.sharding, sharding, mesh)
+
+
+def annotation_conflict(
+    shape: Sequence[int],
+    current: Sharding,
+    asked: Sharding,
+    mesh: Mesh,
+    other: str = "use partita.reshard(x, spec) for a new tensor",
+) -> AnnotationError:
+    """The error of ``mark_sharding`` with another sharding on an annotated tensor (the same
+    for a ShardedTensor and a virtual-device tensor)."""
+    return AnnotationError(
+        f"Existing annotation must be cleared first: the tensor of shape {tuple(shape)} is "
+        f"annotated with {current} on {current.mesh!r}, and mark_sharding was asked for {asked} "
         f"on {mesh!r}. Call partita.clear_sharding(x) and then mark_sharding(x, mesh, spec) to "
-        f"re-annotate it in place, or use partita.reshard(x, spec) for a new tensor."
+        f"re-annotate it in place, or {other}."
     )
 
 
@@ -345,6 +376,44 @@ def clear_sharding(x: ShardedTensor) -> ShardedTensor:
         )
     x._annotated = False
     return x
+
+
+#: The shardings ``mark_sharding`` gave parameters of modules off the virtual device (by
+#: identity, dropped with the parameter): ``partita.jit(model)`` and ``partita.train_step``
+#: shard those parameters so (:func:`marked_param_specs`).
+_MARKED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def mark_parameter(param: nn.Parameter, sharding: Sharding) -> None:
+    """Remember ``sharding`` for ``param`` (``partita.mark_sharding`` on a module's weight)."""
+    _MARKED_PARAMS[param] = sharding
+
+
+def marked_param_specs(model: nn.Module, mesh: Mesh) -> dict[str, PartitionSpec]:
+    """``{parameter name: spec}`` of ``model``'s parameters marked with ``mark_sharding``.
+
+    Raises ShardingError for a parameter marked over another mesh than ``mesh``.
+
+    Example:
+        >>> mesh = Mesh.create((2,), ("data",))
+        >>> model = nn.Linear(4, 2)
+        >>> _ = partita.mark_sharding(model.weight, mesh, P("data", None))
+        >>> marked_param_specs(model, mesh)
+        {'weight': P('data', None)}
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        sharding = _MARKED_PARAMS.get(p)
+        if sharding is None:
+            continue
+        if sharding.mesh != mesh:
+            raise ShardingError(
+                f"parameter {name!r} of shape {tuple(p.shape)} was marked with "
+                f"mark_sharding(..., {sharding.mesh!r}, {sharding.spec}), but the module is "
+                f"compiled for {mesh!r}. Mark it over the mesh the step runs on."
+            )
+        out[name] = sharding.spec
+    return out
 
 
 def reshard_target(x: ShardedTensor, spec: SpecLike | Sharding) -> Sharding:

@@ -26,7 +26,7 @@ from partita.virtual.device import MIN_TORCH, VirtualDeviceError, check_torch
 from partita.virtual.dispatch import dispatch
 from partita.virtual.lazy import LazyTensor
 from partita.virtual.sharded_ops import eager_op
-from partita.virtual.step import Metrics, metrics, sync
+from partita.virtual.step import Metrics, last_plan, metrics, sync
 from partita.virtual.switch import register_device, sharded, use_spmd
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "VirtualDeviceError",
     "check_torch",
     "compile",
+    "last_plan",
     "metrics",
     "register_device",
     "sharded",

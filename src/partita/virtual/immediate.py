@@ -200,6 +200,7 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
             return dst.copy_(full_value(src))
         if not isinstance(src, LazyTensor) and _is_clean_data(dst._cell, rec, unused=True):
             value = src.detach().to(dst.dtype).expand(dst.shape).clone()
+            state.get().metrics.upload_bytes += src.numel() * src.element_size()
             uploads = state.get().uploads
             if uploads:
                 uploads[-1].append((src, dst._cell))
