@@ -24,7 +24,7 @@ from partita.capture.trace import broadcast_specs
 from partita.errors import CaptureError
 from partita.mesh import Mesh
 from partita.spec import P, PartitionSpec, Sharding
-from partita.tensor import ShardedTensor
+from partita.tensor import ShardedTensor, marks_made
 
 __all__ = [
     "Signatures",
@@ -54,7 +54,7 @@ class Signatures:
         self, tree: Any, source: Any, in_specs: Callable[[], Any], args: tuple[Any, ...]
     ) -> list[PartitionSpec | None]:
         """The user's spec per leaf of ``(args, kwargs)``, broadcast once per structure."""
-        memo = (tree, id(source))
+        memo = (tree, id(source), marks_made())  # a weight's mark_sharding: specs anew
         hit = self._user.get(memo)
         if hit is not None and hit[0] is source:
             return hit[1]

@@ -47,6 +47,7 @@ __all__ = [
     "mark_parameter",
     "mark_sharding",
     "marked_param_specs",
+    "marks_made",
     "reshard",
     "reshard_target",
     "set_eager_ops",
@@ -382,11 +383,18 @@ def clear_sharding(x: ShardedTensor) -> ShardedTensor:
 #: identity, dropped with the parameter): ``partita.jit(model)`` and ``partita.train_step``
 #: shard those parameters so (:func:`marked_param_specs`).
 _MARKED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_MARKS_MADE = [0]
 
 
 def mark_parameter(param: nn.Parameter, sharding: Sharding) -> None:
     """Remember ``sharding`` for ``param`` (``partita.mark_sharding`` on a module's weight)."""
     _MARKED_PARAMS[param] = sharding
+    _MARKS_MADE[0] += 1
+
+
+def marks_made() -> int:
+    """How many times :func:`mark_parameter` ran (jit's memo of in_specs changes with it)."""
+    return _MARKS_MADE[0]
 
 
 def marked_param_specs(model: nn.Module, mesh: Mesh) -> dict[str, PartitionSpec]:
