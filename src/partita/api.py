@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from partita import capture, propagate, tensor
+from partita.annotations import mark_parameter
 from partita.explain import format_program
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec, as_spec
@@ -75,7 +76,7 @@ def mark_sharding(
         return t
     out = tensor.mark_sharding(t, mesh, spec)
     if isinstance(t, nn.Parameter):
-        tensor.mark_parameter(t, out.sharding)
+        mark_parameter(t, out.sharding)
     return out
 
 

@@ -56,6 +56,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from partita.annotations import marked_param_specs
 from partita.mesh import Mesh
 from partita.plan_roles import (
     COLUMN_NAMES,
@@ -69,7 +70,6 @@ from partita.plan_roles import (
     vocab_roles,
 )
 from partita.spec import PartitionSpec, as_spec
-from partita.tensor import marked_param_specs
 
 __all__ = [
     "COLUMN_NAMES",

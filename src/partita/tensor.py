@@ -22,10 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
-from partita.errors import AnnotationError, ShardingError
+from partita.annotations import annotation_conflict
+from partita.errors import ShardingError
 from partita.layout import (
     check_held,
     index_ranges,
@@ -42,12 +41,8 @@ from partita.tensor_ops import EagerOps, set_eager_ops
 __all__ = [
     "Shard",
     "ShardedTensor",
-    "annotation_conflict",
     "clear_sharding",
-    "mark_parameter",
     "mark_sharding",
-    "marked_param_specs",
-    "marks_made",
     "reshard",
     "reshard_target",
     "set_eager_ops",
@@ -250,11 +245,8 @@ class ShardedTensor(EagerOps):
 
     @property
     def local_shards(self) -> list[Shard]:
-        """One :class:`Shard` per device, in mesh position order (padding-only devices too).
-
-        Each shard's ``data`` is a snapshot (a copy), as in PyTorch/XLA: writing to it changes
-        nothing, and later updates of ``x`` do not show in it. :attr:`local_shard_views` gives
-        views of the storage instead (no copy; read-only).
+        """One :class:`Shard` per device, in mesh position order (padding-only devices too),
+        each ``data`` a snapshot (a copy), as in PyTorch/XLA; :attr:`local_shard_views` views.
 
         Example:
             >>> x = mark_sharding(torch.arange(3), Mesh.create((2,), ("x",)), P("x"))
@@ -265,20 +257,18 @@ class ShardedTensor(EagerOps):
 
     @property
     def local_shard_views(self) -> list[Shard]:
-        """:attr:`local_shards` without the copy: each ``data`` views the storage, so treat it
-        as read-only (writing to it would change the value behind partita's back)."""
+        """:attr:`local_shards` without the copy: each ``data`` views the storage (read-only)."""
         return self._shards(copy=False)
 
     def _shards(self, *, copy: bool) -> list[Shard]:
-        ranges = index_ranges(self._sharding, self._shape).tolist()
         replicas = replica_ids(self._sharding).tolist()
         storage = self._storage().clone() if copy else self._storage()
         shards = []
-        for position, device in enumerate(self.mesh.device_ids):
-            index = tuple(slice(start, stop) for start, stop in ranges[position])
-            data = storage[position]
-            unpadded = data[tuple(slice(0, stop - start) for start, stop in ranges[position])]
-            shards.append(Shard(data, unpadded, device, index, replicas[position]))
+        for p, pairs in enumerate(index_ranges(self._sharding, self._shape).tolist()):
+            data = storage[p]
+            unpadded = data[tuple(slice(0, b - a) for a, b in pairs)]
+            index = tuple(slice(a, b) for a, b in pairs)
+            shards.append(Shard(data, unpadded, self.mesh.device_ids[p], index, replicas[p]))
         return shards
 
     def __repr__(self) -> str:
@@ -300,13 +290,10 @@ def mark_sharding(
     ``spec`` is a ``P``, a tuple/list of entries (PyTorch/XLA style) or ``None`` (replicated);
     a spec shorter than the rank leaves the trailing dims unsplit.
 
-    * A ``torch.Tensor`` is left untouched: the result is a new :class:`ShardedTensor` holding
-      a copy of its data.
-    * A :class:`ShardedTensor` already annotated with the same sharding is returned as is; a
-      different sharding raises :class:`~partita.errors.AnnotationError` (clear it first, or
-      use :func:`reshard` for a new tensor).
-    * A :class:`ShardedTensor` whose annotation was cleared (:func:`clear_sharding`) is
-      resharded *in place* and returned, as in PyTorch/XLA.
+    A ``torch.Tensor`` is left untouched: the result is a new ShardedTensor of a copy of its
+    data. A ShardedTensor already annotated with the same sharding is returned as is, with
+    another raises :class:`~partita.errors.AnnotationError`; once cleared
+    (:func:`clear_sharding`) it is resharded *in place* and returned, as in PyTorch/XLA.
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -340,23 +327,6 @@ def _mark_sharded(x: ShardedTensor, mesh: Mesh, spec: SpecLike) -> ShardedTensor
     raise annotation_conflict(x.shape, x.sharding, sharding, mesh)
 
 
-def annotation_conflict(
-    shape: Sequence[int],
-    current: Sharding,
-    asked: Sharding,
-    mesh: Mesh,
-    other: str = "use partita.reshard(x, spec) for a new tensor",
-) -> AnnotationError:
-    """The error of ``mark_sharding`` with another sharding on an annotated tensor (the same
-    for a ShardedTensor and a virtual-device tensor)."""
-    return AnnotationError(
-        f"Existing annotation must be cleared first: the tensor of shape {tuple(shape)} is "
-        f"annotated with {current} on {current.mesh!r}, and mark_sharding was asked for {asked} "
-        f"on {mesh!r}. Call partita.clear_sharding(x) and then mark_sharding(x, mesh, spec) to "
-        f"re-annotate it in place, or {other}."
-    )
-
-
 def clear_sharding(x: ShardedTensor) -> ShardedTensor:
     """Remove ``x``'s annotation in place and return ``x``.
 
@@ -377,51 +347,6 @@ def clear_sharding(x: ShardedTensor) -> ShardedTensor:
         )
     x._annotated = False
     return x
-
-
-#: The shardings ``mark_sharding`` gave parameters of modules off the virtual device (by
-#: identity, dropped with the parameter): ``partita.jit(model)`` and ``partita.train_step``
-#: shard those parameters so (:func:`marked_param_specs`).
-_MARKED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_MARKS_MADE = [0]
-
-
-def mark_parameter(param: nn.Parameter, sharding: Sharding) -> None:
-    """Remember ``sharding`` for ``param`` (``partita.mark_sharding`` on a module's weight)."""
-    _MARKED_PARAMS[param] = sharding
-    _MARKS_MADE[0] += 1
-
-
-def marks_made() -> int:
-    """How many times :func:`mark_parameter` ran (jit's memo of in_specs changes with it)."""
-    return _MARKS_MADE[0]
-
-
-def marked_param_specs(model: nn.Module, mesh: Mesh) -> dict[str, PartitionSpec]:
-    """``{parameter name: spec}`` of ``model``'s parameters marked with ``mark_sharding``.
-
-    Raises ShardingError for a parameter marked over another mesh than ``mesh``.
-
-    Example:
-        >>> mesh = Mesh.create((2,), ("data",))
-        >>> model = nn.Linear(4, 2)
-        >>> _ = partita.mark_sharding(model.weight, mesh, P("data", None))
-        >>> marked_param_specs(model, mesh)
-        {'weight': P('data', None)}
-    """
-    out = {}
-    for name, p in model.named_parameters():
-        sharding = _MARKED_PARAMS.get(p)
-        if sharding is None:
-            continue
-        if sharding.mesh != mesh:
-            raise ShardingError(
-                f"parameter {name!r} of shape {tuple(p.shape)} was marked with "
-                f"mark_sharding(..., {sharding.mesh!r}, {sharding.spec}), but the module is "
-                f"compiled for {mesh!r}. Mark it over the mesh the step runs on."
-            )
-        out[name] = sharding.spec
-    return out
 
 
 def reshard_target(x: ShardedTensor, spec: SpecLike | Sharding) -> Sharding:

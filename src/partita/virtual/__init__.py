@@ -25,8 +25,9 @@ from partita.virtual.compiled import CompiledStep, compile
 from partita.virtual.device import MIN_TORCH, VirtualDeviceError, check_torch
 from partita.virtual.dispatch import dispatch
 from partita.virtual.lazy import LazyTensor
+from partita.virtual.plans import last_plan
 from partita.virtual.sharded_ops import eager_op
-from partita.virtual.step import Metrics, last_plan, metrics, sync
+from partita.virtual.step import Metrics, metrics, sync
 from partita.virtual.switch import register_device, sharded, use_spmd
 
 __all__ = [

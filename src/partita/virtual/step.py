@@ -33,7 +33,6 @@ import torch
 from partita.capture.source import pin_source
 from partita.errors import RecompileWarning, VirtualDeviceError, warn
 from partita.mesh import Mesh
-from partita.partition import Plan
 from partita.recompile import RECOMPILE_WARNING_AT
 from partita.relayout import reshard
 from partita.runtime.distributed import distributed_executor
@@ -50,7 +49,6 @@ __all__ = [
     "LastSync",
     "Metrics",
     "current_mesh",
-    "last_plan",
     "last_sync",
     "mesh",
     "metrics",
@@ -126,37 +124,6 @@ def last_sync() -> LastSync | None:
     """The step the last :func:`sync` ran (None before the first)."""
     device = state.existing()
     return None if device is None else device.last_sync  # type: ignore[no-any-return]
-
-
-def last_plan() -> Plan:
-    """The :class:`~partita.Plan` of the step the device ran last (a ``sync``'s, or a
-    ``partita.compile`` step's replay): its shardings, collectives and memory.
-    ``last_plan().explain()`` prints it as ``partita.jit(...).explain()`` does.
-
-    Raises VirtualDeviceError before the first step, and when that step's program was read
-    from the persistent compile cache (which keeps the per-device program, not its Plan).
-
-    Example:
-        >>> dev = partita.use_spmd(Mesh.create((2, 4), ("data", "model")))
-        >>> (torch.ones(8, 4, device=dev) * 2).sum().item()
-        64.0
-        >>> partita.last_plan().collectives  # doctest: +SKIP
-    """
-    device = state.existing()
-    program = None if device is None else device.last_program
-    if program is None:
-        raise VirtualDeviceError(
-            "partita.last_plan(): the virtual device has run no step yet in this process. "
-            "Record a step and run it first (partita.sync(), .item() or .cpu() on a result), "
-            "then ask for its Plan."
-        )
-    if program.compiled is None:
-        raise VirtualDeviceError(
-            "partita.last_plan(): the last step's program was read from the persistent compile "
-            "cache (use_spmd(cache_dir=...) / PARTITA_COMPILE_CACHE), which keeps the "
-            "per-device program but not its Plan. Run once without the cache to see the Plan."
-        )
-    return program.compiled.plan
 
 
 def _replay_fn(rec: recording.Recording, outputs: list[int]) -> Callable[..., list[torch.Tensor]]:
@@ -293,7 +260,7 @@ def submit(
             input_cells[i].in_flight = True
     run = _Run(program, inputs, out_cells, input_cells)
     device = state.get()
-    device.last_program = program
+    device.last_program = program  # partita.last_plan() (partita.virtual.plans)
     # A step that draws random numbers runs now: in the background its draws would take the
     # CPU generator from whatever the Python thread draws meanwhile (the next batch's
     # torch.randn), not from where eager PyTorch takes them.

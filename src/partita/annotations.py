@@ -1,0 +1,84 @@
+"""The annotation rules ``mark_sharding`` shares between ShardedTensors and the virtual
+device's tensors, and the shardings it gave module weights off the device.
+
+:func:`annotation_conflict` is the one error of marking an annotated tensor with another
+sharding (``partita.tensor`` and ``partita.virtual.marking`` raise it). The weights a user
+marked (``partita.mark_sharding(model.fc.weight, mesh, spec)`` on a module off the device) are
+remembered by identity, dropped with the parameter; ``partita.jit(model)`` and
+``partita.train_step`` read them with :func:`marked_param_specs`. This module holds no data.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from partita.errors import AnnotationError, ShardingError
+from partita.mesh import Mesh
+from partita.spec import PartitionSpec, Sharding
+
+__all__ = ["annotation_conflict", "mark_parameter", "marked_param_specs", "marks_made"]
+
+
+def annotation_conflict(
+    shape: Sequence[int],
+    current: Sharding,
+    asked: Sharding,
+    mesh: Mesh,
+    other: str = "use partita.reshard(x, spec) for a new tensor",
+) -> AnnotationError:
+    """The error of ``mark_sharding`` with another sharding on an annotated tensor (the same
+    for a ShardedTensor and a virtual-device tensor)."""
+    return AnnotationError(
+        f"Existing annotation must be cleared first: the tensor of shape {tuple(shape)} is "
+        f"annotated with {current} on {current.mesh!r}, and mark_sharding was asked for {asked} "
+        f"on {mesh!r}. Call partita.clear_sharding(x) and then mark_sharding(x, mesh, spec) to "
+        f"re-annotate it in place, or {other}."
+    )
+
+
+#: The shardings ``mark_sharding`` gave parameters of modules off the virtual device (by
+#: identity, dropped with the parameter): ``partita.jit(model)`` and ``partita.train_step``
+#: shard those parameters so (:func:`marked_param_specs`).
+_MARKED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_MARKS_MADE = [0]
+
+
+def mark_parameter(param: nn.Parameter, sharding: Sharding) -> None:
+    """Remember ``sharding`` for ``param`` (``partita.mark_sharding`` on a module's weight)."""
+    _MARKED_PARAMS[param] = sharding
+    _MARKS_MADE[0] += 1
+
+
+def marks_made() -> int:
+    """How many times :func:`mark_parameter` ran (jit's memo of in_specs changes with it)."""
+    return _MARKS_MADE[0]
+
+
+def marked_param_specs(model: nn.Module, mesh: Mesh) -> dict[str, PartitionSpec]:
+    """``{parameter name: spec}`` of ``model``'s parameters marked with ``mark_sharding``.
+
+    Raises ShardingError for a parameter marked over another mesh than ``mesh``.
+
+    Example:
+        >>> mesh = Mesh.create((2,), ("data",))
+        >>> model = nn.Linear(4, 2)
+        >>> _ = partita.mark_sharding(model.weight, mesh, P("data", None))
+        >>> marked_param_specs(model, mesh)
+        {'weight': P('data', None)}
+    """
+    out = {}
+    for name, p in model.named_parameters():
+        sharding = _MARKED_PARAMS.get(p)
+        if sharding is None:
+            continue
+        if sharding.mesh != mesh:
+            raise ShardingError(
+                f"parameter {name!r} of shape {tuple(p.shape)} was marked with "
+                f"mark_sharding(..., {sharding.mesh!r}, {sharding.spec}), but the module is "
+                f"compiled for {mesh!r}. Mark it over the mesh the step runs on."
+            )
+        out[name] = sharding.spec
+    return out
