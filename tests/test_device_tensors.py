@@ -7,6 +7,7 @@ last step's Plan. The multi-process data path is tests/test_device_loop_dist.py.
 
 from __future__ import annotations
 
+import copy
 import io
 from collections.abc import Callable
 from typing import Any
@@ -328,3 +329,14 @@ def test_last_plan_before_any_step(dev: torch.device) -> None:
             partita.last_plan()
     finally:
         partita.use_spmd(MESH)
+
+
+def test_converting_or_copying_a_marked_weight_keeps_its_annotation(dev: torch.device) -> None:
+    model = nn.Linear(4, 8).to(dev)
+    partita.mark_sharding(model.weight, MESH, P("model", None))
+    twin = copy.deepcopy(model)
+    model.to(torch.float64)
+    for w in (model.weight, twin.weight):
+        assert w.is_annotated and w.sharding.spec == P("model", None)
+        with pytest.raises(AnnotationError, match="must be cleared first"):
+            partita.mark_sharding(w, MESH, P(None, "model"))
