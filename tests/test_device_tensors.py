@@ -340,3 +340,17 @@ def test_converting_or_copying_a_marked_weight_keeps_its_annotation(dev: torch.d
         assert w.is_annotated and w.sharding.spec == P("model", None)
         with pytest.raises(AnnotationError, match="must be cleared first"):
             partita.mark_sharding(w, MESH, P(None, "model"))
+
+
+def test_a_marked_weight_is_re_marked_after_clearing() -> None:
+    model = nn.Linear(4, 2)
+    partita.mark_sharding(model.weight, MESH, P("model", None))
+    partita.mark_sharding(model.weight, MESH, P("model", None))  # the same: fine
+    with pytest.raises(AnnotationError, match=r"must be cleared first.*param_specs"):
+        partita.mark_sharding(model.weight, MESH, P(None, "model"))
+    assert partita.clear_sharding(model.weight) is model.weight
+    partita.mark_sharding(model.weight, MESH, P(None, "model"))
+    jitted = partita.jit(model, mesh=MESH, in_specs=P("data"))
+    assert _input_shardings(jitted.lower(VALUE))["parameter 'weight'"].spec == P(None, "model")
+    partita.clear_sharding(model.weight)
+    assert _input_shardings(jitted.lower(VALUE))["parameter 'weight'"].spec == P(None, None)

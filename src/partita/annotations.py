@@ -19,7 +19,13 @@ from partita.errors import AnnotationError, ShardingError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec, Sharding
 
-__all__ = ["annotation_conflict", "mark_parameter", "marked_param_specs", "marks_made"]
+__all__ = [
+    "annotation_conflict",
+    "clear_parameter",
+    "mark_parameter",
+    "marked_param_specs",
+    "marks_made",
+]
 
 
 def annotation_conflict(
@@ -47,9 +53,23 @@ _MARKS_MADE = [0]
 
 
 def mark_parameter(param: nn.Parameter, sharding: Sharding) -> None:
-    """Remember ``sharding`` for ``param`` (``partita.mark_sharding`` on a module's weight)."""
+    """Remember ``sharding`` for ``param`` (``partita.mark_sharding`` on a module's weight);
+    another sharding than the one remembered raises, as for an annotated tensor."""
+    current = _MARKED_PARAMS.get(param)
+    if current is not None and current != sharding:
+        raise annotation_conflict(
+            param.shape, current, sharding, sharding.mesh, "pass param_specs to partita.jit"
+        )
     _MARKED_PARAMS[param] = sharding
     _MARKS_MADE[0] += 1
+
+
+def clear_parameter(param: nn.Parameter) -> bool:
+    """Forget ``param``'s mark (``partita.clear_sharding``); False when it had none."""
+    if _MARKED_PARAMS.pop(param, None) is None:
+        return False
+    _MARKS_MADE[0] += 1
+    return True
 
 
 def marks_made() -> int:

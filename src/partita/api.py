@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from partita import capture, propagate, tensor
-from partita.annotations import mark_parameter
+from partita.annotations import clear_parameter, mark_parameter
 from partita.explain import format_program
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec, as_spec
@@ -49,7 +49,8 @@ def mark_sharding(
       unsharded reference; not traced, not on the device): returns ``t`` itself, unchanged,
       so the forward keeps its autograd graph, as PyTorch/XLA's call does off an XLA device.
     * On an ``nn.Parameter`` (a module's weight, off the device): also remembers the sharding
-      for that parameter, so ``partita.jit(model)`` and ``partita.train_step`` shard it so.
+      for that parameter, so ``partita.jit(model)`` and ``partita.train_step`` shard it so
+      (another sharding later raises until ``clear_sharding(param)``).
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -74,10 +75,9 @@ def mark_sharding(
             return tensor.mark_sharding(t, mesh, spec)  # its error for a wrong mesh
         as_spec(spec).to_sharding(mesh, t.ndim).check_shape(t.shape)  # still a valid spec
         return t
-    out = tensor.mark_sharding(t, mesh, spec)
-    if isinstance(t, nn.Parameter):
-        mark_parameter(t, out.sharding)
-    return out
+    if isinstance(t, nn.Parameter) and isinstance(mesh, Mesh):
+        mark_parameter(t, as_spec(spec).to_sharding(mesh, t.ndim))
+    return tensor.mark_sharding(t, mesh, spec)
 
 
 def clear_sharding(t: Any) -> Any:
@@ -93,6 +93,8 @@ def clear_sharding(t: Any) -> Any:
     """
     if isinstance(t, LazyTensor):
         return clear_in_place(t)
+    if isinstance(t, nn.Parameter) and clear_parameter(t):  # a module weight's mark
+        return t
     return tensor.clear_sharding(t)
 
 
