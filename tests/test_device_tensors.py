@@ -354,3 +354,14 @@ def test_a_marked_weight_is_re_marked_after_clearing() -> None:
     assert _input_shardings(jitted.lower(VALUE))["parameter 'weight'"].spec == P(None, "model")
     partita.clear_sharding(model.weight)
     assert _input_shardings(jitted.lower(VALUE))["parameter 'weight'"].spec == P(None, None)
+
+
+def test_a_weight_marked_off_the_device_still_moves_to_it(dev: torch.device) -> None:
+    model = nn.Linear(4, 8)
+    weight = model.weight
+    partita.mark_sharding(model.weight, MESH, P("model", None))
+    model.to(dev)  # swaps the parameter's tensor: a weak reference to it would refuse
+    assert model.weight is weight and model.weight.device == dev
+    assert not model.weight.is_annotated  # marks on the device are the device's
+    partita.mark_sharding(model.weight, MESH, P(None, "model"))
+    assert model.weight.sharding.spec == P(None, "model")

@@ -3,8 +3,8 @@ device's tensors, and the shardings it gave module weights off the device.
 
 :func:`annotation_conflict` is the one error of marking an annotated tensor with another
 sharding (``partita.tensor`` and ``partita.virtual.marking`` raise it). The weights a user
-marked (``partita.mark_sharding(model.fc.weight, mesh, spec)`` on a module off the device) are
-remembered by identity, dropped with the parameter; ``partita.jit(model)`` and
+marked (``partita.mark_sharding(model.fc.weight, mesh, spec)`` on a module off the device) keep
+their sharding in an attribute; ``partita.jit(model)`` and
 ``partita.train_step`` read them with :func:`marked_param_specs`. This module holds no data.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from torch import nn
-from torch.utils.weak import WeakIdKeyDictionary
 
 from partita.errors import AnnotationError, ShardingError
 from partita.mesh import Mesh
@@ -45,35 +44,38 @@ def annotation_conflict(
     )
 
 
-#: The shardings ``mark_sharding`` gave parameters of modules off the virtual device (by
-#: identity, dropped with the parameter): ``partita.jit(model)`` and ``partita.train_step``
-#: shard those parameters so (:func:`marked_param_specs`).
-_MARKED_PARAMS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: The attribute holding the sharding ``mark_sharding`` gave a parameter of a module off the
+#: virtual device (on the Parameter itself: a weak reference would stop ``module.to(dev)``
+#: from swapping the parameter's tensor, and ``torch.utils.swap_tensors`` moves attributes
+#: with the old tensor, so the mark stays off the device). ``partita.jit(model)`` and
+#: ``partita.train_step`` shard those parameters so (:func:`marked_param_specs`).
+_MARK = "_partita_mark"
 _MARKS_MADE = [0]
 
 
 def mark_parameter(param: nn.Parameter, sharding: Sharding) -> None:
     """Remember ``sharding`` for ``param`` (``partita.mark_sharding`` on a module's weight);
     another sharding than the one remembered raises, as for an annotated tensor."""
-    current = _MARKED_PARAMS.get(param)
+    current = getattr(param, _MARK, None)
     if current is not None and current != sharding:
         raise annotation_conflict(
             param.shape, current, sharding, sharding.mesh, "pass param_specs to partita.jit"
         )
-    _MARKED_PARAMS[param] = sharding
+    setattr(param, _MARK, sharding)
     _MARKS_MADE[0] += 1
 
 
 def clear_parameter(param: nn.Parameter) -> bool:
     """Forget ``param``'s mark (``partita.clear_sharding``); False when it had none."""
-    if _MARKED_PARAMS.pop(param, None) is None:
+    if getattr(param, _MARK, None) is None:
         return False
+    delattr(param, _MARK)
     _MARKS_MADE[0] += 1
     return True
 
 
 def marks_made() -> int:
-    """How many times :func:`mark_parameter` ran (jit's memo of in_specs changes with it)."""
+    """How many times a mark was made or cleared (jit's memo of in_specs changes with it)."""
     return _MARKS_MADE[0]
 
 
@@ -91,7 +93,7 @@ def marked_param_specs(model: nn.Module, mesh: Mesh) -> dict[str, PartitionSpec]
     """
     out = {}
     for name, p in model.named_parameters():
-        sharding = _MARKED_PARAMS.get(p)
+        sharding = getattr(p, _MARK, None)
         if sharding is None:
             continue
         if sharding.mesh != mesh:
