@@ -52,6 +52,8 @@ def _check(results: list[dict], reference: dict, data: int, model: int) -> None:
         # the bytes it put on the device: its rows of x and y, every step, nothing more
         assert r["upload_bytes"] == STEPS * rows * FEATURES * 4, r
         assert r["losses"] == pytest.approx(reference["losses"], abs=1e-6, rel=0), r
+        assert r["shards"] == [[r["rank"]], [r["rank"]]], r  # local_shards: its own
+    assert reference["shards"] == [list(range(data * model))] * 2
 
 
 def _spawned(data: int, model: int) -> list[dict]:

@@ -52,7 +52,7 @@ def main(data: int, model_axis: int) -> dict:
             yield x[rows].clone(), y[rows].clone()
 
     partita.metrics(reset=True)
-    losses = []
+    losses, shards = [], []
     for xb, yb in GlobalBatchLoader(my_rows(), mesh, P("data"), device=dev):
         assert xb.device == dev and tuple(xb.shape) == (GLOBAL_BATCH, 8)
         loss = F.mse_loss(model(xb), yb)
@@ -60,11 +60,14 @@ def main(data: int, model_axis: int) -> dict:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        # the devices whose shards this process holds: a batch it uploaded, a replicated bias
+        shards = [[s.device for s in t.local_shards] for t in (xb, model[0].bias)]
     return {
         "rank": pd.process_index(),
         "losses": losses,
         "read": read,
         "upload_bytes": partita.metrics().upload_bytes,
+        "shards": shards,
         "compiles": partita.metrics().compiles,
         "recompiled": partita.metrics().recompile_reasons,
     }

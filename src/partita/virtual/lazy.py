@@ -24,8 +24,10 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from partita.errors import VirtualDeviceError
+from partita.runtime.dist_tensor import DistributedShardedTensor
 from partita.spec import PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor
 from partita.virtual import state
@@ -353,6 +355,8 @@ def held_value(t: LazyTensor) -> ShardedTensor:
             "partita.use_spmd(mesh). Call dev = partita.use_spmd(mesh) first."
         )
     sharding = Sharding.replicated(mesh, data.ndim)
+    if dist.is_available() and dist.is_initialized():  # this process's device only
+        return DistributedShardedTensor(data, sharding, data.shape, dist.get_rank())
     return ShardedTensor.from_held(data, (False,) * len(mesh.shape), sharding, data.shape)
 
 
