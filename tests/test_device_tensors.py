@@ -167,16 +167,17 @@ def test_clear_sharding_of_a_plain_tensor_still_raises() -> None:
 # --- a ShardedTensor onto the device ---------------------------------------------------------
 
 
-def test_sharded_tensor_to_device_keeps_its_storage(dev: torch.device) -> None:
+def test_sharded_tensor_to_device_copies_its_storage_in_its_layout(dev: torch.device) -> None:
     x = partita.mark_sharding(VALUE.clone(), MESH, P("data", None))
     before = partita.metrics().upload_bytes
     t = x.to(dev)
     assert t.device == dev and t.is_annotated and t.sharding == x.sharding
-    assert t.local_shard_views[5].data.data_ptr() == x.stacked[5].data_ptr()  # no copy
+    assert t.local_shard_views[5].data.data_ptr() != x.stacked[5].data_ptr()  # a copy
+    x.stacked.fill_(-1)  # changing x afterwards leaves the device's value alone, as for .to()
     assert partita.metrics().upload_bytes - before == x.stacked.numel() * 4
     assert "upload_bytes=" in str(partita.metrics())
     torch.testing.assert_close((t * 2).cpu(), VALUE * 2)
-    double = x.to(dev, torch.float64)
+    double = partita.mark_sharding(VALUE.clone(), MESH, P("data", None)).to(dev, torch.float64)
     assert double.dtype == torch.float64 and double.sharding.spec == P("data", None)
     torch.testing.assert_close(double.cpu(), VALUE.double())
 

@@ -64,9 +64,9 @@ def eager_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def _moved_to_device(
     x: ShardedTensor, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> LazyTensor | None:
-    """``x.to(dev)`` (and ``x.to(dev, dtype)``) with ``dev`` the virtual device: ``x``'s
-    storage becomes the device tensor's data, in its layout, with no gather and no copy; None
-    for any other ``to``."""
+    """``x.to(dev)`` (and ``x.to(dev, dtype)``) with ``dev`` the virtual device: a copy of
+    ``x``'s storage becomes the device tensor's data, in its layout, with no gather; None for
+    any other ``to``."""
     try:
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
     except TypeError:  # x.to(other_tensor) with a ShardedTensor: the ordinary path
@@ -81,10 +81,11 @@ def _moved_to_device(
 
 
 def upload(x: ShardedTensor) -> LazyTensor:
-    """``x`` as a tensor of the virtual device: the storage this process holds of it (under
-    torch.distributed only its own shard: the rows a per-host loader gave it) becomes the
-    device tensor's data, uncopied, and counts in ``partita.metrics().upload_bytes``. An
-    annotated ShardedTensor gives an annotated device tensor.
+    """``x`` as a tensor of the virtual device: a copy of the storage this process holds of it
+    (under torch.distributed only its own shard: the rows a per-host loader gave it) becomes
+    the device tensor's data, in its layout (no gather), and counts in
+    ``partita.metrics().upload_bytes``. An annotated ShardedTensor gives an annotated device
+    tensor.
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -101,17 +102,17 @@ def upload(x: ShardedTensor) -> LazyTensor:
             f"mesh (partita.data.make_global(rows, mesh, spec, device=dev) with the mesh given "
             f"to partita.use_spmd)."
         )
-    held: ShardedTensor
+    held: ShardedTensor  # a copy, as torch's .to(device) makes: x may change afterwards
     if isinstance(x, DistributedShardedTensor):
-        local = x.addressable_data[0]
+        local = x.addressable_data[0].clone()
         held = DistributedShardedTensor(local, x.sharding, x.shape, x.addressable_devices[0])
         nbytes = local.numel() * local.element_size()
     elif x.held is not None:
         value, axes = x.held
-        held = ShardedTensor.from_held(value, axes, x.sharding, x.shape)
+        held = ShardedTensor.from_held(value.clone(), axes, x.sharding, x.shape)
         nbytes = value.numel() * value.element_size()
     else:
-        held = ShardedTensor.from_stacked(x.stacked, x.sharding, x.shape)
+        held = ShardedTensor.from_stacked(x.stacked.clone(), x.sharding, x.shape)
         nbytes = x.stacked.numel() * x.stacked.element_size()
     t = new_data(held)
     if x.is_annotated:
