@@ -36,6 +36,7 @@ STAGES = ("values", "capture", "rules", "propagate", "partition", "runtime", "ap
 
 #: Modules of the value layer: data every stage shares, importing no stage.
 _VALUES = (
+    "partita.annotations",
     "partita.collectives",
     "partita.collectives_bucket",
     "partita.errors",

@@ -126,6 +126,7 @@ def test_compiled_step_replays_and_equals_eager(dev: torch.device) -> None:
     assert (calls[0], m.compiled_step_replays) == (6, 6)
     assert len(step.signatures) == 2
 
+    partita.clear_sharding(model[0].weight)  # re-annotating takes clearing first
     partita.mark_sharding(model[0].weight, MESH, P(None, "model"))  # a captured input
     x, y = _batches(1, seed=2)[0]
     loss = step(x, y)

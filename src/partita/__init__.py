@@ -6,7 +6,7 @@ import importlib
 
 import partita.serialization  # noqa: F401  (lets torch.load(weights_only=True) read partita values)
 from partita import data, distributed, options, presets
-from partita.api import mark_sharding
+from partita.api import clear_sharding, mark_sharding
 from partita.distributed import is_main_process, process_count, process_index
 from partita.errors import (
     AnnotationError,
@@ -62,9 +62,9 @@ from partita.relayout import reshard
 from partita.rules import FactorRule, einsum_rule, register_rule
 from partita.scan_layers import scan_layers
 from partita.spec import P, PartitionSpec, Sharding
-from partita.tensor import Shard, ShardedTensor, clear_sharding
+from partita.tensor import Shard, ShardedTensor
 from partita.training.train import TrainStep, train_step
-from partita.virtual import compile, metrics, sync, use_spmd
+from partita.virtual import compile, last_plan, metrics, sync, use_spmd
 from partita.visualize import format_sharding, visualize_sharding
 
 __version__ = "0.1.0"
@@ -130,6 +130,7 @@ __all__ = [
     "format_sharding",
     "is_main_process",
     "jit",
+    "last_plan",
     "mark_sharding",
     "metrics",
     "options",

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from partita.annotations import marks_made
 from partita.capture.kv_cache import flatten_registering_caches, is_transformers_cache
 from partita.capture.trace import broadcast_specs
 from partita.errors import CaptureError
@@ -54,7 +55,7 @@ class Signatures:
         self, tree: Any, source: Any, in_specs: Callable[[], Any], args: tuple[Any, ...]
     ) -> list[PartitionSpec | None]:
         """The user's spec per leaf of ``(args, kwargs)``, broadcast once per structure."""
-        memo = (tree, id(source))
+        memo = (tree, id(source), marks_made())  # a weight's mark_sharding: specs anew
         hit = self._user.get(memo)
         if hit is not None and hit[0] is source:
             return hit[1]

@@ -56,6 +56,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from partita.annotations import marked_param_specs
 from partita.mesh import Mesh
 from partita.plan_roles import (
     COLUMN_NAMES,
@@ -276,7 +277,10 @@ def param_specs(preset: PresetLike, model: nn.Module, mesh: Mesh) -> dict[str, P
         >>> param_specs({"*.weight": P(None, "data")}, nn.Sequential(nn.Linear(8, 2)), mesh)
         {'0.weight': P(None, 'data'), '0.bias': P()}
     """
-    return {row.name: row.spec for row in explain_param_specs(preset, model, mesh)}
+    marked = marked_param_specs(model, mesh)  # a weight's own mark_sharding wins
+    return {
+        row.name: marked.get(row.name, row.spec) for row in explain_param_specs(preset, model, mesh)
+    }
 
 
 def split_fraction(specs: Mapping[str, PartitionSpec], model: nn.Module, mesh_axis: str) -> float:

@@ -161,15 +161,14 @@ class DistributedShardedTensor(ShardedTensor):
             f"process, use partita.distributed.log(x) on every process."
         )
 
-    @property
-    def local_shards(self) -> list[Shard]:
+    def _shards(self, *, copy: bool) -> list[Shard]:
         ranges = index_ranges(self.sharding, self.shape).tolist()
         replicas = replica_ids(self.sharding).tolist()
         shards = []
         for i, device in enumerate(self._devices):
             p = self.mesh.position(device)
             index = tuple(slice(a, b) for a, b in ranges[p])
-            data = self._local[i]
+            data = self._local[i].clone() if copy else self._local[i]
             unpadded = data[tuple(slice(0, b - a) for a, b in ranges[p])]
             shards.append(Shard(data, unpadded, device, index, replicas[p]))
         return shards

@@ -25,6 +25,7 @@ from partita.virtual.compiled import CompiledStep, compile
 from partita.virtual.device import MIN_TORCH, VirtualDeviceError, check_torch
 from partita.virtual.dispatch import dispatch
 from partita.virtual.lazy import LazyTensor
+from partita.virtual.plans import last_plan
 from partita.virtual.sharded_ops import eager_op
 from partita.virtual.step import Metrics, metrics, sync
 from partita.virtual.switch import register_device, sharded, use_spmd
@@ -37,6 +38,7 @@ __all__ = [
     "VirtualDeviceError",
     "check_torch",
     "compile",
+    "last_plan",
     "metrics",
     "register_device",
     "sharded",

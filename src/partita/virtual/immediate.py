@@ -200,6 +200,7 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
             return dst.copy_(full_value(src))
         if not isinstance(src, LazyTensor) and _is_clean_data(dst._cell, rec, unused=True):
             value = src.detach().to(dst.dtype).expand(dst.shape).clone()
+            state.get().metrics.upload_bytes += src.numel() * src.element_size()
             uploads = state.get().uploads
             if uploads:
                 uploads[-1].append((src, dst._cell))
@@ -279,19 +280,22 @@ def _convert_data(t: LazyTensor, kwargs: dict[str, Any], rec: Any) -> LazyTensor
 
 
 def _copied_data(t: LazyTensor, dtype: torch.dtype) -> LazyTensor | None:
-    """A new device tensor holding a copy of ``t``'s data in ``dtype``, in the same layout
-    (None where the layout is not one this process can copy as is)."""
+    """A new device tensor holding a copy of ``t``'s data in ``dtype``, in the same layout and
+    with its annotation (None where the layout is not one this process can copy as is)."""
     old = t._cell.data
     if isinstance(old, DistributedShardedTensor):  # this process's shard only
         local = old.addressable_data[0].to(dtype, copy=True)
         device = old.addressable_devices[0]
-        return new_data(DistributedShardedTensor(local, old.sharding, t.shape, device))
-    if type(old) is ShardedTensor:  # (one held per distinct tile is expanded here)
+        out = new_data(DistributedShardedTensor(local, old.sharding, t.shape, device))
+    elif type(old) is ShardedTensor:  # (one held per distinct tile is expanded here)
         stacked = old.stacked.to(dtype, copy=True)
-        return new_data(ShardedTensor.from_stacked(stacked, old.sharding, t.shape))
-    if type(old) is torch.Tensor and tuple(old.shape) == tuple(t.shape):
-        return new_data(old.to(dtype, copy=True))
-    return None
+        out = new_data(ShardedTensor.from_stacked(stacked, old.sharding, t.shape))
+    elif type(old) is torch.Tensor and tuple(old.shape) == tuple(t.shape):
+        out = new_data(old.to(dtype, copy=True))
+    else:
+        return None
+    out._cell.annotation = t._cell.annotation  # model.half(), copy.deepcopy keep the marks
+    return out
 
 
 def _values(x: Any) -> Any:

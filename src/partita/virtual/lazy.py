@@ -24,9 +24,12 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from partita.errors import VirtualDeviceError
-from partita.tensor import ShardedTensor
+from partita.runtime.dist_tensor import DistributedShardedTensor
+from partita.spec import PartitionSpec, Sharding
+from partita.tensor import Shard, ShardedTensor
 from partita.virtual import state
 from partita.virtual.state import DEVICE_NAME
 
@@ -37,6 +40,7 @@ __all__ = [
     "connect",
     "dispatch",
     "full_value",
+    "held_value",
     "lazies",
     "new_data",
     "next_serial",
@@ -73,6 +77,8 @@ class Cell:
         slot: its slot in the recording of ``epoch`` (None when not used there yet).
         meta: a meta tensor with its shape, dtype and strides.
         serial: increases with each cell made (which cells a call of a compiled step made).
+        annotation: the sharding ``mark_sharding`` gave this value (None: not annotated, or
+            cleared by ``clear_sharding``); aliases (``.data``, ``detach``) share it.
     """
 
     __slots__ = (
@@ -80,6 +86,7 @@ class Cell:
         "_data",
         "_desc",
         "_meta",
+        "annotation",
         "base",
         "dirty",
         "epoch",
@@ -111,6 +118,7 @@ class Cell:
         self.dirty = False
         # Creation order: a compiled step tells the values it made from those it was given.
         self.serial = next(state.get().serials)
+        self.annotation: Sharding | None = None
 
     @property
     def meta(self) -> torch.Tensor:
@@ -245,6 +253,37 @@ class LazyTensor(torch.Tensor):
         """The global value as a plain CPU tensor (syncs if it is pending)."""
         return full_value(self)
 
+    # --- the sharding, as a ShardedTensor answers it (docs/virtual-device.md) -------------
+
+    @property
+    def sharding(self) -> Sharding:
+        """The layout of the value over the device's mesh (replicated unless sharded; syncs if
+        it is pending: a computed value's layout is the one the step produced)."""
+        return held_value(self).sharding
+
+    @property
+    def spec(self) -> PartitionSpec:
+        """The PartitionSpec of :attr:`sharding`."""
+        return self.sharding.spec
+
+    @property
+    def is_annotated(self) -> bool:
+        """True after ``mark_sharding`` on this tensor (or its ``.data``), until
+        ``clear_sharding``; a value the step computed is not annotated until marked."""
+        return self._cell.annotation is not None
+
+    @property
+    def local_shards(self) -> list[Shard]:
+        """One :class:`~partita.Shard` per device of the mesh (under torch.distributed, this
+        process's): snapshots, as in PyTorch/XLA (syncs if pending). ``local_shard_views``
+        gives read-only views of the device's storage instead."""
+        return held_value(self).local_shards
+
+    @property
+    def local_shard_views(self) -> list[Shard]:
+        """:attr:`local_shards` without the copy: views of the device's storage, read-only."""
+        return held_value(self).local_shard_views
+
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Hand an op on device tensors to the recording layer, as ``__torch_dispatch__`` does
@@ -297,6 +336,28 @@ def full_value(t: LazyTensor) -> torch.Tensor:
     value = data.full() if isinstance(data, ShardedTensor) else data
     assert value is not None  # a synced cell always holds data
     return value
+
+
+def held_value(t: LazyTensor) -> ShardedTensor:
+    """The value of ``t`` as the ShardedTensor the device holds, syncing when it is pending
+    (no gather and no copy: a replicated plain value is viewed once per device)."""
+    cell = t._cell
+    if cell.is_pending:
+        _sync_outside_dispatch()
+    data = cell.data
+    if isinstance(data, ShardedTensor):
+        return data
+    assert data is not None  # a synced cell always holds data
+    mesh = state.get().mesh
+    if mesh is None:
+        raise VirtualDeviceError(
+            "The virtual device has no mesh: a tensor on 'spmd' was used before "
+            "partita.use_spmd(mesh). Call dev = partita.use_spmd(mesh) first."
+        )
+    sharding = Sharding.replicated(mesh, data.ndim)
+    if dist.is_available() and dist.is_initialized():  # this process's device only
+        return DistributedShardedTensor(data, sharding, data.shape, dist.get_rank())
+    return ShardedTensor.from_held(data, (False,) * len(mesh.shape), sharding, data.shape)
 
 
 def lazies(x: Any) -> list[LazyTensor]:

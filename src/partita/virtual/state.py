@@ -60,6 +60,8 @@ class DeviceState:
         metrics: the counters ``partita.metrics()`` returns.
         programs: compiled programs by structural key, least recently used first.
         last_sync: the step the last sync ran (a ``step.LastSync``).
+        last_program: the program of the step run last (a sync's or a ``partita.compile``
+            replay's; a ``program.StepProgram``).
         epoch: numbers recordings; a cell's slot is valid in the recording of its epoch.
         recording: the recording being made (a ``recording.Recording``), None between steps.
         last_guide: the guide of the step run last.
@@ -81,6 +83,7 @@ class DeviceState:
     metrics: Metrics = field(default_factory=Metrics)
     programs: OrderedDict[Hashable, Any] = field(default_factory=OrderedDict)
     last_sync: Any = None
+    last_program: Any = None
     epoch: int = 0
     recording: Any = None
     last_guide: Any = None

@@ -264,6 +264,7 @@ def submit(
             input_cells[i].in_flight = True
     run = _Run(program, inputs, out_cells, input_cells)
     device = state.get()
+    device.last_program = program  # partita.last_plan() (partita.virtual.plans)
     # A step that draws random numbers runs now: in the background its draws would take the
     # CPU generator from whatever the Python thread draws meanwhile (the next batch's
     # torch.randn), not from where eager PyTorch takes them.
