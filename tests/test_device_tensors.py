@@ -298,7 +298,7 @@ def test_mark_sharding_on_a_weight_applies_to_jit_and_train_step() -> None:
         lambda out, y: F.mse_loss(out, y),
         torch.optim.SGD(model.parameters(), lr=0.1),
         mesh=MESH,
-        shard="fsdp",
+        param_specs="fsdp",
     )
     assert step.param_specs["0.weight"] == P("model", None)
     assert step.param_specs["2.weight"] != P("model", None)
