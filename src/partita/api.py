@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from partita import capture, propagate, tensor
+from partita.errors import ArgumentError
 from partita.explain import format_program
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
@@ -52,7 +53,7 @@ def mark_sharding(
     """
     if isinstance(t, LazyTensor):
         if priority:
-            raise ValueError(
+            raise ArgumentError(
                 "mark_sharding(priority=...) only applies to annotations inside a captured "
                 "function; a virtual-device tensor's annotation always has priority 0."
             )
@@ -60,7 +61,7 @@ def mark_sharding(
     if capture.is_tracing() and not isinstance(t, tensor.ShardedTensor):
         return capture.annotate(t, mesh, spec, priority=priority)
     if priority:
-        raise ValueError("priority only applies to annotations inside a captured function")
+        raise ArgumentError("priority only applies to annotations inside a captured function")
     return tensor.mark_sharding(t, mesh, spec)
 
 

@@ -20,16 +20,24 @@ import warnings
 
 __all__ = [
     "AnnotationError",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "CacheEntryError",
     "CaptureError",
     "CheckpointError",
     "CompilerError",
     "DistributedError",
     "DtypeError",
+    "ExecutionError",
     "ExplicitCollectiveError",
+    "HandlerCodeError",
     "ImplicitCollectiveWarning",
+    "IndexRangeError",
     "InputError",
+    "InternalError",
     "JitArgumentError",
     "JoinTimeoutError",
+    "LaunchError",
     "MeshError",
     "OptionError",
     "PartitaError",
@@ -37,6 +45,8 @@ __all__ = [
     "RecompileWarning",
     "RematerializationError",
     "ReplicationError",
+    "RuleError",
+    "RuleRegistrationError",
     "ShardMapError",
     "ShardMapWarning",
     "ShardingConflictError",
@@ -52,6 +62,30 @@ __all__ = [
 
 class PartitaError(Exception):
     """Base class of every error partita raises on purpose."""
+
+
+class InternalError(PartitaError, RuntimeError):
+    """An internal invariant of partita does not hold: a bug in partita, not in the user's
+    program. The message says which check failed and ends with :attr:`REPORT`."""
+
+    #: What every InternalError message ends with.
+    REPORT = "This is a partita bug, please report it (with the code that raised it)."
+
+
+class HandlerCodeError(InternalError, TypeError):
+    """Partitioning handler code (``partition/emit.py`` proxies) applied an operation to a
+    per-device value that the emitter cannot turn into an aten op: a bug in the handler."""
+
+
+class ArgumentError(PartitaError, ValueError):
+    """A partita function or class got an argument value it cannot use (a model config that
+    does not divide, an unknown optimizer or preset name, an input of the wrong shape)."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """A partita function or class got an argument of a type it cannot use (a mesh that is
+    not a :class:`~partita.Mesh`, a module where a list of layers was expected). Also a
+    ``ValueError``, as :class:`ArgumentError` is."""
 
 
 class MeshError(PartitaError, ValueError):
@@ -79,6 +113,17 @@ class UnsupportedOpError(PartitaError, NotImplementedError):
     """An op in the captured program has no sharding rule."""
 
 
+class RuleError(PartitaError, ValueError):
+    """A sharding rule does not fit the call it was asked about: a factor spec
+    (``partita.einsum_rule``) that does not parse, names the wrong number of tensors, or gives
+    one factor two sizes. Propagation treats it like :class:`UnsupportedOpError` (the rule
+    cannot handle this call): the op is replicated under ``replicate_unsupported=True``."""
+
+
+class RuleRegistrationError(RuleError, RuntimeError):
+    """``partita.register_rule`` was asked to register a second rule for an op."""
+
+
 class ShardingConflictError(PartitaError, ValueError):
     """Annotations in one program cannot all hold (for example, two meshes in one program)."""
 
@@ -89,6 +134,16 @@ class RematerializationError(PartitaError, ValueError):
 
 class CaptureError(PartitaError, RuntimeError):
     """A user function could not be traced into a program."""
+
+
+class ExecutionError(PartitaError, RuntimeError):
+    """A per-device program failed while it ran on the simulated mesh (``LocalMesh``); the
+    message names the node and the stacked shapes, and the cause is chained."""
+
+
+class IndexRangeError(PartitaError, IndexError):
+    """An index read by a sharded gather (``index_select``, an embedding lookup) lies outside
+    the tensor it indexes."""
 
 
 class PartitaWarning(UserWarning):
@@ -107,6 +162,10 @@ class DistributedError(PartitaError, RuntimeError):
 
 class JoinTimeoutError(DistributedError, TimeoutError):
     """Some ranks never joined the run within the join timeout (``PARTITA_JOIN_TIMEOUT``)."""
+
+
+class LaunchError(DistributedError, OSError):
+    """A multi-process launch could not set up its network side (no port to listen on)."""
 
 
 class PlanMismatchError(DistributedError):
@@ -191,6 +250,12 @@ class ImplicitCollectiveWarning(PartitaWarning):
 
 class VirtualDeviceError(PartitaError, RuntimeError):
     """The virtual device (``partita.use_spmd``) cannot be set up or used as asked."""
+
+
+class CacheEntryError(PartitaError, ValueError):
+    """An entry of the on-disk compile cache (``PARTITA_COMPILE_CACHE``) cannot be decoded
+    (written by another partita or torch version, or damaged); it is ignored and compiled
+    again."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

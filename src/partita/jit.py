@@ -120,7 +120,7 @@ class Jitted:
         self.compile_programs = compile_programs_setting(compile_programs)
         self.regather = regather_setting(regather) if regather is not None else None
         if not isinstance(mesh, Mesh):
-            raise TypeError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
+            raise JitArgumentError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
         if not isinstance(cache_limit, int) or cache_limit < 1:
             raise JitArgumentError(
                 f"partita.jit(cache_limit={cache_limit!r}): the number of compiled signatures "

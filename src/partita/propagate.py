@@ -70,7 +70,7 @@ from typing import Any
 import torch.fx as fx
 
 from partita.capture.gc_pause import gc_paused
-from partita.errors import PartitaError, ShardingConflictError
+from partita.errors import InternalError, PartitaError, ShardingConflictError
 from partita.mesh import Mesh
 from partita.propagate_assign import choose_assignment, merge_axes
 from partita.propagate_rules import apply_rule, compiler_error
@@ -232,9 +232,9 @@ class _Propagator(ProgramState):
     def _visit_checked(self, op: OpState, round_priority: int) -> list[ValueKey]:
         try:
             return self._visit(op, round_priority)
-        except PartitaError:
-            raise
         except Exception as e:
+            if isinstance(e, PartitaError) and not isinstance(e, InternalError):
+                raise
             raise compiler_error(op.node, "Propagation", e) from e
 
     def _sharding(self, key: ValueKey) -> Sharding:

@@ -22,7 +22,7 @@ import torch
 import torch.fx as fx
 
 from partita.capture.manual import ENTER_OP, EXIT_OP, boundary, is_fully_manual, local_nodes
-from partita.errors import PartitaError, ShardingConflictError, UnsupportedOpError
+from partita.errors import InternalError, PartitaError, ShardingConflictError, UnsupportedOpError
 from partita.layout import check_strided
 from partita.mesh import Mesh
 from partita.propagate_rules import apply_rule, compiler_error
@@ -143,9 +143,9 @@ class ProgramState:
             elif node.op == "call_function":
                 try:
                     self._add_op(node)
-                except PartitaError:
-                    raise
                 except Exception as e:
+                    if isinstance(e, PartitaError) and not isinstance(e, InternalError):
+                        raise
                     raise compiler_error(node, "Propagation", e) from e
         for i, op in enumerate(self.ops):
             for k in (*op.operands, *op.results):

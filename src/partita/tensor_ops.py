@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from partita.errors import ArgumentTypeError
+
 __all__ = ["EagerOps", "set_eager_ops"]
 
 #: The function that runs a torch operation on ShardedTensors outside ``partita.jit``.
@@ -85,7 +87,9 @@ class EagerOps:
 
     def __len__(self) -> int:
         if not self.shape:  # type: ignore[attr-defined]
-            raise TypeError("len() of a 0-d tensor")
+            raise ArgumentTypeError(
+                "len() of a 0-d ShardedTensor: it has no first dim; use .item()"
+            )
         return int(self.shape[0])  # type: ignore[attr-defined]
 
     def __bool__(self) -> bool:
@@ -142,7 +146,9 @@ class EagerOps:
 
     def __iter__(self) -> Iterator[Any]:
         if not self.shape:  # type: ignore[attr-defined]
-            raise TypeError("iteration over a 0-d tensor")
+            raise ArgumentTypeError(
+                "iteration over a 0-d ShardedTensor: it has no first dim; use .item()"
+            )
         return iter(torch.unbind(self))  # one op, not one per element
 
     # ``torch.as_tensor(x)`` / ``torch.from_dlpack(x)`` read the global value through DLPack.
@@ -170,7 +176,11 @@ class EagerOps:
 
     def _tensor_method(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         if not _EAGER_OPS:
-            raise TypeError(f"{method.__name__} on a ShardedTensor needs partita.virtual")
+            raise ArgumentTypeError(
+                f"ShardedTensor.{method.__name__}: eager tensor methods on a ShardedTensor run "
+                f"through partita.virtual, which is not loaded (it needs torch>=2.9). Call the op "
+                f"inside a function given to partita.jit instead."
+            )
         return _EAGER_OPS[0](method, (self, *args), kwargs)
 
 

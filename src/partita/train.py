@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from partita.capture.uncompile import uncompiled
+from partita.errors import ArgumentError, ArgumentTypeError, TrainInputError
 from partita.jit import JitStats, Jitted, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
@@ -94,14 +95,14 @@ class TrainStep:
         shard = preset_argument(shard, plan)
         model, loss_fn = model_argument(model), uncompiled(loss_fn, "partita.train_step")
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"train_step needs a torch.optim optimizer instance (AdamW, Adam, SGD), got "
                 f"{optimizer!r}. Build it as usual: torch.optim.AdamW(model.parameters(), lr=...)."
             )
         if not isinstance(mesh, Mesh):
-            raise TypeError(f"train_step needs mesh=Mesh(...), got {mesh!r}.")
+            raise ArgumentTypeError(f"train_step needs mesh=Mesh(...), got {mesh!r}.")
         if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
+            raise ArgumentError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
         self.model = model
         self.mesh = mesh
         self.optimizer = optimizer
@@ -113,7 +114,7 @@ class TrainStep:
         self._layout = StateLayout.of(model, optimizer, self.config.kind)
         for name, p in trainable.items():
             if p.dtype != torch.float32:
-                raise ValueError(
+                raise ArgumentError(
                     f"parameter {name!r} is {p.dtype}; train_step keeps float32 parameters "
                     "(master weights). Leave the model in float32 and pass "
                     "mixed_precision='bf16' for low-precision compute."
@@ -197,7 +198,7 @@ class TrainStep:
 
     def _args(self, batch: Any) -> tuple[Any, ...]:
         if not (isinstance(batch, tuple | list) and len(batch) == 2):
-            raise TypeError(
+            raise TrainInputError(
                 f"a training step takes batch = (inputs, targets), got {type(batch).__name__}"
                 f"{f' of length {len(batch)}' if isinstance(batch, tuple | list) else ''}. "
                 "The loss is loss_fn(model(inputs), targets); pass a tuple or dict as inputs "

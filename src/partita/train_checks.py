@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from partita.capture.uncompile import uncompiled
-from partita.errors import SpecError, TrainInputError
+from partita.errors import ArgumentError, ArgumentTypeError, SpecError, TrainInputError
 from partita.mesh import Mesh
 from partita.presets import PresetLike
 from partita.spec import PartitionSpec
@@ -158,14 +158,14 @@ def check_optimizer_params(
     everything = {id(p) for p in model.parameters()}
     if not given <= everything or not wanted <= given:
         left_out = [k for k, p in trainable.items() if id(p) not in given]
-        raise ValueError(
+        raise ArgumentError(
             f"the optimizer holds {len(given)} tensors, {len(given - everything)} of them not "
             f"parameters of this model, and leaves out the trainable parameters "
             f"{left_out[:5]}: build the optimizer from model.parameters() of the same model "
             "(freeze a parameter with requires_grad_(False) instead of leaving it out)."
         )
     if any(optimizer.state.get(p) for p in params):
-        raise ValueError(
+        raise ArgumentError(
             "the optimizer already has state (it has taken steps); train_step starts from "
             "fresh optimizer states. Load a checkpoint with TrainStep.load_state_dict instead."
         )
@@ -195,7 +195,7 @@ def compute_dtype(mixed_precision: str | torch.dtype | None) -> torch.dtype | No
         return mixed_precision
     if isinstance(mixed_precision, str) and mixed_precision in MIXED_PRECISION:
         return MIXED_PRECISION[mixed_precision]
-    raise ValueError(
+    raise ArgumentError(
         f"mixed_precision must be None, 'bf16' or 'fp16' (or the torch dtype), got "
         f"{mixed_precision!r}."
     )
@@ -206,5 +206,5 @@ def model_argument(model: Any) -> nn.Module:
     parameters keep their own names, not ``_orig_mod.<name>``)."""
     model = uncompiled(model, "partita.train_step")
     if not isinstance(model, nn.Module):
-        raise TypeError(f"train_step needs an nn.Module, got {type(model).__name__}.")
+        raise ArgumentTypeError(f"train_step needs an nn.Module, got {type(model).__name__}.")
     return model

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from partita.errors import StateDictError
+from partita.errors import InternalError, StateDictError
 from partita.tensor import ShardedTensor
 from partita.training.groups import optimizer_params
 
@@ -370,5 +370,8 @@ def set_sharded_state(
     # TrainStep keeps the set of updated parameters privately (state_dict() reports optimizer
     # state only for those); there is no public setter, so set it here, loudly if it moved.
     if not hasattr(train_step, "_stepped"):
-        raise AttributeError("TrainStep no longer has _stepped: update set_sharded_state.")
+        raise InternalError(
+            f"set_sharded_state: TrainStep no longer has _stepped (the set of updated "
+            f"parameters); update set_sharded_state. {InternalError.REPORT}"
+        )
     train_step._stepped = frozenset(train_step.params)

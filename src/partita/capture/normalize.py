@@ -36,6 +36,7 @@ from torch import fx
 
 from partita.capture.annotate import ANNOTATE_OP
 from partita.capture.fx_nodes import add_node
+from partita.errors import UnsupportedOpError
 
 __all__ = ["VALUE_VIEW_OPS", "normalize"]
 
@@ -157,7 +158,11 @@ def _split_to_slices(gm: fx.GraphModule, node: fx.Node) -> None:
         starts.append(starts[-1] + (piece.shape[dim] if piece.dim() == ndim else 1))
     for user in list(node.users):
         if user.op != "call_function" or user.target is not operator.getitem:
-            raise NotImplementedError(f"{node.target} result used by {user.format_node()}")
+            raise UnsupportedOpError(
+                f"capture: {node.target} at node {node.name!r} has its result used whole by "
+                f"{user.format_node()}; partita rewrites a split into slices and needs every use "
+                f"to pick one piece (result[i]). Index the pieces before using them."
+            )
         i = user.args[1]
         if unbind:
             _replace(gm, user, aten.select.int, (src, dim, i))

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from partita.errors import UnsupportedOpError
+
 __all__ = ["annotate_op", "sdpa", "sdpa_backward"]
 
 _SDPA_SCHEMA = (
@@ -120,7 +122,10 @@ def sdpa(
 ) -> tuple[Tensor, Tensor]:
     # Reference math for devices without a kernel mapping (dropout is not supported here).
     if dropout_p:
-        raise NotImplementedError("partita::sdpa: dropout is supported only on CPU.")
+        raise UnsupportedOpError(
+            f"partita::sdpa: dropout_p={dropout_p} on a non-CPU device; partita's reference "
+            f"attention has no dropout. Use dropout_p=0.0 here, or run on CPU."
+        )
     scores = _scores(query, key, attn_mask, is_causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value)
@@ -157,7 +162,10 @@ def sdpa_backward(
     scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if dropout_p:
-        raise NotImplementedError("partita::sdpa_backward: dropout is supported only on CPU.")
+        raise UnsupportedOpError(
+            f"partita::sdpa_backward: dropout_p={dropout_p} on a non-CPU device; partita's "
+            f"reference attention has no dropout. Use dropout_p=0.0 here, or run on CPU."
+        )
     s = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     probs = torch.exp(_scores(query, key, attn_mask, is_causal, scale) - logsumexp.unsqueeze(-1))
     grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)

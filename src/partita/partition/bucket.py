@@ -35,7 +35,7 @@ import torch.fx as fx
 
 from partita.collectives import COLLECTIVE_OPS
 from partita.collectives_bucket import BUCKET_OF
-from partita.errors import CompilerError
+from partita.errors import CompilerError, OptionError
 from partita.partition.plan import Bucket, Plan
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "bucket_bytes_setting", "bucket_collectives", "reorder"]
@@ -60,12 +60,12 @@ def bucket_bytes_setting(bucket_bytes: int | None = None) -> int:
         try:
             bucket_bytes = int(float(text))
         except ValueError:
-            raise ValueError(
+            raise OptionError(
                 f"{_ENV}={text!r} is not a number of bytes. Set it to an integer (e.g. "
                 f"{_ENV}=26214400 for 25 MiB), or 0 to turn bucketing off."
             ) from None
     if bucket_bytes < 0:
-        raise ValueError(
+        raise OptionError(
             f"bucket_bytes={bucket_bytes} is negative: give the largest number of bytes per "
             f"device one fused collective may move, or 0 to turn bucketing off."
         )

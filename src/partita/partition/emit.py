@@ -40,6 +40,7 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy, Scope, TracerBase
 
+from partita.errors import HandlerCodeError
 from partita.explain import op_name
 from partita.partition import masks
 from partita.partition.plan import CollectiveRecord
@@ -102,7 +103,7 @@ def _aten_target(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str
     elif target is operator.getitem or isinstance(target, torch._ops.OpOverload):
         return target
     else:  # getattr (x.shape), a Python operator aten lacks, ...
-        raise TypeError(
+        raise HandlerCodeError(
             f"emit: handler code applied {getattr(target, '__name__', target)!r} to a "
             f"per-device value, which has no aten op: proxies stand for per-device nodes, so "
             f"only tensor ops apply; read shapes and dtypes from the op's node.meta['val'] and "
@@ -110,7 +111,7 @@ def _aten_target(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str
         )
     packet = getattr(aten, name, None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
-        raise TypeError(
+        raise HandlerCodeError(
             f"emit: handler code called {name!r} on a per-device value, and aten has no op of "
             f"that name to emit; call the aten overload explicitly (aten.<op>.<overload>)"
         )
@@ -139,7 +140,7 @@ class _GraphTracer(TracerBase):
         type_expr: Any | None = None,
     ) -> fx.Node:
         if kind not in ("call_function", "call_method"):
-            raise TypeError(
+            raise HandlerCodeError(
                 f"emit: handler code made a {kind} node ({target!r}); a per-device program "
                 f"holds only calls: emit ops on proxies, or Emitter.call"
             )

@@ -32,7 +32,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
 from partita.capture.manual import ENTER_OP, EXIT_OP, is_fully_manual, local_nodes
-from partita.errors import PartitaError, UnsupportedOpError
+from partita.errors import InternalError, PartitaError, UnsupportedOpError
 from partita.explain import op_name
 from partita.layout import local_shape
 from partita.mesh import Mesh
@@ -88,9 +88,9 @@ class Lowering(LocalValues):
             try:
                 self._node(node)
                 _stamp_origin(node, last.next if last is not None else None, self.graph)
-            except PartitaError:
-                raise
-            except Exception as e:  # anything else is partita's bug: say where it happened
+            except Exception as e:  # anything but a user-facing error is partita's bug: say where
+                if isinstance(e, PartitaError) and not isinstance(e, InternalError):
+                    raise
                 raise compiler_error(node, "Partitioning", e) from e
         for n in self.src.graph.nodes:
             if "sharding" in n.meta:

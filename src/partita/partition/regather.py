@@ -39,6 +39,7 @@ import torch
 import torch.fx as fx
 
 from partita.collectives import COLLECTIVE_OPS
+from partita.errors import ArgumentTypeError, OptionError
 from partita.partition.memory import is_view
 from partita.partition.plan import CollectiveRecord, Plan
 
@@ -54,7 +55,7 @@ def regather_setting(regather: bool | None = None) -> bool:
     """The choice in effect: the argument, else ``PARTITA_REGATHER``, else ``False`` (keep)."""
     if regather is not None:
         if not isinstance(regather, bool):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"regather={regather!r}: give True (free gathered parameters after the forward "
                 f"and gather them again for the backward: less memory) or False (keep them: "
                 f"fewer bytes)."
@@ -65,7 +66,7 @@ def regather_setting(regather: bool | None = None) -> bool:
         return True
     if text in _OFF:
         return False
-    raise ValueError(
+    raise OptionError(
         f"{_ENV}={text!r} is neither on nor off. Set {_ENV}=1 to re-gather parameters for the "
         f"backward (less memory) or {_ENV}=0 to keep them from the forward (fewer bytes)."
     )

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from partita.errors import RuleRegistrationError
 from partita.rules.factor import FactorKind, FactorRule, OpInfo, TensorMeta, einsum_rule
 from partita.rules.handler_names import HandlerName
 
@@ -49,7 +50,7 @@ def register_rule(*ops: Any) -> Callable[[RuleFn], RuleFn]:
     def wrap(fn: RuleFn) -> RuleFn:
         for op in _flatten(ops):
             if op in _REGISTRY:
-                raise RuntimeError(
+                raise RuleRegistrationError(
                     f"op {op} already has the sharding rule {_REGISTRY[op].__qualname__}; "
                     f"{fn.__qualname__} would register it twice"
                 )

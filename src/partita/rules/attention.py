@@ -19,6 +19,7 @@ kernel is not supported (capture takes the math path for it).
 
 from __future__ import annotations
 
+from partita.errors import UnsupportedOpError
 from partita.rules import register_rule
 from partita.rules.common import Dim, aten_ops, broadcast_dims, build
 from partita.rules.factor import FactorRule, OpInfo
@@ -37,7 +38,7 @@ def _heads(info: OpInfo, q_index: int) -> Dim:
     if hq == hk:
         return "h"
     if hk == 0 or hq % hk:
-        raise NotImplementedError(
+        raise UnsupportedOpError(
             f"{info.target}: the query has {hq} heads and the key/value {hk} (query {q.shape}, "
             f"key {k.shape}); grouped-query attention needs the query's head count to be a "
             f"multiple of the key's. Repeat the key/value heads to a divisor of {hq}."
@@ -48,9 +49,9 @@ def _heads(info: OpInfo, q_index: int) -> Dim:
 def _check(info: OpInfo, q_index: int) -> list[str]:
     """The need-replication factors; raises for what no rule here expresses."""
     if info.arg("dropout_p", 0.0):
-        raise NotImplementedError(f"{info.target} with dropout_p > 0 has no sharding rule")
+        raise UnsupportedOpError(f"{info.target} with dropout_p > 0 has no sharding rule")
     if info.operands[q_index].ndim != 4:
-        raise NotImplementedError(
+        raise UnsupportedOpError(
             f"{info.target} on a {info.operands[q_index].ndim}-d query (want [b, h, t, d])"
         )
     return ["s", "d", "e", *(["t"] if info.arg("is_causal", False) else [])]

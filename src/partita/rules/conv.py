@@ -18,6 +18,7 @@ compute, keep replicated", ``batched.py``); so do the interpolation backwards, w
 
 from __future__ import annotations
 
+from partita.errors import UnsupportedOpError
 from partita.rules import register_rule
 from partita.rules.batched import batched_rule
 from partita.rules.common import Names, aten_ops, build
@@ -40,10 +41,10 @@ __all__ = [
 def _conv_names(info: OpInfo, x_index: int) -> tuple[list[str], list[str], str, str]:
     """(spatial factors, kernel factors, input-channel factor, output-channel factor)."""
     if info.arg("transposed", False) or info.arg("groups", 1) != 1:
-        raise NotImplementedError(f"{info.target}: transposed or grouped convolution")
+        raise UnsupportedOpError(f"{info.target}: transposed or grouped convolution")
     x = info.operands[x_index]
     if x.ndim < 3:
-        raise NotImplementedError(f"{info.target} on a {x.ndim}-d input (want [n, c, *spatial])")
+        raise UnsupportedOpError(f"{info.target} on a {x.ndim}-d input (want [n, c, *spatial])")
     k = x.ndim - 2
     fresh = Names()
     fresh.take(3)  # a, b, c are n, c_in, c_out
@@ -217,7 +218,7 @@ def interpolation_backward_rule(info: OpInfo) -> FactorRule:
     pixel sums the output pixels the global scale maps to it, so the plane is gathered."""
     (grad,) = info.operands
     if grad.ndim < 3:
-        raise NotImplementedError(f"{info.target} on a {grad.ndim}-d gradient")
+        raise UnsupportedOpError(f"{info.target} on a {grad.ndim}-d gradient")
     names = Names().take(grad.ndim)
     plane = [None] * (grad.ndim - 2)
     return build(

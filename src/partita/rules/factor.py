@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from partita.errors import CompilerError
+from partita.errors import CompilerError, RuleError
 from partita.rules.handler_names import check_handler_name
 
 __all__ = ["FactorKind", "FactorRule", "OpInfo", "TensorMeta", "einsum_rule", "parse_einsum"]
@@ -254,7 +254,7 @@ def _parse_tensor(text: str) -> TensorFactors | None:
     pos = 0
     for m in _TOKEN.finditer(text):
         if text[pos : m.start()].strip():
-            raise ValueError(f"cannot parse {text[pos : m.start()]!r} in factor rule {text!r}")
+            raise RuleError(f"cannot parse {text[pos : m.start()]!r} in factor rule {text!r}")
         pos = m.end()
         if m.group(1) is not None:
             dims.append(tuple(m.group(1).split()))
@@ -263,9 +263,9 @@ def _parse_tensor(text: str) -> TensorFactors | None:
         elif m.group(3) is not None:
             dims.append(())
         else:
-            raise ValueError(f"'*' must stand alone for a whole tensor in {text!r}")
+            raise RuleError(f"'*' must stand alone for a whole tensor in {text!r}")
     if text[pos:].strip():
-        raise ValueError(f"cannot parse {text[pos:]!r} in factor rule {text!r}")
+        raise RuleError(f"cannot parse {text[pos:]!r} in factor rule {text!r}")
     return tuple(dims)
 
 
@@ -283,7 +283,7 @@ def parse_einsum(
         (((('i', 'j'), ('k',)),), ((('i',), ('j',), ('k',)),))
     """
     if "->" not in spec:
-        raise ValueError(f"factor rule {spec!r} has no '->'")
+        raise RuleError(f"factor rule {spec!r} has no '->'")
     lhs, rhs = spec.split("->")
 
     def side(s: str) -> tuple[TensorFactors | None, ...]:
@@ -326,7 +326,7 @@ def einsum_rule(
         parse_einsum(spec) if isinstance(spec, str) else (tuple(spec[0]), tuple(spec[1]))
     )
     if len(op_factors) != len(operands) or len(res_factors) != len(results):
-        raise ValueError(
+        raise RuleError(
             f"factor rule {spec!r} describes {len(op_factors)} operands and {len(res_factors)} "
             f"results, but the op has {len(operands)} and {len(results)}"
         )
@@ -343,13 +343,13 @@ def einsum_rule(
                 continue
             shape = tuple(meta.shape)
             if len(t) != len(shape):
-                raise ValueError(
+                raise RuleError(
                     f"factor rule {spec!r}: {len(t)} dims for a tensor of shape {shape}"
                 )
             for dim, n in zip(t, shape, strict=True):
                 if len(dim) == 1:
                     if known.setdefault(dim[0], n) != n and dim[0] not in windowed_names:
-                        raise ValueError(
+                        raise RuleError(
                             f"factor rule {spec!r}: factor {dim[0]!r} has sizes "
                             f"{known[dim[0]]} and {n}"
                         )
@@ -361,9 +361,9 @@ def einsum_rule(
             rest = math.prod(known[f] for f in dim if f in known)
             known[missing[0]] = n // rest if rest else 0
         elif missing:
-            raise ValueError(f"factor rule {spec!r}: sizes of {missing} are unknown; pass sizes=")
+            raise RuleError(f"factor rule {spec!r}: sizes of {missing} are unknown; pass sizes=")
         if math.prod(known[f] for f in dim) != n:
-            raise ValueError(f"factor rule {spec!r}: compound dim {dim} does not multiply to {n}")
+            raise RuleError(f"factor rule {spec!r}: compound dim {dim} does not multiply to {n}")
 
     kinds: dict[str, FactorKind] = {}
     for kind, fs in (
@@ -373,12 +373,12 @@ def einsum_rule(
     ):
         for f in names(fs):
             if f not in known:
-                raise ValueError(f"factor rule {spec!r}: {kind.value} factor {f!r} is not used")
+                raise RuleError(f"factor rule {spec!r}: {kind.value} factor {f!r} is not used")
             kinds[f] = kind
     in_results = {f for t in res_factors for d in t or () for f in d}
     for f in known:
         if f not in in_results and f not in kinds and f not in (sizes or {}):
-            raise ValueError(
+            raise RuleError(
                 f"factor rule {spec!r}: factor {f!r} is in operands only; declare it reduction "
                 f"or need_replication"
             )
@@ -386,7 +386,7 @@ def einsum_rule(
     for j, fs in partial_of.items():
         for f in fs:
             if f not in known or any(f in d for d in res_factors[j] or ()):
-                raise ValueError(
+                raise RuleError(
                     f"factor rule {spec!r}: result {j} cannot reduce over {f!r} (unknown, or "
                     f"the result has it)"
                 )

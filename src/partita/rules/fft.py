@@ -11,6 +11,7 @@ This module does not cover window functions or ``stft`` (they decompose into the
 
 from __future__ import annotations
 
+from partita.errors import UnsupportedOpError
 from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dims
 from partita.rules.factor import FactorRule, OpInfo
@@ -24,7 +25,7 @@ def fft_rule(info: OpInfo) -> FactorRule:
     (x,), (out,) = info.operands, info.results
     dims = norm_dims(list(info.arg("dim")), x.ndim)
     if not dims or out.ndim != x.ndim:
-        raise NotImplementedError(f"{info.target} over dims {info.arg('dim')} of {x.shape}")
+        raise UnsupportedOpError(f"{info.target} over dims {info.arg('dim')} of {x.shape}")
     names = Names().take(x.ndim)
     res: list[Dim] = [None if i in dims else f for i, f in enumerate(names)]
     return build(info, [names], [res], need_replication=[names[i] for i in dims])

@@ -28,6 +28,7 @@ from collections.abc import Sequence
 
 import torch
 
+from partita.errors import UnsupportedOpError
 from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, broadcast_dims, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta
@@ -43,7 +44,7 @@ def _indices(info: OpInfo) -> list[TensorMeta | None]:
     indices = list(info.arg("indices"))
     for i in indices:
         if i is not None and i.dtype is not None and not _is_integer(i.dtype):
-            raise NotImplementedError(
+            raise UnsupportedOpError(
                 f"{info.target} with a {i.dtype} index of shape {i.shape}: a boolean mask gives "
                 f"a data-dependent shape, which partita cannot shard; keep the shape with "
                 f"torch.where(mask, x, 0), or index with integer positions"

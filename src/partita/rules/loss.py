@@ -15,6 +15,7 @@ only job there is to mask padded targets to ``ignore_index``.
 
 from __future__ import annotations
 
+from partita.errors import UnsupportedOpError
 from partita.rules import register_rule
 from partita.rules.common import Dim, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
@@ -29,7 +30,7 @@ def _dims(info: OpInfo, x_index: int) -> tuple[list[str], list[str], list[Dim]]:
     """(input dims, target dims, weight dims)."""
     x = info.operands[x_index]
     if x.ndim > 2:
-        raise NotImplementedError(f"{info.target} on a {x.ndim}-d input (want [N, C] or [C])")
+        raise UnsupportedOpError(f"{info.target} on a {x.ndim}-d input (want [N, C] or [C])")
     batch = ["a"] if x.ndim == 2 else []
     return [*batch, "b"], batch, ["b"]
 

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, fx
 
+from partita.errors import IndexRangeError
 from partita.mesh import Mesh
 from partita.runtime.block_copy import copy_at_once, unravel
 from partita.runtime.device_index import DeviceTake, take_inputs
@@ -93,7 +94,7 @@ class RoutedTake:
             for at, g in enumerate(row):
                 j = next((j for j, e in enumerate(ends) if g < e), None)
                 if j is None or g < 0:
-                    raise IndexError(
+                    raise IndexRangeError(
                         f"LocalMesh: a per-device index_select on device {p} reads row {g} of "
                         f"pieces of {lengths} rows along dim {self.dim}: out of range."
                     )

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from partita.errors import DistributedError, JoinTimeoutError
+from partita.errors import DistributedError, JoinTimeoutError, LaunchError
 from partita.layout import ceil_div
 from partita.runtime.spawn import RankResult, free_port, spawn
 
@@ -165,7 +165,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
             errors.append(f"{address}: {e}")
             continue
         return sock
-    raise OSError(f"cannot listen on {host}:{port}: {'; '.join(errors) or 'no address'}")
+    raise LaunchError(f"cannot listen on {host}:{port}: {'; '.join(errors) or 'no address'}")
 
 
 def connect_store(env: ProcessEnv, timeout: float) -> dist.Store:

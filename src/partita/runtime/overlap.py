@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import Tensor, fx
 
+from partita.errors import OptionError
 from partita.partition.bucket import reorder
 from partita.partition.memory import is_view
 
@@ -51,12 +52,12 @@ def overlap_bytes_setting(overlap_bytes: int | None = None) -> int:
         try:
             overlap_bytes = int(float(text))
         except ValueError:
-            raise ValueError(
+            raise OptionError(
                 f"{_ENV}={text!r} is not a number of bytes. Set it to an integer (e.g. "
                 f"{_ENV}=67108864 for 64 MiB), or 0 to run collectives synchronously."
             ) from None
     if overlap_bytes < 0:
-        raise ValueError(
+        raise OptionError(
             f"overlap_bytes={overlap_bytes} is negative: give the most bytes per device that "
             f"may be in flight at once, or 0 to run collectives synchronously."
         )

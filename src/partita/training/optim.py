@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from partita.capture.layers import trace_once
+from partita.errors import ArgumentError
 
 __all__ = [
     "OPTIMIZERS",
@@ -60,7 +61,7 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.kind!r}.")
+            raise ArgumentError(f"optimizer must be one of {OPTIMIZERS}, got {self.kind!r}.")
 
 
 def _unsupported(name: str, key: str, value: Any, fix: str) -> ValueError:
@@ -117,7 +118,7 @@ def group_config(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Opt
             nesterov=bool(group["nesterov"]),
             maximize=maximize,
         )
-    raise ValueError(
+    raise ArgumentError(
         f"partita's training step implements torch.optim.AdamW, Adam and SGD, not {name}. "
         "Use one of those; or keep your torch.optim loop on the virtual device "
         "(partita.use_spmd), which runs every torch.optim optimizer; or write the update in "
@@ -137,7 +138,7 @@ def init_opt_state(params: Tensors, optimizer: str = "adamw") -> dict[str, Any]:
         ['momentum_buffer', 'step']
     """
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
+        raise ArgumentError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
     zeros = lambda: {k: torch.zeros_like(v) for k, v in params.items()}  # noqa: E731
     first = next(iter(params.values()), torch.zeros(()))
     step = torch.zeros((), dtype=torch.float32, device=first.device)

@@ -22,7 +22,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from partita.capture.layer_auto import scan_repeated_layers
-from partita.errors import TrainInputError
+from partita.errors import ArgumentError, TrainInputError
 from partita.training import optim
 from partita.training.groups import ParamGroups
 from partita.training.optim import (
@@ -236,7 +236,7 @@ def make_train_step(
         ...                                     (torch.randn(3, 4), torch.randn(3, 2)))
     """
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
+        raise ArgumentError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
     cfg = OptimizerConfig(
         kind=optimizer, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum
     )

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from partita.errors import CacheEntryError
 from partita.mesh import Mesh
 from partita.spec import Sharding
 from partita.virtual.program import StepProgram
@@ -142,13 +143,13 @@ def _decode(x: Any, nodes: dict[str, fx.Node]) -> Any:
         return torch.device(value)
     if tag == "torch":
         return _torch_attr(value, (torch.memory_format, torch.layout))
-    raise ValueError(f"unknown tag {tag!r}")
+    raise CacheEntryError(f"unknown tag {tag!r}")
 
 
 def _torch_attr(name: str, kind: Any) -> Any:
     value = getattr(torch, name, None)
     if not isinstance(value, kind):
-        raise ValueError(f"torch.{name} is not a {kind}")
+        raise CacheEntryError(f"torch.{name} is not a {kind}")
     return value
 
 

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from partita.capture.source import pin_source
-from partita.errors import RecompileWarning, warn
+from partita.errors import InternalError, RecompileWarning, warn
 from partita.mesh import Mesh
 from partita.recompile import RECOMPILE_WARNING_AT
 from partita.relayout import reshard
@@ -182,7 +182,10 @@ def sync() -> None:
         return
     mesh()  # raises before the recording is taken when use_spmd was never called
     rec = recording.reset()
-    assert rec is pending
+    if rec is not pending:
+        raise InternalError(
+            f"partita.sync: the recording changed while it was being taken. {InternalError.REPORT}"
+        )
     wait_in_flight()  # the previous step's values are this step's inputs
     m: Metrics = _STATE["metrics"]
     m.syncs += 1

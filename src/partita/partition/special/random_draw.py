@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy
 
+from partita.errors import InternalError, UnsupportedOpError
 from partita.explain import op_name
 from partita.partition.emit import Emitter, emitting, node_of
 from partita.partition.handlers import Handler, register
@@ -76,7 +77,7 @@ def _encode(a: Any) -> Any:
         return {"layout": str(a).removeprefix("torch.")}
     if isinstance(a, torch.memory_format):
         return {"memory_format": str(a).removeprefix("torch.")}
-    raise NotImplementedError(f"global_random cannot pass the argument {a!r} to a random op")
+    raise UnsupportedOpError(f"global_random cannot pass the argument {a!r} to a random op")
 
 
 def _decode(a: Any, inputs: list[torch.Tensor]) -> Any:
@@ -162,7 +163,11 @@ def _random_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -
             continue
         steps = plan_reshard(Sharding.replicated(low.mesh, v.ndim), s, tuple(v.shape))
         # Slicing a replicated value is local (a size-1 mesh axis plans nothing at all).
-        assert not any(step.is_collective for step in steps), steps
+        if any(step.is_collective for step in steps):
+            raise InternalError(
+                f"global_random at node {node.name!r}: slicing the replicated draw to {s} "
+                f"planned collectives {steps}. {InternalError.REPORT}"
+            )
         tiles.append(e(emit_reshard(low.graph, node_of(whole), steps, low.mesh)))
     if target == aten.native_dropout.default:  # out = x * mask * scale, as the CPU kernel
         (x,) = e.operands(rule, assign)
