@@ -76,5 +76,5 @@ def fake_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         converter.set_tensor_memo(t, fake)
         fakes.append(fake)
     for fake in fakes:  # make_fx converts its inputs again: each is its own fake
-        converter.set_tensor_memo(fake, fake)  # type: ignore[arg-type]
+        converter.set_tensor_memo(fake, fake)
     return fakes

@@ -196,7 +196,7 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op == "call_function" and node.target in _SLICE_BOUNDS:
             _clamp_slice_bounds(node)
             if _scatters_everything(node):
-                node.replace_all_uses_with(node.args[1])  # type: ignore[arg-type]
+                node.replace_all_uses_with(node.args[1])
                 gm.graph.erase_node(node)
     _eliminate_dead_code(gm)
     gm.graph.lint()

@@ -127,8 +127,8 @@ class _GraphTracer(TracerBase):
     def __init__(self, graph: fx.Graph) -> None:
         self.graph = graph
         self.scope = Scope("", None)
-        self.module_stack = {}  # type: ignore[var-annotated]
-        self.node_name_to_scope = {}  # type: ignore[var-annotated]
+        self.module_stack = {}
+        self.node_name_to_scope = {}
 
     def create_node(
         self,

@@ -13,7 +13,7 @@ Propagation and partitioning read rules only through :func:`get_rule` / :func:`r
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 from partita.errors import RuleRegistrationError
 from partita.rules.factor import FactorKind, FactorRule, OpInfo, TensorMeta, einsum_rule
@@ -34,11 +34,13 @@ __all__ = [
 ]
 
 RuleFn = Callable[[OpInfo], FactorRule]
+#: A rule function, with whatever extra keyword arguments it takes (elementwise_rule's handler).
+_Rule = TypeVar("_Rule", bound=Callable[..., FactorRule])
 
 _REGISTRY: dict[Any, RuleFn] = {}
 
 
-def register_rule(*ops: Any) -> Callable[[RuleFn], RuleFn]:
+def register_rule(*ops: Any) -> Callable[[_Rule], _Rule]:
     """Register one rule function for one or more op overloads.
 
     Example:
@@ -47,7 +49,7 @@ def register_rule(*ops: Any) -> Callable[[RuleFn], RuleFn]:
         ...     return einsum_rule("m k, k n -> m n", info.operands, info.results, reduction="k")
     """
 
-    def wrap(fn: RuleFn) -> RuleFn:
+    def wrap(fn: _Rule) -> _Rule:
         for op in _flatten(ops):
             if op in _REGISTRY:
                 raise RuleRegistrationError(

@@ -19,6 +19,8 @@ kernel is not supported (capture takes the math path for it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from partita.errors import UnsupportedOpError
 from partita.rules import register_rule
 from partita.rules.common import Dim, aten_ops, broadcast_dims, build
@@ -72,7 +74,7 @@ def sdpa_rule(info: OpInfo) -> FactorRule:
     heads = _heads(info, 0)
     q: list[Dim] = ["b", heads, "t", "d"]
     out: list[Dim] = ["b", heads, "t", "e"]
-    operands = [q, _K, _V, *_masks(info, 0, 3, heads)]
+    operands: list[Sequence[Dim]] = [q, _K, _V, *_masks(info, 0, 3, heads)]
     return build(info, operands, [out, ["b", heads, "t"]], need_replication=rep)
 
 
@@ -83,7 +85,15 @@ def sdpa_backward_rule(info: OpInfo) -> FactorRule:
     heads = _heads(info, 1)
     q: list[Dim] = ["b", heads, "t", "d"]
     out: list[Dim] = ["b", heads, "t", "e"]
-    operands = [out, q, _K, _V, out, ["b", heads, "t"], *_masks(info, 1, 6, heads)]
+    operands: list[Sequence[Dim]] = [
+        out,
+        q,
+        _K,
+        _V,
+        out,
+        ["b", heads, "t"],
+        *_masks(info, 1, 6, heads),
+    ]
     summed = ([] if "t" in rep else ["t"]) + (["g"] if heads != "h" else [])
     red = {j: summed for j in (1, 2) if summed and info.results[j] is not None}
     return build(info, operands, [q, _K, _V], need_replication=rep, result_reductions=red)

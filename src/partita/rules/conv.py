@@ -21,7 +21,7 @@ from __future__ import annotations
 from partita.errors import UnsupportedOpError
 from partita.rules import register_rule
 from partita.rules.batched import batched_rule
-from partita.rules.common import Names, aten_ops, build
+from partita.rules.common import Dim, Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
 
@@ -62,7 +62,7 @@ def _special_conv_rule(info: OpInfo) -> FactorRule:
     """``a b c d, *, * -> a 1 1 1; need-replication=b,c,d``: a transposed or grouped
     convolution keeps only its batch dim sharded; channels and space are gathered and the
     result is replicated on them (gather, compute, keep replicated)."""
-    x, (out,) = info.operands[0], info.results
+    x, out = info.operands[0], info.result()
     names = Names().take(x.ndim)
     rest = [None] * (len(info.operands) - 1)
     res = [names[0], *([None] * (out.ndim - 1))]
@@ -76,7 +76,7 @@ def _special_conv_backward_rule(info: OpInfo) -> FactorRule:
     fresh = Names()
     a = fresh.new()
     g_dims, x_dims = [a, *fresh.take(grad.ndim - 1)], [a, *fresh.take(x.ndim - 1)]
-    results = [None if r is None else [None] * r.ndim for r in info.results]
+    results: list[list[Dim] | None] = [None if r is None else [None] * r.ndim for r in info.results]
     rep = [*g_dims[1:], *x_dims[1:]]
     red = {j: [a] for j in (1, 2) if info.results[j] is not None}
     if results[0] is not None:

@@ -32,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from partita.errors import CompilerError, RuleError
+from partita.errors import CompilerError, RuleError, UnsupportedOpError
 from partita.rules.handler_names import check_handler_name
 
 __all__ = ["FactorKind", "FactorRule", "OpInfo", "TensorMeta", "einsum_rule", "parse_einsum"]
@@ -94,11 +94,25 @@ class OpInfo:
         if isinstance(name, int):  # arg(index, name, default): positions could disagree
             msg = "OpInfo.arg(index, name, default) is deprecated: use OpInfo.arg(name, default)"
             warnings.warn(msg, DeprecationWarning, stacklevel=2)
-            name, default = default, (legacy[0] if legacy else None)
-        index = self._position(name)
-        if name in self.kwargs:
-            return self.kwargs[name]
+            key: str = default
+            default = legacy[0] if legacy else None
+        else:
+            key = name
+        index = self._position(key)
+        if key in self.kwargs:
+            return self.kwargs[key]
         return self.args[index] if index < len(self.args) else default
+
+    def result(self, i: int = 0) -> TensorMeta:
+        """Result ``i``, which the rule needs to be a tensor (``results`` holds ``None`` for a
+        result that is not); an op whose result ``i`` is not a tensor is unsupported."""
+        found = self.results[i]
+        if found is None:
+            raise UnsupportedOpError(
+                f"{self.target}: its sharding rule reads result {i} as a tensor, but the call "
+                f"returns no tensor there (results {self.results})."
+            )
+        return found
 
     def has_arg(self, name: str) -> bool:
         """Whether the op's schema has an argument ``name`` (one rule, several overloads)."""

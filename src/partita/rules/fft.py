@@ -22,7 +22,7 @@ __all__ = ["fft_rule"]
 @register_rule(*aten_ops(["_fft_c2c.default", "_fft_c2r.default", "_fft_r2c.default"]))
 def fft_rule(info: OpInfo) -> FactorRule:
     """``a b -> a 1; need-replication=b`` for ``_fft_r2c(x, [1], ...)``."""
-    (x,), (out,) = info.operands, info.results
+    (x,), out = info.operands, info.result()
     dims = norm_dims(list(info.arg("dim")), x.ndim)
     if not dims or out.ndim != x.ndim:
         raise UnsupportedOpError(f"{info.target} over dims {info.arg('dim')} of {x.shape}")

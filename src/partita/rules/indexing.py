@@ -25,6 +25,7 @@ number of selected positions is a ``where`` and passes every dim through (handle
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -125,7 +126,8 @@ def index_put_rule(info: OpInfo) -> FactorRule:
     x, values = info.operands[0], info.operands[-1]
     # The values broadcast to the shape of x[indices]; its index dims stay whole.
     target: list[Dim] = [None if f in bcast else f for f in out]
-    target_shape = [1 if f is None else x.shape[names.index(f)] for f in target]
+    # a gathered dim of x has a plain factor name (out holds no compound dims)
+    target_shape = [1 if f is None else x.shape[names.index(cast(str, f))] for f in target]
     whole_indices: list[list[Dim]] = [[None] * len(d) for d in index_dims]
     return build(
         info,

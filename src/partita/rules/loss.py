@@ -15,6 +15,8 @@ only job there is to mask padded targets to ``ignore_index``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from partita.errors import UnsupportedOpError
 from partita.rules import register_rule
 from partita.rules.common import Dim, aten_ops, build
@@ -39,7 +41,11 @@ def _dims(info: OpInfo, x_index: int) -> tuple[list[str], list[str], list[Dim]]:
 def nll_loss_rule(info: OpInfo) -> FactorRule:
     """``a b, a, b -> , ; reduction=a; need-replication=b; handler=weighted_mean`` (mean)."""
     x_dims, t_dims, w_dims = _dims(info, 0)
-    operands = [x_dims, t_dims, *([w_dims] if info.arg("weight") is not None else [])]
+    operands: list[Sequence[Dim]] = [
+        x_dims,
+        t_dims,
+        *([w_dims] if info.arg("weight") is not None else []),
+    ]
     reduction = info.arg("reduction", _MEAN)
     if reduction == _NONE:
         return build(info, operands, [t_dims, []], need_replication="b")

@@ -115,8 +115,8 @@ class RoutedTake:
                     last[4] += 1
                 else:
                     runs.append([src, sender, r, at, 1])
-            out.append(tuple(tuple(x) for x in runs))  # type: ignore[misc]
-        return tuple(out)  # type: ignore[return-value]
+            out.append(tuple(tuple(x) for x in runs))
+        return tuple(out)
 
 
 def _held(value: Tensor, axes: Axes, flat: int, mesh: Mesh) -> Tensor:

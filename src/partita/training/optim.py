@@ -210,7 +210,7 @@ def _adam(
     new_m = {name: state["exp_avg"][name] for name in params}
     new_v = {name: state["exp_avg_sq"][name] for name in params}
     updated = [name for name in params if name in grads]
-    news = _adam_param.each(  # type: ignore[attr-defined]
+    news = _adam_param.each(
         [
             (params[n], grads[n], new_m[n], new_v[n], step_size, bias2_sqrt, decay, scalars, cfg)
             for n in updated
@@ -255,7 +255,7 @@ def _sgd(
     new_params = dict(params)
     new_buf = {name: state["momentum_buffer"][name] for name in params}
     updated = [name for name in params if name in grads]  # as in _adam
-    news = _sgd_param.each(  # type: ignore[attr-defined]
+    news = _sgd_param.each(
         [
             (params[n], grads[n], new_buf[n], first, lr32, momentum, weight_decay, cfg)
             for n in updated

@@ -199,7 +199,7 @@ def compile(fn: Callable[..., Any]) -> CompiledStep:
         [4.0, 8.0, 12.0, 16.0, 20.0]
     """
     compiled = CompiledStep(fn)
-    functools.update_wrapper(compiled, fn)  # type: ignore[arg-type]
+    functools.update_wrapper(compiled, fn)
     return compiled
 
 

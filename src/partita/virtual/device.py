@@ -227,10 +227,10 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     del non_blocking
     from partita.virtual.recording import dispatch  # it imports this module
 
-    return dispatch(torch.ops.aten.copy_.default, (dst, src), {})  # type: ignore[no-any-return]
+    return dispatch(torch.ops.aten.copy_.default, (dst, src), {})
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
     """The backend hooks torch's accelerator API asks: available only once switched on."""
 
     def is_available(self) -> bool:
