@@ -17,6 +17,8 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
+from typing import cast
 
 __all__ = [
     "AnnotationError",
@@ -268,7 +270,7 @@ def warn(message: str | Warning, category: type[Warning] | None = None) -> None:
     runs many frames deep); this walks out to the first frame outside the package, so the
     warning is reported, and filtered by ``-W``/``filterwarnings``, at the user's call.
     """
-    level, frame = 2, sys._getframe(1)
+    level, frame = 2, cast("FrameType | None", sys._getframe(1))
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
         level += 1

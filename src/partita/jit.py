@@ -20,7 +20,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -158,7 +158,8 @@ class Jitted:
         prefix (for a module: its parameters and buffers come first) and the keyword specs."""
         if self._module is None:
             return self.fn, args, lambda: by_name(self.in_specs, self.fn, args, kwargs)
-        module, (user, kw) = self._module, by_name(self.in_specs, self.fn.forward, args, kwargs)
+        forward = cast(nn.Module, self.fn).forward  # _module is set: fn is the nn.Module
+        module, (user, kw) = self._module, by_name(self.in_specs, forward, args, kwargs)
         return module.call, module.args(args), lambda: (module.in_specs(user, args), kw)
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Compiled, list[Any]]:
@@ -230,7 +231,9 @@ class Jitted:
             f"call in a buffer (module.register_buffer) or pass it as an argument.",
             PartitaWarning,
         )
-        self._cache[(*key[:-1], ("mode", self._module.mode()))] = compiled  # type: ignore[index]
+        assert isinstance(key, tuple)  # jit keys are tuples whose last item is the mode
+        mode_key = (*key[:-1], ("mode", self._module.mode()))
+        self._cache[mode_key] = compiled
 
     def _note_recompile(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Count compilations; warn once when the signature keeps changing."""

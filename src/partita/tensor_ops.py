@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -19,7 +19,14 @@ from partita.errors import ArgumentTypeError
 
 __all__ = ["EagerOps", "set_eager_ops"]
 
+
 #: The function that runs a torch operation on ShardedTensors outside ``partita.jit``.
+def _as_tensor(value: Any) -> torch.Tensor:
+    """``value`` (a ShardedTensor) where torch's signatures want a Tensor: torch functions
+    dispatch it through ``__torch_function__``."""
+    return cast(torch.Tensor, value)
+
+
 _EAGER_OPS: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
@@ -74,13 +81,13 @@ class EagerOps:
     # partita, as a torch.Tensor is hashed by identity); ``torch.eq(x, y)`` compares values.
 
     def __neg__(self) -> Any:
-        return torch.neg(self)
+        return torch.neg(_as_tensor(self))
 
     def __abs__(self) -> Any:
-        return torch.abs(self)
+        return torch.abs(_as_tensor(self))
 
     def __invert__(self) -> Any:
-        return torch.bitwise_not(self)
+        return torch.bitwise_not(_as_tensor(self))
 
     def __getitem__(self, index: Any) -> Any:
         return self._tensor_method(torch.Tensor.__getitem__, index)
@@ -149,7 +156,7 @@ class EagerOps:
             raise ArgumentTypeError(
                 "iteration over a 0-d ShardedTensor: it has no first dim; use .item()"
             )
-        return iter(torch.unbind(self))  # one op, not one per element
+        return iter(torch.unbind(_as_tensor(self)))  # one op, not one per element
 
     # ``torch.as_tensor(x)`` / ``torch.from_dlpack(x)`` read the global value through DLPack.
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:

@@ -112,7 +112,8 @@ def check_batch(
                 "the weights). Skip empty batches, e.g. DataLoader(..., drop_last=True)."
             )
     for path, leaf in paths:
-        is_input = path[0].idx == 0
+        first = path[0]  # batch = (inputs, targets): a position in that tuple
+        is_input = isinstance(first, pytree.SequenceKey) and first.idx == 0
         if (
             is_input
             and float_dtype is not None

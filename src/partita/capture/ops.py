@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 from torch import Tensor
@@ -172,8 +173,8 @@ def sdpa_backward(
     grad_p = torch.matmul(grad_out, value.transpose(-2, -1))
     delta = (grad_out * out).sum(-1, keepdim=True)
     grad_s = probs * (grad_p - delta) * s
-    grads = torch.matmul(grad_s, key), torch.matmul(grad_s.transpose(-2, -1), query), grad_v
-    return tuple(_as_heads_inner(g) for g in grads)
+    grad_q, grad_k = torch.matmul(grad_s, key), torch.matmul(grad_s.transpose(-2, -1), query)
+    return _as_heads_inner(grad_q), _as_heads_inner(grad_k), _as_heads_inner(grad_v)
 
 
 @sdpa_backward.register_kernel("cpu")
@@ -194,6 +195,10 @@ def _(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_caus
 # --- vmap: fold the vmapped dim into the leading batch dim -----------------------------------
 
 
+@overload
+def _fold(x: Tensor, dim: int | None, size: int) -> Tensor: ...
+@overload
+def _fold(x: None, dim: int | None, size: int) -> None: ...
 def _fold(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
     """Move the vmapped dim to the front (broadcasting unbatched values) and merge it."""
     if x is None:

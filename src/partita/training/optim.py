@@ -15,7 +15,7 @@ This module does not shard anything (several parameter groups: :mod:`partita.tra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -272,6 +272,7 @@ def clip_by_global_norm(grads: Tensors, max_norm: float) -> Tensors:
     The norm is the square root of the sum of squares over *all* gradients: traced into a
     sharded program it is a sum over every shard, so the clipping is the unsharded one.
     """
-    total = torch.sqrt(sum((g.float() * g.float()).sum() for g in grads.values()))
+    squares = cast(torch.Tensor, sum((g.float() * g.float()).sum() for g in grads.values()))
+    total = torch.sqrt(squares)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return {k: g * coef.to(g.dtype) for k, g in grads.items()}

@@ -13,7 +13,7 @@ what ``partita.train_step`` compiles; this module does not shard anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -41,7 +41,7 @@ StepFn = Callable[
     [Tensors, Tensors, dict[str, Any], Any], tuple[torch.Tensor, Tensors, Tensors, dict[str, Any]]
 ]
 LrStepFn = Callable[
-    [Tensors, Tensors, dict[str, Any], torch.Tensor, Any],
+    [Tensors, Tensors, dict[str, Any], Hyper, Any],
     tuple[torch.Tensor, Tensors, Tensors, dict[str, Any]],
 ]
 
@@ -189,7 +189,7 @@ def functional_step(
                 loss = _check_loss(loss_fn(out, targets), loss_fn)
                 # allow_unused: a parameter forward() never reads gets no gradient (None), as
                 # its .grad stays None in eager PyTorch; the update then leaves it alone.
-                grads = torch.autograd.grad(
+                grads: Sequence[torch.Tensor | None] = torch.autograd.grad(
                     loss, list(leaves.values()), create_graph=False, allow_unused=True
                 )
                 grads = [_accumulated(g, v) for g, v in zip(grads, leaves.values(), strict=True)]
