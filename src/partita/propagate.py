@@ -65,7 +65,7 @@ decide how to reshard; that is ``partita.partition``.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import torch.fx as fx
 
@@ -142,7 +142,10 @@ class _Propagator(ProgramState):
             found = self._memo[memo_key] = (assign, writes)
         assign, slots = found
         keys = (*op.operands, *op.results)
-        return assign, [(keys[i], dims, partial, prio) for i, dims, partial, prio in slots]
+        # _writes proposes only to tensor values: keys[i] is never None there
+        return assign, [
+            (cast(ValueKey, keys[i]), dims, partial, prio) for i, dims, partial, prio in slots
+        ]
 
     def _writes(
         self, op: OpState, assign: Assignment, prio_of: dict[str, int], round_priority: int

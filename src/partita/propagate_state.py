@@ -16,7 +16,7 @@ import enum
 import operator
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -247,12 +247,14 @@ class ProgramState:
                 if key[0] is node:
                     v.banned = banned
         if node.target in (ENTER_OP, EXIT_OP):
-            b = boundary(node.args[1])
-            key = self.key(node.args[0]) if node.target is ENTER_OP else (node, None)
-            v = self.values.get(key)
-            if v is not None:
-                v.prefix = [tuple(a for a in d if a in b.manual_axes) for d in b.sharding.dim_axes]
-                v.dims = list(v.prefix)
+            b = boundary(cast(int, node.args[1]))  # enter/exit(x, boundary key)
+            key = self.key(cast(fx.Node, node.args[0])) if node.target is ENTER_OP else (node, None)
+            crossing = self.values.get(key)
+            if crossing is not None:
+                crossing.prefix = [
+                    tuple(a for a in d if a in b.manual_axes) for d in b.sharding.dim_axes
+                ]
+                crossing.dims = list(crossing.prefix)
 
 
 #: An op's rule and the factor groups propagation treats specially (see OpState).

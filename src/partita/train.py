@@ -142,7 +142,8 @@ class TrainStep:
         groups = read_param_groups(optimizer, by_id, set(trainable))
         update_config = groups if len(groups.configs) > 1 else self.config
         state = init_opt_state({k: v.detach() for k, v in trainable.items()}, self.config.kind)
-        self.opt_state = {
+        # "step" -> a ShardedTensor; each moment name -> {parameter name: ShardedTensor}
+        self.opt_state: dict[str, Any] = {
             key: put(value, P())
             if key == "step"
             else {k: put(v, self.param_specs[k]) for k, v in value.items()}

@@ -12,6 +12,7 @@ shard or run anything.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -150,7 +151,7 @@ def check_batch(
 
 
 def check_optimizer_params(
-    optimizer: torch.optim.Optimizer, model: nn.Module, trainable: dict[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer, model: nn.Module, trainable: Mapping[str, torch.Tensor]
 ) -> None:
     """The optimizer holds the model's trainable parameters (and perhaps frozen ones)."""
     params = optimizer_params(optimizer)

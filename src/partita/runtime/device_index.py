@@ -30,8 +30,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor, fx
@@ -73,8 +74,8 @@ def take_inputs(node: fx.Node, take: DeviceTake | RoutedTake) -> list[fx.Node]:
     """The values a take step reads: its input, or the pieces of the cat it selects from."""
     if not isinstance(take, DeviceTake):  # a take routed through permutes (runtime.device_route)
         return list(take.sources)
-    x = node.args[0]
-    return list(x.args[0]) if take.from_cat else [x]  # type: ignore[union-attr,arg-type]
+    x = cast(fx.Node, node.args[0])  # the take's input: a cat of pieces, or one value
+    return list(cast("Sequence[fx.Node]", x.args[0])) if take.from_cat else [x]
 
 
 def _device_constant(gm: fx.GraphModule) -> set[fx.Node]:
@@ -106,15 +107,15 @@ def _evaluate(
     env: dict[fx.Node, Any] = {}
     for node in nodes:
         if node.op == "get_attr":
-            env[node] = functools.reduce(getattr, node.target.split("."), gm)
+            env[node] = functools.reduce(getattr, cast(str, node.target).split("."), gm)
             continue
         if node.target is torch.ops.partita.axis_index.default:
             axes = node.kwargs.get("mesh_axes", node.args[1] if len(node.args) > 1 else None)
-            coords = axis_index(mesh, torch.empty(0), axes)
+            coords = axis_index(mesh, torch.empty(0), cast("Sequence[str]", axes))
             env[node] = coords[device]
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-        env[node] = node.target(*args, **kwargs)
+        env[node] = cast(Callable[..., Any], node.target)(*args, **kwargs)  # a call_function
     return env[target]
 
 
@@ -216,6 +217,7 @@ def run_take(
     which = {_piece_of(row, starts, sizes) for row in rows.values()}
     if len(which) == 1 and None not in which:  # every device reads one piece: maybe a view
         (j,) = which
+        assert j is not None
         shifted = {r: row - starts[j] for r, row in rows.items()}
         view = _take_view(take, shifted, *inputs[j], mesh)
         if view is not None:
@@ -293,8 +295,9 @@ def _copy_runs(
 ) -> tuple[Tensor, Axes] | None:
     """Each device's rows copied run by run from the piece holding them into one new
     stack: the output written once, nothing else."""
-    runs = {r: _runs(row.tolist(), starts, sizes) for r, row in rows.items()}
-    if any(v is None for v in runs.values()):
+    found = {r: _runs(row.tolist(), starts, sizes) for r, row in rows.items()}
+    runs = {r: v for r, v in found.items() if v is not None}
+    if len(runs) != len(found):
         return None
     union = _union([take.axes, *(a for _, a in inputs)])
     lead = [mesh.shape[i] for i, v in enumerate(union) if v]

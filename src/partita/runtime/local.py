@@ -65,7 +65,7 @@ import functools
 import operator
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, fx
@@ -221,7 +221,8 @@ class LocalMesh:
                     raise segment_error(step, e) from e
                 env.update(zip(step.outputs, outs, strict=True))
             elif step.target is operator.getitem:  # one member of a bucket's results
-                env[step] = env[step.args[0]][step.args[1]]
+                bucket, member = cast(fx.Node, step.args[0]), cast(int, step.args[1])
+                env[step] = env[bucket][member]
             elif step in plan.takes:  # a selection at a per-device index
                 take = plan.takes[step]
                 env[step] = run_take(take, [env[i] for i in take_inputs(step, take)], self.mesh)

@@ -224,7 +224,7 @@ def _nbytes(val: Any) -> int:
 
 def _first_use(node: fx.Node, pos: dict[fx.Node, float]) -> float:
     """Where the result is first read: through a bucket's ``getitem`` to the member's users."""
-    uses = []
+    uses: list[float] = []
     for u in node.users:
         if u.target is operator.getitem:
             uses.extend(pos[v] for v in u.users)

@@ -235,7 +235,9 @@ def returns_values(func: Any) -> bool:
     ``aten.is_nonzero``): a recorded step cannot hand one back to the Python code branching
     on it, so such an op runs at once (:func:`_python_result`)."""
     returns = getattr(getattr(func, "_schema", None), "returns", None)
-    return bool(returns) and all(str(r.type) in _VALUE_TYPES for r in returns)
+    if not returns:
+        return False
+    return all(str(r.type) in _VALUE_TYPES for r in returns)
 
 
 def _python_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -97,10 +97,11 @@ class Cell:
     @property
     def desc(self) -> Desc:
         """``(shape, stride, storage offset, dtype)`` of the value."""
-        if self._desc is None:
-            m = self.meta
-            self._desc = (tuple(m.shape), m.stride(), m.storage_offset(), m.dtype)
-        return self._desc
+        desc = self._desc
+        if desc is None:
+            m = self.meta  # a meta tensor: its storage offset is a plain int
+            desc = self._desc = (tuple(m.shape), m.stride(), int(m.storage_offset()), m.dtype)
+        return desc
 
     @property
     def data(self) -> torch.Tensor | ShardedTensor | None:
@@ -130,7 +131,9 @@ class LazyTensor(torch.Tensor):
     """A tensor on the virtual device (see the module docstring)."""
 
     _cell: Cell
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # the documented way to turn __torch_function__ off in a subclass; torch's stub types the
+    # attribute as a classmethod signature this function does not match
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
 
     @staticmethod
     def __new__(cls, cell: Cell, requires_grad: bool = False) -> LazyTensor:
@@ -169,7 +172,7 @@ class LazyTensor(torch.Tensor):
         return LazyTensor(cell)
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub: (func, types, args, kwargs)
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
     ) -> Any:
         if not _DISPATCH:
@@ -178,7 +181,8 @@ class LazyTensor(torch.Tensor):
             _DISPATCH.append(dispatch)
         return _DISPATCH[0](func, args, kwargs or {})
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    # torch.Tensor.__repr__ takes tensor_contents at runtime; its stub has no keyword
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         del tensor_contents
         value = full_value(self)
         body = (

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 from partita.virtual import draws, why
 from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
@@ -176,13 +177,13 @@ class Recording:
 
     def described_inputs(self) -> tuple[Any, ...]:
         """The inputs' part of the structural key: shapes, dtypes, shardings."""
-        described = []
+        described: list[tuple[Any, ...]] = []
         for _, value in self.inputs:
             if isinstance(value, Cell):
                 data = value.data
                 # A plain tensor is replicated: the same input as a replicated ShardedTensor.
                 sharding = data.sharding if isinstance(data, ShardedTensor) else "replicated"
-                if getattr(sharding, "is_replicated", False) and not sharding.partial:
+                if isinstance(sharding, Sharding) and sharding.is_replicated:  # not partial
                     sharding = "replicated"
                 shape, _, _, dtype = value.desc
                 described.append((shape, dtype, sharding))
