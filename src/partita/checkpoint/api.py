@@ -47,7 +47,7 @@ from partita.checkpoint.state import (
     run_state_request,
     state_for_save,
 )
-from partita.checkpoint.tiles import Tiles, assemble, tiles_to_read, tiles_to_write
+from partita.checkpoint.tiles import assemble, tiles_to_read, tiles_to_write
 from partita.errors import CheckpointError
 from partita.tensor import ShardedTensor
 from partita.train import TrainStep
@@ -187,7 +187,7 @@ def load(
         )
     if is_virtual_module(target):
         metadata = read_metadata(path)
-        request = {
+        request: dict[str, Any] = {
             **module_request(target, metadata, optimizer),
             **run_state_request(metadata, scheduler),
         }
@@ -222,7 +222,7 @@ def load(
             "checkpoint.load: scheduler= is restored into a TrainStep's checkpoint; this is a "
             "tensor dict. Nothing was loaded. Load the step, or leave scheduler= out."
         )
-    request: dict[str, Any] = {}
+    request = {}
     for name, value in target.items():
         if isinstance(value, ShardedTensor):
             request[name] = tiles_to_read(name, value)
@@ -240,7 +240,7 @@ def load(
     out: dict[str, Any] = {}
     for name, value in target.items():
         got = request[name]
-        out[name] = assemble(value, got) if isinstance(got, Tiles) else got
+        out[name] = assemble(value, got) if isinstance(value, ShardedTensor) else got
     return out
 
 
@@ -254,5 +254,5 @@ class _Quiet:
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
         warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint")
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._ctx.__exit__(*exc)

@@ -140,10 +140,10 @@ def read_metadata(path: Path) -> Metadata:
             f"{f'Left-over incomplete saves beside it: {found}. ' if found else ''}"
             "Pass the path a completed checkpoint.save wrote."
         )
-    found = leftovers(path)
-    if found:
+    stale = leftovers(path)
+    if stale:
         warnings.warn(
-            f"checkpoint.load from {str(path)!r}: {[p.name for p in found]} beside it are "
+            f"checkpoint.load from {str(path)!r}: {[p.name for p in stale]} beside it are "
             "left by saves to this path that did not finish (killed processes); they are not "
             "read, the checkpoint at the path is the last completed save. The next "
             "checkpoint.save to this path deletes them (or delete them yourself).",
