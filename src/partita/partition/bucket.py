@@ -30,7 +30,9 @@ import heapq
 import operator
 import os
 from dataclasses import dataclass
+from typing import cast
 
+import torch
 import torch.fx as fx
 
 from partita.collectives import COLLECTIVE_OPS
@@ -198,7 +200,7 @@ def _fuse(
     graph: fx.Graph, bucket: list[_Member], priority: dict[fx.Node, float], at: float
 ) -> None:
     first = bucket[0].node
-    bucket_op = BUCKET_OF[first.target]
+    bucket_op = BUCKET_OF[cast(torch._ops.OpOverload, first.target)]  # a collective op
     xs = [m.node.args[0] for m in bucket]
     if first.target is COLLECTIVE_OPS[1]:  # all_reduce(x, reduce_op, mesh_axes, group_size)
         args = (xs, *first.args[1:])
@@ -258,7 +260,7 @@ def reorder(graph: fx.Graph, priority: dict[fx.Node, float]) -> None:
 
 
 def _check_records(colls: list[fx.Node], plan: Plan) -> None:
-    kinds = [n.target._schema.name.split("::")[-1] for n in colls]
+    kinds = [cast(torch._ops.OpOverload, n.target)._schema.name.split("::")[-1] for n in colls]
     if kinds != [c.kind for c in plan.collectives]:
         raise CompilerError(
             f"The per-device program has {len(colls)} collectives but its Plan records "

@@ -31,14 +31,17 @@ and the shapes a handler needs come from the op's fake values (``node.meta["val"
 
 from __future__ import annotations
 
+import builtins
+import collections
 import functools
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy, Scope, TracerBase
+from torch.fx.proxy import Proxy as FxProxy
+from torch.fx.proxy import Scope, TracerBase
 
 from partita.errors import HandlerCodeError
 from partita.explain import op_name
@@ -48,6 +51,14 @@ from partita.partition.plan import CollectiveRecord
 if TYPE_CHECKING:
     from partita.partition.lower import Lowering
     from partita.rules import FactorRule
+
+    #: What handler code computes with: an ``fx.Proxy`` standing for a per-device value.
+    #: For the type checker it is ``Any``: fx adds Proxy's operators (``x * 2``, ``x[i]``) at
+    #: runtime, and handler code passes proxies to ``torch.*`` functions typed for tensors,
+    #: neither of which torch's annotations can express. Handlers import it from here.
+    Proxy = Any
+else:
+    Proxy = FxProxy
 
 __all__ = ["Emitter", "emitting", "make_tuple", "node_of"]
 
@@ -127,7 +138,7 @@ class _GraphTracer(TracerBase):
     def __init__(self, graph: fx.Graph) -> None:
         self.graph = graph
         self.scope = Scope("", None)
-        self.module_stack = {}
+        self.module_stack = collections.OrderedDict()
         self.node_name_to_scope = {}
 
     def create_node(
@@ -157,7 +168,7 @@ class Emitter:
 
     def __call__(self, x: Any) -> Any:
         """``x`` as a proxy if it is a per-device node; other values unchanged."""
-        return Proxy(x, self._tracer) if isinstance(x, fx.Node) else x
+        return FxProxy(x, self._tracer) if isinstance(x, fx.Node) else x
 
     def operands(self, rule: FactorRule, assign: Assign) -> list[Any]:
         """The op's tensor operands resharded to ``assign`` (``Lowering.localize_operands``)."""
@@ -166,7 +177,9 @@ class Emitter:
     def call(self, target: Callable[..., Any], *args: Any, **kwargs: Any) -> Proxy:
         """``target(*args, **kwargs)`` as one node, verbatim (no aten resolution)."""
         node = self.low.graph.call_function(
-            target, self._tracer.create_arg(args), self._tracer.create_arg(kwargs)
+            target,
+            cast("tuple[Any, ...]", self._tracer.create_arg(args)),  # create_arg keeps a tuple
+            cast("dict[str, Any]", self._tracer.create_arg(kwargs)),  # and a dict
         )
         return self(node)
 
@@ -180,16 +193,16 @@ class Emitter:
         return x if have == want else aten._to_copy.default(self(x), dtype=want)
 
     def mask_padding(
-        self, x: Any, axes: tuple[str, ...], size: int, ndim: int, dim: int, fill: Any
+        self, x: Any, axes: builtins.tuple[str, ...], size: int, ndim: int, dim: int, fill: Any
     ) -> Any:
         """``x`` with the ceil padding of its ``dim`` (split over ``axes``) set to ``fill``."""
         return masks.mask_padding(self(x), self.mesh, axes, size, ndim, dim, fill)
 
-    def tile_offset(self, like: Any, axes: tuple[str, ...], tile: int) -> Proxy:
+    def tile_offset(self, like: Any, axes: builtins.tuple[str, ...], tile: int) -> Proxy:
         """This device's first global index along a dim split over ``axes`` in ``tile`` rows."""
         return masks.tile_offset(self(like), axes, tile)
 
-    def axis_index(self, like: Any, axes: tuple[str, ...]) -> Proxy:
+    def axis_index(self, like: Any, axes: builtins.tuple[str, ...]) -> Proxy:
         """This device's position in its group along ``axes`` (a 0-d int64 tensor)."""
         return masks.axis_index(self(like), axes)
 
@@ -203,10 +216,10 @@ class Emitter:
     def all_reduce(
         self,
         x: Any,
-        axes: tuple[str, ...],
+        axes: builtins.tuple[str, ...],
         op: str,
         *,
-        shape: tuple[int, ...],
+        shape: builtins.tuple[int, ...],
         dtype: torch.dtype,
         what: str,
     ) -> Proxy:
@@ -224,9 +237,9 @@ class Emitter:
         self,
         x: Any,
         dim: int,
-        axes: tuple[str, ...],
+        axes: builtins.tuple[str, ...],
         *,
-        shape: tuple[int, ...],
+        shape: builtins.tuple[int, ...],
         dtype: torch.dtype,
         what: str,
         why: str,
@@ -243,8 +256,8 @@ class Emitter:
     def record(
         self,
         kind: str,
-        axes: tuple[str, ...],
-        shape: tuple[int, ...],
+        axes: builtins.tuple[str, ...],
+        shape: builtins.tuple[int, ...],
         dtype: torch.dtype,
         what: str,
         reason: str,
@@ -269,7 +282,7 @@ class Emitter:
 
 def node_of(x: Any) -> Any:
     """The per-device node behind a proxy (other values unchanged)."""
-    return x.node if isinstance(x, Proxy) else x
+    return x.node if isinstance(x, FxProxy) else x
 
 
 Lower = Callable[["Lowering", fx.Node, "FactorRule", Assign], fx.Node]

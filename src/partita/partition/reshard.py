@@ -366,7 +366,7 @@ def _cheapest_plan(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tupl
     pieces = plan_permute_pieces(src, dst, shape)
     count = [sum(s.is_collective for s in plan) for plan in (pieces or [], steps)]
     same = pieces and math.prod(pieces[-1].out_local_shape) == math.prod(pieces[0].in_local_shape)
-    if same and count[0] <= count[1] and _bytes_hint(pieces) < _bytes_hint(steps):
+    if pieces and same and count[0] <= count[1] and _bytes_hint(pieces) < _bytes_hint(steps):
         return tuple(pieces)
     return tuple(steps)
 

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.fx.proxy import Proxy
 
 from partita.explain import op_name
-from partita.partition.emit import node_of
+from partita.partition.emit import Proxy, node_of
 from partita.partition.halo.geometry import Geo, HaloPlan
 from partita.partition.neighbours import emit_shift
 

@@ -188,7 +188,7 @@ def _shape_of_result(node: fx.Node) -> tuple[int, ...]:
 
 def sharded_windowed_dims(
     rule: FactorRule, op: WindowedOp, assign: Assign
-) -> dict[int, tuple[str, str, ...]]:
+) -> dict[int, tuple[str, ...]]:
     """Sharded windowed dims of the exchanged operand: ``{dim: (factor, *mesh axes)}``."""
     out: dict[int, Any] = {}
     factors = rule.operands[op.x_index] or ()

@@ -10,10 +10,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.layout import local_shape
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.halo.exchange import exchange_halos, return_halo
 from partita.partition.halo.geometry import (
     AVGPOOL,

@@ -7,8 +7,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
+from partita.partition.emit import Proxy
 from partita.partition.halo.exchange import window_start
 from partita.partition.halo.geometry import (
     AVGPOOL,

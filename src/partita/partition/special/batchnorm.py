@@ -8,10 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.layout import local_shape
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.special.common import (
     Assign,

@@ -15,9 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule

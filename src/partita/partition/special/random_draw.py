@@ -9,11 +9,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.errors import InternalError, UnsupportedOpError
 from partita.explain import op_name
-from partita.partition.emit import Emitter, emitting, node_of
+from partita.partition.emit import Emitter, Proxy, emitting, node_of
 from partita.partition.handlers import Handler, register
 from partita.partition.reshard import plan_reshard
 from partita.partition.reshard_emit import emit_reshard

@@ -16,11 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.explain import op_name
 from partita.layout import ceil_div
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.masks import identity_of
 from partita.partition.special.common import Assign, aten, fake_value

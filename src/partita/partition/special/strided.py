@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.capture.source import source_line
 from partita.errors import UnsupportedOpError
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
@@ -42,7 +41,8 @@ def _always(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> b
 def _storage_order(x: torch.Tensor) -> list[int] | None:
     """The permutation that makes the traced ``x`` contiguous, or None if no permutation does
     (overlapping or gapped strides). Ties (size-1 dims) keep their logical order."""
-    perm = sorted(range(x.ndim), key=lambda d: (-x.stride(d), d))
+    strides = x.stride()
+    perm = sorted(range(x.ndim), key=lambda d: (-strides[d], d))
     want = 1
     for d in reversed(perm):
         if x.shape[d] != 1 and x.stride(d) != want:
