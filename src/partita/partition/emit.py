@@ -60,7 +60,7 @@ if TYPE_CHECKING:
 else:
     Proxy = FxProxy
 
-__all__ = ["Emitter", "emitting", "make_tuple", "node_of"]
+__all__ = ["Emitter", "emitting", "make_tuple", "node_of", "op_of"]
 
 aten = torch.ops.aten
 Assign = dict[str, tuple[str, ...]]
@@ -278,6 +278,11 @@ class Emitter:
                 detail=detail,
             )
         )
+
+
+def op_of(node: fx.Node) -> Callable[..., Any]:
+    """The op a ``call_function`` node calls (fx types ``target`` as a callable or a name)."""
+    return cast(Callable[..., Any], node.target)
 
 
 def node_of(x: Any) -> Any:

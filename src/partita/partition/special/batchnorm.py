@@ -4,7 +4,8 @@ sharded - one all_reduce of per-channel sums forward and one backward."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx as fx
@@ -133,7 +134,7 @@ def _bn_backward(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) ->
     mask)`` in training: one all_reduce of ``(sum dy, sum dy * (x - mean))`` per channel."""
     args = _localized_args(e, node, rule, assign)
     dy, x, w, save_mean, invstd = args[0], args[1], args[2], args[5], args[6]
-    out_mask = list(node.args[9])
+    out_mask = list(cast("Sequence[bool]", node.args[9]))
     x_val = fake_value(node.args[1])
     gshape = tuple(x_val.shape)
     count = math.prod(gshape) // gshape[1]

@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from partita.partition.emit import Emitter, Proxy, emitting
+from partita.partition.emit import Emitter, Proxy, emitting, op_of
 from partita.partition.handlers import Handler, register
 from partita.partition.special.common import Assign, fake_value
 from partita.rules import FactorRule
@@ -63,7 +63,7 @@ def _lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy
         return next(it) if isinstance(a, fx.Node) and a in operands else a
 
     args, kwargs = pytree.tree_map(swap, (tuple(node.args), dict(node.kwargs)))
-    return node.target(*args, **kwargs)
+    return op_of(node)(*args, **kwargs)
 
 
 register(Handler(HandlerName.INDEX_PADDING.value, _applies, _lower))

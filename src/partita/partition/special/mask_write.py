@@ -12,7 +12,8 @@ operands included. No collective.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, cast
 
 import torch.fx as fx
 
@@ -33,7 +34,7 @@ def _always(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> b
 @emitting
 def _lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
     x, mask, values = e.operands(rule, assign)
-    entries = list(node.args[1])
+    entries = list(cast("Sequence[fx.Node | None]", node.args[1]))  # index_put(x, indices, v)
     j = next(d for d, i in enumerate(entries) if i is not None)
     xv, mv, vv = (fake_value(a) for a in (node.args[0], entries[j], node.args[2]))
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)

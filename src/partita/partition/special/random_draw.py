@@ -5,7 +5,7 @@ device's tile."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx as fx
@@ -170,7 +170,7 @@ def _random_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -
         tiles.append(e(emit_reshard(low.graph, node_of(whole), steps, low.mesh)))
     if target == aten.native_dropout.default:  # out = x * mask * scale, as the CPU kernel
         (x,) = e.operands(rule, assign)
-        p1m = 1.0 - float(node.args[1])
+        p1m = 1.0 - float(cast(float, node.args[1]))  # native_dropout(x, p, train)
         scale = 0.0 if p1m == 0 else 1.0 / p1m
         tiles[0] = x * aten._to_copy.default(tiles[1], dtype=vals[0].dtype) * scale
     return tiles[0] if len(tiles) == 1 else e.tuple(*tiles)
