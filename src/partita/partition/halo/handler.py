@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx as fx
@@ -229,7 +229,7 @@ def _lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy
     x_factors = rule.operands[op.x_index]
     assert x_factors is not None  # the windowed input always has factors
     x_sharding = Sharding(e.mesh, e.low.dims_of(x_factors, kept))
-    dtype = node.args[op.x_index].meta["val"].dtype
+    dtype = cast(fx.Node, node.args[op.x_index]).meta["val"].dtype  # the windowed input
     x_shape = list(local_shape(x_sharding, op.x_shape))
     w = _Windows(e, rule, kept, op, e.operands(rule, kept), x_shape, dtype, halos)
     return _finish_gathered(e, rule, gathered, _LOWER[node.target](w))
