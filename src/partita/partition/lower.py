@@ -24,7 +24,8 @@ driver and does not run anything.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.fx as fx
@@ -60,7 +61,7 @@ from partita.spec import Sharding
 __all__ = ["LocalValue", "Lowering"]
 
 
-def _tensor_val(v: Any) -> bool:
+def _tensor_val(v: Any) -> TypeGuard[torch.Tensor]:
     return isinstance(v, torch.Tensor)
 
 
@@ -147,13 +148,13 @@ class Lowering(LocalValues):
         self.plan.input_shardings.append(sharding)
 
     def _getitem(self, node: fx.Node) -> None:
-        src, idx = node.args
+        src, idx = cast("tuple[fx.Node, int]", node.args)  # getitem(result, i)
         if (src, int(idx)) in self.values:
             self.alias[node] = (src, int(idx))
 
     def _annotation(self, node: fx.Node) -> None:
         ann = node.meta["annotation"]
-        operand = node.args[0]
+        operand = cast(fx.Node, node.args[0])  # annotate(x, ...)
         why = f"annotation {ann.source or node.name} asks for {ann.sharding}"
         local = self.reshard(self.key(operand), ann.sharding, why, node)
         v = self.value(operand)
@@ -305,29 +306,33 @@ class Lowering(LocalValues):
                 return next(locals_)
             return a
 
-        args, kwargs = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), swap)
+        mapped: tuple[Any, ...] = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), swap)
+        args: Sequence[Any] = mapped[0]
+        kwargs: dict[str, Any] = mapped[1]
         sizes = LOCAL_SIZE_ARGS.get(node.target)
         if sizes:
             # Kernels that take their input's sizes as ints (group norm's N) get local sizes,
             # and contiguous inputs.
             ops = self.operand_nodes(node)
-            args = list(args)
+            sized = list(args)
             for arg_index, (operand_index, dim) in sizes.items():
                 s_in = self.sharding(self.dims_of(rule.operands[operand_index] or (), assign))
-                args[arg_index] = local_shape(s_in, self.value(ops[operand_index]).shape)[dim]
-            for j, a in enumerate(args):
-                if isinstance(a, fx.Node) and _tensor_val(node.args[j].meta.get("val")):
-                    args[j] = self.graph.call_function(
+                sized[arg_index] = local_shape(s_in, self.value(ops[operand_index]).shape)[dim]
+            for j, a in enumerate(sized):
+                if isinstance(a, fx.Node) and _tensor_val(
+                    cast(fx.Node, node.args[j]).meta.get("val")
+                ):
+                    sized[j] = self.graph.call_function(
                         torch.ops.aten.clone.default,
                         (a,),
                         {"memory_format": torch.contiguous_format},
                     )
-            args = tuple(args)
+            args = tuple(sized)
         if rule.handler == "localize_shape":
             (res,) = [r for r in results if r is not None][:1]
             (gval,) = [v for v in vals if _tensor_val(v)][:1]
             args, kwargs = localize_shape_args(
-                args, kwargs, tuple(gval.shape), local_shape(res, tuple(gval.shape))
+                tuple(args), kwargs, tuple(gval.shape), local_shape(res, tuple(gval.shape))
             )
         return self.emit(node.target, tuple(args), kwargs)
 
