@@ -156,10 +156,9 @@ class Jitted:
     ) -> tuple[Callable[..., Any], tuple[Any, ...], Callable[[], Any]]:
         """The function to trace, its positional arguments and (a thunk of) their in_specs
         prefix (for a module: its parameters and buffers come first) and the keyword specs."""
-        if self._module is None:
+        if (module := self._module) is None:
             return self.fn, args, lambda: by_name(self.in_specs, self.fn, args, kwargs)
-        forward = cast(nn.Module, self.fn).forward  # _module is set: fn is the nn.Module
-        module, (user, kw) = self._module, by_name(self.in_specs, forward, args, kwargs)
+        user, kw = by_name(self.in_specs, cast(nn.Module, self.fn).forward, args, kwargs)
         return module.call, module.args(args), lambda: (module.in_specs(user, args), kw)
 
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Compiled, list[Any]]:
@@ -231,9 +230,7 @@ class Jitted:
             f"call in a buffer (module.register_buffer) or pass it as an argument.",
             PartitaWarning,
         )
-        assert isinstance(key, tuple)  # jit keys are tuples whose last item is the mode
-        mode_key = (*key[:-1], ("mode", self._module.mode()))
-        self._cache[mode_key] = compiled
+        self._cache[tuple([*cast(tuple, key)[:-1], ("mode", self._module.mode())])] = compiled
 
     def _note_recompile(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Count compilations; warn once when the signature keeps changing."""

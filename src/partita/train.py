@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from partita.capture.uncompile import uncompiled
-from partita.errors import ArgumentError, ArgumentTypeError, TrainInputError
+from partita.errors import ArgumentError, TrainInputError
 from partita.jit import JitStats, Jitted, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
@@ -43,6 +43,7 @@ from partita.tensor import ShardedTensor
 from partita.train_checks import (
     check_batch,
     check_optimizer_params,
+    check_step_arguments,
     compute_dtype,
     deprecated,
     model_argument,
@@ -94,15 +95,7 @@ class TrainStep:
     ) -> None:
         shard = preset_argument(shard, plan)
         model, loss_fn = model_argument(model), uncompiled(loss_fn, "partita.train_step")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise ArgumentTypeError(
-                f"train_step needs a torch.optim optimizer instance (AdamW, Adam, SGD), got "
-                f"{optimizer!r}. Build it as usual: torch.optim.AdamW(model.parameters(), lr=...)."
-            )
-        if not isinstance(mesh, Mesh):
-            raise ArgumentTypeError(f"train_step needs mesh=Mesh(...), got {mesh!r}.")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ArgumentError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
+        check_step_arguments(optimizer, mesh, max_grad_norm)
         self.model = model
         self.mesh = mesh
         self.optimizer = optimizer
@@ -142,8 +135,7 @@ class TrainStep:
         groups = read_param_groups(optimizer, by_id, set(trainable))
         update_config = groups if len(groups.configs) > 1 else self.config
         state = init_opt_state({k: v.detach() for k, v in trainable.items()}, self.config.kind)
-        # "step" -> a ShardedTensor; each moment name -> {parameter name: ShardedTensor}
-        self.opt_state: dict[str, Any] = {
+        self.opt_state: dict[str, Any] = {  # "step"; each moment: {parameter: ShardedTensor}
             key: put(value, P())
             if key == "step"
             else {k: put(v, self.param_specs[k]) for k, v in value.items()}

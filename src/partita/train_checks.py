@@ -203,6 +203,19 @@ def compute_dtype(mixed_precision: str | torch.dtype | None) -> torch.dtype | No
     )
 
 
+def check_step_arguments(optimizer: Any, mesh: Any, max_grad_norm: float | None) -> None:
+    """``train_step``'s optimizer, mesh and ``max_grad_norm`` are of a kind it can use."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ArgumentTypeError(
+            f"train_step needs a torch.optim optimizer instance (AdamW, Adam, SGD), got "
+            f"{optimizer!r}. Build it as usual: torch.optim.AdamW(model.parameters(), lr=...)."
+        )
+    if not isinstance(mesh, Mesh):
+        raise ArgumentTypeError(f"train_step needs mesh=Mesh(...), got {mesh!r}.")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ArgumentError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
+
+
 def model_argument(model: Any) -> nn.Module:
     """``train_step``'s model: an ``nn.Module``, taken out of ``torch.compile`` (so that its
     parameters keep their own names, not ``_orig_mod.<name>``)."""

@@ -306,9 +306,8 @@ class Lowering(LocalValues):
                 return next(locals_)
             return a
 
-        mapped: tuple[Any, ...] = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), swap)
-        args: Sequence[Any] = mapped[0]
-        kwargs: dict[str, Any] = mapped[1]
+        mapped: Any = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), swap)
+        args, kwargs = cast("tuple[Sequence[Any], dict[str, Any]]", mapped)
         sizes = LOCAL_SIZE_ARGS.get(node.target)
         if sizes:
             # Kernels that take their input's sizes as ints (group norm's N) get local sizes,
@@ -319,9 +318,8 @@ class Lowering(LocalValues):
                 s_in = self.sharding(self.dims_of(rule.operands[operand_index] or (), assign))
                 sized[arg_index] = local_shape(s_in, self.value(ops[operand_index]).shape)[dim]
             for j, a in enumerate(sized):
-                if isinstance(a, fx.Node) and _tensor_val(
-                    cast(fx.Node, node.args[j]).meta.get("val")
-                ):
+                arg_j: Any = node.args[j]  # a Node where a is one (map_arg keeps positions)
+                if isinstance(a, fx.Node) and _tensor_val(arg_j.meta.get("val")):
                     sized[j] = self.graph.call_function(
                         torch.ops.aten.clone.default,
                         (a,),

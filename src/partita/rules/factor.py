@@ -30,7 +30,7 @@ import re
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from partita.errors import CompilerError, RuleError, UnsupportedOpError
 from partita.rules.handler_names import check_handler_name
@@ -94,24 +94,17 @@ class OpInfo:
         if isinstance(name, int):  # arg(index, name, default): positions could disagree
             msg = "OpInfo.arg(index, name, default) is deprecated: use OpInfo.arg(name, default)"
             warnings.warn(msg, DeprecationWarning, stacklevel=2)
-            key: str = default
-            default = legacy[0] if legacy else None
-        else:
-            key = name
+            name, default = default, (legacy[0] if legacy else None)
+        key = cast(str, name)  # the schema name, either way
         index = self._position(key)
         if key in self.kwargs:
             return self.kwargs[key]
         return self.args[index] if index < len(self.args) else default
 
     def result(self, i: int = 0) -> TensorMeta:
-        """Result ``i``, which the rule needs to be a tensor (``results`` holds ``None`` for a
-        result that is not); an op whose result ``i`` is not a tensor is unsupported."""
-        found = self.results[i]
-        if found is None:
-            raise UnsupportedOpError(
-                f"{self.target}: its sharding rule reads result {i} as a tensor, but the call "
-                f"returns no tensor there (results {self.results})."
-            )
+        """Result ``i``, which the rule reads as a tensor (an unsupported op when it is not)."""
+        if (found := self.results[i]) is None:
+            raise UnsupportedOpError(f"{self.target}: result {i} is not a tensor ({self.results})")
         return found
 
     def has_arg(self, name: str) -> bool:
