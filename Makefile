@@ -31,9 +31,9 @@ docs: $(STAMP)
 	$(PY) -m mkdocs build --strict
 
 # The type checker is mypy (configured in pyproject.toml, [tool.mypy]; checks src/partita).
-# mypy, not pyright: mypy is a pure-Python wheel, while pyright's PyPI package downloads
-# Node.js on first run, which an offline CI machine cannot do. Its cache (.mypy_cache) makes a
-# second run take a few seconds: `make typecheck` runs it alone.
+# mypy, not pyright: mypy is a pure-Python wheel, while pyright's PyPI package fetches the
+# pyright npm package (and Node.js when absent) at run time, which an offline CI machine cannot
+# do. Its cache (.mypy_cache) makes a second run take seconds: `make typecheck` runs it alone.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples bench conftest.py
 	$(VENV)/bin/ruff format --check src tests examples bench conftest.py
