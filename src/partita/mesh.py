@@ -154,7 +154,7 @@ class Mesh:
                 f"(devices per mesh axis), got {type(shape).__name__}. Write "
                 f"Mesh.create((2, 4), ('data', 'model')) or Mesh.create(8, ('data',))."
             )
-        dims = (int(shape),) if isinstance(shape, numbers.Integral) else tuple(shape)
+        dims: tuple[Any, ...] = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
         n = math.prod(_as_int(s, "Mesh shape entries") for s in dims) if dims else 0
         return cls(tuple(range(n)), dims, axis_names)
 

@@ -87,9 +87,8 @@ def _broadcast_base(node: fx.Node) -> tuple[fx.Node, list[int]] | None:
     x = node.args[0]
     if not isinstance(x, fx.Node):
         return None
-    inner = x.args[0]
-    if x.target in _CLONES and isinstance(inner, fx.Node):
-        x = inner
+    if x.target in _CLONES and isinstance(x.args[0], fx.Node):
+        x = x.args[0]
     if x.target is not aten.expand.default or not isinstance(x.args[0], fx.Node):
         return None
     full = list(cast("Sequence[int]", x.args[1]))  # expand(y, sizes)
