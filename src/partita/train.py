@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from partita.capture.uncompile import uncompiled
-from partita.errors import ArgumentError, TrainInputError
+from partita.errors import ArgumentError, ArgumentTypeError
 from partita.jit import JitStats, Jitted, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
@@ -191,7 +191,7 @@ class TrainStep:
 
     def _args(self, batch: Any) -> tuple[Any, ...]:
         if not (isinstance(batch, tuple | list) and len(batch) == 2):
-            raise TrainInputError(
+            raise ArgumentTypeError(
                 f"a training step takes batch = (inputs, targets), got {type(batch).__name__}"
                 f"{f' of length {len(batch)}' if isinstance(batch, tuple | list) else ''}. "
                 "The loss is loss_fn(model(inputs), targets); pass a tuple or dict as inputs "

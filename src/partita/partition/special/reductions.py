@@ -67,7 +67,7 @@ def _nll_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> P
         next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args
     ]
     reduction, ignore = int(args[3]), int(args[4])
-    n = int(fake_value(args[1]).shape[0])
+    n = int(fake_value(node.args[1]).shape[0])
     args[1] = e.mask_padding(args[1], axes_of(rule, 1, 0, assign), n, 1, 0, ignore)
     args[3] = _SUM
     res = op_of(node)(*args)
