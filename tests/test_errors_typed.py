@@ -298,6 +298,18 @@ ARGUMENT_ERRORS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         r"Cannot reshard a value of shape \(8,\) from .* a reshard moves data within one mesh",
     ),
     (
+        "len_of_0d",
+        lambda: len(partita.mark_sharding(torch.tensor(1.0), MESH, P())),
+        ArgumentTypeError,
+        r"len\(\) of a 0-d ShardedTensor: it has no first dim; use .item\(\)",
+    ),
+    (
+        "iter_of_0d",
+        lambda: iter(partita.mark_sharding(torch.tensor(1.0), MESH, P())),
+        ArgumentTypeError,
+        r"iteration over a 0-d ShardedTensor: it has no first dim; use .item\(\)",
+    ),
+    (
         "option_env",
         lambda: options.environment({"PARTITA_STRICT": "maybe"}),
         OptionError,
