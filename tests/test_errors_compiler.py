@@ -28,7 +28,8 @@ from partita.errors import (
 )
 from partita.partition.lower import Lowering
 from partita.propagate import apply_rule
-from partita.rules import _REGISTRY, FactorRule, OpInfo, TensorMeta, registered_ops
+from partita.rules import FactorRule, OpInfo, TensorMeta, registered_ops
+from partita.rules.registry import _REGISTRY
 
 MESH = Mesh.create((2, 4), ("x", "y"))
 aten = torch.ops.aten

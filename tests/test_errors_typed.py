@@ -39,7 +39,8 @@ from partita.models import GPT, GPTConfig, SmallCNN
 from partita.partition.lower import Lowering
 from partita.partition.masks import identity_of
 from partita.partition.reshard import plan_reshard
-from partita.rules import _REGISTRY, FactorRule, OpInfo, TensorMeta, einsum_rule, register_rule
+from partita.rules import FactorRule, OpInfo, TensorMeta, einsum_rule, register_rule
+from partita.rules.registry import _REGISTRY
 
 SRC = Path(partita.__file__).parent
 MESH = Mesh.create((2, 4), ("x", "y"))

@@ -75,7 +75,7 @@ def propagate_program(
     out_specs: Any = None,
     replicate_unsupported: bool = False,
 ) -> capture.Program:
-    """Trace ``fn`` and propagate shardings; the program's nodes carry ``meta["sharding"]``.
+    """Trace ``fn`` and propagate shardings; the program's nodes carry ``node_meta.sharding``.
 
     ``print(partita.api.format_program(prog.graph_module))`` shows every value. This is an
     internal step of ``partita.jit(...).lower()``.

@@ -27,6 +27,7 @@ __all__ = [
     "CacheEntryError",
     "CaptureError",
     "CheckpointError",
+    "CompileCacheWarning",
     "CompilerError",
     "DistributedError",
     "DtypeError",
@@ -46,6 +47,7 @@ __all__ = [
     "PlanMismatchError",
     "RecompileWarning",
     "RematerializationError",
+    "ReplicaMismatchError",
     "ReplicationError",
     "RuleError",
     "RuleRegistrationError",
@@ -123,7 +125,9 @@ class RuleError(PartitaError, ValueError):
 
 
 class RuleRegistrationError(RuleError, RuntimeError):
-    """``partita.register_rule`` was asked to register a second rule for an op."""
+    """A rule table cannot be built as written: ``partita.register_rule`` (or a family's
+    ``RuleSet``) was asked to register a second rule for an op, or an op's ``OpFacts`` are
+    declared twice or without a rule beside them."""
 
 
 class ShardingConflictError(PartitaError, ValueError):
@@ -174,6 +178,11 @@ class PlanMismatchError(DistributedError):
     """The processes compiled different per-device programs (running them would deadlock)."""
 
 
+class ReplicaMismatchError(DistributedError):
+    """An input that must be an equal copy on several ranks (replicated over a mesh axis, such
+    as a data-parallel parameter) differs between them: unseeded initialisation."""
+
+
 class TrainInputError(PartitaError, ValueError):
     """A training step got input it cannot train on: a batch that is empty, of the wrong
     dtype or structure for ``batch_spec``, or a loss function that returns no scalar tensor."""
@@ -185,9 +194,12 @@ class StateDictError(PartitaError, ValueError):
 
 
 class CheckpointError(PartitaError, ValueError):
-    """A ``partita.checkpoint`` save or load failed: a missing or truncated file, a tensor
-    whose shape, dtype or name does not match, a save that did not complete. A failed save
-    leaves the previous checkpoint as it was; a failed load changes nothing."""
+    """A ``partita.checkpoint`` save or load failed: a missing, truncated or changed file (its
+    sha256 differs from the manifest's), a tensor whose shape, dtype or name does not match, a
+    directory that is not a partita checkpoint, an ``extra`` value a load could not give back,
+    processes that pass different paths or do not all call it, a save that did not complete.
+    A failed save leaves a complete checkpoint at the path (the previous one); a failed load
+    changes nothing."""
 
 
 class RecompileWarning(PartitaWarning):
@@ -258,6 +270,13 @@ class CacheEntryError(PartitaError, ValueError):
     """An entry of the on-disk compile cache (``PARTITA_COMPILE_CACHE``) cannot be decoded
     (written by another partita or torch version, or damaged); it is ignored and compiled
     again."""
+
+
+class CompileCacheWarning(PartitaWarning):
+    """The virtual device's on-disk compile cache was not used: its directory or a file in it
+    is not private to the current user, a file names something outside the table of ops a
+    cache file may call or fails its content hash, or the directory cannot be read or written.
+    The step compiles (or runs) as if the cache were off; the message says what to fix."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -140,15 +140,16 @@ KNOBS: tuple[Knob, ...] = (
          "the LocalMesh traces a segment's flat graph at its n-th run (None: cost-based)"),
     Knob("check_replicas", "PARTITA_CHECK_REPLICAS", _bool,
          "under torch.distributed, compare a checksum of replicated inputs across ranks at a "
-         "program's first run"),
+         "program's first run", keyed=False),
     Knob("join_timeout", "PARTITA_JOIN_TIMEOUT", _seconds,
          "seconds every rank may take to join the job", keyed=False),
     Knob("collective_timeout", "PARTITA_COLLECTIVE_TIMEOUT", _seconds,
          "seconds one collective may wait", keyed=False),
     Knob("compile_cache", "PARTITA_COMPILE_CACHE", _path,
          "directory of the virtual device's on-disk compile cache (None: off)", keyed=False),
-    Knob("virtual_device", "PARTITA_VIRTUAL_DEVICE", _bool,
-         "let use_spmd register the virtual device with torch", keyed=False),
+    Knob("check_calls", "PARTITA_CHECK_CALLS", _bool,
+         "under torch.distributed, check before every run of a program (not only its first) "
+         "that every rank runs it with the same input shapes and dtypes", keyed=False),
 )  # fmt: skip
 
 _BY_NAME = {k.name: k for k in KNOBS}
@@ -175,7 +176,7 @@ class CompileOptions:
     join_timeout: float = 300.0
     collective_timeout: float = 300.0
     compile_cache: str | None = None
-    virtual_device: bool = True
+    check_calls: bool = True
     _source: str = field(default="CompileOptions", compare=False, repr=False)
 
     def __post_init__(self) -> None:

@@ -51,6 +51,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from partita import node_meta
 from partita.capture.annotate import ANNOTATE_OP, lookup, new_key, tracing_scope
 from partita.capture.decompositions import decomposition_table
 from partita.capture.diagnose import (
@@ -261,13 +262,13 @@ def _trace(
         normalize(gm)
         annotations = {}
         for node in gm.graph.nodes:
-            if node.op == "call_function" and "source" not in node.meta:
-                node.meta["source"] = source_from_stack_trace(node.meta.get("stack_trace"))
+            if node.op == "call_function" and not node_meta.has_source(node):
+                node_meta.set_source(node, source_from_stack_trace(node.meta.get("stack_trace")))
             if node.op == "call_function" and node.target == ANNOTATE_OP:
                 ann = lookup(node.args[1])
                 if ann is None:
                     raise CaptureError(f"Annotation {node.args[1]} of {name!r} was lost.")
-                node.meta["annotation"] = ann
+                node_meta.set_annotation(node, ann)
                 annotations[node] = ann
         del state
     constants, constant_annotations = lift_constants(gm, mesh)
@@ -308,7 +309,7 @@ def _annotate_inputs_outputs(
         key = new_key(mesh, spec, value.meta["val"].ndim, source=source)
         node = add_node(graph, ANNOTATE_OP, (value, key), name="annotate")
         node.meta["val"] = value.meta["val"]
-        node.meta["source"] = where
+        node_meta.set_source(node, where)
         return node
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -351,7 +352,7 @@ def _check_functional(gm: torch.fx.GraphModule, name: str) -> None:
         if node.op == "call_function" and schema is not None and schema.is_mutable:
             raise CaptureError(
                 f"Capturing {name!r} left the mutating op {node.target} at "
-                f"{node.meta.get('source') or 'an unknown line'}; this is a partita bug, "
+                f"{node_meta.source(node) or 'an unknown line'}; this is a partita bug, "
                 f"please report it with the function."
             )
 

@@ -1,7 +1,7 @@
 """Partitioning: a propagated program -> one per-device program + its Plan.
 
 ``partition(gm, mesh, strict=False)`` lowers a GraphModule whose nodes carry
-``meta["sharding"]`` / ``meta["factor_axes"]`` / ``meta["rule"]`` (from ``partita.propagate``)
+``node_meta.sharding`` / ``factor_axes`` / ``rule`` (from ``partita.propagate``)
 into a per-device GraphModule of local aten ops and partita mesh ops, and a
 :class:`~partita.partition.plan.Plan` describing every collective. The reshard transition table
 is in ``partition.reshard``; special lowerings in ``partition.handlers``; fusing collectives

@@ -35,6 +35,7 @@ from typing import cast
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.collectives import COLLECTIVE_OPS
 from partita.collectives_bucket import BUCKET_OF
 from partita.errors import CompilerError, OptionError
@@ -86,15 +87,15 @@ class _Member:
 def bucket_collectives(gm: fx.GraphModule, plan: Plan, bucket_bytes: int) -> None:
     """Fuse the per-device program's collectives in place and list the buckets in ``plan``.
 
-    Every collective node (fused or not) gets ``meta["bytes"]``, its per-device bytes, which
-    the overlap schedule of real processes bounds (``runtime.overlap``).
+    Every collective node (fused or not) gets ``node_meta.collective_bytes``, its per-device
+    bytes, which the overlap schedule of real processes bounds (``runtime.overlap``).
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     colls = [n for n in nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS]
     _check_records(colls, plan)
     for node, rec in zip(colls, plan.collectives, strict=True):
-        node.meta["bytes"] = rec.bytes
+        node_meta.set_collective_bytes(node, rec.bytes)
     if bucket_bytes <= 0:
         return
     is_coll = set(colls)
@@ -106,7 +107,7 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan, bucket_bytes: int) -> Non
         rec = plan.collectives[i]
         # a re-gather (partition.regather) is fused only with re-gathers: with a forward
         # gather it would be issued in the forward and hold its memory until the backward
-        again = "regather" in node.meta
+        again = node_meta.regather_of(node) is not None
         key = (node.target, rec.mesh_axes, rec.dtype, level[node], again, *_reduce_op(node))
         if rec.kind in _GATHERS:  # ready once its collective inputs are; needed by its users
             ready = max((after[a] for a in node.all_input_nodes), default=-1)
@@ -208,13 +209,17 @@ def _fuse(
         args = (xs, [m.node.args[1] for m in bucket], *first.args[2:])
     with graph.inserting_before(first):
         fused = graph.call_function(bucket_op, args)
-    fused.meta["bucket_members"] = [m.node.name for m in bucket]
-    afters = [m.node.meta["regather_after"] for m in bucket if "regather_after" in m.node.meta]
+    node_meta.set_bucket_members(fused, [m.node.name for m in bucket])
+    afters = [
+        node_meta.regather_after(m.node)
+        for m in bucket
+        if node_meta.regather_after(m.node) is not None
+    ]
     if afters:  # launched no earlier than the last forward use of any member
-        fused.meta["regather"] = first.meta["regather"]
+        node_meta.set_regather(fused, node_meta.regather_of(first))
         at_name = {n.name: p for n, p in priority.items()}
-        fused.meta["regather_after"] = max(afters, key=at_name.__getitem__)
-    fused.meta["bytes"] = sum(m.nbytes for m in bucket)
+        node_meta.set_regather_after(fused, max(afters, key=at_name.__getitem__))
+    node_meta.set_collective_bytes(fused, sum(m.nbytes for m in bucket))
     priority[fused] = at
     for j, m in enumerate(bucket):
         with graph.inserting_before(first):

@@ -18,8 +18,8 @@ Which gathers and where (on the per-device program, before bucketing):
   falls in frees nothing another gather could reuse (the last block's weights, read by the
   forward and right after by the backward, stay gathered, as FSDP2 keeps its root's);
 - the uses after the gap read a new all_gather of the same input (and copies of the views they
-  read), placed just before the first of them. The new node's ``meta["regather"]`` names the
-  original, ``meta["regather_after"]`` the last use before the gap: bucketing fuses re-gathers
+  read), placed just before the first of them. The new node's ``node_meta.regather_of`` names the
+  original, ``node_meta.regather_after`` the last use before the gap: bucketing fuses re-gathers
   only with re-gathers, and the overlap schedule of real processes launches one no earlier
   than that (``runtime.overlap``).
 
@@ -40,6 +40,7 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.collectives import COLLECTIVE_OPS
 from partita.errors import ArgumentTypeError, OptionError
 from partita.partition.memory import is_view
@@ -160,8 +161,8 @@ def _split(
     with graph.inserting_before(at):
         g2 = graph.call_function(cast(Callable[..., Any], g.target), g.args, dict(g.kwargs))
     g2.meta.update(g.meta)
-    g2.meta["regather"] = g.name
-    g2.meta["regather_after"] = nodes[last_fwd].name
+    node_meta.set_regather(g2, g.name)
+    node_meta.set_regather_after(g2, nodes[last_fwd].name)
     rec = record[g]
     record[g2] = dataclasses.replace(
         rec, reason=f"gathered again for the backward (regather=True); first: {rec.reason}"

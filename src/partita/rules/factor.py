@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from partita.errors import CompilerError, RuleError, UnsupportedOpError
+from partita.rules.facts import NO_FACTS, OpFacts
 from partita.rules.handler_names import check_handler_name
 
 __all__ = ["FactorKind", "FactorRule", "OpInfo", "TensorMeta", "einsum_rule", "parse_einsum"]
@@ -154,7 +155,8 @@ class FactorRule:
     it. ``result_reductions`` maps a result index to the pass-through factors that
     result lacks but sums over (a backward op's weight gradient sums over the batch factor that
     its input gradient keeps): when such a factor is sharded, that result alone is partial over
-    its mesh axes (``reduce_op`` applies).
+    its mesh axes (``reduce_op`` applies). ``facts``: what the stages know of the op's local
+    call (:class:`~partita.rules.facts.OpFacts`, declared next to the rule).
     """
 
     operands: tuple[TensorFactors | None, ...]
@@ -164,6 +166,7 @@ class FactorRule:
     reduce_op: str = "sum"
     handler: str | None = None
     result_reductions: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    facts: OpFacts = NO_FACTS
     _factors: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _reductions: tuple[str, ...] = field(init=False, repr=False, compare=False)
 

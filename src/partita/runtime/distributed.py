@@ -38,9 +38,10 @@ the partitioner expects.
 
 Values are :class:`~partita.runtime.dist_tensor.DistributedShardedTensor` (this process's
 shard only). Groups are created with the bounded collective timeout and every collective
-failure is a :class:`~partita.errors.DistributedError` (``runtime.comm``); before a compiled
-program first runs, the ranks check that they all compiled the same one, inputs included
-(``runtime.plan_check``).
+failure is a :class:`~partita.errors.DistributedError` (``runtime.comm``); before every run of
+a compiled program, the ranks check that they all run the same one, input shapes and dtypes
+included (one all-gather of an int64, ``runtime.plan_check``), and at its first run that the
+inputs replicated over a mesh axis are equal on their replicas.
 
 This module does not start processes or join them (``runtime.launch`` does) and has no
 sharding logic.
@@ -74,7 +75,7 @@ from partita.runtime.dist_ops import InFlight, alone
 from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
 from partita.runtime.donate import donated_all_reduces
 from partita.runtime.overlap import overlap_bytes_setting, run_measuring, schedule_overlap
-from partita.runtime.plan_check import verify_same_program
+from partita.runtime.plan_check import CallChecks
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 
@@ -147,7 +148,7 @@ class DistributedMesh:
         self._compiled: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = (
             weakref.WeakKeyDictionary()
         )
-        self._verified: weakref.WeakKeyDictionary[fx.GraphModule, str] = weakref.WeakKeyDictionary()
+        self._checks = CallChecks(mesh)  # the plan and replica checks (runtime.plan_check)
         self._impls: dict[Any, Callable[..., Any]] = {
             ops.collective_permute.default: self.collective_permute,
             ops.axis_index.default: self.axis_index,
@@ -344,18 +345,18 @@ class DistributedMesh:
         value on every process); the results are :class:`DistributedShardedTensor`.
         """
         self._require_open()
-        if compiled.local not in self._verified:
-            self._verified[compiled.local] = verify_same_program(
-                compiled, self.mesh, self._check_pg
-            )
+        # Before any collective of the program: a mismatch is an error on every rank, and the
+        # ranks stay in step (a later matching call runs).
+        self._checks.program(compiled, self._check_pg)
         inputs = [
             self.local_input(leaf, sharding)
             for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True)
         ]
+        self._checks.replicas(compiled, leaves, inputs, self._check_pg)
         compile_programs = getattr(compiled, "compile_programs", False)
         outs = self.run(compiled.local, inputs, compile_programs=compile_programs)
         return [
-            DistributedShardedTensor.from_local(o, s, shape, self)
+            DistributedShardedTensor.from_local(o, s, shape, self, computed=True)
             for o, s, shape in zip(
                 outs, compiled.output_shardings, compiled.output_shapes, strict=True
             )

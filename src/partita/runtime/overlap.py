@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import Tensor, fx
 
+from partita import node_meta
 from partita.errors import OptionError
 from partita.partition.bucket import reorder
 from partita.partition.memory import is_view
@@ -91,9 +92,9 @@ def schedule_overlap(
         with graph.inserting_before(node):
             h = graph.call_function(start, (kind_of(node.target), *node.args), {"node": node.name})
             w = graph.call_function(wait, (h,))
-        h.meta["bytes"] = node.meta.get("bytes", 0)
-        if "regather_after" in node.meta:
-            h.meta["regather_after"] = node.meta["regather_after"]
+        node_meta.set_collective_bytes(h, node_meta.collective_bytes(node))
+        if node_meta.regather_after(node) is not None:
+            node_meta.set_regather_after(h, node_meta.regather_after(node))
         w.meta.update(node.meta)
         if size_of is not None:
             size_of[w] = size_of.pop(node, 0)
@@ -128,7 +129,7 @@ def _hold_regathers(
     at = {n.name: p for n, p in pos.items()}
     previous = -1.0
     for h, w in sorted(pairs, key=lambda hw: priority[hw[1]]):
-        after = h.meta.get("regather_after")
+        after = node_meta.regather_after(h)
         if after is None:
             continue
         priority[h] = max(priority[h], at.get(after, -1.0) + 0.5, previous + 0.25)
@@ -165,7 +166,7 @@ def _hold_under_peak(
     for h in sorted((h for h, _ in pairs), key=at.__getitem__):
         if not str(h.args[0]).startswith("all_gather"):
             continue
-        size = int(h.meta.get("bytes", 0)) * gather_buffers
+        size = int(node_meta.collective_bytes(h)) * gather_buffers
         q = at[h] - 1  # h sits right before w; the buffer is held from after q up to w
         while q >= 0 and held[q] + size <= cap:
             q -= 1
@@ -243,11 +244,11 @@ def _bound_in_flight(graph: fx.Graph, wait_of: dict[fx.Node, fx.Node], limit: in
     def launch(h: fx.Node) -> None:
         nonlocal in_flight
         order.append(h)
-        in_flight += h.meta["bytes"]
+        in_flight += node_meta.collective_bytes(h)
 
     for n in list(graph.nodes):
         if n in wait_of:
-            if in_flight and in_flight + n.meta["bytes"] > limit:
+            if in_flight and in_flight + node_meta.collective_bytes(n) > limit:
                 deferred.append(n)
             else:
                 launch(n)
@@ -257,8 +258,10 @@ def _bound_in_flight(graph: fx.Graph, wait_of: dict[fx.Node, fx.Node], limit: in
             while h in deferred:  # launch in order up to this one: every rank issues alike
                 launch(deferred.pop(0))
             order.append(n)
-            in_flight -= h.meta["bytes"]
-            while deferred and (not in_flight or in_flight + deferred[0].meta["bytes"] <= limit):
+            in_flight -= node_meta.collective_bytes(h)
+            while deferred and (
+                not in_flight or in_flight + node_meta.collective_bytes(deferred[0]) <= limit
+            ):
                 launch(deferred.pop(0))
             continue
         order.append(n)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
+from partita import node_meta
 from partita.collectives import MESH_OPS
 from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import CompilerError, UnsupportedOpError
@@ -338,11 +339,11 @@ def segment_error(segment: Segment, e: Exception) -> CompilerError:
     if failed is not None:
         where = (
             f"local op {failed.target} (%{failed.name}), lowered from "
-            f"{failed.meta.get('origin', 'an unknown op')} at "
-            f"{failed.meta.get('source') or 'source line unknown'}"
+            f"{node_meta.origin(failed) or 'an unknown op'} at "
+            f"{node_meta.source(failed) or 'source line unknown'}"
         )
     else:
-        ops = sorted({str(n.meta.get("origin", n.target)) for n in segment.nodes})
+        ops = sorted({str(node_meta.origin(n) or n.target) for n in segment.nodes})
         where = f"one of the local ops {ops}"
     first = (str(e).strip().splitlines() or [""])[0]
     return CompilerError(

@@ -25,7 +25,8 @@ import torch
 from torch.utils import _pytree as pytree
 
 from partita.tensor import ShardedTensor
-from partita.virtual import immediate, recording, step
+from partita.virtual import recording, step
+from partita.virtual import state as device_state
 from partita.virtual.lazy import Cell, LazyTensor, next_serial
 from partita.virtual.replayable import (
     REPLICATED,
@@ -112,11 +113,11 @@ class CompiledStep:
         """Run the function (recorded, synced at the end) and capture it once it repeats."""
         m = step.metrics()
         syncs, start = m.syncs, next_serial()
-        immediate.UPLOADS.append([])
+        device_state.get().uploads.append([])
         try:
             out = self.fn(*args, **kwargs)
         finally:
-            uploads = immediate.UPLOADS.pop()
+            uploads = device_state.get().uploads.pop()
         inner = m.syncs - syncs
         out_leaves, out_spec = pytree.tree_flatten(out)
         returned = {id(t._cell) for t in out_leaves if isinstance(t, LazyTensor)}

@@ -10,30 +10,59 @@ handed to :mod:`partita.virtual.recording`; ``.item()``, ``.cpu()`` and ``repr``
 ``detach``/``alias`` (what ``.data`` and ``nn.Parameter`` use) share the cell, so
 ``p.data.mul_(2)`` updates ``p``. ``__tensor_flatten__`` makes ``module.to(dev)`` swap tensors,
 so an ``nn.Parameter`` keeps its identity. This module does not compile or run anything.
+
+It sits below the layers that record and run ops (it imports only :mod:`partita.virtual.state`):
+those hand it, once, the two calls it makes up into them (:func:`connect`): recording an op and
+syncing the step.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextvars
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
 from partita.errors import VirtualDeviceError
 from partita.tensor import ShardedTensor
-from partita.virtual.device import spmd_device
+from partita.virtual import state
+from partita.virtual.state import DEVICE_NAME
 
-__all__ = ["COPYING", "Cell", "Desc", "LazyTensor", "full_value", "lazies", "next_serial"]
+__all__ = [
+    "Cell",
+    "Desc",
+    "LazyTensor",
+    "connect",
+    "dispatch",
+    "full_value",
+    "lazies",
+    "new_data",
+    "next_serial",
+]
 
 #: A value's metadata: shape, strides, storage offset, dtype.
 Desc = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]
 _META = torch.device("meta")
-_SERIALS = itertools.count()
-#: True while ``copy.deepcopy`` copies a device tensor: a copy of data is data at once
-#: (:mod:`partita.virtual.immediate`), so the copy can later be swapped by ``module.half()``,
-#: which ``torch.utils.swap_tensors`` refuses for a pending tensor.
-COPYING = [False]
+
+
+class _Above:
+    """The calls into the layers above this module, given once by :func:`connect`."""
+
+    dispatch: ClassVar[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None] = None
+    sync: ClassVar[Callable[[], None] | None] = None
+
+
+def connect(
+    *,
+    dispatch: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any],
+    sync: Callable[[], None],
+) -> None:
+    """Give the lazy tensor the layers above it (``partita.virtual`` does at import):
+    ``dispatch(func, args, kwargs)`` records or runs an op (:mod:`partita.virtual.dispatch`),
+    ``sync()`` runs the recorded step (:mod:`partita.virtual.step`)."""
+    _Above.dispatch, _Above.sync = dispatch, sync
 
 
 class Cell:
@@ -81,7 +110,7 @@ class Cell:
         self.base: Cell = self if base is None else base.base
         self.dirty = False
         # Creation order: a compiled step tells the values it made from those it was given.
-        self.serial = next(_SERIALS)
+        self.serial = next(state.get().serials)
 
     @property
     def meta(self) -> torch.Tensor:
@@ -107,9 +136,7 @@ class Cell:
     def data(self) -> torch.Tensor | ShardedTensor | None:
         """The value (waits for the step computing it when that step is still running)."""
         if self.in_flight:
-            from partita.virtual.step import wait_in_flight
-
-            wait_in_flight()
+            state.get().wait_in_flight()
         return self._data
 
     @data.setter
@@ -131,9 +158,9 @@ class LazyTensor(torch.Tensor):
     """A tensor on the virtual device (see the module docstring)."""
 
     _cell: Cell
-    # the documented way to turn __torch_function__ off in a subclass; torch's stub types the
-    # attribute as a classmethod signature this function does not match
-    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
+    __torch_function__ = torch._C._disabled_torch_function_impl
+    #: ``torch.device("spmd", 0)``, made on first use (only once the device is registered).
+    _device: ClassVar[torch.device | None] = None
 
     @staticmethod
     def __new__(cls, cell: Cell, requires_grad: bool = False) -> LazyTensor:
@@ -144,7 +171,7 @@ class LazyTensor(torch.Tensor):
             strides=stride,
             storage_offset=offset,
             dtype=dtype,
-            device=_DEVICE[0] if _DEVICE else _device(),
+            device=cls._device or cls._spmd_device(),
             requires_grad=requires_grad,
         )
         t._cell = cell
@@ -152,6 +179,11 @@ class LazyTensor(torch.Tensor):
 
     def __init__(self, cell: Cell, requires_grad: bool = False) -> None:
         del cell, requires_grad
+
+    @classmethod
+    def _spmd_device(cls) -> torch.device:
+        cls._device = torch.device(DEVICE_NAME, 0)
+        return cls._device
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         return [], self._cell
@@ -175,11 +207,7 @@ class LazyTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]  # torch's stub: (func, types, args, kwargs)
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
     ) -> Any:
-        if not _DISPATCH:
-            from partita.virtual.recording import dispatch
-
-            _DISPATCH.append(dispatch)
-        return _DISPATCH[0](func, args, kwargs or {})
+        return _Above.dispatch(func, args, kwargs or {})  # type: ignore[misc]
 
     # torch.Tensor.__repr__ takes tensor_contents at runtime; its stub has no keyword
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -191,11 +219,12 @@ class LazyTensor(torch.Tensor):
         return f"tensor({body}, device='{self.device}')"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        outer, COPYING[0] = COPYING[0], True
+        device = state.get()
+        outer, device.copying = device.copying, True
         try:
             return super().__deepcopy__(memo)
         finally:
-            COPYING[0] = outer
+            device.copying = outer
 
     def __reduce_ex__(self, proto: Any) -> Any:
         """Pickled as its value, like an XLA tensor (``torch.save``): the CPU value, dtype and
@@ -219,13 +248,16 @@ class LazyTensor(torch.Tensor):
         return full_value(self)
 
 
-_DEVICE: list[torch.device] = []
-_DISPATCH: list[Any] = []  # recording.dispatch (imported on first use: it imports this module)
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Hand an op on device tensors to the recording layer, as ``__torch_dispatch__`` does
+    (for the kernels and immediate ops that turn one op into another)."""
+    return _Above.dispatch(func, args, kwargs)  # type: ignore[misc]
 
 
-def _device() -> torch.device:
-    _DEVICE.append(spmd_device())
-    return _DEVICE[0]
+def new_data(value: torch.Tensor | ShardedTensor, requires_grad: bool = False) -> LazyTensor:
+    """A LazyTensor holding ``value`` as data."""
+    meta = torch.empty(tuple(value.shape), dtype=value.dtype, device=_META)
+    return LazyTensor(Cell(meta, value), requires_grad=requires_grad)
 
 
 def _sync_outside_dispatch() -> None:
@@ -235,8 +267,8 @@ def _sync_outside_dispatch() -> None:
     for this thread, functorch's ``vmap`` (which the LocalMesh runs on) among them; a thread
     starts with none excluded.
     """
-    from partita.virtual.step import sync
-
+    sync = _Above.sync
+    assert sync is not None, "partita.virtual connects the lazy tensor at import"
     if not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.FuncTorchBatched):
         sync()
         return
@@ -248,7 +280,10 @@ def _sync_outside_dispatch() -> None:
         except BaseException as e:  # re-raised in the caller's thread
             errors.append(e)
 
-    worker = threading.Thread(target=run, name="partita-sync")
+    # The caller's context goes along: partita.options.using(...) blocks apply to the sync.
+    worker = threading.Thread(
+        target=contextvars.copy_context().run, args=(run,), name="partita-sync"
+    )
     worker.start()
     worker.join()
     if errors:
@@ -279,4 +314,4 @@ def lazies(x: Any) -> list[LazyTensor]:
 
 def next_serial() -> int:
     """A number above every cell's ``serial`` so far (cells made later have higher ones)."""
-    return next(_SERIALS)
+    return next(state.get().serials)

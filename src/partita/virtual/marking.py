@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 from partita import capture
+from partita.errors import VirtualDeviceError
 from partita.mesh import Mesh
 from partita.spec import as_spec
 from partita.tensor import ShardedTensor
 from partita.virtual import step
-from partita.virtual.device import VirtualDeviceError
 from partita.virtual.lazy import LazyTensor, full_value
 from partita.virtual.recording import record_annotation
 

@@ -5,7 +5,7 @@ wrap each ShardedTensor as data of the virtual device, record the call, sync, an
 ShardedTensors (plain tensors among the arguments, a model's weights say, are replicated
 inputs). The first such call switches the virtual device on for the ShardedTensor's mesh.
 Results carry no autograd history. This module only converts; recording and compiling are
-:mod:`recording` and :mod:`step`.
+:mod:`dispatch` and :mod:`step`.
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from partita.errors import VirtualDeviceError
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 from partita.virtual import step
-from partita.virtual.device import VirtualDeviceError
-from partita.virtual.lazy import LazyTensor, full_value
-from partita.virtual.recording import new_data
+from partita.virtual.lazy import LazyTensor, full_value, new_data
+from partita.virtual.switch import switch_on
 
 __all__ = ["eager_op"]
 
@@ -34,8 +34,6 @@ def eager_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         >>> (x + 1).full().sum().item()
         64.0
     """
-    from partita.virtual import use_spmd
-
     sharded = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, ShardedTensor)]
     mesh = sharded[0].mesh
     current = step.current_mesh()
@@ -46,7 +44,7 @@ def eager_op(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             f"device's mesh. Reshard onto {current!r}, or use partita.jit with mesh={mesh!r}."
         )
     if current is None:
-        use_spmd(mesh)
+        switch_on(mesh)  # ShardedTensor ops run no backward(): no check for one
 
     def to_lazy(x: Any) -> Any:
         return new_data(x) if isinstance(x, ShardedTensor) else x

@@ -9,7 +9,8 @@ annotations from ``mark_sharding`` and the input shardings decide every other sh
 
 On the LocalMesh the run is submitted to a background thread and ``sync`` returns: the next
 step records meanwhile, its values are *in flight* (reading one, or the next sync, waits).
-Under torch.distributed the run happens before ``sync`` returns.
+Under torch.distributed the run happens before ``sync`` returns. Whether steps run in the
+background is ``DeviceState.run_in_background`` (:mod:`partita.virtual.state`).
 
 Programs are cached by the recording's structural key (:meth:`Recording.key`): a cache hit
 builds no fx graph, and a step that repeated its guide op by op (the fast path, see
@@ -22,7 +23,6 @@ left the fast path the first op or input that differed.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -31,14 +31,13 @@ from typing import Any
 import torch
 
 from partita.capture.source import pin_source
-from partita.errors import InternalError, RecompileWarning, warn
+from partita.errors import InternalError, RecompileWarning, VirtualDeviceError, warn
 from partita.mesh import Mesh
 from partita.recompile import RECOMPILE_WARNING_AT
 from partita.relayout import reshard
 from partita.runtime.distributed import distributed_executor
 from partita.tensor import ShardedTensor
-from partita.virtual import disk_cache, recording
-from partita.virtual.device import VirtualDeviceError
+from partita.virtual import disk_cache, recording, state
 from partita.virtual.lazy import Cell
 from partita.virtual.lift import replay_op
 from partita.virtual.metrics import MISSES_KEPT, Metrics
@@ -47,7 +46,6 @@ from partita.virtual.sources import stack_entries
 from partita.virtual.why import recompile_reason, recompile_warning
 
 __all__ = [
-    "RUN_IN_BACKGROUND",
     "LastSync",
     "Metrics",
     "current_mesh",
@@ -81,26 +79,24 @@ class LastSync:
     out_cells: list[Cell]
 
 
-_STATE: dict[str, Any] = {"mesh": None, "metrics": Metrics(), "last_sync": None}
-_CACHE: OrderedDict[Hashable, StepProgram] = OrderedDict()
-
-
 def set_mesh(mesh: Mesh) -> None:
     """The mesh the virtual device's programs run on (``use_spmd`` sets it)."""
-    if _STATE["mesh"] is not None and _STATE["mesh"] != mesh:
-        _CACHE.clear()
+    device = state.get()
+    if device.mesh is not None and device.mesh != mesh:
+        device.programs.clear()
         recording.forget_guides()
-    _STATE["mesh"] = mesh
+    device.mesh = mesh
 
 
 def current_mesh() -> Mesh | None:
     """The virtual device's mesh, or None before ``use_spmd``."""
-    return _STATE["mesh"]
+    device = state.existing()
+    return None if device is None else device.mesh
 
 
 def mesh() -> Mesh:
     """The virtual device's mesh (raises when ``use_spmd`` was not called)."""
-    m = _STATE["mesh"]
+    m = current_mesh()
     if m is None:
         raise VirtualDeviceError(
             "The virtual device has no mesh: a tensor on 'spmd' was used before "
@@ -117,15 +113,17 @@ def metrics(reset: bool = False) -> Metrics:
         >>> m.compiles >= 0
         True
     """
-    m = _STATE["metrics"]
+    device = state.get()
+    m = device.metrics
     if reset:
-        _STATE["metrics"] = Metrics()
+        device.metrics = Metrics()
     return m
 
 
 def last_sync() -> LastSync | None:
     """The step the last :func:`sync` ran (None before the first)."""
-    return _STATE["last_sync"]
+    device = state.existing()
+    return None if device is None else device.last_sync  # type: ignore[no-any-return]
 
 
 def _replay_fn(rec: recording.Recording, outputs: list[int]) -> Callable[..., list[torch.Tensor]]:
@@ -177,6 +175,9 @@ def sync() -> None:
     Example:
         >>> partita.sync()   # nothing recorded: nothing runs
     """
+    device = state.existing()
+    if device is None or device.recording is None:
+        return  # nothing recorded (or use_spmd never called)
     pending = recording.current()
     if not pending.ops:
         return
@@ -186,8 +187,9 @@ def sync() -> None:
         raise InternalError(
             f"partita.sync: the recording changed while it was being taken. {InternalError.REPORT}"
         )
-    wait_in_flight()  # the previous step's values are this step's inputs
-    m: Metrics = _STATE["metrics"]
+    device.wait_in_flight()  # the previous step's values are this step's inputs
+    m: Metrics = device.metrics
+    cache = device.programs
     m.syncs += 1
     m.ops_recorded += len(rec.ops)
     out_cells = _outputs(rec)
@@ -200,7 +202,7 @@ def sync() -> None:
         and rec.repeats_guide(out_slots, described)
         # Only while its program is cached (an evicted or cleared program is compiled or read
         # from disk again, as any miss).
-        and any(p is guide.program for p in _CACHE.values())
+        and any(p is guide.program for p in cache.values())
     ):
         # The fast path: the step repeated the guide's ops and inputs, so it has the guide's
         # key; nothing to hash.
@@ -209,13 +211,13 @@ def sync() -> None:
         m.fast_path_hits += 1
     else:
         key = (rec.key(described), out_slots, len(rec.scalars))
-        program = _CACHE.get(key)
+        program = cache.get(key)
         if program is None:
             started = time.perf_counter()
             # A reason for every compilation after the first one these metrics count (the
             # cache may hold programs of earlier, unrelated loops: the first compile is not a
             # recompile).
-            reason = recompile_reason(key, list(_CACHE), rec) if _CACHE and m.compiles else None
+            reason = recompile_reason(key, list(cache), rec) if cache and m.compiles else None
             compiles = m.compiles
             program = _compile(rec, out_cells, key, inputs)
             if reason and m.compiles > compiles:
@@ -227,7 +229,7 @@ def sync() -> None:
                 )
                 warn(text, RecompileWarning)
         else:
-            _CACHE.move_to_end(key)
+            cache.move_to_end(key)
             m.cache_hits += 1
     if rec.miss is not None:
         m.fast_path_misses.append(rec.miss)
@@ -241,7 +243,7 @@ def sync() -> None:
             value.base.dirty = False
     for cell in out_cells:
         cell.slot = None
-    _STATE["last_sync"] = LastSync(rec, key, program, inputs, out_cells)
+    device.last_sync = LastSync(rec, key, program, inputs, out_cells)
     submit(program, inputs, out_cells, [value for _, value in rec.inputs])
 
 
@@ -260,25 +262,21 @@ def submit(
         if isinstance(input_cells[i], Cell):
             input_cells[i].in_flight = True
     run = _Run(program, inputs, out_cells, input_cells)
+    device = state.get()
     # A step that draws random numbers runs now: in the background its draws would take the
     # CPU generator from whatever the Python thread draws meanwhile (the next batch's
     # torch.randn), not from where eager PyTorch takes them.
-    if RUN_IN_BACKGROUND and distributed_executor(mesh()) is None and not program.draws_random:
+    background = device.run_in_background and distributed_executor(mesh()) is None
+    if background and not program.draws_random:
         # Recording the next step (Python) overlaps this step's run; reading a value it
         # computes, or the next sync, waits for it.
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="partita-step"))
-        run.future = _POOL[0].submit(run.execute)
-        _IN_FLIGHT.append(run)
+        if device.pool is None:
+            device.pool = ThreadPoolExecutor(1, thread_name_prefix="partita-step")
+        run.future = device.pool.submit(run.execute)
+        device.in_flight.append(run)
     else:
         run.execute()
         run.finish()
-
-
-#: Run each step in a background thread (LocalMesh only): the next step records meanwhile.
-RUN_IN_BACKGROUND = True
-_POOL: list[ThreadPoolExecutor] = []
-_IN_FLIGHT: list[_Run] = []
 
 
 class _Run:
@@ -310,7 +308,7 @@ class _Run:
                     cell.in_flight = False
         assert self.outputs is not None
         results, updates = self.outputs
-        _STATE["metrics"].run_seconds += self.seconds
+        state.get().metrics.run_seconds += self.seconds
         for cell, value in zip(self.out_cells, results, strict=True):
             cell.data = value
         for i, value in updates:  # in-place updates of data: the cell (the Parameter) is kept
@@ -321,8 +319,9 @@ class _Run:
 
 def wait_in_flight() -> None:
     """Wait for the step running in the background, if any, and hand out its values."""
-    while _IN_FLIGHT:
-        _IN_FLIGHT.pop(0).finish()
+    device = state.existing()
+    if device is not None:
+        device.wait_in_flight()
 
 
 def _keep_layout(old: Any, new: ShardedTensor) -> Any:
@@ -358,7 +357,8 @@ def _inputs(rec: recording.Recording) -> list[Any]:
 def _compile(
     rec: recording.Recording, out_cells: list[Cell], key: Hashable, inputs: list[Any]
 ) -> StepProgram:
-    m: Metrics = _STATE["metrics"]
+    device = state.get()
+    m: Metrics = device.metrics
     # Under torch.distributed every rank compiles (the executor checks the programs agree).
     local = distributed_executor(mesh()) is None
     program = disk_cache.load(key, mesh()) if local else None
@@ -369,7 +369,7 @@ def _compile(
         program = compile_step(replay, inputs, mesh())
         m.compiles += 1
         disk_cache.save(key, mesh(), program)
-    _CACHE[key] = program
-    if len(_CACHE) > CACHE_LIMIT:
-        _CACHE.popitem(last=False)
+    device.programs[key] = program
+    if len(device.programs) > CACHE_LIMIT:
+        device.programs.popitem(last=False)
     return program

@@ -10,8 +10,11 @@ This module does not propagate anything (``partita.propagate`` does).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
+from partita import node_meta
 from partita.errors import (
     CompilerError,
     PartitaError,
@@ -22,6 +25,7 @@ from partita.errors import (
 )
 from partita.rules import FactorRule, OpInfo, get_rule
 from partita.rules.opinfo import is_tensor, replicate_rule, source_of
+from partita.rules.registry import facts_of
 
 __all__ = ["apply_rule", "compiler_error"]
 
@@ -75,7 +79,7 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
     arguments (whatever it raises), is an :class:`UnsupportedOpError` that names the op, the
     node and the source line; under ``replicate_unsupported=True`` both get the replicate rule
     instead (a rule that raised also warns with :class:`ReplicatedOpWarning`), and
-    ``node.meta["replicated_reason"]`` says why, for the Plan.
+    ``node_meta.replicated_reason(node)`` says why, for the Plan.
     """
     fn = get_rule(node.target)
     where = f"node {node.name} ({source_of(node) or 'source line unknown'})"
@@ -133,5 +137,5 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
 
 def _replicated(node: fx.Node, info: OpInfo, reason: str) -> FactorRule:
     """The replicate rule, with the reason the partitioner records for its gathers."""
-    node.meta["replicated_reason"] = reason
-    return replicate_rule(info)
+    node_meta.set_replicated_reason(node, reason)
+    return dataclasses.replace(replicate_rule(info), facts=facts_of(node.target))
