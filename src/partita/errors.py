@@ -268,8 +268,8 @@ class VirtualDeviceError(PartitaError, RuntimeError):
 
 class CacheEntryError(PartitaError, ValueError):
     """An entry of the on-disk compile cache (``PARTITA_COMPILE_CACHE``) cannot be decoded
-    (written by another partita or torch version, or damaged); it is ignored and compiled
-    again."""
+    (written by another partita or torch version, or damaged). It never reaches the user: the
+    entry is refused with a :class:`CompileCacheWarning` and the step compiles again."""
 
 
 class CompileCacheWarning(PartitaWarning):

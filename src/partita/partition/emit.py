@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy as FxProxy
 from torch.fx.proxy import Scope, TracerBase
 
 from partita import node_meta
@@ -49,19 +48,12 @@ from partita.explain import op_name
 from partita.partition import masks
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import CollectiveRecord
+from partita.partition.proxy import FxProxy, Proxy
 
 if TYPE_CHECKING:
     from partita.rules import FactorRule
 
-    #: What handler code computes with: an ``fx.Proxy`` standing for a per-device value.
-    #: For the type checker it is ``Any``: fx adds Proxy's operators (``x * 2``, ``x[i]``) at
-    #: runtime, and handler code passes proxies to ``torch.*`` functions typed for tensors,
-    #: neither of which torch's annotations can express. Handlers import it from here.
-    Proxy = Any
-else:
-    Proxy = FxProxy
-
-__all__ = ["Emitter", "emitting", "make_tuple", "node_of", "op_of"]
+__all__ = ["Emitter", "Proxy", "emitting", "make_tuple", "node_of", "op_of"]
 
 aten = torch.ops.aten
 Assign = dict[str, tuple[str, ...]]

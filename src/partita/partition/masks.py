@@ -12,16 +12,12 @@ This module emits nodes by calling ops on ``torch.fx.Proxy`` values of the per-d
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from partita.errors import InternalError
 from partita.layout import ceil_div
 from partita.mesh import Mesh
-
-if TYPE_CHECKING:
-    from partita.partition.emit import Proxy
+from partita.partition.proxy import Proxy
 
 __all__ = [
     "arange",

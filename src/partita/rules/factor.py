@@ -23,6 +23,7 @@ given). It holds no per-op knowledge (that is in the family modules) and no prop
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import math
@@ -40,6 +41,7 @@ __all__ = ["FactorKind", "FactorRule", "OpInfo", "TensorMeta", "einsum_rule", "p
 
 DimFactors = tuple[str, ...]  # the factors of one dim, major first; () = not shardable
 TensorFactors = tuple[DimFactors, ...]
+Factors = Sequence[TensorFactors | None]  # each tensor's factors (None: a whole tensor)
 
 
 class FactorKind(enum.Enum):
@@ -96,8 +98,7 @@ class OpInfo:
             msg = "OpInfo.arg(index, name, default) is deprecated: use OpInfo.arg(name, default)"
             warnings.warn(msg, DeprecationWarning, stacklevel=2)
             name, default = default, (legacy[0] if legacy else None)
-        key = cast(str, name)  # the schema name, either way
-        index = self._position(key)
+        index = self._position(key := cast(str, name))  # the schema name, either way
         if key in self.kwargs:
             return self.kwargs[key]
         return self.args[index] if index < len(self.args) else default
@@ -136,10 +137,9 @@ def _schema_names(target: Any) -> tuple[str, ...]:
     if names is None:
         schema = getattr(target, "_schema", None)
         names = tuple(a.name for a in schema.arguments) if schema is not None else ()
-        try:  # kept on the op: reading the schema builds its Argument objects anew each time
+        # kept on the op: reading the schema builds its Argument objects anew each time
+        with contextlib.suppress(AttributeError, TypeError):  # an op that takes no attributes
             setattr(target, _NAMES_ATTRIBUTE, names)
-        except (AttributeError, TypeError):  # an op object that takes no attributes
-            pass
     return names
 
 
@@ -238,9 +238,7 @@ class FactorRule:
         return f"FactorRule({text}{'; ' + '; '.join(extra) if extra else ''})"
 
 
-def _einsum_text(
-    operands: Sequence[TensorFactors | None], results: Sequence[TensorFactors | None]
-) -> str:
+def _einsum_text(operands: Factors, results: Factors) -> str:
     """``"m k, k n -> m n"``: the einsum text of factor tuples (``*`` for a whole tensor)."""
 
     def fmt(t: TensorFactors | None) -> str:
@@ -296,9 +294,8 @@ def parse_einsum(
         raise RuleError(f"factor rule {spec!r} has no '->'")
     lhs, rhs = spec.split("->")
 
-    def side(s: str) -> tuple[TensorFactors | None, ...]:
-        s = s.strip()
-        return tuple(_parse_tensor(t) for t in s.split(",")) if s else ()
+    def side(s: str) -> tuple[TensorFactors | None, ...]:  # each tensor's text is stripped
+        return tuple(_parse_tensor(t) for t in s.split(",")) if s.strip() else ()
 
     return side(lhs), side(rhs)
 

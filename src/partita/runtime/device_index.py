@@ -222,9 +222,8 @@ def run_take(
     sizes = [v.shape[sum(a) + take.dim % (v.dim() - sum(a))] for v, a in inputs]
     starts = [e - n for e, n in zip(itertools.accumulate(sizes), sizes, strict=True)]
     which = {_piece_of(row, starts, sizes) for row in rows.values()}
-    if len(which) == 1 and None not in which:  # every device reads one piece: maybe a view
-        (j,) = which
-        assert j is not None
+    # every device reads one piece: maybe a view
+    if len(which) == 1 and (j := next(iter(which))) is not None:
         shifted = {r: row - starts[j] for r, row in rows.items()}
         view = _take_view(take, shifted, *inputs[j], mesh)
         if view is not None:
