@@ -210,13 +210,11 @@ def _fuse(
     with graph.inserting_before(first):
         fused = graph.call_function(bucket_op, args)
     node_meta.set_bucket_members(fused, [m.node.name for m in bucket])
-    afters = [
-        node_meta.regather_after(m.node)
-        for m in bucket
-        if node_meta.regather_after(m.node) is not None
-    ]
+    afters = [a for m in bucket if (a := node_meta.regather_after(m.node)) is not None]
     if afters:  # launched no earlier than the last forward use of any member
-        node_meta.set_regather(fused, node_meta.regather_of(first))
+        of = node_meta.regather_of(first)
+        assert of is not None  # re-gathers are bucketed only with re-gathers
+        node_meta.set_regather(fused, of)
         at_name = {n.name: p for n, p in priority.items()}
         node_meta.set_regather_after(fused, max(afters, key=at_name.__getitem__))
     node_meta.set_collective_bytes(fused, sum(m.nbytes for m in bucket))

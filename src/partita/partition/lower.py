@@ -138,7 +138,7 @@ class Lowering(LocalValues):
         local = self.graph.placeholder(node.name)
         if not _tensor_val(val):
             return
-        sharding = node_meta.sharding(node)
+        sharding = node_meta.value_sharding(node)
         self.values[(node, None)] = LocalValue(local, sharding, tuple(val.shape), val.dtype)
         self.plan.input_shardings.append(sharding)
 
@@ -148,7 +148,7 @@ class Lowering(LocalValues):
             self.alias[node] = (src, int(idx))
 
     def _annotation(self, node: fx.Node) -> None:
-        ann = node_meta.annotation(node)
+        ann = node_meta.annotation_of(node)
         operand = cast(fx.Node, node.args[0])  # annotate(x, ...)
         why = f"annotation {ann.source or node.name} asks for {ann.sharding}"
         local = self.reshard(self.key(operand), ann.sharding, why, node)
@@ -198,7 +198,8 @@ class Lowering(LocalValues):
                 f"Node {node.name} ({op_name(node.target)}) produces no tensor; the partitioner "
                 f"only handles tensor programs."
             )
-        rule: FactorRule = node_meta.rule(node)
+        rule = node_meta.rule(node)
+        assert rule is not None  # propagation gives every op its rule
         if rule.facts.same_dtype:
             check_same_dtype(node)
         assign = self.representable(node.target, rule, node_meta.factor_axes(node))
@@ -349,7 +350,7 @@ class Lowering(LocalValues):
             self.values[(node, None)] = LocalValue(local, s, tuple(val.shape), val.dtype)
             self._copies[(node, None)] = self._pending_copies.pop(node, {})
             self._explain_partial((node, None), node, rule, assign, 0)
-            self._settle((node, None), wanted, node)
+            self._settle((node, None), node_meta.single_sharding(node), node)
 
     def _explain_partial(
         self,

@@ -189,7 +189,7 @@ def lower_partial_enter(low: LoweringAPI, node: fx.Node) -> None:
     """Entering a partially manual region: the operand's tile is the spec's manual split then
     the body value's auto split, manual axes major."""
     x, b = _crossing(node)
-    inner, dropped = _inner(low, b, node_meta.sharding(node))
+    inner, dropped = _inner(low, b, node_meta.value_sharding(node))
     dims = tuple(m + a for m, a in zip(b.sharding.dim_axes, inner.dim_axes, strict=True))
     why = f"shard_map {b.what} enters its region as {b.sharding} (then {inner} inside)"
     before = len(low.plan.collectives)
@@ -198,7 +198,7 @@ def lower_partial_enter(low: LoweringAPI, node: fx.Node) -> None:
         _warn_dropped(low, b, node, dropped, low.plan.collectives[before:])
     val = node.meta["val"]
     low.values[(node, None)] = LocalValue(local, inner, b.local_shape, val.dtype)
-    low.settle_result((node, None), node_meta.sharding(node), node)
+    low.settle_result((node, None), node_meta.single_sharding(node), node)
 
 
 def lower_partial_exit(low: LoweringAPI, node: fx.Node) -> None:
@@ -216,4 +216,4 @@ def lower_partial_exit(low: LoweringAPI, node: fx.Node) -> None:
     low.values[(node, None)] = LocalValue(
         local, Sharding(low.mesh, dims), tuple(val.shape), val.dtype
     )
-    low.settle_result((node, None), node_meta.sharding(node), node)
+    low.settle_result((node, None), node_meta.single_sharding(node), node)

@@ -266,8 +266,10 @@ def _siblings(low: LoweringAPI, node: fx.Node, dim: int, axes: tuple[str, ...]) 
             continue
         a = low.representable(user.target, r, node_meta.factor_axes(user))
         (res,) = low.result_shardings(r, a)
-        if res is not None and res.dim_axes[dim] == axes and low.dims_of(r.operands[0], a) == want:
-            out.append(user)
+        factors = r.operands[0]  # a slice's input is a tensor
+        if res is not None and factors is not None and res.dim_axes[dim] == axes:
+            if low.dims_of(factors, a) == want:
+                out.append(user)
     return out
 
 

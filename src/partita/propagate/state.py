@@ -199,7 +199,7 @@ class ProgramState:
         if node in self._local or node.target is EXIT_OP:
             self._mark_region_values(node)
         if _is_annotation(node):
-            ann = node_meta.annotation(node)
+            ann = node_meta.annotation_of(node)
             if ann.sharding.mesh != self.mesh:
                 raise ShardingConflictError(
                     f"Annotation {node.name} ({source_of(node) or 'unknown source'}) uses "

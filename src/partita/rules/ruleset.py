@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 from partita.errors import RuleRegistrationError
 from partita.rules.factor import FactorRule, OpInfo
@@ -23,6 +23,9 @@ from partita.rules.facts import NO_FACTS, OpFacts
 __all__ = ["RuleFn", "RuleSet", "flatten_ops", "refuse_twice", "with_facts"]
 
 RuleFn = Callable[[OpInfo], FactorRule]
+#: A rule function, with whatever extra keyword arguments it takes (elementwise_rule's
+#: handler): the decorators hand it back with its own signature.
+Rule = TypeVar("Rule", bound=Callable[..., FactorRule])
 
 
 class RuleSet:
@@ -33,11 +36,11 @@ class RuleSet:
         self._rules: dict[Any, RuleFn] = {}
         self._facts: dict[Any, OpFacts] = {}
 
-    def register(self, *ops: Any, facts: OpFacts = NO_FACTS) -> Callable[[RuleFn], RuleFn]:
+    def register(self, *ops: Any, facts: OpFacts = NO_FACTS) -> Callable[[Rule], Rule]:
         """Decorate a rule function with the ops (or sorted tuples of ops) it covers, and
         their facts."""
 
-        def wrap(fn: RuleFn) -> RuleFn:
+        def wrap(fn: Rule) -> Rule:
             for op in flatten_ops(ops):
                 refuse_twice(self._rules, op, fn)
                 self._rules[op] = fn

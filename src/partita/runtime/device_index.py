@@ -47,10 +47,10 @@ Axes = tuple[bool, ...]  # the mesh axes a value varies along (``runtime.local``
 
 
 class RoutedTakeAPI(Protocol):
-    """What this module uses of a take routed through permutes (``runtime.device_route``'s
-    ``RoutedTake``, which imports this module)."""
+    """What this module uses of a ``runtime.device_route.RoutedTake`` (which imports this)."""
 
-    sources: tuple[fx.Node, ...]
+    @property
+    def sources(self) -> tuple[fx.Node, ...]: ...  # read-only: RoutedTake is frozen
 
     def run(self, inputs: list[tuple[Tensor, Axes]], mesh: Mesh) -> tuple[Tensor, Axes]: ...
 

@@ -110,7 +110,7 @@ def runs_now(func: Any) -> bool:
     """
     answer = getattr(func, _ATTRIBUTE, None)
     if answer is not None:
-        return answer  # type: ignore[no-any-return]
+        return answer
     answer = _RUNS_NOW_MEMO.get(func)
     if answer is None:
         answer = _RUNS_NOW_MEMO[func] = func in RUNS_NOW or returns_values(func)

@@ -158,7 +158,9 @@ class LazyTensor(torch.Tensor):
     """A tensor on the virtual device (see the module docstring)."""
 
     _cell: Cell
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # the documented way to turn __torch_function__ off in a subclass; torch's stub types the
+    # attribute as a classmethod signature this function does not match
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     #: ``torch.device("spmd", 0)``, made on first use (only once the device is registered).
     _device: ClassVar[torch.device | None] = None
 

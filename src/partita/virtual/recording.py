@@ -246,7 +246,7 @@ def current() -> Recording:
             else device.guides.get(id(last.program), last)
         )
         rec = device.recording = Recording(device.epoch, guide=guide)
-    return rec  # type: ignore[no-any-return]
+    return rec
 
 
 def reset() -> Recording | None:
@@ -254,7 +254,7 @@ def reset() -> Recording | None:
     device = state.get()
     rec, device.recording = device.recording, None
     draws.reset()
-    return rec  # type: ignore[no-any-return]
+    return rec
 
 
 def remember(guide: Guide) -> None:

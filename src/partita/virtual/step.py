@@ -123,7 +123,7 @@ def metrics(reset: bool = False) -> Metrics:
 def last_sync() -> LastSync | None:
     """The step the last :func:`sync` ran (None before the first)."""
     device = state.existing()
-    return None if device is None else device.last_sync  # type: ignore[no-any-return]
+    return None if device is None else device.last_sync
 
 
 def _replay_fn(rec: recording.Recording, outputs: list[int]) -> Callable[..., list[torch.Tensor]]:
