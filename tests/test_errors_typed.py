@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 import partita
-from partita import Mesh, P, errors, options
+from partita import Mesh, P, errors, node_meta, options
 from partita.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -361,3 +361,18 @@ def test_the_scan_itself_finds_a_builtin_raise() -> None:
     assert [owner[n] for n in raises] == ["f", "__getattr__"]
     assert "AttributeError" in EXEMPT[owner[raises[1]]]
     assert "ValueError" not in EXEMPT.get(owner[raises[0]], set())
+
+
+def test_node_meta_accessors_of_one_value_raise_internal_errors_naming_the_node() -> None:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    with pytest.raises(InternalError, match=r"node 'x' \(x\) has no sharding after propagation"):
+        node_meta.value_sharding(x)
+    with pytest.raises(InternalError, match=r"node 'x' \(x\) is handled as an annotation"):
+        node_meta.annotation_of(x)
+    s = partita.Sharding.replicated(MESH, 1)
+    node_meta.set_sharding(x, (s, None))
+    with pytest.raises(InternalError, match=r"one sharding per output: .*please report it"):
+        node_meta.single_sharding(x)
+    node_meta.set_sharding(x, s)
+    assert node_meta.value_sharding(x) is s
