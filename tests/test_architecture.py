@@ -20,7 +20,7 @@ import torch
 
 import partita
 from partita import Mesh, P
-from partita.errors import CompilerError
+from partita.errors import CompilerError, RuleRegistrationError
 from partita.partition import handlers
 from partita.partition.lower import Lowering
 from partita.partition.lowering_api import LoweringAPI
@@ -360,17 +360,21 @@ def test_an_op_registered_twice_fails() -> None:
 
     family = RuleSet("mine")
     family.register(aten.mm.default)(one)
-    with pytest.raises(CompilerError, match=r"op aten.mm.default already has the sharding rule "):
+    with pytest.raises(
+        RuleRegistrationError, match=r"op aten.mm.default already has the sharding rule "
+    ):
         family.register(aten.mm.default)(two)
     other = RuleSet("other")
     other.register((aten.bmm.default, aten.mm.default))(two)
     with pytest.raises(
-        CompilerError,
+        RuleRegistrationError,
         match=r"aten.mm.default already has the sharding rule .*\.one; .*\.two would register "
         r"it twice. An op has exactly one rule",
     ):
         build_table((family, other))
-    with pytest.raises(CompilerError, match=r"matmul\.mm_rule; .*\.one would register it twice"):
+    with pytest.raises(
+        RuleRegistrationError, match=r"matmul\.mm_rule; .*\.one would register it twice"
+    ):
         partita.register_rule(aten.mm.default)(one)
     assert partita.rules.get_rule(aten.mm.default) is TABLE[aten.mm.default]
 
@@ -419,12 +423,12 @@ def test_facts_declared_twice_or_without_a_rule_fail() -> None:
     family = RuleSet("mine")
     family.register(aten.mm.default, facts=OpFacts(same_dtype=True))(lambda info: None)
     with pytest.raises(
-        CompilerError, match=r"aten.mm.default is given its OpFacts twice in the mine"
+        RuleRegistrationError, match=r"aten.mm.default is given its OpFacts twice in the mine"
     ):
         family.declare([aten.mm.default], OpFacts(shape_only=True))
     family.declare([aten.bmm.default], OpFacts(same_dtype=True))
     with pytest.raises(
-        CompilerError, match=r"aten.bmm.default is given OpFacts in the mine rules "
+        RuleRegistrationError, match=r"aten.bmm.default is given OpFacts in the mine rules "
     ):
         build_table((family,)) and dict(family.facts())
 

@@ -19,6 +19,7 @@ from torch import nn
 
 from partita import capture, tensor
 from partita.annotations import clear_parameter, mark_parameter
+from partita.errors import ArgumentError
 from partita.explain import format_program
 from partita.mesh import Mesh
 from partita.pipeline import propagated_program
@@ -62,7 +63,7 @@ def mark_sharding(
     """
     if isinstance(t, LazyTensor):
         if priority:
-            raise ValueError(
+            raise ArgumentError(
                 "mark_sharding(priority=...) only applies to annotations inside a captured "
                 "function; a virtual-device tensor's annotation always has priority 0."
             )
@@ -70,7 +71,7 @@ def mark_sharding(
     if capture.is_tracing() and not isinstance(t, tensor.ShardedTensor):
         return capture.annotate(t, mesh, spec, priority=priority)
     if priority:
-        raise ValueError("priority only applies to annotations inside a captured function")
+        raise ArgumentError("priority only applies to annotations inside a captured function")
     if isinstance(t, torch.Tensor) and in_eager_forward():
         if not isinstance(mesh, Mesh):
             return tensor.mark_sharding(t, mesh, spec)  # its error for a wrong mesh

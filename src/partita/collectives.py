@@ -39,6 +39,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from partita.errors import ArgumentError
 from partita.layout import ceil_div
 
 __all__ = [
@@ -60,7 +61,7 @@ REDUCE_OPS = ("sum", "max", "min", "avg")
 
 def _check_reduce_op(reduce_op: str) -> None:
     if reduce_op not in REDUCE_OPS:
-        raise ValueError(f"reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}.")
+        raise ArgumentError(f"reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}.")
 
 
 def _with_size(x: Tensor, dim: int, size: int) -> list[int]:

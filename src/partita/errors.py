@@ -17,20 +17,30 @@ from __future__ import annotations
 import os
 import sys
 import warnings
+from types import FrameType
+from typing import cast
 
 __all__ = [
     "AnnotationError",
+    "ArgumentError",
+    "ArgumentTypeError",
+    "CacheEntryError",
     "CaptureError",
     "CheckpointError",
     "CompileCacheWarning",
     "CompilerError",
     "DistributedError",
     "DtypeError",
+    "ExecutionError",
     "ExplicitCollectiveError",
+    "HandlerCodeError",
     "ImplicitCollectiveWarning",
+    "IndexRangeError",
     "InputError",
+    "InternalError",
     "JitArgumentError",
     "JoinTimeoutError",
+    "LaunchError",
     "MeshError",
     "OptionError",
     "PartitaError",
@@ -39,6 +49,8 @@ __all__ = [
     "RematerializationError",
     "ReplicaMismatchError",
     "ReplicationError",
+    "RuleError",
+    "RuleRegistrationError",
     "ShardMapError",
     "ShardMapWarning",
     "ShardingConflictError",
@@ -54,6 +66,30 @@ __all__ = [
 
 class PartitaError(Exception):
     """Base class of every error partita raises on purpose."""
+
+
+class InternalError(PartitaError, RuntimeError):
+    """An internal invariant of partita does not hold: a bug in partita, not in the user's
+    program. The message says which check failed and ends with :attr:`REPORT`."""
+
+    #: What every InternalError message ends with.
+    REPORT = "This is a partita bug, please report it (with the code that raised it)."
+
+
+class HandlerCodeError(InternalError, TypeError):
+    """Partitioning handler code (``partition/emit.py`` proxies) applied an operation to a
+    per-device value that the emitter cannot turn into an aten op: a bug in the handler."""
+
+
+class ArgumentError(PartitaError, ValueError):
+    """A partita function or class got an argument value it cannot use (a model config that
+    does not divide, an unknown optimizer or preset name, an input of the wrong shape)."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """A partita function or class got an argument of a type it cannot use (a mesh that is
+    not a :class:`~partita.Mesh`, a module where a list of layers was expected). Also a
+    ``ValueError``, as :class:`ArgumentError` is."""
 
 
 class MeshError(PartitaError, ValueError):
@@ -81,6 +117,19 @@ class UnsupportedOpError(PartitaError, NotImplementedError):
     """An op in the captured program has no sharding rule."""
 
 
+class RuleError(PartitaError, ValueError):
+    """A sharding rule does not fit the call it was asked about: a factor spec
+    (``partita.einsum_rule``) that does not parse, names the wrong number of tensors, or gives
+    one factor two sizes. Propagation treats it like :class:`UnsupportedOpError` (the rule
+    cannot handle this call): the op is replicated under ``replicate_unsupported=True``."""
+
+
+class RuleRegistrationError(RuleError, RuntimeError):
+    """A rule table cannot be built as written: ``partita.register_rule`` (or a family's
+    ``RuleSet``) was asked to register a second rule for an op, or an op's ``OpFacts`` are
+    declared twice or without a rule beside them."""
+
+
 class ShardingConflictError(PartitaError, ValueError):
     """Annotations in one program cannot all hold (for example, two meshes in one program)."""
 
@@ -91,6 +140,16 @@ class RematerializationError(PartitaError, ValueError):
 
 class CaptureError(PartitaError, RuntimeError):
     """A user function could not be traced into a program."""
+
+
+class ExecutionError(PartitaError, RuntimeError):
+    """A per-device program failed while it ran on the simulated mesh (``LocalMesh``); the
+    message names the node and the stacked shapes, and the cause is chained."""
+
+
+class IndexRangeError(PartitaError, IndexError):
+    """An index read by a sharded gather (``index_select``, an embedding lookup) lies outside
+    the tensor it indexes."""
 
 
 class PartitaWarning(UserWarning):
@@ -109,6 +168,10 @@ class DistributedError(PartitaError, RuntimeError):
 
 class JoinTimeoutError(DistributedError, TimeoutError):
     """Some ranks never joined the run within the join timeout (``PARTITA_JOIN_TIMEOUT``)."""
+
+
+class LaunchError(DistributedError, OSError):
+    """A multi-process launch could not set up its network side (no port to listen on)."""
 
 
 class PlanMismatchError(DistributedError):
@@ -203,6 +266,12 @@ class VirtualDeviceError(PartitaError, RuntimeError):
     """The virtual device (``partita.use_spmd``) cannot be set up or used as asked."""
 
 
+class CacheEntryError(PartitaError, ValueError):
+    """An entry of the on-disk compile cache (``PARTITA_COMPILE_CACHE``) cannot be decoded
+    (written by another partita or torch version, or damaged). It never reaches the user: the
+    entry is refused with a :class:`CompileCacheWarning` and the step compiles again."""
+
+
 class CompileCacheWarning(PartitaWarning):
     """The virtual device's on-disk compile cache was not used: its directory or a file in it
     is not private to the current user, a file names something outside the table of ops a
@@ -220,7 +289,7 @@ def warn(message: str | Warning, category: type[Warning] | None = None) -> None:
     runs many frames deep); this walks out to the first frame outside the package, so the
     warning is reported, and filtered by ``-W``/``filterwarnings``, at the user's call.
     """
-    level, frame = 2, sys._getframe(1)
+    level, frame = 2, cast("FrameType | None", sys._getframe(1))
     while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
         frame = frame.f_back
         level += 1

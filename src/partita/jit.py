@@ -21,7 +21,7 @@ import functools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -96,7 +96,7 @@ class Jitted:
     ) -> None:
         options_module.resolve(options)  # a bad value or name fails here, not at the call
         if not isinstance(mesh, Mesh):
-            raise TypeError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
+            raise JitArgumentError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
         if not isinstance(cache_limit, int) or cache_limit < 1:
             raise JitArgumentError(
                 f"partita.jit(cache_limit={cache_limit!r}): the number of compiled signatures "
@@ -134,9 +134,9 @@ class Jitted:
     ) -> tuple[Callable[..., Any], tuple[Any, ...], Callable[[], Any]]:
         """The function to trace, its positional arguments and (a thunk of) their in_specs
         prefix (for a module: its parameters and buffers come first) and the keyword specs."""
-        if self._module is None:
+        if (module := self._module) is None:
             return self.fn, args, lambda: by_name(self.in_specs, self.fn, args, kwargs)
-        module, (user, kw) = self._module, by_name(self.in_specs, self.fn.forward, args, kwargs)
+        user, kw = by_name(self.in_specs, cast(nn.Module, self.fn).forward, args, kwargs)
         return module.call, module.args(args), lambda: (module.in_specs(user, args), kw)
 
     def options_now(self) -> CompileOptions:
@@ -196,7 +196,7 @@ class Jitted:
             f"call in a buffer (module.register_buffer) or pass it as an argument.",
             PartitaWarning,
         )
-        self._cache[(*key[:-1], ("mode", self._module.mode()))] = compiled  # type: ignore[index]
+        self._cache[tuple([*cast(tuple, key)[:-1], ("mode", self._module.mode())])] = compiled
 
     def _note_recompile(self, key: Hashable, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Count compilations; warn once when the signature keeps changing."""

@@ -22,7 +22,7 @@ from torch.utils import _pytree as pytree
 from partita.annotations import marks_made
 from partita.capture.kv_cache import flatten_registering_caches, is_transformers_cache
 from partita.capture.trace import broadcast_specs
-from partita.errors import CaptureError
+from partita.errors import CaptureError, ShardingError
 from partita.mesh import Mesh
 from partita.spec import P, PartitionSpec, Sharding
 from partita.tensor import ShardedTensor
@@ -124,7 +124,7 @@ class Signatures:
             if isinstance(leaf, ShardedTensor):
                 sharding = leaf.sharding
                 if sharding.mesh is not mesh and sharding.mesh != mesh:
-                    raise ValueError(
+                    raise ShardingError(
                         f"{self.name}: an argument lives on {leaf.mesh!r}, but the function was "
                         f"compiled for {mesh!r}. Reshard it onto the jit's mesh first."
                     )

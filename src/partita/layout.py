@@ -194,7 +194,7 @@ def shard_compact(value: torch.Tensor, sharding: Sharding, *, copy: bool = True)
         torch.Size([1, 4, 2, 6])
     """
     if sharding.partial:
-        raise ValueError(f"shard_compact: {sharding} is partial; use shard_tensor.")
+        raise ShardingError(f"shard_compact: {sharding} is partial; use shard_tensor.")
     compact = _per_mesh(value, sharding)
     return compact if sharding.is_replicated or not copy else compact.clone()
 
@@ -287,7 +287,7 @@ def unshard_tensor(stacked: torch.Tensor, sharding: Sharding, shape: Sequence[in
     shape = tuple(shape)
     local = local_shape(sharding, shape)
     if tuple(stacked.shape) != (mesh.size, *local):
-        raise ValueError(
+        raise ShardingError(
             f"Stacked storage has shape {tuple(stacked.shape)}, expected {(mesh.size, *local)} "
             f"for global shape {shape} under {sharding} on {mesh!r}."
         )

@@ -130,9 +130,9 @@ class Mesh:
                     f"{names!r}: give exactly one name per axis."
                 )
             if len(set(names)) != len(names):
-                dupes = sorted({n for n in names if names.count(n) > 1})
+                twice = sorted({n for n in names if names.count(n) > 1})
                 raise MeshError(
-                    f"Mesh axis names must be unique, but {dupes} appear more than once in "
+                    f"Mesh axis names must be unique, but {twice} appear more than once in "
                     f"{names!r}."
                 )
         object.__setattr__(self, "device_ids", ids)
@@ -154,7 +154,7 @@ class Mesh:
                 f"(devices per mesh axis), got {type(shape).__name__}. Write "
                 f"Mesh.create((2, 4), ('data', 'model')) or Mesh.create(8, ('data',))."
             )
-        dims = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
+        dims: tuple[Any, ...] = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
         n = math.prod(_as_int(s, "Mesh shape entries") for s in dims) if dims else 0
         return cls(tuple(range(n)), dims, axis_names)
 

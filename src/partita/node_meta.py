@@ -32,6 +32,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch.fx as fx
 
+from partita.errors import InternalError
+
 if TYPE_CHECKING:
     from partita.rules.factor import FactorRule
     from partita.spec import Sharding
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
 __all__ = [
     "AnnotationRecord",
     "annotation",
+    "annotation_of",
     "bucket_members",
     "collective_bytes",
     "factor_axes",
@@ -65,7 +68,9 @@ __all__ = [
     "set_source",
     "set_source_once",
     "sharding",
+    "single_sharding",
     "source",
+    "value_sharding",
 ]
 
 
@@ -109,6 +114,17 @@ def annotation(node: fx.Node) -> AnnotationRecord | None:
     return node.meta.get("annotation")
 
 
+def annotation_of(node: fx.Node) -> AnnotationRecord:
+    """The annotation of a node known to be an annotation node."""
+    ann = node.meta.get("annotation")
+    if ann is None:
+        raise InternalError(
+            f"node {node.name!r} ({node.target}) is handled as an annotation but carries none. "
+            f"{InternalError.REPORT}"
+        )
+    return ann
+
+
 def set_annotation(node: fx.Node, ann: AnnotationRecord) -> None:
     node.meta["annotation"] = ann
 
@@ -129,6 +145,30 @@ def sharding(node: fx.Node) -> Sharding | tuple[Sharding | None, ...] | None:
     """The sharding propagation chose (a ``Sharding``, or a tuple of ``Sharding | None`` for a
     multi-output op), or None before propagation."""
     return node.meta.get("sharding")
+
+
+def single_sharding(node: fx.Node) -> Sharding | None:
+    """The sharding propagation chose for the one value of a single-output ``node``, or None
+    when it chose none."""
+    value = node.meta.get("sharding")
+    if isinstance(value, tuple):
+        raise InternalError(
+            f"node {node.name!r} ({node.target}) is handled as one value but propagation gave "
+            f"it one sharding per output: {value}. {InternalError.REPORT}"
+        )
+    return value
+
+
+def value_sharding(node: fx.Node) -> Sharding:
+    """The sharding propagation chose for the one value of a single-output ``node``, which
+    must have one (a tensor placeholder, a region boundary)."""
+    value = single_sharding(node)
+    if value is None:
+        raise InternalError(
+            f"node {node.name!r} ({node.target}) has no sharding after propagation. "
+            f"{InternalError.REPORT}"
+        )
+    return value
 
 
 def set_sharding(node: fx.Node, value: Sharding | tuple[Sharding | None, ...]) -> None:

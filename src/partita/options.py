@@ -68,12 +68,12 @@ def _bool(text: str) -> bool:
         return True
     if low in _FALSE:
         return False
-    raise ValueError(f"one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
+    raise OptionError(f"one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
 
 
 def _bytes(text: str) -> int:
     if not text.isdigit():
-        raise ValueError("a whole number of bytes >= 0 (0 turns it off)")
+        raise OptionError("a whole number of bytes >= 0 (0 turns it off)")
     return int(text)
 
 
@@ -81,22 +81,22 @@ def _seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise ValueError("a number of seconds > 0") from None
+        raise OptionError("a number of seconds > 0") from None
     if not math.isfinite(value) or value <= 0:
-        raise ValueError("a finite number of seconds > 0")
+        raise OptionError("a finite number of seconds > 0")
     return value
 
 
 def _count(text: str) -> int:
     if not text.isdigit():
-        raise ValueError("a whole number >= 0 (0: never; unset: the cost-based choice)")
+        raise OptionError("a whole number >= 0 (0: never; unset: the cost-based choice)")
     return int(text)
 
 
 def _collectives(text: str) -> str:
     low = text.lower()
     if low not in ("auto", "explicit", "warn"):
-        raise ValueError("one of auto, explicit, warn")
+        raise OptionError("one of auto, explicit, warn")
     return low
 
 

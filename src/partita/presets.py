@@ -57,6 +57,7 @@ from rich.table import Table
 from torch import nn
 
 from partita.annotations import marked_param_specs
+from partita.errors import ArgumentError, ArgumentTypeError, SpecError
 from partita.mesh import Mesh
 from partita.plan_roles import (
     COLUMN_NAMES,
@@ -118,7 +119,7 @@ class StandardPreset:
 
     def __post_init__(self) -> None:
         if self.kind not in PRESETS:
-            raise ValueError(
+            raise ArgumentError(
                 f"unknown preset {self.kind!r}; the presets are {sorted(PRESETS)}. Pass a dict "
                 "{parameter name or pattern: spec} or a callable (name, param) -> spec instead."
             )
@@ -182,7 +183,7 @@ class StandardPreset:
             (self.uses_model, self.model_axis, "model"),
         ):
             if used and axis not in mesh.axis_names:
-                raise ValueError(
+                raise ArgumentError(
                     f"preset {self.kind!r} splits parameters over a {role} mesh axis named "
                     f"{axis!r}, but {mesh!r} has none. Name the mesh axes ('data', 'model') "
                     f"or pass param_specs=partita.presets.StandardPreset({self.kind!r}, "
@@ -233,7 +234,7 @@ def explain_param_specs(preset: PresetLike, model: nn.Module, mesh: Mesh) -> lis
     elif isinstance(preset, Mapping):
         unused = [k for k in preset if not any(_matches(k, n) for n in named)]
         if unused:
-            raise ValueError(
+            raise ArgumentError(
                 f"preset keys {unused} match no parameter of {type(model).__name__}; its "
                 f"parameters are {list(named)[:8]}{' ...' if len(named) > 8 else ''}."
             )
@@ -249,7 +250,7 @@ def explain_param_specs(preset: PresetLike, model: nn.Module, mesh: Mesh) -> lis
             for name, p in named.items()
         ]
     else:
-        raise TypeError(
+        raise ArgumentTypeError(
             f"preset must be a preset name {list(PRESETS)}, a dict or a callable, got {preset!r}."
         )
     return [_checked(row, named[row.name].ndim, mesh) for row in rows]
@@ -260,7 +261,7 @@ def _checked(row: ParamRow, ndim: int, mesh: Mesh) -> ParamRow:
     try:
         spec.to_sharding(mesh, ndim)
     except Exception as e:
-        raise ValueError(
+        raise SpecError(
             f"preset gives parameter {row.name!r} (shape {row.shape}) the spec "
             f"{spec}, which does not fit {mesh!r}: {e}"
         ) from e

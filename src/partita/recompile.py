@@ -31,8 +31,8 @@ def recompile_message(name: str, recent: list[tuple[Any, list[str]]], limit: int
             if len(seen) < 2:
                 continue
             if seen[0][0] == "static":
-                values = ", ".join(repr(v[1]) for v in seen[:4])
-                changes.append(f"the value of {leaf_name} (a static argument: {values}, ...)")
+                shown = ", ".join(repr(v[1]) for v in seen[:4])
+                changes.append(f"the value of {leaf_name} (a static argument: {shown}, ...)")
                 fixes.append("pass a changing number as a tensor, not a Python value")
                 continue
             for part, label, fix in (

@@ -21,6 +21,7 @@ from typing import TypeVar
 from torch import nn
 
 from partita.capture.layers import mark_layers
+from partita.errors import ArgumentTypeError
 
 __all__ = ["scan_layers"]
 
@@ -46,7 +47,7 @@ def scan_layers(layers: Layers) -> Layers:
         ModuleList(...)
     """
     if isinstance(layers, nn.Module) and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"scan_layers takes the repeated layers (an nn.ModuleList such as model.blocks), "
             f"got the {type(layers).__name__} module itself. Pass its list of layers."
         )
@@ -54,7 +55,7 @@ def scan_layers(layers: Layers) -> Layers:
     bad = [m for m in modules if not isinstance(m, nn.Module)]
     if bad or not modules:
         what = f"a {type(bad[0]).__name__}" if bad else "nothing"
-        raise TypeError(
+        raise ArgumentTypeError(
             f"scan_layers takes an iterable of nn.Module layers (model.blocks), but it holds "
             f"{what}. Pass the nn.ModuleList of the repeated blocks."
         )

@@ -117,7 +117,7 @@ class PartitionSpec:
             )
         dims: list[tuple[str, ...]] = []
         for entry in self.entries:
-            names = []
+            names: list[str] = []
             for atom in _atoms(entry):
                 if isinstance(atom, int) and not -mesh.ndim <= atom < mesh.ndim:
                     raise SpecError(

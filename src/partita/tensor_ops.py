@@ -11,13 +11,22 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from partita.errors import ArgumentTypeError
+
 __all__ = ["EagerOps", "set_eager_ops"]
 
+
 #: The function that runs a torch operation on ShardedTensors outside ``partita.jit``.
+def _as_tensor(value: Any) -> torch.Tensor:
+    """``value`` (a ShardedTensor) where torch's signatures want a Tensor: torch functions
+    dispatch it through ``__torch_function__``."""
+    return cast(torch.Tensor, value)
+
+
 _EAGER_OPS: list[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]] = []
 
 
@@ -52,7 +61,7 @@ class EagerOps:
 
     def cpu(self) -> torch.Tensor:
         """The global value as a plain CPU tensor (the same as ``full()``)."""
-        return self.full()  # type: ignore[attr-defined]
+        return self.full()
 
     __add__, __radd__ = _torch_binary("add"), _torch_binary("add", reverse=True)
     __sub__, __rsub__ = _torch_binary("sub"), _torch_binary("sub", reverse=True)
@@ -72,21 +81,23 @@ class EagerOps:
     # partita, as a torch.Tensor is hashed by identity); ``torch.eq(x, y)`` compares values.
 
     def __neg__(self) -> Any:
-        return torch.neg(self)
+        return torch.neg(_as_tensor(self))
 
     def __abs__(self) -> Any:
-        return torch.abs(self)
+        return torch.abs(_as_tensor(self))
 
     def __invert__(self) -> Any:
-        return torch.bitwise_not(self)
+        return torch.bitwise_not(_as_tensor(self))
 
     def __getitem__(self, index: Any) -> Any:
         return self._tensor_method(torch.Tensor.__getitem__, index)
 
     def __len__(self) -> int:
-        if not self.shape:  # type: ignore[attr-defined]
-            raise TypeError("len() of a 0-d tensor")
-        return int(self.shape[0])  # type: ignore[attr-defined]
+        if not self.shape:
+            raise ArgumentTypeError(
+                "len() of a 0-d ShardedTensor: it has no first dim; use .item()"
+            )
+        return int(self.shape[0])
 
     def __bool__(self) -> bool:
         return bool(self.item())
@@ -98,59 +109,61 @@ class EagerOps:
         return int(self.item())
 
     def __index__(self) -> int:
-        return self.full().__index__()  # type: ignore[attr-defined]
+        return self.full().__index__()
 
     # Metadata: read from the global shape and dtype, on any mesh (no op runs).
     def size(self, dim: int | None = None) -> Any:
-        shape = torch.Size(self.shape)  # type: ignore[attr-defined]
+        shape = torch.Size(self.shape)
         return shape if dim is None else shape[dim]
 
     def dim(self) -> int:
-        return len(self.shape)  # type: ignore[attr-defined]
+        return len(self.shape)
 
     ndimension = dim
 
     def numel(self) -> int:
-        return torch.Size(self.shape).numel()  # type: ignore[attr-defined]
+        return torch.Size(self.shape).numel()
 
     nelement = numel
 
     def element_size(self) -> int:
-        return self.dtype.itemsize  # type: ignore[attr-defined]
+        return self.dtype.itemsize
 
     def is_floating_point(self) -> bool:
-        return self.dtype.is_floating_point  # type: ignore[attr-defined]
+        return self.dtype.is_floating_point
 
     def is_complex(self) -> bool:
-        return self.dtype.is_complex  # type: ignore[attr-defined]
+        return self.dtype.is_complex
 
     def item(self) -> Any:
         """The value of a one-element tensor as a Python number (gathers it)."""
-        return self.full().item()  # type: ignore[attr-defined]
+        return self.full().item()
 
     def tolist(self) -> Any:
         """The global value as nested Python lists (gathers it)."""
-        return self.full().tolist()  # type: ignore[attr-defined]
+        return self.full().tolist()
 
     def numpy(self) -> Any:
         """The global value as a NumPy array (gathers it)."""
-        return self.full().numpy()  # type: ignore[attr-defined]
+        return self.full().numpy()
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
         array = self.numpy()
         return array if dtype is None else array.astype(dtype)
 
     def __iter__(self) -> Iterator[Any]:
-        if not self.shape:  # type: ignore[attr-defined]
-            raise TypeError("iteration over a 0-d tensor")
-        return iter(torch.unbind(self))  # one op, not one per element
+        if not self.shape:
+            raise ArgumentTypeError(
+                "iteration over a 0-d ShardedTensor: it has no first dim; use .item()"
+            )
+        return iter(torch.unbind(_as_tensor(self)))  # one op, not one per element
 
     # ``torch.as_tensor(x)`` / ``torch.from_dlpack(x)`` read the global value through DLPack.
     def __dlpack__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.full().__dlpack__(*args, **kwargs)  # type: ignore[attr-defined]
+        return self.full().__dlpack__(*args, **kwargs)
 
     def __dlpack_device__(self) -> Any:
-        return self.full().__dlpack_device__()  # type: ignore[attr-defined]
+        return self.full().__dlpack_device__()
 
     def __getattr__(self, name: str) -> Any:
         # Any other public torch.Tensor method (``x.sum()``, ``x.view(2, -1)``, ``x.max(0)``)
@@ -170,7 +183,11 @@ class EagerOps:
 
     def _tensor_method(self, method: Any, *args: Any, **kwargs: Any) -> Any:
         if not _EAGER_OPS:
-            raise TypeError(f"{method.__name__} on a ShardedTensor needs partita.virtual")
+            raise ArgumentTypeError(
+                f"ShardedTensor.{method.__name__} needs partita.virtual (eager tensor methods on "
+                f"a ShardedTensor run through it), which is not loaded: it needs torch>=2.9. Call "
+                f"the op inside a function given to partita.jit instead."
+            )
         return _EAGER_OPS[0](method, (self, *args), kwargs)
 
 

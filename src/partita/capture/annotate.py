@@ -27,7 +27,7 @@ import torch
 
 from partita.capture.ops import annotate_op
 from partita.capture.source import format_source, user_frame
-from partita.errors import ShardingConflictError
+from partita.errors import InternalError, ShardingConflictError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec, Sharding, as_spec
 
@@ -132,7 +132,10 @@ def new_key(
     """
     state = _STATE.get()
     if state is None:
-        raise RuntimeError("new_key is only meaningful inside a trace (partita bug).")
+        raise InternalError(
+            f"capture.new_key was called outside a trace (no trace state is active). "
+            f"{InternalError.REPORT}"
+        )
     sharding = as_spec(spec).to_sharding(mesh, ndim)
     _check_mesh(state, mesh, source)
     key = next(_KEYS)

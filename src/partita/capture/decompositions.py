@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from functools import cache
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch._decomp import _core_aten_decompositions_post_autograd
@@ -364,7 +364,8 @@ def _core_table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     for op in _composite_ops_with_kernels():
         if op not in table and op not in PRESERVED_ATEN_CIA_OPS and _is_preservable_cia_op(op):
             table[op] = _get_decomp_for_cia(op)
-    return table
+    # torch types the table by OperatorBase; every key here is an OpOverload
+    return cast("dict[torch._ops.OpOverload, Callable[..., Any]]", table)
 
 
 @cache

@@ -16,6 +16,7 @@ the same fake. Every other input (a view, a tensor sharing its storage with anot
 from __future__ import annotations
 
 from collections import Counter
+from typing import cast
 
 import torch
 from torch._guards import detect_fake_mode
@@ -75,6 +76,6 @@ def fake_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
             fake = FakeTensor(mode, meta, t.device)
         converter.set_tensor_memo(t, fake)
         fakes.append(fake)
-    for fake in fakes:  # make_fx converts its inputs again: each is its own fake
-        converter.set_tensor_memo(fake, fake)  # type: ignore[arg-type]
+    for made in fakes:  # make_fx converts its inputs again: each is its own fake
+        converter.set_tensor_memo(made, cast(FakeTensor, made))  # every entry is a FakeTensor
     return fakes

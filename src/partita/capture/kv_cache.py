@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from partita.errors import ArgumentTypeError
 from partita.tensor import ShardedTensor
 
 __all__ = ["flatten_registering_caches", "is_transformers_cache", "kv_cache_hint"]
@@ -84,7 +85,12 @@ def _flat(obj: Any, leaves: list[Any], names: list[str], name: str) -> Hashable:
         keys = tuple(state)
         values = tuple(_flat(state[k], leaves, names, f"{name}.{k}") for k in keys)
         return ("object", kind, keys, values)
-    raise TypeError(f"{name} is a {kind.__name__}")  # a bound method, a slotted object, ...
+    # a bound method, a slotted object, ...: _register catches this (the type stays unregistered)
+    raise ArgumentTypeError(
+        f"cache entry {name or '(the cache)'} is a {kind.__name__}, which partita cannot split "
+        f"into tensors and rebuild: a cache holds tensors, lists, tuples, dicts and transformers "
+        f"cache objects. Pass the cache as one of those."
+    )
 
 
 def _rebuild(context: Any, leaves: list[Any]) -> Any:

@@ -62,13 +62,14 @@ class ScanState:
 def traces_alike(traced: Traced, *how: Any) -> bool:
     """Whether this call traces to the same parts as ``traced`` (traced from another layer)."""
     try:
-        again = trace_layer(*how, like=traced)
+        # how: trace_layer's positional arguments (mypy cannot tell that none of them is like)
+        again = trace_layer(*how, like=traced)  # type: ignore[misc]
     except LayerFallbackError:
         return False
     pairs = [(traced.forward_key, again.forward_key), (traced.backward_key, again.backward_key)]
     same = all(
         (a is None) == (b is None)
-        and (a is None or positional_form(part(a)) == positional_form(part(b)))
+        and (a is None or b is None or positional_form(part(a)) == positional_form(part(b)))
         for a, b in pairs
     )
     return same and (traced.out_tree, traced.saved_from, traced.diff_outputs, traced.grad_of) == (

@@ -102,7 +102,7 @@ def scan_scope(fn_name: str) -> Iterator[ScanState]:
         own = module.__dict__.get("forward")
         original = own if own is not None else type(module).forward.__get__(module)
         patched.append((module, own))
-        module.forward = _routed(module, original)  # type: ignore[method-assign]
+        module.forward = _routed(module, original)
     try:
         yield state
     finally:
@@ -111,7 +111,7 @@ def scan_scope(fn_name: str) -> Iterator[ScanState]:
             if own is None:
                 del module.forward
             else:
-                module.forward = own  # type: ignore[method-assign]
+                module.forward = own
         release(state.keys)
 
 
@@ -346,7 +346,7 @@ class _LayerFunction(torch.autograd.Function):
     """The forward placeholder, whose backward is the backward placeholder."""
 
     @staticmethod
-    def forward(ctx: Any, traced: Traced, *primals: Tensor) -> tuple[Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, traced: Traced, *primals: Tensor) -> tuple[Tensor, ...]:
         outs = layer_call(traced.forward_key, list(primals))
         computed = iter(outs[traced.n_out :])
         ctx.traced = traced
@@ -358,7 +358,7 @@ class _LayerFunction(torch.autograd.Function):
     def backward(ctx: Any, *cotangents: Tensor) -> tuple[Tensor | None, ...]:
         traced: Traced = ctx.traced
         cots = [cotangents[i] for i in traced.diff_outputs]
-        grads = layer_call(traced.backward_key, [*cots, *ctx.saved])  # type: ignore[arg-type]
+        grads = layer_call(traced.backward_key, [*cots, *ctx.saved])
         out: list[Tensor | None] = [None] * ctx.n_primals
         for i, g in zip(traced.grad_of, grads, strict=True):
             out[i] = g

@@ -14,6 +14,8 @@ and every device needs all of it. The caller feeds the values; this module does 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import fx
 
@@ -94,7 +96,7 @@ def _annotate_replicated(graph: fx.Graph, ph: fx.Node, mesh: Mesh) -> tuple[fx.N
     return ann_node, ann
 
 
-def _position(graph: fx.Graph) -> object:
+def _position(graph: fx.Graph) -> Callable[[fx.Node], int]:
     order = {n: i for i, n in enumerate(graph.nodes)}
     return order.__getitem__
 

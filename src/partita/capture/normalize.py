@@ -30,12 +30,14 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 from torch import fx
 
 from partita.capture.annotate import ANNOTATE_OP
 from partita.capture.fx_nodes import add_node
+from partita.errors import UnsupportedOpError
 
 __all__ = ["VALUE_VIEW_OPS", "normalize"]
 
@@ -132,11 +134,14 @@ def _is_identity(node: fx.Node) -> bool:
 
 
 def _permutation(node: fx.Node) -> list[int]:
-    ndim = _val(node.args[0]).dim()  # type: ignore[union-attr]
+    args: tuple[Any, ...] = node.args  # (self, dims) or (self, dim0, dim1): the schema's types
+    x = _val(args[0])
+    assert x is not None  # a permute of a tensor
+    ndim = x.dim()
     if node.target == aten.permute_copy.default:
-        return [d % ndim for d in node.args[1]]
+        return [d % ndim for d in args[1]]
     if node.target in (aten.transpose.int, aten.transpose_copy.int):
-        d0, d1 = node.args[1] % ndim, node.args[2] % ndim
+        d0, d1 = args[1] % ndim, args[2] % ndim
     else:  # t, numpy_T: reverse the dims
         return list(reversed(range(ndim)))
     perm = list(range(ndim))
@@ -146,19 +151,26 @@ def _permutation(node: fx.Node) -> list[int]:
 
 def _split_to_slices(gm: fx.GraphModule, node: fx.Node) -> None:
     """Replace ``getitem(split(x), i)`` by ``slice(x, dim, start, end)`` (select for unbind)."""
-    src = node.args[0]
-    ndim = _val(src).dim()  # type: ignore[arg-type, union-attr]
+    args: tuple[Any, ...] = node.args  # unbind(self, dim); split(self, size(s), dim)
+    src: fx.Node = args[0]
+    x = _val(src)
+    assert x is not None  # a split of a tensor
+    ndim = x.dim()
     unbind = node.target in (aten.unbind.int, aten.unbind_copy.int)
-    dim_pos = 1 if unbind else 2  # unbind(self, dim); split(self, size(s), dim)
-    dim = node.kwargs.get("dim", node.args[dim_pos] if len(node.args) > dim_pos else 0) % ndim
+    dim_pos = 1 if unbind else 2
+    dim = cast(int, node.kwargs.get("dim", args[dim_pos] if len(args) > dim_pos else 0)) % ndim
     pieces = node.meta["val"]
     starts = [0]
     for piece in pieces:
         starts.append(starts[-1] + (piece.shape[dim] if piece.dim() == ndim else 1))
     for user in list(node.users):
         if user.op != "call_function" or user.target is not operator.getitem:
-            raise NotImplementedError(f"{node.target} result used by {user.format_node()}")
-        i = user.args[1]
+            raise UnsupportedOpError(
+                f"capture: {node.target} at node {node.name!r} has its result used whole by "
+                f"{user.format_node()}; partita rewrites a split into slices and needs every use "
+                f"to pick one piece (result[i]). Index the pieces before using them."
+            )
+        i = cast(int, user.args[1])  # getitem(result, i)
         if unbind:
             _replace(gm, user, aten.select.int, (src, dim, i))
         else:
@@ -191,7 +203,7 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
         if node.op == "call_function" and node.target in _SLICE_BOUNDS:
             _clamp_slice_bounds(node)
             if _scatters_everything(node):
-                node.replace_all_uses_with(node.args[1])  # type: ignore[arg-type]
+                node.replace_all_uses_with(node.args[1])
                 gm.graph.erase_node(node)
     _eliminate_dead_code(gm)
     gm.graph.lint()
@@ -209,14 +221,15 @@ def _scatters_everything(node: fx.Node) -> bool:
     source. (Its global ``end`` would not fit a sharded dim's local size either.)"""
     if node.target != aten.slice_scatter.default:
         return False
-    dst, src = _val(node.args[0]), _val(node.args[1])  # type: ignore[arg-type]
+    args: tuple[Any, ...] = node.args  # (self, src, dim, start, end, step), clamped above
+    dst, src = _val(args[0]), _val(args[1])
     return (
         dst is not None
         and src is not None
         and dst.shape == src.shape
         and dst.dtype == src.dtype
-        and node.args[3] == 0  # (self, src, dim, start, end, step), clamped above
-        and node.args[5] == 1
+        and args[3] == 0
+        and args[5] == 1
     )
 
 
@@ -232,7 +245,7 @@ def _clamp_slice_bounds(node: fx.Node) -> None:
     val = _val(node.args[0])  # type: ignore[arg-type]
     if val is None:
         return
-    args = list(node.args) + [None] * (pos + 4 - len(node.args))
+    args: list[Any] = list(node.args) + [None] * (pos + 4 - len(node.args))
     for name, offset in (("dim", 0), ("start", 1), ("end", 2), ("step", 3)):
         if name in node.kwargs:
             args[pos + offset] = node.kwargs[name]

@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import overload
 
 import torch
 from torch import Tensor
+
+from partita.errors import UnsupportedOpError
 
 __all__ = ["annotate_op", "sdpa", "sdpa_backward"]
 
@@ -120,7 +123,10 @@ def sdpa(
 ) -> tuple[Tensor, Tensor]:
     # Reference math for devices without a kernel mapping (dropout is not supported here).
     if dropout_p:
-        raise NotImplementedError("partita::sdpa: dropout is supported only on CPU.")
+        raise UnsupportedOpError(
+            f"partita::sdpa: dropout_p={dropout_p} on a non-CPU device; partita's reference "
+            f"attention has no dropout. Use dropout_p=0.0 here, or run on CPU."
+        )
     scores = _scores(query, key, attn_mask, is_causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
     out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), value)
@@ -157,15 +163,18 @@ def sdpa_backward(
     scale: float | None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     if dropout_p:
-        raise NotImplementedError("partita::sdpa_backward: dropout is supported only on CPU.")
+        raise UnsupportedOpError(
+            f"partita::sdpa_backward: dropout_p={dropout_p} on a non-CPU device; partita's "
+            f"reference attention has no dropout. Use dropout_p=0.0 here, or run on CPU."
+        )
     s = scale if scale is not None else 1.0 / math.sqrt(query.shape[-1])
     probs = torch.exp(_scores(query, key, attn_mask, is_causal, scale) - logsumexp.unsqueeze(-1))
     grad_v = torch.matmul(probs.transpose(-2, -1), grad_out)
     grad_p = torch.matmul(grad_out, value.transpose(-2, -1))
     delta = (grad_out * out).sum(-1, keepdim=True)
     grad_s = probs * (grad_p - delta) * s
-    grads = torch.matmul(grad_s, key), torch.matmul(grad_s.transpose(-2, -1), query), grad_v
-    return tuple(_as_heads_inner(g) for g in grads)
+    grad_q, grad_k = torch.matmul(grad_s, key), torch.matmul(grad_s.transpose(-2, -1), query)
+    return _as_heads_inner(grad_q), _as_heads_inner(grad_k), _as_heads_inner(grad_v)
 
 
 @sdpa_backward.register_kernel("cpu")
@@ -186,6 +195,10 @@ def _(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_caus
 # --- vmap: fold the vmapped dim into the leading batch dim -----------------------------------
 
 
+@overload
+def _fold(x: Tensor, dim: int | None, size: int) -> Tensor: ...
+@overload
+def _fold(x: None, dim: int | None, size: int) -> None: ...
 def _fold(x: Tensor | None, dim: int | None, size: int) -> Tensor | None:
     """Move the vmapped dim to the front (broadcasting unbatched values) and merge it."""
     if x is None:

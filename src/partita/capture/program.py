@@ -13,6 +13,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 from partita.capture.annotate import Annotation
+from partita.errors import ArgumentError
 
 __all__ = ["Program"]
 
@@ -69,7 +70,7 @@ class Program:
         """The graph inputs for ``fn(*args, **kwargs)``: its tensor leaves, then the constants."""
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
         if spec != self.in_tree:
-            raise ValueError(
+            raise ArgumentError(
                 f"Program {self.name!r} was traced for inputs of structure {self.in_tree}, "
                 f"got {spec}. Trace again for the new structure."
             )

@@ -19,7 +19,7 @@ import contextlib
 import functools
 import hashlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -156,7 +156,7 @@ def _arguments(node: fx.Node) -> tuple[Any, ...]:
     """What a draw depends on besides the generator: its non-tensor arguments, the shape and
     dtype of tensor arguments that only give a shape, and the very node of those whose values
     matter (a recomputed value is another node: no match)."""
-    shape_only = _shape_only(node.target)
+    shape_only = _shape_only(cast(torch._ops.OpOverload, node.target))  # a draw: an aten op
     out: list[Any] = []
     for a in (*node.args, *sorted(node.kwargs.items())):
         val = a.meta.get("val") if isinstance(a, fx.Node) else None

@@ -76,7 +76,7 @@ def is_internal(code: CodeType) -> bool:
 
 def user_frame(start: FrameType | None = None) -> FrameType | None:
     """The innermost frame outside torch and partita's machinery, or None."""
-    frame = start if start is not None else sys._getframe(1)
+    frame: FrameType | None = start if start is not None else sys._getframe(1)
     while frame is not None and is_internal(frame.f_code):
         frame = frame.f_back
     return frame

@@ -43,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import enum
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx.traceback as fx_traceback
@@ -329,7 +329,7 @@ def _annotate_inputs_outputs(
         node.replace_all_uses_with(annotated, delete_user_cb=lambda u, a=annotated: u is not a)
         anchor = annotated
     output = graph.output_node()
-    results = list(output.args[0])
+    results = list(cast("Sequence[torch.fx.Node]", output.args[0]))
     for i, (spec, source) in enumerate(outs):
         if spec is not None:
             with graph.inserting_before(output):

@@ -258,7 +258,7 @@ def _plan_load(target: Any, path: Path, scheduler: Any, optimizer: Any) -> _Plan
             **module_request(target, metadata, optimizer),
             **run_state_request(metadata, scheduler),
         }
-        optional = ("rng.", "extra.", "lr_scheduler.")
+        optional: tuple[str, ...] = ("rng.", "extra.", "lr_scheduler.")
         ignored: tuple[str, ...] = ("optimizer.", "rng.", "lr_scheduler.", "extra.")
 
         def apply() -> Any:
@@ -354,5 +354,5 @@ class _Quiet:
         warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled")
         warnings.filterwarnings("ignore", message=r"Detected an existing checkpoint")
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, *exc: Any) -> None:
         self._ctx.__exit__(*exc)

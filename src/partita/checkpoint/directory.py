@@ -126,8 +126,11 @@ def leftovers(path: Path) -> list[Path]:
 
 def digest(file: Path) -> str:
     """The sha256 of ``file``'s bytes (hex)."""
+    h = hashlib.sha256()  # hashlib.file_digest is Python 3.11+; partita runs on 3.10
     with open(file, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 def _fsync_dir(directory: Path) -> None:

@@ -13,7 +13,7 @@ run that saved it). This module builds state dicts; reading and writing is ``api
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
@@ -29,7 +29,7 @@ from partita.virtual.step import mesh as device_mesh
 __all__ = ["apply_module", "is_virtual_module", "module_request", "module_state"]
 
 
-def is_virtual_module(target: Any) -> bool:
+def is_virtual_module(target: Any) -> TypeGuard[nn.Module]:
     """An ``nn.Module`` with a parameter or buffer on the virtual device."""
     if not isinstance(target, nn.Module):
         return False
@@ -68,11 +68,12 @@ def module_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> d
     groups: list[dict[str, Any]] = []
     state: dict[str, dict[str, Any]] = {}
     for group in optimizer.param_groups:
-        params = [names.get(id(p)) for p in group["params"]]
-        if None in params:
+        found = [names.get(id(p)) for p in group["params"]]
+        params = [name for name in found if name is not None]
+        if len(params) != len(found):
             raise CheckpointError(
                 f"checkpoint.save(model, optimizer=...): the optimizer holds "
-                f"{params.count(None)} tensor(s) that are not the model's parameters, so they "
+                f"{found.count(None)} tensor(s) that are not the model's parameters, so they "
                 "have no name in the checkpoint. Nothing was saved. Build the optimizer from "
                 "model.parameters()."
             )

@@ -76,6 +76,7 @@ class SavePlanner(DefaultSavePlanner):
         obj = self.state_dict[index.fqn]
         if not isinstance(obj, Tiles):
             return super().lookup_object(index)
+        assert index.offset is not None  # DCP indexes a chunk of a tensor by its offset
         data = obj.chunks[torch.Size(index.offset)]
         # a tile is a view of the stacked storage: torch.save would write all of it
         return data.clone() if data.untyped_storage().nbytes() != data.nbytes else data
@@ -116,6 +117,7 @@ class LoadPlanner(DefaultLoadPlanner):
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         obj = self.state_dict[index.fqn]
         if isinstance(obj, Tiles):
+            assert index.offset is not None  # DCP indexes a chunk of a tensor by its offset
             return obj.chunks[torch.Size(index.offset)]
         return super().lookup_tensor(index)
 

@@ -74,7 +74,7 @@ def _axes(axis_name: AxisName, what: str) -> tuple[Region, tuple[str, ...]]:
 
 class _Psum(torch.autograd.Function):
     @staticmethod
-    def forward(x: Tensor, axes: tuple[str, ...], n: int, op: str) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, axes: tuple[str, ...], n: int, op: str) -> Tensor:
         return mesh_ops.all_reduce(x, op, axes, n)
 
     @staticmethod
@@ -84,7 +84,7 @@ class _Psum(torch.autograd.Function):
             ctx.save_for_backward(inputs[0], output)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         if ctx.op == "sum":
             return grad, None, None, None
         x, out = ctx.saved_tensors
@@ -95,7 +95,7 @@ class _Psum(torch.autograd.Function):
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(x: Tensor, dim: int, axes: tuple[str, ...], n: int) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, dim: int, axes: tuple[str, ...], n: int) -> Tensor:
         return mesh_ops.all_gather(x, dim, axes, n)
 
     @staticmethod
@@ -103,13 +103,13 @@ class _AllGather(torch.autograd.Function):
         ctx.dim, ctx.axes, ctx.n = inputs[1:]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         return mesh_ops.reduce_scatter(grad, ctx.dim, "sum", ctx.axes, ctx.n), None, None, None
 
 
 class _PsumScatter(torch.autograd.Function):
     @staticmethod
-    def forward(x: Tensor, dim: int, axes: tuple[str, ...], n: int) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, dim: int, axes: tuple[str, ...], n: int) -> Tensor:
         return mesh_ops.reduce_scatter(x, dim, "sum", axes, n)
 
     @staticmethod
@@ -117,13 +117,13 @@ class _PsumScatter(torch.autograd.Function):
         ctx.dim, ctx.axes, ctx.n = inputs[1:]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None]:
         return mesh_ops.all_gather(grad, ctx.dim, ctx.axes, ctx.n), None, None, None
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(x: Tensor, split: int, concat: int, axes: tuple[str, ...], n: int) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, split: int, concat: int, axes: tuple[str, ...], n: int) -> Tensor:
         return mesh_ops.all_to_all(x, split, concat, axes, n)
 
     @staticmethod
@@ -131,14 +131,14 @@ class _AllToAll(torch.autograd.Function):
         ctx.split, ctx.concat, ctx.axes, ctx.n = inputs[1:]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None, None, None]:
         back = mesh_ops.all_to_all(grad, ctx.concat, ctx.split, ctx.axes, ctx.n)
         return back, None, None, None, None
 
 
 class _Permute(torch.autograd.Function):
     @staticmethod
-    def forward(x: Tensor, pairs: tuple[int, ...], axes: tuple[str, ...]) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, pairs: tuple[int, ...], axes: tuple[str, ...]) -> Tensor:
         return mesh_ops.collective_permute(x, pairs, axes)
 
     @staticmethod
@@ -148,7 +148,7 @@ class _Permute(torch.autograd.Function):
         ctx.axes = inputs[2]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         return mesh_ops.collective_permute(grad, ctx.inverse, ctx.axes), None, None
 
 

@@ -90,7 +90,7 @@ class PVary(torch.autograd.Function):
     """Identity that marks an invariant value as varying over ``axes``; gradient: psum."""
 
     @staticmethod
-    def forward(x: Tensor, axes: tuple[str, ...], size: int) -> Tensor:  # type: ignore[override]
+    def forward(x: Tensor, axes: tuple[str, ...], size: int) -> Tensor:
         return x.clone()
 
     @staticmethod
@@ -98,7 +98,7 @@ class PVary(torch.autograd.Function):
         ctx.axes, ctx.size = inputs[1], inputs[2]
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         return all_reduce(grad, "sum", ctx.axes, ctx.size), None, None
 
 

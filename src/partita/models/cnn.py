@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from partita.errors import ArgumentError
+
 __all__ = ["SmallCNN"]
 
 
@@ -27,7 +29,7 @@ class SmallCNN(nn.Module):
     ) -> None:
         super().__init__()
         if size % 4:
-            raise ValueError(f"SmallCNN size={size} must be divisible by 4 (two 2x2 pools).")
+            raise ArgumentError(f"SmallCNN size={size} must be divisible by 4 (two 2x2 pools).")
         self.conv1 = nn.Conv2d(in_channels, width, 3, padding=1, bias=False)  # BN follows
         self.bn1 = nn.BatchNorm2d(width)
         self.pool1 = nn.MaxPool2d(2)

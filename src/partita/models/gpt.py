@@ -15,6 +15,8 @@ import torch.nn.functional as F  # noqa: N812 - the PyTorch convention
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from partita.errors import ArgumentError
+
 __all__ = ["GPT", "GPTConfig"]
 
 
@@ -36,7 +38,7 @@ class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.d_model % cfg.n_head:
-            raise ValueError(
+            raise ArgumentError(
                 f"GPTConfig d_model={cfg.d_model} is not divisible by n_head={cfg.n_head}."
             )
         self.n_head = cfg.n_head
@@ -102,7 +104,7 @@ class GPT(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         t = ids.shape[1]
         if t > self.cfg.seq_len:
-            raise ValueError(f"GPT got a sequence of {t} tokens; seq_len is {self.cfg.seq_len}.")
+            raise ArgumentError(f"GPT got a sequence of {t} tokens; seq_len is {self.cfg.seq_len}.")
         pos = torch.arange(t, device=ids.device)
         x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))
         for block in self.blocks:

@@ -29,7 +29,9 @@ from __future__ import annotations
 import heapq
 import operator
 from dataclasses import dataclass
+from typing import cast
 
+import torch
 import torch.fx as fx
 
 from partita import node_meta
@@ -176,7 +178,7 @@ def _fuse(
     graph: fx.Graph, bucket: list[_Member], priority: dict[fx.Node, float], at: float
 ) -> None:
     first = bucket[0].node
-    bucket_op = BUCKET_OF[first.target]
+    bucket_op = BUCKET_OF[cast(torch._ops.OpOverload, first.target)]  # a collective op
     xs = [m.node.args[0] for m in bucket]
     if first.target is COLLECTIVE_OPS[1]:  # all_reduce(x, reduce_op, mesh_axes, group_size)
         args = (xs, *first.args[1:])
@@ -185,13 +187,11 @@ def _fuse(
     with graph.inserting_before(first):
         fused = graph.call_function(bucket_op, args)
     node_meta.set_bucket_members(fused, [m.node.name for m in bucket])
-    afters = [
-        node_meta.regather_after(m.node)
-        for m in bucket
-        if node_meta.regather_after(m.node) is not None
-    ]
+    afters = [a for m in bucket if (a := node_meta.regather_after(m.node)) is not None]
     if afters:  # launched no earlier than the last forward use of any member
-        node_meta.set_regather(fused, node_meta.regather_of(first))
+        of = node_meta.regather_of(first)
+        assert of is not None  # re-gathers are bucketed only with re-gathers
+        node_meta.set_regather(fused, of)
         at_name = {n.name: p for n, p in priority.items()}
         node_meta.set_regather_after(fused, max(afters, key=at_name.__getitem__))
     node_meta.set_collective_bytes(fused, sum(m.nbytes for m in bucket))
@@ -240,7 +240,7 @@ def reorder(graph: fx.Graph, priority: dict[fx.Node, float]) -> None:
 
 
 def _check_records(colls: list[fx.Node], plan: Plan) -> None:
-    kinds = [n.target._schema.name.split("::")[-1] for n in colls]
+    kinds = [cast(torch._ops.OpOverload, n.target)._schema.name.split("::")[-1] for n in colls]
     if kinds != [c.kind for c in plan.collectives]:
         raise CompilerError(
             f"The per-device program has {len(colls)} collectives but its Plan records "

@@ -31,25 +31,29 @@ and the shapes a handler needs come from the op's fake values (``node.meta["val"
 
 from __future__ import annotations
 
+import builtins
+import collections
 import functools
 import operator
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy, Scope, TracerBase
+from torch.fx.proxy import Scope, TracerBase
 
 from partita import node_meta
+from partita.errors import HandlerCodeError
 from partita.explain import op_name
 from partita.partition import masks
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import CollectiveRecord
+from partita.partition.proxy import FxProxy, Proxy
 
 if TYPE_CHECKING:
     from partita.rules import FactorRule
 
-__all__ = ["Emitter", "emitting", "make_tuple", "node_of"]
+__all__ = ["Emitter", "Proxy", "emitting", "make_tuple", "node_of", "op_of"]
 
 aten = torch.ops.aten
 Assign = dict[str, tuple[str, ...]]
@@ -103,7 +107,7 @@ def _aten_target(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str
     elif target is operator.getitem or isinstance(target, torch._ops.OpOverload):
         return target
     else:  # getattr (x.shape), a Python operator aten lacks, ...
-        raise TypeError(
+        raise HandlerCodeError(
             f"emit: handler code applied {getattr(target, '__name__', target)!r} to a "
             f"per-device value, which has no aten op: proxies stand for per-device nodes, so "
             f"only tensor ops apply; read shapes and dtypes from the op's node.meta['val'] and "
@@ -111,7 +115,7 @@ def _aten_target(kind: str, target: Any, args: tuple[Any, ...], kwargs: dict[str
         )
     packet = getattr(aten, name, None)
     if not isinstance(packet, torch._ops.OpOverloadPacket):
-        raise TypeError(
+        raise HandlerCodeError(
             f"emit: handler code called {name!r} on a per-device value, and aten has no op of "
             f"that name to emit; call the aten overload explicitly (aten.<op>.<overload>)"
         )
@@ -127,8 +131,8 @@ class _GraphTracer(TracerBase):
     def __init__(self, graph: fx.Graph) -> None:
         self.graph = graph
         self.scope = Scope("", None)
-        self.module_stack = {}  # type: ignore[var-annotated]
-        self.node_name_to_scope = {}  # type: ignore[var-annotated]
+        self.module_stack = collections.OrderedDict()
+        self.node_name_to_scope = {}
 
     def create_node(
         self,
@@ -140,7 +144,7 @@ class _GraphTracer(TracerBase):
         type_expr: Any | None = None,
     ) -> fx.Node:
         if kind not in ("call_function", "call_method"):
-            raise TypeError(
+            raise HandlerCodeError(
                 f"emit: handler code made a {kind} node ({target!r}); a per-device program "
                 f"holds only calls: emit ops on proxies, or Emitter.call"
             )
@@ -157,7 +161,7 @@ class Emitter:
 
     def __call__(self, x: Any) -> Any:
         """``x`` as a proxy if it is a per-device node; other values unchanged."""
-        return Proxy(x, self._tracer) if isinstance(x, fx.Node) else x
+        return FxProxy(x, self._tracer) if isinstance(x, fx.Node) else x
 
     def operands(self, rule: FactorRule, assign: Assign) -> list[Any]:
         """The op's tensor operands resharded to ``assign`` (``Lowering.localize_operands``)."""
@@ -166,7 +170,9 @@ class Emitter:
     def call(self, target: Callable[..., Any], *args: Any, **kwargs: Any) -> Proxy:
         """``target(*args, **kwargs)`` as one node, verbatim (no aten resolution)."""
         node = self.low.graph.call_function(
-            target, self._tracer.create_arg(args), self._tracer.create_arg(kwargs)
+            target,
+            cast("tuple[Any, ...]", self._tracer.create_arg(args)),  # create_arg keeps a tuple
+            cast("dict[str, Any]", self._tracer.create_arg(kwargs)),  # and a dict
         )
         return self(node)
 
@@ -180,16 +186,16 @@ class Emitter:
         return x if have == want else aten._to_copy.default(self(x), dtype=want)
 
     def mask_padding(
-        self, x: Any, axes: tuple[str, ...], size: int, ndim: int, dim: int, fill: Any
+        self, x: Any, axes: builtins.tuple[str, ...], size: int, ndim: int, dim: int, fill: Any
     ) -> Any:
         """``x`` with the ceil padding of its ``dim`` (split over ``axes``) set to ``fill``."""
         return masks.mask_padding(self(x), self.mesh, axes, size, ndim, dim, fill)
 
-    def tile_offset(self, like: Any, axes: tuple[str, ...], tile: int) -> Proxy:
+    def tile_offset(self, like: Any, axes: builtins.tuple[str, ...], tile: int) -> Proxy:
         """This device's first global index along a dim split over ``axes`` in ``tile`` rows."""
         return masks.tile_offset(self(like), axes, tile)
 
-    def axis_index(self, like: Any, axes: tuple[str, ...]) -> Proxy:
+    def axis_index(self, like: Any, axes: builtins.tuple[str, ...]) -> Proxy:
         """This device's position in its group along ``axes`` (a 0-d int64 tensor)."""
         return masks.axis_index(self(like), axes)
 
@@ -203,10 +209,10 @@ class Emitter:
     def all_reduce(
         self,
         x: Any,
-        axes: tuple[str, ...],
+        axes: builtins.tuple[str, ...],
         op: str,
         *,
-        shape: tuple[int, ...],
+        shape: builtins.tuple[int, ...],
         dtype: torch.dtype,
         what: str,
     ) -> Proxy:
@@ -224,9 +230,9 @@ class Emitter:
         self,
         x: Any,
         dim: int,
-        axes: tuple[str, ...],
+        axes: builtins.tuple[str, ...],
         *,
-        shape: tuple[int, ...],
+        shape: builtins.tuple[int, ...],
         dtype: torch.dtype,
         what: str,
         why: str,
@@ -243,8 +249,8 @@ class Emitter:
     def record(
         self,
         kind: str,
-        axes: tuple[str, ...],
-        shape: tuple[int, ...],
+        axes: builtins.tuple[str, ...],
+        shape: builtins.tuple[int, ...],
         dtype: torch.dtype,
         what: str,
         reason: str,
@@ -267,9 +273,14 @@ class Emitter:
         )
 
 
+def op_of(node: fx.Node) -> Callable[..., Any]:
+    """The op a ``call_function`` node calls (fx types ``target`` as a callable or a name)."""
+    return cast(Callable[..., Any], node.target)
+
+
 def node_of(x: Any) -> Any:
     """The per-device node behind a proxy (other values unchanged)."""
-    return x.node if isinstance(x, Proxy) else x
+    return x.node if isinstance(x, FxProxy) else x
 
 
 Lower = Callable[["LoweringAPI", fx.Node, "FactorRule", Assign], fx.Node]

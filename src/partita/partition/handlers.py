@@ -20,15 +20,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.errors import CompilerError
 from partita.layout import ceil_div
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.lowering_api import LoweringAPI
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
@@ -133,7 +132,8 @@ def _bias_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> 
     first device only (``where(axis_index == 0, bias, 0)``) so the sum counts it once."""
     bias, mat1, mat2 = e.operands(rule, assign)
     bias = torch.where(e.axis_index(bias, _reduction_axes(rule, assign)) == 0, bias, 0.0)
-    return node.target(bias, mat1, mat2, *node.args[3:], **node.kwargs)
+    op = cast(Callable[..., Any], node.target)  # addmm / addmv / baddbmm / addbmm
+    return op(bias, mat1, mat2, *node.args[3:], **node.kwargs)
 
 
 register(Handler(HandlerName.ADD_BIAS_ONCE.value, _bias_applies, _bias_lower))
@@ -156,13 +156,14 @@ def _arange_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -
     assert sharding is not None
     axes = sharding.dim_axes[0]
     tile = ceil_div(int(val.shape[0]), e.mesh.axes_size(axes))
-    args = list(node.args)
+    args: list[Any] = list(node.args)  # the schema's (start, end, step)
     if node.target == aten.arange.default:
         start, step = 0, 1
     elif node.target == aten.arange.start:
         start, step = args[0], 1
     else:
-        start, step = args[0], args[2] if len(args) > 2 else node.kwargs.get("step", 1)
+        step_kw = cast(int, node.kwargs.get("step", 1))
+        start, step = args[0], args[2] if len(args) > 2 else step_kw
     base = e.arange(tile, dtype=val.dtype)
     offset = e.axis_index(base, axes) * (tile * step) + start
     scaled = base * step if step != 1 else base

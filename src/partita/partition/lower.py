@@ -24,7 +24,8 @@ driver and does not run anything.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeGuard, cast
 
 import torch
 import torch.fx as fx
@@ -33,7 +34,7 @@ from torch.utils import _pytree as pytree
 
 from partita import node_meta
 from partita.capture.manual import ENTER_OP, EXIT_OP, is_fully_manual, local_nodes
-from partita.errors import PartitaError, UnsupportedOpError
+from partita.errors import InternalError, PartitaError, UnsupportedOpError
 from partita.explain import op_name
 from partita.layout import local_shape
 from partita.mesh import Mesh
@@ -55,7 +56,7 @@ from partita.spec import Sharding
 __all__ = ["LocalValue", "Lowering"]
 
 
-def _tensor_val(v: Any) -> bool:
+def _tensor_val(v: Any) -> TypeGuard[torch.Tensor]:
     return isinstance(v, torch.Tensor)
 
 
@@ -86,9 +87,9 @@ class Lowering(LocalValues):
             try:
                 self._node(node)
                 _stamp_origin(node, last.next if last is not None else None, self.graph)
-            except PartitaError:
-                raise
-            except Exception as e:  # anything else is partita's bug: say where it happened
+            except Exception as e:  # anything but a user-facing error is partita's bug: say where
+                if isinstance(e, PartitaError) and not isinstance(e, InternalError):
+                    raise
                 raise compiler_error(node, "Partitioning", e) from e
         for n in self.src.graph.nodes:
             if node_meta.sharding(n) is not None:
@@ -140,18 +141,18 @@ class Lowering(LocalValues):
         local = self.graph.placeholder(node.name)
         if not _tensor_val(val):
             return
-        sharding = node_meta.sharding(node)
+        sharding = node_meta.value_sharding(node)
         self.values[(node, None)] = LocalValue(local, sharding, tuple(val.shape), val.dtype)
         self.plan.input_shardings.append(sharding)
 
     def _getitem(self, node: fx.Node) -> None:
-        src, idx = node.args
+        src, idx = cast("tuple[fx.Node, int]", node.args)  # getitem(result, i)
         if (src, int(idx)) in self.values:
             self.alias[node] = (src, int(idx))
 
     def _annotation(self, node: fx.Node) -> None:
-        ann = node_meta.annotation(node)
-        operand = node.args[0]
+        ann = node_meta.annotation_of(node)
+        operand = cast(fx.Node, node.args[0])  # annotate(x, ...)
         why = f"annotation {ann.source or node.name} asks for {ann.sharding}"
         local = self.reshard(self.key(operand), ann.sharding, why, node)
         v = self.value(operand)
@@ -200,7 +201,8 @@ class Lowering(LocalValues):
                 f"Node {node.name} ({op_name(node.target)}) produces no tensor; the partitioner "
                 f"only handles tensor programs."
             )
-        rule: FactorRule = node_meta.rule(node)
+        rule = node_meta.rule(node)
+        assert rule is not None  # propagation gives every op its rule
         if rule.facts.same_dtype:
             check_same_dtype(node)
         assign = self.representable(node.target, rule, node_meta.factor_axes(node))
@@ -303,29 +305,31 @@ class Lowering(LocalValues):
                 return next(locals_)
             return a
 
-        args, kwargs = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), swap)
+        mapped: Any = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), swap)
+        args, kwargs = cast("tuple[Sequence[Any], dict[str, Any]]", mapped)
         sizes = rule.facts.size_args
         if sizes:
             # Kernels that take their input's sizes as ints (group norm's N) get local sizes,
             # and contiguous inputs.
             ops = self.operand_nodes(node)
-            args = list(args)
+            sized = list(args)
             for arg_index, operand_index, dim in sizes:
                 s_in = self.sharding(self.dims_of(rule.operands[operand_index] or (), assign))
-                args[arg_index] = local_shape(s_in, self.value(ops[operand_index]).shape)[dim]
-            for j, a in enumerate(args):
-                if isinstance(a, fx.Node) and _tensor_val(node.args[j].meta.get("val")):
-                    args[j] = self.graph.call_function(
+                sized[arg_index] = local_shape(s_in, self.value(ops[operand_index]).shape)[dim]
+            for j, a in enumerate(sized):
+                arg_j: Any = node.args[j]  # a Node where a is one (map_arg keeps positions)
+                if isinstance(a, fx.Node) and _tensor_val(arg_j.meta.get("val")):
+                    sized[j] = self.graph.call_function(
                         torch.ops.aten.clone.default,
                         (a,),
                         {"memory_format": torch.contiguous_format},
                     )
-            args = tuple(args)
+            args = tuple(sized)
         if rule.handler == "localize_shape":
             (res,) = [r for r in results if r is not None][:1]
             (gval,) = [v for v in vals if _tensor_val(v)][:1]
             args, kwargs = localize_shape_args(
-                args, kwargs, tuple(gval.shape), local_shape(res, tuple(gval.shape))
+                tuple(args), kwargs, tuple(gval.shape), local_shape(res, tuple(gval.shape))
             )
         return self.emit(node.target, tuple(args), kwargs)
 
@@ -349,7 +353,7 @@ class Lowering(LocalValues):
             self.values[(node, None)] = LocalValue(local, s, tuple(val.shape), val.dtype)
             self._copies[(node, None)] = self._pending_copies.pop(node, {})
             self._explain_partial((node, None), node, rule, assign, 0)
-            self._settle((node, None), wanted, node)
+            self._settle((node, None), node_meta.single_sharding(node), node)
 
     def _explain_partial(
         self,

@@ -15,7 +15,8 @@ not check specs (``partita.manual`` did, at trace time).
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -58,17 +59,22 @@ def _local_arg(low: LoweringAPI, node: fx.Node, a: Any) -> Any:
     return low.reshard(low.key(a), Sharding.replicated(low.mesh, len(v.shape)), why, node)
 
 
+def _crossing(node: fx.Node) -> tuple[fx.Node, Boundary]:
+    """An enter or exit node's value and boundary: ``enter(x, key)``, ``exit(x, key)``."""
+    return cast(fx.Node, node.args[0]), boundary(cast(int, node.args[1]))
+
+
 def lower_local(low: LoweringAPI, node: fx.Node) -> None:
     """Emit a node of a region body (or an entry) on this device."""
     if node.target is ENTER_OP:
-        b = boundary(node.args[1])
+        x, b = _crossing(node)
         why = f"shard_map {b.what} enters its region as {b.sharding}"
-        low.manual[node] = low.reshard(low.key(node.args[0]), b.sharding, why, node)
+        low.manual[node] = low.reshard(low.key(x), b.sharding, why, node)
         return
     args, kwargs = pytree.tree_map(
         lambda a: _local_arg(low, node, a), (tuple(node.args), dict(node.kwargs))
     )
-    local = low.graph.call_function(node.target, tuple(args), kwargs)
+    local = low.graph.call_function(cast(Callable[..., Any], node.target), tuple(args), kwargs)
     local.meta["val"] = node.meta.get("val")
     low.manual[node] = local
     record_user_collective(low, node)
@@ -76,8 +82,7 @@ def lower_local(low: LoweringAPI, node: fx.Node) -> None:
 
 def lower_exit(low: LoweringAPI, node: fx.Node) -> None:
     """An exit: the body's local node is the global value's local block."""
-    b = boundary(node.args[1])
-    src = node.args[0]
+    src, b = _crossing(node)
     if src not in low.manual:
         raise ShardMapError(
             f"shard_map {b.what} (node %{node.name}) leaves a region but its value "
@@ -93,8 +98,9 @@ def record_user_collective(low: LoweringAPI, node: fx.Node, split: Sharding | No
     if node.target not in _KINDS:
         return
     kind = _KINDS[node.target]
-    axes = tuple(node.args[-1] if kind == "collective_permute" else node.args[-2])
-    moved = node.args[0] if kind == "reduce_scatter" else node
+    args: tuple[Any, ...] = node.args  # (x, ..., mesh_axes[, group size]) of the collective
+    axes = tuple(args[-1] if kind == "collective_permute" else args[-2])
+    moved: fx.Node = args[0] if kind == "reduce_scatter" else node
     val = moved.meta.get("val")
     shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
     if split is not None and shape:  # partially manual: the block is split further
@@ -182,23 +188,22 @@ def _warn_dropped(
 def lower_partial_enter(low: LoweringAPI, node: fx.Node) -> None:
     """Entering a partially manual region: the operand's tile is the spec's manual split then
     the body value's auto split, manual axes major."""
-    b = boundary(node.args[1])
-    inner, dropped = _inner(low, b, node_meta.sharding(node))
+    x, b = _crossing(node)
+    inner, dropped = _inner(low, b, node_meta.value_sharding(node))
     dims = tuple(m + a for m, a in zip(b.sharding.dim_axes, inner.dim_axes, strict=True))
     why = f"shard_map {b.what} enters its region as {b.sharding} (then {inner} inside)"
     before = len(low.plan.collectives)
-    local = low.reshard(low.key(node.args[0]), Sharding(low.mesh, dims), why, node)
+    local = low.reshard(low.key(x), Sharding(low.mesh, dims), why, node)
     if dropped:
         _warn_dropped(low, b, node, dropped, low.plan.collectives[before:])
     val = node.meta["val"]
     low.values[(node, None)] = LocalValue(local, inner, b.local_shape, val.dtype)
-    low.settle_result((node, None), node_meta.sharding(node), node)
+    low.settle_result((node, None), node_meta.single_sharding(node), node)
 
 
 def lower_partial_exit(low: LoweringAPI, node: fx.Node) -> None:
     """Leaving a partially manual region: the inverse of :func:`lower_partial_enter`."""
-    b = boundary(node.args[1])
-    src = node.args[0]
+    src, b = _crossing(node)
     v = low.value(src)
     inner, dropped = _inner(low, b, v.sharding)
     why = f"shard_map {b.what} leaves its region as {b.sharding}"
@@ -211,4 +216,4 @@ def lower_partial_exit(low: LoweringAPI, node: fx.Node) -> None:
     low.values[(node, None)] = LocalValue(
         local, Sharding(low.mesh, dims), tuple(val.shape), val.dtype
     )
-    low.settle_result((node, None), node_meta.sharding(node), node)
+    low.settle_result((node, None), node_meta.single_sharding(node), node)

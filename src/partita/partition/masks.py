@@ -13,10 +13,11 @@ This module emits nodes by calling ops on ``torch.fx.Proxy`` values of the per-d
 from __future__ import annotations
 
 import torch
-from torch.fx.proxy import Proxy
 
+from partita.errors import InternalError
 from partita.layout import ceil_div
 from partita.mesh import Mesh
+from partita.partition.proxy import Proxy
 
 __all__ = [
     "arange",
@@ -46,7 +47,10 @@ def identity_of(reduce_op: str, dtype: torch.dtype) -> float | int | bool:
         return -big if dtype.is_floating_point else torch.iinfo(dtype).min
     if reduce_op == "min":
         return big
-    raise ValueError(f"no identity for reduce_op {reduce_op!r}")
+    raise InternalError(
+        f"masks.identity_of: no identity element for reduce_op {reduce_op!r} (sum, avg, max, "
+        f"min have one). {InternalError.REPORT}"
+    )
 
 
 def axis_index(like: Proxy, mesh_axes: tuple[str, ...]) -> Proxy:

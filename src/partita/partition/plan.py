@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from partita.errors import ArgumentError
 from partita.mesh import Mesh
 from partita.spec import Sharding
 
@@ -109,7 +110,7 @@ class Plan:
             from partita.partition.memory import estimate_memory  # it runs fake tensors
 
             if self.local_program is None:
-                raise ValueError(
+                raise ArgumentError(
                     "Plan.memory(): this Plan has no per-device program attached (it was not "
                     "made by partita.partition.partition), so there is nothing to estimate. "
                     "Get the Plan from partition() or jit(...).lower(*args)."

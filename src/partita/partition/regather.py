@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections.abc import Callable
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -131,7 +133,7 @@ def _split(
     late_views = [v for v in closure if v is not g and pos[v] > last_fwd]
     at = nodes[min([first_bwd, *(pos[v] for v in late_views)])]
     with graph.inserting_before(at):
-        g2 = graph.call_function(g.target, g.args, dict(g.kwargs))
+        g2 = graph.call_function(cast(Callable[..., Any], g.target), g.args, dict(g.kwargs))
     g2.meta.update(g.meta)
     node_meta.set_regather(g2, g.name)
     node_meta.set_regather_after(g2, nodes[last_fwd].name)
@@ -144,13 +146,15 @@ def _split(
     def copy_of(c: fx.Node) -> fx.Node:
         """The view ``c`` of the forward copy, made on the new one (an early view is copied)."""
         if c not in new:
-            base = copy_of(c.args[0])
+            src = cast(fx.Node, c.args[0])  # a view's input
+            base = copy_of(src)
             with graph.inserting_before(at):
-                new[c] = graph.node_copy(c, lambda n: base if n is c.args[0] else n)
+                new[c] = graph.node_copy(c, lambda n: base if n is src else n)
         return new[c]
 
     for v in late_views:  # made after the forward: read the new copy in place
-        v.replace_input_with(v.args[0], copy_of(v.args[0]))
+        src = cast(fx.Node, v.args[0])
+        v.replace_input_with(src, copy_of(src))
         new[v] = v
     for c in closure:
         for u in list(c.users):

@@ -57,6 +57,7 @@ from typing import Any
 
 import numpy as np
 
+from partita.errors import InternalError, ShardingError
 from partita.layout import ceil_div, tile_coords
 from partita.partition import permute_pieces
 from partita.spec import Sharding
@@ -310,7 +311,10 @@ class _Planner:
             if self.dims == target and not self.to_reduce:
                 break
             if not any(t() for t in transitions):
-                raise AssertionError(f"reshard planner stuck at {self.dims} -> {target}")
+                raise InternalError(
+                    f"reshard planner stuck at dims {self.dims} -> {target}: no transition "
+                    f"applies. {InternalError.REPORT}"
+                )
         self._make_partial()
         if self.was_replicated and self.dst.sharded_axes and self.steps:
             self.steps = [
@@ -329,7 +333,10 @@ def plan_reshard(src: Sharding, dst: Sharding, shape: Sequence[int]) -> list[Res
     """
     shape = tuple(int(n) for n in shape)
     if src.mesh != dst.mesh:
-        raise ValueError(f"Cannot reshard between meshes {src.mesh!r} and {dst.mesh!r}.")
+        raise ShardingError(
+            f"Cannot reshard a value of shape {shape} from {src.mesh!r} to {dst.mesh!r}: a "
+            f"reshard moves data within one mesh. Annotate both ends on the same Mesh."
+        )
     src.check_shape(shape)
     dst.check_shape(shape)
     src, dst = _without_unit_axes(src), _without_unit_axes(dst)
@@ -359,7 +366,7 @@ def _cheapest_plan(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> tupl
     pieces = plan_permute_pieces(src, dst, shape)
     count = [sum(s.is_collective for s in plan) for plan in (pieces or [], steps)]
     same = pieces and math.prod(pieces[-1].out_local_shape) == math.prod(pieces[0].in_local_shape)
-    if same and count[0] <= count[1] and _bytes_hint(pieces) < _bytes_hint(steps):
+    if pieces and same and count[0] <= count[1] and _bytes_hint(pieces) < _bytes_hint(steps):
         return tuple(pieces)
     return tuple(steps)
 

@@ -10,7 +10,7 @@ This module does not choose steps or record them in the Plan (``partition.reshar
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import fx
@@ -54,15 +54,19 @@ def emit_reshard(graph: fx.Graph, x: fx.Node, steps: Sequence[ReshardStep], mesh
     """
     aten = torch.ops.aten
     axes = list(mesh.axis_names)
-    source, received = x, None  # a piecewise permute's source tile and received pieces
+    # a piecewise permute's source tile and received pieces
+    source, received = x, cast("list[fx.Node] | None", None)
     for step in steps:
         ndim = len(step.in_local_shape)
         if step.kind == "take_piece":
             source, received = (x, []) if received is None else (source, [*received, x])
-            x = permute_pieces.emit_take(graph, _call, source, *step.args, axes)
+            tile, piece, slots = step.args
+            x = permute_pieces.emit_take(graph, _call, source, tile, piece, slots, axes)
         elif step.kind == "place_pieces":
             out = step.out_local_shape
-            x = permute_pieces.emit_place(graph, _call, [*received, x], out, *step.args, axes)
+            piece, table = step.args
+            received = [*(received or ()), x]
+            x = permute_pieces.emit_place(graph, _call, received, out, piece, table, axes)
             received = None
         elif step.kind == "slice":
             dim, size = step.args

@@ -161,11 +161,12 @@ class LocalValues:
         node, idx = key
         if idx is not None or node.op != "call_function" or node.target != _PERMUTE:
             return None
-        src_key = self.key(node.args[0])
+        args: tuple[Any, ...] = node.args  # permute(u, dims)
+        src_key = self.key(args[0])
         u = self.values.get(src_key)
         if u is None or u.sharding.partial or dst.partial or self.values[key].sharding.partial:
             return None
-        perm = [int(p) % len(u.shape) for p in node.args[1]]
+        perm = [int(p) % len(u.shape) for p in args[1]]
         dims: list[tuple[str, ...]] = [()] * len(perm)
         for i, p in enumerate(perm):
             dims[p] = dst.dim_axes[i]

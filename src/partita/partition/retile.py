@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -196,8 +196,8 @@ def _segments(low: LoweringAPI, node: fx.Node, dim: int) -> tuple[list[int], lis
     target = str(node.target)
     if target.startswith("aten.cat"):
         sizes, segments, at = [], [], 0
-        for i, m in enumerate(low.operand_nodes(node)):
-            val = m.meta["val"]
+        for i, operand in enumerate(low.operand_nodes(node)):
+            val = operand.meta["val"]
             n = int(val.shape[dim]) if val.ndim == len(node.meta["val"].shape) else 0
             sizes.append(n)
             segments.append(Segment(at, i, 0, n))
@@ -205,11 +205,11 @@ def _segments(low: LoweringAPI, node: fx.Node, dim: int) -> tuple[list[int], lis
         return sizes, segments
     if target.startswith("aten.slice_scatter"):
         # x with src written at [s, s + m): x's own positions stay where they are
-        m = int(node.args[1].meta["val"].shape[dim])
+        m = int(cast(fx.Node, node.args[1]).meta["val"].shape[dim])  # slice_scatter(x, src, ...)
         s = _start(node, 3, n_out)
         parts = [Segment(0, 0, 0, s), Segment(s, 1, 0, m), Segment(s + m, 0, s + m, n_out - s - m)]
         return [n_out, m], [p for p in parts if p.length]
-    n = int(node.args[0].meta["val"].shape[dim])
+    n = int(cast(fx.Node, node.args[0]).meta["val"].shape[dim])
     return [n], [Segment(0, 0, _start(node, 2, n), n_out)]
 
 
@@ -251,11 +251,14 @@ def _siblings(low: LoweringAPI, node: fx.Node, dim: int, axes: tuple[str, ...]) 
     operand sharding and split their result the same way (q, k and v of one qkv output)."""
     if str(node.target) not in _SLICES:
         return [node]
-    rule: FactorRule = node_meta.rule(node)
+    rule = node_meta.rule(node)
+    assert rule is not None  # a retiled slice has its rule
     assign = low.representable(node.target, rule, node_meta.factor_axes(node))
-    want = low.dims_of(rule.operands[0], assign)
+    factors = rule.operands[0]
+    assert factors is not None  # a slice's input is a tensor
+    want = low.dims_of(factors, assign)
     out = [node]
-    for user in node.args[0].users:
+    for user in cast(fx.Node, node.args[0]).users:
         if user is node or str(user.target) not in _SLICES or (user, None) in low.values:
             continue
         r = node_meta.rule(user)
@@ -263,8 +266,10 @@ def _siblings(low: LoweringAPI, node: fx.Node, dim: int, axes: tuple[str, ...]) 
             continue
         a = low.representable(user.target, r, node_meta.factor_axes(user))
         (res,) = low.result_shardings(r, a)
-        if res is not None and res.dim_axes[dim] == axes and low.dims_of(r.operands[0], a) == want:
-            out.append(user)
+        factors = r.operands[0]  # a slice's input is a tensor
+        if res is not None and factors is not None and res.dim_axes[dim] == axes:
+            if low.dims_of(factors, a) == want:
+                out.append(user)
     return out
 
 

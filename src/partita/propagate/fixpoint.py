@@ -8,13 +8,13 @@ One op's assignment is chosen in ``propagate.assign``; the state it reads and wr
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
+from typing import Any, cast
 
 import torch.fx as fx
 
 from partita import node_meta
 from partita.capture.gc_pause import gc_paused
-from partita.errors import PartitaError, ShardingConflictError
+from partita.errors import InternalError, PartitaError, ShardingConflictError
 from partita.mesh import Mesh
 from partita.propagate.assign import choose_assignment, merge_axes
 from partita.propagate.rules import compiler_error
@@ -85,7 +85,10 @@ class _Propagator(ProgramState):
             found = self._memo[memo_key] = (assign, writes)
         assign, slots = found
         keys = (*op.operands, *op.results)
-        return assign, [(keys[i], dims, partial, prio) for i, dims, partial, prio in slots]
+        # _writes proposes only to tensor values: keys[i] is never None there
+        return assign, [
+            (cast(ValueKey, keys[i]), dims, partial, prio) for i, dims, partial, prio in slots
+        ]
 
     def _writes(
         self, op: OpState, assign: Assignment, prio_of: dict[str, int], round_priority: int
@@ -175,9 +178,9 @@ class _Propagator(ProgramState):
     def _visit_checked(self, op: OpState, round_priority: int) -> list[ValueKey]:
         try:
             return self._visit(op, round_priority)
-        except PartitaError:
-            raise
         except Exception as e:
+            if isinstance(e, PartitaError) and not isinstance(e, InternalError):
+                raise
             raise compiler_error(op.node, "Propagation", e) from e
 
     def _sharding(self, key: ValueKey) -> Sharding:

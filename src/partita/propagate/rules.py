@@ -19,6 +19,7 @@ from partita.errors import (
     CompilerError,
     PartitaError,
     ReplicatedOpWarning,
+    RuleError,
     UnsupportedOpError,
     warn,
 )
@@ -111,7 +112,7 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
     try:
         return fn(info)
     except PartitaError as e:
-        if not isinstance(e, UnsupportedOpError):
+        if not isinstance(e, (UnsupportedOpError, RuleError)):
             raise
         cause: Exception = e
     except Exception as e:  # a rule that cannot handle these arguments, whatever it raises

@@ -16,14 +16,14 @@ import enum
 import operator
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
 
 from partita import node_meta
 from partita.capture.manual import ENTER_OP, EXIT_OP, boundary, is_fully_manual, local_nodes
-from partita.errors import PartitaError, ShardingConflictError, UnsupportedOpError
+from partita.errors import InternalError, PartitaError, ShardingConflictError, UnsupportedOpError
 from partita.layout import check_strided
 from partita.mesh import Mesh
 from partita.propagate.rules import apply_rule, compiler_error
@@ -145,9 +145,9 @@ class ProgramState:
             elif node.op == "call_function":
                 try:
                     self._add_op(node)
-                except PartitaError:
-                    raise
                 except Exception as e:
+                    if isinstance(e, PartitaError) and not isinstance(e, InternalError):
+                        raise
                     raise compiler_error(node, "Propagation", e) from e
         for i, op in enumerate(self.ops):
             for k in (*op.operands, *op.results):
@@ -199,7 +199,7 @@ class ProgramState:
         if node in self._local or node.target is EXIT_OP:
             self._mark_region_values(node)
         if _is_annotation(node):
-            ann = node_meta.annotation(node)
+            ann = node_meta.annotation_of(node)
             if ann.sharding.mesh != self.mesh:
                 raise ShardingConflictError(
                     f"Annotation {node.name} ({source_of(node) or 'unknown source'}) uses "
@@ -249,12 +249,14 @@ class ProgramState:
                 if key[0] is node:
                     v.banned = banned
         if node.target in (ENTER_OP, EXIT_OP):
-            b = boundary(node.args[1])
-            key = self.key(node.args[0]) if node.target is ENTER_OP else (node, None)
-            v = self.values.get(key)
-            if v is not None:
-                v.prefix = [tuple(a for a in d if a in b.manual_axes) for d in b.sharding.dim_axes]
-                v.dims = list(v.prefix)
+            b = boundary(cast(int, node.args[1]))  # enter/exit(x, boundary key)
+            key = self.key(cast(fx.Node, node.args[0])) if node.target is ENTER_OP else (node, None)
+            crossing = self.values.get(key)
+            if crossing is not None:
+                crossing.prefix = [
+                    tuple(a for a in d if a in b.manual_axes) for d in b.sharding.dim_axes
+                ]
+                crossing.dims = list(crossing.prefix)
 
 
 #: An op's rule and the factor groups propagation treats specially (see OpState).

@@ -19,6 +19,9 @@ kernel is not supported (capture takes the math path for it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from partita.errors import UnsupportedOpError
 from partita.rules.common import Dim, aten_ops, broadcast_dims, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.facts import OpFacts
@@ -40,7 +43,7 @@ def _heads(info: OpInfo, q_index: int) -> Dim:
     if hq == hk:
         return "h"
     if hk == 0 or hq % hk:
-        raise NotImplementedError(
+        raise UnsupportedOpError(
             f"{info.target}: the query has {hq} heads and the key/value {hk} (query {q.shape}, "
             f"key {k.shape}); grouped-query attention needs the query's head count to be a "
             f"multiple of the key's. Repeat the key/value heads to a divisor of {hq}."
@@ -51,9 +54,9 @@ def _heads(info: OpInfo, q_index: int) -> Dim:
 def _check(info: OpInfo, q_index: int) -> list[str]:
     """The need-replication factors; raises for what no rule here expresses."""
     if info.arg("dropout_p", 0.0):
-        raise NotImplementedError(f"{info.target} with dropout_p > 0 has no sharding rule")
+        raise UnsupportedOpError(f"{info.target} with dropout_p > 0 has no sharding rule")
     if info.operands[q_index].ndim != 4:
-        raise NotImplementedError(
+        raise UnsupportedOpError(
             f"{info.target} on a {info.operands[q_index].ndim}-d query (want [b, h, t, d])"
         )
     return ["s", "d", "e", *(["t"] if info.arg("is_causal", False) else [])]
@@ -74,7 +77,7 @@ def sdpa_rule(info: OpInfo) -> FactorRule:
     heads = _heads(info, 0)
     q: list[Dim] = ["b", heads, "t", "d"]
     out: list[Dim] = ["b", heads, "t", "e"]
-    operands = [q, _K, _V, *_masks(info, 0, 3, heads)]
+    operands: list[Sequence[Dim]] = [q, _K, _V, *_masks(info, 0, 3, heads)]
     return build(info, operands, [out, ["b", heads, "t"]], need_replication=rep)
 
 
@@ -85,7 +88,15 @@ def sdpa_backward_rule(info: OpInfo) -> FactorRule:
     heads = _heads(info, 1)
     q: list[Dim] = ["b", heads, "t", "d"]
     out: list[Dim] = ["b", heads, "t", "e"]
-    operands = [out, q, _K, _V, out, ["b", heads, "t"], *_masks(info, 1, 6, heads)]
+    operands: list[Sequence[Dim]] = [
+        out,
+        q,
+        _K,
+        _V,
+        out,
+        ["b", heads, "t"],
+        *_masks(info, 1, 6, heads),
+    ]
     summed = ([] if "t" in rep else ["t"]) + (["g"] if heads != "h" else [])
     red = {j: summed for j in (1, 2) if summed and info.results[j] is not None}
     return build(info, operands, [q, _K, _V], need_replication=rep, result_reductions=red)

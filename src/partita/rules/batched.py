@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from partita.errors import RuleError
 from partita.rules.common import Dim, Names, build
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta
 
@@ -91,7 +92,7 @@ def batched_rule(
         FactorRule(a b c -> a 1, a 1 1; need-replication=b,c)
     """
     if len(core) != len(info.operands) or len(core_out) != len(info.results):
-        raise NotImplementedError(
+        raise RuleError(
             f"{info.target}: {len(info.operands)} operands and {len(info.results)} results, "
             f"but core dims were given for {len(core)} and {len(core_out)}"
         )

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from partita.errors import InternalError, UnsupportedOpError
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta, einsum_rule
 
 __all__ = [
@@ -81,7 +82,9 @@ def aten_ops(names: Iterable[str]) -> tuple[Any, ...]:
     """
     names = tuple(names)
     if list(names) != sorted(names):
-        raise ValueError(f"op names must be sorted: {names}")
+        raise InternalError(
+            f"rules.aten_ops: op names must be listed sorted, got {names}. {InternalError.REPORT}"
+        )
     out = []
     for name in names:
         packet, _, overload = name.partition(".")
@@ -95,7 +98,7 @@ def norm_dim(dim: int, ndim: int) -> int:
     """A possibly negative dim index made non-negative (0-d tensors accept 0 and -1)."""
     n = max(ndim, 1)
     if not -n <= dim < n:
-        raise NotImplementedError(f"dim {dim} out of range for a {ndim}-d tensor")
+        raise UnsupportedOpError(f"dim {dim} out of range for a {ndim}-d tensor")
     return dim % n
 
 
@@ -123,9 +126,7 @@ def broadcast_dims(
     """
     offset = len(out_shape) - meta.ndim
     if offset < 0:
-        raise NotImplementedError(
-            f"operand of shape {meta.shape} does not broadcast to {out_shape}"
-        )
+        raise UnsupportedOpError(f"operand of shape {meta.shape} does not broadcast to {out_shape}")
     dims: list[Dim] = []
     for i, n in enumerate(meta.shape):
         if n == out_shape[offset + i]:
@@ -133,7 +134,7 @@ def broadcast_dims(
         elif n == 1:
             dims.append(None)
         else:
-            raise NotImplementedError(
+            raise UnsupportedOpError(
                 f"operand of shape {meta.shape} does not broadcast to {tuple(out_shape)}"
             )
     return dims

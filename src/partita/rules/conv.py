@@ -18,8 +18,9 @@ compute, keep replicated", ``batched.py``); so do the interpolation backwards, w
 
 from __future__ import annotations
 
+from partita.errors import UnsupportedOpError
 from partita.rules.batched import batched_rule
-from partita.rules.common import Names, aten_ops, build
+from partita.rules.common import Dim, Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
@@ -43,10 +44,10 @@ __all__ = [
 def _conv_names(info: OpInfo, x_index: int) -> tuple[list[str], list[str], str, str]:
     """(spatial factors, kernel factors, input-channel factor, output-channel factor)."""
     if info.arg("transposed", False) or info.arg("groups", 1) != 1:
-        raise NotImplementedError(f"{info.target}: transposed or grouped convolution")
+        raise UnsupportedOpError(f"{info.target}: transposed or grouped convolution")
     x = info.operands[x_index]
     if x.ndim < 3:
-        raise NotImplementedError(f"{info.target} on a {x.ndim}-d input (want [n, c, *spatial])")
+        raise UnsupportedOpError(f"{info.target} on a {x.ndim}-d input (want [n, c, *spatial])")
     k = x.ndim - 2
     fresh = Names()
     fresh.take(3)  # a, b, c are n, c_in, c_out
@@ -64,7 +65,7 @@ def _special_conv_rule(info: OpInfo) -> FactorRule:
     """``a b c d, *, * -> a 1 1 1; need-replication=b,c,d``: a transposed or grouped
     convolution keeps only its batch dim sharded; channels and space are gathered and the
     result is replicated on them (gather, compute, keep replicated)."""
-    x, (out,) = info.operands[0], info.results
+    x, out = info.operands[0], info.result()
     names = Names().take(x.ndim)
     rest = [None] * (len(info.operands) - 1)
     res = [names[0], *([None] * (out.ndim - 1))]
@@ -78,7 +79,7 @@ def _special_conv_backward_rule(info: OpInfo) -> FactorRule:
     fresh = Names()
     a = fresh.new()
     g_dims, x_dims = [a, *fresh.take(grad.ndim - 1)], [a, *fresh.take(x.ndim - 1)]
-    results = [None if r is None else [None] * r.ndim for r in info.results]
+    results: list[list[Dim] | None] = [None if r is None else [None] * r.ndim for r in info.results]
     rep = [*g_dims[1:], *x_dims[1:]]
     red = {j: [a] for j in (1, 2) if info.results[j] is not None}
     if results[0] is not None:
@@ -220,7 +221,7 @@ def interpolation_backward_rule(info: OpInfo) -> FactorRule:
     pixel sums the output pixels the global scale maps to it, so the plane is gathered."""
     (grad,) = info.operands
     if grad.ndim < 3:
-        raise NotImplementedError(f"{info.target} on a {grad.ndim}-d gradient")
+        raise UnsupportedOpError(f"{info.target} on a {grad.ndim}-d gradient")
     names = Names().take(grad.ndim)
     plane = [None] * (grad.ndim - 2)
     return build(

@@ -70,7 +70,7 @@ RULES.declare(
 def create_rule(info: OpInfo) -> FactorRule:
     """``* -> a b; handler=localize_shape`` for ``full([4, 8], 0.)`` (no operands) and
     ``new_zeros`` (whose operand only supplies a dtype, so it is not sharded)."""
-    (out,) = info.results
+    out = info.result()
     names = Names().take(out.ndim)
     if str(info.target).startswith("aten.eye"):
         return build(info, [], [names], need_replication=names, handler=HandlerName.LOCALIZE_SHAPE)

@@ -11,6 +11,7 @@ through. This module does not cover random ops (``random.py``) or ``*_like`` cre
 
 from __future__ import annotations
 
+from partita.errors import UnsupportedOpError
 from partita.rules.common import Names, aten_ops, broadcast_dims, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.facts import OpFacts
@@ -263,12 +264,12 @@ def elementwise_rule(info: OpInfo, handler: str | None = None) -> FactorRule:
     """
     out = next((r for r in info.results if r is not None), None)
     if out is None:
-        raise NotImplementedError(f"{info.target} has no tensor result")
+        raise UnsupportedOpError(f"{info.target} has no tensor result")
     dims = Names().take(out.ndim)
     results = []
     for r in info.results:
         if r is not None and tuple(r.shape) != tuple(out.shape):
-            raise NotImplementedError(
+            raise UnsupportedOpError(
                 f"{info.target}: results of shapes {out.shape} and {r.shape} are not elementwise"
             )
         results.append(None if r is None else dims)

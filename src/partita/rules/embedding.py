@@ -16,6 +16,7 @@ and the bags are gathered, and the bag dim of the result is replicated.
 
 from __future__ import annotations
 
+from partita.errors import UnsupportedOpError
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
@@ -37,7 +38,7 @@ def embedding_rule(info: OpInfo) -> FactorRule:
     """``a b, c d -> c d b; reduction=a; handler=masked_embedding`` (table [V, D], ids [N, T])."""
     weight, ids = info.operands
     if weight.ndim != 2:
-        raise NotImplementedError(f"{info.target} with a {weight.ndim}-d table (want [V, D])")
+        raise UnsupportedOpError(f"{info.target} with a {weight.ndim}-d table (want [V, D])")
     fresh = Names()
     v, d = fresh.take(2)
     idx = fresh.take(ids.ndim)

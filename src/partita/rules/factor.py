@@ -23,6 +23,7 @@ given). It holds no per-op knowledge (that is in the family modules) and no prop
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import math
@@ -31,7 +32,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from partita.errors import CompilerError
+from partita.errors import CompilerError, RuleError, UnsupportedOpError
 from partita.rules.facts import NO_FACTS, OpFacts
 from partita.rules.handler_names import check_handler_name
 
@@ -39,6 +40,7 @@ __all__ = ["FactorKind", "FactorRule", "OpInfo", "TensorMeta", "einsum_rule", "p
 
 DimFactors = tuple[str, ...]  # the factors of one dim, major first; () = not shardable
 TensorFactors = tuple[DimFactors, ...]
+Factors = Sequence[TensorFactors | None]  # each tensor's factors (None: a whole tensor)
 
 
 class FactorKind(enum.Enum):
@@ -95,6 +97,12 @@ class OpInfo:
             return self.kwargs[name]
         return self.args[index] if index < len(self.args) else default
 
+    def result(self, i: int = 0) -> TensorMeta:
+        """Result ``i``, which the rule reads as a tensor (an unsupported op when it is not)."""
+        if (found := self.results[i]) is None:
+            raise UnsupportedOpError(f"{self.target}: result {i} is not a tensor ({self.results})")
+        return found
+
     def has_arg(self, name: str) -> bool:
         """Whether the op's schema has an argument ``name`` (one rule, several overloads)."""
         return name in _schema_names(self.target)
@@ -123,10 +131,9 @@ def _schema_names(target: Any) -> tuple[str, ...]:
     if names is None:
         schema = getattr(target, "_schema", None)
         names = tuple(a.name for a in schema.arguments) if schema is not None else ()
-        try:  # kept on the op: reading the schema builds its Argument objects anew each time
+        # kept on the op: reading the schema builds its Argument objects anew each time
+        with contextlib.suppress(AttributeError, TypeError):  # an op that takes no attributes
             setattr(target, _NAMES_ATTRIBUTE, names)
-        except (AttributeError, TypeError):  # an op object that takes no attributes
-            pass
     return names
 
 
@@ -225,9 +232,7 @@ class FactorRule:
         return f"FactorRule({text}{'; ' + '; '.join(extra) if extra else ''})"
 
 
-def _einsum_text(
-    operands: Sequence[TensorFactors | None], results: Sequence[TensorFactors | None]
-) -> str:
+def _einsum_text(operands: Factors, results: Factors) -> str:
     """``"m k, k n -> m n"``: the einsum text of factor tuples (``*`` for a whole tensor)."""
 
     def fmt(t: TensorFactors | None) -> str:
@@ -251,7 +256,7 @@ def _parse_tensor(text: str) -> TensorFactors | None:
     pos = 0
     for m in _TOKEN.finditer(text):
         if text[pos : m.start()].strip():
-            raise ValueError(f"cannot parse {text[pos : m.start()]!r} in factor rule {text!r}")
+            raise RuleError(f"cannot parse {text[pos : m.start()]!r} in factor rule {text!r}")
         pos = m.end()
         if m.group(1) is not None:
             dims.append(tuple(m.group(1).split()))
@@ -260,9 +265,9 @@ def _parse_tensor(text: str) -> TensorFactors | None:
         elif m.group(3) is not None:
             dims.append(())
         else:
-            raise ValueError(f"'*' must stand alone for a whole tensor in {text!r}")
+            raise RuleError(f"'*' must stand alone for a whole tensor in {text!r}")
     if text[pos:].strip():
-        raise ValueError(f"cannot parse {text[pos:]!r} in factor rule {text!r}")
+        raise RuleError(f"cannot parse {text[pos:]!r} in factor rule {text!r}")
     return tuple(dims)
 
 
@@ -280,12 +285,11 @@ def parse_einsum(
         (((('i', 'j'), ('k',)),), ((('i',), ('j',), ('k',)),))
     """
     if "->" not in spec:
-        raise ValueError(f"factor rule {spec!r} has no '->'")
+        raise RuleError(f"factor rule {spec!r} has no '->'")
     lhs, rhs = spec.split("->")
 
-    def side(s: str) -> tuple[TensorFactors | None, ...]:
-        s = s.strip()
-        return tuple(_parse_tensor(t) for t in s.split(",")) if s else ()
+    def side(s: str) -> tuple[TensorFactors | None, ...]:  # each tensor's text is stripped
+        return tuple(_parse_tensor(t) for t in s.split(",")) if s.strip() else ()
 
     return side(lhs), side(rhs)
 
@@ -323,7 +327,7 @@ def einsum_rule(
         parse_einsum(spec) if isinstance(spec, str) else (tuple(spec[0]), tuple(spec[1]))
     )
     if len(op_factors) != len(operands) or len(res_factors) != len(results):
-        raise ValueError(
+        raise RuleError(
             f"factor rule {spec!r} describes {len(op_factors)} operands and {len(res_factors)} "
             f"results, but the op has {len(operands)} and {len(results)}"
         )
@@ -340,13 +344,13 @@ def einsum_rule(
                 continue
             shape = tuple(meta.shape)
             if len(t) != len(shape):
-                raise ValueError(
+                raise RuleError(
                     f"factor rule {spec!r}: {len(t)} dims for a tensor of shape {shape}"
                 )
             for dim, n in zip(t, shape, strict=True):
                 if len(dim) == 1:
                     if known.setdefault(dim[0], n) != n and dim[0] not in windowed_names:
-                        raise ValueError(
+                        raise RuleError(
                             f"factor rule {spec!r}: factor {dim[0]!r} has sizes "
                             f"{known[dim[0]]} and {n}"
                         )
@@ -358,9 +362,9 @@ def einsum_rule(
             rest = math.prod(known[f] for f in dim if f in known)
             known[missing[0]] = n // rest if rest else 0
         elif missing:
-            raise ValueError(f"factor rule {spec!r}: sizes of {missing} are unknown; pass sizes=")
+            raise RuleError(f"factor rule {spec!r}: sizes of {missing} are unknown; pass sizes=")
         if math.prod(known[f] for f in dim) != n:
-            raise ValueError(f"factor rule {spec!r}: compound dim {dim} does not multiply to {n}")
+            raise RuleError(f"factor rule {spec!r}: compound dim {dim} does not multiply to {n}")
 
     kinds: dict[str, FactorKind] = {}
     for kind, fs in (
@@ -370,12 +374,12 @@ def einsum_rule(
     ):
         for f in names(fs):
             if f not in known:
-                raise ValueError(f"factor rule {spec!r}: {kind.value} factor {f!r} is not used")
+                raise RuleError(f"factor rule {spec!r}: {kind.value} factor {f!r} is not used")
             kinds[f] = kind
     in_results = {f for t in res_factors for d in t or () for f in d}
     for f in known:
         if f not in in_results and f not in kinds and f not in (sizes or {}):
-            raise ValueError(
+            raise RuleError(
                 f"factor rule {spec!r}: factor {f!r} is in operands only; declare it reduction "
                 f"or need_replication"
             )
@@ -383,7 +387,7 @@ def einsum_rule(
     for j, fs in partial_of.items():
         for f in fs:
             if f not in known or any(f in d for d in res_factors[j] or ()):
-                raise ValueError(
+                raise RuleError(
                     f"factor rule {spec!r}: result {j} cannot reduce over {f!r} (unknown, or "
                     f"the result has it)"
                 )

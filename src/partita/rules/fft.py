@@ -11,6 +11,7 @@ This module does not cover window functions or ``stft`` (they decompose into the
 
 from __future__ import annotations
 
+from partita.errors import UnsupportedOpError
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dims
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.ruleset import RuleSet
@@ -23,10 +24,10 @@ __all__ = ["fft_rule"]
 @RULES.register(*aten_ops(["_fft_c2c.default", "_fft_c2r.default", "_fft_r2c.default"]))
 def fft_rule(info: OpInfo) -> FactorRule:
     """``a b -> a 1; need-replication=b`` for ``_fft_r2c(x, [1], ...)``."""
-    (x,), (out,) = info.operands, info.results
+    (x,), out = info.operands, info.result()
     dims = norm_dims(list(info.arg("dim")), x.ndim)
     if not dims or out.ndim != x.ndim:
-        raise NotImplementedError(f"{info.target} over dims {info.arg('dim')} of {x.shape}")
+        raise UnsupportedOpError(f"{info.target} over dims {info.arg('dim')} of {x.shape}")
     names = Names().take(x.ndim)
     res: list[Dim] = [None if i in dims else f for i, f in enumerate(names)]
     return build(info, [names], [res], need_replication=[names[i] for i in dims])

@@ -25,9 +25,11 @@ number of selected positions is a ``where`` and passes every dim through (handle
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
+from partita.errors import UnsupportedOpError
 from partita.rules.common import Dim, Names, aten_ops, broadcast_dims, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta
 from partita.rules.handler_names import HandlerName
@@ -45,7 +47,7 @@ def _indices(info: OpInfo) -> list[TensorMeta | None]:
     indices = list(info.arg("indices"))
     for i in indices:
         if i is not None and i.dtype is not None and not _is_integer(i.dtype):
-            raise NotImplementedError(
+            raise UnsupportedOpError(
                 f"{info.target} with a {i.dtype} index of shape {i.shape}: a boolean mask gives "
                 f"a data-dependent shape, which partita cannot shard; keep the shape with "
                 f"torch.where(mask, x, 0), or index with integer positions"
@@ -126,7 +128,8 @@ def index_put_rule(info: OpInfo) -> FactorRule:
     x, values = info.operands[0], info.operands[-1]
     # The values broadcast to the shape of x[indices]; its index dims stay whole.
     target: list[Dim] = [None if f in bcast else f for f in out]
-    target_shape = [1 if f is None else x.shape[names.index(f)] for f in target]
+    # a gathered dim of x has a plain factor name (out holds no compound dims)
+    target_shape = [1 if f is None else x.shape[names.index(cast(str, f))] for f in target]
     whole_indices: list[list[Dim]] = [[None] * len(d) for d in index_dims]
     return build(
         info,

@@ -15,6 +15,9 @@ only job there is to mask padded targets to ``ignore_index``.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+from partita.errors import UnsupportedOpError
 from partita.rules.common import Dim, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
@@ -31,7 +34,7 @@ def _dims(info: OpInfo, x_index: int) -> tuple[list[str], list[str], list[Dim]]:
     """(input dims, target dims, weight dims)."""
     x = info.operands[x_index]
     if x.ndim > 2:
-        raise NotImplementedError(f"{info.target} on a {x.ndim}-d input (want [N, C] or [C])")
+        raise UnsupportedOpError(f"{info.target} on a {x.ndim}-d input (want [N, C] or [C])")
     batch = ["a"] if x.ndim == 2 else []
     return [*batch, "b"], batch, ["b"]
 
@@ -40,7 +43,11 @@ def _dims(info: OpInfo, x_index: int) -> tuple[list[str], list[str], list[Dim]]:
 def nll_loss_rule(info: OpInfo) -> FactorRule:
     """``a b, a, b -> , ; reduction=a; need-replication=b; handler=weighted_mean`` (mean)."""
     x_dims, t_dims, w_dims = _dims(info, 0)
-    operands = [x_dims, t_dims, *([w_dims] if info.arg("weight") is not None else [])]
+    operands: list[Sequence[Dim]] = [
+        x_dims,
+        t_dims,
+        *([w_dims] if info.arg("weight") is not None else []),
+    ]
     reduction = info.arg("reduction", _MEAN)
     if reduction == _NONE:
         return build(info, operands, [t_dims, []], need_replication="b")

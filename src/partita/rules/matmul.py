@@ -50,7 +50,7 @@ def dot_rule(info: OpInfo) -> FactorRule:
 @RULES.register(*aten_ops(["addmm.default", "baddbmm.default"]), facts=_SAME_DTYPE)
 def addmm_rule(info: OpInfo) -> FactorRule:
     """``n, m k, k n -> m n; reduction=k; handler=add_bias_once`` for ``addmm(bias[n], a, b)``."""
-    (out,) = info.results
+    out = info.result()
     dims = ["m", "n"] if out.ndim == 2 else ["b", "m", "n"]
     mat1, mat2 = (["m", "k"], ["k", "n"]) if out.ndim == 2 else (["b", "m", "k"], ["b", "k", "n"])
     bias = broadcast_dims(info.operands[0], out.shape, dims)
@@ -60,7 +60,7 @@ def addmm_rule(info: OpInfo) -> FactorRule:
 @RULES.register(*aten_ops(["addmv.default"]), facts=_SAME_DTYPE)
 def addmv_rule(info: OpInfo) -> FactorRule:
     """``m, m k, k -> m; reduction=k; handler=add_bias_once`` for ``addmv(bias, a, v)``."""
-    (out,) = info.results
+    out = info.result()
     bias = broadcast_dims(info.operands[0], out.shape, ["m"])
     return build(
         info, [bias, ["m", "k"], ["k"]], [["m"]], reduction="k", handler=HandlerName.ADD_BIAS_ONCE
@@ -71,7 +71,7 @@ def addmv_rule(info: OpInfo) -> FactorRule:
 def addbmm_rule(info: OpInfo) -> FactorRule:
     """``m n, b m k, b k n -> m n; reduction=b,k; handler=add_bias_once`` for
     ``addbmm(c, a, b)`` (the batch of products is summed too)."""
-    (out,) = info.results
+    out = info.result()
     bias = broadcast_dims(info.operands[0], out.shape, ["m", "n"])
     return build(
         info,

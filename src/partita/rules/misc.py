@@ -94,7 +94,7 @@ def resize_rule(info: OpInfo) -> FactorRule:
     another shape the elements are re-read in storage order, so the operand
     is gathered whole and the result computed replicated (``*, -> 1``)."""
     (x,) = info.operands
-    (out,) = info.results
+    out = info.result()
     if tuple(out.shape) != tuple(x.shape):
         return gathered_rule(info)
     names = Names().take(x.ndim)

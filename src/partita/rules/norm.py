@@ -23,6 +23,8 @@ This module does not cover softmax (``reduction.py``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from partita.rules.common import Dim, Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.facts import OpFacts, SizeArg
@@ -52,7 +54,7 @@ def layer_norm_rule(info: OpInfo) -> FactorRule:
     """``a b c, c, c -> a b c, a b 1, a b 1; need-replication=c``."""
     batch, normed, stats = _layer_norm_dims(info, 0)
     params = [normed] * len(_present(info, ["weight", "bias"]))
-    results = [[*batch, *normed], stats, stats]
+    results: list[Sequence[Dim]] = [[*batch, *normed], stats, stats]
     return build(info, [[*batch, *normed], *params], results, need_replication=normed)
 
 
@@ -63,7 +65,7 @@ def layer_norm_backward_rule(info: OpInfo) -> FactorRule:
     batch, normed, stats = _layer_norm_dims(info, 1)
     full = [*batch, *normed]
     params = [normed] * len(_present(info, ["weight", "bias"]))
-    operands = [full, full, stats, stats, *params]
+    operands: list[Sequence[Dim]] = [full, full, stats, stats, *params]
     red = {j: batch for j in (1, 2) if info.results[j] is not None and batch}
     return build(
         info,
@@ -92,7 +94,7 @@ def _bn_dims(
 def _vec(info: OpInfo, index: int, c: list[str]) -> list[Dim]:
     """A per-channel vector: ``c``, or no dims when it is empty (eval-mode saved stats)."""
     m = info.operands[index] if index < len(info.operands) else None
-    return c if m is None or m.shape[0] else [None]
+    return [*c] if m is None or m.shape[0] else [None]
 
 
 _BN_FORWARD = aten_ops(
@@ -130,7 +132,7 @@ def batch_norm_backward_rule(info: OpInfo) -> FactorRule:
     """``grad, x, w, rm, rv, sm, sinv -> grad_x, grad_w, grad_b``."""
     training = bool(info.arg("train", False))
     names, c, kw = _bn_dims(info, 1, training)
-    operands: list[list[Dim]] = [names, names]
+    operands: list[Sequence[Dim]] = [names, names]
     for m in info.operands[2:]:
         operands.append(c if m.shape and m.shape[0] else [None] * m.ndim)
     other = [f for f in names if f not in c]
@@ -181,7 +183,7 @@ def batch_norm_with_update_rule(info: OpInfo) -> FactorRule:
     names, c, _ = _bn_dims(info, 0, training=False)
     other = [f for f in names if f not in c]
     operands = [names, *([c] * (len(info.operands) - 1))]
-    results: list[list[Dim] | None] = [
+    results: list[Sequence[Dim] | None] = [
         None if r is None else (c if r.ndim == 1 and r.shape[0] else [None] * r.ndim)
         for r in info.results[1:]
     ]

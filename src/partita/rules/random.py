@@ -123,7 +123,7 @@ def multinomial_rule(info: OpInfo) -> FactorRule:
 )
 def random_create_rule(info: OpInfo) -> FactorRule:
     """``-> a b; handler=global_random`` for ``rand(4, 8)``."""
-    (out,) = info.results
+    out = info.result()
     return build(
         info,
         [None] * len(info.operands),

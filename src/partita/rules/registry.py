@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from partita.rules.facts import NO_FACTS, OpFacts
-from partita.rules.ruleset import RuleFn, flatten_ops, refuse_twice, with_facts
+from partita.rules.ruleset import Rule, RuleFn, flatten_ops, refuse_twice, with_facts
 from partita.rules.table import FACTS, TABLE
 
 __all__ = ["RuleFn", "facts_of", "get_rule", "has_rule", "register_rule", "registered_ops"]
@@ -20,7 +20,7 @@ _REGISTRY: dict[Any, RuleFn] = dict(TABLE)
 _FACTS: dict[Any, OpFacts] = dict(FACTS)
 
 
-def register_rule(*ops: Any, facts: OpFacts = NO_FACTS) -> Callable[[RuleFn], RuleFn]:
+def register_rule(*ops: Any, facts: OpFacts = NO_FACTS) -> Callable[[Rule], Rule]:
     """Register one rule function for one or more op overloads that have no rule yet
     (``facts``: the ops' :class:`~partita.rules.facts.OpFacts`, if any).
 
@@ -30,7 +30,7 @@ def register_rule(*ops: Any, facts: OpFacts = NO_FACTS) -> Callable[[RuleFn], Ru
         ...     return einsum_rule("m n, m -> m n", info.operands, info.results)
     """
 
-    def wrap(fn: RuleFn) -> RuleFn:
+    def wrap(fn: Rule) -> Rule:
         for op in flatten_ops(ops):
             refuse_twice(_REGISTRY, op, fn)
             _REGISTRY[op] = fn if facts == NO_FACTS else with_facts(fn, facts)

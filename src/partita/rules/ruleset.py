@@ -14,15 +14,18 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
-from partita.errors import CompilerError
+from partita.errors import RuleRegistrationError
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.facts import NO_FACTS, OpFacts
 
 __all__ = ["RuleFn", "RuleSet", "flatten_ops", "refuse_twice", "with_facts"]
 
 RuleFn = Callable[[OpInfo], FactorRule]
+#: A rule function, with whatever extra keyword arguments it takes (elementwise_rule's
+#: handler): the decorators hand it back with its own signature.
+Rule = TypeVar("Rule", bound=Callable[..., FactorRule])
 
 
 class RuleSet:
@@ -33,11 +36,11 @@ class RuleSet:
         self._rules: dict[Any, RuleFn] = {}
         self._facts: dict[Any, OpFacts] = {}
 
-    def register(self, *ops: Any, facts: OpFacts = NO_FACTS) -> Callable[[RuleFn], RuleFn]:
+    def register(self, *ops: Any, facts: OpFacts = NO_FACTS) -> Callable[[Rule], Rule]:
         """Decorate a rule function with the ops (or sorted tuples of ops) it covers, and
         their facts."""
 
-        def wrap(fn: RuleFn) -> RuleFn:
+        def wrap(fn: Rule) -> Rule:
             for op in flatten_ops(ops):
                 refuse_twice(self._rules, op, fn)
                 self._rules[op] = fn
@@ -51,7 +54,7 @@ class RuleSet:
         """Give ``ops`` (some ops of one or more registrations) their facts, once."""
         for op in flatten_ops(ops):
             if op in self._facts:
-                raise CompilerError(
+                raise RuleRegistrationError(
                     f"op {op} is given its OpFacts twice in the {self.family} rules "
                     f"({self._facts[op]} and {facts}). Declare each op's facts once, in one "
                     f"OpFacts."
@@ -68,7 +71,7 @@ class RuleSet:
         """(op, facts) of every op with facts; each has a rule here."""
         for op, facts in self._facts.items():
             if op not in self._rules:
-                raise CompilerError(
+                raise RuleRegistrationError(
                     f"op {op} is given OpFacts in the {self.family} rules but has no rule "
                     f"there. Declare the facts next to the op's rule, in the family that "
                     f"registers it."
@@ -95,7 +98,7 @@ def flatten_ops(ops: Iterable[Any]) -> list[Any]:
 def refuse_twice(rules: dict[Any, RuleFn], op: Any, fn: RuleFn) -> None:
     """Fail if ``op`` already has a rule in ``rules``: an op gets exactly one rule."""
     if op in rules:
-        raise CompilerError(
+        raise RuleRegistrationError(
             f"op {op} already has the sharding rule {rules[op].__module__}."
             f"{rules[op].__qualname__}; {fn.__module__}.{fn.__qualname__} would register it "
             f"twice. An op has exactly one rule: delete one registration, or change the "

@@ -135,7 +135,7 @@ _RESHAPE = aten_ops(
 @RULES.register(*_RESHAPE)
 def reshape_rule(info: OpInfo) -> FactorRule:
     """``a b c -> (a b) c; handler=localize_shape`` for ``[8, 8, 32] -> [64, 32]``."""
-    (x,), (out,) = info.operands, info.results
+    (x,), out = info.operands, info.result()
     in_dims, out_dims, sizes, need_rep = reshape_factors(x.shape, out.shape)
     return build(
         info,
@@ -184,7 +184,7 @@ RULES.declare(aten_ops(["expand.default"]), OpFacts(local_results=True))
 def expand_rule(info: OpInfo) -> FactorRule:
     """``1 b -> a b; handler=localize_shape`` for ``[1, 8] -> [4, 8]``: broadcast dims are
     result-only factors (each device materialises its own tile)."""
-    (x,), (out,) = info.operands, info.results
+    (x,), out = info.operands, info.result()
     dims = Names().take(out.ndim)
     offset = out.ndim - x.ndim
     operand: list[Dim] = [
@@ -212,7 +212,7 @@ def diagonal_scatter_rule(info: OpInfo) -> FactorRule:
     names = fresh.take(x.ndim)
     d1, d2 = norm_dim(info.arg("dim1", 0), x.ndim), norm_dim(info.arg("dim2", 1), x.ndim)
     diag = fresh.new()
-    src_dims: list[Dim] = [f for i, f in enumerate(names) if i not in (d1, d2)] + [diag]
+    src_dims: list[Dim] = [*(f for i, f in enumerate(names) if i not in (d1, d2)), diag]
     rep = [names[d1], names[d2], diag]
     return build(info, [names, src_dims], [names], need_replication=rep)
 
@@ -222,7 +222,7 @@ def repeat_rule(info: OpInfo) -> FactorRule:
     """``a b -> 1 a 1; need-replication=b`` for ``repeat(x, [3, 1, 2])`` on ``[5, 6]``: a dim
     repeated once passes through; a tiled dim is gathered (its tiles interleave copies) and
     the result keeps it replicated, like the new leading dims."""
-    (x,), (out,) = info.operands, info.results
+    (x,), out = info.operands, info.result()
     repeats = list(info.arg("repeats"))
     names = Names().take(x.ndim)
     offset = len(repeats) - x.ndim
@@ -255,7 +255,7 @@ def view_dtype_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b`` when the element sizes match (``x.view(torch.int32)`` of a float32);
     else ``a b -> a 1; need-replication=b``: the last dim is regrouped into elements of the
     new size (``x.view(torch.complex64)`` halves it), so it is gathered first."""
-    (x,), (out,) = info.operands, info.results
+    (x,), out = info.operands, info.result()
     names = Names().take(x.ndim)
     if x.ndim == 0 or out.shape == x.shape:
         return build(info, [names], [names])

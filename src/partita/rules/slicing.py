@@ -29,7 +29,7 @@ __all__ = ["cat_rule", "contiguous_part", "pad_rule", "slice_rule"]
 def _cut(info: OpInfo, dim: int, *, keep_dim: bool) -> FactorRule:
     """Operand dim ``dim`` is cut at global positions: need-replication on the operand; the
     result keeps a fresh factor there (``keep_dim``) or loses the dim."""
-    x, out = info.operands[0], info.results[0]
+    x, out = info.operands[0], info.result()
     fresh = Names()
     names = fresh.take(x.ndim)
     res: list[Dim] = list(names)
@@ -45,7 +45,7 @@ def _cut(info: OpInfo, dim: int, *, keep_dim: bool) -> FactorRule:
 def contiguous_part(info: OpInfo, dim: int, step: int = 1) -> FactorRule | None:
     """``a b -> a b; windowed=b; handler=retile`` when the op keeps a contiguous, non-empty,
     proper part of dim ``dim`` (the partitioner re-tiles it); None otherwise."""
-    x, out = info.operands[0], info.results[0]
+    x, out = info.operands[0], info.result()
     if step != 1 or not 0 < out.shape[dim] < x.shape[dim]:
         return None
     names = Names().take(x.ndim)
@@ -80,7 +80,7 @@ def gather_rule(info: OpInfo) -> FactorRule:
     ``x`` on another dim gives ``a b, 1 c -> d c; need-replication=a,b``; index_select's index
     is 1-d: ``a b, c -> a c``."""
     x, index = info.operands[0], info.operands[1]
-    (out,) = info.results
+    out = info.result()
     if x.ndim == 0:  # a 0-d tensor read at index 0: nothing to split
         return build(info, [[], [None] * index.ndim], [[None] * out.ndim])
     d = norm_dim(info.arg("dim"), x.ndim)
@@ -110,7 +110,7 @@ def gather_rule(info: OpInfo) -> FactorRule:
 def cat_rule(info: OpInfo) -> FactorRule:
     """``a b, a b -> a b; windowed=b; handler=retile`` for ``cat([x, y], 1)``: the result keeps
     the operands' split of the cat dim (the partitioner re-tiles it; T21)."""
-    (out,) = info.results
+    out = info.result()
     d = norm_dim(info.arg("dim", 0), out.ndim)
     names = Names().take(out.ndim)
     # legacy: 1-d empty tensors are skipped by cat
@@ -121,7 +121,7 @@ def cat_rule(info: OpInfo) -> FactorRule:
 @RULES.register(*aten_ops(["stack.default"]))
 def stack_rule(info: OpInfo) -> FactorRule:
     """``a b, a b -> a c b`` for ``stack([x, y], 1)``: the new dim is result-only."""
-    (out,) = info.results
+    out = info.result()
     d = norm_dim(info.arg("dim", 0), out.ndim)
     fresh = Names()
     names = fresh.take(out.ndim - 1)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from partita.errors import DistributedError
+from partita.errors import ArgumentError, DistributedError
 from partita.mesh import Mesh
 from partita.runtime import launch
 
@@ -188,7 +188,7 @@ def torch_reduce_op(reduce_op: str) -> Any:
         "min": dist.ReduceOp.MIN,
     }
     if reduce_op not in table:
-        raise ValueError(f"reduce_op must be one of {tuple(table)}, got {reduce_op!r}.")
+        raise ArgumentError(f"reduce_op must be one of {tuple(table)}, got {reduce_op!r}.")
     return table[reduce_op]
 
 

@@ -165,7 +165,9 @@ def _inductor(gm: fx.GraphModule, args: Sequence[Tensor]) -> Callable[..., Any]:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    fake = [mode.from_tensor(a, static_shapes=True) for a in args]
+    fake: list[torch.Tensor | int | torch.SymInt | None] = [
+        mode.from_tensor(a, static_shapes=True) for a in args
+    ]
     return inductor_compile(gm, fake)
 
 

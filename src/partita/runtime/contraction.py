@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, fx
@@ -126,11 +126,13 @@ def contract(
     products, as a segment would give them. ``addmm``'s ``c`` is summed over the group
     (``all_reduce``, on the value as held: it is a bias, small) and added to the sum."""
     if node.target is torch.ops.aten.addmm.default:
-        bias: Entry | None = env[node.args[0]]
-        (a, ax), (b, bx) = env[node.args[1]], env[node.args[2]]
+        args = cast("tuple[fx.Node, ...]", node.args)  # addmm(c, a, b): three tensors
+        bias: Entry | None = env[args[0]]
+        (a, ax), (b, bx) = env[args[1]], env[args[2]]
     else:
         bias = None
-        (a, ax), (b, bx) = env[node.args[0]], env[node.args[1]]
+        args = cast("tuple[fx.Node, ...]", node.args)  # mm(a, b)
+        (a, ax), (b, bx) = env[args[0]], env[args[1]]
     n = mesh.size
     group = {mesh.axis_index(x) for x in mesh_axes}
     if n > 1 and all(ax) and all(bx) and mesh.axes_size(list(mesh_axes)) == n and bias is None:

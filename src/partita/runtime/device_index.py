@@ -30,8 +30,9 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import Tensor, fx
@@ -46,10 +47,10 @@ Axes = tuple[bool, ...]  # the mesh axes a value varies along (``runtime.local``
 
 
 class RoutedTakeAPI(Protocol):
-    """What this module uses of a take routed through permutes (``runtime.device_route``'s
-    ``RoutedTake``, which imports this module)."""
+    """What this module uses of a ``runtime.device_route.RoutedTake`` (which imports this)."""
 
-    sources: tuple[fx.Node, ...]
+    @property
+    def sources(self) -> tuple[fx.Node, ...]: ...  # read-only: RoutedTake is frozen
 
     def run(self, inputs: list[tuple[Tensor, Axes]], mesh: Mesh) -> tuple[Tensor, Axes]: ...
 
@@ -80,8 +81,8 @@ def take_inputs(node: fx.Node, take: DeviceTake | RoutedTakeAPI) -> list[fx.Node
     """The values a take step reads: its input, or the pieces of the cat it selects from."""
     if not isinstance(take, DeviceTake):  # a take routed through permutes (runtime.device_route)
         return list(take.sources)
-    x = node.args[0]
-    return list(x.args[0]) if take.from_cat else [x]  # type: ignore[union-attr,arg-type]
+    x = cast(fx.Node, node.args[0])  # the take's input: a cat of pieces, or one value
+    return list(cast("Sequence[fx.Node]", x.args[0])) if take.from_cat else [x]
 
 
 def _device_constant(gm: fx.GraphModule) -> set[fx.Node]:
@@ -113,15 +114,15 @@ def _evaluate(
     env: dict[fx.Node, Any] = {}
     for node in nodes:
         if node.op == "get_attr":
-            env[node] = functools.reduce(getattr, node.target.split("."), gm)
+            env[node] = functools.reduce(getattr, cast(str, node.target).split("."), gm)
             continue
         if node.target is torch.ops.partita.axis_index.default:
             axes = node.kwargs.get("mesh_axes", node.args[1] if len(node.args) > 1 else None)
-            coords = axis_index(mesh, torch.empty(0), axes)
+            coords = axis_index(mesh, torch.empty(0), cast("Sequence[str]", axes))
             env[node] = coords[device]
             continue
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: env[n])
-        env[node] = node.target(*args, **kwargs)
+        env[node] = cast(Callable[..., Any], node.target)(*args, **kwargs)  # a call_function
     return env[target]
 
 
@@ -221,8 +222,8 @@ def run_take(
     sizes = [v.shape[sum(a) + take.dim % (v.dim() - sum(a))] for v, a in inputs]
     starts = [e - n for e, n in zip(itertools.accumulate(sizes), sizes, strict=True)]
     which = {_piece_of(row, starts, sizes) for row in rows.values()}
-    if len(which) == 1 and None not in which:  # every device reads one piece: maybe a view
-        (j,) = which
+    # every device reads one piece: maybe a view
+    if len(which) == 1 and (j := next(iter(which))) is not None:
         shifted = {r: row - starts[j] for r, row in rows.items()}
         view = _take_view(take, shifted, *inputs[j], mesh)
         if view is not None:
@@ -300,8 +301,9 @@ def _copy_runs(
 ) -> tuple[Tensor, Axes] | None:
     """Each device's rows copied run by run from the piece holding them into one new
     stack: the output written once, nothing else."""
-    runs = {r: _runs(row.tolist(), starts, sizes) for r, row in rows.items()}
-    if any(v is None for v in runs.values()):
+    found = {r: _runs(row.tolist(), starts, sizes) for r, row in rows.items()}
+    runs = {r: v for r, v in found.items() if v is not None}
+    if len(runs) != len(found):
         return None
     union = _union([take.axes, *(a for _, a in inputs)])
     lead = [mesh.shape[i] for i, v in enumerate(union) if v]

@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 from torch import Tensor, fx
 
+from partita.errors import IndexRangeError
 from partita.mesh import Mesh
 from partita.runtime.block_copy import copy_at_once, unravel
 from partita.runtime.device_index import DeviceTake, take_inputs
@@ -93,7 +96,7 @@ class RoutedTake:
             for at, g in enumerate(row):
                 j = next((j for j, e in enumerate(ends) if g < e), None)
                 if j is None or g < 0:
-                    raise IndexError(
+                    raise IndexRangeError(
                         f"LocalMesh: a per-device index_select on device {p} reads row {g} of "
                         f"pieces of {lengths} rows along dim {self.dim}: out of range."
                     )
@@ -114,8 +117,8 @@ class RoutedTake:
                     last[4] += 1
                 else:
                     runs.append([src, sender, r, at, 1])
-            out.append(tuple(tuple(x) for x in runs))  # type: ignore[misc]
-        return tuple(out)  # type: ignore[return-value]
+            out.append(tuple((a, b, c, d, e) for a, b, c, d, e in runs))
+        return tuple(out)
 
 
 def _held(value: Tensor, axes: Axes, flat: int, mesh: Mesh) -> Tensor:
@@ -268,7 +271,7 @@ def route_permutes(
         if not isinstance(take, DeviceTake):
             continue
         pieces = take_inputs(node, take)
-        reader = node.args[0] if take.from_cat else node
+        reader = cast(fx.Node, node.args[0]) if take.from_cat else node
         if not any(_routable(p, reader) for p in pieces):
             continue
         sources: list[fx.Node] = []
@@ -278,13 +281,13 @@ def route_permutes(
                 routed_pieces.append(Piece(_index(sources, p)))
                 continue
             sender = _senders(p, mesh)
-            x = p.args[0]
-            inner = takes.get(x)  # type: ignore[arg-type]
+            x = cast(fx.Node, p.args[0])  # the permute's input
+            inner = takes.get(x)
             if isinstance(inner, DeviceTake) and not inner.from_cat and inner.dim == take.dim:
-                src = x.args[0]  # type: ignore[union-attr]
+                src = cast(fx.Node, x.args[0])
                 routed_pieces.append(Piece(_index(sources, src), sender, _rows(inner, mesh)))
             else:
-                routed_pieces.append(Piece(_index(sources, x), sender))  # type: ignore[arg-type]
+                routed_pieces.append(Piece(_index(sources, x), sender))
             routed.add(p)
         takes[node] = RoutedTake(
             take.dim, _rows(take, mesh), tuple(sources), tuple(routed_pieces), take.from_cat
@@ -292,10 +295,10 @@ def route_permutes(
     skipped |= routed
     read = {s for t in takes.values() if isinstance(t, RoutedTake) for s in t.sources}
     for p in routed:  # a take read only by skipped permutes need not run either
-        x = p.args[0]
-        if x in takes and x not in read and all(u in skipped for u in x.users):  # type: ignore[union-attr]
-            skipped.add(x)  # type: ignore[arg-type]
-            del takes[x]  # type: ignore[arg-type]
+        x = cast(fx.Node, p.args[0])  # the permute's input
+        if x in takes and x not in read and all(u in skipped for u in x.users):
+            skipped.add(x)
+            del takes[x]
 
 
 def _index(sources: list[fx.Node], node: fx.Node) -> int:
@@ -317,7 +320,7 @@ def _routable(piece: fx.Node, reader: fx.Node) -> bool:
 
 def _senders(permute: fx.Node, mesh: Mesh) -> tuple[int, ...]:
     """Per flat device, the flat device the permute's pairs send to it from (-1: none)."""
-    pairs = [int(d) for d in permute.args[1]]  # type: ignore[union-attr]
+    pairs = [int(d) for d in cast("Sequence[int]", permute.args[1])]
     sender = [-1] * mesh.size
     for src, dst in zip(pairs[0::2], pairs[1::2], strict=True):
         sender[mesh.position(dst)] = mesh.position(src)

@@ -35,10 +35,15 @@ class CompiledProgram(Protocol):
     process runs the same one; ``partita.jit``'s ``Compiled`` has it.
     """
 
-    local: fx.GraphModule
-    input_shardings: Sequence[Sharding]
-    output_shardings: Sequence[Sharding]
-    output_shapes: Sequence[tuple[int, ...]]
+    # Read-only members (properties), so a frozen dataclass holding lists satisfies them.
+    @property
+    def local(self) -> fx.GraphModule: ...
+    @property
+    def input_shardings(self) -> Sequence[Sharding]: ...
+    @property
+    def output_shardings(self) -> Sequence[Sharding]: ...
+    @property
+    def output_shapes(self) -> Sequence[tuple[int, ...]]: ...
 
 
 class Executor(Protocol):

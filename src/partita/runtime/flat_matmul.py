@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, fx
@@ -81,14 +82,16 @@ def _meta_shape(node: fx.Node) -> list[int] | None:
 
 def _broadcast_base(node: fx.Node) -> tuple[fx.Node, list[int]] | None:
     """``(y, full)`` if ``node`` is ``reshape([clone](expand(y, full)), [b, R, C])``."""
-    if node.target not in _VIEWS or not isinstance(node.args[0], fx.Node):
+    if node.target not in _VIEWS:
         return None
     x = node.args[0]
+    if not isinstance(x, fx.Node):
+        return None
     if x.target in _CLONES and isinstance(x.args[0], fx.Node):
         x = x.args[0]
     if x.target is not aten.expand.default or not isinstance(x.args[0], fx.Node):
         return None
-    full = list(x.args[1])
+    full = list(cast("Sequence[int]", x.args[1]))  # expand(y, sizes)
     shape = _meta_shape(node)
     if shape is None or len(shape) != 3 or len(full) < 3 or full[-2:] != shape[1:]:
         return None
@@ -106,10 +109,9 @@ def _smallest(y: fx.Node, full: list[int]) -> fx.Node:
     leading 1s (vmap's own), while the value still broadcasts to ``full``."""
     while y.target in _VIEWS or y.target in _CLONES or y.target is aten.expand.default:
         x = y.args[0]
-        shape_x, shape_y = (
-            _meta_shape(x) if isinstance(x, fx.Node) else None,
-            _meta_shape(y),
-        )
+        if not isinstance(x, fx.Node):
+            break
+        shape_x, shape_y = _meta_shape(x), _meta_shape(y)
         if shape_x is None or shape_y is None or len(shape_x) > len(full):
             break
         px = _padded(shape_x, len(full))
@@ -153,8 +155,14 @@ def fold_broadcast_bmms(gm: fx.GraphModule) -> int:
             continue  # nothing broadcast: bmm is already right
         out_shape = _meta_shape(node)
         users = list(node.users)
-        direct = bool(users) and all(
-            u.target in _VIEWS and list(u.args[1]) == [*batch, *out_shape[1:]] for u in users
+        direct = (
+            bool(users)
+            and out_shape is not None
+            and all(
+                u.target in _VIEWS
+                and list(cast("Sequence[int]", u.args[1])) == [*batch, *out_shape[1:]]
+                for u in users
+            )
         )
         with gm.graph.inserting_before(node):
             folded = gm.graph.call_function(broadcast_matmul, (a, b, batch))

@@ -130,11 +130,12 @@ def no_fallback_warning() -> Iterator[None]:
     """No "There is a performance drop because we have not yet implemented the batching rule"
     warnings from inside partita's own vmaps (the user cannot act on them: the LocalMesh
     simply runs such an op once per device). Turned back on after, torch's default."""
-    torch._C._functorch._set_vmap_fallback_warning_enabled(False)
+    # exists at runtime; torch's stub of torch._C._functorch does not list it
+    torch._C._functorch._set_vmap_fallback_warning_enabled(False)  # type: ignore[attr-defined]
     try:
         yield
     finally:
-        torch._C._functorch._set_vmap_fallback_warning_enabled(True)
+        torch._C._functorch._set_vmap_fallback_warning_enabled(True)  # type: ignore[attr-defined]
 
 
 def vmap_axis(
@@ -146,7 +147,8 @@ def vmap_axis(
         outs = fn(*args)
         return tuple(_Box(o) if d is None else o for o, d in zip(outs, out_dims, strict=True))
 
-    mapped = torch.vmap(boxed, in_dims=in_dims, out_dims=out_dims)
+    # vmap takes None in out_dims (an output that is not mapped); its annotation omits it
+    mapped = torch.vmap(boxed, in_dims=in_dims, out_dims=out_dims)  # type: ignore[arg-type]
 
     def unboxed(*args: Any) -> tuple[Any, ...]:
         return tuple(o.value if isinstance(o, _Box) else o for o in mapped(*args))

@@ -21,6 +21,7 @@ from typing import Any
 
 from torch import Tensor
 
+from partita.errors import ArgumentError
 from partita.mesh import Mesh
 from partita.runtime.contraction import Summed
 from partita.runtime.stacked import reduce_over
@@ -98,7 +99,7 @@ def reduce_scatter_held(
     k = sum(raxes)
     local = list(reduced.shape[k:])
     if local[dim] % g:
-        raise ValueError(
+        raise ArgumentError(
             f"reduce_scatter: dim {dim} of local shape {tuple(local)} is not divisible by the "
             f"group size {g}; pad it first."
         )

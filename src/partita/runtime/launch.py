@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from partita import options
-from partita.errors import DistributedError, JoinTimeoutError, OptionError
+from partita.errors import DistributedError, JoinTimeoutError, LaunchError, OptionError
 from partita.layout import ceil_div
 from partita.options import CompileOptions
 from partita.runtime.spawn import RankResult, free_port, spawn
@@ -221,7 +221,7 @@ def listen_socket(host: str, port: int) -> socket.socket:
             errors.append(f"{address}: {e}")
             continue
         return sock
-    raise OSError(f"cannot listen on {host}:{port}: {'; '.join(errors) or 'no address'}")
+    raise LaunchError(f"cannot listen on {host}:{port}: {'; '.join(errors) or 'no address'}")
 
 
 def connect_store(env: ProcessEnv, timeout: float) -> dist.Store:

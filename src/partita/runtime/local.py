@@ -65,13 +65,13 @@ import functools
 import operator
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
-from partita.errors import PartitaError
+from partita.errors import ArgumentError, ArgumentTypeError, ExecutionError, PartitaError
 from partita.layout import check_strided, shard_compact, shard_tensor, stack_held
 from partita.mesh import Mesh
 from partita.options import CompileOptions, current
@@ -121,7 +121,9 @@ class LocalMesh:
 
     def __init__(self, mesh: Mesh) -> None:
         if not isinstance(mesh, Mesh):
-            raise TypeError(f"LocalMesh(mesh) needs a partita Mesh, got {type(mesh).__name__}.")
+            raise ArgumentTypeError(
+                f"LocalMesh(mesh) needs a partita Mesh, got {type(mesh).__name__}."
+            )
         self.mesh = mesh
         self._plans: weakref.WeakKeyDictionary[fx.GraphModule, SegmentPlan] = (
             weakref.WeakKeyDictionary()
@@ -187,7 +189,7 @@ class LocalMesh:
         """
         plan = self._plan(gm)
         if len(stacked_inputs) != len(plan.placeholders):
-            raise ValueError(
+            raise ArgumentError(
                 f"LocalMesh.run: the graph has {len(plan.placeholders)} inputs "
                 f"({', '.join(n.name for n in plan.placeholders)}), got {len(stacked_inputs)}."
             )
@@ -228,7 +230,8 @@ class LocalMesh:
                     raise segment_error(step, e) from e
                 env.update(zip(step.outputs, outs, strict=True))
             elif step.target is operator.getitem:  # one member of a bucket's results
-                env[step] = env[step.args[0]][step.args[1]]
+                bucket, member = cast(fx.Node, step.args[0]), cast(int, step.args[1])
+                env[step] = env[bucket][member]
             elif step in plan.takes:  # a selection at a per-device index
                 take = plan.takes[step]
                 env[step] = run_take(take, [env[i] for i in take_inputs(step, take)], self.mesh)
@@ -249,7 +252,7 @@ class LocalMesh:
             return x, (False,) * self.mesh.ndim
         check_strided(x, f"LocalMesh.run: input {node.name!r}")
         if x.dim() == 0 or x.shape[0] != n:
-            raise ValueError(
+            raise ArgumentError(
                 f"LocalMesh.run: input {node.name!r} has shape {tuple(x.shape)}, but stacked "
                 f"values have a leading device dim of size {n} for {self.mesh!r}. Pass "
                 f"[{n}, *local_shape] (ShardedTensor.stacked), or t.expand({n}, *t.shape) for a "
@@ -323,7 +326,7 @@ class LocalMesh:
             impl = STACKED_IMPLS.get(node.target) or STACKED_BUCKET_IMPLS[node.target]
             out = impl(self.mesh, *args, **kwargs)
         except Exception as e:
-            raise RuntimeError(
+            raise ExecutionError(
                 f"LocalMesh: mesh op {node.target} at node {node.name!r} failed on stacked "
                 f"inputs of shapes {[tuple(a.shape) for a in args if isinstance(a, Tensor)]}: {e}"
             ) from e

@@ -69,8 +69,8 @@ def schedule_overlap(
             h = graph.call_function(start, (kind_of(node.target), *node.args), {"node": node.name})
             w = graph.call_function(wait, (h,))
         node_meta.set_collective_bytes(h, node_meta.collective_bytes(node))
-        if node_meta.regather_after(node) is not None:
-            node_meta.set_regather_after(h, node_meta.regather_after(node))
+        if (after := node_meta.regather_after(node)) is not None:
+            node_meta.set_regather_after(h, after)
         w.meta.update(node.meta)
         if size_of is not None:
             size_of[w] = size_of.pop(node, 0)
@@ -201,7 +201,7 @@ def _nbytes(val: Any) -> int:
 
 def _first_use(node: fx.Node, pos: dict[fx.Node, float]) -> float:
     """Where the result is first read: through a bucket's ``getitem`` to the member's users."""
-    uses = []
+    uses: list[float] = []
     for u in node.users:
         if u.target is operator.getitem:
             uses.extend(pos[v] for v in u.users)

@@ -242,7 +242,8 @@ def tensor_digest(t: torch.Tensor) -> int:
     flat = t.detach().cpu().contiguous().reshape(-1)
     h = hashlib.blake2b(f"{t.dtype} {tuple(t.shape)}".encode(), digest_size=8)
     if flat.numel():
-        h.update(flat.view(torch.uint8).numpy())
+        # an ndarray is a buffer (no copy); numpy's stubs declare __buffer__ for Python 3.12+ only
+        h.update(flat.view(torch.uint8).numpy())  # type: ignore[arg-type]
     return int.from_bytes(h.digest(), "big", signed=True)
 
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from partita import collectives
 from partita import collectives_bucket as _buckets  # noqa: F401 - registers the fused ops
+from partita.errors import ArgumentError
 from partita.layout import ceil_div
 from partita.mesh import Mesh
 
@@ -89,7 +90,9 @@ def reduce_over(
             return y
         return y.amax(dim=list(dims)) if reduce_op == "max" else y.amin(dim=list(dims))
     if reduce_op not in ("sum", "avg"):
-        raise ValueError(f"reduce_op must be one of {collectives.REDUCE_OPS}, got {reduce_op!r}.")
+        raise ArgumentError(
+            f"reduce_op must be one of {collectives.REDUCE_OPS}, got {reduce_op!r}."
+        )
     total = y.sum(dim=list(dims), dtype=y.dtype) if dims else y  # sum(dim=[]) sums everything
     if copies > 1:
         total = total * copies
@@ -131,7 +134,7 @@ def reduce_scatter(
     g = y.shape[1]
     local = list(y.shape[2:])
     if local[dim] % g:
-        raise ValueError(
+        raise ArgumentError(
             f"reduce_scatter: dim {dim} of local shape {tuple(local)} is not divisible by the "
             f"group size {g}; pad it first."
         )
@@ -162,7 +165,7 @@ def all_to_all(
     r, g = y.shape[:2]
     local = list(y.shape[2:])
     if local[split_dim] % g:
-        raise ValueError(
+        raise ArgumentError(
             f"all_to_all: split dim {split_dim} of local shape {tuple(local)} is not divisible "
             f"by the group size {g}."
         )
@@ -189,11 +192,11 @@ def collective_permute(
 ) -> Tensor:
     """Device ``pairs[2k]`` sends to ``pairs[2k + 1]`` (device ids); non-receivers get zeros."""
     if len(pairs) % 2:
-        raise ValueError(f"collective_permute pairs must be [src, dst, ...]; got {list(pairs)}.")
+        raise ArgumentError(f"collective_permute pairs must be [src, dst, ...]; got {list(pairs)}.")
     srcs = [mesh.position(int(d)) for d in pairs[0::2]]
     dsts = [mesh.position(int(d)) for d in pairs[1::2]]
     if len(set(srcs)) != len(srcs) or len(set(dsts)) != len(dsts):
-        raise ValueError(
+        raise ArgumentError(
             f"collective_permute pairs {list(pairs)}: a device may send to one device and "
             f"receive from one device only."
         )

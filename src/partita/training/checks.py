@@ -11,6 +11,7 @@ shard or run anything.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from partita.capture.uncompile import uncompiled
-from partita.errors import SpecError, TrainInputError
+from partita.errors import ArgumentError, ArgumentTypeError, SpecError, TrainInputError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
 from partita.training.groups import optimizer_params
@@ -108,7 +109,8 @@ def check_batch(
                 "the weights). Skip empty batches, e.g. DataLoader(..., drop_last=True)."
             )
     for path, leaf in paths:
-        is_input = path[0].idx == 0
+        first = path[0]  # batch = (inputs, targets): a position in that tuple
+        is_input = isinstance(first, pytree.SequenceKey) and first.idx == 0
         if (
             is_input
             and float_dtype is not None
@@ -145,7 +147,7 @@ def check_batch(
 
 
 def check_optimizer_params(
-    optimizer: torch.optim.Optimizer, model: nn.Module, trainable: dict[str, torch.Tensor]
+    optimizer: torch.optim.Optimizer, model: nn.Module, trainable: Mapping[str, torch.Tensor]
 ) -> None:
     """The optimizer holds the model's trainable parameters (and perhaps frozen ones)."""
     params = optimizer_params(optimizer)
@@ -154,14 +156,14 @@ def check_optimizer_params(
     everything = {id(p) for p in model.parameters()}
     if not given <= everything or not wanted <= given:
         left_out = [k for k, p in trainable.items() if id(p) not in given]
-        raise ValueError(
+        raise ArgumentError(
             f"the optimizer holds {len(given)} tensors, {len(given - everything)} of them not "
             f"parameters of this model, and leaves out the trainable parameters "
             f"{left_out[:5]}: build the optimizer from model.parameters() of the same model "
             "(freeze a parameter with requires_grad_(False) instead of leaving it out)."
         )
     if any(optimizer.state.get(p) for p in params):
-        raise ValueError(
+        raise ArgumentError(
             "the optimizer already has state (it has taken steps); train_step starts from "
             "fresh optimizer states. Load a checkpoint with TrainStep.load_state_dict instead."
         )
@@ -178,10 +180,23 @@ def compute_dtype(mixed_precision: str | torch.dtype | None) -> torch.dtype | No
         return mixed_precision
     if isinstance(mixed_precision, str) and mixed_precision in MIXED_PRECISION:
         return MIXED_PRECISION[mixed_precision]
-    raise ValueError(
+    raise ArgumentError(
         f"mixed_precision must be None, 'bf16' or 'fp16' (or the torch dtype), got "
         f"{mixed_precision!r}."
     )
+
+
+def check_step_arguments(optimizer: Any, mesh: Any, max_grad_norm: float | None) -> None:
+    """``train_step``'s optimizer, mesh and ``max_grad_norm`` are of a kind it can use."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise ArgumentTypeError(
+            f"train_step needs a torch.optim optimizer instance (AdamW, Adam, SGD), got "
+            f"{optimizer!r}. Build it as usual: torch.optim.AdamW(model.parameters(), lr=...)."
+        )
+    if not isinstance(mesh, Mesh):
+        raise ArgumentTypeError(f"train_step needs mesh=Mesh(...), got {mesh!r}.")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ArgumentError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
 
 
 def model_argument(model: Any) -> nn.Module:
@@ -189,5 +204,5 @@ def model_argument(model: Any) -> nn.Module:
     parameters keep their own names, not ``_orig_mod.<name>``)."""
     model = uncompiled(model, "partita.train_step")
     if not isinstance(model, nn.Module):
-        raise TypeError(f"train_step needs an nn.Module, got {type(model).__name__}.")
+        raise ArgumentTypeError(f"train_step needs an nn.Module, got {type(model).__name__}.")
     return model

@@ -15,11 +15,12 @@ This module does not shard anything (several parameter groups: :mod:`partita.tra
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from partita.capture.layers import trace_once
+from partita.errors import ArgumentError
 
 __all__ = [
     "OPTIMIZERS",
@@ -60,7 +61,7 @@ class OptimizerConfig:
 
     def __post_init__(self) -> None:
         if self.kind not in OPTIMIZERS:
-            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.kind!r}.")
+            raise ArgumentError(f"optimizer must be one of {OPTIMIZERS}, got {self.kind!r}.")
 
 
 def _unsupported(name: str, key: str, value: Any, fix: str) -> ValueError:
@@ -117,7 +118,7 @@ def group_config(optimizer: torch.optim.Optimizer, group: dict[str, Any]) -> Opt
             nesterov=bool(group["nesterov"]),
             maximize=maximize,
         )
-    raise ValueError(
+    raise ArgumentError(
         f"partita's training step implements torch.optim.AdamW, Adam and SGD, not {name}. "
         "Use one of those; or keep your torch.optim loop on the virtual device "
         "(partita.use_spmd), which runs every torch.optim optimizer; or write the update in "
@@ -137,7 +138,7 @@ def init_opt_state(params: Tensors, optimizer: str = "adamw") -> dict[str, Any]:
         ['momentum_buffer', 'step']
     """
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
+        raise ArgumentError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
     zeros = lambda: {k: torch.zeros_like(v) for k, v in params.items()}  # noqa: E731
     first = next(iter(params.values()), torch.zeros(()))
     step = torch.zeros((), dtype=torch.float32, device=first.device)
@@ -209,7 +210,7 @@ def _adam(
     new_m = {name: state["exp_avg"][name] for name in params}
     new_v = {name: state["exp_avg_sq"][name] for name in params}
     updated = [name for name in params if name in grads]
-    news = _adam_param.each(  # type: ignore[attr-defined]
+    news = _adam_param.each(
         [
             (params[n], grads[n], new_m[n], new_v[n], step_size, bias2_sqrt, decay, scalars, cfg)
             for n in updated
@@ -254,7 +255,7 @@ def _sgd(
     new_params = dict(params)
     new_buf = {name: state["momentum_buffer"][name] for name in params}
     updated = [name for name in params if name in grads]  # as in _adam
-    news = _sgd_param.each(  # type: ignore[attr-defined]
+    news = _sgd_param.each(
         [
             (params[n], grads[n], new_buf[n], first, lr32, momentum, weight_decay, cfg)
             for n in updated
@@ -271,6 +272,7 @@ def clip_by_global_norm(grads: Tensors, max_norm: float) -> Tensors:
     The norm is the square root of the sum of squares over *all* gradients: traced into a
     sharded program it is a sum over every shard, so the clipping is the unsharded one.
     """
-    total = torch.sqrt(sum((g.float() * g.float()).sum() for g in grads.values()))
+    squares = cast(torch.Tensor, sum((g.float() * g.float()).sum() for g in grads.values()))
+    total = torch.sqrt(squares)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     return {k: g * coef.to(g.dtype) for k, g in grads.items()}

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
-from partita.errors import StateDictError
+from partita.errors import InternalError, StateDictError
 from partita.tensor import ShardedTensor
 from partita.training.groups import optimizer_params
 
@@ -41,7 +41,10 @@ __all__ = [
     "to_state_dict",
 ]
 
-MOMENTS = {"adamw": ("exp_avg", "exp_avg_sq"), "adam": ("exp_avg", "exp_avg_sq")}
+MOMENTS: dict[str, tuple[str, ...]] = {
+    "adamw": ("exp_avg", "exp_avg_sq"),
+    "adam": ("exp_avg", "exp_avg_sq"),
+}
 MOMENTS["sgd"] = ("momentum_buffer",)
 
 
@@ -128,7 +131,7 @@ def to_state_dict(
     model_sd = {k: values[layout.aliases.get(k, k)] for k in layout.model_keys}
     state = {}
     for name in sorted(stepped, key=layout.opt_index.__getitem__):
-        entry = {"step": step.clone()}
+        entry: dict[str, Any] = {"step": step.clone()}
         entry.update({key: moments[key][name] for key in layout.moments})
         state[layout.opt_index[name]] = entry
     param_groups, start = [], 0
@@ -299,7 +302,8 @@ def load_state(
         )
     values, missing, unexpected = _load_model(layout, state_dict["model"], current)
     unexpected += [k for k in state_dict if k not in ("model", "optimizer")]
-    step, stepped, new_moments = None, None, {}
+    step, stepped = None, None
+    new_moments: dict[str, dict[str, torch.Tensor]] = {}
     if state_dict.get("optimizer") is not None:
         step, new_moments, got, opt_missing, opt_unexpected = _load_optimizer(
             layout, state_dict["optimizer"], moments
@@ -370,5 +374,8 @@ def set_sharded_state(
     # TrainStep keeps the set of updated parameters privately (state_dict() reports optimizer
     # state only for those); there is no public setter, so set it here, loudly if it moved.
     if not hasattr(train_step, "_stepped"):
-        raise AttributeError("TrainStep no longer has _stepped: update set_sharded_state.")
+        raise InternalError(
+            f"set_sharded_state: TrainStep no longer has _stepped (the set of updated "
+            f"parameters); update set_sharded_state. {InternalError.REPORT}"
+        )
     train_step._stepped = frozenset(train_step.params)

@@ -13,7 +13,7 @@ what ``partita.train_step`` compiles; this module does not shard anything.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 from torch.nn.utils.stateless import _reparametrize_module
 
 from partita.capture.layer_auto import scan_repeated_layers
-from partita.errors import TrainInputError
+from partita.errors import ArgumentError, TrainInputError
 from partita.training import optim
 from partita.training.groups import ParamGroups
 from partita.training.optim import (
@@ -41,7 +41,7 @@ StepFn = Callable[
     [Tensors, Tensors, dict[str, Any], Any], tuple[torch.Tensor, Tensors, Tensors, dict[str, Any]]
 ]
 LrStepFn = Callable[
-    [Tensors, Tensors, dict[str, Any], torch.Tensor, Any],
+    [Tensors, Tensors, dict[str, Any], Hyper, Any],
     tuple[torch.Tensor, Tensors, Tensors, dict[str, Any]],
 ]
 
@@ -194,7 +194,7 @@ def functional_step(
                 loss = _check_loss(loss_fn(out, targets), loss_fn)
                 # allow_unused: a parameter forward() never reads gets no gradient (None), as
                 # its .grad stays None in eager PyTorch; the update then leaves it alone.
-                grads = torch.autograd.grad(
+                grads: Sequence[torch.Tensor | None] = torch.autograd.grad(
                     loss, list(leaves.values()), create_graph=False, allow_unused=True
                 )
                 grads = [_accumulated(g, v) for g, v in zip(grads, leaves.values(), strict=True)]
@@ -241,7 +241,7 @@ def make_train_step(
         ...                                     (torch.randn(3, 4), torch.randn(3, 2)))
     """
     if optimizer not in OPTIMIZERS:
-        raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
+        raise ArgumentError(f"optimizer must be one of {OPTIMIZERS}, got {optimizer!r}.")
     cfg = OptimizerConfig(
         kind=optimizer, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum
     )

@@ -33,6 +33,7 @@ from torch import nn
 
 from partita import options as options_module
 from partita.capture.uncompile import uncompiled
+from partita.errors import ArgumentError, ArgumentTypeError
 from partita.jit import JitStats, Jitted, OptionsLike, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
@@ -43,6 +44,7 @@ from partita.tensor import ShardedTensor
 from partita.training.checks import (
     check_batch,
     check_optimizer_params,
+    check_step_arguments,
     compute_dtype,
     model_argument,
 )
@@ -87,15 +89,7 @@ class TrainStep:
     ) -> None:
         scan_layers = options_module.resolve(options).scan_layers  # also checks ``options``
         model, loss_fn = model_argument(model), uncompiled(loss_fn, "partita.train_step")
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"train_step needs a torch.optim optimizer instance (AdamW, Adam, SGD), got "
-                f"{optimizer!r}. Build it as usual: torch.optim.AdamW(model.parameters(), lr=...)."
-            )
-        if not isinstance(mesh, Mesh):
-            raise TypeError(f"train_step needs mesh=Mesh(...), got {mesh!r}.")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
+        check_step_arguments(optimizer, mesh, max_grad_norm)
         self.model = model
         self.mesh = mesh
         self.optimizer = optimizer
@@ -107,7 +101,7 @@ class TrainStep:
         self._layout = StateLayout.of(model, optimizer, self.config.kind)
         for name, p in trainable.items():
             if p.dtype != torch.float32:
-                raise ValueError(
+                raise ArgumentError(
                     f"parameter {name!r} is {p.dtype}; train_step keeps float32 parameters "
                     "(master weights). Leave the model in float32 and pass "
                     "mixed_precision='bf16' for low-precision compute."
@@ -136,7 +130,7 @@ class TrainStep:
         groups = read_param_groups(optimizer, by_id, set(trainable))
         update_config = groups if len(groups.configs) > 1 else self.config
         state = init_opt_state({k: v.detach() for k, v in trainable.items()}, self.config.kind)
-        self.opt_state = {
+        self.opt_state: dict[str, Any] = {  # "step"; each moment: {parameter: ShardedTensor}
             key: put(value, P())
             if key == "step"
             else {k: put(v, self.param_specs[k]) for k, v in value.items()}
@@ -186,7 +180,7 @@ class TrainStep:
 
     def _args(self, batch: Any) -> tuple[Any, ...]:
         if not (isinstance(batch, tuple | list) and len(batch) == 2):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"a training step takes batch = (inputs, targets), got {type(batch).__name__}"
                 f"{f' of length {len(batch)}' if isinstance(batch, tuple | list) else ''}. "
                 "The loss is loss_fn(model(inputs), targets); pass a tuple or dict as inputs "

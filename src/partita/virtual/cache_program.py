@@ -23,6 +23,7 @@ import torch
 from torch import fx
 
 from partita import node_meta
+from partita.errors import CacheEntryError
 from partita.mesh import Mesh
 from partita.op_lookup import find_op, torch_constant
 from partita.partition.special.random_draw import draw_target
@@ -72,6 +73,8 @@ def from_data(data: dict[str, Any], mesh: Mesh) -> StepProgram:
     """The program ``to_data`` gave, on ``mesh`` (RejectedError if the data is not one)."""
     try:
         return _build(data, mesh)
+    # CacheEntryError (a ValueError): what the checks below find; the others: what torch and
+    # Python raise on data of the wrong shape
     except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
         raise RejectedError(f"it is malformed ({type(e).__name__}: {e})") from None
 
@@ -104,7 +107,7 @@ def _decode(x: Any, nodes: dict[str, fx.Node]) -> Any:
     if isinstance(x, list):
         return [_decode(v, nodes) for v in x]
     if len(x) != 1:
-        raise ValueError(f"a tagged value has one key, got {sorted(x)}")
+        raise CacheEntryError(f"a tagged value has one key, got {sorted(x)}")
     ((tag, value),) = x.items()
     if tag == "float":
         return float(value)
@@ -118,17 +121,17 @@ def _decode(x: Any, nodes: dict[str, fx.Node]) -> Any:
         return _constant(value, torch.dtype)
     if tag == "device":
         if not isinstance(value, str):
-            raise TypeError(f"a device is a string, got {value!r}")
+            raise CacheEntryError(f"a device is a string, got {value!r}")
         return torch.device(value)
     if tag == "torch":
         return _constant(value, (torch.memory_format, torch.layout))
-    raise ValueError(f"unknown tag {tag!r}")
+    raise CacheEntryError(f"unknown tag {tag!r}")
 
 
 def _constant(name: Any, kind: type | tuple[type, ...]) -> Any:
     value = torch_constant(name, kind)
     if value is None:
-        raise ValueError(f"torch.{name} is not a {kind}")
+        raise CacheEntryError(f"torch.{name} is not a {kind}")
     return value
 
 
@@ -211,7 +214,7 @@ def _check_draw(args: tuple[Any, ...]) -> None:
 
 def _identifier(name: Any) -> str:
     if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
-        raise ValueError(f"a node name must be a plain identifier, got {name!r}")
+        raise CacheEntryError(f"a node name must be a plain identifier, got {name!r}")
     return name
 
 
@@ -222,16 +225,16 @@ def _build(data: dict[str, Any], mesh: Mesh) -> StepProgram:
     for i, row in enumerate(rows):
         name = _identifier(row["name"])
         if name in nodes:
-            raise ValueError(f"two nodes are named {name!r}")
+            raise CacheEntryError(f"two nodes are named {name!r}")
         args = _decode(row["args"], nodes)
         if not isinstance(args, tuple) or not isinstance(row["kwargs"], dict):
-            raise TypeError("a node's args are a tuple and its kwargs an object")
+            raise CacheEntryError("a node's args are a tuple and its kwargs an object")
         kwargs = {k: _decode(v, nodes) for k, v in row["kwargs"].items()}
         if row["op"] == "placeholder":
             node = graph.placeholder(name)
         elif row["op"] == "output":
             if i != len(rows) - 1 or len(args) != 1 or kwargs:
-                raise ValueError("the output node comes last, with one argument")
+                raise CacheEntryError("the output node comes last, with one argument")
             node = graph.output(args[0])
         elif row["op"] == "call_function":
             target = _resolve(row["target"])
@@ -242,13 +245,13 @@ def _build(data: dict[str, Any], mesh: Mesh) -> StepProgram:
             )
             unknown = sorted(set(kwargs) - allowed)
             if unknown:
-                raise ValueError(f"{row['target']} has no argument named {unknown}")
+                raise CacheEntryError(f"{row['target']} has no argument named {unknown}")
             if target is torch.ops.partita.global_random_draw.default:
                 _check_draw(args)
             node = graph.call_function(target, args, kwargs)
             node.name = name
         else:
-            raise ValueError(f"unknown node kind {row['op']!r}")
+            raise CacheEntryError(f"unknown node kind {row['op']!r}")
         node_meta.set_origin_once(node, str(row["origin"]))
         node_meta.set_source(node, str(row["source"]))
         nodes[name] = node
@@ -264,7 +267,7 @@ def _build(data: dict[str, Any], mesh: Mesh) -> StepProgram:
     )
     mutated = tuple(data["mutated_inputs"])
     if not all(isinstance(i, int) for i in mutated):
-        raise TypeError(f"mutated_inputs are input positions, got {mutated!r}")
+        raise CacheEntryError(f"mutated_inputs are input positions, got {mutated!r}")
     return StepProgram(
         local=local,
         input_shardings=[sharding(s) for s in data["input_shardings"]],

@@ -142,6 +142,7 @@ class CompiledStep:
         elif not rec.ops or last is None or last.rec is not rec:
             reason = "the call recorded no device op after its last sync"
         if reason is None:
+            assert last is not None  # else the branch above gave the reason
             call = describe_call(last, leaves, out_leaves, start, uploads, extra)
             reason = call if isinstance(call, str) else None
         if reason is not None:
@@ -200,7 +201,7 @@ def compile(fn: Callable[..., Any]) -> CompiledStep:
         [4.0, 8.0, 12.0, 16.0, 20.0]
     """
     compiled = CompiledStep(fn)
-    functools.update_wrapper(compiled, fn)  # type: ignore[arg-type]
+    functools.update_wrapper(compiled, fn)
     return compiled
 
 

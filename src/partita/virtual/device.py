@@ -219,10 +219,10 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     # the CPU and copy it in with the Python dispatch key excluded, so the copy reaches the
     # backend's kernel rather than the LazyTensor's __torch_dispatch__: hand it there.
     del non_blocking
-    return lazy.dispatch(torch.ops.aten.copy_.default, (dst, src), {})  # type: ignore[no-any-return]
+    return lazy.dispatch(torch.ops.aten.copy_.default, (dst, src), {})
 
 
-class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
     """The backend hooks torch's accelerator API asks: available only once switched on."""
 
     def is_available(self) -> bool:

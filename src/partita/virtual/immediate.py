@@ -110,7 +110,7 @@ def runs_now(func: Any) -> bool:
     """
     answer = getattr(func, _ATTRIBUTE, None)
     if answer is not None:
-        return answer  # type: ignore[no-any-return]
+        return answer
     answer = _RUNS_NOW_MEMO.get(func)
     if answer is None:
         answer = _RUNS_NOW_MEMO[func] = func in RUNS_NOW or returns_values(func)
@@ -255,7 +255,9 @@ def returns_values(func: Any) -> bool:
     ``aten.is_nonzero``): a recorded step cannot hand one back to the Python code branching
     on it, so such an op runs at once (:func:`_python_result`)."""
     returns = getattr(getattr(func, "_schema", None), "returns", None)
-    return bool(returns) and all(str(r.type) in _VALUE_TYPES for r in returns)
+    if not returns:
+        return False
+    return all(str(r.type) in _VALUE_TYPES for r in returns)
 
 
 def _python_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

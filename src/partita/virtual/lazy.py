@@ -134,10 +134,11 @@ class Cell:
     @property
     def desc(self) -> Desc:
         """``(shape, stride, storage offset, dtype)`` of the value."""
-        if self._desc is None:
-            m = self.meta
-            self._desc = (tuple(m.shape), m.stride(), m.storage_offset(), m.dtype)
-        return self._desc
+        desc = self._desc
+        if desc is None:
+            m = self.meta  # a meta tensor: its storage offset is a plain int
+            desc = self._desc = (tuple(m.shape), m.stride(), int(m.storage_offset()), m.dtype)
+        return desc
 
     @property
     def data(self) -> torch.Tensor | ShardedTensor | None:
@@ -165,7 +166,9 @@ class LazyTensor(torch.Tensor):
     """A tensor on the virtual device (see the module docstring)."""
 
     _cell: Cell
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    # the documented way to turn __torch_function__ off in a subclass; torch's stub types the
+    # attribute as a classmethod signature this function does not match
+    __torch_function__ = torch._C._disabled_torch_function_impl  # type: ignore[assignment]
     #: ``torch.device("spmd", 0)``, made on first use (only once the device is registered).
     _device: ClassVar[torch.device | None] = None
 
@@ -211,12 +214,13 @@ class LazyTensor(torch.Tensor):
         return LazyTensor(cell)
 
     @classmethod
-    def __torch_dispatch__(
+    def __torch_dispatch__(  # type: ignore[override]  # torch's stub: (func, types, args, kwargs)
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
     ) -> Any:
         return _Above.dispatch(func, args, kwargs or {})  # type: ignore[misc]
 
-    def __repr__(self, *, tensor_contents: Any = None) -> str:
+    # torch.Tensor.__repr__ takes tensor_contents at runtime; its stub has no keyword
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         del tensor_contents
         value = full_value(self)
         body = (

@@ -72,8 +72,7 @@ def annotate_pending(t: torch.Tensor, mesh: Mesh, spec: Any, *, source: str) -> 
         True
     """
     as_spec(spec).to_sharding(mesh, t.ndim)  # the spec is checked either way
-    cell = t._cell if isinstance(t, LazyTensor) else None
-    if cell is not None and not cell.has_value and cell.base is cell:
+    if isinstance(t, LazyTensor) and not t._cell.has_value and t._cell.base is t._cell:
         record_annotation(t, _Annotate(source), mesh, spec)
     return t
 

@@ -57,7 +57,7 @@ def peek(cell: Cell) -> torch.Tensor | None:
     rec = recording.current()
     if cell.epoch != rec.epoch or cell.slot is None or cell.base is not cell:
         return None  # a view, or a value of no current slot: sync
-    needed, chosen = {cell.slot}, []
+    needed, chosen = {cell.slot}, list[int]()
     for index in range(len(rec.ops) - 1, -1, -1):
         func, targs, tkwargs, outs = rec.ops[index]
         writes = op_info(func).writes if hasattr(func, "_schema") else ()
@@ -74,7 +74,7 @@ def peek(cell: Cell) -> torch.Tensor | None:
     inputs = dict(rec.inputs)
     env: dict[int, Any] = {}
     for slot in needed:
-        value = inputs.get(slot)
+        value: Cell | torch.Tensor | ShardedTensor | None = inputs.get(slot)
         if isinstance(value, Cell):
             if value.base.dirty:
                 return None
@@ -88,7 +88,7 @@ def peek(cell: Cell) -> torch.Tensor | None:
         kwargs = {k: recording.build(t, env, rec.scalars) for k, t in tkwargs}
         result = replay_op(func, args, kwargs)
         flat = result if isinstance(result, (list, tuple)) else [result]
-        for slot, value in zip(outs, flat, strict=False):
-            if slot is not None:
-                env[slot] = value
+        for out_slot, out in zip(outs, flat, strict=False):
+            if out_slot is not None:
+                env[out_slot] = out
     return env[cell.slot]

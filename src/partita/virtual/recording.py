@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from partita.errors import VirtualDeviceError
+from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 from partita.virtual import draws, state, why
 from partita.virtual.guide import Guide
@@ -171,13 +172,13 @@ class Recording:
 
     def described_inputs(self) -> tuple[Any, ...]:
         """The inputs' part of the structural key: shapes, dtypes, shardings."""
-        described = []
+        described: list[tuple[Any, ...]] = []
         for _, value in self.inputs:
             if isinstance(value, Cell):
                 data = value.data
                 # A plain tensor is replicated: the same input as a replicated ShardedTensor.
                 sharding = data.sharding if isinstance(data, ShardedTensor) else "replicated"
-                if getattr(sharding, "is_replicated", False) and not sharding.partial:
+                if isinstance(sharding, Sharding) and sharding.is_replicated:  # not partial
                     sharding = "replicated"
                 shape, _, _, dtype = value.desc
                 described.append((shape, dtype, sharding))
@@ -245,7 +246,7 @@ def current() -> Recording:
             else device.guides.get(id(last.program), last)
         )
         rec = device.recording = Recording(device.epoch, guide=guide)
-    return rec  # type: ignore[no-any-return]
+    return rec
 
 
 def reset() -> Recording | None:
@@ -253,7 +254,7 @@ def reset() -> Recording | None:
     device = state.get()
     rec, device.recording = device.recording, None
     draws.reset()
-    return rec  # type: ignore[no-any-return]
+    return rec
 
 
 def remember(guide: Guide) -> None:

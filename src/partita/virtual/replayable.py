@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 from partita.virtual import recording, step
 from partita.virtual.lazy import Cell, LazyTensor
@@ -38,7 +39,7 @@ REPLICATED = "replicated"
 def sharding_of(data: Any) -> Any:
     """A device value's sharding, with every replicated layout (a plain tensor too) as one."""
     sharding = getattr(data, "sharding", REPLICATED)
-    if getattr(sharding, "is_replicated", False) and not sharding.partial:
+    if isinstance(sharding, Sharding) and sharding.is_replicated:  # not partial
         return REPLICATED
     return sharding
 
@@ -189,18 +190,18 @@ def differs(a: Call, b: Call) -> str | None:
                 f"scheduler sets a float lr). Fix: torch.optim.AdamW(..., capturable=True), and "
                 f"a tensor lr on the device (lr=torch.tensor(1e-3).to(dev)) for a schedule"
             )
-    for n, (x, y) in enumerate(zip(a.roles, b.roles, strict=True)):
-        if x[0] != y[0]:
-            return f"input {n} of the step came from {x[0]} in one call and {y[0]} in the next"
-        if x[0] == "const" and not equal_values(x[1], y[1]):
+    for n, (ra, rb) in enumerate(zip(a.roles, b.roles, strict=True)):
+        if ra[0] != rb[0]:
+            return f"input {n} of the step came from {ra[0]} in one call and {rb[0]} in the next"
+        if ra[0] == "const" and not equal_values(ra[1], rb[1]):
             return (
-                f"the host value read by {y[2]} ({list(y[1].shape)} {y[1].dtype}) changed "
+                f"the host value read by {rb[2]} ({list(rb[1].shape)} {rb[1].dtype}) changed "
                 f"between two calls (state kept on the host that changes each step). Fix: keep "
                 f"it on the device, updated in place inside the step, or pass it as an argument"
             )
-        if x[0] == "cell" and x[1]() is not y[1]():
+        if ra[0] == "cell" and ra[1]() is not rb[1]():
             return f"input {n} of the step is a different tensor in one call and the next"
-        if x[0] in ("arg", "upload", "snapshot") and x != y:
+        if ra[0] in ("arg", "upload", "snapshot") and ra != rb:
             return f"input {n} of the step comes from another argument in one call and the next"
     if a.returns != b.returns:
         return "the two calls returned different values (besides the tensors)"

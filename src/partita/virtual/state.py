@@ -111,9 +111,8 @@ class DeviceState:
         then drops the mesh, recording, guides, programs and counters. The registration stays,
         and the epoch and cell numbers keep growing (cells made before stay valid)."""
         self.wait_in_flight()
-        keep = {"registration": self.registration, "active": self.active, "pool": self.pool}
         epoch, serials = self.epoch, self.serials
-        fresh = DeviceState(**keep)
+        fresh = DeviceState(registration=self.registration, active=self.active, pool=self.pool)
         for name in fresh.__dataclass_fields__:
             setattr(self, name, getattr(fresh, name))
         self.epoch, self.serials = epoch, serials

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from partita.capture.source import pin_source
-from partita.errors import RecompileWarning, VirtualDeviceError, warn
+from partita.errors import InternalError, RecompileWarning, VirtualDeviceError, warn
 from partita.mesh import Mesh
 from partita.options import CompileOptions
 from partita.options import current as current_options
@@ -125,7 +125,7 @@ def metrics(reset: bool = False) -> Metrics:
 def last_sync() -> LastSync | None:
     """The step the last :func:`sync` ran (None before the first)."""
     device = state.existing()
-    return None if device is None else device.last_sync  # type: ignore[no-any-return]
+    return None if device is None else device.last_sync
 
 
 def _replay_fn(rec: recording.Recording, outputs: list[int]) -> Callable[..., list[torch.Tensor]]:
@@ -185,7 +185,10 @@ def sync() -> None:
         return
     mesh()  # raises before the recording is taken when use_spmd was never called
     rec = recording.reset()
-    assert rec is pending
+    if rec is not pending:
+        raise InternalError(
+            f"partita.sync: the recording changed while it was being taken. {InternalError.REPORT}"
+        )
     device.wait_in_flight()  # the previous step's values are this step's inputs
     m: Metrics = device.metrics
     cache = device.programs

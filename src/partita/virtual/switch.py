@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from partita.errors import ArgumentTypeError
 from partita.mesh import Mesh
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
@@ -58,7 +59,7 @@ def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> 
         device(type='spmd', index=0)
     """
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"partita.use_spmd needs a partita.Mesh, got {type(mesh).__name__}")
+        raise ArgumentTypeError(f"partita.use_spmd needs a partita.Mesh, got {type(mesh).__name__}")
     register_device()
     return switch_on(mesh, cache_dir=cache_dir)
 
@@ -104,7 +105,7 @@ def sharded(t: torch.Tensor) -> ShardedTensor:
         P('data', None)
     """
     if not isinstance(t, LazyTensor):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"partita.virtual.sharded takes a tensor of the virtual device (spmd), got a "
             f"{type(t).__name__} on {getattr(t, 'device', None)}; move it with .to(dev) first."
         )

@@ -7,10 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch.fx.proxy import Proxy
 
 from partita.explain import op_name
-from partita.partition.emit import node_of
+from partita.partition.emit import Proxy, node_of
 from partita.partition.halo.geometry import Geo, HaloPlan
 from partita.partition.neighbours import emit_shift
 
@@ -78,7 +77,7 @@ def exchange_halos(
         what = f"{h.rh} row(s) of dim {d} to the left neighbour"
         edge = x.slice(d, 0, h.rh)
         parts.append(_permute(e, edge, axes, -1, _with(shape, d, h.rh), dtype, what))
-    ext = torch.cat(parts, d) if len(parts) > 1 else x
+    ext: Proxy = torch.cat(parts, d) if len(parts) > 1 else x
     if h.el or h.er:
         ext = torch.constant_pad_nd(ext, _pad_list(nd, d, h.el, h.er), 0.0)
     if h.step == 0:  # every device's window starts at the same row: a static cut
@@ -107,6 +106,7 @@ def return_halo(
     """The transpose of :func:`exchange_halos` for a gradient of the window: every device adds the
     halo rows' gradients to the neighbour that owns them."""
     d, nd = g.dim, len(shape)
+    ext: Proxy
     if h.step == 0:
         ext = torch.constant_pad_nd(gwin, _pad_list(nd, d, h.base, h.b2 - h.base - h.w), 0.0)
     else:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partita.errors import InternalError
 from partita.layout import ceil_div
 from partita.rules import FactorKind, FactorRule
 
@@ -172,7 +173,10 @@ def read_op(node: fx.Node) -> WindowedOp:
             lo, hi = int(pads[i]), int(pads[i + 1])
             geos[d] = Geo(d, x[d], x[d] + lo + hi, 1, 1, lo, 1)
         return WindowedOp(0, x, geos, float(value if value is not None else 0))
-    raise NotImplementedError(f"halo handler: unknown op {t}")
+    raise InternalError(
+        f"halo handler: no window geometry for op {t} (its rule names the halo handler). "
+        f"{InternalError.REPORT}"
+    )
 
 
 def _shape_of_result(node: fx.Node) -> tuple[int, ...]:
@@ -184,7 +188,7 @@ def _shape_of_result(node: fx.Node) -> tuple[int, ...]:
 
 def sharded_windowed_dims(
     rule: FactorRule, op: WindowedOp, assign: Assign
-) -> dict[int, tuple[str, str, ...]]:
+) -> dict[int, tuple[str, ...]]:
     """Sharded windowed dims of the exchanged operand: ``{dim: (factor, *mesh axes)}``."""
     out: dict[int, Any] = {}
     factors = rule.operands[op.x_index] or ()

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.layout import local_shape
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.halo.exchange import exchange_halos, return_halo
 from partita.partition.halo.geometry import (
     AVGPOOL,
@@ -227,7 +226,7 @@ def _lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy
     x_factors = rule.operands[op.x_index]
     assert x_factors is not None  # the windowed input always has factors
     x_sharding = Sharding(e.mesh, e.low.dims_of(x_factors, kept))
-    dtype = node.args[op.x_index].meta["val"].dtype
+    dtype = cast(fx.Node, node.args[op.x_index]).meta["val"].dtype  # the windowed input
     x_shape = list(local_shape(x_sharding, op.x_shape))
     w = _Windows(e, rule, kept, op, e.operands(rule, kept), x_shape, dtype, halos)
     return _finish_gathered(e, rule, gathered, _LOWER[node.target](w))

@@ -3,12 +3,12 @@ and global flat positions, and avg_pool's global divisors."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
+from partita.partition.emit import Proxy
 from partita.partition.halo.exchange import window_start
 from partita.partition.halo.geometry import (
     AVGPOOL,
@@ -117,7 +117,8 @@ def avg_divisor(e: Emitter, op: WindowedOp, halos: Halos, like: Proxy) -> Proxy:
             cnt = end.clamp_max(g.n) - start.clamp_min(0)
         cnt = cnt.clamp_min(1)
         facs.append(cnt.reshape([size] + [1] * (len(dims) - 1 - i)))
-    return aten._to_copy.default(facs[0] * facs[1], dtype=node.args[0].meta["val"].dtype)
+    x = cast(fx.Node, node.args[0])  # the pooled input
+    return aten._to_copy.default(facs[0] * facs[1], dtype=x.meta["val"].dtype)
 
 
 def avg_pool_local(

@@ -4,14 +4,14 @@ sharded - one all_reduce of per-channel sums forward and one backward."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.layout import local_shape
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import (
@@ -131,7 +131,7 @@ def _bn_backward(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) ->
     mask)`` in training: one all_reduce of ``(sum dy, sum dy * (x - mean))`` per channel."""
     args = _localized_args(e, node, rule, assign)
     dy, x, w, save_mean, invstd = args[0], args[1], args[2], args[5], args[6]
-    out_mask = list(node.args[9])
+    out_mask = list(cast("Sequence[bool]", node.args[9]))
     x_val = fake_value(node.args[1])
     gshape = tuple(x_val.shape)
     count = math.prod(gshape) // gshape[1]

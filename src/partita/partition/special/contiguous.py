@@ -15,9 +15,8 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting, op_of
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, fake_value
@@ -38,7 +37,7 @@ def _contiguous_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assig
             return aten.clone.default(next(tiles), memory_format=torch.contiguous_format)
         return a
 
-    return e.call(node.target, *[local(a) for a in node.args], **node.kwargs)
+    return e.call(op_of(node), *[local(a) for a in node.args], **node.kwargs)
 
 
 register(Handler(HandlerName.CONTIGUOUS.value, _always, _contiguous_lower))

@@ -3,13 +3,14 @@ vocabulary sharded - local lookups of this shard's rows, the rest zeroed (a part
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita import node_meta
 from partita.layout import ceil_div
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, fake_value
@@ -57,8 +58,9 @@ def _embedding_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign
     if node.target == aten.embedding_dense_backward.default:
         assign[_vocab_factor(node, rule)] = axes  # this lowering makes the V tiles itself
         grad, ids = e.operands(rule, assign)
-        num_weights = int(node.args[2])
-        padding_idx = int(node.args[3]) if len(node.args) > 3 else -1
+        args: tuple[Any, ...] = node.args  # (grad, ids, num_weights, padding_idx, ...)
+        num_weights = int(args[2])
+        padding_idx = int(args[3]) if len(args) > 3 else -1
         local, inside, tile = _own_rows(e, ids, axes, num_weights)
         if padding_idx >= 0:
             inside = torch.logical_and(inside, ids != padding_idx)

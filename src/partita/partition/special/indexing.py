@@ -15,10 +15,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 from torch.utils import _pytree as pytree
 
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting, op_of
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, fake_value
@@ -62,7 +61,7 @@ def _lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy
         return next(it) if isinstance(a, fx.Node) and a in operands else a
 
     args, kwargs = pytree.tree_map(swap, (tuple(node.args), dict(node.kwargs)))
-    return node.target(*args, **kwargs)
+    return op_of(node)(*args, **kwargs)
 
 
 register(Handler(HandlerName.INDEX_PADDING.value, _applies, _lower))

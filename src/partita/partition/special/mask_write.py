@@ -12,10 +12,12 @@ operands included. No collective.
 
 from __future__ import annotations
 
-import torch.fx as fx
-from torch.fx.proxy import Proxy
+from collections.abc import Sequence
+from typing import cast
 
-from partita.partition.emit import Emitter, emitting
+import torch.fx as fx
+
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, fake_value
@@ -30,7 +32,7 @@ def _always(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -
 @emitting
 def _lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
     x, mask, values = e.operands(rule, assign)
-    entries = list(node.args[1])
+    entries = list(cast("Sequence[fx.Node | None]", node.args[1]))  # index_put(x, indices, v)
     j = next(d for d, i in enumerate(entries) if i is not None)
     xv, mv, vv = (fake_value(a) for a in (node.args[0], entries[j], node.args[2]))
     accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)

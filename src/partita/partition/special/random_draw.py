@@ -5,16 +5,15 @@ device's tile."""
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
-from partita.errors import CompilerError
+from partita.errors import CompilerError, InternalError, UnsupportedOpError
 from partita.explain import op_name
 from partita.op_lookup import find_op, torch_constant
-from partita.partition.emit import Emitter, emitting, node_of
+from partita.partition.emit import Emitter, Proxy, emitting, node_of
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.reshard import plan_reshard
@@ -76,7 +75,7 @@ def _encode(a: Any) -> Any:
         return {"layout": str(a).removeprefix("torch.")}
     if isinstance(a, torch.memory_format):
         return {"memory_format": str(a).removeprefix("torch.")}
-    raise NotImplementedError(f"global_random cannot pass the argument {a!r} to a random op")
+    raise UnsupportedOpError(f"global_random cannot pass the argument {a!r} to a random op")
 
 
 def _decode(a: Any, inputs: list[torch.Tensor]) -> Any:
@@ -183,11 +182,15 @@ def _random_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -
             continue
         steps = plan_reshard(Sharding.replicated(low.mesh, v.ndim), s, tuple(v.shape))
         # Slicing a replicated value is local (a size-1 mesh axis plans nothing at all).
-        assert not any(step.is_collective for step in steps), steps
+        if any(step.is_collective for step in steps):
+            raise InternalError(
+                f"global_random at node {node.name!r}: slicing the replicated draw to {s} "
+                f"planned collectives {steps}. {InternalError.REPORT}"
+            )
         tiles.append(e(emit_reshard(low.graph, node_of(whole), steps, low.mesh)))
     if target == aten.native_dropout.default:  # out = x * mask * scale, as the CPU kernel
         (x,) = e.operands(rule, assign)
-        p1m = 1.0 - float(node.args[1])
+        p1m = 1.0 - float(cast(float, node.args[1]))  # native_dropout(x, p, train)
         scale = 0.0 if p1m == 0 else 1.0 / p1m
         tiles[0] = x * aten._to_copy.default(tiles[1], dtype=vals[0].dtype) * scale
     return tiles[0] if len(tiles) == 1 else e.tuple(*tiles)

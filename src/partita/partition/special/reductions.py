@@ -4,12 +4,12 @@ and ``weighted_mean`` (nll_loss forward/backward with the batch sharded)."""
 from __future__ import annotations
 
 import math
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting, op_of
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, axes_of, fake_value
@@ -34,11 +34,13 @@ def _mean_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> 
     shape = tuple(fake_value(node.args[0]).shape)
     dtype = node.kwargs.get("dtype")
     if node.target == aten.mean.dim:
-        dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
-        keepdim = bool(node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False))
-        dims = list(range(len(shape))) if not dims else [d % len(shape) for d in dims]
-        if len(node.args) > 3:
-            dtype = node.args[3]
+        args: tuple[Any, ...] = node.args  # mean.dim(self, dim, keepdim, dtype)
+        kwargs: dict[str, Any] = dict(node.kwargs)
+        given = args[1] if len(args) > 1 else kwargs.get("dim")
+        keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+        dims = list(range(len(shape))) if not given else [d % len(shape) for d in given]
+        if len(args) > 3:
+            dtype = args[3]
         s = x.sum(dims, keepdim, dtype=dtype)
     else:
         dims = list(range(len(shape)))
@@ -58,12 +60,14 @@ def _nll_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> P
     """Padded targets become ``ignore_index``; the op runs with ``reduction=sum``. For sum the
     results stay partial; for mean one all_reduce of ``(sum, total_weight)`` and a divide."""
     it = iter(e.operands(rule, assign))
-    args = [next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args]
+    args: list[Any] = [
+        next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args
+    ]
     reduction, ignore = int(args[3]), int(args[4])
     n = int(fake_value(node.args[1]).shape[0])
     args[1] = e.mask_padding(args[1], axes_of(rule, 1, 0, assign), n, 1, 0, ignore)
     args[3] = _SUM
-    res = node.target(*args)
+    res = op_of(node)(*args)
     if reduction == _SUM:
         return res
     dtype = node.meta["val"][0].dtype
@@ -88,10 +92,12 @@ def _nll_backward_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Ass
     """``nll_loss_backward`` with the batch sharded: padded targets become ``ignore_index`` (the
     kernel indexes with them); the global ``total_weight`` makes the rest local."""
     it = iter(e.operands(rule, assign))
-    args = [next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args]
+    args: list[Any] = [
+        next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args
+    ]
     n = int(fake_value(node.args[2]).shape[0])
     args[2] = e.mask_padding(args[2], axes_of(rule, 2, 0, assign), n, 1, 0, int(args[5]))
-    return node.target(*args)
+    return op_of(node)(*args)
 
 
 #: The lowering of each op the weighted_mean rule names.
@@ -103,7 +109,7 @@ _NLL_LOWER = {
 
 @emitting
 def _nll_dispatch(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
-    return _NLL_LOWER[node.target](e, node, rule, assign)
+    return _NLL_LOWER[cast(torch._ops.OpOverload, node.target)](e, node, rule, assign)
 
 
 register(Handler(HandlerName.WEIGHTED_MEAN.value, _nll_applies, _nll_dispatch))

@@ -12,13 +12,14 @@ understanding that this handler exists.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.explain import op_name
 from partita.layout import ceil_div
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting, op_of
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.masks import identity_of
@@ -28,9 +29,10 @@ from partita.rules.handler_names import HandlerName
 
 
 def _scan_dim(node: fx.Node) -> int:
-    ndim = fake_value(node.args[0]).ndim
-    dim = node.args[1] if len(node.args) > 1 else node.kwargs["dim"]
-    return int(dim) % max(ndim, 1)
+    args: tuple[Any, ...] = node.args  # cummax(self, dim)
+    ndim = fake_value(args[0]).ndim
+    dim = args[1] if len(args) > 1 else node.kwargs["dim"]
+    return int(cast(int, dim)) % max(ndim, 1)
 
 
 def _scan_axes(node: fx.Node, rule: FactorRule, assign: Assign) -> tuple[str, ...]:
@@ -54,7 +56,7 @@ def _scan_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> 
     tile = ceil_div(int(gx.shape[dim]), k)
     is_max = node.target == aten.cummax.default
 
-    local = node.target(x, dim)
+    local = op_of(node)(x, dim)
     values = local[0]
     indices = local[1] + e.tile_offset(x, axes, tile)
 
@@ -70,7 +72,7 @@ def _scan_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> 
 
     tails_v = tails(values, gx.dtype, "values at every tile's end")
     tails_i = tails(indices, torch.int64, "indices at every tile's end")
-    run = node.target(tails_v, dim)
+    run = op_of(node)(tails_v, dim)
     run_v, run_i = run[0], tails_i.gather(dim, run[1])
     me = e.axis_index(x, axes).reshape([1])
     before = (me - 1).clamp_min(0)

@@ -7,10 +7,9 @@ import math
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.layout import local_shape
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, axes_of, fake_value, operand_sharding

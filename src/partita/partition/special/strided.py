@@ -19,11 +19,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import Proxy
 
 from partita.capture.source import source_line
 from partita.errors import UnsupportedOpError
-from partita.partition.emit import Emitter, emitting
+from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, fake_value
@@ -38,7 +37,8 @@ def _always(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -
 def _storage_order(x: torch.Tensor) -> list[int] | None:
     """The permutation that makes the traced ``x`` contiguous, or None if no permutation does
     (overlapping or gapped strides). Ties (size-1 dims) keep their logical order."""
-    perm = sorted(range(x.ndim), key=lambda d: (-x.stride(d), d))
+    strides = x.stride()
+    perm = sorted(range(x.ndim), key=lambda d: (-strides[d], d))
     want = 1
     for d in reversed(perm):
         if x.shape[d] != 1 and x.stride(d) != want:
