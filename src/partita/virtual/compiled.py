@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch.utils import _pytree as pytree
 
 from partita.tensor import ShardedTensor
@@ -55,6 +58,7 @@ class _Capture:
     out_spec: Any
     cpu_guards: list[tuple[int, torch.Tensor]]
     mesh: Any
+    holders: _Holders
 
 
 @dataclass
@@ -73,6 +77,9 @@ class CompiledStep:
     fn: Callable[..., Any]
     signatures: dict[Any, _Signature] = field(default_factory=dict)
     collected: bool = False
+    # One call at a time: a call reads and updates the same parameters and optimizer state,
+    # and the virtual device records one step at a time, so concurrent calls run in turn.
+    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -88,6 +95,10 @@ class CompiledStep:
         step.metrics().compiled_steps[self.name] = line
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return self._call(args, kwargs)
+
+    def _call(self, args: Any, kwargs: Any) -> Any:
         step.sync()  # work recorded before the call: its values are the step's inputs
         leaves, spec = pytree.tree_flatten((args, kwargs))
         sig = _signature(leaves, spec)
@@ -157,7 +168,7 @@ class CompiledStep:
             state.last = None  # the capture keeps what a replay needs, not the recording
             state.capture = _Capture(
                 call.program, call.roles, call.scalars, call.returns, call.out_descs, out_spec,
-                call.cpu_guards, step.current_mesh(),
+                call.cpu_guards, step.current_mesh(), _holders(call.roles),
             )  # fmt: skip
             self._say(
                 f"captured after {state.calls} calls ({len(rec.ops)} ops, "
@@ -251,7 +262,7 @@ def _stale(cap: _Capture, leaves: list[Any]) -> str | None:
                 f"input {n} of the step changed from {list(role[2][0])} {role[3]} to "
                 f"{list(cell.desc[0])} {sharding_of(cell.data)} (mark_sharding, or .data replaced)"
             )
-    return None
+    return cap.holders.stale()
 
 
 def _replay(cap: _Capture, leaves: list[Any]) -> Any:
@@ -291,3 +302,142 @@ def _replay(cap: _Capture, leaves: list[Any]) -> Any:
         else:
             result.append(ret[1])
     return pytree.tree_unflatten(result, cap.out_spec)
+
+
+@dataclass
+class _Holders:
+    """What holds the tensors a captured step reads besides its arguments, as it was at the
+    capture: a replay is the step only while these are unchanged.
+
+    ``tensors``: each tensor object on one of the step's cells (a Parameter, an optimizer's
+    moment, an alias), with the cell it stood for, its ``requires_grad`` and its ``.grad``
+    (``t.data = x`` gives a tensor another cell; ``requires_grad_(False)`` changes what the
+    backward computes). ``modules``: each module holding such a tensor, or a module holding
+    one, with its parameters, buffers, submodules and ``training`` (a swapped Parameter or
+    submodule, ``model.eval()``). ``optimizers``: each optimizer over such a tensor, with its
+    param groups (tensors, hyperparameters) and its state's entries (``load_state_dict``
+    replaces them). Tensors are compared by identity through weak references; everything
+    else by value.
+    """
+
+    tensors: list[tuple[Any, Any, bool, Any]]
+    modules: list[tuple[Any, Any]]
+    optimizers: list[tuple[Any, Any]]
+
+    def stale(self) -> str | None:
+        """Why the step's tensors are no longer held as at the capture, else None."""
+        for ref, cell, requires_grad, grad in self.tensors:
+            t = ref()
+            if t is None:  # an alias gone: it cannot be read any more
+                continue
+            what = f"a {list(t.shape)} {t.dtype} tensor the step reads"
+            if t._cell is not cell():
+                return f"{what} was given another value (t.data = x)"
+            if t.requires_grad != requires_grad:
+                return f"{what} had requires_grad={requires_grad} and now has {t.requires_grad}"
+            if not _same(grad, t.grad):
+                return f"{what} has another .grad than when it was captured"
+        for ref, snapshot in self.modules:
+            m = ref()
+            if m is not None and not _same(snapshot, _module_snapshot(m)):
+                return (
+                    f"the {type(m).__name__} module holding tensors the step reads changed (a "
+                    f"parameter, buffer or submodule replaced, or train()/eval())"
+                )
+        for ref, snapshot in self.optimizers:
+            opt = ref()
+            if opt is not None and not _same(snapshot, _optimizer_snapshot(opt)):
+                return (
+                    f"the {type(opt).__name__} optimizer over tensors the step reads changed "
+                    f"(load_state_dict, a hyperparameter set in param_groups, a param group "
+                    f"added)"
+                )
+        return None
+
+
+def _weak(value: Any) -> Any:
+    """A value as a snapshot keeps it: tensors (and modules) by weak reference."""
+    if isinstance(value, (torch.Tensor, nn.Module)):
+        return weakref.ref(value)
+    if isinstance(value, (list, tuple)):
+        return tuple(_weak(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _weak(v)) for k, v in value.items())
+    return value
+
+
+def _same(snapshot: Any, value: Any) -> bool:
+    """``value`` (a fresh snapshot, or an object) is what ``snapshot`` recorded."""
+    if isinstance(snapshot, weakref.ref):
+        if isinstance(value, weakref.ref):
+            value = value()
+        return snapshot() is value and value is not None
+    if snapshot is None:
+        return value is None
+    if isinstance(snapshot, tuple):
+        return (
+            isinstance(value, tuple)
+            and len(value) == len(snapshot)
+            and all(_same(a, b) for a, b in zip(snapshot, value, strict=True))
+        )
+    try:
+        return type(snapshot) is type(value) and bool(snapshot == value)
+    except Exception:  # a value that cannot be compared: treated as changed
+        return False
+
+
+def _module_snapshot(m: nn.Module) -> Any:
+    return (m.training, _weak(m._parameters), _weak(m._buffers), _weak(m._modules))
+
+
+def _optimizer_snapshot(opt: torch.optim.Optimizer) -> Any:
+    groups = _weak(opt.param_groups)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    state = tuple(_weak(opt.state[p]) if p in opt.state else None for p in params)
+    return (groups, state)
+
+
+def _holders(roles: list[tuple[Any, ...]]) -> _Holders:
+    """Who holds the cells a capture reads (one walk over the objects the collector tracks)."""
+    cells = {}
+    for role in roles:
+        if role[0] == "cell" and (cell := role[1]()) is not None:
+            cells[id(cell)] = role[1]
+    tensors: list[tuple[Any, Any, bool, Any]] = []
+    modules: list[nn.Module] = []
+    optimizers: list[torch.optim.Optimizer] = []
+    held: set[int] = set()  # ids of the tensors on the step's cells
+    for obj in gc.get_objects():
+        kind = type(obj)  # not isinstance: it reads __class__, which some objects warn on
+        if issubclass(kind, LazyTensor):
+            ref = cells.get(id(obj._cell))
+            if ref is not None:
+                grad = None if obj.grad is None else weakref.ref(obj.grad)
+                tensors.append((weakref.ref(obj), ref, obj.requires_grad, grad))
+                held.add(id(obj))
+        elif issubclass(kind, nn.Module):
+            modules.append(obj)
+        elif issubclass(kind, torch.optim.Optimizer):
+            optimizers.append(obj)
+    kept: set[int] = set()
+    changed = True
+    while changed:  # modules holding a step tensor, then the modules holding those
+        changed = False
+        for m in modules:
+            if id(m) in kept:
+                continue
+            direct = (*m._parameters.values(), *m._buffers.values())
+            if any(id(t) in held for t in direct if t is not None) or any(
+                id(c) in kept for c in m._modules.values() if c is not None
+            ):
+                kept.add(id(m))
+                changed = True
+    return _Holders(
+        tensors,
+        [(weakref.ref(m), _module_snapshot(m)) for m in modules if id(m) in kept],
+        [
+            (weakref.ref(o), _optimizer_snapshot(o))
+            for o in optimizers
+            if any(id(p) in held for g in o.param_groups for p in g["params"])
+        ],
+    )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -150,6 +151,30 @@ class LazyTensor(torch.Tensor):
     def __init__(self, cell: Cell, requires_grad: bool = False) -> None:
         del cell, requires_grad
 
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        """A detached alias sharing this tensor's value (as ``torch.Tensor.data``)."""
+        return _DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``t.data = x``: ``t`` now stands for ``x``'s value (shape, dtype and later in-place
+        updates shared), as eager ``Tensor.data`` assignment shares ``x``'s storage."""
+        if not isinstance(value, LazyTensor):
+            where = "a CPU" if value.device.type == "cpu" else f"a {value.device}"
+            raise VirtualDeviceError(
+                f"t.data = x: t ({list(self.shape)} {self.dtype}) is on the virtual device "
+                f"{self.device}, x ({list(value.shape)} {value.dtype}) is {where} tensor; a "
+                f"device tensor cannot hold a value that lives elsewhere. Fix: move it first, "
+                f"t.data = x.to(t.device)"
+            )
+        _DATA.__set__(self, value)  # the wrapper's shape, strides and dtype
+        self._cell = cell = value._cell
+        if not cell.has_value:  # pending: an output of the step while this tensor is alive
+            from partita.virtual.recording import current  # it imports this module
+
+            current().live.append((weakref.ref(self), cell))
+
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         return [], self._cell
 
@@ -215,6 +240,7 @@ class LazyTensor(torch.Tensor):
         return full_value(self)
 
 
+_DATA = torch._C.TensorBase.data  # the C descriptor behind Tensor.data
 _DEVICE: list[torch.device] = []
 _DISPATCH: list[Any] = []  # recording.dispatch (imported on first use: it imports this module)
 
