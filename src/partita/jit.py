@@ -16,6 +16,7 @@ This module only ties the stages together; it holds no sharding logic.
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
@@ -141,6 +142,7 @@ class Jitted:
         if isinstance(fn, nn.Module):
             scan_repeated_layers(fn)  # its repeated layers traced once, checked (layer_auto)
         self._signatures = Signatures(mesh, _name(fn))
+        self._lock = threading.RLock()  # calls from several threads compile and run in turn
         if param_specs is not None and self._module is None:
             raise JitArgumentError(
                 f"partita.jit(param_specs=...) shards the weights of an nn.Module, but "
@@ -251,9 +253,14 @@ class Jitted:
 
     def lower(self, *args: Any, **kwargs: Any) -> Plan:
         """Compile for these arguments and return the Plan, without running anything."""
-        return self._compile(args, kwargs)[0].plan
+        with self._lock:
+            return self._compile(args, kwargs)[0].plan
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self._lock:
+            return self._call(args, kwargs)
+
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         compiled, leaves = self._compile(args, kwargs)
         program = compiled.program
         # The lifted constants (closed-over tensors, literals) are the trailing inputs.

@@ -25,6 +25,7 @@ loading) ``partita.train_state``'.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -103,6 +104,7 @@ class TrainStep:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
         self.model = model
+        self._lock = threading.RLock()  # calls from several threads run in turn
         self.mesh = mesh
         self.optimizer = optimizer
         self.config = optimizer_config(optimizer)
@@ -209,7 +211,8 @@ class TrainStep:
 
     def lower(self, batch: Any) -> Plan:
         """The Plan of one step on ``batch`` (compiles, does not run or change the state)."""
-        plan = self._get_jitted().lower(*self._args(batch))
+        with self._lock:
+            plan = self._get_jitted().lower(*self._args(batch))
         self.plan = plan
         return plan
 
@@ -223,6 +226,10 @@ class TrainStep:
 
     def __call__(self, batch: Any) -> torch.Tensor:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
+        with self._lock:
+            return self._step(batch)
+
+    def _step(self, batch: Any) -> torch.Tensor:
         self._snapshot.check(self.model, self.optimizer)
         jitted = self._get_jitted()
         args = self._args(batch)

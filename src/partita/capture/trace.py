@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -100,6 +101,10 @@ def _check_leaves(paths: list[tuple[Any, Any]], fn_name: str) -> None:
         )
 
 
+#: Held while a function is traced (reentrant: a trace may trace inside, e.g. a shard_map).
+TRACING = threading.RLock()
+
+
 def trace(
     fn: Callable[..., Any],
     args: tuple[Any, ...] | list[Any],
@@ -132,7 +137,10 @@ def trace(
         >>> len(program.annotations)
         2
     """
-    with gc_paused():  # every object built here lives until we return: see gc_pause
+    # One trace at a time in the process: make_fx's tracer keeps process-global state (torch.fx
+    # patches module globals through one CURRENT_PATCHER), so two threads tracing at once
+    # corrupt each other's trace. Other threads still run programs meanwhile.
+    with TRACING, gc_paused():  # every object built here lives until we return: see gc_pause
         return _trace(fn, args, kwargs, in_specs, out_specs, mesh, kwarg_specs)
 
 

@@ -40,10 +40,14 @@ from partita.virtual.replayable import (
     sharding_of,
 )
 
-__all__ = ["SIGNATURE_LIMIT", "CompiledStep", "compile"]
+__all__ = ["CALLS", "SIGNATURE_LIMIT", "CompiledStep", "compile"]
 
 #: Argument signatures a compiled function keeps (each with its capture), the oldest dropped.
 SIGNATURE_LIMIT = 16
+#: Held during each call of a compiled step: calls from several threads run in turn. One lock
+#: for all compiled steps: the virtual device records one step at a time (one recording per
+#: process), and a call reads and updates the same parameters and optimizer state.
+CALLS = threading.RLock()
 
 
 @dataclass
@@ -77,9 +81,6 @@ class CompiledStep:
     fn: Callable[..., Any]
     signatures: dict[Any, _Signature] = field(default_factory=dict)
     collected: bool = False
-    # One call at a time: a call reads and updates the same parameters and optimizer state,
-    # and the virtual device records one step at a time, so concurrent calls run in turn.
-    lock: threading.RLock = field(default_factory=threading.RLock, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -95,7 +96,7 @@ class CompiledStep:
         step.metrics().compiled_steps[self.name] = line
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self.lock:
+        with CALLS:
             return self._call(args, kwargs)
 
     def _call(self, args: Any, kwargs: Any) -> Any:

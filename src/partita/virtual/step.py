@@ -21,6 +21,7 @@ left the fast path the first op or input that differed.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -276,6 +277,7 @@ def submit(
 RUN_IN_BACKGROUND = True
 _POOL: list[ThreadPoolExecutor] = []
 _IN_FLIGHT: list[_Run] = []
+_FINISHING = threading.RLock()
 
 
 class _Run:
@@ -318,8 +320,11 @@ class _Run:
 
 def wait_in_flight() -> None:
     """Wait for the step running in the background, if any, and hand out its values."""
-    while _IN_FLIGHT:
-        _IN_FLIGHT.pop(0).finish()
+    # One thread hands the values out; another thread reading a value meanwhile waits for it
+    # here (else it could find the run taken off the list and its cells not filled yet).
+    with _FINISHING:
+        while _IN_FLIGHT:
+            _IN_FLIGHT.pop(0).finish()
 
 
 def _keep_layout(old: Any, new: ShardedTensor) -> Any:
