@@ -290,6 +290,47 @@ AS_STRIDED_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
 }
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _half_sum(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
+    out = dtype if dtype is not None else x.dtype
+    if out not in _HALF or not x.dtype.is_floating_point:
+        return NotImplemented
+    return aten.sum.dim_IntList(x, dim, keepdim, dtype=torch.float32).to(out)
+
+
+def _half_sum_default(x: torch.Tensor, *, dtype: Any = None) -> Any:
+    return _half_sum(x, None, False, dtype=dtype)
+
+
+def _half_mean(
+    x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None
+) -> Any:
+    out = dtype if dtype is not None else x.dtype
+    if out not in _HALF or not x.dtype.is_floating_point:
+        return NotImplemented
+    return aten.mean.dim(x, dim, keepdim, dtype=torch.float32).to(out)
+
+
+def _half_mean_default(x: torch.Tensor, *, dtype: Any = None) -> Any:
+    return _half_mean(x, None, False, dtype=dtype)
+
+
+#: ``sum`` and ``mean`` of float16/bfloat16 as eager computes them: accumulated in float32,
+#: rounded once (``sum(x, dtype=float32).to(float16)``). The rounding is then explicit in the
+#: program, so a reduction sharded over the mesh adds its per-device partials in float32 (the
+#: all_reduce or reduce_scatter moves float32) and rounds after: partials that overflow
+#: float16 on their own (+-40000 + 40000 on two devices) do not turn the result into inf or
+#: NaN where eager gives a finite value. Other dtypes trace as themselves.
+HALF_REDUCTION_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
+    aten.sum.default: _half_sum_default,
+    aten.sum.dim_IntList: _half_sum,
+    aten.mean.default: _half_mean_default,
+    aten.mean.dim: _half_mean,
+}
+
+
 #: View ops the core table decomposes that are traced as themselves: ``normalize`` rewrites
 #: each to the same op its decomposition gives (``permute``, ``reshape``, ``slice`` ...), and
 #: tracing a decomposition dispatches every such op twice (a GPT step has hundreds).
@@ -375,6 +416,7 @@ def _table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     table.update(SDPA_OPS)
     table.update(AS_STRIDED_OPS)
     table.update(NN_KERNEL_OPS)
+    table.update(HALF_REDUCTION_OPS)
     return table
 
 
