@@ -196,7 +196,10 @@ def compile(fn: Callable[..., Any]) -> CompiledStep:
     then live on the device). The signature is the pytree structure of the arguments, each
     tensor's device, shape, dtype (and sharding on the device), the other values by value; and
     every tensor the step reads besides its arguments must still be alive with the same shape
-    and sharding. A different signature runs ``fn`` and is captured separately.
+    and sharding, and held as at the capture (:class:`_Holders`: the tensor objects standing
+    for it, their ``requires_grad``, ``.grad`` and ``.data``; the modules and optimizers holding
+    them). A different signature runs ``fn`` and is captured separately; a changed holder drops
+    the capture (``fn`` runs and is captured again). Calls run one at a time (:data:`CALLS`).
     ``partita.metrics()`` says, per compiled function, whether it was captured or why not (and
     the fix); the compiled function's ``reset()`` drops its captures. See docs/virtual-device.md.
 
