@@ -343,14 +343,14 @@ class _Holders:
                 return f"{what} has another .grad than when it was captured"
         for ref, snapshot in self.modules:
             m = ref()
-            if m is not None and not _same(snapshot, _module_snapshot(m)):
+            if m is not None and not _module_same(snapshot, m):
                 return (
                     f"the {type(m).__name__} module holding tensors the step reads changed (a "
                     f"parameter, buffer or submodule replaced, or train()/eval())"
                 )
         for ref, snapshot in self.optimizers:
             opt = ref()
-            if opt is not None and not _same(snapshot, _optimizer_snapshot(opt)):
+            if opt is not None and not _optimizer_same(snapshot, opt):
                 return (
                     f"the {type(opt).__name__} optimizer over tensors the step reads changed "
                     f"(load_state_dict, a hyperparameter set in param_groups, a param group "
@@ -371,16 +371,19 @@ def _weak(value: Any) -> Any:
 
 
 def _same(snapshot: Any, value: Any) -> bool:
-    """``value`` (a fresh snapshot, or an object) is what ``snapshot`` recorded."""
-    if isinstance(snapshot, weakref.ref):
-        if isinstance(value, weakref.ref):
-            value = value()
+    """``value`` (an object, or a container of them) is what ``snapshot`` recorded."""
+    if type(snapshot) is weakref.ref:
         return snapshot() is value and value is not None
     if snapshot is None:
         return value is None
-    if isinstance(snapshot, tuple):
+    if type(snapshot) is tuple:
+        if isinstance(value, dict):
+            return len(value) == len(snapshot) and all(
+                k == j and _same(a, b)
+                for (k, a), (j, b) in zip(snapshot, value.items(), strict=True)
+            )
         return (
-            isinstance(value, tuple)
+            isinstance(value, (list, tuple))
             and len(value) == len(snapshot)
             and all(_same(a, b) for a, b in zip(snapshot, value, strict=True))
         )
@@ -394,11 +397,29 @@ def _module_snapshot(m: nn.Module) -> Any:
     return (m.training, _weak(m._parameters), _weak(m._buffers), _weak(m._modules))
 
 
+def _module_same(snapshot: Any, m: nn.Module) -> bool:
+    training, params, buffers, modules = snapshot
+    return (
+        m.training == training
+        and _same(params, m._parameters)
+        and _same(buffers, m._buffers)
+        and _same(modules, m._modules)
+    )
+
+
 def _optimizer_snapshot(opt: torch.optim.Optimizer) -> Any:
     groups = _weak(opt.param_groups)
     params = [p for g in opt.param_groups for p in g["params"]]
     state = tuple(_weak(opt.state[p]) if p in opt.state else None for p in params)
     return (groups, state)
+
+
+def _optimizer_same(snapshot: Any, opt: torch.optim.Optimizer) -> bool:
+    groups, state = snapshot
+    if not _same(groups, opt.param_groups):
+        return False
+    params = (p for g in opt.param_groups for p in g["params"])
+    return all(_same(s, opt.state.get(p)) for s, p in zip(state, params, strict=False))
 
 
 def _holders(roles: list[tuple[Any, ...]]) -> _Holders:
