@@ -186,6 +186,34 @@ def test_module_load_state_dict_is_read_by_the_replay(dev: torch.device) -> None
     _same(model, ref)
 
 
+def test_autocast_around_a_captured_call_runs_the_function_again(dev: torch.device) -> None:
+    """A function captured in float32 and then called under torch.autocast (or no_grad) is
+    another signature: it runs and returns what eager autocast gives, not the float32 replay."""
+    torch.manual_seed(0)
+    ref = nn.Linear(8, 4)
+    model = copy.deepcopy(ref).to(dev)
+    partita.mark_sharding(model.weight, MESH, P("model", None))
+    calls = [0]
+
+    @partita.compile
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return model(x.to(dev)) * 1
+
+    x = torch.randn(4, 8)
+    for _ in range(4):
+        torch.testing.assert_close(forward(x).cpu(), ref(x), atol=1e-6, rtol=1e-6)
+    assert calls[0] == 3
+    with torch.autocast(dev.type, dtype=torch.bfloat16):
+        got = forward(x).cpu()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref(x)
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+    with torch.no_grad():
+        torch.testing.assert_close(forward(x).cpu(), ref(x), atol=1e-6, rtol=1e-6)
+    assert calls[0] == 5
+
+
 def _in_threads(fn: Callable[[int], None], n: int = 2) -> None:
     errors: list[BaseException] = []
 

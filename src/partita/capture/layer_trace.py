@@ -166,7 +166,10 @@ def trace_layer(
                 example = fresh() + [torch.empty(s, dtype=d, device=dev)
                                      for s, d, dev, _ in cot_meta]  # fmt: skip
             updates = InputUpdates([], (), [], [], None, state.fn_name)
-            with _use_lazy_graph_module(True):  # the joint is split, never run: no code
+            from partita.capture.trace import TRACING  # it imports this module's callers
+
+            # One make_fx at a time in the process (see TRACING); reentrant inside a trace.
+            with TRACING, _use_lazy_graph_module(True):  # the joint is split, never run
                 gm = make_fx(
                     functionalized(_recording(joint, updates), updates),
                     decomposition_table=decomposition_table(),

@@ -224,7 +224,13 @@ def _detach(t: Any) -> Any:
 
 def _signature(leaves: list[Any], spec: Any) -> tuple[Any, ...] | str:
     """The guard of a call (hashable), or why the arguments cannot have one."""
-    parts: list[Any] = [spec]
+    # The modes the recorded ops depend on: grad mode (is a backward recorded) and autocast
+    # (which dtypes the ops run in) on the device and the CPU.
+    backend = torch._C._get_privateuse1_backend_name()
+    modes = (torch.is_grad_enabled(), *(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in (backend, "cpu")
+    ))  # fmt: skip
+    parts: list[Any] = [spec, modes]
     first: dict[int, int] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, LazyTensor):
