@@ -316,9 +316,9 @@ def test_train_step_from_two_threads() -> None:
 
 
 def test_data_assignment_shares_the_value(dev: torch.device) -> None:
-    """t.data = x: t holds x's value, shape and dtype (x's later in-place updates show in t),
-    for plain and sharded tensors, pending or not; a module parameter's .data reassignment is
-    what the next forward reads; a CPU value is refused with the fix."""
+    """t.data = x (and t.set_(x)): t holds x's value, shape and dtype (x's later in-place
+    updates show in t), for plain and sharded tensors, pending or not; a module parameter's
+    .data reassignment is what the next forward reads; a CPU value is refused with the fix."""
     t = torch.zeros(4, 2).to(dev)
     partita.mark_sharding(t, MESH, P("data", None))
     x = torch.arange(8.0).reshape(4, 2).to(dev)
@@ -333,6 +333,11 @@ def test_data_assignment_shares_the_value(dev: torch.device) -> None:
     t.data = torch.ones(3).to(dev)  # another shape
     assert t.shape == (3,)
     torch.testing.assert_close(t.cpu(), torch.ones(3))
+    y = torch.arange(5.0).to(dev)
+    t.set_(y)  # the same as t.data = y
+    y.mul_(2)
+    assert t.shape == (5,)
+    torch.testing.assert_close(t.cpu(), torch.arange(5.0) * 2)
 
     ref = nn.Linear(4, 2)
     model = copy.deepcopy(ref).to(dev)

@@ -89,6 +89,7 @@ RUNS_NOW = frozenset(
     | _RANDOM_FILLS
     | _INDEXING
     | set(_INPLACE_VIEWS)
+    | {aten.set_.source_Tensor}
 )
 
 
@@ -125,6 +126,9 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
             if value is not None:
                 return value.item()
         return full_value(args[0]).item()
+    if func is aten.set_.source_Tensor and isinstance(args[1], LazyTensor):
+        args[0].data = args[1]  # t.set_(x): t stands for x's value, as t.data = x
+        return args[0]
     if func in _INPLACE_VIEWS:
         from partita.virtual.recording import dispatch  # it imports this module
 
