@@ -16,7 +16,6 @@ This module only ties the stages together; it holds no sharding logic.
 from __future__ import annotations
 
 import functools
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable
@@ -99,6 +98,7 @@ class JitStats:
     skipped: tuple[str, ...]
 
 
+@capture.serialized("__call__", "lower")  # calls from several threads compile and run in turn
 class Jitted:
     """A function (or ``nn.Module``) compiled for a mesh; see :func:`jit`."""
 
@@ -127,8 +127,7 @@ class Jitted:
                 f"partita.jit(cache_limit={cache_limit!r}): the number of compiled signatures "
                 f"to keep must be an int >= 1 (default {DEFAULT_CACHE_LIMIT})."
             )
-        fn = uncompiled(fn, "partita.jit")
-        self.fn = fn
+        self.fn = fn = uncompiled(fn, "partita.jit")
         self.mesh = mesh
         self.in_specs = in_specs
         self.out_specs = out_specs
@@ -142,7 +141,6 @@ class Jitted:
         if isinstance(fn, nn.Module):
             scan_repeated_layers(fn)  # its repeated layers traced once, checked (layer_auto)
         self._signatures = Signatures(mesh, _name(fn))
-        self._lock = threading.RLock()  # calls from several threads compile and run in turn
         if param_specs is not None and self._module is None:
             raise JitArgumentError(
                 f"partita.jit(param_specs=...) shards the weights of an nn.Module, but "
@@ -253,14 +251,9 @@ class Jitted:
 
     def lower(self, *args: Any, **kwargs: Any) -> Plan:
         """Compile for these arguments and return the Plan, without running anything."""
-        with self._lock:
-            return self._compile(args, kwargs)[0].plan
+        return self._compile(args, kwargs)[0].plan
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with self._lock:
-            return self._call(args, kwargs)
-
-    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         compiled, leaves = self._compile(args, kwargs)
         program = compiled.program
         # The lifted constants (closed-over tensors, literals) are the trailing inputs.

@@ -25,13 +25,13 @@ loading) ``partita.train_state``'.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from partita.capture.threads import serialized
 from partita.capture.uncompile import uncompiled
 from partita.jit import JitStats, Jitted, jit
 from partita.mesh import Mesh
@@ -59,6 +59,7 @@ __all__ = ["LoadResult", "TrainStep", "train_step"]
 Tensors = dict[str, torch.Tensor]
 
 
+@serialized("__call__", "lower")  # calls from several threads run in turn
 class TrainStep:
     """A compiled sharded training step; see :func:`train_step`.
 
@@ -104,7 +105,6 @@ class TrainStep:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be a positive number, got {max_grad_norm!r}.")
         self.model = model
-        self._lock = threading.RLock()  # calls from several threads run in turn
         self.mesh = mesh
         self.optimizer = optimizer
         self.config = optimizer_config(optimizer)
@@ -211,9 +211,7 @@ class TrainStep:
 
     def lower(self, batch: Any) -> Plan:
         """The Plan of one step on ``batch`` (compiles, does not run or change the state)."""
-        with self._lock:
-            plan = self._get_jitted().lower(*self._args(batch))
-        self.plan = plan
+        self.plan = plan = self._get_jitted().lower(*self._args(batch))
         return plan
 
     @property
@@ -226,13 +224,8 @@ class TrainStep:
 
     def __call__(self, batch: Any) -> torch.Tensor:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
-        with self._lock:
-            return self._step(batch)
-
-    def _step(self, batch: Any) -> torch.Tensor:
         self._snapshot.check(self.model, self.optimizer)
-        jitted = self._get_jitted()
-        args = self._args(batch)
+        jitted, args = self._get_jitted(), self._args(batch)
         loss, params, buffers, opt_state = jitted(*args)
         self.params, self.buffers, self.opt_state = params, buffers, opt_state
         unused = self._unused.get(self.model.training, frozenset())

@@ -36,6 +36,7 @@ from torch._export.utils import _get_decomp_for_cia, _is_preservable_cia_op
 from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
 
 from partita.capture import ops as partita_ops
+from partita.capture.half_reductions import HALF_REDUCTION_OPS
 
 __all__ = [
     "AS_STRIDED_OPS",
@@ -287,47 +288,6 @@ AS_STRIDED_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     aten.as_strided.default: _as_strided,
     aten.as_strided_copy.default: _as_strided,
     aten.as_strided_scatter.default: _as_strided_scatter,
-}
-
-
-_HALF = (torch.float16, torch.bfloat16)
-
-
-def _half_sum(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
-    out = dtype if dtype is not None else x.dtype
-    if out not in _HALF or not x.dtype.is_floating_point:
-        return NotImplemented
-    return aten.sum.dim_IntList(x, dim, keepdim, dtype=torch.float32).to(out)
-
-
-def _half_sum_default(x: torch.Tensor, *, dtype: Any = None) -> Any:
-    return _half_sum(x, None, False, dtype=dtype)
-
-
-def _half_mean(
-    x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None
-) -> Any:
-    out = dtype if dtype is not None else x.dtype
-    if out not in _HALF or not x.dtype.is_floating_point:
-        return NotImplemented
-    return aten.mean.dim(x, dim, keepdim, dtype=torch.float32).to(out)
-
-
-def _half_mean_default(x: torch.Tensor, *, dtype: Any = None) -> Any:
-    return _half_mean(x, None, False, dtype=dtype)
-
-
-#: ``sum`` and ``mean`` of float16/bfloat16 as eager computes them: accumulated in float32,
-#: rounded once (``sum(x, dtype=float32).to(float16)``). The rounding is then explicit in the
-#: program, so a reduction sharded over the mesh adds its per-device partials in float32 (the
-#: all_reduce or reduce_scatter moves float32) and rounds after: partials that overflow
-#: float16 on their own (+-40000 + 40000 on two devices) do not turn the result into inf or
-#: NaN where eager gives a finite value. Other dtypes trace as themselves.
-HALF_REDUCTION_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
-    aten.sum.default: _half_sum_default,
-    aten.sum.dim_IntList: _half_sum,
-    aten.mean.default: _half_mean_default,
-    aten.mean.dim: _half_mean,
 }
 
 

@@ -166,7 +166,7 @@ def trace_layer(
                 example = fresh() + [torch.empty(s, dtype=d, device=dev)
                                      for s, d, dev, _ in cot_meta]  # fmt: skip
             updates = InputUpdates([], (), [], [], None, state.fn_name)
-            from partita.capture.trace import TRACING  # it imports this module's callers
+            from partita.capture.threads import TRACING  # lazily: the package imports this module
 
             # One make_fx at a time in the process (see TRACING); reentrant inside a trace.
             with TRACING, _use_lazy_graph_module(True):  # the joint is split, never run

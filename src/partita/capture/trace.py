@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -73,6 +72,7 @@ from partita.capture.program import Program
 from partita.capture.rng import DrawKeys, replay_draws, tracing_rng
 from partita.capture.source import format_source, source_from_stack_trace, user_frame
 from partita.capture.spec_tree import broadcast_specs, is_size, unflatten_args
+from partita.capture.threads import TRACING
 from partita.errors import CaptureError, PartitaError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
@@ -99,10 +99,6 @@ def _check_leaves(paths: list[tuple[Any, Any]], fn_name: str) -> None:
             f"nor a static Python value (int, float, bool, str, None, dtype, ...). Convert it "
             f"with torch.as_tensor, or close over it in the function instead of passing it."
         )
-
-
-#: Held while a function is traced (reentrant: a trace may trace inside, e.g. a shard_map).
-TRACING = threading.RLock()
 
 
 def trace(

@@ -116,7 +116,7 @@ def trace_flat(
     ops, or ``fn`` itself when its batching rules cannot be traced; None, to try again later,
     while another thread traces. ``n_nodes`` (the segment's) calibrates the cost estimate of
     later traces."""
-    from partita.capture.trace import TRACING  # capture imports the runtime
+    from partita.capture.threads import TRACING  # lazily: capture imports the runtime
 
     # make_fx keeps process-global state (see TRACING): while another thread traces, this
     # segment keeps its vmaps (correct, not flattened) rather than wait, since that thread
