@@ -86,8 +86,9 @@ class CompiledStep:
         return getattr(self.fn, "__name__", repr(self.fn))
 
     def reset(self) -> None:
-        """Drop every capture: the next calls run the function again (after
-        ``load_state_dict`` or anything else that replaced the tensors the step reads)."""
+        """Drop every capture: the next calls run the function again (after a change the
+        guard does not see: a Python value read inside the step; loads and replaced tensors
+        drop the capture by themselves)."""
         self.signatures.clear()
         step.metrics().compiled_steps.pop(self.name, None)
 
