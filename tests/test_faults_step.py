@@ -254,6 +254,25 @@ def test_one_compiled_step_from_two_threads(dev: torch.device) -> None:
     assert calls[0] == 3
 
 
+def test_two_threads_train_their_own_models_on_the_device(dev: torch.device) -> None:
+    """Two threads each train their own model on the virtual device at once (no compile,
+    reading the loss every step): their ops share the one recording, one at a time, and every
+    loss and parameter equals the thread's eager twin."""
+
+    def train(k: int) -> None:
+        model, opt, ref, ref_opt = _models(dev)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for x, y in _batches(4, seed=k):
+            loss = F.mse_loss(model(x.to(dev)), y.to(dev))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            assert loss.item() == pytest.approx(_eager(ref, ref_opt, x, y), abs=1e-5), k
+        _same(model, ref)
+
+    _in_threads(train)
+
+
 def _f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.relu(x @ w).sum(0)
 

@@ -25,7 +25,16 @@ from partita.errors import VirtualDeviceError
 from partita.tensor import ShardedTensor
 from partita.virtual.device import spmd_device
 
-__all__ = ["COPYING", "Cell", "Desc", "LazyTensor", "full_value", "lazies", "next_serial"]
+__all__ = [
+    "COPYING",
+    "DEVICE",
+    "Cell",
+    "Desc",
+    "LazyTensor",
+    "full_value",
+    "lazies",
+    "next_serial",
+]
 
 #: A value's metadata: shape, strides, storage offset, dtype.
 Desc = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]
@@ -201,7 +210,8 @@ class LazyTensor(torch.Tensor):
             from partita.virtual.recording import dispatch
 
             _DISPATCH.append(dispatch)
-        return _DISPATCH[0](func, args, kwargs or {})
+        with DEVICE:  # one op at a time on the device, whichever thread records it
+            return _DISPATCH[0](func, args, kwargs or {})
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         del tensor_contents
@@ -241,6 +251,10 @@ class LazyTensor(torch.Tensor):
 
 
 _DATA = torch._C.TensorBase.data  # the C descriptor behind Tensor.data
+#: Held while an op is recorded and while a sync takes the recording: the device records one
+#: step for the whole process, so ops from several threads (two threads training their own
+#: models, autograd's backward thread) go into it one at a time, never while a sync takes it.
+DEVICE = threading.RLock()
 _DEVICE: list[torch.device] = []
 _DISPATCH: list[Any] = []  # recording.dispatch (imported on first use: it imports this module)
 
@@ -271,8 +285,12 @@ def _sync_outside_dispatch() -> None:
             errors.append(e)
 
     worker = threading.Thread(target=run, name="partita-sync")
-    worker.start()
-    worker.join()
+    held = DEVICE._release_save()  # type: ignore[attr-defined]  # the worker's sync takes it
+    try:
+        worker.start()
+        worker.join()
+    finally:
+        DEVICE._acquire_restore(held)  # type: ignore[attr-defined]
     if errors:
         raise errors[0]
 

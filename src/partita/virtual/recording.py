@@ -30,7 +30,7 @@ from partita.virtual import draws, why
 from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
 from partita.virtual.guide import Guide
 from partita.virtual.immediate import new_data, run_now
-from partita.virtual.lazy import Cell, LazyTensor, lazies
+from partita.virtual.lazy import DEVICE, Cell, LazyTensor, lazies
 from partita.virtual.lift import lift_extras
 from partita.virtual.shapes import infer, op_info
 from partita.virtual.sources import Source, op_source
@@ -290,14 +290,15 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 def record_annotation(t: LazyTensor, annotate: Any, mesh: Any, spec: Any) -> None:
     """Record ``annotate(t, mesh, spec)`` on a pending tensor: its later uses see the
     annotated value (``mark_sharding`` in place on a value being computed)."""
-    rec = current()
-    slot = rec.slot_of(t._cell)
-    targs = (("t", slot), ("c", mesh), ("c", spec))
-    entry = rec.follow(annotate, targs, ()) or (annotate, targs, (), (slot,))
-    if rec.guide is None:
-        rec.sources.append(op_source(rec.forward_sources))
-    rec.ops.append(entry)
-    rec.results.append(None)
+    with DEVICE:  # as an op: not while another thread's sync takes the recording
+        rec = current()
+        slot = rec.slot_of(t._cell)
+        targs = (("t", slot), ("c", mesh), ("c", spec))
+        entry = rec.follow(annotate, targs, ()) or (annotate, targs, (), (slot,))
+        if rec.guide is None:
+            rec.sources.append(op_source(rec.forward_sources))
+        rec.ops.append(entry)
+        rec.results.append(None)
 
 
 def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

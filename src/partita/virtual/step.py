@@ -40,7 +40,7 @@ from partita.runtime.distributed import distributed_executor
 from partita.tensor import ShardedTensor
 from partita.virtual import disk_cache, recording
 from partita.virtual.device import VirtualDeviceError
-from partita.virtual.lazy import Cell
+from partita.virtual.lazy import DEVICE, Cell
 from partita.virtual.lift import replay_op
 from partita.virtual.metrics import MISSES_KEPT, Metrics
 from partita.virtual.program import StepProgram, compile_step
@@ -178,6 +178,11 @@ def sync() -> None:
     Example:
         >>> partita.sync()   # nothing recorded: nothing runs
     """
+    with DEVICE:  # no op is recorded from another thread while the recording is taken
+        _sync()
+
+
+def _sync() -> None:
     pending = recording.current()
     if not pending.ops:
         return
