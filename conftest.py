@@ -12,6 +12,11 @@ import torch
 import partita
 from partita import Mesh, P
 
+# The virtual device is registered by the first use_spmd, which must come before a process's
+# first backward() (PyTorch sizes its autograd queues then); in a test session other tests'
+# backward() often runs first, so the session registers it before any test or example runs.
+partita.virtual.register_device()
+
 
 @pytest.fixture(autouse=True)
 def _doctest_names(doctest_namespace: dict[str, Any]) -> None:

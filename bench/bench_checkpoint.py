@@ -37,7 +37,7 @@ import partita.distributed as pd
 from partita import Mesh
 from partita.models import GPT, GPTConfig
 from partita.runtime.launch import spawn
-from partita.train import train_step
+from partita.training import train_step
 
 CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
 BATCH = 16
@@ -74,7 +74,7 @@ def worker(repeat: int, plan: str, root: Path) -> None:
         return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
 
     mesh = Mesh.create((4,), ("data",))
-    step = train_step(model, loss_fn, opt, mesh=mesh, plan=plan)
+    step = train_step(model, loss_fn, opt, mesh=mesh, param_specs=plan)
     ids = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len))
     step((ids, torch.roll(ids, -1, 1)))  # the state now lives in the 4 processes
 

@@ -95,7 +95,7 @@ def compile_once(
     os.environ["PARTITA_SCAN_LAYERS"] = "0" if mode == "unrolled" else "1"
     try:
         step = partita.train_step(
-            model, loss_fn, opt, mesh=mesh, shard="fsdp", batch_spec=P("data")
+            model, loss_fn, opt, mesh=mesh, param_specs="fsdp", batch_spec=P("data")
         )
     finally:
         if old is None:
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"# {' '.join([sys.executable, *sys.argv])}")
     print(
         f"# partita.train_step(GPT d_model={ns.width} heads={ns.heads} vocab={ns.vocab} "
-        f"seq={ns.seq} batch={ns.batch}, AdamW, shard='fsdp') on {mesh!r}; torch "
+        f"seq={ns.seq} batch={ns.batch}, AdamW, param_specs='fsdp') on {mesh!r}; torch "
         f"{torch.__version__}; {torch.get_num_threads()} threads; median of {ns.repeat} fresh "
         f"compiles (seconds); load average {os.getloadavg()[0]:.1f} at the start"
     )

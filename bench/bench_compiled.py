@@ -1,11 +1,11 @@
-"""Compiled per-device programs: a GPT FSDP step with ``compile_programs`` on and off.
+"""Compiled per-device programs: a GPT FSDP step with ``inductor`` on and off.
 
 Run: ``.venv/bin/python bench/bench_compiled.py [--devices 8] [--gloo 4] [--layers 4]
 [--repeat 5]`` (``--gloo 0`` skips the multi-process run; ``--devices 0`` the simulated one).
 
 The step: GPT (``--layers``, width 256, 8 heads, vocabulary 512, sequence 128, global batch 16),
 cross entropy, AdamW, parameters and batch ``P("data")`` (FSDP) on a ``(n,)`` mesh, compiled by
-``partita.jit`` twice: with ``compile_programs=False`` and ``True``. Both run in the same
+``partita.jit`` twice: with ``inductor=False`` and ``True``. Both run in the same
 process, their timed steps interleaved so load drift hits both alike:
 
 * simulated: ``--devices`` devices on the LocalMesh in this process;
@@ -55,7 +55,7 @@ def _config(layers: int) -> GPTConfig:
 class Run:
     """One jitted FSDP GPT step and its carried parameters and optimizer state."""
 
-    def __init__(self, mesh: Mesh, cfg: GPTConfig, compile_programs: bool) -> None:
+    def __init__(self, mesh: Mesh, cfg: GPTConfig, inductor: bool) -> None:
         torch.manual_seed(0)
         model = GPT(cfg)
         self.params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -71,7 +71,7 @@ class Run:
             mesh=mesh,
             in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
                       (P("data"), P("data"))),
-            compile_programs=compile_programs,
+            options={"inductor": inductor},
         )  # fmt: skip
         ids = torch.randint(
             0, cfg.vocab_size, (BATCH, cfg.seq_len), generator=torch.Generator().manual_seed(0)

@@ -26,13 +26,13 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import fx
 
-import partita.models.steps as steps_module
 from partita.capture import trace
 from partita.collectives import MESH_OPS, all_reduce
 from partita.mesh import Mesh
 from partita.models import GPT, GPTConfig
 from partita.runtime.local import LocalMesh
 from partita.training import init_opt_state, make_train_step
+from partita.training import optim as steps_module
 
 
 def median_seconds(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:

@@ -47,6 +47,7 @@ import partita
 from partita import Mesh, P
 from partita.models import GPT, GPTConfig
 from partita.virtual import recording
+from partita.virtual import state as virtual_state
 
 Times = dict[str, list[float]]
 #: Per row, its times (the loops append to it as they step).
@@ -84,7 +85,7 @@ def train_step_loop(cfg: GPTConfig, mesh: Mesh, data: list) -> Iterator[None]:
     model = GPT(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     step = partita.train_step(
-        model, loss_fn, opt, mesh=mesh, shard="fsdp+tp", batch_spec=P("data", None)
+        model, loss_fn, opt, mesh=mesh, param_specs="fsdp+tp", batch_spec=P("data", None)
     )
     out = TIMES.setdefault("train_step", {"step": [], "step_cpu": []})
     for batch in data:
@@ -103,10 +104,11 @@ def _own_guide(guide: list[Any]) -> None:
     loop's ``loss.item()`` may also have opened a recording (an op that runs at once opens
     one) with nothing in it: it starts afresh.
     """
-    pending = recording._STATE["recording"]
+    device = virtual_state.get()
+    pending = device.recording
     if pending is not None and not pending.ops:
         recording.reset()
-    recording._STATE["last"] = guide[0]
+    device.last_guide = guide[0]
 
 
 def _device_gpt(
@@ -150,26 +152,26 @@ def virtual_loop(
     capturable: bool = False,
 ) -> Iterator[None]:
     """The virtual-device loop over ``data``, one step per ``next()``; times into
-    ``TIMES[name]``. ``recording.FAST_PATH`` is set before each step (loops interleave)."""
+    ``TIMES[name]``. ``DeviceState.fast_path`` is set before each step (loops interleave)."""
     dev, model, opt = _device_gpt(cfg, mesh, capturable)
     out = TIMES.setdefault(name, {k: [] for k in ("step", "step_cpu", "record", "record_cpu")})
     guide: list[Any] = [None]
     for xb, yb in data:
-        recording.FAST_PATH = fast_path
+        virtual_state.get().fast_path = fast_path
         _own_guide(guide)
         wall, cpu = _clocks()
         loss = _train(dev, mesh, model, opt, xb, yb)
         out["record"].append(time.perf_counter() - wall)
         out["record_cpu"].append(time.process_time() - cpu)
         partita.sync()
-        guide[0] = recording._STATE["last"]
+        guide[0] = virtual_state.get().last_guide
         if read_loss:
             loss.item()  # waits for this step's run
         out["step"].append(time.perf_counter() - wall)
         out["step_cpu"].append(time.process_time() - cpu)
         yield
     partita.virtual.step.wait_in_flight()
-    recording.FAST_PATH = True
+    virtual_state.get().fast_path = True
 
 
 def compiled_loop(cfg: GPTConfig, mesh: Mesh, data: list) -> Iterator[None]:
@@ -184,11 +186,11 @@ def compiled_loop(cfg: GPTConfig, mesh: Mesh, data: list) -> Iterator[None]:
     out = TIMES.setdefault(COMPILED, {k: [] for k in ("step", "step_cpu", "record", "record_cpu")})
     guide: list[Any] = [None]
     for xb, yb in data:
-        recording.FAST_PATH = True
+        virtual_state.get().fast_path = True
         _own_guide(guide)
         wall, cpu = _clocks()
         loss = step(xb, yb)
-        guide[0] = recording._STATE["last"]
+        guide[0] = virtual_state.get().last_guide
         out["record"].append(time.perf_counter() - wall)
         out["record_cpu"].append(time.process_time() - cpu)
         loss.item()
@@ -230,6 +232,9 @@ def main() -> None:
     )  # fmt: skip
     mesh = Mesh.create((2, 4), ("data", "model"))
     data = batches(args.steps + 2, args.batch, cfg)
+    # train_step's first step runs a backward() before the loops below call use_spmd: the
+    # device must be registered before the process's first backward().
+    partita.virtual.register_device()
     recording.forget_guides()
     partita.metrics(reset=True)
     # train_step, the three recorded loops and the compiled step take turns, one step each, so

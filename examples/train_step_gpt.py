@@ -18,7 +18,7 @@ import partita.presets
 from partita import Mesh
 from partita.demo import synthetic_batch
 from partita.models import GPT, GPTConfig
-from partita.train import train_step
+from partita.training import train_step
 
 
 def main() -> None:
@@ -38,7 +38,9 @@ def main() -> None:
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
-    step = train_step(model, loss_fn, optimizer, mesh=mesh, shard=args.shard, max_grad_norm=1.0)
+    step = train_step(
+        model, loss_fn, optimizer, mesh=mesh, param_specs=args.shard, max_grad_norm=1.0
+    )
 
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     ref_schedule = torch.optim.lr_scheduler.CosineAnnealingLR(ref_opt, T_max=args.steps)

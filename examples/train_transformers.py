@@ -22,7 +22,7 @@ import transformers
 
 from partita import Mesh
 from partita.presets import explain_param_specs, format_param_specs
-from partita.train import train_step
+from partita.training import train_step
 
 LM = dict(
     vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -66,7 +66,7 @@ def main() -> None:
     # eps=1e-5: GPT-2's attention key bias has a zero gradient (docs/training.md)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, eps=1e-5)
-    step = train_step(model, loss_fn, opt, mesh=mesh, shard=preset)
+    step = train_step(model, loss_fn, opt, mesh=mesh, param_specs=preset)
     gen = torch.Generator().manual_seed(0)
     for i in range(5):
         ids = torch.randint(0, 64, (8, 16), generator=gen)

@@ -20,10 +20,11 @@ from torch import fx, nn
 from partita import Mesh, P
 from partita.collectives import COLLECTIVE_OPS
 from partita.collectives_bucket import BUCKET_OPS
-from partita.errors import CompilerError
-from partita.partition.bucket import bucket_bytes_setting, bucket_collectives
+from partita.errors import CompilerError, OptionError
+from partita.options import CompileOptions
+from partita.partition.bucket import DEFAULT_BUCKET_BYTES, bucket_collectives
 from partita.partition.plan import CollectiveRecord, Plan
-from partita.train import train_step
+from partita.training import train_step
 
 ops = torch.ops.partita
 
@@ -51,8 +52,9 @@ def _train(
     monkeypatch.setenv("PARTITA_BUCKET_BYTES", setting)
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    options = None if regather is None else {"regather": regather}
     step = train_step(
-        model, F.mse_loss, opt, mesh=mesh, shard=plan, max_grad_norm=clip, regather=regather
+        model, F.mse_loss, opt, mesh=mesh, param_specs=plan, max_grad_norm=clip, options=options
     )
     losses = [float(step(_batch(i))) for i in range(2)]
     step.sync_to_module()
@@ -164,17 +166,18 @@ def test_plan_that_does_not_match_the_program_is_a_compiler_error() -> None:
         bucket_collectives(gm, plan, 1 << 20)
 
 
-def test_bucket_size_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bucket_size_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    from partita.options import current
+
     monkeypatch.delenv("PARTITA_BUCKET_BYTES", raising=False)
-    assert bucket_bytes_setting() == 4 << 20
-    assert bucket_bytes_setting(0) == 0
-    monkeypatch.setenv("PARTITA_BUCKET_BYTES", "4e6")
-    assert bucket_bytes_setting() == 4_000_000
+    assert current().bucket_bytes == DEFAULT_BUCKET_BYTES == 4 << 20
+    monkeypatch.setenv("PARTITA_BUCKET_BYTES", "4000000")
+    assert current().bucket_bytes == 4_000_000
     monkeypatch.setenv("PARTITA_BUCKET_BYTES", "lots")
-    with pytest.raises(ValueError, match=r"PARTITA_BUCKET_BYTES='lots' is not a number.*0 to "):
-        bucket_bytes_setting()
-    with pytest.raises(ValueError, match=r"bucket_bytes=-1 is negative.*0 to turn bucketing off"):
-        bucket_bytes_setting(-1)
+    with pytest.raises(OptionError, match=r"PARTITA_BUCKET_BYTES='lots': must be a whole number"):
+        current()
+    with pytest.raises(OptionError, match=r"bucket_bytes=-1\): bucket_bytes must be an int >= 0"):
+        CompileOptions(bucket_bytes=-1)
 
 
 def test_partition_takes_the_knob() -> None:
@@ -192,7 +195,7 @@ def test_partition_takes_the_knob() -> None:
     for cap in (0, 1 << 20):
         prog = trace(f, args, {}, in_specs=(P("data"), P("data")), out_specs=(P(), P()), mesh=mesh)
         propagate(prog.graph_module, mesh)
-        _, plans[cap] = partition(prog.graph_module, mesh, bucket_bytes=cap)
+        _, plans[cap] = partition(prog.graph_module, mesh, CompileOptions(bucket_bytes=cap))
     assert plans[0].call_counts()["all_gather"] == 2
     assert plans[1 << 20].call_counts()["all_gather"] == 1
 
@@ -279,8 +282,9 @@ def test_regather_lowers_the_memory_peak(monkeypatch: pytest.MonkeyPatch) -> Non
     peaks = {}
     for again in (False, True):
         step = partita.jit(
-            make_train_step(model, F.mse_loss, "sgd"), mesh=mesh, in_specs=in_specs, regather=again
-        )
+            make_train_step(model, F.mse_loss, "sgd"), mesh=mesh, in_specs=in_specs,
+            options={"regather": again},
+        )  # fmt: skip
         peaks[again] = step.lower(params, {}, state, batch).memory()
     # the four middle weights (16 KiB each, gathered) are freed after the forward and the
     # last layer's weight (read by the backward right away) is kept
@@ -288,16 +292,15 @@ def test_regather_lowers_the_memory_peak(monkeypatch: pytest.MonkeyPatch) -> Non
     assert peaks[True].peak < peaks[False].peak, peaks
 
 
-def test_regather_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    from partita.partition.regather import regather_setting
+def test_regather_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    from partita.options import current
 
     monkeypatch.delenv("PARTITA_REGATHER", raising=False)
-    assert regather_setting() is False
-    assert regather_setting(True) is True
+    assert current().regather is False
     monkeypatch.setenv("PARTITA_REGATHER", "1")
-    assert regather_setting() is True and regather_setting(False) is False
+    assert current().regather is True
     monkeypatch.setenv("PARTITA_REGATHER", "sometimes")
-    with pytest.raises(ValueError, match=r"PARTITA_REGATHER='sometimes' is neither.*=1 to.*=0"):
-        regather_setting()
-    with pytest.raises(TypeError, match=r"regather='yes': give True .*or False"):
-        regather_setting("yes")  # type: ignore[arg-type]
+    with pytest.raises(OptionError, match=r"PARTITA_REGATHER='sometimes': must be one of 1/"):
+        current()
+    with pytest.raises(OptionError, match=r"regather='yes'\): regather must be True or False"):
+        CompileOptions(regather="yes")  # type: ignore[arg-type]

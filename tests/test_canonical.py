@@ -131,7 +131,11 @@ def test_t18_explains_why_it_reduces_the_output_instead_of_gathering_the_weight(
 def test_strict_mode_turns_a_full_rematerialization_into_an_error() -> None:
     mesh = Mesh.create((2, 4), ("x", "y"))
     step = partita.jit(
-        lambda a: a * 2, mesh=mesh, in_specs=(P("x", None),), out_specs=P("y", None), strict=True
+        lambda a: a * 2,
+        mesh=mesh,
+        in_specs=(P("x", None),),
+        out_specs=P("y", None),
+        options={"strict": True},
     )
     with pytest.raises(RematerializationError) as info:
         step.lower(torch.randn(16, 32))
@@ -154,7 +158,11 @@ def test_without_strict_a_full_rematerialization_warns_and_is_correct() -> None:
 def test_t08_is_not_a_rematerialization_for_partita() -> None:
     case = CASES["T08"]
     step = partita.jit(
-        case.fn, mesh=MESH, in_specs=case.in_specs, out_specs=case.out_specs, strict=True
+        case.fn,
+        mesh=MESH,
+        in_specs=case.in_specs,
+        out_specs=case.out_specs,
+        options={"strict": True},
     )
     plan = step.lower(*case.args)  # strict, yet no error: two all_to_alls move the tiles
     assert [c.kind for c in plan.collectives] == ["all_to_all", "all_to_all"]

@@ -23,8 +23,8 @@ import partita
 import partita.runtime.compiled as compiled_module
 from partita import Mesh, P
 from partita import collectives as coll
-from partita.errors import JitArgumentError
-from partita.runtime.compiled import CompileStats, compile_programs_setting, compile_regions
+from partita.errors import OptionError
+from partita.runtime.compiled import CompileStats, compile_regions
 from partita.runtime.launch import spawn
 
 SCRIPTS = Path(__file__).parent / "dist_scripts"
@@ -32,13 +32,14 @@ MESH = Mesh.create((4,), ("data",))
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
 
-def _train(compile_programs: bool, steps: int = 2) -> tuple[list[torch.Tensor], Any]:
+def _train(inductor: bool, steps: int = 2) -> tuple[list[torch.Tensor], Any]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = partita.train_step(
-        model, F.mse_loss, opt, mesh=MESH, shard="fsdp", compile_programs=compile_programs
-    )
+        model, F.mse_loss, opt, mesh=MESH, param_specs="fsdp",
+        options={"inductor": inductor},
+    )  # fmt: skip
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(steps):
@@ -114,17 +115,17 @@ def test_a_region_inductor_cannot_compile_runs_uncompiled(monkeypatch: pytest.Mo
     torch.testing.assert_close(fn(*args)[0], torch.relu(args[0] @ args[1]))
 
 
-def test_compile_programs_setting(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(compiled_module.COMPILE_PROGRAMS_ENV, raising=False)
-    assert compile_programs_setting(None) is False
-    monkeypatch.setenv(compiled_module.COMPILE_PROGRAMS_ENV, "1")
-    assert compile_programs_setting(None) is True
-    assert compile_programs_setting(False) is False
-    monkeypatch.setenv(compiled_module.COMPILE_PROGRAMS_ENV, "fast")
-    with pytest.raises(JitArgumentError, match=r"PARTITA_COMPILE_PROGRAMS='fast'.*1 or 0"):
-        compile_programs_setting(None)
-    with pytest.raises(JitArgumentError, match=r"compile_programs='yes'.*Pass a bool"):
-        partita.jit(lambda x: x, mesh=MESH, in_specs=(P(),), compile_programs="yes")
+def test_inductor_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PARTITA_INDUCTOR", raising=False)
+    assert partita.options.current().inductor is False
+    monkeypatch.setenv("PARTITA_INDUCTOR", "1")
+    assert partita.options.current().inductor is True
+    monkeypatch.setenv("PARTITA_INDUCTOR", "fast")
+    with pytest.raises(OptionError, match=r"PARTITA_INDUCTOR='fast': must be one of 1/"):
+        partita.options.current()
+    monkeypatch.delenv("PARTITA_INDUCTOR")
+    with pytest.raises(OptionError, match=r"inductor='yes'\): .*must be True or False"):
+        partita.jit(lambda x: x, mesh=MESH, in_specs=(P(),), options={"inductor": "yes"})
 
 
 @pytest.mark.slow

@@ -23,3 +23,19 @@ def test_docs_build_strict(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert (tmp_path / "index.html").exists()
+
+
+def test_no_page_is_listed_twice() -> None:
+    """The navigation (mkdocs.yml) and the index's reading table name each page once."""
+    nav = [
+        line.split(":", 1)[1].strip()
+        for line in (ROOT / "mkdocs.yml").read_text().split("\nnav:\n", 1)[1].splitlines()
+        if line.strip().startswith("- ") and line.strip().endswith(".md")
+    ]
+    assert len(nav) == len(set(nav)) > 10, nav
+    rows = [
+        line
+        for line in (ROOT / "docs" / "index.md").read_text().splitlines()
+        if line.startswith("| ") and "](" in line
+    ]
+    assert len(rows) == len(set(rows)) > 10, rows

@@ -28,7 +28,8 @@ from partita.errors import (
 )
 from partita.partition.lower import Lowering
 from partita.propagate import apply_rule
-from partita.rules import _REGISTRY, FactorRule, OpInfo, TensorMeta, registered_ops
+from partita.rules import FactorRule, OpInfo, TensorMeta, registered_ops
+from partita.rules.registry import _REGISTRY
 
 MESH = Mesh.create((2, 4), ("x", "y"))
 aten = torch.ops.aten
@@ -89,7 +90,9 @@ def test_replicate_unsupported_catches_a_rule_that_raises(monkeypatch: pytest.Mo
 
     monkeypatch.setitem(_REGISTRY, aten.mul.Tensor, gqa_like)
     fn = lambda a, b: a * b  # noqa: E731
-    step = partita.jit(fn, mesh=MESH, in_specs=(P("x"), P("x")), replicate_unsupported=True)
+    step = partita.jit(
+        fn, mesh=MESH, in_specs=(P("x"), P("x")), options={"replicate_unsupported": True}
+    )
     a, b = torch.randn(8, 4), torch.randn(8, 4)
     with pytest.warns(
         ReplicatedOpWarning, match=r"aten.mul.Tensor at node mul \(test_errors_compiler.py:\d+"
@@ -205,7 +208,9 @@ def test_custom_op_without_a_rule_names_the_three_ways_or_warns_and_replicates()
     with pytest.warns(
         ReplicatedOpWarning, match=r"no_rule_double.* has no sharding rule: its call"
     ):
-        out = partita.jit(fn, mesh=mesh, in_specs=(P("x", "y"),), replicate_unsupported=True)(x)
+        out = partita.jit(
+            fn, mesh=mesh, in_specs=(P("x", "y"),), options={"replicate_unsupported": True}
+        )(x)
     torch.testing.assert_close(out.full(), x.exp() * 2 + 1)
 
 
@@ -230,7 +235,9 @@ def _noise(x: torch.Tensor) -> torch.Tensor:
 def test_a_random_op_with_its_own_generator_says_how_to_seed() -> None:
     """Also under replicate_unsupported=True: the generator object cannot be replicated."""
     for replicate in (False, True):
-        step = partita.jit(_noise, mesh=MESH, in_specs=(P("x"),), replicate_unsupported=replicate)
+        step = partita.jit(
+            _noise, mesh=MESH, in_specs=(P("x"),), options={"replicate_unsupported": replicate}
+        )
         with pytest.raises(
             UnsupportedOpError,
             match=r"aten.rand.generator at node rand \(test_errors_compiler.py:\d+ in _noise\) "

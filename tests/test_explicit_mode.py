@@ -1,5 +1,6 @@
-"""``partita.jit(..., collectives="explicit" | "warn")``: only the collectives the annotations
-imply run silently; any other is an error (or a warning) that says where and how to avoid it."""
+"""``partita.jit(..., options={"collectives": "explicit" | "warn"})``: only the collectives the
+annotations imply run silently; any other is an error (or a warning) that says where and how to
+avoid it."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import torch
 
 import partita
 from partita import Mesh, P
-from partita.errors import ExplicitCollectiveError, ImplicitCollectiveWarning, JitArgumentError
+from partita.errors import ExplicitCollectiveError, ImplicitCollectiveWarning, OptionError
 
 
 @pytest.fixture(scope="module")
@@ -26,7 +27,7 @@ def test_contraction_over_a_sharded_dim_is_implied(mesh: Mesh) -> None:
         mlp,
         mesh=mesh,
         in_specs=(P("d", None), P(None, "m"), P("m", None)),
-        collectives="explicit",
+        options={"collectives": "explicit"},
     )
     x, w1, w2 = torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4)
     torch.testing.assert_close(step(x, w1, w2).full(), mlp(x, w1, w2), atol=1e-5, rtol=1e-5)
@@ -39,7 +40,7 @@ def test_reshard_between_two_annotated_values_is_an_error(mesh: Mesh) -> None:
         mesh=mesh,
         in_specs=P("d", None),
         out_specs=P(None, "d"),
-        collectives="explicit",
+        options={"collectives": "explicit"},
     )
     with pytest.raises(
         ExplicitCollectiveError,
@@ -59,8 +60,8 @@ def test_gathered_operand_is_an_error_and_warn_mode_runs(mesh: Mesh) -> None:
 
     x = torch.randn(8)
     with pytest.raises(ExplicitCollectiveError, match=r"(?s)all_gather over \['m'\].*aten.cumsum"):
-        partita.jit(scan, mesh=mesh, in_specs=P("m"), collectives="explicit")(x)
-    warned = partita.jit(scan, mesh=mesh, in_specs=P("m"), collectives="warn")
+        partita.jit(scan, mesh=mesh, in_specs=P("m"), options={"collectives": "explicit"})(x)
+    warned = partita.jit(scan, mesh=mesh, in_specs=P("m"), options={"collectives": "warn"})
     with pytest.warns(ImplicitCollectiveWarning, match=r"(?s)collectives='warn'.*all_gather"):
         out = warned(x)
     torch.testing.assert_close(out.full(), torch.cumsum(x, 0))
@@ -70,14 +71,14 @@ def test_collectives_written_in_shard_map_are_explicit(mesh: Mesh) -> None:
     region = partita.shard_map(
         lambda b: partita.psum(b.sum(0), "d"), mesh=mesh, in_specs=P("d"), out_specs=P()
     )
-    step = partita.jit(region, mesh=mesh, in_specs=P("d"), collectives="explicit")
+    step = partita.jit(region, mesh=mesh, in_specs=P("d"), options={"collectives": "explicit"})
     x = torch.randn(8, 4)
     torch.testing.assert_close(step(x).full(), x.sum(0), atol=1e-5, rtol=1e-5)
 
 
 def test_unknown_mode_is_an_error(mesh: Mesh) -> None:
-    with pytest.raises(JitArgumentError, match=r"collectives='strict'.*'auto', 'warn', 'explicit'"):
-        partita.jit(mlp, mesh=mesh, collectives="strict")
+    with pytest.raises(OptionError, match=r"collectives='strict'.*'auto', 'explicit', 'warn'"):
+        partita.jit(mlp, mesh=mesh, options={"collectives": "strict"})
 
 
 def test_train_step_takes_the_mode() -> None:
@@ -89,7 +90,9 @@ def test_train_step_takes_the_mode() -> None:
         model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         loss = torch.nn.functional.mse_loss
-        return partita.train_step(model, loss, opt, mesh=mesh, shard=shard, collectives="explicit")
+        return partita.train_step(
+            model, loss, opt, mesh=mesh, param_specs=shard, options={"collectives": "explicit"}
+        )
 
     batch = (torch.randn(8, 4), torch.randn(8, 2))
     assert make("dp")(batch).ndim == 0
@@ -99,5 +102,7 @@ def test_train_step_takes_the_mode() -> None:
         make("fsdp")(batch)
     lin = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-    with pytest.raises(JitArgumentError, match=r"collectives='loud'"):
-        partita.train_step(lin, torch.nn.functional.mse_loss, opt, mesh=mesh, collectives="loud")
+    with pytest.raises(OptionError, match=r"collectives='loud'"):
+        partita.train_step(
+            lin, torch.nn.functional.mse_loss, opt, mesh=mesh, options={"collectives": "loud"}
+        )

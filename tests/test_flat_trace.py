@@ -15,7 +15,7 @@ import partita
 from partita import P
 from partita import collectives as coll
 from partita.capture import trace
-from partita.errors import JitArgumentError
+from partita.errors import OptionError
 from partita.mesh import Mesh
 from partita.runtime import flat_trace, step_order
 from partita.runtime.executor import executor_for
@@ -46,7 +46,7 @@ def _traced(runner: LocalMesh, gm: fx.GraphModule) -> list[bool]:
 
 def test_traced_at_the_run_the_setting_names(monkeypatch: pytest.MonkeyPatch) -> None:
     gm, inputs = _program()
-    monkeypatch.setenv(flat_trace.TRACE_AT_ENV, "3")
+    monkeypatch.setenv("PARTITA_TRACE_FLAT_AT", "3")
     runner = LocalMesh(MESH)
     first = runner.run(gm, inputs)
     runner.run(gm, inputs)
@@ -55,7 +55,7 @@ def test_traced_at_the_run_the_setting_names(monkeypatch: pytest.MonkeyPatch) ->
     assert all(_traced(runner, gm))
     for got, want in zip(third, first, strict=True):
         torch.testing.assert_close(got, want)
-    monkeypatch.setenv(flat_trace.TRACE_AT_ENV, "0")  # never
+    monkeypatch.setenv("PARTITA_TRACE_FLAT_AT", "0")  # never
     runner = LocalMesh(MESH)
     for _ in range(4):
         runner.run(gm, inputs)
@@ -66,7 +66,7 @@ def test_traced_once_the_eager_runs_cost_as_much(monkeypatch: pytest.MonkeyPatch
     """Unset, a segment signature is traced at the first run after its eager runs have
     cost its node count times the seconds per node traces took so far."""
     gm, inputs = _program()
-    monkeypatch.delenv(flat_trace.TRACE_AT_ENV, raising=False)
+    monkeypatch.delenv("PARTITA_TRACE_FLAT_AT", raising=False)
     monkeypatch.setattr(flat_trace, "_TRACED", [1.0, 1])  # a trace costs 1 s per node
     runner = LocalMesh(MESH)
     first = runner.run(gm, inputs)
@@ -84,21 +84,21 @@ def test_traced_once_the_eager_runs_cost_as_much(monkeypatch: pytest.MonkeyPatch
 
 def test_the_first_two_runs_are_not_traced_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
     tracer = flat_trace.FlatTracer()
-    monkeypatch.delenv(flat_trace.TRACE_AT_ENV, raising=False)
+    monkeypatch.delenv("PARTITA_TRACE_FLAT_AT", raising=False)
     monkeypatch.setattr(flat_trace, "_TRACED", [0.0, 0])
     assert not tracer.due(0)
     tracer.spent(5.0)  # the first run is not counted
     assert not tracer.due(0) and tracer.seconds == 0.0
     tracer.spent(0.0)
     assert tracer.due(0)
-    monkeypatch.setenv(flat_trace.TRACE_AT_ENV, "1")
-    assert flat_trace.FlatTracer().due(100)
+    assert flat_trace.FlatTracer().due(100, at=1)  # the trace_flat_at option
+    assert not flat_trace.FlatTracer().due(100, at=0)
 
 
 def test_a_malformed_setting_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(flat_trace.TRACE_AT_ENV, "soon")
-    with pytest.raises(JitArgumentError, match="whole number"):
-        flat_trace.trace_at()
+    monkeypatch.setenv("PARTITA_TRACE_FLAT_AT", "soon")
+    with pytest.raises(OptionError, match="PARTITA_TRACE_FLAT_AT='soon': must be a whole number"):
+        partita.options.current()
 
 
 def test_each_step_drops_what_nothing_reads_later() -> None:
@@ -142,7 +142,7 @@ def test_contractions_run_where_their_operands_are_complete(
     """A weight gradient's matmul runs after the part of the backward that completes its
     operands (then they are dropped), not after the whole backward; the results are the
     same bit for bit as with the backward uncut."""
-    monkeypatch.setenv(flat_trace.TRACE_AT_ENV, "2")
+    monkeypatch.setenv("PARTITA_TRACE_FLAT_AT", "2")
     cut, plan = _fsdp_gpt(monkeypatch, 4)
     whole, whole_plan = _fsdp_gpt(monkeypatch, 10**9)
     for a, b in zip(cut, whole, strict=True):

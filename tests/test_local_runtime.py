@@ -273,7 +273,7 @@ def test_reduce_scatter_axis_index_and_unbatched_input_to_mesh_op() -> None:
 @needs_stacked
 def test_data_parallel_gpt_step_equals_unsharded() -> None:
     """All-reduce-averaged gradients on 2 devices of batch 1 == one step on batch 2."""
-    import partita.models.steps as steps_module
+    from partita.training import optim as steps_module
 
     step, args = gpt_step(batch=2)
     params, buffers, state, (ids, targets) = args

@@ -42,7 +42,7 @@ transformers = pytest.importorskip("transformers")
 import partita  # noqa: E402
 from partita import Mesh, P, ReplicatedOpWarning  # noqa: E402
 from partita.presets import param_specs  # noqa: E402
-from partita.train import TrainStep, train_step  # noqa: E402
+from partita.training import TrainStep, train_step  # noqa: E402
 
 RTOL = ATOL = 1e-5
 STEPS = 3
@@ -210,7 +210,7 @@ def reference(model: nn.Module, case: ModelCase, batches: list[Batch]) -> list[f
 
 def sharded(model: nn.Module, case: ModelCase, plan: str) -> TrainStep:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
-    return train_step(model, case.loss, opt, mesh=MESH, shard=plan, replicate_unsupported=False)
+    return train_step(model, case.loss, opt, mesh=MESH, param_specs=plan)
 
 
 def _cases() -> list[Any]:
@@ -322,7 +322,14 @@ def test_mixtral_default_experts_run_replicated_with_a_warning() -> None:
     batches = case.batches(torch.Generator().manual_seed(0))
     want = reference(ref, case, batches)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
-    step = train_step(model, case.loss, opt, mesh=MESH, shard="fsdp+tp", replicate_unsupported=True)
+    step = train_step(
+        model,
+        case.loss,
+        opt,
+        mesh=MESH,
+        param_specs="fsdp+tp",
+        options={"replicate_unsupported": True},
+    )
     with pytest.warns(ReplicatedOpWarning, match=r"grouped_mm_fallback.* has no sharding rule"):
         got = [float(step(batch)) for batch in batches]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
@@ -401,7 +408,7 @@ def test_hand_written_layers_train_like_torch_optim(name: str) -> None:
     batches = case.batches(torch.Generator().manual_seed(0))
     want = reference(ref, case, batches)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
-    step = train_step(model, case.loss, opt, mesh=SMALL_MESH, shard="fsdp+tp")
+    step = train_step(model, case.loss, opt, mesh=SMALL_MESH, param_specs="fsdp+tp")
     got = [float(step(b)) for b in batches]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
     full = step.full_parameters()
@@ -438,7 +445,7 @@ def test_per_head_norm_weights_fsdp_tp_on_a_2x2_mesh() -> None:
     loss.backward()
     opt.step()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    step = train_step(model, F.mse_loss, opt, mesh=SMALL_MESH, shard="fsdp+tp")
+    step = train_step(model, F.mse_loss, opt, mesh=SMALL_MESH, param_specs="fsdp+tp")
     torch.testing.assert_close(float(step((x, y))), loss.item(), rtol=RTOL, atol=ATOL)
     for name, value in step.full_parameters().items():
         torch.testing.assert_close(value, dict(ref.named_parameters())[name], rtol=RTOL, atol=ATOL)

@@ -15,8 +15,10 @@ import pytest
 import torch
 from torch import fx, nn
 
+from partita.errors import OptionError
+from partita.options import CompileOptions, current
 from partita.runtime.launch import spawn
-from partita.runtime.overlap import overlap_bytes_setting, run_measuring, schedule_overlap
+from partita.runtime.overlap import DEFAULT_OVERLAP_BYTES, run_measuring, schedule_overlap
 
 SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
 ops = torch.ops.partita
@@ -85,16 +87,16 @@ def test_bytes_in_flight_are_bounded() -> None:
     assert log == ["start ag1", "compute 1", "wait ag1", "start ag2", "compute 2", "wait ag2"]
 
 
-def test_overlap_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_overlap_option(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PARTITA_OVERLAP_BYTES", raising=False)
-    assert overlap_bytes_setting() == 64 << 20
+    assert current().overlap_bytes == DEFAULT_OVERLAP_BYTES == 64 << 20
     monkeypatch.setenv("PARTITA_OVERLAP_BYTES", "0")
-    assert overlap_bytes_setting() == 0
+    assert current().overlap_bytes == 0
     monkeypatch.setenv("PARTITA_OVERLAP_BYTES", "many")
-    with pytest.raises(ValueError, match=r"PARTITA_OVERLAP_BYTES='many' is not a number.*0 to"):
-        overlap_bytes_setting()
-    with pytest.raises(ValueError, match=r"overlap_bytes=-5 is negative.*synchronously"):
-        overlap_bytes_setting(-5)
+    with pytest.raises(OptionError, match=r"PARTITA_OVERLAP_BYTES='many': must be a whole number"):
+        current()
+    with pytest.raises(OptionError, match=r"overlap_bytes=-5\): overlap_bytes must be an int >= 0"):
+        CompileOptions(overlap_bytes=-5)
 
 
 @pytest.mark.slow

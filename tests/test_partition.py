@@ -158,7 +158,7 @@ def test_the_per_device_program_generates_its_code_only_when_read() -> None:
     specs = (P("data"), P("data"), P())
     program = trace(f, args, in_specs=specs, mesh=MESH)
     propagate(program.graph_module, MESH)
-    local, plan = partition(program.graph_module, MESH, bucket_bytes=1 << 20)
+    local, plan = partition(program.graph_module, MESH, {"bucket_bytes": 1 << 20})
     assert [b.kind for b in plan.buckets] == ["all_reduce"]
     assert type(local)._needs_recompile()  # no code generated so far
     assert "all_reduce_bucket" in local.code  # generated now, from the bucketed graph

@@ -12,12 +12,11 @@ import torch.nn.functional as F  # noqa: N812
 import partita
 import programs
 from partita import Mesh, P, UnsupportedOpError
-from partita import propagate as propagate_module
 from partita.api import format_program, propagate_program
 from partita.capture import ANNOTATE_OP
 from partita.models import GPT, GPTConfig
-from partita.propagate import propagate
-from partita.propagate_state import info_key
+from partita.propagate import fixpoint, propagate
+from partita.propagate.state import info_key
 from partita.rules import OpInfo, TensorMeta
 from partita.training import init_opt_state
 
@@ -389,7 +388,7 @@ def test_gpt_step_fsdp_grads_and_adamw_states_get_the_parameter_sharding() -> No
             assert node.meta["sharding"] == want, (name, what, node.meta["sharding"])
 
 
-class _NeverSettled(propagate_module._Propagator):
+class _NeverSettled(fixpoint._Propagator):
     """Propagation that visits every queued op in full (no skipping of settled ops), each
     visit choosing its assignment anew (no memo shared between ops)."""
 
@@ -401,7 +400,7 @@ class _NeverSettled(propagate_module._Propagator):
         return super()._assignment(op, round_priority)
 
 
-class _Counting(propagate_module._Propagator):
+class _Counting(fixpoint._Propagator):
     """The default propagation, counting the visits that choose an assignment."""
 
     calls = 0

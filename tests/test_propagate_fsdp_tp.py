@@ -25,7 +25,7 @@ from partita import Mesh, P
 from partita.api import propagate_program
 from partita.models import GPT, GPTConfig
 from partita.partition.plan import Plan
-from partita.train import TrainStep, train_step
+from partita.training import TrainStep, train_step
 
 CFG = GPTConfig(n_layer=2, n_head=4, d_model=16, vocab_size=128, seq_len=8, bias=False)
 BATCH = 8
@@ -50,7 +50,7 @@ def _step(shard: str, mesh: Mesh) -> tuple[TrainStep, GPT]:
     model = GPT(CFG)
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return train_step(model, _loss, opt, mesh=mesh, shard=shard), ref
+    return train_step(model, _loss, opt, mesh=mesh, param_specs=shard), ref
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import partita
 from partita import Mesh, P
 from partita.errors import CompilerError
 from partita.rules import OpInfo, TensorMeta, get_rule
-from partita.rules import common as rules_common
 
 aten = torch.ops.aten
 RULES_DIR = Path(partita.__file__).parent / "rules"
@@ -84,16 +83,6 @@ def test_a_name_the_schema_lacks_is_an_error_not_the_default() -> None:
         info.arg("dims", [0])
     assert info.has_arg("dim") and not info.has_arg("dims")
     assert not _info(aten.sum.default, (X,), {}, (X,)).has_arg("dim")
-
-
-def test_the_old_forms_warn_and_still_read_the_argument() -> None:
-    info = _info(aten.sum.dim_IntList, (X,), {"dim": [1]}, (X,))
-    with pytest.warns(DeprecationWarning, match=r"use OpInfo.arg\(name, default\)"):
-        assert info.arg(1, "dim") == [1]
-    with pytest.warns(DeprecationWarning, match=r"use OpInfo.arg\(name, default\)"):
-        assert info.arg(2, "keepdim", True) is True
-    with pytest.warns(DeprecationWarning, match=r"use info.arg\(name, default\)"):
-        assert rules_common.arg(info, "dim") == [1]
 
 
 @pytest.mark.parametrize("target", [aten.argmax.default, aten.var.correction])

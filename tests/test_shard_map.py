@@ -235,7 +235,7 @@ def test_region_in_a_model_trains_under_train_step(mesh24: Mesh) -> None:
     def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return ((out - y) ** 2).mean()
 
-    step = partita.train_step(model, loss_fn, opt, mesh=mesh24, shard="dp")
+    step = partita.train_step(model, loss_fn, opt, mesh=mesh24, param_specs="dp")
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     for _ in range(2):
         loss = step((x, y))

@@ -25,7 +25,7 @@ from partita import Mesh, P
 from partita.errors import ReplicationError, ShardMapError, VirtualDeviceError
 from partita.partition.manual import USER_COLLECTIVE
 from partita.virtual import disk_cache
-from partita.virtual import step as vstep
+from partita.virtual import state as virtual_state
 from test_shard_map import B, _cases
 
 MESH = Mesh.create((2, 4), ("data", "model"))
@@ -38,7 +38,7 @@ def dev() -> torch.device:
 
 def _last_plan() -> partita.Plan:
     """The Plan of the program the last sync compiled (the newest entry of the step cache)."""
-    program = next(reversed(vstep._CACHE.values()))
+    program = next(reversed(virtual_state.get().programs.values()))
     assert program.compiled is not None
     return program.compiled.plan
 
@@ -90,7 +90,7 @@ def test_mlp_with_a_region_trains_like_eager(dev: torch.device) -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1)
     partita.sync()  # ops an earlier test left recorded are not this loop's first step
-    vstep._CACHE.clear()
+    virtual_state.get().programs.clear()
     partita.metrics(reset=True)
     for _ in range(3):
         x, y = torch.randn(8, 4, generator=g), torch.randn(8, 2, generator=g)
@@ -233,7 +233,7 @@ def _cached_step(cache_dir: str, shift_keys: bool = False) -> dict:
         replicated = P().to_sharding(MESH, 1)
         new_boundary(Boundary(replicated, (3,), (3,), ("data", "model"), what="another"))
     dev = partita.use_spmd(MESH, cache_dir=cache_dir)
-    vstep._CACHE.clear()
+    virtual_state.get().programs.clear()
     partita.metrics(reset=True)
     g = torch.Generator().manual_seed(3)
     wa = torch.randn(8, 16, generator=g).to(dev).requires_grad_()

@@ -18,7 +18,7 @@ from torch import nn
 
 from partita import Mesh, P
 from partita.errors import StateDictError, TrainInputError
-from partita.train import TrainStep, train_step
+from partita.training import TrainStep, train_step
 
 MESH = Mesh.create((2,), ("data",))
 

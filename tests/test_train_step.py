@@ -34,7 +34,7 @@ from partita import Mesh, P
 from partita.errors import StateDictError
 from partita.models import GPT, GPTConfig, SmallCNN
 from partita.presets import StandardPreset, param_specs
-from partita.train import TrainStep, train_step
+from partita.training import TrainStep, train_step
 
 RTOL = ATOL = 1e-5
 STEPS = 10
@@ -134,7 +134,7 @@ PLAN_CASES = [
 def test_adamw_parity(plan: str, shape: tuple[int, ...]) -> None:
     model, ref = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), shard=plan)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), param_specs=plan)
     batches = gpt_batches()
     want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
     got = run(step, batches)
@@ -148,7 +148,7 @@ def test_a_size_1_mesh_axis_costs_no_collective() -> None:
     model, ref = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mesh = Mesh.create((1, 4), ("data", "model"))
-    step = train_step(model, gpt_loss, opt, mesh=mesh, shard="fsdp+tp")
+    step = train_step(model, gpt_loss, opt, mesh=mesh, param_specs="fsdp+tp")
     batches = gpt_batches()
     want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
     got = run(step, batches)
@@ -179,7 +179,7 @@ def test_parameter_groups_train_like_torch(kind: str) -> None:
     schedule = [lambda i: 1 / (1 + i), lambda i: 0.5**i]  # a different lr curve per group
     sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
     ref_sched = torch.optim.lr_scheduler.LambdaLR(ref_opt, schedule)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), shard="fsdp+tp")
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), param_specs="fsdp+tp")
     batches = gpt_batches(4)
     want = reference(ref, gpt_loss, ref_opt, batches, scheduler=ref_sched)
     assert_same(step, ref, run(step, batches, scheduler=sched), want)
@@ -190,7 +190,7 @@ def test_parameter_groups_train_like_torch(kind: str) -> None:
         for key, value in state.items():
             torch.testing.assert_close(got["state"][i][key], value, rtol=RTOL, atol=ATOL)
     twin = copy.deepcopy(model)
-    fresh = train_step(twin, gpt_loss, make(twin), mesh=MESH, shard="fsdp")
+    fresh = train_step(twin, gpt_loss, make(twin), mesh=MESH, param_specs="fsdp")
     fresh.load_state_dict(step.state_dict())
     extra = gpt_batches(1, seed=1)
     assert_same(fresh, ref, run(fresh, extra), reference(ref, gpt_loss, ref_opt, extra))
@@ -205,7 +205,7 @@ def test_optimizer_state_dict_matches_torch() -> None:
     model, ref = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), shard="fsdp+tp")
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), param_specs="fsdp+tp")
     batches = gpt_batches(3)
     reference(ref, gpt_loss, ref_opt, batches)
     run(step, batches)
@@ -222,7 +222,7 @@ def test_state_dict_round_trip_continues_like_torch() -> None:
     model, _ = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mesh = mesh_for("fsdp", (8,))
-    step = train_step(model, gpt_loss, opt, mesh=mesh, shard="fsdp")
+    step = train_step(model, gpt_loss, opt, mesh=mesh, param_specs="fsdp")
     first, rest = gpt_batches(2), gpt_batches(2, seed=1)
     run(step, first)
     checkpoint = step.state_dict()
@@ -232,7 +232,11 @@ def test_state_dict_round_trip_continues_like_torch() -> None:
     ref_opt.load_state_dict(checkpoint["optimizer"])
     fresh, _ = gpt_pair()
     resumed = train_step(
-        fresh, gpt_loss, torch.optim.AdamW(fresh.parameters(), lr=1e-2), mesh=mesh, shard="fsdp"
+        fresh,
+        gpt_loss,
+        torch.optim.AdamW(fresh.parameters(), lr=1e-2),
+        mesh=mesh,
+        param_specs="fsdp",
     )
     resumed.load_state_dict(checkpoint)
     want = reference(ref, gpt_loss, ref_opt, rest)
@@ -250,7 +254,7 @@ def test_clipping_by_global_norm(plan: str) -> None:
     model, ref = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = train_step(
-        model, gpt_loss, opt, mesh=mesh_for(plan, (2, 4)), shard=plan, max_grad_norm=0.3
+        model, gpt_loss, opt, mesh=mesh_for(plan, (2, 4)), param_specs=plan, max_grad_norm=0.3
     )
     batches = gpt_batches()
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
@@ -282,7 +286,7 @@ def test_activation_checkpointing(shape: tuple[int, ...]) -> None:
     model, ref = gpt_pair(checkpoint=True, n_layer=2)
     plan = "fsdp+tp" if len(shape) == 2 else "fsdp"
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), shard=plan)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), param_specs=plan)
     batches = gpt_batches()
     want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
     assert_same(step, ref, run(step, batches), want)
@@ -294,7 +298,7 @@ def test_lr_scheduler_changes_data_not_the_program() -> None:
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.3)
     ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.3)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for("tp", (2, 4)), shard="tp")
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("tp", (2, 4)), param_specs="tp")
     batches = gpt_batches(6)
     want = reference(ref, gpt_loss, ref_opt, batches, scheduler=ref_sched)
     assert_same(step, ref, run(step, batches, scheduler=sched), want)
@@ -314,7 +318,11 @@ def test_lr_scheduler_changes_data_not_the_program() -> None:
 def test_other_optimizers(make_opt: Callable[..., torch.optim.Optimizer]) -> None:
     model, ref = gpt_pair()
     step = train_step(
-        model, gpt_loss, make_opt(model.parameters()), mesh=mesh_for("fsdp", (8,)), shard="fsdp"
+        model,
+        gpt_loss,
+        make_opt(model.parameters()),
+        mesh=mesh_for("fsdp", (8,)),
+        param_specs="fsdp",
     )
     batches = gpt_batches(4)
     want = reference(ref, gpt_loss, make_opt(ref.parameters()), batches)
@@ -327,7 +335,11 @@ def test_cnn_batch_norm_running_stats_under_dp() -> None:
     ref = copy.deepcopy(model)
     make = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
     step = train_step(
-        model, F.cross_entropy, make(model.parameters()), mesh=mesh_for("dp", (8,)), shard="dp"
+        model,
+        F.cross_entropy,
+        make(model.parameters()),
+        mesh=mesh_for("dp", (8,)),
+        param_specs="dp",
     )
     batches = cnn_batches()
     want = reference(ref, F.cross_entropy, make(ref.parameters()), batches)
@@ -355,7 +367,11 @@ def test_lstm_under_fsdp() -> None:
     ref = copy.deepcopy(model)
     make = lambda ps: torch.optim.AdamW(ps, lr=1e-2)  # noqa: E731
     step = train_step(
-        model, F.cross_entropy, make(model.parameters()), mesh=mesh_for("fsdp", (8,)), shard="fsdp"
+        model,
+        F.cross_entropy,
+        make(model.parameters()),
+        mesh=mesh_for("fsdp", (8,)),
+        param_specs="fsdp",
     )
     g = torch.Generator().manual_seed(0)
     batches = [
@@ -387,7 +403,7 @@ def test_mixed_precision_bf16() -> None:
 def test_memory_and_plan() -> None:
     model, _ = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), shard="fsdp+tp")
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("fsdp+tp", (2, 4)), param_specs="fsdp+tp")
     assert step.plan is None
     plan = step.lower(gpt_batches(1)[0])
     assert step.plan is plan and plan.collectives
@@ -396,7 +412,7 @@ def test_memory_and_plan() -> None:
     assert memory["parameters"][1] == 4 * n
     assert memory["optimizer"][1] == 8 * n + 4  # two moments and the step counter
     assert memory["parameters"][0] * 4 < memory["parameters"][1]  # sharded about 8 ways
-    params = step.parameters()
+    params = step.params
     assert params["blocks.0.attn.qkv.weight"].spec == P("model", "data")
     assert params["blocks.0.attn.qkv.weight"].local_shape == (12, 8)
     assert step.opt_state["exp_avg"]["blocks.0.attn.qkv.weight"].spec == P("model", "data")
@@ -494,7 +510,7 @@ def test_vocab_parallel(kind: str) -> None:
     assert specs["tok_emb.weight"][0] == "model" and specs["head.weight"][0] == "model"
     assert specs["pos_emb.weight"][0] != "model"  # only the largest embedding
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh, shard=plan)
+    step = train_step(model, gpt_loss, opt, mesh=mesh, param_specs=plan)
     batches = gpt_batches(4)
     want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
     assert_same(step, ref, run(step, batches), want)
@@ -504,7 +520,7 @@ def test_dict_plan_trains() -> None:
     model, ref = gpt_pair()
     plan = {"*.mlp.fc.weight": P("model", None), "*.mlp.proj.weight": (None, "model")}
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    step = train_step(model, gpt_loss, opt, mesh=mesh_for("tp", (2, 4)), shard=plan)
+    step = train_step(model, gpt_loss, opt, mesh=mesh_for("tp", (2, 4)), param_specs=plan)
     batches = gpt_batches(3)
     want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
     assert_same(step, ref, run(step, batches), want)
@@ -547,13 +563,13 @@ def test_argument_errors() -> None:
     with pytest.raises(ValueError, match="mixed_precision must be None, 'bf16'"):
         _build(sgd, mixed_precision="int8")
     with pytest.raises(ValueError, match="unknown preset 'zero'; the presets are"):
-        _build(sgd, shard="zero")
+        _build(sgd, param_specs="zero")
     with pytest.raises(ValueError, match=r"preset keys \['nope\*'\] match no parameter"):
-        _build(sgd, shard={"nope*": P("data")})
+        _build(sgd, param_specs={"nope*": P("data")})
     with pytest.raises(ValueError, match="splits parameters over a model mesh axis named 'model'"):
-        _build(sgd, shard="tp")
+        _build(sgd, param_specs="tp")
     with pytest.raises(ValueError, match=r"parameter 'weight'.*does not fit"):
-        _build(sgd, shard={"weight": P("model")})
+        _build(sgd, param_specs={"weight": P("model")})
     with pytest.raises(TypeError, match=r"a torch\.optim optimizer instance"):
         train_step(nn.Linear(2, 2), F.mse_loss, "adamw", mesh=MESH)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"needs an nn\.Module"):

@@ -13,7 +13,7 @@ from torch import nn
 
 from partita import Mesh
 from partita.errors import TrainInputError
-from partita.train import train_step
+from partita.training import train_step
 
 MESH = Mesh.create((2, 2), ("data", "model"))
 
@@ -24,7 +24,7 @@ def _trains_like_torch(make: Callable[[], nn.Module], shard: str = "fsdp+tp") ->
     x, y = torch.randn(8, 8), torch.randn(8, 4)
     opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     step = train_step(model, F.mse_loss, torch.optim.SGD(model.parameters(), lr=0.1), mesh=MESH,
-                      shard=shard)  # fmt: skip
+                      param_specs=shard)  # fmt: skip
     for _ in range(2):
         opt.zero_grad()
         F.mse_loss(ref(x), y).backward()

@@ -13,7 +13,7 @@ from torch import nn
 
 from partita import Mesh
 from partita.errors import TrainInputError
-from partita.train import train_step
+from partita.training import train_step
 
 MESH = Mesh.create((2, 2), ("data", "model"))
 BATCH = (torch.randn(8, 8), torch.randn(8, 4))
@@ -23,7 +23,7 @@ def _built() -> tuple[nn.Module, torch.optim.Optimizer, Callable[..., torch.Tens
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
-    step = train_step(model, F.mse_loss, opt, mesh=MESH, shard="fsdp")
+    step = train_step(model, F.mse_loss, opt, mesh=MESH, param_specs="fsdp")
     step(BATCH)
     return model, opt, step
 

@@ -26,7 +26,7 @@ def _run(make_opt, make_sched, steps: int = 6, build_sched_first: bool = True):
     ref = copy.deepcopy(model)
     opt, ref_opt = make_opt(model), make_opt(ref)
     sched = make_sched(opt) if build_sched_first else None
-    step = partita.train_step(model, F.mse_loss, opt, mesh=MESH, shard="fsdp")
+    step = partita.train_step(model, F.mse_loss, opt, mesh=MESH, param_specs="fsdp")
     sched = sched or make_sched(opt)  # a scheduler built after the step adds its group keys
     ref_sched = make_sched(ref_opt)
     g = torch.Generator().manual_seed(1)
@@ -74,7 +74,7 @@ def test_cyclic_lr_cycles_sgd_momentum_per_group() -> None:
 def test_momentum_switched_off_is_still_a_change_the_step_refuses() -> None:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    step = partita.train_step(model, F.mse_loss, opt, mesh=MESH, shard="fsdp")
+    step = partita.train_step(model, F.mse_loss, opt, mesh=MESH, param_specs="fsdp")
     step((torch.randn(8, 8), torch.randn(8, 4)))
     opt.param_groups[0]["momentum"] = 0.5  # a new value: read at the next call
     step((torch.randn(8, 8), torch.randn(8, 4)))
@@ -127,7 +127,7 @@ def test_resuming_a_one_cycle_run_restores_the_cycled_betas(how: str, tmp_path) 
         ref_sched.step()
     model = _model()
     opt, sched = make(model)
-    step = partita.train_step(model, F.mse_loss, opt, mesh=MESH, shard="fsdp")
+    step = partita.train_step(model, F.mse_loss, opt, mesh=MESH, param_specs="fsdp")
     for x, y in batches[:3]:
         step((x, y))
         sched.step()
@@ -136,7 +136,7 @@ def test_resuming_a_one_cycle_run_restores_the_cycled_betas(how: str, tmp_path) 
         ckpt.save(step, tmp_path / "run", scheduler=sched)
     model2 = _model()
     opt2, sched2 = make(model2)
-    step2 = partita.train_step(model2, F.mse_loss, opt2, mesh=MESH, shard="fsdp")
+    step2 = partita.train_step(model2, F.mse_loss, opt2, mesh=MESH, param_specs="fsdp")
     if how == "checkpoint":
         ckpt.load(step2, tmp_path / "run", scheduler=sched2)
     else:

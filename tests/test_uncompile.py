@@ -23,7 +23,7 @@ def _scaled_relu(a: torch.Tensor) -> torch.Tensor:
 def test_jit_of_a_compiled_function_traces_the_function() -> None:
     compiled = torch.compile(_scaled_relu)
     with pytest.warns(PartitaWarning, match=r"partita.jit got a torch.compile'd function "
-                      r"\(_scaled_relu\).*compile_programs=True"):  # fmt: skip
+                      r"\(_scaled_relu\).*inductor=True"):  # fmt: skip
         step = partita.jit(compiled, mesh=MESH, in_specs=(P("data", None),))
     a = torch.randn(8, 4)
     assert torch.equal(step(a).full(), _scaled_relu(a))

@@ -21,8 +21,7 @@ import partita
 from partita import Mesh, P
 from partita.models import GPT, GPTConfig
 from partita.virtual import VirtualDeviceError, check_torch, disk_cache, recording
-from partita.virtual import step as virtual_step
-from partita.virtual import step as vstep
+from partita.virtual import state as virtual_state
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 CFG = GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
@@ -69,7 +68,7 @@ def gpt_run(dev: torch.device) -> dict:
     # program for the recompilation reason below, and the step that followed one of them a
     # guide the first step here is compared with (a "left the fast path" line): this loop
     # starts from an empty cache and no guides, whichever test files ran before it.
-    vstep._CACHE.clear()
+    virtual_state.get().programs.clear()
     recording.forget_guides()
     partita.metrics(reset=True)
     losses, ref_losses = [], []
@@ -372,7 +371,7 @@ def test_the_loop_under_torch_distributed_equals_the_local_mesh(dev: torch.devic
 
 def test_a_tampered_cache_file_is_ignored(dev: torch.device, tmp_path: Path) -> None:
     def run_once() -> tuple[int, int]:
-        virtual_step._CACHE.clear()  # forget the in-memory programs: only the disk can help
+        virtual_state.get().programs.clear()  # forget the in-memory programs: only disk helps
         partita.metrics(reset=True)
         disk_cache.set_directory(tmp_path)
         try:
@@ -390,15 +389,20 @@ def test_a_tampered_cache_file_is_ignored(dev: torch.device, tmp_path: Path) -> 
     data = json.loads(saved.read_text())
     for row in data["graph"]:
         if row["target"]:
-            row["target"] = "os::system.default"  # never resolved: only torch.ops names load
+            row["target"] = "os::system.default"  # never resolved: only the op table loads
     saved.write_text(json.dumps(data))
-    assert run_once() == (1, 0)
+    with pytest.warns(partita.CompileCacheWarning, match=r"does not match the SHA-256"):
+        assert run_once() == (1, 0)
+    data["sha256"] = disk_cache._digest(data)  # as whoever edits it would recompute it
+    saved.write_text(json.dumps(data))
+    with pytest.warns(partita.CompileCacheWarning, match=r"'os::system\.default' as a function"):
+        assert run_once() == (1, 0)
 
 
 def test_another_privateuse1_backend_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
     from partita.virtual import device
 
-    monkeypatch.setattr(device, "_FACTORY", [])  # as if not registered yet
+    monkeypatch.setattr(virtual_state.get(), "registration", None)  # as if not registered yet
     monkeypatch.setattr(torch._C, "_get_privateuse1_backend_name", lambda: "npu")
     with pytest.raises(VirtualDeviceError, match=r"already registered as 'npu'.*cannot become"):
         device.register(lambda *a: None, lambda *a: None)
@@ -408,7 +412,7 @@ def test_a_step_before_use_spmd_says_what_to_call(
     dev: torch.device, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     x = torch.ones(4).to(dev) * 2
-    monkeypatch.setitem(virtual_step._STATE, "mesh", None)
+    monkeypatch.setattr(virtual_state.get(), "mesh", None)
     with pytest.raises(VirtualDeviceError, match=r"Call dev = partita\.use_spmd\(mesh\) first"):
         partita.sync()
     monkeypatch.undo()

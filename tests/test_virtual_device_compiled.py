@@ -20,7 +20,7 @@ from torch import nn
 import partita
 from partita import Mesh, P
 from partita.virtual import recording
-from partita.virtual import step as vstep
+from partita.virtual import state as virtual_state
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 
@@ -101,7 +101,7 @@ def test_compiled_step_replays_and_equals_eager(dev: torch.device) -> None:
         return loss
 
     step, calls = _counted(train_step)
-    vstep._CACHE.clear()
+    virtual_state.get().programs.clear()
     recording.forget_guides()
     partita.metrics(reset=True)
     for x, y in _batches(8):
@@ -126,6 +126,7 @@ def test_compiled_step_replays_and_equals_eager(dev: torch.device) -> None:
     assert (calls[0], m.compiled_step_replays) == (6, 6)
     assert len(step.signatures) == 2
 
+    partita.clear_sharding(model[0].weight)  # re-annotating takes clearing first
     partita.mark_sharding(model[0].weight, MESH, P(None, "model"))  # a captured input
     x, y = _batches(1, seed=2)[0]
     loss = step(x, y)

@@ -15,7 +15,7 @@ from torch import nn
 import partita
 from partita import Mesh, P
 from partita.virtual import recording
-from partita.virtual import step as vstep
+from partita.virtual import state as virtual_state
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 
@@ -28,7 +28,7 @@ def dev() -> torch.device:
 @pytest.fixture
 def fresh(dev: torch.device) -> torch.device:
     """Empty step cache and metrics: each test counts its own compilations."""
-    vstep._CACHE.clear()
+    virtual_state.get().programs.clear()
     recording.forget_guides()
     partita.metrics(reset=True)
     return dev

@@ -20,6 +20,7 @@ from partita import Mesh, P
 from partita.capture.source import source_line
 from partita.models import GPT, GPTConfig
 from partita.virtual import recording
+from partita.virtual import state as virtual_state
 from partita.virtual import step as vstep
 
 MESH = Mesh.create((2, 4), ("data", "model"))
@@ -49,7 +50,7 @@ def test_the_loop_moves_no_more_than_train_step(dev: torch.device) -> None:
     twin = copy.deepcopy(ref)
     opt = torch.optim.AdamW(twin.parameters(), lr=1e-3)
     step = partita.train_step(
-        twin, _loss, opt, mesh=MESH, shard="fsdp+tp", batch_spec=P("data", None)
+        twin, _loss, opt, mesh=MESH, param_specs="fsdp+tp", batch_spec=P("data", None)
     )
     expected = step.lower((x, y))
 
@@ -57,7 +58,7 @@ def test_the_loop_moves_no_more_than_train_step(dev: torch.device) -> None:
     for name, spec in partita.presets.param_specs("fsdp+tp", model, MESH).items():
         partita.mark_sharding(model.get_parameter(name), MESH, spec)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    vstep._CACHE.clear()
+    virtual_state.get().programs.clear()
     xd, yd = x.to(dev), y.to(dev)
     partita.mark_sharding(xd, MESH, P("data", None))
     loss = _loss(model(xd), yd)
@@ -66,7 +67,7 @@ def test_the_loop_moves_no_more_than_train_step(dev: torch.device) -> None:
     opt.zero_grad()
     attention_ops = _recorded_ops().count("partita.sdpa.default")
     partita.sync()
-    (program,) = vstep._CACHE.values()
+    (program,) = virtual_state.get().programs.values()
     plan = program.compiled.plan
 
     # Before the attention kernel, this 1-layer GPT's loop had 4 all-gathers over "model" more
@@ -170,7 +171,7 @@ def test_foreach_optimizers_equal_eager_and_compile_once(dev: torch.device, make
     ref = _mlp()
     model = copy.deepcopy(ref).to(dev)
     partita.mark_sharding(model[0].weight, MESH, P("model", None))
-    vstep._CACHE.clear()
+    virtual_state.get().programs.clear()
     recording.forget_guides()
     partita.metrics(reset=True)
     g = torch.Generator().manual_seed(3)
@@ -215,7 +216,7 @@ def test_a_fused_optimizer_is_refused_with_the_fix(dev: torch.device) -> None:
 def test_a_small_pending_condition_is_read_without_cutting_the_step(dev: torch.device) -> None:
     """What Hugging Face's causal mask does mid-forward: branch on a condition computed from an
     ``arange``. It is computed on the side; the step stays one program."""
-    vstep._CACHE.clear()
+    virtual_state.get().programs.clear()
     partita.metrics(reset=True)
     w = torch.randn(16, 4)
     wd = partita.mark_sharding(w.to(dev), MESH, P("model", None))
@@ -254,22 +255,22 @@ def _node_sources(program: vstep.StepProgram, target: object) -> set[str | None]
 
 def test_recorded_source_lines_reach_the_program_and_not_its_key(dev: torch.device) -> None:
     aten = torch.ops.aten
-    vstep._CACHE.clear()
+    virtual_state.get().programs.clear()
     recording.forget_guides()
     partita.metrics(reset=True)
     x = torch.arange(32.0).reshape(8, 4).to(dev)
     outs = []
     # The same ops from other lines, with the fast path and without: one program.
     for fn, fast in [(_double, True), (_double_too, True), (_double_too, False)]:
-        recording.FAST_PATH = fast
+        virtual_state.get().fast_path = fast
         try:
             outs.append(fn(x))
             partita.sync()
         finally:
-            recording.FAST_PATH = True
+            virtual_state.get().fast_path = True
     m = partita.metrics()
     assert (m.compiles, m.cache_hits, m.fast_path_hits) == (1, 2, 1), str(m)
-    (first,) = vstep._CACHE.values()
+    (first,) = virtual_state.get().programs.values()
     assert _node_sources(first, aten.mul.Tensor) == {
         f"{__name__.split('.')[-1]}.py:{_double.__code__.co_firstlineno + 1} in _double"
     }
@@ -278,7 +279,7 @@ def test_recorded_source_lines_reach_the_program_and_not_its_key(dev: torch.devi
     outs.append(_double_too(x).exp())
     partita.sync()
     assert partita.metrics().compiles == 2
-    second = next(reversed(vstep._CACHE.values()))
+    second = next(reversed(virtual_state.get().programs.values()))
     assert _node_sources(second, aten.mul.Tensor) == {
         f"{__name__.split('.')[-1]}.py:{_double_too.__code__.co_firstlineno + 1} in _double_too"
     }

@@ -13,7 +13,7 @@ import partita
 from partita import Mesh, P, RecompileWarning
 from partita.recompile import RECOMPILE_WARNING_AT
 from partita.virtual import recording
-from partita.virtual import step as vstep
+from partita.virtual import state as virtual_state
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 
@@ -21,7 +21,7 @@ MESH = Mesh.create((2, 4), ("data", "model"))
 @pytest.fixture
 def dev() -> torch.device:
     dev = partita.use_spmd(MESH)
-    vstep._CACHE.clear()
+    virtual_state.get().programs.clear()
     recording.forget_guides()
     partita.metrics(reset=True)
     return dev

@@ -117,7 +117,9 @@ def test_errors(mesh_4: Mesh) -> None:
         format_sharding(sharding)
     with pytest.raises(ShardingError, match=r"shape \(3,\) was given for a ShardedTensor"):
         visualize_sharding(mark_sharding(torch.zeros(4), mesh_4, P("x")), (3,))
-    with pytest.raises(ShardingError, match=r"expects a ShardedTensor, or a Sharding"):
+    with pytest.raises(
+        ShardingError, match=r"expects a ShardedTensor, a tensor of the virtual device"
+    ):
         format_sharding(torch.zeros(4))  # type: ignore[arg-type]
     with pytest.raises(SpecError, match=r"is for rank 1"):
         format_sharding(sharding, (4, 4))

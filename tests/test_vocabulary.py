@@ -1,16 +1,17 @@
-"""One vocabulary: "plan" is the collective report, presets are ``shard=``, one spelling each.
+"""One vocabulary: one name per concept, and no deprecated spellings (see docs/concepts.md).
 
-The old names keep working for one deprecation cycle and say what replaces them: the module
-``partita.plans`` (now ``partita.presets``), ``train_step(plan=...)`` (now ``shard=``),
-``TrainStep.step(batch)`` / ``.last_plan`` / ``.parameters()`` (now ``step(batch)`` /
-``.plan`` / ``.params``), and the training names of ``partita.models`` (now
-``partita.training``). See docs/concepts.md, "Vocabulary".
+"plan" is the collective report (``partita.Plan``, ``step.plan``); how parameters are split is
+``param_specs`` everywhere (``partita.jit``, ``partita.train_step``, ``TrainStep.param_specs``,
+``partita.presets.param_specs``); the compiler's knobs are options (``options=``,
+``partita.options.using``), not keywords of each entry point. The old spellings are gone, not
+aliased: ``partita.plans``, ``train_step(shard=/plan=)``, ``TrainStep.step(batch)`` /
+``.last_plan`` / ``.parameters()``, the training names of ``partita.models``.
 """
 
 from __future__ import annotations
 
 import importlib
-import sys
+import inspect
 
 import pytest
 import torch
@@ -19,66 +20,41 @@ from torch import nn
 
 import partita
 import partita.models
-import partita.training
 from partita import Mesh, P
 
 MESH = Mesh.create((8,), ("data",))
 
-
-def test_partita_plans_is_a_deprecated_alias_of_presets() -> None:
-    sys.modules.pop("partita.plans", None)
-    with pytest.warns(DeprecationWarning, match=r"partita.plans is now partita.presets"):
-        plans = importlib.import_module("partita.plans")
-    assert plans.StandardPlan is partita.presets.StandardPreset
-    assert plans.PLANS == partita.presets.PRESETS
-    assert plans.param_specs is partita.presets.param_specs
-    assert partita.plans is plans  # the attribute of the package still resolves
-    assert "plans" not in partita.__all__ and "presets" in partita.__all__
+#: The knobs that are options only (docs/options.md), never keywords of an entry point.
+OPTION_KNOBS = ("strict", "replicate_unsupported", "collectives", "regather", "inductor")
 
 
-@pytest.fixture(scope="module")
-def step() -> partita.TrainStep:
-    torch.manual_seed(0)
-    model = nn.Linear(4, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    return partita.train_step(model, F.mse_loss, opt, mesh=MESH, shard="dp")
+def test_the_old_names_are_gone() -> None:
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("partita.plans")
+    with pytest.raises(AttributeError):
+        partita.plans  # noqa: B018
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("partita.models.steps")
+    assert not hasattr(partita.models, "make_train_step")
+    assert set(partita.models.__all__) == {"GPT", "GPTConfig", "SmallCNN"}
+    for old in ("last_plan", "parameters", "step"):
+        assert not hasattr(partita.TrainStep, old), old
 
 
-def test_plan_keyword_is_a_deprecated_name_of_shard() -> None:
+@pytest.mark.parametrize("entry", [partita.jit, partita.train_step], ids=lambda f: f.__name__)
+def test_knobs_are_options_not_keywords(entry: object) -> None:
+    names = set(inspect.signature(entry).parameters)
+    assert "options" in names and "param_specs" in names
+    assert not names & {*OPTION_KNOBS, "shard", "plan"}, names
+
+
+def test_train_step_takes_param_specs_like_jit() -> None:
     model = nn.Linear(4, 8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    with pytest.warns(DeprecationWarning, match=r"train_step\(plan=...\) is deprecated; use "
-                      r"train_step\(shard=...\)"):  # fmt: skip
-        old = partita.train_step(model, F.mse_loss, opt, mesh=MESH, plan="fsdp")
-    new = partita.train_step(model, F.mse_loss, opt, mesh=MESH, shard="fsdp")
-    assert old.param_specs == new.param_specs == {"weight": P("data", None), "bias": P("data")}
-
-
-def test_one_spelling_per_accessor(step: partita.TrainStep) -> None:
-    batch = (torch.randn(8, 4), torch.randn(8, 2))
-    assert step.plan is None
-    loss = step(batch)
-    assert isinstance(step.plan, partita.Plan)
-    with pytest.warns(DeprecationWarning, match=r"TrainStep.last_plan is deprecated; use "
-                      r"TrainStep.plan"):  # fmt: skip
-        assert step.last_plan is step.plan
-    with pytest.warns(DeprecationWarning, match=r"TrainStep.parameters\(\) is deprecated; use "
-                      r"TrainStep.params"):  # fmt: skip
-        assert step.parameters().keys() == step.params.keys()
-    with pytest.warns(DeprecationWarning, match=r"TrainStep.step\(batch\) is deprecated; use "
-                      r"calling the TrainStep"):  # fmt: skip
-        again = step.step(batch)
-    assert again < loss  # it did train: same batch, lower loss
-
-
-def test_training_names_moved_out_of_models() -> None:
-    with pytest.warns(DeprecationWarning, match=r"partita.models.make_train_step moved to "
-                      r"partita.training.make_train_step"):  # fmt: skip
-        old = partita.models.make_train_step
-    assert old is partita.training.make_train_step
-    import partita.models.steps as old_module
-
-    with pytest.warns(DeprecationWarning, match=r"partita.models.steps.init_opt_state moved to "
-                      r"partita.training.optim.init_opt_state"):  # fmt: skip
-        assert old_module.init_opt_state is partita.training.init_opt_state
-    assert set(partita.models.__all__) == {"GPT", "GPTConfig", "SmallCNN"}
+    step = partita.train_step(model, F.mse_loss, opt, mesh=MESH, param_specs="fsdp")
+    assert step.param_specs == {"weight": P("data", None), "bias": P("data")}
+    with pytest.raises(TypeError, match="shard"):
+        partita.train_step(model, F.mse_loss, opt, mesh=MESH, shard="fsdp")  # type: ignore[call-arg]
+    fwd = partita.jit(model, mesh=MESH, in_specs=(P("data"),), param_specs="fsdp")
+    x = torch.randn(8, 4)
+    torch.testing.assert_close(fwd(x).full(), model(x))

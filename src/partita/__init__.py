@@ -5,13 +5,14 @@ from __future__ import annotations
 import importlib
 
 import partita.serialization  # noqa: F401  (lets torch.load(weights_only=True) read partita values)
-from partita import data, distributed, presets
-from partita.api import mark_sharding
+from partita import data, distributed, options, presets
+from partita.api import clear_sharding, mark_sharding
 from partita.distributed import is_main_process, process_count, process_index
 from partita.errors import (
     AnnotationError,
     CaptureError,
     CheckpointError,
+    CompileCacheWarning,
     CompilerError,
     DistributedError,
     DtypeError,
@@ -21,12 +22,14 @@ from partita.errors import (
     JitArgumentError,
     JoinTimeoutError,
     MeshError,
+    OptionError,
     PartitaError,
     PartitaWarning,
     PlanMismatchError,
     RecompileWarning,
     RematerializationError,
     RematerializationWarning,
+    ReplicaMismatchError,
     ReplicatedOpWarning,
     ReplicationError,
     ShardingConflictError,
@@ -53,14 +56,15 @@ from partita.manual import (
     shard_map,
 )
 from partita.mesh import HybridMesh, Mesh
+from partita.options import CompileOptions
 from partita.partition import CollectiveRecord, Plan
 from partita.relayout import reshard
 from partita.rules import FactorRule, einsum_rule, register_rule
 from partita.scan_layers import scan_layers
 from partita.spec import P, PartitionSpec, Sharding
-from partita.tensor import Shard, ShardedTensor, clear_sharding
-from partita.train import TrainStep, train_step
-from partita.virtual import compile, metrics, sync, use_spmd
+from partita.tensor import Shard, ShardedTensor
+from partita.training.train import TrainStep, train_step
+from partita.virtual import compile, last_plan, metrics, sync, use_spmd
 from partita.visualize import format_sharding, visualize_sharding
 
 __version__ = "0.1.0"
@@ -70,6 +74,8 @@ __all__ = [
     "CaptureError",
     "CheckpointError",
     "CollectiveRecord",
+    "CompileCacheWarning",
+    "CompileOptions",
     "CompilerError",
     "DistributedError",
     "DtypeError",
@@ -84,6 +90,7 @@ __all__ = [
     "JoinTimeoutError",
     "Mesh",
     "MeshError",
+    "OptionError",
     "P",
     "PartitaError",
     "PartitaWarning",
@@ -93,6 +100,7 @@ __all__ = [
     "RecompileWarning",
     "RematerializationError",
     "RematerializationWarning",
+    "ReplicaMismatchError",
     "ReplicatedOpWarning",
     "ReplicationError",
     "Shard",
@@ -122,8 +130,10 @@ __all__ = [
     "format_sharding",
     "is_main_process",
     "jit",
+    "last_plan",
     "mark_sharding",
     "metrics",
+    "options",
     "pmax",
     "pmean",
     "ppermute",
@@ -148,10 +158,7 @@ def __getattr__(name: str) -> object:
 
     ``partita.checkpoint`` imports ``torch.distributed.checkpoint``, about a quarter of
     ``import partita``'s time (every process of a job pays it), so it loads when first named.
-    ``partita.plans`` is the deprecated name of :mod:`partita.presets` (importing it warns).
     """
     if name == "checkpoint":
         return importlib.import_module("partita.checkpoint")
-    if name == "plans":
-        return importlib.import_module("partita.plans")
     raise AttributeError(f"module 'partita' has no attribute {name!r}")

@@ -10,19 +10,23 @@ This module holds no sharding logic of its own.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
-from partita import capture, propagate, tensor
+from partita import capture, tensor
+from partita.annotations import clear_parameter, mark_parameter
 from partita.explain import format_program
 from partita.mesh import Mesh
-from partita.spec import PartitionSpec
+from partita.pipeline import propagated_program
+from partita.spec import PartitionSpec, as_spec
 from partita.virtual.lazy import LazyTensor
-from partita.virtual.marking import mark_in_place
+from partita.virtual.marking import clear_in_place, mark_in_place
 
-__all__ = ["format_program", "mark_sharding", "propagate_program"]
+__all__ = ["clear_sharding", "format_program", "mark_sharding", "propagate_program"]
 
 
 def mark_sharding(
@@ -42,6 +46,12 @@ def mark_sharding(
     * Inside a function being captured (``partita.jit``, ``partita.capture.trace``): records an
       annotation node and returns the annotated tensor; propagation never overrides it.
       ``priority`` (lower wins, default 0) decides conflicts between annotations.
+    * Inside a module's forward run eagerly on plain tensors (``model(x)`` on the CPU, the
+      unsharded reference; not traced, not on the device): returns ``t`` itself, unchanged,
+      so the forward keeps its autograd graph, as PyTorch/XLA's call does off an XLA device.
+    * On an ``nn.Parameter`` (a module's weight, off the device): also remembers the sharding
+      for that parameter, so ``partita.jit(model)`` and ``partita.train_step`` shard it so
+      (another sharding later raises until ``clear_sharding(param)``).
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -61,7 +71,52 @@ def mark_sharding(
         return capture.annotate(t, mesh, spec, priority=priority)
     if priority:
         raise ValueError("priority only applies to annotations inside a captured function")
+    if isinstance(t, torch.Tensor) and in_eager_forward():
+        if not isinstance(mesh, Mesh):
+            return tensor.mark_sharding(t, mesh, spec)  # its error for a wrong mesh
+        as_spec(spec).to_sharding(mesh, t.ndim).check_shape(t.shape)  # still a valid spec
+        return t
+    if isinstance(t, nn.Parameter) and isinstance(mesh, Mesh):
+        mark_parameter(t, as_spec(spec).to_sharding(mesh, t.ndim))
     return tensor.mark_sharding(t, mesh, spec)
+
+
+def clear_sharding(t: Any) -> Any:
+    """Remove the annotation of ``t`` in place and return ``t``: a ShardedTensor
+    (:func:`partita.tensor.clear_sharding`) or a tensor of the virtual device; the next
+    ``mark_sharding`` may then choose any sharding and re-lays ``t`` out in place.
+
+    Example:
+        >>> mesh = Mesh.create((2,), ("x",))
+        >>> x = mark_sharding(torch.zeros(4, 2), mesh, P("x", None))
+        >>> clear_sharding(x).is_annotated
+        False
+    """
+    if isinstance(t, LazyTensor):
+        return clear_in_place(t)
+    if isinstance(t, nn.Parameter) and clear_parameter(t):  # a module weight's mark
+        return t
+    return tensor.clear_sharding(t)
+
+
+#: The code of ``nn.Module``'s call: a frame running it means a module's forward is running.
+_MODULE_CALLS = frozenset(
+    getattr(nn.Module, name).__code__ for name in ("_call_impl", "_wrapped_call_impl")
+)
+
+
+def in_eager_forward(depth: int = 64) -> bool:
+    """Whether the caller runs inside an ``nn.Module``'s forward (``model(x)``): a frame of
+    ``Module.__call__`` among the ``depth`` innermost. Asked only off the device and outside
+    tracing, so such a forward runs eagerly on plain tensors."""
+    frame = sys._getframe(1)
+    for _ in range(depth):
+        if frame is None:
+            return False
+        if frame.f_code in _MODULE_CALLS:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def propagate_program(
@@ -74,11 +129,12 @@ def propagate_program(
     out_specs: Any = None,
     replicate_unsupported: bool = False,
 ) -> capture.Program:
-    """Trace ``fn`` and propagate shardings; the program's nodes carry ``meta["sharding"]``.
+    """Trace ``fn`` and propagate shardings; the program's nodes carry ``node_meta.sharding``.
 
     ``print(partita.api.format_program(prog.graph_module))`` shows every value. This is an
     internal step of ``partita.jit(...).lower()``.
     """
-    prog = capture.trace(fn, args, kwargs, in_specs=in_specs, out_specs=out_specs, mesh=mesh)
-    propagate.propagate(prog.graph_module, mesh, replicate_unsupported=replicate_unsupported)
-    return prog
+    return propagated_program(
+        fn, args, kwargs, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+        replicate_unsupported=replicate_unsupported,
+    )  # fmt: skip

@@ -79,8 +79,13 @@ def make_global(
     spec: SpecLike,
     *,
     global_shape: Sequence[int] | None = None,
-) -> ShardedTensor:
+    device: torch.device | str | None = None,
+) -> Any:
     """A ShardedTensor of the global shape from this process's own part (no communication).
+
+    With ``device`` the virtual device (``dev = partita.use_spmd(mesh)``), the result is that
+    device's tensor, annotated with ``spec``: each process puts only its own part there (no
+    gather; ``partita.metrics().upload_bytes`` counts it).
 
     Args:
         local: under torch.distributed, the rows this process's device holds
@@ -89,6 +94,7 @@ def make_global(
         mesh, spec: where the global value lives.
         global_shape: needed only when a dim does not divide evenly; by default each dim is
             ``local`` size times the number of tiles along it.
+        device: None (a ShardedTensor) or the virtual device (a tensor on it).
 
     Raises ShardingError when ``local`` does not have the shape this process's device holds.
 
@@ -98,6 +104,13 @@ def make_global(
         >>> x.shape  # doctest: +SKIP
         torch.Size([16, 128])
     """
+    out = _make_global(local, mesh, spec, global_shape)
+    return out if device is None else out.to(device)
+
+
+def _make_global(
+    local: torch.Tensor, mesh: Mesh, spec: SpecLike, global_shape: Sequence[int] | None
+) -> ShardedTensor:
     if not isinstance(local, torch.Tensor):
         raise ShardingError(
             f"make_global expects a torch.Tensor (this process's part of the batch), got "
@@ -159,6 +172,8 @@ class GlobalBatchLoader:
         mesh: the mesh the step runs on.
         spec: one spec for every tensor of a batch (``P("data")``: batch dim over ``data``),
             or a tree of specs matching the batch's structure.
+        device: None (yield ShardedTensors) or the virtual device (yield its tensors, each
+            process putting only its rows there; see :func:`make_global`).
 
     ``per_process_batch_size`` and ``global_batch_size`` are known after the first batch (dim 0
     of the first tensor).
@@ -169,10 +184,18 @@ class GlobalBatchLoader:
         ...     loss = step((ids, targets))  # global [16, 128] each, 4 rows loaded here
     """
 
-    def __init__(self, dataloader: Iterable[Any], mesh: Mesh, spec: Any) -> None:
+    def __init__(
+        self,
+        dataloader: Iterable[Any],
+        mesh: Mesh,
+        spec: Any,
+        *,
+        device: torch.device | str | None = None,
+    ) -> None:
         self.dataloader = dataloader
         self.mesh = mesh
         self.spec = spec
+        self.device = device
         self.per_process_batch_size: int | None = None
         self.global_batch_size: int | None = None
 
@@ -197,10 +220,14 @@ class GlobalBatchLoader:
                     f"the same structure (None entries for replicated tensors)."
                 )
         out = [
-            make_global(leaf, self.mesh, spec) if isinstance(leaf, torch.Tensor) else leaf
+            make_global(leaf, self.mesh, spec, device=self.device)
+            if isinstance(leaf, torch.Tensor)
+            else leaf
             for leaf, spec in zip(leaves, specs, strict=True)
         ]
-        first = next((x for x in out if isinstance(x, ShardedTensor) and x.ndim), None)
+        first = next(
+            (x for x in out if isinstance(x, ShardedTensor | torch.Tensor) and x.ndim), None
+        )
         if first is not None:
             local = next(x for x in leaves if isinstance(x, torch.Tensor) and x.ndim)
             self.per_process_batch_size = int(local.shape[0])

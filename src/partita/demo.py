@@ -8,7 +8,7 @@ on the simulated mesh and once unsharded with ``torch.optim.AdamW``. One screen 
 the plan (parameter specs, collectives per step, memory per device), a progress bar with the
 loss, both loss curves with their largest difference, and the time per step of both.
 
-This module only drives and prints; the training step is :mod:`partita.train`.
+This module only drives and prints; the training step is :mod:`partita.training.train`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from partita.mesh import Mesh
 from partita.models import GPT, GPTConfig
 from partita.partition.plan import format_bytes
 from partita.presets import PRESETS
-from partita.train import TrainStep, train_step
+from partita.training.train import TrainStep, train_step
 
 __all__ = ["add_arguments", "run", "synthetic_batch"]
 
@@ -161,7 +161,7 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
 
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=args.lr)
-    step = train_step(model, loss_fn, opt, mesh=mesh, shard=args.shard)
+    step = train_step(model, loss_fn, opt, mesh=mesh, param_specs=args.shard)
     console.print(
         f"[bold]partita demo[/]: a {args.layers}-layer GPT (d_model {args.d_model}, "
         f"{args.heads} heads, vocab {args.vocab}, seq {args.seq}) learns to continue counting "

@@ -22,6 +22,7 @@ __all__ = [
     "AnnotationError",
     "CaptureError",
     "CheckpointError",
+    "CompileCacheWarning",
     "CompilerError",
     "DistributedError",
     "DtypeError",
@@ -36,6 +37,7 @@ __all__ = [
     "PlanMismatchError",
     "RecompileWarning",
     "RematerializationError",
+    "ReplicaMismatchError",
     "ReplicationError",
     "ShardMapError",
     "ShardMapWarning",
@@ -113,6 +115,11 @@ class PlanMismatchError(DistributedError):
     """The processes compiled different per-device programs (running them would deadlock)."""
 
 
+class ReplicaMismatchError(DistributedError):
+    """An input that must be an equal copy on several ranks (replicated over a mesh axis, such
+    as a data-parallel parameter) differs between them: unseeded initialisation."""
+
+
 class TrainInputError(PartitaError, ValueError):
     """A training step got input it cannot train on: a batch that is empty, of the wrong
     dtype or structure for ``batch_spec``, or a loss function that returns no scalar tensor."""
@@ -124,9 +131,12 @@ class StateDictError(PartitaError, ValueError):
 
 
 class CheckpointError(PartitaError, ValueError):
-    """A ``partita.checkpoint`` save or load failed: a missing or truncated file, a tensor
-    whose shape, dtype or name does not match, a save that did not complete. A failed save
-    leaves the previous checkpoint as it was; a failed load changes nothing."""
+    """A ``partita.checkpoint`` save or load failed: a missing, truncated or changed file (its
+    sha256 differs from the manifest's), a tensor whose shape, dtype or name does not match, a
+    directory that is not a partita checkpoint, an ``extra`` value a load could not give back,
+    processes that pass different paths or do not all call it, a save that did not complete.
+    A failed save leaves a complete checkpoint at the path (the previous one); a failed load
+    changes nothing."""
 
 
 class RecompileWarning(PartitaWarning):
@@ -142,8 +152,8 @@ class CompilerError(PartitaError, RuntimeError):
     #: What every CompilerError message ends with: report it, and how to get past it now.
     WORKAROUND = (
         "please report it. To get past it now, annotate around the op (mark its inputs and "
-        "output replicated with partita.mark_sharding(t, mesh, P())) or pass "
-        "replicate_unsupported=True."
+        "output replicated with partita.mark_sharding(t, mesh, P())) or set the option "
+        "replicate_unsupported=True (options={'replicate_unsupported': True})."
     )
 
 
@@ -191,6 +201,13 @@ class ImplicitCollectiveWarning(PartitaWarning):
 
 class VirtualDeviceError(PartitaError, RuntimeError):
     """The virtual device (``partita.use_spmd``) cannot be set up or used as asked."""
+
+
+class CompileCacheWarning(PartitaWarning):
+    """The virtual device's on-disk compile cache was not used: its directory or a file in it
+    is not private to the current user, a file names something outside the table of ops a
+    cache file may call or fails its content hash, or the directory cannot be read or written.
+    The step compiles (or runs) as if the cache were off; the message says what to fix."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partita import node_meta
+
 __all__ = ["format_program", "op_name"]
 
 
@@ -62,7 +64,7 @@ def format_program(gm: fx.GraphModule, *, title: str | None = None) -> str:
     for node in gm.graph.nodes:
         if node.op == "output" or "val" not in node.meta:
             continue
-        s = node.meta.get("sharding")
+        s = node_meta.sharding(node)
         if mesh is None and s is not None and not isinstance(s, tuple):
             mesh = s.mesh
         if node.op == "placeholder":
@@ -71,16 +73,16 @@ def format_program(gm: fx.GraphModule, *, title: str | None = None) -> str:
             args = ", ".join(
                 [_arg(a) for a in node.args] + [f"{k}={_arg(v)}" for k, v in node.kwargs.items()]
             )
-            if "annotation" in node.meta:
+            if node_meta.annotation(node) is not None:
                 args = f"{_arg(node.args[0])}"
             call = f"{op_name(node.target)}({args})"
             if len(call) > 60:
                 call = call[:57] + "..."
         sharding = _sharding(s)
-        if "annotation" in node.meta:
+        if node_meta.annotation(node) is not None:
             sharding += " (user)"
-        ann = node.meta.get("annotation")
-        source = (ann.source if ann is not None else None) or node.meta.get("source") or ""
+        ann = node_meta.annotation(node)
+        source = (ann.source if ann is not None else None) or node_meta.source(node) or ""
         rows.append((f"%{node.name}", call, _shape(node.meta["val"]), sharding, source))
     widths = [max((len(r[i]) for r in rows), default=0) for i in range(4)]
     lines = []

@@ -1,59 +1,55 @@
 """``partita.jit``: compile a function once per input signature, run it sharded.
 
-``jit(fn, mesh=, in_specs=, out_specs=, strict=False)`` returns a :class:`Jitted` callable.
-Calling it with ShardedTensors or plain tensors traces ``fn`` (``partita.capture``), propagates
-shardings (``partita.propagate``), partitions (``partita.partition``) and runs the per-device
-program on the simulated mesh (``partita.runtime.local``). ``.lower(*args)`` stops before running
-and returns the :class:`~partita.partition.Plan`.
+``jit(fn, mesh=, in_specs=, out_specs=, options=)`` returns a :class:`Jitted` callable.
+Calling it with ShardedTensors or plain tensors compiles ``fn`` for that input signature with
+:func:`partita.pipeline.compile_function` (trace, propagate, partition) and runs the per-device
+program on the simulated mesh (``partita.runtime.local``) or on this process's devices
+(``runtime.distributed``). ``.lower(*args)`` stops before running and returns the
+:class:`~partita.partition.Plan`. The options (:mod:`partita.options`) are resolved at each call
+(so a ``partita.options.using(...)`` block around a call applies) and are part of the key.
 
 Input shardings: a ShardedTensor argument keeps its own sharding; a plain tensor is sharded as
 ``in_specs`` says, and is *replicated* when ``in_specs`` gives it no spec (so a plain tensor and a
 replicated ShardedTensor are the same input signature and share one compiled program).
 
-This module only ties the stages together; it holds no sharding logic.
+This module turns a call into leaves, specs and a cache key; it holds no sharding logic.
 """
 
 from __future__ import annotations
 
 import functools
-import time
 from collections import OrderedDict, deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from partita import capture
-from partita.capture.gc_pause import gc_paused
+from partita import options as options_module
 from partita.capture.layer_auto import scan_repeated_layers
 from partita.capture.module import ModuleInputs
-from partita.capture.spec_tree import unflatten_args
+from partita.capture.threads import serialized
 from partita.capture.trace import input_path
 from partita.capture.uncompile import uncompiled
 from partita.errors import JitArgumentError, PartitaWarning, RecompileWarning, warn
-from partita.explain import format_program
 from partita.jit_signature import (
     Signatures,
     by_name,
     placeholder_names,
     readable_name,
     replicated_batch,
-    trace_specs,
 )
 from partita.mesh import Mesh
-from partita.partition import Plan, partition
-from partita.partition.explicit import check_mode, collectives_mode
-from partita.partition.regather import regather_setting
+from partita.options import CompileOptions
+from partita.partition import Plan
+from partita.pipeline import Compiled, compile_function
 from partita.presets import PresetLike as PlanLike
-from partita.propagate import propagate
 from partita.recompile import RECOMPILE_WARNING_AT, recompile_message
-from partita.runtime.compiled import compile_programs_setting, stats_for
+from partita.relayout import reshard
+from partita.runtime.compiled import stats_for
 from partita.runtime.executor import executor_for
-from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 
 __all__ = [
@@ -68,28 +64,15 @@ __all__ = [
 #: How many compiled signatures a jitted function keeps (least recently used evicted first).
 DEFAULT_CACHE_LIMIT = 64
 
-
-@dataclass
-class Compiled:
-    """One compiled signature: the global program, the per-device program and the Plan."""
-
-    program: capture.Program
-    local: fx.GraphModule
-    plan: Plan
-    input_shardings: list[Sharding]
-    output_shardings: list[Sharding]
-    output_shapes: list[tuple[int, ...]]
-    #: Run the per-device program's local ops compiled by Inductor (``runtime.compiled``).
-    compile_programs: bool = False
-    #: Wall seconds spent tracing, propagating and partitioning this signature.
-    partition_seconds: float = 0.0
+#: What ``options=`` takes: a full value, changes to the current options by name, or None.
+OptionsLike = CompileOptions | Mapping[str, Any] | None
 
 
 @dataclass(frozen=True)
 class JitStats:
     """Compile costs over the cached signatures: ``partition_seconds`` is partita's (trace,
     propagate, partition), ``inductor_*`` Inductor's on the per-device programs' regions under
-    ``compile_programs=True`` (0 before the first run); ``skipped``: regions left uncompiled."""
+    the ``inductor`` option (0 before the first run); ``skipped``: regions left uncompiled."""
 
     signatures: int
     partition_seconds: float
@@ -98,7 +81,7 @@ class JitStats:
     skipped: tuple[str, ...]
 
 
-@capture.serialized("__call__", "lower")  # calls from several threads compile and run in turn
+@serialized("__call__", "lower")  # calls from several threads compile and run in turn
 class Jitted:
     """A function (or ``nn.Module``) compiled for a mesh; see :func:`jit`."""
 
@@ -109,17 +92,11 @@ class Jitted:
         mesh: Mesh,
         in_specs: Any = None,
         out_specs: Any = None,
-        strict: bool = False,
-        replicate_unsupported: bool = False,
         param_specs: PlanLike | None = None,
         cache_limit: int = DEFAULT_CACHE_LIMIT,
-        collectives: str = "auto",
-        regather: bool | None = None,
-        compile_programs: bool | None = None,
+        options: OptionsLike = None,
     ) -> None:
-        self.collectives = check_mode(collectives)
-        self.compile_programs = compile_programs_setting(compile_programs)
-        self.regather = regather_setting(regather) if regather is not None else None
+        options_module.resolve(options)  # a bad value or name fails here, not at the call
         if not isinstance(mesh, Mesh):
             raise TypeError(f"partita.jit needs mesh=Mesh(...), got {mesh!r}")
         if not isinstance(cache_limit, int) or cache_limit < 1:
@@ -131,15 +108,17 @@ class Jitted:
         self.mesh = mesh
         self.in_specs = in_specs
         self.out_specs = out_specs
-        self.strict = strict
-        self.replicate_unsupported = replicate_unsupported
+        #: As given: resolved over the current options at each call (:meth:`options_now`).
+        self.options = options
+        self._resolved: tuple[CompileOptions | None, CompileOptions | None] = (None, None)
         self.cache_limit = cache_limit
         self._cache: OrderedDict[Hashable, Compiled] = OrderedDict()
         self._recent: deque[tuple[Hashable, list[str]]] = deque(maxlen=RECOMPILE_WARNING_AT)
         self._compiles = 0
         self._module = ModuleInputs(fn, mesh, param_specs) if isinstance(fn, nn.Module) else None
         if isinstance(fn, nn.Module):
-            scan_repeated_layers(fn)  # its repeated layers traced once, checked (layer_auto)
+            # its repeated layers traced once, checked (layer_auto); read when wrapped
+            scan_repeated_layers(fn, options_module.resolve(options).scan_layers)
         self._signatures = Signatures(mesh, _name(fn))
         if param_specs is not None and self._module is None:
             raise JitArgumentError(
@@ -161,10 +140,25 @@ class Jitted:
         module, (user, kw) = self._module, by_name(self.in_specs, self.fn.forward, args, kwargs)
         return module.call, module.args(args), lambda: (module.in_specs(user, args), kw)
 
+    def options_now(self) -> CompileOptions:
+        """The options of a call now: ``options=`` over :func:`partita.options.current`."""
+        if isinstance(self.options, CompileOptions):
+            return self.options
+        base = options_module.current()
+        if self.options is None:
+            return base
+        last_base, resolved = self._resolved
+        if last_base is not base or resolved is None:
+            resolved = base.replace(**self.options)
+            self._resolved = (base, resolved)
+        return resolved
+
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Compiled, list[Any]]:
         fn, args, in_specs = self._program_inputs(args, kwargs)
+        options = self.options_now()
         # A module's in_specs derive from self.in_specs and the argument structure (the key).
         leaves, shardings, key = self._signatures.key(args, kwargs, self.in_specs, in_specs)
+        key = (*key, ("options", options.key()))  # type: ignore[misc]
         if self._module is not None:
             key = (*key, ("mode", self._module.mode()))  # type: ignore[misc]
         compiled = self._cache.get(key)
@@ -172,42 +166,15 @@ class Jitted:
             self._cache.move_to_end(key)
             return compiled, leaves
         self._note_recompile(key, args, kwargs)
-        start = time.perf_counter()
-        trace_leaves = [
-            torch.empty(leaf.shape, dtype=leaf.dtype) if isinstance(leaf, ShardedTensor) else leaf
-            for leaf in leaves
-        ]
-        targs, tkwargs = unflatten_args(trace_leaves, tree := pytree.tree_structure((args, kwargs)))
-        n_args = pytree.tree_structure(args).num_leaves
-        specs = trace_specs(shardings)
+        tree = pytree.tree_structure((args, kwargs))
+        specs = self._signatures.leaf_specs(tree, self.in_specs, in_specs, args, leaves, shardings)
         before = self._module.mode() if self._module is not None else None
-        # The three stages build graphs that all live on: no cyclic GC in between (gc_pause).
-        with gc_paused():
-            prog = capture.trace(
-                fn,
-                tuple(targs),
-                tkwargs,
-                in_specs=tuple(pytree.tree_unflatten(specs[:n_args], pytree.tree_structure(args))),
-                kwarg_specs=self._signatures.kwarg_specs(
-                    tree, self.in_specs, in_specs, args, leaves
-                ),
-                out_specs=self.out_specs,
-                mesh=self.mesh,
-            )
-            propagate(
-                prog.graph_module, self.mesh, replicate_unsupported=self.replicate_unsupported
-            )
-            with collectives_mode(self.collectives):
-                local, plan = partition(
-                    prog.graph_module, self.mesh, strict=self.strict, regather=self.regather
-                )
-            plan.program_text = format_program(prog.graph_module)
-        plan.input_names = placeholder_names(prog, self.fn, self._module)
-        (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
-        shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
-        compiled = Compiled(prog, local, plan, plan.input_shardings, plan.output_shardings, shapes,
-                            compile_programs=self.compile_programs,
-                            partition_seconds=time.perf_counter() - start)  # fmt: skip
+        compiled = compile_function(
+            fn, args, kwargs, mesh=self.mesh, specs=specs, out_specs=self.out_specs,
+            options=options,
+        )  # fmt: skip
+        plan = compiled.plan
+        plan.input_names = placeholder_names(compiled.program, self.fn, self._module)
         if not self._cache and (text := replicated_batch(plan, self._module, self.in_specs)):
             warn(text, PartitaWarning)  # once: at the first compile
         self._cache[key] = compiled
@@ -292,8 +259,6 @@ def write_back(leaf: torch.Tensor | ShardedTensor, new: ShardedTensor) -> None:
             leaf.copy_(new.full())
             return
         if new.sharding != leaf.sharding:
-            from partita.relayout import reshard  # relayout compiles moves with jit
-
             new = reshard(new, leaf.sharding)
         dst, src = leaf.stacked, new.stacked
         if dst.dim() and dst.stride(0) == 0:  # a replicated stride-0 stack: one copy for all
@@ -313,13 +278,9 @@ def jit(
     mesh: Mesh,
     in_specs: Any = None,
     out_specs: Any = None,
-    strict: bool = False,
-    replicate_unsupported: bool = False,
     param_specs: PlanLike | None = None,
     cache_limit: int = DEFAULT_CACHE_LIMIT,
-    collectives: str = "auto",
-    regather: bool | None = None,
-    compile_programs: bool | None = None,
+    options: OptionsLike = None,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: annotate a few inputs, get every collective it needs.
 
@@ -345,8 +306,6 @@ def jit(
             Broadcast once per argument structure: to change it, assign a new object to
             ``.in_specs`` (an in-place edit of the same dict is not seen).
         out_specs: the same for the results (None lets propagation decide).
-        strict: raise instead of warning on an involuntary full rematerialization.
-        replicate_unsupported: run ops without a sharding rule on gathered inputs.
         param_specs: for a module: how to shard its parameters, any plan
             :func:`partita.presets.param_specs` takes: ``{"0.weight": P("model", None)}``
             (names or fnmatch patterns, unmatched parameters replicated), a preset name
@@ -354,16 +313,17 @@ def jit(
         cache_limit: how many compiled input signatures to keep (default 64); the least
             recently used is dropped first. At the 8th compilation a
             :class:`~partita.RecompileWarning` says which argument keeps changing.
-        collectives: ``"auto"`` (default) inserts every collective the program needs;
-            ``"explicit"`` makes each one the annotations do not imply an error, ``"warn"`` a
-            warning (``partita.partition.explicit``, docs/manual.md).
-        regather: under FSDP, free gathered parameters after the forward and gather them
-            again for the backward (less memory, more bytes; ``partita.partition.regather``);
-            ``None`` reads ``PARTITA_REGATHER`` (default: keep them, the fewest bytes).
-        compile_programs: run the per-device program's local ops compiled by Inductor, the
-            collectives between them uncompiled, on both executors (``runtime.compiled``;
-            ``.stats`` reports the compile cost). ``None`` reads ``PARTITA_COMPILE_PROGRAMS``
-            (default off: docs/performance.md says when it pays).
+        options: the compiler's and runtime's knobs (docs/options.md): a
+            :class:`~partita.CompileOptions` (taken as is), a dict of changes to the current
+            options (``{"strict": True, "collectives": "explicit"}``), or None (the current
+            options: defaults, ``PARTITA_*`` variables, ``partita.options.using`` blocks). A
+            dict or None is resolved at each call; the options are part of the cache key.
+            ``strict`` raises instead of warning on an involuntary full rematerialization,
+            ``replicate_unsupported`` runs ops without a sharding rule on gathered inputs,
+            ``collectives="explicit"`` makes each collective the annotations do not imply an
+            error (docs/manual.md), ``regather`` gathers FSDP parameters again for the
+            backward, ``inductor`` runs the per-device program's local ops compiled by
+            Inductor (``.stats`` reports the cost; docs/performance.md says when it pays).
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -388,13 +348,9 @@ def jit(
             mesh=mesh,
             in_specs=in_specs,
             out_specs=out_specs,
-            strict=strict,
-            replicate_unsupported=replicate_unsupported,
             param_specs=param_specs,
             cache_limit=cache_limit,
-            collectives=collectives,
-            regather=regather,
-            compile_programs=compile_programs,
+            options=options,
         )
 
     return wrap if fn is None else wrap(fn)

@@ -7,7 +7,7 @@ argument structure (keyed by that structure and by the ``in_specs`` object; ``ji
 ``in_specs`` when it is built) and the Sharding a spec gives a plain tensor of a rank. It never
 caches a leaf's own layout: every call reads each leaf's shape, dtype and sharding, so a
 changed layout is a new key (and the RecompileWarning names it). PartitionSpecs for tracing are
-built only on a cache miss (:func:`trace_specs`). This module only computes keys.
+built only on a cache miss (:meth:`Signatures.leaf_specs`). This module only computes keys.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from partita.annotations import marks_made
 from partita.capture.kv_cache import flatten_registering_caches, is_transformers_cache
 from partita.capture.trace import broadcast_specs
 from partita.errors import CaptureError
@@ -54,7 +55,7 @@ class Signatures:
         self, tree: Any, source: Any, in_specs: Callable[[], Any], args: tuple[Any, ...]
     ) -> list[PartitionSpec | None]:
         """The user's spec per leaf of ``(args, kwargs)``, broadcast once per structure."""
-        memo = (tree, id(source))
+        memo = (tree, id(source), marks_made())  # a weight's mark_sharding: specs anew
         hit = self._user.get(memo)
         if hit is not None and hit[0] is source:
             return hit[1]
@@ -71,21 +72,24 @@ class Signatures:
         self._user[memo] = (source, user)  # holds ``source``: its id stays its own
         return user
 
-    def kwarg_specs(
+    def leaf_specs(
         self, tree: Any, source: Any, in_specs: Callable[[], Any], args: tuple[Any, ...],
-        leaves: list[Any],
-    ) -> dict[str, Any]:  # fmt: skip
-        """What trace annotates on the keyword arguments: a ShardedTensor's own spec, the spec
-        ``in_specs`` gave by name, else None (propagation chooses). A keyword argument that is
-        an object pytree knows (a KV cache passed back) is left to propagation whole."""
+        leaves: list[Any], shardings: list[Sharding | None],
+    ) -> list[PartitionSpec | None]:  # fmt: skip
+        """What trace annotates on each leaf of ``(args, kwargs)`` (built on a cache miss
+        only). A positional leaf: its Sharding's spec (a plain tensor without a spec is
+        replicated). A keyword leaf: a ShardedTensor's own spec, the spec ``in_specs`` gave by
+        name, else None (propagation chooses); a keyword argument that is an object pytree
+        knows (a KV cache passed back) is left to propagation whole."""
         n_args = tree.child(0).num_leaves
+        out = trace_specs(shardings[:n_args])
         user = self._user_specs(tree, source, in_specs, args)[n_args:]
         specs = [leaf.sharding.spec if isinstance(leaf, ShardedTensor) else spec
                  for leaf, spec in zip(leaves[n_args:], user, strict=True)]  # fmt: skip
-        kwargs_tree, out, start = tree.child(1), {}, 0
-        for key, sub in zip(kwargs_tree.context, kwargs_tree.children(), strict=True):
+        start = 0
+        for sub in tree.child(1).children():
             mine, start = specs[start : start + sub.num_leaves], start + sub.num_leaves
-            out[key] = pytree.tree_unflatten(mine, sub) if _builtin(sub) else None
+            out += mine if _builtin(sub) else [None] * sub.num_leaves
         return out
 
     def _plain_sharding(self, spec: PartitionSpec | None, ndim: int) -> Sharding:

@@ -128,7 +128,7 @@ KNOBS: tuple[Knob, ...] = (
          "an error, 'warn' a warning"),
     Knob("regather", "PARTITA_REGATHER", _bool,
          "under FSDP, gather parameters again for the backward (less memory, more bytes)"),
-    Knob("compile_programs", "PARTITA_COMPILE_PROGRAMS", _bool,
+    Knob("inductor", "PARTITA_INDUCTOR", _bool,
          "run the per-device programs' local ops compiled by Inductor"),
     Knob("bucket_bytes", "PARTITA_BUCKET_BYTES", _bytes,
          "fuse small collectives of one kind and group up to this many bytes (0: off)"),
@@ -137,18 +137,20 @@ KNOBS: tuple[Knob, ...] = (
     Knob("scan_layers", "PARTITA_SCAN_LAYERS", _bool,
          "trace a module's repeated layers once"),
     Knob("trace_flat_at", "PARTITA_TRACE_FLAT_AT", _count,
-         "the LocalMesh traces a segment's flat graph at its n-th run (None: cost-based)"),
+         "the LocalMesh traces a segment's flat graph at its n-th run (None: cost-based)",
+         keyed=False),
     Knob("check_replicas", "PARTITA_CHECK_REPLICAS", _bool,
          "under torch.distributed, compare a checksum of replicated inputs across ranks at a "
-         "program's first run"),
+         "program's first run", keyed=False),
     Knob("join_timeout", "PARTITA_JOIN_TIMEOUT", _seconds,
          "seconds every rank may take to join the job", keyed=False),
     Knob("collective_timeout", "PARTITA_COLLECTIVE_TIMEOUT", _seconds,
          "seconds one collective may wait", keyed=False),
     Knob("compile_cache", "PARTITA_COMPILE_CACHE", _path,
          "directory of the virtual device's on-disk compile cache (None: off)", keyed=False),
-    Knob("virtual_device", "PARTITA_VIRTUAL_DEVICE", _bool,
-         "let use_spmd register the virtual device with torch", keyed=False),
+    Knob("check_calls", "PARTITA_CHECK_CALLS", _bool,
+         "under torch.distributed, check before every run of a program (not only its first) "
+         "that every rank runs it with the same input shapes and dtypes", keyed=False),
 )  # fmt: skip
 
 _BY_NAME = {k.name: k for k in KNOBS}
@@ -166,7 +168,7 @@ class CompileOptions:
     replicate_unsupported: bool = False
     collectives: CollectivesMode = "auto"
     regather: bool = False
-    compile_programs: bool = False
+    inductor: bool = False
     bucket_bytes: int = 4 << 20
     overlap_bytes: int = 64 << 20
     scan_layers: bool = True
@@ -175,7 +177,7 @@ class CompileOptions:
     join_timeout: float = 300.0
     collective_timeout: float = 300.0
     compile_cache: str | None = None
-    virtual_device: bool = True
+    check_calls: bool = True
     _source: str = field(default="CompileOptions", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -260,16 +262,44 @@ _OVERRIDES: contextvars.ContextVar[tuple[tuple[str, Any], ...]] = contextvars.Co
 )
 #: The last environment read and the options it gave (the environment rarely changes).
 _ENV_CACHE: list[Any] = [None, None]
+#: (environment snapshot, using() overrides) -> the options they give (a call reads this on
+#: every run of a compiled program: building and validating a value each time would cost more).
+_MEMO: dict[tuple[Any, ...], CompileOptions] = {}
+
+
+#: The variables' keys in ``os.environ``'s own mapping (read on every call: a jitted function
+#: resolves its options per call, and ``os.environ.get`` costs microseconds per variable).
+_ENV_KEYS = tuple(getattr(os.environ, "encodekey", str)(k.env) for k in KNOBS)
+
+
+def _environ_snapshot() -> tuple[Any, ...]:
+    data = getattr(os.environ, "_data", None)
+    if isinstance(data, dict):
+        return tuple(map(data.get, _ENV_KEYS))
+    return tuple(os.environ.get(k.env) for k in KNOBS)
 
 
 def current() -> CompileOptions:
     """The active options: defaults, then the environment, then :func:`using` blocks."""
-    snapshot = tuple(os.environ.get(k.env) for k in KNOBS)
+    snapshot = _environ_snapshot()
+    overrides = _OVERRIDES.get()
+    memo_key = (snapshot, overrides)
+    try:
+        found = _MEMO.get(memo_key)
+    except TypeError:  # an unhashable value in using(): validated below, never memoized
+        found, memo_key = None, None
+    if found is not None:
+        return found
     if _ENV_CACHE[0] != snapshot:
         _ENV_CACHE[1] = environment()
         _ENV_CACHE[0] = snapshot
-    values = {**_ENV_CACHE[1], **dict(_OVERRIDES.get())}
-    return CompileOptions(**values, _source="partita options") if values else _DEFAULT
+    values = {**_ENV_CACHE[1], **dict(overrides)}
+    value = CompileOptions(**values, _source="partita options") if values else _DEFAULT
+    if memo_key is not None:
+        if len(_MEMO) > 256:
+            _MEMO.clear()
+        _MEMO[memo_key] = value
+    return value
 
 
 _DEFAULT = CompileOptions()
@@ -279,8 +309,8 @@ _DEFAULT = CompileOptions()
 def using(**changes: Any) -> Iterator[CompileOptions]:
     """Set options for a block (per thread and per asyncio task); yields the new value.
 
-    >>> with using(compile_programs=True) as options:
-    ...     options.compile_programs
+    >>> with using(inductor=True) as options:
+    ...     options.inductor
     True
     """
     _check_names(changes, "partita.options.using")

@@ -3,7 +3,7 @@
 A preset answers one question — *how is each parameter split over the mesh?* — and nothing else:
 the batch gets one spec, and propagation derives every activation, gradient and optimizer
 temporary from those annotations. (The word *plan* is kept for the report of what a compiled
-program communicates, :class:`partita.Plan`; this module was ``partita.plans`` before.) A
+program communicates, :class:`partita.Plan`.) A
 preset is any of:
 
 * a name: ``"dp"``, ``"fsdp"``, ``"tp"``, ``"fsdp+tp"`` (the :class:`StandardPreset` kinds);
@@ -56,6 +56,7 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
+from partita.annotations import marked_param_specs
 from partita.mesh import Mesh
 from partita.plan_roles import (
     COLUMN_NAMES,
@@ -184,7 +185,7 @@ class StandardPreset:
                 raise ValueError(
                     f"preset {self.kind!r} splits parameters over a {role} mesh axis named "
                     f"{axis!r}, but {mesh!r} has none. Name the mesh axes ('data', 'model') "
-                    f"or pass shard=partita.presets.StandardPreset({self.kind!r}, "
+                    f"or pass param_specs=partita.presets.StandardPreset({self.kind!r}, "
                     f"{role}_axis=<one of {list(mesh.axis_names)}>)."
                 )
 
@@ -276,7 +277,10 @@ def param_specs(preset: PresetLike, model: nn.Module, mesh: Mesh) -> dict[str, P
         >>> param_specs({"*.weight": P(None, "data")}, nn.Sequential(nn.Linear(8, 2)), mesh)
         {'0.weight': P(None, 'data'), '0.bias': P()}
     """
-    return {row.name: row.spec for row in explain_param_specs(preset, model, mesh)}
+    marked = marked_param_specs(model, mesh)  # a weight's own mark_sharding wins
+    return {
+        row.name: marked.get(row.name, row.spec) for row in explain_param_specs(preset, model, mesh)
+    }
 
 
 def split_fraction(specs: Mapping[str, PartitionSpec], model: nn.Module, mesh_axis: str) -> float:

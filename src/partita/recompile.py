@@ -2,7 +2,7 @@
 
 ``partita.jit`` keeps the cache keys of its last compilations; :func:`recompile_message` finds
 which part of the signature changed among them (argument structure, a static value, a shape, a
-dtype, a sharding) and says how to keep it fixed. This module only writes the message.
+dtype, a sharding, the options) and says how to keep it fixed. This module only writes the message.
 """
 
 from __future__ import annotations
@@ -45,6 +45,10 @@ def recompile_message(name: str, recent: list[tuple[Any, list[str]]], limit: int
                     shown = ", ".join(str(v) for v in values[:4])
                     changes.append(f"the {label} of {leaf_name} ({shown}, ...)")
                     fixes.append(fix)
+    options = {next((p[1] for p in key if _is_options(p)), None) for key, _ in recent}
+    if len(options) > 1:
+        changes.append("the options (a partita.options.using block or PARTITA_* variables)")
+        fixes.append("set the options once, around the whole loop")
     return (
         f"partita.jit({name}) compiled {len(recent)} distinct input signatures; what keeps "
         f"changing: {'; '.join(changes) or 'nothing visible in the last calls'}. Each new "
@@ -52,3 +56,7 @@ def recompile_message(name: str, recent: list[tuple[Any, list[str]]], limit: int
         f"last {limit}, jit(cache_limit=...)). To compile once: "
         f"{'; '.join(dict.fromkeys(fixes)) or 'keep the arguments the same'}."
     )
+
+
+def _is_options(part: Any) -> bool:
+    return isinstance(part, tuple) and len(part) == 2 and part[0] == "options"

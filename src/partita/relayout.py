@@ -1,10 +1,13 @@
 """The one public ``reshard``: a ShardedTensor's data moved to another sharding.
 
 ``partita.reshard(x, spec)`` compiles the identity program from ``x``'s sharding to ``spec``
-with :func:`partita.jit`, so the move is the one the partitioner's reshard planner chooses
-(the cheapest collectives, the same as inside any program) and it runs on whichever executor
-holds ``x``: the simulated LocalMesh, or under torch.distributed each rank's own shard only.
-The compiled moves are kept (an LRU of :data:`CACHE_SIZE` ``(mesh, from, to)`` triples).
+with the compile pipeline (:func:`partita.pipeline.compile_function`), so the move is the one
+the partitioner's reshard planner chooses (the cheapest collectives, the same as inside any
+program) and it runs on whichever executor holds ``x``: the simulated LocalMesh, or under
+torch.distributed each rank's own shard only. The compiled moves are kept (an LRU of
+:data:`CACHE_SIZE` ``(mesh, from, to, shape, dtype, options)`` keys). A move is compiled with the
+current options except ``strict`` and ``collectives``: the user asked for this move, so a
+gather it needs is neither "involuntary" nor "implicit".
 
 Only two cases take the whole value instead, because no single program covers them: a target
 sharding on another mesh, and a value with partial (un-reduced) axes.
@@ -18,30 +21,38 @@ from typing import Any
 
 import torch
 
-from partita import tensor
+from partita import options, tensor
 from partita.errors import RematerializationWarning
-from partita.jit import Jitted, jit
-from partita.mesh import Mesh
+from partita.pipeline import Compiled, compile_function
+from partita.runtime.executor import executor_for
 from partita.spec import PartitionSpec, Sharding
 from partita.tensor import ShardedTensor
 
 __all__ = ["CACHE_SIZE", "reshard"]
 
-#: How many compiled moves are kept (each is a jit with its own per-shape cache).
+#: How many compiled moves are kept.
 CACHE_SIZE = 64
 
-_MOVES: OrderedDict[tuple[Mesh, PartitionSpec, PartitionSpec], Jitted] = OrderedDict()
+_MOVES: OrderedDict[tuple[Any, ...], Compiled] = OrderedDict()
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _move(mesh: Mesh, src: PartitionSpec, dst: PartitionSpec) -> Jitted:
-    key = (mesh, src, dst)
+def _move(x: ShardedTensor, dst: PartitionSpec) -> Compiled:
+    opts = options.current().replace(strict=False, collectives="auto")
+    key = (x.mesh, x.sharding.spec, dst, tuple(x.shape), x.dtype, opts.key())
     move = _MOVES.get(key)
     if move is None:
-        move = _MOVES[key] = jit(_identity, mesh=mesh, in_specs=(src,), out_specs=dst)
+        with warnings.catch_warnings():
+            # The user asked for this move: a gather it needs is not "involuntary".
+            warnings.simplefilter("ignore", RematerializationWarning)
+            move = compile_function(
+                _identity, (x,), {}, mesh=x.mesh, specs=[x.sharding.spec], out_specs=dst,
+                options=opts,
+            )  # fmt: skip
+        _MOVES[key] = move
         if len(_MOVES) > CACHE_SIZE:
             _MOVES.popitem(last=False)
     else:
@@ -69,8 +80,7 @@ def reshard(x: ShardedTensor, spec: PartitionSpec | Sharding | Any) -> ShardedTe
     target = tensor.reshard_target(x, spec)
     if target.mesh != x.mesh or x.sharding.partial or target.partial:
         return tensor.reshard(x, target)
-    move = _move(x.mesh, x.sharding.spec, target.spec)
-    with warnings.catch_warnings():
-        # The user asked for this move: a gather it needs is not "involuntary".
-        warnings.simplefilter("ignore", RematerializationWarning)
-        return move(x)
+    move = _move(x, target.spec)
+    with torch.no_grad():
+        (out,) = executor_for(x.mesh).run_compiled(move, [x, *move.program.constants])
+    return out

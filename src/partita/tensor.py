@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from partita.errors import AnnotationError, ShardingError
+from partita.annotations import annotation_conflict
+from partita.errors import ShardingError
 from partita.layout import (
     check_held,
     index_ranges,
@@ -55,8 +56,8 @@ class Shard:
     """What one device holds of a :class:`ShardedTensor`.
 
     Attributes:
-        data: the padded local tensor (every device has the same shape); a view of the
-            executor's storage, so treat it as read-only.
+        data: the padded local tensor (every device has the same shape): a copy from
+            ``local_shards``, a read-only view of the storage from ``local_shard_views``.
         unpadded_data: ``data`` without its padding: exactly ``global_tensor[index]``.
         device: the mesh device id (``mesh.device_ids[position]``).
         index: one ``slice`` per dim into the global tensor; a device holding only padding
@@ -244,21 +245,30 @@ class ShardedTensor(EagerOps):
 
     @property
     def local_shards(self) -> list[Shard]:
-        """One :class:`Shard` per device, in mesh position order (padding-only devices too).
+        """One :class:`Shard` per device, in mesh position order (padding-only devices too),
+        each ``data`` a snapshot (a copy), as in PyTorch/XLA; :attr:`local_shard_views` views.
 
         Example:
             >>> x = mark_sharding(torch.arange(3), Mesh.create((2,), ("x",)), P("x"))
             >>> [(s.device, s.index, s.unpadded_data.tolist()) for s in x.local_shards]
             [(0, (slice(0, 2, None),), [0, 1]), (1, (slice(2, 3, None),), [2])]
         """
-        ranges = index_ranges(self._sharding, self._shape).tolist()
+        return self._shards(copy=True)
+
+    @property
+    def local_shard_views(self) -> list[Shard]:
+        """:attr:`local_shards` without the copy: each ``data`` views the storage (read-only)."""
+        return self._shards(copy=False)
+
+    def _shards(self, *, copy: bool) -> list[Shard]:
         replicas = replica_ids(self._sharding).tolist()
+        storage = self._storage().clone() if copy else self._storage()
         shards = []
-        for position, device in enumerate(self.mesh.device_ids):
-            index = tuple(slice(start, stop) for start, stop in ranges[position])
-            data = self._storage()[position]
-            unpadded = data[tuple(slice(0, stop - start) for start, stop in ranges[position])]
-            shards.append(Shard(data, unpadded, device, index, replicas[position]))
+        for p, pairs in enumerate(index_ranges(self._sharding, self._shape).tolist()):
+            data = storage[p]
+            unpadded = data[tuple(slice(0, b - a) for a, b in pairs)]
+            index = tuple(slice(a, b) for a, b in pairs)
+            shards.append(Shard(data, unpadded, self.mesh.device_ids[p], index, replicas[p]))
         return shards
 
     def __repr__(self) -> str:
@@ -280,13 +290,10 @@ def mark_sharding(
     ``spec`` is a ``P``, a tuple/list of entries (PyTorch/XLA style) or ``None`` (replicated);
     a spec shorter than the rank leaves the trailing dims unsplit.
 
-    * A ``torch.Tensor`` is left untouched: the result is a new :class:`ShardedTensor` holding
-      a copy of its data.
-    * A :class:`ShardedTensor` already annotated with the same sharding is returned as is; a
-      different sharding raises :class:`~partita.errors.AnnotationError` (clear it first, or
-      use :func:`reshard` for a new tensor).
-    * A :class:`ShardedTensor` whose annotation was cleared (:func:`clear_sharding`) is
-      resharded *in place* and returned, as in PyTorch/XLA.
+    A ``torch.Tensor`` is left untouched: the result is a new ShardedTensor of a copy of its
+    data. A ShardedTensor already annotated with the same sharding is returned as is, with
+    another raises :class:`~partita.errors.AnnotationError`; once cleared
+    (:func:`clear_sharding`) it is resharded *in place* and returned, as in PyTorch/XLA.
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -317,12 +324,7 @@ def _mark_sharded(x: ShardedTensor, mesh: Mesh, spec: SpecLike) -> ShardedTensor
         return x
     if sharding == x.sharding:
         return x
-    raise AnnotationError(
-        f"Existing annotation must be cleared first: the tensor of shape {tuple(x.shape)} is "
-        f"annotated with {x.sharding} on {x.mesh!r}, and mark_sharding was asked for {sharding} "
-        f"on {mesh!r}. Call partita.clear_sharding(x) and then mark_sharding(x, mesh, spec) to "
-        f"re-annotate it in place, or use partita.reshard(x, spec) for a new tensor."
-    )
+    raise annotation_conflict(x.shape, x.sharding, sharding, mesh)
 
 
 def clear_sharding(x: ShardedTensor) -> ShardedTensor:

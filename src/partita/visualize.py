@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 from rich import box
 from rich.console import Console, Group
 from rich.table import Table
@@ -88,9 +89,15 @@ def _resolve(
         shape = tuple(int(n) for n in shape)
         x.check_shape(shape)
         return x, shape
+    held = getattr(x, "sharding", None) if isinstance(x, torch.Tensor) else None
+    if isinstance(held, Sharding):  # a tensor of the virtual device: its layout there
+        return _resolve(held, x.shape if shape is None else shape, where)  # type: ignore[union-attr]
     raise ShardingError(
-        f"{where} expects a ShardedTensor, or a Sharding and a global shape; got "
-        f"{type(x).__name__}."
+        f"{where} expects a ShardedTensor, a tensor of the virtual device, or a Sharding and a "
+        f"global shape; got a {type(x).__name__}"
+        + (f" on {x.device}, which has no sharding" if isinstance(x, torch.Tensor) else "")
+        + ". Shard it first: x = partita.mark_sharding(x, mesh, spec) (or move it to the "
+        "device, x.to(partita.use_spmd(mesh)), and mark it there)."
     )
 
 

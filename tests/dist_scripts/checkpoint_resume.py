@@ -22,7 +22,7 @@ import partita.distributed as pd
 from partita import Mesh
 from partita.errors import CheckpointError
 from partita.models import GPT, GPTConfig
-from partita.train import train_step
+from partita.training import train_step
 
 CFG = GPTConfig(n_layer=1, n_head=4, d_model=16, vocab_size=32, seq_len=8, bias=False)
 
@@ -36,7 +36,7 @@ def fresh(mesh: Mesh):
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-    return train_step(model, loss_fn, opt, mesh=mesh, shard="fsdp"), sched
+    return train_step(model, loss_fn, opt, mesh=mesh, param_specs="fsdp"), sched
 
 
 def main() -> None:

@@ -21,12 +21,17 @@ torch.manual_seed(0)
 MODEL = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
 
 
-def run(compile_programs: bool) -> tuple[list[float], dict[str, torch.Tensor], partita.TrainStep]:
+def run(inductor: bool) -> tuple[list[float], dict[str, torch.Tensor], partita.TrainStep]:
     model = copy.deepcopy(MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mesh = Mesh.create((2,), ("data",))
     step = partita.train_step(
-        model, F.mse_loss, opt, mesh=mesh, shard="fsdp", compile_programs=compile_programs
+        model,
+        F.mse_loss,
+        opt,
+        mesh=mesh,
+        param_specs="fsdp",
+        options={"inductor": inductor},
     )
     g = torch.Generator().manual_seed(0)
     losses = []

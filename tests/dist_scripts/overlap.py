@@ -81,7 +81,7 @@ for shape, names, plan in [((4,), ("data",), "fsdp"), ((2, 2), ("data", "model")
     for setting in SETTINGS[plan]:
         os.environ["PARTITA_BUCKET_BYTES"], os.environ["PARTITA_OVERLAP_BYTES"] = setting[:2]
         os.environ["PARTITA_REGATHER"] = setting[2] if len(setting) > 2 else "0"
-        close_executors()  # the next executor reads PARTITA_OVERLAP_BYTES
+        close_executors()  # a fresh executor; the options are read at each call (the key)
         results[(plan, setting)] = mlp_run(mesh, plan)
         pd.log(f"{plan} {setting}: {results[(plan, setting)][2]}")
 results["fused"] = fused_ops(Mesh.create((2, 2), ("data", "model")))

@@ -17,29 +17,25 @@ alone costs more than an ordinary trace (a shape probe, the split into forward a
 so reuse only pays from about five layers on (measured on the GPT training step when the
 first layer ran as ordinary code and two more were traced alone: 4 blocks traced 0.5 s slower
 with reuse than without, 12 blocks 1.5 s faster). A leaf such as ``nn.Linear`` is left alone
-for the same reason. Setting ``PARTITA_SCAN_LAYERS=0`` turns this off (layers the user
+for the same reason. The ``scan_layers`` option (:mod:`partita.options`;
+``PARTITA_SCAN_LAYERS=0``) turns this off (layers the user
 marked with ``scan_layers`` are still traced once). This module decides nothing about a
 trace; ``layers`` does the tracing.
 """
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 
 from torch import nn
 
+from partita import options
 from partita.capture.layers import mark_layers
 
-__all__ = ["MIN_REPEATS", "auto_scan_setting", "repeated_layers", "scan_repeated_layers"]
+__all__ = ["MIN_REPEATS", "repeated_layers", "scan_repeated_layers"]
 
 #: Same-class layers a module list needs before its layers are traced once (see the doc).
 MIN_REPEATS = 6
-
-
-def auto_scan_setting() -> bool:
-    """Whether training steps trace repeated layers once (``PARTITA_SCAN_LAYERS``, default on)."""
-    return os.environ.get("PARTITA_SCAN_LAYERS", "1").strip().lower() not in ("0", "off", "false")
 
 
 def repeated_layers(model: nn.Module) -> list[nn.Module]:
@@ -69,7 +65,8 @@ def repeated_layers(model: nn.Module) -> list[nn.Module]:
     return out
 
 
-def scan_repeated_layers(model: nn.Module) -> None:
-    """Mark ``model``'s repeated layers to be traced once, checked (see the module doc)."""
-    if auto_scan_setting():
+def scan_repeated_layers(model: nn.Module, enabled: bool | None = None) -> None:
+    """Mark ``model``'s repeated layers to be traced once, checked (see the module doc), if
+    ``enabled`` (None: the current ``scan_layers`` option)."""
+    if options.current().scan_layers if enabled is None else enabled:
         mark_layers(repeated_layers(model), verify=True)

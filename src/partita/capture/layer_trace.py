@@ -9,9 +9,10 @@ which calls reuse a trace is :mod:`layers`' job, not this module's.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -25,11 +26,9 @@ from partita.capture.decompositions import decomposition_table
 from partita.capture.functionalize import InputUpdates, functionalized
 from partita.capture.layer_graph import part, positional_form, register, split_joint
 from partita.capture.layer_key import IN_PLACE, LayerFallbackError
+from partita.capture.threads import TRACING
 
-if TYPE_CHECKING:
-    from partita.capture.layers import ScanState
-
-__all__ = ["Traced", "trace_layer", "traces_alike"]
+__all__ = ["ScanState", "Traced", "trace_layer", "traces_alike"]
 
 
 @dataclass
@@ -43,6 +42,22 @@ class Traced:
     saved_from: list[int]  # per saved value: its primal position, or -1 (a forward output)
     diff_outputs: list[int]  # outputs that get a gradient, in order
     grad_of: list[int]  # primals that get a gradient, in order
+
+
+@dataclass
+class ScanState:
+    """The layer traces of one ``trace`` call (and what fell back, for messages)."""
+
+    fn_name: str
+    traces: dict[Any, Traced | str] = field(default_factory=dict)
+    keys: list[int] = field(default_factory=list)
+    first_attrs: dict[type, tuple[Any, ...]] = field(default_factory=dict)
+    reused: int = 0
+    inner: bool = False
+    unverified: set[Any] = field(default_factory=set)  # signatures traced once, not yet checked
+    by_size_class: dict[Any, Traced] = field(default_factory=dict)  # any_sizes functions
+    seen_once: set[Any] = field(default_factory=set)  # signatures of found layers called once
+    twins: Counter[tuple[Any, ...]] | None = None  # found layers per layer_attrs (_has_twin)
 
 
 def traces_alike(traced: Traced, *how: Any) -> bool:
@@ -166,8 +181,6 @@ def trace_layer(
                 example = fresh() + [torch.empty(s, dtype=d, device=dev)
                                      for s, d, dev, _ in cot_meta]  # fmt: skip
             updates = InputUpdates([], (), [], [], None, state.fn_name)
-            from partita.capture.threads import TRACING  # lazily: the package imports this module
-
             # One make_fx at a time in the process (see TRACING); reentrant inside a trace.
             with TRACING, _use_lazy_graph_module(True):  # the joint is split, never run
                 gm = make_fx(

@@ -49,7 +49,6 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -59,7 +58,7 @@ from torch.utils import _pytree as pytree
 from partita.capture.layer_graph import layer_call, part, register, register_run, release
 from partita.capture.layer_key import LayerFallbackError, call_signature, layer_attrs
 from partita.capture.layer_sizes import resized, size_class
-from partita.capture.layer_trace import Traced, trace_layer, traces_alike
+from partita.capture.layer_trace import ScanState, Traced, trace_layer, traces_alike
 from partita.errors import PartitaWarning
 
 __all__ = ["OnceFunction", "ScanState", "mark_layers", "scan_scope", "trace_once"]
@@ -70,22 +69,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 # others reuse the trace: set for the layers partita found itself (layer_auto), not for the
 # ones the user marked with scan_layers.
 _MARKED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-
-
-@dataclass
-class ScanState:
-    """The layer traces of one ``trace`` call (and what fell back, for messages)."""
-
-    fn_name: str
-    traces: dict[Any, Traced | str] = field(default_factory=dict)
-    keys: list[int] = field(default_factory=list)
-    first_attrs: dict[type, tuple[Any, ...]] = field(default_factory=dict)
-    reused: int = 0
-    inner: bool = False
-    unverified: set[Any] = field(default_factory=set)  # signatures traced once, not yet checked
-    by_size_class: dict[Any, Traced] = field(default_factory=dict)  # any_sizes functions
-    seen_once: set[Any] = field(default_factory=set)  # signatures of found layers called once
-    twins: Counter[tuple[Any, ...]] | None = None  # found layers per layer_attrs (_has_twin)
 
 
 _STATE: contextvars.ContextVar[ScanState | None] = contextvars.ContextVar(

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from partita import node_meta
 from partita.capture.annotate import ANNOTATE_OP, Annotation
 from partita.capture.fx_nodes import add_node
 from partita.mesh import Mesh
@@ -57,7 +58,7 @@ def lift_constants(
         with ctx:
             ph = graph.placeholder(f"constant{len(values)}")
         ph.meta = dict(node.meta)
-        ph.meta["lifted_from"] = str(node.target)
+        node_meta.set_lifted_from(ph, str(node.target))
         node.replace_all_uses_with(ph)
         graph.erase_node(node)
         _drop(gm, str(node.target))
@@ -80,12 +81,14 @@ def _annotate_replicated(graph: fx.Graph, ph: fx.Node, mesh: Mesh) -> tuple[fx.N
     with graph.inserting_before(first_user):
         ann_node = add_node(graph, ANNOTATE_OP, (ph, -1))
     val = ph.meta["val"]
-    where = next((u.meta.get("source") for u in users if u.meta.get("source")), None)
+    where = next((node_meta.source(u) for u in users if node_meta.source(u)), None)
     ann = Annotation(
         P().to_sharding(mesh, val.ndim),
-        source=f"tensor constant {ph.meta['lifted_from']} used at {where or 'an unknown line'}",
+        source=f"tensor constant {node_meta.lifted_from(ph)} used at {where or 'an unknown line'}",
     )
-    ann_node.meta = {"val": val, "annotation": ann, "source": where}
+    ann_node.meta = {"val": val}
+    node_meta.set_annotation(ann_node, ann)
+    node_meta.set_source(ann_node, where)
     for user in users:
         user.replace_input_with(ph, ann_node)
     return ann_node, ann

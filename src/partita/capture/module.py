@@ -10,7 +10,9 @@ and readable names.
 
 Weights are replicated unless ``param_specs`` shards them: any preset
 :func:`partita.presets.param_specs` accepts (a preset name, ``{name or pattern: P}``, a callable
-``(name, param) -> P | None``), resolved once when the module is jitted. Buffers are replicated.
+``(name, param) -> P | None``), resolved once when the module is jitted. A weight marked with
+``partita.mark_sharding(model.fc.weight, mesh, spec)`` is sharded so, before or after ``jit``
+(a new mark compiles a new program), over the preset. Buffers are replicated.
 
 This module does not trace or run anything.
 """
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from partita.annotations import marked_param_specs
 from partita.mesh import Mesh
 from partita.presets import PresetLike, param_specs
 from partita.spec import PartitionSpec
@@ -34,6 +37,7 @@ class ModuleInputs:
 
     def __init__(self, module: nn.Module, mesh: Mesh, preset: PresetLike | None) -> None:
         self.module = module
+        self.mesh = mesh
         self.param_specs: dict[str, PartitionSpec] = (
             {} if preset is None else param_specs(preset, module, mesh)
         )
@@ -57,7 +61,9 @@ class ModuleInputs:
 
     def in_specs(self, in_specs: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
         """The in_specs prefix of ``(params, buffers, *args)`` given the user's for ``args``."""
-        params = {k: self.param_specs.get(k) for k, _ in self.module.named_parameters()}
+        marked = marked_param_specs(self.module, self.mesh)  # mark_sharding on a weight wins
+        specs = {**self.param_specs, **marked}
+        params = {k: specs.get(k) for k, _ in self.module.named_parameters()}
         buffers = {k: None for k, _ in self.module.named_buffers()}
         if in_specs is None or isinstance(in_specs, PartitionSpec):
             user: tuple[Any, ...] = (in_specs,) * len(args)
@@ -69,8 +75,11 @@ class ModuleInputs:
         """The plain Python attributes of every submodule (numbers, strings, flags, tuples of
         them; the train/eval flag among them): part of the signature, because the forward
         reads them while tracing and the program keeps the values it read. ``model.eval()``,
-        ``model.temperature = 0.5`` or ``dropout.p = 0.0`` compile a new program."""
-        return tuple(_plain_attributes(m) for m in self.module.modules())
+        ``model.temperature = 0.5`` or ``dropout.p = 0.0`` compile a new program, and so does
+        ``mark_sharding`` on a weight (last, when there is one)."""
+        attributes = tuple(_plain_attributes(m) for m in self.module.modules())
+        marked = marked_param_specs(self.module, self.mesh)
+        return (*attributes, tuple(marked.items())) if marked else attributes
 
     def mutated(self, before: tuple[Any, ...]) -> list[str]:
         """The attributes (``'calls' of Counter``) whose value differs from ``before`` (a

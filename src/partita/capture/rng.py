@@ -25,6 +25,7 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 
+from partita import node_meta
 from partita.errors import CaptureError
 
 __all__ = ["DrawKeys", "draws_from_values", "random_ops", "replay_draws", "tracing_rng"]
@@ -135,7 +136,7 @@ def replay_draws(gm: fx.GraphModule, draws: DrawKeys, fn_name: str) -> None:
         elif first_of_key.setdefault(key, node) is not node:
             raise _replay_error(
                 fn_name,
-                f"{node.target} at {node.meta.get('source') or 'an unknown line'} replays "
+                f"{node.target} at {node_meta.source(node) or 'an unknown line'} replays "
                 f"the draw of {first_of_key[key].target} with other arguments or inputs",
             )
 

@@ -1,4 +1,4 @@
-"""User source lines for captured ops: ``node.meta["source"] = "file.py:LINE in func"``.
+"""User source lines for captured ops: ``node_meta.source(node)`` is ``"file.py:LINE in func"``.
 
 The source of an op is the innermost Python frame that is *user code*: outside torch and
 outside partita's own machinery (``partita.models``, the reference models, and
@@ -28,6 +28,8 @@ from typing import Any
 import torch
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.functional_tensor import FunctionalTensorMode
+
+from partita import node_meta
 
 __all__ = [
     "STACK_RE",
@@ -144,7 +146,7 @@ def source_line(node: torch.fx.Node) -> str | None:
         ...                  if n.op == "call_function"))           # doctest: +SKIP
         '<stdin>:1 in <lambda>'
     """
-    src = node.meta.get("source")
+    src = node_meta.source(node)
     if src is None:
         src = source_from_stack_trace(node.meta.get("stack_trace"))
     return src

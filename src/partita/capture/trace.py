@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -51,6 +51,7 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
+from partita import node_meta
 from partita.capture.annotate import ANNOTATE_OP, lookup, new_key, tracing_scope
 from partita.capture.decompositions import decomposition_table
 from partita.capture.diagnose import (
@@ -73,7 +74,7 @@ from partita.capture.rng import DrawKeys, replay_draws, tracing_rng
 from partita.capture.source import format_source, source_from_stack_trace, user_frame
 from partita.capture.spec_tree import broadcast_specs, is_size, unflatten_args
 from partita.capture.threads import TRACING
-from partita.errors import CaptureError, PartitaError
+from partita.errors import CaptureError, CompilerError, PartitaError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
 
@@ -110,6 +111,7 @@ def trace(
     out_specs: Any = None,
     mesh: Mesh | None = None,
     kwarg_specs: dict[str, Any] | None = None,
+    leaf_specs: Sequence[PartitionSpec | None] | None = None,
 ) -> Program:
     """Capture ``fn(*args, **kwargs)`` as a functional graph of aten ops.
 
@@ -121,6 +123,7 @@ def trace(
         mesh: the mesh of ``in_specs`` and ``out_specs`` (required when they are given).
         kwarg_specs: the specs of keyword arguments, by name (a prefix of the ``kwargs``
             pytree); a keyword argument without one is replicated.
+        leaf_specs: one spec (or None) per leaf of ``(args, kwargs)``, already broadcast.
 
     Raises:
         CaptureError: ``fn`` cannot be traced (the message names fn and the cause).
@@ -137,7 +140,7 @@ def trace(
     # patches module globals through one CURRENT_PATCHER), so two threads tracing at once
     # corrupt each other's trace. Other threads still run programs meanwhile.
     with TRACING, gc_paused():  # every object built here lives until we return: see gc_pause
-        return _trace(fn, args, kwargs, in_specs, out_specs, mesh, kwarg_specs)
+        return _trace(fn, args, kwargs, in_specs, out_specs, mesh, kwarg_specs, leaf_specs)
 
 
 def _trace(
@@ -148,6 +151,7 @@ def _trace(
     out_specs: Any,
     mesh: Mesh | None,
     kwarg_specs: dict[str, Any] | None = None,
+    leaf_specs: Sequence[PartitionSpec | None] | None = None,
 ) -> Program:
     name = _fn_name(fn)
     if not isinstance(args, (tuple, list)):
@@ -155,7 +159,7 @@ def _trace(
             f"trace({name!r}, args): args must be a tuple, got {type(args).__name__}."
         )
     args, kwargs = tuple(args), dict(kwargs or {})
-    given = (in_specs, out_specs, kwarg_specs)
+    given = (in_specs, out_specs, kwarg_specs, leaf_specs)
     if any(s is not None for s in given) and not isinstance(mesh, Mesh):
         raise CaptureError(
             f"trace({name!r}) got in_specs/out_specs but mesh={mesh!r}: pass mesh=Mesh(...)."
@@ -167,6 +171,10 @@ def _trace(
     statics = {i: x for i, x in enumerate(leaves) if not isinstance(x, torch.Tensor)}
     n_arg_leaves = pytree.tree_structure(args).num_leaves
     in_spec_flat: list[PartitionSpec | None] = [None] * len(leaves)
+    if leaf_specs is not None:  # one per leaf, broadcast by the front end (partita.pipeline)
+        if len(leaf_specs) != len(leaves):
+            raise CompilerError(f"trace({name!r}): {len(leaf_specs)} specs, {len(leaves)} leaves")
+        in_spec_flat = list(leaf_specs)
     if in_specs is not None:
         in_spec_flat[:n_arg_leaves] = broadcast_specs(in_specs, args, "in_specs", name)
     if kwarg_specs:
@@ -265,13 +273,13 @@ def _trace(
         normalize(gm)
         annotations = {}
         for node in gm.graph.nodes:
-            if node.op == "call_function" and "source" not in node.meta:
-                node.meta["source"] = source_from_stack_trace(node.meta.get("stack_trace"))
+            if node.op == "call_function" and not node_meta.has_source(node):
+                node_meta.set_source(node, source_from_stack_trace(node.meta.get("stack_trace")))
             if node.op == "call_function" and node.target == ANNOTATE_OP:
                 ann = lookup(node.args[1])
                 if ann is None:
                     raise CaptureError(f"Annotation {node.args[1]} of {name!r} was lost.")
-                node.meta["annotation"] = ann
+                node_meta.set_annotation(node, ann)
                 annotations[node] = ann
         del state
     constants, constant_annotations = lift_constants(gm, mesh)
@@ -312,7 +320,7 @@ def _annotate_inputs_outputs(
         key = new_key(mesh, spec, value.meta["val"].ndim, source=source)
         node = add_node(graph, ANNOTATE_OP, (value, key), name="annotate")
         node.meta["val"] = value.meta["val"]
-        node.meta["source"] = where
+        node_meta.set_source(node, where)
         return node
 
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -343,11 +351,6 @@ def input_path(path: Any) -> str:
     return text
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else "(no message)"
-
-
 def _check_functional(gm: torch.fx.GraphModule, name: str) -> None:
     """No captured op may mutate (an internal invariant; a failure is a partita bug)."""
     for node in gm.graph.nodes:
@@ -355,7 +358,7 @@ def _check_functional(gm: torch.fx.GraphModule, name: str) -> None:
         if node.op == "call_function" and schema is not None and schema.is_mutable:
             raise CaptureError(
                 f"Capturing {name!r} left the mutating op {node.target} at "
-                f"{node.meta.get('source') or 'an unknown line'}; this is a partita bug, "
+                f"{node_meta.source(node) or 'an unknown line'}; this is a partita bug, "
                 f"please report it with the function."
             )
 

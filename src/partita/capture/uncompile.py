@@ -4,8 +4,8 @@
 would trace Inductor's generated kernels (which read raw data pointers, impossible on fake
 tensors), and ``torch.compile(model)`` renames every parameter ``_orig_mod.<name>``, which
 presets and ``state_dict`` keys would then carry. partita partitions the whole program
-itself, and compiles the per-device programs with Inductor when asked
-(``compile_programs=True``), so it captures what the user wrote: the wrapped callable.
+itself, and compiles the per-device programs with Inductor when asked (the
+``inductor`` option), so it captures what the user wrote: the wrapped callable.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def uncompiled(obj: Any, api: str) -> Any:
             f"{api} got a torch.compile'd {what} ({name}): partita captures the {what} "
             f"torch.compile wrapped and partitions it; TorchDynamo's compiled code is not "
             f"used. Pass the uncompiled {what} to silence this; to compile the per-device "
-            f"programs with Inductor, use compile_programs=True."
+            f"programs with Inductor, set the option inductor=True (options={{'inductor': True}})."
         )
     )
     return inner

@@ -116,6 +116,8 @@ def apply_module(
         return
     saved = loaded["optimizer"]
     index = {name: i for i, name in enumerate(tensors)}
+    # An optimizer saved before its first step has no state: DCP writes no key for an empty dict.
+    saved_state = saved.get("state", {})
     groups, state, order = [], {}, 0
     for group in saved["param_groups"]:
         ids = list(range(order, order + len(group["params"])))
@@ -128,7 +130,8 @@ def apply_module(
                     f"for {name!r}, which this model does not have. Nothing was loaded into "
                     "the optimizer. Load into the model the checkpoint was saved from."
                 )
-            state[i] = dict(saved["state"].get(name, {}))
+            if saved_state.get(name):
+                state[i] = dict(saved_state[name])
     optimizer.load_state_dict({"state": state, "param_groups": groups})
     mesh = device_mesh()
     for p, entry in optimizer.state.items():

@@ -1,33 +1,21 @@
-"""Never a half-written or mismatched checkpoint: atomic saves, checks before every load.
+"""Never a mismatched or damaged checkpoint read: checks before and while every load.
 
-A save writes into ``<path>.tmp-<id>`` and renames it to ``<path>`` only once DCP has written
-every file and its ``.metadata`` (under ``torch.distributed``: after a barrier, by rank 0), so a
-save that dies midway leaves ``<path>`` as it was; a left-over ``.tmp-`` directory is never
-read. The next save to ``<path>`` deletes such left-overs (with a warning naming them), and a
-load from ``<path>`` warns about them. Overwriting an existing ``<path>`` moves it aside first
-and deletes it only after the new one is in place.
-
-A load reads DCP's ``.metadata`` and checks the whole request against it *before* reading any
-tensor: every key present (or listed as missing), every size and dtype equal, every file there
-and long enough for the bytes the metadata says it holds. Errors raised while DCP reads
-(a corrupted file) are re-raised naming the tensor being read. Every failure is a
-:class:`~partita.errors.CheckpointError`. This module builds no state dicts.
+A load reads DCP's ``.metadata`` (after checking its sha256 against the checkpoint's
+manifest, :mod:`partita.checkpoint.directory`) and checks the whole request against it *before*
+reading any tensor: every key present (or listed as missing), every size and dtype equal, every
+file there and long enough for the bytes the metadata says it holds. While DCP reads, each data
+file is checked against its sha256 before its first byte is used, and errors raised while
+reading are re-raised naming the tensor being read. Every failure is a
+:class:`~partita.errors.CheckpointError`. This module builds no state dicts and writes nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import glob
-import os
-import shutil
-import uuid
-import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
 
 import torch
-import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import (
@@ -36,90 +24,16 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from partita.checkpoint.directory import Manifest, verify_file
 from partita.checkpoint.tiles import Tiles
-from partita.errors import CheckpointError, PartitaWarning
+from partita.errors import CheckpointError
 
 __all__ = [
     "NamingReader",
-    "atomic_directory",
     "check_request",
-    "leftovers",
     "read_metadata",
     "unwrap",
 ]
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _shared_id() -> str:
-    """A fresh id, the same on every process (rank 0 draws it)."""
-    value = torch.tensor([uuid.uuid4().int % (1 << 62)], dtype=torch.int64)
-    if _distributed():
-        dist.broadcast(value, src=0)
-    return f"{int(value):016x}"
-
-
-def leftovers(path: Path) -> list[Path]:
-    """The ``<path>.tmp-*`` directories beside ``path``: saves that died before finishing."""
-    return sorted(path.parent.glob(f"{glob.escape(path.name)}.tmp-*"))
-
-
-def _remove_leftovers(path: Path) -> None:
-    """Delete the temporaries of earlier saves to ``path`` that died (SIGKILL, power loss).
-
-    Nothing reads them, and every killed save would otherwise leak a checkpoint's worth of
-    disk. Two jobs saving to one ``path`` at once are unsupported anyway (the renames race).
-    """
-    found = leftovers(path)
-    if not found:
-        return
-    warnings.warn(
-        f"checkpoint.save to {str(path)!r}: removing {[p.name for p in found]}, left by "
-        "earlier saves to this path that did not finish (killed processes); they were never "
-        "read. Nothing to do, unless another job is saving to this same path (don't).",
-        PartitaWarning,
-        stacklevel=4,
-    )
-    for p in found:
-        shutil.rmtree(p, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def atomic_directory(path: Path) -> Iterator[Path]:
-    """Yield a temporary directory beside ``path``; on success it becomes ``path``.
-
-    Left-over temporaries of earlier, killed saves to ``path`` are removed first (by rank 0,
-    before the id broadcast, so no rank has started writing the new one yet).
-    """
-    main = not _distributed() or dist.get_rank() == 0
-    if main:
-        _remove_leftovers(path)
-    tmp = path.with_name(f"{path.name}.tmp-{_shared_id()}")
-    try:
-        yield tmp
-    except BaseException as e:
-        if main:
-            shutil.rmtree(tmp, ignore_errors=True)
-        # DCP reports a failure on any rank as a CheckpointException (a BaseException)
-        if isinstance(e, Exception | CheckpointException) and not isinstance(e, CheckpointError):
-            raise CheckpointError(
-                f"checkpoint.save to {str(path)!r} failed while writing {str(tmp)!r}: "
-                f"{unwrap(e)}. The previous contents of {str(path)!r} (if any) are unchanged "
-                "and still load. Fix the cause above and save again."
-            ) from e
-        raise
-    if _distributed():
-        dist.barrier()  # every rank's files are written (DCP's finish already synced)
-    if main:
-        old = path.with_name(f"{path.name}.old-{tmp.name.rsplit('-', 1)[1]}")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    if _distributed():
-        dist.barrier()  # nobody reads `path` before it is renamed
 
 
 def unwrap(e: BaseException) -> BaseException:
@@ -130,32 +44,17 @@ def unwrap(e: BaseException) -> BaseException:
     return e
 
 
-def read_metadata(path: Path) -> Metadata:
-    """DCP's ``.metadata`` of the checkpoint at ``path`` (a pickle, read as DCP reads it)."""
-    if not (path / ".metadata").is_file():
-        found = [p.name for p in leftovers(path)]
-        raise CheckpointError(
-            f"checkpoint.load: {str(path)!r} is not a checkpoint (no {str(path / '.metadata')!r}"
-            f"{'; the directory does not exist' if not path.exists() else ''}). "
-            f"{f'Left-over incomplete saves beside it: {found}. ' if found else ''}"
-            "Pass the path a completed checkpoint.save wrote."
-        )
-    found = leftovers(path)
-    if found:
-        warnings.warn(
-            f"checkpoint.load from {str(path)!r}: {[p.name for p in found]} beside it are "
-            "left by saves to this path that did not finish (killed processes); they are not "
-            "read, the checkpoint at the path is the last completed save. The next "
-            "checkpoint.save to this path deletes them (or delete them yourself).",
-            PartitaWarning,
-            stacklevel=3,
-        )
+def read_metadata(directory: Path, manifest: Manifest | None) -> Metadata:
+    """DCP's ``.metadata`` of the checkpoint in ``directory`` (a pickle, read as DCP reads it),
+    after checking it against its sha256 in the manifest (when the checkpoint has one)."""
+    if manifest is not None:
+        verify_file(directory, ".metadata", manifest)
     try:
-        return FileSystemReader(path).read_metadata()
+        return FileSystemReader(directory).read_metadata()
     except Exception as e:
         raise CheckpointError(
-            f"checkpoint.load: {str(path / '.metadata')!r} cannot be read ({type(e).__name__}: "
-            f"{e}); the file is damaged. Load an earlier checkpoint."
+            f"checkpoint.load: {str(directory / '.metadata')!r} cannot be read "
+            f"({type(e).__name__}: {e}); the file is damaged. Load an earlier checkpoint."
         ) from e
 
 
@@ -240,7 +139,13 @@ def _check_files(path: Path, metadata: Metadata, request: Mapping[str, Any]) -> 
 
 
 class NamingReader(FileSystemReader):
-    """DCP's FileSystemReader that remembers which tensor it is reading, for error messages."""
+    """DCP's FileSystemReader that checks every file it reads against the manifest's sha256
+    first (each file once), and remembers which tensor it is reading, for error messages."""
+
+    def __init__(self, path: Path, manifest: Manifest | None) -> None:
+        super().__init__(path)
+        self.manifest = manifest
+        self.verified: set[str] = set()
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool) -> None:
         super().set_up_storage_reader(metadata, is_coordinator)
@@ -252,6 +157,11 @@ class NamingReader(FileSystemReader):
         return super()._slice_file(file, sinfo)
 
     def read_data(self, plan: Any, planner: Any) -> Any:
+        if self.manifest is not None:
+            names = {self.storage_data[item.storage_index].relative_path for item in plan.items}
+            for name in sorted(names - self.verified):
+                verify_file(Path(self.path), name, self.manifest)
+                self.verified.add(name)
         try:
             return super().read_data(plan, planner)
         except Exception as e:

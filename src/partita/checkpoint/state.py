@@ -24,19 +24,21 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from partita.checkpoint.tiles import Tiles, assemble, tiles_to_read, tiles_to_write
 from partita.errors import CheckpointError
 from partita.tensor import ShardedTensor
-from partita.train_state import ShardedState, set_sharded_state, sharded_state
 from partita.training.groups import RESTORED_KEYS
+from partita.training.state import ShardedState, set_sharded_state, sharded_state
 
 __all__ = [
     "RESERVED",
     "apply_loaded",
     "apply_run_state",
+    "loadable_extra",
     "request_for_load",
     "run_state",
     "run_state_request",
@@ -96,13 +98,81 @@ def run_state(scheduler: Any = None, extra: dict[str, Any] | None = None) -> dic
     if scheduler is not None:
         out["lr_scheduler"] = scheduler.state_dict()
     if extra is not None:
-        if not isinstance(extra, dict):
-            raise CheckpointError(
-                f"checkpoint.save: extra is a {type(extra).__name__}; it must be a dict of "
-                "numbers, strings, lists, dicts and tensors (it is read back without "
-                "unpickling arbitrary objects). Nothing was saved. Pass a dict."
-            )
-        out["extra"] = extra
+        out["extra"] = loadable_extra(extra)
+    return out
+
+
+#: What ``extra`` may hold: what DCP writes and ``torch.load(weights_only=True)`` gives back.
+_SCALARS = (type(None), bool, int, float, str)
+
+
+def _refuse(where: str, value: Any, why: str, fix: str) -> CheckpointError:
+    return CheckpointError(
+        f"checkpoint.save: {where} is {why} ({type(value).__module__}.{type(value).__qualname__}"
+        f"{'' if isinstance(value, dict | list | tuple) else f' {value!r:.60}'}); extra may hold "
+        "None, bools, ints, floats, strings and torch tensors, in lists, tuples and dicts with "
+        "str keys (numpy scalars are stored as the Python number), because a load gives back "
+        f"only those (it unpickles nothing else). Nothing was saved. {fix}"
+    )
+
+
+def _loadable(value: Any, where: str) -> Any:
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if kind is torch.Tensor or kind is torch.nn.Parameter:
+        return value.detach()
+    if (
+        kind.__module__ == "numpy"
+        and getattr(value, "ndim", None) == 0
+        and kind.__name__ != "ndarray"
+    ):
+        item = value.item()  # np.float64 -> float, np.int64 -> int, np.bool_ -> bool, np.str_
+        if type(item) in _SCALARS:
+            return item
+    if kind is list or kind is tuple:
+        return kind(_loadable(v, f"{where}[{i}]") for i, v in enumerate(value))
+    if kind is dict:
+        if not value:
+            raise _refuse(where, value, "an empty dict", f"Leave {where} out, or store None.")
+        out = {}
+        for key, v in value.items():
+            if type(key) is not str:
+                raise _refuse(
+                    f"{where}[{key!r}]", key, "a dict key that is not a str",
+                    f"Use str keys (DCP names entries by them, so {key!r} would load as "
+                    f"{str(key)!r}).",
+                )  # fmt: skip
+            out[key] = _loadable(v, f"{where}[{key!r}]")
+        return out
+    if isinstance(value, ShardedTensor | torch.Tensor):
+        fix = "Save a plain tensor: .full() of a ShardedTensor, or .detach().clone().cpu()."
+    elif kind.__module__ == "numpy":
+        fix = "Convert it: torch.from_numpy(a) for an array, .item() for a scalar."
+    else:
+        fix = "Convert it to one of those, e.g. str(path), when.isoformat(), float(x)."
+    raise _refuse(where, value, "not a type a checkpoint can load back", fix)
+
+
+def loadable_extra(extra: Any) -> dict[str, Any]:
+    """``extra`` as saved: checked to load back equal, numpy scalars made Python numbers."""
+    if type(extra) is not dict:
+        raise CheckpointError(
+            f"checkpoint.save: extra is a {type(extra).__name__}; it must be a dict (of None, "
+            "bools, ints, floats, strings, tensors, and lists, tuples and str-keyed dicts of "
+            "them). Nothing was saved. Pass a dict."
+        )
+    if not extra:
+        return {}
+    out = _loadable(extra, "extra")
+    try:
+        flatten_state_dict({"extra": out})
+    except ValueError as e:  # "duplicated flatten key extra.a.b"
+        raise CheckpointError(
+            f"checkpoint.save: two entries of extra get the same checkpoint name ({e}): a key "
+            "with a dot in it names the same entry as nested dicts (extra={'a.b': 1, "
+            "'a': {'b': 2}}). Nothing was saved. Rename one of them."
+        ) from e
     return out
 
 

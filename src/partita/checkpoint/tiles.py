@@ -80,7 +80,7 @@ def tiles_to_write(name: str, t: ShardedTensor) -> Tiles:
         if not _one_process_per_device(t) or _own_position(t) == 0:
             out.chunks[torch.Size([0] * t.ndim)] = torch.empty(t.shape, dtype=t.dtype)
         return out
-    shards = t.local_shards
+    shards = t.local_shard_views
     if _one_process_per_device(t) and not isinstance(t, DistributedShardedTensor):
         # a value still in LocalMesh storage (before the first distributed step): every
         # process has every tile, and writes only its own device's

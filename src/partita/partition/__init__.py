@@ -1,7 +1,7 @@
 """Partitioning: a propagated program -> one per-device program + its Plan.
 
-``partition(gm, mesh, strict=False)`` lowers a GraphModule whose nodes carry
-``meta["sharding"]`` / ``meta["factor_axes"]`` / ``meta["rule"]`` (from ``partita.propagate``)
+``partition(gm, mesh, options)`` lowers a GraphModule whose nodes carry
+``node_meta.sharding`` / ``factor_axes`` / ``rule`` (from ``partita.propagate``)
 into a per-device GraphModule of local aten ops and partita mesh ops, and a
 :class:`~partita.partition.plan.Plan` describing every collective. The reshard transition table
 is in ``partition.reshard``; special lowerings in ``partition.handlers``; fusing collectives
@@ -24,15 +24,16 @@ import torch.fx as fx
 from partita.capture.gc_pause import gc_paused
 from partita.layout import local_shape
 from partita.mesh import Mesh
+from partita.options import CompileOptions
+from partita.options import resolve as resolve_options
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import handlers
 from partita.partition import retile as _retile  # noqa: F401 - registers its handler
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
-from partita.partition.bucket import bucket_bytes_setting, bucket_collectives
+from partita.partition.bucket import bucket_collectives
 from partita.partition.lower import Lowering
 from partita.partition.plan import Bucket, CollectiveRecord, Plan
 from partita.partition.regather import regather as regather_gathered
-from partita.partition.regather import regather_setting
 
 handlers.check_registry()
 
@@ -42,26 +43,25 @@ __all__ = ["Bucket", "CollectiveRecord", "Plan", "partition"]
 def partition(
     gm: fx.GraphModule,
     mesh: Mesh,
-    *,
-    strict: bool = False,
-    bucket_bytes: int | None = None,
-    regather: bool | None = None,
+    options: CompileOptions | dict[str, Any] | None = None,
 ) -> tuple[fx.GraphModule, Plan]:
     """Lower a propagated program; returns ``(per_device_program, plan)``.
 
-    ``strict=True`` turns an involuntary full rematerialization into a
-    :class:`~partita.errors.RematerializationError` (otherwise a warning).
-    ``bucket_bytes`` caps the per-device bytes of one fused collective (``partition.bucket``);
-    ``None`` reads ``PARTITA_BUCKET_BYTES`` (default 4 MiB), ``0`` turns bucketing off.
-    ``regather=True`` frees gathered parameters after the forward and gathers them again for
-    the backward (less memory, more bytes: ``partition.regather``); ``None`` reads
-    ``PARTITA_REGATHER`` (default off: kept from forward to backward).
+    ``options`` (a :class:`~partita.options.CompileOptions`, a dict of changes to the current
+    options, or None for :func:`partita.options.current`) gives the knobs this stage reads:
+    ``strict`` turns an involuntary full rematerialization into a
+    :class:`~partita.errors.RematerializationError` (otherwise a warning); ``collectives``
+    (``partition.explicit``) refuses or warns about collectives the annotations do not imply;
+    ``regather`` frees gathered parameters after the forward and gathers them again for the
+    backward (``partition.regather``); ``bucket_bytes`` caps the per-device bytes of one fused
+    collective, 0 turns bucketing off (``partition.bucket``).
     """
+    opts = resolve_options(options)
     with gc_paused():  # the lowering's nodes and records all live on: see capture.gc_pause
-        local, plan = Lowering(gm, mesh, strict=strict).run()
-        if regather_setting(regather):
+        local, plan = Lowering(gm, mesh, strict=opts.strict, collectives=opts.collectives).run()
+        if opts.regather:
             regather_gathered(local, plan)
-        bucket_collectives(local, plan, bucket_bytes_setting(bucket_bytes))
+        bucket_collectives(local, plan, opts.bucket_bytes)
         plan.local_program, plan.local_inputs = local, _local_inputs(gm, plan)
     return local, plan
 

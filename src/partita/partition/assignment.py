@@ -1,6 +1,6 @@
 """What an op's factor assignment may be once it is lowered, and checks on the op itself.
 
-Propagation chooses ``node.meta["factor_axes"]`` for every op; :func:`representable` keeps only
+Propagation chooses ``node_meta.factor_axes`` for every op; :func:`representable` keeps only
 the axes the partitioner can honour (a need-replication factor, a result-only factor the op
 cannot produce locally, a minor factor of a compound dim whose major factor is not fully split,
 or the factors of an op whose mandatory handler is missing are computed whole), and

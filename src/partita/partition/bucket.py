@@ -17,8 +17,8 @@ groups of them by the fused ops of ``partita.collectives_bucket``:
 - the Plan keeps one :class:`~partita.partition.plan.CollectiveRecord` per value (bytes stay
   attributed to values) and gains one :class:`~partita.partition.plan.Bucket` per fused call.
 
-The knob: ``bucket_bytes`` (``partition(..., bucket_bytes=)``), else the environment variable
-``PARTITA_BUCKET_BYTES``, else :data:`DEFAULT_BUCKET_BYTES`; ``0`` turns bucketing off.
+The knob: the ``bucket_bytes`` option (:mod:`partita.options`; the environment variable
+``PARTITA_BUCKET_BYTES``), default :data:`DEFAULT_BUCKET_BYTES`; ``0`` turns bucketing off.
 
 This module changes only which call moves a value, never what arrives: the fused program
 computes exactly what the unfused one does. It does not decide shardings or run anything.
@@ -28,48 +28,26 @@ from __future__ import annotations
 
 import heapq
 import operator
-import os
 from dataclasses import dataclass
 
 import torch.fx as fx
 
+from partita import node_meta
 from partita.collectives import COLLECTIVE_OPS
 from partita.collectives_bucket import BUCKET_OF
 from partita.errors import CompilerError
 from partita.partition.plan import Bucket, Plan
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "bucket_bytes_setting", "bucket_collectives", "reorder"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "bucket_collectives", "reorder"]
 
 #: Default bucket size per device (4 MiB: about one block of a small GPT, so the next bucket
 #: can be gathered while this one computes; measured in bench/README.md).
 DEFAULT_BUCKET_BYTES = 4 << 20
 
-_ENV = "PARTITA_BUCKET_BYTES"
-_GET_PAST = f"please report it. To get past it now, set {_ENV}=0 (bucketing off)."
+_GET_PAST = "please report it. To get past it now, set PARTITA_BUCKET_BYTES=0 (bucketing off)."
 
 # Ops whose result is read only after they are fused: gathers go just before their first use.
 _GATHERS = {"all_gather"}
-
-
-def bucket_bytes_setting(bucket_bytes: int | None = None) -> int:
-    """The bucket size in effect: the argument, else ``PARTITA_BUCKET_BYTES``, else the default."""
-    if bucket_bytes is None:
-        text = os.environ.get(_ENV, "").strip()
-        if not text:
-            return DEFAULT_BUCKET_BYTES
-        try:
-            bucket_bytes = int(float(text))
-        except ValueError:
-            raise ValueError(
-                f"{_ENV}={text!r} is not a number of bytes. Set it to an integer (e.g. "
-                f"{_ENV}=26214400 for 25 MiB), or 0 to turn bucketing off."
-            ) from None
-    if bucket_bytes < 0:
-        raise ValueError(
-            f"bucket_bytes={bucket_bytes} is negative: give the largest number of bytes per "
-            f"device one fused collective may move, or 0 to turn bucketing off."
-        )
-    return bucket_bytes
 
 
 @dataclass
@@ -84,15 +62,15 @@ class _Member:
 def bucket_collectives(gm: fx.GraphModule, plan: Plan, bucket_bytes: int) -> None:
     """Fuse the per-device program's collectives in place and list the buckets in ``plan``.
 
-    Every collective node (fused or not) gets ``meta["bytes"]``, its per-device bytes, which
-    the overlap schedule of real processes bounds (``runtime.overlap``).
+    Every collective node (fused or not) gets ``node_meta.collective_bytes``, its per-device
+    bytes, which the overlap schedule of real processes bounds (``runtime.overlap``).
     """
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     colls = [n for n in nodes if n.op == "call_function" and n.target in COLLECTIVE_OPS]
     _check_records(colls, plan)
     for node, rec in zip(colls, plan.collectives, strict=True):
-        node.meta["bytes"] = rec.bytes
+        node_meta.set_collective_bytes(node, rec.bytes)
     if bucket_bytes <= 0:
         return
     is_coll = set(colls)
@@ -104,7 +82,7 @@ def bucket_collectives(gm: fx.GraphModule, plan: Plan, bucket_bytes: int) -> Non
         rec = plan.collectives[i]
         # a re-gather (partition.regather) is fused only with re-gathers: with a forward
         # gather it would be issued in the forward and hold its memory until the backward
-        again = "regather" in node.meta
+        again = node_meta.regather_of(node) is not None
         key = (node.target, rec.mesh_axes, rec.dtype, level[node], again, *_reduce_op(node))
         if rec.kind in _GATHERS:  # ready once its collective inputs are; needed by its users
             ready = max((after[a] for a in node.all_input_nodes), default=-1)
@@ -206,13 +184,17 @@ def _fuse(
         args = (xs, [m.node.args[1] for m in bucket], *first.args[2:])
     with graph.inserting_before(first):
         fused = graph.call_function(bucket_op, args)
-    fused.meta["bucket_members"] = [m.node.name for m in bucket]
-    afters = [m.node.meta["regather_after"] for m in bucket if "regather_after" in m.node.meta]
+    node_meta.set_bucket_members(fused, [m.node.name for m in bucket])
+    afters = [
+        node_meta.regather_after(m.node)
+        for m in bucket
+        if node_meta.regather_after(m.node) is not None
+    ]
     if afters:  # launched no earlier than the last forward use of any member
-        fused.meta["regather"] = first.meta["regather"]
+        node_meta.set_regather(fused, node_meta.regather_of(first))
         at_name = {n.name: p for n, p in priority.items()}
-        fused.meta["regather_after"] = max(afters, key=at_name.__getitem__)
-    fused.meta["bytes"] = sum(m.nbytes for m in bucket)
+        node_meta.set_regather_after(fused, max(afters, key=at_name.__getitem__))
+    node_meta.set_collective_bytes(fused, sum(m.nbytes for m in bucket))
     priority[fused] = at
     for j, m in enumerate(bucket):
         with graph.inserting_before(first):

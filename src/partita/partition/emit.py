@@ -40,12 +40,13 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy, Scope, TracerBase
 
+from partita import node_meta
 from partita.explain import op_name
 from partita.partition import masks
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import CollectiveRecord
 
 if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
     from partita.rules import FactorRule
 
 __all__ = ["Emitter", "emitting", "make_tuple", "node_of"]
@@ -150,7 +151,7 @@ class _GraphTracer(TracerBase):
 class Emitter:
     """Emits one op's per-device code into ``low.graph`` (see the module docstring)."""
 
-    def __init__(self, low: Lowering, node: fx.Node) -> None:
+    def __init__(self, low: LoweringAPI, node: fx.Node) -> None:
         self.low, self.node, self.mesh = low, node, low.mesh
         self._tracer = _GraphTracer(low.graph)
 
@@ -260,7 +261,7 @@ class Emitter:
                 dtype=dtype,
                 value=f"{self.node.name}.{what.split()[0]}",
                 reason=reason,
-                source=self.node.meta.get("source"),
+                source=node_meta.source(self.node),
                 detail=detail,
             )
         )
@@ -271,7 +272,7 @@ def node_of(x: Any) -> Any:
     return x.node if isinstance(x, Proxy) else x
 
 
-Lower = Callable[["Lowering", fx.Node, "FactorRule", Assign], fx.Node]
+Lower = Callable[["LoweringAPI", fx.Node, "FactorRule", Assign], fx.Node]
 
 
 def emitting(fn: Callable[[Emitter, fx.Node, FactorRule, Assign], Any]) -> Lower:
@@ -279,7 +280,7 @@ def emitting(fn: Callable[[Emitter, fx.Node, FactorRule, Assign], Any]) -> Lower
     ``None``) as the ``(low, node, rule, assign) -> fx.Node`` the ``Lowering`` calls."""
 
     @functools.wraps(fn)
-    def lower(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+    def lower(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
         return node_of(fn(Emitter(low, node), node, rule, assign))
 
     return lower

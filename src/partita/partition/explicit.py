@@ -1,7 +1,8 @@
 """Explicit mode: collectives the annotations do not imply are errors (or warnings).
 
-``partita.jit(..., collectives="explicit")`` partitions as usual and then reads the Plan: a
-collective is *implied* when the annotations call for it directly, and *implicit* otherwise.
+``partita.jit(..., options={"collectives": "explicit"})`` partitions as usual and then reads
+the Plan: a collective is *implied* when the annotations call for it directly, and *implicit*
+otherwise.
 
 Implied:
 - ``all_reduce`` / ``reduce_scatter``: the reduction of a partial value, i.e. a contraction or
@@ -15,33 +16,24 @@ differently annotated values, an operand gathered (``all_gather``) or re-split
 :class:`~partita.errors.ExplicitCollectiveError` listing each (op, source line, collective,
 bytes, the annotation that avoids it); under ``"warn"`` an
 :class:`~partita.errors.ImplicitCollectiveWarning` says the same. ``"auto"`` (the default) allows
-all. The mode reaches the partitioner through :func:`collectives_mode` (a context variable), so
-``partition()``'s signature stays as it is. This module does not change any lowering.
+all. The mode is the ``collectives`` field of :class:`~partita.options.CompileOptions`, which
+``partition()`` passes to the lowering and the lowering to :func:`check`. This module does not
+change any lowering.
 """
 
 from __future__ import annotations
 
-import contextvars
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
-from partita.errors import (
-    ExplicitCollectiveError,
-    ImplicitCollectiveWarning,
-    JitArgumentError,
-    warn,
-)
+from partita.errors import ExplicitCollectiveError, ImplicitCollectiveWarning, warn
 from partita.partition.manual import USER_COLLECTIVE
 from partita.partition.plan import CollectiveRecord, Plan
 from partita.spec import Sharding
 
-__all__ = ["MODES", "Move", "check", "check_mode", "collectives_mode", "current_mode"]
+__all__ = ["MODES", "Move", "check"]
 
-#: The values of ``collectives=``.
+#: The values of the ``collectives`` option.
 MODES = ("auto", "warn", "explicit")
-
-_MODE: contextvars.ContextVar[str] = contextvars.ContextVar("partita_collectives", default="auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,31 +44,6 @@ class Move:
     value: str
     src: Sharding
     dst: Sharding
-
-
-def check_mode(mode: str) -> str:
-    """``mode`` if it is one of :data:`MODES`; a JitArgumentError otherwise."""
-    if mode not in MODES:
-        raise JitArgumentError(
-            f"partita.jit(collectives={mode!r}): use one of {MODES}: 'auto' inserts every "
-            f"collective the program needs, 'warn' warns about those the annotations do not "
-            f"imply, 'explicit' makes them errors."
-        )
-    return mode
-
-
-@contextmanager
-def collectives_mode(mode: str) -> Iterator[None]:
-    """Partition with ``mode`` (one of :data:`MODES`)."""
-    token = _MODE.set(check_mode(mode))
-    try:
-        yield
-    finally:
-        _MODE.reset(token)
-
-
-def current_mode() -> str:
-    return _MODE.get()
 
 
 def is_implied(record: CollectiveRecord) -> bool:
@@ -110,10 +77,10 @@ def _line(i: int, record: CollectiveRecord, move: Move | None) -> str:
     )
 
 
-def check(plan: Plan, moves: dict[int, Move]) -> None:
-    """Raise or warn (per the current mode) about the Plan's implicit collectives; ``moves``
-    maps a collective's index in ``plan.collectives`` to the reshard that made it."""
-    mode = _MODE.get()
+def check(plan: Plan, moves: dict[int, Move], mode: str) -> None:
+    """Raise or warn (per ``mode``, one of :data:`MODES`) about the Plan's implicit
+    collectives; ``moves`` maps a collective's index in ``plan.collectives`` to the reshard
+    that made it."""
     if mode == "auto":
         return
     found = [(i, r, moves.get(i)) for i, r in enumerate(plan.collectives) if not is_implied(r)]
@@ -126,7 +93,7 @@ def check(plan: Plan, moves: dict[int, Move]) -> None:
         + "\n".join(_line(i, r, m) for i, r, m in found)
         + "\nEach moves a value between two shardings. Annotate as each fix says so that no "
         "move is needed, write the communication yourself in a partita.shard_map region, or "
-        "use collectives='auto' to let partita insert them."
+        "use the option collectives='auto' to let partita insert them."
     )
     if mode == "explicit":
         raise ExplicitCollectiveError(msg)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -29,11 +29,9 @@ from torch.fx.proxy import Proxy
 from partita.errors import CompilerError
 from partita.layout import ceil_div
 from partita.partition.emit import Emitter, emitting
+from partita.partition.lowering_api import LoweringAPI
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 __all__ = ["GENERIC", "WHOLE_OP", "Handler", "check_registry", "get", "has", "register"]
 
@@ -44,8 +42,8 @@ Assign = dict[str, tuple[str, ...]]
 @dataclass(frozen=True)
 class Handler:
     name: str
-    applies: Callable[[Lowering, fx.Node, FactorRule, Assign], bool]
-    lower: Callable[[Lowering, fx.Node, FactorRule, Assign], fx.Node]
+    applies: Callable[[LoweringAPI, fx.Node, FactorRule, Assign], bool]
+    lower: Callable[[LoweringAPI, fx.Node, FactorRule, Assign], fx.Node]
 
 
 _HANDLERS: dict[str, Handler] = {}
@@ -69,30 +67,11 @@ WHOLE_OP: tuple[str, ...] = tuple(
 )
 
 
-#: Ops whose result-only factors (dims no operand has) the generic lowering produces locally
-#: by localising shape arguments: every tile of their result is the same function of the local
-#: shape (constants, broadcasts). arange is here through its handler; eye and reshape are not.
-_LOCAL_RESULT_OPS = (
-    "aten.arange",
-    "aten.empty",
-    "aten.expand",
-    "aten.full",
-    "aten.new_empty",
-    "aten.new_full",
-    "aten.new_ones",
-    "aten.new_zeros",
-    "aten.ones",
-    "aten.scalar_tensor",
-    "aten.zeros",
-)
-
-
 def makes_local_results(target: Any, rule: FactorRule) -> bool:
-    """Whether ``target`` can produce a tile of a result dim that no operand has."""
-    name = str(target)
-    return rule.handler == HandlerName.LOCALIZE_SHAPE.value and any(
-        name == op or name.startswith(op + ".") for op in _LOCAL_RESULT_OPS
-    )
+    """Whether the op can produce a tile of a result dim that no operand has: every tile of its
+    result is the same function of the local shape (constants, broadcasts), made by localising
+    shape arguments (``OpFacts.local_results``; arange through its handler)."""
+    return rule.handler == HandlerName.LOCALIZE_SHAPE.value and rule.facts.local_results
 
 
 def register(handler: Handler) -> Handler:
@@ -144,7 +123,7 @@ def _reduction_axes(rule: FactorRule, assign: Assign) -> tuple[str, ...]:
     return tuple(a for f in rule.reduction_factors for a in assign.get(f, ()))
 
 
-def _bias_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _bias_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return bool(_reduction_axes(rule, assign))
 
 
@@ -163,8 +142,8 @@ register(Handler(HandlerName.ADD_BIAS_ONCE.value, _bias_applies, _bias_lower))
 # --- localize_shape for arange: each device's tile starts at its own offset -------------------
 
 
-def _arange_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
-    return str(node.target).startswith("aten.arange") and any(assign.values())
+def _arange_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+    return rule.facts.values_from_index and any(assign.values())
 
 
 @emitting

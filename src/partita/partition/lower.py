@@ -2,7 +2,7 @@
 
 For each op, in program order (DESIGN.md, Partitioning):
 
-1. The op's factor assignment (``node.meta["factor_axes"]``, chosen by propagation) fixes the
+1. The op's factor assignment (``node_meta.factor_axes(node)``, chosen by propagation) fixes the
    sharding each operand must have. It is first made *representable*: a minor factor of a
    compound dim keeps its axes only when the major factor is fully split, and factors whose
    lowering needs a handler this module does not have lose theirs (computed whole).
@@ -13,7 +13,7 @@ For each op, in program order (DESIGN.md, Partitioning):
    pass-through axes as dims and the sharded reduction factors' axes as *partial*.
 5. The result is resharded to the sharding propagation chose for the value (for example a
    partial result wanted sharded becomes a reduce_scatter), so that every value in the per-device
-   program has exactly ``node.meta["sharding"]``.
+   program has exactly ``node_meta.sharding(node)``.
 
 Special lowerings named by rules (``FactorRule.handler``) live in ``partition.handlers``; which
 factor axes an op keeps (step 1) is ``partition.assignment``; resharding a value and recording
@@ -31,6 +31,7 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
+from partita import node_meta
 from partita.capture.manual import ENTER_OP, EXIT_OP, is_fully_manual, local_nodes
 from partita.errors import PartitaError, UnsupportedOpError
 from partita.explain import op_name
@@ -42,18 +43,12 @@ from partita.partition import manual as _manual
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
 from partita.partition.assignment import check_same_dtype, dims_of, memo_by_rule, representable
 from partita.partition.emit import Emitter, node_of
-from partita.partition.local_args import (
-    INDEX_OPERANDS,
-    LOCAL_SIZE_ARGS,
-    SAME_DTYPE,
-    SHAPE_ONLY,
-    localize_shape_args,
-)
+from partita.partition.local_args import localize_shape_args
 from partita.partition.masks import identity_of
 from partita.partition.plan import Plan
 from partita.partition.reasons import needs_why, partial_reason
 from partita.partition.resharding import LocalValue, LocalValues, ValueKey
-from partita.propagate_rules import compiler_error
+from partita.propagate.rules import compiler_error
 from partita.rules import FactorRule
 from partita.spec import Sharding
 
@@ -67,9 +62,12 @@ def _tensor_val(v: Any) -> bool:
 class Lowering(LocalValues):
     """Builds the per-device graph for one propagated GraphModule (use :meth:`run` once)."""
 
-    def __init__(self, gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False) -> None:
+    def __init__(
+        self, gm: fx.GraphModule, mesh: Mesh, *, strict: bool = False, collectives: str = "auto"
+    ) -> None:
         super().__init__(mesh, strict=strict)
         self.src = gm
+        self.collectives = collectives  # partition.explicit's mode
         regions = local_nodes(gm)  # shard_map bodies
         self.local_nodes = {  # the fully manual ones, copied verbatim
             n for n, axes in regions.items() if is_fully_manual(axes, mesh.axis_names)
@@ -93,9 +91,9 @@ class Lowering(LocalValues):
             except Exception as e:  # anything else is partita's bug: say where it happened
                 raise compiler_error(node, "Partitioning", e) from e
         for n in self.src.graph.nodes:
-            if "sharding" in n.meta:
-                self.plan.shardings[n.name] = n.meta["sharding"]
-        explicit.check(self.plan, self.moves)  # collectives="explicit" / "warn"
+            if node_meta.sharding(n) is not None:
+                self.plan.shardings[n.name] = node_meta.sharding(n)
+        explicit.check(self.plan, self.moves, self.collectives)  # "explicit" / "warn"
         # Lazy: its Python code is generated only if it is run or printed (regathering and
         # bucketing edit the graph after this; the runtimes build their own GraphModules).
         gm = _LazyGraphModule(torch.nn.Module(), self.graph, class_name="PerDeviceProgram")
@@ -127,7 +125,7 @@ class Lowering(LocalValues):
             _manual.lower_partial_enter(self, node)
         elif node.op == "call_function" and node.target is operator.getitem:
             self._getitem(node)
-        elif node.op == "call_function" and "annotation" in node.meta:
+        elif node.op == "call_function" and node_meta.annotation(node) is not None:
             self._annotation(node)
         elif node.op == "call_function":
             self._op(node)
@@ -142,7 +140,7 @@ class Lowering(LocalValues):
         local = self.graph.placeholder(node.name)
         if not _tensor_val(val):
             return
-        sharding = node.meta["sharding"]
+        sharding = node_meta.sharding(node)
         self.values[(node, None)] = LocalValue(local, sharding, tuple(val.shape), val.dtype)
         self.plan.input_shardings.append(sharding)
 
@@ -152,7 +150,7 @@ class Lowering(LocalValues):
             self.alias[node] = (src, int(idx))
 
     def _annotation(self, node: fx.Node) -> None:
-        ann = node.meta["annotation"]
+        ann = node_meta.annotation(node)
         operand = node.args[0]
         why = f"annotation {ann.source or node.name} asks for {ann.sharding}"
         local = self.reshard(self.key(operand), ann.sharding, why, node)
@@ -202,17 +200,17 @@ class Lowering(LocalValues):
                 f"Node {node.name} ({op_name(node.target)}) produces no tensor; the partitioner "
                 f"only handles tensor programs."
             )
-        if node.target in SAME_DTYPE:
+        rule: FactorRule = node_meta.rule(node)
+        if rule.facts.same_dtype:
             check_same_dtype(node)
-        rule: FactorRule = node.meta["rule"]
-        assign = self.representable(node.target, rule, node.meta.get("factor_axes", {}))
+        assign = self.representable(node.target, rule, node_meta.factor_axes(node))
         handler = handlers.get(rule.handler)
         if handler is not None and handler.applies(self, node, rule, assign):
             results = handler.lower(self, node, rule, assign)
         else:
             results = self._generic(node, rule, assign)
         if node in self.region_nodes:  # a collective the user wrote: into the Plan, in order
-            moved = rule.operands[0] if "reduce_scatter" in str(node.target) else rule.results[0]
+            moved = rule.operands[0] if rule.facts.moves == "operand" else rule.results[0]
             split = Sharding(self.mesh, self.dims_of(moved or (), assign)) if moved else None
             _manual.record_user_collective(self, node, split)
         self._store_results(node, rule, assign, results)
@@ -254,14 +252,14 @@ class Lowering(LocalValues):
                 dst = self.sharding(((),) * len(v.shape))
             else:
                 dst = self.sharding(self.dims_of(factors, assign))
-            if node.target in SHAPE_ONLY and v.sharding.with_partial(()) == dst:
+            if rule.facts.shape_only and v.sharding.with_partial(()) == dst:
                 out.append(v.node)  # only its shape is read: a partial value will do
                 continue
             if v.sharding == dst:  # nothing moves (what reshard would say, without the words)
                 local = v.node
             else:
                 local = self.reshard(self.key(operand), dst, needs_why(node, i, dst), node)
-            is_index = i in INDEX_OPERANDS.get(node.target, ())
+            is_index = i in rule.facts.index_operands
             for d, dim in enumerate(factors or ()):
                 if dst.dim_axes[d] and (is_index or any(f in reduced for f in dim)):
                     # Padding of a reduced dim gets the reduction's identity; padding of an
@@ -306,13 +304,13 @@ class Lowering(LocalValues):
             return a
 
         args, kwargs = fx.node.map_arg((tuple(node.args), dict(node.kwargs)), swap)
-        sizes = LOCAL_SIZE_ARGS.get(node.target)
+        sizes = rule.facts.size_args
         if sizes:
             # Kernels that take their input's sizes as ints (group norm's N) get local sizes,
             # and contiguous inputs.
             ops = self.operand_nodes(node)
             args = list(args)
-            for arg_index, (operand_index, dim) in sizes.items():
+            for arg_index, operand_index, dim in sizes:
                 s_in = self.sharding(self.dims_of(rule.operands[operand_index] or (), assign))
                 args[arg_index] = local_shape(s_in, self.value(ops[operand_index]).shape)[dim]
             for j, a in enumerate(args):
@@ -336,7 +334,7 @@ class Lowering(LocalValues):
     ) -> None:
         val = node.meta["val"]
         natural = self.result_shardings(rule, assign)
-        wanted = node.meta.get("sharding")
+        wanted = node_meta.sharding(node)
         if isinstance(val, (tuple, list)):
             for i, (v, s) in enumerate(zip(val, natural, strict=True)):
                 if not _tensor_val(v) or s is None:
@@ -364,7 +362,7 @@ class Lowering(LocalValues):
         """Remember, in words, why an op's result is partial (for the Plan's reasons)."""
         text = partial_reason(self, key, node, rule, assign, j)
         if text is not None:
-            self._partial_origin[key] = (text, node.meta.get("source"))
+            self._partial_origin[key] = (text, node_meta.source(node))
 
     def settle_result(self, key: ValueKey, wanted: Sharding | None, node: fx.Node) -> None:
         """Reshard a fresh value to the sharding propagation chose for it (for handlers)."""
@@ -389,9 +387,9 @@ def _stamp_origin(node: fx.Node, first: fx.Node | None, graph: fx.Graph) -> None
     if local is None or local.op == "root":  # the op emitted nothing
         return
     origin = f"{op_name(node.target)} (%{node.name})"
-    has_source = "source" in node.meta
+    has_source = node_meta.has_source(node)
     while local.op != "root":
-        local.meta.setdefault("origin", origin)
+        node_meta.set_origin_once(local, origin)
         if has_source:
-            local.meta.setdefault("source", node.meta["source"])
+            node_meta.set_source_once(local, node_meta.source(node))
         local = local.next

@@ -15,22 +15,21 @@ not check specs (``partita.manual`` did, at trace time).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
+from partita import node_meta
 from partita.capture.manual import ENTER_OP, Boundary, boundary
 from partita.collectives import COLLECTIVE_OPS
 from partita.errors import ShardMapError, ShardMapWarning, warn
 from partita.layout import local_shape
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import CollectiveRecord
 from partita.partition.resharding import LocalValue
 from partita.spec import Sharding
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 __all__ = [
     "USER_COLLECTIVE",
@@ -47,7 +46,7 @@ USER_COLLECTIVE = "written in a shard_map body"
 _KINDS = {op: op.name().split("::")[1] for op in COLLECTIVE_OPS}
 
 
-def _local_arg(low: Lowering, node: fx.Node, a: Any) -> Any:
+def _local_arg(low: LoweringAPI, node: fx.Node, a: Any) -> Any:
     if not isinstance(a, fx.Node):
         return a
     if a in low.manual:
@@ -59,7 +58,7 @@ def _local_arg(low: Lowering, node: fx.Node, a: Any) -> Any:
     return low.reshard(low.key(a), Sharding.replicated(low.mesh, len(v.shape)), why, node)
 
 
-def lower_local(low: Lowering, node: fx.Node) -> None:
+def lower_local(low: LoweringAPI, node: fx.Node) -> None:
     """Emit a node of a region body (or an entry) on this device."""
     if node.target is ENTER_OP:
         b = boundary(node.args[1])
@@ -75,7 +74,7 @@ def lower_local(low: Lowering, node: fx.Node) -> None:
     record_user_collective(low, node)
 
 
-def lower_exit(low: Lowering, node: fx.Node) -> None:
+def lower_exit(low: LoweringAPI, node: fx.Node) -> None:
     """An exit: the body's local node is the global value's local block."""
     b = boundary(node.args[1])
     src = node.args[0]
@@ -88,7 +87,7 @@ def lower_exit(low: Lowering, node: fx.Node) -> None:
     low.values[(node, None)] = LocalValue(low.manual[src], b.sharding, tuple(val.shape), val.dtype)
 
 
-def record_user_collective(low: Lowering, node: fx.Node, split: Sharding | None = None) -> None:
+def record_user_collective(low: LoweringAPI, node: fx.Node, split: Sharding | None = None) -> None:
     """Record ``node`` in the Plan if it is a collective (one the user wrote in a body);
     ``split``: how a partially manual body splits the block it moves (auto axes)."""
     if node.target not in _KINDS:
@@ -109,7 +108,7 @@ def record_user_collective(low: Lowering, node: fx.Node, split: Sharding | None 
             dtype=val.dtype if isinstance(val, torch.Tensor) else torch.float32,
             value=node.name,
             reason=f"{USER_COLLECTIVE} ({math.prod(shape)} elements)",
-            source=node.meta.get("source"),
+            source=node_meta.source(node),
             detail="",
         )
     )
@@ -123,7 +122,7 @@ def record_user_collective(low: Lowering, node: fx.Node, split: Sharding | None 
 _Dropped = tuple[int, tuple[str, ...], tuple[str, ...], int]
 
 
-def _inner(low: Lowering, b: Boundary, sharding: Sharding) -> tuple[Sharding, list[_Dropped]]:
+def _inner(low: LoweringAPI, b: Boundary, sharding: Sharding) -> tuple[Sharding, list[_Dropped]]:
     """How the body splits a block of boundary ``b`` over the auto axes: ``sharding`` (the body
     side's, from propagation) without partial axes, on the tiles the global value can hold; and
     the splits it could not keep.
@@ -151,7 +150,7 @@ def _inner(low: Lowering, b: Boundary, sharding: Sharding) -> tuple[Sharding, li
 
 
 def _warn_dropped(
-    low: Lowering,
+    low: LoweringAPI,
     b: Boundary,
     node: fx.Node,
     dropped: list[_Dropped],
@@ -159,7 +158,7 @@ def _warn_dropped(
 ) -> None:
     """A :class:`ShardMapWarning` per dropped auto split: the value, why, the collectives it
     cost at this boundary (``records``) and the fix."""
-    source = node.meta.get("source") or "an unknown line"
+    source = node_meta.source(node) or "an unknown line"
     moved = ", ".join(f"{r.kind} over {r.mesh_axes} of {r.bytes} bytes" for r in records)
     cost = f"here {moved} per device" if moved else "here no collective (a local slice)"
     for d, auto, lost, k in dropped:
@@ -180,11 +179,11 @@ def _warn_dropped(
         )
 
 
-def lower_partial_enter(low: Lowering, node: fx.Node) -> None:
+def lower_partial_enter(low: LoweringAPI, node: fx.Node) -> None:
     """Entering a partially manual region: the operand's tile is the spec's manual split then
     the body value's auto split, manual axes major."""
     b = boundary(node.args[1])
-    inner, dropped = _inner(low, b, node.meta["sharding"])
+    inner, dropped = _inner(low, b, node_meta.sharding(node))
     dims = tuple(m + a for m, a in zip(b.sharding.dim_axes, inner.dim_axes, strict=True))
     why = f"shard_map {b.what} enters its region as {b.sharding} (then {inner} inside)"
     before = len(low.plan.collectives)
@@ -193,10 +192,10 @@ def lower_partial_enter(low: Lowering, node: fx.Node) -> None:
         _warn_dropped(low, b, node, dropped, low.plan.collectives[before:])
     val = node.meta["val"]
     low.values[(node, None)] = LocalValue(local, inner, b.local_shape, val.dtype)
-    low.settle_result((node, None), node.meta["sharding"], node)
+    low.settle_result((node, None), node_meta.sharding(node), node)
 
 
-def lower_partial_exit(low: Lowering, node: fx.Node) -> None:
+def lower_partial_exit(low: LoweringAPI, node: fx.Node) -> None:
     """Leaving a partially manual region: the inverse of :func:`lower_partial_enter`."""
     b = boundary(node.args[1])
     src = node.args[0]
@@ -212,4 +211,4 @@ def lower_partial_exit(low: Lowering, node: fx.Node) -> None:
     low.values[(node, None)] = LocalValue(
         local, Sharding(low.mesh, dims), tuple(val.shape), val.dtype
     )
-    low.settle_result((node, None), node.meta.get("sharding"), node)
+    low.settle_result((node, None), node_meta.sharding(node), node)

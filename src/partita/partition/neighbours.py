@@ -9,21 +9,18 @@ what the rows are for.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx as fx
 
+from partita import node_meta
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import CollectiveRecord
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 __all__ = ["emit_pairs", "emit_shift"]
 
 
 def emit_shift(
-    low: Lowering,
+    low: LoweringAPI,
     node: fx.Node,
     x: fx.Node,
     axes: tuple[str, ...],
@@ -43,7 +40,7 @@ def emit_shift(
 
 
 def emit_pairs(
-    low: Lowering,
+    low: LoweringAPI,
     node: fx.Node,
     x: fx.Node,
     axes: tuple[str, ...],
@@ -72,7 +69,7 @@ def emit_pairs(
             dtype=dtype,
             value=value or node.name,
             reason=reason,
-            source=node.meta.get("source"),
+            source=node_meta.source(node),
             detail=detail or " ".join(f"{i}->{j}" for i, j in pairs),
         )
     )

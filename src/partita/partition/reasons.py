@@ -10,25 +10,22 @@ text.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.explain import op_name
 from partita.layout import local_shape
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import format_bytes
 from partita.rules import FactorRule
 from partita.spec import Sharding
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 __all__ = ["nbytes", "needs_why", "partial_reason"]
 
 
 def partial_reason(
-    low: Lowering,
+    low: LoweringAPI,
     key: tuple[fx.Node, int | None],
     node: fx.Node,
     rule: FactorRule,
@@ -88,9 +85,9 @@ def nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
 
 def needs_why(node: fx.Node, i: int, dst: Sharding) -> str:
     """Why operand ``i`` of ``node`` is resharded to ``dst``, in words for the Plan."""
-    if "replicated_reason" in node.meta:  # replicate_unsupported=True chose this
+    if node_meta.replicated_reason(node) is not None:  # replicate_unsupported=True chose this
         return (
             f"{op_name(node.target)} (%{node.name}) runs replicated "
-            f"(replicate_unsupported=True): {node.meta['replicated_reason']}"
+            f"(replicate_unsupported=True): {node_meta.replicated_reason(node)}"
         )
     return f"{op_name(node.target)} (%{node.name}) needs operand {i} as {dst}"

@@ -18,57 +18,33 @@ Which gathers and where (on the per-device program, before bucketing):
   falls in frees nothing another gather could reuse (the last block's weights, read by the
   forward and right after by the backward, stay gathered, as FSDP2 keeps its root's);
 - the uses after the gap read a new all_gather of the same input (and copies of the views they
-  read), placed just before the first of them. The new node's ``meta["regather"]`` names the
-  original, ``meta["regather_after"]`` the last use before the gap: bucketing fuses re-gathers
+  read), placed just before the first of them. The new node's ``node_meta.regather_of`` names the
+  original, ``node_meta.regather_after`` the last use before the gap: bucketing fuses re-gathers
   only with re-gathers, and the overlap schedule of real processes launches one no earlier
   than that (``runtime.overlap``).
 
 The Plan gains one :class:`~partita.partition.plan.CollectiveRecord` per re-issued all_gather
-(so its bytes and ``Plan.memory()`` reflect the choice). The knob: ``regather`` of
-``partition``/``jit``/``train_step``, else the environment variable ``PARTITA_REGATHER``
-(``1``/``0``), else off. Values computed are the same either way, bit for bit.
+(so its bytes and ``Plan.memory()`` reflect the choice). The knob: the ``regather`` option
+(:mod:`partita.options`; the environment variable ``PARTITA_REGATHER``), default off. Values
+computed are the same either way, bit for bit.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-import os
 
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.collectives import COLLECTIVE_OPS
 from partita.partition.memory import is_view
 from partita.partition.plan import CollectiveRecord, Plan
 
-__all__ = ["regather", "regather_setting"]
+__all__ = ["regather"]
 
-_ENV = "PARTITA_REGATHER"
-_ON = {"1", "true", "yes", "on"}
-_OFF = {"", "0", "false", "no", "off"}
 _ALL_GATHER = torch.ops.partita.all_gather.default
-
-
-def regather_setting(regather: bool | None = None) -> bool:
-    """The choice in effect: the argument, else ``PARTITA_REGATHER``, else ``False`` (keep)."""
-    if regather is not None:
-        if not isinstance(regather, bool):
-            raise TypeError(
-                f"regather={regather!r}: give True (free gathered parameters after the forward "
-                f"and gather them again for the backward: less memory) or False (keep them: "
-                f"fewer bytes)."
-            )
-        return regather
-    text = os.environ.get(_ENV, "").strip().lower()
-    if text in _ON:
-        return True
-    if text in _OFF:
-        return False
-    raise ValueError(
-        f"{_ENV}={text!r} is neither on nor off. Set {_ENV}=1 to re-gather parameters for the "
-        f"backward (less memory) or {_ENV}=0 to keep them from the forward (fewer bytes)."
-    )
 
 
 def regather(gm: fx.GraphModule, plan: Plan) -> int:
@@ -157,8 +133,8 @@ def _split(
     with graph.inserting_before(at):
         g2 = graph.call_function(g.target, g.args, dict(g.kwargs))
     g2.meta.update(g.meta)
-    g2.meta["regather"] = g.name
-    g2.meta["regather_after"] = nodes[last_fwd].name
+    node_meta.set_regather(g2, g.name)
+    node_meta.set_regather_after(g2, nodes[last_fwd].name)
     rec = record[g]
     record[g2] = dataclasses.replace(
         rec, reason=f"gathered again for the backward (regather=True); first: {rec.reason}"

@@ -2,7 +2,7 @@
 
 ``plan_reshard`` (``partition.reshard``) decides the steps; :func:`emit_reshard` writes them
 into a graph as partita mesh ops (``partita/collectives.py``) and local aten ops, each node with
-its ``meta["local_shape"]`` and, when the input has a fake value, a ``meta["val"]``.
+its ``node_meta.local_shape`` and, when the input has a fake value, a ``meta["val"]``.
 
 This module does not choose steps or record them in the Plan (``partition.resharding`` does).
 """
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from partita import node_meta
 from partita.mesh import Mesh
 from partita.partition import permute_pieces
 from partita.partition.reshard import ReshardStep
@@ -48,7 +49,7 @@ def _call(graph: fx.Graph, target: Any, args: tuple[Any, ...]) -> fx.Node:
 def emit_reshard(graph: fx.Graph, x: fx.Node, steps: Sequence[ReshardStep], mesh: Mesh) -> fx.Node:
     """Insert ``steps`` after the graph's current insertion point; return the resharded node.
 
-    Each node gets ``meta["local_shape"]`` (the step's ``out_local_shape``) and, when ``x`` has a
+    Each node gets ``node_meta.local_shape`` (the step's ``out_local_shape``) and, when ``x`` has a
     fake ``meta["val"]``, a ``meta["val"]`` from the ops' fake implementations.
     """
     aten = torch.ops.aten
@@ -79,5 +80,5 @@ def emit_reshard(graph: fx.Graph, x: fx.Node, steps: Sequence[ReshardStep], mesh
         else:
             op = getattr(torch.ops.partita, step.kind).default
             x = _call(graph, op, (x, *_op_args(step)))
-        x.meta["local_shape"] = step.out_local_shape
+        node_meta.set_local_shape(x, step.out_local_shape)
     return x

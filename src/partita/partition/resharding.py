@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.capture.fx_nodes import add_node
 from partita.errors import RematerializationError, RematerializationWarning, warn
 from partita.explain import op_name
@@ -100,7 +101,7 @@ class LocalValues:
             ),
             key=lambda c: _collective_bytes(c[1]),
         )
-        source = at.meta.get("source")
+        source = node_meta.source(at)
         name = key[0].name if key[1] is None else f"{key[0].name}[{key[1]}]"
         if is_full_remat(steps):
             msg = (

@@ -31,22 +31,21 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.explain import op_name
 from partita.layout import ceil_div, local_shape
 from partita.partition import handlers
 from partita.partition.handlers import Handler
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.neighbours import emit_pairs
 from partita.rules import FactorRule
 from partita.rules.common import norm_dim
 from partita.rules.handler_names import HandlerName
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 __all__ = ["Retile", "Round", "Segment", "plan_retile", "plan_retile_many"]
 
@@ -191,7 +190,7 @@ def _start(node: fx.Node, i: int, n: int) -> int:
     return min(max(start + n if start < 0 else start, 0), n)
 
 
-def _segments(low: Lowering, node: fx.Node, dim: int) -> tuple[list[int], list[Segment]]:
+def _segments(low: LoweringAPI, node: fx.Node, dim: int) -> tuple[list[int], list[Segment]]:
     """The operands' sizes along ``dim`` and where the result's positions come from."""
     n_out = int(node.meta["val"].shape[dim])
     target = str(node.target)
@@ -214,12 +213,12 @@ def _segments(low: Lowering, node: fx.Node, dim: int) -> tuple[list[int], list[S
     return [n], [Segment(0, 0, _start(node, 2, n), n_out)]
 
 
-def _applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     (res,) = low.result_shardings(rule, assign)
     return res is not None and bool(res.dim_axes[_dim(node)])
 
 
-def _table(low: Lowering, pos: fx.Node, rows: Any) -> fx.Node:
+def _table(low: LoweringAPI, pos: fx.Node, rows: Any) -> fx.Node:
     """This member's row of ``rows`` (indexed by its position in the group) as int64."""
     values = low.call(torch.Tensor.new_tensor, pos, [])
     # The rows are set after the node is made: fx walks every leaf of a new node's arguments
@@ -247,29 +246,29 @@ class _Planned:
 _PLANNED: weakref.WeakKeyDictionary[Any, dict[fx.Node, _Planned]] = weakref.WeakKeyDictionary()
 
 
-def _siblings(low: Lowering, node: fx.Node, dim: int, axes: tuple[str, ...]) -> list[fx.Node]:
+def _siblings(low: LoweringAPI, node: fx.Node, dim: int, axes: tuple[str, ...]) -> list[fx.Node]:
     """``node`` and the later slices of the same value along the same dim that need the same
     operand sharding and split their result the same way (q, k and v of one qkv output)."""
     if str(node.target) not in _SLICES:
         return [node]
-    rule: FactorRule = node.meta["rule"]
-    assign = low.representable(node.target, rule, node.meta.get("factor_axes", {}))
+    rule: FactorRule = node_meta.rule(node)
+    assign = low.representable(node.target, rule, node_meta.factor_axes(node))
     want = low.dims_of(rule.operands[0], assign)
     out = [node]
     for user in node.args[0].users:
         if user is node or str(user.target) not in _SLICES or (user, None) in low.values:
             continue
-        r = user.meta.get("rule")
+        r = node_meta.rule(user)
         if r is None or r.handler != HandlerName.RETILE.value or _dim(user) != dim:
             continue
-        a = low.representable(user.target, r, user.meta.get("factor_axes", {}))
+        a = low.representable(user.target, r, node_meta.factor_axes(user))
         (res,) = low.result_shardings(r, a)
         if res is not None and res.dim_axes[dim] == axes and low.dims_of(r.operands[0], a) == want:
             out.append(user)
     return out
 
 
-def _pick(low: Lowering, dim: int, planned: _Planned) -> fx.Node:
+def _pick(low: LoweringAPI, dim: int, planned: _Planned) -> fx.Node:
     plan, o = planned.plan, planned.index
     offset, tile = plan.offsets[o], plan.tiles[o]
     if offset is not None:
@@ -278,7 +277,7 @@ def _pick(low: Lowering, dim: int, planned: _Planned) -> fx.Node:
     return low.call(aten.index_select.default, planned.whole, dim, take)
 
 
-def lower_retile(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
+def lower_retile(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
     """Cut, permute and pick: the result tile of a slice or cat along a sharded dim (and those
     of its sibling slices, whose lowering later only picks)."""
     dim = _dim(node)

@@ -1,22 +1,22 @@
 """THE registry of per-op sharding rules.
 
-Every op partita can shard has exactly one rule function here, registered once with
-``@register_rule(aten.mm.default)``; registering an op twice fails at import. A rule function
-takes an :class:`~partita.rules.factor.OpInfo` and returns a
-:class:`~partita.rules.factor.FactorRule`. Families live in their own modules and register from
-sorted tuples of ops; this module imports them so that importing ``partita.rules`` fills the
-registry.
+Every op partita can shard has exactly one rule function. A family module (``matmul.py``,
+``norm.py``, ...) collects its rules in a :class:`~partita.rules.ruleset.RuleSet` with
+``@RULES.register(aten.mm.default)``; :mod:`partita.rules.table` imports each family by name and
+merges them into one table; :mod:`partita.rules.registry` looks rules up and takes the rules a
+user adds with ``partita.register_rule``. An op registered twice fails at import. A rule
+function takes an :class:`~partita.rules.factor.OpInfo` and returns a
+:class:`~partita.rules.factor.FactorRule`.
 
-Propagation and partitioning read rules only through :func:`get_rule` / :func:`rule_for`.
+Propagation and partitioning read rules only through :func:`get_rule`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import Any
-
 from partita.rules.factor import FactorKind, FactorRule, OpInfo, TensorMeta, einsum_rule
 from partita.rules.handler_names import HandlerName
+from partita.rules.registry import get_rule, has_rule, register_rule, registered_ops
+from partita.rules.ruleset import RuleFn
 
 __all__ = [
     "FactorKind",
@@ -31,76 +31,3 @@ __all__ = [
     "register_rule",
     "registered_ops",
 ]
-
-RuleFn = Callable[[OpInfo], FactorRule]
-
-_REGISTRY: dict[Any, RuleFn] = {}
-
-
-def register_rule(*ops: Any) -> Callable[[RuleFn], RuleFn]:
-    """Register one rule function for one or more op overloads.
-
-    Example:
-        >>> @register_rule(aten.mm.default)            # doctest: +SKIP
-        ... def mm(info: OpInfo) -> FactorRule:
-        ...     return einsum_rule("m k, k n -> m n", info.operands, info.results, reduction="k")
-    """
-
-    def wrap(fn: RuleFn) -> RuleFn:
-        for op in _flatten(ops):
-            if op in _REGISTRY:
-                raise RuntimeError(
-                    f"op {op} already has the sharding rule {_REGISTRY[op].__qualname__}; "
-                    f"{fn.__qualname__} would register it twice"
-                )
-            _REGISTRY[op] = fn
-        return fn
-
-    return wrap
-
-
-def _flatten(ops: Iterable[Any]) -> list[Any]:
-    out: list[Any] = []
-    for op in ops:
-        if isinstance(op, (tuple, list)):
-            out.extend(_flatten(op))
-        else:
-            out.append(op)
-    return out
-
-
-def has_rule(op: Any) -> bool:
-    return op in _REGISTRY
-
-
-def get_rule(op: Any) -> RuleFn | None:
-    """The rule function of an op, or None."""
-    return _REGISTRY.get(op)
-
-
-def registered_ops() -> tuple[Any, ...]:
-    """Every op with a rule, sorted by name."""
-    return tuple(sorted(_REGISTRY, key=str))
-
-
-# Families register on import. Keep this list sorted.
-from partita.rules import (  # noqa: E402,F401
-    annotate,
-    attention,
-    conv,
-    creation,
-    elementwise,
-    embedding,
-    fft,
-    indexing,
-    linalg,
-    loss,
-    matmul,
-    misc,
-    norm,
-    random,
-    reduction,
-    scan,
-    shape,
-    slicing,
-)

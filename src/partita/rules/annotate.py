@@ -10,11 +10,13 @@ from __future__ import annotations
 import string
 
 from partita.capture import ANNOTATE_OP
-from partita.rules import register_rule
 from partita.rules.factor import FactorRule, OpInfo, einsum_rule
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("annotate")
 
 
-@register_rule(ANNOTATE_OP)
+@RULES.register(ANNOTATE_OP)
 def identity_rule(info: OpInfo) -> FactorRule:
     """``a b c -> a b c`` for the annotated tensor (the op's only tensor operand)."""
     # Parsed form, not text: the text " -> " of a 0-d tensor would describe no tensors at all.

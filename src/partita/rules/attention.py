@@ -19,9 +19,12 @@ kernel is not supported (capture takes the math path for it).
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.common import Dim, aten_ops, broadcast_dims, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("attention")
 
 __all__ = ["sdpa_backward_rule", "sdpa_rule"]
 
@@ -88,8 +91,11 @@ def sdpa_backward_rule(info: OpInfo) -> FactorRule:
     return build(info, operands, [q, _K, _V], need_replication=rep, result_reductions=red)
 
 
-register_rule(*aten_ops(["_scaled_dot_product_flash_attention_for_cpu.default"]))(sdpa_rule)
-register_rule(*aten_ops(["_scaled_dot_product_flash_attention_for_cpu_backward.default"]))(
+RULES.register(
+    *aten_ops(["_scaled_dot_product_flash_attention_for_cpu.default"]),
+    facts=OpFacts(same_dtype=True),
+)(sdpa_rule)
+RULES.register(*aten_ops(["_scaled_dot_product_flash_attention_for_cpu_backward.default"]))(
     sdpa_backward_rule
 )
 
@@ -99,8 +105,8 @@ def _register_partita_ops() -> None:
 
     import partita.capture.ops  # noqa: F401  (defines partita::sdpa)
 
-    register_rule(torch.ops.partita.sdpa.default)(sdpa_rule)
-    register_rule(torch.ops.partita.sdpa_backward.default)(sdpa_backward_rule)
+    RULES.register(torch.ops.partita.sdpa.default)(sdpa_rule)
+    RULES.register(torch.ops.partita.sdpa_backward.default)(sdpa_backward_rule)
 
 
 _register_partita_ops()

@@ -9,7 +9,6 @@ module holds no per-op knowledge and registers nothing.
 from __future__ import annotations
 
 import string
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -20,7 +19,6 @@ from partita.rules.factor import FactorRule, OpInfo, TensorMeta, einsum_rule
 __all__ = [
     "Dim",
     "Names",
-    "arg",
     "aten_ops",
     "broadcast_dims",
     "build",
@@ -144,13 +142,3 @@ def broadcast_dims(
 def sizes_of(dims: Sequence[Sequence[str]], shape: Sequence[int]) -> Mapping[str, int]:
     """Sizes of single-factor dims (a helper for rules that pass ``sizes=``)."""
     return {d[0]: n for d, n in zip(dims, shape, strict=True) if len(d) == 1}
-
-
-def arg(info: OpInfo, name: str, default: Any = None) -> Any:
-    """Deprecated: use ``info.arg(name, default)`` (:meth:`OpInfo.arg`), the one accessor."""
-    warnings.warn(
-        "partita.rules.common.arg(info, name) is deprecated: use info.arg(name, default)",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return info.arg(name, default)

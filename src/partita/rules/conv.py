@@ -18,11 +18,14 @@ compute, keep replicated", ``batched.py``); so do the interpolation backwards, w
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.batched import batched_rule
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("conv")
 
 __all__ = [
     "INTERPOLATION_BACKWARDS",
@@ -85,7 +88,7 @@ def _special_conv_backward_rule(info: OpInfo) -> FactorRule:
     return build(info, [g_dims, x_dims, None], results, need_replication=rep, result_reductions=red)
 
 
-@register_rule(*aten_ops(["convolution.default"]))
+@RULES.register(*aten_ops(["convolution.default"]), facts=OpFacts(same_dtype=True))
 def conv_rule(info: OpInfo) -> FactorRule:
     """``a b d e, c b f g, c -> a c d e; reduction=b; need-replication=f,g; windowed=d,e;
     handler=halo`` (NCHW input, OIHW weight, bias)."""
@@ -106,7 +109,7 @@ def conv_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["convolution_backward.default"]))
+@RULES.register(*aten_ops(["convolution_backward.default"]))
 def conv_backward_rule(info: OpInfo) -> FactorRule:
     """``grad, x, w -> grad_x, grad_w, grad_b``: grad_x sums over output channels, grad_w over
     batch and space, grad_b over batch and space."""
@@ -135,7 +138,7 @@ _POOL = aten_ops(
 )
 
 
-@register_rule(*_POOL)
+@RULES.register(*_POOL)
 def pool_rule(info: OpInfo) -> FactorRule:
     """``a b c d -> a b c d, a b c d; windowed=c,d; handler=halo`` for max_pool2d_with_indices;
     the backward ops map (grad_out, input[, indices]) to grad_input the same way."""
@@ -177,7 +180,7 @@ PLANE_CORES: dict[str, tuple[tuple[int, ...], tuple[int, ...]]] = {
 }
 
 
-@register_rule(*aten_ops(sorted(PLANE_CORES)))
+@RULES.register(*aten_ops(sorted(PLANE_CORES)))
 def plane_rule(info: OpInfo) -> FactorRule:
     """``a b c d -> a b 1 1; need-replication=c,d`` for ``_adaptive_avg_pool2d(x, [3, 2])``."""
     name = str(info.target).removeprefix("aten.")
@@ -210,7 +213,7 @@ INTERPOLATION_BACKWARDS = aten_ops(
 )
 
 
-@register_rule(*INTERPOLATION_BACKWARDS)
+@RULES.register(*INTERPOLATION_BACKWARDS)
 def interpolation_backward_rule(info: OpInfo) -> FactorRule:
     """``a b c d -> a b 1 1; need-replication=c,d; handler=localize_shape`` for
     ``upsample_nearest2d_backward(grad [n, c, 2h, 2w], [2h, 2w], [n, c, h, w])``: each input
@@ -238,7 +241,7 @@ REPLICATION_PAD_BACKWARDS = {
 }
 
 
-@register_rule(*aten_ops(sorted(REPLICATION_PAD_BACKWARDS)))
+@RULES.register(*aten_ops(sorted(REPLICATION_PAD_BACKWARDS)))
 def replication_pad_backward_rule(info: OpInfo) -> FactorRule:
     """``a b c d, a b e f -> a b 1 1; need-replication=c,d,e,f`` for 2-d padding: the edge
     rows sum the gradient of every copy of them, so the padded dims are gathered; the leading
@@ -256,7 +259,7 @@ def replication_pad_backward_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["grid_sampler_2d.default", "grid_sampler_3d.default"]))
+@RULES.register(*aten_ops(["grid_sampler_2d.default", "grid_sampler_3d.default"]))
 def grid_sampler_rule(info: OpInfo) -> FactorRule:
     """``a b c d, a e f g -> a b e f; need-replication=c,d,g`` for ``grid_sampler_2d``: the
     grid's points pass through to the output's space (each point samples the whole input
@@ -275,7 +278,7 @@ def grid_sampler_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["grid_sampler_2d_backward.default", "grid_sampler_3d_backward.default"]))
+@RULES.register(*aten_ops(["grid_sampler_2d_backward.default", "grid_sampler_3d_backward.default"]))
 def grid_sampler_backward_rule(info: OpInfo) -> FactorRule:
     """``a b e f, a b c d, a e f g -> a b c d, a e f g; need-replication=c,d,g;
     result0-reduction=e,f; result1-reduction=b``: grad_input sums over the grid's points,

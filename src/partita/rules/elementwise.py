@@ -11,9 +11,12 @@ through. This module does not cover random ops (``random.py``) or ``*_like`` cre
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.common import Names, aten_ops, broadcast_dims, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("elementwise")
 
 __all__ = ["ELEMENTWISE_OPS", "elementwise_rule"]
 
@@ -248,7 +251,11 @@ _NAMES = (
 ELEMENTWISE_OPS = aten_ops(_NAMES)
 
 
-@register_rule(*ELEMENTWISE_OPS)
+#: A cast or copy: its result is its operand's data, so a stored input stays stored through it.
+RULES.declare(aten_ops(["_to_copy.default", "clone.default"]), OpFacts(keeps_data=True))
+
+
+@RULES.register(*ELEMENTWISE_OPS)
 def elementwise_rule(info: OpInfo, handler: str | None = None) -> FactorRule:
     """Broadcasting elementwise: ``a b, 1 b, -> a b`` for ``[4, 8] + [1, 8] + 0-d``.
 

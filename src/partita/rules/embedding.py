@@ -16,10 +16,12 @@ and the bags are gathered, and the bag dim of the result is replicated.
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("embedding")
 
 __all__ = [
     "embedding_backward_rule",
@@ -30,7 +32,7 @@ __all__ = [
 ]
 
 
-@register_rule(*aten_ops(["embedding.default"]))
+@RULES.register(*aten_ops(["embedding.default"]))
 def embedding_rule(info: OpInfo) -> FactorRule:
     """``a b, c d -> c d b; reduction=a; handler=masked_embedding`` (table [V, D], ids [N, T])."""
     weight, ids = info.operands
@@ -44,7 +46,7 @@ def embedding_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["embedding_dense_backward.default"]))
+@RULES.register(*aten_ops(["embedding_dense_backward.default"]))
 def embedding_backward_rule(info: OpInfo) -> FactorRule:
     """``c d b, c d -> a b; reduction=c,d; handler=masked_embedding``.
 
@@ -81,7 +83,7 @@ def _gathered(operands: list[list[str]], d: str) -> list[str]:
     return [n for names in operands for n in names if n != d]
 
 
-@register_rule(*aten_ops(["_embedding_bag.default"]))
+@RULES.register(*aten_ops(["_embedding_bag.default"]))
 def embedding_bag_rule(info: OpInfo) -> FactorRule:
     """``a b, c, e, f -> 1 b, 1, 1, 1 b; need-replication=a,c,e,f`` (table [V, D], ids, offsets,
     per-sample weights): the embedding dim ``b`` passes through to the bags (and to the
@@ -95,7 +97,7 @@ def embedding_bag_rule(info: OpInfo) -> FactorRule:
     return build(info, ops, res, need_replication=_gathered(ops, d))
 
 
-@register_rule(
+@RULES.register(
     *aten_ops(["_embedding_bag_backward.default", "_embedding_bag_dense_backward.default"])
 )
 def embedding_bag_backward_rule(info: OpInfo) -> FactorRule:
@@ -109,7 +111,7 @@ def embedding_bag_backward_rule(info: OpInfo) -> FactorRule:
     return build(info, ops, [[None, d]], need_replication=_gathered(ops, d))
 
 
-@register_rule(*aten_ops(["_embedding_bag_per_sample_weights_backward.default"]))
+@RULES.register(*aten_ops(["_embedding_bag_per_sample_weights_backward.default"]))
 def embedding_bag_weights_backward_rule(info: OpInfo) -> FactorRule:
     """``a b, c b, e, f, g -> 1; reduction=b; need-replication=a,c,e,f,g``: the gradient of
     each id's weight is the dot product of its row and its bag's gradient over the embedding

@@ -27,12 +27,12 @@ import enum
 import functools
 import math
 import re
-import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from partita.errors import CompilerError
+from partita.rules.facts import NO_FACTS, OpFacts
 from partita.rules.handler_names import check_handler_name
 
 __all__ = ["FactorKind", "FactorRule", "OpInfo", "TensorMeta", "einsum_rule", "parse_einsum"]
@@ -78,12 +78,11 @@ class OpInfo:
     operands: tuple[TensorMeta, ...]
     results: tuple[TensorMeta | None, ...]
 
-    def arg(self, name: str | int, default: Any = None, *legacy: Any) -> Any:
+    def arg(self, name: str, default: Any = None) -> Any:
         """The call's argument ``name`` (its name in the op's schema), passed positionally or
         by keyword, else ``default``: the one way a rule reads an argument. A name the schema
         lacks raises :class:`~partita.errors.CompilerError` (it would read as ``default``);
         :meth:`has_arg` asks first when one rule serves overloads with different arguments.
-        The old ``arg(index, name, default)`` form still works and warns.
 
         Example:
             >>> x = TensorMeta((4, 8))
@@ -91,10 +90,6 @@ class OpInfo:
             >>> info.arg("dim"), info.arg("keepdim", False)
             ([1], False)
         """
-        if isinstance(name, int):  # arg(index, name, default): positions could disagree
-            msg = "OpInfo.arg(index, name, default) is deprecated: use OpInfo.arg(name, default)"
-            warnings.warn(msg, DeprecationWarning, stacklevel=2)
-            name, default = default, (legacy[0] if legacy else None)
         index = self._position(name)
         if name in self.kwargs:
             return self.kwargs[name]
@@ -147,7 +142,8 @@ class FactorRule:
     it. ``result_reductions`` maps a result index to the pass-through factors that
     result lacks but sums over (a backward op's weight gradient sums over the batch factor that
     its input gradient keeps): when such a factor is sharded, that result alone is partial over
-    its mesh axes (``reduce_op`` applies).
+    its mesh axes (``reduce_op`` applies). ``facts``: what the stages know of the op's local
+    call (:class:`~partita.rules.facts.OpFacts`, declared next to the rule).
     """
 
     operands: tuple[TensorFactors | None, ...]
@@ -157,6 +153,7 @@ class FactorRule:
     reduce_op: str = "sum"
     handler: str | None = None
     result_reductions: Mapping[int, tuple[str, ...]] = field(default_factory=dict)
+    facts: OpFacts = NO_FACTS
     _factors: tuple[str, ...] = field(init=False, repr=False, compare=False)
     _reductions: tuple[str, ...] = field(init=False, repr=False, compare=False)
 

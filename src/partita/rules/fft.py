@@ -11,14 +11,16 @@ This module does not cover window functions or ``stft`` (they decompose into the
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dims
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("fft")
 
 __all__ = ["fft_rule"]
 
 
-@register_rule(*aten_ops(["_fft_c2c.default", "_fft_c2r.default", "_fft_r2c.default"]))
+@RULES.register(*aten_ops(["_fft_c2c.default", "_fft_c2r.default", "_fft_r2c.default"]))
 def fft_rule(info: OpInfo) -> FactorRule:
     """``a b -> a 1; need-replication=b`` for ``_fft_r2c(x, [1], ...)``."""
     (x,), (out,) = info.operands, info.results

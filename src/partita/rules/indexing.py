@@ -28,10 +28,12 @@ from collections.abc import Sequence
 
 import torch
 
-from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, broadcast_dims, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("indexing")
 
 __all__ = ["index_put_rule", "index_rule", "scatter_rule", "slice_scatter_rule"]
 
@@ -96,7 +98,7 @@ def _layout(
     return names, indexed, out, index_dims, bcast
 
 
-@register_rule(*aten_ops(["index.Tensor"]))
+@RULES.register(*aten_ops(["index.Tensor"]))
 def index_rule(info: OpInfo) -> FactorRule:
     """``a b c, d -> a d c; need-replication=b`` for ``x[:, i]``: the indexed dim is gathered,
     the index's dims pass through to the result, the other dims of ``x`` pass through."""
@@ -110,7 +112,7 @@ def index_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["index_put.default"]))
+@RULES.register(*aten_ops(["index_put.default"]))
 def index_put_rule(info: OpInfo) -> FactorRule:
     """``a b c, 1, a 1 c -> a b c; need-replication=b`` for ``x[:, i] = v`` (accumulate or
     not): the indexed dims and the index tensors are whole (every device must write every
@@ -185,7 +187,7 @@ _SCATTER = aten_ops(
 )
 
 
-@register_rule(*_SCATTER)
+@RULES.register(*_SCATTER)
 def scatter_rule(info: OpInfo) -> FactorRule:
     """``a b, 1 b, 1 b -> a b; need-replication=a`` for ``x.scatter(0, i, s)``: the scattered
     dim is gathered; another dim passes through where the index (and source) have the
@@ -205,7 +207,7 @@ def scatter_rule(info: OpInfo) -> FactorRule:
     return build(info, [names, *per_operand], [names], need_replication=rep, handler=INDEX_PADDING)
 
 
-@register_rule(*aten_ops(["slice_scatter.default"]))
+@RULES.register(*aten_ops(["slice_scatter.default"]))
 def slice_scatter_rule(info: OpInfo) -> FactorRule:
     """``a b, a b -> a b; windowed=b; handler=retile`` for ``slice_scatter(x, s, 1, 2, 4)`` (the
     result is ``x``'s tiles with ``s``'s pieces put in place, like a cat); a strided one is
@@ -222,7 +224,7 @@ def slice_scatter_rule(info: OpInfo) -> FactorRule:
     return build(info, [names, src_dims], [names], need_replication=[names[dim]])
 
 
-@register_rule(*aten_ops(["flip.default"]))
+@RULES.register(*aten_ops(["flip.default"]))
 def flip_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b; need-replication=b`` for ``x.flip(1)``: a tile of a flipped dim is another
     device's tile reversed."""
@@ -232,7 +234,7 @@ def flip_rule(info: OpInfo) -> FactorRule:
     return build(info, [names], [names], need_replication=[names[d] for d in dims])
 
 
-@register_rule(*aten_ops(["histc.default"]))
+@RULES.register(*aten_ops(["histc.default"]))
 def histc_rule(info: OpInfo) -> FactorRule:
     """``a b -> c; need-replication=a,b`` for ``histc(x, bins)``: counting padding would add
     to a bin, and ``min == max`` reads the global range."""
@@ -242,7 +244,7 @@ def histc_rule(info: OpInfo) -> FactorRule:
     return build(info, [names], [[fresh.new()]], need_replication=names)
 
 
-@register_rule(*aten_ops(["unfold.default"]))
+@RULES.register(*aten_ops(["unfold.default"]))
 def unfold_rule(info: OpInfo) -> FactorRule:
     """``a b -> a c d; need-replication=b`` for ``x.unfold(1, size, step)``: windows cross tile
     edges."""

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from partita.rules import register_rule
 from partita.rules.batched import batched_rule
 from partita.rules.common import aten_ops
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("linalg")
 
 __all__ = ["LINALG_CORES", "RAISES_ON_PADDING", "linalg_rule"]
 
@@ -67,7 +69,7 @@ RAISES_ON_PADDING = frozenset(
 )
 
 
-@register_rule(*aten_ops(sorted(LINALG_CORES)))
+@RULES.register(*aten_ops(sorted(LINALG_CORES)))
 def linalg_rule(info: OpInfo) -> FactorRule:
     """``a b c -> a 1 1; need-replication=b,c`` for ``linalg_inv_ex`` on ``[n, m, m]``;
     ``* -> 1 1, 1 1 1`` (everything gathered) for the ops of :data:`RAISES_ON_PADDING`."""
@@ -91,7 +93,7 @@ def _is_vector_rhs(a: TensorMeta, b: TensorMeta) -> bool:
     return b.ndim == 1 or (b.ndim == a.ndim - 1 and tuple(b.shape) == tuple(a.shape[:-1]))
 
 
-@register_rule(*aten_ops(["_linalg_solve_ex.default"]))
+@RULES.register(*aten_ops(["_linalg_solve_ex.default"]))
 def solve_rule(info: OpInfo) -> FactorRule:
     """``a b c, a b d -> a 1 1, a 1 1, a 1, a; need-replication=b,c,d`` for ``solve(A, B)``
     (result, LU, pivots, info); a vector right-hand side has one core dim."""
@@ -100,7 +102,7 @@ def solve_rule(info: OpInfo) -> FactorRule:
     return batched_rule(info, [2, k], [k, 2, 1, 0])
 
 
-@register_rule(*aten_ops(["linalg_pinv.atol_rtol_tensor"]))
+@RULES.register(*aten_ops(["linalg_pinv.atol_rtol_tensor"]))
 def pinv_rule(info: OpInfo) -> FactorRule:
     """``a b c, a -> a 1 1; need-replication=b,c`` for ``pinv(A, atol=t)`` (the tolerances are
     per batch element)."""

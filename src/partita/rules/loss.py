@@ -15,12 +15,14 @@ only job there is to mask padded targets to ``ignore_index``.
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.common import Dim, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
 
 __all__ = ["nll_loss_backward_rule", "nll_loss_rule"]
+
+RULES = RuleSet("loss")
 
 _NONE, _MEAN = 0, 1
 
@@ -34,7 +36,7 @@ def _dims(info: OpInfo, x_index: int) -> tuple[list[str], list[str], list[Dim]]:
     return [*batch, "b"], batch, ["b"]
 
 
-@register_rule(*aten_ops(["nll_loss_forward.default"]))
+@RULES.register(*aten_ops(["nll_loss_forward.default"]))
 def nll_loss_rule(info: OpInfo) -> FactorRule:
     """``a b, a, b -> , ; reduction=a; need-replication=b; handler=weighted_mean`` (mean)."""
     x_dims, t_dims, w_dims = _dims(info, 0)
@@ -52,7 +54,7 @@ def nll_loss_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["nll_loss_backward.default"]))
+@RULES.register(*aten_ops(["nll_loss_backward.default"]))
 def nll_loss_backward_rule(info: OpInfo) -> FactorRule:
     """``, a b, a, b, -> a b; need-replication=b; handler=weighted_mean`` (grad_output,
     input, target, weight, total_weight); the handler only masks padded targets to

@@ -12,7 +12,7 @@ may split them further along the auto axes. Two kinds of op there have no regist
   auto axes (need-replication), since the op concatenates or splits them across devices.
 
 These rules are not in the registry (it holds the rules of ops any program may contain; these
-only appear inside regions), so :func:`manual_rule` is asked first, by ``propagate_state``.
+only appear inside regions), so :func:`manual_rule` is asked first, by ``propagate.state``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import torch
 
 from partita.capture.manual import ENTER_OP, EXIT_OP
 from partita.rules.factor import FactorKind, FactorRule, OpInfo
+from partita.rules.facts import NO_FACTS, OpFacts
 
 __all__ = ["manual_rule"]
 
@@ -36,6 +37,9 @@ _WHOLE_DIMS: dict[Any, tuple[str, ...]] = {
     _p.reduce_scatter.default: ("dim",),
     _p.all_to_all.default: ("split_dim", "concat_dim"),
 }
+#: reduce_scatter moves its operand (the Plan records the block it reduces); the others move
+#: what they return.
+_MOVES_OPERAND = OpFacts(moves="operand")
 
 
 def _letters(n: int, offset: int = 0) -> tuple[str, ...]:
@@ -73,4 +77,5 @@ def manual_rule(info: OpInfo) -> FactorRule | None:
         results=(tuple((f,) for f in outs),),
         sizes=sizes,
         kinds=kinds,
+        facts=_MOVES_OPERAND if target is _p.reduce_scatter.default else NO_FACTS,
     )

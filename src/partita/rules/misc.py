@@ -20,11 +20,13 @@ and computed replicated; the Plan records the gathers with the op as the reason.
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.batched import batched_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("misc")
 
 __all__ = [
     "bucketize_rule",
@@ -36,7 +38,7 @@ __all__ = [
 ]
 
 
-@register_rule(*aten_ops(["_cdist_forward.default"]))
+@RULES.register(*aten_ops(["_cdist_forward.default"]))
 def cdist_rule(info: OpInfo) -> FactorRule:
     """``a p m, a r n -> a p r; need-replication=m,n`` for ``cdist(x1, x2)`` (batch ``a``)."""
     x1, x2 = info.operands
@@ -78,14 +80,14 @@ _GATHERED = aten_ops(
 )
 
 
-@register_rule(*_GATHERED)
+@RULES.register(*_GATHERED)
 def gathered_rule(info: OpInfo) -> FactorRule:
     """``*, * -> 1``: every operand gathered, the result computed whole and kept replicated."""
     results = [None if r is None else [None] * r.ndim for r in info.results]
     return build(info, [None] * len(info.operands), results)
 
 
-@register_rule(*aten_ops(["resize.default"]))
+@RULES.register(*aten_ops(["resize.default"]))
 def resize_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b; handler=localize_shape`` for ``resize(x, x.shape)`` (what
     ``x.resize_as_(y)`` traces to when the shapes agree: each tile keeps its local shape); to
@@ -99,7 +101,7 @@ def resize_rule(info: OpInfo) -> FactorRule:
     return build(info, [names], [names], handler=HandlerName.LOCALIZE_SHAPE)
 
 
-@register_rule(*aten_ops(["bucketize.Tensor"]))
+@RULES.register(*aten_ops(["bucketize.Tensor"]))
 def bucketize_rule(info: OpInfo) -> FactorRule:
     """``a b, c -> a b; need-replication=c`` for ``bucketize(x, boundaries)``."""
     x, boundaries = info.operands
@@ -109,7 +111,7 @@ def bucketize_rule(info: OpInfo) -> FactorRule:
     return build(info, [names, b], [names], need_replication=b)
 
 
-@register_rule(*aten_ops(["searchsorted.Tensor"]))
+@RULES.register(*aten_ops(["searchsorted.Tensor"]))
 def searchsorted_rule(info: OpInfo) -> FactorRule:
     """``c, a b -> a b; need-replication=c`` for a 1-d sorted sequence; with a batch of
     sequences (``a c, a b -> a b``) the leading dims pass through and the last ones are
@@ -124,7 +126,7 @@ def searchsorted_rule(info: OpInfo) -> FactorRule:
     return batched_rule(info, [1] * len(info.operands), [1])
 
 
-@register_rule(*aten_ops(["index_reduce.default"]))
+@RULES.register(*aten_ops(["index_reduce.default"]))
 def index_reduce_rule(info: OpInfo) -> FactorRule:
     """``a b, c, d b -> a b; need-replication=a,c,d`` for ``index_reduce(x, 0, idx, src, "amax")``:
     the indexed dim of ``x`` and ``src`` and the index are gathered; other dims pass through."""
@@ -140,7 +142,7 @@ def index_reduce_rule(info: OpInfo) -> FactorRule:
     return build(info, [names, [k], src], [names], need_replication=rep)
 
 
-@register_rule(*aten_ops(["_cdist_backward.default"]))
+@RULES.register(*aten_ops(["_cdist_backward.default"]))
 def cdist_backward_rule(info: OpInfo) -> FactorRule:
     """``a p r, a p m, a r m, a p r -> a p m; reduction=r; need-replication=m``
     (grad, x1, x2, cdist -> grad_x1): the gradient of a point sums over the other side's."""

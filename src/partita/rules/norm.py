@@ -23,9 +23,12 @@ This module does not cover softmax (``reduction.py``).
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts, SizeArg
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("norm")
 
 __all__ = ["batch_norm_rule", "layer_norm_backward_rule", "layer_norm_rule"]
 
@@ -44,7 +47,7 @@ def _layer_norm_dims(info: OpInfo, x_index: int) -> tuple[list[str], list[str], 
     return batch, normed, stats
 
 
-@register_rule(*aten_ops(["native_layer_norm.default"]))
+@RULES.register(*aten_ops(["native_layer_norm.default"]))
 def layer_norm_rule(info: OpInfo) -> FactorRule:
     """``a b c, c, c -> a b c, a b 1, a b 1; need-replication=c``."""
     batch, normed, stats = _layer_norm_dims(info, 0)
@@ -53,7 +56,7 @@ def layer_norm_rule(info: OpInfo) -> FactorRule:
     return build(info, [[*batch, *normed], *params], results, need_replication=normed)
 
 
-@register_rule(*aten_ops(["native_layer_norm_backward.default"]))
+@RULES.register(*aten_ops(["native_layer_norm_backward.default"]))
 def layer_norm_backward_rule(info: OpInfo) -> FactorRule:
     """``grad, x, mean, rstd, w, b -> grad_x, grad_w, grad_b``; grad_w/grad_b sum over the
     batch dims."""
@@ -103,7 +106,7 @@ _BN_FORWARD = aten_ops(
 )
 
 
-@register_rule(*_BN_FORWARD)
+@RULES.register(*_BN_FORWARD)
 def batch_norm_rule(info: OpInfo) -> FactorRule:
     """Training: ``a b c d, b, b, b, b -> a b c d, b, b, ...; handler=batch_stats`` (plus
     ``need-replication=a,c,d`` for the in-place variants); eval: everything passes through."""
@@ -122,7 +125,7 @@ def batch_norm_rule(info: OpInfo) -> FactorRule:
     return build(info, operands, results, **kw)
 
 
-@register_rule(*aten_ops(["native_batch_norm_backward.default"]))
+@RULES.register(*aten_ops(["native_batch_norm_backward.default"]))
 def batch_norm_backward_rule(info: OpInfo) -> FactorRule:
     """``grad, x, w, rm, rv, sm, sinv -> grad_x, grad_w, grad_b``."""
     training = bool(info.arg("train", False))
@@ -135,7 +138,9 @@ def batch_norm_backward_rule(info: OpInfo) -> FactorRule:
     return build(info, operands, [names, c, c], result_reductions=red, **kw)
 
 
-@register_rule(*aten_ops(["native_group_norm.default"]))
+@RULES.register(
+    *aten_ops(["native_group_norm.default"]), facts=OpFacts(size_args=(SizeArg(3, 0, 0),))
+)
 def group_norm_rule(info: OpInfo) -> FactorRule:
     """``a b c d, b, b -> a b c d, a g, a g; need-replication=b,c,d,g``."""
     fresh = Names()
@@ -147,7 +152,10 @@ def group_norm_rule(info: OpInfo) -> FactorRule:
     return build(info, [names, *params], [names, stats, stats], need_replication=rep)
 
 
-@register_rule(*aten_ops(["native_group_norm_backward.default"]))
+@RULES.register(
+    *aten_ops(["native_group_norm_backward.default"]),
+    facts=OpFacts(size_args=(SizeArg(5, 0, 0),)),
+)
 def group_norm_backward_rule(info: OpInfo) -> FactorRule:
     """``grad, x, mean, rstd, w -> grad_x, grad_w, grad_b``; grad_w/grad_b sum over ``a``."""
     fresh = Names()
@@ -165,7 +173,7 @@ def group_norm_backward_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["_batch_norm_with_update_functional.default"]))
+@RULES.register(*aten_ops(["_batch_norm_with_update_functional.default"]))
 def batch_norm_with_update_rule(info: OpInfo) -> FactorRule:
     """``a b c, b, b, b, b -> a b c, b, b, 1, b, b; need-replication=a,c``: training batch norm
     that returns the updated running stats. Channels pass through; batch and spatial dims are

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta
 
 __all__ = ["is_tensor", "op_info", "replicate_rule", "source_of"]
@@ -21,7 +22,7 @@ __all__ = ["is_tensor", "op_info", "replicate_rule", "source_of"]
 
 def source_of(node: fx.Node) -> str | None:
     """The user's source line recorded by capture, if any."""
-    src = node.meta.get("source")
+    src = node_meta.source(node)
     return src if isinstance(src, str) else None
 
 

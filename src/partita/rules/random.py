@@ -15,11 +15,14 @@ factors are those of an elementwise op (or result-only, for ``rand(size)``).
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.common import Names, aten_ops, build
 from partita.rules.elementwise import elementwise_rule
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("random")
 
 __all__ = [
     "RANDOM_LIKE_OPS",
@@ -54,7 +57,11 @@ RANDOM_LIKE_OPS = aten_ops(
 )
 
 
-@register_rule(*RANDOM_LIKE_OPS)
+#: They read only their operand's shape and dtype.
+RULES.declare(aten_ops(["rand_like.default", "randn_like.default"]), OpFacts(shape_only=True))
+
+
+@RULES.register(*RANDOM_LIKE_OPS)
 def random_like_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b, a b; handler=global_random`` for ``native_dropout`` (output, mask)."""
     return elementwise_rule(info, handler=HandlerName.GLOBAL_RANDOM)
@@ -76,7 +83,7 @@ RANDOM_VALUE_OPS = aten_ops(
 )
 
 
-@register_rule(
+@RULES.register(
     *aten_ops(
         [
             "binomial.default",
@@ -95,7 +102,7 @@ def random_value_rule(info: OpInfo) -> FactorRule:
     return elementwise_rule(info, handler=HandlerName.GLOBAL_RANDOM)
 
 
-@register_rule(*aten_ops(["multinomial.default"]))
+@RULES.register(*aten_ops(["multinomial.default"]))
 def multinomial_rule(info: OpInfo) -> FactorRule:
     """``b c -> b n; need_replication=c; handler=global_random`` for ``torch.multinomial(probs,
     n)``: each row of ``n`` samples reads its whole row of probabilities (``c -> n`` for one
@@ -109,7 +116,7 @@ def multinomial_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(
+@RULES.register(
     *aten_ops(
         ["rand.default", "randint.default", "randint.low", "randn.default", "randperm.default"]
     )

@@ -20,10 +20,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim, norm_dims
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("reduction")
 
 __all__ = ["reduce_rule", "softmax_rule"]
 
@@ -64,7 +66,7 @@ _MAX = ("amax.default", "any.default", "any.dim", "any.dims")
 _MIN = ("all.default", "all.dim", "all.dims", "amin.default")
 
 
-@register_rule(*aten_ops(sorted(_SUM + _MEAN + _MAX + _MIN)))
+@RULES.register(*aten_ops(sorted(_SUM + _MEAN + _MAX + _MIN)))
 def reduce_rule(info: OpInfo) -> FactorRule:
     """``a b -> a; reduction=b`` for ``sum(x, 1)``; max/min for amax/any and amin/all."""
     name = info.target.name().split("::")[1]
@@ -92,7 +94,7 @@ _NEED_REP = aten_ops(
 )
 
 
-@register_rule(*_NEED_REP)
+@RULES.register(*_NEED_REP)
 def gathered_reduce_rule(info: OpInfo) -> FactorRule:
     """``a b -> a; need-replication=b`` for ``var(x, 1)``, ``max(x, 1)`` (values, indices)."""
     x = info.operands[0]
@@ -115,7 +117,7 @@ _SOFTMAX = aten_ops(
 )
 
 
-@register_rule(*_SOFTMAX)
+@RULES.register(*_SOFTMAX)
 def softmax_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b; handler=softmax_reduce`` for ``softmax(x, 1)``; the backward ops
     (``grad, out -> grad_in``) share the factors. The softmax dim ``b`` is a pass-through factor
@@ -128,7 +130,7 @@ def softmax_rule(info: OpInfo) -> FactorRule:
     return build(info, dims, [names], handler=HandlerName.SOFTMAX_REDUCE)
 
 
-@register_rule(*aten_ops(["cumprod.default", "cumsum.default", "logcumsumexp.default"]))
+@RULES.register(*aten_ops(["cumprod.default", "cumsum.default", "logcumsumexp.default"]))
 def scan_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b; need-replication=b`` for ``cumsum(x, 1)``."""
     (x,) = info.operands
@@ -137,7 +139,7 @@ def scan_rule(info: OpInfo) -> FactorRule:
     return build(info, [names], [names], need_replication=rep)
 
 
-@register_rule(*aten_ops(["sort.default", "sort.stable", "topk.default"]))
+@RULES.register(*aten_ops(["sort.default", "sort.stable", "topk.default"]))
 def sort_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b, a b; need-replication=b`` for ``sort(x, 1)`` (values, indices); topk's
     result dim is a fresh factor (its size is k)."""
@@ -155,7 +157,7 @@ def sort_rule(info: OpInfo) -> FactorRule:
     return build(info, [names], [out, out], need_replication=[names[d]])
 
 
-@register_rule(*aten_ops(["max.default", "min.default"]))
+@RULES.register(*aten_ops(["max.default", "min.default"]))
 def full_extremum_rule(info: OpInfo) -> FactorRule:
     """``a b -> ; reduction=a,b; reduce_op=max`` for ``max(x)`` (every dim, a 0-d result)."""
     (x,) = info.operands
@@ -163,7 +165,7 @@ def full_extremum_rule(info: OpInfo) -> FactorRule:
     return _reduce(info, list(range(x.ndim)), False, kind="reduction", reduce_op=op)
 
 
-@register_rule(*aten_ops(["median.default", "nanmedian.default", "prod.default"]))
+@RULES.register(*aten_ops(["median.default", "nanmedian.default", "prod.default"]))
 def full_gathered_rule(info: OpInfo) -> FactorRule:
     """``a b -> ; need-replication=a,b`` for ``median(x)``: an order statistic or a product of
     every element needs them all on one device."""
@@ -174,7 +176,7 @@ def full_gathered_rule(info: OpInfo) -> FactorRule:
 _SELECT_DIM = aten_ops(["kthvalue.default", "median.dim", "mode.default", "nanmedian.dim"])
 
 
-@register_rule(*_SELECT_DIM)
+@RULES.register(*_SELECT_DIM)
 def select_dim_rule(info: OpInfo) -> FactorRule:
     """``a b -> a, a; need-replication=b`` for ``kthvalue(x, 2, 1)`` (values, indices)."""
     (x,) = info.operands
@@ -184,7 +186,7 @@ def select_dim_rule(info: OpInfo) -> FactorRule:
     return _reduce(info, dims, keepdim, kind="need_replication")
 
 
-@register_rule(*aten_ops(["linalg_vector_norm.default"]))
+@RULES.register(*aten_ops(["linalg_vector_norm.default"]))
 def vector_norm_rule(info: OpInfo) -> FactorRule:
     """``a b -> a; reduction=b`` for ``vector_norm(x, 1, [1])`` (and ``ord=0``, a count of
     non-zeros): a sum of per-element terms whose padding (masked to 0) adds nothing;

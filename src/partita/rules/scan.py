@@ -10,15 +10,17 @@ need-replication on the scanned dim in ``reduction.py``.
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.common import Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("scan")
 
 __all__ = ["cum_extreme_rule"]
 
 
-@register_rule(*aten_ops(["cummax.default", "cummin.default"]))
+@RULES.register(*aten_ops(["cummax.default", "cummin.default"]))
 def cum_extreme_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b, a b; handler=sharded_scan`` for ``cummax(x, 1)``."""
     (x,) = info.operands

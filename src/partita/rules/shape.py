@@ -24,10 +24,13 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("shape")
 
 __all__ = ["expand_rule", "permute_rule", "reshape_factors", "reshape_rule"]
 
@@ -129,7 +132,7 @@ _RESHAPE = aten_ops(
 )
 
 
-@register_rule(*_RESHAPE)
+@RULES.register(*_RESHAPE)
 def reshape_rule(info: OpInfo) -> FactorRule:
     """``a b c -> (a b) c; handler=localize_shape`` for ``[8, 8, 32] -> [64, 32]``."""
     (x,), (out,) = info.operands, info.results
@@ -144,7 +147,7 @@ def reshape_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["permute.default", "permute_copy.default"]))
+@RULES.register(*aten_ops(["permute.default", "permute_copy.default"]))
 def permute_rule(info: OpInfo) -> FactorRule:
     """``a b c -> c a b`` for ``permute(x, [2, 0, 1])``."""
     (x,) = info.operands
@@ -153,7 +156,7 @@ def permute_rule(info: OpInfo) -> FactorRule:
     return build(info, [dims], [[dims[d] for d in order]])
 
 
-@register_rule(*aten_ops(["transpose.int", "transpose_copy.int"]))
+@RULES.register(*aten_ops(["transpose.int", "transpose_copy.int"]))
 def transpose_rule(info: OpInfo) -> FactorRule:
     """``a b c -> a c b`` for ``transpose(x, 1, 2)``."""
     (x,) = info.operands
@@ -165,7 +168,7 @@ def transpose_rule(info: OpInfo) -> FactorRule:
     return build(info, [dims], [out])
 
 
-@register_rule(*aten_ops(["numpy_T.default", "t.default"]))
+@RULES.register(*aten_ops(["numpy_T.default", "t.default"]))
 def t_rule(info: OpInfo) -> FactorRule:
     """``a b -> b a`` (``a -> a`` for 1-d, nothing for 0-d)."""
     (x,) = info.operands
@@ -173,7 +176,11 @@ def t_rule(info: OpInfo) -> FactorRule:
     return build(info, [dims], [dims[::-1]])
 
 
-@register_rule(*aten_ops(["expand.default", "expand_copy.default"]))
+#: Its result's new dims are produced tile by tile (the local shape argument).
+RULES.declare(aten_ops(["expand.default"]), OpFacts(local_results=True))
+
+
+@RULES.register(*aten_ops(["expand.default", "expand_copy.default"]))
 def expand_rule(info: OpInfo) -> FactorRule:
     """``1 b -> a b; handler=localize_shape`` for ``[1, 8] -> [4, 8]``: broadcast dims are
     result-only factors (each device materialises its own tile)."""
@@ -186,7 +193,7 @@ def expand_rule(info: OpInfo) -> FactorRule:
     return build(info, [operand], [dims], handler=HandlerName.LOCALIZE_SHAPE)
 
 
-@register_rule(*aten_ops(["diagonal.default", "diagonal_copy.default"]))
+@RULES.register(*aten_ops(["diagonal.default", "diagonal_copy.default"]))
 def diagonal_rule(info: OpInfo) -> FactorRule:
     """``a b c -> a 1; need-replication=b,c`` for ``diagonal(x, 0, 1, 2)``: the diagonal pairs
     global row and column positions, so both dims are gathered; the others pass through."""
@@ -197,7 +204,7 @@ def diagonal_rule(info: OpInfo) -> FactorRule:
     return build(info, [names], [out], need_replication=[names[d1], names[d2]])
 
 
-@register_rule(*aten_ops(["diagonal_scatter.default"]))
+@RULES.register(*aten_ops(["diagonal_scatter.default"]))
 def diagonal_scatter_rule(info: OpInfo) -> FactorRule:
     """``a b c, a d -> a b c; need-replication=b,c,d`` for ``diagonal_scatter(x, src, 0, 1, 2)``."""
     x = info.operands[0]
@@ -210,7 +217,7 @@ def diagonal_scatter_rule(info: OpInfo) -> FactorRule:
     return build(info, [names, src_dims], [names], need_replication=rep)
 
 
-@register_rule(*aten_ops(["repeat.default"]))
+@RULES.register(*aten_ops(["repeat.default"]))
 def repeat_rule(info: OpInfo) -> FactorRule:
     """``a b -> 1 a 1; need-replication=b`` for ``repeat(x, [3, 1, 2])`` on ``[5, 6]``: a dim
     repeated once passes through; a tiled dim is gathered (its tiles interleave copies) and
@@ -229,7 +236,7 @@ def repeat_rule(info: OpInfo) -> FactorRule:
     return build(info, [names], [res], need_replication=rep)
 
 
-@register_rule(*aten_ops(["view_as_complex.default"]))
+@RULES.register(*aten_ops(["view_as_complex.default"]))
 def view_as_complex_rule(info: OpInfo) -> FactorRule:
     """``a b c -> a b; need-replication=c`` (``c`` is the (real, imag) pair of size 2)."""
     (x,) = info.operands
@@ -243,7 +250,7 @@ def view_as_complex_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["view.dtype"]))
+@RULES.register(*aten_ops(["view.dtype"]))
 def view_dtype_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b`` when the element sizes match (``x.view(torch.int32)`` of a float32);
     else ``a b -> a 1; need-replication=b``: the last dim is regrouped into elements of the
@@ -261,7 +268,7 @@ def view_dtype_rule(info: OpInfo) -> FactorRule:
     )
 
 
-@register_rule(*aten_ops(["view_as_real.default"]))
+@RULES.register(*aten_ops(["view_as_real.default"]))
 def view_as_real_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b 1`` (the new last dim is the (real, imag) pair, never sharded)."""
     (x,) = info.operands
@@ -269,7 +276,7 @@ def view_as_real_rule(info: OpInfo) -> FactorRule:
     return build(info, [names], [[*names, None]])
 
 
-@register_rule(
+@RULES.register(
     *aten_ops(["as_strided.default", "as_strided_copy.default", "as_strided_scatter.default"])
 )
 def as_strided_rule(info: OpInfo) -> FactorRule:

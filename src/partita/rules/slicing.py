@@ -15,10 +15,13 @@ with their neighbours and the edge shards pad (T22). This module does not cover 
 
 from __future__ import annotations
 
-from partita.rules import register_rule
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
+from partita.rules.ruleset import RuleSet
+
+RULES = RuleSet("slicing")
 
 __all__ = ["cat_rule", "contiguous_part", "pad_rule", "slice_rule"]
 
@@ -50,7 +53,7 @@ def contiguous_part(info: OpInfo, dim: int, step: int = 1) -> FactorRule | None:
     return build(info, [names, *rest], [names], windowed=[names[dim]], handler=HandlerName.RETILE)
 
 
-@register_rule(*aten_ops(["narrow.default", "narrow_copy.default", "slice.Tensor"]))
+@RULES.register(*aten_ops(["narrow.default", "narrow_copy.default", "slice.Tensor"]))
 def slice_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b; windowed=b; handler=retile`` for ``x[:, 4:36]`` or ``x.narrow(1, 4, 32)``
     (``narrow_copy`` alike); ``a c`` with ``need-replication=b`` for an empty part;
@@ -62,14 +65,16 @@ def slice_rule(info: OpInfo) -> FactorRule:
     return part if part is not None else _cut(info, dim, keep_dim=True)
 
 
-@register_rule(*aten_ops(["select.int"]))
+@RULES.register(*aten_ops(["select.int"]))
 def select_rule(info: OpInfo) -> FactorRule:
     """``a b -> a; need-replication=b`` for ``x[:, 3]``."""
     x = info.operands[0]
     return _cut(info, norm_dim(info.arg("dim"), x.ndim), keep_dim=False)
 
 
-@register_rule(*aten_ops(["gather.default", "index_select.default"]))
+@RULES.register(
+    *aten_ops(["gather.default", "index_select.default"]), facts=OpFacts(index_operands=(1,))
+)
 def gather_rule(info: OpInfo) -> FactorRule:
     """``a b, a c -> a c; need-replication=b`` for ``gather(x, 1, idx)``; an index smaller than
     ``x`` on another dim gives ``a b, 1 c -> d c; need-replication=a,b``; index_select's index
@@ -101,7 +106,7 @@ def gather_rule(info: OpInfo) -> FactorRule:
     return build(info, [names, idx], [res], need_replication=rep)
 
 
-@register_rule(*aten_ops(["cat.default"]))
+@RULES.register(*aten_ops(["cat.default"]))
 def cat_rule(info: OpInfo) -> FactorRule:
     """``a b, a b -> a b; windowed=b; handler=retile`` for ``cat([x, y], 1)``: the result keeps
     the operands' split of the cat dim (the partitioner re-tiles it; T21)."""
@@ -113,7 +118,7 @@ def cat_rule(info: OpInfo) -> FactorRule:
     return build(info, operands, [names], windowed=[names[d]], handler=HandlerName.RETILE)
 
 
-@register_rule(*aten_ops(["stack.default"]))
+@RULES.register(*aten_ops(["stack.default"]))
 def stack_rule(info: OpInfo) -> FactorRule:
     """``a b, a b -> a c b`` for ``stack([x, y], 1)``: the new dim is result-only."""
     (out,) = info.results
@@ -125,7 +130,7 @@ def stack_rule(info: OpInfo) -> FactorRule:
     return build(info, [names] * len(info.operands), [res])
 
 
-@register_rule(*aten_ops(["constant_pad_nd.default"]))
+@RULES.register(*aten_ops(["constant_pad_nd.default"]))
 def pad_rule(info: OpInfo) -> FactorRule:
     """``a b -> a b; windowed=b; handler=halo`` for ``F.pad(x, (4, 4))``."""
     (x,) = info.operands
@@ -135,7 +140,7 @@ def pad_rule(info: OpInfo) -> FactorRule:
     return build(info, [names], [names], windowed=windowed, handler=HandlerName.HALO)
 
 
-@register_rule(*aten_ops(["tril.default", "triu.default"]))
+@RULES.register(*aten_ops(["tril.default", "triu.default"]))
 def triangle_rule(info: OpInfo) -> FactorRule:
     """``a b c -> a b c; need-replication=b,c``: the mask depends on global positions."""
     (x,) = info.operands

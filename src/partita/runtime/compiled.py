@@ -1,6 +1,7 @@
 """Compiled per-device programs: the local-op regions of a per-device program run by Inductor.
 
-Under ``partita.jit(..., compile_programs=True)`` (or ``PARTITA_COMPILE_PROGRAMS=1``) both
+Under the ``inductor`` option (``options={"inductor": True}``,
+``partita.options.using(inductor=True)`` or ``PARTITA_INDUCTOR=1``) both
 executors compile the *local* parts of the per-device program with Inductor
 (``torch._inductor.compile``: C++/OpenMP kernels on CPU) and keep the mesh ops outside, as
 graph breaks:
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import os
 import time
 import weakref
 from collections.abc import Callable, Hashable, Sequence
@@ -36,21 +36,15 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from partita.errors import JitArgumentError
 from partita.runtime.subgraph import copy_nodes
 
 __all__ = [
-    "COMPILE_PROGRAMS_ENV",
     "CompileStats",
     "CompiledRegion",
     "compile_graph",
-    "compile_programs_setting",
     "compile_regions",
     "stats_for",
 ]
-
-#: The environment variable read when ``compile_programs`` is not given (``1`` turns it on).
-COMPILE_PROGRAMS_ENV = "PARTITA_COMPILE_PROGRAMS"
 
 # Ops that only re-describe memory: a region of nothing else is not worth a C++ compile.
 _VIEW_OPS = {
@@ -68,30 +62,6 @@ _VIEW_OPS = {
     torch.ops.aten.alias.default,
     torch.ops.aten.detach.default,
 }
-
-
-def compile_programs_setting(value: bool | None) -> bool:
-    """``value``, or ``PARTITA_COMPILE_PROGRAMS`` when it is None (default off).
-
-    >>> compile_programs_setting(True)
-    True
-    """
-    if value is None:
-        raw = os.environ.get(COMPILE_PROGRAMS_ENV, "0").strip().lower()
-        if raw not in ("0", "1", "", "false", "true", "off", "on"):
-            raise JitArgumentError(
-                f"{COMPILE_PROGRAMS_ENV}={raw!r}: compiling the per-device programs with "
-                f"Inductor is on or off, so the variable must be 1 or 0 (true/false, on/off). "
-                f"Set it to 1 to compile, or unset it (the default is off)."
-            )
-        return raw in ("1", "true", "on")
-    if not isinstance(value, bool):
-        raise JitArgumentError(
-            f"compile_programs={value!r}: it must be True (compile the per-device program's "
-            f"local ops with Inductor), False, or None (read {COMPILE_PROGRAMS_ENV}). Pass a "
-            f"bool."
-        )
-    return value
 
 
 @dataclass

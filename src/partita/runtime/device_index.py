@@ -31,21 +31,28 @@ import dataclasses
 import functools
 import itertools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, fx
 
 from partita.mesh import Mesh
 
-if TYPE_CHECKING:
-    from partita.runtime.device_route import RoutedTake
-
-__all__ = ["DeviceTake", "find_device_takes", "run_take", "take_inputs"]
+__all__ = ["DeviceTake", "RoutedTakeAPI", "find_device_takes", "run_take", "take_inputs"]
 
 aten = torch.ops.aten
 
 Axes = tuple[bool, ...]  # the mesh axes a value varies along (``runtime.local``)
+
+
+class RoutedTakeAPI(Protocol):
+    """What this module uses of a take routed through permutes (``runtime.device_route``'s
+    ``RoutedTake``, which imports this module)."""
+
+    sources: tuple[fx.Node, ...]
+
+    def run(self, inputs: list[tuple[Tensor, Axes]], mesh: Mesh) -> tuple[Tensor, Axes]: ...
+
 
 #: Per-device indices larger than this stay with vmap (evaluating them would cost memory).
 _MAX_INDEX = 1 << 16
@@ -69,7 +76,7 @@ class DeviceTake:
     from_cat: bool = False
 
 
-def take_inputs(node: fx.Node, take: DeviceTake | RoutedTake) -> list[fx.Node]:
+def take_inputs(node: fx.Node, take: DeviceTake | RoutedTakeAPI) -> list[fx.Node]:
     """The values a take step reads: its input, or the pieces of the cat it selects from."""
     if not isinstance(take, DeviceTake):  # a take routed through permutes (runtime.device_route)
         return list(take.sources)
@@ -202,7 +209,7 @@ def find_device_takes(
 
 
 def run_take(
-    take: DeviceTake | RoutedTake, inputs: list[tuple[Tensor, Axes]], mesh: Mesh
+    take: DeviceTake | RoutedTakeAPI, inputs: list[tuple[Tensor, Axes]], mesh: Mesh
 ) -> tuple[Tensor, Axes]:
     """The take on its input as held, ``(value, axes)`` (``runtime.local``), or on the
     pieces of the ``cat`` it selects from (``DeviceTake.from_cat``): the result as

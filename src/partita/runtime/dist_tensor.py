@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -25,10 +25,15 @@ from partita.runtime.comm import call_collective, gather_flat
 from partita.spec import Sharding
 from partita.tensor import Shard, ShardedTensor
 
-if TYPE_CHECKING:
-    from partita.runtime.distributed import DistributedMesh
+__all__ = ["DistributedShardedTensor", "is_computed", "local_shard"]
 
-__all__ = ["DistributedShardedTensor", "local_shard"]
+
+class RankedExecutor(Protocol):
+    """What a shard's constructor reads of its executor (``runtime.distributed``'s
+    ``DistributedMesh``, which imports this module)."""
+
+    @property
+    def rank(self) -> int: ...
 
 
 def local_shard(value: Tensor, sharding: Sharding, position: int) -> Tensor:
@@ -58,22 +63,37 @@ class DistributedShardedTensor(ShardedTensor):
     Build one with :meth:`from_local`.
     """
 
-    __slots__ = ("_devices", "_local")
+    __slots__ = ("_computed", "_devices", "_local")
 
     def __init__(
-        self, local: Tensor, sharding: Sharding, shape: Sequence[int], device: int
+        self,
+        local: Tensor,
+        sharding: Sharding,
+        shape: Sequence[int],
+        device: int,
+        computed: bool = False,
     ) -> None:
         # Internal: use from_local (validated). The base class keeps the same one-shard
         # storage, so its dtype / local_shape / sharding / shape work unchanged.
         super().__init__(local.unsqueeze(0), sharding, shape)
         self._local = local.unsqueeze(0)
         self._devices = (device,)
+        # An output of a partita program: equal on its replicas by construction, so the
+        # replica check (runtime.plan_check) skips it.
+        self._computed = computed
 
     @classmethod
     def from_local(
-        cls, local: Tensor, sharding: Sharding, shape: Sequence[int], executor: DistributedMesh
+        cls,
+        local: Tensor,
+        sharding: Sharding,
+        shape: Sequence[int],
+        executor: RankedExecutor,
+        *,
+        computed: bool = False,
     ) -> DistributedShardedTensor:
-        """Wrap this rank's padded shard of a global value of ``shape`` under ``sharding``."""
+        """Wrap this rank's padded shard of a global value of ``shape`` under ``sharding``
+        (``computed``: an output of a program run by ``executor``, not the user's value)."""
         expected = local_shape(sharding, shape)
         if tuple(local.shape) != expected:
             raise DistributedError(
@@ -82,7 +102,7 @@ class DistributedShardedTensor(ShardedTensor):
                 f"for another global shape or sharding. Build it with "
                 f"partita.data.make_global(rows, mesh, spec, global_shape=...)."
             )
-        return cls(local, sharding, shape, executor.rank)
+        return cls(local, sharding, shape, executor.rank, computed)
 
     @property
     def addressable_data(self) -> Tensor:
@@ -141,15 +161,19 @@ class DistributedShardedTensor(ShardedTensor):
             f"process, use partita.distributed.log(x) on every process."
         )
 
-    @property
-    def local_shards(self) -> list[Shard]:
+    def _shards(self, *, copy: bool) -> list[Shard]:
         ranges = index_ranges(self.sharding, self.shape).tolist()
         replicas = replica_ids(self.sharding).tolist()
         shards = []
         for i, device in enumerate(self._devices):
             p = self.mesh.position(device)
             index = tuple(slice(a, b) for a, b in ranges[p])
-            data = self._local[i]
+            data = self._local[i].clone() if copy else self._local[i]
             unpadded = data[tuple(slice(0, b - a) for a, b in ranges[p])]
             shards.append(Shard(data, unpadded, device, index, replicas[p]))
         return shards
+
+
+def is_computed(value: object) -> bool:
+    """Whether ``value`` is an output of a partita program run under torch.distributed."""
+    return isinstance(value, DistributedShardedTensor) and value._computed

@@ -23,10 +23,10 @@ The four collectives that move tensors (and the fused ``*_bucket`` ops of
 ``partita.collectives_bucket``, one flat buffer per bucket) are generators of
 ``runtime.dist_ops`` that launch with ``async_op=True`` and finish at their wait; by default
 ``runtime.overlap`` schedules each launch right after its input exists and each wait just
-before the first use (``PARTITA_OVERLAP_BYTES`` bounds the bytes in flight; 0 runs them
-synchronously in program order). A program's first run goes as partitioned and measures its
+before the first use (the program's ``overlap_bytes`` option bounds the bytes in flight; 0 runs
+them synchronously in program order). A program's first run goes as partitioned and measures its
 values, so that the schedule holds each gather under the program's peak. Under
-``compile_programs`` the runs of local ops between them are compiled by Inductor
+the ``inductor`` option the runs of local ops between them are compiled by Inductor
 (``runtime.compiled``), the schedule kept (without the measured hold).
 
 Groups. For every non-empty set of mesh axes and every group ``Mesh.groups(axes)`` of more than
@@ -38,9 +38,10 @@ the partitioner expects.
 
 Values are :class:`~partita.runtime.dist_tensor.DistributedShardedTensor` (this process's
 shard only). Groups are created with the bounded collective timeout and every collective
-failure is a :class:`~partita.errors.DistributedError` (``runtime.comm``); before a compiled
-program first runs, the ranks check that they all compiled the same one, inputs included
-(``runtime.plan_check``).
+failure is a :class:`~partita.errors.DistributedError` (``runtime.comm``); before every run of
+a compiled program, the ranks check that they all run the same one, input shapes and dtypes
+included (one all-gather of an int64, ``runtime.plan_check``), and at its first run that the
+inputs replicated over a mesh axis are equal on their replicas.
 
 This module does not start processes or join them (``runtime.launch`` does) and has no
 sharding logic.
@@ -62,6 +63,7 @@ from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import DistributedError
 from partita.layout import ceil_div
 from partita.mesh import Mesh
+from partita.options import CompileOptions, current
 from partita.runtime import dist_ops
 from partita.runtime.comm import (
     Group,
@@ -73,8 +75,8 @@ from partita.runtime.compiled import compile_regions, stats_for
 from partita.runtime.dist_ops import InFlight, alone
 from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
 from partita.runtime.donate import donated_all_reduces
-from partita.runtime.overlap import overlap_bytes_setting, run_measuring, schedule_overlap
-from partita.runtime.plan_check import verify_same_program
+from partita.runtime.overlap import run_measuring, schedule_overlap
+from partita.runtime.plan_check import CallChecks
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 
@@ -101,9 +103,6 @@ class DistributedMesh:
 
     Args:
         mesh: a mesh whose device ids are exactly the ranks ``0 .. world_size - 1``.
-        overlap_bytes: the bound on bytes in flight of the overlap schedule
-            (``runtime.overlap``); ``None`` reads ``PARTITA_OVERLAP_BYTES``, ``0`` runs every
-            collective synchronously where the partitioner put it.
 
     Built by ``partita.jit`` when ``torch.distributed`` is initialised
     (``partita.distributed.initialize()``); build one yourself only to run a per-device graph
@@ -116,7 +115,7 @@ class DistributedMesh:
         >>> step = partita.jit(fn, mesh=mesh, in_specs=...)  # doctest: +SKIP
     """
 
-    def __init__(self, mesh: Mesh, *, overlap_bytes: int | None = None) -> None:
+    def __init__(self, mesh: Mesh) -> None:
         if not dist.is_available() or not dist.is_initialized():
             raise DistributedError(
                 "DistributedMesh needs torch.distributed to be initialised: call "
@@ -131,7 +130,6 @@ class DistributedMesh:
                 f"{mesh.size} processes in total (torchrun --nnodes * --nproc-per-node)."
             )
         self.mesh = mesh
-        self.overlap_bytes = overlap_bytes_setting(overlap_bytes)
         self.rank = dist.get_rank()
         self.position = mesh.position(self.rank)
         self._groups: dict[tuple[str, ...], Group | None] = {}
@@ -147,7 +145,7 @@ class DistributedMesh:
         self._compiled: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = (
             weakref.WeakKeyDictionary()
         )
-        self._verified: weakref.WeakKeyDictionary[fx.GraphModule, str] = weakref.WeakKeyDictionary()
+        self._checks = CallChecks(mesh)  # the plan and replica checks (runtime.plan_check)
         self._impls: dict[Any, Callable[..., Any]] = {
             ops.collective_permute.default: self.collective_permute,
             ops.axis_index.default: self.axis_index,
@@ -286,11 +284,11 @@ class DistributedMesh:
 
     # --- running -----------------------------------------------------------------------------
 
-    def bind(self, gm: fx.GraphModule) -> fx.GraphModule:
+    def bind(self, gm: fx.GraphModule, overlap: int) -> fx.GraphModule:
         """A copy of ``gm`` whose mesh ops call this executor (built once per graph)."""
         bound = self._bound.get(gm)
         if bound is None:
-            bound = self._bound[gm] = self._bind(gm, self.overlap_bytes)
+            bound = self._bound[gm] = self._bind(gm, overlap)
         return bound
 
     def _bind(
@@ -314,27 +312,30 @@ class DistributedMesh:
                 node.kwargs = {**node.kwargs, "donate": True}  # a mesh op or its start
         return fx.GraphModule(gm, graph, class_name="RankProgram")
 
-    def compiled(self, gm: fx.GraphModule) -> fx.GraphModule:
+    def compiled(self, gm: fx.GraphModule, overlap: int) -> fx.GraphModule:
         """:meth:`bind`'s program with its local-op regions compiled by Inductor on first run
         (``runtime.compiled``; the cost is recorded in ``stats_for(gm)``)."""
         program = self._compiled.get(gm)
         if program is None:
             # no donation: a compiled region's outputs are Inductor's buffers
-            bound = self._bind(gm, self.overlap_bytes, donate=False)
+            bound = self._bind(gm, overlap, donate=False)
             program = self._compiled[gm] = compile_regions(bound, stats_for(gm))
         return program
 
     def run(
-        self, gm: fx.GraphModule, local_inputs: Sequence[Any], *, compile_programs: bool = False
+        self, gm: fx.GraphModule, local_inputs: Sequence[Any], options: CompileOptions | None = None
     ) -> list[Any]:
         """Run the per-device program on this rank's local tensors; the flattened outputs.
-        ``compile_programs`` runs its local ops compiled by Inductor (:meth:`compiled`)."""
-        if not compile_programs and self.overlap_bytes and gm not in self._bound:
+        ``options`` (None: the current ones): ``inductor`` runs its local ops compiled by
+        Inductor (:meth:`compiled`), ``overlap_bytes`` bounds the overlap schedule."""
+        opts = options or current()
+        inductor, overlap = opts.inductor, opts.overlap_bytes
+        if not inductor and overlap and gm not in self._bound:
             # the first run goes as partitioned, measuring every value for the schedule's hold
             outs, sizes = run_measuring(self._bind(gm, 0), local_inputs)
-            self._bound[gm] = self._bind(gm, self.overlap_bytes, sizes)
+            self._bound[gm] = self._bind(gm, overlap, sizes)
             return pytree.tree_leaves(outs)
-        program = self.compiled(gm) if compile_programs else self.bind(gm)
+        program = self.compiled(gm, overlap) if inductor else self.bind(gm, overlap)
         return pytree.tree_leaves(program(*local_inputs))
 
     def run_compiled(self, compiled: Any, leaves: Sequence[Any]) -> list[ShardedTensor]:
@@ -344,18 +345,17 @@ class DistributedMesh:
         value on every process); the results are :class:`DistributedShardedTensor`.
         """
         self._require_open()
-        if compiled.local not in self._verified:
-            self._verified[compiled.local] = verify_same_program(
-                compiled, self.mesh, self._check_pg
-            )
+        # Before any collective of the program: a mismatch is an error on every rank, and the
+        # ranks stay in step (a later matching call runs).
+        self._checks.program(compiled, self._check_pg)
         inputs = [
             self.local_input(leaf, sharding)
             for leaf, sharding in zip(leaves, compiled.input_shardings, strict=True)
         ]
-        compile_programs = getattr(compiled, "compile_programs", False)
-        outs = self.run(compiled.local, inputs, compile_programs=compile_programs)
+        self._checks.replicas(compiled, leaves, inputs, self._check_pg)
+        outs = self.run(compiled.local, inputs, compiled.options)
         return [
-            DistributedShardedTensor.from_local(o, s, shape, self)
+            DistributedShardedTensor.from_local(o, s, shape, self, computed=True)
             for o, s, shape in zip(
                 outs, compiled.output_shardings, compiled.output_shapes, strict=True
             )

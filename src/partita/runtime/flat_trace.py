@@ -27,7 +27,6 @@ summation order).
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,22 +34,19 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from partita.errors import JitArgumentError
+from partita.capture.threads import TRACING
 from partita.runtime.flat_matmul import fold_broadcast_bmms, fuse_bias_adds
 
 __all__ = [
-    "TRACE_AT_ENV",
     "FlatTracer",
     "no_fallback_warning",
     "timed_run",
-    "trace_at",
     "trace_flat",
     "vmap_axis",
 ]
 
 aten = torch.ops.aten
 
-TRACE_AT_ENV = "PARTITA_TRACE_FLAT_AT"
 _TO_RESHAPE = {aten.view.default, aten._unsafe_view.default}
 #: Seconds per traced node assumed before this process has traced anything.
 _DEFAULT_SECONDS_PER_NODE = 1e-3
@@ -58,24 +54,11 @@ _DEFAULT_SECONDS_PER_NODE = 1e-3
 _TRACED = [0.0, 0]
 
 
-def trace_at() -> int | None:
-    """``PARTITA_TRACE_FLAT_AT`` as a run count (None: unset, the cost-based choice)."""
-    raw = os.environ.get(TRACE_AT_ENV, "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit():
-        raise JitArgumentError(
-            f"{TRACE_AT_ENV}={raw!r}: the LocalMesh traces a segment's flat graph at its n-th "
-            f"run with one input signature, so the variable is a whole number (2: at the "
-            f"second run; 0: never). Unset it to trace once the eager runs cost as much."
-        )
-    return int(raw)
-
-
 class FlatTracer:
     """The eager runs so far of one segment (any input signature), and when to trace it.
 
-    ``due(n_nodes)`` says whether this run should trace; ``spent(seconds)`` records an
+    ``due(n_nodes, at)`` says whether this run should trace (``at``: the ``trace_flat_at``
+    option, None for the cost-based choice); ``spent(seconds)`` records an
     eager run."""
 
     __slots__ = ("runs", "seconds")
@@ -84,8 +67,7 @@ class FlatTracer:
         self.runs = 0
         self.seconds = 0.0
 
-    def due(self, n_nodes: int) -> bool:
-        at = trace_at()
+    def due(self, n_nodes: int, at: int | None = None) -> bool:
         if at is not None:
             return at > 0 and self.runs + 1 >= at
         seconds, nodes = _TRACED
@@ -116,8 +98,6 @@ def trace_flat(
     ops, or ``fn`` itself when its batching rules cannot be traced; None, to try again later,
     while another thread traces. ``n_nodes`` (the segment's) calibrates the cost estimate of
     later traces."""
-    from partita.capture.threads import TRACING  # lazily: capture imports the runtime
-
     # make_fx keeps process-global state (see TRACING): while another thread traces, this
     # segment keeps its vmaps (correct, not flattened) rather than wait, since that thread
     # may be waiting for the step this one runs.

@@ -21,6 +21,7 @@ This module does not run programs (``runtime.distributed`` does).
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import time
@@ -30,8 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from partita.errors import DistributedError, JoinTimeoutError
+from partita import options
+from partita.errors import DistributedError, JoinTimeoutError, OptionError
 from partita.layout import ceil_div
+from partita.options import CompileOptions
 from partita.runtime.spawn import RankResult, free_port, spawn
 
 __all__ = [
@@ -48,10 +51,12 @@ __all__ = [
     "spawn",
 ]
 
-#: Seconds to wait for every rank to join (``PARTITA_JOIN_TIMEOUT`` overrides).
-DEFAULT_JOIN_TIMEOUT = 300.0
-#: Seconds a collective may wait for its peers (``PARTITA_COLLECTIVE_TIMEOUT`` overrides).
-DEFAULT_COLLECTIVE_TIMEOUT = 300.0
+#: Seconds to wait for every rank to join (the option ``join_timeout``,
+#: ``PARTITA_JOIN_TIMEOUT``, overrides).
+DEFAULT_JOIN_TIMEOUT = CompileOptions().join_timeout
+#: Seconds a collective may wait for its peers (the option ``collective_timeout``,
+#: ``PARTITA_COLLECTIVE_TIMEOUT``, overrides).
+DEFAULT_COLLECTIVE_TIMEOUT = CompileOptions().collective_timeout
 
 _POLL = 0.1
 
@@ -71,8 +76,33 @@ class ProcessEnv:
     restart: int
 
 
+def _integer(env: Mapping[str, str], name: str, low: int, high: int | None, why: str) -> int:
+    """``env[name]`` as an int in ``[low, high)`` (no upper bound if None), else an error."""
+    text = env[name]
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is not None and value >= low and (high is None or value < high):
+        return value
+    bound = f"{low} <= {name} < {high}" if high is not None else f"{name} >= {low}"
+    problem = "is not an integer" if value is None else f"is out of range ({bound}: {why})"
+    raise DistributedError(
+        f"{name}={text!r} {problem}. partita reads the launcher's environment (RANK, "
+        f"WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT) to "
+        f"join the run. Launch with torchrun, which sets them all, or set {name} to "
+        f"{'an integer' if value is None else 'a value'} with {bound}; unset RANK and "
+        f"WORLD_SIZE to run one process on the simulated mesh."
+    )
+
+
 def read_env(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
-    """The torchrun environment, or None when this process was not started by a launcher."""
+    """The torchrun environment, or None when this process was not started by a launcher.
+
+    Every variable is checked here: a value that is not an integer, a RANK outside
+    ``0 .. WORLD_SIZE - 1``, a negative LOCAL_RANK or a MASTER_PORT outside 1..65535 is a
+    DistributedError naming the variable (not a failure later in the rendezvous).
+    """
     env = os.environ if environ is None else environ
     if "RANK" not in env or "WORLD_SIZE" not in env:
         return None
@@ -83,39 +113,65 @@ def read_env(environ: Mapping[str, str] | None = None) -> ProcessEnv | None:
             f"Launch with torchrun (which sets them all), or set MASTER_ADDR and MASTER_PORT "
             f"to rank 0's host and a free port."
         )
-    world = int(env["WORLD_SIZE"])
-    local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+    world = _integer(env, "WORLD_SIZE", 1, None, "the number of processes")
+    rank = _integer(env, "RANK", 0, world, f"ranks are 0..{world - 1} for WORLD_SIZE={world}")
+    local_world = (
+        _integer(env, "LOCAL_WORLD_SIZE", 1, world + 1, "the processes of this host")
+        if "LOCAL_WORLD_SIZE" in env
+        else world
+    )
+    local_rank = (
+        _integer(env, "LOCAL_RANK", 0, local_world, "this process's index on its host")
+        if "LOCAL_RANK" in env
+        else rank % local_world
+    )
+    node_rank = (
+        _integer(env, "GROUP_RANK", 0, None, "this host's index")
+        if "GROUP_RANK" in env
+        else rank // local_world
+    )
+    restart = (
+        _integer(env, "TORCHELASTIC_RESTART_COUNT", 0, None, "torchrun's restart count")
+        if "TORCHELASTIC_RESTART_COUNT" in env
+        else 0
+    )
     return ProcessEnv(
-        rank=int(env["RANK"]),
+        rank=rank,
         world_size=world,
-        local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+        local_rank=local_rank,
         local_world_size=local_world,
-        node_rank=int(env.get("GROUP_RANK", int(env["RANK"]) // max(local_world, 1))),
+        node_rank=node_rank,
         master_addr=env["MASTER_ADDR"],
-        master_port=int(env["MASTER_PORT"]),
+        master_port=_integer(env, "MASTER_PORT", 1, 65536, "a TCP port"),
         agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE", "") == "True",
-        restart=int(env.get("TORCHELASTIC_RESTART_COUNT", "0")),
+        restart=restart,
     )
 
 
-def _seconds(value: float | None, variable: str, default: float) -> float:
-    if value is not None:
-        return float(value)
-    text = os.environ.get(variable)
-    if text is None:
-        return default
-    try:
-        return float(text)
-    except ValueError:
-        raise DistributedError(f"{variable}={text!r} must be a number of seconds.") from None
+def _seconds(value: float | None, argument: str, option: str) -> float:
+    """An explicit argument, checked as the options check theirs; else the option's value
+    (``partita.options.current()``: the environment variable, validated there)."""
+    if value is None:
+        return float(getattr(options.current(), option))
+    ok = isinstance(value, int | float) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise OptionError(
+            f"partita.distributed.initialize({argument}={value!r}): {argument} must be a "
+            f"finite number of seconds > 0 (like CompileOptions.{option} and its environment "
+            f"variable PARTITA_{option.upper()}). Pass e.g. {argument}=300, or leave it out "
+            f"to use the option."
+        )
+    return float(value)
 
 
 def join_timeout(value: float | None = None) -> float:
-    return _seconds(value, "PARTITA_JOIN_TIMEOUT", DEFAULT_JOIN_TIMEOUT)
+    """Seconds every rank may take to join: ``value``, else ``options.current().join_timeout``."""
+    return _seconds(value, "timeout", "join_timeout")
 
 
 def collective_timeout(value: float | None = None) -> float:
-    return _seconds(value, "PARTITA_COLLECTIVE_TIMEOUT", DEFAULT_COLLECTIVE_TIMEOUT)
+    """Seconds one collective may wait: ``value``, else the option ``collective_timeout``."""
+    return _seconds(value, "collective_timeout", "collective_timeout")
 
 
 #: The collective timeout join_and_init gave the default group (None before it ran).
@@ -270,12 +326,14 @@ def join_and_init(
 ) -> None:
     """Join with a deadline, then create the default process group over the joined store."""
     global _ACTIVE_COLLECTIVE_TIMEOUT
-    store = join(env, join_timeout(timeout))
+    # Both timeouts are checked before joining: a bad value is this process's OptionError,
+    # not a failed rendezvous that the other ranks blame on rank 0.
+    joining, seconds = join_timeout(timeout), collective_timeout(collective_timeout_s)
+    store = join(env, joining)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank)
-    seconds = collective_timeout(collective_timeout_s)
     dist.init_process_group(
         backend,
         store=dist.PrefixStore("pg", store),

@@ -18,7 +18,7 @@ from then on without functorch's per-op overhead; a segment whose batching rules
 traced stays with vmap. Each step drops the values nothing reads after it.
 ``view``/``_unsafe_view`` become ``reshape`` in both (vmap may move the device dim, after
 which a view can fail). Under
-``compile_programs`` each segment is compiled by Inductor instead, on its first run
+the ``inductor`` option each segment is compiled by Inductor instead, on its first run
 (``runtime.compiled``).
 
 Values vary along some mesh axes. A value identical along a mesh axis is held once per
@@ -74,6 +74,7 @@ from torch.utils import _pytree as pytree
 from partita.errors import PartitaError
 from partita.layout import check_strided, shard_compact, shard_tensor, stack_held
 from partita.mesh import Mesh
+from partita.options import CompileOptions, current
 from partita.runtime.compiled import stats_for
 from partita.runtime.contraction import contract
 from partita.runtime.device_index import run_take, take_inputs
@@ -157,8 +158,9 @@ class LocalMesh:
                 borrowed.add(leaf.untyped_storage().data_ptr())
             else:
                 values.append(self._compact(shard_tensor(leaf, sharding)))
-        compile_programs = getattr(compiled, "compile_programs", False)
-        outs = self._execute(compiled.local, values, compile_programs, held=True)
+        # inductor is the program's; trace_flat_at (not keyed) is read as it runs
+        trace_at = current().trace_flat_at
+        outs = self._execute(compiled.local, values, compiled.options.inductor, trace_at, held=True)
         results = []
         for (value, axes), s, shape in zip(
             outs, compiled.output_shardings, compiled.output_shapes, strict=True
@@ -169,15 +171,19 @@ class LocalMesh:
         return results
 
     def run(
-        self, gm: fx.GraphModule, stacked_inputs: Sequence[Any], *, compile_programs: bool = False
+        self,
+        gm: fx.GraphModule,
+        stacked_inputs: Sequence[Any],
+        options: CompileOptions | None = None,
     ) -> list[Any]:
         """Run the per-device program ``gm`` on every device at once.
 
         ``stacked_inputs`` has one entry per placeholder: a tensor ``[mesh.size, *local]`` (a
         stride-0 device dim marks a value identical on every device) or a non-tensor passed
         through. Returns the flattened graph outputs, tensors stacked ``[mesh.size, *local]``.
-        ``compile_programs`` runs each segment compiled by Inductor (``runtime.compiled``;
-        the cost is recorded in ``runtime.compiled.stats_for(gm)``).
+        ``options`` (None: the current ones): ``inductor`` runs each segment compiled by
+        Inductor (``runtime.compiled``; the cost is recorded in
+        ``runtime.compiled.stats_for(gm)``), ``trace_flat_at`` (``runtime.flat_trace``).
         """
         plan = self._plan(gm)
         if len(stacked_inputs) != len(plan.placeholders):
@@ -189,7 +195,8 @@ class LocalMesh:
             self._read_input(node, x)
             for node, x in zip(plan.placeholders, stacked_inputs, strict=True)
         ]
-        return self._execute(gm, values, compile_programs)
+        opts = options or current()
+        return self._execute(gm, values, opts.inductor, opts.trace_flat_at)
 
     def _plan(self, gm: fx.GraphModule) -> SegmentPlan:
         plan = self._plans.get(gm)
@@ -201,18 +208,20 @@ class LocalMesh:
         self,
         gm: fx.GraphModule,
         values: list[tuple[Any, Axes]],
-        compile_programs: bool,
+        inductor: bool,
+        trace_at: int | None,
         held: bool = False,
     ) -> list[Any]:
-        """The graph's flattened outputs, stacked; with ``held``, as ``(value, axes)``."""
+        """The graph's flattened outputs, stacked; with ``held``, as ``(value, axes)``.
+        ``trace_at``: the ``trace_flat_at`` option (``runtime.flat_trace``)."""
         plan = self._plan(gm)
         ndim = self.mesh.ndim
-        stats = stats_for(gm) if compile_programs else None
+        stats = stats_for(gm) if inductor else None
         env: dict[fx.Node, Any] = dict(zip(plan.placeholders, values, strict=True))
         for step, frees in zip(plan.steps, plan.frees, strict=True):
             if isinstance(step, Segment):
                 try:
-                    outs = step.run([env[i] for i in step.inputs], ndim, stats)
+                    outs = step.run([env[i] for i in step.inputs], ndim, stats, trace_at)
                 except PartitaError:
                     raise
                 except Exception as e:

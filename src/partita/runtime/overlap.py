@@ -14,53 +14,31 @@ Given the size of every value (``sizes``, measured by the program's first run:
 :func:`run_measuring`), a gather is also held until its buffer fits under the peak of the
 program as partitioned: a prefetch overlaps compute but does not raise the step's peak.
 
-The knob: ``DistributedMesh(mesh, overlap_bytes=)``, else ``PARTITA_OVERLAP_BYTES``, else
-:data:`DEFAULT_OVERLAP_BYTES`; ``0`` runs every collective where the partitioner put it,
-synchronously. Only the order of launches and waits changes: every rank issues the same
-collectives in the same order, and the results are the same. The simulated mesh (``LocalMesh``)
-has no overlap to gain and runs the program as partitioned.
+The knob: the ``overlap_bytes`` option of the compiled program (:mod:`partita.options`; the
+environment variable ``PARTITA_OVERLAP_BYTES``), default :data:`DEFAULT_OVERLAP_BYTES`; ``0``
+runs every collective where the partitioner put it, synchronously. Only the order of launches
+and waits changes: every rank issues the same collectives in the same order, and the results
+are the same. The simulated mesh (``LocalMesh``) has no overlap to gain and runs the program as
+partitioned.
 """
 
 from __future__ import annotations
 
 import math
 import operator
-import os
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, fx
 
+from partita import node_meta
 from partita.partition.bucket import reorder
 from partita.partition.memory import is_view
 
-__all__ = ["DEFAULT_OVERLAP_BYTES", "overlap_bytes_setting", "run_measuring", "schedule_overlap"]
+__all__ = ["DEFAULT_OVERLAP_BYTES", "run_measuring", "schedule_overlap"]
 
 #: Default bound on the per-device bytes of collectives in flight at once (64 MiB).
 DEFAULT_OVERLAP_BYTES = 64 << 20
-
-_ENV = "PARTITA_OVERLAP_BYTES"
-
-
-def overlap_bytes_setting(overlap_bytes: int | None = None) -> int:
-    """The bound in effect: the argument, else ``PARTITA_OVERLAP_BYTES``, else the default."""
-    if overlap_bytes is None:
-        text = os.environ.get(_ENV, "").strip()
-        if not text:
-            return DEFAULT_OVERLAP_BYTES
-        try:
-            overlap_bytes = int(float(text))
-        except ValueError:
-            raise ValueError(
-                f"{_ENV}={text!r} is not a number of bytes. Set it to an integer (e.g. "
-                f"{_ENV}=67108864 for 64 MiB), or 0 to run collectives synchronously."
-            ) from None
-    if overlap_bytes < 0:
-        raise ValueError(
-            f"overlap_bytes={overlap_bytes} is negative: give the most bytes per device that "
-            f"may be in flight at once, or 0 to run collectives synchronously."
-        )
-    return overlap_bytes
 
 
 def schedule_overlap(
@@ -90,9 +68,9 @@ def schedule_overlap(
         with graph.inserting_before(node):
             h = graph.call_function(start, (kind_of(node.target), *node.args), {"node": node.name})
             w = graph.call_function(wait, (h,))
-        h.meta["bytes"] = node.meta.get("bytes", 0)
-        if "regather_after" in node.meta:
-            h.meta["regather_after"] = node.meta["regather_after"]
+        node_meta.set_collective_bytes(h, node_meta.collective_bytes(node))
+        if node_meta.regather_after(node) is not None:
+            node_meta.set_regather_after(h, node_meta.regather_after(node))
         w.meta.update(node.meta)
         if size_of is not None:
             size_of[w] = size_of.pop(node, 0)
@@ -127,7 +105,7 @@ def _hold_regathers(
     at = {n.name: p for n, p in pos.items()}
     previous = -1.0
     for h, w in sorted(pairs, key=lambda hw: priority[hw[1]]):
-        after = h.meta.get("regather_after")
+        after = node_meta.regather_after(h)
         if after is None:
             continue
         priority[h] = max(priority[h], at.get(after, -1.0) + 0.5, previous + 0.25)
@@ -164,7 +142,7 @@ def _hold_under_peak(
     for h in sorted((h for h, _ in pairs), key=at.__getitem__):
         if not str(h.args[0]).startswith("all_gather"):
             continue
-        size = int(h.meta.get("bytes", 0)) * gather_buffers
+        size = int(node_meta.collective_bytes(h)) * gather_buffers
         q = at[h] - 1  # h sits right before w; the buffer is held from after q up to w
         while q >= 0 and held[q] + size <= cap:
             q -= 1
@@ -242,11 +220,11 @@ def _bound_in_flight(graph: fx.Graph, wait_of: dict[fx.Node, fx.Node], limit: in
     def launch(h: fx.Node) -> None:
         nonlocal in_flight
         order.append(h)
-        in_flight += h.meta["bytes"]
+        in_flight += node_meta.collective_bytes(h)
 
     for n in list(graph.nodes):
         if n in wait_of:
-            if in_flight and in_flight + n.meta["bytes"] > limit:
+            if in_flight and in_flight + node_meta.collective_bytes(n) > limit:
                 deferred.append(n)
             else:
                 launch(n)
@@ -256,8 +234,10 @@ def _bound_in_flight(graph: fx.Graph, wait_of: dict[fx.Node, fx.Node], limit: in
             while h in deferred:  # launch in order up to this one: every rank issues alike
                 launch(deferred.pop(0))
             order.append(n)
-            in_flight -= h.meta["bytes"]
-            while deferred and (not in_flight or in_flight + deferred[0].meta["bytes"] <= limit):
+            in_flight -= node_meta.collective_bytes(h)
+            while deferred and (
+                not in_flight or in_flight + node_meta.collective_bytes(deferred[0]) <= limit
+            ):
                 launch(deferred.pop(0))
             continue
         order.append(n)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
+from partita import node_meta
 from partita.collectives import MESH_OPS
 from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import CompilerError, UnsupportedOpError
@@ -83,17 +84,20 @@ class Segment:
         values: list[tuple[Any, Axes]],
         ndim: int,
         compile_stats: CompileStats | None = None,
+        trace_at: int | None = None,
     ) -> list[tuple[Any, Axes]]:
         """Outputs ``(value, axes)`` for inputs ``(value, axes)`` on a mesh of ``ndim`` dims;
-        with ``compile_stats``, through Inductor (``runtime.compiled``), which it records."""
+        with ``compile_stats``, through Inductor (``runtime.compiled``), which it records;
+        ``trace_at``: the ``trace_flat_at`` option (``runtime.flat_trace``)."""
         with no_fallback_warning():
-            return self._run(values, ndim, compile_stats)
+            return self._run(values, ndim, compile_stats, trace_at)
 
     def _run(
         self,
         values: list[tuple[Any, Axes]],
         ndim: int,
         compile_stats: CompileStats | None,
+        trace_at: int | None = None,
     ) -> list[tuple[Any, Axes]]:
         args = [v for v, _ in values]
         pattern = tuple(a for _, a in values)
@@ -114,7 +118,7 @@ class Segment:
             if key is not None:
                 flat = self.flat.get(key)
                 if flat is None:
-                    if not self.tracer.due(len(self.nodes)):
+                    if not self.tracer.due(len(self.nodes), trace_at):
                         outs = timed_run(fn, args, self.tracer)
                         return list(zip(outs, out_pattern, strict=True))
                     flat = trace_flat(fn, args, len(self.nodes))
@@ -343,11 +347,11 @@ def segment_error(segment: Segment, e: Exception) -> CompilerError:
     if failed is not None:
         where = (
             f"local op {failed.target} (%{failed.name}), lowered from "
-            f"{failed.meta.get('origin', 'an unknown op')} at "
-            f"{failed.meta.get('source') or 'source line unknown'}"
+            f"{node_meta.origin(failed) or 'an unknown op'} at "
+            f"{node_meta.source(failed) or 'source line unknown'}"
         )
     else:
-        ops = sorted({str(n.meta.get("origin", n.target)) for n in segment.nodes})
+        ops = sorted({str(node_meta.origin(n) or n.target) for n in segment.nodes})
         where = f"one of the local ops {ops}"
     first = (str(e).strip().splitlines() or [""])[0]
     return CompilerError(

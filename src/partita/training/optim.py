@@ -182,7 +182,7 @@ def _adam_param(
     g = -g if cfg.maximize else g
     if cfg.kind == "adamw":
         p = p * decay  # decoupled weight decay
-    elif cfg.weight_decay:  # nonzero when the step was built (train_snapshot keeps it so)
+    elif cfg.weight_decay:  # nonzero when the step was built (training.snapshot keeps it so)
         g = g + weight_decay * p  # Adam: L2 penalty in the gradient
     m = m + one_minus_beta1 * (g - m)  # torch.lerp(m, g, 1 - beta1) for a weight < 0.5
     v = v * beta2 + one_minus_beta2 * g * g
@@ -233,7 +233,7 @@ def _sgd_param(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One parameter's SGD update: ``(new p, new momentum_buffer)``."""
     g = -g if cfg.maximize else g
-    if cfg.weight_decay:  # nonzero when the step was built (train_snapshot keeps it so)
+    if cfg.weight_decay:  # nonzero when the step was built (training.snapshot keeps it so)
         g = g + weight_decay * p
     if cfg.momentum:
         # torch.optim.SGD starts the buffer at g, then buf * momentum + (1 - dampening) * g

@@ -138,6 +138,7 @@ def functional_step(
     max_grad_norm: float | None = None,
     compute_dtype: torch.dtype | None = None,
     on_unused: Callable[[bool, frozenset[str]], None] | None = None,
+    scan_layers: bool | None = None,
 ) -> LrStepFn:
     """``step(params, buffers, opt_state, lr, batch) -> (loss, params, buffers, opt_state)``.
 
@@ -155,6 +156,8 @@ def functional_step(
     skipped by the update like ``torch.optim`` skips a parameter whose ``.grad`` is None: no
     step, no weight decay, its optimizer state unchanged. ``on_unused(training, names)`` is
     called with those names each time the step runs (once per trace under ``partita.jit``).
+    ``scan_layers`` marks the model's repeated layers to be traced once (None: the current
+    ``scan_layers`` option, :mod:`partita.options`).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -163,7 +166,9 @@ def functional_step(
         >>> loss, params, buffers, state = step(params, {}, init_opt_state(params, "sgd"),
         ...     torch.tensor(0.1), (torch.randn(3, 4), torch.randn(3, 2)))
     """
-    scan_repeated_layers(model)  # trace each kind of repeated layer once, checked (layer_auto)
+    scan_repeated_layers(
+        model, scan_layers
+    )  # trace each kind of repeated layer once, checked (layer_auto)
 
     def step(
         params: Tensors, buffers: Tensors, opt_state: dict[str, Any], lr: Hyper, batch: Any

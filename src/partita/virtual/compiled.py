@@ -26,9 +26,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from partita.tensor import ShardedTensor
-from partita.virtual import immediate, recording, step
+from partita.virtual import recording, step
+from partita.virtual import state as device_state
 from partita.virtual.holders import Holders, holders
-from partita.virtual.lazy import Cell, LazyTensor, next_serial
+from partita.virtual.lazy import Cell, LazyTensor
 from partita.virtual.replayable import (
     REPLICATED,
     Call,
@@ -123,12 +124,12 @@ class CompiledStep:
     def _run(self, state: _Signature | None, leaves: list[Any], args: Any, kwargs: Any) -> Any:
         """Run the function (recorded, synced at the end) and capture it once it repeats."""
         m = step.metrics()
-        syncs, start = m.syncs, next_serial()
-        immediate.UPLOADS.append([])
+        syncs, start = m.syncs, device_state.next_serial()
+        device_state.get().uploads.append([])
         try:
             out = self.fn(*args, **kwargs)
         finally:
-            uploads = immediate.UPLOADS.pop()
+            uploads = device_state.get().uploads.pop()
         inner = m.syncs - syncs
         out_leaves, out_spec = pytree.tree_flatten(out)
         returned = {id(t._cell) for t in out_leaves if isinstance(t, LazyTensor)}

@@ -7,9 +7,12 @@ engine aborts the process on the first ``requires_grad`` tensor of the device; w
 ``empty_strided``) return a :class:`~partita.virtual.lazy.LazyTensor`. Those two kernels are
 what ``tensor.to(dev)``, ``module.to(dev)`` and ``torch.zeros(..., device=dev)`` call.
 
-This module only registers; recording lives in :mod:`partita.virtual.lazy`. The registration is
-process-global and cannot be undone (a PyTorch limitation), and it needs the Python
-PrivateUse1 hooks of torch >= 2.9 (:data:`MIN_TORCH`).
+This module only registers; recording lives in :mod:`partita.virtual.dispatch`. Nothing is
+registered when partita is imported: ``partita.use_spmd`` (or
+:func:`partita.virtual.register_device`) calls :func:`register`. The registration is
+process-global and cannot be undone (a PyTorch limitation), it needs the Python PrivateUse1
+hooks of torch >= 2.9 (:data:`MIN_TORCH`), and it must come before the process's first
+``backward()`` (:func:`register` checks).
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from typing import Any
 import torch
 
 from partita.errors import VirtualDeviceError
-from partita.virtual import attention, autocast, grad_scaler, rnn
+from partita.virtual import attention, autocast, draws, grad_scaler, lazy, rnn, state
+from partita.virtual.state import DEVICE_NAME, Registration
 
 __all__ = [
     "DEVICE_NAME",
@@ -29,16 +33,10 @@ __all__ = [
     "VirtualDeviceError",
     "activate",
     "register",
-    "spmd_device",
 ]
 
-#: The name of the virtual device (``torch.device("spmd", 0)``).
-DEVICE_NAME = "spmd"
 #: The first torch release whose PrivateUse1 backend can be registered from Python.
 MIN_TORCH = (2, 9)
-
-_FACTORY: list[Callable[..., torch.Tensor]] = []
-_LIBRARY: list[torch.library.Library] = []
 
 
 def _torch_version() -> tuple[int, int]:
@@ -65,15 +63,11 @@ def check_torch(version: tuple[int, int] | None = None) -> None:
         )
 
 
-#: Whether ``partita.use_spmd`` has switched the device on in this process (the backend hooks
-#: and torch.utils.checkpoint's RNG stash ask). The device *module* never reports itself
-#: available (:meth:`_DeviceModule.is_available`).
-_ACTIVE = [False]
-
-
 def activate() -> None:
-    """Report the device as available from now on (``use_spmd``)."""
-    _ACTIVE[0] = True
+    """Report the device as available from now on (``use_spmd``): the backend hooks and
+    torch.utils.checkpoint's RNG stash ask. The device *module* never reports itself
+    available (:meth:`_DeviceModule.is_available`)."""
+    state.get().active = True
 
 
 class _DeviceModule:
@@ -92,7 +86,7 @@ class _DeviceModule:
     @property
     def _initialized(self) -> bool:
         # torch.utils.checkpoint saves and restores the device's RNG state only when set.
-        return _ACTIVE[0]
+        return state.get().active
 
     @staticmethod
     def device(index: Any) -> contextlib.AbstractContextManager[None]:
@@ -121,17 +115,13 @@ class _DeviceModule:
     # once the device is available (partita.virtual.draws).
     @staticmethod
     def get_rng_state(device: Any = None) -> torch.Tensor:
-        from partita.virtual.draws import device_rng_state
-
         del device
-        return device_rng_state()
+        return draws.device_rng_state()
 
     @staticmethod
-    def set_rng_state(state: torch.Tensor, device: Any = None) -> None:
-        from partita.virtual.draws import set_device_rng_state
-
+    def set_rng_state(rng: torch.Tensor, device: Any = None) -> None:
         del device
-        set_device_rng_state(state)
+        draws.set_device_rng_state(rng)
 
     @staticmethod
     def get_amp_supported_dtype() -> list[torch.dtype]:
@@ -160,9 +150,7 @@ class _DeviceModule:
         """Wait for the steps already submitted (what ``torch.cuda.synchronize`` is to kernels);
         recorded ops still run at the next ``partita.sync()``."""
         del device
-        from partita.virtual.step import wait_in_flight
-
-        wait_in_flight()
+        state.get().wait_in_flight()
 
 
 class _Stream:
@@ -187,12 +175,18 @@ class _Stream:
 _STREAM = _Stream()
 
 
+def _registration() -> Registration:
+    registration = state.get().registration
+    assert registration is not None, "the device's kernels run only once it is registered"
+    return registration
+
+
 def _empty_memory_format(size: Any, **kwargs: Any) -> torch.Tensor:
-    return _FACTORY[0](tuple(size), kwargs.get("dtype"))
+    return _registration().factory(tuple(size), kwargs.get("dtype"))
 
 
 def _empty_strided(size: Any, stride: Any, **kwargs: Any) -> torch.Tensor:
-    return _FACTORY[0](tuple(size), kwargs.get("dtype"))
+    return _registration().factory(tuple(size), kwargs.get("dtype"))
 
 
 #: Factories whose kernels write into an ``out`` they resize (``torch.eye(n, device=dev)`` makes
@@ -215,7 +209,7 @@ def _on_cpu(name: str) -> Callable[..., torch.Tensor]:
 
     def kernel(*args: Any, **kwargs: Any) -> torch.Tensor:
         kwargs = {k: v for k, v in kwargs.items() if k not in ("device", "pin_memory")}
-        return _FACTORY[1](op(*args, **kwargs))
+        return _registration().wrap(op(*args, **kwargs))
 
     return kernel
 
@@ -225,16 +219,14 @@ def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False)
     # the CPU and copy it in with the Python dispatch key excluded, so the copy reaches the
     # backend's kernel rather than the LazyTensor's __torch_dispatch__: hand it there.
     del non_blocking
-    from partita.virtual.recording import dispatch  # it imports this module
-
-    return dispatch(torch.ops.aten.copy_.default, (dst, src), {})  # type: ignore[no-any-return]
+    return lazy.dispatch(torch.ops.aten.copy_.default, (dst, src), {})  # type: ignore[no-any-return]
 
 
 class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
     """The backend hooks torch's accelerator API asks: available only once switched on."""
 
     def is_available(self) -> bool:
-        return _ACTIVE[0]
+        return state.get().active
 
     def has_primary_context(self, dev_id: int) -> bool:
         del dev_id
@@ -244,7 +236,8 @@ class _Hooks(torch._C._acc.PrivateUse1Hooks):  # type: ignore[misc]
 def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Tensor]) -> None:
     """Register the device once; ``factory(shape, dtype)`` makes a new device tensor and
     ``wrap(cpu_tensor)`` one holding that value."""
-    if _FACTORY:
+    device = state.get()
+    if device.registration is not None:
         return
     check_torch()
     from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -254,10 +247,9 @@ def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Ten
         raise VirtualDeviceError(
             f"partita.use_spmd: PyTorch's PrivateUse1 backend is already registered as "
             f"{current!r} in this process, so it cannot become {DEVICE_NAME!r}. A process has one "
-            f"PrivateUse1 backend; run the virtual device in a process without {current!r} "
-            f"(partita registers it at import unless PARTITA_NO_VIRTUAL_DEVICE=1)."
+            f"PrivateUse1 backend; run the virtual device in a process without {current!r}."
         )
-    _FACTORY.extend((factory, wrap))
+    registration = device.registration = Registration(factory, wrap)
     _setup_privateuseone_for_python_backend(
         rename=DEVICE_NAME if current != DEVICE_NAME else None,
         backend_module=_DeviceModule(),
@@ -282,9 +274,53 @@ def register(factory: Callable[..., torch.Tensor], wrap: Callable[..., torch.Ten
     # Mixed precision: torch.autocast("spmd", dtype=...) with PyTorch's CPU policy.
     fallback = torch.library.Library("_", "IMPL")
     autocast.register(lib, fallback)
-    _LIBRARY.extend((lib, fallback))  # kept alive: dropping a Library deregisters its kernels
+    registration.libraries += [lib, fallback]  # kept: dropping a Library drops its kernels
+    registration.backward_runs = _backward_runs()
 
 
-def spmd_device() -> torch.device:
-    """``torch.device("spmd", 0)`` (after :func:`register`)."""
-    return torch.device(DEVICE_NAME, 0)
+class _Probe(torch.autograd.Function):
+    """A backward that runs no op: enough for the autograd engine to pick the device's queue."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        del ctx
+        return x.detach()  # runs at once on data (partita.virtual.immediate): nothing recorded
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        del ctx
+        return grad
+
+
+def _backward_runs() -> bool:
+    """Whether a ``backward()`` can run on the device: False when this process ran one before
+    the device was registered.
+
+    PyTorch's autograd engine makes one queue per accelerator device at the process's first
+    ``backward()`` and never again; a device registered later has none, and every backward on
+    it fails an internal assert. One backward through a node on the device tells.
+    """
+    try:
+        # use_spmd may be called under no_grad (the first ShardedTensor op outside jit is).
+        with torch.inference_mode(False), torch.enable_grad():
+            x = lazy.new_data(torch.zeros(()), requires_grad=True)
+            torch.autograd.grad(_Probe.apply(x), x, lazy.new_data(torch.ones(())))
+    except RuntimeError as e:
+        if "device_ready_queues_" not in str(e):
+            raise
+        return False
+    return True
+
+
+def check_backward() -> None:
+    """Raise :class:`VirtualDeviceError` when no ``backward()`` can run on the registered
+    device (``use_spmd`` asks; ShardedTensor ops outside jit run no backward and do not)."""
+    registration = state.get().registration
+    if registration is not None and not registration.backward_runs:
+        raise VirtualDeviceError(
+            "partita.use_spmd: this process ran a backward() before the virtual device was "
+            "registered, and PyTorch's autograd engine sizes its per-device queues at the "
+            "first backward() of a process, so no backward can run on the device in this "
+            "process. Call partita.use_spmd(mesh) (or partita.virtual.register_device()) before "
+            "the first backward() of the process, e.g. at the top of the script."
+        )

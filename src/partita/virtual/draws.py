@@ -11,7 +11,8 @@ through the device module) is the CPU generator's state *and* the number of draw
 since the last sync; each recorded random op is keyed by both. A random op recorded with the
 key of an earlier one, the same op and the same shapes is that draw again: it reads the earlier
 result (a dropout recomputes its output from its new input and the earlier mask, as the kernel
-does). One it cannot repeat raises :class:`~partita.virtual.device.VirtualDeviceError`.
+does). One it cannot repeat raises :class:`~partita.VirtualDeviceError`. The draws recorded
+since the last sync are kept in the device's state (:mod:`partita.virtual.state`).
 """
 
 from __future__ import annotations
@@ -23,36 +24,35 @@ from typing import Any
 import torch
 
 from partita.capture.rng import draws_from_values, random_ops
-from partita.virtual.device import VirtualDeviceError
+from partita.errors import VirtualDeviceError
+from partita.virtual import state
 
 __all__ = ["device_rng_state", "is_random", "record_draw", "reset", "set_device_rng_state"]
 
 aten = torch.ops.aten
 
-#: ``pending``: draws recorded since the last sync; ``seen``: each recorded draw's result by
-#: signature; ``keys``: the generator keys of those draws.
-_STATE: dict[str, Any] = {"pending": 0, "seen": {}, "keys": set()}
 _COUNT_BYTES = 8
 
 
 def reset() -> None:
     """A sync ran the recorded draws: none is pending."""
-    _STATE.update(pending=0, seen={}, keys=set())
+    device = state.get()
+    device.draws_pending, device.draws_seen, device.draw_keys = 0, {}, set()
 
 
 def device_rng_state() -> torch.Tensor:
     """The CPU generator's state followed by the pending draw count (8 bytes)."""
-    count = torch.tensor([_STATE["pending"]], dtype=torch.int64).view(torch.uint8)
+    count = torch.tensor([state.get().draws_pending], dtype=torch.int64).view(torch.uint8)
     return torch.cat([torch.get_rng_state(), count])
 
 
-def set_device_rng_state(state: torch.Tensor) -> None:
+def set_device_rng_state(rng: torch.Tensor) -> None:
     """Restore a :func:`device_rng_state` (or a plain CPU generator state)."""
     cpu_size = torch.get_rng_state().numel()
-    if state.numel() == cpu_size + _COUNT_BYTES:
-        _STATE["pending"] = int(state[cpu_size:].clone().view(torch.int64)[0])
-        state = state[:cpu_size]
-    torch.set_rng_state(state.clone())
+    if rng.numel() == cpu_size + _COUNT_BYTES:
+        state.get().draws_pending = int(rng[cpu_size:].clone().view(torch.int64)[0])
+        rng = rng[:cpu_size]
+    torch.set_rng_state(rng.clone())
 
 
 def is_random(func: Any) -> bool:
@@ -63,14 +63,15 @@ def record_draw(
     func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], record: Callable[..., Any]
 ) -> Any:
     """Record ``func`` (a random op) with ``record``, or repeat the earlier draw it replays."""
-    state = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=16).digest()
-    key = (state, _STATE["pending"])
-    _STATE["pending"] += 1
+    device = state.get()
+    generator = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=16).digest()
+    key = (generator, device.draws_pending)
+    device.draws_pending += 1
     signature = (key, func, *(_shape_or_value(a) for a in (*args, *sorted(kwargs.items()))))
-    earlier = _STATE["seen"].get(signature)
+    earlier = device.draws_seen.get(signature)
     if earlier is not None:
         return _repeat(func, args, earlier)
-    if key in _STATE["keys"]:
+    if key in device.draw_keys:
         raise VirtualDeviceError(
             f"{func} draws again with the generator state of an earlier draw (torch.utils."
             f"checkpoint recomputing a block, or the generator's state set back) but with other "
@@ -78,8 +79,8 @@ def record_draw(
             f"Keep the random op out of the checkpointed block, or train with partita.train_step."
         )
     result = record(func, args, kwargs)
-    _STATE["seen"][signature] = result
-    _STATE["keys"].add(key)
+    device.draws_seen[signature] = result
+    device.draw_keys.add(key)
     return result
 
 

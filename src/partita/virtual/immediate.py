@@ -4,7 +4,8 @@
 device tensor: what ``tensor.to(dev)`` does), ``detach``/``alias`` (the result shares the
 cell), factories writing into a new device tensor, and ``zeros_like``/``fill_`` on data (so the
 optimizer's state initialisation is data, not a second program). Everything else is recorded
-by :mod:`partita.virtual.recording`; this module does not record.
+by :mod:`partita.virtual.dispatch`; this module does not record (an op it turns into another,
+an in-place view say, goes back through :func:`partita.virtual.lazy.dispatch`).
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import torch
 from partita.errors import VirtualDeviceError
 from partita.runtime.dist_tensor import DistributedShardedTensor
 from partita.tensor import ShardedTensor
-from partita.virtual.device import DEVICE_NAME
-from partita.virtual.lazy import COPYING, Cell, LazyTensor, full_value, lazies
+from partita.virtual import lazy, state
+from partita.virtual.lazy import Cell, LazyTensor, full_value, lazies, new_data
+from partita.virtual.peek import peek
+from partita.virtual.shapes import to_meta
+from partita.virtual.state import DEVICE_NAME
 
-__all__ = ["RUNS_NOW", "UPLOADS", "new_data", "run_now"]
+__all__ = ["RUNS_NOW", "returns_values", "run_now", "runs_now"]
 
 aten = torch.ops.aten
 _SHARE_CELL = frozenset({aten.detach.default, aten.alias.default, aten.lift_fresh.default})
@@ -73,10 +77,10 @@ _INPLACE_VIEWS = {
 #: In-place random fills with no sharding rule (``torch.randint(..., device=dev)`` fills a new
 #: tensor with ``random_``): on a value known now, drawn now from the CPU generator.
 _RANDOM_FILLS = frozenset(getattr(aten.random_, o) for o in aten.random_.overloads())
-#: While a compiled step records (:mod:`partita.virtual.compiled`): ``(source, cell)`` per CPU
-#: tensor copied into a new device tensor, so a replay can upload the next call's argument, and
-#: ``(None, cell)`` when an op here overwrites a cell's data (it no longer holds the upload).
-UPLOADS: list[list[tuple[torch.Tensor | None, Cell]]] = []
+#: While a compiled step records (:mod:`partita.virtual.compiled`), ``DeviceState.uploads``
+#: gets ``(source, cell)`` per CPU tensor copied into a new device tensor, so a replay can upload
+#: the next call's argument, and ``(None, cell)`` when an op here overwrites a cell's data (it
+#: no longer holds the upload).
 #: Every op :func:`run_now` may run (besides factories writing into an ``out=`` tensor).
 RUNS_NOW = frozenset(
     {aten._local_scalar_dense.default, aten._to_copy.default, aten.copy_.default}
@@ -93,10 +97,29 @@ RUNS_NOW = frozenset(
 )
 
 
-def new_data(value: torch.Tensor | ShardedTensor, requires_grad: bool = False) -> LazyTensor:
-    """A LazyTensor holding ``value`` as data."""
-    meta = torch.empty(tuple(value.shape), dtype=value.dtype, device=_META)
-    return LazyTensor(Cell(meta, value), requires_grad=requires_grad)
+#: The attribute an op's :func:`runs_now` answer is kept in (reading it does not hash the op).
+_ATTRIBUTE = "_partita_runs_now"
+_RUNS_NOW_MEMO: dict[Any, bool] = {}
+
+
+def runs_now(func: Any) -> bool:
+    """Whether ``func`` may run at once (:func:`run_now`), read once per op.
+
+    Example:
+        >>> runs_now(torch.ops.aten.detach.default), runs_now(torch.ops.aten.mm.default)
+        (True, False)
+    """
+    answer = getattr(func, _ATTRIBUTE, None)
+    if answer is not None:
+        return answer  # type: ignore[no-any-return]
+    answer = _RUNS_NOW_MEMO.get(func)
+    if answer is None:
+        answer = _RUNS_NOW_MEMO[func] = func in RUNS_NOW or returns_values(func)
+        try:
+            setattr(func, _ATTRIBUTE, answer)
+        except (AttributeError, TypeError):  # an op object that takes no attributes
+            pass
+    return answer
 
 
 def _is_clean_data(cell: Cell, rec: Any, unused: bool = False) -> bool:
@@ -120,8 +143,6 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
         if args[0].dtype == torch.bool and args[0]._cell.is_pending:
             # A branch on a condition (``if mask.all():``) in a library's forward: computed on
             # the side when it can be, so the step is not cut in two programs.
-            from partita.virtual.peek import peek  # it reads the recording, which imports this
-
             value = peek(args[0]._cell)
             if value is not None:
                 return value.item()
@@ -130,9 +151,7 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
         args[0].data = args[1]  # t.set_(x): t stands for x's value, as t.data = x
         return args[0]
     if func in _INPLACE_VIEWS:
-        from partita.virtual.recording import dispatch  # it imports this module
-
-        view = dispatch(_INPLACE_VIEWS[func], args, kwargs)
+        view = lazy.dispatch(_INPLACE_VIEWS[func], args, kwargs)
         args[0]._cell = view._cell
         if not view._cell.has_value:  # an output of the step while this tensor is alive
             rec.live.append((weakref.ref(args[0]), view._cell))
@@ -153,9 +172,7 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
             return tuple(new_data(r) for r in result)
         return new_data(result)
     if func in _INDEXING and any(_is_mask(i) for i in args[1]):
-        from partita.virtual.recording import dispatch  # it imports this module
-
-        return dispatch(func, (args[0], _positions(args[1]), *args[2:]), kwargs)
+        return lazy.dispatch(func, (args[0], _positions(args[1]), *args[2:]), kwargs)
     if func in _RANDOM_FILLS and _is_clean_data(args[0]._cell, rec, unused=True):
         value = torch.empty(args[0].shape, dtype=args[0].dtype)
         func(value, *args[1:], **kwargs)
@@ -177,7 +194,7 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
         converted = _convert_data(args[0], kwargs, rec)
         if converted is not None:
             return converted
-    if func is aten.clone.default and COPYING[0] and _is_clean_data(args[0]._cell, rec):
+    if func is aten.clone.default and state.get().copying and _is_clean_data(args[0]._cell, rec):
         copied = _copied_data(args[0], args[0].dtype)  # copy.deepcopy of data: data
         if copied is not None:
             return copied
@@ -187,8 +204,10 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
             return dst.copy_(full_value(src))
         if not isinstance(src, LazyTensor) and _is_clean_data(dst._cell, rec, unused=True):
             value = src.detach().to(dst.dtype).expand(dst.shape).clone()
-            if UPLOADS:
-                UPLOADS[-1].append((src, dst._cell))
+            state.get().metrics.upload_bytes += src.numel() * src.element_size()
+            uploads = state.get().uploads
+            if uploads:
+                uploads[-1].append((src, dst._cell))
             old = dst._cell.data
             dst._cell.data = (
                 ShardedTensor.from_global(value, old.sharding)
@@ -216,8 +235,9 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
         value = torch.empty(out.shape, dtype=out.dtype)
         func(*args, **{**kwargs, "out": value})
         if value.shape == out.shape:
-            if UPLOADS:
-                UPLOADS[-1].append((None, out._cell))
+            uploads = state.get().uploads
+            if uploads:
+                uploads[-1].append((None, out._cell))
             out._cell.data = value
             return out
         return new_data(value)
@@ -245,8 +265,6 @@ def returns_values(func: Any) -> bool:
 def _python_result(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """The Python value ``func`` returns: from the shapes alone when its meta kernel gives it
     (``is_same_size``), else from the values, syncing pending ones as ``.item()`` does."""
-    from partita.virtual.shapes import to_meta  # shapes imports this module
-
     try:
         return func(*to_meta(args), **to_meta(kwargs))
     except (RuntimeError, NotImplementedError):  # the meta kernel needs values, or has none
@@ -266,19 +284,22 @@ def _convert_data(t: LazyTensor, kwargs: dict[str, Any], rec: Any) -> LazyTensor
 
 
 def _copied_data(t: LazyTensor, dtype: torch.dtype) -> LazyTensor | None:
-    """A new device tensor holding a copy of ``t``'s data in ``dtype``, in the same layout
-    (None where the layout is not one this process can copy as is)."""
+    """A new device tensor holding a copy of ``t``'s data in ``dtype``, in the same layout and
+    with its annotation (None where the layout is not one this process can copy as is)."""
     old = t._cell.data
     if isinstance(old, DistributedShardedTensor):  # this process's shard only
         local = old.addressable_data[0].to(dtype, copy=True)
         device = old.addressable_devices[0]
-        return new_data(DistributedShardedTensor(local, old.sharding, t.shape, device))
-    if type(old) is ShardedTensor:  # (one held per distinct tile is expanded here)
+        out = new_data(DistributedShardedTensor(local, old.sharding, t.shape, device))
+    elif type(old) is ShardedTensor:  # (one held per distinct tile is expanded here)
         stacked = old.stacked.to(dtype, copy=True)
-        return new_data(ShardedTensor.from_stacked(stacked, old.sharding, t.shape))
-    if type(old) is torch.Tensor and tuple(old.shape) == tuple(t.shape):
-        return new_data(old.to(dtype, copy=True))
-    return None
+        out = new_data(ShardedTensor.from_stacked(stacked, old.sharding, t.shape))
+    elif type(old) is torch.Tensor and tuple(old.shape) == tuple(t.shape):
+        out = new_data(old.to(dtype, copy=True))
+    else:
+        return None
+    out._cell.annotation = t._cell.annotation  # model.half(), copy.deepcopy keep the marks
+    return out
 
 
 def _values(x: Any) -> Any:
@@ -294,8 +315,9 @@ def _values(x: Any) -> Any:
 
 def _set_data(cell: Cell, value: torch.Tensor) -> None:
     """Overwrite a cell's data with ``value``, in the layout it had."""
-    if UPLOADS:
-        UPLOADS[-1].append((None, cell))
+    uploads = state.get().uploads
+    if uploads:
+        uploads[-1].append((None, cell))
     old = cell.data
     cell.data = (
         ShardedTensor.from_global(value, old.sharding) if isinstance(old, ShardedTensor) else value
@@ -313,8 +335,6 @@ def _positions(indices: Sequence[Any]) -> list[Any]:
     A pending mask is computed on the side when it is small (:mod:`partita.virtual.peek`), else
     the step syncs to read it, as ``.item()`` does: the result's shape depends on it.
     """
-    from partita.virtual.peek import peek  # it reads the recording, which imports this
-
     out: list[Any] = []
     for index in indices:
         if not _is_mask(index):

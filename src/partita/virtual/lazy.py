@@ -10,40 +10,63 @@ handed to :mod:`partita.virtual.recording`; ``.item()``, ``.cpu()`` and ``repr``
 ``detach``/``alias`` (what ``.data`` and ``nn.Parameter`` use) share the cell, so
 ``p.data.mul_(2)`` updates ``p``. ``__tensor_flatten__`` makes ``module.to(dev)`` swap tensors,
 so an ``nn.Parameter`` keeps its identity. This module does not compile or run anything.
+
+It sits below the layers that record and run ops (it imports only :mod:`partita.virtual.state`):
+those hand it, once, the two calls it makes up into them (:func:`connect`): recording an op and
+syncing the step.
 """
 
 from __future__ import annotations
 
-import itertools
+import contextvars
 import threading
 import weakref
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from partita.errors import VirtualDeviceError
-from partita.tensor import ShardedTensor
-from partita.virtual.device import spmd_device
+from partita.runtime.dist_tensor import DistributedShardedTensor
+from partita.spec import PartitionSpec, Sharding
+from partita.tensor import Shard, ShardedTensor
+from partita.virtual import state
+from partita.virtual.state import DEVICE, DEVICE_NAME
 
 __all__ = [
-    "COPYING",
-    "DEVICE",
     "Cell",
     "Desc",
     "LazyTensor",
+    "connect",
+    "dispatch",
     "full_value",
+    "held_value",
     "lazies",
-    "next_serial",
+    "new_data",
 ]
 
 #: A value's metadata: shape, strides, storage offset, dtype.
 Desc = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]
 _META = torch.device("meta")
-_SERIALS = itertools.count()
-#: True while ``copy.deepcopy`` copies a device tensor: a copy of data is data at once
-#: (:mod:`partita.virtual.immediate`), so the copy can later be swapped by ``module.half()``,
-#: which ``torch.utils.swap_tensors`` refuses for a pending tensor.
-COPYING = [False]
+
+
+class _Above:
+    """The calls into the layers above this module, given once by :func:`connect`."""
+
+    dispatch: ClassVar[Callable[[Any, tuple[Any, ...], dict[str, Any]], Any] | None] = None
+    sync: ClassVar[Callable[[], None] | None] = None
+
+
+def connect(
+    *,
+    dispatch: Callable[[Any, tuple[Any, ...], dict[str, Any]], Any],
+    sync: Callable[[], None],
+) -> None:
+    """Give the lazy tensor the layers above it (``partita.virtual`` does at import):
+    ``dispatch(func, args, kwargs)`` records or runs an op (:mod:`partita.virtual.dispatch`),
+    ``sync()`` runs the recorded step (:mod:`partita.virtual.step`)."""
+    _Above.dispatch, _Above.sync = dispatch, sync
 
 
 class Cell:
@@ -54,6 +77,8 @@ class Cell:
         slot: its slot in the recording of ``epoch`` (None when not used there yet).
         meta: a meta tensor with its shape, dtype and strides.
         serial: increases with each cell made (which cells a call of a compiled step made).
+        annotation: the sharding ``mark_sharding`` gave this value (None: not annotated, or
+            cleared by ``clear_sharding``); aliases (``.data``, ``detach``) share it.
     """
 
     __slots__ = (
@@ -61,6 +86,7 @@ class Cell:
         "_data",
         "_desc",
         "_meta",
+        "annotation",
         "base",
         "dirty",
         "epoch",
@@ -91,7 +117,8 @@ class Cell:
         self.base: Cell = self if base is None else base.base
         self.dirty = False
         # Creation order: a compiled step tells the values it made from those it was given.
-        self.serial = next(_SERIALS)
+        self.serial = next(state.get().serials)
+        self.annotation: Sharding | None = None
 
     @property
     def meta(self) -> torch.Tensor:
@@ -116,9 +143,7 @@ class Cell:
     def data(self) -> torch.Tensor | ShardedTensor | None:
         """The value (waits for the step computing it when that step is still running)."""
         if self.in_flight:
-            from partita.virtual.step import wait_in_flight
-
-            wait_in_flight()
+            state.get().wait_in_flight()
         return self._data
 
     @data.setter
@@ -141,6 +166,8 @@ class LazyTensor(torch.Tensor):
 
     _cell: Cell
     __torch_function__ = torch._C._disabled_torch_function_impl
+    #: ``torch.device("spmd", 0)``, made on first use (only once the device is registered).
+    _device: ClassVar[torch.device | None] = None
 
     @staticmethod
     def __new__(cls, cell: Cell, requires_grad: bool = False) -> LazyTensor:
@@ -151,7 +178,7 @@ class LazyTensor(torch.Tensor):
             strides=stride,
             storage_offset=offset,
             dtype=dtype,
-            device=_DEVICE[0] if _DEVICE else _device(),
+            device=cls._device or cls._spmd_device(),
             requires_grad=requires_grad,
         )
         t._cell = cell
@@ -179,10 +206,14 @@ class LazyTensor(torch.Tensor):
             )
         _DATA.__set__(self, value)  # the wrapper's shape, strides and dtype
         self._cell = cell = value._cell
-        if not cell.has_value:  # pending: an output of the step while this tensor is alive
-            from partita.virtual.recording import current  # it imports this module
+        rec = state.get().recording
+        if not cell.has_value and rec is not None:  # pending: kept while this tensor is alive
+            rec.live.append((weakref.ref(self), cell))
 
-            current().live.append((weakref.ref(self), cell))
+    @classmethod
+    def _spmd_device(cls) -> torch.device:
+        cls._device = torch.device(DEVICE_NAME, 0)
+        return cls._device
 
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
         return [], self._cell
@@ -206,12 +237,8 @@ class LazyTensor(torch.Tensor):
     def __torch_dispatch__(
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
     ) -> Any:
-        if not _DISPATCH:
-            from partita.virtual.recording import dispatch
-
-            _DISPATCH.append(dispatch)
         with DEVICE:  # one op at a time on the device, whichever thread records it
-            return _DISPATCH[0](func, args, kwargs or {})
+            return _Above.dispatch(func, args, kwargs or {})  # type: ignore[misc]
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         del tensor_contents
@@ -222,11 +249,12 @@ class LazyTensor(torch.Tensor):
         return f"tensor({body}, device='{self.device}')"
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        outer, COPYING[0] = COPYING[0], True
+        device = state.get()
+        outer, device.copying = device.copying, True
         try:
             return super().__deepcopy__(memo)
         finally:
-            COPYING[0] = outer
+            device.copying = outer
 
     def __reduce_ex__(self, proto: Any) -> Any:
         """Pickled as its value, like an XLA tensor (``torch.save``): the CPU value, dtype and
@@ -249,19 +277,51 @@ class LazyTensor(torch.Tensor):
         """The global value as a plain CPU tensor (syncs if it is pending)."""
         return full_value(self)
 
+    # --- the sharding, as a ShardedTensor answers it (docs/virtual-device.md) -------------
+
+    @property
+    def sharding(self) -> Sharding:
+        """The layout of the value over the device's mesh (replicated unless sharded; syncs if
+        it is pending: a computed value's layout is the one the step produced)."""
+        return held_value(self).sharding
+
+    @property
+    def spec(self) -> PartitionSpec:
+        """The PartitionSpec of :attr:`sharding`."""
+        return self.sharding.spec
+
+    @property
+    def is_annotated(self) -> bool:
+        """True after ``mark_sharding`` on this tensor (or its ``.data``), until
+        ``clear_sharding``; a value the step computed is not annotated until marked."""
+        return self._cell.annotation is not None
+
+    @property
+    def local_shards(self) -> list[Shard]:
+        """One :class:`~partita.Shard` per device of the mesh (under torch.distributed, this
+        process's): snapshots, as in PyTorch/XLA (syncs if pending). ``local_shard_views``
+        gives read-only views of the device's storage instead."""
+        return held_value(self).local_shards
+
+    @property
+    def local_shard_views(self) -> list[Shard]:
+        """:attr:`local_shards` without the copy: views of the device's storage, read-only."""
+        return held_value(self).local_shard_views
+
 
 _DATA = torch._C.TensorBase.data  # the C descriptor behind Tensor.data
-#: Held while an op is recorded and while a sync takes the recording: the device records one
-#: step for the whole process, so ops from several threads (two threads training their own
-#: models, autograd's backward thread) go into it one at a time, never while a sync takes it.
-DEVICE = threading.RLock()
-_DEVICE: list[torch.device] = []
-_DISPATCH: list[Any] = []  # recording.dispatch (imported on first use: it imports this module)
 
 
-def _device() -> torch.device:
-    _DEVICE.append(spmd_device())
-    return _DEVICE[0]
+def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Hand an op on device tensors to the recording layer, as ``__torch_dispatch__`` does
+    (for the kernels and immediate ops that turn one op into another)."""
+    return _Above.dispatch(func, args, kwargs)  # type: ignore[misc]
+
+
+def new_data(value: torch.Tensor | ShardedTensor, requires_grad: bool = False) -> LazyTensor:
+    """A LazyTensor holding ``value`` as data."""
+    meta = torch.empty(tuple(value.shape), dtype=value.dtype, device=_META)
+    return LazyTensor(Cell(meta, value), requires_grad=requires_grad)
 
 
 def _sync_outside_dispatch() -> None:
@@ -271,8 +331,8 @@ def _sync_outside_dispatch() -> None:
     for this thread, functorch's ``vmap`` (which the LocalMesh runs on) among them; a thread
     starts with none excluded.
     """
-    from partita.virtual.step import sync
-
+    sync = _Above.sync
+    assert sync is not None, "partita.virtual connects the lazy tensor at import"
     if not torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.FuncTorchBatched):
         sync()
         return
@@ -284,13 +344,13 @@ def _sync_outside_dispatch() -> None:
         except BaseException as e:  # re-raised in the caller's thread
             errors.append(e)
 
-    worker = threading.Thread(target=run, name="partita-sync")
-    held = DEVICE._release_save()  # type: ignore[attr-defined]  # the worker's sync takes it
-    try:
+    # The caller's context goes along: partita.options.using(...) blocks apply to the sync.
+    worker = threading.Thread(
+        target=contextvars.copy_context().run, args=(run,), name="partita-sync"
+    )
+    with state.device_released():  # the worker's sync takes the device lock
         worker.start()
         worker.join()
-    finally:
-        DEVICE._acquire_restore(held)  # type: ignore[attr-defined]
     if errors:
         raise errors[0]
 
@@ -306,6 +366,28 @@ def full_value(t: LazyTensor) -> torch.Tensor:
     return value
 
 
+def held_value(t: LazyTensor) -> ShardedTensor:
+    """The value of ``t`` as the ShardedTensor the device holds, syncing when it is pending
+    (no gather and no copy: a replicated plain value is viewed once per device)."""
+    cell = t._cell
+    if cell.is_pending:
+        _sync_outside_dispatch()
+    data = cell.data
+    if isinstance(data, ShardedTensor):
+        return data
+    assert data is not None  # a synced cell always holds data
+    mesh = state.get().mesh
+    if mesh is None:
+        raise VirtualDeviceError(
+            "The virtual device has no mesh: a tensor on 'spmd' was used before "
+            "partita.use_spmd(mesh). Call dev = partita.use_spmd(mesh) first."
+        )
+    sharding = Sharding.replicated(mesh, data.ndim)
+    if dist.is_available() and dist.is_initialized():  # this process's device only
+        return DistributedShardedTensor(data, sharding, data.shape, dist.get_rank())
+    return ShardedTensor.from_held(data, (False,) * len(mesh.shape), sharding, data.shape)
+
+
 def lazies(x: Any) -> list[LazyTensor]:
     """The LazyTensors in ``x`` (nested lists, tuples and dicts), in order."""
     if isinstance(x, LazyTensor):
@@ -315,8 +397,3 @@ def lazies(x: Any) -> list[LazyTensor]:
     if isinstance(x, dict):
         return [t for v in x.values() for t in lazies(v)]
     return []
-
-
-def next_serial() -> int:
-    """A number above every cell's ``serial`` so far (cells made later have higher ones)."""
-    return next(_SERIALS)

@@ -28,14 +28,14 @@ from torch.utils import _pytree as pytree
 from partita.capture.annotate import record
 from partita.capture.source import format_source, user_frame
 from partita.capture.trace import broadcast_specs
-from partita.errors import ShardMapError
+from partita.errors import ShardMapError, VirtualDeviceError
 from partita.mesh import Mesh
 from partita.spec import P, as_spec
 from partita.tensor import ShardedTensor
 from partita.virtual import step
-from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
-from partita.virtual.lazy import LazyTensor
-from partita.virtual.recording import new_data, record_annotation
+from partita.virtual.lazy import LazyTensor, new_data
+from partita.virtual.recording import record_annotation
+from partita.virtual.state import DEVICE_NAME
 
 __all__ = ["annotate_pending", "in_specs_from_data", "on_device"]
 

@@ -1,9 +1,12 @@
-"""``mark_sharding`` on a virtual-device tensor: in place, on data or on a pending value.
+"""``mark_sharding`` and ``clear_sharding`` on a virtual-device tensor: in place.
 
 On a tensor holding data the bytes are laid out over the mesh now (sliced, short shards zero
 padded; the Python object, an ``nn.Parameter`` included, stays the same); on a pending tensor
 an annotation is recorded, which propagation treats as it treats ``mark_sharding`` inside
-``partita.jit``. This module does not record other ops or compile.
+``partita.jit``. The annotation rules are a ShardedTensor's (docs/virtual-device.md, "Device
+tensors and ShardedTensors"): the same sharding again is a no-op, another one raises until
+``clear_sharding``, after which the next ``mark_sharding`` re-lays the tensor out in place. This
+module does not record other ops or compile.
 """
 
 from __future__ import annotations
@@ -11,15 +14,16 @@ from __future__ import annotations
 from typing import Any
 
 from partita import capture
+from partita.annotations import annotation_conflict
+from partita.errors import VirtualDeviceError
 from partita.mesh import Mesh
 from partita.spec import as_spec
 from partita.tensor import ShardedTensor
 from partita.virtual import step
-from partita.virtual.device import VirtualDeviceError
 from partita.virtual.lazy import LazyTensor, full_value
 from partita.virtual.recording import record_annotation
 
-__all__ = ["mark_in_place"]
+__all__ = ["clear_in_place", "mark_in_place"]
 
 
 def mark_in_place(t: LazyTensor, mesh: Mesh, spec: Any) -> LazyTensor:
@@ -41,8 +45,33 @@ def mark_in_place(t: LazyTensor, mesh: Mesh, spec: Any) -> LazyTensor:
     sharding = as_spec(spec).to_sharding(mesh, t.ndim)
     sharding.check_shape(t.shape)
     cell = t._cell
+    if cell.annotation is not None:
+        if cell.annotation == sharding:
+            return t
+        raise annotation_conflict(
+            t.shape, cell.annotation, sharding, mesh, "mark a copy (x.clone()) instead"
+        )
     if cell.is_pending:
         record_annotation(t, capture.annotate, mesh, sharding.spec)
-        return t
-    cell.data = ShardedTensor.from_global(full_value(t), sharding)
+    else:
+        data = cell.data
+        if not (isinstance(data, ShardedTensor) and data.sharding == sharding):
+            # (already in this layout, e.g. a batch moved from make_global: nothing moves)
+            cell.data = ShardedTensor.from_global(full_value(t), sharding)
+    cell.annotation = sharding
+    return t
+
+
+def clear_in_place(t: LazyTensor) -> LazyTensor:
+    """Remove ``t``'s annotation in place and return ``t``: no data moves, and the next
+    ``mark_sharding`` may choose any sharding of the device's mesh.
+
+    Example:
+        >>> mesh = Mesh.create((2, 4), ("data", "model"))
+        >>> w = torch.ones(8, 4, device=partita.use_spmd(mesh))
+        >>> _ = partita.mark_sharding(w, mesh, P("data", None))
+        >>> partita.clear_sharding(w).is_annotated
+        False
+    """
+    t._cell.annotation = None
     return t

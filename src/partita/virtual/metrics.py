@@ -32,6 +32,10 @@ class Metrics:
         compiled_step_replays: calls of a ``partita.compile`` step that replayed its captured
             program instead of running the function.
         compiled_steps: per ``partita.compile`` function, one line: captured, or why not.
+        upload_bytes: bytes of host data put on the device: CPU tensors copied in
+            (``x.to(dev)``: the whole tensor, in every process) and ShardedTensors moved there
+            (``make_global(..., device=dev)``: under torch.distributed only this process's
+            shard).
     """
 
     compiles: int = 0
@@ -46,12 +50,13 @@ class Metrics:
     run_seconds: float = 0.0
     compiled_step_replays: int = 0
     compiled_steps: dict[str, str] = field(default_factory=dict)
+    upload_bytes: int = 0
 
     def __str__(self) -> str:
         lines = [
             f"compiles={self.compiles} cache_hits={self.cache_hits} disk_hits={self.disk_hits} "
             f"syncs={self.syncs} ops_recorded={self.ops_recorded} "
-            f"fast_path_hits={self.fast_path_hits} "
+            f"fast_path_hits={self.fast_path_hits} upload_bytes={self.upload_bytes} "
             f"compile={self.compile_seconds:.2f}s run={self.run_seconds:.2f}s"
         ]
         if self.compiled_steps:

@@ -1,31 +1,28 @@
 """One compiled step of the virtual device: compile a replay function, run it on the mesh.
 
-:func:`compile_step` drives the ordinary pipeline, the way ``partita.jit`` does for one input
-signature: ``capture.trace`` (inputs annotated with their data's sharding, plain tensors
-replicated), ``propagate``, ``partition``. :meth:`StepProgram.run` feeds the per-device program
-the inputs' stacked shards on the LocalMesh (or this rank's shards under torch.distributed) and
-returns the results and the new values of the inputs updated in place, as ShardedTensors.
-This module holds no sharding logic and does not record ops.
+:func:`compile_step` calls the compile pipeline (:func:`partita.pipeline.compile_function`), as
+``partita.jit`` does for one input signature: inputs annotated with their data's sharding,
+plain tensors replicated, with the step's :class:`~partita.options.CompileOptions`.
+:meth:`StepProgram.run` feeds the per-device program the inputs' stacked shards on the
+LocalMesh (or this rank's shards under torch.distributed) and returns the results and the new
+values of the inputs updated in place, as ShardedTensors. This module holds no sharding logic
+and does not record ops.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import fx
-from torch.utils import _pytree as pytree
 
-from partita import capture
 from partita.capture.rng import random_ops
-from partita.explain import format_program
-from partita.jit import Compiled
 from partita.mesh import Mesh
-from partita.partition import partition
-from partita.propagate import propagate
+from partita.options import CompileOptions
+from partita.pipeline import Compiled, compile_function
 from partita.runtime.executor import executor_for
 from partita.spec import P, Sharding
 from partita.tensor import ShardedTensor
@@ -44,6 +41,8 @@ class StepProgram:
         mutated_inputs: inputs the step updates in place (their new values follow the results).
         n_results: how many outputs are results (the values of the live tensors).
         compiled: the jit form, for the distributed executor (None when read from disk).
+        options: the options it was compiled with (the executors read ``inductor`` here;
+            set again when read from disk, whose key holds them).
     """
 
     local: fx.GraphModule
@@ -54,6 +53,7 @@ class StepProgram:
     mutated_inputs: tuple[int, ...]
     n_results: int
     compiled: Compiled | None = None
+    options: CompileOptions = field(default_factory=CompileOptions)
 
     @functools.cached_property
     def draws_random(self) -> bool:
@@ -79,27 +79,23 @@ class StepProgram:
 
 
 def compile_step(
-    replay: Callable[..., list[torch.Tensor]], inputs: Sequence[Any], mesh: Mesh
+    replay: Callable[..., list[torch.Tensor]],
+    inputs: Sequence[Any],
+    mesh: Mesh,
+    options: CompileOptions,
 ) -> StepProgram:
-    """Trace ``replay(*inputs)``, propagate and partition it for ``mesh``."""
+    """Compile ``replay(*inputs)`` for ``mesh`` with ``options`` (the compile pipeline)."""
     specs = [x.spec if isinstance(x, ShardedTensor) else P() for x in inputs]
-    examples = tuple(
-        torch.empty(x.shape, dtype=x.dtype) if isinstance(x, ShardedTensor) else x for x in inputs
-    )
-    prog = capture.trace(replay, examples, mesh=mesh, in_specs=tuple(specs))
-    propagate(prog.graph_module, mesh)
-    local, plan = partition(prog.graph_module, mesh)
-    plan.program_text = format_program(prog.graph_module)
-    (out_node,) = [n for n in prog.graph_module.graph.nodes if n.op == "output"]
-    shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
-    compiled = Compiled(prog, local, plan, plan.input_shardings, plan.output_shardings, shapes)
+    compiled = compile_function(replay, tuple(inputs), {}, mesh=mesh, specs=specs, options=options)
+    prog = compiled.program
     return StepProgram(
-        local=local,
-        input_shardings=list(plan.input_shardings),
-        output_shardings=list(plan.output_shardings),
-        output_shapes=shapes,
+        local=compiled.local,
+        input_shardings=list(compiled.input_shardings),
+        output_shardings=list(compiled.output_shardings),
+        output_shapes=compiled.output_shapes,
         constants=tuple(prog.constants),
         mutated_inputs=tuple(prog.mutated_inputs),
         n_results=prog.num_results,
         compiled=compiled,
+        options=options,
     )

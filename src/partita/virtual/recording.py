@@ -1,8 +1,7 @@
-"""Recording: every op on the virtual device appends to the current step's op list.
+"""The recording: the ops of the current step, in order, with their inputs and lifted floats.
 
-:func:`dispatch` is what ``LazyTensor.__torch_dispatch__`` calls. A few ops run at once
-(:mod:`partita.virtual.immediate`); the others are *recorded*: the op joins the current
-:class:`Recording` as ``(op, argument template, output slots)``, where a template refers to
+:mod:`partita.virtual.dispatch` appends every recorded op to the current :class:`Recording` as
+``(op, argument template, output slots)``, where a template refers to
 earlier values by slot, to lifted Python floats by index, and holds every other argument as a
 constant. Tensors enter a recording as *inputs*: a data cell of the virtual device, or a CPU
 tensor used by an op (copied when recorded, so a later in-place change, such as a scheduler
@@ -13,7 +12,9 @@ on the fast path, from the :class:`Guide`: the step that last followed the same 
 this one is checked against op by op. The structural key of a recording
 (:meth:`Recording.key`) holds ops, constants, shapes, dtypes and input shardings but not the
 lifted floats, so a learning rate or Adam's bias corrections that change every step leave the
-key unchanged. This module does not compile.
+key unchanged. The current recording and the guides live in the device's state
+(:mod:`partita.virtual.state`). This module does not compile, and does not decide what to
+record (:mod:`partita.virtual.dispatch` does).
 """
 
 from __future__ import annotations
@@ -25,31 +26,25 @@ from typing import Any
 
 import torch
 
+from partita.errors import VirtualDeviceError
 from partita.tensor import ShardedTensor
-from partita.virtual import draws, why
-from partita.virtual.device import DEVICE_NAME, VirtualDeviceError
+from partita.virtual import draws, state, why
 from partita.virtual.guide import Guide
-from partita.virtual.immediate import new_data, run_now
-from partita.virtual.lazy import DEVICE, Cell, LazyTensor, lazies
-from partita.virtual.lift import lift_extras
-from partita.virtual.shapes import infer, op_info
+from partita.virtual.lazy import Cell, LazyTensor
 from partita.virtual.sources import Source, op_source
+from partita.virtual.state import DEVICE, DEVICE_NAME
 
 __all__ = [
-    "FAST_PATH",
     "Guide",
     "Recording",
     "build",
     "current",
-    "dispatch",
     "forget_guides",
-    "new_data",
     "record_annotation",
     "remember",
     "reset",
 ]
 
-aten = torch.ops.aten
 _CPU = torch.device("cpu")
 _PLAIN = frozenset({int, bool, type(None), str, torch.dtype, torch.memory_format, torch.layout})
 
@@ -217,14 +212,10 @@ class Recording:
         )  # fmt: skip
 
 
-_STATE: dict[str, Any] = {"epoch": 0, "recording": None, "last": None}
-#: The recording that followed each program last time, by ``id(program)``: a loop that
-#: alternates between programs (accumulation micro-steps, evaluation) is guided by each.
-_GUIDES: dict[int, Guide] = {}
+#: Guides kept at most (``DeviceState.guides``: the recording that followed each program last
+#: time, by ``id(program)``, so a loop alternating between programs, accumulation micro-steps
+#: or evaluation, is guided by each).
 _GUIDE_LIMIT = 128
-#: Check each recording against its guide (the cache-hit fast path); False records every step
-#: in full (the bench compares both).
-FAST_PATH = True
 
 
 def build(template: Any, env: dict[int, Any], scalars: Sequence[Any]) -> Any:
@@ -241,50 +232,48 @@ def build(template: Any, env: dict[int, Any], scalars: Sequence[Any]) -> Any:
 
 
 def current() -> Recording:
-    """The recording of the step being recorded now."""
-    rec = _STATE["recording"]
+    """The recording of the step being recorded now (``DeviceState.fast_path`` False: never
+    guided, every step recorded in full)."""
+    device = state.get()
+    rec = device.recording
     if rec is None:
-        _STATE["epoch"] += 1
-        last = _STATE["last"]
-        guide = None if last is None or not FAST_PATH else _GUIDES.get(id(last.program), last)
-        rec = _STATE["recording"] = Recording(_STATE["epoch"], guide=guide)
-    return rec
+        device.epoch += 1
+        last = device.last_guide
+        guide = (
+            None
+            if last is None or not device.fast_path
+            else device.guides.get(id(last.program), last)
+        )
+        rec = device.recording = Recording(device.epoch, guide=guide)
+    return rec  # type: ignore[no-any-return]
 
 
 def reset() -> Recording | None:
     """End the current recording (a sync does this) and return it."""
-    rec, _STATE["recording"] = _STATE["recording"], None
+    device = state.get()
+    rec, device.recording = device.recording, None
     draws.reset()
-    return rec
+    return rec  # type: ignore[no-any-return]
 
 
 def remember(guide: Guide) -> None:
     """After a sync: ``guide`` is the step just run; it follows the previous step's program."""
-    last = _STATE["last"]
+    device = state.get()
+    last = device.last_guide
     if last is not None:
-        if len(_GUIDES) >= _GUIDE_LIMIT:
-            _GUIDES.clear()
-        _GUIDES[id(last.program)] = guide
-    _STATE["last"] = guide
+        if len(device.guides) >= _GUIDE_LIMIT:
+            device.guides.clear()
+        device.guides[id(last.program)] = guide
+    device.last_guide = guide
 
 
 def forget_guides() -> None:
     """Drop every guide (the mesh changed: their programs are for another mesh)."""
-    _GUIDES.clear()
-    _STATE["last"] = None
-    if _STATE["recording"] is not None:
-        _STATE["recording"].guide = None
-
-
-def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run (rarely) or record (usually) one aten op on LazyTensors."""
-    if op_info(func).runs_now or "out" in kwargs:
-        result = run_now(func, args, kwargs, current())
-        if result is not NotImplemented:
-            return result
-    if draws.is_random(func):  # a draw checkpoint's recomputation repeats (virtual/draws.py)
-        return draws.record_draw(func, args, kwargs, _record)
-    return _record(func, args, kwargs)
+    device = state.get()
+    device.guides.clear()
+    device.last_guide = None
+    if device.recording is not None:
+        device.recording.guide = None
 
 
 def record_annotation(t: LazyTensor, annotate: Any, mesh: Any, spec: Any) -> None:
@@ -299,102 +288,3 @@ def record_annotation(t: LazyTensor, annotate: Any, mesh: Any, spec: Any) -> Non
             rec.sources.append(op_source(rec.forward_sources))
         rec.ops.append(entry)
         rec.results.append(None)
-
-
-def _record(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    rec = current()
-    info = op_info(func)
-    lifted = info.lifted
-    like = torch.float64
-    if lifted:
-        first = args[0][0] if type(args[0]) in (list, tuple) and args[0] else args[0]  # foreach
-        if isinstance(first, torch.Tensor) and first.is_floating_point():
-            like = first.dtype  # a Python number meets a float tensor in the tensor's dtype
-    targs = tuple(rec.template(a, i in lifted, like) for i, a in enumerate(args))
-    tkwargs = tuple((k, rec.template(v, k in lifted, like)) for k, v in kwargs.items())
-    if lifted:
-        tkwargs += lift_extras(func, args, kwargs)
-    view_base: Cell | None = None
-    if info.is_view and args:
-        first = args[0] if isinstance(args[0], LazyTensor) else next(iter(lazies(args[0])), None)
-        view_base = None if first is None else first._cell
-    entry = rec.follow(func, targs, tkwargs)
-    if entry is not None:
-        description = rec.guide.results[len(rec.ops)]  # type: ignore[union-attr]
-        result = _from_description(description, rec, args, kwargs, view_base)
-    else:
-        result, outs, description = _infer_results(rec, func, args, kwargs, lifted, view_base)
-        entry = (func, targs, tkwargs, tuple(outs))
-        rec.sources.append(op_source(rec.forward_sources))  # the fast path's are its guide's
-    for t in info.mutated(func, args, kwargs):
-        t._cell.base.dirty = True
-    rec.ops.append(entry)
-    rec.results.append(description)
-    return result
-
-
-def _new_result(rec: Recording, meta: Any, desc: Any, view_base: Cell | None) -> LazyTensor:
-    cell = Cell(meta, base=view_base, desc=desc)
-    cell.epoch, cell.slot = rec.epoch, rec.new_slot()
-    t = LazyTensor(cell)
-    rec.live.append((weakref.ref(t), cell))
-    return t
-
-
-def _infer_results(
-    rec: Recording,
-    func: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    lifted: frozenset[int | str],
-    view_base: Cell | None,
-) -> tuple[Any, list[int | None], Any]:
-    """The op's results by shape inference: the results, their slots and their description
-    (how the fast path makes them again: ``("new", desc)``, ``("arg", i)`` for the i-th
-    LazyTensor argument returned by an in-place op, ``("value", v)``, ``("seq", type, ...)``)."""
-    meta_out = infer(func, args, kwargs, lifted)
-    found = lazies((args, kwargs))
-    by_meta = {id(t._cell.meta): (i, t) for i, t in enumerate(found)}
-    outs: list[int | None] = []
-
-    def wrap(m: Any) -> tuple[Any, Any]:
-        if not isinstance(m, torch.Tensor):
-            outs.append(None)
-            return m, ("value", m)
-        same = by_meta.get(id(m))
-        if same is not None:  # an in-place op returns its argument
-            outs.append(same[1]._cell.slot)
-            return same[1], ("arg", same[0])
-        t = _new_result(rec, m, None, view_base)
-        outs.append(t._cell.slot)
-        return t, ("new", t._cell.desc)
-
-    if isinstance(meta_out, (list, tuple)):
-        pairs = [wrap(m) for m in meta_out]
-        result: Any = type(meta_out)(r for r, _ in pairs)
-        description: Any = ("seq", type(meta_out), tuple(d for _, d in pairs))
-    else:
-        result, description = wrap(meta_out)
-    return result, outs, description
-
-
-def _from_description(
-    description: Any,
-    rec: Recording,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    view_base: Cell | None,
-) -> Any:
-    """The op's results made again from the guide (the slots come out as the guide's)."""
-    kind = description[0]
-    if kind == "new":
-        return _new_result(rec, None, description[1], view_base)
-    if kind == "arg":  # an in-place op: almost always its first argument
-        if description[1] == 0 and isinstance(args[0], LazyTensor):
-            return args[0]
-        return lazies((args, kwargs))[description[1]]
-    if kind == "seq":
-        return description[1](
-            _from_description(d, rec, args, kwargs, view_base) for d in description[2]
-        )
-    return description[1]

@@ -4,7 +4,7 @@
 the op and its arguments' metadata (a training loop repeats the same calls every step, and
 running an op on meta tensors costs far more than the rest of recording). :func:`op_info` holds
 what an op's schema says once per op: which arguments it writes, whether it returns a view.
-This module does not record ops; :mod:`partita.virtual.recording` does.
+This module does not record ops; :mod:`partita.virtual.dispatch` does.
 """
 
 from __future__ import annotations
@@ -15,10 +15,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from partita.virtual.device import DEVICE_NAME
-from partita.virtual.immediate import RUNS_NOW, returns_values
 from partita.virtual.lazy import LazyTensor, lazies
 from partita.virtual.lift import liftable_positions
+from partita.virtual.state import DEVICE_NAME
 
 __all__ = ["OpInfo", "infer", "op_info", "to_meta"]
 
@@ -36,14 +35,12 @@ class OpInfo:
             stats, which its schema does not mark, are added by :meth:`mutated`).
         write_names: the names of those arguments (when passed by keyword).
         is_view: the first result aliases the first argument (a view).
-        runs_now: the op may run at once (:mod:`partita.virtual.immediate`).
     """
 
     lifted: frozenset[int | str]
     writes: tuple[int, ...]
     write_names: tuple[str, ...]
     is_view: bool
-    runs_now: bool
 
     def mutated(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
         """The LazyTensors the op writes to."""
@@ -84,7 +81,6 @@ def op_info(func: Any) -> OpInfo:
             is_view=bool(
                 returns and returns[0].alias_info is not None and not returns[0].alias_info.is_write
             ),
-            runs_now=func in RUNS_NOW or returns_values(func),
         )
         try:
             setattr(func, _ATTRIBUTE, info)

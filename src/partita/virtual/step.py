@@ -9,7 +9,8 @@ annotations from ``mark_sharding`` and the input shardings decide every other sh
 
 On the LocalMesh the run is submitted to a background thread and ``sync`` returns: the next
 step records meanwhile, its values are *in flight* (reading one, or the next sync, waits).
-Under torch.distributed the run happens before ``sync`` returns.
+Under torch.distributed the run happens before ``sync`` returns. Whether steps run in the
+background is ``DeviceState.run_in_background`` (:mod:`partita.virtual.state`).
 
 Programs are cached by the recording's structural key (:meth:`Recording.key`): a cache hit
 builds no fx graph, and a step that repeated its guide op by op (the fast path, see
@@ -21,9 +22,7 @@ left the fast path the first op or input that differed.
 
 from __future__ import annotations
 
-import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -32,15 +31,16 @@ from typing import Any
 import torch
 
 from partita.capture.source import pin_source
-from partita.errors import RecompileWarning, warn
+from partita.errors import RecompileWarning, VirtualDeviceError, warn
 from partita.mesh import Mesh
+from partita.options import CompileOptions
+from partita.options import current as current_options
 from partita.recompile import RECOMPILE_WARNING_AT
 from partita.relayout import reshard
 from partita.runtime.distributed import distributed_executor
 from partita.tensor import ShardedTensor
-from partita.virtual import disk_cache, recording
-from partita.virtual.device import VirtualDeviceError
-from partita.virtual.lazy import DEVICE, Cell
+from partita.virtual import disk_cache, recording, state
+from partita.virtual.lazy import Cell
 from partita.virtual.lift import replay_op
 from partita.virtual.metrics import MISSES_KEPT, Metrics
 from partita.virtual.program import StepProgram, compile_step
@@ -48,7 +48,6 @@ from partita.virtual.sources import stack_entries
 from partita.virtual.why import recompile_reason, recompile_warning
 
 __all__ = [
-    "RUN_IN_BACKGROUND",
     "LastSync",
     "Metrics",
     "current_mesh",
@@ -82,26 +81,24 @@ class LastSync:
     out_cells: list[Cell]
 
 
-_STATE: dict[str, Any] = {"mesh": None, "metrics": Metrics(), "last_sync": None}
-_CACHE: OrderedDict[Hashable, StepProgram] = OrderedDict()
-
-
 def set_mesh(mesh: Mesh) -> None:
     """The mesh the virtual device's programs run on (``use_spmd`` sets it)."""
-    if _STATE["mesh"] is not None and _STATE["mesh"] != mesh:
-        _CACHE.clear()
+    device = state.get()
+    if device.mesh is not None and device.mesh != mesh:
+        device.programs.clear()
         recording.forget_guides()
-    _STATE["mesh"] = mesh
+    device.mesh = mesh
 
 
 def current_mesh() -> Mesh | None:
     """The virtual device's mesh, or None before ``use_spmd``."""
-    return _STATE["mesh"]
+    device = state.existing()
+    return None if device is None else device.mesh
 
 
 def mesh() -> Mesh:
     """The virtual device's mesh (raises when ``use_spmd`` was not called)."""
-    m = _STATE["mesh"]
+    m = current_mesh()
     if m is None:
         raise VirtualDeviceError(
             "The virtual device has no mesh: a tensor on 'spmd' was used before "
@@ -118,15 +115,17 @@ def metrics(reset: bool = False) -> Metrics:
         >>> m.compiles >= 0
         True
     """
-    m = _STATE["metrics"]
+    device = state.get()
+    m = device.metrics
     if reset:
-        _STATE["metrics"] = Metrics()
+        device.metrics = Metrics()
     return m
 
 
 def last_sync() -> LastSync | None:
     """The step the last :func:`sync` ran (None before the first)."""
-    return _STATE["last_sync"]
+    device = state.existing()
+    return None if device is None else device.last_sync  # type: ignore[no-any-return]
 
 
 def _replay_fn(rec: recording.Recording, outputs: list[int]) -> Callable[..., list[torch.Tensor]]:
@@ -178,19 +177,24 @@ def sync() -> None:
     Example:
         >>> partita.sync()   # nothing recorded: nothing runs
     """
-    with DEVICE:  # no op is recorded from another thread while the recording is taken
-        _sync()
+    device = state.existing()
+    if device is None or device.recording is None:
+        return  # nothing recorded (or use_spmd never called)
+    with state.DEVICE:  # no op is recorded from another thread while the recording is taken
+        if device.recording is not None:  # not taken by another thread's sync meanwhile
+            _sync(device)
 
 
-def _sync() -> None:
+def _sync(device: state.DeviceState) -> None:
     pending = recording.current()
     if not pending.ops:
         return
     mesh()  # raises before the recording is taken when use_spmd was never called
     rec = recording.reset()
     assert rec is pending
-    wait_in_flight()  # the previous step's values are this step's inputs
-    m: Metrics = _STATE["metrics"]
+    device.wait_in_flight()  # the previous step's values are this step's inputs
+    m: Metrics = device.metrics
+    cache = device.programs
     m.syncs += 1
     m.ops_recorded += len(rec.ops)
     out_cells = _outputs(rec)
@@ -198,12 +202,14 @@ def _sync() -> None:
     described = rec.described_inputs()
     inputs = _inputs(rec)
     guide = rec.guide
+    options = current_options()
     if (
         guide is not None
+        and guide.key[-1] == options.key()  # the options are part of the key
         and rec.repeats_guide(out_slots, described)
         # Only while its program is cached (an evicted or cleared program is compiled or read
         # from disk again, as any miss).
-        and any(p is guide.program for p in _CACHE.values())
+        and any(p is guide.program for p in cache.values())
     ):
         # The fast path: the step repeated the guide's ops and inputs, so it has the guide's
         # key; nothing to hash.
@@ -211,16 +217,16 @@ def _sync() -> None:
         m.cache_hits += 1
         m.fast_path_hits += 1
     else:
-        key = (rec.key(described), out_slots, len(rec.scalars))
-        program = _CACHE.get(key)
+        key = (rec.key(described), out_slots, len(rec.scalars), options.key())
+        program = cache.get(key)
         if program is None:
             started = time.perf_counter()
             # A reason for every compilation after the first one these metrics count (the
             # cache may hold programs of earlier, unrelated loops: the first compile is not a
             # recompile).
-            reason = recompile_reason(key, list(_CACHE), rec) if _CACHE and m.compiles else None
+            reason = recompile_reason(key, list(cache), rec) if cache and m.compiles else None
             compiles = m.compiles
-            program = _compile(rec, out_cells, key, inputs)
+            program = _compile(rec, out_cells, key, inputs, options)
             if reason and m.compiles > compiles:
                 m.recompile_reasons.append(reason)
             m.compile_seconds += time.perf_counter() - started
@@ -230,7 +236,7 @@ def _sync() -> None:
                 )
                 warn(text, RecompileWarning)
         else:
-            _CACHE.move_to_end(key)
+            cache.move_to_end(key)
             m.cache_hits += 1
     if rec.miss is not None:
         m.fast_path_misses.append(rec.miss)
@@ -244,7 +250,7 @@ def _sync() -> None:
             value.base.dirty = False
     for cell in out_cells:
         cell.slot = None
-    _STATE["last_sync"] = LastSync(rec, key, program, inputs, out_cells)
+    device.last_sync = LastSync(rec, key, program, inputs, out_cells)
     submit(program, inputs, out_cells, [value for _, value in rec.inputs])
 
 
@@ -263,26 +269,22 @@ def submit(
         if isinstance(input_cells[i], Cell):
             input_cells[i].in_flight = True
     run = _Run(program, inputs, out_cells, input_cells)
+    device = state.get()
+    device.last_program = program  # partita.last_plan() (partita.virtual.plans)
     # A step that draws random numbers runs now: in the background its draws would take the
     # CPU generator from whatever the Python thread draws meanwhile (the next batch's
     # torch.randn), not from where eager PyTorch takes them.
-    if RUN_IN_BACKGROUND and distributed_executor(mesh()) is None and not program.draws_random:
+    background = device.run_in_background and distributed_executor(mesh()) is None
+    if background and not program.draws_random:
         # Recording the next step (Python) overlaps this step's run; reading a value it
         # computes, or the next sync, waits for it.
-        if not _POOL:
-            _POOL.append(ThreadPoolExecutor(1, thread_name_prefix="partita-step"))
-        run.future = _POOL[0].submit(run.execute)
-        _IN_FLIGHT.append(run)
+        if device.pool is None:
+            device.pool = ThreadPoolExecutor(1, thread_name_prefix="partita-step")
+        run.future = device.pool.submit(run.execute)
+        device.in_flight.append(run)
     else:
         run.execute()
         run.finish()
-
-
-#: Run each step in a background thread (LocalMesh only): the next step records meanwhile.
-RUN_IN_BACKGROUND = True
-_POOL: list[ThreadPoolExecutor] = []
-_IN_FLIGHT: list[_Run] = []
-_FINISHING = threading.RLock()
 
 
 class _Run:
@@ -314,7 +316,7 @@ class _Run:
                     cell.in_flight = False
         assert self.outputs is not None
         results, updates = self.outputs
-        _STATE["metrics"].run_seconds += self.seconds
+        state.get().metrics.run_seconds += self.seconds
         for cell, value in zip(self.out_cells, results, strict=True):
             cell.data = value
         for i, value in updates:  # in-place updates of data: the cell (the Parameter) is kept
@@ -325,11 +327,9 @@ class _Run:
 
 def wait_in_flight() -> None:
     """Wait for the step running in the background, if any, and hand out its values."""
-    # One thread hands the values out; another thread reading a value meanwhile waits for it
-    # here (else it could find the run taken off the list and its cells not filled yet).
-    with _FINISHING:
-        while _IN_FLIGHT:
-            _IN_FLIGHT.pop(0).finish()
+    device = state.existing()
+    if device is not None:
+        device.wait_in_flight()
 
 
 def _keep_layout(old: Any, new: ShardedTensor) -> Any:
@@ -363,20 +363,26 @@ def _inputs(rec: recording.Recording) -> list[Any]:
 
 
 def _compile(
-    rec: recording.Recording, out_cells: list[Cell], key: Hashable, inputs: list[Any]
+    rec: recording.Recording,
+    out_cells: list[Cell],
+    key: Hashable,
+    inputs: list[Any],
+    options: CompileOptions,
 ) -> StepProgram:
-    m: Metrics = _STATE["metrics"]
+    device = state.get()
+    m: Metrics = device.metrics
     # Under torch.distributed every rank compiles (the executor checks the programs agree).
     local = distributed_executor(mesh()) is None
     program = disk_cache.load(key, mesh()) if local else None
     if program is not None:
+        program.options = options  # the key it was found by holds options.key()
         m.disk_hits += 1
     else:
         replay = _replay_fn(rec, [c.slot for c in out_cells])  # type: ignore[misc]
-        program = compile_step(replay, inputs, mesh())
+        program = compile_step(replay, inputs, mesh(), options)
         m.compiles += 1
         disk_cache.save(key, mesh(), program)
-    _CACHE[key] = program
-    if len(_CACHE) > CACHE_LIMIT:
-        _CACHE.popitem(last=False)
+    device.programs[key] = program
+    if len(device.programs) > CACHE_LIMIT:
+        device.programs.popitem(last=False)
     return program

@@ -53,6 +53,8 @@ def recompile_reason(key: Hashable, cached: list[Hashable], rec: Any) -> str:
             f"the step records {len(ops_new)} ops on {len(in_new)} inputs, the closest "
             f"cached program {len(ops_old)} ops on {len(in_old)} inputs"
         )
+    if key[3:] != closest[3:]:  # type: ignore[index]
+        return "the options changed (partita.options: a using() block, PARTITA_* variables)"
     return "the set of tensors alive at the sync changed (different outputs)"
 
 

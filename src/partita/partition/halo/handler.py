@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -41,13 +41,10 @@ from partita.partition.halo.pooling import (
     pool_args,
 )
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 from partita.spec import Sharding
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
-
 
 # --- the handler -----------------------------------------------------------------------------
 
@@ -56,7 +53,7 @@ def _cin_axes(rule: FactorRule, assign: Assign) -> tuple[str, ...]:
     return tuple(a for f in rule.reduction_factors for a in assign.get(f, ()))
 
 
-def _applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     op = read_op(node)
     if sharded_windowed_dims(rule, op, assign):
         return True

@@ -4,7 +4,7 @@ sharded - one all_reduce of per-channel sums forward and one backward."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -13,6 +13,7 @@ from torch.fx.proxy import Proxy
 from partita.layout import local_shape
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import (
     Assign,
     acc_dtype,
@@ -23,10 +24,6 @@ from partita.partition.special.common import (
 )
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
-
 
 # --- batch_stats: batch norm in training mode (SyncBatchNorm) ------------------------------------
 
@@ -43,7 +40,7 @@ def _bn_reduced(
     return dims, tuple(axes)
 
 
-def _bn_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _bn_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     x_index = 1 if node.target == aten.native_batch_norm_backward.default else 0
     return bool(_bn_reduced(node, rule, assign, x_index)[1])
 

@@ -4,16 +4,14 @@ emit goes through ``partition.emit``.)"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 
+from partita.partition.lowering_api import LoweringAPI
 from partita.rules import FactorRule
 from partita.spec import Sharding
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 __all__ = ["acc_dtype", "axes_of", "fake_value", "operand_sharding"]
 
@@ -32,7 +30,7 @@ def axes_of(rule: FactorRule, tensor: int, dim: int, assign: Assign) -> tuple[st
     return tuple(a for f in factors[dim] for a in assign.get(f, ()))
 
 
-def operand_sharding(low: Lowering, rule: FactorRule, i: int, assign: Assign) -> Sharding:
+def operand_sharding(low: LoweringAPI, rule: FactorRule, i: int, assign: Assign) -> Sharding:
     factors = rule.operands[i]
     assert factors is not None
     return Sharding(low.mesh, low.dims_of(factors, assign))

@@ -11,7 +11,7 @@ tile, no communication.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -19,15 +19,13 @@ from torch.fx.proxy import Proxy
 
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
-
-def _always(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _always(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return True  # a replicated tile can be strided too (the stride-0 gradient of a sum)
 
 

@@ -3,22 +3,18 @@ vocabulary sharded - local lookups of this shard's rows, the rest zeroed (a part
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy
 
+from partita import node_meta
 from partita.layout import ceil_div
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
-
 
 # --- masked_embedding ---------------------------------------------------------------------------
 
@@ -40,11 +36,11 @@ def _vocab_axes(node: fx.Node, rule: FactorRule, assign: Assign) -> tuple[str, .
         # propagation's choice is in the node's meta.
         if bool(node.args[4] if len(node.args) > 4 else False):
             return ()  # scale_grad_by_freq counts ids globally: compute whole (generic)
-        return tuple(node.meta.get("factor_axes", {}).get(v, ()))
+        return tuple(node_meta.factor_axes(node).get(v, ()))
     return assign.get(v, ())
 
 
-def _embedding_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _embedding_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return bool(_vocab_axes(node, rule, assign))
 
 

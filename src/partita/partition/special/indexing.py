@@ -11,7 +11,7 @@ This module emits the masks and the local op; it decides no sharding.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -20,18 +20,16 @@ from torch.utils import _pytree as pytree
 
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 _INDEX_DTYPES = (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
 def _sharded_index_dims(
-    low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign
+    low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign
 ) -> list[tuple[int, int, tuple[str, ...]]]:
     """``(operand, dim, mesh axes)`` of every sharded dim of an integer operand."""
     out = []
@@ -46,7 +44,7 @@ def _sharded_index_dims(
     return out
 
 
-def _applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return bool(_sharded_index_dims(low, node, rule, assign))
 
 

@@ -12,22 +12,18 @@ operands included. No collective.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch.fx as fx
 from torch.fx.proxy import Proxy
 
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
-
-def _always(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _always(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return True  # vmap cannot run a boolean-mask index_put even on whole tensors
 
 

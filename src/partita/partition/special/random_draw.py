@@ -5,15 +5,18 @@ device's tile."""
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy
 
+from partita.errors import CompilerError
 from partita.explain import op_name
+from partita.op_lookup import find_op, torch_constant
 from partita.partition.emit import Emitter, emitting, node_of
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.reshard import plan_reshard
 from partita.partition.reshard_emit import emit_reshard
 from partita.partition.special.common import Assign, aten, fake_value
@@ -22,10 +25,7 @@ from partita.rules.handler_names import HandlerName
 from partita.rules.random import RANDOM_VALUE_OPS
 from partita.spec import Sharding
 
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
-
-__all__ = ["global_random_draw"]
+__all__ = ["draw_target", "global_random_draw"]
 
 
 # --- global_random -------------------------------------------------------------------------------
@@ -88,16 +88,37 @@ def _decode(a: Any, inputs: list[torch.Tensor]) -> Any:
         return inputs[a["tensor"]]
     if "like" in a:  # only its shape, strides and dtype matter
         shape, stride, dtype = a["like"]
-        return torch.empty_strided(shape, stride, dtype=getattr(torch, dtype["dtype"]))
+        return torch.empty_strided(shape, stride, dtype=_constant(dtype["dtype"]))
     if "device" in a:
         return torch.device(a["device"])
     ((_kind, name),) = a.items()
-    return getattr(torch, name)
+    return _constant(name)
+
+
+def _constant(name: Any) -> Any:
+    """A dtype, layout or memory format by its exact name (never another torch attribute)."""
+    value = torch_constant(name, (torch.dtype, torch.layout, torch.memory_format))
+    if value is None:
+        raise CompilerError(
+            f"partita::global_random_draw: {name!r} is not a torch dtype, layout or memory "
+            f"format (its arguments are not what partita wrote); {CompilerError.WORKAROUND}"
+        )
+    return value
+
+
+def draw_target(op: Any) -> torch._ops.OpOverload | None:
+    """The aten op a draw names (``"packet.overload"``), found by exact name, or None."""
+    parts = op.split(".") if isinstance(op, str) else []
+    return find_op("aten", parts[0], parts[1], ("aten",)) if len(parts) == 2 else None
 
 
 def _run_draw(inputs: list[torch.Tensor], op: str, args: str) -> list[torch.Tensor]:
-    packet, overload = op.split(".")
-    target = getattr(getattr(aten, packet), overload)
+    target = draw_target(op)
+    if target is None:
+        raise CompilerError(
+            f"partita::global_random_draw: {op!r} is not an aten op named 'packet.overload' "
+            f"(the program is not what partita wrote); {CompilerError.WORKAROUND}"
+        )
     spec = json.loads(args)
     out = target(
         *_decode(spec["args"], inputs), **{k: _decode(v, inputs) for k, v in spec["kwargs"].items()}
@@ -121,7 +142,7 @@ def _(inputs: list[torch.Tensor], op: str, args: str) -> list[torch.Tensor]:
     return _run_draw(inputs, op, args)
 
 
-def _random_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _random_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return True  # even replicated: the executor runs the wrapped draw, never a raw random op
 
 

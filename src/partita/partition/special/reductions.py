@@ -4,7 +4,6 @@ and ``weighted_mean`` (nll_loss forward/backward with the batch sharded)."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -12,13 +11,10 @@ from torch.fx.proxy import Proxy
 
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, axes_of, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
-
 
 # --- mean ---------------------------------------------------------------------------------------
 
@@ -27,7 +23,7 @@ def _reduced_axes(rule: FactorRule, assign: Assign) -> tuple[str, ...]:
     return tuple(a for f in rule.reduction_factors for a in assign.get(f, ()))
 
 
-def _mean_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _mean_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return bool(_reduced_axes(rule, assign))
 
 
@@ -82,7 +78,7 @@ def _nll_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> P
     return e.tuple(total / weight, weight)
 
 
-def _nll_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _nll_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     if node.target == aten.nll_loss_backward.default:
         return fake_value(node.args[2]).ndim > 0 and bool(axes_of(rule, 2, 0, assign))
     return bool(_reduced_axes(rule, assign))

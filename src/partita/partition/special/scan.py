@@ -12,8 +12,6 @@ understanding that this handler exists.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy
@@ -22,13 +20,11 @@ from partita.explain import op_name
 from partita.layout import ceil_div
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.masks import identity_of
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
 
 def _scan_dim(node: fx.Node) -> int:
@@ -44,7 +40,7 @@ def _scan_axes(node: fx.Node, rule: FactorRule, assign: Assign) -> tuple[str, ..
     return tuple(a for f in factors[_scan_dim(node)] for a in assign.get(f, ()))
 
 
-def _applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return bool(_scan_axes(node, rule, assign))
 
 

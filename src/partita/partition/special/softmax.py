@@ -4,7 +4,6 @@ sharded - masked local max/sum, each completed by one recorded all_reduce."""
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx as fx
@@ -13,13 +12,10 @@ from torch.fx.proxy import Proxy
 from partita.layout import local_shape
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, axes_of, fake_value, operand_sharding
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
-
 
 # --- softmax_reduce -----------------------------------------------------------------------------
 
@@ -39,7 +35,7 @@ def _softmax_axes(node: fx.Node, rule: FactorRule, assign: Assign) -> tuple[str,
     return axes_of(rule, 0, _softmax_dim(node), assign)
 
 
-def _softmax_applies(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _softmax_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return bool(_softmax_axes(node, rule, assign))
 
 

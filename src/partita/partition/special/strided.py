@@ -17,8 +17,6 @@ added here, and the result is replicated.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.fx as fx
 from torch.fx.proxy import Proxy
@@ -27,15 +25,13 @@ from partita.capture.source import source_line
 from partita.errors import UnsupportedOpError
 from partita.partition.emit import Emitter, emitting
 from partita.partition.handlers import Handler, register
+from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 
-if TYPE_CHECKING:
-    from partita.partition.lower import Lowering
 
-
-def _always(low: Lowering, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
+def _always(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     return True  # a replicated tile's layout is not the trace's either
 
 

@@ -7,7 +7,7 @@ factor groups the assignment treats specially (compound, free, result-only, weak
 annotations fix their value's sharding and priority here (invariant 1 of
 ``partita.propagate``).
 
-This module does not choose shardings (``propagate_assign``) or iterate (``propagate``).
+This module does not choose shardings (``propagate.assign``) or iterate (``propagate``).
 """
 
 from __future__ import annotations
@@ -21,11 +21,12 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from partita import node_meta
 from partita.capture.manual import ENTER_OP, EXIT_OP, boundary, is_fully_manual, local_nodes
 from partita.errors import PartitaError, ShardingConflictError, UnsupportedOpError
 from partita.layout import check_strided
 from partita.mesh import Mesh
-from partita.propagate_rules import apply_rule, compiler_error
+from partita.propagate.rules import apply_rule, compiler_error
 from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta
 from partita.rules.handler_names import HandlerName
 from partita.rules.manual import manual_rule
@@ -77,18 +78,19 @@ class OpState:
 
 
 def _is_annotation(node: fx.Node) -> bool:
-    return "annotation" in node.meta
+    return node_meta.annotation(node) is not None
 
 
-#: Ops that give their operand's data unchanged but for its dtype or memory.
-_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.clone.default)
-
-
-def _keeps_the_data(node: fx.Node) -> bool:
-    """An annotation, a view (transpose, detach...) or a copy/cast: its result is its operand's
-    data, so a program input stays *stored* through it (``ProgramState._mark_stored``)."""
-    target = node.target
-    return _is_annotation(node) or target in _COPIES or bool(getattr(target, "is_view", False))
+def _keeps_the_data(op: OpState) -> bool:
+    """An annotation, a view (transpose, detach...) or a copy/cast (``OpFacts.keeps_data``):
+    its result is its operand's data, so a program input stays *stored* through it
+    (``ProgramState._mark_stored``)."""
+    node = op.node
+    return (
+        _is_annotation(node)
+        or op.rule.facts.keeps_data
+        or bool(getattr(node.target, "is_view", False))
+    )
 
 
 class ProgramState:
@@ -163,7 +165,7 @@ class ProgramState:
         so one pass sees every operand before its users."""
         for op in self.ops:
             keys = [k for k in op.operands if k is not None]
-            if not (keys and op.pass_through and _keeps_the_data(op.node)):
+            if not (keys and op.pass_through and _keeps_the_data(op)):
                 continue
             if all(self.values[k].stored for k in keys):
                 for k in op.results:
@@ -197,7 +199,7 @@ class ProgramState:
         if node in self._local or node.target is EXIT_OP:
             self._mark_region_values(node)
         if _is_annotation(node):
-            ann = node.meta["annotation"]
+            ann = node_meta.annotation(node)
             if ann.sharding.mesh != self.mesh:
                 raise ShardingConflictError(
                     f"Annotation {node.name} ({source_of(node) or 'unknown source'}) uses "
@@ -224,7 +226,7 @@ class ProgramState:
             return found
         rule = self._rule(node, info)
         shape = _op_groups(rule)
-        if key is not None and "replicated_reason" not in node.meta:
+        if key is not None and node_meta.replicated_reason(node) is None:
             self._shapes[key] = shape
         return shape
 

@@ -337,7 +337,7 @@ class ShardedState(NamedTuple):
 
 
 def sharded_state(train_step: Any) -> ShardedState:
-    """The sharded state of a ``partita.train.TrainStep`` (its public attributes only)."""
+    """The sharded state of a ``partita.training.train.TrainStep`` (its public attributes only)."""
     model, optimizer = train_step.model, train_step.optimizer
     layout = StateLayout.of(model, optimizer, train_step.config.kind)
     held = {**train_step.params, **train_step.buffers}

@@ -1,7 +1,7 @@
 """``partita.train_step``: an nn.Module, a loss and a torch.optim optimizer as one sharded program.
 
 :func:`train_step` builds a :class:`TrainStep`. It reads the module's parameters and buffers and
-the optimizer's hyperparameters once, resolves the sharding preset (``shard=``, see
+the optimizer's hyperparameters once, resolves the sharding preset (``param_specs=``, see
 :mod:`partita.presets`) to one spec per parameter, and from then on *owns* the training state as
 ShardedTensors: the parameters, the buffers (batch-norm running statistics are program inputs
 and outputs, replicated), the optimizer states (sharded like their parameters) and the step
@@ -13,14 +13,14 @@ Each parameter group's ``lr``, ``weight_decay``, and ``betas`` or ``momentum`` a
 ``optimizer.param_groups[i]`` at every call and passed as data (:mod:`partita.training.groups`),
 so ``torch.optim.lr_scheduler`` schedulers work unchanged (call ``scheduler.step()``; never
 ``optimizer.step()``). Everything else is fixed when the step is built; a change made later is
-an error (``train_snapshot``).
+an error (``training.snapshot``).
 
-Vocabulary (see docs/concepts.md): ``shard=`` is the parameter preset; ``step.plan`` is the
-report of the compiled program (:class:`partita.Plan`). This module ties the pieces together;
-the sharding decisions are the preset's and propagation's, the update math is
-``partita.training``', the checks of each batch ``partita.train_checks``', the state's sizes
-``partita.train_memory``' and the checkpoint layout (tied names, optimizer indices, atomic
-loading) ``partita.train_state``'.
+Vocabulary (see docs/concepts.md): ``param_specs=`` is how parameters are split (a preset, a
+dict or a callable, as ``partita.jit``'s); ``step.plan`` is the report of the compiled program
+(:class:`partita.Plan`). This module ties the pieces together; the sharding decisions are the
+preset's and propagation's, the update math is ``partita.training``', the checks of each batch
+``partita.training.checks``', the state's sizes ``partita.training.memory``' and the checkpoint
+layout (tied names, optimizer indices, atomic loading) ``partita.training.state``'.
 """
 
 from __future__ import annotations
@@ -31,28 +31,28 @@ from typing import Any
 import torch
 from torch import nn
 
+from partita import options as options_module
 from partita.capture.threads import serialized
 from partita.capture.uncompile import uncompiled
-from partita.jit import JitStats, Jitted, jit
+from partita.jit import JitStats, Jitted, OptionsLike, jit
 from partita.mesh import Mesh
 from partita.partition import Plan
-from partita.partition.explicit import check_mode
-from partita.presets import PresetLike, default_batch_spec, param_specs
+from partita.presets import PresetLike, default_batch_spec
+from partita.presets import param_specs as preset_param_specs
 from partita.spec import P, PartitionSpec
 from partita.tensor import ShardedTensor
-from partita.train_checks import (
+from partita.training.checks import (
     check_batch,
     check_optimizer_params,
     compute_dtype,
-    deprecated,
     model_argument,
-    preset_argument,
 )
-from partita.train_memory import full_values, state_memory
-from partita.train_snapshot import BuildSnapshot
-from partita.train_state import LoadResult, StateLayout, load_state, to_state_dict
-from partita.training import functional_step, init_opt_state, optimizer_config
 from partita.training.groups import RESTORED_KEYS, group_hyperparameters, read_param_groups
+from partita.training.memory import full_values, state_memory
+from partita.training.optim import init_opt_state, optimizer_config
+from partita.training.snapshot import BuildSnapshot
+from partita.training.state import LoadResult, StateLayout, load_state, to_state_dict
+from partita.training.step import functional_step
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
 
@@ -71,8 +71,7 @@ class TrainStep:
         plan: the Plan of the last compiled step (None before the first call or ``lower``).
 
     Run a step by calling it, ``step(batch)``, like an ``nn.Module``; read the trainable
-    parameters from ``params`` (like ``optimizer.state``). The older spellings ``step.step(...)``,
-    ``step.last_plan`` and ``step.parameters()`` still work and warn DeprecationWarning.
+    parameters from ``params`` (like ``optimizer.state``).
     """
 
     def __init__(
@@ -82,18 +81,13 @@ class TrainStep:
         optimizer: torch.optim.Optimizer,
         *,
         mesh: Mesh,
-        shard: PresetLike = "fsdp",
+        param_specs: PresetLike = "fsdp",
         batch_spec: Any = None,
         max_grad_norm: float | None = None,
         mixed_precision: str | torch.dtype | None = None,
-        strict: bool = False,
-        replicate_unsupported: bool = False,
-        collectives: str = "auto",
-        plan: PresetLike | None = None,
-        regather: bool | None = None,
-        compile_programs: bool | None = None,
+        options: OptionsLike = None,
     ) -> None:
-        shard = preset_argument(shard, plan)
+        scan_layers = options_module.resolve(options).scan_layers  # also checks ``options``
         model, loss_fn = model_argument(model), uncompiled(loss_fn, "partita.train_step")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
@@ -120,8 +114,9 @@ class TrainStep:
                     "(master weights). Leave the model in float32 and pass "
                     "mixed_precision='bf16' for low-precision compute."
                 )
-        self.param_specs = param_specs(shard, model, mesh)
-        self.batch_spec = default_batch_spec(shard, mesh) if batch_spec is None else batch_spec
+        self.param_specs = preset_param_specs(param_specs, model, mesh)
+        default = default_batch_spec(param_specs, mesh)
+        self.batch_spec = default if batch_spec is None else batch_spec
         self._trainable = list(trainable)
         # frozen parameters travel with the buffers: inputs and outputs, never updated (also
         # when the optimizer holds them: torch.optim skips a parameter whose grad is None)
@@ -156,13 +151,11 @@ class TrainStep:
             max_grad_norm=max_grad_norm,
             compute_dtype=self.compute_dtype,
             on_unused=self._unused.__setitem__,
+            scan_layers=scan_layers,
         )
         self._fn = fn
-        self._strict = strict
-        self._replicate_unsupported = replicate_unsupported
-        self._collectives = check_mode(collectives)
-        self._regather = regather
-        self._compile_programs = compile_programs
+        #: As given (``jit``'s ``options=``): resolved over the current options at each call.
+        self.options = options
         self._jitted: dict[bool, Jitted] = {}
         self.plan: Plan | None = None
         self._snapshot = BuildSnapshot.of(model, optimizer)
@@ -185,11 +178,7 @@ class TrainStep:
                 mesh=self.mesh,
                 in_specs=(pspecs, bspecs, sspecs, P(), self.batch_spec),
                 out_specs=(P(), pspecs, bspecs, sspecs),
-                strict=self._strict,
-                replicate_unsupported=self._replicate_unsupported,
-                collectives=self._collectives,
-                regather=self._regather,
-                compile_programs=self._compile_programs,
+                options=self.options,
             )
             self._jitted[training] = jitted
         return jitted
@@ -214,12 +203,6 @@ class TrainStep:
         self.plan = plan = self._get_jitted().lower(*self._args(batch))
         return plan
 
-    @property
-    def last_plan(self) -> Plan | None:
-        """Deprecated spelling of :attr:`plan`."""
-        deprecated("TrainStep.last_plan", "TrainStep.plan")
-        return self.plan
-
     # --- running ---------------------------------------------------------------------------
 
     def __call__(self, batch: Any) -> torch.Tensor:
@@ -237,22 +220,12 @@ class TrainStep:
             self.plan = jitted.lower(*args)
         return loss.full()
 
-    def step(self, batch: Any) -> torch.Tensor:
-        """Deprecated spelling of ``step(batch)`` (call the TrainStep)."""
-        deprecated("TrainStep.step(batch)", "calling the TrainStep, step(batch)")
-        return self(batch)
-
     # --- reading the state back ------------------------------------------------------------
-
-    def parameters(self) -> dict[str, ShardedTensor]:
-        """Deprecated spelling of :attr:`params` (a copy of it)."""
-        deprecated("TrainStep.parameters()", "TrainStep.params")
-        return dict(self.params)
 
     @property
     def stats(self) -> JitStats:
         """Compile costs of the step in the model's current mode (``partita.jit``'s
-        ``Jitted.stats``): partita's compile and, under ``compile_programs``, Inductor's."""
+        ``Jitted.stats``): partita's compile and, under ``inductor``, Inductor's."""
         return self._get_jitted().stats
 
     def full_parameters(self) -> Tensors:
@@ -282,7 +255,7 @@ class TrainStep:
         shape and dtype and the expected ones. ``strict=False`` loads the keys that match and
         returns the missing and unexpected ones, like ``nn.Module.load_state_dict``. Without
         an ``"optimizer"`` entry only the model is loaded. Floating-point tensors are cast to
-        the state's dtype; other dtype changes are refused (see ``partita.train_state``). Each
+        the state's dtype; other dtype changes are refused (see ``partita.training.state``). Each
         parameter group's ``lr``, ``betas``, ``momentum``, ``weight_decay`` (what the step reads
         per call) and a scheduler's ``initial_lr`` are restored into the optimizer, as
         ``torch.optim`` does; the other hyperparameters are the compiled step's and stay.
@@ -330,16 +303,11 @@ def train_step(
     optimizer: torch.optim.Optimizer,
     *,
     mesh: Mesh,
-    shard: PresetLike = "fsdp",
+    param_specs: PresetLike = "fsdp",
     batch_spec: Any = None,
     max_grad_norm: float | None = None,
     mixed_precision: str | torch.dtype | None = None,
-    strict: bool = False,
-    replicate_unsupported: bool = False,
-    collectives: str = "auto",
-    plan: PresetLike | None = None,
-    regather: bool | None = None,
-    compile_programs: bool | None = None,
+    options: OptionsLike = None,
 ) -> TrainStep:
     """Turn a module, a loss function and an optimizer into one sharded training step.
 
@@ -351,7 +319,8 @@ def train_step(
             in one or several parameter groups (each with its own hyperparameters). Each
             group's ``lr`` is re-read every step (schedulers work).
         mesh: the device mesh.
-        shard: how to split the parameters, a preset (:mod:`partita.presets`): ``"dp"``,
+        param_specs: how to split the parameters (as ``partita.jit``'s ``param_specs``), a
+            preset (:mod:`partita.presets`): ``"dp"``,
             ``"fsdp"``, ``"tp"``, ``"fsdp+tp"``, a dict ``{name or pattern: spec}`` or a
             callable ``(name, param) -> spec``.
         batch_spec: the spec of every batch tensor, or a pytree prefix of the batch;
@@ -359,16 +328,11 @@ def train_step(
         max_grad_norm: clip gradients by global 2-norm like ``clip_grad_norm_``.
         mixed_precision: ``"bf16"`` (or ``"fp16"``): forward and backward in that dtype on
             copies of the float32 master weights; the update stays float32.
-        strict: raise on an involuntary full rematerialization instead of warning.
-        replicate_unsupported: run ops without a sharding rule on gathered inputs (see
-            ``partita.jit``) instead of failing.
-        collectives: ``"auto"`` (default) inserts every collective the step needs;
-            ``"explicit"`` raises :class:`~partita.ExplicitCollectiveError` for a collective the
-            annotations do not imply (``"warn"`` warns instead), as in ``partita.jit``.
-        plan: the deprecated name of ``shard`` (warns DeprecationWarning).
-        regather: gather parameters again for the backward (less memory), as in ``jit``.
-        compile_programs: run the per-device step's local ops compiled by Inductor, as in
-            ``partita.jit``; ``None`` reads ``PARTITA_COMPILE_PROGRAMS`` (default off).
+        options: the compiler's and runtime's knobs, as in ``partita.jit`` (docs/options.md):
+            a :class:`~partita.CompileOptions`, a dict of changes to the current options
+            (``{"strict": True, "collectives": "explicit", "regather": True}``) or None;
+            resolved at each step, part of the compile cache key. ``scan_layers`` is read
+            when the step is built.
 
     Example:
         >>> from partita.models import GPT, GPTConfig
@@ -377,7 +341,7 @@ def train_step(
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         >>> def loss_fn(logits, targets):
         ...     return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-        >>> step = partita.train_step(model, loss_fn, opt, mesh=mesh, shard="fsdp+tp")
+        >>> step = partita.train_step(model, loss_fn, opt, mesh=mesh, param_specs="fsdp+tp")
         >>> ids = torch.randint(0, 64, (8, 16))
         >>> loss = step((ids, ids.roll(-1, 1)))          # ids, targets: [batch, seq]
         >>> loss.shape, sorted(step.full_parameters())[0]
@@ -388,13 +352,9 @@ def train_step(
         loss_fn,
         optimizer,
         mesh=mesh,
-        shard=preset_argument(shard, plan),
+        param_specs=param_specs,
         batch_spec=batch_spec,
         max_grad_norm=max_grad_norm,
         mixed_precision=mixed_precision,
-        strict=strict,
-        replicate_unsupported=replicate_unsupported,
-        collectives=collectives,
-        regather=regather,
-        compile_programs=compile_programs,
+        options=options,
     )

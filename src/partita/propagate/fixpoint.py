@@ -1,65 +1,8 @@
-"""Sharding propagation: give every value of a captured program a Sharding before anything runs.
+"""The propagation worklist: priority rounds, pass-through ops first, to a fixpoint
+(invariants 1 to 3, 7 and 9 of ``partita.propagate``), and :func:`propagate`, the entry point.
 
-The algorithm is written once, over :class:`~partita.rules.factor.FactorRule` s (Shardy-style):
-for one op, every tensor that carries a factor *proposes* the mesh axes its dim gives that
-factor; the op picks one assignment of mesh axes to factors; the assignment is written back to
-every tensor of the op — forward into results and backward into operands alike. A worklist
-repeats this to a fixpoint.
-
-Invariants and conflict resolution (in the order they apply):
-
-1. **User annotations are never overwritten.** The result of an annotation node is fixed to the
-   user's sharding. Annotations carry a priority (0 by default; lower numbers win).
-2. **Priority rounds.** Propagation runs one round per annotation priority present, lowest
-   first; in round ``p`` only values derived from annotations of priority ``<= p`` propose.
-   A value derived from several annotations carries the best priority among them.
-3. **Pass-through ops first.** Each round first runs to a fixpoint over ops whose rule passes
-   every dim through unchanged (elementwise on equal shapes, casts, transposes, annotations),
-   then over all ops. So an annotation reaches its neighbours before broadcasts, matmuls and
-   reshapes have to choose.
-4. **Choosing one factor's axes.** Among the proposals for a factor, the best priority wins,
-   then the larger tensor, then the earlier tensor (operands in order, then results).
-   Need-replication and size-1 factors get no axes.
-5. **Choosing between factors that want the same mesh axis.** A mesh axis shards at most one
-   factor of an op. Factors claim axes in order of best priority, then *activation first*
-   (a factor some computed operand proposes beats one that only *stored* values, the
-   program's inputs and their views, casts and annotations, or the results propose), then
-   *support* (the total size of the tensors proposing exactly the winning axes), then first
-   appearance; a factor keeps the prefix of its axes up to the first axis already taken.
-   Activation first is FSDP's rule, "parameters are gathered, activations stay batch-split":
-   a parameter's spec says how it is stored between steps, so when a weight split over
-   ``data`` meets a batch-split activation the batch keeps ``data`` and the weight is
-   gathered, however large the weight (GSPMD and Shardy also keep the data-parallel axis on
-   the batch; by size alone a vocabulary-sized head weight would split the logits'
-   vocabulary and the loss would move them back). Support is what makes a gradient matmul
-   under FSDP reduce over the batch axis and reduce-scatter into the parameter's sharding,
-   and what makes T19 (program inputs only) gather the smaller operand. Two groups claim
-   late: the rows of a table lookup (an embedding's vocabulary: under FSDP the lookup follows
-   the batch of its indices and the table is gathered, rather than the batch being gathered
-   for a masked lookup), and factors only the results have (they are computed whole).
-6. **Compound dims** (reshape): axes go to the major factor while their product divides its
-   size; the minor factor gets axes only once the major factor is fully split. A factor that
-   appears in a compound dim anywhere keeps only the prefix of axes whose product divides its
-   size. A tensor that cannot express the op's assignment keeps what it has (the partitioner
-   reshards it).
-7. **Only refinement.** A value's sharding only ever becomes more specific: each dim's axes may
-   grow at the end, and a result may become partial over the axes of the op's sharded
-   reduction factors if it was not partial before. Anything else is left as is and becomes a
-   reshard for the partitioner. This also guarantees termination.
-8. **Need-replication axes move, not vanish.** Mesh axes proposed for a factor that cannot be
-   split (a sort dim, a concat dim) go to a free pass-through factor that every tensor of the op
-   has (the first whose size they divide), so the partitioner moves the split to another dim
-   with an all_to_all instead of gathering (XLA does the same for T21 and T25).
-9. **Determinism.** Ops are visited in graph order, the worklist is FIFO without duplicates.
-
-Values nobody proposes anything for end up replicated. The result is ``node.meta["sharding"]``
-(a :class:`~partita.spec.Sharding`, or a tuple of them, with ``None`` for non-tensor outputs, on
-multi-output nodes) and ``node.meta["factor_axes"]`` (the op's chosen ``{factor: mesh axes}``).
-
-This module holds the worklist and the public entry point; the per-value and per-op state is
-built in ``propagate_state``, one op's assignment is chosen in ``propagate_assign`` (invariants
-4 to 8), and rules are looked up in ``propagate_rules``. It does not insert collectives or
-decide how to reshard; that is ``partita.partition``.
+One op's assignment is chosen in ``propagate.assign``; the state it reads and writes is built in
+``propagate.state``.
 """
 
 from __future__ import annotations
@@ -69,16 +12,16 @@ from typing import Any
 
 import torch.fx as fx
 
+from partita import node_meta
 from partita.capture.gc_pause import gc_paused
 from partita.errors import PartitaError, ShardingConflictError
 from partita.mesh import Mesh
-from partita.propagate_assign import choose_assignment, merge_axes
-from partita.propagate_rules import apply_rule, compiler_error
-from partita.propagate_state import OpState, ProgramState, ValueKey, ValueState
-from partita.rules.opinfo import op_info, source_of
+from partita.propagate.assign import choose_assignment, merge_axes
+from partita.propagate.rules import compiler_error
+from partita.propagate.state import OpState, ProgramState, ValueKey, ValueState
 from partita.spec import Sharding
 
-__all__ = ["apply_rule", "compiler_error", "op_info", "propagate", "source_of"]
+__all__ = ["propagate"]
 
 
 Assignment = dict[str, tuple[str, ...]]
@@ -251,18 +194,22 @@ class _Propagator(ProgramState):
             assign = op.settled_assign
             if assign is None or op.settled != self._snapshot(op, last_priority):
                 assign, _ = choose_assignment(self.mesh, self.values, op, last_priority)
-            op.node.meta["factor_axes"] = dict(assign)  # memoised assignments are shared
-            op.node.meta["rule"] = op.rule
+            # a copy: memoised assignments are shared
+            node_meta.set_factor_axes(op.node, dict(assign))
+            node_meta.set_rule(op.node, op.rule)
         for node in self.gm.graph.nodes:
             if node.op == "output":
                 continue
             key = self.key(node)
             if key in self.values:
-                node.meta["sharding"] = self._sharding(key)
+                node_meta.set_sharding(node, self._sharding(key))
             elif isinstance(node.meta.get("val"), (tuple, list)):
-                node.meta["sharding"] = tuple(
-                    self._sharding((node, i)) if (node, i) in self.values else None
-                    for i in range(len(node.meta["val"]))
+                node_meta.set_sharding(
+                    node,
+                    tuple(
+                        self._sharding((node, i)) if (node, i) in self.values else None
+                        for i in range(len(node.meta["val"]))
+                    ),
                 )
 
 
@@ -283,7 +230,7 @@ def _region_view(
 
 def _find_mesh(gm: fx.GraphModule) -> Mesh | None:
     for node in gm.graph.nodes:
-        ann = node.meta.get("annotation")
+        ann = node_meta.annotation(node)
         if ann is not None:
             return ann.sharding.mesh
     return None
@@ -299,12 +246,12 @@ def propagate(
 
     Args:
         gm: a captured program (``partita.capture.trace(...).graph_module``): aten ops with
-            ``node.meta["val"]`` and annotation nodes with ``node.meta["annotation"]``.
+            ``node.meta["val"]`` and annotation nodes with their ``node_meta.annotation``.
         mesh: the mesh; defaults to the mesh of the program's annotations.
         replicate_unsupported: run ops without a sharding rule on whole (gathered) tensors
             instead of raising :class:`~partita.errors.UnsupportedOpError`.
 
-    Returns ``gm`` with ``node.meta["sharding"]`` and ``node.meta["factor_axes"]`` set.
+    Returns ``gm`` with every node's ``node_meta.sharding`` and ``node_meta.factor_axes`` set.
 
     Example:
         >>> prog = partita.capture.trace(fn, (x, w), in_specs=(P("data"), P()))  # doctest: +SKIP
@@ -323,4 +270,5 @@ def propagate(
 
 def shardings(gm: fx.GraphModule) -> dict[str, Any]:
     """``{node name: sharding}`` for every node that has one (a convenience for tests)."""
-    return {n.name: n.meta["sharding"] for n in gm.graph.nodes if "sharding" in n.meta}
+    found = ((n.name, node_meta.sharding(n)) for n in gm.graph.nodes)
+    return {name: s for name, s in found if s is not None}

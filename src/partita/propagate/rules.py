@@ -10,8 +10,11 @@ This module does not propagate anything (``partita.propagate`` does).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch.fx as fx
 
+from partita import node_meta
 from partita.errors import (
     CompilerError,
     PartitaError,
@@ -21,6 +24,7 @@ from partita.errors import (
 )
 from partita.rules import FactorRule, OpInfo, get_rule
 from partita.rules.opinfo import is_tensor, replicate_rule, source_of
+from partita.rules.registry import facts_of
 
 __all__ = ["apply_rule", "compiler_error"]
 
@@ -74,7 +78,7 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
     arguments (whatever it raises), is an :class:`UnsupportedOpError` that names the op, the
     node and the source line; under ``replicate_unsupported=True`` both get the replicate rule
     instead (a rule that raised also warns with :class:`ReplicatedOpWarning`), and
-    ``node.meta["replicated_reason"]`` says why, for the Plan.
+    ``node_meta.replicated_reason(node)`` says why, for the Plan.
     """
     fn = get_rule(node.target)
     where = f"node {node.name} ({source_of(node) or 'source line unknown'})"
@@ -100,8 +104,9 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
             f"returning partita.einsum_rule(...) (docs/models.md, 'A rule for your own op'); "
             f"(2) annotate around it — mark its inputs and output replicated with "
             f"partita.mark_sharding(t, mesh, P()) so the op runs on whole tensors; "
-            f"(3) opt in to replicating every op without a rule with "
-            f"replicate_unsupported=True (correct, but it gathers the inputs)."
+            f"(3) opt in to replicating every op without a rule with the option "
+            f"replicate_unsupported=True (options={{'replicate_unsupported': True}} or "
+            f"PARTITA_REPLICATE_UNSUPPORTED=1; correct, but it gathers the inputs)."
         )
     try:
         return fn(info)
@@ -125,12 +130,12 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
         f"The sharding rule of {node.target} cannot handle the call at {where} "
         f"(operands {[m.shape for m in info.operands]}): {why}. Two ways forward: annotate "
         f"around it (mark its inputs and output replicated with "
-        f"partita.mark_sharding(t, mesh, P())), or pass replicate_unsupported=True; if the "
-        f"call is valid PyTorch, please report it."
+        f"partita.mark_sharding(t, mesh, P())), or set the option replicate_unsupported=True; "
+        f"if the call is valid PyTorch, please report it."
     ) from cause
 
 
 def _replicated(node: fx.Node, info: OpInfo, reason: str) -> FactorRule:
     """The replicate rule, with the reason the partitioner records for its gathers."""
-    node.meta["replicated_reason"] = reason
-    return replicate_rule(info)
+    node_meta.set_replicated_reason(node, reason)
+    return dataclasses.replace(replicate_rule(info), facts=facts_of(node.target))

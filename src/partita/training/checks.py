@@ -5,13 +5,12 @@ phrased in terms the user never wrote (``in_specs of 'step'``, a bare dtype erro
 a ZeroDivisionError from a mean). These checks say it in the user's terms: which leaf of ``batch
 = (inputs, targets)``, its shape and dtype, what ``batch_spec`` gave it, why that cannot work
 and what to change. They also check that the optimizer was built over the model, and read the
-step's arguments (``mixed_precision``, the deprecated ``plan=``). This module does not trace,
+step's arguments (``mixed_precision``). This module does not trace,
 shard or run anything.
 """
 
 from __future__ import annotations
 
-import warnings
 from typing import Any
 
 import torch
@@ -21,7 +20,6 @@ from torch.utils import _pytree as pytree
 from partita.capture.uncompile import uncompiled
 from partita.errors import SpecError, TrainInputError
 from partita.mesh import Mesh
-from partita.presets import PresetLike
 from partita.spec import PartitionSpec
 from partita.training.groups import optimizer_params
 
@@ -29,10 +27,8 @@ __all__ = [
     "check_batch",
     "check_optimizer_params",
     "compute_dtype",
-    "deprecated",
     "describe_batch",
     "model_argument",
-    "preset_argument",
 ]
 
 
@@ -172,19 +168,6 @@ def check_optimizer_params(
 
 
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-def deprecated(old: str, new: str) -> None:
-    """Warn that ``old`` (a TrainStep spelling) is deprecated in favour of ``new``."""
-    warnings.warn(f"{old} is deprecated; use {new}.", DeprecationWarning, stacklevel=3)
-
-
-def preset_argument(shard: PresetLike, plan: PresetLike | None) -> PresetLike:
-    """``shard``, or the deprecated ``plan=`` when given (with a DeprecationWarning)."""
-    if plan is None:
-        return shard
-    deprecated("train_step(plan=...)", "train_step(shard=...) (the same presets)")
-    return plan
 
 
 def compute_dtype(mixed_precision: str | torch.dtype | None) -> torch.dtype | None:

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from partita.mesh import Mesh
-from partita.propagate_state import OpState, ValueKey, ValueState
+from partita.propagate.state import OpState, ValueKey, ValueState
 from partita.rules import FactorKind
 
 __all__ = ["choose_assignment", "merge_axes", "split_axes"]

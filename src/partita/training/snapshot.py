@@ -1,9 +1,9 @@
 """What ``train_step`` read from the model and the optimizer when it was built, checked on each
 call.
 
-A :class:`~partita.train.TrainStep` copies the parameters and the optimizer's hyperparameters
-once and owns the training state from then on (only what a scheduler moves is read per call:
-each group's ``lr``, ``betas``, and a nonzero ``momentum`` or ``weight_decay``).
+A :class:`~partita.training.train.TrainStep` copies the parameters and the optimizer's
+hyperparameters once and owns the training state from then on (only what a scheduler moves is
+read per call: each group's ``lr``, ``betas``, and a nonzero ``momentum`` or ``weight_decay``).
 Changes a PyTorch loop would see at the next ``optimizer.step()`` would otherwise be ignored
 silently: a parameter frozen or unfrozen (``requires_grad``), a hyperparameter edited in
 ``param_groups`` (weight decay, betas, momentum), the module's parameters written in place

@@ -1,0 +1,220 @@
+"""What partita's stages record on the nodes of a program: one typed accessor per fact.
+
+A node's ``meta`` dict is shared with torch (``val``, ``stack_trace``, ``tensor_meta`` are
+torch's own and are read directly). Everything partita adds goes through the functions here,
+which name each fact once and give it a type; no other module spells one of these keys:
+
+=====================  ==========================  =============================================
+fact                   written by                  read by
+=====================  ==========================  =============================================
+source                 capture                     messages, the Plan, the runtime's errors
+annotation             capture                     propagation, partitioning, explain
+sharding               propagation                 partitioning, explain, the API
+factor_axes, rule      propagation                 partitioning
+replicated_reason      propagation (apply_rule)    the Plan's reasons
+origin                 partitioning                the runtime's errors
+local_shape            the reshard emitter         (inspection)
+collective_bytes       bucketing                   the overlap scheduler
+regather(_after)       re-gathering, bucketing     bucketing, the overlap scheduler
+bucket_members         bucketing                   (inspection)
+lifted_from            capture (constant lifting)  (inspection)
+=====================  ==========================  =============================================
+
+Why functions over the plain dict rather than one record object per node: torch.fx copies
+``meta`` shallowly (``node_copy``, ``dict(node.meta)``) and partita copies nodes between graphs
+in capture, partitioning and the disk cache; separate immutable entries stay correct under
+those copies, where one mutable record would be shared by the copies.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch.fx as fx
+
+if TYPE_CHECKING:
+    from partita.rules.factor import FactorRule
+    from partita.spec import Sharding
+
+__all__ = [
+    "AnnotationRecord",
+    "annotation",
+    "bucket_members",
+    "collective_bytes",
+    "factor_axes",
+    "has_source",
+    "lifted_from",
+    "local_shape",
+    "origin",
+    "regather_after",
+    "regather_of",
+    "replicated_reason",
+    "rule",
+    "set_annotation",
+    "set_bucket_members",
+    "set_collective_bytes",
+    "set_factor_axes",
+    "set_lifted_from",
+    "set_local_shape",
+    "set_origin_once",
+    "set_regather",
+    "set_regather_after",
+    "set_replicated_reason",
+    "set_rule",
+    "set_sharding",
+    "set_source",
+    "set_source_once",
+    "sharding",
+    "source",
+]
+
+
+class AnnotationRecord(Protocol):
+    """What the stages read of a user annotation (``capture.annotate.Annotation``)."""
+
+    @property
+    def sharding(self) -> Sharding: ...
+
+    @property
+    def source(self) -> str | None: ...
+
+    @property
+    def priority(self) -> int: ...
+
+
+# --- capture ---------------------------------------------------------------------------------
+
+
+def source(node: fx.Node) -> str | None:
+    """The user's source line of the op (``"file.py:LINE in func"``), if recorded."""
+    return node.meta.get("source")
+
+
+def has_source(node: fx.Node) -> bool:
+    """Whether a source was recorded (possibly as None: looked up, not found)."""
+    return "source" in node.meta
+
+
+def set_source(node: fx.Node, where: str | None) -> None:
+    node.meta["source"] = where
+
+
+def set_source_once(node: fx.Node, where: str | None) -> None:
+    """Record the source unless one is already recorded."""
+    node.meta.setdefault("source", where)
+
+
+def annotation(node: fx.Node) -> AnnotationRecord | None:
+    """The user's annotation if ``node`` is an annotation node."""
+    return node.meta.get("annotation")
+
+
+def set_annotation(node: fx.Node, ann: AnnotationRecord) -> None:
+    node.meta["annotation"] = ann
+
+
+def lifted_from(node: fx.Node) -> str | None:
+    """For a placeholder lifted from a constant: the constant's attribute name."""
+    return node.meta.get("lifted_from")
+
+
+def set_lifted_from(node: fx.Node, target: str) -> None:
+    node.meta["lifted_from"] = target
+
+
+# --- propagation -----------------------------------------------------------------------------
+
+
+def sharding(node: fx.Node) -> Sharding | tuple[Sharding | None, ...] | None:
+    """The sharding propagation chose (a ``Sharding``, or a tuple of ``Sharding | None`` for a
+    multi-output op), or None before propagation."""
+    return node.meta.get("sharding")
+
+
+def set_sharding(node: fx.Node, value: Sharding | tuple[Sharding | None, ...]) -> None:
+    node.meta["sharding"] = value
+
+
+def factor_axes(node: fx.Node) -> dict[str, tuple[str, ...]]:
+    """The op's chosen ``{factor: mesh axes}`` (empty when none was chosen)."""
+    return node.meta.get("factor_axes", {})
+
+
+def set_factor_axes(node: fx.Node, assign: dict[str, tuple[str, ...]]) -> None:
+    node.meta["factor_axes"] = assign
+
+
+def rule(node: fx.Node) -> FactorRule | None:
+    """The op's FactorRule, as propagation applied it."""
+    return node.meta.get("rule")
+
+
+def set_rule(node: fx.Node, value: FactorRule) -> None:
+    node.meta["rule"] = value
+
+
+def replicated_reason(node: fx.Node) -> str | None:
+    """Why the op runs replicated under ``replicate_unsupported=True``, if it does."""
+    return node.meta.get("replicated_reason")
+
+
+def set_replicated_reason(node: fx.Node, reason: str) -> None:
+    node.meta["replicated_reason"] = reason
+
+
+# --- partitioning ----------------------------------------------------------------------------
+
+
+def origin(node: fx.Node) -> str | None:
+    """For a per-device node: the op (``"aten.mm (%mm)"``) it was emitted for."""
+    return node.meta.get("origin")
+
+
+def set_origin_once(node: fx.Node, where: str) -> None:
+    """Record the origin unless one is already recorded."""
+    node.meta.setdefault("origin", where)
+
+
+def local_shape(node: fx.Node) -> tuple[int, ...] | None:
+    """For a reshard step's node: its local shape."""
+    return node.meta.get("local_shape")
+
+
+def set_local_shape(node: fx.Node, shape: tuple[int, ...]) -> None:
+    node.meta["local_shape"] = shape
+
+
+def collective_bytes(node: fx.Node) -> int:
+    """A collective's per-device bytes (0 when not recorded)."""
+    return node.meta.get("bytes", 0)
+
+
+def set_collective_bytes(node: fx.Node, nbytes: int) -> None:
+    node.meta["bytes"] = nbytes
+
+
+def regather_of(node: fx.Node) -> str | None:
+    """For a re-gather: the name of the gather it repeats (None for any other node)."""
+    return node.meta.get("regather")
+
+
+def regather_after(node: fx.Node) -> str | None:
+    """For a re-gather: the last node before the gap it waits for."""
+    return node.meta.get("regather_after")
+
+
+def set_regather(node: fx.Node, of: str) -> None:
+    node.meta["regather"] = of
+
+
+def set_regather_after(node: fx.Node, after: str) -> None:
+    node.meta["regather_after"] = after
+
+
+def bucket_members(node: fx.Node) -> list[str] | None:
+    """For a fused collective: the names of the collectives it fuses."""
+    return node.meta.get("bucket_members")
+
+
+def set_bucket_members(node: fx.Node, names: list[str]) -> None:
+    node.meta["bucket_members"] = names

@@ -1,0 +1,141 @@
+"""The one compile pipeline: a function and its inputs' specs -> a :class:`Compiled` program.
+
+:func:`compile_function` runs the three stages in order (the first two are
+:func:`propagated_program`), ``capture.trace`` (the program, its
+inputs annotated), ``propagate`` (a sharding on every value) and ``partition`` (the per-device
+program and its :class:`~partita.partition.Plan`), with one
+:class:`~partita.options.CompileOptions` value for all of them. It is the only place in
+``src/`` that chains them: ``partita.jit`` (and so ``train_step``), the virtual device's steps
+(``virtual.program``) and ``partita.reshard`` (``relayout``) each call it for one input
+signature, and keep only what is their own (turning a call's arguments into leaves and specs,
+caching, running, recording).
+
+Specs are given *flat*, one ``PartitionSpec`` (or None: propagation chooses) per leaf of
+``(args, kwargs)``: a front end broadcasts the user's spec tree once, as ``jax.shard_map``
+does, and this module never sees a tree of specs.
+
+Example:
+    >>> mesh = Mesh.create((2,), ("x",))
+    >>> compiled = compile_function(torch.sin, (torch.ones(4),), {}, mesh=mesh,
+    ...                             specs=[P("x")], options=CompileOptions())
+    >>> compiled.output_shardings[0].spec, compiled.plan.counts()
+    (P('x'), {})
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from partita import capture
+from partita.capture.gc_pause import gc_paused
+from partita.capture.kv_cache import flatten_registering_caches
+from partita.capture.spec_tree import unflatten_args
+from partita.explain import format_program
+from partita.mesh import Mesh
+from partita.options import CompileOptions
+from partita.partition import Plan, partition
+from partita.propagate import propagate
+from partita.spec import PartitionSpec, Sharding
+from partita.tensor import ShardedTensor
+
+__all__ = ["Compiled", "compile_function", "propagated_program"]
+
+
+@dataclass
+class Compiled:
+    """One compiled input signature: the global program, the per-device program, the Plan,
+    and the options it was compiled with (the executors read ``options.inductor`` and
+    ``options.overlap_bytes`` from here)."""
+
+    program: capture.Program
+    local: fx.GraphModule
+    plan: Plan
+    input_shardings: list[Sharding]
+    output_shardings: list[Sharding]
+    output_shapes: list[tuple[int, ...]]
+    options: CompileOptions
+    #: Wall seconds spent tracing, propagating and partitioning this signature.
+    partition_seconds: float = 0.0
+
+
+def compile_function(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    mesh: Mesh,
+    specs: Sequence[PartitionSpec | None],
+    out_specs: Any = None,
+    options: CompileOptions,
+) -> Compiled:
+    """Trace ``fn(*args, **kwargs)``, propagate and partition it for ``mesh``.
+
+    Args:
+        fn: a function of pytrees of tensors (non-tensor leaves are static).
+        args, kwargs: its inputs; a ShardedTensor stands for its global value (only shapes
+            and dtypes are read: nothing runs).
+        mesh: the mesh.
+        specs: one spec per leaf of ``(args, kwargs)`` (None on a non-tensor leaf, or to let
+            propagation choose), in ``pytree`` order.
+        out_specs: a prefix of the result pytree with specs (None: propagation chooses).
+        options: every knob of the stages (``strict``, ``replicate_unsupported``,
+            ``collectives``, ``regather``, ``bucket_bytes``) and of the run, kept in the result.
+    """
+    start = time.perf_counter()
+    # The three stages build graphs that all live on: no cyclic GC in between (gc_pause).
+    with gc_paused():
+        prog = propagated_program(
+            fn, args, kwargs, mesh=mesh, specs=specs, out_specs=out_specs,
+            replicate_unsupported=options.replicate_unsupported,
+        )  # fmt: skip
+        gm = prog.graph_module
+        local, plan = partition(gm, mesh, options)
+        plan.program_text = format_program(gm)
+    (out_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+    shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
+    return Compiled(
+        program=prog,
+        local=local,
+        plan=plan,
+        input_shardings=list(plan.input_shardings),
+        output_shardings=list(plan.output_shardings),
+        output_shapes=shapes,
+        options=options,
+        partition_seconds=time.perf_counter() - start,
+    )
+
+
+def propagated_program(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any] | None = None,
+    *,
+    mesh: Mesh | None,
+    specs: Sequence[PartitionSpec | None] | None = None,
+    in_specs: Any = None,
+    out_specs: Any = None,
+    replicate_unsupported: bool = False,
+) -> capture.Program:
+    """The first two stages: ``fn`` traced, then propagated (every node carries
+    ``meta["sharding"]``). Input specs are ``specs``, one per leaf, or ``in_specs``, a prefix
+    of ``args`` (for ``partita.api.propagate_program``, which stops here)."""
+    leaves, tree = flatten_registering_caches((args, kwargs or {}))
+    examples = [
+        torch.empty(x.shape, dtype=x.dtype) if isinstance(x, ShardedTensor) else x
+        for _, x in leaves
+    ]
+    targs, tkwargs = unflatten_args(examples, tree)
+    with gc_paused():
+        prog = capture.trace(
+            fn, tuple(targs), tkwargs, in_specs=in_specs, leaf_specs=specs,
+            out_specs=out_specs, mesh=mesh,
+        )  # fmt: skip
+        propagate(prog.graph_module, mesh, replicate_unsupported=replicate_unsupported)
+    return prog
