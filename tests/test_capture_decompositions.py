@@ -28,6 +28,7 @@ def _eager_table() -> Table:
     table.update(decompositions.SDPA_OPS)
     table.update(decompositions.AS_STRIDED_OPS)
     table.update(decompositions.NN_KERNEL_OPS)
+    table.update(decompositions.HALF_REDUCTION_OPS)
     return table
 
 

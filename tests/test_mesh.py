@@ -1,11 +1,14 @@
 from __future__ import annotations
 
 import dataclasses
+import resource
+from typing import Any
 
 import numpy as np
 import pytest
 
 from partita import HybridMesh, Mesh, MeshError
+from partita.mesh import MAX_DEVICES
 
 
 def test_construction_and_queries() -> None:
@@ -161,3 +164,31 @@ def test_hybrid_mesh_errors() -> None:
         HybridMesh((2, 0), (1, 1))
     with pytest.raises(MeshError, match=r"covers 4 devices per host, but each host has 8"):
         HybridMesh((2, 2), (2, 1), devices_per_host=8)
+
+
+@pytest.mark.parametrize(
+    ("build", "where"),
+    [
+        (lambda: Mesh.create((2**31,)), r"Mesh.create: shape \(2147483648,\) holds 2,147,483,648"),
+        (lambda: Mesh.create((2**16, 2**16), ("a", "b")), r"Mesh.create: shape \(65536, 65536\)"),
+        (lambda: Mesh(list(range(8)), (2**31,)), r"Mesh: shape \(2147483648,\) holds"),
+        (lambda: HybridMesh((2**16,), (2**16,)), r"HybridMesh: shape \(4294967296,\) holds"),
+    ],
+)
+def test_a_mesh_above_the_limit_is_refused_before_allocating(build: Any, where: str) -> None:
+    """A mesh of more than MAX_DEVICES (2**20) devices is a MeshError naming the size and the
+    limit, raised before anything of the mesh's size exists: the process's peak memory does
+    not grow by the gigabytes a 2**31-id tuple takes."""
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(MeshError, match=where + r".*limit of 1,048,576 \(2\*\*20\); nothing was"):
+        build()
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000  # KiB
+
+
+def test_a_mesh_at_the_limit_is_built() -> None:
+    """2**16 and 2**20 devices (the limit) build, with the ids in order."""
+    assert MAX_DEVICES == 2**20
+    mesh = Mesh.create((2**6, 2**10), ("data", "model"))
+    assert mesh.size == 2**16 and mesh.device_ids[-1] == 2**16 - 1
+    mesh = Mesh.create((MAX_DEVICES,), ("data",))
+    assert mesh.size == MAX_DEVICES and mesh.axis_size("data") == MAX_DEVICES

@@ -30,6 +30,7 @@ from torch.utils import _pytree as pytree
 from partita import options as options_module
 from partita.capture.layer_auto import scan_repeated_layers
 from partita.capture.module import ModuleInputs
+from partita.capture.threads import serialized
 from partita.capture.trace import input_path
 from partita.capture.uncompile import uncompiled
 from partita.errors import JitArgumentError, PartitaWarning, RecompileWarning, warn
@@ -80,6 +81,7 @@ class JitStats:
     skipped: tuple[str, ...]
 
 
+@serialized("__call__", "lower")  # calls from several threads compile and run in turn
 class Jitted:
     """A function (or ``nn.Module``) compiled for a mesh; see :func:`jit`."""
 
@@ -102,8 +104,7 @@ class Jitted:
                 f"partita.jit(cache_limit={cache_limit!r}): the number of compiled signatures "
                 f"to keep must be an int >= 1 (default {DEFAULT_CACHE_LIMIT})."
             )
-        fn = uncompiled(fn, "partita.jit")
-        self.fn = fn
+        self.fn = fn = uncompiled(fn, "partita.jit")
         self.mesh = mesh
         self.in_specs = in_specs
         self.out_specs = out_specs

@@ -21,19 +21,39 @@ import numpy as np
 
 from partita.errors import MeshError
 
-__all__ = ["HybridMesh", "Mesh"]
+__all__ = ["MAX_DEVICES", "HybridMesh", "Mesh"]
 
 MeshAxis = str | int
+
+#: The largest mesh partita builds: 2**20 = 1,048,576 devices, 16x the 65,536 of the largest
+#: meshes planned (docs) and more accelerators than any one job runs. A mesh stores one Python
+#: int per device (and its numpy views and group lists), so a mistyped size such as 2**31
+#: would allocate until the machine runs out of memory; it is refused before anything of the
+#: mesh's size is allocated.
+MAX_DEVICES = 2**20
 
 
 def _as_int(value: Any, what: str) -> int:
     """Accept Python and numpy integers (not bools, not floats) and return a Python int."""
+    if type(value) is int:  # the common case, without the slow ABC check below
+        return value
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise MeshError(
             f"{what} must be integers, got {value!r} of type {type(value).__name__}. "
             f"Pass whole numbers, for example list(range(8))."
         )
     return int(value)
+
+
+def _check_size(dims: tuple[int, ...], where: str) -> None:
+    """Refuse a mesh of more than :data:`MAX_DEVICES` devices (before allocating it)."""
+    n = math.prod(dims)
+    if n > MAX_DEVICES:
+        raise MeshError(
+            f"{where}: shape {dims} holds {n:,} devices, more than partita's limit of "
+            f"{MAX_DEVICES:,} (2**20); nothing was allocated. Check the shape for a typo (a "
+            f"size multiplied twice, 2**31 for 2**3): a mesh has one entry per accelerator."
+        )
 
 
 def _flatten_ids(device_ids: Any) -> tuple[int, ...]:
@@ -48,6 +68,8 @@ def _flatten_ids(device_ids: Any) -> tuple[int, ...]:
             f"Mesh device_ids must be a sequence of integers, got {device_ids!r}. "
             f"Pass for example list(range(8)) or np.arange(8)."
         )
+    elif isinstance(device_ids, (tuple, range)) and all(type(d) is int for d in device_ids):
+        return tuple(device_ids)  # Mesh.create's ids: nothing to flatten or convert
     else:
         flat = _flatten_nested(device_ids)
     return tuple(_as_int(d, "Mesh device ids") for d in flat)
@@ -92,7 +114,6 @@ class Mesh:
         shape: Sequence[int],
         axis_names: Sequence[str] | None = None,
     ) -> None:
-        ids = _flatten_ids(device_ids)
         if isinstance(shape, numbers.Integral) and not isinstance(shape, bool):
             shape = (int(shape),)
         if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
@@ -102,6 +123,8 @@ class Mesh:
             raise MeshError("Mesh shape must have at least one axis, got (). Use shape=(1,).")
         if any(s < 1 for s in dims):
             raise MeshError(f"Mesh shape entries must be positive, got {dims}.")
+        _check_size(dims, "Mesh")
+        ids = _flatten_ids(device_ids)
         if any(d < 0 for d in ids):
             raise MeshError(f"Mesh device ids must be non-negative, got {list(ids)}.")
         if len(set(ids)) != len(ids):
@@ -155,7 +178,10 @@ class Mesh:
                 f"Mesh.create((2, 4), ('data', 'model')) or Mesh.create(8, ('data',))."
             )
         dims: tuple[Any, ...] = (shape,) if isinstance(shape, numbers.Integral) else tuple(shape)
-        n = math.prod(_as_int(s, "Mesh shape entries") for s in dims) if dims else 0
+        sizes = tuple(_as_int(s, "Mesh shape entries") for s in dims)
+        if sizes and all(s >= 1 for s in sizes):
+            _check_size(sizes, "Mesh.create")
+        n = math.prod(sizes) if dims else 0
         return cls(tuple(range(n)), dims, axis_names)
 
     # --- shape queries -------------------------------------------------------------------
@@ -300,6 +326,7 @@ def HybridMesh(  # noqa: N802 - named like a class, as in PyTorch/XLA
             f"has {devices_per_host}. Make the product of ici_mesh_shape equal the devices per "
             f"host."
         )
+    _check_size(tuple(d * i for d, i in zip(dcn, ici, strict=True)), "HybridMesh")
     n_hosts = math.prod(dcn)
     # ids[dcn coords..., ici coords...] = host * per_host + local, then interleave per axis.
     ids = np.arange(n_hosts * per_host).reshape(dcn + ici)

@@ -16,12 +16,14 @@ from partita.capture.decompositions import KEPT_OPS, SDPA_OPS, decomposition_tab
 from partita.capture.normalize import VALUE_VIEW_OPS, normalize
 from partita.capture.program import Program
 from partita.capture.source import source_line
+from partita.capture.threads import TRACING, serialized
 from partita.capture.trace import trace
 
 __all__ = [
     "ANNOTATE_OP",
     "KEPT_OPS",
     "SDPA_OPS",
+    "TRACING",
     "VALUE_VIEW_OPS",
     "Annotation",
     "Program",
@@ -30,6 +32,7 @@ __all__ = [
     "is_tracing",
     "normalize",
     "ops",
+    "serialized",
     "source_line",
     "trace",
 ]

@@ -36,6 +36,7 @@ from torch._export.utils import _get_decomp_for_cia, _is_preservable_cia_op
 from torch.export.decomp_utils import PRESERVED_ATEN_CIA_OPS
 
 from partita.capture import ops as partita_ops
+from partita.capture.half_reductions import HALF_REDUCTION_OPS
 
 __all__ = [
     "AS_STRIDED_OPS",
@@ -376,6 +377,7 @@ def _table() -> dict[torch._ops.OpOverload, Callable[..., Any]]:
     table.update(SDPA_OPS)
     table.update(AS_STRIDED_OPS)
     table.update(NN_KERNEL_OPS)
+    table.update(HALF_REDUCTION_OPS)
     return table
 
 

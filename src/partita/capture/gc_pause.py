@@ -9,21 +9,31 @@ process pays more than the first). Nothing a stage builds is garbage before it r
 collecting during it finds little; reference counting still frees everything acyclic.
 
 :func:`gc_paused` disables the collector for the duration and restores the previous state
-(nested uses are no-ops); the collector then runs as usual on the next allocations.
+(nested uses, in any thread, are counted: the last one out restores it); the collector then
+runs as usual on the next allocations.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import threading
 from collections.abc import Iterator
 
 __all__ = ["gc_paused"]
 
 
+_LOCK = threading.Lock()
+_DEPTH = [0]  # blocks open in any thread: the first restores nothing, the last restores all
+_WAS_ENABLED = [False]
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """Disable the cyclic garbage collector inside the block (restored on exit).
+
+    The collector is process-wide, so the blocks of all threads count together: the collector
+    comes back when the last open block exits, in whichever thread.
 
     Example:
         >>> import gc
@@ -31,10 +41,15 @@ def gc_paused() -> Iterator[None]:
         ...     gc.isenabled()
         False
     """
-    was_enabled = gc.isenabled()
-    gc.disable()
+    with _LOCK:
+        if _DEPTH[0] == 0:
+            _WAS_ENABLED[0] = gc.isenabled()
+        _DEPTH[0] += 1
+        gc.disable()
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _LOCK:
+            _DEPTH[0] -= 1
+            if _DEPTH[0] == 0 and _WAS_ENABLED[0]:
+                gc.enable()

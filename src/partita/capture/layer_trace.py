@@ -26,6 +26,7 @@ from partita.capture.decompositions import decomposition_table
 from partita.capture.functionalize import InputUpdates, functionalized
 from partita.capture.layer_graph import part, positional_form, register, split_joint
 from partita.capture.layer_key import IN_PLACE, LayerFallbackError
+from partita.capture.threads import TRACING
 
 __all__ = ["ScanState", "Traced", "trace_layer", "traces_alike"]
 
@@ -181,7 +182,8 @@ def trace_layer(
                 example = fresh() + [torch.empty(s, dtype=d, device=dev)
                                      for s, d, dev, _ in cot_meta]  # fmt: skip
             updates = InputUpdates([], (), [], [], None, state.fn_name)
-            with _use_lazy_graph_module(True):  # the joint is split, never run: no code
+            # One make_fx at a time in the process (see TRACING); reentrant inside a trace.
+            with TRACING, _use_lazy_graph_module(True):  # the joint is split, never run
                 gm = make_fx(
                     functionalized(_recording(joint, updates), updates),
                     decomposition_table=decomposition_table(),

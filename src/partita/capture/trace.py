@@ -73,6 +73,7 @@ from partita.capture.program import Program
 from partita.capture.rng import DrawKeys, replay_draws, tracing_rng
 from partita.capture.source import format_source, source_from_stack_trace, user_frame
 from partita.capture.spec_tree import broadcast_specs, is_size, unflatten_args
+from partita.capture.threads import TRACING
 from partita.errors import CaptureError, CompilerError, PartitaError
 from partita.mesh import Mesh
 from partita.spec import PartitionSpec
@@ -135,7 +136,10 @@ def trace(
         >>> len(program.annotations)
         2
     """
-    with gc_paused():  # every object built here lives until we return: see gc_pause
+    # One trace at a time in the process: make_fx's tracer keeps process-global state (torch.fx
+    # patches module globals through one CURRENT_PATCHER), so two threads tracing at once
+    # corrupt each other's trace. Other threads still run programs meanwhile.
+    with TRACING, gc_paused():  # every object built here lives until we return: see gc_pause
         return _trace(fn, args, kwargs, in_specs, out_specs, mesh, kwarg_specs, leaf_specs)
 
 
@@ -345,11 +349,6 @@ def input_path(path: Any) -> str:
     if text.startswith("[1]"):
         return "kwargs" + text[3:]
     return text
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else "(no message)"
 
 
 def _check_functional(gm: torch.fx.GraphModule, name: str) -> None:

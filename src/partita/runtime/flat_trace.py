@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from partita.capture.threads import TRACING
 from partita.runtime.flat_matmul import fold_broadcast_bmms, fuse_bias_adds
 
 __all__ = [
@@ -90,15 +91,25 @@ def timed_run(fn: Callable[..., Any], args: list[Any], tracer: FlatTracer) -> An
     return out
 
 
-def trace_flat(fn: Callable[..., Any], args: list[Any], n_nodes: int = 0) -> Callable[..., Any]:
+def trace_flat(
+    fn: Callable[..., Any], args: list[Any], n_nodes: int = 0
+) -> Callable[..., Any] | None:
     """``fn`` (nested vmaps) traced on ``args``' metadata to a flat graph of batched aten
-    ops, or ``fn`` itself when its batching rules cannot be traced. ``n_nodes`` (the
-    segment's) calibrates the cost estimate of later traces."""
+    ops, or ``fn`` itself when its batching rules cannot be traced; None, to try again later,
+    while another thread traces. ``n_nodes`` (the segment's) calibrates the cost estimate of
+    later traces."""
+    # make_fx keeps process-global state (see TRACING): while another thread traces, this
+    # segment keeps its vmaps (correct, not flattened) rather than wait, since that thread
+    # may be waiting for the step this one runs.
+    if not TRACING.acquire(blocking=False):
+        return None
     start = time.thread_time()
     try:
         flat = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
     except Exception:  # a batching rule that make_fx cannot trace: vmap stays correct
         return fn
+    finally:
+        TRACING.release()
     for node in flat.graph.nodes:
         if node.target in _TO_RESHAPE:  # traced on fake strides; reshape is safe on any
             node.target = aten.reshape.default

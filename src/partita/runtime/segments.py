@@ -121,7 +121,10 @@ class Segment:
                     if not self.tracer.due(len(self.nodes), trace_at):
                         outs = timed_run(fn, args, self.tracer)
                         return list(zip(outs, out_pattern, strict=True))
-                    flat = self.flat[key] = trace_flat(fn, args, len(self.nodes))
+                    flat = trace_flat(fn, args, len(self.nodes))
+                    if flat is None:  # another thread traces: this run keeps the vmaps
+                        return list(zip(fn(*args), out_pattern, strict=True))
+                    self.flat[key] = flat
                 fn = flat
         return list(zip(fn(*args), out_pattern, strict=True))
 
@@ -142,6 +145,8 @@ class Segment:
         hit = self.inductor.get(key)
         if hit is None:
             graph = fn if fn is self.gm else self.flat.get(key) or trace_flat(fn, args)
+            if graph is None:  # another thread traces: compiled at a later run
+                return fn
             if isinstance(graph, fx.GraphModule):
                 self.flat[key] = graph
                 hit = compile_graph(graph, args, stats, self.gm.__class__.__name__)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from partita import options as options_module
+from partita.capture.threads import serialized
 from partita.capture.uncompile import uncompiled
 from partita.errors import ArgumentError, ArgumentTypeError
 from partita.jit import JitStats, Jitted, OptionsLike, jit
@@ -60,6 +61,7 @@ __all__ = ["LoadResult", "TrainStep", "train_step"]
 Tensors = dict[str, torch.Tensor]
 
 
+@serialized("__call__", "lower")  # calls from several threads run in turn
 class TrainStep:
     """A compiled sharded training step; see :func:`train_step`.
 
@@ -192,8 +194,7 @@ class TrainStep:
 
     def lower(self, batch: Any) -> Plan:
         """The Plan of one step on ``batch`` (compiles, does not run or change the state)."""
-        plan = self._get_jitted().lower(*self._args(batch))
-        self.plan = plan
+        self.plan = plan = self._get_jitted().lower(*self._args(batch))
         return plan
 
     # --- running ---------------------------------------------------------------------------
@@ -201,8 +202,7 @@ class TrainStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
         self._snapshot.check(self.model, self.optimizer)
-        jitted = self._get_jitted()
-        args = self._args(batch)
+        jitted, args = self._get_jitted(), self._args(batch)
         loss, params, buffers, opt_state = jitted(*args)
         self.params, self.buffers, self.opt_state = params, buffers, opt_state
         unused = self._unused.get(self.model.training, frozenset())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +28,8 @@ from torch.utils import _pytree as pytree
 from partita.tensor import ShardedTensor
 from partita.virtual import recording, step
 from partita.virtual import state as device_state
-from partita.virtual.lazy import Cell, LazyTensor, next_serial
+from partita.virtual.holders import Holders, holders
+from partita.virtual.lazy import Cell, LazyTensor
 from partita.virtual.replayable import (
     REPLICATED,
     Call,
@@ -38,10 +40,14 @@ from partita.virtual.replayable import (
     sharding_of,
 )
 
-__all__ = ["SIGNATURE_LIMIT", "CompiledStep", "compile"]
+__all__ = ["CALLS", "SIGNATURE_LIMIT", "CompiledStep", "compile"]
 
 #: Argument signatures a compiled function keeps (each with its capture), the oldest dropped.
 SIGNATURE_LIMIT = 16
+#: Held during each call of a compiled step: calls from several threads run in turn. One lock
+#: for all compiled steps: the virtual device records one step at a time (one recording per
+#: process), and a call reads and updates the same parameters and optimizer state.
+CALLS = threading.RLock()
 
 
 @dataclass
@@ -56,6 +62,7 @@ class _Capture:
     out_spec: Any
     cpu_guards: list[tuple[int, torch.Tensor]]
     mesh: Any
+    holders: Holders
 
 
 @dataclass
@@ -80,8 +87,9 @@ class CompiledStep:
         return getattr(self.fn, "__name__", repr(self.fn))
 
     def reset(self) -> None:
-        """Drop every capture: the next calls run the function again (after
-        ``load_state_dict`` or anything else that replaced the tensors the step reads)."""
+        """Drop every capture: the next calls run the function again (after a change the
+        guard does not see: a Python value read inside the step; loads and replaced tensors
+        drop the capture by themselves)."""
         self.signatures.clear()
         step.metrics().compiled_steps.pop(self.name, None)
 
@@ -89,6 +97,10 @@ class CompiledStep:
         step.metrics().compiled_steps[self.name] = line
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with CALLS:
+            return self._call(args, kwargs)
+
+    def _call(self, args: Any, kwargs: Any) -> Any:
         step.sync()  # work recorded before the call: its values are the step's inputs
         leaves, spec = pytree.tree_flatten((args, kwargs))
         sig = _signature(leaves, spec)
@@ -112,7 +124,7 @@ class CompiledStep:
     def _run(self, state: _Signature | None, leaves: list[Any], args: Any, kwargs: Any) -> Any:
         """Run the function (recorded, synced at the end) and capture it once it repeats."""
         m = step.metrics()
-        syncs, start = m.syncs, next_serial()
+        syncs, start = m.syncs, device_state.next_serial()
         device_state.get().uploads.append([])
         try:
             out = self.fn(*args, **kwargs)
@@ -159,7 +171,7 @@ class CompiledStep:
             state.last = None  # the capture keeps what a replay needs, not the recording
             state.capture = _Capture(
                 call.program, call.roles, call.scalars, call.returns, call.out_descs, out_spec,
-                call.cpu_guards, step.current_mesh(),
+                call.cpu_guards, step.current_mesh(), holders(call.roles),
             )  # fmt: skip
             self._say(
                 f"captured after {state.calls} calls ({len(rec.ops)} ops, "
@@ -186,7 +198,11 @@ def compile(fn: Callable[..., Any]) -> CompiledStep:
     then live on the device). The signature is the pytree structure of the arguments, each
     tensor's device, shape, dtype (and sharding on the device), the other values by value; and
     every tensor the step reads besides its arguments must still be alive with the same shape
-    and sharding. A different signature runs ``fn`` and is captured separately.
+    and sharding, and held as at the capture (:class:`~partita.virtual.holders.Holders`: the
+    tensor objects standing for it, their ``requires_grad``, ``.grad`` and ``.data``; the
+    modules and optimizers holding them). A different signature runs ``fn`` and is captured
+    separately; a changed holder drops the capture (``fn`` runs and is captured again). Calls
+    run one at a time (:data:`CALLS`).
     ``partita.metrics()`` says, per compiled function, whether it was captured or why not (and
     the fix); the compiled function's ``reset()`` drops its captures. See docs/virtual-device.md.
 
@@ -211,7 +227,13 @@ def _detach(t: Any) -> Any:
 
 def _signature(leaves: list[Any], spec: Any) -> tuple[Any, ...] | str:
     """The guard of a call (hashable), or why the arguments cannot have one."""
-    parts: list[Any] = [spec]
+    # The modes the recorded ops depend on: grad mode (is a backward recorded) and autocast
+    # (which dtypes the ops run in) on the device and the CPU.
+    backend = torch._C._get_privateuse1_backend_name()
+    modes = (torch.is_grad_enabled(), *(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in (backend, "cpu")
+    ))  # fmt: skip
+    parts: list[Any] = [spec, modes]
     first: dict[int, int] = {}
     for i, leaf in enumerate(leaves):
         if isinstance(leaf, LazyTensor):
@@ -253,7 +275,7 @@ def _stale(cap: _Capture, leaves: list[Any]) -> str | None:
                 f"input {n} of the step changed from {list(role[2][0])} {role[3]} to "
                 f"{list(cell.desc[0])} {sharding_of(cell.data)} (mark_sharding, or .data replaced)"
             )
-    return None
+    return cap.holders.stale()
 
 
 def _replay(cap: _Capture, leaves: list[Any]) -> Any:

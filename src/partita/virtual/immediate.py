@@ -93,6 +93,7 @@ RUNS_NOW = frozenset(
     | _RANDOM_FILLS
     | _INDEXING
     | set(_INPLACE_VIEWS)
+    | {aten.set_.source_Tensor}
 )
 
 
@@ -146,6 +147,9 @@ def run_now(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], rec: Any) 
             if value is not None:
                 return value.item()
         return full_value(args[0]).item()
+    if func is aten.set_.source_Tensor and isinstance(args[1], LazyTensor):
+        args[0].data = args[1]  # t.set_(x): t stands for x's value, as t.data = x
+        return args[0]
     if func in _INPLACE_VIEWS:
         view = lazy.dispatch(_INPLACE_VIEWS[func], args, kwargs)
         args[0]._cell = view._cell

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextvars
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -31,7 +32,7 @@ from partita.runtime.dist_tensor import DistributedShardedTensor
 from partita.spec import PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor
 from partita.virtual import state
-from partita.virtual.state import DEVICE_NAME
+from partita.virtual.state import DEVICE, DEVICE_NAME
 
 __all__ = [
     "Cell",
@@ -43,7 +44,6 @@ __all__ = [
     "held_value",
     "lazies",
     "new_data",
-    "next_serial",
 ]
 
 #: A value's metadata: shape, strides, storage offset, dtype.
@@ -190,6 +190,29 @@ class LazyTensor(torch.Tensor):
     def __init__(self, cell: Cell, requires_grad: bool = False) -> None:
         del cell, requires_grad
 
+    @property  # type: ignore[override]
+    def data(self) -> torch.Tensor:
+        """A detached alias sharing this tensor's value (as ``torch.Tensor.data``)."""
+        return _DATA.__get__(self)
+
+    @data.setter
+    def data(self, value: torch.Tensor) -> None:
+        """``t.data = x``: ``t`` now stands for ``x``'s value (shape, dtype and later in-place
+        updates shared), as eager ``Tensor.data`` assignment shares ``x``'s storage."""
+        if not isinstance(value, LazyTensor):
+            where = "a CPU" if value.device.type == "cpu" else f"a {value.device}"
+            raise VirtualDeviceError(
+                f"t.data = x: t ({list(self.shape)} {self.dtype}) is on the virtual device "
+                f"{self.device}, x ({list(value.shape)} {value.dtype}) is {where} tensor; a "
+                f"device tensor cannot hold a value that lives elsewhere. Fix: move it first, "
+                f"t.data = x.to(t.device)"
+            )
+        _DATA.__set__(self, value)  # the wrapper's shape, strides and dtype
+        self._cell = cell = value._cell
+        rec = state.get().recording
+        if not cell.has_value and rec is not None:  # pending: kept while this tensor is alive
+            rec.live.append((weakref.ref(self), cell))
+
     @classmethod
     def _spmd_device(cls) -> torch.device:
         cls._device = torch.device(DEVICE_NAME, 0)
@@ -217,7 +240,8 @@ class LazyTensor(torch.Tensor):
     def __torch_dispatch__(  # type: ignore[override]  # torch's stub: (func, types, args, kwargs)
         cls, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict | None = None
     ) -> Any:
-        return _Above.dispatch(func, args, kwargs or {})  # type: ignore[misc]
+        with DEVICE:  # one op at a time on the device, whichever thread records it
+            return _Above.dispatch(func, args, kwargs or {})  # type: ignore[misc]
 
     # torch.Tensor.__repr__ takes tensor_contents at runtime; its stub has no keyword
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
@@ -289,6 +313,9 @@ class LazyTensor(torch.Tensor):
         return held_value(self).local_shard_views
 
 
+_DATA = torch._C.TensorBase.data  # the C descriptor behind Tensor.data
+
+
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Hand an op on device tensors to the recording layer, as ``__torch_dispatch__`` does
     (for the kernels and immediate ops that turn one op into another)."""
@@ -325,8 +352,9 @@ def _sync_outside_dispatch() -> None:
     worker = threading.Thread(
         target=contextvars.copy_context().run, args=(run,), name="partita-sync"
     )
-    worker.start()
-    worker.join()
+    with state.device_released():  # the worker's sync takes the device lock
+        worker.start()
+        worker.join()
     if errors:
         raise errors[0]
 
@@ -373,8 +401,3 @@ def lazies(x: Any) -> list[LazyTensor]:
     if isinstance(x, dict):
         return [t for v in x.values() for t in lazies(v)]
     return []
-
-
-def next_serial() -> int:
-    """A number above every cell's ``serial`` so far (cells made later have higher ones)."""
-    return next(state.get().serials)

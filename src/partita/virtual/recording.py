@@ -33,7 +33,7 @@ from partita.virtual import draws, state, why
 from partita.virtual.guide import Guide
 from partita.virtual.lazy import Cell, LazyTensor
 from partita.virtual.sources import Source, op_source
-from partita.virtual.state import DEVICE_NAME
+from partita.virtual.state import DEVICE, DEVICE_NAME
 
 __all__ = [
     "Guide",
@@ -280,11 +280,12 @@ def forget_guides() -> None:
 def record_annotation(t: LazyTensor, annotate: Any, mesh: Any, spec: Any) -> None:
     """Record ``annotate(t, mesh, spec)`` on a pending tensor: its later uses see the
     annotated value (``mark_sharding`` in place on a value being computed)."""
-    rec = current()
-    slot = rec.slot_of(t._cell)
-    targs = (("t", slot), ("c", mesh), ("c", spec))
-    entry = rec.follow(annotate, targs, ()) or (annotate, targs, (), (slot,))
-    if rec.guide is None:
-        rec.sources.append(op_source(rec.forward_sources))
-    rec.ops.append(entry)
-    rec.results.append(None)
+    with DEVICE:  # as an op: not while another thread's sync takes the recording
+        rec = current()
+        slot = rec.slot_of(t._cell)
+        targs = (("t", slot), ("c", mesh), ("c", spec))
+        entry = rec.follow(annotate, targs, ()) or (annotate, targs, (), (slot,))
+        if rec.guide is None:
+            rec.sources.append(op_source(rec.forward_sources))
+        rec.ops.append(entry)
+        rec.results.append(None)

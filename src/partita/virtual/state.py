@@ -7,10 +7,12 @@ left (kept alive: dropping a ``torch.library.Library`` deregisters its kernels).
 modules of :mod:`partita.virtual` read and write it through :func:`get`; this module is the
 bottom of the package and imports none of them.
 
-Threads: one thread records at a time (the training loop's; a sync started inside
-``__torch_dispatch__`` runs in a helper thread while that thread waits). The background step
-thread only runs the program it was handed and reads :attr:`DeviceState.mesh`. Making the
-instance takes a lock, so two threads asking at once get the same one.
+Threads: one thread records at a time: each op is recorded, and each sync takes the
+recording, under :data:`DEVICE` (a sync started inside ``__torch_dispatch__`` runs in a helper
+thread while that thread waits, handing it the lock). The background step thread only runs the
+program it was handed and reads :attr:`DeviceState.mesh`; one thread at a time hands out the
+values of the steps it ran (:meth:`DeviceState.wait_in_flight`). Making the instance takes a
+lock, so two threads asking at once get the same one.
 
 Op metadata memos (:mod:`partita.virtual.shapes`, :mod:`partita.virtual.lift`) are not here:
 they depend only on torch's op schemas, never on what the device did.
@@ -18,10 +20,11 @@ they depend only on torch's op schemas, never on what the device did.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -31,10 +34,27 @@ import torch
 from partita.mesh import Mesh
 from partita.virtual.metrics import Metrics
 
-__all__ = ["DEVICE_NAME", "DeviceState", "Registration", "existing", "get", "reset"]
+__all__ = [
+    "DEVICE",
+    "DEVICE_NAME",
+    "DeviceState",
+    "Registration",
+    "device_released",
+    "existing",
+    "get",
+    "next_serial",
+    "reset",
+]
 
 #: The name of the virtual device (``torch.device("spmd", 0)``).
 DEVICE_NAME = "spmd"
+
+#: Held while an op is recorded and while a sync takes the recording: the device records one
+#: step for the whole process, so ops from several threads (two threads training their own
+#: models, autograd's backward thread) go into it one at a time, never while a sync takes it.
+DEVICE = threading.RLock()
+#: Held while the values of finished steps are handed out (:meth:`DeviceState.wait_in_flight`).
+_FINISHING = threading.RLock()
 
 
 @dataclass
@@ -103,8 +123,11 @@ class DeviceState:
 
     def wait_in_flight(self) -> None:
         """Wait for the steps running in the background, if any, and hand out their values."""
-        while self.in_flight:
-            self.in_flight.pop(0).finish()
+        # One thread hands the values out; another thread reading a value meanwhile waits for it
+        # here (else it could find the run taken off the list and its cells not filled yet).
+        with _FINISHING:
+            while self.in_flight:
+                self.in_flight.pop(0).finish()
 
     def reset(self) -> None:
         """Forget everything but what cannot be undone (for tests): waits for running steps,
@@ -141,3 +164,19 @@ def reset() -> None:
     """Reset the device's state for a test (see :meth:`DeviceState.reset`)."""
     if DeviceState.instance is not None:
         DeviceState.instance.reset()
+
+
+def next_serial() -> int:
+    """A number above every cell's ``serial`` so far (cells made later have higher ones)."""
+    return next(get().serials)
+
+
+@contextlib.contextmanager
+def device_released() -> Iterator[None]:
+    """Let go of :data:`DEVICE` inside the block, however deep this thread holds it, and take it
+    back after (a thread waiting for another thread that records or syncs)."""
+    held = DEVICE._release_save()  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        DEVICE._acquire_restore(held)  # type: ignore[attr-defined]

@@ -180,6 +180,12 @@ def sync() -> None:
     device = state.existing()
     if device is None or device.recording is None:
         return  # nothing recorded (or use_spmd never called)
+    with state.DEVICE:  # no op is recorded from another thread while the recording is taken
+        if device.recording is not None:  # not taken by another thread's sync meanwhile
+            _sync(device)
+
+
+def _sync(device: state.DeviceState) -> None:
     pending = recording.current()
     if not pending.ops:
         return
