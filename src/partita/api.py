@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -110,7 +111,7 @@ def in_eager_forward(depth: int = 64) -> bool:
     """Whether the caller runs inside an ``nn.Module``'s forward (``model(x)``): a frame of
     ``Module.__call__`` among the ``depth`` innermost. Asked only off the device and outside
     tracing, so such a forward runs eagerly on plain tensors."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(depth):
         if frame is None:
             return False

@@ -158,9 +158,9 @@ class Jitted:
         options = self.options_now()
         # A module's in_specs derive from self.in_specs and the argument structure (the key).
         leaves, shardings, key = self._signatures.key(args, kwargs, self.in_specs, in_specs)
-        key = (*key, ("options", options.key()))  # type: ignore[misc]
+        key = (*cast(tuple[Any, ...], key), ("options", options.key()))
         if self._module is not None:
-            key = (*key, ("mode", self._module.mode()))  # type: ignore[misc]
+            key = (*key, ("mode", self._module.mode()))
         compiled = self._cache.get(key)
         if compiled is not None:
             self._cache.move_to_end(key)

@@ -48,7 +48,7 @@ class Signatures:
     def __init__(self, mesh: Mesh, name: str) -> None:
         self.mesh = mesh
         self.name = name
-        self._user: dict[tuple[Any, int], tuple[Any, list[PartitionSpec | None]]] = {}
+        self._user: dict[tuple[Any, int, int], tuple[Any, list[PartitionSpec | None]]] = {}
         self._plain: dict[tuple[PartitionSpec | None, int], Sharding] = {}
 
     def _user_specs(

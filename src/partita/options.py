@@ -283,9 +283,9 @@ def current() -> CompileOptions:
     """The active options: defaults, then the environment, then :func:`using` blocks."""
     snapshot = _environ_snapshot()
     overrides = _OVERRIDES.get()
-    memo_key = (snapshot, overrides)
+    memo_key: tuple[Any, ...] | None = (snapshot, overrides)
     try:
-        found = _MEMO.get(memo_key)
+        found = _MEMO.get((snapshot, overrides))
     except TypeError:  # an unhashable value in using(): validated below, never memoized
         found, memo_key = None, None
     if found is not None:

@@ -91,7 +91,7 @@ def _resolve(
         return x, shape
     held = getattr(x, "sharding", None) if isinstance(x, torch.Tensor) else None
     if isinstance(held, Sharding):  # a tensor of the virtual device: its layout there
-        return _resolve(held, x.shape if shape is None else shape, where)  # type: ignore[union-attr]
+        return _resolve(held, x.shape if shape is None else shape, where)
     raise ShardingError(
         f"{where} expects a ShardedTensor, a tensor of the virtual device, or a Sharding and a "
         f"global shape; got a {type(x).__name__}"

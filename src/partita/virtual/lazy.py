@@ -190,7 +190,7 @@ class LazyTensor(torch.Tensor):
     def __init__(self, cell: Cell, requires_grad: bool = False) -> None:
         del cell, requires_grad
 
-    @property  # type: ignore[override]
+    @property
     def data(self) -> torch.Tensor:
         """A detached alias sharing this tensor's value (as ``torch.Tensor.data``)."""
         return _DATA.__get__(self)
@@ -313,7 +313,8 @@ class LazyTensor(torch.Tensor):
         return held_value(self).local_shard_views
 
 
-_DATA = torch._C.TensorBase.data  # the C descriptor behind Tensor.data
+#: The C descriptor behind Tensor.data (a getset descriptor; torch's stubs type it as a Tensor).
+_DATA: Any = torch._C.TensorBase.data
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -11,7 +11,7 @@ Results carry no autograd history. ``x.to(dev)`` puts a ShardedTensor on the dev
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch.utils import _pytree as pytree
@@ -76,7 +76,7 @@ def _moved_to_device(
     moved = upload(x)
     if dtype is not None and dtype != x.dtype:
         with torch.no_grad():
-            return moved.to(dtype)  # type: ignore[no-any-return]
+            return cast(LazyTensor, moved.to(dtype))
     return moved
 
 
