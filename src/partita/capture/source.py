@@ -46,11 +46,11 @@ __all__ = [
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 # The package directory, from this file's place in it (importing ``partita`` here would be a
 # cycle through the package root, which imports every stage).
-_PARTITA_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # Code that is the user's program though partita wrote it: the reference models, and the
 # training step ``train_step`` compiles (its optimizer ops then point at the update's line).
 _USER_DIRS_IN_PARTITA = tuple(
-    os.path.join(_PARTITA_DIR, d) + os.sep for d in ("models", "training")
+    os.path.join(_PACKAGE_DIR, d) + os.sep for d in ("models", "training")
 )
 STACK_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
@@ -61,7 +61,7 @@ def is_internal(code: CodeType) -> bool:
     hit = _is_internal_cache.get(code)
     if hit is None:
         name = code.co_filename
-        if name.startswith(_PARTITA_DIR):
+        if name.startswith(_PACKAGE_DIR):
             hit = not name.startswith(_USER_DIRS_IN_PARTITA)
         else:
             hit = (

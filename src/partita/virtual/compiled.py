@@ -28,8 +28,9 @@ from torch.utils import _pytree as pytree
 from partita.tensor import ShardedTensor
 from partita.virtual import recording, step
 from partita.virtual import state as device_state
+from partita.virtual.cell import Cell
 from partita.virtual.holders import Holders, holders
-from partita.virtual.lazy import Cell, LazyTensor
+from partita.virtual.lazy import LazyTensor
 from partita.virtual.replayable import (
     REPLICATED,
     Call,

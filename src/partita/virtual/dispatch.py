@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from partita.virtual import draws
+from partita.virtual.cell import Cell
 from partita.virtual.immediate import run_now, runs_now
-from partita.virtual.lazy import Cell, LazyTensor, lazies
+from partita.virtual.lazy import LazyTensor, lazies
 from partita.virtual.lift import lift_extras
 from partita.virtual.recording import Recording, current
 from partita.virtual.shapes import infer, op_info

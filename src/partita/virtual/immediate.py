@@ -20,7 +20,8 @@ from partita.errors import VirtualDeviceError
 from partita.runtime.dist_tensor import DistributedShardedTensor
 from partita.tensor import ShardedTensor
 from partita.virtual import lazy, state
-from partita.virtual.lazy import Cell, LazyTensor, full_value, lazies, new_data
+from partita.virtual.cell import Cell
+from partita.virtual.lazy import LazyTensor, full_value, lazies, new_data
 from partita.virtual.peek import peek
 from partita.virtual.shapes import to_meta
 from partita.virtual.state import DEVICE_NAME

@@ -1,9 +1,9 @@
 """The lazy tensor of the virtual device: a ``torch.Tensor`` whose operations are recorded.
 
 A :class:`LazyTensor` is a wrapper subclass on ``spmd:0`` (shape, dtype and strides are real;
-there is no storage). It points to a :class:`Cell`, the value it stands for, which is either
-*data* (a plain tensor, replicated, or a :class:`~partita.ShardedTensor` laid out over the
-mesh) or *pending* (the result of an op recorded since the last ``sync``). Every aten op that
+there is no storage). It points to a :class:`~partita.virtual.cell.Cell`, the value it
+stands for, which is either *data* (a plain tensor, replicated, or a
+:class:`~partita.ShardedTensor` laid out over the mesh) or *pending* (the result of an op recorded since the last ``sync``). Every aten op that
 reaches ``__torch_dispatch__`` (forward, autograd's backward, the optimizer's kernels) is
 handed to :mod:`partita.virtual.recording`; ``.item()``, ``.cpu()`` and ``repr`` sync first.
 
@@ -32,11 +32,10 @@ from partita.runtime.dist_tensor import DistributedShardedTensor
 from partita.spec import PartitionSpec, Sharding
 from partita.tensor import Shard, ShardedTensor
 from partita.virtual import state
+from partita.virtual.cell import Cell
 from partita.virtual.state import DEVICE, DEVICE_NAME
 
 __all__ = [
-    "Cell",
-    "Desc",
     "LazyTensor",
     "connect",
     "dispatch",
@@ -45,10 +44,6 @@ __all__ = [
     "lazies",
     "new_data",
 ]
-
-#: A value's metadata: shape, strides, storage offset, dtype.
-Desc = tuple[tuple[int, ...], tuple[int, ...], int, torch.dtype]
-_META = torch.device("meta")
 
 
 class _Above:
@@ -67,99 +62,6 @@ def connect(
     ``dispatch(func, args, kwargs)`` records or runs an op (:mod:`partita.virtual.dispatch`),
     ``sync()`` runs the recorded step (:mod:`partita.virtual.step`)."""
     _Above.dispatch, _Above.sync = dispatch, sync
-
-
-class Cell:
-    """One value of the virtual device: data, or a pending slot of the current recording.
-
-    Attributes:
-        data: the value when it is known (a plain tensor means replicated), else None.
-        slot: its slot in the recording of ``epoch`` (None when not used there yet).
-        meta: a meta tensor with its shape, dtype and strides.
-        serial: increases with each cell made (which cells a call of a compiled step made).
-        annotation: the sharding ``mark_sharding`` gave this value (None: not annotated, or
-            cleared by ``clear_sharding``); aliases (``.data``, ``detach``) share it.
-    """
-
-    __slots__ = (
-        "__weakref__",
-        "_data",
-        "_desc",
-        "_meta",
-        "annotation",
-        "base",
-        "dirty",
-        "epoch",
-        "in_flight",
-        "serial",
-        "slot",
-    )
-
-    def __init__(
-        self,
-        meta: torch.Tensor | None,
-        data: torch.Tensor | ShardedTensor | None = None,
-        base: Cell | None = None,
-        desc: Desc | None = None,
-    ) -> None:
-        # Either a meta tensor or its description: recording's fast path knows an output's
-        # description and builds the meta tensor only if something asks for it.
-        self._meta = meta
-        self._desc = desc
-        self._data = data
-        # True while a step that computes this value runs in the background (see step.sync):
-        # the value exists, reading it waits.
-        self.in_flight = False
-        self.slot: int | None = None
-        self.epoch = -1
-        # The cell whose storage this one views (itself for a fresh value): an in-place update
-        # of a view marks the base dirty, so reading the base syncs first.
-        self.base: Cell = self if base is None else base.base
-        self.dirty = False
-        # Creation order: a compiled step tells the values it made from those it was given.
-        self.serial = next(state.get().serials)
-        self.annotation: Sharding | None = None
-
-    @property
-    def meta(self) -> torch.Tensor:
-        """A meta tensor with the value's shape, dtype and strides (one object per cell)."""
-        if self._meta is None:
-            assert self._desc is not None
-            shape, stride, offset, dtype = self._desc
-            self._meta = torch.empty_strided(shape, stride, dtype=dtype, device=_META).as_strided(
-                shape, stride, offset
-            )
-        return self._meta
-
-    @property
-    def desc(self) -> Desc:
-        """``(shape, stride, storage offset, dtype)`` of the value."""
-        desc = self._desc
-        if desc is None:
-            m = self.meta  # a meta tensor: its storage offset is a plain int
-            desc = self._desc = (tuple(m.shape), m.stride(), int(m.storage_offset()), m.dtype)
-        return desc
-
-    @property
-    def data(self) -> torch.Tensor | ShardedTensor | None:
-        """The value (waits for the step computing it when that step is still running)."""
-        if self.in_flight:
-            state.get().wait_in_flight()
-        return self._data
-
-    @data.setter
-    def data(self, value: torch.Tensor | ShardedTensor | None) -> None:
-        self._data = value
-
-    @property
-    def has_value(self) -> bool:
-        """True for data, including data a running step is computing."""
-        return self._data is not None or self.in_flight
-
-    @property
-    def is_pending(self) -> bool:
-        """True when the value is only known after the next sync."""
-        return not self.has_value or self.base.dirty
 
 
 class LazyTensor(torch.Tensor):
@@ -325,7 +227,7 @@ def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 def new_data(value: torch.Tensor | ShardedTensor, requires_grad: bool = False) -> LazyTensor:
     """A LazyTensor holding ``value`` as data."""
-    meta = torch.empty(tuple(value.shape), dtype=value.dtype, device=_META)
+    meta = torch.empty(tuple(value.shape), dtype=value.dtype, device="meta")
     return LazyTensor(Cell(meta, value), requires_grad=requires_grad)
 
 

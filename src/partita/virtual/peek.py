@@ -22,7 +22,7 @@ import torch
 
 from partita.tensor import ShardedTensor
 from partita.virtual import recording
-from partita.virtual.lazy import Cell
+from partita.virtual.cell import Cell
 from partita.virtual.lift import replay_op
 from partita.virtual.shapes import op_info
 

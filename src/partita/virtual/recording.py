@@ -30,8 +30,9 @@ from partita.errors import VirtualDeviceError
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 from partita.virtual import draws, state, why
+from partita.virtual.cell import Cell
 from partita.virtual.guide import Guide
-from partita.virtual.lazy import Cell, LazyTensor
+from partita.virtual.lazy import LazyTensor
 from partita.virtual.sources import Source, op_source
 from partita.virtual.state import DEVICE, DEVICE_NAME
 

@@ -19,7 +19,8 @@ import torch
 from partita.spec import Sharding
 from partita.tensor import ShardedTensor
 from partita.virtual import recording, step
-from partita.virtual.lazy import Cell, LazyTensor
+from partita.virtual.cell import Cell
+from partita.virtual.lazy import LazyTensor
 from partita.virtual.why import recompile_reason
 
 __all__ = [

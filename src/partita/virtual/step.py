@@ -40,7 +40,7 @@ from partita.relayout import reshard
 from partita.runtime.distributed import distributed_executor
 from partita.tensor import ShardedTensor
 from partita.virtual import disk_cache, recording, state
-from partita.virtual.lazy import Cell
+from partita.virtual.cell import Cell
 from partita.virtual.lift import replay_op
 from partita.virtual.metrics import MISSES_KEPT, Metrics
 from partita.virtual.program import StepProgram, compile_step
