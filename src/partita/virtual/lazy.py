@@ -1,11 +1,12 @@
 """The lazy tensor of the virtual device: a ``torch.Tensor`` whose operations are recorded.
 
 A :class:`LazyTensor` is a wrapper subclass on ``spmd:0`` (shape, dtype and strides are real;
-there is no storage). It points to a :class:`~partita.virtual.cell.Cell`, the value it
-stands for, which is either *data* (a plain tensor, replicated, or a
-:class:`~partita.ShardedTensor` laid out over the mesh) or *pending* (the result of an op recorded since the last ``sync``). Every aten op that
-reaches ``__torch_dispatch__`` (forward, autograd's backward, the optimizer's kernels) is
-handed to :mod:`partita.virtual.recording`; ``.item()``, ``.cpu()`` and ``repr`` sync first.
+there is no storage). It points to a :class:`~partita.virtual.cell.Cell`, the value it stands
+for, which is either *data* (a plain tensor, replicated, or a :class:`~partita.ShardedTensor`
+laid out over the mesh) or *pending* (the result of an op recorded since the last ``sync``).
+Every aten op that reaches ``__torch_dispatch__`` (forward, autograd's backward, the optimizer's
+kernels) is handed to :mod:`partita.virtual.recording`; ``.item()``, ``.cpu()`` and ``repr``
+sync first.
 
 ``detach``/``alias`` (what ``.data`` and ``nn.Parameter`` use) share the cell, so
 ``p.data.mul_(2)`` updates ``p``. ``__tensor_flatten__`` makes ``module.to(dev)`` swap tensors,
