@@ -43,7 +43,7 @@ from partita.models import GPT, GPTConfig
 WIDTH, HEADS, VOCAB, SEQ, BATCH = 256, 4, 512, 64, 8
 STAGES = ("trace", "propagate", "partition")
 # partita/__init__ binds the name partita.jit to the function: fetch the module itself.
-jit_module = sys.modules["partita.jit"]
+jit_module = sys.modules["partita.frontend.jit"]
 
 
 @contextmanager

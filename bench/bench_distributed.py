@@ -284,45 +284,58 @@ def mlp_param_spec(name: str, p: torch.Tensor, mesh: Mesh) -> P:
     return param_spec(name, p, mesh)
 
 
+class PartitaStep:
+    """partita's FSDP (or 2-D) training step of the GPT, as the benches run it: each process
+    holds its tiles of the weights and of the AdamW state (as FSDP2's ``fully_shard`` keeps),
+    and its rows of one batch; :meth:`one` runs a step."""
+
+    def __init__(
+        self, mesh: Mesh, spec: Callable[[str, torch.Tensor, Mesh], P] = param_spec
+    ) -> None:
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        pspecs = {k: spec(k, v, mesh) for k, v in model.named_parameters()}
+
+        def shard(t: torch.Tensor, spec: Any) -> Any:
+            tile = t[process_slice(t.shape, mesh, spec)].clone()
+            return make_global(tile, mesh, spec, global_shape=t.shape)
+
+        params = {k: shard(v.detach(), pspecs[k]) for k, v in model.named_parameters()}
+        state = init_opt_state({"one": torch.zeros(())})
+        for key in ("exp_avg", "exp_avg_sq"):
+            state[key] = {k: shard(torch.zeros(v.shape), pspecs[k]) for k, v in params.items()}
+        state["step"] = shard(state["step"], P())
+        # The step takes the weights as arguments and never reads the module's own: free them,
+        # as fully_shard frees the unsharded parameters (a tied weight stays one Parameter).
+        for p in model.parameters():
+            p.data = torch.empty(0)
+        self.step = partita.jit(
+            make_train_step(model, _loss, "adamw"),
+            mesh=mesh,
+            in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
+                      (P("data"), P("data"))),
+        )  # fmt: skip
+        ids, targets = _batch(0)
+        rows = process_slice(ids.shape, mesh, P("data"))
+        self.batch = tuple(
+            make_global(t[rows], mesh, P("data"), global_shape=t.shape) for t in (ids, targets)
+        )
+        self.params, self.state = params, state
+
+    def lower(self) -> Any:
+        return self.step.lower(self.params, {}, self.state, self.batch)
+
+    def one(self) -> None:
+        _, self.params, _, self.state = self.step(self.params, {}, self.state, self.batch)
+
+
 def bench_partita(
     mesh: Mesh, repeat: int, spec: Callable[[str, torch.Tensor, Mesh], P] = param_spec
 ) -> dict[str, Any]:
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    pspecs = {k: spec(k, v, mesh) for k, v in model.named_parameters()}
-
-    def shard(t: torch.Tensor, spec: Any) -> Any:
-        """This process's tile of ``t`` only (as FSDP2's ``fully_shard`` keeps)."""
-        tile = t[process_slice(t.shape, mesh, spec)].clone()
-        return make_global(tile, mesh, spec, global_shape=t.shape)
-
-    params = {k: shard(v.detach(), pspecs[k]) for k, v in model.named_parameters()}
-    state = init_opt_state({"one": torch.zeros(())})
-    for key in ("exp_avg", "exp_avg_sq"):
-        state[key] = {k: shard(torch.zeros(v.shape), pspecs[k]) for k, v in params.items()}
-    state["step"] = shard(state["step"], P())
-    # The step takes the weights as arguments and never reads the module's own: free them, as
-    # fully_shard frees the unsharded parameters (a tied weight stays one Parameter).
-    for p in model.parameters():
-        p.data = torch.empty(0)
-    step = partita.jit(
-        make_train_step(model, _loss, "adamw"),
-        mesh=mesh,
-        in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
-                  (P("data"), P("data"))),
-    )  # fmt: skip
-    ids, targets = _batch(0)
-    rows = process_slice(ids.shape, mesh, P("data"))
-    batch = tuple(
-        make_global(t[rows], mesh, P("data"), global_shape=t.shape) for t in (ids, targets)
-    )
-    carry = {"params": params, "state": state}
-
-    def one() -> None:
-        _, carry["params"], _, carry["state"] = step(carry["params"], {}, carry["state"], batch)
-
+    run = PartitaStep(mesh, spec)
+    one = run.one
     start = time.perf_counter()
-    plan = step.lower(carry["params"], {}, carry["state"], batch)
+    plan = run.lower()
     compile_s = time.perf_counter() - start
     seconds = _median(one, repeat)
     heap = _step_heap(one)

@@ -27,12 +27,12 @@ import torch.nn.functional as F  # noqa: N812
 from torch import fx
 
 from partita.capture import trace
-from partita.collectives import MESH_OPS, all_reduce
-from partita.mesh import Mesh
+from partita.ir.collectives import MESH_OPS, all_reduce
 from partita.models import GPT, GPTConfig
 from partita.runtime.local import LocalMesh
 from partita.training import init_opt_state, make_train_step
 from partita.training import optim as steps_module
+from partita.values.mesh import Mesh
 
 
 def median_seconds(fns: dict[str, Callable[[], Any]], repeat: int) -> dict[str, float]:

@@ -36,18 +36,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import partita
 import partita.distributed as pd
-from partita import Mesh, P
-from partita.data import make_global, process_slice
-from partita.models import GPT
+from partita import Mesh
 from partita.options import using
 from partita.runtime.distributed import distributed_executor
 from partita.runtime.plan_check import call_digest, check_same_program, run_options
-from partita.training import init_opt_state, make_train_step
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_distributed import BATCH, CFG, _batch, _load, _loss, param_spec
+from bench_distributed import BATCH, CFG, PartitaStep, _load, param_spec
 
 WORLD = 4
 
@@ -61,35 +57,8 @@ def _max_over_ranks(values: list[float]) -> list[float]:
 def worker(ns: argparse.Namespace) -> None:
     pd.initialize()
     mesh = Mesh.create((WORLD,), ("data",))
-    torch.manual_seed(0)
-    model = GPT(CFG)
-    pspecs = {k: param_spec(k, v, mesh) for k, v in model.named_parameters()}
-
-    def shard(t: torch.Tensor, spec: P) -> partita.ShardedTensor:
-        tile = t[process_slice(t.shape, mesh, spec)].clone()
-        return make_global(tile, mesh, spec, global_shape=t.shape)
-
-    params = {k: shard(v.detach(), pspecs[k]) for k, v in model.named_parameters()}
-    state = init_opt_state({"one": torch.zeros(())})
-    for key in ("exp_avg", "exp_avg_sq"):
-        state[key] = {k: shard(torch.zeros(v.shape), pspecs[k]) for k, v in params.items()}
-    state["step"] = shard(state["step"], P())
-    step = partita.jit(
-        make_train_step(model, _loss, "adamw"),
-        mesh=mesh,
-        in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
-                  (P("data"), P("data"))),
-    )  # fmt: skip
-    ids, targets = _batch(0)
-    rows = process_slice(ids.shape, mesh, P("data"))
-    batch = tuple(
-        make_global(t[rows], mesh, P("data"), global_shape=t.shape) for t in (ids, targets)
-    )
-    carry = {"params": params, "state": state}
-
-    def one() -> None:
-        _, carry["params"], _, carry["state"] = step(carry["params"], {}, carry["state"], batch)
-
+    run = PartitaStep(mesh, param_spec)
+    one = run.one
     one()
     one()
     times: dict[bool, list[float]] = {True: [], False: []}
@@ -103,7 +72,7 @@ def worker(ns: argparse.Namespace) -> None:
     on = statistics.median(_max_over_ranks(times[True]))
     off = statistics.median(_max_over_ranks(times[False]))
 
-    compiled = step._compile((carry["params"], {}, carry["state"], batch), {})[0]
+    compiled = run.step._compile((run.params, {}, run.state, run.batch), {})[0]
     executor = distributed_executor(mesh)
     assert executor is not None
     digest = call_digest(compiled)

@@ -16,7 +16,7 @@ import torch.nn.functional as F  # noqa: N812
 
 import partita.presets
 from partita import Mesh
-from partita.demo import synthetic_batch
+from partita.cli.demo import synthetic_batch
 from partita.models import GPT, GPTConfig
 from partita.training import train_step
 

@@ -19,8 +19,8 @@ import torch
 
 from partita.capture import ops as partita_ops
 from partita.capture.annotate import annotate as _annotate
-from partita.mesh import Mesh
-from partita.spec import P
+from partita.values.mesh import Mesh
+from partita.values.spec import P
 
 aten = torch.ops.aten
 

@@ -54,8 +54,8 @@ from torch.utils import _pytree as pytree
 import partita
 from partita import Mesh, P
 from partita.errors import CaptureError, UnsupportedOpError
-from partita.spec import PartitionSpec
-from partita.tensor import ShardedTensor
+from partita.values.spec import PartitionSpec
+from partita.values.tensor import ShardedTensor
 
 MESH = Mesh.create((2, 4), ("x", "y"))
 STATUSES = ("PASS", "WRONG", "UNSUPPORTED", "ERROR", "CAPTURE", "SKIP")

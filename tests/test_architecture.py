@@ -34,52 +34,38 @@ from partita.rules.table import FAMILIES, TABLE, build_table
 SRC = pathlib.Path(partita.__file__).parent
 STAGES = ("values", "capture", "rules", "propagate", "partition", "runtime", "api")
 
-#: Modules of the value layer: data every stage shares, importing no stage.
+#: The value layer: data every stage shares, importing no stage (packages and modules).
 _VALUES = (
-    "partita.annotations",
-    "partita.collectives",
-    "partita.collectives_bucket",
     "partita.errors",
-    "partita.explain",
-    "partita.layout",
-    "partita.mesh",
-    "partita.node_meta",
-    "partita.op_lookup",
+    "partita.ir",
     "partita.options",
-    "partita.plan_roles",
     "partita.presets",
-    "partita.serialization",
-    "partita.spec",
-    "partita.tensor",
-    "partita.tensor_ops",
+    "partita.report",
+    "partita.values",
 )
-#: Modules that tie the stages together for users (they may import any stage).
+#: The front ends and the public surface: they tie the stages together for users (they may
+#: import any stage).
 _API = (
     "partita",
     "partita.__main__",
-    "partita.api",
+    "partita.checkpoint",
     "partita.cli",
     "partita.data",
-    "partita.demo",
     "partita.distributed",
-    "partita.jit",
-    "partita.jit_signature",
-    "partita.recompile",
-    "partita.models",
-    "partita.pipeline",
-    "partita.relayout",
-    "partita.visualize",
-)
-
-#: Packages (and modules) of the user-facing layer: everything under them is "api".
-_API_PACKAGES = (
-    "partita.checkpoint",
+    "partita.frontend",
     "partita.manual",
-    "partita.models.",
-    "partita.scan_layers",
+    "partita.models",
     "partita.training",
     "partita.virtual",
 )
+#: The packages of the package root, in data-flow order (docs/architecture.md lists them so).
+PACKAGES = (
+    "values", "ir", "presets", "report",
+    "capture", "rules", "propagate", "partition", "runtime",
+    "frontend", "training", "virtual", "manual", "checkpoint", "models", "cli",
+)  # fmt: skip
+#: The modules of the package root: the public surface only.
+ROOT_MODULES = ("__init__", "__main__", "data", "distributed", "errors", "options")
 
 #: Imports from a later stage that stay for now: (importer, imported) -> why.
 KNOWN_BACKWARD_IMPORTS: dict[tuple[str, str], str] = {}
@@ -98,9 +84,13 @@ MODULES = {_module_name(p): p for p in sorted(SRC.rglob("*.py"))}
 
 def stage_of(module: str) -> str:
     """The stage a module belongs to (every module of partita has one)."""
-    if module in _VALUES:
+
+    def under(packages: tuple[str, ...]) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in packages if p != "partita")
+
+    if under(_VALUES):
         return "values"
-    if module in _API or module.startswith(_API_PACKAGES):
+    if module == "partita" or under(_API):
         return "api"
     for stage in ("capture", "rules", "propagate", "partition", "runtime"):
         if module == f"partita.{stage}" or module.startswith(f"partita.{stage}."):
@@ -249,6 +239,21 @@ def backward_imports() -> dict[tuple[str, str], str]:
     return found
 
 
+def test_the_root_holds_the_public_surface_and_one_package_per_stage() -> None:
+    """The folder list reads as the data flow: one package per stage and per front end; the
+    root keeps only the public modules."""
+    root = sorted(p.stem for p in SRC.glob("*.py"))
+    assert root == sorted(ROOT_MODULES), f"modules at the package root: {root}"
+    packages = sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").exists())
+    assert packages == sorted(PACKAGES), f"packages: {packages}"
+    text = (SRC.parents[1] / "docs" / "architecture.md").read_text()
+    where = [text.find(f"`{name}/`") for name in PACKAGES]
+    assert -1 not in where and where == sorted(where), (
+        "docs/architecture.md lists the packages in data-flow order: "
+        + ", ".join(f"{n}/" for n in PACKAGES)
+    )
+
+
 def test_every_module_has_a_stage() -> None:
     assert {stage_of(m) for m in MODULES} == set(STAGES)
 
@@ -271,7 +276,7 @@ def test_the_import_check_sees_a_backward_import(tmp_path: pathlib.Path) -> None
     fake = tmp_path / "factor.py"
     fake.write_text(
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from partita.jit import jit\n"
+        "if TYPE_CHECKING:\n    from partita.frontend.jit import jit\n"
         "def f():\n    from partita import partition\n    import partita.runtime.local\n"
     )
     MODULES[module] = fake
@@ -498,7 +503,7 @@ def test_node_facts_go_through_node_meta() -> None:
     """No module but partita.node_meta spells a key partita records on a node (13 before)."""
     users = {}
     for module, path in MODULES.items():
-        if module == "partita.node_meta":
+        if module == "partita.ir.node_meta":
             continue
         uses = _meta_key_uses(ast.parse(path.read_text()))
         if uses:

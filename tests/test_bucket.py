@@ -18,9 +18,9 @@ import torch.nn.functional as F  # noqa: N812
 from torch import fx, nn
 
 from partita import Mesh, P
-from partita.collectives import COLLECTIVE_OPS
-from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import CompilerError, OptionError
+from partita.ir.buckets import BUCKET_OPS
+from partita.ir.collectives import COLLECTIVE_OPS
 from partita.options import CompileOptions
 from partita.partition.bucket import DEFAULT_BUCKET_BYTES, bucket_collectives
 from partita.partition.plan import CollectiveRecord, Plan

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from partita import Mesh, collectives
+from partita import Mesh
+from partita.ir import collectives
 from partita.runtime import stacked
 from partita.runtime.stacked import STACKED_IMPLS
 

@@ -23,7 +23,7 @@ import torch
 
 import partita
 from partita import CompileCacheWarning, Mesh, P
-from partita.op_lookup import find_op
+from partita.ir.op_lookup import find_op
 from partita.partition.special.random_draw import _run_draw
 from partita.virtual import disk_cache
 from partita.virtual import state as virtual_state

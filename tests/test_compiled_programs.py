@@ -22,8 +22,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 import partita
 import partita.runtime.compiled as compiled_module
 from partita import Mesh, P
-from partita import collectives as coll
 from partita.errors import OptionError
+from partita.ir import collectives as coll
 from partita.runtime.compiled import CompileStats, compile_regions
 from partita.runtime.launch import spawn
 

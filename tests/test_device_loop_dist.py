@@ -69,12 +69,14 @@ def test_each_process_uploads_its_rows_and_trains_as_one(data: int, model: int) 
     _check(_spawned(data, model), _reference(data, model), data, model)
 
 
-def test_under_torchrun() -> None:
-    """The same loop launched by ``torchrun --nproc-per-node=2`` on loopback."""
+@pytest.mark.parametrize(("data", "model"), [(2, 1), (2, 2)], ids=["2 processes", "4 processes"])
+def test_under_torchrun(data: int, model: int) -> None:
+    """The same loop launched by ``torchrun --nproc-per-node=N`` on loopback."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2",
-        "--master-addr=127.0.0.1", f"--master-port={free_port()}", str(SCRIPT), "2", "1",
+        sys.executable, "-m", "torch.distributed.run", "--nnodes=1",
+        f"--nproc-per-node={data * model}", "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}", str(SCRIPT), str(data), str(model),
     ]  # fmt: skip
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env,
@@ -88,4 +90,4 @@ def test_under_torchrun() -> None:
             proc.wait()
     assert proc.returncode == 0, err[-3000:]
     results = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
-    _check(results, _reference(2, 1), 2, 1)
+    _check(results, _reference(data, model), data, model)

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from partita import collectives
+from partita.ir import collectives
 from partita.runtime import dist_ops
 from partita.runtime.comm import Group
 from partita.runtime.donate import donated_all_reduces

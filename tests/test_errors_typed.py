@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 import partita
-from partita import Mesh, P, errors, node_meta, options
+from partita import Mesh, P, errors, options
 from partita.errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -35,6 +35,7 @@ from partita.errors import (
     ShardingError,
     UnsupportedOpError,
 )
+from partita.ir import node_meta
 from partita.models import GPT, GPTConfig, SmallCNN
 from partita.partition.lower import Lowering
 from partita.partition.masks import identity_of

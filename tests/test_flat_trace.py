@@ -13,14 +13,14 @@ from torch.utils import _pytree as pytree
 
 import partita
 from partita import P
-from partita import collectives as coll
 from partita.capture import trace
 from partita.errors import OptionError
-from partita.mesh import Mesh
+from partita.ir import collectives as coll
 from partita.runtime import flat_trace, step_order
 from partita.runtime.executor import executor_for
 from partita.runtime.local import LocalMesh
 from partita.runtime.segments import Segment
+from partita.values.mesh import Mesh
 
 from programs import gpt_step  # isort: skip
 

@@ -13,7 +13,7 @@ from torch import nn
 
 import partita
 from partita import CaptureError, JitArgumentError, Mesh, P, RecompileWarning
-from partita.jit import DEFAULT_CACHE_LIMIT, RECOMPILE_WARNING_AT
+from partita.frontend.jit import DEFAULT_CACHE_LIMIT, RECOMPILE_WARNING_AT
 
 MESH = Mesh.create((2, 2), ("data", "model"))
 

@@ -9,7 +9,7 @@ import partita
 from partita import Mesh
 from partita.capture.trace import trace
 from partita.errors import CaptureError
-from partita.tensor import ShardedTensor
+from partita.values.tensor import ShardedTensor
 
 transformers = pytest.importorskip("transformers")
 

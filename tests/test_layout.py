@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from partita import Mesh, P, Sharding
-from partita.layout import (
+from partita.values.layout import (
     index_ranges,
     local_shape,
     num_devices_with_data,

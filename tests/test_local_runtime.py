@@ -20,9 +20,9 @@ from torch.utils import _pytree as pytree
 
 import partita
 from partita import Mesh, P
-from partita import collectives as coll
 from partita.capture import trace
 from partita.errors import UnsupportedOpError
+from partita.ir import collectives as coll
 from partita.runtime.contraction import Summed
 from partita.runtime.local import LocalMesh
 
@@ -887,9 +887,9 @@ def test_mesh_ops_on_held_values_equal_the_stacked_ones(group: list[str]) -> Non
     ``runtime.stacked`` (None)."""
     import itertools
 
-    from partita.layout import stack_held
     from partita.runtime import stacked as st
     from partita.runtime.held import all_gather_held, all_reduce_held, reduce_scatter_held
+    from partita.values.layout import stack_held
 
     mesh = MESH_3D
     g = mesh.axes_size(group)

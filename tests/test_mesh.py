@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from partita import HybridMesh, Mesh, MeshError
-from partita.mesh import MAX_DEVICES
+from partita.values.mesh import MAX_DEVICES
 
 
 def test_construction_and_queries() -> None:

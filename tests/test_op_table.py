@@ -31,10 +31,10 @@ from torch.utils import _pytree as pytree
 
 import partita
 from partita import Mesh, P
-from partita.layout import shard_tensor
 from partita.rules import registered_ops
-from partita.spec import PartitionSpec, Sharding
-from partita.tensor import ShardedTensor
+from partita.values.layout import shard_tensor
+from partita.values.spec import PartitionSpec, Sharding
+from partita.values.tensor import ShardedTensor
 
 from op_cases import CASES, Case  # isort: skip
 

@@ -1,4 +1,4 @@
-"""The one compile pipeline (``partita.pipeline``): every entry point compiles through it.
+"""The one compile pipeline (``partita.frontend.pipeline``): every entry point compiles through it.
 
 ``compile_function`` takes specs already flat (one per input leaf) and one options value; it is
 the only place in ``src/`` that chains trace, propagate and partition.
@@ -17,8 +17,8 @@ import partita
 from partita import CompileOptions, Mesh, P
 from partita.capture import trace
 from partita.errors import CompilerError
+from partita.frontend.pipeline import compile_function
 from partita.options import using
-from partita.pipeline import compile_function
 
 MESH = Mesh.create((2, 4), ("data", "model"))
 SRC = Path(partita.__file__).parent
@@ -60,16 +60,16 @@ def test_one_call_site_of_the_stages() -> None:
             ]:
                 if re.fullmatch(pattern, name):
                     calls[stage].append(str(path.relative_to(SRC)))
-    assert calls == {"trace": ["pipeline.py"], "propagate": ["pipeline.py"],
-                     "partition": ["pipeline.py"]}  # fmt: skip
+    assert calls == {"trace": ["frontend/pipeline.py"], "propagate": ["frontend/pipeline.py"],
+                     "partition": ["frontend/pipeline.py"]}  # fmt: skip
 
 
 def test_reshard_compiles_without_jit_and_is_never_strict() -> None:
     """relayout compiles its moves with the pipeline (no jit import); the move was asked for,
     so neither strict nor collectives='explicit' refuses it."""
-    tree = ast.parse((SRC / "relayout.py").read_text())
+    tree = ast.parse((SRC / "frontend" / "reshard.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-    assert "partita.jit" not in imported and "partita.pipeline" in imported
+    assert "partita.frontend.jit" not in imported and "partita.frontend.pipeline" in imported
     x = partita.mark_sharding(torch.arange(32.0).reshape(8, 4), MESH, P("data", None))
     with using(strict=True, collectives="explicit"):
         y = partita.reshard(x, P("model", None))  # a full rematerialization

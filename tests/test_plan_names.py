@@ -9,7 +9,7 @@ from torch import nn
 
 import partita
 from partita import Mesh, P
-from partita.jit_signature import readable_name
+from partita.frontend.signature import readable_name
 
 
 def test_a_function_input_is_named_by_its_parameter() -> None:

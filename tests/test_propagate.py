@@ -12,8 +12,8 @@ import torch.nn.functional as F  # noqa: N812
 import partita
 import programs
 from partita import Mesh, P, UnsupportedOpError
-from partita.api import format_program, propagate_program
 from partita.capture import ANNOTATE_OP
+from partita.frontend.annotate import format_program, propagate_program
 from partita.models import GPT, GPTConfig
 from partita.propagate import fixpoint, propagate
 from partita.propagate.state import info_key

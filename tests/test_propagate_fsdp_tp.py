@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.nn.functional as F  # noqa: N812
 
 from partita import Mesh, P
-from partita.api import propagate_program
+from partita.frontend.annotate import propagate_program
 from partita.models import GPT, GPTConfig
 from partita.partition.plan import Plan
 from partita.training import TrainStep, train_step

@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 from torch import fx
 
 from partita import Mesh, P
-from partita.layout import shard_tensor, unshard_tensor
 from partita.partition import permute_pieces
 from partita.partition.reshard import (
     ReshardStep,
@@ -23,7 +22,8 @@ from partita.partition.reshard import (
 from partita.partition.reshard_emit import emit_reshard
 from partita.runtime.local import LocalMesh
 from partita.runtime.stacked import STACKED_IMPLS
-from partita.spec import Sharding
+from partita.values.layout import shard_tensor, unshard_tensor
+from partita.values.spec import Sharding
 
 
 def apply_steps_stacked(

@@ -21,11 +21,11 @@ from torch.utils import _pytree as pytree
 
 import partita
 from partita import Mesh, P
-from partita.layout import shard_tensor
 from partita.rules import OpInfo, TensorMeta
 from partita.rules.attention import sdpa_backward_rule, sdpa_rule
 from partita.rules.indexing import index_put_rule, index_rule, scatter_rule
-from partita.tensor import ShardedTensor
+from partita.values.layout import shard_tensor
+from partita.values.tensor import ShardedTensor
 
 aten = torch.ops.aten
 MESH = Mesh.create((2, 2), ("x", "y"))

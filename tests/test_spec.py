@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from partita import Mesh, P, PartitionSpec, Sharding, SpecError
-from partita.spec import as_spec
+from partita.values.spec import as_spec
 
 
 def test_canonicalisation() -> None:

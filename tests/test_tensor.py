@@ -18,7 +18,7 @@ from partita import (
     mark_sharding,
     reshard,
 )
-from partita.layout import local_shape
+from partita.values.layout import local_shape
 
 
 def _padded(unpadded: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -39,7 +39,7 @@ def test_mark_full_local_shards(mesh_2x4: Mesh, shape: tuple[int, ...], spec: P 
     assert isinstance(s, ShardedTensor)
     assert s.shape == torch.Size(shape) and s.ndim == len(shape)
     assert s.mesh == mesh_2x4 and s.spec == s.sharding.spec
-    assert s.sharding == partita.spec.as_spec(spec).to_sharding(mesh_2x4, len(shape))
+    assert s.sharding == partita.values.spec.as_spec(spec).to_sharding(mesh_2x4, len(shape))
     assert torch.equal(s.full(), x)
     shards = s.local_shards
     assert [sh.device for sh in shards] == list(mesh_2x4.device_ids)
@@ -235,7 +235,7 @@ def test_public_exports() -> None:
 
 def test_public_reshard_is_the_planners_move(mesh_2x4: Mesh) -> None:
     """partita.reshard gathered the whole value and cut it again, whatever the move."""
-    from partita import relayout
+    from partita.frontend import reshard as relayout
 
     x = torch.arange(48.0).reshape(8, 6)
     s = mark_sharding(x, mesh_2x4, P("x", "y"))
@@ -251,7 +251,7 @@ def test_metadata_methods_read_the_global_shape_without_running_an_op(
 ) -> None:
     """numel / size / dim answer on any mesh, without the virtual device (a KV cache's
     get_seq_length() reads keys.shape; transformers calls numel() on its tensors)."""
-    from partita import tensor_ops
+    from partita.values import tensor_ops
 
     monkeypatch.setattr(tensor_ops, "_EAGER_OPS", [])  # an op would raise: none may run
     x = partita.mark_sharding(torch.ones(6, 5, dtype=torch.float16), mesh_2x4, P("x", "y"))

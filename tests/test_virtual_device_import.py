@@ -71,7 +71,7 @@ def test_import_changes_nothing_in_torch_and_use_spmd_registers() -> None:
     assert new_ops and all(op.startswith("partita::") for op in new_ops), new_ops
     assert set(before["ops"]) <= set(imported["ops"])
     added = set(imported["safe_globals"]) - set(before["safe_globals"])
-    assert added == {repr(c) for c in partita.serialization.SAFE_GLOBALS}
+    assert added == {repr(c) for c in partita.values.serialization.SAFE_GLOBALS}
     for key in ("backend", "torch.spmd", "foreach_types", "kernels", "pytree"):
         assert imported[key] == before[key], key
     # use_spmd: the PrivateUse1 backend renamed, its kernels, torch.optim's foreach list.

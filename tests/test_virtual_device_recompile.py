@@ -11,7 +11,7 @@ from torch import nn
 
 import partita
 from partita import Mesh, P, RecompileWarning
-from partita.recompile import RECOMPILE_WARNING_AT
+from partita.frontend.recompile import RECOMPILE_WARNING_AT
 from partita.virtual import recording
 from partita.virtual import state as virtual_state
 

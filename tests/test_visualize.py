@@ -8,7 +8,7 @@ from rich.console import Console
 
 import partita
 from partita import Mesh, P, Sharding, ShardingError, SpecError, mark_sharding
-from partita.visualize import format_sharding, visualize_sharding
+from partita.report.visualize import format_sharding, visualize_sharding
 
 
 def _cells(text: str) -> list[list[str]]:

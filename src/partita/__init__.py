@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import importlib
 
-import partita.serialization  # noqa: F401  (lets torch.load(weights_only=True) read partita values)
+import partita.values.serialization  # noqa: F401  (lets torch.load(weights_only=True) read partita values)
 from partita import data, distributed, options, presets
-from partita.api import clear_sharding, mark_sharding
 from partita.distributed import is_main_process, process_count, process_index
 from partita.errors import (
     AnnotationError,
@@ -52,7 +51,10 @@ from partita.errors import (
     UnsupportedOpError,
     VirtualDeviceError,
 )
-from partita.jit import JitStats, Jitted, jit
+from partita.frontend.annotate import clear_sharding, mark_sharding
+from partita.frontend.jit import JitStats, Jitted, jit
+from partita.frontend.reshard import reshard
+from partita.frontend.scan_layers import scan_layers
 from partita.manual import (
     all_gather,
     all_to_all,
@@ -65,17 +67,15 @@ from partita.manual import (
     psum_scatter,
     shard_map,
 )
-from partita.mesh import HybridMesh, Mesh
 from partita.options import CompileOptions
 from partita.partition import CollectiveRecord, Plan
-from partita.relayout import reshard
+from partita.report.visualize import format_sharding, visualize_sharding
 from partita.rules import FactorRule, einsum_rule, register_rule
-from partita.scan_layers import scan_layers
-from partita.spec import P, PartitionSpec, Sharding
-from partita.tensor import Shard, ShardedTensor
 from partita.training.train import TrainStep, train_step
+from partita.values.mesh import HybridMesh, Mesh
+from partita.values.spec import P, PartitionSpec, Sharding
+from partita.values.tensor import Shard, ShardedTensor
 from partita.virtual import compile, last_plan, metrics, sync, use_spmd
-from partita.visualize import format_sharding, visualize_sharding
 
 __version__ = "0.1.0"
 

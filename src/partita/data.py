@@ -33,10 +33,10 @@ import torch
 from torch.utils import _pytree as pytree
 
 from partita.errors import ShardingError
-from partita.layout import index_ranges, local_shape
-from partita.mesh import Mesh
-from partita.spec import PartitionSpec, as_spec
-from partita.tensor import ShardedTensor, mark_sharding
+from partita.values.layout import index_ranges, local_shape
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec, as_spec
+from partita.values.tensor import ShardedTensor, mark_sharding
 
 __all__ = ["GlobalBatchLoader", "make_global", "process_slice"]
 

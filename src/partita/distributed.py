@@ -29,10 +29,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from partita.mesh import Mesh
 from partita.runtime import launch
 from partita.runtime.comm import call_collective
 from partita.runtime.distributed import close_executors
+from partita.values.mesh import Mesh
 
 __all__ = [
     "barrier",

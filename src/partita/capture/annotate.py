@@ -28,8 +28,8 @@ import torch
 from partita.capture.ops import annotate_op
 from partita.capture.source import format_source, user_frame
 from partita.errors import InternalError, ShardingConflictError
-from partita.mesh import Mesh
-from partita.spec import PartitionSpec, Sharding, as_spec
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec, Sharding, as_spec
 
 __all__ = ["ANNOTATE_OP", "Annotation", "annotate", "is_tracing", "new_key", "record"]
 

@@ -27,8 +27,8 @@ from partita.capture.layer_dispatch import add_layer_call
 from partita.capture.layer_graph import LAYER_CALL_OP
 from partita.capture.source import SourceTrackingMode
 from partita.errors import CaptureError
-from partita.mesh import Mesh
-from partita.spec import PartitionSpec
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec
 
 __all__ = ["InputUpdates", "functionalized"]
 

@@ -29,7 +29,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from partita.errors import ArgumentTypeError
-from partita.tensor import ShardedTensor
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["flatten_registering_caches", "is_transformers_cache", "kv_cache_hint"]
 

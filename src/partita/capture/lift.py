@@ -19,11 +19,11 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from partita import node_meta
 from partita.capture.annotate import ANNOTATE_OP, Annotation
 from partita.capture.fx_nodes import add_node
-from partita.mesh import Mesh
-from partita.spec import P
+from partita.ir import node_meta
+from partita.values.mesh import Mesh
+from partita.values.spec import P
 
 __all__ = ["lift_constants"]
 

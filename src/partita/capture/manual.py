@@ -36,8 +36,8 @@ import torch
 import torch.fx as fx
 from torch import Tensor
 
-from partita.collectives import all_reduce
-from partita.spec import Sharding
+from partita.ir.collectives import all_reduce
+from partita.values.spec import Sharding
 
 __all__ = [
     "ENTER_OP",

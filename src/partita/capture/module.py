@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from partita.annotations import marked_param_specs
-from partita.mesh import Mesh
 from partita.presets import PresetLike, param_specs
-from partita.spec import PartitionSpec
+from partita.values.annotations import marked_param_specs
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec
 
 __all__ = ["ModuleInputs"]
 

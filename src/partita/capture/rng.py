@@ -25,8 +25,8 @@ import torch
 from torch import fx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from partita import node_meta
 from partita.errors import CaptureError
+from partita.ir import node_meta
 
 __all__ = ["DrawKeys", "draws_from_values", "random_ops", "replay_draws", "tracing_rng"]
 

@@ -29,7 +29,7 @@ import torch
 import torch.fx.traceback as fx_traceback
 from torch._subclasses.functional_tensor import FunctionalTensorMode
 
-from partita import node_meta
+from partita.ir import node_meta
 
 __all__ = [
     "STACK_RE",

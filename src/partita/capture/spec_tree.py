@@ -14,7 +14,7 @@ import torch
 from torch.utils import _pytree as pytree
 
 from partita.errors import CaptureError
-from partita.spec import PartitionSpec
+from partita.values.spec import PartitionSpec
 
 __all__ = ["broadcast_specs", "is_size", "unflatten_args"]
 

@@ -51,7 +51,6 @@ from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils import _pytree as pytree
 
-from partita import node_meta
 from partita.capture.annotate import ANNOTATE_OP, lookup, new_key, tracing_scope
 from partita.capture.decompositions import decomposition_table
 from partita.capture.diagnose import (
@@ -75,8 +74,9 @@ from partita.capture.source import format_source, source_from_stack_trace, user_
 from partita.capture.spec_tree import broadcast_specs, is_size, unflatten_args
 from partita.capture.threads import TRACING
 from partita.errors import CaptureError, CompilerError, PartitaError
-from partita.mesh import Mesh
-from partita.spec import PartitionSpec
+from partita.ir import node_meta
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec
 
 __all__ = ["broadcast_specs", "input_path", "trace"]
 

@@ -55,8 +55,8 @@ from partita.checkpoint.state import (
 )
 from partita.checkpoint.tiles import Tiles, assemble, tiles_to_read, tiles_to_write
 from partita.errors import CheckpointError
-from partita.tensor import ShardedTensor
 from partita.training.train import TrainStep
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["load", "save"]
 

@@ -30,9 +30,9 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from partita.checkpoint.tiles import Tiles, assemble, tiles_to_read, tiles_to_write
 from partita.errors import CheckpointError
-from partita.tensor import ShardedTensor
 from partita.training.groups import RESTORED_KEYS
 from partita.training.state import ShardedState, set_sharded_state, sharded_state
+from partita.values.tensor import ShardedTensor
 
 __all__ = [
     "RESERVED",

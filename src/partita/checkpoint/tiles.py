@@ -29,10 +29,10 @@ import torch
 import torch.distributed as dist
 
 from partita.errors import CheckpointError
-from partita.layout import index_ranges
 from partita.runtime.dist_tensor import DistributedShardedTensor
 from partita.runtime.distributed import distributed_executor
-from partita.tensor import ShardedTensor
+from partita.values.layout import index_ranges
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["Tiles", "assemble", "tiles_to_read", "tiles_to_write"]
 

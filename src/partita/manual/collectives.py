@@ -1,6 +1,6 @@
 """Collectives for shard_map bodies, over named mesh axes, each with its gradient.
 
-Every function here lowers to the mesh ops of :mod:`partita.collectives` (the ops the
+Every function here lowers to the mesh ops of :mod:`partita.ir.collectives` (the ops the
 partitioner itself emits), so the simulated mesh and ``torch.distributed`` run them unchanged.
 Each is a ``torch.autograd.Function`` whose backward is the transposed collective:
 
@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from partita import collectives as mesh_ops
 from partita.capture.source import format_source, user_frame
 from partita.errors import ShardMapError
+from partita.ir import collectives as mesh_ops
 from partita.manual.vma import Region, current_region, pvary, set_vma, vma
 
 __all__ = [

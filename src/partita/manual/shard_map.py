@@ -36,8 +36,8 @@ from partita.capture.source import format_source, user_frame
 from partita.capture.trace import broadcast_specs
 from partita.errors import ReplicationError, ShardMapError
 from partita.manual.vma import current_region, region_scope, set_vma, vma
-from partita.mesh import Mesh
-from partita.spec import PartitionSpec, Sharding
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec, Sharding
 
 __all__ = ["shard_map"]
 
@@ -106,8 +106,8 @@ def _eager(
     cache: dict[Any, Any],
 ) -> Any:
     """Compile the region with jit, taking missing in_specs from the ShardedTensors given."""
-    from partita.jit import jit
-    from partita.tensor import ShardedTensor
+    from partita.frontend.jit import jit
+    from partita.values.tensor import ShardedTensor
 
     leaves, tree = pytree.tree_flatten(args)
     given = broadcast_specs(in_specs, args, "in_specs", name) if in_specs is not None else None

@@ -31,8 +31,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from partita.collectives import all_reduce
-from partita.mesh import Mesh
+from partita.ir.collectives import all_reduce
+from partita.values.mesh import Mesh
 
 __all__ = [
     "PVary",

@@ -22,8 +22,6 @@ import torch
 import torch.fx as fx
 
 from partita.capture.gc_pause import gc_paused
-from partita.layout import local_shape
-from partita.mesh import Mesh
 from partita.options import CompileOptions
 from partita.options import resolve as resolve_options
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
@@ -34,6 +32,8 @@ from partita.partition.bucket import bucket_collectives
 from partita.partition.lower import Lowering
 from partita.partition.plan import Bucket, CollectiveRecord, Plan
 from partita.partition.regather import regather as regather_gathered
+from partita.values.layout import local_shape
+from partita.values.mesh import Mesh
 
 handlers.check_registry()
 

@@ -20,11 +20,11 @@ import torch
 import torch.fx as fx
 
 from partita.errors import DtypeError
-from partita.explain import op_name
-from partita.mesh import Mesh
 from partita.partition import handlers
+from partita.report.explain import op_name
 from partita.rules import FactorKind, FactorRule
 from partita.rules.opinfo import source_of
+from partita.values.mesh import Mesh
 
 __all__ = ["check_same_dtype", "dims_of", "memo_by_rule", "representable"]
 

@@ -3,7 +3,7 @@
 A partitioned training step runs one collective per value: under FSDP one all_gather per
 parameter and one reduce_scatter per gradient, under gradient clipping one scalar all_reduce per
 gradient. Each call costs a latency whatever its size, so :func:`bucket_collectives` replaces
-groups of them by the fused ops of ``partita.collectives_bucket``:
+groups of them by the fused ops of ``partita.ir.buckets``:
 
 - which fuse: collectives with the same op (all_gather, all_reduce, reduce_scatter), mesh
   axes, reduce op and dtype, whose *ready* point (their latest input) comes before the *first
@@ -34,10 +34,10 @@ from typing import cast
 import torch
 import torch.fx as fx
 
-from partita import node_meta
-from partita.collectives import COLLECTIVE_OPS
-from partita.collectives_bucket import BUCKET_OF
 from partita.errors import CompilerError
+from partita.ir import node_meta
+from partita.ir.buckets import BUCKET_OF
+from partita.ir.collectives import COLLECTIVE_OPS
 from partita.partition.plan import Bucket, Plan
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "bucket_collectives", "reorder"]

@@ -42,13 +42,13 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import Scope, TracerBase
 
-from partita import node_meta
 from partita.errors import HandlerCodeError
-from partita.explain import op_name
+from partita.ir import node_meta
 from partita.partition import masks
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import CollectiveRecord
 from partita.partition.proxy import FxProxy, Proxy
+from partita.report.explain import op_name
 
 if TYPE_CHECKING:
     from partita.rules import FactorRule

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from partita.errors import ExplicitCollectiveError, ImplicitCollectiveWarning, warn
 from partita.partition.manual import USER_COLLECTIVE
 from partita.partition.plan import CollectiveRecord, Plan
-from partita.spec import Sharding
+from partita.values.spec import Sharding
 
 __all__ = ["MODES", "Move", "check"]
 

@@ -26,11 +26,11 @@ import torch
 import torch.fx as fx
 
 from partita.errors import CompilerError
-from partita.layout import ceil_div
 from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.lowering_api import LoweringAPI
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
+from partita.values.layout import ceil_div
 
 __all__ = ["GENERIC", "WHOLE_OP", "Handler", "check_registry", "get", "has", "register"]
 

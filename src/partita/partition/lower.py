@@ -32,12 +32,9 @@ import torch.fx as fx
 from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.utils import _pytree as pytree
 
-from partita import node_meta
 from partita.capture.manual import ENTER_OP, EXIT_OP, is_fully_manual, local_nodes
 from partita.errors import InternalError, PartitaError, UnsupportedOpError
-from partita.explain import op_name
-from partita.layout import local_shape
-from partita.mesh import Mesh
+from partita.ir import node_meta
 from partita.partition import explicit, handlers
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import manual as _manual
@@ -50,8 +47,11 @@ from partita.partition.plan import Plan
 from partita.partition.reasons import needs_why, partial_reason
 from partita.partition.resharding import LocalValue, LocalValues, ValueKey
 from partita.propagate.rules import compiler_error
+from partita.report.explain import op_name
 from partita.rules import FactorRule
-from partita.spec import Sharding
+from partita.values.layout import local_shape
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
 
 __all__ = ["LocalValue", "Lowering"]
 

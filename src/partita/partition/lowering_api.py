@@ -13,11 +13,11 @@ from typing import Any, Protocol
 
 import torch.fx as fx
 
-from partita.mesh import Mesh
 from partita.partition.plan import Plan
 from partita.partition.resharding import LocalValue, ValueKey
 from partita.rules.factor import FactorRule
-from partita.spec import Sharding
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
 
 __all__ = ["Assign", "LoweringAPI"]
 

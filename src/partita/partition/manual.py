@@ -7,7 +7,7 @@ local node to the body; an exit turns the body's local node into a global value 
 out_spec's sharding. A body op that reads a global value (a tensor the body closed over) reads
 it replicated: every device sees the whole value, as the body's code expects.
 
-The mesh ops a body calls (``partita.psum`` and the others lower to ``partita.collectives``
+The mesh ops a body calls (``partita.psum`` and the others lower to ``partita.ir.collectives``
 directly at capture) are recorded in the Plan as the user's own collectives. This module does
 not check specs (``partita.manual`` did, at trace time).
 """
@@ -22,15 +22,15 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from partita import node_meta
 from partita.capture.manual import ENTER_OP, Boundary, boundary
-from partita.collectives import COLLECTIVE_OPS
 from partita.errors import ShardMapError, ShardMapWarning, warn
-from partita.layout import local_shape
+from partita.ir import node_meta
+from partita.ir.collectives import COLLECTIVE_OPS
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import CollectiveRecord
 from partita.partition.resharding import LocalValue
-from partita.spec import Sharding
+from partita.values.layout import local_shape
+from partita.values.spec import Sharding
 
 __all__ = [
     "USER_COLLECTIVE",

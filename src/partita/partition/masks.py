@@ -1,6 +1,7 @@
 """Padding masks and device-position arithmetic emitted into the per-device program.
 
-Uneven shards carry ceil padding (``partita.layout``). After elementwise ops the padding holds
+Uneven shards carry ceil padding (``partita.values.layout``). After elementwise ops the padding
+holds
 garbage — ``exp(0) = 1`` — which is harmless until a value is reduced or contracted along the
 padded dim. Before such an op the partitioner replaces the padding by the reduction's identity
 (0 for sum, -inf for max, +inf for min) with ``where``, never with a multiply, so NaN or inf in
@@ -15,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from partita.errors import InternalError
-from partita.layout import ceil_div
-from partita.mesh import Mesh
 from partita.partition.proxy import Proxy
+from partita.values.layout import ceil_div
+from partita.values.mesh import Mesh
 
 __all__ = [
     "arange",

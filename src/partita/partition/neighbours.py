@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from partita import node_meta
+from partita.ir import node_meta
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import CollectiveRecord
 

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 from torch import fx
 
-from partita.layout import tile_coords
-from partita.spec import Sharding
+from partita.values.layout import tile_coords
+from partita.values.spec import Sharding
 
 __all__ = ["emit_place", "emit_take", "plan_pieces", "stacked_place", "stacked_take"]
 

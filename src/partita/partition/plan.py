@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 from partita.errors import ArgumentError
-from partita.mesh import Mesh
-from partita.spec import Sharding
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
 
 __all__ = ["Bucket", "CollectiveRecord", "Plan", "format_bytes"]
 
@@ -33,7 +33,7 @@ class CollectiveRecord:
             ``collective_permute`` (a halo exchange is a collective_permute whose reason says so).
         mesh_axes: the mesh axes it runs over.
         groups: the device groups (device ids) that communicate.
-        shape: the per-device shape it is reported with (see ``partita.collectives``).
+        shape: the per-device shape it is reported with (see ``partita.ir.collectives``).
         dtype: the element type.
         value: the name of the value being moved (its fx node).
         reason: why it is needed, in words.

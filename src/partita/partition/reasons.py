@@ -13,13 +13,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from partita import node_meta
-from partita.explain import op_name
-from partita.layout import local_shape
+from partita.ir import node_meta
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.plan import format_bytes
+from partita.report.explain import op_name
 from partita.rules import FactorRule
-from partita.spec import Sharding
+from partita.values.layout import local_shape
+from partita.values.spec import Sharding
 
 __all__ = ["nbytes", "needs_why", "partial_reason"]
 

@@ -58,9 +58,9 @@ from typing import Any
 import numpy as np
 
 from partita.errors import InternalError, ShardingError
-from partita.layout import ceil_div, tile_coords
 from partita.partition import permute_pieces
-from partita.spec import Sharding
+from partita.values.layout import ceil_div, tile_coords
+from partita.values.spec import Sharding
 
 __all__ = ["ReshardStep", "is_full_remat", "plan_reshard"]
 

@@ -1,7 +1,7 @@
 """Emitting a reshard plan: the per-device fx nodes for a list of :class:`ReshardStep`.
 
 ``plan_reshard`` (``partition.reshard``) decides the steps; :func:`emit_reshard` writes them
-into a graph as partita mesh ops (``partita/collectives.py``) and local aten ops, each node with
+into a graph as partita mesh ops (``partita/ir/collectives.py``) and local aten ops, each node with
 its ``node_meta.local_shape`` and, when the input has a fake value, a ``meta["val"]``.
 
 This module does not choose steps or record them in the Plan (``partition.resharding`` does).
@@ -15,10 +15,10 @@ from typing import Any, cast
 import torch
 from torch import fx
 
-from partita import node_meta
-from partita.mesh import Mesh
+from partita.ir import node_meta
 from partita.partition import permute_pieces
 from partita.partition.reshard import ReshardStep
+from partita.values.mesh import Mesh
 
 __all__ = ["emit_reshard"]
 

@@ -19,15 +19,15 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from partita import node_meta
 from partita.capture.fx_nodes import add_node
 from partita.errors import RematerializationError, RematerializationWarning, warn
-from partita.explain import op_name
-from partita.mesh import Mesh
+from partita.ir import node_meta
 from partita.partition.plan import CollectiveRecord, Plan
 from partita.partition.reshard import is_full_remat, plan_reshard
 from partita.partition.reshard_emit import emit_reshard
-from partita.spec import Sharding
+from partita.report.explain import op_name
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
 
 __all__ = ["LocalValue", "LocalValues", "ValueKey"]
 

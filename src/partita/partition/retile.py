@@ -36,16 +36,16 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
-from partita import node_meta
-from partita.explain import op_name
-from partita.layout import ceil_div, local_shape
+from partita.ir import node_meta
 from partita.partition import handlers
 from partita.partition.handlers import Handler
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.neighbours import emit_pairs
+from partita.report.explain import op_name
 from partita.rules import FactorRule
 from partita.rules.common import norm_dim
 from partita.rules.handler_names import HandlerName
+from partita.values.layout import ceil_div, local_shape
 
 __all__ = ["Retile", "Round", "Segment", "plan_retile", "plan_retile_many"]
 

@@ -53,7 +53,8 @@ Invariants and conflict resolution (in the order they apply):
 9. **Determinism.** Ops are visited in graph order, the worklist is FIFO without duplicates.
 
 Values nobody proposes anything for end up replicated. The result is ``node_meta.sharding(node)``
-(a :class:`~partita.spec.Sharding`, or a tuple of them, with ``None`` for non-tensor outputs, on
+(a :class:`~partita.values.spec.Sharding`, or a tuple of them, with ``None`` for non-tensor
+outputs, on
 multi-output nodes) and ``node_meta.factor_axes(node)`` (the op's chosen ``{factor: mesh axes}``).
 
 The package: the worklist and the entry point :func:`propagate` are in ``fixpoint``; the

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from partita.mesh import Mesh
 from partita.propagate.state import OpState, ValueKey, ValueState
 from partita.rules import FactorKind
+from partita.values.mesh import Mesh
 
 __all__ = ["choose_assignment", "merge_axes", "split_axes"]
 

@@ -12,14 +12,14 @@ from typing import Any, cast
 
 import torch.fx as fx
 
-from partita import node_meta
 from partita.capture.gc_pause import gc_paused
 from partita.errors import InternalError, PartitaError, ShardingConflictError
-from partita.mesh import Mesh
+from partita.ir import node_meta
 from partita.propagate.assign import choose_assignment, merge_axes
 from partita.propagate.rules import compiler_error
 from partita.propagate.state import OpState, ProgramState, ValueKey, ValueState
-from partita.spec import Sharding
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
 
 __all__ = ["propagate"]
 

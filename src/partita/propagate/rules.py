@@ -14,7 +14,6 @@ import dataclasses
 
 import torch.fx as fx
 
-from partita import node_meta
 from partita.errors import (
     CompilerError,
     PartitaError,
@@ -23,6 +22,7 @@ from partita.errors import (
     UnsupportedOpError,
     warn,
 )
+from partita.ir import node_meta
 from partita.rules import FactorRule, OpInfo, get_rule
 from partita.rules.opinfo import is_tensor, replicate_rule, source_of
 from partita.rules.registry import facts_of

@@ -21,16 +21,16 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
-from partita import node_meta
 from partita.capture.manual import ENTER_OP, EXIT_OP, boundary, is_fully_manual, local_nodes
 from partita.errors import InternalError, PartitaError, ShardingConflictError, UnsupportedOpError
-from partita.layout import check_strided
-from partita.mesh import Mesh
+from partita.ir import node_meta
 from partita.propagate.rules import apply_rule, compiler_error
 from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta
 from partita.rules.handler_names import HandlerName
 from partita.rules.manual import manual_rule
 from partita.rules.opinfo import is_tensor, op_info, source_of
+from partita.values.layout import check_strided
+from partita.values.mesh import Mesh
 
 __all__ = ["OpState", "ProgramState", "ValueKey", "ValueState", "info_key"]
 

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from partita import node_meta
+from partita.ir import node_meta
 from partita.rules.factor import FactorRule, OpInfo, TensorMeta
 
 __all__ = ["is_tensor", "op_info", "replicate_rule", "source_of"]

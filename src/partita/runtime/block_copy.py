@@ -18,7 +18,7 @@ import math
 
 from torch import Tensor
 
-from partita.mesh import Mesh
+from partita.values.mesh import Mesh
 
 __all__ = ["copy_at_once", "factor_blocks", "unravel"]
 

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from partita.errors import ArgumentError, DistributedError
-from partita.mesh import Mesh
 from partita.runtime import launch
+from partita.values.mesh import Mesh
 
 __all__ = [
     "Group",

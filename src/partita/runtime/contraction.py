@@ -24,8 +24,8 @@ from typing import Any, cast
 import torch
 from torch import Tensor, fx
 
-from partita.mesh import Mesh
 from partita.runtime.flat_matmul import broadcast_matmul
+from partita.values.mesh import Mesh
 
 __all__ = ["Summed", "contract", "group_contract"]
 

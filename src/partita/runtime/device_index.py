@@ -37,7 +37,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import Tensor, fx
 
-from partita.mesh import Mesh
+from partita.values.mesh import Mesh
 
 __all__ = ["DeviceTake", "RoutedTakeAPI", "find_device_takes", "run_take", "take_inputs"]
 

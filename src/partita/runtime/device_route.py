@@ -33,9 +33,9 @@ import torch
 from torch import Tensor, fx
 
 from partita.errors import IndexRangeError
-from partita.mesh import Mesh
 from partita.runtime.block_copy import copy_at_once, unravel
 from partita.runtime.device_index import DeviceTake, take_inputs
+from partita.values.mesh import Mesh
 
 __all__ = ["Piece", "RoutedTake", "route_permutes"]
 

@@ -8,7 +8,7 @@ later, so that local compute runs while the bytes move. An op whose group is thi
 returns without yielding.
 
 The chunk orders are those of ``runtime.distributed`` (its module doc); the fused ``*_bucket``
-ops (``partita.collectives_bucket``) move all their values as one flat buffer. Failures become
+ops (``partita.ir.buckets``) move all their values as one flat buffer. Failures become
 :class:`~partita.errors.DistributedError` through ``runtime.comm.call_collective``, at launch and
 at wait. This module knows no graphs.
 """

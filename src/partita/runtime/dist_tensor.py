@@ -20,10 +20,16 @@ import torch.distributed as dist
 from torch import Tensor
 
 from partita.errors import DistributedError
-from partita.layout import index_ranges, local_shape, replica_ids, shard_tensor, unshard_tensor
 from partita.runtime.comm import call_collective, gather_flat
-from partita.spec import Sharding
-from partita.tensor import Shard, ShardedTensor
+from partita.values.layout import (
+    index_ranges,
+    local_shape,
+    replica_ids,
+    shard_tensor,
+    unshard_tensor,
+)
+from partita.values.spec import Sharding
+from partita.values.tensor import Shard, ShardedTensor
 
 __all__ = ["DistributedShardedTensor", "is_computed", "local_shard"]
 

@@ -20,7 +20,7 @@ shard_slice            this rank's tile of a replicated value (no communication)
 =====================  =====================================================================
 
 The four collectives that move tensors (and the fused ``*_bucket`` ops of
-``partita.collectives_bucket``, one flat buffer per bucket) are generators of
+``partita.ir.buckets``, one flat buffer per bucket) are generators of
 ``runtime.dist_ops`` that launch with ``async_op=True`` and finish at their wait; by default
 ``runtime.overlap`` schedules each launch right after its input exists and each wait just
 before the first use (the program's ``overlap_bytes`` option bounds the bytes in flight; 0 runs
@@ -58,11 +58,9 @@ import torch.distributed as dist
 from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
-from partita.collectives import MESH_OPS
-from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import DistributedError
-from partita.layout import ceil_div
-from partita.mesh import Mesh
+from partita.ir.buckets import BUCKET_OPS
+from partita.ir.collectives import MESH_OPS
 from partita.options import CompileOptions, current
 from partita.runtime import dist_ops
 from partita.runtime.comm import (
@@ -77,8 +75,10 @@ from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
 from partita.runtime.donate import donated_all_reduces
 from partita.runtime.overlap import run_measuring, schedule_overlap
 from partita.runtime.plan_check import CallChecks
-from partita.spec import Sharding
-from partita.tensor import ShardedTensor
+from partita.values.layout import ceil_div
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["DistributedMesh", "DistributedShardedTensor", "distributed_executor", "local_shard"]
 

@@ -30,7 +30,7 @@ def donated_all_reduces(graph: fx.Graph) -> set[str]:
 
     Example (an all_reduce of a matmul's result is donated, of a transpose's is not):
         >>> from torch.fx.experimental.proxy_tensor import make_fx
-        >>> from partita import collectives
+        >>> from partita.ir import collectives
         >>> def f(a, b):
         ...     x = collectives.all_reduce(torch.mm(a, b), "sum", ["model"], 2)
         ...     return x, collectives.all_reduce(a.t(), "sum", ["model"], 2)

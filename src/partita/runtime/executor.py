@@ -19,11 +19,11 @@ from typing import Any, Protocol
 
 from torch import fx
 
-from partita.mesh import Mesh
 from partita.runtime.distributed import distributed_executor
 from partita.runtime.local import LocalMesh
-from partita.spec import Sharding
-from partita.tensor import ShardedTensor
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["CompiledProgram", "Executor", "executor_for"]
 

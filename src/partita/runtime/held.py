@@ -22,9 +22,9 @@ from typing import Any
 from torch import Tensor
 
 from partita.errors import ArgumentError
-from partita.mesh import Mesh
 from partita.runtime.contraction import Summed
 from partita.runtime.stacked import reduce_over
+from partita.values.mesh import Mesh
 
 __all__ = ["all_gather_held", "all_reduce_held", "reduce_scatter_held"]
 

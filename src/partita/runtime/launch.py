@@ -33,9 +33,9 @@ import torch.distributed as dist
 
 from partita import options
 from partita.errors import DistributedError, JoinTimeoutError, LaunchError, OptionError
-from partita.layout import ceil_div
 from partita.options import CompileOptions
 from partita.runtime.spawn import RankResult, free_port, spawn
+from partita.values.layout import ceil_div
 
 __all__ = [
     "DEFAULT_COLLECTIVE_TIMEOUT",

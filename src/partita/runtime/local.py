@@ -1,9 +1,10 @@
 """LocalMesh: run a per-device program for every device of a mesh inside one process.
 
 Every value is held *stacked*: ``[mesh.size, *local_shape]``, the shard of mesh position ``p``
-at ``stacked[p]`` (see :mod:`partita.layout`). Local ops run once over the whole stack, never in
-a Python loop over devices; mesh ops (``partita.collectives``) run as tensor ops on the stack
-through ``partita.runtime.stacked.STACKED_IMPLS``. A fused bucket (``partita.collectives_bucket``)
+at ``stacked[p]`` (see :mod:`partita.values.layout`). Local ops run once over the whole stack,
+never in
+a Python loop over devices; mesh ops (``partita.ir.collectives``) run as tensor ops on the stack
+through ``partita.runtime.stacked.STACKED_IMPLS``. A fused bucket (``partita.ir.buckets``)
 runs member by member, exactly as its members would; the overlap schedule of real processes
 does not apply here (nothing to overlap in one process).
 
@@ -72,15 +73,15 @@ from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
 from partita.errors import ArgumentError, ArgumentTypeError, ExecutionError, PartitaError
-from partita.layout import check_strided, shard_compact, shard_tensor, stack_held
-from partita.mesh import Mesh
 from partita.options import CompileOptions, current
 from partita.runtime.compiled import stats_for
 from partita.runtime.contraction import contract
 from partita.runtime.device_index import run_take, take_inputs
 from partita.runtime.held import all_gather_held, all_reduce_held, reduce_scatter_held
 from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
-from partita.tensor import ShardedTensor
+from partita.values.layout import check_strided, shard_compact, shard_tensor, stack_held
+from partita.values.mesh import Mesh
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["LocalMesh"]
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import Tensor, fx
 
-from partita import node_meta
+from partita.ir import node_meta
 from partita.partition.bucket import reorder
 from partita.partition.memory import is_view
 

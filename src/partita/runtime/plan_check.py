@@ -40,12 +40,12 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from partita.errors import PlanMismatchError, ReplicaMismatchError
-from partita.mesh import Mesh
 from partita.options import CompileOptions
 from partita.options import current as current_options
 from partita.runtime.comm import call_collective, gather_flat
 from partita.runtime.dist_tensor import is_computed
-from partita.spec import Sharding
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
 
 __all__ = [
     "CallChecks",

@@ -1,6 +1,6 @@
 """How the LocalMesh cuts a per-device program: segments of local ops between mesh ops.
 
-A node's segment is the number of mesh ops (``partita.collectives``, fused buckets) on its
+A node's segment is the number of mesh ops (``partita.ir.collectives``, fused buckets) on its
 longest path from the inputs; each segment becomes its own ``GraphModule`` run as nested
 ``torch.vmap`` calls, one per mesh axis its inputs vary along (outermost first), traced to a
 flat graph of batched aten ops once its eager runs with one input signature have cost as
@@ -23,11 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor, fx
 
-from partita import node_meta
-from partita.collectives import MESH_OPS
-from partita.collectives_bucket import BUCKET_OPS
 from partita.errors import CompilerError, UnsupportedOpError
-from partita.mesh import Mesh
+from partita.ir import node_meta
+from partita.ir.buckets import BUCKET_OPS
+from partita.ir.collectives import MESH_OPS
 from partita.runtime.compiled import CompileStats, compile_graph
 from partita.runtime.device_index import DeviceTake, find_device_takes, take_inputs
 from partita.runtime.device_route import RoutedTake, route_permutes
@@ -40,6 +39,7 @@ from partita.runtime.flat_trace import (
 )
 from partita.runtime.step_order import chunks_at_contractions, last_uses
 from partita.runtime.subgraph import copy_nodes
+from partita.values.mesh import Mesh
 
 __all__ = [
     "STEP_OPS",

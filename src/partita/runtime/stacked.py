@@ -10,7 +10,7 @@ devices.
 
 :data:`STACKED_IMPLS` maps each ``torch.ops.partita.<name>.default`` to its function; the
 LocalMesh executor calls ``STACKED_IMPLS[node.target](mesh, *args)``. :data:`STACKED_BUCKET_IMPLS`
-does the same for the fused ops of ``partita.collectives_bucket``. This module does not run
+does the same for the fused ops of ``partita.ir.buckets``. This module does not run
 graphs (``runtime.local`` does) and knows nothing of shardings.
 """
 
@@ -24,11 +24,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from partita import collectives
-from partita import collectives_bucket as _buckets  # noqa: F401 - registers the fused ops
 from partita.errors import ArgumentError
-from partita.layout import ceil_div
-from partita.mesh import Mesh
+from partita.ir import buckets as _buckets  # noqa: F401 - registers the fused ops
+from partita.ir import collectives
+from partita.values.layout import ceil_div
+from partita.values.mesh import Mesh
 
 __all__ = [
     "STACKED_BUCKET_IMPLS",
@@ -279,7 +279,7 @@ STACKED_IMPLS: dict[Any, Callable[..., Tensor]] = {
     torch.ops.partita.shard_slice.default: shard_slice,
 }
 
-#: The fused ops of ``partita.collectives_bucket`` (results are lists, one per member).
+#: The fused ops of ``partita.ir.buckets`` (results are lists, one per member).
 STACKED_BUCKET_IMPLS: dict[Any, Callable[..., list[Tensor]]] = {
     torch.ops.partita.all_gather_bucket.default: all_gather_bucket,
     torch.ops.partita.all_reduce_bucket.default: all_reduce_bucket,

@@ -20,9 +20,9 @@ from torch.utils import _pytree as pytree
 
 from partita.capture.uncompile import uncompiled
 from partita.errors import ArgumentError, ArgumentTypeError, SpecError, TrainInputError
-from partita.mesh import Mesh
-from partita.spec import PartitionSpec
 from partita.training.groups import optimizer_params
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec
 
 __all__ = [
     "check_batch",

@@ -12,7 +12,7 @@ from typing import Any
 
 from torch.utils import _pytree as pytree
 
-from partita.tensor import ShardedTensor
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["full_values", "state_memory"]
 

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from partita.errors import InternalError, StateDictError
-from partita.tensor import ShardedTensor
 from partita.training.groups import optimizer_params
+from partita.values.tensor import ShardedTensor
 
 __all__ = [
     "LoadResult",

@@ -35,13 +35,10 @@ from partita import options as options_module
 from partita.capture.threads import serialized
 from partita.capture.uncompile import uncompiled
 from partita.errors import ArgumentError, ArgumentTypeError
-from partita.jit import JitStats, Jitted, OptionsLike, jit
-from partita.mesh import Mesh
+from partita.frontend.jit import JitStats, Jitted, OptionsLike, jit
 from partita.partition import Plan
 from partita.presets import PresetLike, default_batch_spec
 from partita.presets import param_specs as preset_param_specs
-from partita.spec import P, PartitionSpec
-from partita.tensor import ShardedTensor
 from partita.training.checks import (
     check_batch,
     check_optimizer_params,
@@ -55,6 +52,9 @@ from partita.training.optim import init_opt_state, optimizer_config
 from partita.training.snapshot import BuildSnapshot
 from partita.training.state import LoadResult, StateLayout, load_state, to_state_dict
 from partita.training.step import functional_step
+from partita.values.mesh import Mesh
+from partita.values.spec import P, PartitionSpec
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
 

@@ -19,7 +19,7 @@ Importing this package changes nothing in torch (no device, no kernel, no settin
 
 from __future__ import annotations
 
-from partita.tensor import set_eager_ops
+from partita.values.tensor import set_eager_ops
 from partita.virtual import lazy
 from partita.virtual.compiled import CompiledStep, compile
 from partita.virtual.device import MIN_TORCH, VirtualDeviceError, check_torch

@@ -6,7 +6,7 @@ function called, arguments as tagged values), the shardings, shapes, in-place up
 constants as lists of numbers. :func:`from_data` rebuilds the program and trusts nothing in the
 data: every function a row calls is looked up by its exact name in a closed table, the ops of
 ``torch.ops.aten``, ``torch.ops.prims`` and ``torch.ops.partita``
-(:func:`partita.op_lookup.find_op`; not the aten ops that read or write a file they are given by
+(:func:`partita.ir.op_lookup.find_op`; not the aten ops that read or write a file they are given by
 name) and :data:`PYTHON_CALLABLES`; keyword names must be the op's argument names and node names
 plain identifiers (both reach the Python code fx generates); dtypes and layouts come from a table
 of torch's names. Anything else is a :class:`RejectedError` saying why. Nothing is imported,
@@ -22,12 +22,12 @@ from typing import Any
 import torch
 from torch import fx
 
-from partita import node_meta
 from partita.errors import CacheEntryError
-from partita.mesh import Mesh
-from partita.op_lookup import find_op, torch_constant
+from partita.ir import node_meta
+from partita.ir.op_lookup import find_op, torch_constant
 from partita.partition.special.random_draw import draw_target
-from partita.spec import Sharding
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
 from partita.virtual.program import StepProgram
 
 __all__ = [

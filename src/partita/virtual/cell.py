@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from partita.spec import Sharding
-from partita.tensor import ShardedTensor
+from partita.values.spec import Sharding
+from partita.values.tensor import ShardedTensor
 from partita.virtual import state
 
 __all__ = ["Cell", "Desc"]

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from partita.tensor import ShardedTensor
+from partita.values.tensor import ShardedTensor
 from partita.virtual import recording, step
 from partita.virtual import state as device_state
 from partita.virtual.cell import Cell

@@ -48,8 +48,8 @@ import torch
 
 from partita import options
 from partita.errors import CompileCacheWarning, warn
-from partita.mesh import Mesh
-from partita.spec import Sharding
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
 from partita.virtual.cache_program import NotPlainError, RejectedError, from_data, to_data
 from partita.virtual.program import StepProgram
 

@@ -18,7 +18,7 @@ import torch
 
 from partita.errors import VirtualDeviceError
 from partita.runtime.dist_tensor import DistributedShardedTensor
-from partita.tensor import ShardedTensor
+from partita.values.tensor import ShardedTensor
 from partita.virtual import lazy, state
 from partita.virtual.cell import Cell
 from partita.virtual.lazy import LazyTensor, full_value, lazies, new_data

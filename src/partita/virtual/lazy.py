@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 from partita.errors import VirtualDeviceError
 from partita.runtime.dist_tensor import DistributedShardedTensor
-from partita.spec import PartitionSpec, Sharding
-from partita.tensor import Shard, ShardedTensor
+from partita.values.spec import PartitionSpec, Sharding
+from partita.values.tensor import Shard, ShardedTensor
 from partita.virtual import state
 from partita.virtual.cell import Cell
 from partita.virtual.state import DEVICE, DEVICE_NAME

@@ -29,9 +29,9 @@ from partita.capture.annotate import record
 from partita.capture.source import format_source, user_frame
 from partita.capture.trace import broadcast_specs
 from partita.errors import ShardMapError, VirtualDeviceError
-from partita.mesh import Mesh
-from partita.spec import P, as_spec
-from partita.tensor import ShardedTensor
+from partita.values.mesh import Mesh
+from partita.values.spec import P, as_spec
+from partita.values.tensor import ShardedTensor
 from partita.virtual import step
 from partita.virtual.lazy import LazyTensor, new_data
 from partita.virtual.recording import record_annotation

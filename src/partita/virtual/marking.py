@@ -14,11 +14,11 @@ from __future__ import annotations
 from typing import Any
 
 from partita import capture
-from partita.annotations import annotation_conflict
 from partita.errors import VirtualDeviceError
-from partita.mesh import Mesh
-from partita.spec import as_spec
-from partita.tensor import ShardedTensor
+from partita.values.annotations import annotation_conflict
+from partita.values.mesh import Mesh
+from partita.values.spec import as_spec
+from partita.values.tensor import ShardedTensor
 from partita.virtual import step
 from partita.virtual.lazy import LazyTensor, full_value
 from partita.virtual.recording import record_annotation

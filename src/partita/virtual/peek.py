@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from partita.tensor import ShardedTensor
+from partita.values.tensor import ShardedTensor
 from partita.virtual import recording
 from partita.virtual.cell import Cell
 from partita.virtual.lift import replay_op

@@ -1,6 +1,7 @@
 """One compiled step of the virtual device: compile a replay function, run it on the mesh.
 
-:func:`compile_step` calls the compile pipeline (:func:`partita.pipeline.compile_function`), as
+:func:`compile_step` calls the compile pipeline
+(:func:`partita.frontend.pipeline.compile_function`), as
 ``partita.jit`` does for one input signature: inputs annotated with their data's sharding,
 plain tensors replicated, with the step's :class:`~partita.options.CompileOptions`.
 :meth:`StepProgram.run` feeds the per-device program the inputs' stacked shards on the
@@ -20,12 +21,12 @@ import torch
 from torch import fx
 
 from partita.capture.rng import random_ops
-from partita.mesh import Mesh
+from partita.frontend.pipeline import Compiled, compile_function
 from partita.options import CompileOptions
-from partita.pipeline import Compiled, compile_function
 from partita.runtime.executor import executor_for
-from partita.spec import P, Sharding
-from partita.tensor import ShardedTensor
+from partita.values.mesh import Mesh
+from partita.values.spec import P, Sharding
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["StepProgram", "compile_step"]
 

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 
 from partita.errors import VirtualDeviceError
-from partita.spec import Sharding
-from partita.tensor import ShardedTensor
+from partita.values.spec import Sharding
+from partita.values.tensor import ShardedTensor
 from partita.virtual import draws, state, why
 from partita.virtual.cell import Cell
 from partita.virtual.guide import Guide

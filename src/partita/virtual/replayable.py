@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from partita.spec import Sharding
-from partita.tensor import ShardedTensor
+from partita.values.spec import Sharding
+from partita.values.tensor import ShardedTensor
 from partita.virtual import recording, step
 from partita.virtual.cell import Cell
 from partita.virtual.lazy import LazyTensor

@@ -18,8 +18,8 @@ from torch.utils import _pytree as pytree
 
 from partita.errors import VirtualDeviceError
 from partita.runtime.dist_tensor import DistributedShardedTensor
-from partita.spec import Sharding
-from partita.tensor import ShardedTensor
+from partita.values.spec import Sharding
+from partita.values.tensor import ShardedTensor
 from partita.virtual import state, step
 from partita.virtual.lazy import LazyTensor, full_value, new_data
 from partita.virtual.state import DEVICE_NAME

@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from partita.mesh import Mesh
+from partita.values.mesh import Mesh
 from partita.virtual.metrics import Metrics
 
 __all__ = [

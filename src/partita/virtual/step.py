@@ -32,13 +32,13 @@ import torch
 
 from partita.capture.source import pin_source
 from partita.errors import InternalError, RecompileWarning, VirtualDeviceError, warn
-from partita.mesh import Mesh
+from partita.frontend.recompile import RECOMPILE_WARNING_AT
+from partita.frontend.reshard import reshard
 from partita.options import CompileOptions
 from partita.options import current as current_options
-from partita.recompile import RECOMPILE_WARNING_AT
-from partita.relayout import reshard
 from partita.runtime.distributed import distributed_executor
-from partita.tensor import ShardedTensor
+from partita.values.mesh import Mesh
+from partita.values.tensor import ShardedTensor
 from partita.virtual import disk_cache, recording, state
 from partita.virtual.cell import Cell
 from partita.virtual.lift import replay_op

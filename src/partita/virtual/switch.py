@@ -15,9 +15,9 @@ import os
 import torch
 
 from partita.errors import ArgumentTypeError
-from partita.mesh import Mesh
-from partita.spec import Sharding
-from partita.tensor import ShardedTensor
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
+from partita.values.tensor import ShardedTensor
 from partita.virtual import disk_cache, state, step
 from partita.virtual.device import activate, check_backward, register
 from partita.virtual.lazy import LazyTensor, full_value, new_data

@@ -8,10 +8,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from partita.explain import op_name
 from partita.partition.emit import Proxy, node_of
 from partita.partition.halo.geometry import Geo, HaloPlan
 from partita.partition.neighbours import emit_shift
+from partita.report.explain import op_name
 
 if TYPE_CHECKING:
     from partita.partition.emit import Emitter

@@ -10,8 +10,8 @@ import torch
 import torch.fx as fx
 
 from partita.errors import InternalError
-from partita.layout import ceil_div
 from partita.rules import FactorKind, FactorRule
+from partita.values.layout import ceil_div
 
 __all__ = ["Geo", "HaloPlan", "halo_plan"]
 

@@ -11,7 +11,6 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
-from partita.layout import local_shape
 from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.halo.exchange import exchange_halos, return_halo
 from partita.partition.halo.geometry import (
@@ -43,7 +42,8 @@ from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-from partita.spec import Sharding
+from partita.values.layout import local_shape
+from partita.values.spec import Sharding
 
 # --- the handler -----------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
-from partita.layout import local_shape
 from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
@@ -24,6 +23,7 @@ from partita.partition.special.common import (
 )
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
+from partita.values.layout import local_shape
 
 # --- batch_stats: batch norm in training mode (SyncBatchNorm) ------------------------------------
 

@@ -11,7 +11,7 @@ import torch.fx as fx
 
 from partita.partition.lowering_api import LoweringAPI
 from partita.rules import FactorRule
-from partita.spec import Sharding
+from partita.values.spec import Sharding
 
 __all__ = ["acc_dtype", "axes_of", "fake_value", "operand_sharding"]
 

@@ -8,14 +8,14 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from partita import node_meta
-from partita.layout import ceil_div
+from partita.ir import node_meta
 from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
+from partita.values.layout import ceil_div
 
 # --- masked_embedding ---------------------------------------------------------------------------
 

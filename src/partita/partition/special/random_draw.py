@@ -11,18 +11,18 @@ import torch
 import torch.fx as fx
 
 from partita.errors import CompilerError, InternalError, UnsupportedOpError
-from partita.explain import op_name
-from partita.op_lookup import find_op, torch_constant
+from partita.ir.op_lookup import find_op, torch_constant
 from partita.partition.emit import Emitter, Proxy, emitting, node_of
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.reshard import plan_reshard
 from partita.partition.reshard_emit import emit_reshard
 from partita.partition.special.common import Assign, aten, fake_value
+from partita.report.explain import op_name
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
 from partita.rules.random import RANDOM_VALUE_OPS
-from partita.spec import Sharding
+from partita.values.spec import Sharding
 
 __all__ = ["draw_target", "global_random_draw"]
 

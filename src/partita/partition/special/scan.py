@@ -17,15 +17,15 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
-from partita.explain import op_name
-from partita.layout import ceil_div
 from partita.partition.emit import Emitter, Proxy, emitting, op_of
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.masks import identity_of
 from partita.partition.special.common import Assign, aten, fake_value
+from partita.report.explain import op_name
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
+from partita.values.layout import ceil_div
 
 
 def _scan_dim(node: fx.Node) -> int:

@@ -8,13 +8,13 @@ import math
 import torch
 import torch.fx as fx
 
-from partita.layout import local_shape
 from partita.partition.emit import Emitter, Proxy, emitting
 from partita.partition.handlers import Handler, register
 from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, axes_of, fake_value, operand_sharding
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
+from partita.values.layout import local_shape
 
 # --- softmax_reduce -----------------------------------------------------------------------------
 

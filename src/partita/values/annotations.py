@@ -2,7 +2,7 @@
 device's tensors, and the shardings it gave module weights off the device.
 
 :func:`annotation_conflict` is the one error of marking an annotated tensor with another
-sharding (``partita.tensor`` and ``partita.virtual.marking`` raise it). The weights a user
+sharding (``partita.values.tensor`` and ``partita.virtual.marking`` raise it). The weights a user
 marked (``partita.mark_sharding(model.fc.weight, mesh, spec)`` on a module off the device) keep
 their sharding in an attribute; ``partita.jit(model)`` and
 ``partita.train_step`` read them with :func:`marked_param_specs`. This module holds no data.
@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from torch import nn
 
 from partita.errors import AnnotationError, ShardingError
-from partita.mesh import Mesh
-from partita.spec import PartitionSpec, Sharding
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec, Sharding
 
 __all__ = [
     "annotation_conflict",

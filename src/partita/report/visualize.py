@@ -10,7 +10,7 @@ values of a partial sharding, which a note under the table labels), its unpadded
 and whether it is padding only. On a terminal the tiles are coloured; anywhere else (a file, a
 pipe, a test, a log) the table is plain ASCII without colour codes.
 
-This module only draws; the index arithmetic comes from :mod:`partita.layout`.
+This module only draws; the index arithmetic comes from :mod:`partita.values.layout`.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from rich.table import Table
 from rich.text import Text
 
 from partita.errors import ShardingError
-from partita.layout import index_ranges, local_shape, tile_coords
-from partita.spec import Sharding
-from partita.tensor import ShardedTensor
+from partita.values.layout import index_ranges, local_shape, tile_coords
+from partita.values.spec import Sharding
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["format_sharding", "visualize_sharding"]
 

@@ -1,7 +1,8 @@
 """The public entry points that tie the stages together.
 
 ``mark_sharding`` is one name for two things, as in PyTorch/XLA: on a concrete tensor it shards
-the data (``partita.tensor``); on a tensor being traced inside a captured function it records an
+the data (``partita.values.tensor``); on a tensor being traced inside a captured function it
+records an
 annotation node (``partita.capture``). ``propagate_program`` traces and propagates a function
 and returns the program with every value's sharding, for inspection before anything runs.
 
@@ -18,13 +19,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from partita import capture, tensor
-from partita.annotations import clear_parameter, mark_parameter
+from partita import capture
 from partita.errors import ArgumentError
-from partita.explain import format_program
-from partita.mesh import Mesh
-from partita.pipeline import propagated_program
-from partita.spec import PartitionSpec, as_spec
+from partita.frontend.pipeline import propagated_program
+from partita.report.explain import format_program
+from partita.values import tensor
+from partita.values.annotations import clear_parameter, mark_parameter
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec, as_spec
 from partita.virtual.lazy import LazyTensor
 from partita.virtual.marking import clear_in_place, mark_in_place
 
@@ -41,7 +43,7 @@ def mark_sharding(
     """Shard data, or annotate a traced tensor, over ``mesh`` as ``spec`` says.
 
     * Outside a captured function: ``t`` is concrete data and the result is a
-      :class:`~partita.ShardedTensor` (see :func:`partita.tensor.mark_sharding`).
+      :class:`~partita.ShardedTensor` (see :func:`partita.values.tensor.mark_sharding`).
     * On a tensor of the virtual device (``partita.use_spmd``): in place, and returns ``t``
       itself (an ``nn.Parameter`` stays that Parameter). Data is laid out over the mesh now; a
       pending value (not computed yet) gets an annotation in the recorded step.
@@ -85,7 +87,7 @@ def mark_sharding(
 
 def clear_sharding(t: Any) -> Any:
     """Remove the annotation of ``t`` in place and return ``t``: a ShardedTensor
-    (:func:`partita.tensor.clear_sharding`) or a tensor of the virtual device; the next
+    (:func:`partita.values.tensor.clear_sharding`) or a tensor of the virtual device; the next
     ``mark_sharding`` may then choose any sharding and re-lays ``t`` out in place.
 
     Example:
@@ -133,7 +135,8 @@ def propagate_program(
 ) -> capture.Program:
     """Trace ``fn`` and propagate shardings; the program's nodes carry ``node_meta.sharding``.
 
-    ``print(partita.api.format_program(prog.graph_module))`` shows every value. This is an
+    ``print(partita.frontend.annotate.format_program(prog.graph_module))`` shows every value. This
+    is an
     internal step of ``partita.jit(...).lower()``.
     """
     return propagated_program(

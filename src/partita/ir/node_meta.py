@@ -36,7 +36,7 @@ from partita.errors import InternalError
 
 if TYPE_CHECKING:
     from partita.rules.factor import FactorRule
-    from partita.spec import Sharding
+    from partita.values.spec import Sharding
 
 __all__ = [
     "AnnotationRecord",

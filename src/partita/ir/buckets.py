@@ -2,7 +2,7 @@
 
 ``partita.partition.bucket`` replaces independent collectives of the same kind, mesh axes,
 reduce op and dtype by one of these three ops; each takes a *list* of local tensors and returns
-the list of results, exactly what the single ops (``partita.collectives``) would return one by
+the list of results, exactly what the single ops (``partita.ir.collectives``) would return one by
 one. The executors move the whole list as one flat buffer: one ``torch.distributed`` call on
 real processes (``runtime.distributed``), which is what makes a bucket cheaper than its
 members (one latency instead of one per value).
@@ -21,7 +21,7 @@ reduce_scatter_bucket    ``(Tensor[] xs, int[] dims, str reduce_op, str[] mesh_a
 Per-device bytes of a bucket are the sum of its members' bytes (the flat buffer holds each
 member once); the Plan keeps one record per member so bytes stay attributed to values.
 
-As in ``partita.collectives``, the eager implementations stand for one device of a mesh on which
+As in ``partita.ir.collectives``, the eager implementations stand for one device of a mesh on which
 every device holds the same values. This module never communicates and does not decide what to
 fuse.
 """
@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from partita import collectives
+from partita.ir import collectives
 
 __all__ = [
     "BUCKET_OF",

@@ -2,7 +2,7 @@
 
 One function per subcommand; :func:`main` parses the arguments and dispatches. ``demo`` trains
 a GPT sharded over 8 simulated devices beside the same model trained with torch.optim
-(:mod:`partita.demo`); ``tour`` is a short printed tour of meshes, specs and sharded tensors.
+(:mod:`partita.cli.demo`); ``tour`` is a short printed tour of meshes, specs and sharded tensors.
 This module only prints; it has no logic of its own.
 """
 
@@ -14,10 +14,10 @@ from collections.abc import Callable, Sequence
 import torch
 from rich.console import Console
 
-from partita.mesh import Mesh
-from partita.spec import P
-from partita.tensor import mark_sharding
-from partita.visualize import visualize_sharding
+from partita.report.visualize import visualize_sharding
+from partita.values.mesh import Mesh
+from partita.values.spec import P
+from partita.values.tensor import mark_sharding
 
 __all__ = ["main"]
 
@@ -31,8 +31,8 @@ def _heading(console: Console, text: str) -> None:
 
 
 def demo(args: argparse.Namespace) -> int:
-    """Train a GPT sharded and unsharded side by side (see :mod:`partita.demo`)."""
-    from partita.demo import run  # imports the models and the compiler: only when asked
+    """Train a GPT sharded and unsharded side by side (see :mod:`partita.cli.demo`)."""
+    from partita.cli.demo import run  # imports the models and the compiler: only when asked
 
     return run(args)
 
@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (_, help_text) in COMMANDS.items():
         command = sub.add_parser(name, help=help_text, description=help_text)
         if name == "demo":
-            from partita.demo import add_arguments
+            from partita.cli.demo import add_arguments
 
             add_arguments(command)
     return parser

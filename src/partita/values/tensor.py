@@ -5,13 +5,13 @@ A :class:`ShardedTensor` is a global value as the user sees it (global shape, dt
 *LocalMesh*: one torch tensor ``stacked`` of shape ``[mesh.size, *local_shape]`` that holds
 every device's shard stacked along a leading device dim, in the mesh's flat row-major position
 order, zero padded to the uniform (ceil) local shape. All cutting and gluing is the vectorised
-arithmetic of :mod:`partita.layout`; nothing here loops over devices to move data.
+arithmetic of :mod:`partita.values.layout`; nothing here loops over devices to move data.
 
 This module works on *concrete* data only. It does not trace, propagate or partition, and it
 does not communicate: :func:`reshard` is gather-then-slice until the partitioner's reshard
 planner replaces it. A torch operation on a ShardedTensor (``x + 1``, ``model(x)``) is run by
 the handler that :mod:`partita.virtual` installs with :func:`set_eager_ops`. Annotating traced
-tensors inside a captured function is wired up in ``partita.api``.
+tensors inside a captured function is wired up in ``partita.frontend.annotate``.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from partita.annotations import annotation_conflict
 from partita.errors import ShardingError
-from partita.layout import (
+from partita.values.annotations import annotation_conflict
+from partita.values.layout import (
     check_held,
     index_ranges,
     local_shape,
@@ -34,9 +34,9 @@ from partita.layout import (
     stack_held,
     unshard_tensor,
 )
-from partita.mesh import Mesh
-from partita.spec import PartitionSpec, Sharding, as_spec
-from partita.tensor_ops import EagerOps, set_eager_ops
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec, Sharding, as_spec
+from partita.values.tensor_ops import EagerOps, set_eager_ops
 
 __all__ = [
     "Shard",
@@ -62,7 +62,8 @@ class Shard:
         device: the mesh device id (``mesh.device_ids[position]``).
         index: one ``slice`` per dim into the global tensor; a device holding only padding
             along a dim gets an empty slice ``n:n``.
-        replica_id: distinct among the devices holding the same tile (see ``partita.layout``).
+        replica_id: distinct among the devices holding the same tile (see
+        ``partita.values.layout``).
 
     Example:
         >>> x = mark_sharding(torch.arange(4.0), Mesh.create((2,), ("x",)), P("x"))
@@ -365,7 +366,7 @@ def reshard(x: ShardedTensor, spec: SpecLike | Sharding) -> ShardedTensor:
     ``spec`` may also be a :class:`~partita.Sharding`, possibly on another mesh. Partial values
     are reduced. This is the move through the whole value (gather, then cut again), for a
     single process and for the two moves no program covers (another mesh, partial values):
-    :func:`partita.reshard` (``partita.relayout``) plans every other move with the
+    :func:`partita.reshard` (``partita.frontend.reshard``) plans every other move with the
     partitioner's collectives and runs under torch.distributed too.
 
     Example:

@@ -1,7 +1,8 @@
 """The torch-operator surface of a ShardedTensor: ``x + 1``, ``torch.exp(x)``, ``model(x)``,
 ``x.sum().item()``.
 
-Every torch function called on a :class:`~partita.tensor.ShardedTensor` (and the operators and
+Every torch function called on a :class:`~partita.values.tensor.ShardedTensor` (and the operators
+and
 ``torch.Tensor`` methods, which call them) goes to one handler, installed with
 :func:`set_eager_ops`; ``partita.virtual`` installs the virtual device's at import (this stage
 cannot import that later one). Without a handler, torch functions return ``NotImplemented``.

@@ -27,11 +27,11 @@ from rich.panel import Panel
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from partita.mesh import Mesh
 from partita.models import GPT, GPTConfig
 from partita.partition.plan import format_bytes
 from partita.presets import PRESETS
 from partita.training.train import TrainStep, train_step
+from partita.values.mesh import Mesh
 
 __all__ = ["add_arguments", "run", "synthetic_batch"]
 

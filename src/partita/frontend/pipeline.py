@@ -37,13 +37,13 @@ from partita import capture
 from partita.capture.gc_pause import gc_paused
 from partita.capture.kv_cache import flatten_registering_caches
 from partita.capture.spec_tree import unflatten_args
-from partita.explain import format_program
-from partita.mesh import Mesh
 from partita.options import CompileOptions
 from partita.partition import Plan, partition
 from partita.propagate import propagate
-from partita.spec import PartitionSpec, Sharding
-from partita.tensor import ShardedTensor
+from partita.report.explain import format_program
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec, Sharding
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["Compiled", "compile_function", "propagated_program"]
 
@@ -125,7 +125,7 @@ def propagated_program(
 ) -> capture.Program:
     """The first two stages: ``fn`` traced, then propagated (every node carries
     ``meta["sharding"]``). Input specs are ``specs``, one per leaf, or ``in_specs``, a prefix
-    of ``args`` (for ``partita.api.propagate_program``, which stops here)."""
+    of ``args`` (for ``partita.frontend.annotate.propagate_program``, which stops here)."""
     leaves, tree = flatten_registering_caches((args, kwargs or {}))
     examples = [
         torch.empty(x.shape, dtype=x.dtype) if isinstance(x, ShardedTensor) else x

@@ -2,7 +2,8 @@
 
 ``jit(fn, mesh=, in_specs=, out_specs=, options=)`` returns a :class:`Jitted` callable.
 Calling it with ShardedTensors or plain tensors compiles ``fn`` for that input signature with
-:func:`partita.pipeline.compile_function` (trace, propagate, partition) and runs the per-device
+:func:`partita.frontend.pipeline.compile_function` (trace, propagate, partition) and runs the
+per-device
 program on the simulated mesh (``partita.runtime.local``) or on this process's devices
 (``runtime.distributed``). ``.lower(*args)`` stops before running and returns the
 :class:`~partita.partition.Plan`. The options (:mod:`partita.options`) are resolved at each call
@@ -34,23 +35,23 @@ from partita.capture.threads import serialized
 from partita.capture.trace import input_path
 from partita.capture.uncompile import uncompiled
 from partita.errors import JitArgumentError, PartitaWarning, RecompileWarning, warn
-from partita.jit_signature import (
+from partita.frontend.pipeline import Compiled, compile_function
+from partita.frontend.recompile import RECOMPILE_WARNING_AT, recompile_message
+from partita.frontend.reshard import reshard
+from partita.frontend.signature import (
     Signatures,
     by_name,
     placeholder_names,
     readable_name,
     replicated_batch,
 )
-from partita.mesh import Mesh
 from partita.options import CompileOptions
 from partita.partition import Plan
-from partita.pipeline import Compiled, compile_function
 from partita.presets import PresetLike as PlanLike
-from partita.recompile import RECOMPILE_WARNING_AT, recompile_message
-from partita.relayout import reshard
 from partita.runtime.compiled import stats_for
 from partita.runtime.executor import executor_for
-from partita.tensor import ShardedTensor
+from partita.values.mesh import Mesh
+from partita.values.tensor import ShardedTensor
 
 __all__ = [
     "DEFAULT_CACHE_LIMIT",

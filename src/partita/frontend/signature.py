@@ -19,13 +19,13 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from partita.annotations import marks_made
 from partita.capture.kv_cache import flatten_registering_caches, is_transformers_cache
 from partita.capture.trace import broadcast_specs
 from partita.errors import CaptureError, ShardingError
-from partita.mesh import Mesh
-from partita.spec import P, PartitionSpec, Sharding
-from partita.tensor import ShardedTensor
+from partita.values.annotations import marks_made
+from partita.values.mesh import Mesh
+from partita.values.spec import P, PartitionSpec, Sharding
+from partita.values.tensor import ShardedTensor
 
 __all__ = [
     "Signatures",

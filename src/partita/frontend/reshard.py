@@ -1,7 +1,8 @@
 """The one public ``reshard``: a ShardedTensor's data moved to another sharding.
 
 ``partita.reshard(x, spec)`` compiles the identity program from ``x``'s sharding to ``spec``
-with the compile pipeline (:func:`partita.pipeline.compile_function`), so the move is the one
+with the compile pipeline (:func:`partita.frontend.pipeline.compile_function`), so the move is the
+one
 the partitioner's reshard planner chooses (the cheapest collectives, the same as inside any
 program) and it runs on whichever executor holds ``x``: the simulated LocalMesh, or under
 torch.distributed each rank's own shard only. The compiled moves are kept (an LRU of
@@ -21,12 +22,13 @@ from typing import Any
 
 import torch
 
-from partita import options, tensor
+from partita import options
 from partita.errors import RematerializationWarning
-from partita.pipeline import Compiled, compile_function
+from partita.frontend.pipeline import Compiled, compile_function
 from partita.runtime.executor import executor_for
-from partita.spec import PartitionSpec, Sharding
-from partita.tensor import ShardedTensor
+from partita.values import tensor
+from partita.values.spec import PartitionSpec, Sharding
+from partita.values.tensor import ShardedTensor
 
 __all__ = ["CACHE_SIZE", "reshard"]
 

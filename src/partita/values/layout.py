@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from partita.errors import InputError, ShardingError
-from partita.spec import Sharding
+from partita.values.spec import Sharding
 
 __all__ = [
     "ceil_div",
@@ -187,8 +187,8 @@ def shard_compact(value: torch.Tensor, sharding: Sharding, *, copy: bool = True)
     caller then must not hand it out, nor write it).
 
     Example:
-        >>> from partita.mesh import Mesh
-        >>> from partita.spec import P
+        >>> from partita.values.mesh import Mesh
+        >>> from partita.values.spec import P
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
         >>> shard_compact(torch.zeros(8, 6), P("model").to_sharding(mesh, 2)).shape
         torch.Size([1, 4, 2, 6])

@@ -26,7 +26,7 @@ The presets:
 The default batch spec (:func:`default_batch_spec`) is ``P('data')`` when the mesh has the
 ``data`` axis, else replicated.
 
-Which parameters ``tp`` splits, and along which dim, is :mod:`partita.plan_roles`' job: column
+Which parameters ``tp`` splits, and along which dim, is :mod:`partita.presets.roles`' job: column
 and row linears by module type and name (``q_proj``, ``c_attn``, ``o_proj``, T5's ``q`` /
 ``wi_0`` / ``wo``...), fused projections (``qkv_proj``, ``gate_up_proj``: contiguous blocks of
 the fused output dim), BERT's ``dense`` layers by module path, 3-D expert weights by their
@@ -56,10 +56,8 @@ from rich.console import Console
 from rich.table import Table
 from torch import nn
 
-from partita.annotations import marked_param_specs
 from partita.errors import ArgumentError, ArgumentTypeError, SpecError
-from partita.mesh import Mesh
-from partita.plan_roles import (
+from partita.presets.roles import (
     COLUMN_NAMES,
     EXPERT_NAMES,
     FUSED_NAMES,
@@ -70,7 +68,9 @@ from partita.plan_roles import (
     tp_roles,
     vocab_roles,
 )
-from partita.spec import PartitionSpec, as_spec
+from partita.values.annotations import marked_param_specs
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec, as_spec
 
 __all__ = [
     "COLUMN_NAMES",

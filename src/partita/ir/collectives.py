@@ -40,7 +40,7 @@ import torch
 from torch import Tensor
 
 from partita.errors import ArgumentError
-from partita.layout import ceil_div
+from partita.values.layout import ceil_div
 
 __all__ = [
     "COLLECTIVE_OPS",

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from partita import node_meta
+from partita.ir import node_meta
 
 __all__ = ["format_program", "op_name"]
 

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from partita.mesh import Mesh
-from partita.spec import PartitionSpec, Sharding
-from partita.tensor import ShardedTensor
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec, Sharding
+from partita.values.tensor import ShardedTensor
 
 #: The classes a pickled ShardedTensor names (checked by ``torch.serialization.
 #: get_unsafe_globals_in_checkpoint`` in tests/test_serialization.py).

@@ -10,7 +10,7 @@ each tensor dim the ordered tuple of mesh axis *names* it is split over, plus th
 which the value is a *partial* (un-reduced) sum, max or min. Mesh axes used by no dim and not
 partial mean replication.
 
-This module holds values only; the index arithmetic of shards lives in ``partita.layout``.
+This module holds values only; the index arithmetic of shards lives in ``partita.values.layout``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Union
 
 from partita.errors import SpecError
-from partita.mesh import Mesh
+from partita.values.mesh import Mesh
 
 __all__ = ["REDUCE_OPS", "P", "PartitionSpec", "Sharding", "as_spec"]
 
