@@ -75,6 +75,9 @@ def main(data: int, model_axis: int) -> dict:
 
 if __name__ == "__main__":
     result = main(int(sys.argv[1]), int(sys.argv[2]))
-    print(json.dumps(result), flush=True)
+    # One write of the whole line: under torchrun the ranks share one pipe, and a line printed in
+    # two writes can interleave with another rank's (atomic below PIPE_BUF, 4096 bytes).
+    sys.stdout.flush()
+    os.write(1, (json.dumps(result) + "\n").encode())
     if "RANK" in os.environ:
         pd.barrier()
