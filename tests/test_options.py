@@ -12,6 +12,7 @@ import re
 import threading
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -275,3 +276,34 @@ def test_the_recompile_warning_names_changing_options() -> None:
         for i in range(8):
             with using(bucket_bytes=i):
                 step(x)
+
+
+def test_options_read_while_running_come_from_jits_options_too(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """check_calls, check_replicas and trace_flat_at are read as a program runs (not in its
+    key): a jit's options= reached the compile only, and the run read the current options."""
+    from partita.runtime.executor import executor_for
+
+    seen: list[tuple[bool, int | None]] = []
+    executor = executor_for(MESH)
+    real = type(executor).run_compiled
+
+    def spy(self: Any, compiled: Any, leaves: Any) -> Any:
+        now = partita.options.current()
+        seen.append((now.check_calls, now.trace_flat_at))
+        return real(self, compiled, leaves)
+
+    monkeypatch.setattr(type(executor), "run_compiled", spy)
+    x = torch.randn(8)
+    partita.jit(lambda t: t * 2, mesh=MESH, in_specs=(P("data"),))(x)
+    step = partita.jit(
+        lambda t: t * 3,
+        mesh=MESH,
+        in_specs=(P("data"),),
+        options={"check_calls": False, "trace_flat_at": 5},
+    )
+    torch.testing.assert_close(step(x).full(), x * 3)
+    before = partita.options.current()  # the suite sets PARTITA_TRACE_FLAT_AT
+    assert seen == [(before.check_calls, before.trace_flat_at), (False, 5)]
+    assert partita.options.current().check_calls  # only while it ran

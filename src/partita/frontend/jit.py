@@ -18,6 +18,7 @@ This module turns a call into leaves, specs and a cache key; it holds no shardin
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict, deque
 from collections.abc import Callable, Hashable, Mapping
@@ -45,7 +46,7 @@ from partita.frontend.signature import (
     readable_name,
     replicated_batch,
 )
-from partita.options import CompileOptions
+from partita.options import KNOBS, CompileOptions
 from partita.partition import Plan
 from partita.presets import PresetLike as PlanLike
 from partita.runtime.compiled import stats_for
@@ -141,6 +142,15 @@ class Jitted:
         user, kw = by_name(self.in_specs, cast(nn.Module, self.fn).forward, args, kwargs)
         return module.call, module.args(args), lambda: (module.in_specs(user, args), kw)
 
+    def _running_options(self) -> contextlib.AbstractContextManager[Any]:
+        """The options the executors read while the program runs (those outside the cache key:
+        ``trace_flat_at``, ``check_calls``, ``check_replicas``, the timeouts) come from
+        ``options=`` too, not only from the current options."""
+        if self.options is None:
+            return contextlib.nullcontext()
+        now = self.options_now()
+        return options_module.using(**{k.name: getattr(now, k.name) for k in KNOBS if not k.keyed})
+
     def options_now(self) -> CompileOptions:
         """The options of a call now: ``options=`` over :func:`partita.options.current`."""
         if isinstance(self.options, CompileOptions):
@@ -229,7 +239,7 @@ class Jitted:
         tensors += program.constants
         # The program holds its own backward: running it must not record autograd history
         # over an argument that requires grad (ops without complex autograd refused to run).
-        with torch.no_grad():
+        with torch.no_grad(), self._running_options():
             results = executor_for(self.mesh).run_compiled(compiled, tensors)
         for i, new in program.input_updates(results):
             write_back(tensors[i], new)
