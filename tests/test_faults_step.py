@@ -26,6 +26,8 @@ from partita import Mesh, P
 from partita.errors import VirtualDeviceError
 from partita.virtual import sharded
 
+from test_virtual_device_compiled import _eager_step, _same_params  # isort: skip
+
 MESH = Mesh.create((2, 4), ("data", "model"))
 
 
@@ -71,19 +73,6 @@ def _compiled(dev: torch.device, model: nn.Module, opt: Any) -> tuple[Any, list[
         return loss
 
     return partita.compile(train_step), calls
-
-
-def _eager(ref: nn.Module, ref_opt: Any, x: torch.Tensor, y: torch.Tensor) -> float:
-    loss = F.mse_loss(ref(x), y)
-    loss.backward()
-    ref_opt.step()
-    ref_opt.zero_grad()
-    return loss.item()
-
-
-def _same(model: nn.Module, ref: nn.Module) -> None:
-    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.cpu(), q, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def _freeze(model: nn.Module, opt: Any) -> None:
@@ -139,13 +128,13 @@ def test_a_change_after_capture_runs_the_function_again(dev: torch.device, chang
             apply(ref, ref_opt)
             assert calls[0] == 3  # captured, two replays
         loss = step(x, y)
-        assert loss.item() == pytest.approx(_eager(ref, ref_opt, x, y), abs=1e-5), (change, i)
+        assert loss.item() == pytest.approx(_eager_step(ref, ref_opt, x, y), abs=1e-5), (change, i)
         if i == 5:
             line = partita.metrics().compiled_steps["train_step"]
             assert line.startswith("capture dropped: "), line
             assert re.search(reason, line), line
             assert calls[0] == 4
-    _same(model, ref)
+    _same_params(model, ref)
     assert calls[0] == 6, "after the change: captured again after 3 calls"
 
 
@@ -166,8 +155,8 @@ def test_loading_a_checkpoint_needs_no_reset(dev: torch.device) -> None:
             ref.load_state_dict(saved[0])
             ref_opt.load_state_dict(saved[1])
         loss = step(x, y)
-        assert loss.item() == pytest.approx(_eager(ref, ref_opt, x, y), abs=1e-5), i
-    _same(model, ref)
+        assert loss.item() == pytest.approx(_eager_step(ref, ref_opt, x, y), abs=1e-5), i
+    _same_params(model, ref)
     assert calls[0] > 3
 
 
@@ -182,8 +171,8 @@ def test_module_load_state_dict_is_read_by_the_replay(dev: torch.device) -> None
             model.load_state_dict(new)
             ref.load_state_dict(new)
         loss = step(x, y)
-        assert loss.item() == pytest.approx(_eager(ref, ref_opt, x, y), abs=1e-5), i
-    _same(model, ref)
+        assert loss.item() == pytest.approx(_eager_step(ref, ref_opt, x, y), abs=1e-5), i
+    _same_params(model, ref)
 
 
 def test_autocast_around_a_captured_call_runs_the_function_again(dev: torch.device) -> None:
@@ -247,9 +236,9 @@ def test_one_compiled_step_from_two_threads(dev: torch.device) -> None:
             losses.append(step(x, y).item())  # read while the other thread's call runs
 
     _in_threads(four)
-    eager = [_eager(ref, ref_opt, x, y) for _ in range(8)]
+    eager = [_eager_step(ref, ref_opt, x, y) for _ in range(8)]
     assert sorted(losses) == pytest.approx(sorted(eager), abs=1e-5)
-    _same(model, ref)
+    _same_params(model, ref)
     assert all(float(s["step"].cpu()) == 8 for s in opt.state.values())
     assert calls[0] == 3
 
@@ -267,8 +256,8 @@ def test_two_threads_train_their_own_models_on_the_device(dev: torch.device) -> 
             loss.backward()
             opt.step()
             opt.zero_grad()
-            assert loss.item() == pytest.approx(_eager(ref, ref_opt, x, y), abs=1e-5), k
-        _same(model, ref)
+            assert loss.item() == pytest.approx(_eager_step(ref, ref_opt, x, y), abs=1e-5), k
+        _same_params(model, ref)
 
     _in_threads(train)
 

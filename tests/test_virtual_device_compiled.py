@@ -62,8 +62,8 @@ def _eager_step(ref: nn.Module, ref_opt: Any, x: torch.Tensor, y: torch.Tensor) 
 
 
 def _same_params(model: nn.Module, ref: nn.Module) -> None:
-    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.cpu(), q, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        torch.testing.assert_close(p.cpu(), q, atol=1e-5, rtol=1e-5, msg=name)
 
 
 def _counted(fn: Callable[..., Any]) -> tuple[Any, list[int]]:
