@@ -22,6 +22,7 @@ from partita.errors import (
     CompilerError,
     DtypeError,
     InputError,
+    InternalError,
     PartitaError,
     ReplicatedOpWarning,
     UnsupportedOpError,
@@ -119,16 +120,28 @@ def test_internal_propagation_failure_is_a_compiler_error(monkeypatch: pytest.Mo
         step.lower(torch.randn(8, 4), torch.randn(8, 4))
 
 
-def test_internal_partition_failure_is_a_compiler_error(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("error", "said"),
+    [
+        (KeyError("lost a value"), r"KeyError: 'lost a value'.*please report it"),
+        # partita's own internal error is wrapped the same way, naming the node
+        (InternalError(f"an invariant broke. {InternalError.REPORT}"),
+         r"InternalError: an invariant broke"),
+    ],
+    ids=["KeyError", "InternalError"],
+)  # fmt: skip
+def test_internal_partition_failure_is_a_compiler_error(
+    monkeypatch: pytest.MonkeyPatch, error: Exception, said: str
+) -> None:
     def broken(self: Lowering, node: fx.Node, rule: Any, assign: Any) -> fx.Node:
-        raise KeyError("lost a value")
+        raise error
 
     monkeypatch.setattr(Lowering, "_generic", broken)
     step = partita.jit(lambda a, b: a * b, mesh=MESH, in_specs=(P("x"), P("x")))
     with pytest.raises(
         CompilerError,
         match=r"Partitioning failed on aten.mul.Tensor at node mul "
-        r"\(test_errors_compiler.py:\d+.*KeyError: 'lost a value'.*please report it",
+        r"\(test_errors_compiler.py:\d+.*" + said,
     ):
         step.lower(torch.randn(8, 4), torch.randn(8, 4))
 

@@ -25,7 +25,6 @@ from partita import Mesh, P, errors, options
 from partita.errors import (
     ArgumentError,
     ArgumentTypeError,
-    CompilerError,
     InternalError,
     LaunchError,
     OptionError,
@@ -37,7 +36,6 @@ from partita.errors import (
 )
 from partita.ir import node_meta
 from partita.models import GPT, GPTConfig, SmallCNN
-from partita.partition.lower import Lowering
 from partita.partition.masks import identity_of
 from partita.partition.reshard import plan_reshard
 from partita.rules import FactorRule, OpInfo, TensorMeta, einsum_rule, register_rule
@@ -159,22 +157,6 @@ def test_internal_error_says_it_is_a_bug_and_stays_a_runtime_error() -> None:
     with pytest.raises(InternalError, match=r"reduce_op 'prod'.*partita bug, please report"):
         identity_of("prod", torch.float32)
     assert issubclass(InternalError, RuntimeError)
-
-
-def test_an_internal_error_while_partitioning_becomes_a_compiler_error_naming_the_node(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    def broken(self: Lowering, node: fx.Node, rule: Any, assign: Any) -> fx.Node:
-        raise InternalError(f"an invariant broke. {InternalError.REPORT}")
-
-    monkeypatch.setattr(Lowering, "_generic", broken)
-    step = partita.jit(lambda a, b: a * b, mesh=MESH, in_specs=(P("x"), P("x")))
-    with pytest.raises(
-        CompilerError,
-        match=r"Partitioning failed on aten.mul.Tensor at node mul \(test_errors_typed.py:\d+"
-        r".*InternalError: an invariant broke",
-    ):
-        step.lower(torch.randn(8, 4), torch.randn(8, 4))
 
 
 def test_a_malformed_factor_rule_is_a_rule_error() -> None:
