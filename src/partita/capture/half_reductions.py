@@ -25,34 +25,26 @@ aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def _half_sum(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
-    out = dtype if dtype is not None else x.dtype
-    if out not in _HALF or not x.dtype.is_floating_point:
-        return NotImplemented
-    return aten.sum.dim_IntList(x, dim, keepdim, dtype=torch.float32).to(out)
+def _in_float32(reduce: torch._ops.OpOverload) -> Callable[..., Any]:
+    """``reduce(x, dim, keepdim, dtype=float32).to(dtype)`` for a half-precision result, else
+    ``NotImplemented`` (the op traces as itself)."""
+
+    def half(x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None) -> Any:
+        out = dtype if dtype is not None else x.dtype
+        if out not in _HALF or not x.dtype.is_floating_point:
+            return NotImplemented
+        return reduce(x, dim, keepdim, dtype=torch.float32).to(out)
+
+    return half
 
 
-def _half_sum_default(x: torch.Tensor, *, dtype: Any = None) -> Any:
-    return _half_sum(x, None, False, dtype=dtype)
-
-
-def _half_mean(
-    x: torch.Tensor, dim: Any = None, keepdim: bool = False, *, dtype: Any = None
-) -> Any:
-    out = dtype if dtype is not None else x.dtype
-    if out not in _HALF or not x.dtype.is_floating_point:
-        return NotImplemented
-    return aten.mean.dim(x, dim, keepdim, dtype=torch.float32).to(out)
-
-
-def _half_mean_default(x: torch.Tensor, *, dtype: Any = None) -> Any:
-    return _half_mean(x, None, False, dtype=dtype)
+_half_sum, _half_mean = _in_float32(aten.sum.dim_IntList), _in_float32(aten.mean.dim)
 
 
 #: The entries: ``sum`` and ``mean`` (every overload a program records) of float16/bfloat16.
 HALF_REDUCTION_OPS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
-    aten.sum.default: _half_sum_default,
+    aten.sum.default: lambda x, *, dtype=None: _half_sum(x, None, False, dtype=dtype),
     aten.sum.dim_IntList: _half_sum,
-    aten.mean.default: _half_mean_default,
+    aten.mean.default: lambda x, *, dtype=None: _half_mean(x, None, False, dtype=dtype),
     aten.mean.dim: _half_mean,
 }
