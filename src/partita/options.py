@@ -203,17 +203,20 @@ class CompileOptions:
         return dataclasses.replace(self, **changes)
 
 
+#: What each parser reads, for checking a value set from Python.
+_KINDS: dict[Callable[[str], Any], str | tuple[str, ...]] = {
+    _bool: "bool",
+    _bytes: "bytes",
+    _count: "count",
+    _seconds: "seconds",
+    _path: "path",
+    _collectives: ("auto", "explicit", "warn"),
+}
+
+
 def _check(name: str, value: Any) -> str | None:
     """Why ``value`` is not valid for ``name`` (None if it is)."""
-    kind = {
-        "collectives": ("auto", "explicit", "warn"),
-        "bucket_bytes": "bytes",
-        "overlap_bytes": "bytes",
-        "trace_flat_at": "count",
-        "join_timeout": "seconds",
-        "collective_timeout": "seconds",
-        "compile_cache": "path",
-    }.get(name, "bool")
+    kind = _KINDS[_BY_NAME[name].parse]  # the field's kind follows its variable's parser
     if isinstance(kind, tuple):
         return None if value in kind else f"one of {', '.join(map(repr, kind))}"
     if kind == "bool":
