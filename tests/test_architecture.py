@@ -36,6 +36,7 @@ STAGES = ("values", "capture", "rules", "propagate", "partition", "runtime", "ap
 
 #: The value layer: data every stage shares, importing no stage (packages and modules).
 _VALUES = (
+    "partita.cost",
     "partita.errors",
     "partita.ir",
     "partita.options",
@@ -60,7 +61,7 @@ _API = (
 )
 #: The packages of the package root, in data-flow order (docs/architecture.md lists them so).
 PACKAGES = (
-    "values", "ir", "presets", "report",
+    "values", "ir", "presets", "report", "cost",
     "capture", "rules", "propagate", "partition", "runtime",
     "frontend", "training", "virtual", "manual", "checkpoint", "models", "cli",
 )  # fmt: skip

@@ -1,0 +1,175 @@
+"""Fit the ``cpu-gloo`` hardware profile of ``partita.cost``: time Gloo collectives, matmuls,
+memory copies and tiny ops on 4 processes of this machine, fit the alpha-beta model, print it.
+
+Run: ``.venv/bin/python bench/bench_collectives.py [--repeat 15] [--world 4]``
+
+Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
+``partita.runtime.launch.spawn``, as the distributed tests and benches run) times, all at once:
+
+* all_gather, all_reduce, reduce_scatter and all_to_all over the whole group, for reported sizes
+  (the Plan's convention: output bytes, input bytes for reduce_scatter) from 4 KiB to 16 MiB,
+  the median of ``--repeat`` calls after a barrier (max over ranks);
+* a 512x512x512 float32 matmul (FLOP/s per process while every process computes);
+* a copy of 32 MiB (bytes read + written per second);
+* a tiny ``add`` (the fixed cost of one op).
+
+The collective times are fitted by least squares to ``ring_steps(kind, n) * latency +
+wire_bytes(kind, bytes, n) / bandwidth``, the model of ``partita.cost.model``, then each kind
+gets the median ratio of its measured times to that fit (``collective_scale``); the table shows
+each measurement beside the fitted model's, and the last lines are the profile to paste into
+``PROFILES["cpu-gloo"]``. The processes share the machine's cores, so the fitted numbers are
+what one process of a 4-process job gets, not what one core can do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from partita.cost.model import KINDS, ring_steps, wire_bytes
+
+SIZES = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20, 16 << 20]
+TIMED = [k for k in KINDS if k != "collective_permute"]
+
+
+def _median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    worst = torch.tensor([statistics.median(times)], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return float(worst)
+
+
+def _collective(kind: str, nbytes: int, n: int):
+    numel = nbytes // 4
+    if kind == "all_gather":
+        out = torch.empty(numel)
+        x = torch.ones(numel // n)
+        return lambda: dist.all_gather_into_tensor(out, x)
+    if kind == "reduce_scatter":
+        x = torch.ones(numel)
+        out = torch.empty(numel // n)
+        return lambda: dist.reduce_scatter_tensor(out, x)
+    if kind == "all_reduce":
+        x = torch.ones(numel)
+        return lambda: dist.all_reduce(x)
+    x = torch.ones(numel)
+    out = torch.empty(numel)
+    return lambda: dist.all_to_all_single(out, x)
+
+
+def worker(repeat: int) -> None:
+    from partita import distributed as pd
+
+    pd.initialize()
+    n = dist.get_world_size()
+    rows = []
+    for kind in TIMED:
+        for size in SIZES:
+            fn = _collective(kind, size, n)
+            fn()
+            rows.append((kind, size, _median_time(fn, repeat)))
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+
+    def matmuls() -> None:  # long enough that every process computes at the same time
+        for _ in range(20):
+            torch.mm(a, b)
+
+    mm = _median_time(matmuls, repeat) / 20
+    src = torch.ones(8 << 20)
+    dst = torch.empty_like(src)
+
+    def copies() -> None:
+        for _ in range(10):
+            dst.copy_(src)
+
+    copy = _median_time(copies, repeat) / 10
+    tiny = torch.ones(4)
+
+    def adds() -> None:
+        for _ in range(1000):
+            tiny.add(1.0)
+
+    launch = _median_time(adds, max(3, repeat // 3)) / 1000
+    if dist.get_rank() == 0:
+        print("RESULT " + json.dumps({
+            "n": n, "rows": rows, "flops": 2 * 512**3 / mm,
+            "bandwidth": 2 * src.numel() * 4 / copy, "launch": launch,
+        }))  # fmt: skip
+    dist.destroy_process_group()
+
+
+def fit(rows: list[tuple[str, int, float]], n: int) -> tuple[float, float, dict[str, float]]:
+    """``(latency, bandwidth, scale)`` minimising the squared relative error over ``rows``;
+    ``scale[kind]`` is the median measured/model ratio of each kind under that fit (Gloo does
+    not run every kind as a ring: its reduce_scatter is slower than the ring model says)."""
+    steps = np.array([ring_steps(k, n) for k, _, _ in rows], dtype=float)
+    wire = np.array([wire_bytes(k, s, n) for k, s, _ in rows], dtype=float)
+    t = np.array([r[2] for r in rows])
+    # relative error: divide each equation by its measured time
+    (alpha, beta), *_ = np.linalg.lstsq(np.stack([steps / t, wire / t], 1), np.ones_like(t))
+    alpha, bandwidth = max(float(alpha), 0.0), 1.0 / float(beta)
+    model = steps * alpha + wire / bandwidth
+    scale = {
+        kind: float(
+            np.median([ti / mi for (k, _, ti), mi in zip(rows, model, strict=True) if k == kind])
+        )
+        for kind in dict.fromkeys(k for k, _, _ in rows)
+    }
+    return alpha, bandwidth, scale
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=15)
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.worker:
+        worker(ns.repeat)
+        return
+    from partita.runtime.launch import spawn
+
+    print(f"# {' '.join(['.venv/bin/python', *sys.argv])}")
+    one, five, _ = os.getloadavg()
+    print(f"# {ns.world} Gloo processes, OMP_NUM_THREADS=1, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__}, load average {one:.2f} {five:.2f}")  # fmt: skip
+    argv = [__file__, "--worker", "--repeat", str(ns.repeat)]
+    results = spawn(argv, ns.world, env={"OMP_NUM_THREADS": "1"}, timeout=600)
+    lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
+    if any(r.returncode for r in results) or not lines:
+        bad = next((r for r in results if r.returncode), results[0])
+        sys.exit(f"a worker failed (rank {bad.rank}): {bad.stderr.strip()[-500:]}")
+    r = json.loads(lines[-1].removeprefix("RESULT "))
+    rows = [tuple(x) for x in r["rows"]]
+    latency, bandwidth, scale = fit(rows, r["n"])
+    print(f"{'collective':<15} {'bytes':>9} {'measured':>10} {'model':>10} {'ratio':>6}")
+    for kind, size, t in rows:
+        ring = ring_steps(kind, r["n"]) * latency + wire_bytes(kind, size, r["n"]) / bandwidth
+        model = ring * scale[kind]
+        print(f"{kind:<15} {size:>9} {t * 1e3:8.3f}ms {model * 1e3:8.3f}ms {model / t:6.2f}")
+    print(f"matmul: {r['flops'] / 1e9:.2f} GFLOP/s per process; copy: "
+          f"{r['bandwidth'] / 1e9:.2f} GB/s; one tiny op: {r['launch'] * 1e6:.2f} us")  # fmt: skip
+    print(f"fit: latency {latency * 1e6:.1f} us per ring step, bandwidth "
+          f"{bandwidth / 1e9:.3f} GB/s")  # fmt: skip
+    print("profile:")
+    print(f"    peak_flops={r['flops']:.3g}, memory_bandwidth={r['bandwidth']:.3g},")
+    print(f"    intra_host=Link(bandwidth={bandwidth:.3g}, latency={latency:.3g}),")
+    print(f"    launch={r['launch']:.3g},")
+    print(f"    collective_scale={ {k: round(v, 2) for k, v in scale.items()} },")
+
+
+if __name__ == "__main__":
+    main()

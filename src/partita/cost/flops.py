@@ -1,0 +1,76 @@
+"""The FLOPs and the memory traffic of one fx node, from the shapes its meta values carry.
+
+:func:`node_flops` uses torch's own formulas (``torch.utils.flop_counter``: matmuls,
+convolutions, attention, their backwards) and counts one FLOP per output element for any
+other op that computes; views, getitems and partita's mesh ops count zero. :func:`node_bytes`
+is the bytes an op reads and writes (its tensor operands and results), zero for a view. The
+values come from ``node.meta["val"]`` (fake or meta tensors), so nothing is computed.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.flop_counter import flop_registry
+
+__all__ = ["node_bytes", "node_flops"]
+
+
+def _val(x: Any) -> Any:
+    return x.meta.get("val") if isinstance(x, fx.Node) else x
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    leaves, _ = tree_flatten(x)
+    return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return math.prod(t.shape) * t.element_size()
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.target is operator.getitem:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _computes(node: fx.Node) -> bool:
+    if node.op != "call_function" or _is_view(node):
+        return False
+    namespace = getattr(node.target, "namespace", "")
+    return namespace != "partita"
+
+
+def node_flops(node: fx.Node) -> int:
+    """Floating-point operations of ``node`` (0 for a placeholder, view or mesh op)."""
+    if not _computes(node):
+        return 0
+    out = node.meta.get("val")
+    packet = getattr(node.target, "overloadpacket", None)
+    formula = flop_registry.get(packet) if packet is not None else None
+    if formula is not None:  # torch's formulas take the tensors and the result (``out_val``)
+        args = tree_map(_val, node.args)
+        kwargs = tree_map(_val, node.kwargs)
+        try:
+            return int(formula(*args, **kwargs, out_val=out))
+        except Exception:  # a formula that does not take this overload's arguments
+            pass
+    return sum(math.prod(t.shape) for t in _tensors(out))
+
+
+def node_bytes(node: fx.Node) -> int:
+    """Bytes ``node`` reads and writes: its tensor operands and results (0 for a view)."""
+    if not _computes(node):
+        return 0
+    ins = sum(_nbytes(t) for a in node.all_input_nodes for t in _tensors(_val(a)))
+    return ins + sum(_nbytes(t) for t in _tensors(node.meta.get("val")))
