@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -21,8 +22,10 @@ from torch.utils.flop_counter import flop_registry
 __all__ = ["node_bytes", "node_flops"]
 
 
-def _val(x: Any) -> Any:
-    return x.meta.get("val") if isinstance(x, fx.Node) else x
+def _val(x: Any, vals: Mapping[fx.Node, Any] | None = None) -> Any:
+    if not isinstance(x, fx.Node):
+        return x
+    return vals[x] if vals is not None and x in vals else x.meta.get("val")
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
@@ -51,16 +54,17 @@ def _computes(node: fx.Node) -> bool:
     return namespace != "partita"
 
 
-def node_flops(node: fx.Node) -> int:
-    """Floating-point operations of ``node`` (0 for a placeholder, view or mesh op)."""
+def node_flops(node: fx.Node, vals: Mapping[fx.Node, Any] | None = None) -> int:
+    """Floating-point operations of ``node`` (0 for a placeholder, view or mesh op); the
+    values are ``vals[node]`` where given, else ``node.meta["val"]``."""
     if not _computes(node):
         return 0
-    out = node.meta.get("val")
+    out = _val(node, vals)
     packet = getattr(node.target, "overloadpacket", None)
     formula = flop_registry.get(packet) if packet is not None else None
     if formula is not None:  # torch's formulas take the tensors and the result (``out_val``)
-        args = tree_map(_val, node.args)
-        kwargs = tree_map(_val, node.kwargs)
+        args = tree_map(lambda x: _val(x, vals), node.args)
+        kwargs = tree_map(lambda x: _val(x, vals), node.kwargs)
         try:
             return int(formula(*args, **kwargs, out_val=out))
         except Exception:  # a formula that does not take this overload's arguments
@@ -68,9 +72,9 @@ def node_flops(node: fx.Node) -> int:
     return sum(math.prod(t.shape) for t in _tensors(out))
 
 
-def node_bytes(node: fx.Node) -> int:
+def node_bytes(node: fx.Node, vals: Mapping[fx.Node, Any] | None = None) -> int:
     """Bytes ``node`` reads and writes: its tensor operands and results (0 for a view)."""
     if not _computes(node):
         return 0
-    ins = sum(_nbytes(t) for a in node.all_input_nodes for t in _tensors(_val(a)))
-    return ins + sum(_nbytes(t) for t in _tensors(node.meta.get("val")))
+    ins = sum(_nbytes(t) for a in node.all_input_nodes for t in _tensors(_val(a, vals)))
+    return ins + sum(_nbytes(t) for t in _tensors(_val(node, vals)))

@@ -29,7 +29,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-__all__ = ["MemoryEstimate", "estimate_memory", "is_view"]
+__all__ = ["MemoryEstimate", "estimate_memory", "fake_values", "is_view"]
 
 aten = torch.ops.aten
 _GATHERS = {torch.ops.partita.all_gather.default, torch.ops.partita.all_gather_bucket.default}
@@ -75,9 +75,9 @@ def is_view(node: fx.Node) -> bool:
     return alias is not None and not alias.is_write
 
 
-def estimate_memory(gm: fx.GraphModule, local_inputs: Sequence[Any]) -> MemoryEstimate:
-    """Estimate the peak of ``gm`` run on inputs shaped like ``local_inputs`` (tensors of the
-    local shapes, on any device, ``meta`` included; non-tensors as they are passed)."""
+def fake_values(gm: fx.GraphModule, local_inputs: Sequence[Any]) -> dict[fx.Node, Any]:
+    """``{node: value}`` of ``gm`` run on fake tensors shaped like ``local_inputs``: shapes
+    and dtypes only, nothing computed."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = []
     for x in local_inputs:
@@ -94,6 +94,18 @@ def estimate_memory(gm: fx.GraphModule, local_inputs: Sequence[Any]) -> MemoryEs
             return out
 
     _Prop(gm, mode).propagate_dont_convert_inputs(*fakes)
+    return vals
+
+
+def estimate_memory(
+    gm: fx.GraphModule,
+    local_inputs: Sequence[Any],
+    vals: dict[fx.Node, Any] | None = None,
+) -> MemoryEstimate:
+    """Estimate the peak of ``gm`` run on inputs shaped like ``local_inputs`` (tensors of the
+    local shapes, on any device, ``meta`` included; non-tensors as they are passed);
+    ``vals`` is :func:`fake_values` of them when already computed."""
+    vals = fake_values(gm, local_inputs) if vals is None else vals
     nodes = list(gm.graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
     root: dict[fx.Node, fx.Node] = {}  # a view's storage owner

@@ -102,20 +102,38 @@ class Plan:
     local_program: Any = field(default=None, repr=False, compare=False)
     local_inputs: list[Any] = field(default_factory=list, repr=False, compare=False)
     _memory: Any = field(default=None, repr=False, compare=False)
+    _values: Any = field(default=None, repr=False, compare=False)
+
+    def _local_values(self) -> Any:
+        """Fake values of the per-device program (shapes only), computed once."""
+        if self.local_program is None:
+            raise ArgumentError(
+                "this Plan has no per-device program attached (it was not made by "
+                "partita.partition.partition), so there is nothing to estimate. Get the Plan "
+                "from partition() or jit(...).lower(*args)."
+            )
+        if self._values is None:
+            from partita.partition.memory import fake_values  # it runs fake tensors
+
+            self._values = fake_values(self.local_program, self.local_inputs)
+        return self._values
+
+    def estimate(self, hardware: Any = "cpu-gloo") -> Any:
+        """The modelled time of one run on ``hardware`` (a profile name of
+        ``partita.cost.PROFILES`` or a ``partita.cost.Hardware``): a
+        :class:`~partita.partition.estimate.StepEstimate`, compute and each collective kind."""
+        from partita.partition.estimate import estimate_step
+
+        return estimate_step(self, hardware, self._local_values())
 
     def memory(self) -> Any:
         """Per-device peak memory of one run, estimated from the per-device program (a
         :class:`~partita.partition.memory.MemoryEstimate`; computed once, on first call)."""
         if self._memory is None:
-            from partita.partition.memory import estimate_memory  # it runs fake tensors
+            from partita.partition.memory import estimate_memory
 
-            if self.local_program is None:
-                raise ArgumentError(
-                    "Plan.memory(): this Plan has no per-device program attached (it was not "
-                    "made by partita.partition.partition), so there is nothing to estimate. "
-                    "Get the Plan from partition() or jit(...).lower(*args)."
-                )
-            self._memory = estimate_memory(self.local_program, self.local_inputs)
+            vals = self._local_values()
+            self._memory = estimate_memory(self.local_program, self.local_inputs, vals)
         return self._memory
 
     @property

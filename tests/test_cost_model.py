@@ -1,0 +1,103 @@
+"""The cost model (partita.cost) and the Plan's step estimate (partition/estimate.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+import partita
+from partita import P
+from partita.cost import (
+    PROFILES,
+    Hardware,
+    Link,
+    collective_time,
+    get_profile,
+    link_of,
+    node_bytes,
+    node_flops,
+    op_time,
+    wire_bytes,
+)
+from partita.cost.model import ring_steps
+from partita.errors import ArgumentError
+from partita.values.mesh import Mesh
+
+
+@pytest.mark.parametrize(
+    ("kind", "steps", "wire"),
+    [
+        ("all_gather", 3, 3 / 4 * 1024),
+        ("reduce_scatter", 3, 3 / 4 * 1024),
+        ("all_to_all", 3, 3 / 4 * 1024),
+        ("all_reduce", 6, 2 * 3 / 4 * 1024),
+        ("collective_permute", 1, 1024),
+    ],
+)
+def test_ring_model_per_kind(kind: str, steps: int, wire: float) -> None:
+    assert ring_steps(kind, 4) == steps
+    assert wire_bytes(kind, 1024, 4) == pytest.approx(wire)
+    link = Link(bandwidth=1e9, latency=1e-5)
+    assert collective_time(kind, 1024, 4, link) == pytest.approx(steps * 1e-5 + wire / 1e9)
+
+
+def test_a_group_of_one_costs_nothing() -> None:
+    assert collective_time("all_reduce", 1 << 20, 1, Link(1e9, 1e-5)) == 0.0
+    assert wire_bytes("all_gather", 1 << 20, 1) == 0.0
+
+
+def test_unknown_kind_and_profile_are_typed_errors() -> None:
+    with pytest.raises(ArgumentError, match="unknown collective kind 'broadcast'"):
+        wire_bytes("broadcast", 8, 2)
+    with pytest.raises(ArgumentError, match=r"unknown hardware profile 'tpu'.*cpu-gloo"):
+        get_profile("tpu")
+    assert get_profile(PROFILES["cpu-gloo"]) is PROFILES["cpu-gloo"]
+
+
+def test_roofline_takes_the_slower_bound_and_the_launch_floor() -> None:
+    hw = Hardware("x", 1e12, 1e11, 1 << 30, 8, Link(1e11, 1e-6), Link(1e10, 1e-5), 1e-6)
+    assert op_time(1e12, 0, hw) == pytest.approx(1.0)  # compute-bound
+    assert op_time(0, 1e11, hw) == pytest.approx(1.0)  # memory-bound
+    assert op_time(1, 1, hw) == pytest.approx(1e-6)  # the launch floor
+
+
+def test_the_link_follows_the_hosts_a_group_spans() -> None:
+    hw = PROFILES["h100-nvlink-ib"]  # 8 devices per host
+    mesh = Mesh.create((4, 8), ("data", "model"))  # a row of 8 is one host
+    assert link_of(hw, mesh, ["model"]) == hw.intra_host
+    assert link_of(hw, mesh, ["data"]) == hw.inter_host
+    assert link_of(hw, mesh, ["data", "model"]) == hw.inter_host
+    assert link_of(hw, Mesh.create((8, 4), ("data", "model")), ["data"]) == hw.inter_host
+    big = Mesh.create((64, 256), ("data", "model"))  # 16,384 devices: vectorised
+    assert link_of(hw, big, ["model"]) == hw.inter_host
+
+
+def test_flops_use_torchs_formulas_and_views_are_free() -> None:
+    gm = make_fx(lambda a, b: torch.relu(a @ b).t(), tracing_mode="fake")(
+        torch.randn(64, 32), torch.randn(32, 16)
+    )
+    by_op = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+    mm = by_op[torch.ops.aten.mm.default]
+    assert node_flops(mm) == 2 * 64 * 32 * 16
+    assert node_bytes(mm) == 4 * (64 * 32 + 32 * 16 + 64 * 16)
+    assert node_flops(by_op[torch.ops.aten.relu.default]) == 64 * 16
+    assert node_flops(by_op[torch.ops.aten.t.default]) == 0
+
+
+def test_a_plans_estimate_adds_each_collective_on_its_link() -> None:
+    mesh = Mesh.create((2, 4), ("data", "model"))
+    f = partita.jit(
+        lambda x, w: (x @ w).sum(0), mesh=mesh, in_specs=(P("data", "model"), P("model"))
+    )
+    plan = f.lower(torch.randn(8, 16), torch.randn(16, 4))
+    assert plan.collectives, "x @ w contracts over 'model': a partial to reduce"
+    est = plan.estimate("h100-nvlink-ib")
+    hw = PROFILES["h100-nvlink-ib"]
+    expected = sum(
+        hw.collective_seconds(c.kind, c.bytes, mesh, c.mesh_axes) for c in plan.collectives
+    )
+    assert est.communication == pytest.approx(expected)
+    assert est.flops >= 2 * 4 * 4 * 4  # the local mm: [4, 4] @ [4, 4]
+    assert est.total == pytest.approx(est.compute + est.communication)
+    assert "h100-nvlink-ib" in str(est)
