@@ -17,6 +17,7 @@ local_shape            the reshard emitter         (inspection)
 collective_bytes       bucketing                   the overlap scheduler
 regather(_after)       re-gathering, bucketing     bucketing, the overlap scheduler
 bucket_members         bucketing                   (inspection)
+range_name             partitioning (ranges)       the runtimes' profiler ranges
 lifted_from            capture (constant lifting)  (inspection)
 =====================  ==========================  =============================================
 
@@ -49,6 +50,7 @@ __all__ = [
     "lifted_from",
     "local_shape",
     "origin",
+    "range_name",
     "regather_after",
     "regather_of",
     "replicated_reason",
@@ -60,6 +62,7 @@ __all__ = [
     "set_lifted_from",
     "set_local_shape",
     "set_origin_once",
+    "set_range_name",
     "set_regather",
     "set_regather_after",
     "set_replicated_reason",
@@ -258,3 +261,13 @@ def bucket_members(node: fx.Node) -> list[str] | None:
 
 def set_bucket_members(node: fx.Node, names: list[str]) -> None:
     node.meta["bucket_members"] = names
+
+
+def range_name(node: fx.Node) -> str | None:
+    """For a collective of a per-device program: its profiler range name
+    (``partition.ranges``), None when not named."""
+    return node.meta.get("range_name")
+
+
+def set_range_name(node: fx.Node, name: str) -> None:
+    node.meta["range_name"] = name

@@ -31,6 +31,7 @@ from partita.partition import special as _special  # noqa: F401 - registers its 
 from partita.partition.bucket import bucket_collectives
 from partita.partition.lower import Lowering
 from partita.partition.plan import Bucket, CollectiveRecord, Plan
+from partita.partition.ranges import collective_order, name_collectives
 from partita.partition.regather import regather as regather_gathered
 from partita.values.layout import local_shape
 from partita.values.mesh import Mesh
@@ -61,7 +62,9 @@ def partition(
         local, plan = Lowering(gm, mesh, strict=opts.strict, collectives=opts.collectives).run()
         if opts.regather:
             regather_gathered(local, plan)
+        order = collective_order(local)
         bucket_collectives(local, plan, opts.bucket_bytes)
+        name_collectives(local, plan, order)  # the profiler ranges' names (partition.ranges)
         plan.local_program, plan.local_inputs = local, _local_inputs(gm, plan)
     return local, plan
 

@@ -44,12 +44,17 @@ class MemoryEstimate:
         at_peak: ``{"inputs" | "gathered" | "other": bytes}`` live at the peak.
         peak_node: the node after which the peak is reached.
         inputs: bytes of the program's arguments (live throughout).
+        timeline: per node of the program, in order, ``(node, inputs, gathered, other)``:
+            the bytes live of each kind as that node runs (what the peak is the largest of).
+        live_at_peak: ``(value, kind, bytes)`` of every value live at the peak, largest first.
     """
 
     peak: int
     at_peak: dict[str, int] = field(default_factory=dict)
     peak_node: str = ""
     inputs: int = 0
+    timeline: tuple[tuple[str, int, int, int], ...] = field(default=(), repr=False, compare=False)
+    live_at_peak: tuple[tuple[str, str, int], ...] = field(default=(), repr=False, compare=False)
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.at_peak.items())
@@ -127,18 +132,32 @@ def estimate_memory(
     live = {"inputs": 0, "gathered": 0, "other": 0}
     frees: dict[int, list[fx.Node]] = {}
     best = MemoryEstimate(0)
+    timeline = []
     for n in nodes:
         if root[n] is n and n.op != "output":
             live[kind[n]] += _nbytes(vals.get(n))
             if n.op != "placeholder":
                 frees.setdefault(last.get(n, pos[n]), []).append(n)
         total = sum(live.values())
+        if n.op != "output":
+            timeline.append((n.name, live["inputs"], live["gathered"], live["other"]))
         if total > best.peak:
             best = MemoryEstimate(total, dict(live), n.name, live["inputs"])
         for dead in frees.pop(pos[n], []):
             if dead.op != "placeholder" and not _is_output(dead, nodes[-1]):
                 live[kind[dead]] -= _nbytes(vals.get(dead))
-    return MemoryEstimate(best.peak, best.at_peak, best.peak_node, live["inputs"])
+    at = pos.get(next((m for m in nodes if m.name == best.peak_node), nodes[0]), 0)
+    held = [  # what is live as the peak node runs: made by then, last read then or later
+        (m.name, kind[m], _nbytes(vals.get(m)))
+        for m in nodes[: at + 1]
+        if root[m] is m
+        and m.op != "output"
+        and (m.op == "placeholder" or last.get(m, pos[m]) >= at or _is_output(m, nodes[-1]))
+    ]
+    held.sort(key=lambda h: -h[2])
+    return MemoryEstimate(
+        best.peak, best.at_peak, best.peak_node, live["inputs"], tuple(timeline), tuple(held)
+    )
 
 
 def _is_output(node: fx.Node, output: fx.Node) -> bool:

@@ -228,6 +228,14 @@ class Plan:
     def __str__(self) -> str:
         return self.explain()
 
+    def to_html(self, path: Any, *, title: str | None = None) -> Any:
+        """Write this Plan as one self-contained HTML page to ``path`` and return its ``Path``:
+        warnings, bytes per kind and axis, memory over the program, the program by source line
+        with each value's tiles on the mesh, every collective (``partita.report.html``)."""
+        from partita.report.html import write_plan_html
+
+        return write_plan_html(self, path, title=title)
+
 
 def format_bytes(n: float) -> str:
     """``1536`` -> ``'1.5 KiB'``: bytes as people read them (B, KiB, MiB)."""

@@ -41,7 +41,8 @@ shard only). Groups are created with the bounded collective timeout and every co
 failure is a :class:`~partita.errors.DistributedError` (``runtime.comm``); before every run of
 a compiled program, the ranks check that they all run the same one, input shapes and dtypes
 included (one all-gather of an int64, ``runtime.plan_check``), and at its first run that the
-inputs replicated over a mesh axis are equal on their replicas.
+inputs replicated over a mesh axis are equal on their replicas. Under a profiler, the step
+and each mesh op's launch and wait run in named ranges (``runtime.ranges``).
 
 This module does not start processes or join them (``runtime.launch`` does) and has no
 sharding logic.
@@ -62,7 +63,7 @@ from partita.errors import DistributedError
 from partita.ir.buckets import BUCKET_OPS
 from partita.ir.collectives import MESH_OPS
 from partita.options import CompileOptions, current
-from partita.runtime import dist_ops
+from partita.runtime import dist_ops, ranges
 from partita.runtime.comm import (
     Group,
     call_collective,
@@ -84,6 +85,7 @@ __all__ = ["DistributedMesh", "DistributedShardedTensor", "distributed_executor"
 
 ops = torch.ops.partita
 _BOUND_OPS = frozenset((*MESH_OPS, *BUCKET_OPS))
+_Programs = weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule]  # by per-device program
 #: The mesh ops that run as launch + wait (``runtime.dist_ops``), so that they can overlap.
 ASYNC_OPS = (
     ops.all_gather.default,
@@ -139,12 +141,8 @@ class DistributedMesh:
         self._pgs = create_mesh_groups(mesh, self.rank)
         self._check_pg: Any = create_check_group(world)
         self._closed = False
-        self._bound: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = (
-            weakref.WeakKeyDictionary()
-        )
-        self._compiled: weakref.WeakKeyDictionary[fx.GraphModule, fx.GraphModule] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._bound: _Programs = weakref.WeakKeyDictionary()
+        self._compiled: _Programs = weakref.WeakKeyDictionary()
         self._checks = CallChecks(mesh)  # the plan and replica checks (runtime.plan_check)
         self._impls: dict[Any, Callable[..., Any]] = {
             ops.collective_permute.default: self.collective_permute,
@@ -336,6 +334,8 @@ class DistributedMesh:
             self._bound[gm] = self._bind(gm, overlap, sizes)
             return pytree.tree_leaves(outs)
         program = self.compiled(gm, overlap) if inductor else self.bind(gm, overlap)
+        if ranges.enabled():  # under a profiler: the step and each mesh op in named ranges
+            return pytree.tree_leaves(ranges.ranged(program, gm, self)(*local_inputs))
         return pytree.tree_leaves(program(*local_inputs))
 
     def run_compiled(self, compiled: Any, leaves: Sequence[Any]) -> list[ShardedTensor]:

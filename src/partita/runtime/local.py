@@ -74,6 +74,7 @@ from torch.utils import _pytree as pytree
 
 from partita.errors import ArgumentError, ArgumentTypeError, ExecutionError, PartitaError
 from partita.options import CompileOptions, current
+from partita.runtime import ranges
 from partita.runtime.compiled import stats_for
 from partita.runtime.contraction import contract
 from partita.runtime.device_index import run_take, take_inputs
@@ -221,27 +222,40 @@ class LocalMesh:
         ndim = self.mesh.ndim
         stats = stats_for(gm) if inductor else None
         env: dict[fx.Node, Any] = dict(zip(plan.placeholders, values, strict=True))
-        for step, frees in zip(plan.steps, plan.frees, strict=True):
-            if isinstance(step, Segment):
-                try:
-                    outs = step.run([env[i] for i in step.inputs], ndim, stats, trace_at)
-                except PartitaError:
-                    raise
-                except Exception as e:
-                    raise segment_error(step, e) from e
-                env.update(zip(step.outputs, outs, strict=True))
-            elif step.target is operator.getitem:  # one member of a bucket's results
-                bucket, member = cast(fx.Node, step.args[0]), cast(int, step.args[1])
-                env[step] = env[bucket][member]
-            elif step in plan.takes:  # a selection at a per-device index
-                take = plan.takes[step]
-                env[step] = run_take(take, [env[i] for i in take_inputs(step, take)], self.mesh)
-            elif step.target in (aten.mm.default, aten.addmm.default):  # a contraction
-                env[step] = self._contract(step, env)
-            else:
-                env[step] = self._run_mesh_op(step, env)
-            for node in frees:  # nothing reads it later: its memory can go now
-                del env[node]
+        # Under a profiler the step and each of its steps run in named ranges (runtime.ranges);
+        # off it, this one check per step is all.
+        whole = span = None
+        if ranges.enabled():
+            names, whole = ranges.range_names(gm), ranges.Range(ranges.step_name(self))
+        try:
+            for k, (step, frees) in enumerate(zip(plan.steps, plan.frees, strict=True)):
+                if whole is not None:
+                    span = ranges.Range(ranges.name_of(step, k, names))
+                if isinstance(step, Segment):
+                    try:
+                        outs = step.run([env[i] for i in step.inputs], ndim, stats, trace_at)
+                    except PartitaError:
+                        raise
+                    except Exception as e:
+                        raise segment_error(step, e) from e
+                    env.update(zip(step.outputs, outs, strict=True))
+                elif step.target is operator.getitem:  # one member of a bucket's results
+                    bucket, member = cast(fx.Node, step.args[0]), cast(int, step.args[1])
+                    env[step] = env[bucket][member]
+                elif step in plan.takes:  # a selection at a per-device index
+                    take = plan.takes[step]
+                    env[step] = run_take(take, [env[i] for i in take_inputs(step, take)], self.mesh)
+                elif step.target in (aten.mm.default, aten.addmm.default):  # a contraction
+                    env[step] = self._contract(step, env)
+                else:
+                    env[step] = self._run_mesh_op(step, env)
+                if span is not None:
+                    span.close()
+                    span = None
+                for node in frees:  # nothing reads it later: its memory can go now
+                    del env[node]
+        finally:
+            ranges.close(span, whole)
         leaves, _ = pytree.tree_flatten(plan.output)
         if held:
             return [env[x] if isinstance(x, fx.Node) else (x, ()) for x in leaves]

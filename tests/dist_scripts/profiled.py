@@ -1,0 +1,54 @@
+"""A small MLP train step, FSDP over a mesh of 2, profiled for 3 steps.
+
+Usage (2 processes): profiled.py OUT_DIR. Each rank writes ``OUT_DIR/rank{r}.json``, the chrome
+trace of its 3 profiled steps (after one step that is not), for ``tests/test_profiler_ranges.py``.
+Imported by that test too, to run the same step on the LocalMesh (:func:`profiled_steps`).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import partita
+from partita import Mesh, P
+from partita.presets import param_specs
+from partita.training import init_opt_state, make_train_step
+
+STEPS = 3
+
+
+def profiled_steps(trace: Path) -> Any:
+    """Run 1 step, then ``STEPS`` under ``torch.profiler``; export the trace; return the Plan."""
+    torch.manual_seed(0)
+    mesh = Mesh.create((2,), ("data",))
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    step_fn = make_train_step(model, F.mse_loss, "adamw", lr=1e-2)
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = init_opt_state(params)
+    pspecs = param_specs("fsdp", model, mesh)
+    step = partita.jit(
+        step_fn, mesh=mesh,
+        in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
+                  (P("data"), P("data"))),
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g))] * 4
+    _, params, _, state = step(params, {}, state, batches[0])  # compiled and run once
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for batch in batches[1:]:
+            _, params, _, state = step(params, {}, state, batch)
+    prof.export_chrome_trace(str(trace))
+    return step.lower(params, {}, state, batches[0])
+
+
+if __name__ == "__main__":
+    import partita.distributed as pd
+
+    pd.initialize()
+    out = Path(sys.argv[1])
+    profiled_steps(out / f"rank{pd.process_index()}.json")

@@ -1,0 +1,87 @@
+"""partita's work in the PyTorch profiler: one named range per collective of the Plan per step.
+
+A 3-step run under ``torch.profiler`` on the LocalMesh, and on 2 Gloo processes (the
+DistributedMesh), exports its chrome trace; the test reads it back and finds, per step, one
+range per call of the Plan (a collective alone, or a fused bucket), named with its kind, mesh
+axes and per-device bytes (``partition.ranges``, ``runtime.ranges``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from partita.partition.ranges import collective_name
+from partita.runtime import ranges
+from partita.runtime.spawn import spawn
+
+SCRIPTS = Path(__file__).resolve().parent / "dist_scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+from profiled import STEPS, profiled_steps  # noqa: E402
+
+COLLECTIVE = re.compile(
+    r"^partita\.(all_gather|all_reduce|reduce_scatter|all_to_all|collective_permute)(_bucket)?"
+    r"\[[\w,]*\] (\d+) B"
+)
+
+
+def plan_calls(plan: Any) -> Counter[str]:
+    """The range names one run of ``plan`` opens: one per call (a bucket is one call)."""
+    fused = {i for b in plan.buckets for i in b.members}
+    names = [collective_name(plan, b.members) for b in plan.buckets]
+    names += [collective_name(plan, [i]) for i in range(len(plan.collectives)) if i not in fused]
+    return Counter(names)
+
+
+def trace_ranges(path: Path) -> list[str]:
+    events = json.loads(path.read_text())["traceEvents"]
+    return [e["name"] for e in events if e.get("ph") == "X" and e["name"].startswith("partita.")]
+
+
+def check_trace(names: list[str], plan: Any) -> None:
+    want = plan_calls(plan)
+    assert want, "the test program should have collectives"
+    got = Counter(n for n in names if COLLECTIVE.match(n))
+    assert got == Counter({k: STEPS * v for k, v in want.items()})
+    for name in got:  # kind and bytes as the Plan has them
+        m = COLLECTIVE.match(name)
+        assert m is not None and int(m.group(3)) > 0
+    assert sum(n.startswith("partita.step ") for n in names) == STEPS
+
+
+def test_local_mesh_ranges(tmp_path: Path) -> None:
+    plan = profiled_steps(tmp_path / "trace.json")
+    names = trace_ranges(tmp_path / "trace.json")
+    check_trace(names, plan)
+    assert any(n.startswith("partita.segment ") for n in names)
+    kinds = {COLLECTIVE.match(n).group(1) for n in names if COLLECTIVE.match(n)}  # type: ignore[union-attr]
+    assert kinds == {c.kind for c in plan.collectives}
+
+
+def test_no_ranges_off_the_profiler(tmp_path: Path) -> None:
+    """Off the profiler the executors read one flag per step and open nothing."""
+    assert not ranges.enabled()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]):
+        assert ranges.enabled()
+    assert not ranges.enabled()
+
+
+@pytest.mark.slow
+def test_distributed_mesh_ranges(tmp_path: Path) -> None:
+    results = spawn([str(SCRIPTS / "profiled.py"), str(tmp_path)], 2, timeout=180)
+    assert all(r.returncode == 0 for r in results), "\n".join(r.stderr[-3000:] for r in results)
+    plan = profiled_steps(tmp_path / "local.json")  # the same program, on the LocalMesh
+    for rank in range(2):
+        names = trace_ranges(tmp_path / f"rank{rank}.json")
+        check_trace(names, plan)
+        # with overlap on, each launched collective is waited for in its own range
+        waits = Counter(n for n in names if n.startswith("partita.wait "))
+        assert sum(waits.values()) == sum(plan_calls(plan).values()) * STEPS
