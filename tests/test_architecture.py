@@ -55,6 +55,7 @@ _API = (
     "partita.frontend",
     "partita.manual",
     "partita.models",
+    "partita.pipeline",
     "partita.training",
     "partita.virtual",
 )
@@ -62,7 +63,7 @@ _API = (
 PACKAGES = (
     "values", "ir", "presets", "report",
     "capture", "rules", "propagate", "partition", "runtime",
-    "frontend", "training", "virtual", "manual", "checkpoint", "models", "cli",
+    "frontend", "training", "virtual", "manual", "pipeline", "checkpoint", "models", "cli",
 )  # fmt: skip
 #: The modules of the package root: the public surface only.
 ROOT_MODULES = ("__init__", "__main__", "data", "distributed", "errors", "options")
