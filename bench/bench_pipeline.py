@@ -1,0 +1,173 @@
+"""The bubble of ``partita.pipeline`` on 4 Gloo processes: measured idle fraction of a stage
+against ``(S - 1) / (M + S - 1)`` for M = 4, 8, 16 micro-batches.
+
+Run: ``.venv/bin/python bench/bench_pipeline.py [--microbatches 4 8 16] [--repeat 5]``
+(starts 4 worker processes on 127.0.0.1 through ``partita.runtime.launch.spawn``, mesh
+``(stage=4,)``; rank 0 prints the table).
+
+The program: 8 identical pre-norm MLP blocks (LayerNorm, Linear d -> 4d, GELU, Linear 4d -> d,
+residual; ``--width`` d) as a GPipe pipeline, 2 blocks per stage, ``remat=True``; one step is
+the forward and the gradient of ``mean(y ** 2)`` with respect to every weight (no optimizer,
+no embedding: the pipeline is nearly all of the step). Every micro-batch has the same size
+(``--rows`` x ``--seq`` tokens), so the global batch grows with M and a stage's real work is M
+times one micro-batch's.
+
+What is measured, per rank (each a median over ``--repeat`` runs after 2 warm-ups, every run
+started by a barrier so the 4 ranks begin together):
+
+* ``step``: the wall time of one step of the partitioned program on the DistributedMesh.
+* ``busy``: the time the same rank takes to do its stage's real work alone: its 2 blocks,
+  forward under ``torch.utils.checkpoint`` then backward (recompute and gradients), on M
+  micro-batches one after another, in eager torch, all 4 ranks at once (so they share the 2
+  cores as during the step). This is the work the rank must do for its M micro-batches; it is
+  measured outside the pipeline because inside it every rank computes on *every* iteration
+  (SPMD: in the bubble a stage runs its blocks on a slot holding no micro-batch, and the result
+  is dropped), so no rank ever waits and there is no idle gap to time.
+* ``idle = 1 - busy / step``: the share of the step not spent on real work. It includes, besides
+  the bubble's wasted iterations, everything else the step does: the permutes, the output's
+  and the input gradient's all_reduce over the stages, the loss, partita's executor overhead,
+  and the difference between eager torch and the partitioned program running the same ops.
+
+The machine is shared (2 cores, other jobs): numbers are noisy, take them as medians of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import partita
+import partita.distributed as pd
+from partita import Mesh, P
+from partita.runtime.launch import spawn
+
+LAYERS = 8
+STAGES = 4
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block, ``x + W2 gelu(W1 ln(x))``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
+
+
+def _median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, float]:
+    """This rank's median step time and busy time (see the module's doc) for ``m``."""
+    torch.manual_seed(0)
+    layers = [Block(ns.width) for _ in range(LAYERS)]
+    pipe = partita.pipeline(layers, mesh=mesh, microbatches=m, batch_axes=())
+    weights = {n: p.detach() for n, p in pipe.stack.named_parameters()}
+
+    def step_fn(w: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w = {k: v.requires_grad_() for k, v in w.items()}
+        y = torch.func.functional_call(pipe, {f"stack.{k}": v for k, v in w.items()}, (x,))
+        loss = y.square().mean()
+        return (loss, *torch.autograd.grad(loss, list(w.values())))
+
+    jitted = partita.jit(step_fn, mesh=mesh, in_specs=({n: P("stage") for n in weights}, P()))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(m * ns.rows, ns.seq, ns.width, generator=g)
+    for _ in range(2):
+        jitted(weights, x)
+    step = _median_time(lambda: jitted(weights, x), ns.repeat)
+
+    per = LAYERS // STAGES
+    mine = nn.Sequential(*layers[rank * per : (rank + 1) * per])  # this stage's blocks
+    micro = [torch.randn(ns.rows, ns.seq, ns.width, generator=g) for _ in range(m)]
+
+    def real_work() -> None:
+        for xm in micro:
+            xm = xm.requires_grad_()
+            y = checkpoint(mine, xm, use_reentrant=False)
+            y.backward(torch.ones_like(y))
+
+    real_work()
+    return {"step": step, "busy": _median_time(real_work, ns.repeat)}
+
+
+def worker(ns: argparse.Namespace) -> None:
+    pd.initialize()
+    mesh = Mesh.create((STAGES,), ("stage",))
+    rows = {m: measure(m, mesh, pd.process_index(), ns) for m in ns.microbatches}
+    gathered: list[dict[int, dict[str, float]] | None] = [None] * pd.process_count()
+    dist.all_gather_object(gathered, rows)
+    if pd.is_main_process():
+        print(json.dumps({str(r): g for r, g in enumerate(gathered)}))
+
+
+def report(per_rank: dict[str, dict[str, dict[str, float]]], ns: argparse.Namespace) -> None:
+    print(
+        f"# mesh (stage={STAGES},), {LAYERS} MLP blocks of width {ns.width}, GPipe, remat, "
+        f"micro-batch {ns.rows} x {ns.seq} tokens; medians of {ns.repeat} runs per rank"
+    )
+    header = (
+        f"{'M':>3} {'(S-1)/(M+S-1)':>14} {'step s':>8} {'busy s':>8} {'idle':>6}  per rank idle"
+    )
+    print(header)
+    for m in ns.microbatches:
+        theory = (STAGES - 1) / (m + STAGES - 1)
+        idle = []
+        for r in sorted(per_rank, key=int):
+            row = per_rank[r][str(m)]
+            idle.append(1 - row["busy"] / row["step"])
+        step = statistics.median(per_rank[r][str(m)]["step"] for r in per_rank)
+        busy = statistics.median(per_rank[r][str(m)]["busy"] for r in per_rank)
+        mean = statistics.fmean(idle)
+        print(
+            f"{m:>3} {theory:>14.3f} {step:>8.3f} {busy:>8.3f} {mean:>6.3f}  "
+            + " ".join(f"{i:.3f}" for i in idle)
+            + f"   (|idle - theory| = {abs(mean - theory):.3f})"
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.worker:
+        worker(ns)
+        return
+    argv = [str(Path(__file__).resolve()), "--worker", *sys.argv[1:]]
+    results = spawn(argv, STAGES, timeout=1800)
+    if any(r.returncode for r in results):
+        for r in results:
+            print(f"--- rank {r.rank}: {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+        raise SystemExit(1)
+    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith("{"))
+    print("# " + " ".join([".venv/bin/python", "bench/bench_pipeline.py", *sys.argv[1:]]))
+    report(json.loads(line), ns)
+
+
+if __name__ == "__main__":
+    main()
