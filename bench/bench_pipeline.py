@@ -23,10 +23,13 @@ started by a barrier so the 4 ranks begin together):
   measured outside the pipeline because inside it every rank computes on *every* iteration
   (SPMD: in the bubble a stage runs its blocks on a slot holding no micro-batch, and the result
   is dropped), so no rank ever waits and there is no idle gap to time.
-* ``idle = 1 - busy / step``: the share of the step not spent on real work. It includes, besides
-  the bubble's wasted iterations, everything else the step does: the permutes, the output's
-  and the input gradient's all_reduce over the stages, the loss, partita's executor overhead,
-  and the difference between eager torch and the partitioned program running the same ops.
+* ``alone``: the same real work as a partita program on the same 4 processes: a shard_map
+  over the stage axis in which every stage runs its checkpointed blocks on its M micro-batches
+  and nothing else (no permute, no bubble); the same executor, ops and remat as the pipeline.
+* ``idle = 1 - busy / step`` and ``1 - alone / step``: the share of the step not spent on real
+  work. Besides the bubble's wasted iterations it holds what else the step does: the permutes,
+  the output's and the input gradient's all_reduce over the stages, and, against ``busy``,
+  partita's executor against eager torch for the same ops.
 
 The machine is shared (2 cores, other jobs): numbers are noisy, take them as medians of one run.
 """
@@ -108,7 +111,43 @@ def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, 
             y.backward(torch.ones_like(y))
 
     real_work()
-    return {"step": step, "busy": _median_time(real_work, ns.repeat)}
+    busy = _median_time(real_work, ns.repeat)
+    alone = _stage_alone(pipe, mesh, m, weights, x)
+    return {"step": step, "busy": busy, "alone": _median_time(alone, ns.repeat)}
+
+
+def _stage_alone(
+    pipe: partita.Pipeline, mesh: Mesh, m: int, weights: dict[str, torch.Tensor], x: torch.Tensor
+):
+    """A partita program in which every stage does its real work and nothing else: its
+    blocks, checkpointed, on its M micro-batches, no permute (the same executor, ops and
+    remat as the pipeline)."""
+    names, per = pipe.names, LAYERS // STAGES
+
+    def body(w: dict[str, torch.Tensor], xs: torch.Tensor) -> torch.Tensor:
+        def run(h: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
+            for j in range(per):
+                p = dict(zip(names, flat[j * len(names) : (j + 1) * len(names)], strict=True))
+                h = torch.func.functional_call(pipe.stack, p, (h,))
+            return h
+
+        flat = [w[n][j] for j in range(per) for n in names]
+        ys = [checkpoint(run, xs[:, i], *flat, use_reentrant=False) for i in range(m)]
+        return torch.stack(ys, 1)
+
+    region = partita.shard_map(
+        body, mesh=mesh, in_specs=({n: P("stage") for n in names}, P()), out_specs=P("stage")
+    )
+
+    def fn(w: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w = {k: v.requires_grad_() for k, v in w.items()}
+        loss = region(w, x.reshape(x.shape[0] // m, m, *x.shape[1:])).square().mean()
+        return (loss, *torch.autograd.grad(loss, list(w.values())))
+
+    jitted = partita.jit(fn, mesh=mesh, in_specs=({n: P("stage") for n in names}, P()))
+    for _ in range(2):
+        jitted(weights, x)
+    return lambda: jitted(weights, x)
 
 
 def worker(ns: argparse.Namespace) -> None:
@@ -126,23 +165,27 @@ def report(per_rank: dict[str, dict[str, dict[str, float]]], ns: argparse.Namesp
         f"# mesh (stage={STAGES},), {LAYERS} MLP blocks of width {ns.width}, GPipe, remat, "
         f"micro-batch {ns.rows} x {ns.seq} tokens; medians of {ns.repeat} runs per rank"
     )
-    header = (
-        f"{'M':>3} {'(S-1)/(M+S-1)':>14} {'step s':>8} {'busy s':>8} {'idle':>6}  per rank idle"
+    print(
+        f"{'M':>3} {'(S-1)/(M+S-1)':>14} {'step s':>7} {'busy s':>7} {'idle':>6} "
+        f"{'alone s':>8} {'idle':>6}  per rank idle (busy; alone)"
     )
-    print(header)
+    ranks = sorted(per_rank, key=int)
     for m in ns.microbatches:
         theory = (STAGES - 1) / (m + STAGES - 1)
-        idle = []
-        for r in sorted(per_rank, key=int):
-            row = per_rank[r][str(m)]
-            idle.append(1 - row["busy"] / row["step"])
-        step = statistics.median(per_rank[r][str(m)]["step"] for r in per_rank)
-        busy = statistics.median(per_rank[r][str(m)]["busy"] for r in per_rank)
-        mean = statistics.fmean(idle)
+        rows = [per_rank[r][str(m)] for r in ranks]
+        idle = [1 - row["busy"] / row["step"] for row in rows]
+        idle_alone = [1 - row["alone"] / row["step"] for row in rows]
+
+        def med(key: str, rows: list[dict[str, float]] = rows) -> float:
+            return statistics.median(row[key] for row in rows)
+
         print(
-            f"{m:>3} {theory:>14.3f} {step:>8.3f} {busy:>8.3f} {mean:>6.3f}  "
+            f"{m:>3} {theory:>14.3f} {med('step'):>7.3f} {med('busy'):>7.3f} "
+            f"{statistics.fmean(idle):>6.3f} {med('alone'):>8.3f} "
+            f"{statistics.fmean(idle_alone):>6.3f}  "
             + " ".join(f"{i:.3f}" for i in idle)
-            + f"   (|idle - theory| = {abs(mean - theory):.3f})"
+            + "; "
+            + " ".join(f"{i:.3f}" for i in idle_alone)
         )
 
 
