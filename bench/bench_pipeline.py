@@ -12,8 +12,9 @@ no embedding: the pipeline is nearly all of the step). Every micro-batch has the
 (``--rows`` x ``--seq`` tokens), so the global batch grows with M and a stage's real work is M
 times one micro-batch's.
 
-What is measured, per rank (each a median over ``--repeat`` runs after 2 warm-ups, every run
-started by a barrier so the 4 ranks begin together):
+What is measured, per rank, after 2 warm-ups; in each of ``--repeat`` repetitions the three
+runs below go back to back, each started by a barrier so the 4 ranks begin together, each
+timed by the wall clock and by the process's CPU time:
 
 * ``step``: the wall time of one step of the partitioned program on the DistributedMesh.
 * ``busy``: the time the same rank takes to do its stage's real work alone: its 2 blocks,
@@ -31,7 +32,12 @@ started by a barrier so the 4 ranks begin together):
   the output's and the input gradient's all_reduce over the stages, and, against ``busy``,
   partita's executor against eager torch for the same ops.
 
-The machine is shared (2 cores, other jobs): numbers are noisy, take them as medians of one run.
+Each idle fraction is the median over the repetitions of its per-repetition value, averaged
+over the ranks. The wall clock is what a user sees but counts the time other jobs on the
+machine take the cores; the CPU time counts only this process's own work (a stage never waits
+in the bubble, it computes, so both see the bubble).
+
+The machine is shared (2 cores, other jobs): numbers are noisy; they are medians of one run.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -70,14 +77,12 @@ class Block(nn.Module):
         return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
 
 
-def _median_time(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        dist.barrier()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """``fn()``'s wall time and this process's CPU time, after a barrier of the 4 ranks."""
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
 
 
 def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, float]:
@@ -98,7 +103,6 @@ def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, 
     x = torch.randn(m * ns.rows, ns.seq, ns.width, generator=g)
     for _ in range(2):
         jitted(weights, x)
-    step = _median_time(lambda: jitted(weights, x), ns.repeat)
 
     per = LAYERS // STAGES
     mine = nn.Sequential(*layers[rank * per : (rank + 1) * per])  # this stage's blocks
@@ -111,9 +115,24 @@ def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, 
             y.backward(torch.ones_like(y))
 
     real_work()
-    busy = _median_time(real_work, ns.repeat)
-    alone = _stage_alone(pipe, mesh, m, weights, x)
-    return {"step": step, "busy": busy, "alone": _median_time(alone, ns.repeat)}
+    runs = {
+        "step": lambda: jitted(weights, x),
+        "busy": real_work,
+        "alone": _stage_alone(pipe, mesh, m, weights, x),
+    }
+    # The three back to back in every repetition, so that a change of the machine's load hits
+    # all three; each idle fraction is the median of its per-repetition values.
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
+    for _ in range(ns.repeat):
+        for k, fn in runs.items():
+            samples[k].append(_timed(fn))
+    out = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
+    for k in ("busy", "alone"):
+        for i, clock in enumerate(("wall", "cpu")):
+            out[f"idle_{k}_{clock}"] = statistics.median(
+                1 - b[i] / s[i] for b, s in zip(samples[k], samples["step"], strict=True)
+            )
+    return out
 
 
 def _stage_alone(
@@ -163,29 +182,24 @@ def worker(ns: argparse.Namespace) -> None:
 def report(per_rank: dict[str, dict[str, dict[str, float]]], ns: argparse.Namespace) -> None:
     print(
         f"# mesh (stage={STAGES},), {LAYERS} MLP blocks of width {ns.width}, GPipe, remat, "
-        f"micro-batch {ns.rows} x {ns.seq} tokens; medians of {ns.repeat} runs per rank"
+        f"micro-batch {ns.rows} x {ns.seq} tokens; {ns.repeat} repetitions per rank; "
+        f"idle = 1 - real work / step, median over repetitions, mean over the 4 ranks"
     )
+    cols = [("idle_busy_wall", "busy wall"), ("idle_alone_wall", "alone wall")]
+    cols += [("idle_busy_cpu", "busy cpu"), ("idle_alone_cpu", "alone cpu")]
     print(
-        f"{'M':>3} {'(S-1)/(M+S-1)':>14} {'step s':>7} {'busy s':>7} {'idle':>6} "
-        f"{'alone s':>8} {'idle':>6}  per rank idle (busy; alone)"
+        f"{'M':>3} {'(S-1)/(M+S-1)':>14} {'step s':>7} {'busy s':>7} {'alone s':>8}  "
+        + " ".join(f"{label:>10}" for _, label in cols)
     )
     ranks = sorted(per_rank, key=int)
     for m in ns.microbatches:
         theory = (STAGES - 1) / (m + STAGES - 1)
         rows = [per_rank[r][str(m)] for r in ranks]
-        idle = [1 - row["busy"] / row["step"] for row in rows]
-        idle_alone = [1 - row["alone"] / row["step"] for row in rows]
-
-        def med(key: str, rows: list[dict[str, float]] = rows) -> float:
-            return statistics.median(row[key] for row in rows)
-
+        times = [statistics.median(row[k] for row in rows) for k in ("step", "busy", "alone")]
+        idle = [statistics.fmean(row[key] for row in rows) for key, _ in cols]
         print(
-            f"{m:>3} {theory:>14.3f} {med('step'):>7.3f} {med('busy'):>7.3f} "
-            f"{statistics.fmean(idle):>6.3f} {med('alone'):>8.3f} "
-            f"{statistics.fmean(idle_alone):>6.3f}  "
-            + " ".join(f"{i:.3f}" for i in idle)
-            + "; "
-            + " ".join(f"{i:.3f}" for i in idle_alone)
+            f"{m:>3} {theory:>14.3f} {times[0]:>7.3f} {times[1]:>7.3f} {times[2]:>8.3f}  "
+            + " ".join(f"{i:>10.3f}" for i in idle)
         )
 
 
