@@ -157,6 +157,21 @@ def test_parameter_memory_is_a_stage_share() -> None:
         assert stacked.local_shape[0] * 4 == stacked.shape[0] == 8
 
 
+@pytest.mark.slow
+def test_tensor_parallel_layers_inside_the_pipeline() -> None:
+    """Mesh (stage=2, data=2, model=2): 4 blocks per stage, each Megatron-split over 'model'
+    (``layer_specs=StandardPreset("tp")``), micro-batch rows over 'data'; equal to torch."""
+    mesh = Mesh.create((2, 2, 2), ("stage", "data", "model"))
+    losses, params, step, pipe = gpt.train(mesh, "dp", layer_specs=StandardPreset("tp"))
+    _assert_equal_to_torch(losses, params)
+    qkv = step.params["blocks.stack.attn.qkv.weight"]
+    assert qkv.sharding == P("stage", "model", None).to_sharding(mesh, 3)
+    assert qkv.local_shape == (4, 48, 32)
+    assert step.plan is not None
+    assert any(c.mesh_axes == ("model",) for c in step.plan.collectives)  # TP's all_reduces
+    assert partita.pipeline_report(pipe, step.plan).boundary(0, 1) == 2 * 4 * (2 * 8 * 32 * 4)
+
+
 @pytest.mark.parametrize("remat", [True, False])
 def test_pipeline_in_jit_values_and_gradients(remat: bool) -> None:
     """A function of the pipeline under jit, with its gradient, equals the layers in turn;
@@ -210,6 +225,10 @@ SETUP_ERRORS = [
     ),
     ({"microbatches": 0}, r"microbatches=0; it must be at least 1"),
     ({"batch_axes": ("stage",)}, r"batch_axes=\('stage',\) names \['stage'\]"),
+    (
+        {"layer_specs": {"weight": P("data", None)}},
+        r"layer_specs gives parameter 'weight' the spec P\('data', None\), which uses \['data'\]",
+    ),
 ]
 
 

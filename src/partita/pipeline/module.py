@@ -29,6 +29,7 @@ from partita.errors import PipelineError
 from partita.manual.shard_map import shard_map
 from partita.pipeline.body import stage_body
 from partita.pipeline.schedule import SCHEDULES, Schedule
+from partita.presets import PresetLike, param_specs
 from partita.values.annotations import mark_parameter
 from partita.values.mesh import Mesh
 from partita.values.spec import P
@@ -58,6 +59,7 @@ class Pipeline(nn.Module):
         rounds: int | None,
         remat: bool,
         batch_axes: Sequence[str] | None,
+        layer_specs: PresetLike | None = None,
     ) -> None:
         super().__init__()
         layers = list(layers)
@@ -83,12 +85,14 @@ class Pipeline(nn.Module):
         self.batch_axes = tuple(batch_axes)
         self.names = names
         order = self.schedule.storage_order()
+        inner = self._layer_specs(layer_specs, layers[0])
         self.stack = copy.deepcopy(layers[0])
         for name in names:
             parts = [dict(layer.named_parameters())[name].detach() for layer in layers]
             stacked = nn.Parameter(torch.stack([parts[i] for i in order]).clone())
             _set_parameter(self.stack, name, stacked)
-            mark_parameter(stacked, P(stage_axis).to_sharding(mesh, stacked.ndim))
+            entries = (*inner[name], *[None] * (stacked.ndim - 1 - len(inner[name])))
+            mark_parameter(stacked, P(stage_axis, *entries).to_sharding(mesh, stacked.ndim))
         body = stage_body(self.schedule, self.stack, names, stage_axis, self.batch_axes, remat)
         batch = P(self.batch_axes or None)
         self._region = shard_map(
@@ -98,6 +102,22 @@ class Pipeline(nn.Module):
             out_specs=batch,
             axes=(stage_axis, *self.batch_axes),
         )
+
+    def _layer_specs(self, preset: PresetLike | None, layer: nn.Module) -> dict[str, P]:
+        """One layer's specs over the axes the region leaves to propagation (checked)."""
+        specs = param_specs(preset if preset is not None else "dp", layer, self.mesh)
+        own = {self.stage_axis, *self.batch_axes}
+        for name, spec in specs.items():
+            used = sorted(own & {self.mesh.axis_name(a) for a in spec.mesh_axes})
+            if used:
+                raise PipelineError(
+                    f"partita.pipeline: layer_specs gives parameter {name!r} the spec {spec}, "
+                    f"which uses {used}: the stage axis {self.stage_axis!r} splits the stack "
+                    f"and the batch axes {self.batch_axes} split the micro-batches. Split a "
+                    f"layer's weights over the other axes only (e.g. 'model' for tensor "
+                    f"parallelism)."
+                )
+        return specs
 
     # --- running -----------------------------------------------------------------------------
 
@@ -156,6 +176,7 @@ def pipeline(
     rounds: int | None = None,
     remat: bool = True,
     batch_axes: Sequence[str] | None = None,
+    layer_specs: PresetLike | None = None,
 ) -> Pipeline:
     """Run ``layers`` (identical modules, ``[batch, ...] -> [batch, ...]`` each) as a pipeline
     over the mesh axis ``stage_axis``.
@@ -174,6 +195,10 @@ def pipeline(
         remat: recompute each stage's chunk in the backward instead of keeping its activations.
         batch_axes: the mesh axes that split each micro-batch's rows (data parallelism);
             default ``("data",)`` if the mesh has it. Other axes stay with propagation.
+        layer_specs: how one layer's parameters are split over the other axes (tensor
+            parallelism), as ``param_specs`` of ``train_step`` for one layer: a preset such as
+            ``StandardPreset("tp")``, a dict or a callable; default replicated. The stacked
+            parameter's spec is ``P(stage_axis, *layer spec)``.
 
     Returns:
         a :class:`Pipeline` module (``model.blocks = partita.pipeline(model.blocks, ...)``).
@@ -194,6 +219,7 @@ def pipeline(
         rounds=rounds,
         remat=remat,
         batch_axes=batch_axes,
+        layer_specs=layer_specs,
     )
 
 
