@@ -56,6 +56,7 @@ _API = (
     "partita.frontend",
     "partita.manual",
     "partita.models",
+    "partita.pipeline",
     "partita.training",
     "partita.virtual",
 )
@@ -63,7 +64,7 @@ _API = (
 PACKAGES = (
     "values", "ir", "presets", "report", "cost",
     "capture", "rules", "propagate", "partition", "runtime",
-    "frontend", "training", "virtual", "manual", "checkpoint", "models", "cli",
+    "frontend", "training", "virtual", "manual", "pipeline", "checkpoint", "models", "cli",
 )  # fmt: skip
 #: The modules of the package root: the public surface only.
 ROOT_MODULES = ("__init__", "__main__", "data", "distributed", "errors", "options")

@@ -32,6 +32,7 @@ from partita.errors import (
     OptionError,
     PartitaError,
     PartitaWarning,
+    PipelineError,
     PlanMismatchError,
     RecompileWarning,
     RematerializationError,
@@ -69,6 +70,7 @@ from partita.manual import (
 )
 from partita.options import CompileOptions
 from partita.partition import CollectiveRecord, Plan
+from partita.pipeline import Pipeline, PipelineReport, pipeline, pipeline_report
 from partita.report.visualize import format_sharding, visualize_sharding
 from partita.rules import FactorRule, einsum_rule, register_rule
 from partita.training.train import TrainStep, train_step
@@ -113,6 +115,9 @@ __all__ = [
     "PartitaError",
     "PartitaWarning",
     "PartitionSpec",
+    "Pipeline",
+    "PipelineError",
+    "PipelineReport",
     "Plan",
     "PlanMismatchError",
     "RecompileWarning",
@@ -154,6 +159,8 @@ __all__ = [
     "mark_sharding",
     "metrics",
     "options",
+    "pipeline",
+    "pipeline_report",
     "pmax",
     "pmean",
     "ppermute",

@@ -44,6 +44,7 @@ __all__ = [
     "MeshError",
     "OptionError",
     "PartitaError",
+    "PipelineError",
     "PlanMismatchError",
     "RecompileWarning",
     "RematerializationError",
@@ -251,6 +252,11 @@ class ReplicationError(ShardMapError):
 class ShardMapWarning(PartitaWarning):
     """A partially manual region's boundary costs a reshard: an auto axis does not divide a
     block the region's spec splits, so the value crosses the boundary whole over it."""
+
+
+class PipelineError(PartitaError, ValueError):
+    """A ``partita.pipeline`` was set up wrongly: layers that are not identical, a layer count
+    or batch the stages and micro-batches do not divide, or an unknown schedule or mesh axis."""
 
 
 class ExplicitCollectiveError(PartitaError, ValueError):

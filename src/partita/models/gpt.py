@@ -3,7 +3,8 @@
 Pre-norm blocks: LayerNorm, causal self-attention through ``F.scaled_dot_product_attention``
 with a fused qkv projection, LayerNorm, a GELU MLP. Token and learned position embeddings, a
 final LayerNorm and an untied lm head. ``checkpoint=True`` recomputes each block's activations
-in the backward (``torch.utils.checkpoint``). No partita code, no weight tying, no generation loop.
+in the backward (``torch.utils.checkpoint``). ``blocks`` may be replaced by one module that runs
+the whole stack (``partita.pipeline``). No partita code, no weight tying, no generation loop.
 """
 
 from __future__ import annotations
@@ -107,7 +108,9 @@ class GPT(nn.Module):
             raise ArgumentError(f"GPT got a sequence of {t} tokens; seq_len is {self.cfg.seq_len}.")
         pos = torch.arange(t, device=ids.device)
         x = self.drop(self.tok_emb(ids) + self.pos_emb(pos))
-        for block in self.blocks:
+        # a module in place of the list runs the whole stack (``partita.pipeline``)
+        blocks = self.blocks if isinstance(self.blocks, nn.ModuleList) else [self.blocks]
+        for block in blocks:
             if self.cfg.checkpoint and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:

@@ -105,6 +105,15 @@ def record_user_collective(low: LoweringAPI, node: fx.Node, split: Sharding | No
     shape = tuple(val.shape) if isinstance(val, torch.Tensor) else ()
     if split is not None and shape:  # partially manual: the block is split further
         shape = local_shape(split, shape)
+    detail = ""
+    if kind == "collective_permute":  # "from->to" positions along the axes, as halos say it
+        groups = low.mesh.groups(axes)
+        at = {int(d): i for g in groups for i, d in enumerate(g)}
+        flat = [int(d) for d in args[1]]
+        first = {int(d) for d in groups[0]}
+        detail = " ".join(
+            f"{at[a]}->{at[b]}" for a, b in zip(flat[::2], flat[1::2], strict=True) if a in first
+        )
     low.plan.collectives.append(
         CollectiveRecord(
             kind=kind,
@@ -115,7 +124,7 @@ def record_user_collective(low: LoweringAPI, node: fx.Node, split: Sharding | No
             value=node.name,
             reason=f"{USER_COLLECTIVE} ({math.prod(shape)} elements)",
             source=node_meta.source(node),
-            detail="",
+            detail=detail,
         )
     )
 

@@ -1,0 +1,230 @@
+"""The bubble of ``partita.pipeline`` on 4 Gloo processes: measured idle fraction of a stage
+against ``(S - 1) / (M + S - 1)`` for M = 4, 8, 16 micro-batches.
+
+Run: ``.venv/bin/python bench/bench_pipeline.py [--microbatches 4 8 16] [--repeat 5]``
+(starts 4 worker processes on 127.0.0.1 through ``partita.runtime.launch.spawn``, mesh
+``(stage=4,)``; rank 0 prints the table).
+
+The program: 8 identical pre-norm MLP blocks (LayerNorm, Linear d -> 4d, GELU, Linear 4d -> d,
+residual; ``--width`` d) as a GPipe pipeline, 2 blocks per stage, ``remat=True``; one step is
+the forward and the gradient of ``mean(y ** 2)`` with respect to every weight (no optimizer,
+no embedding: the pipeline is nearly all of the step). Every micro-batch has the same size
+(``--rows`` x ``--seq`` tokens), so the global batch grows with M and a stage's real work is M
+times one micro-batch's.
+
+What is measured, per rank, after 2 warm-ups; in each of ``--repeat`` repetitions the three
+runs below go back to back, each started by a barrier so the 4 ranks begin together, each
+timed by the wall clock and by the process's CPU time:
+
+* ``step``: the wall time of one step of the partitioned program on the DistributedMesh.
+* ``busy``: the time the same rank takes to do its stage's real work alone: its 2 blocks,
+  forward under ``torch.utils.checkpoint`` then backward (recompute and gradients), on M
+  micro-batches one after another, in eager torch, all 4 ranks at once (so they share the 2
+  cores as during the step). This is the work the rank must do for its M micro-batches; it is
+  measured outside the pipeline because inside it every rank computes on *every* iteration
+  (SPMD: in the bubble a stage runs its blocks on a slot holding no micro-batch, and the result
+  is dropped), so no rank ever waits and there is no idle gap to time.
+* ``alone``: the same real work as a partita program on the same 4 processes: a shard_map
+  over the stage axis in which every stage runs its checkpointed blocks on its M micro-batches
+  and nothing else (no permute, no bubble); the same executor, ops and remat as the pipeline.
+* ``idle = 1 - busy / step`` and ``1 - alone / step``: the share of the step not spent on real
+  work. Besides the bubble's wasted iterations it holds what else the step does: the permutes,
+  the output's and the input gradient's all_reduce over the stages, and, against ``busy``,
+  partita's executor against eager torch for the same ops.
+
+Each idle fraction is the median over the repetitions of its per-repetition value, averaged
+over the ranks. The wall clock is what a user sees but counts the time other jobs on the
+machine take the cores; the CPU time counts only this process's own work (a stage never waits
+in the bubble, it computes, so both see the bubble).
+
+The machine is shared (2 cores, other jobs): numbers are noisy; they are medians of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import partita
+import partita.distributed as pd
+from partita import Mesh, P
+from partita.runtime.launch import spawn
+
+LAYERS = 8
+STAGES = 4
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block, ``x + W2 gelu(W1 ln(x))``."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, 4 * d)
+        self.proj = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.proj(torch.nn.functional.gelu(self.fc(self.ln(x))))
+
+
+def _timed(fn: Callable[[], object]) -> tuple[float, float]:
+    """``fn()``'s wall time and this process's CPU time, after a barrier of the 4 ranks."""
+    dist.barrier()
+    wall, cpu = time.perf_counter(), time.process_time()
+    fn()
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, float]:
+    """This rank's median step time and busy time (see the module's doc) for ``m``."""
+    torch.manual_seed(0)
+    layers = [Block(ns.width) for _ in range(LAYERS)]
+    pipe = partita.pipeline(layers, mesh=mesh, microbatches=m, batch_axes=())
+    weights = {n: p.detach() for n, p in pipe.stack.named_parameters()}
+
+    def step_fn(w: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w = {k: v.requires_grad_() for k, v in w.items()}
+        y = torch.func.functional_call(pipe, {f"stack.{k}": v for k, v in w.items()}, (x,))
+        loss = y.square().mean()
+        return (loss, *torch.autograd.grad(loss, list(w.values())))
+
+    jitted = partita.jit(step_fn, mesh=mesh, in_specs=({n: P("stage") for n in weights}, P()))
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(m * ns.rows, ns.seq, ns.width, generator=g)
+    for _ in range(2):
+        jitted(weights, x)
+
+    per = LAYERS // STAGES
+    mine = nn.Sequential(*layers[rank * per : (rank + 1) * per])  # this stage's blocks
+    micro = [torch.randn(ns.rows, ns.seq, ns.width, generator=g) for _ in range(m)]
+
+    def real_work() -> None:
+        for xm in micro:
+            xm = xm.requires_grad_()
+            y = checkpoint(mine, xm, use_reentrant=False)
+            y.backward(torch.ones_like(y))
+
+    real_work()
+    runs = {
+        "step": lambda: jitted(weights, x),
+        "busy": real_work,
+        "alone": _stage_alone(pipe, mesh, m, weights, x),
+    }
+    # The three back to back in every repetition, so that a change of the machine's load hits
+    # all three; each idle fraction is the median of its per-repetition values.
+    samples: dict[str, list[tuple[float, float]]] = {k: [] for k in runs}
+    for _ in range(ns.repeat):
+        for k, fn in runs.items():
+            samples[k].append(_timed(fn))
+    out = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
+    for k in ("busy", "alone"):
+        for i, clock in enumerate(("wall", "cpu")):
+            out[f"idle_{k}_{clock}"] = statistics.median(
+                1 - b[i] / s[i] for b, s in zip(samples[k], samples["step"], strict=True)
+            )
+    return out
+
+
+def _stage_alone(
+    pipe: partita.Pipeline, mesh: Mesh, m: int, weights: dict[str, torch.Tensor], x: torch.Tensor
+):
+    """A partita program in which every stage does its real work and nothing else: its
+    blocks, checkpointed, on its M micro-batches, no permute (the same executor, ops and
+    remat as the pipeline)."""
+    names, per = pipe.names, LAYERS // STAGES
+
+    def body(w: dict[str, torch.Tensor], xs: torch.Tensor) -> torch.Tensor:
+        def run(h: torch.Tensor, *flat: torch.Tensor) -> torch.Tensor:
+            for j in range(per):
+                p = dict(zip(names, flat[j * len(names) : (j + 1) * len(names)], strict=True))
+                h = torch.func.functional_call(pipe.stack, p, (h,))
+            return h
+
+        flat = [w[n][j] for j in range(per) for n in names]
+        ys = [checkpoint(run, xs[:, i], *flat, use_reentrant=False) for i in range(m)]
+        return torch.stack(ys, 1)
+
+    region = partita.shard_map(
+        body, mesh=mesh, in_specs=({n: P("stage") for n in names}, P()), out_specs=P("stage")
+    )
+
+    def fn(w: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w = {k: v.requires_grad_() for k, v in w.items()}
+        loss = region(w, x.reshape(x.shape[0] // m, m, *x.shape[1:])).square().mean()
+        return (loss, *torch.autograd.grad(loss, list(w.values())))
+
+    jitted = partita.jit(fn, mesh=mesh, in_specs=({n: P("stage") for n in names}, P()))
+    for _ in range(2):
+        jitted(weights, x)
+    return lambda: jitted(weights, x)
+
+
+def worker(ns: argparse.Namespace) -> None:
+    pd.initialize()
+    mesh = Mesh.create((STAGES,), ("stage",))
+    rows = {m: measure(m, mesh, pd.process_index(), ns) for m in ns.microbatches}
+    gathered: list[dict[int, dict[str, float]] | None] = [None] * pd.process_count()
+    dist.all_gather_object(gathered, rows)
+    if pd.is_main_process():
+        print(json.dumps({str(r): g for r, g in enumerate(gathered)}))
+
+
+def report(per_rank: dict[str, dict[str, dict[str, float]]], ns: argparse.Namespace) -> None:
+    print(
+        f"# mesh (stage={STAGES},), {LAYERS} MLP blocks of width {ns.width}, GPipe, remat, "
+        f"micro-batch {ns.rows} x {ns.seq} tokens; {ns.repeat} repetitions per rank; "
+        f"idle = 1 - real work / step, median over repetitions, mean over the 4 ranks"
+    )
+    cols = [("idle_busy_wall", "busy wall"), ("idle_alone_wall", "alone wall")]
+    cols += [("idle_busy_cpu", "busy cpu"), ("idle_alone_cpu", "alone cpu")]
+    print(
+        f"{'M':>3} {'(S-1)/(M+S-1)':>14} {'step s':>7} {'busy s':>7} {'alone s':>8}  "
+        + " ".join(f"{label:>10}" for _, label in cols)
+    )
+    ranks = sorted(per_rank, key=int)
+    for m in ns.microbatches:
+        theory = (STAGES - 1) / (m + STAGES - 1)
+        rows = [per_rank[r][str(m)] for r in ranks]
+        times = [statistics.median(row[k] for row in rows) for k in ("step", "busy", "alone")]
+        idle = [statistics.fmean(row[key] for row in rows) for key, _ in cols]
+        print(
+            f"{m:>3} {theory:>14.3f} {times[0]:>7.3f} {times[1]:>7.3f} {times[2]:>8.3f}  "
+            + " ".join(f"{i:>10.3f}" for i in idle)
+        )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--rows", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.worker:
+        worker(ns)
+        return
+    argv = [str(Path(__file__).resolve()), "--worker", *sys.argv[1:]]
+    results = spawn(argv, STAGES, timeout=1800)
+    if any(r.returncode for r in results):
+        for r in results:
+            print(f"--- rank {r.rank}: {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
+        raise SystemExit(1)
+    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith("{"))
+    print("# " + " ".join([".venv/bin/python", "bench/bench_pipeline.py", *sys.argv[1:]]))
+    report(json.loads(line), ns)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The per-device code of a pipeline: one ``shard_map`` body that runs the whole timetable.
+
+The region is manual over the stage axis and the batch axes; any other mesh axis stays with
+propagation (tensor parallelism inside a layer). Each device sees:
+
+- its stage's stacked weights, ``[V * k, ...]`` (the stage axis splits the stack's dim 0);
+- its block of the micro-batched input, ``[b, M, ...]`` (``b``: the micro-batch rows this
+  device holds, the batch axes split them), the same block on every stage.
+
+Then, for each of the ``V * M + S - 1`` iterations of :class:`~partita.pipeline.schedule.Schedule`
+(unrolled: the program holds one copy of the stage's layers per iteration):
+
+1. the stage's input: stage 0 takes the next micro-batch (or, in a circular schedule, what the
+   last stage handed back a round ago), the others what the previous stage sent (a
+   ``torch.where`` on ``axis_index(stage)``: the program is the same on every device);
+2. the stage's chunk of ``k`` layers runs on it (under ``torch.utils.checkpoint`` when
+   ``remat``: the backward recomputes the chunk from its input instead of keeping its
+   activations), with chunk ``(t - stage) // M`` of the weights in a circular schedule;
+3. the slots move one stage on: ``ppermute`` over the stage axis with only the pairs that carry
+   a real micro-batch at this iteration (so each boundary carries exactly ``V * M`` slots
+   forward, and as many gradients back: the permute's transpose is the reverse permute).
+
+The last stage's results are put together (``[b, M, ...]``), zeroed on the other stages and
+summed over the stage axis (``psum``): every stage gets the output, as the code after the
+pipeline (replicated over the stages) expects. Weights and the input are marked varying over
+the batch axes and the stage axis once at the top (``pvary``), so their gradients are summed
+once per step: one ``all_reduce`` per weight over the batch axes (data parallelism), one over
+the stage axis for the input's gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+from torch.utils.checkpoint import checkpoint
+
+from partita.manual.collectives import axis_index, ppermute, psum
+from partita.manual.vma import pvary
+from partita.pipeline.schedule import Schedule
+
+__all__ = ["stage_body"]
+
+Weights = dict[str, Tensor]
+
+
+def _chunk_runner(template: nn.Module, names: Sequence[str], k: int) -> Callable[..., Tensor]:
+    """``run(x, *w)``: ``k`` layers of ``template`` over ``x``; ``w`` holds, for each layer in
+    turn, its parameters in the order of ``names``."""
+
+    def run(x: Tensor, *w: Tensor) -> Tensor:
+        n = len(names)
+        for j in range(k):
+            x = functional_call(
+                template, dict(zip(names, w[j * n : (j + 1) * n], strict=True)), (x,)
+            )
+        return x
+
+    return run
+
+
+def stage_body(
+    schedule: Schedule,
+    template: nn.Module,
+    names: Sequence[str],
+    stage_axis: str,
+    batch_axes: tuple[str, ...],
+    remat: bool,
+) -> Callable[[Weights, Tensor], Tensor]:
+    """The body ``(stacked weights, xs [b, M, ...]) -> ys [b, M, ...]`` of the pipeline's
+    region (see the module's doc)."""
+    sch = schedule
+    k, rounds = sch.layers_per_chunk, sch.rounds
+    run = _chunk_runner(template, names, k)
+
+    def chunk(x: Tensor, weights: list[Tensor]) -> Tensor:
+        if remat and torch.is_grad_enabled():
+            return checkpoint(run, x, *weights, use_reentrant=False)
+        return run(x, *weights)
+
+    def body(stacked: Weights, xs: Tensor) -> Tensor:
+        varying = (stage_axis, *batch_axes)
+        stacked = {n: pvary(stacked[n], varying) for n in names}  # gradients summed once
+        xs = pvary(xs, varying)
+        me = axis_index(stage_axis)
+        first = me == 0
+        # Static chunks: per (round, layer) the weights, sliced once so that the gradient of
+        # every use adds up on one slice.
+        static = [[stacked[n][v * k + j] for j in range(k) for n in names] for v in range(rounds)]
+        blocks = {n: w.reshape(rounds, k, *w.shape[1:]) for n, w in stacked.items() if rounds > 1}
+        sent: list[Tensor | None] = []
+        outs: dict[int, Tensor] = {}
+        zeros = torch.zeros_like(xs[:, 0])
+        for t in range(sch.iterations):
+            last = sent[t - 1] if t else None
+            prev = last if last is not None else zeros
+            kind, at = sch.source(t)
+            if kind == "input":
+                x = torch.where(first, xs[:, at], prev)
+            elif kind == "wrap":
+                back = sent[at]
+                x = torch.where(first, back if back is not None else zeros, prev)
+            else:
+                x = prev
+            x = chunk(x, _weights_at(sch, t, me, static, blocks, names))
+            m = sch.output(t)
+            if m is not None:
+                outs[m] = x
+            pairs = sch.pairs(t)
+            sent.append(ppermute(x, stage_axis, pairs) if pairs else None)
+        ys = torch.stack([outs[m] for m in range(sch.microbatches)], 1)
+        ys = torch.where(me == sch.stages - 1, ys, torch.zeros_like(ys))
+        return psum(ys, stage_axis)
+
+    return body
+
+
+def _weights_at(
+    sch: Schedule,
+    t: int,
+    me: Tensor,
+    static: list[list[Tensor]],
+    blocks: Weights,
+    names: Sequence[str],
+) -> list[Tensor]:
+    """The flat weights of the chunk each stage runs at iteration ``t``: the same round on
+    every working stage is a static slice; stages in different rounds (a circular schedule
+    where a round ends between them) pick their round with ``index_select`` on their index."""
+    live = sch.rounds_at(t)
+    if len(live) <= 1:
+        return static[min(live, default=0)]
+    v = torch.clamp(torch.div(t - me, sch.microbatches, rounding_mode="floor"), 0, sch.rounds - 1)
+    picked = {n: w.index_select(0, v.reshape(1)).squeeze(0) for n, w in blocks.items()}
+    return [picked[n][j] for j in range(sch.layers_per_chunk) for n in names]
