@@ -131,15 +131,6 @@ class Lowering(LocalValues):
         elif node.op == "call_function":
             self._op(node)
         elif node.op == "get_attr":
-            draws = [u for u in node.users if u.kwargs.get("generator") is node]
-            if draws:
-                raise UnsupportedOpError(
-                    f"{draws[0].target} (node {draws[0].name!r}, at "
-                    f"{node_meta.source(draws[0]) or 'source line unknown'}) draws from a "
-                    f"torch.Generator of its own: partita draws every random tensor from the "
-                    f"global generator, the same on every device. Drop generator= (or pass "
-                    f"generator=None) and seed with torch.manual_seed."
-                )
             raise UnsupportedOpError(
                 f"Constant {node.target} (node {node.name}) is not supported by the "
                 f"partitioner: pass tensors as inputs instead of closing over them."
