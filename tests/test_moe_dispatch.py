@@ -138,7 +138,8 @@ def test_padded_indices_in_arithmetic_are_refused() -> None:
     step = partita.jit(fn, mesh=MESH, in_specs=(P(),))
     with pytest.raises(
         CaptureError,
-        match=r"aten.mul.Tensor gets the indices of the nonzero .* at test_moe_dispatch.py:\d+ in fn.*"
+        match=r"aten.mul.Tensor gets the indices of the nonzero .* at test_moe_dispatch.py:\d+ "
+        r"in fn.*"
         r"is not a gather or an accumulating scatter.*nonzero_static",
     ):
         step(torch.tensor([True, False, True, True]))

@@ -151,6 +151,8 @@ class BoundedIndices:
                 v, i = self._valid_and_clamped(call, i)
                 valid = v if valid is None else call(aten.logical_and.default, (valid, v), {})
             clamped.append(i)
+        if valid is None or self.is_padded(x):
+            return self._refuse(aten.index.Tensor, "uses them as values, not as the index")
         out = call(aten.index.Tensor, (x, [None] * lead + clamped), {})
         return self._mask_rows(call, out, valid, lead)
 
@@ -182,6 +184,8 @@ class BoundedIndices:
                 v, i = self._valid_and_clamped(call, i)
                 valid = v if valid is None else call(aten.logical_and.default, (valid, v), {})
             clamped.append(i)
+        if valid is None or self.is_padded(self_) or self.is_padded(values):
+            return self._refuse(func, "uses them as values, not as the index")
         n = valid.shape[0]
         shape = [*self_.shape[:lead], n, *self_.shape[lead + len(clamped) :]]
         values = call(aten.expand.default, (values, shape), {})

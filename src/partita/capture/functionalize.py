@@ -22,10 +22,10 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from partita.capture.annotate import record
+from partita.capture.bounded import BoundedIndices
 from partita.capture.decompositions import DROPPED_CHECKS
 from partita.capture.layer_dispatch import add_layer_call
 from partita.capture.layer_graph import LAYER_CALL_OP
-from partita.capture.bounded import BoundedIndices
 from partita.capture.source import SourceTrackingMode
 from partita.errors import CaptureError
 from partita.values.mesh import Mesh
