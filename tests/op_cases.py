@@ -591,6 +591,21 @@ case(aten.randn.default, lambda: aten.randn.default([7, 5]), **RND)
 case(aten.randint.default, lambda: aten.randint.default(10, [6, 5]), **RND)
 case(aten.randint.low, lambda: aten.randint.low(3, 10, [6, 5]), **RND)
 case(aten.randperm.default, lambda: aten.randperm.default(7), **RND)
+# generator=None (diffusers' randn_tensor): the global generator, as the overloads above.
+case(aten.rand.generator, lambda: aten.rand.generator([6, 5], generator=None), **RND)
+case(aten.randn.generator, lambda: aten.randn.generator([7, 5], generator=None), **RND)
+case(aten.randint.generator, lambda: aten.randint.generator(10, [6, 5], generator=None), **RND)
+case(
+    aten.randint.low_generator,
+    lambda: aten.randint.low_generator(3, 10, [6, 5], generator=None),
+    **RND,
+)
+case(aten.randperm.generator, lambda: aten.randperm.generator(7, generator=None), **RND)
+case(
+    aten.normal.float_float,
+    lambda: aten.normal.float_float(0.5, 2.0, [7, 5], generator=None),
+    **RND,
+)
 # Draws whose tensors are the distribution's parameters (read whole, then each device its tile).
 case(
     aten.binomial.default,

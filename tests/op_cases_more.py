@@ -396,4 +396,5 @@ case(
 )
 
 import op_cases_linalg  # noqa: E402,F401
+import op_cases_moe  # noqa: E402,F401
 import op_cases_plane  # noqa: E402,F401

@@ -22,6 +22,7 @@ import torch
 from torch._subclasses.functional_tensor import FunctionalTensor
 
 from partita.capture.annotate import record
+from partita.capture.bounded import BoundedIndices
 from partita.capture.decompositions import DROPPED_CHECKS
 from partita.capture.layer_dispatch import add_layer_call
 from partita.capture.layer_graph import LAYER_CALL_OP
@@ -109,9 +110,19 @@ class _CaptureMode(SourceTrackingMode):
     :func:`_traced_through` run their implementation under this mode, so that its in-place
     updates (of buffers it allocates) are functionalized too."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.bounded = BoundedIndices()  # nonzero traced with a static bound (capture/bounded)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func in DROPPED_CHECKS:
             return None
+        out = self.bounded.dispatch(
+            lambda f, a, k: super(_CaptureMode, self).__torch_dispatch__(f, types, a, k),
+            func, tuple(args), dict(kwargs or {}),
+        )  # fmt: skip
+        if out is not NotImplemented:
+            return out
         impl = _traced_through().get(func)
         if impl is not None:
             with self:
@@ -137,6 +148,7 @@ def functionalized(
         with exclude, mode:
             wrapped = [FunctionalTensor.to_functional(t) for t in tensors]
             outs = flat_fn(*wrapped)
+            mode.bounded.refuse_results(outs)
             news = updates.collect()
             results = []
             for o in [*outs, *news]:

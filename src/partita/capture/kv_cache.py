@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from partita.capture.spec_tree import flatten_with_path
 from partita.errors import ArgumentTypeError
 from partita.values.tensor import ShardedTensor
 
@@ -187,10 +188,11 @@ def _register(cache: Any) -> bool:
 def flatten_registering_caches(
     tree: Any, is_leaf: Any = None
 ) -> tuple[list[tuple[Any, Any]], pytree.TreeSpec]:
-    """``pytree.tree_flatten_with_path(tree, is_leaf=is_leaf)``, with every ``transformers``
+    """``pytree.tree_flatten_with_path(tree, is_leaf=is_leaf)`` (also over nodes without key
+    functions: ``spec_tree.flatten_with_path``), with every ``transformers``
     cache in ``tree`` registered first, so that its tensors are leaves."""
     while True:
-        paths, spec = pytree.tree_flatten_with_path(tree, is_leaf=is_leaf)
+        paths, spec = flatten_with_path(tree, is_leaf=is_leaf)
         new = [leaf for _, leaf in paths if is_transformers_cache(leaf)]
         if not new or not all([_register(leaf) for leaf in new]):
             return paths, spec

@@ -16,7 +16,41 @@ from torch.utils import _pytree as pytree
 from partita.errors import CaptureError
 from partita.values.spec import PartitionSpec
 
-__all__ = ["broadcast_specs", "is_size", "unflatten_args"]
+__all__ = ["broadcast_specs", "flatten_with_path", "is_size", "unflatten_args"]
+
+
+def flatten_with_path(
+    tree: Any, is_leaf: Any = None
+) -> tuple[list[tuple[Any, Any]], pytree.TreeSpec]:
+    """``pytree.tree_flatten_with_path``, also over nodes registered without a
+    ``flatten_with_keys_fn`` (diffusers registers its output classes so): such a node's
+    children are named by its context when that is a list of their keys (a dict-like node),
+    else by position."""
+    leaves, spec = pytree.tree_flatten(tree, is_leaf=is_leaf)
+    paths: list[tuple[Any, Any]] = []
+    _walk(tree, is_leaf, (), paths)
+    same = len(paths) == len(leaves)
+    if not same or any(a is not b for (_, a), b in zip(paths, leaves, strict=True)):
+        return pytree.tree_flatten_with_path(tree, is_leaf=is_leaf)  # its own error, if any
+    return paths, spec
+
+
+def _walk(node: Any, is_leaf: Any, path: tuple[Any, ...], out: list[tuple[Any, Any]]) -> None:
+    if pytree.tree_is_leaf(node, is_leaf=is_leaf):
+        out.append((path, node))
+        return
+    handler = pytree.SUPPORTED_NODES[pytree._get_node_type(node)]
+    if handler.flatten_with_keys_fn is not None:
+        keyed, _ = handler.flatten_with_keys_fn(node)
+    else:
+        children, context = handler.flatten_fn(node)
+        names = list(context) if isinstance(context, (list, tuple)) else []
+        if len(names) == len(children):
+            keyed = [(pytree.MappingKey(k), c) for k, c in zip(names, children, strict=True)]
+        else:
+            keyed = [(pytree.SequenceKey(i), c) for i, c in enumerate(children)]
+    for key, child in keyed:
+        _walk(child, is_leaf, (*path, key), out)
 
 
 class _NoSpec:

@@ -13,6 +13,9 @@ This module does not decide what sharding an op needs (``partition.lower`` does)
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,11 +32,27 @@ from partita.report.explain import op_name
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
-__all__ = ["LocalValue", "LocalValues", "ValueKey"]
+__all__ = ["LocalValue", "LocalValues", "ValueKey", "naming_spec_knobs"]
 
 ValueKey = tuple[fx.Node, int | None]
 
 _PERMUTE = torch.ops.aten.permute.default
+
+#: The knobs of the entry point compiling now that set the specs, as its advice names them:
+#: ``partita.jit``'s ``in_specs/out_specs``, ``train_step``'s ``param_specs/batch_spec``.
+_SPEC_KNOBS: contextvars.ContextVar[str] = contextvars.ContextVar(
+    "partita_spec_knobs", default="in_specs/out_specs"
+)
+
+
+@contextlib.contextmanager
+def naming_spec_knobs(knobs: str) -> Iterator[None]:
+    """Within: a reshard's advice names ``knobs`` as the specs to change."""
+    token = _SPEC_KNOBS.set(knobs)
+    try:
+        yield
+    finally:
+        _SPEC_KNOBS.reset(token)
 
 
 @dataclass(slots=True)
@@ -112,7 +131,7 @@ class LocalValues:
             )
             fix = (
                 f"Annotate the value where it is produced with "
-                f"partita.mark_sharding(t, mesh, {dst.spec}) (or change the in_specs/out_specs "
+                f"partita.mark_sharding(t, mesh, {dst.spec}) (or change the {_SPEC_KNOBS.get()} "
                 f"that ask for {v.sharding.spec}) so that no reshard between the two is needed."
             )
             if self.strict:

@@ -83,9 +83,10 @@ def apply_rule(node: fx.Node, info: OpInfo, *, replicate_unsupported: bool) -> F
     """
     fn = get_rule(node.target)
     where = f"node {node.name} ({source_of(node) or 'source line unknown'})"
+    # A rule (randn.generator's) covers generator=None only; replicating cannot help either.
+    if _draws_from_a_generator(node):
+        raise UnsupportedOpError(_generator_message(node, where))
     if fn is None:
-        if _draws_from_a_generator(node):  # replicating it cannot help: see the message
-            raise UnsupportedOpError(_generator_message(node, where))
         if replicate_unsupported:
             # One warning per op and source line (repeated layers share theirs).
             warn(

@@ -25,6 +25,7 @@ from partita.rules.ruleset import RuleSet
 RULES = RuleSet("random")
 
 __all__ = [
+    "GENERATOR_OVERLOADS",
     "RANDOM_LIKE_OPS",
     "RANDOM_VALUE_OPS",
     "multinomial_rule",
@@ -116,9 +117,32 @@ def multinomial_rule(info: OpInfo) -> FactorRule:
     )
 
 
+#: The ``generator=`` overloads of the creating draws, each with its generator-free overload:
+#: ``torch.randn(shape, generator=None)`` (diffusers' ``randn_tensor``) selects
+#: ``randn.generator``. The partitioner draws with the generator-free overload (the global
+#: generator, as ``generator=None`` means); a ``torch.Generator`` object is refused there.
+GENERATOR_OVERLOADS: dict[str, str] = {
+    "normal.float_float": "normal.float_float",
+    "rand.generator": "rand.default",
+    "randint.generator": "randint.default",
+    "randint.low_generator": "randint.low",
+    "randn.generator": "randn.default",
+    "randperm.generator": "randperm.default",
+}
+
+
 @RULES.register(
     *aten_ops(
-        ["rand.default", "randint.default", "randint.low", "randn.default", "randperm.default"]
+        sorted(
+            [
+                "rand.default",
+                "randint.default",
+                "randint.low",
+                "randn.default",
+                "randperm.default",
+                *GENERATOR_OVERLOADS,
+            ]
+        )
     )
 )
 def random_create_rule(info: OpInfo) -> FactorRule:

@@ -37,6 +37,7 @@ from partita.capture.uncompile import uncompiled
 from partita.errors import ArgumentError, ArgumentTypeError
 from partita.frontend.jit import JitStats, Jitted, OptionsLike, jit
 from partita.partition import Plan
+from partita.partition.resharding import naming_spec_knobs
 from partita.presets import PresetLike, default_batch_spec
 from partita.presets import param_specs as preset_param_specs
 from partita.training.checks import (
@@ -57,6 +58,9 @@ from partita.values.spec import P, PartitionSpec
 from partita.values.tensor import ShardedTensor
 
 __all__ = ["LoadResult", "TrainStep", "train_step"]
+
+#: The knobs a RematerializationWarning tells a training step's user to change.
+_KNOBS = "param_specs/batch_spec"
 
 Tensors = dict[str, torch.Tensor]
 
@@ -194,7 +198,8 @@ class TrainStep:
 
     def lower(self, batch: Any) -> Plan:
         """The Plan of one step on ``batch`` (compiles, does not run or change the state)."""
-        self.plan = plan = self._get_jitted().lower(*self._args(batch))
+        with naming_spec_knobs(_KNOBS):
+            self.plan = plan = self._get_jitted().lower(*self._args(batch))
         return plan
 
     # --- running ---------------------------------------------------------------------------
@@ -203,7 +208,8 @@ class TrainStep:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
         self._snapshot.check(self.model, self.optimizer)
         jitted, args = self._get_jitted(), self._args(batch)
-        loss, params, buffers, opt_state = jitted(*args)
+        with naming_spec_knobs(_KNOBS):  # a compile's advice names this step's own knobs
+            loss, params, buffers, opt_state = jitted(*args)
         self.params, self.buffers, self.opt_state = params, buffers, opt_state
         unused = self._unused.get(self.model.training, frozenset())
         self._stepped = self._stepped | (frozenset(self._trainable) - unused)
@@ -211,7 +217,8 @@ class TrainStep:
         # scheduler.step() comes before any optimizer.step(), reading this attribute).
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.plan is None:
-            self.plan = jitted.lower(*args)
+            with naming_spec_knobs(_KNOBS):
+                self.plan = jitted.lower(*args)
         return loss.full()
 
     # --- reading the state back ------------------------------------------------------------

@@ -21,7 +21,7 @@ from partita.partition.special.common import Assign, aten, fake_value
 from partita.report.explain import op_name
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
-from partita.rules.random import RANDOM_VALUE_OPS
+from partita.rules.random import GENERATOR_OVERLOADS, RANDOM_VALUE_OPS
 from partita.values.spec import Sharding
 
 __all__ = ["draw_target", "global_random_draw"]
@@ -52,6 +52,8 @@ def _draw_op(node: fx.Node) -> str:
     of ``x``'s strides is eager's. (The other functional random ops keep their input's layout.)
     """
     op = str(node.target).removeprefix("aten.")
+    if op in GENERATOR_OVERLOADS:  # generator=None: the global generator, as the plain overload
+        return GENERATOR_OVERLOADS[op]
     first = node.args[0] if node.args else None
     if (
         node.target == aten.bernoulli.p
@@ -165,11 +167,10 @@ def _random_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -
             return {"like": [list(v.shape), list(v.stride()), _encode(v.dtype)]}
         return _encode(a)
 
-    spec = {
-        "args": [enc(a) for a in node.args],
-        "kwargs": {k: enc(v) for k, v in node.kwargs.items()},
-    }
     op = _draw_op(node)
+    # generator=None is the global generator (a torch.Generator object is refused by lower.py)
+    kwargs = {k: v for k, v in node.kwargs.items() if k != "generator"}
+    spec = {"args": [enc(a) for a in node.args], "kwargs": {k: enc(v) for k, v in kwargs.items()}}
     draw = e.call(torch.ops.partita.global_random_draw.default, inputs, op, json.dumps(spec))
     vals = node.meta["val"]
     vals = list(vals) if isinstance(vals, (tuple, list)) else [vals]

@@ -1,0 +1,157 @@
+"""The hand-written mixture of experts: ``tok, slot = torch.where(idx == e)`` then
+``index_add``. ``nonzero`` is traced padded to a static bound (capture/bounded.py), so it
+compiles once under ``jit`` and ``train_step`` and trains under every preset equal to
+``torch.optim``; the uses that would let the padding reach the numbers are CaptureErrors."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+import partita
+from partita import CaptureError, Mesh, P
+from partita.training import train_step
+
+MESH = Mesh.create((2, 4), ("data", "model"))
+PLANS = ("dp", "fsdp", "tp", "fsdp+tp")
+
+
+class WhereMoE(nn.Module):
+    """Top-2 of 8 experts, each an MLP in an nn.ModuleList, routed by torch.where."""
+
+    def __init__(self, d: int = 16, h: int = 32, experts: int = 8, k: int = 2) -> None:
+        super().__init__()
+        self.k = k
+        self.router = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)) for _ in range(experts)
+        )
+        self.head = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        probs = self.router(flat).softmax(-1)
+        weights, idx = probs.topk(self.k, -1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            tok, slot = torch.where(idx == e)
+            if tok.numel() == 0:  # eager skips idle experts; traced, the bound is static
+                continue
+            out = out.index_add(0, tok, expert(flat[tok]) * weights[tok, slot, None])
+        return self.head(out.reshape(b, t, d) + x)
+
+
+class MixtralStyleMoE(WhereMoE):
+    """transformers' eager Mixtral loop: one-hot expert mask, ``torch.where`` of its row,
+    ``hidden[None, top_x]`` and ``index_add_`` in place."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        flat = x.reshape(-1, d)
+        probs = self.router(flat).softmax(-1)
+        weights, idx = probs.topk(self.k, -1)
+        out = torch.zeros_like(flat)
+        mask = F.one_hot(idx, num_classes=len(self.experts)).permute(2, 1, 0)
+        for e, expert in enumerate(self.experts):
+            slot, top_x = torch.where(mask[e])
+            state = flat[None, top_x].reshape(-1, d)
+            y = expert(state) * weights[top_x, slot, None]
+            out.index_add_(0, top_x, y.to(flat.dtype))
+        return self.head(out.reshape(b, t, d) + x)
+
+
+def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [
+        (torch.randn(4, 6, 16, generator=g), torch.randn(4, 6, 16, generator=g)) for _ in range(n)
+    ]
+
+
+def _assert_trains_like_torch_optim(model: nn.Module, plan: str) -> None:
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    step = train_step(model, F.mse_loss, opt, mesh=MESH, param_specs=plan)
+    for x, y in _batches():
+        got = step((x, y))
+        ref_opt.zero_grad()
+        loss = F.mse_loss(ref(x), y)
+        loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-5)
+    full = step.full_parameters()
+    for name, value in ref.named_parameters():
+        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    assert step.stats.signatures == 1
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_where_moe_trains_like_torch_optim(plan: str) -> None:
+    torch.manual_seed(0)
+    _assert_trains_like_torch_optim(WhereMoE(), plan)
+
+
+@pytest.mark.parametrize("plan", ["dp", "fsdp+tp"])
+def test_mixtral_style_loop_trains_like_torch_optim(plan: str) -> None:
+    torch.manual_seed(0)
+    _assert_trains_like_torch_optim(MixtralStyleMoE(), plan)
+
+
+def test_jit_compiles_once_whatever_the_routing() -> None:
+    torch.manual_seed(0)
+    model = WhereMoE().eval()
+    step = partita.jit(model, mesh=MESH, in_specs=(P("data", None, None),))
+    for x, _ in _batches(3):
+        torch.testing.assert_close(step(x).full(), model(x), rtol=1e-5, atol=1e-5)
+    assert step.stats.signatures == 1
+
+
+def _idle_expert(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert 1 gets no row: eagerly its rows are empty tensors; traced, all padding."""
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    idx = (x.sum(-1) > 1e6).long()  # every row to expert 0
+    (tok,) = torch.where(idx == 1)
+    out = (x * 2).index_add(0, tok, x[tok] @ w)
+    gx, gw = torch.autograd.grad(out.square().sum(), (x, w))
+    return gx, gw
+
+
+def test_an_idle_expert_gets_zero_gradient() -> None:
+    x, w = torch.randn(8, 16), torch.randn(16, 16)
+    got = partita.jit(_idle_expert, mesh=MESH, in_specs=(P("data", None), P()))(x, w)
+    want = _idle_expert(x, w)
+    assert torch.count_nonzero(want[1]) == 0
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a.full(), b, rtol=1e-5, atol=1e-5)
+
+
+def test_padded_indices_in_arithmetic_are_refused() -> None:
+    def fn(mask: torch.Tensor) -> torch.Tensor:
+        (rows,) = torch.where(mask)
+        return rows * 2  # the padding (-1) would become -2
+
+    step = partita.jit(fn, mesh=MESH, in_specs=(P(),))
+    with pytest.raises(
+        CaptureError,
+        match=r"aten.mul.Tensor gets the indices of the nonzero .* at test_moe_dispatch.py:\d+ "
+        r"in fn.*"
+        r"is not a gather or an accumulating scatter.*nonzero_static",
+    ):
+        step(torch.tensor([True, False, True, True]))
+
+
+def test_overwriting_by_padded_indices_is_refused() -> None:
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        (rows,) = torch.where(x > 0)
+        out = torch.zeros_like(x)
+        out[rows] = x[rows]  # index_put without accumulate: padded rows would write row 0
+        return out
+
+    step = partita.jit(fn, mesh=MESH, in_specs=(P(),))
+    with pytest.raises(CaptureError, match=r"writes by them without accumulate=True"):
+        step(torch.randn(8))
