@@ -46,6 +46,11 @@ SHOWN_LINE = "gpt.py:57 in forward"
 def gpt_plan(**sizes: Any) -> Any:
     """The demo's plan (``python -m partita demo``: its GPT, mesh, preset and batch), or the
     same with other sizes (``n_layer``, ``d_model``, ``n_head``, ``vocab``, ``seq``, ``batch``)."""
+    return gpt_plan_and_step(**sizes)[0]
+
+
+def gpt_plan_and_step(**sizes: Any) -> tuple[Any, Any, Any]:
+    """:func:`gpt_plan`, the training step and its batch."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([])
@@ -63,7 +68,8 @@ def gpt_plan(**sizes: Any) -> Any:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     step = train_step(model, loss_fn, opt, mesh=args.mesh, param_specs=args.shard)
     gen = torch.Generator().manual_seed(args.seed)
-    return step.lower(synthetic_batch(gen, sizes.get("batch", args.batch), seq, vocab))
+    batch = synthetic_batch(gen, sizes.get("batch", args.batch), seq, vocab)
+    return step.lower(batch), step, batch
 
 
 def chromium(page: Path, *flags: str, fragment: str = "") -> tuple[str, str, float]:

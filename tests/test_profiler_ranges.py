@@ -66,6 +66,21 @@ def test_local_mesh_ranges(tmp_path: Path) -> None:
     assert kinds == {c.kind for c in plan.collectives}
 
 
+def test_local_mesh_ranges_demo_gpt(tmp_path: Path) -> None:
+    """The demo's GPT on the 2x4 mesh (fsdp+tp): buckets, and collective_permutes that the
+    LocalMesh folds into the selections reading them (``runtime.device_route``)."""
+    from test_plan_html import gpt_plan_and_step
+
+    plan, step, batch = gpt_plan_and_step()
+    assert "collective_permute" in plan.counts() and plan.buckets
+    step(batch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(STEPS):
+            step(batch)
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    check_trace(trace_ranges(tmp_path / "trace.json"), plan)
+
+
 def test_no_ranges_off_the_profiler(tmp_path: Path) -> None:
     """Off the profiler the executors read one flag per step and open nothing."""
     assert not ranges.enabled()
