@@ -168,6 +168,16 @@ def test_memory_timeline_and_live_at_peak(plan: Any) -> None:
         assert sum(b for _, k, b in est.live_at_peak if k == kind) == nbytes
 
 
+def test_demo_writes_the_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m partita demo --html PATH`` writes the page of the plan it trains with."""
+    from partita.cli import main
+
+    out = tmp_path / "demo.html"
+    assert main(["demo", "--steps", "2", "--layers", "1", "--html", str(out)]) == 0
+    assert f"the plan as a page: {out}" in capsys.readouterr().out.replace("\n", "")
+    assert 'id="plan-data"' in out.read_text()
+
+
 @needs_chromium
 def test_every_collective_in_the_rendered_page(page: Path, plan: Any) -> None:
     dom, console, _ = chromium(page, "--dump-dom", fragment="#line=" + SHOWN_LINE)
