@@ -158,6 +158,21 @@ def test_page_is_self_contained(page: Path, plan: Any) -> None:
     assert data["values_total"] == len(plan.program_text.splitlines()) - 1
 
 
+def test_a_plan_without_its_program(tmp_path: Path) -> None:
+    """A Plan made by hand (no per-device program, no program text) still makes a page."""
+    from partita import Mesh
+    from partita.partition.plan import CollectiveRecord, Plan
+
+    mesh = Mesh.create((2,), ("data",))
+    rec = CollectiveRecord("all_reduce", ("data",), ((0, 1),), (4,), torch.float32, "x", "why")
+    plan = Plan(mesh, collectives=[rec], warnings=["involuntary full rematerialization of %y"])
+    data = plan_data(plan)
+    assert data["memory"] is None and data["values"] == []
+    assert data["by_kind"] == {"all_reduce": [1, 1, 16]} and data["by_axes"] == {"data": [1, 16]}
+    text = plan.to_html(tmp_path / "p.html").read_text()
+    assert "involuntary full rematerialization of %y" in text
+
+
 def test_memory_timeline_and_live_at_peak(plan: Any) -> None:
     est = plan.memory()
     totals = [sum(t[1:]) for t in est.timeline]
