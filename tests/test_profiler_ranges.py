@@ -51,9 +51,14 @@ def check_trace(names: list[str], plan: Any) -> None:
     assert want, "the test program should have collectives"
     got = Counter(n for n in names if COLLECTIVE.match(n))
     assert got == Counter({k: STEPS * v for k, v in want.items()})
-    for name in got:  # kind and bytes as the Plan has them
+    for name in got:  # kind, axes and bytes as the Plan's records of its call have them
         m = COLLECTIVE.match(name)
-        assert m is not None and int(m.group(3)) > 0
+        members = re.search(r" #([\d,]+)", name)
+        assert m is not None and members is not None, name
+        records = [plan.collectives[int(i)] for i in members.group(1).split(",")]
+        assert {r.kind for r in records} == {m.group(1)}, name
+        assert int(m.group(3)) == sum(r.bytes for r in records) > 0, name
+        assert f"[{','.join(records[0].mesh_axes)}]" in name
     assert sum(n.startswith("partita.step ") for n in names) == STEPS
 
 
