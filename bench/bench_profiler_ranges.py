@@ -9,7 +9,9 @@ their path without ranges. This bench checks that it costs nothing measurable: `
 into a temporary directory, and child processes on it (``before``) and on this tree
 (``after``) alternate, ``--rounds`` times each, so both see the same machine load. Each child
 times ``--steps`` steps (after 3 warm-ups) and reports their median; the table gives the median
-over rounds of those medians, in ms. A last column (one child) runs ``after`` under
+over rounds of those medians (wall time), their ratio, the median of the per-round ratios
+(each round runs both back to back) and the ratio of the CPU-time medians (less sensitive to
+other processes on a busy machine). A last column (one child) runs ``after`` under
 ``torch.profiler`` (ranges on), to show what the ranges cost when they are wanted.
 
 Workloads, on the LocalMesh:
@@ -36,8 +38,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def child(workload: str, steps: int, profile: bool) -> float:
-    """Median seconds of one step of ``workload`` (in this process, on its ``partita``)."""
+def child(workload: str, steps: int, profile: bool) -> tuple[float, float]:
+    """Median wall and CPU seconds of one step of ``workload`` (in this process, on its
+    ``partita``)."""
     import torch
     import torch.nn.functional as F  # noqa: N812
 
@@ -77,7 +80,8 @@ def child(workload: str, steps: int, profile: bool) -> float:
 
     for _ in range(3):
         run()
-    times = []
+    times: list[float] = []
+    cpu_times: list[float] = []
     ctx = (
         torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
         if profile
@@ -86,21 +90,23 @@ def child(workload: str, steps: int, profile: bool) -> float:
     if ctx is not None:
         ctx.__enter__()
     for _ in range(steps):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         run()
         times.append(time.perf_counter() - t)
+        cpu_times.append(time.process_time() - c)
     if ctx is not None:
         ctx.__exit__(None, None, None)
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(cpu_times)
 
 
-def measure(src: Path, workload: str, steps: int, profile: bool = False) -> float:
+def measure(src: Path, workload: str, steps: int, profile: bool = False) -> tuple[float, float]:
     env = {**os.environ, "PYTHONPATH": str(src), "OMP_NUM_THREADS": "1"}
     argv = [sys.executable, __file__, "--child", workload, "--steps", str(steps)]
     if profile:
         argv.append("--profile")
     out = subprocess.run(argv, env=env, capture_output=True, text=True, check=True, timeout=600)
-    return float(json.loads(out.stdout.strip().splitlines()[-1])["median"])
+    wall, cpu = json.loads(out.stdout.strip().splitlines()[-1])["median"]
+    return float(wall), float(cpu)
 
 
 def main() -> None:
@@ -125,23 +131,28 @@ def main() -> None:
             tar.extractall(tmp, filter="data")
         trees = {"before": Path(tmp) / "src", "after": ROOT / "src"}
         print(f"before = {ns.before}, after = this tree; {ns.rounds} rounds x {ns.steps} steps")
-        print("| workload | before, off (ms) | after, off (ms) | after/before | after, profiled |")
-        print("| --- | --- | --- | --- | --- |")
+        print("| workload | before, off | after, off | after/before | per-round after/before "
+              "| CPU after/before | after, profiled |")  # fmt: skip
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for workload in ns.workloads:
-            got: dict[str, list[float]] = {"before": [], "after": [], "profiled": []}
+            got: dict[str, list[tuple[float, float]]] = {"before": [], "after": [], "profiled": []}
             for _ in range(ns.rounds):
                 for name, src in trees.items():
                     got[name].append(measure(src, workload, ns.steps))
             got["profiled"].append(measure(trees["after"], workload, ns.steps, profile=True))
-            med = {k: 1e3 * statistics.median(v) for k, v in got.items()}
+            wall = {k: statistics.median(w for w, _ in v) for k, v in got.items()}
+            cpu = {k: statistics.median(c for _, c in v) for k, v in got.items()}
+            paired = statistics.median(
+                a[0] / b[0] for a, b in zip(got["after"], got["before"], strict=True)
+            )
             print(
-                f"| {workload} | {med['before']:.3f} | {med['after']:.3f} | "
-                f"{med['after'] / med['before']:.3f} | {med['profiled']:.3f} |",
+                f"| {workload} | {1e3 * wall['before']:.3f} ms | {1e3 * wall['after']:.3f} ms | "
+                f"{wall['after'] / wall['before']:.3f} | {paired:.3f} | "
+                f"{cpu['after'] / cpu['before']:.3f} | {1e3 * wall['profiled']:.3f} ms |",
                 flush=True,
             )
-            print(f"<!-- {workload} per-round medians (ms): "
-                  + json.dumps({k: [round(1e3 * x, 3) for x in v] for k, v in got.items()})
-                  + " -->", flush=True)  # fmt: skip
+            rounds = {k: [[round(1e3 * x, 3) for x in r] for r in v] for k, v in got.items()}
+            print(f"<!-- {workload} per round (wall ms, CPU ms): {json.dumps(rounds)} -->")
 
 
 if __name__ == "__main__":

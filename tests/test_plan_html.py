@@ -46,6 +46,11 @@ SHOWN_LINE = "gpt.py:57 in forward"
 def gpt_plan(**sizes: Any) -> Any:
     """The demo's plan (``python -m partita demo``: its GPT, mesh, preset and batch), or the
     same with other sizes (``n_layer``, ``d_model``, ``n_head``, ``vocab``, ``seq``, ``batch``)."""
+    return gpt_plan_and_step(**sizes)[0]
+
+
+def gpt_plan_and_step(**sizes: Any) -> tuple[Any, Any, Any]:
+    """:func:`gpt_plan`, the training step and its batch."""
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args([])
@@ -63,7 +68,8 @@ def gpt_plan(**sizes: Any) -> Any:
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     step = train_step(model, loss_fn, opt, mesh=args.mesh, param_specs=args.shard)
     gen = torch.Generator().manual_seed(args.seed)
-    return step.lower(synthetic_batch(gen, sizes.get("batch", args.batch), seq, vocab))
+    batch = synthetic_batch(gen, sizes.get("batch", args.batch), seq, vocab)
+    return step.lower(batch), step, batch
 
 
 def chromium(page: Path, *flags: str, fragment: str = "") -> tuple[str, str, float]:
@@ -152,6 +158,21 @@ def test_page_is_self_contained(page: Path, plan: Any) -> None:
     assert data["values_total"] == len(plan.program_text.splitlines()) - 1
 
 
+def test_a_plan_without_its_program(tmp_path: Path) -> None:
+    """A Plan made by hand (no per-device program, no program text) still makes a page."""
+    from partita import Mesh
+    from partita.partition.plan import CollectiveRecord, Plan
+
+    mesh = Mesh.create((2,), ("data",))
+    rec = CollectiveRecord("all_reduce", ("data",), ((0, 1),), (4,), torch.float32, "x", "why")
+    plan = Plan(mesh, collectives=[rec], warnings=["involuntary full rematerialization of %y"])
+    data = plan_data(plan)
+    assert data["memory"] is None and data["values"] == []
+    assert data["by_kind"] == {"all_reduce": [1, 1, 16]} and data["by_axes"] == {"data": [1, 16]}
+    text = plan.to_html(tmp_path / "p.html").read_text()
+    assert "involuntary full rematerialization of %y" in text
+
+
 def test_memory_timeline_and_live_at_peak(plan: Any) -> None:
     est = plan.memory()
     totals = [sum(t[1:]) for t in est.timeline]
@@ -160,6 +181,16 @@ def test_memory_timeline_and_live_at_peak(plan: Any) -> None:
     assert sum(b for _, _, b in est.live_at_peak) == est.peak
     for kind, nbytes in est.at_peak.items():
         assert sum(b for _, k, b in est.live_at_peak if k == kind) == nbytes
+
+
+def test_demo_writes_the_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m partita demo --html PATH`` writes the page of the plan it trains with."""
+    from partita.cli import main
+
+    out = tmp_path / "demo.html"
+    assert main(["demo", "--steps", "2", "--layers", "1", "--html", str(out)]) == 0
+    assert f"the plan as a page: {out}" in capsys.readouterr().out.replace("\n", "")
+    assert 'id="plan-data"' in out.read_text()
 
 
 @needs_chromium

@@ -51,9 +51,14 @@ def check_trace(names: list[str], plan: Any) -> None:
     assert want, "the test program should have collectives"
     got = Counter(n for n in names if COLLECTIVE.match(n))
     assert got == Counter({k: STEPS * v for k, v in want.items()})
-    for name in got:  # kind and bytes as the Plan has them
+    for name in got:  # kind, axes and bytes as the Plan's records of its call have them
         m = COLLECTIVE.match(name)
-        assert m is not None and int(m.group(3)) > 0
+        members = re.search(r" #([\d,]+)", name)
+        assert m is not None and members is not None, name
+        records = [plan.collectives[int(i)] for i in members.group(1).split(",")]
+        assert {r.kind for r in records} == {m.group(1)}, name
+        assert int(m.group(3)) == sum(r.bytes for r in records) > 0, name
+        assert f"[{','.join(records[0].mesh_axes)}]" in name
     assert sum(n.startswith("partita.step ") for n in names) == STEPS
 
 
@@ -64,6 +69,21 @@ def test_local_mesh_ranges(tmp_path: Path) -> None:
     assert any(n.startswith("partita.segment ") for n in names)
     kinds = {COLLECTIVE.match(n).group(1) for n in names if COLLECTIVE.match(n)}  # type: ignore[union-attr]
     assert kinds == {c.kind for c in plan.collectives}
+
+
+def test_local_mesh_ranges_demo_gpt(tmp_path: Path) -> None:
+    """The demo's GPT on the 2x4 mesh (fsdp+tp): buckets, and collective_permutes that the
+    LocalMesh folds into the selections reading them (``runtime.device_route``)."""
+    from test_plan_html import gpt_plan_and_step
+
+    plan, step, batch = gpt_plan_and_step()
+    assert "collective_permute" in plan.counts() and plan.buckets
+    step(batch)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(STEPS):
+            step(batch)
+    prof.export_chrome_trace(str(tmp_path / "trace.json"))
+    check_trace(trace_ranges(tmp_path / "trace.json"), plan)
 
 
 def test_no_ranges_off_the_profiler(tmp_path: Path) -> None:

@@ -56,6 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=16, help="global batch size")
     parser.add_argument("--lr", type=float, default=1e-2, help="AdamW learning rate")
     parser.add_argument("--seed", type=int, default=0, help="random seed")
+    parser.add_argument(
+        "--html", metavar="PATH", help="also write the plan as one HTML page (Plan.to_html)"
+    )
 
 
 def mesh_arg(text: str) -> Mesh:
@@ -180,6 +183,10 @@ def run(args: argparse.Namespace, console: Console | None = None) -> int:
     console.print(
         Panel(_plan_tables(step, n_params), title=f"the plan (compiled in {compile_s:.1f} s)")
     )
+    if getattr(args, "html", None):
+        assert step.plan is not None  # lowered above
+        page = step.plan.to_html(args.html, title=f"partita demo: {mesh!r}, {args.shard}")
+        console.print(f"the plan as a page: {page} (open it in a browser)")
 
     losses: list[float] = []
     ref_losses: list[float] = []

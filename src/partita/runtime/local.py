@@ -226,11 +226,11 @@ class LocalMesh:
         # off it, this one check per step is all.
         whole = span = None
         if ranges.enabled():
-            names, whole = ranges.range_names(gm), ranges.Range(ranges.step_name(self))
+            names, whole = ranges.step_names(gm, plan.steps), ranges.Range(ranges.step_name(self))
         try:
             for k, (step, frees) in enumerate(zip(plan.steps, plan.frees, strict=True)):
                 if whole is not None:
-                    span = ranges.Range(ranges.name_of(step, k, names))
+                    span = ranges.Range(*ranges.name_of(step, k, names))
                 if isinstance(step, Segment):
                     try:
                         outs = step.run([env[i] for i in step.inputs], ndim, stats, trace_at)

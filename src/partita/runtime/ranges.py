@@ -9,7 +9,9 @@ a ``record_function`` range around:
   vmap call between mesh ops; ``runtime.segments``);
 - each collective or fused call, named by ``partition.ranges`` with its kind, mesh axes,
   per-device bytes, its index in ``Plan.collectives`` and the user's line
-  (``partita.all_gather[model] 1536 B #3 @ gpt.py:88 in forward``). On a DistributedMesh
+  (``partita.all_gather[model] 1536 B #3 @ gpt.py:88 in forward``). A collective_permute
+  that the LocalMesh folds into the selection reading it (``runtime.device_route``) has its
+  range around that selection. On a DistributedMesh
   whose collectives overlap, the launch carries that name and the wait for its bytes
   ``partita.wait all_gather[model] 1536 B #3 ...``; the Gloo/NCCL calls fall inside them.
 
@@ -20,6 +22,7 @@ executors then take their path without ranges (``bench/bench_profiler_ranges.py`
 from __future__ import annotations
 
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -28,7 +31,9 @@ from torch.autograd.profiler import record_function
 
 from partita.ir import node_meta
 
-__all__ = ["Range", "close", "enabled", "name_of", "range_names", "step_name"]
+__all__ = ["Range", "close", "enabled", "name_of", "range_names", "step_name", "step_names"]
+
+_PERMUTE = torch.ops.partita.collective_permute.default
 
 _NAMES: weakref.WeakKeyDictionary[fx.GraphModule, dict[str, str]] = weakref.WeakKeyDictionary()
 
@@ -39,17 +44,20 @@ def enabled() -> bool:
 
 
 class Range:
-    """An open ``record_function`` range; :meth:`close` ends it (also on an error)."""
+    """Open ``record_function`` ranges, each inside the one before; :meth:`close` ends them
+    (also on an error)."""
 
-    __slots__ = ("_rf",)
+    __slots__ = ("_rfs",)
 
-    def __init__(self, name: str) -> None:
-        self._rf = record_function(name)
-        self._rf.__enter__()
+    def __init__(self, *names: str) -> None:
+        self._rfs = [record_function(name) for name in names]
+        for rf in self._rfs:
+            rf.__enter__()
 
     def close(self) -> None:
-        """End the range."""
-        self._rf.__exit__(None, None, None)
+        """End the ranges, innermost first."""
+        for rf in reversed(self._rfs):
+            rf.__exit__(None, None, None)
 
 
 def close(*spans: Range | None) -> None:
@@ -65,7 +73,7 @@ def op_name(node: fx.Node) -> str:
     name = node_meta.range_name(node)
     if name is not None:
         return name
-    op = str(getattr(node.target, "__name__", node.target)).split(".")[0]
+    op = _target(node)
     nbytes = node_meta.collective_bytes(node)
     return f"partita.{op}" + (f" {nbytes} B" if nbytes else "")
 
@@ -87,16 +95,47 @@ def step_name(executor: Any) -> str:
     return f"partita.step {executor!r}"
 
 
-def name_of(step: Any, index: int, names: dict[str, str]) -> str:
-    """The range name of one step of a LocalMesh's plan (``runtime.segments``): a segment,
-    a mesh op or fused call, a bucket's member, a per-device selection or a contraction."""
+def name_of(step: Any, index: int, names: dict[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The range names of one step of a LocalMesh's plan (``runtime.segments``): a segment, a
+    mesh op or fused call, a bucket's member, a per-device selection or a contraction; a
+    selection that reads through collective_permutes (``runtime.device_route``) is in their
+    ranges too, one inside the other (:func:`step_names`)."""
     nodes = getattr(step, "nodes", None)
     if nodes is not None:  # a Segment
-        return f"partita.segment {index} ({len(nodes)} ops)"
-    name = names.get(step.name)
-    if name is not None:
-        return name
-    return f"partita.{getattr(step.target, '__name__', step.target)} {step.name}"
+        return (f"partita.segment {index} ({len(nodes)} ops)",)
+    found = names.get(step.name)
+    if found is not None:
+        return found
+    return (f"partita.{_target(step)} {step.name}",)
+
+
+_STEP_NAMES: weakref.WeakKeyDictionary[fx.GraphModule, dict[str, tuple[str, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def step_names(gm: fx.GraphModule, steps: Sequence[Any]) -> dict[str, tuple[str, ...]]:
+    """For a LocalMesh running ``gm`` as ``steps``: ``{node name: range names}`` of its mesh
+    ops, and of each selection the collective_permutes that do not run were folded into (the
+    simulated mesh reads their rows where they were sent from: ``runtime.device_route``), so
+    every collective of the Plan has one range (around the first selection reading its rows).
+    Computed once per program."""
+    found = _STEP_NAMES.get(gm)
+    if found is not None:
+        return found
+    names: dict[str, tuple[str, ...]] = {k: (v,) for k, v in range_names(gm).items()}
+    order = {s: i for i, s in enumerate(steps) if isinstance(s, fx.Node)}
+    for node in gm.graph.nodes:
+        if node.target is not _PERMUTE or node in order or len(node.users) != 1:
+            continue
+        (reader,) = node.users
+        readers = list(reader.users) if reader.target is torch.ops.aten.cat.default else [reader]
+        takes = sorted((r for r in readers if r in order), key=order.__getitem__)
+        if takes:  # in the range of the first selection that reads its rows
+            base = names.get(takes[0].name, (f"partita.{_target(takes[0])} {takes[0].name}",))
+            names[takes[0].name] = (*base, *names.get(node.name, (op_name(node),)))
+    _STEP_NAMES[gm] = names
+    return names
 
 
 _RANGED: weakref.WeakKeyDictionary[fx.GraphModule, Any] = weakref.WeakKeyDictionary()
@@ -142,3 +181,8 @@ def _in_range(fn: Any, name: str) -> Any:
 
     call.__name__ = call.__qualname__ = getattr(fn, "__name__", "mesh_op")
     return call
+
+
+def _target(node: fx.Node) -> str:
+    """``aten.index_select.default`` -> ``index_select``."""
+    return str(getattr(node.target, "__name__", node.target)).split(".")[0]
