@@ -19,7 +19,7 @@ from torch import nn
 
 from partita import Mesh, P
 from partita.errors import ArgumentError
-from partita.models.moe import GShardMoE, capacity
+from partita.models.moe import GShardMoE, capacity, expert_report
 from partita.presets import StandardPreset, param_specs
 from partita.training import train_step
 
@@ -109,6 +109,11 @@ def test_gshard_moe_expert_parallel_trains_like_unsharded(plan: str) -> None:
     assert capacity(S, E, 1, 1.0) * E == S
     for c in a2a:
         assert c.bytes * MESH.size == G * S * D * 4
+    (layer,) = expert_report(step.plan, step.model, param_specs(plan, step.model, MESH), MESH)
+    assert (layer.name, layer.experts, layer.all_to_alls) == ("moe.experts", 8, 4)
+    assert layer.weight_bytes == 2 * E * D * H * 4
+    assert layer.weight_bytes_per_device == layer.weight_bytes // (4 if plan == "ep" else 8)
+    assert layer.all_to_all_bytes == 4 * G * S * D * 4 // MESH.size
 
 
 @pytest.mark.slow

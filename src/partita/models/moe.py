@@ -29,6 +29,7 @@ expert's capacity skip that expert (their residual path carries them), as in GSh
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,10 +37,11 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 from partita.frontend.annotate import mark_sharding
+from partita.partition.plan import Plan
 from partita.values.mesh import Mesh
 from partita.values.spec import PartitionSpec
 
-__all__ = ["GShardMoE", "capacity"]
+__all__ = ["ExpertLayer", "GShardMoE", "capacity", "expert_report"]
 
 
 def capacity(group: int, experts: int, top_k: int, capacity_factor: float | None) -> int:
@@ -153,3 +155,56 @@ class _Experts(nn.Module):
     def forward(self, expert_in: torch.Tensor) -> torch.Tensor:
         hidden = F.gelu(torch.einsum("gecd,edh->gech", expert_in, self.w1))
         return torch.einsum("gech,ehd->gecd", hidden, self.w2)
+
+
+@dataclass(frozen=True)
+class ExpertLayer:
+    """One ``experts`` module of a model under a preset, and what a step moves for it.
+
+    Attributes:
+        name: the module's path.
+        experts: the experts it holds.
+        weight_bytes: the bytes of its 3-D expert weights (all experts, unsharded).
+        weight_bytes_per_device: those a device holds under the specs.
+        all_to_alls, all_to_all_bytes: the all-to-alls that move its tokens to the experts
+            and back (the dispatch and the combine, forward and backward: 4 for a
+            ``GShardMoE`` under ``ep``) and their per-device bytes. The Plan's all-to-alls are
+            shared evenly among the layers in order (a model whose only all-to-alls are its
+            layers' dispatches and combines, as ``GShardMoE`` layers under ``ep``).
+    """
+
+    name: str
+    experts: int
+    weight_bytes: int
+    weight_bytes_per_device: int
+    all_to_alls: int
+    all_to_all_bytes: int
+
+
+def expert_report(
+    plan: Plan, model: nn.Module, specs: dict[str, PartitionSpec], mesh: Mesh
+) -> list[ExpertLayer]:
+    """Per ``experts`` module of ``model``: expert weight bytes per device under ``specs``
+    and the dispatch / combine all-to-alls of ``plan`` (a step's Plan)."""
+    layers = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "experts"]
+    a2a = [c for c in plan.collectives if c.kind == "all_to_all"]
+    per = len(a2a) // max(len(layers), 1)
+    out = []
+    for i, (name, module) in enumerate(layers):
+        full = local = experts = 0
+        for pname, p in module.named_parameters(recurse=False):
+            if p.ndim != 3:
+                continue
+            experts = p.shape[0]
+            spec = specs.get(f"{name}.{pname}", PartitionSpec())
+            split = math.prod(mesh.axes_size(_axes(a)) for a in spec.entries if a is not None)
+            full += p.numel() * p.element_size()
+            local += p.numel() * p.element_size() // split
+        mine = a2a[i * per : (i + 1) * per] if per else []
+        moved = sum(c.bytes for c in mine)
+        out.append(ExpertLayer(name, experts, full, local, len(mine), moved))
+    return out
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
