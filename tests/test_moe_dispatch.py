@@ -90,13 +90,15 @@ def _assert_trains_like_torch_optim(model: nn.Module, plan: str) -> None:
     assert step.stats.signatures == 1
 
 
-@pytest.mark.parametrize("plan", PLANS)
+@pytest.mark.parametrize(
+    "plan", [p if p == "fsdp+tp" else pytest.param(p, marks=pytest.mark.slow) for p in PLANS]
+)
 def test_where_moe_trains_like_torch_optim(plan: str) -> None:
     torch.manual_seed(0)
     _assert_trains_like_torch_optim(WhereMoE(), plan)
 
 
-@pytest.mark.parametrize("plan", ["dp", "fsdp+tp"])
+@pytest.mark.parametrize("plan", [pytest.param("dp", marks=pytest.mark.slow), "fsdp+tp"])
 def test_mixtral_style_loop_trains_like_torch_optim(plan: str) -> None:
     torch.manual_seed(0)
     _assert_trains_like_torch_optim(MixtralStyleMoE(), plan)

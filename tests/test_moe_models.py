@@ -88,6 +88,9 @@ def _cases() -> list[Any]:
         )
         for name in MOE_MODELS
         for plan in PLANS
+    ] + [  # the expert-parallel presets on a library MoE (its grouped op gathers the experts)
+        pytest.param("mixtral", plan, id=f"mixtral-{plan}", marks=[pytest.mark.slow])
+        for plan in ("ep", "fsdp+ep")
     ]
 
 

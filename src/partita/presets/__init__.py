@@ -22,6 +22,11 @@ The presets:
 * ``tp``: Megatron. Column-parallel linears split their output features (and bias) over
   ``model``, row-parallel linears their input features; everything else is replicated.
 * ``fsdp+tp``: ``tp``, plus one remaining dim of each parameter over ``data``.
+* ``ep``: expert parallel. The 3-D expert weights ``[experts, ., .]`` of a module named
+  ``experts`` split their experts dim over the expert axis (``expert_axis``, by default
+  ``model``: on a ``(data, model)`` mesh the axis the batch does not use), each expert's
+  matrices whole; everything else replicated.
+* ``fsdp+ep``: ``ep``, plus one remaining dim of each parameter over ``data``.
 
 The default batch spec (:func:`default_batch_spec`) is ``P('data')`` when the mesh has the
 ``data`` axis, else replicated.
@@ -65,6 +70,7 @@ from partita.presets.roles import (
     PATH_ROLES,
     ROW_NAMES,
     TPRole,
+    expert_roles,
     tp_roles,
     vocab_roles,
 )
@@ -103,7 +109,8 @@ class ParamRow:
 
 @dataclass(frozen=True)
 class StandardPreset:
-    """A standard preset: ``kind`` is ``"dp"``, ``"fsdp"``, ``"tp"`` or ``"fsdp+tp"``.
+    """A standard preset: ``kind`` is ``"dp"``, ``"fsdp"``, ``"tp"``, ``"fsdp+tp"``, ``"ep"``
+    or ``"fsdp+ep"`` (``expert_axis``: the mesh axis of the ``ep`` kinds' experts dim).
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("batch", "mp"))
@@ -116,6 +123,7 @@ class StandardPreset:
     data_axis: str = "data"
     model_axis: str = "model"
     vocab_parallel: bool = False
+    expert_axis: str = "model"
 
     def __post_init__(self) -> None:
         if self.kind not in PRESETS:
@@ -132,6 +140,10 @@ class StandardPreset:
     def uses_model(self) -> bool:
         return self.kind in ("tp", "fsdp+tp")
 
+    @property
+    def uses_experts(self) -> bool:
+        return self.kind in ("ep", "fsdp+ep")
+
     def specs(self, model: nn.Module, mesh: Mesh) -> dict[str, PartitionSpec]:
         """``{parameter name: spec}`` for every trainable and frozen parameter of ``model``."""
         return {row.name: row.spec for row in self.explain(model, mesh)}
@@ -142,13 +154,17 @@ class StandardPreset:
         roles = tp_roles(model) if self.uses_model else {}
         if self.uses_model and self.vocab_parallel:
             roles.update(vocab_roles(model))
+        if self.uses_experts:
+            roles = expert_roles(model, self.expert_axis)
         rows = []
         for name, p in model.named_parameters():
             dims: list[Any] = [None] * p.ndim
             reasons = []
             if self.uses_model:
                 reasons.append(self._model_part(roles.get(name), p.shape, dims, mesh))
-            if self.kind in ("fsdp", "fsdp+tp"):
+            elif self.uses_experts and name in roles:
+                reasons.append(self._model_part(roles[name], p.shape, dims, mesh))
+            if self.kind in ("fsdp", "fsdp+tp", "fsdp+ep"):
                 size = mesh.axis_size(self.data_axis)
                 dim = _fsdp_dim(p.shape, dims, size)
                 if dim is not None:
@@ -164,23 +180,26 @@ class StandardPreset:
     def _model_part(
         self, role: TPRole | None, shape: torch.Size, dims: list[Any], mesh: Mesh
     ) -> str:
-        """Split ``dims[role.dim]`` over the model axis if it divides; say what happened."""
+        """Split ``dims[role.dim]`` over the model (or expert) axis if it divides; say what
+        happened."""
         if role is None:
             return "replicated over model: no tp rule names this parameter"
         if role.dim is None:
             return role.reason
-        size = mesh.axis_size(self.model_axis)
+        axis = self.expert_axis if self.uses_experts else self.model_axis
+        size = mesh.axis_size(axis)
         if shape[role.dim] % size:
-            return f"replicated over model: {role.reason}, but {self.model_axis}={size} does not divide dim {role.dim} (size {shape[role.dim]})"  # noqa: E501
+            return f"replicated over {axis}: {role.reason}, but {axis}={size} does not divide dim {role.dim} (size {shape[role.dim]})"  # noqa: E501
         if role.heads is not None and role.heads % size:
-            return f"replicated over model: {role.reason}, but its {role.heads} heads do not split {size} ways (whole heads only)"  # noqa: E501
-        dims[role.dim] = self.model_axis
+            return f"replicated over {axis}: {role.reason}, but its {role.heads} heads do not split {size} ways (whole heads only)"  # noqa: E501
+        dims[role.dim] = axis
         return role.reason
 
     def _check_axes(self, mesh: Mesh) -> None:
         for used, axis, role in (
-            (self.uses_data and self.kind != "dp", self.data_axis, "data"),
+            (self.kind not in ("dp", "tp", "ep"), self.data_axis, "data"),
             (self.uses_model, self.model_axis, "model"),
+            (self.uses_experts, self.expert_axis, "expert"),
         ):
             if used and axis not in mesh.axis_names:
                 raise ArgumentError(
@@ -191,7 +210,7 @@ class StandardPreset:
                 )
 
 
-PRESETS = ("dp", "fsdp", "tp", "fsdp+tp")
+PRESETS = ("dp", "fsdp", "tp", "fsdp+tp", "ep", "fsdp+ep")
 
 PresetLike = (
     str

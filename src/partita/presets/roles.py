@@ -29,6 +29,7 @@ __all__ = [
     "PATH_ROLES",
     "ROW_NAMES",
     "TPRole",
+    "expert_roles",
     "tp_roles",
     "vocab_roles",
 ]
@@ -148,6 +149,20 @@ def _expert_roles(prefix: str, experts: nn.Module) -> dict[str, TPRole]:
         for name, p in experts.named_parameters(recurse=False)
         if p.ndim == 3 and name in EXPERT_NAMES
     }
+
+
+def expert_roles(model: nn.Module, axis: str = "model") -> dict[str, TPRole]:
+    """``{parameter name: role}`` of the 3-D expert weights only (the ``ep`` presets): the
+    experts dim over ``axis``, each expert's matrices whole."""
+    roles: dict[str, TPRole] = {}
+    for module_name, module in model.named_modules():
+        if module_name.rsplit(".", 1)[-1] == "experts":
+            prefix = f"{module_name}." if module_name else ""
+            for name, p in module.named_parameters(recurse=False):
+                if p.ndim == 3 and name in EXPERT_NAMES:
+                    why = f"ep: expert weights ({name}), whole experts over {axis!r}"
+                    roles[prefix + name] = TPRole(0, why)
+    return roles
 
 
 def vocab_roles(model: nn.Module) -> dict[str, TPRole]:
