@@ -102,6 +102,11 @@ class Plan:
     local_program: Any = field(default=None, repr=False, compare=False)
     local_inputs: list[Any] = field(default_factory=list, repr=False, compare=False)
     _memory: Any = field(default=None, repr=False, compare=False)
+    #: the Plan of each control-flow body, by its name in the per-device program (its
+    #: collectives run once per iteration or branch taken; ``partition.control_flow``)
+    bodies: dict[str, Plan] = field(default_factory=dict)
+    #: decisions about control flow, in words: a replicated carry, a reduced predicate
+    control_flow: list[str] = field(default_factory=list)
 
     def memory(self) -> Any:
         """Per-device peak memory of one run, estimated from the per-device program (a

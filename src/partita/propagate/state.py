@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -31,6 +31,7 @@ from partita.rules.manual import manual_rule
 from partita.rules.opinfo import is_tensor, op_info, source_of
 from partita.values.layout import check_strided
 from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
 
 __all__ = ["OpState", "ProgramState", "ValueKey", "ValueState", "info_key"]
 
@@ -96,8 +97,15 @@ def _keeps_the_data(op: OpState) -> bool:
 class ProgramState:
     """Every value's and op's propagation state for one program (built once, then refined)."""
 
-    def __init__(self, gm: fx.GraphModule, mesh: Mesh, replicate_unsupported: bool) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        mesh: Mesh,
+        replicate_unsupported: bool,
+        pinned: Sequence[Sharding | None] = (),
+    ) -> None:
         self.gm = gm
+        self.pinned = list(pinned)  # a body's inputs: fixed to the loop's operands' shardings
         self.mesh = mesh
         self.values: dict[ValueKey, ValueState] = {}
         self.ops: list[OpState] = []
@@ -138,6 +146,10 @@ class ProgramState:
                     n_in += 1
                     self._add_value((node, None), val)
                     self.values[(node, None)].stored = True
+                    pin = self.pinned[n_in - 1] if n_in <= len(self.pinned) else None
+                    if pin is not None:
+                        v = self.values[(node, None)]
+                        v.dims, v.priority, v.fixed = list(pin.dim_axes), 0, True
             elif node.op == "call_function" and node.target is operator.getitem:
                 src, idx = node.args
                 if isinstance(src, fx.Node) and isinstance(src.meta.get("val"), (tuple, list)):

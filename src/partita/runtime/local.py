@@ -74,8 +74,10 @@ from torch.utils import _pytree as pytree
 
 from partita.errors import ArgumentError, ArgumentTypeError, ExecutionError, PartitaError
 from partita.options import CompileOptions, current
+from partita.propagate.bodies import is_control_flow
 from partita.runtime.compiled import stats_for
 from partita.runtime.contraction import contract
+from partita.runtime.control_flow import run_control_flow
 from partita.runtime.device_index import run_take, take_inputs
 from partita.runtime.held import all_gather_held, all_reduce_held, reduce_scatter_held
 from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
@@ -236,6 +238,11 @@ class LocalMesh:
             elif step in plan.takes:  # a selection at a per-device index
                 take = plan.takes[step]
                 env[step] = run_take(take, [env[i] for i in take_inputs(step, take)], self.mesh)
+            elif step.op == "get_attr":  # a control-flow body: run_control_flow reads it
+                env[step] = None
+            elif is_control_flow(step):  # a loop or a branch, run here (runtime.control_flow)
+                run = lambda g, v: self._execute(g, v, inductor, trace_at, held=True)  # noqa: E731
+                env[step] = run_control_flow(gm, step, env, run, self.mesh.shape)
             elif step.target in (aten.mm.default, aten.addmm.default):  # a contraction
                 env[step] = self._contract(step, env)
             else:
