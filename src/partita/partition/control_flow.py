@@ -38,10 +38,13 @@ def _name(node: fx.Node) -> str:
     return f"{getattr(node.target, '_name', node.target)} (%{node.name})"
 
 
-def output_to(low: Any, node: fx.Node, targets: tuple[Sharding, ...]) -> list[fx.Node]:
-    """A body's outputs, each resharded to its target (the body's end: the loop's back edge)."""
+def output_to(low: Any, node: fx.Node, targets: tuple[Sharding, ...]) -> Any:
+    """A body's outputs, each resharded to its target (the body's end: the loop's back edge),
+    in the structure the body returned them (a tuple, a list, one value)."""
     outs = []
-    leaves = [a for a in pytree.tree_leaves(node.args[0]) if isinstance(a, fx.Node)]
+    leaves, spec = pytree.tree_flatten(node.args[0])
+    if not all(isinstance(a, fx.Node) for a in leaves):
+        raise InternalError(f"a body returns a non-tensor: {node.args[0]}")
     for i, (leaf, dst) in enumerate(zip(leaves, targets, strict=True)):
         key = low.key(leaf)
         why = f"body output {i} is carried on as {dst} (the next iteration's input, or the result)"
@@ -49,7 +52,7 @@ def output_to(low: Any, node: fx.Node, targets: tuple[Sharding, ...]) -> list[fx
         low.values[key] = LocalValue(local, dst, low.values[key].shape, low.values[key].dtype)
         outs.append(local)
         low.plan.output_shardings.append(dst)
-    return outs
+    return pytree.tree_unflatten(outs, spec)
 
 
 def lower_control_flow(low: LoweringAPI, node: fx.Node, lowering: Any) -> None:

@@ -176,7 +176,7 @@ class Lowering(LocalValues):
 
     def _output(self, node: fx.Node) -> None:
         if self.output_targets is not None:  # a control-flow body
-            self.graph.output(tuple(output_to(self, node, self.output_targets)))
+            self.graph.output(output_to(self, node, self.output_targets))
             return
         outs = []
         for leaf in pytree.tree_leaves(node.args[0]):

@@ -25,9 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from partita.capture.control_flow import CONTROL_FLOW_OPS, body_modules
 from partita.ir import node_meta
@@ -101,6 +103,21 @@ def _operand_shardings(node: fx.Node) -> list[Sharding]:
     return out
 
 
+def _sharded_ancestor(node: fx.Node) -> fx.Node | None:
+    """The nearest value ``node`` is computed from that is split or partial, if any."""
+    seen, todo = {node}, [node]
+    while todo:
+        n = todo.pop(0)
+        s = node_meta.sharding(n)
+        if isinstance(s, Sharding) and (s.partial or any(s.dim_axes)):
+            return n
+        for i in n.all_input_nodes:
+            if i not in seen:
+                seen.add(i)
+                todo.append(i)
+    return None
+
+
 def _count(arg: object) -> int:
     return len(arg) if isinstance(arg, (tuple, list)) else 0
 
@@ -138,11 +155,16 @@ class _Bodies:
             if not changed:
                 return
 
-    def predicate(self, sharding: Sharding, what: str) -> Sharding:
-        if sharding.partial or any(sharding.dim_axes):
+    def predicate(self, sharding: Sharding, what: str, value: fx.Node) -> Sharding:
+        """The predicate wanted whole and replicated: one decision, the same on every device
+        (the Plan says so when it is computed from sharded data)."""
+        source = _sharded_ancestor(value)
+        if sharding.partial or any(sharding.dim_axes) or source is not None:
+            at = f"%{source.name}: {node_meta.value_sharding(source)}" if source else sharding
             self.notes.append(
-                f"{self.name}: {what} is computed from sharded data ({sharding}); it is "
-                f"reduced to one value so that every device takes the same decision"
+                f"{self.name}: {what} is computed from sharded data ({at}); it is reduced to "
+                f"one value, the same on every device, before it is read, so that every device "
+                f"takes the same decision"
             )
         return _replicated(sharding)
 
@@ -155,7 +177,8 @@ class _Bodies:
             cond_gm, body_gm = self.bodies
             self.carried(body_gm, carry, rest)
             (pred,) = self.run(cond_gm, [*carry, *rest])
-            pred = self.predicate(pred, "the loop condition")
+            out = pytree.tree_leaves(cond_gm.graph.output_node().args[0])[0]
+            pred = self.predicate(pred, "the loop condition", out)
             ins = (*carry, *rest)
             return self._done(kind, ins, (ins, ins), ((pred,), tuple(carry)), tuple(carry))
         if kind == "scan":
@@ -193,7 +216,8 @@ class _Bodies:
         return self._done(kind, operands, ((*slices, *pos),), (tuple(outs),), results)
 
     def _cond(self, kind: str) -> BodyLayout:
-        pred, operands = self.predicate(self.ops[0], "the predicate"), self.ops[1:]
+        pred_node = cast(fx.Node, self.node.args[0])
+        pred, operands = self.predicate(self.ops[0], "the predicate", pred_node), self.ops[1:]
         true_gm, false_gm = self.bodies
         outs = tuple(_whole(o) for o in self.run(true_gm, operands))
         false_outs = [_whole(o) for o in self.run(false_gm, operands)]

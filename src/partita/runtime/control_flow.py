@@ -20,7 +20,7 @@ import torch.fx as fx
 
 from partita.errors import InternalError
 
-__all__ = ["run_control_flow"]
+__all__ = ["bind_bodies", "run_control_flow"]
 
 Held = tuple[Any, tuple[bool, ...]]
 Execute = Callable[[fx.GraphModule, list[Held]], list[Held]]
@@ -106,3 +106,13 @@ def run_control_flow(
     if node.users and all(u.target is operator.getitem for u in node.users):
         return outs
     return outs[0]  # a single-result op is its result (partition.control_flow)
+
+
+def bind_bodies(gm: fx.GraphModule, bound: fx.GraphModule, bind: Callable[..., Any]) -> Any:
+    """``bound`` (the DistributedMesh's copy of ``gm``) with each control-flow body of ``gm``
+    bound too (``bind(body, 0, donate=False)``): its mesh ops call the executor as well."""
+    for node in bound.graph.nodes:
+        body = getattr(gm, str(node.target), None) if node.op == "get_attr" else None
+        if isinstance(body, fx.GraphModule):
+            setattr(bound, str(node.target), bind(body, 0, donate=False))
+    return bound
