@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 import partita
 from partita import P
+from partita.errors import CaptureError
 from partita.runtime.launch import spawn
 from partita.values.mesh import Mesh
 
@@ -53,6 +54,30 @@ def test_cond_equals_eager_both_branches(sign: float) -> None:
     assert sum(1 for name in plan.bodies if "cond" in name) == 2
     # the predicate is computed from x, split over x: the Plan says how it is made uniform
     assert any("predicate" in note and "sharded data" in note for note in plan.control_flow)
+
+
+def _cond_grad(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    w = w.detach().requires_grad_(True)
+    y = torch.cond(x.sum() > 0, lambda x: torch.tanh(x @ w), lambda x: (x @ w) * 2.0, (x,))
+    loss = (y**2).sum()
+    return (loss, *torch.autograd.grad(loss, (w,)))
+
+
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_cond_gradients_equal_eager(sign: float) -> None:
+    x, w = _inputs(8)
+    _check(_cond_grad, x.abs() * sign, w)
+
+
+def test_gradient_through_while_loop_names_the_fix() -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w = w.detach().requires_grad_(True)
+        _, h = _while(x, w)
+        return torch.autograd.grad(h.sum(), w)
+
+    x, w = _inputs(9)
+    with pytest.raises(CaptureError, match=r"while_loop_stack_output .* scan over a fixed"):
+        partita.jit(fn, mesh=MESH, in_specs=SPECS)(x, w)
 
 
 def _while(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -160,6 +185,7 @@ def test_loop_body_is_captured_once_not_unrolled() -> None:
 #: the programs above, by name (also run on 4 processes: dist_scripts/control_flow.py)
 PROGRAMS = {
     "cond": _cond,
+    "cond_grad": _cond_grad,
     "while_loop": _while,
     "while_until": _while_until,
     "scan": _scan,

@@ -165,9 +165,28 @@ def _lifting_kernel(hop: HigherOrderOperator, kernel: Callable[..., Any]) -> Cal
     operand when autograd sees the op, or its gradient is lost."""
 
     def run(*args: Any, **kwargs: Any) -> Any:
-        if _LIFTING.on and not kwargs:
-            args = _lift_args(hop, args)
-        return kernel(*args, **kwargs)
+        if not _LIFTING.on or kwargs:
+            return kernel(*args, **kwargs)
+        args = _lift_args(hop, args)
+        if hop is not cond_op:
+            return kernel(*args)
+        # cond's backward wants its branches to return a tuple (dynamo makes them so before
+        # torch.cond reaches the op; capture calls the op itself): one tensor is returned as
+        # a 1-tuple to the op, and taken out of it again for the user.
+        bare: list[bool] = []
+
+        def tupled(fn: Callable[..., Any]) -> Callable[..., Any]:
+            def branch(*a: Any) -> Any:
+                out = fn(*a)
+                bare.append(isinstance(out, torch.Tensor))
+                return (out,) if isinstance(out, torch.Tensor) else out
+
+            branch.__partita_lifted__ = True  # type: ignore[attr-defined]
+            return branch
+
+        pred, t, f, ops = args
+        outs = kernel(pred, tupled(t), tupled(f), ops)
+        return outs[0] if bare and all(bare) else outs
 
     return run
 
