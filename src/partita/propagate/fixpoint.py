@@ -274,7 +274,15 @@ def propagate(
         )
     with gc_paused():  # the state built here lives until we return: see capture.gc_pause
         _Propagator(gm, mesh, replicate_unsupported, pinned).run()
-        if any(is_control_flow(n) for n in gm.graph.nodes):
+        loops = [n for n in gm.graph.nodes if is_control_flow(n)]
+        for _ in range(2 if loops else 0):
+            # The bodies, then the program again with the ops' results fixed to what their
+            # bodies give (propagate.bodies); twice, so that a loop fed by another loop's
+            # results (a scan's backward) sees them.
+            propagate_bodies(gm, mesh, _body_runner(replicate_unsupported))
+            fixed = {n: node_meta.body_layout(n).results for n in loops}
+            _Propagator(gm, mesh, replicate_unsupported, pinned, fixed).run()
+        if loops:  # the layouts of the final operand shardings
             propagate_bodies(gm, mesh, _body_runner(replicate_unsupported))
     return gm
 

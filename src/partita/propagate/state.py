@@ -103,9 +103,11 @@ class ProgramState:
         mesh: Mesh,
         replicate_unsupported: bool,
         pinned: Sequence[Sharding | None] = (),
+        fixed_results: dict[fx.Node, tuple[Sharding, ...]] | None = None,
     ) -> None:
         self.gm = gm
         self.pinned = list(pinned)  # a body's inputs: fixed to the loop's operands' shardings
+        self.fixed_results = fixed_results or {}  # control-flow ops': what their bodies give
         self.mesh = mesh
         self.values: dict[ValueKey, ValueState] = {}
         self.ops: list[OpState] = []
@@ -198,6 +200,10 @@ class ProgramState:
                 results.append((node, idx))
             else:
                 results.append(None)
+        for key, s in zip(results, self.fixed_results.get(node, ()), strict=False):
+            if key is not None:
+                v = self.values[key]
+                v.dims, v.priority, v.fixed = list(s.dim_axes), 0, True
         operands: list[ValueKey | None] = [self.key(n) for n in operand_nodes]
         if len(rule.operands) != len(operands) or len(rule.results) != len(results):
             raise UnsupportedOpError(
