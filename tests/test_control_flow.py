@@ -122,6 +122,9 @@ def test_while_loop_with_a_per_device_predicate_is_made_uniform() -> None:
     cond_plan = next(p for name, p in plan.bodies.items() if "cond_graph" in name)
     kinds = [c.kind for c in cond_plan.collectives]
     assert "all_reduce" in kinds  # the sum over the split rows, once per iteration
+    text = plan.explain()
+    assert "control flow: while_loop (%while_loop): the loop condition" in text
+    assert "1 collectives per run (all_reduce over x×y)" in text
 
 
 def _scan(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

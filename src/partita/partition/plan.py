@@ -210,6 +210,11 @@ class Plan:
             )
         for w in self.warnings:
             lines.append(f"warning: {w}")
+        lines.extend(f"control flow: {note}" for note in self.control_flow)
+        for name, body in self.bodies.items():  # each runs once per iteration or branch taken
+            kinds = ", ".join(f"{c.kind} over {'×'.join(c.mesh_axes)}" for c in body.collectives)
+            lines.append(f"body {name}: {len(body.collectives)} collectives per run ({kinds})")
+            lines.extend(f"    {line}" for line in body.explain().splitlines()[3:] if kinds)
         return "\n".join(lines)
 
     def __str__(self) -> str:
