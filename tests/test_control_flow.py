@@ -174,6 +174,32 @@ def test_map_equals_eager_each_device_maps_its_rows() -> None:
     assert plan.output_shardings[0].spec[0] == "x"  # mapped over local rows, not gathered
 
 
+class _Holder:
+    """Tensors a body reads as attributes (not through its closure cells): constants of the
+    body, made operands of the op."""
+
+    def __init__(self) -> None:
+        self.w = torch.randn(12, 12, generator=torch.Generator().manual_seed(10)) / 4
+
+
+_HELD = _Holder()
+
+
+def _attribute_bodies(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def step(h: torch.Tensor, xt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(h @ _HELD.w + xt), h.sum(-1)
+
+    carry, ys = scan(step, x, torch.stack([x, x * 2, x * 3]))
+    picked = torch.cond(carry.sum() > 0, lambda c: c @ _HELD.w, lambda c: c - 1.0, (carry,))
+    return picked, ys
+
+
+def test_a_tensor_a_body_reads_as_an_attribute_is_an_operand() -> None:
+    x, w = _inputs(11)
+    _check(_attribute_bodies, x, w)
+    _check(_attribute_bodies, -x, w)
+
+
 def test_loop_body_is_captured_once_not_unrolled() -> None:
     x, w = _inputs(6)
     program = partita.capture.trace(_while, (x, w), mesh=MESH, in_specs=SPECS)

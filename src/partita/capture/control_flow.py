@@ -24,8 +24,8 @@ import contextlib
 import functools
 import threading
 import types
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 from torch._C import DispatchKey
@@ -253,6 +253,48 @@ def normalize_bodies(
         for body in body_modules(node):
             normalize(body)  # which normalizes the bodies of its own control-flow ops
             _sources(body)
+        _lift_body_constants(gm, node)
+
+
+#: the argument of each op that its bodies' last inputs come from
+_EXTRA_ARG = {"cond": 3, "while_loop": 3, "scan": 3, "map_impl": 2}
+
+
+def _lift_body_constants(gm: torch.fx.GraphModule, node: torch.fx.Node) -> None:
+    """Make every tensor constant of ``node``'s bodies (a tensor a body read through a module
+    attribute, not its closure cells) an operand of the op, read by the program as a
+    constant of its own (``lift`` then makes it a program input). Every body of the op gets
+    the new inputs (a cond's two branches keep one signature)."""
+    bodies = body_modules(node)
+    found: list[tuple[torch.fx.GraphModule, torch.fx.Node]] = []
+    for body in bodies:
+        for n in body.graph.nodes:
+            if n.op == "get_attr" and isinstance(getattr(body, str(n.target)), torch.Tensor):
+                found.append((body, n))
+    if not found:
+        return
+    at = _EXTRA_ARG[getattr(node.target, "_name", "")]
+    graph, extra = gm.graph, list(cast("Sequence[Any]", node.args[at]))
+    for i, (owner, const) in enumerate(found):
+        name = f"_body_constant_{node.name}_{i}"
+        setattr(gm, name, getattr(owner, str(const.target)))
+        with graph.inserting_before(node):
+            outer = graph.get_attr(name)
+        outer.meta = dict(const.meta)
+        extra.append(outer)
+        for body in bodies:
+            last = [p for p in body.graph.nodes if p.op == "placeholder"][-1]
+            with body.graph.inserting_after(last):
+                ph = body.graph.placeholder(name)
+            ph.meta = dict(const.meta)
+            if body is owner:
+                const.replace_all_uses_with(ph)
+                body.graph.erase_node(const)
+    args = list(node.args)
+    args[at] = extra
+    node.args = tuple(args)
+    for body in bodies:
+        body.recompile()
 
 
 def _sources(body: torch.fx.GraphModule) -> None:
