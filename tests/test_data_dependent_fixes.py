@@ -57,10 +57,6 @@ def test_other_data_dependent_code_gets_the_generic_hint() -> None:
         step(X)
 
 
-def _cond(x: torch.Tensor) -> torch.Tensor:
-    return torch.cond(x.sum() > 0, lambda t: t * 2, lambda t: t - 1, (x,))
-
-
 def _flex(x: torch.Tensor) -> torch.Tensor:
     from torch.nn.attention.flex_attention import flex_attention
 
@@ -69,9 +65,7 @@ def _flex(x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("fn", "name", "fix"),
-    [(_cond, "cond", "torch.where(pred, a, b)"), (_flex, "flex_attention", "sdpa")],
-    ids=["cond", "flex_attention"],
+    ("fn", "name", "fix"), [(_flex, "flex_attention", "sdpa")], ids=["flex_attention"]
 )
 def test_higher_order_op_names_itself_and_the_fix(fn: Any, name: str, fix: str) -> None:
     """Was torch's "no rule registered for HigherOrderOperator ... and mode <_CaptureMode>",

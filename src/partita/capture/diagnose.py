@@ -114,17 +114,18 @@ _FIXES: tuple[tuple[str, str], ...] = (
 )
 
 
-#: Higher-order ops (a function as an argument) that capture cannot trace into, and what to write.
+#: Higher-order ops (a function as an argument) that capture cannot trace into, and what to write
+#: (torch.cond, while_loop, scan and map are captured with their bodies: capture/control_flow).
 _HOP_FIXES: dict[str, str] = {
-    "cond": "compute both branches and pick with torch.where(pred, a, b)",
-    "while_loop": "loop in Python over a count known when tracing (it is unrolled)",
+    "while_loop_stack_output": (
+        "take gradients through a scan over a fixed number of steps (torch's backward of "
+        "while_loop stacks every iteration's values, a count known only when it runs)"
+    ),
     "flex_attention": (
         "use F.scaled_dot_product_attention with the mask as a tensor (a score_mod or block "
         "mask can be written as an additive mask; in transformers pass "
         "attn_implementation='sdpa')"
     ),
-    "scan": "loop in Python over the sequence (it is unrolled)",
-    "map": "loop in Python over the leading dim, or vectorise the body",
 }
 _HOP = re.compile(r"no rule registered for HigherOrderOperator (\w+)")
 
@@ -139,8 +140,9 @@ def _higher_order_error(head: str, e: BaseException) -> CaptureError | None:
     fix = _HOP_FIXES.get(name, "write its body as plain tensor ops")
     where = head.split(": ", 1)[0]
     return CaptureError(
-        f"{where}: the higher-order op {name} (a function passed as an argument: torch.cond, "
-        f"while_loop, flex_attention, ...) cannot be captured by partita. Instead, {fix}."
+        f"{where}: the higher-order op {name} (a function passed as an argument: "
+        f"flex_attention, ...) cannot be captured by partita (torch.cond, while_loop, scan and "
+        f"map can). Instead, {fix}."
     )
 
 

@@ -23,6 +23,8 @@ from torch._subclasses.functional_tensor import FunctionalTensor
 
 from partita.capture.annotate import record
 from partita.capture.bounded import BoundedIndices
+from partita.capture.control_flow import lifting
+from partita.capture.control_flow import register as register_control_flow
 from partita.capture.decompositions import DROPPED_CHECKS
 from partita.capture.layer_dispatch import add_layer_call
 from partita.capture.layer_graph import LAYER_CALL_OP
@@ -134,6 +136,9 @@ class _CaptureMode(SourceTrackingMode):
         return super().__torch_dispatch__(func, types, args, kwargs)
 
 
+register_control_flow(_CaptureMode)  # torch.cond, while_loop, scan, map: bodies as subprograms
+
+
 def functionalized(
     flat_fn: Callable[..., list[torch.Tensor]], updates: InputUpdates
 ) -> Callable[..., list[torch.Tensor]]:
@@ -145,7 +150,7 @@ def functionalized(
         exclude = torch._C._ExcludeDispatchKeyGuard(
             torch._C.DispatchKeySet(torch._C.DispatchKey.Functionalize)
         )
-        with exclude, mode:
+        with exclude, mode, lifting():
             wrapped = [FunctionalTensor.to_functional(t) for t in tensors]
             outs = flat_fn(*wrapped)
             mode.bounded.refuse_results(outs)

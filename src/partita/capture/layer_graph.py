@@ -43,6 +43,7 @@ __all__ = [
     "part",
     "positional_form",
     "register_run",
+    "registered",
     "split_joint",
 ]
 
@@ -104,6 +105,11 @@ def part(key: int) -> LayerGraph:
     found = _GRAPHS[key]
     assert isinstance(found, LayerGraph), f"key {key} names a run of parts"
     return found
+
+
+def registered(key: int) -> LayerGraph | PartRun:
+    """What ``key`` names: one part, or a run of parts."""
+    return _GRAPHS[key]
 
 
 def _pieces(key: int, inputs: list[Any]) -> list[tuple[LayerGraph, list[Any]]]:

@@ -57,6 +57,7 @@ from torch.utils import _pytree as pytree
 
 from partita.capture.layer_graph import layer_call, part, register, register_run, release
 from partita.capture.layer_key import LayerFallbackError, call_signature, layer_attrs
+from partita.capture.layer_loop_keys import LOOP_KEYS, LOOPED
 from partita.capture.layer_sizes import resized, size_class
 from partita.capture.layer_trace import ScanState, Traced, trace_layer, traces_alike
 from partita.errors import PartitaWarning
@@ -275,6 +276,8 @@ def _lookup(
             traced = state.traces[key] = "a second layer traced differently from the first"
     if isinstance(traced, str):
         return None, primals
+    if module is not None and module in LOOPED:  # scan_layers(loop=True): capture.layer_loop
+        LOOP_KEYS.update(k for k in (traced.forward_key, traced.backward_key) if k is not None)
     return traced, primals
 
 

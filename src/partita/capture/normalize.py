@@ -36,6 +36,7 @@ import torch
 from torch import fx
 
 from partita.capture.annotate import ANNOTATE_OP
+from partita.capture.control_flow import normalize_bodies
 from partita.capture.fx_nodes import add_node
 from partita.errors import UnsupportedOpError
 
@@ -208,6 +209,7 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
     _eliminate_dead_code(gm)
     gm.graph.lint()
     gm.recompile()
+    normalize_bodies(gm, normalize)  # torch.cond, while_loop, scan, map: capture/control_flow
     return gm
 
 

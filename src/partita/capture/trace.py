@@ -64,7 +64,7 @@ from partita.capture.functionalize import InputUpdates, functionalized
 from partita.capture.fx_nodes import add_node
 from partita.capture.gc_pause import gc_paused
 from partita.capture.kv_cache import flatten_registering_caches, kv_cache_hint
-from partita.capture.layer_graph import inline_layer_calls
+from partita.capture.layer_loop import inline_layer_calls
 from partita.capture.layers import scan_scope
 from partita.capture.lift import lift_constants
 from partita.capture.normalize import normalize

@@ -20,6 +20,7 @@ from typing import TypeVar
 
 from torch import nn
 
+from partita.capture.layer_loop_keys import LOOPED
 from partita.capture.layers import mark_layers
 from partita.errors import ArgumentTypeError
 
@@ -28,8 +29,13 @@ __all__ = ["scan_layers"]
 Layers = TypeVar("Layers", bound=Iterable[nn.Module])
 
 
-def scan_layers(layers: Layers) -> Layers:
+def scan_layers(layers: Layers, *, loop: bool = False) -> Layers:
     """Trace each distinct layer of ``layers`` once per program; returns ``layers``.
+
+    ``loop=True``: a chain of identical layers, each reading the previous one's result,
+    becomes one ``scan`` over the layers' stacked parameters (``capture/layer_loop.py``): the
+    program holds the layer once, propagated and partitioned once, whatever the depth. Only
+    the forward is looped; the backward of a training step is inlined per layer as before.
 
     Layers are identical when they have the same class and Python attributes (submodules
     included), the same parameter and buffer names, shapes, dtypes and ``requires_grad``, and
@@ -60,4 +66,6 @@ def scan_layers(layers: Layers) -> Layers:
             f"{what}. Pass the nn.ModuleList of the repeated blocks."
         )
     mark_layers(modules)
+    if loop:
+        LOOPED.update(modules)
     return layers

@@ -29,7 +29,7 @@ those copies, where one mutable record would be shared by the copies.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch.fx as fx
 
@@ -43,6 +43,7 @@ __all__ = [
     "AnnotationRecord",
     "annotation",
     "annotation_of",
+    "body_layout",
     "bucket_members",
     "collective_bytes",
     "factor_axes",
@@ -56,6 +57,7 @@ __all__ = [
     "replicated_reason",
     "rule",
     "set_annotation",
+    "set_body_layout",
     "set_bucket_members",
     "set_collective_bytes",
     "set_factor_axes",
@@ -271,3 +273,15 @@ def range_name(node: fx.Node) -> str | None:
 
 def set_range_name(node: fx.Node, name: str) -> None:
     node.meta["range_name"] = name
+
+
+# --- control flow (propagate/bodies.py -> partition/control_flow.py) --------------------------
+
+
+def body_layout(node: fx.Node) -> Any:
+    """A control-flow op's ``BodyLayout``: its bodies' input and output shardings."""
+    return node.meta.get("partita_body_layout")
+
+
+def set_body_layout(node: fx.Node, layout: Any) -> None:
+    node.meta["partita_body_layout"] = layout

@@ -40,12 +40,15 @@ from partita.partition import halo as _halo  # noqa: F401 - registers its handle
 from partita.partition import manual as _manual
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
 from partita.partition.assignment import check_same_dtype, dims_of, memo_by_rule, representable
+from partita.partition.control_flow import lower_control_flow, output_to
 from partita.partition.emit import Emitter, node_of
 from partita.partition.local_args import localize_shape_args
 from partita.partition.masks import identity_of
+from partita.partition.origin import stamp_origin as _stamp_origin
 from partita.partition.plan import Plan
 from partita.partition.reasons import needs_why, partial_reason
 from partita.partition.resharding import LocalValue, LocalValues, ValueKey
+from partita.propagate.bodies import is_control_flow
 from partita.propagate.rules import compiler_error
 from partita.report.explain import op_name
 from partita.rules import FactorRule
@@ -54,6 +57,10 @@ from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
 __all__ = ["LocalValue", "Lowering"]
+
+
+def _is_body(gm: fx.GraphModule, node: fx.Node) -> bool:
+    return isinstance(getattr(gm, cast(str, node.target)), fx.GraphModule)  # a loop's body
 
 
 def _tensor_val(v: Any) -> TypeGuard[torch.Tensor]:
@@ -78,6 +85,8 @@ class Lowering(LocalValues):
         self.moves: dict[int, explicit.Move] = {}  # collective index -> the reshard behind it
         self._shardings: dict[tuple[Any, ...], Sharding] = {}  # see sharding()
         self._memo: dict[tuple[Any, ...], Any] = {}  # see assignment.memo_by_rule
+        self.bodies: dict[str, fx.GraphModule] = {}  # control-flow bodies, partitioned
+        self.output_targets: tuple[Sharding, ...] | None = None  # a body's: control_flow
 
     # --- the driver ------------------------------------------------------------------------
 
@@ -97,8 +106,10 @@ class Lowering(LocalValues):
         explicit.check(self.plan, self.moves, self.collectives)  # "explicit" / "warn"
         # Lazy: its Python code is generated only if it is run or printed (regathering and
         # bucketing edit the graph after this; the runtimes build their own GraphModules).
-        gm = _LazyGraphModule(torch.nn.Module(), self.graph, class_name="PerDeviceProgram")
-        return gm, self.plan
+        root = torch.nn.Module()
+        for name, body in self.bodies.items():
+            root.add_module(name, body)
+        return _LazyGraphModule(root, self.graph, class_name="PerDeviceProgram"), self.plan
 
     def reshard(self, key: ValueKey, dst: Sharding, why: str, at: fx.Node) -> fx.Node:
         """``LocalValues.reshard``, remembering which move made each new collective."""
@@ -128,9 +139,11 @@ class Lowering(LocalValues):
             self._getitem(node)
         elif node.op == "call_function" and node_meta.annotation(node) is not None:
             self._annotation(node)
+        elif is_control_flow(node):
+            lower_control_flow(self, node, type(self))
         elif node.op == "call_function":
             self._op(node)
-        elif node.op == "get_attr":
+        elif node.op == "get_attr" and not _is_body(self.src, node):
             raise UnsupportedOpError(
                 f"Constant {node.target} (node {node.name}) is not supported by the "
                 f"partitioner: pass tensors as inputs instead of closing over them."
@@ -162,6 +175,9 @@ class Lowering(LocalValues):
         self.values[(node, None)] = LocalValue(local, ann.sharding, v.shape, v.dtype)
 
     def _output(self, node: fx.Node) -> None:
+        if self.output_targets is not None:  # a control-flow body
+            self.graph.output(output_to(self, node, self.output_targets))
+            return
         outs = []
         for leaf in pytree.tree_leaves(node.args[0]):
             if not isinstance(leaf, fx.Node) or self.key(leaf) not in self.values:
@@ -382,18 +398,3 @@ class Lowering(LocalValues):
         why = f"the result of {op_name(node.target)} (%{node.name}) is wanted as {wanted}"
         local = self.reshard(key, wanted, why, node)
         self.values[key] = LocalValue(local, wanted, v.shape, v.dtype)
-
-
-def _stamp_origin(node: fx.Node, first: fx.Node | None, graph: fx.Graph) -> None:
-    """Tag the local nodes emitted for ``node`` (from ``first`` on; ``None``: the whole graph)
-    with the op and source line they come from, so that a failure while running names them."""
-    local = first if first is not None else next(iter(graph.nodes), None)
-    if local is None or local.op == "root":  # the op emitted nothing
-        return
-    origin = f"{op_name(node.target)} (%{node.name})"
-    has_source = node_meta.has_source(node)
-    while local.op != "root":
-        node_meta.set_origin_once(local, origin)
-        if has_source:
-            node_meta.set_source_once(local, node_meta.source(node))
-        local = local.next

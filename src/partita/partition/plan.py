@@ -126,6 +126,12 @@ class Plan:
 
         return estimate_step(self, hardware, self._local_values())
 
+    #: the Plan of each control-flow body, by its name in the per-device program (its
+    #: collectives run once per iteration or branch taken; ``partition.control_flow``)
+    bodies: dict[str, Plan] = field(default_factory=dict)
+    #: decisions about control flow, in words: a replicated carry, a reduced predicate
+    control_flow: list[str] = field(default_factory=list)
+
     def memory(self) -> Any:
         """Per-device peak memory of one run, estimated from the per-device program (a
         :class:`~partita.partition.memory.MemoryEstimate`; computed once, on first call)."""
@@ -223,6 +229,11 @@ class Plan:
             )
         for w in self.warnings:
             lines.append(f"warning: {w}")
+        lines.extend(f"control flow: {note}" for note in self.control_flow)
+        for name, body in self.bodies.items():  # each runs once per iteration or branch taken
+            kinds = ", ".join(f"{c.kind} over {'×'.join(c.mesh_axes)}" for c in body.collectives)
+            lines.append(f"body {name}: {len(body.collectives)} collectives per run ({kinds})")
+            lines.extend(f"    {line}" for line in body.explain().splitlines()[3:] if kinds)
         return "\n".join(lines)
 
     def __str__(self) -> str:

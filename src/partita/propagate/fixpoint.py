@@ -8,14 +8,17 @@ One op's assignment is chosen in ``propagate.assign``; the state it reads and wr
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from partita.capture.gc_pause import gc_paused
 from partita.errors import InternalError, PartitaError, ShardingConflictError
 from partita.ir import node_meta
 from partita.propagate.assign import choose_assignment, merge_axes
+from partita.propagate.bodies import RunBody, is_control_flow, propagate_bodies
 from partita.propagate.rules import compiler_error
 from partita.propagate.state import OpState, ProgramState, ValueKey, ValueState
 from partita.values.mesh import Mesh
@@ -244,6 +247,7 @@ def propagate(
     mesh: Mesh | None = None,
     *,
     replicate_unsupported: bool = False,
+    pinned: Sequence[Sharding | None] = (),
 ) -> fx.GraphModule:
     """Infer a Sharding for every value of a captured program, in place.
 
@@ -253,6 +257,8 @@ def propagate(
         mesh: the mesh; defaults to the mesh of the program's annotations.
         replicate_unsupported: run ops without a sharding rule on whole (gathered) tensors
             instead of raising :class:`~partita.errors.UnsupportedOpError`.
+        pinned: the fixed sharding of each tensor input, in order (a control-flow body's,
+            ``propagate.bodies``); None or missing: propagated like any value.
 
     Returns ``gm`` with every node's ``node_meta.sharding`` and ``node_meta.factor_axes`` set.
 
@@ -267,8 +273,30 @@ def propagate(
             "to propagate. Annotate at least one input (in_specs=...) or pass mesh=."
         )
     with gc_paused():  # the state built here lives until we return: see capture.gc_pause
-        _Propagator(gm, mesh, replicate_unsupported).run()
+        _Propagator(gm, mesh, replicate_unsupported, pinned).run()
+        loops = [n for n in gm.graph.nodes if is_control_flow(n)]
+        for _ in range(2 if loops else 0):
+            # The bodies, then the program again with the ops' results fixed to what their
+            # bodies give (propagate.bodies); twice, so that a loop fed by another loop's
+            # results (a scan's backward) sees them.
+            propagate_bodies(gm, mesh, _body_runner(replicate_unsupported))
+            fixed = {n: node_meta.body_layout(n).results for n in loops}
+            _Propagator(gm, mesh, replicate_unsupported, pinned, fixed).run()
+        if loops:  # the layouts of the final operand shardings
+            propagate_bodies(gm, mesh, _body_runner(replicate_unsupported))
     return gm
+
+
+def _body_runner(replicate_unsupported: bool) -> RunBody:
+    """Propagate a body with its inputs pinned; the shardings of its outputs."""
+
+    def run(body: fx.GraphModule, inputs: Sequence[Sharding]) -> list[Sharding]:
+        mesh = inputs[0].mesh
+        propagate(body, mesh, replicate_unsupported=replicate_unsupported, pinned=inputs)
+        outs = pytree.tree_leaves(body.graph.output_node().args[0])
+        return [node_meta.value_sharding(o) for o in outs if isinstance(o, fx.Node)]
+
+    return run
 
 
 def shardings(gm: fx.GraphModule) -> dict[str, Any]:

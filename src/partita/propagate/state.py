@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import operator
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
@@ -31,6 +31,7 @@ from partita.rules.manual import manual_rule
 from partita.rules.opinfo import is_tensor, op_info, source_of
 from partita.values.layout import check_strided
 from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
 
 __all__ = ["OpState", "ProgramState", "ValueKey", "ValueState", "info_key"]
 
@@ -96,8 +97,17 @@ def _keeps_the_data(op: OpState) -> bool:
 class ProgramState:
     """Every value's and op's propagation state for one program (built once, then refined)."""
 
-    def __init__(self, gm: fx.GraphModule, mesh: Mesh, replicate_unsupported: bool) -> None:
+    def __init__(
+        self,
+        gm: fx.GraphModule,
+        mesh: Mesh,
+        replicate_unsupported: bool,
+        pinned: Sequence[Sharding | None] = (),
+        fixed_results: dict[fx.Node, tuple[Sharding, ...]] | None = None,
+    ) -> None:
         self.gm = gm
+        self.pinned = list(pinned)  # a body's inputs: fixed to the loop's operands' shardings
+        self.fixed_results = fixed_results or {}  # control-flow ops': what their bodies give
         self.mesh = mesh
         self.values: dict[ValueKey, ValueState] = {}
         self.ops: list[OpState] = []
@@ -138,6 +148,10 @@ class ProgramState:
                     n_in += 1
                     self._add_value((node, None), val)
                     self.values[(node, None)].stored = True
+                    pin = self.pinned[n_in - 1] if n_in <= len(self.pinned) else None
+                    if pin is not None:
+                        v = self.values[(node, None)]
+                        v.dims, v.priority, v.fixed = list(pin.dim_axes), 0, True
             elif node.op == "call_function" and node.target is operator.getitem:
                 src, idx = node.args
                 if isinstance(src, fx.Node) and isinstance(src.meta.get("val"), (tuple, list)):
@@ -186,6 +200,10 @@ class ProgramState:
                 results.append((node, idx))
             else:
                 results.append(None)
+        for key, s in zip(results, self.fixed_results.get(node, ()), strict=False):
+            if key is not None:
+                v = self.values[key]
+                v.dims, v.priority, v.fixed = list(s.dim_axes), 0, True
         operands: list[ValueKey | None] = [self.key(n) for n in operand_nodes]
         if len(rule.operands) != len(operands) or len(rule.results) != len(results):
             raise UnsupportedOpError(

@@ -12,6 +12,7 @@ from typing import Any
 from partita.rules import (
     annotate,
     attention,
+    control_flow,
     conv,
     creation,
     elementwise,
@@ -39,6 +40,7 @@ __all__ = ["FACTS", "FAMILIES", "TABLE", "build_table"]
 FAMILIES: tuple[RuleSet, ...] = (
     annotate.RULES,
     attention.RULES,
+    control_flow.RULES,
     conv.RULES,
     creation.RULES,
     elementwise.RULES,

@@ -71,6 +71,7 @@ from partita.runtime.comm import (
     create_mesh_groups,
 )
 from partita.runtime.compiled import compile_regions, stats_for
+from partita.runtime.control_flow import bind_bodies
 from partita.runtime.dist_ops import InFlight, alone
 from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
 from partita.runtime.donate import donated_all_reduces
@@ -308,7 +309,7 @@ class DistributedMesh:
                 node.kwargs = {**node.kwargs, "node": node.name}
             if node.op == "call_function" and node.kwargs.get("node") in donated:
                 node.kwargs = {**node.kwargs, "donate": True}  # a mesh op or its start
-        return fx.GraphModule(gm, graph, class_name="RankProgram")
+        return bind_bodies(gm, fx.GraphModule(gm, graph, class_name="RankProgram"), self._bind)
 
     def compiled(self, gm: fx.GraphModule, overlap: int) -> fx.GraphModule:
         """:meth:`bind`'s program with its local-op regions compiled by Inductor on first run

@@ -2,9 +2,8 @@
 
 Every value is held *stacked*: ``[mesh.size, *local_shape]``, the shard of mesh position ``p``
 at ``stacked[p]`` (see :mod:`partita.values.layout`). Local ops run once over the whole stack,
-never in
-a Python loop over devices; mesh ops (``partita.ir.collectives``) run as tensor ops on the stack
-through ``partita.runtime.stacked.STACKED_IMPLS``. A fused bucket (``partita.ir.buckets``)
+never in a Python loop over devices; mesh ops (``partita.ir.collectives``) run as tensor ops on
+the stack through ``partita.runtime.stacked.STACKED_IMPLS``. A fused bucket (``partita.ir.buckets``)
 runs member by member, exactly as its members would; the overlap schedule of real processes
 does not apply here (nothing to overlap in one process).
 
@@ -18,9 +17,8 @@ tensors) to a flat graph of batched aten ops (``mm`` on ``[n * b, k]``, ``bmm``,
 from then on without functorch's per-op overhead; a segment whose batching rules cannot be
 traced stays with vmap. Each step drops the values nothing reads after it.
 ``view``/``_unsafe_view`` become ``reshape`` in both (vmap may move the device dim, after
-which a view can fail). Under
-the ``inductor`` option each segment is compiled by Inductor instead, on its first run
-(``runtime.compiled``).
+which a view can fail). Under the ``inductor`` option each segment is compiled by Inductor
+instead, on its first run (``runtime.compiled``).
 
 Values vary along some mesh axes. A value identical along a mesh axis is held once per
 position of the *other* axes: ``(value, axes)`` with ``axes`` one flag per mesh dim and
@@ -74,9 +72,11 @@ from torch.utils import _pytree as pytree
 
 from partita.errors import ArgumentError, ArgumentTypeError, ExecutionError, PartitaError
 from partita.options import CompileOptions, current
+from partita.propagate.bodies import is_control_flow
 from partita.runtime import ranges
 from partita.runtime.compiled import stats_for
 from partita.runtime.contraction import contract
+from partita.runtime.control_flow import run_control_flow
 from partita.runtime.device_index import run_take, take_inputs
 from partita.runtime.held import all_gather_held, all_reduce_held, reduce_scatter_held
 from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
@@ -222,8 +222,7 @@ class LocalMesh:
         ndim = self.mesh.ndim
         stats = stats_for(gm) if inductor else None
         env: dict[fx.Node, Any] = dict(zip(plan.placeholders, values, strict=True))
-        # Under a profiler the step and each of its steps run in named ranges (runtime.ranges);
-        # off it, this one check per step is all.
+        # under a profiler: named ranges (runtime.ranges); off it, this one check per step
         whole = span = None
         if ranges.enabled():
             names, whole = ranges.step_names(gm, plan.steps), ranges.Range(ranges.step_name(self))
@@ -245,6 +244,11 @@ class LocalMesh:
                 elif step in plan.takes:  # a selection at a per-device index
                     take = plan.takes[step]
                     env[step] = run_take(take, [env[i] for i in take_inputs(step, take)], self.mesh)
+                elif step.op == "get_attr":  # a control-flow body: run_control_flow reads it
+                    env[step] = None
+                elif is_control_flow(step):  # a loop or a branch (runtime.control_flow)
+                    run = lambda g, v: self._execute(g, v, inductor, trace_at, held=True)  # noqa: E731
+                    env[step] = run_control_flow(gm, step, env, run, self.mesh.shape)
                 elif step.target in (aten.mm.default, aten.addmm.default):  # a contraction
                     env[step] = self._contract(step, env)
                 else:

@@ -27,6 +27,7 @@ from partita.errors import CompilerError, UnsupportedOpError
 from partita.ir import node_meta
 from partita.ir.buckets import BUCKET_OPS
 from partita.ir.collectives import MESH_OPS
+from partita.propagate.bodies import is_control_flow
 from partita.runtime.compiled import CompileStats, compile_graph
 from partita.runtime.device_index import DeviceTake, find_device_takes, take_inputs
 from partita.runtime.device_route import RoutedTake, route_permutes
@@ -218,7 +219,11 @@ def plan_segments(gm: fx.GraphModule, mesh: Mesh | None = None) -> SegmentPlan:
     depth: dict[fx.Node, int] = {}
     placeholders: list[fx.Node] = []
     mesh_nodes: list[fx.Node] = []
-    buckets = {n for n in graph.nodes if n.op == "call_function" and n.target in BUCKET_OPS}
+    buckets = {
+        n
+        for n in graph.nodes
+        if n.op == "call_function" and (n.target in BUCKET_OPS or is_control_flow(n))
+    }
     contractions: list[fx.Node] = []
     by_depth: dict[int, list[fx.Node]] = {}
     output: Any = None
@@ -244,7 +249,7 @@ def plan_segments(gm: fx.GraphModule, mesh: Mesh | None = None) -> SegmentPlan:
             mesh_nodes.append(node)
             continue
         d = max((depth[i] for i in node.all_input_nodes), default=0)
-        if node.target in STEP_OPS:
+        if node.target in STEP_OPS or is_control_flow(node) or node.op == "get_attr":
             depth[node] = d + 1
             mesh_nodes.append(node)
         elif _is_contraction(node):
