@@ -112,6 +112,13 @@ def compile_function(
     )
 
 
+def _example(x: ShardedTensor) -> torch.Tensor:
+    """A tensor of ``x``'s global shape and dtype on the device of its storage (a ShardedTensor
+    of meta storage, from a module built on the meta device, traces on meta)."""
+    storage = x.held[0] if x.held is not None else x.stacked
+    return torch.empty(x.shape, dtype=x.dtype, device=storage.device)
+
+
 def propagated_program(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -128,8 +135,7 @@ def propagated_program(
     of ``args`` (for ``partita.frontend.annotate.propagate_program``, which stops here)."""
     leaves, tree = flatten_registering_caches((args, kwargs or {}))
     examples = [
-        torch.empty(x.shape, dtype=x.dtype) if isinstance(x, ShardedTensor) else x
-        for _, x in leaves
+        _example(x) if isinstance(x, ShardedTensor) else x for _, x in leaves
     ]
     targs, tkwargs = unflatten_args(examples, tree)
     with gc_paused():

@@ -82,8 +82,8 @@ def estimate_memory(gm: fx.GraphModule, local_inputs: Sequence[Any]) -> MemoryEs
     fakes = []
     for x in local_inputs:
         if isinstance(x, torch.Tensor):
-            with mode:  # on the CPU (a meta input would meet the program's CPU constants)
-                x = torch.empty(x.shape, dtype=x.dtype)
+            with mode:  # on the input's device, the program's: its constants are there too
+                x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         fakes.append(x)
     vals: dict[fx.Node, Any] = {}
 

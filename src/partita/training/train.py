@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from partita import options as options_module
 from partita.capture.threads import serialized
@@ -38,6 +39,7 @@ from partita.errors import ArgumentError, ArgumentTypeError
 from partita.frontend.jit import JitStats, Jitted, OptionsLike, jit
 from partita.partition import Plan
 from partita.presets import PresetLike, default_batch_spec
+from partita.runtime.executor import check_has_data
 from partita.presets import param_specs as preset_param_specs
 from partita.training.checks import (
     check_batch,
@@ -203,6 +205,9 @@ class TrainStep:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
         self._snapshot.check(self.model, self.optimizer)
         jitted, args = self._get_jitted(), self._args(batch)
+        state = {f"parameter {k!r}": v for k, v in {**self.params, **self.buffers}.items()}
+        state.update({f"batch{keystr(p)}": v for p, v in tree_flatten_with_path(batch)[0]})
+        check_has_data(list(state.values()), "partita.train_step", list(state))
         loss, params, buffers, opt_state = jitted(*args)
         self.params, self.buffers, self.opt_state = params, buffers, opt_state
         unused = self._unused.get(self.model.training, frozenset())
