@@ -134,9 +134,7 @@ def propagated_program(
     ``meta["sharding"]``). Input specs are ``specs``, one per leaf, or ``in_specs``, a prefix
     of ``args`` (for ``partita.frontend.annotate.propagate_program``, which stops here)."""
     leaves, tree = flatten_registering_caches((args, kwargs or {}))
-    examples = [
-        _example(x) if isinstance(x, ShardedTensor) else x for _, x in leaves
-    ]
+    examples = [_example(x) if isinstance(x, ShardedTensor) else x for _, x in leaves]
     targs, tkwargs = unflatten_args(examples, tree)
     with gc_paused():
         prog = capture.trace(

@@ -17,7 +17,6 @@ Nothing here runs a program; executors live in ``partita.runtime``.
 from __future__ import annotations
 
 import contextlib
-
 from typing import Any
 
 import torch

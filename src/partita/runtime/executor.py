@@ -21,7 +21,6 @@ import torch
 from torch import fx
 
 from partita.errors import MetaTensorError
-
 from partita.runtime.distributed import distributed_executor
 from partita.runtime.local import LocalMesh
 from partita.values.mesh import Mesh
@@ -73,9 +72,7 @@ def executor_for(mesh: Mesh) -> Executor:
     return local
 
 
-def check_has_data(
-    leaves: Sequence[Any], where: str, names: Sequence[str] | None = None
-) -> None:
+def check_has_data(leaves: Sequence[Any], where: str, names: Sequence[str] | None = None) -> None:
     """Refuse to run on meta tensors (shapes without data): a :class:`MetaTensorError` naming
     the first one (by ``names[i]``, else its position). ``lower()`` needs no data; running
     does.

@@ -39,8 +39,8 @@ from partita.errors import ArgumentError, ArgumentTypeError
 from partita.frontend.jit import JitStats, Jitted, OptionsLike, jit
 from partita.partition import Plan
 from partita.presets import PresetLike, default_batch_spec
-from partita.runtime.executor import check_has_data
 from partita.presets import param_specs as preset_param_specs
+from partita.runtime.executor import check_has_data
 from partita.training.checks import (
     check_batch,
     check_optimizer_params,
