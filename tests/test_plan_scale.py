@@ -15,10 +15,15 @@ import torch.nn.functional as F  # noqa: N812
 from torch import nn
 
 import partita
+import partita.virtual
 from partita import Mesh, MetaTensorError, P
 from partita.values.mesh import DeviceGroups
 
 MESH = Mesh.create((2, 4), ("data", "model"))
+
+# The virtual device test below runs after other tests' backward(): register the device at
+# import, before any test runs (as docs/virtual-device.md says a test session does).
+partita.virtual.register_device()
 
 
 def _mlp(device: str) -> nn.Module:
@@ -79,6 +84,28 @@ def test_running_a_jitted_meta_module_says_it_needs_data() -> None:
     fwd = partita.jit(_mlp("meta"), mesh=MESH, in_specs=(P("data", None),))
     with pytest.raises(MetaTensorError, match=r"no data.*load_state_dict"):
         fwd(_batch("meta")[0])
+
+
+def test_the_virtual_devices_step_of_a_meta_model_plans_and_refuses_to_run() -> None:
+    dev = partita.use_spmd(MESH)
+
+    def recorded(device: str) -> tuple[partita.Plan, torch.Tensor]:
+        model = _mlp(device).to(dev)
+        for name, spec in partita.presets.param_specs("fsdp+tp", model, MESH).items():
+            partita.mark_sharding(model.get_parameter(name), MESH, spec)
+        x, y = (t.to(dev) for t in _batch(device))
+        partita.mark_sharding(x, MESH, P("data", None))
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        partita.sync()
+        return partita.last_plan(), loss
+
+    real, _ = recorded("cpu")
+    meta, loss = recorded("meta")
+    assert meta.collectives
+    _same_plan(meta, real)
+    with pytest.raises(MetaTensorError, match=r"virtual device's step.*meta device"):
+        loss.item()
 
 
 def test_a_16384_device_mesh_lowers_a_small_mlp() -> None:
