@@ -9,6 +9,7 @@ on demand (``DeviceGroups``), never stored per device.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
@@ -143,3 +144,42 @@ def test_a_big_mesh_is_built_without_a_list_per_device() -> None:
     assert len(groups) == 256 and groups[255][63] == 16383
     assert mesh.position(16383) == 16383 and mesh.coords(300) == {"data": 1, "model": 44}
     assert repr(mesh) == "Mesh(data=64, model=256)"
+
+
+def _permute_sources_by_loop(src, dst, partial):  # type: ignore[no-untyped-def]
+    """The reference: the per-device loop the planner used before (one device at a time)."""
+    from partita.values.layout import tile_coords
+
+    mesh = src.mesh
+    coords = [tuple(int(c) for c in np.unravel_index(p, mesh.shape)) for p in range(mesh.size)]
+    part = [mesh.axis_index(a) for a in partial]
+    key_src = [
+        (*t, *(c[i] for i in part)) for t, c in zip(tile_coords(src).tolist(), coords, strict=True)
+    ]
+    key_dst = [
+        (*t, *(c[i] for i in part)) for t, c in zip(tile_coords(dst).tolist(), coords, strict=True)
+    ]
+    senders: dict[tuple[int, ...], list[int]] = {}
+    for p, k in enumerate(key_src):
+        if k != key_dst[p]:
+            senders.setdefault(k, []).append(p)
+    return [p if key_src[p] == k else senders[k].pop(0) for p, k in enumerate(key_dst)]
+
+
+@pytest.mark.parametrize(
+    ("shape", "src", "dst", "partial"),
+    [
+        ((4, 4), P("x", "y"), P("y", "x"), ()),
+        ((2, 4, 2), P(("x", "z"), "y"), P("y", ("z", "x")), ()),
+        ((4, 2, 2), P("y", None), P("z", None), ("x",)),
+        ((2, 2, 2), P(("x", "y")), P(("y", "x")), ("z",)),
+    ],
+)
+def test_permute_sources_equal_the_per_device_loop(shape, src, dst, partial) -> None:  # type: ignore[no-untyped-def]
+    from partita.values.layout import permute_sources
+
+    mesh = Mesh.create(shape, ("x", "y", "z")[: len(shape)])
+    a = src.to_sharding(mesh, 2 if len(src) == 2 else 1)
+    b = dst.to_sharding(mesh, a.ndim)
+    q, _ = permute_sources(a, b, partial)
+    assert q.tolist() == _permute_sources_by_loop(a, b, partial)
