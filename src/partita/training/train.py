@@ -26,6 +26,7 @@ layout (tied names, optimizer indices, atomic loading) ``partita.training.state`
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 
 import torch
@@ -205,7 +206,9 @@ class TrainStep:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
         self._snapshot.check(self.model, self.optimizer)
         jitted, args = self._get_jitted(), self._args(batch)
-        state = {f"parameter {k!r}": v for k, v in {**self.params, **self.buffers}.items()}
+        # the batch and the first parameter, by name (a model is built on meta whole; the jit
+        # call checks every input again, by position)
+        state = {f"parameter {k!r}": v for k, v in islice(self.params.items(), 1)}
         state.update({f"batch{keystr(p)}": v for p, v in tree_flatten_with_path(batch)[0]})
         check_has_data(list(state.values()), "partita.train_step", list(state))
         loss, params, buffers, opt_state = jitted(*args)
