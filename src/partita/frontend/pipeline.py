@@ -41,6 +41,7 @@ from partita.options import CompileOptions
 from partita.partition import Plan, partition
 from partita.propagate import propagate
 from partita.report.explain import format_program
+from partita.runtime.executor import storage_of
 from partita.values.mesh import Mesh
 from partita.values.spec import PartitionSpec, Sharding
 from partita.values.tensor import ShardedTensor
@@ -115,8 +116,7 @@ def compile_function(
 def _example(x: ShardedTensor) -> torch.Tensor:
     """A tensor of ``x``'s global shape and dtype on the device of its storage (a ShardedTensor
     of meta storage, from a module built on the meta device, traces on meta)."""
-    storage = x.held[0] if x.held is not None else x.stacked
-    return torch.empty(x.shape, dtype=x.dtype, device=storage.device)
+    return torch.empty(x.shape, dtype=x.dtype, device=storage_of(x).device)
 
 
 def propagated_program(

@@ -21,13 +21,14 @@ import torch
 from torch import fx
 
 from partita.errors import MetaTensorError
+from partita.runtime.dist_tensor import DistributedShardedTensor
 from partita.runtime.distributed import distributed_executor
 from partita.runtime.local import LocalMesh
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 from partita.values.tensor import ShardedTensor
 
-__all__ = ["CompiledProgram", "Executor", "check_has_data", "executor_for"]
+__all__ = ["CompiledProgram", "Executor", "check_has_data", "executor_for", "storage_of"]
 
 
 class CompiledProgram(Protocol):
@@ -72,6 +73,16 @@ def executor_for(mesh: Mesh) -> Executor:
     return local
 
 
+def storage_of(x: ShardedTensor) -> torch.Tensor:
+    """The tensor that holds ``x``'s data in this process, for its device and dtype (no copy):
+    its held value, this rank's shards under torch.distributed, else its stacked storage."""
+    if x.held is not None:
+        return x.held[0]
+    if isinstance(x, DistributedShardedTensor):
+        return x.addressable_data
+    return x.stacked
+
+
 def check_has_data(leaves: Sequence[Any], where: str, names: Sequence[str] | None = None) -> None:
     """Refuse to run on meta tensors (shapes without data): a :class:`MetaTensorError` naming
     the first one (by ``names[i]``, else its position). ``lower()`` needs no data; running
@@ -81,9 +92,7 @@ def check_has_data(leaves: Sequence[Any], where: str, names: Sequence[str] | Non
         >>> check_has_data([torch.ones(2)], "partita.jit(f)")   # real data: nothing to say
     """
     for i, leaf in enumerate(leaves):
-        storage = leaf
-        if isinstance(leaf, ShardedTensor):
-            storage = leaf.held[0] if leaf.held is not None else leaf.stacked
+        storage = storage_of(leaf) if isinstance(leaf, ShardedTensor) else leaf
         if isinstance(storage, torch.Tensor) and storage.is_meta:
             shape, name = tuple(leaf.shape), names[i] if names and i < len(names) else f"input {i}"
             raise MetaTensorError(
