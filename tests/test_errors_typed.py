@@ -54,8 +54,13 @@ _BUILTIN_EXCEPTIONS = {
 #: The built-in raises that Python protocols require (the one place they stay built-in):
 #: a module or object ``__getattr__`` says "no such attribute" with AttributeError (``hasattr``
 #: and ``getattr(x, name, default)`` rely on it), and an iterator's ``__next__`` ends with
-#: StopIteration. ``return NotImplemented`` from binary operators is not a raise at all.
-EXEMPT = {"__getattr__": {"AttributeError"}, "__next__": {"StopIteration"}}
+#: StopIteration, and a sequence's ``__getitem__`` says "past the end" with IndexError.
+#: ``return NotImplemented`` from binary operators is not a raise at all.
+EXEMPT = {
+    "__getattr__": {"AttributeError"},
+    "__next__": {"StopIteration"},
+    "__getitem__": {"IndexError"},
+}
 
 
 def _functions_with_parents(tree: ast.AST) -> dict[ast.AST, str]:

@@ -42,6 +42,7 @@ __all__ = [
     "JoinTimeoutError",
     "LaunchError",
     "MeshError",
+    "MetaTensorError",
     "OptionError",
     "PartitaError",
     "PipelineError",
@@ -228,6 +229,12 @@ class DtypeError(PartitaError, TypeError):
 
 class InputError(PartitaError, TypeError):
     """An argument partita cannot shard (a sparse or otherwise non-strided tensor)."""
+
+
+class MetaTensorError(PartitaError, RuntimeError):
+    """A program lowered from meta-device tensors (a model built under
+    ``torch.device("meta")``: shapes without data) was asked to run. Lowering, the Plan and its
+    estimates need no data; running does."""
 
 
 class ReplicatedOpWarning(PartitaWarning):

@@ -11,6 +11,12 @@ in that mode's converter so that converting the real tensor again (a closed-over
 the same fake. Every other input (a view, a tensor sharing its storage with another input, a
 0-d tensor, a subclass, a non-leaf, a non-CPU tensor...) is converted by ``from_tensor`` as
 ``make_fx`` would. ``make_fx`` then finds the mode on the inputs and uses it.
+
+A plain *meta* input (a model built under ``torch.device("meta")``, a meta batch: shapes
+without data) is faked as a CPU tensor, so that a meta model traces to exactly the program of
+the same model on the CPU: every constant the program or the partitioner makes is on the CPU
+too, and lowering, the Plan and ``Plan.memory()`` never meet two devices. Running it is refused
+before any kernel runs (``runtime.executor.check_has_data``).
 """
 
 from __future__ import annotations
@@ -40,6 +46,14 @@ def _made_directly(t: torch.Tensor, shared: Counter[int]) -> bool:
     return storage.data_ptr() != 0 and (not t.requires_grad or t.grad_dtype in (None, t.dtype))
 
 
+def _meta_leaf(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a plain meta tensor (a parameter of a model built under
+    ``torch.device("meta")``, a meta batch): shapes without data, traced as a CPU tensor."""
+    if type(t) is not torch.Tensor or t.layout is not torch.strided or not t.is_meta:
+        return False
+    return t._base is None and not t.is_conj() and not t.is_neg()
+
+
 def fake_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """``tensors`` as fake tensors of one new fake mode (the one ``make_fx`` would make), or
     ``tensors`` unchanged when a fake mode is already active or on them (``make_fx`` then
@@ -66,14 +80,17 @@ def fake_inputs(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     )
     fakes: list[torch.Tensor] = []
     for i, t in enumerate(tensors):
-        if not _made_directly(t, shared):
+        meta = _meta_leaf(t)
+        if not meta and not _made_directly(t, shared):
             fakes.append(mode.from_tensor(t, source=ConstantSource(f"input{i}")))
             continue
         with torch._C._DisableTorchDispatch():
-            meta = torch.empty_strided(
+            empty = torch.empty_strided(
                 t.shape, t.stride(), dtype=t.dtype, device="meta", requires_grad=t.requires_grad
             )
-            fake = FakeTensor(mode, meta, t.device)
+            # a meta input stands for a CPU tensor: the program, its constants and the
+            # partitioner's are all on the CPU, the Plan is the real model's
+            fake = FakeTensor(mode, empty, torch.device("cpu") if meta else t.device)
         converter.set_tensor_memo(t, fake)
         fakes.append(fake)
     for made in fakes:  # make_fx converts its inputs again: each is its own fake

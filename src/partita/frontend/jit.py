@@ -50,7 +50,7 @@ from partita.options import KNOBS, CompileOptions
 from partita.partition import Plan
 from partita.presets import PresetLike as PlanLike
 from partita.runtime.compiled import stats_for
-from partita.runtime.executor import executor_for
+from partita.runtime.executor import check_has_data, executor_for
 from partita.values.mesh import Mesh
 from partita.values.tensor import ShardedTensor
 
@@ -237,6 +237,7 @@ class Jitted:
         # The lifted constants (closed-over tensors, literals) are the trailing inputs.
         tensors = [leaf for leaf in leaves if isinstance(leaf, torch.Tensor | ShardedTensor)]
         tensors += program.constants
+        check_has_data(tensors, f"partita.jit({_name(self.fn)})")
         # The program holds its own backward: running it must not record autograd history
         # over an argument that requires grad (ops without complex autograd refused to run).
         with torch.no_grad(), self._running_options():

@@ -41,6 +41,7 @@ from partita.options import CompileOptions
 from partita.partition import Plan, partition
 from partita.propagate import propagate
 from partita.report.explain import format_program
+from partita.runtime.executor import storage_of
 from partita.values.mesh import Mesh
 from partita.values.spec import PartitionSpec, Sharding
 from partita.values.tensor import ShardedTensor
@@ -112,6 +113,12 @@ def compile_function(
     )
 
 
+def _example(x: ShardedTensor) -> torch.Tensor:
+    """A tensor of ``x``'s global shape and dtype on the device of its storage (a ShardedTensor
+    of meta storage, from a module built on the meta device, traces on meta)."""
+    return torch.empty(x.shape, dtype=x.dtype, device=storage_of(x).device)
+
+
 def propagated_program(
     fn: Callable[..., Any],
     args: tuple[Any, ...],
@@ -127,10 +134,7 @@ def propagated_program(
     ``meta["sharding"]``). Input specs are ``specs``, one per leaf, or ``in_specs``, a prefix
     of ``args`` (for ``partita.frontend.annotate.propagate_program``, which stops here)."""
     leaves, tree = flatten_registering_caches((args, kwargs or {}))
-    examples = [
-        torch.empty(x.shape, dtype=x.dtype) if isinstance(x, ShardedTensor) else x
-        for _, x in leaves
-    ]
+    examples = [_example(x) if isinstance(x, ShardedTensor) else x for _, x in leaves]
     targs, tkwargs = unflatten_args(examples, tree)
     with gc_paused():
         prog = capture.trace(

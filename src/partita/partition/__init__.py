@@ -16,6 +16,7 @@ Nothing here runs a program; executors live in ``partita.runtime``.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -70,7 +71,9 @@ def partition(
 
 
 def _local_inputs(gm: fx.GraphModule, plan: Plan) -> list[Any]:
-    """Meta tensors of the per-device program's input shapes (for ``Plan.memory``)."""
+    """Tensors of the per-device program's input shapes, without data (for ``Plan.memory``):
+    fake tensors on the device the program was traced on (the CPU, or meta for a model built
+    on the meta device), so that they meet the program's constants on one device."""
     shardings = iter(plan.input_shardings)
     out: list[Any] = []
     for node in gm.graph.nodes:
@@ -79,7 +82,10 @@ def _local_inputs(gm: fx.GraphModule, plan: Plan) -> list[Any]:
         val = node.meta.get("val")
         if isinstance(val, torch.Tensor):
             shape = local_shape(next(shardings), tuple(val.shape))
-            out.append(torch.empty(shape, dtype=val.dtype, device="meta"))
+            mode = getattr(val, "fake_mode", None)
+            with mode if mode is not None else contextlib.nullcontext():
+                device = val.device if mode is not None else "meta"
+                out.append(torch.empty(shape, dtype=val.dtype, device=device))
         else:
             out.append(val)
     return out

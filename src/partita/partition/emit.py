@@ -262,7 +262,7 @@ class Emitter:
             CollectiveRecord(
                 kind=kind,
                 mesh_axes=tuple(axes),
-                groups=tuple(tuple(g) for g in self.mesh.groups(axes)),
+                groups=self.mesh.device_groups(axes),
                 shape=tuple(shape),
                 dtype=dtype,
                 value=f"{self.node.name}.{what.split()[0]}",

@@ -118,7 +118,7 @@ def record_user_collective(low: LoweringAPI, node: fx.Node, split: Sharding | No
         CollectiveRecord(
             kind=kind,
             mesh_axes=axes,
-            groups=tuple(tuple(g) for g in low.mesh.groups(axes)),
+            groups=low.mesh.device_groups(axes),
             shape=shape,
             dtype=val.dtype if isinstance(val, torch.Tensor) else torch.float32,
             value=node.name,

@@ -87,8 +87,8 @@ def fake_values(gm: fx.GraphModule, local_inputs: Sequence[Any]) -> dict[fx.Node
     fakes = []
     for x in local_inputs:
         if isinstance(x, torch.Tensor):
-            with mode:  # on the CPU (a meta input would meet the program's CPU constants)
-                x = torch.empty(x.shape, dtype=x.dtype)
+            with mode:  # on the input's device, the program's: its constants are there too
+                x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         fakes.append(x)
     vals: dict[fx.Node, Any] = {}
 

@@ -9,6 +9,7 @@ what the rows are for.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.fx as fx
 
@@ -54,17 +55,16 @@ def emit_pairs(
     """In every group along ``axes``, member ``i`` sends ``x`` to member ``j`` for each
     ``(i, j)`` of ``pairs`` (group positions; each member sends and receives at most once);
     members with no sender receive zeros. ``shape``, ``value``: as for :func:`emit_shift`."""
-    groups = low.mesh.groups(axes)
-    flat: list[int] = []
-    for g in groups:
-        for i, j in pairs:
-            flat += [int(g[i]), int(g[j])]
+    groups = low.mesh.device_groups(axes)
+    members = np.asarray(low.mesh.groups(axes), dtype=np.int64)  # [groups, size], numpy
+    senders, receivers = (np.asarray([p[k] for p in pairs], dtype=np.int64) for k in (0, 1))
+    flat: list[int] = np.stack([members[:, senders], members[:, receivers]], -1).ravel().tolist()
     out = low.call(torch.ops.partita.collective_permute.default, x, flat, list(axes))
     low.plan.collectives.append(
         CollectiveRecord(
             kind="collective_permute",
             mesh_axes=tuple(axes),
-            groups=tuple(tuple(int(d) for d in g) for g in groups),
+            groups=groups,
             shape=tuple(shape),
             dtype=dtype,
             value=value or node.name,

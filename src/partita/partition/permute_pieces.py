@@ -16,6 +16,11 @@ place_pieces``. ``take_piece`` reads the *source*: the value the run started fro
 piece the previous ``collective_permute`` received. Only the planning loops over devices; the
 stacked implementations and the emitted graph are vectorised.
 
+The schedule is a greedy search over devices, pieces and their holders (its cost grows faster
+than the device count), so it is planned only on meshes of at most :data:`MAX_DEVICES`
+devices; on a larger mesh the planner's collectives (all_to_all, all_gather) move the value,
+and lowering costs the same whatever the mesh's size.
+
 For T02 (``[16,32]``, ``P('y','x')`` -> ``P('x','y')`` on ``Mesh(x=2, y=4)``) the pieces are
 ``[4,8]`` and two rounds suffice: 2 * 32 elements per device instead of 2 * 128.
 """
@@ -33,9 +38,19 @@ from torch import fx
 from partita.values.layout import tile_coords
 from partita.values.spec import Sharding
 
-__all__ = ["emit_place", "emit_take", "plan_pieces", "stacked_place", "stacked_take"]
+__all__ = [
+    "MAX_DEVICES",
+    "emit_place",
+    "emit_take",
+    "plan_pieces",
+    "stacked_place",
+    "stacked_take",
+]
 
 aten = torch.ops.aten
+
+#: The largest mesh the piecewise schedule is searched on (see the module docstring).
+MAX_DEVICES = 64
 
 # (kind, args, mesh_axes, in_local_shape, out_local_shape, reason)
 RawStep = tuple[str, tuple[Any, ...], tuple[str, ...], tuple[int, ...], tuple[int, ...], str]
@@ -43,9 +58,10 @@ RawStep = tuple[str, tuple[Any, ...], tuple[str, ...], tuple[int, ...], tuple[in
 
 def plan_pieces(src: Sharding, dst: Sharding, shape: tuple[int, ...]) -> list[RawStep] | None:
     """The piecewise collective_permute steps from ``src`` to ``dst``, or None if it does not
-    apply (partial, uneven tiles, tiles that do not divide one another, or an empty value)."""
+    apply (partial, uneven tiles, tiles that do not divide one another, an empty value, or a
+    mesh of more than :data:`MAX_DEVICES` devices)."""
     # An empty value has no pieces to move (and its tiles have size 0: nothing divides them).
-    if src.partial or dst.partial or not shape or 0 in shape:
+    if src.partial or dst.partial or not shape or 0 in shape or src.mesh.size > MAX_DEVICES:
         return None
     cs, cd = [], []
     for n, ks, kd in zip(shape, src.tile_shape, dst.tile_shape, strict=True):

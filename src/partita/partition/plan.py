@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from partita.errors import ArgumentError
+from partita.values.groups import DeviceGroups
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
@@ -32,7 +33,9 @@ class CollectiveRecord:
         kind: ``all_gather``, ``all_reduce``, ``reduce_scatter``, ``all_to_all`` or
             ``collective_permute`` (a halo exchange is a collective_permute whose reason says so).
         mesh_axes: the mesh axes it runs over.
-        groups: the device groups (device ids) that communicate.
+        groups: the device groups (device ids) that communicate: a
+            :class:`~partita.values.groups.DeviceGroups` (computed on demand; equal to the
+            tuple of tuples of ids), so a record costs the same on any mesh size.
         shape: the per-device shape it is reported with (see ``partita.ir.collectives``).
         dtype: the element type.
         value: the name of the value being moved (its fx node).
@@ -43,7 +46,7 @@ class CollectiveRecord:
 
     kind: str
     mesh_axes: tuple[str, ...]
-    groups: tuple[tuple[int, ...], ...]
+    groups: DeviceGroups | tuple[tuple[int, ...], ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
     value: str
@@ -205,7 +208,11 @@ class Plan:
                 f"{format_bytes(self.bytes_per_device)} per device per run"
             )
         for i, c in enumerate(self.collectives):
-            groups = " ".join("{" + ",".join(map(str, g)) + "}" for g in c.groups)
+            groups = (
+                c.groups.describe()
+                if isinstance(c.groups, DeviceGroups)
+                else " ".join("{" + ",".join(map(str, g)) + "}" for g in c.groups)
+            )
             dtype = str(c.dtype).removeprefix("torch.")
             head = (
                 f"  [{i}] {c.kind}({c.detail}) over {'×'.join(c.mesh_axes) or '-'} "

@@ -59,7 +59,7 @@ import numpy as np
 
 from partita.errors import InternalError, ShardingError
 from partita.partition import permute_pieces
-from partita.values.layout import ceil_div, tile_coords
+from partita.values.layout import ceil_div, permute_sources
 from partita.values.spec import Sharding
 
 __all__ = ["ReshardStep", "is_full_remat", "plan_reshard"]
@@ -173,21 +173,11 @@ class _Planner:
         mesh = self.mesh
         src = Sharding(mesh, tuple(self.dims), tuple(self.partial), self.reduce_op)
         dst = Sharding(mesh, tuple(target), tuple(self.partial), self.reduce_op)
-        coords = np.indices(mesh.shape).reshape(mesh.ndim, -1).T
-        part = [mesh.axis_index(a) for a in self.partial]
-        key_src = [tuple(t) + tuple(c[part]) for t, c in zip(tile_coords(src), coords, strict=True)]
-        key_dst = [tuple(t) + tuple(c[part]) for t, c in zip(tile_coords(dst), coords, strict=True)]
-        senders: dict[tuple[int, ...], list[int]] = {}
-        for p, k in enumerate(key_src):
-            if k != key_dst[p]:
-                senders.setdefault(k, []).append(p)
-        pairs: list[int] = []
-        moved: set[str] = set()
-        for p, k in enumerate(key_dst):
-            q = p if key_src[p] == k else senders[k].pop(0)
-            pairs += [mesh.device_ids[q], mesh.device_ids[p]]
-            moved |= {a for i, a in enumerate(mesh.axis_names) if coords[p][i] != coords[q][i]}
-        axes = tuple(a for a in mesh.axis_names if a in moved)
+        q, coords = permute_sources(src, dst, self.partial)
+        ids = mesh.devices.reshape(-1)
+        pairs = np.stack([ids[q], ids], -1).reshape(-1).tolist()
+        moved = (coords != coords[q]).any(axis=0)  # per mesh axis: does any device cross it
+        axes = tuple(a for a, m in zip(mesh.axis_names, moved, strict=True) if m)
         self.dims = target
         self.emit("collective_permute", (tuple(pairs), axes), axes, "same tiles, other devices")
         return True

@@ -152,7 +152,7 @@ class LocalValues:
                 CollectiveRecord(
                     kind=step.kind,
                     mesh_axes=tuple(step.mesh_axes),
-                    groups=tuple(tuple(g) for g in self.mesh.groups(step.mesh_axes)),
+                    groups=self.mesh.device_groups(step.mesh_axes),
                     shape=tuple(shape),
                     dtype=v.dtype,
                     value=name,

@@ -26,10 +26,12 @@ layout (tied names, optimizer indices, atomic loading) ``partita.training.state`
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import islice
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from partita import options as options_module
 from partita.capture.threads import serialized
@@ -40,6 +42,7 @@ from partita.partition import Plan
 from partita.partition.resharding import naming_spec_knobs
 from partita.presets import PresetLike, default_batch_spec
 from partita.presets import param_specs as preset_param_specs
+from partita.runtime.executor import check_has_data
 from partita.training.checks import (
     check_batch,
     check_optimizer_params,
@@ -208,6 +211,11 @@ class TrainStep:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
         self._snapshot.check(self.model, self.optimizer)
         jitted, args = self._get_jitted(), self._args(batch)
+        # the batch and the first parameter, by name (a model is built on meta whole; the jit
+        # call checks every input again, by position)
+        state = {f"parameter {k!r}": v for k, v in islice(self.params.items(), 1)}
+        state.update({f"batch{keystr(p)}": v for p, v in tree_flatten_with_path(batch)[0]})
+        check_has_data(list(state.values()), "partita.train_step", list(state))
         with naming_spec_knobs(_KNOBS):  # a compile's advice names this step's own knobs
             loss, params, buffers, opt_state = jitted(*args)
         self.params, self.buffers, self.opt_state = params, buffers, opt_state

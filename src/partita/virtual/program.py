@@ -23,7 +23,7 @@ from torch import fx
 from partita.capture.rng import random_ops
 from partita.frontend.pipeline import Compiled, compile_function
 from partita.options import CompileOptions
-from partita.runtime.executor import executor_for
+from partita.runtime.executor import check_has_data, executor_for
 from partita.values.mesh import Mesh
 from partita.values.spec import P, Sharding
 from partita.values.tensor import ShardedTensor
@@ -70,6 +70,7 @@ class StepProgram:
         rebinds its cell; nothing is copied, and under torch.distributed the new value is this
         process's shards)."""
         tensors = [*inputs, *self.constants]
+        check_has_data(tensors, "the virtual device's step")
         executor = executor_for(mesh)
         # Under torch.distributed the executor checks that every process runs the same
         # program, which needs the jit form; steps read from disk are used only without a
