@@ -200,19 +200,20 @@ PROFILES: dict[str, Hardware] = {
     # processes on 127.0.0.1 sharing 2 cores (what the distributed tests and benches run).
     "cpu-gloo": Hardware(
         name="cpu-gloo",
-        peak_flops=6.78e10,
-        memory_bandwidth=5.41e9,
+        peak_flops=2.76e10,
+        memory_bandwidth=3.45e9,
         memory=24 * 2**30,
         devices_per_host=4,
-        intra_host=Link(bandwidth=5.97e8, latency=277e-6),
-        inter_host=Link(bandwidth=5.97e8, latency=277e-6),
-        launch=4.8e-6,
-        source="fitted by bench/bench_collectives.py on a 2-core x86-64 machine, 4 processes",
+        intra_host=Link(bandwidth=3.31e8, latency=232e-6),
+        inter_host=Link(bandwidth=3.31e8, latency=232e-6),
+        launch=33.4e-6,
+        source="fitted by bench/bench_collectives.py on a 2-core x86-64 machine, 4 processes "
+        "computing and communicating at once (GPT-S matmul and elementwise sizes)",
         collective_scale={
-            "all_gather": 1.22,
-            "all_reduce": 2.07,
-            "reduce_scatter": 4.71,
-            "all_to_all": 0.76,
+            "all_gather": 1.48,
+            "all_reduce": 1.13,
+            "reduce_scatter": 3.0,
+            "all_to_all": 0.81,
         },
     ),
     # An 8-GPU H100 SXM host (DGX H100 / HGX H100): 989 TFLOP/s dense BF16 and 3.35 TB/s HBM3
