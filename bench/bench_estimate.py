@@ -15,10 +15,15 @@ of the machine's load during the run does not favour the configurations that ran
 
 The table shows the measured and the estimated seconds, their ratio, the estimate's compute
 and communication, and at the end whether the estimate ranks the configurations in the same
-order as the measurements and the largest ratio either way. ``--dump FILE`` also writes each
-configuration's per-op FLOPs and bytes and its collective calls (kind, bytes, group size), so a
-profile can be refitted without running the steps again (``fit_profile`` below). The machine
-is shared: rows are medians, the load average is printed before and after.
+order as the measurements and the largest ratio either way. The machine is shared (other jobs
+take its cores for minutes at a time), so each worker also measures its pace around the timed
+steps: GPT-S's matmuls with the 4 processes computing at once, as
+``bench_collectives.py`` measures ``peak_flops`` (``GFLOP/s``); ``scaled`` is the estimate
+times the profile's ``peak_flops`` over that pace — the estimate of the profile refitted at
+the moment of the measurement (compute and Gloo's collectives share the same cores).
+``--dump FILE`` also writes each configuration's per-op FLOPs and bytes and its collective
+calls (kind, bytes, group size), so a profile can be tried without running the steps again
+(``estimate_raw``). The load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import torch.nn.functional as F  # noqa: N812
 import partita
 import partita.distributed as pd
 from partita import Mesh, P
-from partita.cost import Hardware
+from partita.cost import PROFILES, Hardware
 from partita.cost.flops import node_bytes, node_flops
 from partita.data import make_global, process_slice
 from partita.models import GPT, GPTConfig
@@ -90,6 +95,16 @@ def _median(fn: Callable[[], Any], repeat: int) -> float:
     t = torch.tensor([statistics.median(times)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def _speed(repeat: int) -> float:
+    """FLOP/s per process of GPT-S's matmuls with all 4 processes computing, now: what
+    ``bench_collectives.py`` fits ``peak_flops`` with, measured beside the steps."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_collectives import _concurrent, _gpt_matmuls
+
+    flops, seconds = _concurrent(_gpt_matmuls(), max(3, repeat))
+    return flops / seconds
 
 
 def _raw(plan: Any) -> dict[str, Any]:
@@ -147,7 +162,9 @@ def worker(preset: str, shape: tuple[int, ...], repeat: int) -> None:
     def one() -> None:
         _, box[0], _, box[1] = step(box[0], {}, box[1], batch)
 
+    speed = _speed(repeat)  # the machine's pace now, around the timed steps
     measured = _median(one, repeat)
+    speed = (speed + _speed(repeat)) / 2
     if pd.is_main_process():
         est = plan.estimate("cpu-gloo")
         row = {
@@ -157,6 +174,7 @@ def worker(preset: str, shape: tuple[int, ...], repeat: int) -> None:
             "communication": est.communication,
             "collectives": dict(est.collectives),
             "flops": est.flops,
+            "speed": speed,
             "raw": _raw(plan),
         }
         print("RESULT " + json.dumps(row))
@@ -202,7 +220,8 @@ def main() -> None:
           f"sweeps; estimate: cpu-gloo")  # fmt: skip
     print(_load())
     print(f"{'configuration':<16} {'measured':>9} {'estimate':>9} {'est/meas':>8} "
-          f"{'compute':>9} {'comm':>9}  (each sweep's measurement)")  # fmt: skip
+          f"{'compute':>9} {'comm':>9} {'GFLOP/s':>8} {'scaled':>9} {'sc/meas':>7}  "
+          f"(each sweep's measurement)")  # fmt: skip
     names, measured, estimated, dump = [], [], [], {}
     runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(ns.rounds):  # whole sweeps in turn: a change of load hits every row alike
@@ -219,24 +238,32 @@ def main() -> None:
                 print(f"{name:<16} failed (rank {bad.rank}): {bad.stderr.strip()[-300:]}")
                 continue
             runs.setdefault(name, []).append(json.loads(lines[-1].removeprefix("RESULT ")))
+    peak = PROFILES["cpu-gloo"].peak_flops
+    scaled = []
     for name, rs in runs.items():
         r = dict(rs[0])
         r["measured"] = statistics.median(x["measured"] for x in rs)
+        r["speed"] = statistics.median(x["speed"] for x in rs)
         r["rounds"] = [x["measured"] for x in rs]
+        r["scaled"] = r["estimate"] * peak / r["speed"]
         names.append(name)
         measured.append(r["measured"])
         estimated.append(r["estimate"])
+        scaled.append(r["scaled"])
         dump[name] = r
         print(f"{name:<16} {r['measured'] * 1e3:7.1f}ms {r['estimate'] * 1e3:7.1f}ms "
               f"{r['estimate'] / r['measured']:8.2f} {r['compute'] * 1e3:7.1f}ms "
-              f"{r['communication'] * 1e3:7.1f}ms  "
+              f"{r['communication'] * 1e3:7.1f}ms {r['speed'] / 1e9:8.1f} "
+              f"{r['scaled'] * 1e3:7.1f}ms {r['scaled'] / r['measured']:7.2f}  "
               f"({', '.join(f'{x * 1e3:.0f}' for x in r['rounds'])})", flush=True)  # fmt: skip
     print(_load())
-    if measured:
-        worst = max(max(e / m, m / e) for m, e in zip(measured, estimated, strict=True))
-        print(f"same order: {ranks_agree(measured, estimated)} "
+    for label, values in (("estimate", estimated), ("scaled", scaled)):
+        if not measured:
+            break
+        worst = max(max(e / m, m / e) for m, e in zip(measured, values, strict=True))
+        print(f"{label}: same order {ranks_agree(measured, values)} "
               f"(measured: {' < '.join(_by(names, measured))}; "
-              f"estimated: {' < '.join(_by(names, estimated))}); "
+              f"{label}: {' < '.join(_by(names, values))}); "
               f"largest ratio either way {worst:.2f}")  # fmt: skip
     if ns.dump:
         ns.dump.write_text(json.dumps(dump))

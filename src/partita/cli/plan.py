@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -122,14 +123,17 @@ def check_heads(shape: ModelShape, mesh: Mesh, preset: str) -> None:
     if preset not in _TP or "model" not in mesh.axis_names:
         return
     tp = mesh.axis_size("model")
+    both = math.gcd(shape.heads, shape.kv_heads)
     for what, count in (("attention heads", shape.heads), ("key/value heads", shape.kv_heads)):
         if count % tp:
-            fits = [d for d in range(1, count + 1) if count % d == 0 and d <= mesh.size]
+            fits = [d for d in range(1, both + 1) if both % d == 0 and mesh.size % d == 0]
             raise ArgumentError(
                 f"{shape.name} has {count} {what}, which the 'model' axis of size {tp} does "
-                f"not divide: --shard {preset} splits attention by heads over 'model'. Use a "
-                f"'model' axis of {', '.join(map(str, fits))} (e.g. --mesh "
-                f"{mesh.size // max(fits)}x{max(fits)}), or --shard fsdp."
+                f"not divide: --shard {preset} splits attention by heads over 'model', so its "
+                f"size must divide both {shape.heads} heads and {shape.kv_heads} key/value "
+                f"heads. Use a 'model' axis of {', '.join(map(str, fits))} (e.g. --mesh "
+                f"{mesh.size // max(fits)}x{max(fits)} for the same {mesh.size:,} devices), "
+                f"or --shard fsdp."
             )
 
 
@@ -152,6 +156,25 @@ def lower_step(
     step = train_step(model, loss_fn, opt, mesh=mesh, param_specs=preset)
     ids = torch.zeros((batch, seq), dtype=torch.long, device=device)
     return step.lower((ids, ids))
+
+
+def param_shards(model: Any, preset: str, mesh: Mesh) -> list[tuple[int, int]]:
+    """``(elements, shards)`` of each parameter of ``model`` under ``preset`` on ``mesh``:
+    the shards are the product of the sizes of the mesh axes its spec names."""
+    from partita.presets import param_specs
+
+    specs = param_specs(preset, model, mesh)
+    out = []
+    for name, p in model.named_parameters():
+        axes = [a for entry in specs[name] for a in _names(entry)]
+        out.append((p.numel(), mesh.axes_size(axes)))
+    return out
+
+
+def _names(entry: Any) -> tuple[str, ...]:
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _axes_name(axes: Sequence[str]) -> str:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,7 +183,7 @@ def gradient_nodes(
         if n in from_data
         and n not in from_state
         and n.op == "call_function"
-        and any(u in from_state for u in n.users)
+        and any(u in from_state and u.op == "call_function" for u in n.users)
     }
     derived = _downstream(nodes, candidates, through_mesh_ops=False) - candidates
     finals = [
@@ -275,12 +275,15 @@ def memory_breakdown(plan: Any) -> MemoryBreakdown:
     )
 
 
-def analytic_state(n_params: int, shards: int, *, bytes_per: int = 4, copies: int = 4) -> float:
-    """Bytes per device of a training step's state counted by hand: every parameter
-    ``bytes_per`` bytes (float32: 4), held ``copies`` times (AdamW: the parameter, its
-    gradient and two moments, 1 + 1 + 2), split over ``shards`` devices.
+def analytic_state(
+    params: Iterable[tuple[int, int]], *, bytes_per: int = 4, copies: int = 4
+) -> float:
+    """Bytes per device of a training step's state counted by hand: for each parameter
+    ``(elements, shards)``, ``elements x bytes_per / shards`` (float32: 4 bytes; ``shards``
+    the product of the mesh axes its spec splits it over), held ``copies`` times (AdamW: the
+    parameter, its gradient and two moments, 1 + 1 + 2).
 
-    >>> analytic_state(8_030_261_248, 1024) / 1e9  # Llama 3 8B, fsdp+tp on 1,024 devices
+    >>> analytic_state([(8_030_261_248, 1024)]) / 1e9  # 8B parameters on 1,024 shards
     0.125472832
     """
-    return n_params * bytes_per * copies / shards
+    return sum(n * bytes_per * copies / shards for n, shards in params)
