@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F  # noqa: N812 - the PyTorch convention
 
 from partita.cost import PROFILES, get_profile, link_of
-from partita.errors import ArgumentError, MeshError, PartitaError
+from partita.errors import ArgumentError, CaptureError, MeshError, PartitaError
 from partita.models.llama_shapes import MODEL_PRESETS, ModelShape, build_model, load_shape
 from partita.partition.estimate import collective_calls
 from partita.partition.memory_split import memory_breakdown
@@ -64,6 +64,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="meta", choices=("meta", "cpu"),
         help="build the model on meta (shapes only, any size) or cpu (real tensors, small)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--regather", action="store_true",
+        help="free FSDP's gathered parameters after the forward, gather again for the backward",
     )  # fmt: skip
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -139,7 +143,7 @@ def check_heads(shape: ModelShape, mesh: Mesh, preset: str) -> None:
 
 def lower_step(
     shape: ModelShape, mesh: Mesh, preset: str, batch: int, seq: int, *,
-    device: str = "meta", checkpointing: bool = False,
+    device: str = "meta", checkpointing: bool = False, regather: bool = False,
 ) -> Any:  # fmt: skip
     """The Plan of one AdamW training step of ``shape`` on ``mesh`` with ``preset``."""
     from partita.training.train import train_step
@@ -153,9 +157,19 @@ def lower_step(
         return F.cross_entropy(logits.reshape(-1, vocab), targets.reshape(-1))
 
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    step = train_step(model, loss_fn, opt, mesh=mesh, param_specs=preset)
+    options = {"regather": True} if regather else None
+    step = train_step(model, loss_fn, opt, mesh=mesh, param_specs=preset, options=options)
     ids = torch.zeros((batch, seq), dtype=torch.long, device=device)
-    return step.lower((ids, ids))
+    try:
+        return step.lower((ids, ids))
+    except CaptureError as e:
+        if device != "meta":
+            raise
+        raise CaptureError(
+            f"{e}\n(lowering {shape.name} built on the meta device failed: this version of "
+            f"partita may not lower meta-device models yet. A model small enough to hold in "
+            f"memory plans with --device cpu.)"
+        ) from e
 
 
 def param_shards(model: Any, preset: str, mesh: Mesh) -> list[tuple[int, int]]:
@@ -340,7 +354,7 @@ def plan_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             except ArgumentError:
                 continue
         plan = lower_step(shape, mesh, preset, args.batch, args.seq, device=args.device,
-                          checkpointing=args.checkpointing)  # fmt: skip
+                          checkpointing=args.checkpointing, regather=args.regather)  # fmt: skip
         reports.append(plan_report(
             plan, shape, preset=preset, hardware=hw.name, limit=limit, batch=args.batch,
             seq=args.seq, checkpointing=args.checkpointing))  # fmt: skip
