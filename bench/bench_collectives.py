@@ -13,7 +13,10 @@ Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
   process while every process computes, over windows of ~0.3 s);
 * elementwise ops (add, mul, gelu, exp) of GPT-S's activation sizes (bytes read + written per
   second per process, all processes at once);
-* a tiny ``add`` (the fixed cost of one op, all processes at once).
+* a tiny ``add`` (the fixed cost of one op, all processes at once);
+* the wait a collective call adds when it interrupts compute (``call_overhead``): rounds of
+  GPT-S matmuls each followed by a 4-byte all_reduce, against the same rounds without it and
+  the all_reduces alone.
 
 The collective times are fitted by least squares to ``ring_steps(kind, n) * latency +
 wire_bytes(kind, bytes, n) / bandwidth``, the model of ``partita.cost.model``, then each kind
@@ -135,6 +138,28 @@ def _concurrent(calls: list[tuple[object, float]], repeat: int) -> tuple[float, 
     return work, _median_time(rounds, repeat) / times
 
 
+def _call_overhead(repeat: int, calls: int = 20) -> float:
+    """Seconds a collective call costs beyond its bytes when it interrupts compute, as in a
+    step: ``calls`` rounds of ~5 ms of GPT-S matmuls each followed by a 4-byte all_reduce of
+    the whole group, against the same rounds with no all_reduce (all processes at once).
+    While a process computes its peers may hold the cores, so the call waits for them."""
+    mms = _gpt_matmuls()
+    one = torch.zeros(1)
+
+    def rounds(sync: bool) -> None:
+        for _ in range(calls):
+            for fn, _ in mms[:6]:
+                fn()  # type: ignore[operator]
+            if sync:
+                dist.all_reduce(one)
+
+    rounds(True)
+    with_calls = _median_time(lambda: rounds(True), repeat)
+    without = _median_time(lambda: rounds(False), repeat)
+    tiny = _median_time(lambda: [dist.all_reduce(one) for _ in range(calls)], repeat)
+    return max(0.0, with_calls - without - tiny) / calls
+
+
 def worker(repeat: int) -> None:
     from partita import distributed as pd
 
@@ -153,10 +178,11 @@ def worker(repeat: int) -> None:
     ew_bytes, ew_time = _concurrent(_gpt_elementwise(), repeat)
     tiny = torch.ones(4)
     launch = _concurrent([(lambda: tiny.add(1.0), 0.0)] * 1000, repeat)[1] / 1000
+    call = _call_overhead(repeat)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({
             "n": n, "rows": rows, "flops": mm_flops / mm_time,
-            "bandwidth": ew_bytes / ew_time, "launch": launch,
+            "bandwidth": ew_bytes / ew_time, "launch": launch, "call": call,
         }))  # fmt: skip
     dist.destroy_process_group()
 
@@ -213,12 +239,13 @@ def main() -> None:
     print(f"GPT-S matmuls: {r['flops'] / 1e9:.2f} GFLOP/s per process; elementwise: "
           f"{r['bandwidth'] / 1e9:.2f} GB/s per process; one tiny op: "
           f"{r['launch'] * 1e6:.2f} us")  # fmt: skip
+    print(f"a call between compute: {r['call'] * 1e3:.2f} ms more than the call alone")
     print(f"fit: latency {latency * 1e6:.1f} us per ring step, bandwidth "
           f"{bandwidth / 1e9:.3f} GB/s")  # fmt: skip
     print("profile:")
     print(f"    peak_flops={r['flops']:.3g}, memory_bandwidth={r['bandwidth']:.3g},")
     print(f"    intra_host=Link(bandwidth={bandwidth:.3g}, latency={latency:.3g}),")
-    print(f"    launch={r['launch']:.3g},")
+    print(f"    launch={r['launch']:.3g}, call_overhead={r['call']:.3g},")
     print(f"    collective_scale={ {k: round(v, 2) for k, v in scale.items()} },")
 
 

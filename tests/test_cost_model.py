@@ -125,3 +125,18 @@ def test_collective_calls_count_a_bucket_once() -> None:
     assert est.communication == pytest.approx(
         sum(hw.collective_seconds(k, b, plan.mesh, a) for k, b, a in calls)
     )
+
+
+def test_call_overhead_is_added_once_per_call_of_a_real_group() -> None:
+    import dataclasses
+
+    hw = PROFILES["h100-nvlink-ib"]
+    busy = dataclasses.replace(hw, call_overhead=1e-3)
+    mesh = Mesh.create((2, 4), ("data", "model"))
+    base = hw.collective_seconds("all_reduce", 1 << 20, mesh, ["model"])
+    assert busy.collective_seconds("all_reduce", 1 << 20, mesh, ["model"]) == pytest.approx(
+        base + 1e-3
+    )
+    one = Mesh.create((1, 8), ("data", "model"))
+    assert busy.collective_seconds("all_reduce", 1 << 20, one, ["data"]) == 0.0  # no peers
+    assert "per collective call: 1e+03 us" in busy.describe()

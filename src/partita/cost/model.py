@@ -13,6 +13,9 @@ for all_reduce (a reduce-scatter then an all-gather) and one for a collective_pe
 the Plan's convention (XLA's: the output of all_gather, all_reduce, all_to_all and
 collective_permute, the input of reduce_scatter), so a record's ``bytes`` goes in unchanged.
 
+A profile may add a fixed ``call_overhead`` to every call: on a CPU shared by more processes
+than it has cores, a call that interrupts compute waits for its peers' turn on a core.
+
 **Local ops** follow a roofline (:func:`op_time`): the larger of the FLOPs at the profile's
 sustained compute rate and the bytes read and written at its sustained memory bandwidth, and
 never less than the fixed cost of launching one op.
@@ -79,6 +82,9 @@ class Hardware:
         source: where the numbers come from, in words.
         collective_scale: ``{kind: factor}`` on the ring model's time, for a library that does
             not run that kind as a ring (Gloo's reduce_scatter); a missing kind is 1.
+        call_overhead: seconds each collective call waits for its group to meet when it
+            interrupts compute: on a CPU with more processes than cores, the peers' turn on a
+            core (0 where every device has its own processor).
     """
 
     name: str
@@ -91,16 +97,20 @@ class Hardware:
     launch: float
     source: str = ""
     collective_scale: Mapping[str, float] = field(default_factory=dict)
+    call_overhead: float = 0.0
 
     def collective_seconds(
         self, kind: str, nbytes: float, mesh: Any, mesh_axes: Sequence[Any]
     ) -> float:
         """Seconds a collective of ``kind`` reported with ``nbytes`` takes over ``mesh_axes``
         of ``mesh``: the ring model on the link those axes cross (:func:`link_of`), times the
-        kind's ``collective_scale``."""
+        kind's ``collective_scale``, plus the profile's ``call_overhead``."""
         n = mesh.axes_size(mesh_axes)
+        if n <= 1:
+            return 0.0
         link = link_of(self, mesh, mesh_axes)
-        return collective_time(kind, nbytes, n, link) * self.collective_scale.get(kind, 1.0)
+        ring = collective_time(kind, nbytes, n, link) * self.collective_scale.get(kind, 1.0)
+        return ring + self.call_overhead
 
     def op_seconds(self, flops: float, nbytes: float) -> float:
         """Seconds one local op takes on this hardware (:func:`op_time`)."""
@@ -118,7 +128,8 @@ class Hardware:
                 f"{self.intra_host.latency * 1e6:.3g} us per step",
                 f"  between hosts: {self.inter_host.bandwidth / gb:.3g} GB/s, "
                 f"{self.inter_host.latency * 1e6:.3g} us per step",
-                f"  per op: {self.launch * 1e6:.3g} us",
+                f"  per op: {self.launch * 1e6:.3g} us; per collective call: "
+                f"{self.call_overhead * 1e6:.3g} us",
             ]
         )
 
