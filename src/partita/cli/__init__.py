@@ -2,7 +2,9 @@
 
 One function per subcommand; :func:`main` parses the arguments and dispatches. ``demo`` trains
 a GPT sharded over 8 simulated devices beside the same model trained with torch.optim
-(:mod:`partita.cli.demo`); ``tour`` is a short printed tour of meshes, specs and sharded tensors.
+(:mod:`partita.cli.demo`); ``tour`` is a short printed tour of meshes, specs and sharded tensors;
+``plan`` prints a model's memory per device, bytes per mesh axis and step time on a mesh
+(:mod:`partita.cli.plan`).
 This module only prints; it has no logic of its own.
 """
 
