@@ -113,3 +113,11 @@ def test_presets_have_the_published_shapes() -> None:
     )  # fmt: skip
     s = MODEL_PRESETS["llama-3-405b"]
     assert (s.layers, s.d_model, s.d_ff, s.heads, s.kv_heads) == (126, 16384, 53248, 128, 8)
+
+
+def test_all_plans_the_presets_the_mesh_has_axes_for() -> None:
+    reports = plan_all(_args("--model", "gpt-s", "--mesh", "4", "--device", "cpu", "--batch",
+                             "8", "--seq", "32", "--shard", "all"))  # fmt: skip
+    assert [r["shard"] for r in reports] == ["dp", "fsdp"]  # no 'model' axis: no tp presets
+    dp, fsdp = (r["memory"] for r in reports)
+    assert fsdp["parameters"] < dp["parameters"]  # fsdp splits them over 'data'

@@ -345,7 +345,9 @@ def plan_all(args: argparse.Namespace) -> list[dict[str, Any]]:
         raise ArgumentError(
             f"--shard {args.shard!r}: the presets are {', '.join(PRESETS)}, or all."
         )
-    presets = list(PRESETS) if args.shard == "all" else [args.shard]
+    presets = [args.shard]
+    if args.shard == "all":  # the presets whose axes the mesh has
+        presets = [p for p in PRESETS if "model" in mesh.axis_names or p not in _TP]
     reports = []
     for preset in presets:
         if args.shard == "all":
