@@ -133,3 +133,15 @@ def test_param_count_matches_the_built_models() -> None:
         assert sum(p.numel() for p in model.parameters()) == param_count(shape)
     assert param_count(MODEL_PRESETS["llama-3-70b"]) == 70_553_706_496
     assert param_count(MODEL_PRESETS["llama-3-405b"]) == 405_853_388_800
+
+
+def test_a_checkpointed_llama_holds_fewer_activations() -> None:
+    from partita.cli.plan import lower_step
+
+    shape = ModelShape("small", "llama", 2, 64, 128, 4, 2, 256, 64)
+    mesh = Mesh.create((2, 2), ("data", "model"))
+    plain, ckpt = (
+        lower_step(shape, mesh, "fsdp+tp", 4, 32, device="cpu", checkpointing=c).memory_breakdown()
+        for c in (False, True)
+    )
+    assert ckpt.activations < plain.activations and ckpt.state == plain.state

@@ -159,8 +159,10 @@ def build_model(
             fields.pop(key, None)
         model = LlamaForCausalLM(LlamaConfig(**fields))
     model.train()
-    if checkpointing:  # transformers 5 renamed it; both take torch.utils.checkpoint's options
-        enable = getattr(model, "activation_checkpointing_enable", None)
-        enable = enable or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing:  # transformers 5 renamed it (and its keyword)
+        options = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=options)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
     return model
