@@ -9,9 +9,14 @@ Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
 * all_gather, all_reduce, reduce_scatter and all_to_all over the whole group, for reported sizes
   (the Plan's convention: output bytes, input bytes for reduce_scatter) from 4 KiB to 16 MiB,
   the median of ``--repeat`` calls after a barrier (max over ranks);
-* a 512x512x512 float32 matmul (FLOP/s per process while every process computes);
-* a copy of 32 MiB (bytes read + written per second);
-* a tiny ``add`` (the fixed cost of one op).
+* the matmuls of GPT-S's layers at their per-device sizes, forward and backward (FLOP/s per
+  process while every process computes, over windows of ~0.3 s);
+* elementwise ops (add, mul, gelu, exp) of GPT-S's activation sizes (bytes read + written per
+  second per process, all processes at once);
+* a tiny ``add`` (the fixed cost of one op, all processes at once);
+* the wait a collective call adds when it interrupts compute (``call_overhead``): rounds of
+  GPT-S matmuls each followed by a 4-byte all_reduce, against the same rounds without it and
+  the all_reduces alone.
 
 The collective times are fitted by least squares to ``ring_steps(kind, n) * latency +
 wire_bytes(kind, bytes, n) / bandwidth``, the model of ``partita.cost.model``, then each kind
@@ -70,6 +75,91 @@ def _collective(kind: str, nbytes: int, n: int):
     return lambda: dist.all_to_all_single(out, x)
 
 
+#: (rows, inner, cols) of GPT-S's matmuls on one device of a 4-way batch split: 4 x 128 rows,
+#: width 256; qkv, attention projection, MLP up and down, the head (vocabulary 512).
+GPT_MATMULS = [
+    (512, 256, 768),
+    (512, 256, 256),
+    (512, 256, 1024),
+    (512, 1024, 256),
+    (512, 256, 512),
+]
+
+
+def _gpt_matmuls() -> list[tuple[object, float]]:
+    """``(call, flops)`` of each forward matmul and its two backward ones."""
+    calls: list[tuple[object, float]] = []
+    for m, k, n in GPT_MATMULS:
+        a, b, g = torch.randn(m, k), torch.randn(k, n), torch.randn(m, n)
+        flops = 2.0 * m * k * n
+        calls += [
+            (lambda a=a, b=b: torch.mm(a, b), flops),
+            (lambda g=g, b=b: torch.mm(g, b.t()), flops),
+            (lambda a=a, g=g: torch.mm(a.t(), g), flops),
+        ]
+    return calls
+
+
+def _gpt_elementwise() -> list[tuple[object, float]]:
+    """``(call, bytes read and written)`` of elementwise ops of GPT-S's sizes (an MLP
+    activation of 512 x 1024, a residual of 512 x 256): what the roofline's memory term is."""
+    calls: list[tuple[object, float]] = []
+    for shape in ((512, 1024), (512, 256), (4, 8, 128, 128)):
+        x, y = torch.randn(shape), torch.randn(shape)
+        nbytes = x.numel() * 4.0
+        calls += [
+            (lambda x=x, y=y: torch.add(x, y), 3 * nbytes),
+            (lambda x=x, y=y: torch.mul(x, y), 3 * nbytes),
+            (lambda x=x: torch.nn.functional.gelu(x), 2 * nbytes),
+            (lambda x=x: torch.exp(x), 2 * nbytes),
+        ]
+    return calls
+
+
+def _concurrent(calls: list[tuple[object, float]], repeat: int) -> tuple[float, float]:
+    """``(work, seconds)`` of running every call of ``calls`` once, median over ``repeat``
+    rounds that all processes start together (max over ranks); a round is repeated until it
+    lasts ~0.3 s, so the processes compete for the cores throughout."""
+    work = sum(w for _, w in calls)
+
+    def once() -> None:
+        for fn, _ in calls:
+            fn()  # type: ignore[operator]
+
+    once()
+    t = time.perf_counter()
+    once()
+    times = max(1, int(0.3 / max(time.perf_counter() - t, 1e-6)))
+
+    def rounds() -> None:
+        for _ in range(times):
+            once()
+
+    return work, _median_time(rounds, repeat) / times
+
+
+def _call_overhead(repeat: int, calls: int = 20) -> float:
+    """Seconds a collective call costs beyond its bytes when it interrupts compute, as in a
+    step: ``calls`` rounds of ~5 ms of GPT-S matmuls each followed by a 4-byte all_reduce of
+    the whole group, against the same rounds with no all_reduce (all processes at once).
+    While a process computes its peers may hold the cores, so the call waits for them."""
+    mms = _gpt_matmuls()
+    one = torch.zeros(1)
+
+    def rounds(sync: bool) -> None:
+        for _ in range(calls):
+            for fn, _ in mms[:6]:
+                fn()  # type: ignore[operator]
+            if sync:
+                dist.all_reduce(one)
+
+    rounds(True)
+    with_calls = _median_time(lambda: rounds(True), repeat)
+    without = _median_time(lambda: rounds(False), repeat)
+    tiny = _median_time(lambda: [dist.all_reduce(one) for _ in range(calls)], repeat)
+    return max(0.0, with_calls - without - tiny) / calls
+
+
 def worker(repeat: int) -> None:
     from partita import distributed as pd
 
@@ -81,32 +171,18 @@ def worker(repeat: int) -> None:
             fn = _collective(kind, size, n)
             fn()
             rows.append((kind, size, _median_time(fn, repeat)))
-    a, b = torch.randn(512, 512), torch.randn(512, 512)
-
-    def matmuls() -> None:  # long enough that every process computes at the same time
-        for _ in range(20):
-            torch.mm(a, b)
-
-    mm = _median_time(matmuls, repeat) / 20
-    src = torch.ones(8 << 20)
-    dst = torch.empty_like(src)
-
-    def copies() -> None:
-        for _ in range(10):
-            dst.copy_(src)
-
-    copy = _median_time(copies, repeat) / 10
+    # Compute, as a step of GPT-S computes (4 processes on the cores at once): the matmuls
+    # of its layers at their per-device sizes (rows = batch 4 x sequence 128), timed over
+    # a window of ~0.3 s so that every process computes through all of it.
+    mm_flops, mm_time = _concurrent(_gpt_matmuls(), repeat)
+    ew_bytes, ew_time = _concurrent(_gpt_elementwise(), repeat)
     tiny = torch.ones(4)
-
-    def adds() -> None:
-        for _ in range(1000):
-            tiny.add(1.0)
-
-    launch = _median_time(adds, max(3, repeat // 3)) / 1000
+    launch = _concurrent([(lambda: tiny.add(1.0), 0.0)] * 1000, repeat)[1] / 1000
+    call = _call_overhead(repeat)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({
-            "n": n, "rows": rows, "flops": 2 * 512**3 / mm,
-            "bandwidth": 2 * src.numel() * 4 / copy, "launch": launch,
+            "n": n, "rows": rows, "flops": mm_flops / mm_time,
+            "bandwidth": ew_bytes / ew_time, "launch": launch, "call": call,
         }))  # fmt: skip
     dist.destroy_process_group()
 
@@ -160,14 +236,16 @@ def main() -> None:
         ring = ring_steps(kind, r["n"]) * latency + wire_bytes(kind, size, r["n"]) / bandwidth
         model = ring * scale[kind]
         print(f"{kind:<15} {size:>9} {t * 1e3:8.3f}ms {model * 1e3:8.3f}ms {model / t:6.2f}")
-    print(f"matmul: {r['flops'] / 1e9:.2f} GFLOP/s per process; copy: "
-          f"{r['bandwidth'] / 1e9:.2f} GB/s; one tiny op: {r['launch'] * 1e6:.2f} us")  # fmt: skip
+    print(f"GPT-S matmuls: {r['flops'] / 1e9:.2f} GFLOP/s per process; elementwise: "
+          f"{r['bandwidth'] / 1e9:.2f} GB/s per process; one tiny op: "
+          f"{r['launch'] * 1e6:.2f} us")  # fmt: skip
+    print(f"a call between compute: {r['call'] * 1e3:.2f} ms more than the call alone")
     print(f"fit: latency {latency * 1e6:.1f} us per ring step, bandwidth "
           f"{bandwidth / 1e9:.3f} GB/s")  # fmt: skip
     print("profile:")
     print(f"    peak_flops={r['flops']:.3g}, memory_bandwidth={r['bandwidth']:.3g},")
     print(f"    intra_host=Link(bandwidth={bandwidth:.3g}, latency={latency:.3g}),")
-    print(f"    launch={r['launch']:.3g},")
+    print(f"    launch={r['launch']:.3g}, call_overhead={r['call']:.3g},")
     print(f"    collective_scale={ {k: round(v, 2) for k, v in scale.items()} },")
 
 

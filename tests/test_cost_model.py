@@ -101,3 +101,42 @@ def test_a_plans_estimate_adds_each_collective_on_its_link() -> None:
     assert est.flops >= 2 * 4 * 4 * 4  # the local mm: [4, 4] @ [4, 4]
     assert est.total == pytest.approx(est.compute + est.communication)
     assert "h100-nvlink-ib" in str(est)
+
+
+def test_collective_calls_count_a_bucket_once() -> None:
+    from partita.partition.estimate import collective_calls
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    step = partita.train_step(
+        model,
+        torch.nn.functional.mse_loss,
+        torch.optim.AdamW(model.parameters()),
+        mesh=Mesh.create((4,), ("data",)),
+        param_specs="fsdp",
+    )
+    plan = step.lower((torch.randn(8, 16), torch.randn(8, 4)))
+    calls = collective_calls(plan)
+    assert plan.buckets, "fsdp buckets its gathers and reductions"
+    assert len(calls) == sum(plan.call_counts().values()) < len(plan.collectives)
+    assert sum(b for _, b, _ in calls) == plan.bytes_per_device
+    hw = PROFILES["cpu-gloo"]
+    est = plan.estimate(hw)
+    assert est.communication == pytest.approx(
+        sum(hw.collective_seconds(k, b, plan.mesh, a) for k, b, a in calls)
+    )
+
+
+def test_call_overhead_is_added_once_per_call_of_a_real_group() -> None:
+    import dataclasses
+
+    hw = PROFILES["h100-nvlink-ib"]
+    busy = dataclasses.replace(hw, call_overhead=1e-3)
+    mesh = Mesh.create((2, 4), ("data", "model"))
+    base = hw.collective_seconds("all_reduce", 1 << 20, mesh, ["model"])
+    assert busy.collective_seconds("all_reduce", 1 << 20, mesh, ["model"]) == pytest.approx(
+        base + 1e-3
+    )
+    one = Mesh.create((1, 8), ("data", "model"))
+    assert busy.collective_seconds("all_reduce", 1 << 20, one, ["data"]) == 0.0  # no peers
+    assert "per collective call: 1e+03 us" in busy.describe()

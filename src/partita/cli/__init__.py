@@ -2,7 +2,9 @@
 
 One function per subcommand; :func:`main` parses the arguments and dispatches. ``demo`` trains
 a GPT sharded over 8 simulated devices beside the same model trained with torch.optim
-(:mod:`partita.cli.demo`); ``tour`` is a short printed tour of meshes, specs and sharded tensors.
+(:mod:`partita.cli.demo`); ``tour`` is a short printed tour of meshes, specs and sharded tensors;
+``plan`` prints a model's memory per device, bytes per mesh axis and step time on a mesh
+(:mod:`partita.cli.plan`).
 This module only prints; it has no logic of its own.
 """
 
@@ -87,9 +89,17 @@ def tour(args: argparse.Namespace) -> int:
     return 0
 
 
+def plan(args: argparse.Namespace) -> int:
+    """Plan a model's training step on a mesh (see :mod:`partita.cli.plan`)."""
+    from partita.cli.plan import run  # imports the models and the compiler: only when asked
+
+    return run(args)
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "demo": (demo, "train a GPT on 8 simulated devices beside the same model unsharded"),
     "tour": (tour, "a short printed tour of meshes, specs and sharded tensors"),
+    "plan": (plan, "memory per device, bytes per mesh axis and step time of a model's plan"),
 }
 
 
@@ -105,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
             from partita.cli.demo import add_arguments
 
             add_arguments(command)
+        if name == "plan":
+            from partita.cli.plan import add_arguments as plan_arguments
+
+            plan_arguments(command)
     return parser
 
 

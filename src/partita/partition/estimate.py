@@ -20,7 +20,7 @@ from torch import fx
 from partita.cost.flops import node_bytes, node_flops
 from partita.cost.model import Hardware, get_profile, wire_bytes
 
-__all__ = ["StepEstimate", "estimate_step"]
+__all__ = ["StepEstimate", "collective_calls", "estimate_step"]
 
 
 @dataclass(frozen=True)
@@ -85,14 +85,22 @@ def estimate_step(
                 ops += 1
     times: dict[str, float] = {}
     wire = 0.0
-    in_bucket = {i for b in plan.buckets for i in b.members}
-    calls: list[tuple[str, float, tuple[str, ...]]] = [
-        (c.kind, c.bytes, c.mesh_axes) for i, c in enumerate(plan.collectives) if i not in in_bucket
-    ]
-    for b in plan.buckets:
-        first = plan.collectives[b.members[0]]
-        calls.append((b.kind, plan.bucket_bytes(b), first.mesh_axes))
-    for kind, nbytes, axes in calls:
+    for kind, nbytes, axes in collective_calls(plan):
         times[kind] = times.get(kind, 0.0) + hw.collective_seconds(kind, nbytes, plan.mesh, axes)
         wire += wire_bytes(kind, nbytes, plan.mesh.axes_size(axes))
     return StepEstimate(hw.name, compute, times, flops, wire, ops)
+
+
+def collective_calls(plan: Any) -> list[tuple[str, int, tuple[str, ...]]]:
+    """``(kind, bytes, mesh axes)`` of every collective call of one run of ``plan``: each
+    collective in no bucket, then each bucket as one call of its members' summed bytes."""
+    in_bucket = {i for b in plan.buckets for i in b.members}
+    calls = [
+        (c.kind, c.bytes, tuple(c.mesh_axes))
+        for i, c in enumerate(plan.collectives)
+        if i not in in_bucket
+    ]
+    for b in plan.buckets:
+        first = plan.collectives[b.members[0]]
+        calls.append((b.kind, plan.bucket_bytes(b), tuple(first.mesh_axes)))
+    return calls

@@ -145,6 +145,15 @@ class Plan:
             self._memory = estimate_memory(self.local_program, self.local_inputs, vals)
         return self._memory
 
+    def memory_breakdown(self) -> Any:
+        """The memory of one run by role — parameters, gathered parameters, gradients,
+        optimizer state, other inputs, activations, the returned state — at the peak, and the
+        state a training step holds (a
+        :class:`~partita.partition.memory_split.MemoryBreakdown`)."""
+        from partita.partition.memory_split import memory_breakdown
+
+        return memory_breakdown(self)
+
     @property
     def bytes_per_device(self) -> int:
         """Total per-device bytes of all collectives of one run."""

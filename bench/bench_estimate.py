@@ -1,0 +1,283 @@
+"""The Plan's step-time estimate beside the measured step, GPT-S on 4 Gloo processes.
+
+Run: ``.venv/bin/python bench/bench_estimate.py [--repeat 7] [--only fsdp/(4,) ...]
+[--dump ops.json]``
+
+The step is the one of ``bench/bench_distributed.py``: GPT (4 layers, width 256, 8 heads,
+vocabulary 512, sequence 128, global batch 16), cross entropy, AdamW, compiled by
+``partita.jit`` with the parameter specs of a preset (``partita.presets.param_specs``) and the
+batch split over ``data``. Each configuration (a preset on a mesh) starts its own 4 worker
+processes on 127.0.0.1 (``OMP_NUM_THREADS=1``, ``partita.runtime.launch.spawn``); rank 0
+lowers the step, asks ``plan.estimate("cpu-gloo")`` and times the median of ``--repeat``
+steps after two warm-ups (max over ranks: the slowest rank decides a step). The sweep over the
+configurations runs ``--rounds`` times and each row shows the median of its sweeps, so a change
+of the machine's load during the run does not favour the configurations that ran first.
+
+The table shows the measured and the estimated seconds, their ratio, the estimate's compute
+and communication, and at the end whether the estimate ranks the configurations in the same
+order as the measurements and the largest ratio either way. The machine is shared (other jobs
+take its cores for minutes at a time), so each worker also measures its pace around the timed
+steps: GPT-S's matmuls with the 4 processes computing at once, as
+``bench_collectives.py`` measures ``peak_flops`` (``GFLOP/s``); ``scaled`` is the estimate
+times the profile's ``peak_flops`` over that pace — the estimate of the profile refitted at
+the moment of the measurement (compute and Gloo's collectives share the same cores).
+``--dump FILE`` also writes each configuration's per-op FLOPs and bytes and its collective
+calls (kind, bytes, group size), so a profile can be tried without running the steps again
+(``estimate_raw``). The load average is printed before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+
+import partita
+import partita.distributed as pd
+from partita import Mesh, P
+from partita.cost import PROFILES, Hardware
+from partita.cost.flops import node_bytes, node_flops
+from partita.data import make_global, process_slice
+from partita.models import GPT, GPTConfig
+from partita.presets import default_batch_spec
+from partita.presets import param_specs as preset_param_specs
+from partita.training import init_opt_state, make_train_step
+
+CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
+BATCH = 16
+#: (preset, mesh shape): the four presets, dp and fsdp also on the 2-D mesh.
+CONFIGS: list[tuple[str, tuple[int, ...]]] = [
+    ("dp", (4,)),
+    ("fsdp", (4,)),
+    ("dp", (2, 2)),
+    ("fsdp", (2, 2)),
+    ("tp", (2, 2)),
+    ("fsdp+tp", (2, 2)),
+]
+
+
+def _name(preset: str, shape: tuple[int, ...]) -> str:
+    return f"{preset}/{tuple(shape)}".replace(" ", "")
+
+
+def _mesh(shape: tuple[int, ...]) -> Mesh:
+    return Mesh.create(shape, ("data", "model")[: len(shape)])
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(0, CFG.vocab_size, (BATCH, CFG.seq_len), generator=torch.Generator())
+    return ids, torch.roll(ids, -1, dims=1)
+
+
+def _median(fn: Callable[[], Any], repeat: int) -> float:
+    fn()
+    fn()
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    t = torch.tensor([statistics.median(times)])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def _speed(repeat: int) -> float:
+    """FLOP/s per process of GPT-S's matmuls with all 4 processes computing, now: what
+    ``bench_collectives.py`` fits ``peak_flops`` with, measured beside the steps."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_collectives import _concurrent, _gpt_matmuls
+
+    flops, seconds = _concurrent(_gpt_matmuls(), max(3, repeat))
+    return flops / seconds
+
+
+def _raw(plan: Any) -> dict[str, Any]:
+    """Per-op (flops, bytes) and per-call (kind, bytes, group size) of ``plan``."""
+    vals = plan._local_values()
+    ops = []
+    for node in plan.local_program.graph.nodes:
+        f, b = node_flops(node, vals), node_bytes(node, vals)
+        if f or b:
+            ops.append((f, b))
+    in_bucket = {i for b in plan.buckets for i in b.members}
+    calls = [
+        (c.kind, c.bytes, plan.mesh.axes_size(c.mesh_axes))
+        for i, c in enumerate(plan.collectives)
+        if i not in in_bucket
+    ]
+    for b in plan.buckets:
+        first = plan.collectives[b.members[0]]
+        calls.append((b.kind, plan.bucket_bytes(b), plan.mesh.axes_size(first.mesh_axes)))
+    return {"ops": ops, "calls": calls}
+
+
+def worker(preset: str, shape: tuple[int, ...], repeat: int) -> None:
+    pd.initialize()
+    mesh = _mesh(shape)
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    pspecs = preset_param_specs(preset, model, mesh)
+    bspec = default_batch_spec(preset, mesh)
+
+    def shard(t: torch.Tensor, spec: Any) -> Any:
+        return make_global(
+            t[process_slice(t.shape, mesh, spec)].clone(), mesh, spec, global_shape=t.shape
+        )
+
+    params = {k: shard(v.detach(), pspecs[k]) for k, v in model.named_parameters()}
+    state = init_opt_state({"one": torch.zeros(())})
+    for key in ("exp_avg", "exp_avg_sq"):
+        state[key] = {k: shard(torch.zeros(v.shape), pspecs[k]) for k, v in params.items()}
+    state["step"] = shard(state["step"], P())
+    for p in model.parameters():  # the step reads the sharded copies only
+        p.data = torch.empty(0)
+    step = partita.jit(
+        make_train_step(model, _loss, "adamw"),
+        mesh=mesh,
+        in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
+                  (bspec, bspec)),
+    )  # fmt: skip
+    ids, targets = _batch()
+    rows = process_slice(ids.shape, mesh, bspec)
+    batch = tuple(make_global(t[rows], mesh, bspec, global_shape=t.shape) for t in (ids, targets))
+    plan = step.lower(params, {}, state, batch)
+    box = [params, state]
+
+    def one() -> None:
+        _, box[0], _, box[1] = step(box[0], {}, box[1], batch)
+
+    speed = _speed(repeat)  # the machine's pace now, around the timed steps
+    measured = _median(one, repeat)
+    speed = (speed + _speed(repeat)) / 2
+    if pd.is_main_process():
+        est = plan.estimate("cpu-gloo")
+        row = {
+            "measured": measured,
+            "estimate": est.total,
+            "compute": est.compute,
+            "communication": est.communication,
+            "collectives": dict(est.collectives),
+            "flops": est.flops,
+            "speed": speed,
+            "raw": _raw(plan),
+        }
+        print("RESULT " + json.dumps(row))
+
+
+def estimate_raw(raw: dict[str, Any], hw: Hardware) -> float:
+    """The estimate of a dumped configuration on ``hw``: the sums of
+    ``partition.estimate.estimate_step`` (4 processes on one host: every group on its link)."""
+    compute = sum(hw.op_seconds(f, b) for f, b in raw["ops"])
+    comm = sum(
+        hw.collective_seconds(kind, nbytes, Mesh.create((n,), ("g",)), ["g"])
+        for kind, nbytes, n in raw["calls"]
+        if n > 1
+    )
+    return compute + comm
+
+
+def ranks_agree(measured: list[float], estimated: list[float]) -> bool:
+    """Whether sorting by ``estimated`` gives the order sorting by ``measured`` gives."""
+    order = sorted(range(len(measured)), key=measured.__getitem__)
+    return sorted(range(len(estimated)), key=estimated.__getitem__) == order
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=3, help="sweeps; the median is shown")
+    parser.add_argument("--only", nargs="+", help="configurations, e.g. fsdp/(4,) tp/(2,2)")
+    parser.add_argument("--dump", type=Path, help="write per-op and per-call data (JSON)")
+    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    ns = parser.parse_args()
+    if ns.worker:
+        preset, shape = ns.worker[0], tuple(int(s) for s in ns.worker[1].split("x"))
+        worker(preset, shape, ns.repeat)
+        return
+    from partita.runtime.launch import spawn
+
+    print(f"# {' '.join(['.venv/bin/python', *sys.argv])}")
+    print(f"# GPT layers={CFG.n_layer} d_model={CFG.d_model} heads={CFG.n_head} "
+          f"vocab={CFG.vocab_size} seq={CFG.seq_len} batch={BATCH}, AdamW; 4 Gloo processes "
+          f"(OMP_NUM_THREADS=1), {os.cpu_count()} CPUs, torch {torch.__version__}; median of "
+          f"{ns.repeat} steps after 2 warm-ups (max over ranks), median of {ns.rounds} "
+          f"sweeps; estimate: cpu-gloo")  # fmt: skip
+    print(_load())
+    print(f"{'configuration':<16} {'measured':>9} {'estimate':>9} {'est/meas':>8} "
+          f"{'compute':>9} {'comm':>9} {'GFLOP/s':>8} {'scaled':>9} {'sc/meas':>7}  "
+          f"(each sweep's measurement)")  # fmt: skip
+    names, measured, estimated, dump = [], [], [], {}
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for _ in range(ns.rounds):  # whole sweeps in turn: a change of load hits every row alike
+        for preset, shape in CONFIGS:
+            name = _name(preset, shape)
+            if ns.only and name not in ns.only:
+                continue
+            argv = [__file__, "--worker", preset, "x".join(map(str, shape))]
+            results = spawn([*argv, "--repeat", str(ns.repeat)], 4,
+                            env={"OMP_NUM_THREADS": "1"}, timeout=1800)  # fmt: skip
+            lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
+            if any(r.returncode for r in results) or not lines:
+                bad = next((r for r in results if r.returncode), results[0])
+                print(f"{name:<16} failed (rank {bad.rank}): {bad.stderr.strip()[-300:]}")
+                continue
+            runs.setdefault(name, []).append(json.loads(lines[-1].removeprefix("RESULT ")))
+    peak = PROFILES["cpu-gloo"].peak_flops
+    scaled = []
+    for name, rs in runs.items():
+        r = dict(rs[0])
+        r["measured"] = statistics.median(x["measured"] for x in rs)
+        r["speed"] = statistics.median(x["speed"] for x in rs)
+        r["rounds"] = [x["measured"] for x in rs]
+        r["scaled"] = r["estimate"] * peak / r["speed"]
+        names.append(name)
+        measured.append(r["measured"])
+        estimated.append(r["estimate"])
+        scaled.append(r["scaled"])
+        dump[name] = r
+        print(f"{name:<16} {r['measured'] * 1e3:7.1f}ms {r['estimate'] * 1e3:7.1f}ms "
+              f"{r['estimate'] / r['measured']:8.2f} {r['compute'] * 1e3:7.1f}ms "
+              f"{r['communication'] * 1e3:7.1f}ms {r['speed'] / 1e9:8.1f} "
+              f"{r['scaled'] * 1e3:7.1f}ms {r['scaled'] / r['measured']:7.2f}  "
+              f"({', '.join(f'{x * 1e3:.0f}' for x in r['rounds'])})", flush=True)  # fmt: skip
+    print(_load())
+    for label, values in (("estimate", estimated), ("scaled", scaled)):
+        if not measured:
+            break
+        worst = max(max(e / m, m / e) for m, e in zip(measured, values, strict=True))
+        print(f"{label}: same order {ranks_agree(measured, values)} "
+              f"(measured: {' < '.join(_by(names, measured))}; "
+              f"{label}: {' < '.join(_by(names, values))}); "
+              f"largest ratio either way {worst:.2f}")  # fmt: skip
+    if ns.dump:
+        ns.dump.write_text(json.dumps(dump))
+        print(f"# wrote {ns.dump}")
+
+
+def _by(names: list[str], values: list[float]) -> list[str]:
+    return [names[i] for i in sorted(range(len(values)), key=values.__getitem__)]
+
+
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"# load average {one:.2f} {five:.2f} {fifteen:.2f} (1, 5, 15 min)"
+
+
+if __name__ == "__main__":
+    main()
