@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -45,7 +45,7 @@ from partita.values.mesh import Mesh
 from partita.values.spec import PartitionSpec, Sharding
 from partita.values.tensor import ShardedTensor
 
-__all__ = ["Compiled", "compile_function", "propagated_program"]
+__all__ = ["Compiled", "compile_auto", "compile_function", "propagated_program"]
 
 
 @dataclass
@@ -139,3 +139,49 @@ def propagated_program(
         )  # fmt: skip
         propagate(prog.graph_module, mesh, replicate_unsupported=replicate_unsupported)
     return prog
+
+
+def compile_auto(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    mesh: Mesh,
+    specs: Sequence[PartitionSpec | None],
+    open_leaves: set[int],
+    options: CompileOptions,
+    presets: dict[str, list[PartitionSpec | None]],
+    out_specs_of: Callable[[list[PartitionSpec | None]], Any] = lambda specs: None,
+    names: dict[int, str] | None = None,
+    groups: Sequence[Sequence[int]] = (),
+    ties: Sequence[tuple[int, int]] = (),
+) -> Compiled:
+    """Auto-sharding (``partita.auto``, docs/auto.md): the solver chooses the specs of the
+    ``open_leaves`` (the others are ``specs``, the user's), scored beside ``presets`` (full
+    spec lists); every candidate compiles through :func:`compile_function`. The winner's
+    Plan carries the report as ``plan.auto``."""
+    from partita.auto import AutoProblem, choose
+
+    leaves, tree = flatten_registering_caches((args, kwargs or {}))
+    examples = [
+        torch.empty(x.shape, dtype=x.dtype) if isinstance(x, ShardedTensor) else x
+        for _, x in leaves
+    ]
+    targs, tkwargs = unflatten_args(examples, tree)
+    with gc_paused():
+        prog = capture.trace(fn, tuple(targs), tkwargs, leaf_specs=list(specs), mesh=mesh)
+
+    def build(leaf_specs: list[PartitionSpec | None]) -> Compiled:
+        return compile_function(
+            fn, args, kwargs, mesh=mesh, specs=leaf_specs, out_specs=out_specs_of(leaf_specs),
+            options=options,
+        )  # fmt: skip
+
+    problem = AutoProblem(
+        prog, mesh, list(specs), set(open_leaves), build, names=dict(names or {}),
+        groups=groups, ties=ties, presets=presets, objective=options.auto_objective,
+        time_limit=options.auto_time_limit, memory_limit=options.memory_limit,
+        replicate_unsupported=options.replicate_unsupported,
+    )  # fmt: skip
+    compiled, _ = choose(problem)
+    return cast(Compiled, compiled)

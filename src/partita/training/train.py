@@ -30,8 +30,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from partita import options as options_module
+from partita.auto import AutoReport
 from partita.capture.threads import serialized
 from partita.capture.uncompile import uncompiled
 from partita.errors import ArgumentError, ArgumentTypeError
@@ -39,6 +41,7 @@ from partita.frontend.jit import JitStats, Jitted, OptionsLike, jit
 from partita.partition import Plan
 from partita.presets import PresetLike, default_batch_spec
 from partita.presets import param_specs as preset_param_specs
+from partita.training.auto_step import auto_fixed_specs, is_auto, solve_step_specs
 from partita.training.checks import (
     check_batch,
     check_optimizer_params,
@@ -108,8 +111,17 @@ class TrainStep:
                     "(master weights). Leave the model in float32 and pass "
                     "mixed_precision='bf16' for low-precision compute."
                 )
-        self.param_specs = preset_param_specs(param_specs, model, mesh)
-        default = default_batch_spec(param_specs, mesh)
+        #: auto-sharding (param_specs="auto"): the user's fixed specs until the first compile
+        self._auto = is_auto(param_specs)
+        self._auto_fixed = auto_fixed_specs(param_specs, list(named)) if self._auto else {}
+        self._auto_batch = self._auto and batch_spec is None
+        self.auto: AutoReport | None = None
+        if self._auto:  # replicated until the first compile chooses (solve_step_specs)
+            self.param_specs = {k: self._auto_fixed.get(k, P()) for k in named}
+            default = P()
+        else:
+            self.param_specs = preset_param_specs(param_specs, model, mesh)
+            default = default_batch_spec(param_specs, mesh)
         self.batch_spec = default if batch_spec is None else batch_spec
         self._trainable = list(trainable)
         # frozen parameters travel with the buffers: inputs and outputs, never updated (also
@@ -192,9 +204,39 @@ class TrainStep:
         check_batch(batch, self.batch_spec, self.mesh, float_dtype=float_dtype)
         return (self.params, self.buffers, self.opt_state, self._lr(), batch)
 
+    def _choose_auto(self, batch: Any) -> None:
+        """``param_specs="auto"``: choose the specs on this batch, then shard the state so."""
+        if not self._auto or self.auto is not None:
+            return
+        args = self._args(batch)
+        options = Jitted(self._fn, mesh=self.mesh, options=self.options).options_now()
+        pspecs, batch_specs, self.auto = solve_step_specs(
+            self, args, self._auto_fixed, self._auto_batch, options
+        )
+        self.param_specs.update(pspecs)
+        if self._auto_batch:
+            self.batch_spec = pytree.tree_unflatten(batch_specs, pytree.tree_structure(batch))
+
+        def put(t: ShardedTensor, spec: PartitionSpec) -> ShardedTensor:
+            return ShardedTensor.from_global(t.full(), spec.to_sharding(self.mesh, t.ndim))
+
+        self.params = {k: put(v, self.param_specs[k]) for k, v in self.params.items()}
+        self.opt_state = {
+            key: value
+            if key == "step"
+            else {k: put(v, self.param_specs[k]) for k, v in value.items()}
+            for key, value in self.opt_state.items()
+        }
+
+    def _with_auto(self, plan: Plan) -> Plan:
+        if self.auto is not None:
+            plan.auto = self.auto  # type: ignore[attr-defined]
+        return plan
+
     def lower(self, batch: Any) -> Plan:
         """The Plan of one step on ``batch`` (compiles, does not run or change the state)."""
-        self.plan = plan = self._get_jitted().lower(*self._args(batch))
+        self._choose_auto(batch)
+        self.plan = plan = self._with_auto(self._get_jitted().lower(*self._args(batch)))
         return plan
 
     # --- running ---------------------------------------------------------------------------
@@ -202,6 +244,7 @@ class TrainStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
         self._snapshot.check(self.model, self.optimizer)
+        self._choose_auto(batch)
         jitted, args = self._get_jitted(), self._args(batch)
         loss, params, buffers, opt_state = jitted(*args)
         self.params, self.buffers, self.opt_state = params, buffers, opt_state
@@ -211,7 +254,7 @@ class TrainStep:
         # scheduler.step() comes before any optimizer.step(), reading this attribute).
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.plan is None:
-            self.plan = jitted.lower(*args)
+            self.plan = self._with_auto(jitted.lower(*args))
         return loss.full()
 
     # --- reading the state back ------------------------------------------------------------

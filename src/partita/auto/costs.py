@@ -1,0 +1,116 @@
+"""The prices of the choice space: per candidate its compute and op-internal collectives, per
+(value, sharding it has, sharding a user needs) the exact reshard the partitioner would emit.
+
+The reshard's steps come from ``partition.reshard.plan_reshard``, the planner the partitioner
+runs, so a reshard is priced as exactly the collectives it becomes; each collective's reported
+bytes follow the Plan's convention (output bytes; input bytes for a reduce_scatter) and are
+turned into seconds (``Hardware.collective_seconds``) or wire bytes (``cost.wire_bytes``).
+Compute is the roofline time of the op's FLOPs and bytes divided by the devices that split it
+(``Hardware.op_seconds``). A handler's op-internal collectives (a softmax over a split dim, a
+batch-norm's statistics) are priced as one all_reduce of the local result over the axes of the
+op's non-pass-through factors: a model of them, not their exact lowering.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from partita.cost import Hardware, node_bytes, node_flops, wire_bytes
+from partita.partition.reshard import plan_reshard
+from partita.rules import FactorKind
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
+
+__all__ = ["Pricer"]
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    found = _ITEMSIZE.get(dtype)
+    if found is None:
+        found = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return found
+
+
+class Pricer:
+    """Prices in microseconds (``objective="time"``: numbers near 1 keep the solver's
+    tolerances meaningful) or wire bytes (``"bytes"``), memoised."""
+
+    def __init__(self, mesh: Mesh, hardware: Hardware, objective: str) -> None:
+        self.mesh = mesh
+        self.hw = hardware
+        self.bytes = objective == "bytes"
+        #: the price of one stored byte per device: it only breaks ties between equal plans
+        self.per_stored_byte = 1e-6 if self.bytes else 1e-8
+        self._reshard: dict[tuple[Sharding, Sharding, tuple[int, ...], torch.dtype], float] = {}
+
+    def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> float:
+        if self.bytes:
+            return wire_bytes(kind, nbytes, self.mesh.axes_size(axes))
+        return self.hw.collective_seconds(kind, nbytes, self.mesh, tuple(axes)) * 1e6
+
+    def reshard(
+        self, src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype: torch.dtype
+    ) -> float:
+        """The price of moving a value of ``shape`` from ``src`` to ``dst``."""
+        if src == dst:
+            return 0.0
+        key = (src, dst, shape, dtype)
+        found = self._reshard.get(key)
+        if found is None:
+            size = _itemsize(dtype)
+            found = 0.0
+            for step in plan_reshard(src, dst, shape):
+                if not step.is_collective:
+                    continue
+                local = (
+                    step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
+                )
+                found += self.collective(step.kind, math.prod(local) * size, step.mesh_axes)
+            self._reshard[key] = found
+        return found
+
+    def local_bytes(self, s: Sharding, shape: tuple[int, ...], dtype: torch.dtype) -> float:
+        """Per-device bytes of a value of ``shape`` stored as ``s``."""
+        shards = self.mesh.axes_size([a for d in s.dim_axes for a in d])
+        return math.prod(shape) * _itemsize(dtype) / shards
+
+    def op(
+        self, node: object, rule: object, assigns: Sequence[dict[str, tuple[str, ...]]]
+    ) -> tuple[list[float], list[float]]:
+        """Per candidate: (the price the objective counts, the modelled compute in us)."""
+        import torch.fx as fx
+
+        from partita.rules import FactorRule
+
+        assert isinstance(node, fx.Node) and isinstance(rule, FactorRule)
+        flops, nbytes = node_flops(node), node_bytes(node)
+        val = node.meta.get("val")
+        out = val[0] if isinstance(val, (tuple, list)) else val
+        out_bytes = out.numel() * _itemsize(out.dtype) if isinstance(out, torch.Tensor) else 0
+        prices, computes = [], []
+        for assign in assigns:
+            axes = [a for fa in assign.values() for a in fa]
+            shards = self.mesh.axes_size(axes)
+            compute = (
+                self.hw.op_seconds(flops / shards, nbytes / shards) * 1e6
+                if flops or nbytes
+                else 0.0
+            )
+            internal = 0.0
+            if rule.handler is not None:
+                inner = [
+                    a
+                    for f, fa in assign.items()
+                    if rule.kind(f) is not FactorKind.PASS_THROUGH
+                    for a in fa
+                ]
+                if inner:
+                    internal = self.collective("all_reduce", out_bytes / shards, inner)
+            prices.append(internal if self.bytes else compute + internal)
+            computes.append(compute)
+        return prices, computes
