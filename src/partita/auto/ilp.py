@@ -103,6 +103,14 @@ def build_model(space: Space, pricer: Pricer) -> Model:
             prices, comp = pricer.op(block.node, block.op.rule, block.assigns)
             cost[lo : lo + len(block)] = prices
             compute[lo : lo + len(block)] = comp
+        for f in block.followers:
+            prices, comp = pricer.op(f.op.node, f.op.rule, f.assigns)
+            shape, dtype = space.shapes[f.value], space.dtypes[f.value]
+            moves = [
+                pricer.reshard(h, n, shape, dtype) for h, n in zip(f.has, f.needs, strict=True)
+            ]
+            cost[lo : lo + len(block)] += np.array(prices) + np.array(moves)
+            compute[lo : lo + len(block)] += comp
         else:
             for i, res in enumerate(block.results):
                 stored[lo + i] = sum(
@@ -150,19 +158,29 @@ def build_model(space: Space, pricer: Pricer) -> Model:
             price = {s: pricer.reshard(s, need, shape, dtype) for s in gives}
             if all(v == 0.0 for v in price.values()):
                 continue  # free whatever the producer does: no variable needed
+            # producer shardings grouped by price: one e per price; the free ones need none
+            classes: dict[float, list[int]] = {}
+            for sg, xcols in gives.items():
+                classes.setdefault(round(price[sg], 9), []).extend(xcols)
+            free = classes.pop(0.0, [])
             y = n
             n += 1
             extra.append(0.0)
             for _, cols in users:  # y >= x of every candidate needing it
                 ub.add(np.array([*cols, y]), np.array([1.0] * len(cols) + [-1.0]), 0.0)
             e_cols = []
-            for s, xcols in gives.items():
+            for p_, xcols in classes.items():
                 e = n
                 n += 1
-                extra.append(price[s])
+                extra.append(p_)
                 e_cols.append(e)
                 ub.add(np.array([e, *xcols]), np.array([1.0] + [-1.0] * len(xcols)), 0.0)
-            eq.add(np.array([*e_cols, y]), np.array([1.0] * len(e_cols) + [-1.0]), 0.0)
+            # y <= sum e + x of the free producer candidates: a needed copy is paid for
+            ub.add(
+                np.array([y, *e_cols, *free]),
+                np.array([1.0] + [-1.0] * (len(e_cols) + len(free))),
+                0.0,
+            )
     cost = np.concatenate([cost, np.array(extra)])
     return Model(
         cost, eq.rows, eq.cols, eq.vals, eq.rhs, ub.rows, ub.cols, ub.vals, ub.rhs,

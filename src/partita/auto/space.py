@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -34,7 +34,7 @@ from partita.rules import FactorKind, FactorRule
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
-__all__ = ["Block", "Space", "Use", "build_space", "input_candidates"]
+__all__ = ["Block", "Follower", "Space", "Use", "build_space", "input_candidates"]
 
 Assign = dict[str, tuple[str, ...]]
 
@@ -54,9 +54,24 @@ class Block:
     results: list[dict[ValueKey, Sharding]]
     op: OpState | None = None
     inputs: list[fx.Node] = field(default_factory=list)
+    #: ops that follow this block (``Follower``): priced on its candidates
+    followers: list[Follower] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.assigns)
+
+
+@dataclass
+class Follower:
+    """A pass-through op with one operand that shares its producer's block (Alpa's
+    ``s_follow``): under the block's candidate i it reads its operand as ``needs[i]`` (from
+    ``has[i]``: a reshard priced on candidate i) with assignment ``assigns[i]``."""
+
+    op: OpState
+    value: ValueKey
+    assigns: list[Assign]
+    has: list[Sharding]
+    needs: list[Sharding]
 
 
 @dataclass
@@ -177,6 +192,38 @@ def _needs(mesh: Mesh, op: OpState, assign: Assign) -> list[Sharding | None]:
     ]
 
 
+def _follows(op: OpState, state: ProgramState) -> ValueKey | None:
+    """The one operand a pass-through op follows (None: the op is not a follower)."""
+    rule = op.rule
+    keys = {k for k in op.operands if k is not None}
+    if len(keys) != 1 or any(k is None for k in op.results):
+        return None
+    if any(rule.kind(f) is not FactorKind.PASS_THROUGH for f in rule.factors):
+        return None
+    for t in (*rule.operands, *rule.results):
+        if t is not None and any(len(d) > 1 for d in t):
+            return None
+    if any(state.values[k].fixed for k in op.results if k is not None):
+        return None
+    return next(iter(keys))
+
+
+def _assign_from(mesh: Mesh, op: OpState, key: ValueKey, s: Sharding) -> Assign:
+    """The assignment under which ``op`` reads its operand ``key`` as laid out by ``s``."""
+    rule = op.rule
+    assign: Assign = {}
+    for factors, k in zip(rule.operands, op.operands, strict=True):
+        if k != key or factors is None:
+            continue
+        for dim_axes, d in zip(s.dim_axes, factors, strict=True):
+            if dim_axes and d:
+                for f, fa in split_axes(mesh, dim_axes, d, rule.sizes).items():
+                    if rule.sizes[f] % mesh.axes_size(fa) == 0 and f not in assign:
+                        assign[f] = fa
+        break
+    return assign
+
+
 def _fixed_assign(mesh: Mesh, op: OpState, state: ProgramState) -> Assign | None:
     """The assignment an annotation's value forces on its op (None: no result is fixed)."""
     rule = op.rule
@@ -238,6 +285,22 @@ def build_space(
             input_block[n] = len(blocks)
         blocks.append(block)
     for op in state.ops:
+        followed = _follows(op, state)
+        if followed is not None and followed in producer:
+            root = blocks[producer[followed]]
+            has = [r[followed] for r in root.results]
+            assigns = [_assign_from(mesh, op, followed, h) for h in has]
+            needs = [_needs(mesh, op, a) for a in assigns]
+            j = [k for k in op.operands].index(followed)
+            root.followers.append(
+                Follower(op, followed, assigns, has, [cast(Sharding, n[j]) for n in needs])
+            )
+            for r, a in zip(root.results, assigns, strict=True):
+                r.update(_results(mesh, op, a))
+            for rkey in op.results:
+                if rkey is not None:
+                    producer[rkey] = producer[followed]
+            continue
         forced = _fixed_assign(mesh, op, state)
         cands = [forced] if forced is not None else op_candidates(mesh, op)
         b = len(blocks)
