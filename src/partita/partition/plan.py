@@ -102,6 +102,8 @@ class Plan:
     local_program: Any = field(default=None, repr=False, compare=False)
     local_inputs: list[Any] = field(default_factory=list, repr=False, compare=False)
     _memory: Any = field(default=None, repr=False, compare=False)
+    #: how auto-sharding chose this plan (``partita.auto.AutoReport``; None without auto)
+    auto: Any = field(default=None, repr=False, compare=False)
     _values: Any = field(default=None, repr=False, compare=False)
 
     def _local_values(self) -> Any:
@@ -223,6 +225,8 @@ class Plan:
             )
         for w in self.warnings:
             lines.append(f"warning: {w}")
+        if self.auto is not None:
+            lines.append(self.auto.explain())
         return "\n".join(lines)
 
     def __str__(self) -> str:

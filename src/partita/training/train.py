@@ -230,7 +230,7 @@ class TrainStep:
 
     def _with_auto(self, plan: Plan) -> Plan:
         if self.auto is not None:
-            plan.auto = self.auto  # type: ignore[attr-defined]
+            plan.auto = self.auto
         return plan
 
     def lower(self, batch: Any) -> Plan:
