@@ -21,7 +21,7 @@ from partita.values.mesh import Mesh
 from partita.values.spec import P, PartitionSpec
 from partita.values.tensor import ShardedTensor
 
-__all__ = ["auto_compile"]
+__all__ = ["auto_compile", "dim0_spec"]
 
 
 def _open_leaves(args: tuple[Any, ...], in_specs: Any, leaves: list[Any]) -> set[int]:
@@ -41,7 +41,8 @@ def _open_leaves(args: tuple[Any, ...], in_specs: Any, leaves: list[Any]) -> set
     return out
 
 
-def _dim0(mesh: Mesh, leaf: torch.Tensor) -> PartitionSpec:
+def dim0_spec(mesh: Mesh, leaf: torch.Tensor) -> PartitionSpec:
+    """``leaf``'s dim 0 over the mesh axes that divide it (in mesh order), else replicated."""
     if leaf.ndim == 0:
         return P()
     axes = [a for a in mesh.axis_names if leaf.shape[0] % mesh.axes_size([a]) == 0]
@@ -67,7 +68,7 @@ def auto_compile(
     open_leaves = _open_leaves(args, in_specs, leaves)
     base = [None if i in open_leaves else s for i, s in enumerate(specs)]
     replicated = [P() if i in open_leaves else s for i, s in enumerate(specs)]
-    batch = [_dim0(mesh, leaves[i]) if i in open_leaves else s for i, s in enumerate(specs)]
+    batch = [dim0_spec(mesh, leaves[i]) if i in open_leaves else s for i, s in enumerate(specs)]
     names = {i: f"input {i}" for i in open_leaves}
     return compile_auto(
         fn, args, kwargs, mesh=mesh, specs=base, open_leaves=open_leaves, options=options,

@@ -348,6 +348,19 @@ def _keep_layout(old: Any, new: ShardedTensor) -> Any:
     return reshard(new, old_sharding)
 
 
+def _open_inputs(rec: recording.Recording) -> set[int]:
+    """Under ``use_spmd(mesh, auto=True)``: the step inputs auto-sharding may lay out (plain,
+    hence replicated, data that ``mark_sharding`` did not annotate)."""
+    return {
+        i
+        for i, (_, value) in enumerate(rec.inputs)
+        if isinstance(value, Cell)
+        and value.annotation is None
+        and isinstance(value.data, torch.Tensor)
+        and not isinstance(value.data, ShardedTensor)
+    }
+
+
 def _inputs(rec: recording.Recording) -> list[Any]:
     values: list[Any] = []
     for _, value in rec.inputs:
@@ -376,15 +389,17 @@ def _compile(
     m: Metrics = device.metrics
     # Under torch.distributed every rank compiles (the executor checks the programs agree).
     local = distributed_executor(mesh()) is None
-    program = disk_cache.load(key, mesh()) if local else None
+    open_inputs = _open_inputs(rec) if device.auto else None
+    program = disk_cache.load(key, mesh()) if local and not open_inputs else None
     if program is not None:
         program.options = options  # the key it was found by holds options.key()
         m.disk_hits += 1
     else:
         replay = _replay_fn(rec, [c.slot for c in out_cells])  # type: ignore[misc]
-        program = compile_step(replay, inputs, mesh(), options)
+        program = compile_step(replay, inputs, mesh(), options, open_inputs)
         m.compiles += 1
-        disk_cache.save(key, mesh(), program)
+        if not open_inputs:
+            disk_cache.save(key, mesh(), program)
     device.programs[key] = program
     if len(device.programs) > CACHE_LIMIT:
         device.programs.popitem(last=False)
