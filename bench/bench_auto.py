@@ -98,7 +98,8 @@ def show(row: dict[str, Any]) -> None:
     cert = "LP integral" if r.integral_lp else f"gap {r.gap:.2%}"
     print(
         f"   solver {r.solver}: {r.variables} variables, {r.rows} rows, build "
-        f"{r.build_seconds:.2f} s + solve {r.solve_seconds:.2f} s, {cert}; "
+        f"{r.build_seconds:.2f} s + solve {r.solve_seconds:.2f} s, {cert}, model objective "
+        f"{r.model_objective:.4g} {'us' if r.objective == 'time' else 'B'}; "
         f"lower() total {row['wall']:.1f} s (with the presets' compiles)"
     )
     print(f"   {'plan':<10}{'model ms':>11}{'wire MiB':>11}{'peak MiB':>11}")

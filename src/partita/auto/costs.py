@@ -17,10 +17,12 @@ import math
 from collections.abc import Sequence
 
 import torch
+import torch.fx as fx
 
-from partita.cost import Hardware, node_bytes, node_flops, wire_bytes
+from partita.cost import Hardware, link_of, node_bytes, node_flops, wire_bytes
+from partita.cost.model import ring_steps
 from partita.partition.reshard import plan_reshard
-from partita.rules import FactorKind
+from partita.rules import FactorKind, FactorRule
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
@@ -40,26 +42,47 @@ class Pricer:
     """Prices in microseconds (``objective="time"``: numbers near 1 keep the solver's
     tolerances meaningful) or wire bytes (``"bytes"``), memoised."""
 
-    def __init__(self, mesh: Mesh, hardware: Hardware, objective: str) -> None:
+    def __init__(
+        self, mesh: Mesh, hardware: Hardware, objective: str, bucket_bytes: int = 4 << 20
+    ) -> None:
         self.mesh = mesh
         self.hw = hardware
         self.bytes = objective == "bytes"
+        self.bucket_bytes = bucket_bytes
         #: the price of one stored byte per device: it only breaks ties between equal plans
         self.per_stored_byte = 1e-6 if self.bytes else 1e-8
-        self._reshard: dict[tuple[Sharding, Sharding, tuple[int, ...], torch.dtype], float] = {}
+        self._reshard: dict[
+            tuple[Sharding, Sharding, tuple[int, ...], torch.dtype, bool], float
+        ] = {}
 
-    def collective(self, kind: str, nbytes: float, axes: Sequence[str]) -> float:
+    def collective(
+        self, kind: str, nbytes: float, axes: Sequence[str], bucketed: bool = False
+    ) -> float:
+        """A collective's price; ``bucketed``: it is fused with others of its kind into calls
+        of ``bucket_bytes`` (a parameter's gather, a gradient's reduction), so it pays its
+        share of one call's latency."""
         if self.bytes:
             return wire_bytes(kind, nbytes, self.mesh.axes_size(axes))
-        return self.hw.collective_seconds(kind, nbytes, self.mesh, tuple(axes)) * 1e6
+        seconds = self.hw.collective_seconds(kind, nbytes, self.mesh, tuple(axes))
+        if bucketed and self.bucket_bytes:
+            n = self.mesh.axes_size(axes)
+            latency = ring_steps(kind, n) * link_of(self.hw, self.mesh, axes).latency
+            latency *= self.hw.collective_scale.get(kind, 1.0)
+            seconds -= latency * (1.0 - min(1.0, nbytes / self.bucket_bytes))
+        return seconds * 1e6
 
     def reshard(
-        self, src: Sharding, dst: Sharding, shape: tuple[int, ...], dtype: torch.dtype
+        self,
+        src: Sharding,
+        dst: Sharding,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        bucketed: bool = False,
     ) -> float:
         """The price of moving a value of ``shape`` from ``src`` to ``dst``."""
         if src == dst:
             return 0.0
-        key = (src, dst, shape, dtype)
+        key = (src, dst, shape, dtype, bucketed)
         found = self._reshard.get(key)
         if found is None:
             size = _itemsize(dtype)
@@ -70,7 +93,8 @@ class Pricer:
                 local = (
                     step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
                 )
-                found += self.collective(step.kind, math.prod(local) * size, step.mesh_axes)
+                nbytes = math.prod(local) * size
+                found += self.collective(step.kind, nbytes, step.mesh_axes, bucketed)
             self._reshard[key] = found
         return found
 
@@ -80,27 +104,26 @@ class Pricer:
         return math.prod(shape) * _itemsize(dtype) / shards
 
     def op(
-        self, node: object, rule: object, assigns: Sequence[dict[str, tuple[str, ...]]]
+        self,
+        node: fx.Node,
+        rule: FactorRule,
+        assigns: Sequence[dict[str, tuple[str, ...]]],
+        local_bytes: Sequence[float],
     ) -> tuple[list[float], list[float]]:
-        """Per candidate: (the price the objective counts, the modelled compute in us)."""
-        import torch.fx as fx
+        """Per candidate: (the price the objective counts, the modelled compute in us).
 
-        from partita.rules import FactorRule
-
-        assert isinstance(node, fx.Node) and isinstance(rule, FactorRule)
-        flops, nbytes = node_flops(node), node_bytes(node)
+        Compute is the roofline of the op's FLOPs over the devices that split it and of the
+        bytes one device reads and writes (``local_bytes``: a replicated operand is read
+        whole on every device)."""
+        flops = node_flops(node) if node_bytes(node) else 0
         val = node.meta.get("val")
         out = val[0] if isinstance(val, (tuple, list)) else val
         out_bytes = out.numel() * _itemsize(out.dtype) if isinstance(out, torch.Tensor) else 0
         prices, computes = [], []
-        for assign in assigns:
+        for assign, nbytes in zip(assigns, local_bytes, strict=True):
             axes = [a for fa in assign.values() for a in fa]
             shards = self.mesh.axes_size(axes)
-            compute = (
-                self.hw.op_seconds(flops / shards, nbytes / shards) * 1e6
-                if flops or nbytes
-                else 0.0
-            )
+            compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if flops or nbytes else 0.0
             internal = 0.0
             if rule.handler is not None:
                 inner = [

@@ -100,11 +100,11 @@ def build_model(space: Space, pricer: Pricer) -> Model:
         lo = offsets[b]
         eq.add(np.arange(lo, lo + len(block)), np.ones(len(block)), 1.0)
         if block.op is not None:
-            prices, comp = pricer.op(block.node, block.op.rule, block.assigns)
+            prices, comp = pricer.op(block.node, block.op.rule, block.assigns, block.local_bytes)
             cost[lo : lo + len(block)] = prices
             compute[lo : lo + len(block)] = comp
         for f in block.followers:
-            prices, comp = pricer.op(f.op.node, f.op.rule, f.assigns)
+            prices, comp = pricer.op(f.op.node, f.op.rule, f.assigns, f.local_bytes)
             shape, dtype = space.shapes[f.value], space.dtypes[f.value]
             moves = [
                 pricer.reshard(h, n, shape, dtype) for h, n in zip(f.has, f.needs, strict=True)
@@ -154,8 +154,9 @@ def build_model(space: Space, pricer: Pricer) -> Model:
                     gives.setdefault(s, []).append(lo + i)
             produced[key] = gives
         shape, dtype = space.shapes[key], space.dtypes[key]
+        bucketed = shape in space.stored_shapes  # a parameter's or its gradient's
         for need, users in wanted.items():
-            price = {s: pricer.reshard(s, need, shape, dtype) for s in gives}
+            price = {s: pricer.reshard(s, need, shape, dtype, bucketed) for s in gives}
             if all(v == 0.0 for v in price.values()):
                 continue  # free whatever the producer does: no variable needed
             # producer shardings grouped by price: one e per price; the free ones need none

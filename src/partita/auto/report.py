@@ -3,7 +3,9 @@ solver's figures (``plan.auto``, printed by ``plan.auto.explain()`` and ``plan.e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = ["AutoReport", "Scored"]
 
@@ -65,6 +67,10 @@ class AutoReport:
     rounds: int = 0
     memory_limit: int | None = None
     notes: list[str] = field(default_factory=list)
+    #: the winner's per-op shardings, written into a propagated program before it is
+    #: partitioned (None when a preset won): a front end that compiles the chosen specs
+    #: again passes it to the pipeline so the same program results
+    rewrite: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
 
     def best(self) -> Scored:
         """The winner's scores."""

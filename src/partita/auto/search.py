@@ -21,6 +21,7 @@ from typing import Any
 
 from partita.auto.costs import Pricer
 from partita.auto.ilp import Solution, build_model, solve
+from partita.auto.realize import write_solution
 from partita.auto.report import AutoReport, Scored
 from partita.auto.space import build_space
 from partita.cost import get_profile
@@ -54,7 +55,8 @@ class AutoProblem:
         groups: leaf indices sharing one choice (a parameter and its optimizer states).
         ties: (output tensor index, leaf index): that result must be that input's sharding.
         presets: ``{name: specs}``, full spec lists scored beside the solver's.
-        compile: ``compile(specs) -> Compiled`` through the pipeline.
+        compile: ``compile(specs, rewrite=None) -> Compiled`` through the pipeline
+            (``rewrite(gm)`` runs between propagation and partitioning).
         objective / time_limit / memory_limit / hardware: the options.
         replicate_unsupported: as the pipeline's option.
     """
@@ -63,7 +65,7 @@ class AutoProblem:
     mesh: Mesh
     specs: Specs
     open_leaves: set[int]
-    compile: Callable[[Specs], Any]
+    compile: Callable[..., Any]
     names: dict[int, str] = field(default_factory=dict)
     groups: Sequence[Sequence[int]] = ()
     ties: Sequence[tuple[int, int]] = ()
@@ -73,6 +75,7 @@ class AutoProblem:
     memory_limit: int = 0
     hardware: str = "cpu-gloo"
     replicate_unsupported: bool = False
+    bucket_bytes: int = 4 << 20
 
 
 def _score(name: str, compiled: Any, problem: AutoProblem) -> Scored:
@@ -117,7 +120,9 @@ class _Solver:
         ]
         self.inputs = inputs
         self.space = build_space(state, inputs, groups, fixed, ties)
-        self.pricer = Pricer(mesh, get_profile(problem.hardware), problem.objective)
+        self.pricer = Pricer(
+            mesh, get_profile(problem.hardware), problem.objective, problem.bucket_bytes
+        )
         self.model = build_model(self.space, self.pricer)
 
     def specs(self, problem: AutoProblem, sol: Solution) -> Specs:
@@ -142,8 +147,9 @@ def choose(problem: AutoProblem) -> tuple[Any, AutoReport]:
     for name, specs in problem.presets.items():
         compiled[name] = problem.compile(specs)
         report.candidates.append(_score(name, compiled[name], problem))
+    rewrites: dict[str, Callable[[Any], None]] = {}
     if have_solver():
-        _solve_rounds(problem, report, compiled)
+        _solve_rounds(problem, report, compiled, rewrites)
     else:
         report.notes.append(
             "scipy is not installed (pip install 'partita[auto]'): the best preset was taken "
@@ -166,6 +172,7 @@ def choose(problem: AutoProblem) -> tuple[Any, AutoReport]:
         )
     best = min(fitting, key=lambda c: _key(c, problem.objective))
     report.chosen = best.name
+    report.rewrite = rewrites.get(best.name)
     winner = compiled[best.name]
     prog = winner.program
     for leaf, s in zip(prog.tensor_leaves, winner.plan.input_shardings, strict=False):
@@ -175,7 +182,12 @@ def choose(problem: AutoProblem) -> tuple[Any, AutoReport]:
     return winner, report
 
 
-def _solve_rounds(problem: AutoProblem, report: AutoReport, compiled: dict[str, Any]) -> None:
+def _solve_rounds(
+    problem: AutoProblem,
+    report: AutoReport,
+    compiled: dict[str, Any],
+    rewrites: dict[str, Callable[[Any], None]],
+) -> None:
     solver = _Solver(problem)
     model = solver.model
     compute_bound = None
@@ -209,7 +221,20 @@ def _solve_rounds(problem: AutoProblem, report: AutoReport, compiled: dict[str, 
             return
         seen.add(key)
         name = "auto" if round_ == 0 else f"auto-{round_ + 1}"
-        compiled[name] = problem.compile(specs)
+        space, choice = solver.space, sol.choice
+
+        def rewrite(gm: Any, space: Any = space, choice: list[int] = choice) -> None:
+            write_solution(space, choice, gm)
+
+        try:
+            compiled[name] = problem.compile(specs, rewrite)
+            rewrites[name] = rewrite
+        except Exception as e:  # the solver's per-op choice did not lower: its inputs only
+            report.notes.append(
+                f"{name}: the solver's per-op shardings did not partition ({e}); only its "
+                f"input shardings were kept"
+            )
+            compiled[name] = problem.compile(specs)
         scored = _score(name, compiled[name], problem)
         report.candidates.append(scored)
         if scored.fits or budget is None:

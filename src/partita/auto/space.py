@@ -56,6 +56,8 @@ class Block:
     inputs: list[fx.Node] = field(default_factory=list)
     #: ops that follow this block (``Follower``): priced on its candidates
     followers: list[Follower] = field(default_factory=list)
+    #: per candidate, the bytes the op reads and writes on one device
+    local_bytes: list[float] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.assigns)
@@ -72,6 +74,7 @@ class Follower:
     assigns: list[Assign]
     has: list[Sharding]
     needs: list[Sharding]
+    local_bytes: list[float] = field(default_factory=list)
 
 
 @dataclass
@@ -97,6 +100,9 @@ class Space:
     input_block: dict[fx.Node, int]
     #: the program's results: a partial one is reduced before it is returned
     outputs: list[ValueKey] = field(default_factory=list)
+    #: shapes of the inputs in groups (parameters): their reshards (a parameter's gather, its
+    #: gradient's reduction) are bucketed by the partitioner
+    stored_shapes: set[tuple[int, ...]] = field(default_factory=set)
 
 
 def _val(key: ValueKey) -> Any:
@@ -224,6 +230,20 @@ def _assign_from(mesh: Mesh, op: OpState, key: ValueKey, s: Sharding) -> Assign:
     return assign
 
 
+def _local(s: Sharding | None, val: Any) -> float:
+    if s is None or not isinstance(val, torch.Tensor):
+        return 0.0
+    return val.numel() * val.element_size() / s.mesh.axes_size([a for d in s.dim_axes for a in d])
+
+
+def _op_bytes(
+    op: OpState, needs: list[Sharding | None], results: dict[ValueKey, Sharding]
+) -> float:
+    """Bytes one device reads and writes for ``op`` under one candidate."""
+    read = sum(_local(n, _val(k)) for n, k in zip(needs, op.operands, strict=True) if k is not None)
+    return read + sum(_local(r, _val(k)) for k, r in results.items())
+
+
 def _fixed_assign(mesh: Mesh, op: OpState, state: ProgramState) -> Assign | None:
     """The assignment an annotation's value forces on its op (None: no result is fixed)."""
     rule = op.rule
@@ -292,11 +312,12 @@ def build_space(
             assigns = [_assign_from(mesh, op, followed, h) for h in has]
             needs = [_needs(mesh, op, a) for a in assigns]
             j = [k for k in op.operands].index(followed)
-            root.followers.append(
-                Follower(op, followed, assigns, has, [cast(Sharding, n[j]) for n in needs])
-            )
-            for r, a in zip(root.results, assigns, strict=True):
-                r.update(_results(mesh, op, a))
+            follower = Follower(op, followed, assigns, has, [cast(Sharding, n[j]) for n in needs])
+            root.followers.append(follower)
+            for r, a, nd in zip(root.results, assigns, needs, strict=True):
+                res = _results(mesh, op, a)
+                follower.local_bytes.append(_op_bytes(op, nd, res))
+                r.update(res)
             for rkey in op.results:
                 if rkey is not None:
                     producer[rkey] = producer[followed]
@@ -310,6 +331,9 @@ def build_space(
             if rkey is not None:
                 producer[rkey] = b
         needs = [_needs(mesh, op, a) for a in cands]
+        block.local_bytes = [
+            _op_bytes(op, nd, res) for nd, res in zip(needs, block.results, strict=True)
+        ]
         for j, okey in enumerate(op.operands):
             if okey is not None and needs[0][j] is not None:
                 uses.append(Use(b, okey, [n[j] for n in needs]))
@@ -322,4 +346,5 @@ def build_space(
     keys = set(producer)
     shapes = {k: tuple(_val(k).shape) for k in keys}
     dtypes = {k: _val(k).dtype for k in keys}
-    return Space(mesh, blocks, producer, uses, shapes, dtypes, input_block, outputs)
+    stored = {tuple(inputs[i].meta["val"].shape) for g in groups for i in g}
+    return Space(mesh, blocks, producer, uses, shapes, dtypes, input_block, outputs, stored)

@@ -139,6 +139,9 @@ class Jitted:
             )
         #: auto-sharding (docs/auto.md): arguments without an in_specs entry are the solver's
         self.auto = auto
+        #: called on each propagated program before partitioning (``train_step``'s
+        #: auto-sharding writes the solver's per-op shardings there)
+        self.rewrite: Callable[[Any], None] | None = None
         functools.update_wrapper(self, fn, updated=())
 
     # --- signatures ------------------------------------------------------------------------
@@ -197,7 +200,7 @@ class Jitted:
         else:
             compiled = compile_function(
                 fn, args, kwargs, mesh=self.mesh, specs=specs, out_specs=self.out_specs,
-                options=options,
+                options=options, rewrite=self.rewrite,
             )  # fmt: skip
         plan = compiled.plan
         plan.input_names = placeholder_names(compiled.program, self.fn, self._module)

@@ -74,6 +74,7 @@ def compile_function(
     specs: Sequence[PartitionSpec | None],
     out_specs: Any = None,
     options: CompileOptions,
+    rewrite: Callable[[fx.GraphModule], Any] | None = None,
 ) -> Compiled:
     """Trace ``fn(*args, **kwargs)``, propagate and partition it for ``mesh``.
 
@@ -87,6 +88,8 @@ def compile_function(
         out_specs: a prefix of the result pytree with specs (None: propagation chooses).
         options: every knob of the stages (``strict``, ``replicate_unsupported``,
             ``collectives``, ``regather``, ``bucket_bytes``) and of the run, kept in the result.
+        rewrite: called on the propagated program before it is partitioned (auto-sharding
+            writes its solution there: ``partita.auto.realize``).
     """
     start = time.perf_counter()
     # The three stages build graphs that all live on: no cyclic GC in between (gc_pause).
@@ -96,6 +99,8 @@ def compile_function(
             replicate_unsupported=options.replicate_unsupported,
         )  # fmt: skip
         gm = prog.graph_module
+        if rewrite is not None:
+            rewrite(gm)
         local, plan = partition(gm, mesh, options)
         plan.program_text = format_program(gm)
     (out_node,) = [n for n in gm.graph.nodes if n.op == "output"]
@@ -171,17 +176,20 @@ def compile_auto(
     with gc_paused():
         prog = capture.trace(fn, tuple(targs), tkwargs, leaf_specs=list(specs), mesh=mesh)
 
-    def build(leaf_specs: list[PartitionSpec | None]) -> Compiled:
+    def build(
+        leaf_specs: list[PartitionSpec | None],
+        rewrite: Callable[[fx.GraphModule], Any] | None = None,
+    ) -> Compiled:
         return compile_function(
             fn, args, kwargs, mesh=mesh, specs=leaf_specs, out_specs=out_specs_of(leaf_specs),
-            options=options,
+            options=options, rewrite=rewrite,
         )  # fmt: skip
 
     problem = AutoProblem(
         prog, mesh, list(specs), set(open_leaves), build, names=dict(names or {}),
         groups=groups, ties=ties, presets=presets, objective=options.auto_objective,
         time_limit=options.auto_time_limit, memory_limit=options.memory_limit,
-        replicate_unsupported=options.replicate_unsupported,
+        replicate_unsupported=options.replicate_unsupported, bucket_bytes=options.bucket_bytes,
     )  # fmt: skip
     compiled, _ = choose(problem)
     return cast(Compiled, compiled)

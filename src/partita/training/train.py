@@ -186,6 +186,8 @@ class TrainStep:
                 out_specs=(P(), pspecs, bspecs, sspecs),
                 options=self.options,
             )
+            if self.auto is not None:  # the solver's per-op shardings, not only its specs
+                jitted.rewrite = self.auto.rewrite
             self._jitted[training] = jitted
         return jitted
 
