@@ -38,6 +38,19 @@ def _itemsize(dtype: torch.dtype) -> int:
     return found
 
 
+#: Handlers that emit collectives inside their op when a reduction or windowed factor is split:
+#: (collective kind, how many) over the axes of those factors, each on the result reduced
+#: over those factors (a softmax's max and sum, batch statistics, a loss's two scalars, a
+#: convolution's halo, a scan's carries).
+_INTERNAL: dict[str, tuple[str, int]] = {
+    "softmax_reduce": ("all_reduce", 2),
+    "batch_stats": ("all_reduce", 1),
+    "weighted_mean": ("all_reduce", 1),
+    "halo": ("collective_permute", 2),
+    "sharded_scan": ("all_gather", 1),
+}
+
+
 class Pricer:
     """Prices in microseconds (``objective="time"``: numbers near 1 keep the solver's
     tolerances meaningful) or wire bytes (``"bytes"``), memoised."""
@@ -124,16 +137,24 @@ class Pricer:
             axes = [a for fa in assign.values() for a in fa]
             shards = self.mesh.axes_size(axes)
             compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if flops or nbytes else 0.0
-            internal = 0.0
-            if rule.handler is not None:
-                inner = [
-                    a
-                    for f, fa in assign.items()
-                    if rule.kind(f) is not FactorKind.PASS_THROUGH
-                    for a in fa
-                ]
-                if inner:
-                    internal = self.collective("all_reduce", out_bytes / shards, inner)
+            internal = self._internal(rule, assign, out_bytes / shards)
             prices.append(internal if self.bytes else compute + internal)
             computes.append(compute)
         return prices, computes
+
+    def _internal(
+        self, rule: FactorRule, assign: dict[str, tuple[str, ...]], local_out: float
+    ) -> float:
+        """The handler's op-internal collectives under ``assign`` (a model, see the module)."""
+        found = _INTERNAL.get(rule.handler or "")
+        if found is None:
+            return 0.0
+        kind, count = found
+        split = [f for f in assign if rule.kind(f) is not FactorKind.PASS_THROUGH]
+        axes = [a for f in split for a in assign[f]]
+        if not axes:
+            return 0.0
+        reduced = local_out
+        for f in split:
+            reduced /= max(1.0, rule.sizes[f] / self.mesh.axes_size(assign[f]))
+        return count * self.collective(kind, reduced, axes)

@@ -106,8 +106,10 @@ def build_model(space: Space, pricer: Pricer) -> Model:
         for f in block.followers:
             prices, comp = pricer.op(f.op.node, f.op.rule, f.assigns, f.local_bytes)
             shape, dtype = space.shapes[f.value], space.dtypes[f.value]
+            bucketed = shape in space.stored_shapes
             moves = [
-                pricer.reshard(h, n, shape, dtype) for h, n in zip(f.has, f.needs, strict=True)
+                pricer.reshard(h, n, shape, dtype, bucketed)
+                for h, n in zip(f.has, f.needs, strict=True)
             ]
             cost[lo : lo + len(block)] += np.array(prices) + np.array(moves)
             compute[lo : lo + len(block)] += comp

@@ -308,6 +308,9 @@ def build_space(
         followed = _follows(op, state)
         if followed is not None and followed in producer:
             root = blocks[producer[followed]]
+            if any(r[followed].partial for r in root.results):
+                followed = None  # a partial value: the op chooses where its reduction goes
+        if followed is not None and followed in producer:
             has = [r[followed] for r in root.results]
             assigns = [_assign_from(mesh, op, followed, h) for h in has]
             needs = [_needs(mesh, op, a) for a in assigns]
