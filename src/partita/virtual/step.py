@@ -40,6 +40,7 @@ from partita.runtime.distributed import distributed_executor
 from partita.values.mesh import Mesh
 from partita.values.tensor import ShardedTensor
 from partita.virtual import disk_cache, recording, state
+from partita.virtual.auto_inputs import open_inputs_of
 from partita.virtual.cell import Cell
 from partita.virtual.lift import replay_op
 from partita.virtual.metrics import MISSES_KEPT, Metrics
@@ -348,19 +349,6 @@ def _keep_layout(old: Any, new: ShardedTensor) -> Any:
     return reshard(new, old_sharding)
 
 
-def _open_inputs(rec: recording.Recording) -> set[int]:
-    """Under ``use_spmd(mesh, auto=True)``: the step inputs auto-sharding may lay out (plain,
-    hence replicated, data that ``mark_sharding`` did not annotate)."""
-    return {
-        i
-        for i, (_, value) in enumerate(rec.inputs)
-        if isinstance(value, Cell)
-        and value.annotation is None
-        and isinstance(value.data, torch.Tensor)
-        and not isinstance(value.data, ShardedTensor)
-    }
-
-
 def _inputs(rec: recording.Recording) -> list[Any]:
     values: list[Any] = []
     for _, value in rec.inputs:
@@ -389,7 +377,7 @@ def _compile(
     m: Metrics = device.metrics
     # Under torch.distributed every rank compiles (the executor checks the programs agree).
     local = distributed_executor(mesh()) is None
-    open_inputs = _open_inputs(rec) if device.auto else None
+    open_inputs = open_inputs_of(rec) if device.auto else None
     program = disk_cache.load(key, mesh()) if local and not open_inputs else None
     if program is not None:
         program.options = options  # the key it was found by holds options.key()
