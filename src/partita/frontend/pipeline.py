@@ -127,10 +127,12 @@ def propagated_program(
     in_specs: Any = None,
     out_specs: Any = None,
     replicate_unsupported: bool = False,
+    run: bool = True,
 ) -> capture.Program:
     """The first two stages: ``fn`` traced, then propagated (every node carries
     ``meta["sharding"]``). Input specs are ``specs``, one per leaf, or ``in_specs``, a prefix
-    of ``args`` (for ``partita.frontend.annotate.propagate_program``, which stops here)."""
+    of ``args`` (for ``partita.frontend.annotate.propagate_program``, which stops here).
+    ``run=False`` stops after tracing (auto-sharding reads the unpropagated program)."""
     leaves, tree = flatten_registering_caches((args, kwargs or {}))
     examples = [
         torch.empty(x.shape, dtype=x.dtype) if isinstance(x, ShardedTensor) else x
@@ -142,7 +144,8 @@ def propagated_program(
             fn, tuple(targs), tkwargs, in_specs=in_specs, leaf_specs=specs,
             out_specs=out_specs, mesh=mesh,
         )  # fmt: skip
-        propagate(prog.graph_module, mesh, replicate_unsupported=replicate_unsupported)
+        if run:
+            propagate(prog.graph_module, mesh, replicate_unsupported=replicate_unsupported)
     return prog
 
 
@@ -167,14 +170,7 @@ def compile_auto(
     Plan carries the report as ``plan.auto``."""
     from partita.auto import AutoProblem, choose
 
-    leaves, tree = flatten_registering_caches((args, kwargs or {}))
-    examples = [
-        torch.empty(x.shape, dtype=x.dtype) if isinstance(x, ShardedTensor) else x
-        for _, x in leaves
-    ]
-    targs, tkwargs = unflatten_args(examples, tree)
-    with gc_paused():
-        prog = capture.trace(fn, tuple(targs), tkwargs, leaf_specs=list(specs), mesh=mesh)
+    prog = propagated_program(fn, args, kwargs, mesh=mesh, specs=list(specs), run=False)
 
     def build(
         leaf_specs: list[PartitionSpec | None],
