@@ -361,7 +361,8 @@ def train_step(
         param_specs: how to split the parameters (as ``partita.jit``'s ``param_specs``), a
             preset (:mod:`partita.presets`): ``"dp"``,
             ``"fsdp"``, ``"tp"``, ``"fsdp+tp"``, a dict ``{name or pattern: spec}`` or a
-            callable ``(name, param) -> spec``.
+            callable ``(name, param) -> spec``; or ``"auto"`` (a dict: ``"*": "auto"``):
+            chosen by auto-sharding at the first step (docs/auto.md, ``step.plan.auto``).
         batch_spec: the spec of every batch tensor, or a pytree prefix of the batch;
             default ``P('data')`` when the mesh has a ``data`` axis, else replicated.
         max_grad_norm: clip gradients by global 2-norm like ``clip_grad_norm_``.
