@@ -15,6 +15,7 @@ overshoot and the program solved again (at most 3 rounds).
 from __future__ import annotations
 
 import importlib.util
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -94,6 +95,7 @@ class _Solver:
     """The program's space and model, built once, solved per memory budget."""
 
     def __init__(self, problem: AutoProblem) -> None:
+        start = time.perf_counter()
         prog = problem.program
         gm = prog.graph_module
         mesh = problem.mesh
@@ -124,6 +126,8 @@ class _Solver:
             mesh, get_profile(problem.hardware), problem.objective, problem.bucket_bytes
         )
         self.model = build_model(self.space, self.pricer)
+        # the build is everything from the traced program to the matrices
+        self.model.build_seconds = time.perf_counter() - start
 
     def specs(self, problem: AutoProblem, sol: Solution) -> Specs:
         out = list(problem.specs)
