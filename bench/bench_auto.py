@@ -1,7 +1,8 @@
 """Auto-sharding beside every preset, side by side in one run (``partita.auto``, docs/auto.md).
 
 Run: ``PYTHONPATH=src .venv/bin/python bench/bench_auto.py [--cases gpt-s cnn ...]
-[--meshes 8 2x4 4x2] [--objective time|bytes] [--time-limit 30]``
+[--meshes 8 2x4 4x2] [--objective time|bytes] [--time-limit 30]``; ``--scaling 12 48``
+measures only the build and solve seconds of a width-64 GPT step as its layers grow.
 
 Each case is a training step (``partita.train_step(..., param_specs="auto")``, AdamW for the
 GPTs, SGD for the CNN) lowered once on a LocalMesh (nothing runs). For each case and mesh the
@@ -121,14 +122,45 @@ def show(row: dict[str, Any]) -> None:
             print(f"   kept/best preset modelled time: {ratio:.3f}")
 
 
+def scaling(layers: list[int], mesh_text: str, time_limit: float) -> None:
+    """Build and solve seconds of a GPT step (width 64) as the layers grow: the step is
+    ``partita.jit(make_train_step(...), auto=True)`` (its baselines: replicated and batch)."""
+    from partita.training import init_opt_state, make_train_step
+
+    mesh = _mesh(mesh_text)
+    print(f"\n== solve time as layers grow, GPT width 64 on ({mesh_text.replace('x', ', ')})")
+    print(f"   {'layers':>6}{'variables':>11}{'build s':>9}{'solve s':>9}  certificate")
+    for n in layers:
+        cfg = GPTConfig(n_layer=n, n_head=4, d_model=64, vocab_size=256, seq_len=64)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+
+        def loss(logits: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits.flatten(0, 1), t.flatten())
+
+        step = make_train_step(model, loss, "adamw")
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len))
+        args = (params, {}, init_opt_state(params, "adamw"), (ids, torch.roll(ids, -1, 1)))
+        jitted = partita.jit(step, mesh=mesh, auto=True, options={"auto_time_limit": time_limit})
+        r = jitted.lower(*args).auto
+        cert = "LP integral" if r.integral_lp else f"gap {r.gap:.2%}"
+        print(f"   {n:>6}{r.variables:>11}{r.build_seconds:>9.2f}{r.solve_seconds:>9.2f}  {cert}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", nargs="+", default=["gpt-s", "cnn"], choices=list(CASES))
     parser.add_argument("--meshes", nargs="+", default=["8", "2x4", "4x2"])
     parser.add_argument("--objective", default="time", choices=["time", "bytes"])
     parser.add_argument("--time-limit", type=float, default=30.0)
+    parser.add_argument("--scaling", nargs="*", type=int, help="layers, e.g. 12 48 (only this)")
     args = parser.parse_args()
     print("command: PYTHONPATH=src python " + " ".join(sys.argv))
+    if args.scaling:
+        for m in args.meshes:
+            scaling(args.scaling, m, args.time_limit)
+        return
     for case in args.cases:
         for m in args.meshes:
             show(run(case, m, args.objective, args.time_limit))
