@@ -49,6 +49,7 @@ _VALUES = (
 _API = (
     "partita",
     "partita.__main__",
+    "partita.auto",
     "partita.checkpoint",
     "partita.cli",
     "partita.data",
@@ -64,7 +65,8 @@ _API = (
 PACKAGES = (
     "values", "ir", "presets", "report", "cost",
     "capture", "rules", "propagate", "partition", "runtime",
-    "frontend", "training", "virtual", "manual", "pipeline", "checkpoint", "models", "cli",
+    "auto", "frontend", "training", "virtual", "manual", "pipeline", "checkpoint", "models",
+    "cli",
 )  # fmt: skip
 #: The modules of the package root: the public surface only.
 ROOT_MODULES = ("__init__", "__main__", "data", "distributed", "errors", "options")

@@ -24,6 +24,7 @@ __all__ = [
     "AnnotationError",
     "ArgumentError",
     "ArgumentTypeError",
+    "AutoShardingWarning",
     "CacheEntryError",
     "CaptureError",
     "CheckpointError",
@@ -41,6 +42,7 @@ __all__ = [
     "JitArgumentError",
     "JoinTimeoutError",
     "LaunchError",
+    "MemoryLimitError",
     "MeshError",
     "MetaTensorError",
     "OptionError",
@@ -290,6 +292,16 @@ class CompileCacheWarning(PartitaWarning):
     is not private to the current user, a file names something outside the table of ops a
     cache file may call or fails its content hash, or the directory cannot be read or written.
     The step compiles (or runs) as if the cache were off; the message says what to fix."""
+
+
+class MemoryLimitError(PartitaError, ValueError):
+    """Auto-sharding (``memory_limit=``) found no plan whose per-device peak memory
+    (``Plan.memory()``) fits the limit: the message names the smallest peak it found."""
+
+
+class AutoShardingWarning(PartitaWarning):
+    """Auto-sharding ran without its solver (the optional ``scipy``): the best preset, then a
+    greedy pass, was chosen instead of the optimum."""
 
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -100,6 +100,13 @@ def _collectives(text: str) -> str:
     return low
 
 
+def _objective(text: str) -> str:
+    low = text.lower()
+    if low not in ("time", "bytes"):
+        raise OptionError("one of time, bytes")
+    return low
+
+
 def _path(text: str) -> str:
     return os.path.expanduser(text)
 
@@ -151,6 +158,13 @@ KNOBS: tuple[Knob, ...] = (
     Knob("check_calls", "PARTITA_CHECK_CALLS", _bool,
          "under torch.distributed, check before every run of a program (not only its first) "
          "that every rank runs it with the same input shapes and dtypes", keyed=False),
+    Knob("auto_objective", "PARTITA_AUTO_OBJECTIVE", _objective,
+         "what auto-sharding minimizes: modelled step time, or wire bytes at the best "
+         "preset's compute (docs/auto.md)"),
+    Knob("auto_time_limit", "PARTITA_AUTO_TIME_LIMIT", _seconds,
+         "seconds auto-sharding's solver may take (LP relaxation, then MILP)"),
+    Knob("memory_limit", "PARTITA_MEMORY_LIMIT", _bytes,
+         "per-device peak bytes (Plan.memory()) an auto-sharded plan must fit (0: no limit)"),
 )  # fmt: skip
 
 _BY_NAME = {k.name: k for k in KNOBS}
@@ -178,6 +192,9 @@ class CompileOptions:
     collective_timeout: float = 300.0
     compile_cache: str | None = None
     check_calls: bool = True
+    auto_objective: str = "time"
+    auto_time_limit: float = 30.0
+    memory_limit: int = 0
     _source: str = field(default="CompileOptions", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -211,6 +228,7 @@ _KINDS: dict[Callable[[str], Any], str | tuple[str, ...]] = {
     _seconds: "seconds",
     _path: "path",
     _collectives: ("auto", "explicit", "warn"),
+    _objective: ("time", "bytes"),
 }
 
 

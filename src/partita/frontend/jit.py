@@ -36,6 +36,7 @@ from partita.capture.threads import serialized
 from partita.capture.trace import input_path
 from partita.capture.uncompile import uncompiled
 from partita.errors import JitArgumentError, PartitaWarning, RecompileWarning, warn
+from partita.frontend.auto_inputs import auto_compile
 from partita.frontend.pipeline import Compiled, compile_function
 from partita.frontend.recompile import RECOMPILE_WARNING_AT, recompile_message
 from partita.frontend.reshard import reshard
@@ -97,6 +98,7 @@ class Jitted:
         param_specs: PlanLike | None = None,
         cache_limit: int = DEFAULT_CACHE_LIMIT,
         options: OptionsLike = None,
+        auto: bool = False,
     ) -> None:
         options_module.resolve(options)  # a bad value or name fails here, not at the call
         if not isinstance(mesh, Mesh):
@@ -128,6 +130,18 @@ class Jitted:
                 f"{_name(fn)!r} is a {type(fn).__name__}. Pass the module itself to jit, or "
                 f"give the weights as arguments with in_specs."
             )
+        if auto and self._module is not None:
+            raise JitArgumentError(
+                f"partita.jit(auto=True) chooses the specs of a function's tensor arguments, "
+                f"but {_name(fn)!r} is an nn.Module. Train it with "
+                f"partita.train_step(..., param_specs='auto'), or jit a function taking its "
+                f"weights as arguments."
+            )
+        #: auto-sharding (docs/auto.md): arguments without an in_specs entry are the solver's
+        self.auto = auto
+        #: called on each propagated program before partitioning (``train_step``'s
+        #: auto-sharding writes the solver's per-op shardings there)
+        self.rewrite: Callable[[Any], None] | None = None
         functools.update_wrapper(self, fn, updated=())
 
     # --- signatures ------------------------------------------------------------------------
@@ -180,10 +194,14 @@ class Jitted:
         tree = pytree.tree_structure((args, kwargs))
         specs = self._signatures.leaf_specs(tree, self.in_specs, in_specs, args, leaves, shardings)
         before = self._module.mode() if self._module is not None else None
-        compiled = compile_function(
-            fn, args, kwargs, mesh=self.mesh, specs=specs, out_specs=self.out_specs,
-            options=options,
-        )  # fmt: skip
+        if self.auto:
+            compiled = auto_compile(fn, args, kwargs, self.mesh, self.in_specs, specs, leaves,
+                                    self.out_specs, options)  # fmt: skip
+        else:
+            compiled = compile_function(
+                fn, args, kwargs, mesh=self.mesh, specs=specs, out_specs=self.out_specs,
+                options=options, rewrite=self.rewrite,
+            )  # fmt: skip
         plan = compiled.plan
         plan.input_names = placeholder_names(compiled.program, self.fn, self._module)
         if not self._cache and (text := replicated_batch(plan, self._module, self.in_specs)):
@@ -293,6 +311,7 @@ def jit(
     param_specs: PlanLike | None = None,
     cache_limit: int = DEFAULT_CACHE_LIMIT,
     options: OptionsLike = None,
+    auto: bool = False,
 ) -> Any:
     """Compile ``fn`` for ``mesh``: annotate a few inputs, get every collective it needs.
 
@@ -322,6 +341,10 @@ def jit(
             :func:`partita.presets.param_specs` takes: ``{"0.weight": P("model", None)}``
             (names or fnmatch patterns, unmatched parameters replicated), a preset name
             (``"fsdp"``, ``"tp"``, ...) or ``fn(name, param) -> P | None``.
+        auto: choose the specs of the positional arguments ``in_specs`` leaves unset (None, or
+            no in_specs) with auto-sharding (docs/auto.md): a solver over the program's
+            shardings, scored beside replicating them and splitting their dim 0; given specs
+            and ShardedTensor arguments are kept. ``lower(...).auto.explain()`` says why.
         cache_limit: how many compiled input signatures to keep (default 64); the least
             recently used is dropped first. At the 8th compilation a
             :class:`~partita.RecompileWarning` says which argument keeps changing.
@@ -363,6 +386,7 @@ def jit(
             param_specs=param_specs,
             cache_limit=cache_limit,
             options=options,
+            auto=auto,
         )
 
     return wrap if fn is None else wrap(fn)

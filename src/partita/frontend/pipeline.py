@@ -27,7 +27,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -46,7 +46,7 @@ from partita.values.mesh import Mesh
 from partita.values.spec import PartitionSpec, Sharding
 from partita.values.tensor import ShardedTensor
 
-__all__ = ["Compiled", "compile_function", "propagated_program"]
+__all__ = ["Compiled", "compile_auto", "compile_function", "propagated_program"]
 
 
 @dataclass
@@ -75,6 +75,7 @@ def compile_function(
     specs: Sequence[PartitionSpec | None],
     out_specs: Any = None,
     options: CompileOptions,
+    rewrite: Callable[[fx.GraphModule], Any] | None = None,
 ) -> Compiled:
     """Trace ``fn(*args, **kwargs)``, propagate and partition it for ``mesh``.
 
@@ -88,6 +89,8 @@ def compile_function(
         out_specs: a prefix of the result pytree with specs (None: propagation chooses).
         options: every knob of the stages (``strict``, ``replicate_unsupported``,
             ``collectives``, ``regather``, ``bucket_bytes``) and of the run, kept in the result.
+        rewrite: called on the propagated program before it is partitioned (auto-sharding
+            writes its solution there: ``partita.auto.realize``).
     """
     start = time.perf_counter()
     # The three stages build graphs that all live on: no cyclic GC in between (gc_pause).
@@ -97,6 +100,8 @@ def compile_function(
             replicate_unsupported=options.replicate_unsupported,
         )  # fmt: skip
         gm = prog.graph_module
+        if rewrite is not None:
+            rewrite(gm)
         local, plan = partition(gm, mesh, options)
         plan.program_text = format_program(gm)
     (out_node,) = [n for n in gm.graph.nodes if n.op == "output"]
@@ -129,10 +134,12 @@ def propagated_program(
     in_specs: Any = None,
     out_specs: Any = None,
     replicate_unsupported: bool = False,
+    run: bool = True,
 ) -> capture.Program:
     """The first two stages: ``fn`` traced, then propagated (every node carries
     ``meta["sharding"]``). Input specs are ``specs``, one per leaf, or ``in_specs``, a prefix
-    of ``args`` (for ``partita.frontend.annotate.propagate_program``, which stops here)."""
+    of ``args`` (for ``partita.frontend.annotate.propagate_program``, which stops here).
+    ``run=False`` stops after tracing (auto-sharding reads the unpropagated program)."""
     leaves, tree = flatten_registering_caches((args, kwargs or {}))
     examples = [_example(x) if isinstance(x, ShardedTensor) else x for _, x in leaves]
     targs, tkwargs = unflatten_args(examples, tree)
@@ -141,5 +148,48 @@ def propagated_program(
             fn, tuple(targs), tkwargs, in_specs=in_specs, leaf_specs=specs,
             out_specs=out_specs, mesh=mesh,
         )  # fmt: skip
-        propagate(prog.graph_module, mesh, replicate_unsupported=replicate_unsupported)
+        if run:
+            propagate(prog.graph_module, mesh, replicate_unsupported=replicate_unsupported)
     return prog
+
+
+def compile_auto(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    mesh: Mesh,
+    specs: Sequence[PartitionSpec | None],
+    open_leaves: set[int],
+    options: CompileOptions,
+    presets: dict[str, list[PartitionSpec | None]],
+    out_specs_of: Callable[[list[PartitionSpec | None]], Any] = lambda specs: None,
+    names: dict[int, str] | None = None,
+    groups: Sequence[Sequence[int]] = (),
+    ties: Sequence[tuple[int, int]] = (),
+) -> Compiled:
+    """Auto-sharding (``partita.auto``, docs/auto.md): the solver chooses the specs of the
+    ``open_leaves`` (the others are ``specs``, the user's), scored beside ``presets`` (full
+    spec lists); every candidate compiles through :func:`compile_function`. The winner's
+    Plan carries the report as ``plan.auto``."""
+    from partita.auto import AutoProblem, choose
+
+    prog = propagated_program(fn, args, kwargs, mesh=mesh, specs=list(specs), run=False)
+
+    def build(
+        leaf_specs: list[PartitionSpec | None],
+        rewrite: Callable[[fx.GraphModule], Any] | None = None,
+    ) -> Compiled:
+        return compile_function(
+            fn, args, kwargs, mesh=mesh, specs=leaf_specs, out_specs=out_specs_of(leaf_specs),
+            options=options, rewrite=rewrite,
+        )  # fmt: skip
+
+    problem = AutoProblem(
+        prog, mesh, list(specs), set(open_leaves), build, names=dict(names or {}),
+        groups=groups, ties=ties, presets=presets, objective=options.auto_objective,
+        time_limit=options.auto_time_limit, memory_limit=options.memory_limit,
+        replicate_unsupported=options.replicate_unsupported, bucket_bytes=options.bucket_bytes,
+    )  # fmt: skip
+    compiled, _ = choose(problem)
+    return cast(Compiled, compiled)

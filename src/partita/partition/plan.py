@@ -105,6 +105,8 @@ class Plan:
     local_program: Any = field(default=None, repr=False, compare=False)
     local_inputs: list[Any] = field(default_factory=list, repr=False, compare=False)
     _memory: Any = field(default=None, repr=False, compare=False)
+    #: how auto-sharding chose this plan (``partita.auto.AutoReport``; None without auto)
+    auto: Any = field(default=None, repr=False, compare=False)
     _values: Any = field(default=None, repr=False, compare=False)
 
     def _local_values(self) -> Any:
@@ -250,6 +252,8 @@ class Plan:
             kinds = ", ".join(f"{c.kind} over {'×'.join(c.mesh_axes)}" for c in body.collectives)
             lines.append(f"body {name}: {len(body.collectives)} collectives per run ({kinds})")
             lines.extend(f"    {line}" for line in body.explain().splitlines()[3:] if kinds)
+        if self.auto is not None:
+            lines.append(self.auto.explain())
         return "\n".join(lines)
 
     def __str__(self) -> str:

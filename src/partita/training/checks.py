@@ -91,6 +91,10 @@ def _leaf_specs(batch: Any, batch_spec: Any) -> list[PartitionSpec | None] | Non
     return flat
 
 
+#: One spec per leaf of a batch (public name of :func:`_leaf_specs`).
+batch_leaf_specs = _leaf_specs
+
+
 def check_batch(
     batch: Any, batch_spec: Any, mesh: Mesh, *, float_dtype: torch.dtype | None
 ) -> None:

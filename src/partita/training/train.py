@@ -34,6 +34,7 @@ from torch import nn
 from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from partita import options as options_module
+from partita.auto import AutoReport
 from partita.capture.threads import serialized
 from partita.capture.uncompile import uncompiled
 from partita.errors import ArgumentError, ArgumentTypeError
@@ -43,6 +44,7 @@ from partita.partition.resharding import naming_spec_knobs
 from partita.presets import PresetLike, default_batch_spec
 from partita.presets import param_specs as preset_param_specs
 from partita.runtime.executor import check_has_data
+from partita.training.auto_step import auto_fixed_specs, choose_step_specs, is_auto
 from partita.training.checks import (
     check_batch,
     check_optimizer_params,
@@ -115,8 +117,17 @@ class TrainStep:
                     "(master weights). Leave the model in float32 and pass "
                     "mixed_precision='bf16' for low-precision compute."
                 )
-        self.param_specs = preset_param_specs(param_specs, model, mesh)
-        default = default_batch_spec(param_specs, mesh)
+        #: auto-sharding (param_specs="auto"): the user's fixed specs until the first compile
+        self._auto = is_auto(param_specs)
+        self._auto_fixed = auto_fixed_specs(param_specs, list(named)) if self._auto else {}
+        self._auto_batch = self._auto and batch_spec is None
+        self.auto: AutoReport | None = None
+        if self._auto:  # replicated until the first compile chooses (solve_step_specs)
+            self.param_specs = {k: self._auto_fixed.get(k, P()) for k in named}
+            default = P()
+        else:
+            self.param_specs = preset_param_specs(param_specs, model, mesh)
+            default = default_batch_spec(param_specs, mesh)
         self.batch_spec = default if batch_spec is None else batch_spec
         self._trainable = list(trainable)
         # frozen parameters travel with the buffers: inputs and outputs, never updated (also
@@ -181,6 +192,8 @@ class TrainStep:
                 out_specs=(P(), pspecs, bspecs, sspecs),
                 options=self.options,
             )
+            if self.auto is not None:  # the solver's per-op shardings, not only its specs
+                jitted.rewrite = self.auto.rewrite
             self._jitted[training] = jitted
         return jitted
 
@@ -199,10 +212,21 @@ class TrainStep:
         check_batch(batch, self.batch_spec, self.mesh, float_dtype=float_dtype)
         return (self.params, self.buffers, self.opt_state, self._lr(), batch)
 
+    def _choose_auto(self, batch: Any) -> None:
+        """``param_specs="auto"``: choose the specs on this batch, then shard the state so."""
+        if self._auto and self.auto is None:
+            choose_step_specs(self, self._args(batch), batch)
+
+    def _with_auto(self, plan: Plan) -> Plan:
+        if self.auto is not None:
+            plan.auto = self.auto
+        return plan
+
     def lower(self, batch: Any) -> Plan:
         """The Plan of one step on ``batch`` (compiles, does not run or change the state)."""
+        self._choose_auto(batch)
         with naming_spec_knobs(_KNOBS):
-            self.plan = plan = self._get_jitted().lower(*self._args(batch))
+            self.plan = plan = self._with_auto(self._get_jitted().lower(*self._args(batch)))
         return plan
 
     # --- running ---------------------------------------------------------------------------
@@ -210,6 +234,7 @@ class TrainStep:
     def __call__(self, batch: Any) -> torch.Tensor:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
         self._snapshot.check(self.model, self.optimizer)
+        self._choose_auto(batch)
         jitted, args = self._get_jitted(), self._args(batch)
         # the batch and the first parameter, by name (a model is built on meta whole; the jit
         # call checks every input again, by position)
@@ -226,7 +251,7 @@ class TrainStep:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         if self.plan is None:
             with naming_spec_knobs(_KNOBS):
-                self.plan = jitted.lower(*args)
+                self.plan = self._with_auto(jitted.lower(*args))
         return loss.full()
 
     # --- reading the state back ------------------------------------------------------------
@@ -331,7 +356,8 @@ def train_step(
         param_specs: how to split the parameters (as ``partita.jit``'s ``param_specs``), a
             preset (:mod:`partita.presets`): ``"dp"``,
             ``"fsdp"``, ``"tp"``, ``"fsdp+tp"``, a dict ``{name or pattern: spec}`` or a
-            callable ``(name, param) -> spec``.
+            callable ``(name, param) -> spec``; or ``"auto"`` (a dict: ``"*": "auto"``):
+            chosen by auto-sharding at the first step (docs/auto.md, ``step.plan.auto``).
         batch_spec: the spec of every batch tensor, or a pytree prefix of the batch;
             default ``P('data')`` when the mesh has a ``data`` axis, else replicated.
         max_grad_norm: clip gradients by global 2-norm like ``clip_grad_norm_``.

@@ -21,11 +21,12 @@ import torch
 from torch import fx
 
 from partita.capture.rng import random_ops
-from partita.frontend.pipeline import Compiled, compile_function
+from partita.frontend.auto_inputs import dim0_spec as _dim0
+from partita.frontend.pipeline import Compiled, compile_auto, compile_function
 from partita.options import CompileOptions
 from partita.runtime.executor import check_has_data, executor_for
 from partita.values.mesh import Mesh
-from partita.values.spec import P, Sharding
+from partita.values.spec import P, PartitionSpec, Sharding
 from partita.values.tensor import ShardedTensor
 
 __all__ = ["StepProgram", "compile_step"]
@@ -85,10 +86,33 @@ def compile_step(
     inputs: Sequence[Any],
     mesh: Mesh,
     options: CompileOptions,
+    open_inputs: set[int] | None = None,
 ) -> StepProgram:
-    """Compile ``replay(*inputs)`` for ``mesh`` with ``options`` (the compile pipeline)."""
-    specs = [x.spec if isinstance(x, ShardedTensor) else P() for x in inputs]
-    compiled = compile_function(replay, tuple(inputs), {}, mesh=mesh, specs=specs, options=options)
+    """Compile ``replay(*inputs)`` for ``mesh`` with ``options`` (the compile pipeline).
+
+    ``open_inputs`` (``use_spmd(mesh, auto=True)``): the inputs whose sharding auto-sharding
+    chooses (``pipeline.compile_auto``), scored beside keeping them replicated and splitting
+    their dim 0 over the mesh; the others keep their data's sharding."""
+    specs: list[PartitionSpec | None] = [
+        x.spec if isinstance(x, ShardedTensor) else P() for x in inputs
+    ]
+    if open_inputs:
+        replicated = list(specs)
+        batch = [
+            _dim0(mesh, x) if i in open_inputs else s
+            for i, (x, s) in enumerate(zip(inputs, specs, strict=True))
+        ]
+        compiled = compile_auto(
+            replay, tuple(inputs), {}, mesh=mesh,
+            specs=[None if i in open_inputs else s for i, s in enumerate(specs)],
+            open_leaves=set(open_inputs), options=options,
+            presets={"replicated": replicated, "batch": batch},
+            names={i: f"input {i}" for i in open_inputs},
+        )  # fmt: skip
+    else:
+        compiled = compile_function(
+            replay, tuple(inputs), {}, mesh=mesh, specs=specs, options=options
+        )
     prog = compiled.program
     return StepProgram(
         local=compiled.local,

@@ -118,6 +118,8 @@ class DeviceState:
     in_flight: list[Any] = field(default_factory=list)
     pool: ThreadPoolExecutor | None = None
     serials: itertools.count[int] = field(default_factory=itertools.count)
+    #: ``use_spmd(mesh, auto=True)``: unannotated replicated inputs are auto-sharding's
+    auto: bool = False
     #: The one instance (:func:`get`).
     instance: ClassVar[DeviceState | None] = None
 

@@ -40,6 +40,7 @@ from partita.runtime.distributed import distributed_executor
 from partita.values.mesh import Mesh
 from partita.values.tensor import ShardedTensor
 from partita.virtual import disk_cache, recording, state
+from partita.virtual.auto_inputs import open_inputs_of
 from partita.virtual.cell import Cell
 from partita.virtual.lift import replay_op
 from partita.virtual.metrics import MISSES_KEPT, Metrics
@@ -376,15 +377,17 @@ def _compile(
     m: Metrics = device.metrics
     # Under torch.distributed every rank compiles (the executor checks the programs agree).
     local = distributed_executor(mesh()) is None
-    program = disk_cache.load(key, mesh()) if local else None
+    open_inputs = open_inputs_of(rec) if device.auto else None
+    program = disk_cache.load(key, mesh()) if local and not open_inputs else None
     if program is not None:
         program.options = options  # the key it was found by holds options.key()
         m.disk_hits += 1
     else:
         replay = _replay_fn(rec, [c.slot for c in out_cells])  # type: ignore[misc]
-        program = compile_step(replay, inputs, mesh(), options)
+        program = compile_step(replay, inputs, mesh(), options, open_inputs)
         m.compiles += 1
-        disk_cache.save(key, mesh(), program)
+        if not open_inputs:
+            disk_cache.save(key, mesh(), program)
     device.programs[key] = program
     if len(device.programs) > CACHE_LIMIT:
         device.programs.popitem(last=False)

@@ -46,12 +46,19 @@ def register_device() -> None:
     check_backward()
 
 
-def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> torch.device:
+def use_spmd(
+    mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None, auto: bool = False
+) -> torch.device:
     """Switch the virtual device on for ``mesh`` and return it (``torch.device("spmd", 0)``).
 
     ``cache_dir`` keeps compiled steps on disk for later processes, in a directory only you
     can write (plain JSON, checked when read; see :mod:`partita.virtual.disk_cache`; the
     ``compile_cache`` option, environment variable ``PARTITA_COMPILE_CACHE``, does the same).
+
+    ``auto=True`` lets auto-sharding choose how each step lays out its inputs that
+    ``mark_sharding`` did not annotate (docs/auto.md): annotated values keep their sharding;
+    ``partita.last_plan()`` (or the metrics) shows the choice as ``plan.auto``. Such steps are
+    not kept in the on-disk cache.
 
     Example:
         >>> dev = partita.use_spmd(Mesh.create((2, 4), ("data", "model")))
@@ -61,7 +68,12 @@ def use_spmd(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> 
     if not isinstance(mesh, Mesh):
         raise ArgumentTypeError(f"partita.use_spmd needs a partita.Mesh, got {type(mesh).__name__}")
     register_device()
-    return switch_on(mesh, cache_dir=cache_dir)
+    device = switch_on(mesh, cache_dir=cache_dir)
+    dev_state = state.get()
+    if dev_state.auto != auto:
+        dev_state.programs.clear()  # programs compiled the other way
+        dev_state.auto = auto
+    return device
 
 
 def switch_on(mesh: Mesh, *, cache_dir: str | os.PathLike[str] | None = None) -> torch.device:

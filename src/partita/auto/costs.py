@@ -1,0 +1,160 @@
+"""The prices of the choice space: per candidate its compute and op-internal collectives, per
+(value, sharding it has, sharding a user needs) the exact reshard the partitioner would emit.
+
+The reshard's steps come from ``partition.reshard.plan_reshard``, the planner the partitioner
+runs, so a reshard is priced as exactly the collectives it becomes; each collective's reported
+bytes follow the Plan's convention (output bytes; input bytes for a reduce_scatter) and are
+turned into seconds (``Hardware.collective_seconds``) or wire bytes (``cost.wire_bytes``).
+Compute is the roofline time of the op's FLOPs and bytes divided by the devices that split it
+(``Hardware.op_seconds``). A handler's op-internal collectives (a softmax over a split dim, a
+batch-norm's statistics) are priced as one all_reduce of the local result over the axes of the
+op's non-pass-through factors: a model of them, not their exact lowering.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.fx as fx
+
+from partita.cost import Hardware, link_of, node_bytes, node_flops, wire_bytes
+from partita.cost.model import ring_steps
+from partita.partition.reshard import plan_reshard
+from partita.rules import FactorKind, FactorRule
+from partita.values.mesh import Mesh
+from partita.values.spec import Sharding
+
+__all__ = ["Pricer"]
+
+_ITEMSIZE: dict[torch.dtype, int] = {}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    found = _ITEMSIZE.get(dtype)
+    if found is None:
+        found = _ITEMSIZE[dtype] = torch.empty((), dtype=dtype).element_size()
+    return found
+
+
+#: Handlers that emit collectives inside their op when a reduction or windowed factor is split:
+#: (collective kind, how many) over the axes of those factors, each on the result reduced
+#: over those factors (a softmax's max and sum, batch statistics, a loss's two scalars, a
+#: convolution's halo, a scan's carries).
+_INTERNAL: dict[str, tuple[str, int]] = {
+    "softmax_reduce": ("all_reduce", 2),
+    "batch_stats": ("all_reduce", 1),
+    "weighted_mean": ("all_reduce", 1),
+    "halo": ("collective_permute", 2),
+    "sharded_scan": ("all_gather", 1),
+}
+
+
+class Pricer:
+    """Prices in microseconds (``objective="time"``: numbers near 1 keep the solver's
+    tolerances meaningful) or wire bytes (``"bytes"``), memoised."""
+
+    def __init__(
+        self, mesh: Mesh, hardware: Hardware, objective: str, bucket_bytes: int = 4 << 20
+    ) -> None:
+        self.mesh = mesh
+        self.hw = hardware
+        self.bytes = objective == "bytes"
+        self.bucket_bytes = bucket_bytes
+        #: the price of one stored byte per device: it only breaks ties between equal plans
+        self.per_stored_byte = 1e-6 if self.bytes else 1e-8
+        self._reshard: dict[
+            tuple[Sharding, Sharding, tuple[int, ...], torch.dtype, bool], float
+        ] = {}
+
+    def collective(
+        self, kind: str, nbytes: float, axes: Sequence[str], bucketed: bool = False
+    ) -> float:
+        """A collective's price; ``bucketed``: it is fused with others of its kind into calls
+        of ``bucket_bytes`` (a parameter's gather, a gradient's reduction), so it pays its
+        share of one call's latency."""
+        if self.bytes:
+            return wire_bytes(kind, nbytes, self.mesh.axes_size(axes))
+        seconds = self.hw.collective_seconds(kind, nbytes, self.mesh, tuple(axes))
+        if bucketed and self.bucket_bytes:
+            n = self.mesh.axes_size(axes)
+            latency = ring_steps(kind, n) * link_of(self.hw, self.mesh, axes).latency
+            latency *= self.hw.collective_scale.get(kind, 1.0)
+            seconds -= latency * (1.0 - min(1.0, nbytes / self.bucket_bytes))
+        return seconds * 1e6
+
+    def reshard(
+        self,
+        src: Sharding,
+        dst: Sharding,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        bucketed: bool = False,
+    ) -> float:
+        """The price of moving a value of ``shape`` from ``src`` to ``dst``."""
+        if src == dst:
+            return 0.0
+        key = (src, dst, shape, dtype, bucketed)
+        found = self._reshard.get(key)
+        if found is None:
+            size = _itemsize(dtype)
+            found = 0.0
+            for step in plan_reshard(src, dst, shape):
+                if not step.is_collective:
+                    continue
+                local = (
+                    step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
+                )
+                nbytes = math.prod(local) * size
+                found += self.collective(step.kind, nbytes, step.mesh_axes, bucketed)
+            self._reshard[key] = found
+        return found
+
+    def local_bytes(self, s: Sharding, shape: tuple[int, ...], dtype: torch.dtype) -> float:
+        """Per-device bytes of a value of ``shape`` stored as ``s``."""
+        shards = self.mesh.axes_size([a for d in s.dim_axes for a in d])
+        return math.prod(shape) * _itemsize(dtype) / shards
+
+    def op(
+        self,
+        node: fx.Node,
+        rule: FactorRule,
+        assigns: Sequence[dict[str, tuple[str, ...]]],
+        local_bytes: Sequence[float],
+    ) -> tuple[list[float], list[float]]:
+        """Per candidate: (the price the objective counts, the modelled compute in us).
+
+        Compute is the roofline of the op's FLOPs over the devices that split it and of the
+        bytes one device reads and writes (``local_bytes``: a replicated operand is read
+        whole on every device)."""
+        flops = node_flops(node) if node_bytes(node) else 0
+        val = node.meta.get("val")
+        out = val[0] if isinstance(val, (tuple, list)) else val
+        out_bytes = out.numel() * _itemsize(out.dtype) if isinstance(out, torch.Tensor) else 0
+        prices, computes = [], []
+        for assign, nbytes in zip(assigns, local_bytes, strict=True):
+            axes = [a for fa in assign.values() for a in fa]
+            shards = self.mesh.axes_size(axes)
+            compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if flops or nbytes else 0.0
+            internal = self._internal(rule, assign, out_bytes / shards)
+            prices.append(internal if self.bytes else compute + internal)
+            computes.append(compute)
+        return prices, computes
+
+    def _internal(
+        self, rule: FactorRule, assign: dict[str, tuple[str, ...]], local_out: float
+    ) -> float:
+        """The handler's op-internal collectives under ``assign`` (a model, see the module)."""
+        found = _INTERNAL.get(rule.handler or "")
+        if found is None:
+            return 0.0
+        kind, count = found
+        split = [f for f in assign if rule.kind(f) is not FactorKind.PASS_THROUGH]
+        axes = [a for f in split for a in assign[f]]
+        if not axes:
+            return 0.0
+        reduced = local_out
+        for f in split:
+            reduced /= max(1.0, rule.sizes[f] / self.mesh.axes_size(assign[f]))
+        return count * self.collective(kind, reduced, axes)

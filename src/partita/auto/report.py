@@ -1,0 +1,107 @@
+"""What auto-sharding reports: the chosen shardings, the modelled step, the runner-ups and the
+solver's figures (``plan.auto``, printed by ``plan.auto.explain()`` and ``plan.explain()``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["AutoReport", "Scored"]
+
+
+@dataclass
+class Scored:
+    """One candidate plan scored on its real Plan.
+
+    Attributes:
+        name: ``"auto"`` (the solver's), or a preset's name.
+        seconds: ``Plan.estimate(hardware).total``.
+        compute: its compute seconds; ``collectives``: seconds per collective kind.
+        wire_bytes: bytes each device sends in one step.
+        peak: ``Plan.memory().peak`` (per-device bytes).
+        fits: the peak is within the memory limit (always True without one).
+    """
+
+    name: str
+    seconds: float
+    compute: float
+    collectives: dict[str, float]
+    wire_bytes: float
+    peak: int
+    fits: bool = True
+
+
+@dataclass
+class AutoReport:
+    """How an auto-sharded plan was chosen.
+
+    Attributes:
+        objective: ``"time"`` or ``"bytes"``; ``hardware``: the cost profile's name.
+        chosen: the name of the winning candidate (``"auto"`` or a preset).
+        shardings: ``{input name: PartitionSpec text}`` of the winner's inputs.
+        candidates: every candidate scored (the winner among them).
+        solver: ``"highs-lp"`` (LP relaxation integral), ``"highs-milp"``, or ``"none"`` (no
+            scipy: the best preset was taken); ``variables`` / ``rows``: the problem's size;
+            ``build_seconds`` / ``solve_seconds``: the time to build and solve it; ``bound``
+            and ``gap``: the solver's lower bound and relative gap (0 when the LP is integral);
+            ``rounds``: solves run (more than one when the memory check lowered the budget).
+        memory_limit: the per-device limit in bytes (None: no limit).
+        notes: anything worth knowing (the solver missing, a budget lowered).
+    """
+
+    objective: str
+    hardware: str
+    chosen: str = ""
+    shardings: dict[str, str] = field(default_factory=dict)
+    candidates: list[Scored] = field(default_factory=list)
+    solver: str = "none"
+    variables: int = 0
+    rows: int = 0
+    build_seconds: float = 0.0
+    solve_seconds: float = 0.0
+    model_objective: float = 0.0
+    bound: float = 0.0
+    gap: float = 0.0
+    integral_lp: bool = False
+    rounds: int = 0
+    memory_limit: int | None = None
+    notes: list[str] = field(default_factory=list)
+    #: the winner's per-op shardings, written into a propagated program before it is
+    #: partitioned (None when a preset won): a front end that compiles the chosen specs
+    #: again passes it to the pipeline so the same program results
+    rewrite: Callable[[Any], None] | None = field(default=None, repr=False, compare=False)
+
+    def best(self) -> Scored:
+        """The winner's scores."""
+        return next(c for c in self.candidates if c.name == self.chosen)
+
+    def explain(self) -> str:
+        """The report as text."""
+        unit = "us" if self.objective == "time" else "B"
+        lines = [
+            f"auto-sharding: objective={self.objective}, hardware={self.hardware}, "
+            f"chosen: {self.chosen}"
+            + (f", memory limit {self.memory_limit / 2**20:.1f} MiB" if self.memory_limit else ""),
+            f"solver: {self.solver}, {self.variables} variables, {self.rows} rows, build "
+            f"{self.build_seconds:.2f} s, solve {self.solve_seconds:.2f} s, {self.rounds} round(s)",
+            f"  model objective {self.model_objective:.4g} {unit}, LP bound {self.bound:.4g} "
+            f"{unit}, gap {self.gap:.2%}" + (" (LP integral)" if self.integral_lp else ""),
+            "candidates (modelled on the real Plan):",
+        ]
+        for c in sorted(self.candidates, key=lambda c: (not c.fits, c.seconds)):
+            kinds = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in sorted(c.collectives.items()))
+            mark = "*" if c.name == self.chosen else " "
+            lines.append(
+                f" {mark} {c.name:<8} {c.seconds * 1e3:9.3f} ms (compute {c.compute * 1e3:.3f} ms"
+                + (f"; {kinds}" if kinds else "")
+                + f"), wire {c.wire_bytes / 2**20:.3f} MiB, peak {c.peak / 2**20:.2f} MiB"
+                + ("" if c.fits else " (over the limit)")
+            )
+        lines.append("chosen shardings:")
+        lines.extend(f"  {name}: {spec}" for name, spec in self.shardings.items())
+        lines.extend(f"note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.explain()

@@ -1,0 +1,261 @@
+"""Auto-sharding's driver: solve the program's integer program, realize the answer, score it
+beside the presets on their real Plans, check the memory limit, keep the cheapest.
+
+:func:`choose` gets a traced program whose open inputs carry no annotation, builds its choice
+space and prices (``auto.space``, ``auto.costs``), solves (``auto.ilp``) and turns the chosen
+sharding of every open input into a spec. The front end's ``compile`` callback then compiles
+that spec set through the one pipeline (propagation derives every other value from the specs,
+as for any annotated program), and each preset's spec set the same way. Every candidate is
+scored on its real Plan (``Plan.estimate``, ``Plan.memory()``); the answer is the cheapest
+candidate that fits the memory limit, so it is never worse than the best preset under the
+model. When the solver's plan is over the limit, the stored-bytes budget is lowered by the
+overshoot and the program solved again (at most 3 rounds).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from partita.auto.costs import Pricer
+from partita.auto.ilp import Solution, build_model, solve
+from partita.auto.realize import write_solution
+from partita.auto.report import AutoReport, Scored
+from partita.auto.space import build_space
+from partita.cost import get_profile
+from partita.errors import AutoShardingWarning, MemoryLimitError, warn
+from partita.propagate.state import ProgramState
+from partita.values.mesh import Mesh
+from partita.values.spec import PartitionSpec
+
+__all__ = ["AutoProblem", "choose", "have_solver"]
+
+Specs = list[PartitionSpec | None]
+
+#: Rounds of solve -> compile -> Plan.memory() when the solver's plan is over the limit.
+MEMORY_ROUNDS = 3
+
+
+def have_solver() -> bool:
+    """scipy (the ``auto`` extra) is installed."""
+    return importlib.util.find_spec("scipy") is not None
+
+
+@dataclass
+class AutoProblem:
+    """What a front end hands auto-sharding.
+
+    Attributes:
+        program: the traced program (``capture.Program``), open inputs unannotated.
+        specs: one spec per leaf of ``(args, kwargs)``: None on an open tensor leaf.
+        open_leaves: the leaf indices the solver chooses (the others are the user's).
+        names: a readable name per leaf index (for the report).
+        groups: leaf indices sharing one choice (a parameter and its optimizer states).
+        ties: (output tensor index, leaf index): that result must be that input's sharding.
+        presets: ``{name: specs}``, full spec lists scored beside the solver's.
+        compile: ``compile(specs, rewrite=None) -> Compiled`` through the pipeline
+            (``rewrite(gm)`` runs between propagation and partitioning).
+        objective / time_limit / memory_limit / hardware: the options.
+        replicate_unsupported: as the pipeline's option.
+    """
+
+    program: Any
+    mesh: Mesh
+    specs: Specs
+    open_leaves: set[int]
+    compile: Callable[..., Any]
+    names: dict[int, str] = field(default_factory=dict)
+    groups: Sequence[Sequence[int]] = ()
+    ties: Sequence[tuple[int, int]] = ()
+    presets: dict[str, Specs] = field(default_factory=dict)
+    objective: str = "time"
+    time_limit: float = 30.0
+    memory_limit: int = 0
+    hardware: str = "cpu-gloo"
+    replicate_unsupported: bool = False
+    bucket_bytes: int = 4 << 20
+
+
+def _score(name: str, compiled: Any, problem: AutoProblem) -> Scored:
+    plan = compiled.plan
+    est = plan.estimate(problem.hardware)
+    peak = int(plan.memory().peak)
+    fits = not problem.memory_limit or peak <= problem.memory_limit
+    return Scored(name, est.total, est.compute, dict(est.collectives), est.wire_bytes, peak, fits)
+
+
+def _key(s: Scored, objective: str) -> tuple[float, float]:
+    return (s.wire_bytes, s.seconds) if objective == "bytes" else (s.seconds, s.wire_bytes)
+
+
+class _Solver:
+    """The program's space and model, built once, solved per memory budget."""
+
+    def __init__(self, problem: AutoProblem) -> None:
+        start = time.perf_counter()
+        prog = problem.program
+        gm = prog.graph_module
+        mesh = problem.mesh
+        state = ProgramState(gm, mesh, problem.replicate_unsupported)
+        inputs = list(prog.input_nodes)
+        pos_of_leaf = {leaf: i for i, leaf in enumerate(prog.tensor_leaves)}
+        self.leaf_of_pos = {i: leaf for leaf, i in pos_of_leaf.items()}
+        fixed = {}
+        for i, node in enumerate(inputs):
+            leaf = self.leaf_of_pos.get(i)
+            if leaf is None or leaf not in problem.open_leaves:
+                spec = problem.specs[leaf] if leaf is not None else None
+                ndim = node.meta["val"].ndim
+                fixed[i] = (spec or PartitionSpec()).to_sharding(mesh, ndim)
+        groups = [[pos_of_leaf[g] for g in grp if g in pos_of_leaf] for grp in problem.groups]
+        (out_node,) = [n for n in gm.graph.nodes if n.op == "output"]
+        from torch.utils import _pytree as pytree
+
+        outs = [n for n in pytree.tree_leaves(out_node.args[0])]
+        ties = [
+            (state.key(outs[o]), pos_of_leaf[leaf])
+            for o, leaf in problem.ties
+            if o < len(outs) and leaf in pos_of_leaf and hasattr(outs[o], "op")
+        ]
+        self.inputs = inputs
+        self.space = build_space(state, inputs, groups, fixed, ties)
+        self.pricer = Pricer(
+            mesh, get_profile(problem.hardware), problem.objective, problem.bucket_bytes
+        )
+        self.model = build_model(self.space, self.pricer)
+        # the build is everything from the traced program to the matrices
+        self.model.build_seconds = time.perf_counter() - start
+
+    def specs(self, problem: AutoProblem, sol: Solution) -> Specs:
+        out = list(problem.specs)
+        for i, node in enumerate(self.inputs):
+            leaf = self.leaf_of_pos.get(i)
+            if leaf is None or leaf not in problem.open_leaves:
+                continue
+            b = self.space.input_block[node]
+            res = self.space.blocks[b].results[sol.choice[b]]
+            s = res.get((node, None))
+            out[leaf] = s.spec if s is not None else PartitionSpec()
+        return out
+
+
+def choose(problem: AutoProblem) -> tuple[Any, AutoReport]:
+    """The cheapest plan among the solver's and the presets' (see the module): its
+    ``Compiled`` and the report (also attached as ``compiled.plan.auto``)."""
+    report = AutoReport(problem.objective, problem.hardware)
+    report.memory_limit = problem.memory_limit or None
+    compiled: dict[str, Any] = {}
+    for name, specs in problem.presets.items():
+        compiled[name] = problem.compile(specs)
+        report.candidates.append(_score(name, compiled[name], problem))
+    rewrites: dict[str, Callable[[Any], None]] = {}
+    if have_solver():
+        _solve_rounds(problem, report, compiled, rewrites)
+    else:
+        report.notes.append(
+            "scipy is not installed (pip install 'partita[auto]'): the best preset was taken "
+            "without solving"
+        )
+        warn(
+            "partita auto-sharding: scipy is not installed, so the best preset is used "
+            "instead of the solver's optimum. Install it with pip install 'partita[auto]'.",
+            AutoShardingWarning,
+        )
+    fitting = [c for c in report.candidates if c.fits]
+    if not fitting:
+        smallest = min(report.candidates, key=lambda c: c.peak)
+        raise MemoryLimitError(
+            f"auto-sharding: no plan fits memory_limit={problem.memory_limit} bytes "
+            f"({problem.memory_limit / 2**20:.1f} MiB) per device. The smallest peak found is "
+            f"{smallest.peak} bytes ({smallest.peak / 2**20:.1f} MiB), by the {smallest.name!r} "
+            f"plan, over {len(report.candidates)} plans tried. Raise memory_limit to at least "
+            f"that, use a larger mesh, or a smaller batch."
+        )
+    best = min(fitting, key=lambda c: _key(c, problem.objective))
+    report.chosen = best.name
+    report.rewrite = rewrites.get(best.name)
+    winner = compiled[best.name]
+    prog = winner.program
+    for leaf, s in zip(prog.tensor_leaves, winner.plan.input_shardings, strict=False):
+        if leaf in problem.open_leaves:
+            report.shardings[problem.names.get(leaf, f"input {leaf}")] = str(s.spec)
+    winner.plan.auto = report
+    return winner, report
+
+
+def _solve_rounds(
+    problem: AutoProblem,
+    report: AutoReport,
+    compiled: dict[str, Any],
+    rewrites: dict[str, Callable[[Any], None]],
+) -> None:
+    solver = _Solver(problem)
+    model = solver.model
+    compute_bound = None
+    if problem.objective == "bytes" and report.candidates:
+        # as parallel as the best preset: the model's compute at most the same share of the
+        # unsplit compute as that preset's Plan has
+        best = min(report.candidates, key=lambda c: c.compute)
+        unsplit = _unsplit_compute(solver)
+        full = max(c.compute for c in report.candidates)
+        if full > 0 and unsplit > 0:
+            compute_bound = unsplit * (best.compute / full) * 1.02
+    budget: float | None = float(problem.memory_limit) if problem.memory_limit else None
+    seen: set[tuple[Any, ...]] = set()
+    for round_ in range(MEMORY_ROUNDS):
+        sol = solve(model, memory=budget, compute=compute_bound, time_limit=problem.time_limit)
+        if not sol.choice and compute_bound is not None:
+            compute_bound = None
+            sol = solve(model, memory=budget, time_limit=problem.time_limit)
+        report.rounds = round_ + 1
+        report.solver, report.variables, report.rows = sol.solver, sol.variables, sol.rows
+        report.build_seconds = sol.build_seconds
+        report.solve_seconds += sol.solve_seconds
+        report.model_objective, report.bound, report.gap = sol.objective, sol.bound, sol.gap
+        report.integral_lp = sol.integral_lp
+        if not sol.choice:
+            report.notes.append(f"the solver found no plan ({sol.status})")
+            return
+        specs = solver.specs(problem, sol)
+        key = tuple(str(s) for s in specs)
+        if key in seen:
+            return
+        seen.add(key)
+        name = "auto" if round_ == 0 else f"auto-{round_ + 1}"
+        space, choice = solver.space, sol.choice
+
+        def rewrite(gm: Any, space: Any = space, choice: list[int] = choice) -> None:
+            write_solution(space, choice, gm)
+
+        try:
+            compiled[name] = problem.compile(specs, rewrite)
+            rewrites[name] = rewrite
+        except Exception as e:  # the solver's per-op choice did not lower: its inputs only
+            report.notes.append(
+                f"{name}: the solver's per-op shardings did not partition ({e}); only its "
+                f"input shardings were kept"
+            )
+            compiled[name] = problem.compile(specs)
+        scored = _score(name, compiled[name], problem)
+        report.candidates.append(scored)
+        if scored.fits or budget is None:
+            return
+        over = scored.peak - problem.memory_limit
+        budget = max(0.0, budget - over)
+        report.notes.append(
+            f"round {round_ + 1}: peak {scored.peak} B over the limit by {over} B; stored-bytes "
+            f"budget lowered to {int(budget)} B"
+        )
+
+
+def _unsplit_compute(solver: _Solver) -> float:
+    m = solver.model
+    total = 0.0
+    for b in range(len(solver.space.blocks)):
+        lo, hi = m.offsets[b], m.offsets[b + 1]
+        if hi > lo:
+            total += float(m.compute[lo:hi].max())
+    return total
