@@ -46,6 +46,21 @@ def trace_ranges(path: Path) -> list[str]:
     return [e["name"] for e in events if e.get("ph") == "X" and e["name"].startswith("partita.")]
 
 
+def step_ranges(path: Path) -> list[list[str]]:
+    """The ``partita.`` range names inside each ``partita.step`` range, in the steps' order."""
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e for e in events if e["name"].startswith("partita.step ")), key=_ts)
+    return [
+        [e["name"] for e in events if e["name"].startswith("partita.") and e is not s
+         and _ts(s) <= _ts(e) and _ts(e) + float(e["dur"]) <= _ts(s) + float(s["dur"])]
+        for s in steps
+    ]  # fmt: skip
+
+
+def _ts(event: dict[str, Any]) -> float:
+    return float(event["ts"])
+
+
 def check_trace(names: list[str], plan: Any) -> None:
     want = plan_calls(plan)
     assert want, "the test program should have collectives"
@@ -66,6 +81,8 @@ def test_local_mesh_ranges(tmp_path: Path) -> None:
     plan = profiled_steps(tmp_path / "trace.json")
     names = trace_ranges(tmp_path / "trace.json")
     check_trace(names, plan)
+    for step in step_ranges(tmp_path / "trace.json"):  # the first step (compiling) too
+        assert Counter(n for n in step if COLLECTIVE.match(n)) == plan_calls(plan)
     assert any(n.startswith("partita.segment ") for n in names)
     kinds = {COLLECTIVE.match(n).group(1) for n in names if COLLECTIVE.match(n)}  # type: ignore[union-attr]
     assert kinds == {c.kind for c in plan.collectives}
@@ -102,6 +119,11 @@ def test_distributed_mesh_ranges(tmp_path: Path) -> None:
     for rank in range(2):
         names = trace_ranges(tmp_path / f"rank{rank}.json")
         check_trace(names, plan)
-        # with overlap on, each launched collective is waited for in its own range
-        waits = Counter(n for n in names if n.startswith("partita.wait "))
-        assert sum(waits.values()) == sum(plan_calls(plan).values()) * STEPS
+        per_step = step_ranges(tmp_path / f"rank{rank}.json")
+        assert len(per_step) == STEPS  # every step has its ranges, the first one too
+        for step in per_step:
+            assert Counter(n for n in step if COLLECTIVE.match(n)) == plan_calls(plan)
+        # with overlap on, each launched collective is waited for in its own range; the first
+        # run has none to wait for (it runs every collective where the partitioner put it)
+        waits = [sum(n.startswith("partita.wait ") for n in step) for step in per_step]
+        assert waits == [0] + [sum(plan_calls(plan).values())] * (STEPS - 1)

@@ -75,7 +75,7 @@ from partita.runtime.control_flow import bind_bodies
 from partita.runtime.dist_ops import InFlight, alone
 from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
 from partita.runtime.donate import donated_all_reduces
-from partita.runtime.overlap import run_measuring, schedule_overlap
+from partita.runtime.overlap import first_run, schedule_overlap
 from partita.runtime.plan_check import CallChecks
 from partita.values.layout import ceil_div
 from partita.values.mesh import Mesh
@@ -331,7 +331,7 @@ class DistributedMesh:
         inductor, overlap = opts.inductor, opts.overlap_bytes
         if not inductor and overlap and gm not in self._bound:
             # the first run goes as partitioned, measuring every value for the schedule's hold
-            outs, sizes = run_measuring(self._bind(gm, 0), local_inputs)
+            outs, sizes = first_run(self._bind(gm, 0), gm, self, local_inputs)
             self._bound[gm] = self._bind(gm, overlap, sizes)
             return pytree.tree_leaves(outs)
         program = self.compiled(gm, overlap) if inductor else self.bind(gm, overlap)

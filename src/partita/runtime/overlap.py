@@ -30,12 +30,14 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, fx
+from torch.autograd.profiler import record_function
 
 from partita.ir import node_meta
 from partita.partition.bucket import reorder
 from partita.partition.memory import is_view
+from partita.runtime import ranges
 
-__all__ = ["DEFAULT_OVERLAP_BYTES", "run_measuring", "schedule_overlap"]
+__all__ = ["DEFAULT_OVERLAP_BYTES", "first_run", "run_measuring", "schedule_overlap"]
 
 #: Default bound on the per-device bytes of collectives in flight at once (64 MiB).
 DEFAULT_OVERLAP_BYTES = 64 << 20
@@ -173,6 +175,20 @@ def _live_bytes(nodes: list[fx.Node], size_of: Mapping[fx.Node, int]) -> list[in
         out.append(live)
         live -= frees.pop(i, 0)
     return out
+
+
+def first_run(
+    program: fx.GraphModule, gm: fx.GraphModule, executor: Any, args: Sequence[Any]
+) -> tuple[Any, dict[str, int]]:
+    """A DistributedMesh's first run of per-device program ``gm`` that will overlap: its
+    ``program`` bound without the schedule (every collective synchronous, where the
+    partitioner put it), measuring each value for the schedule (:func:`run_measuring`). Under
+    a profiler the step and each mesh op run in the named ranges of every later step
+    (``runtime.ranges``); there are no launches and waits yet."""
+    if not ranges.enabled():
+        return run_measuring(program, args)
+    with record_function(ranges.step_name(executor)):
+        return run_measuring(ranges.ranged_module(program, gm, executor), args)
 
 
 def run_measuring(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[Any, dict[str, int]]:

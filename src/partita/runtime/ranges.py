@@ -143,13 +143,26 @@ _RANGED: weakref.WeakKeyDictionary[fx.GraphModule, Any] = weakref.WeakKeyDiction
 
 def ranged(program: fx.GraphModule, gm: fx.GraphModule, executor: Any) -> Any:
     """A DistributedMesh's bound ``program`` (of per-device program ``gm``) whose step runs in
-    a range and each mesh op, launch and wait in one named after it (built once per program).
+    a range and each mesh op, launch and wait in one named after it (built once per program)."""
+    runner = _RANGED.get(program)
+    if runner is None:
+        inner, step = ranged_module(program, gm, executor), step_name(executor)
+
+        def runner(*args: Any) -> Any:
+            with record_function(step):
+                return inner(*args)
+
+        _RANGED[program] = runner
+    return runner
+
+
+def ranged_module(program: fx.GraphModule, gm: fx.GraphModule, executor: Any) -> fx.GraphModule:
+    """A copy of a DistributedMesh's bound ``program`` (of per-device program ``gm``) whose
+    mesh ops, launches and waits each run in a range named after them; its nodes keep
+    ``program``'s names (the first run measures values by name: ``runtime.overlap``).
 
     The bound program's mesh ops carry the per-device program's node name in their ``node``
     argument; a wait reads it from its launch."""
-    runner = _RANGED.get(program)
-    if runner is not None:
-        return runner
     names = range_names(gm)
     graph = fx.Graph()
     graph.output(graph.graph_copy(program.graph, {}))
@@ -163,15 +176,7 @@ def ranged(program: fx.GraphModule, gm: fx.GraphModule, executor: Any) -> Any:
             name = None if name is None else "partita.wait " + name.removeprefix("partita.")
         if name is not None:
             node.target = _in_range(node.target, name)
-    inner = fx.GraphModule(program, graph, class_name="RankProgramInRanges")
-    step = step_name(executor)
-
-    def run(*args: Any) -> Any:
-        with record_function(step):
-            return inner(*args)
-
-    runner = _RANGED[program] = run
-    return runner
+    return fx.GraphModule(program, graph, class_name="RankProgramInRanges")
 
 
 def _in_range(fn: Any, name: str) -> Any:
