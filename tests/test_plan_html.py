@@ -181,6 +181,20 @@ def test_memory_timeline_and_live_at_peak(plan: Any) -> None:
     assert sum(b for _, _, b in est.live_at_peak) == est.peak
     for kind, nbytes in est.at_peak.items():
         assert sum(b for _, k, b in est.live_at_peak if k == kind) == nbytes
+    # the arguments are live from the first node on: the chart's inputs band starts flat
+    assert est.inputs > 0 and {t[1] for t in est.timeline} == {est.inputs}
+
+
+def test_memory_of_a_program_that_only_holds_its_inputs() -> None:
+    """A peak of the inputs alone is at the first node, with every input live there."""
+    from partita.partition.memory import estimate_memory
+
+    gm = torch.fx.symbolic_trace(lambda a, b: (torch.ops.aten.view.default(a, [-1]), b))
+    est = estimate_memory(gm, [torch.ones(4, 4), torch.ones(8)])
+    assert (est.peak, est.peak_node, est.inputs) == (96, "a", 96)
+    assert est.at_peak == {"inputs": 96, "gathered": 0, "other": 0}
+    assert sorted(est.live_at_peak) == [("a", "inputs", 64), ("b", "inputs", 32)]
+    assert [t[1:] for t in est.timeline] == [(96, 0, 0)] * 3
 
 
 def test_demo_writes_the_page(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,7 +45,8 @@ class MemoryEstimate:
         peak_node: the node after which the peak is reached.
         inputs: bytes of the program's arguments (live throughout).
         timeline: per node of the program, in order, ``(node, inputs, gathered, other)``:
-            the bytes live of each kind as that node runs (what the peak is the largest of).
+            the bytes live of each kind as that node runs (what the peak is the largest of);
+            ``inputs`` is the same all along, the arguments' bytes from the first node on.
         live_at_peak: ``(value, kind, bytes)`` of every value live at the peak, largest first.
     """
 
@@ -129,30 +130,35 @@ def estimate_memory(
             kind[n] = "gathered"
         else:
             kind[n] = "other"
-    live = {"inputs": 0, "gathered": 0, "other": 0}
+    # the arguments are the caller's, live from the start of the step to its end
+    inputs = sum(_nbytes(vals.get(n)) for n in nodes if n.op == "placeholder")
+    live = {"inputs": inputs, "gathered": 0, "other": 0}
     frees: dict[int, list[fx.Node]] = {}
     best = MemoryEstimate(0)
     timeline = []
     for n in nodes:
-        if root[n] is n and n.op != "output":
+        if root[n] is n and n.op not in ("output", "placeholder"):
             live[kind[n]] += _nbytes(vals.get(n))
-            if n.op != "placeholder":
-                frees.setdefault(last.get(n, pos[n]), []).append(n)
+            frees.setdefault(last.get(n, pos[n]), []).append(n)
         total = sum(live.values())
         if n.op != "output":
             timeline.append((n.name, live["inputs"], live["gathered"], live["other"]))
         if total > best.peak:
             best = MemoryEstimate(total, dict(live), n.name, live["inputs"])
         for dead in frees.pop(pos[n], []):
-            if dead.op != "placeholder" and not _is_output(dead, nodes[-1]):
+            if not _is_output(dead, nodes[-1]):
                 live[kind[dead]] -= _nbytes(vals.get(dead))
     at = pos.get(next((m for m in nodes if m.name == best.peak_node), nodes[0]), 0)
-    held = [  # what is live as the peak node runs: made by then, last read then or later
+    held = [  # live as the peak node runs: the inputs, and made by then, read then or later
         (m.name, kind[m], _nbytes(vals.get(m)))
-        for m in nodes[: at + 1]
-        if root[m] is m
-        and m.op != "output"
-        and (m.op == "placeholder" or last.get(m, pos[m]) >= at or _is_output(m, nodes[-1]))
+        for m in nodes
+        if m.op == "placeholder"
+        or (
+            root[m] is m
+            and m.op != "output"
+            and pos[m] <= at
+            and (last.get(m, pos[m]) >= at or _is_output(m, nodes[-1]))
+        )
     ]
     held.sort(key=lambda h: -h[2])
     return MemoryEstimate(
