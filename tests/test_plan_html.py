@@ -13,6 +13,7 @@ is not blank. CI installs Chromium (``.ci/run``); without it the browser tests a
 from __future__ import annotations
 
 import argparse
+import inspect
 import re
 import shutil
 import struct
@@ -28,6 +29,7 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 
+from partita import models
 from partita.cli.demo import add_arguments, synthetic_batch
 from partita.models import GPT, GPTConfig
 from partita.report.html import plan_data
@@ -39,8 +41,12 @@ needs_chromium = pytest.mark.skipif(
     reason="Chromium is not installed (CI installs it: apt-get install chromium, in .ci/run)",
 )
 DOCS_IMAGE = Path(__file__).resolve().parents[1] / "docs" / "images" / "plan-viewer.png"
-#: The line the screenshot selects: the attention of the demo's GPT.
-SHOWN_LINE = "gpt.py:57 in forward"
+#: The line the screenshot selects: the attention of the demo's GPT (found in its source).
+SHOWN_LINE = "gpt.py:{} in forward".format(
+    1 + inspect.getsource(models.gpt).splitlines().index(
+        "        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)"
+    )
+)  # fmt: skip
 
 
 def gpt_plan(**sizes: Any) -> Any:

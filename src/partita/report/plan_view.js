@@ -207,7 +207,7 @@
     }
   }
   add(program, h("div", { class: "grid2" }, list, detail));
-  // "#line=gpt.py:57 in forward" in the address selects that line (links, screenshots)
+  // "#line=gpt.py:58 in forward" in the address selects that line (links, screenshots)
   if (location.hash.startsWith("#line=")) {
     const want = decodeURIComponent(location.hash.slice(6));
     for (const row of list.querySelectorAll(".line")) {
