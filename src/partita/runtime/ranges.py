@@ -14,6 +14,8 @@ a ``record_function`` range around:
   range around that selection. On a DistributedMesh
   whose collectives overlap, the launch carries that name and the wait for its bytes
   ``partita.wait all_gather[model] 1536 B #3 ...``; the Gloo/NCCL calls fall inside them.
+  A program's first run there, which measures its values for the overlap schedule
+  (``runtime.overlap.first_run``), runs each collective synchronously in its range: no waits.
 
 Off the profiler this costs one check per step: :func:`enabled` is read once, and the
 executors then take their path without ranges (``bench/bench_profiler_ranges.py``).
