@@ -1,9 +1,10 @@
 """partita's work in the PyTorch profiler: one named range per collective of the Plan per step.
 
-A 3-step run under ``torch.profiler`` on the LocalMesh, and on 2 Gloo processes (the
-DistributedMesh), exports its chrome trace; the test reads it back and finds, per step, one
-range per call of the Plan (a collective alone, or a fused bucket), named with its kind, mesh
-axes and per-device bytes (``partition.ranges``, ``runtime.ranges``).
+The first 3 steps of a program, under ``torch.profiler`` on the LocalMesh and on 2 Gloo
+processes (the DistributedMesh), export their chrome trace; the test reads it back and finds,
+in every step (the first one too), one range per call of the Plan (a collective alone, or a
+fused bucket), named with its kind, mesh axes and per-device bytes (``partition.ranges``,
+``runtime.ranges``).
 """
 
 from __future__ import annotations
