@@ -62,6 +62,9 @@ class GShardMoE(nn.Module):
             on the experts dim (expert parallelism); None: no annotation.
     """
 
+    routed_tokens: torch.Tensor
+    kept_tokens: torch.Tensor
+
     def __init__(
         self,
         d: int,
