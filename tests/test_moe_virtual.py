@@ -75,3 +75,23 @@ def test_a_data_mask_runs_at_once_exactly(dev: torch.device) -> None:
     (rows,) = torch.where(mask)
     assert rows.shape == (2,)
     torch.testing.assert_close(rows.cpu(), torch.tensor([0, 2]))
+
+
+def test_padded_indices_stay_masked_across_a_sync(dev: torch.device) -> None:
+    """The padding is a property of the tensor, not of one step's recording: after a sync, a
+    gather and an index_add by the same indices still keep it out of the numbers."""
+    from partita.virtual.bounded import _BOUNDED
+
+    x = torch.randn(10, 3)
+    d = x.to(dev)
+    (rows,) = torch.where(d[:, 0] > 0)
+    partita.sync()
+    (want,) = torch.where(x[:, 0] > 0)
+    got = torch.zeros(10, 3, device=dev).index_add(0, rows, d[rows] * 2)
+    torch.testing.assert_close(got.cpu(), torch.zeros(10, 3).index_add(0, want, x[want] * 2))
+    assert _BOUNDED.live
+    del rows, got
+    import gc
+
+    gc.collect()
+    assert not _BOUNDED.live  # none alive: ops are not looked at any more

@@ -16,7 +16,9 @@ is the bound, not the count) and its printed value (``tolist``, ``repr``: rows o
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
+import weakref
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -43,7 +45,8 @@ class _StepBounded(BoundedIndices):
 
     def __init__(self) -> None:
         super().__init__()
-        self.active = False  # set once a nonzero was bounded in this process
+        # the padded tensors alive, by id (a WeakSet would compare tensors with ==, an op)
+        self.live: dict[int, weakref.ref[LazyTensor]] = {}
         self._bound = 1
 
     def is_padded(self, t: Any) -> bool:
@@ -56,7 +59,12 @@ class _StepBounded(BoundedIndices):
         for t in pytree.tree_leaves(out):
             if isinstance(t, LazyTensor):
                 setattr(t, _ATTRIBUTE, (where, self._bound))
+                self.live[id(t)] = weakref.ref(t, functools.partial(self._forget, id(t)))
         return out
+
+    def _forget(self, ident: int, ref: Any) -> None:
+        if self.live.get(ident) is ref:
+            del self.live[ident]
 
     def _refuse(self, func: Any, why: str) -> Any:
         raise _RefusedError(f"{func} {why}")
@@ -76,15 +84,16 @@ def dispatch_bounded(
     if func is aten.nonzero.default:
         if not (isinstance(args[0], LazyTensor) and args[0]._cell.is_pending):
             return NotImplemented  # data: run now, exactly (partita.virtual.immediate)
-        _BOUNDED.active = True
         _BOUNDED._bound = max(args[0].numel(), 1)
         return _BOUNDED.dispatch(call, func, args, kwargs)
-    if not _BOUNDED.active:
+    if not _BOUNDED.live:  # the usual case: no padded indices alive, nothing to look at
         return NotImplemented
-    padded = [t for t in pytree.tree_leaves((args, kwargs)) if _BOUNDED.is_padded(t)]
-    if not padded:
+    padded = _first_padded(args)
+    if padded is None:
+        padded = _first_padded(kwargs.values())
+    if padded is None:
         return NotImplemented
-    _BOUNDED._bound = getattr(padded[0], _ATTRIBUTE)[1]
+    _BOUNDED._bound = getattr(padded, _ATTRIBUTE)[1]
     device = kwargs.get("device")
     leaves_device = device is not None and torch.device(device).type != DEVICE_NAME
     if not (func is aten._to_copy.default and leaves_device):
@@ -94,6 +103,18 @@ def dispatch_bounded(
             pass
     exact = pytree.tree_map(lambda t: _exact(t) if _BOUNDED.is_padded(t) else t, (args, kwargs))
     return call(func, *exact)
+
+
+def _first_padded(args: Iterable[Any]) -> LazyTensor | None:
+    """The first padded indices among ``args`` and the lists in them (as ops take them)."""
+    for a in args:
+        if type(a) in (list, tuple):
+            found = _first_padded(a)
+            if found is not None:
+                return found
+        elif _BOUNDED.is_padded(a):
+            return a
+    return None
 
 
 def _exact(t: LazyTensor) -> LazyTensor:
