@@ -89,7 +89,8 @@ def run(
         step(batch)
         times.append(time.perf_counter() - t0)
     plan = step.plan
-    (layer,) = expert_report(plan, model, param_specs(preset, model, mesh), mesh)
+    specs = param_specs(preset, model, mesh)
+    (layer,) = expert_report(plan, model, specs, mesh, buffers=step.buffers)
     kinds = collections.Counter(c.kind for c in plan.collectives)
     # TrainStep.memory() reads every device's storage: the LocalMesh only (not on Gloo ranks)
     state = step.memory() if local else {"parameters": (0, 0), "optimizer": (0, 0)}
@@ -104,6 +105,8 @@ def run(
         "state": state["parameters"][0] + state["optimizer"][0],
         "peak": plan.memory().peak,
         "step_ms": statistics.median(times) * 1e3,
+        "imbalance": layer.imbalance,
+        "dropped": layer.dropped_tokens,
     }
 
 
@@ -201,6 +204,9 @@ def main() -> None:
             f"{format_bytes(r['state']):>16}{format_bytes(r['peak']):>11}"
             f"{r['step_ms']:>10.1f}  {r['kinds']}"
         )
+    for r in rows:  # the routing of the last step (the same batch and weights in both)
+        print(f"{r['name']}: load imbalance {r['imbalance']:.2f} (max/mean), "
+              f"{r['dropped']} of {GROUPS * GROUP * TOP_K} routed rows dropped")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -128,3 +128,39 @@ def test_without_the_annotation_the_expert_weights_are_gathered() -> None:
     step = _train(Net(ep=False), "ep")
     kinds = [c.kind for c in step.plan.collectives]
     assert "all_gather" in kinds
+
+
+def test_expert_report_gives_the_load_of_the_last_step() -> None:
+    """The tokens per expert a step's router sent (and kept within capacity), read from the
+    TrainStep's buffers: equal to the same forward run eagerly; imbalance = max / mean."""
+    torch.manual_seed(0)
+    model = Net(top_k=2, capacity_factor=1.0)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = train_step(model, loss_fn, opt, mesh=MESH, param_specs="ep", batch_spec=TOKENS)
+    x, y = _batches(1)[0]
+    step((x, y))
+    ref(x)
+    specs = param_specs("ep", model, MESH)
+    (layer,) = expert_report(step.plan, model, specs, MESH, buffers=step.buffers)
+    want_routed = tuple(ref.moe.routed_tokens.tolist())
+    want_kept = tuple(ref.moe.kept_tokens.tolist())
+    assert (layer.routed_tokens, layer.kept_tokens) == (want_routed, want_kept)
+    assert sum(want_routed) == G * S * 2  # every token's two choices
+    assert layer.imbalance == pytest.approx(max(want_routed) / (G * S * 2 / E))
+    assert layer.dropped_tokens == sum(want_routed) - sum(want_kept)
+    assert layer.dropped_tokens > 0  # capacity factor 1 at top-2 drops some
+    # without the step's buffers: the module's own (not updated by the step: zeros)
+    (unsynced,) = expert_report(step.plan, model, specs, MESH)
+    assert unsynced.routed_tokens == (0,) * E and unsynced.imbalance is None
+    step.sync_to_module()
+    (synced,) = expert_report(step.plan, model, specs, MESH)
+    assert synced.routed_tokens == want_routed
+
+
+def test_expert_report_without_recorded_load() -> None:
+    """A layer that records no load (experts in a plain module) reports None."""
+    from partita.models.moe import ExpertLayer
+
+    layer = ExpertLayer("experts", 4, 0, 0, 0, 0)
+    assert (layer.routed_tokens, layer.imbalance, layer.dropped_tokens) == (None, None, None)

@@ -84,6 +84,10 @@ class BoundedIndices:
     def is_padded(self, t: Any) -> bool:
         return isinstance(t, torch.Tensor) and id(t) in self._padded
 
+    def where_of(self, t: torch.Tensor) -> str:
+        """The user's line of the nonzero that padded indices ``t`` come from."""
+        return self._where[id(t)]
+
     def _mark(self, where: str, out: Any) -> Any:
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
@@ -105,7 +109,7 @@ class BoundedIndices:
         padded = [t for t in flat if self.is_padded(t)]
         if not padded:
             return NotImplemented
-        self._at = self._where[id(padded[0])]
+        self._at = self.where_of(padded[0])
         if func in _KEEP_ROWS:
             dim = _dim_of(func, args, kwargs)
             if func in (aten.select.int, aten.unbind.int, aten.slice.Tensor) and dim in (0, -2):
@@ -198,7 +202,7 @@ class BoundedIndices:
         padded = [o for o in outs if self.is_padded(o)]
         if padded:
             raise CaptureError(
-                f"Cannot trace at {self._where[id(padded[0])]}: the function returns the "
+                f"Cannot trace at {self.where_of(padded[0])}: the function returns the "
                 "indices of a nonzero / one-argument torch.where "
                 "(torch.argwhere, mask.nonzero()): their number depends on the data, and "
                 "partita traces them padded to a static bound. Return torch.nonzero_static("

@@ -29,6 +29,7 @@ expert's capacity skip that expert (their residual path carries them), as in GSh
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,6 +62,9 @@ class GShardMoE(nn.Module):
             on the experts dim (expert parallelism); None: no annotation.
     """
 
+    routed_tokens: torch.Tensor
+    kept_tokens: torch.Tensor
+
     def __init__(
         self,
         d: int,
@@ -76,6 +80,11 @@ class GShardMoE(nn.Module):
         self.mesh, self.expert_axis = mesh, expert_axis
         self.router = nn.Linear(d, experts, bias=False)
         self.experts = _Experts(d, h, experts)
+        # The load of the last call, per expert: the rows the router sent (tokens x top-k
+        # choices) and those within capacity (the rest were dropped). In the state_dict, so
+        # TrainStep.sync_to_module() copies them back, as batch-norm statistics.
+        self.register_buffer("routed_tokens", torch.zeros(experts, dtype=torch.long))
+        self.register_buffer("kept_tokens", torch.zeros(experts, dtype=torch.long))
 
     def routing(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dispatch, combine, aux_loss)`` for ``x [groups, group, d]``: the 0/1 dispatch
@@ -89,16 +98,21 @@ class GShardMoE(nn.Module):
         dispatch = x.new_zeros(g, s, e, cap)
         combine = x.new_zeros(g, s, e, cap)
         taken = x.new_zeros(g, 1, e)  # rows each expert has given out so far
+        kept = torch.zeros(e, dtype=torch.long, device=x.device)
         for j in range(self.top_k):
             mask = F.one_hot(idx[..., j], e).to(x.dtype)  # [g, s, e]
             position = (torch.cumsum(mask, 1) - 1 + taken) * mask  # the row of each token
             keep = mask * (position < cap).to(x.dtype)
+            kept = kept + (keep > 0).long().sum((0, 1))
             taken = taken + mask.sum(1, keepdim=True)
             slot = F.one_hot(position.long().clamp(max=cap - 1), cap).to(x.dtype)  # [g,s,e,c]
             dispatch = dispatch + keep.unsqueeze(-1) * slot
             combine = combine + (keep * gates[..., j : j + 1]).unsqueeze(-1) * slot
         density = F.one_hot(idx[..., 0], e).to(x.dtype).mean(1)  # [g, e]
         aux = (density * probs.mean(1)).sum(-1).mean() * e
+        with torch.no_grad():
+            self.routed_tokens.copy_(F.one_hot(idx, e).sum((0, 1, 2)))
+            self.kept_tokens.copy_(kept)
         return dispatch, combine, aux
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,6 +185,10 @@ class ExpertLayer:
             ``GShardMoE`` under ``ep``) and their per-device bytes. The Plan's all-to-alls are
             shared evenly among the layers in order (a model whose only all-to-alls are its
             layers' dispatches and combines, as ``GShardMoE`` layers under ``ep``).
+        routed_tokens: per expert, the rows the router sent it in the layer's last call
+            (tokens x top-k choices; a ``GShardMoE``'s ``routed_tokens`` buffer), or None when
+            the layer records none.
+        kept_tokens: those within the expert's capacity (the others were dropped), or None.
     """
 
     name: str
@@ -179,13 +197,38 @@ class ExpertLayer:
     weight_bytes_per_device: int
     all_to_alls: int
     all_to_all_bytes: int
+    routed_tokens: tuple[int, ...] | None = None
+    kept_tokens: tuple[int, ...] | None = None
+
+    @property
+    def imbalance(self) -> float | None:
+        """The load imbalance of the last call: the busiest expert's routed rows over the
+        mean (1.0 is balanced; ``experts`` means one expert got every row), or None."""
+        if not self.routed_tokens or sum(self.routed_tokens) == 0:
+            return None
+        return max(self.routed_tokens) * len(self.routed_tokens) / sum(self.routed_tokens)
+
+    @property
+    def dropped_tokens(self) -> int | None:
+        """The rows past an expert's capacity in the last call (0 when dropless), or None."""
+        if self.routed_tokens is None or self.kept_tokens is None:
+            return None
+        return sum(self.routed_tokens) - sum(self.kept_tokens)
 
 
 def expert_report(
-    plan: Plan, model: nn.Module, specs: dict[str, PartitionSpec], mesh: Mesh
+    plan: Plan,
+    model: nn.Module,
+    specs: dict[str, PartitionSpec],
+    mesh: Mesh,
+    buffers: Mapping[str, Any] | None = None,
 ) -> list[ExpertLayer]:
-    """Per ``experts`` module of ``model``: expert weight bytes per device under ``specs``
-    and the dispatch / combine all-to-alls of ``plan`` (a step's Plan)."""
+    """Per ``experts`` module of ``model``: expert weight bytes per device under ``specs``,
+    the dispatch / combine all-to-alls of ``plan`` (a step's Plan) and the tokens per expert
+    of the layer's last call (its parent's ``routed_tokens`` / ``kept_tokens`` buffers, as a
+    ``GShardMoE`` records them), read from ``buffers`` (by name: a ``TrainStep``'s
+    ``step.buffers``, full tensors or ShardedTensors) or else from the module itself (eager,
+    the virtual device, or after ``step.sync_to_module()``)."""
     layers = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] == "experts"]
     a2a = [c for c in plan.collectives if c.kind == "all_to_all"]
     per = len(a2a) // max(len(layers), 1)
@@ -202,8 +245,24 @@ def expert_report(
             local += p.numel() * p.element_size() // split
         mine = a2a[i * per : (i + 1) * per] if per else []
         moved = sum(c.bytes for c in mine)
-        out.append(ExpertLayer(name, experts, full, local, len(mine), moved))
+        parent = name.rpartition(".")[0]
+        routed, kept = (_counts(model, buffers, parent, k) for k in ("routed", "kept"))
+        out.append(ExpertLayer(name, experts, full, local, len(mine), moved, routed, kept))
     return out
+
+
+def _counts(
+    model: nn.Module, buffers: Mapping[str, Any] | None, parent: str, kind: str
+) -> tuple[int, ...] | None:
+    """The ``{kind}_tokens`` buffer of module ``parent`` as Python ints, or None."""
+    key = f"{parent}.{kind}_tokens" if parent else f"{kind}_tokens"
+    value = None if buffers is None else buffers.get(key)
+    if value is None:
+        value = dict(model.named_buffers()).get(key)
+    if value is None:
+        return None
+    full = value.full() if hasattr(value, "full") else value
+    return tuple(int(v) for v in full.cpu().tolist())
 
 
 def _axes(entry: Any) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """What ``LazyTensor.__torch_dispatch__`` does with an op: run it now, or record it.
 
-:func:`dispatch` is the entry. A few ops run at once (:mod:`partita.virtual.immediate`); a
+:func:`dispatch` is the entry. A pending ``nonzero`` is recorded with a static bound
+(:mod:`partita.virtual.bounded`). A few ops run at once (:mod:`partita.virtual.immediate`); a
 random op that repeats an earlier draw reads it again (:mod:`partita.virtual.draws`); the
 others are *recorded*: the op joins the current :class:`~partita.virtual.recording.Recording`
 with its results, which come from shape inference on meta tensors
@@ -16,6 +17,7 @@ from typing import Any
 import torch
 
 from partita.virtual import draws
+from partita.virtual.bounded import dispatch_bounded
 from partita.virtual.cell import Cell
 from partita.virtual.immediate import run_now, runs_now
 from partita.virtual.lazy import LazyTensor, lazies
@@ -28,7 +30,15 @@ __all__ = ["dispatch"]
 
 
 def dispatch(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """Run (rarely) or record (usually) one aten op on LazyTensors."""
+    """Run (rarely) or record (usually) one aten op on LazyTensors; a pending ``nonzero`` and
+    the uses of its padded indices go through :mod:`partita.virtual.bounded` first."""
+    out = dispatch_bounded(_unbounded, func, args, kwargs)
+    if out is not NotImplemented:
+        return out
+    return _unbounded(func, args, kwargs)
+
+
+def _unbounded(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if runs_now(func) or "out" in kwargs:
         result = run_now(func, args, kwargs, current())
         if result is not NotImplemented:
