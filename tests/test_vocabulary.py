@@ -36,7 +36,7 @@ def test_the_old_names_are_gone() -> None:
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("partita.models.steps")
     assert not hasattr(partita.models, "make_train_step")
-    assert set(partita.models.__all__) == {"GPT", "GPTConfig", "SmallCNN"}
+    assert set(partita.models.__all__) == {"GPT", "GPTConfig", "GShardMoE", "SmallCNN"}
     for old in ("last_plan", "parameters", "step"):
         assert not hasattr(partita.TrainStep, old), old
 

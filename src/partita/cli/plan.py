@@ -38,6 +38,7 @@ __all__ = ["add_arguments", "parse_bytes", "parse_mesh", "plan_report", "run"]
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40})
 _TP = ("tp", "fsdp+tp")
+_DENSE = ("dp", "fsdp", "tp", "fsdp+tp")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -346,8 +347,8 @@ def plan_all(args: argparse.Namespace) -> list[dict[str, Any]]:
             f"--shard {args.shard!r}: the presets are {', '.join(PRESETS)}, or all."
         )
     presets = [args.shard]
-    if args.shard == "all":  # the presets whose axes the mesh has
-        presets = [p for p in PRESETS if "model" in mesh.axis_names or p not in _TP]
+    if args.shard == "all":  # the dense presets whose axes the mesh has (no model has experts)
+        presets = [p for p in _DENSE if "model" in mesh.axis_names or p not in _TP]
     reports = []
     for preset in presets:
         if args.shard == "all":

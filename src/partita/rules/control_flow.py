@@ -48,7 +48,7 @@ def _count(arg: Any) -> int:
 @RULES.register(while_loop_op)
 def while_loop_rule(info: OpInfo) -> FactorRule:
     """``a, b -> a`` for ``while_loop(cond, body, (x,), (w,))``: the carry passes through."""
-    n = _count(info.args[2])
+    n = _count(info.positional(2))
     names = Names()
     carried = [names.take(t.ndim) for t in info.operands[:n]]
     extra = [names.take(t.ndim) for t in info.operands[n:]]
@@ -59,7 +59,7 @@ def while_loop_rule(info: OpInfo) -> FactorRule:
 def scan_rule(info: OpInfo) -> FactorRule:
     """``a, t b, c -> a, t d`` for ``scan(f, (h,), (xs,), (w,))``: the carry passes through,
     the scanned dim ``t`` is never split."""
-    n_init, n_xs = _count(info.args[1]), _count(info.args[2])
+    n_init, n_xs = _count(info.positional(1)), _count(info.positional(2))
     names = Names()
     t = names.new()
     init = [names.take(x.ndim) for x in info.operands[:n_init]]
@@ -73,7 +73,7 @@ def scan_rule(info: OpInfo) -> FactorRule:
 @RULES.register(map_impl)
 def map_rule(info: OpInfo) -> FactorRule:
     """``t a, b -> t c`` for ``map(f, xs, w)``: the mapped dim ``t`` may be split."""
-    n_xs = _count(info.args[1])
+    n_xs = _count(info.positional(1))
     names = Names()
     t = names.new()
     xs = [[t, *names.take(x.ndim - 1)] for x in info.operands[:n_xs]]

@@ -103,6 +103,10 @@ class OpInfo:
             raise UnsupportedOpError(f"{self.target}: result {i} is not a tensor ({self.results})")
         return found
 
+    def positional(self, index: int) -> Any:
+        """A higher-order op's argument ``index`` (control flow ops have no schema to name)."""
+        return self.args[index]
+
     def has_arg(self, name: str) -> bool:
         """Whether the op's schema has an argument ``name`` (one rule, several overloads)."""
         return name in _schema_names(self.target)
