@@ -46,11 +46,17 @@ class Model:
     ub_cols: list[np.ndarray]
     ub_vals: list[np.ndarray]
     ub_rhs: list[float]
-    offsets: np.ndarray
+    offsets: np.ndarray  # per block: where its (shared) x columns start; one past the end last
     n_x: int
     stored: np.ndarray  # per x: per-device bytes of the inputs it stores
     compute: np.ndarray  # per x: modelled compute seconds
     build_seconds: float = 0.0
+    #: per block, the block whose x columns it shares (``auto.clusters``); itself when none
+    rep: list[int] = field(default_factory=list)
+    #: blocks that have columns of their own (the clusters' count)
+    clusters: int = 0
+    #: per block, its number of candidates
+    widths: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -86,23 +92,34 @@ class _Rows:
         self.rhs.append(rhs)
 
 
-def build_model(space: Space, pricer: Pricer) -> Model:
-    """The arrays of the program (see the module); prices from ``pricer``."""
+def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> Model:
+    """The arrays of the program (see the module); prices from ``pricer``. ``rep[b]``: the
+    block whose x columns block ``b`` shares (``auto.clusters``): its prices are added to
+    those columns, and its edges that repeat another member's share their variables."""
     start = time.perf_counter()
-    sizes = np.array([len(b) for b in space.blocks], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
-    n_x = int(offsets[-1])
+    nb = len(space.blocks)
+    rep = list(range(nb)) if rep is None else rep
+    offsets = np.zeros(nb + 1, dtype=np.int64)
+    n_x = 0
+    for b, block in enumerate(space.blocks):
+        if rep[b] == b:
+            offsets[b] = n_x
+            n_x += len(block)
+        else:
+            offsets[b] = offsets[rep[b]]
+    offsets[nb] = n_x
     cost = np.zeros(n_x)
     compute = np.zeros(n_x)
     stored = np.zeros(n_x)
     eq, ub = _Rows(), _Rows()
     for b, block in enumerate(space.blocks):
         lo = offsets[b]
-        eq.add(np.arange(lo, lo + len(block)), np.ones(len(block)), 1.0)
+        if rep[b] == b:
+            eq.add(np.arange(lo, lo + len(block)), np.ones(len(block)), 1.0)
         if block.op is not None:
             prices, comp = pricer.op(block.node, block.op.rule, block.assigns, block.local_bytes)
-            cost[lo : lo + len(block)] = prices
-            compute[lo : lo + len(block)] = comp
+            cost[lo : lo + len(block)] += prices
+            compute[lo : lo + len(block)] += comp
         for f in block.followers:
             prices, comp = pricer.op(f.op.node, f.op.rule, f.assigns, f.local_bytes)
             shape, dtype = space.shapes[f.value], space.dtypes[f.value]
@@ -114,12 +131,18 @@ def build_model(space: Space, pricer: Pricer) -> Model:
             cost[lo : lo + len(block)] += np.array(prices) + np.array(moves)
             compute[lo : lo + len(block)] += comp
         else:
-            for i, res in enumerate(block.results):
-                stored[lo + i] = sum(
-                    pricer.local_bytes(s, space.shapes[k], space.dtypes[k]) for k, s in res.items()
-                )
+            mine = np.array(
+                [
+                    sum(
+                        pricer.local_bytes(s, space.shapes[k], space.dtypes[k])
+                        for k, s in res.items()
+                    )
+                    for res in block.results
+                ]
+            )
+            stored[lo : lo + len(block)] += mine
             # ties: of two equal plans, the one storing fewer bytes per device
-            cost[lo : lo + len(block)] += stored[lo : lo + len(block)] * pricer.per_stored_byte
+            cost[lo : lo + len(block)] += mine * pricer.per_stored_byte
     for key in space.outputs:  # a partial result is reduced before it is returned
         b = space.producer[key]
         lo = offsets[b]
@@ -144,6 +167,9 @@ def build_model(space: Space, pricer: Pricer) -> Model:
         for need, cols in by_need.items():
             slot.setdefault(need, []).append((use.block, cols))
     n = n_x
+    # an edge that repeats one already built (the same columns, the same prices): its e
+    # variables, whose prices it adds to
+    built: dict[tuple[Any, ...], dict[float, int]] = {}
     for key, wanted in needed.items():
         p = space.producer[key]
         lo = int(offsets[p])
@@ -166,6 +192,16 @@ def build_model(space: Space, pricer: Pricer) -> Model:
             for sg, xcols in gives.items():
                 classes.setdefault(round(price[sg], 9), []).extend(xcols)
             free = classes.pop(0.0, [])
+            sig = (
+                tuple(sorted((p_, tuple(sorted(c))) for p_, c in classes.items())),
+                tuple(sorted(free)),
+                tuple(sorted({tuple(cols) for _, cols in users})),
+            )
+            again = built.get(sig)
+            if again is not None:
+                for p_ in classes:
+                    extra[again[p_] - n_x] += p_
+                continue
             y = n
             n += 1
             extra.append(0.0)
@@ -178,6 +214,7 @@ def build_model(space: Space, pricer: Pricer) -> Model:
                 extra.append(p_)
                 e_cols.append(e)
                 ub.add(np.array([e, *xcols]), np.array([1.0] + [-1.0] * len(xcols)), 0.0)
+            built[sig] = dict(zip(classes, e_cols, strict=True))
             # y <= sum e + x of the free producer candidates: a needed copy is paid for
             ub.add(
                 np.array([y, *e_cols, *free]),
@@ -187,7 +224,8 @@ def build_model(space: Space, pricer: Pricer) -> Model:
     cost = np.concatenate([cost, np.array(extra)])
     return Model(
         cost, eq.rows, eq.cols, eq.vals, eq.rhs, ub.rows, ub.cols, ub.vals, ub.rhs,
-        offsets, n_x, stored, compute, time.perf_counter() - start,
+        offsets, n_x, stored, compute, time.perf_counter() - start, rep,
+        sum(1 for b in range(nb) if rep[b] == b), [len(b) for b in space.blocks],
     )  # fmt: skip
 
 
@@ -279,4 +317,6 @@ def solve(
 
 def _decode(model: Model, x: np.ndarray) -> list[int]:
     offs = model.offsets
-    return [int(np.argmax(x[offs[b] : offs[b + 1]])) for b in range(len(offs) - 1)]
+    return [
+        int(np.argmax(x[offs[b] : offs[b] + w])) if w else 0 for b, w in enumerate(model.widths)
+    ]

@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from partita.auto.clusters import cluster_blocks
 from partita.auto.costs import Pricer
 from partita.auto.ilp import Solution, build_model, solve
 from partita.auto.realize import write_solution
@@ -125,7 +126,7 @@ class _Solver:
         self.pricer = Pricer(
             mesh, get_profile(problem.hardware), problem.objective, problem.bucket_bytes
         )
-        self.model = build_model(self.space, self.pricer)
+        self.model = build_model(self.space, self.pricer, cluster_blocks(self.space))
         # the build is everything from the traced program to the matrices
         self.model.build_seconds = time.perf_counter() - start
 
@@ -255,7 +256,7 @@ def _unsplit_compute(solver: _Solver) -> float:
     m = solver.model
     total = 0.0
     for b in range(len(solver.space.blocks)):
-        lo, hi = m.offsets[b], m.offsets[b + 1]
-        if hi > lo:
+        lo, hi = m.offsets[b], m.offsets[b] + m.widths[b]
+        if hi > lo and m.rep[b] == b:
             total += float(m.compute[lo:hi].max())
     return total
