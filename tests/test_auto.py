@@ -9,6 +9,7 @@ about a minute; the solver's speed and the weak-preset cases are measured by
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -169,3 +170,53 @@ def test_an_option_value_is_checked() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert partita.CompileOptions(memory_limit=2**30).memory_limit == 2**30
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, d: int = 128, hidden: int = 512) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, hidden, bias=False)
+        self.fc2 = torch.nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _mlp_step(memory_limit: int = 0) -> partita.TrainStep:
+    torch.manual_seed(0)
+    model = _MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    options = {"memory_limit": memory_limit} if memory_limit else None
+    return partita.train_step(
+        model, F.mse_loss, opt, mesh=_mesh((2, 4)), param_specs="auto", options=options
+    )
+
+
+def test_a_tight_memory_limit_makes_the_solver_find_the_megatron_mlp_split() -> None:
+    """No preset is given to the solver: under a limit that no replicated-weight plan meets,
+    it splits fc1's weight ``[hidden, d]`` along its output dim and fc2's ``[d, hidden]``
+    along its input dim, both over ``model`` (the column/row split), so the MLP's hidden
+    activation stays split and only fc2's result is reduced."""
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(8, 128, generator=g), torch.randn(8, 128, generator=g))
+    free = _mlp_step().lower(batch).auto
+    dp = next(c for c in free.candidates if c.name == "dp")
+    limit = dp.peak // 3  # replicated weights (dp) and the weights split on data only do not fit
+    step = _mlp_step(limit)
+    plan = step.lower(batch)
+    report = plan.auto
+    assert plan.memory().peak <= limit
+    mine = report.proposed["auto"]
+    split = r"\(?('data', )?'model'\)?"  # model, alone or after data
+    assert re.fullmatch(rf"P\({split}, None\)", mine["param.fc1.weight"]), mine
+    assert re.fullmatch(rf"P\(None, {split}\)", mine["param.fc2.weight"]), mine
+    torch.manual_seed(0)
+    ref = _MLP()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        loss = step(batch)
+        ref_opt.zero_grad()
+        ref_loss = F.mse_loss(ref(batch[0]), batch[1])
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)

@@ -48,6 +48,8 @@ class AutoReport:
             ``rounds``: solves run (more than one when the memory check lowered the budget).
         memory_limit: the per-device limit in bytes (None: no limit).
         notes: anything worth knowing (the solver missing, a budget lowered).
+        proposed: per solver round (``"auto"``, ``"auto-2"``...), the open inputs'
+            shardings it proposed, ``{input name: PartitionSpec text}``, kept or not.
     """
 
     objective: str
@@ -67,6 +69,7 @@ class AutoReport:
     rounds: int = 0
     memory_limit: int | None = None
     notes: list[str] = field(default_factory=list)
+    proposed: dict[str, dict[str, str]] = field(default_factory=dict)
     #: the winner's per-op shardings, written into a propagated program before it is
     #: partitioned (None when a preset won): a front end that compiles the chosen specs
     #: again passes it to the pipeline so the same program results

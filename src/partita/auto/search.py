@@ -226,6 +226,11 @@ def _solve_rounds(
             return
         seen.add(key)
         name = "auto" if round_ == 0 else f"auto-{round_ + 1}"
+        report.proposed[name] = {
+            problem.names.get(leaf, f"input {leaf}"): str(specs[leaf])
+            for leaf in sorted(problem.open_leaves)
+            if specs[leaf] is not None
+        }
         space, choice = solver.space, sol.choice
 
         def rewrite(gm: Any, space: Any = space, choice: list[int] = choice) -> None:
