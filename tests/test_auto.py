@@ -220,3 +220,27 @@ def test_a_tight_memory_limit_makes_the_solver_find_the_megatron_mlp_split() -> 
         ref_loss.backward()
         ref_opt.step()
         torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_clusters_keep_the_problem_size_as_layers_grow() -> None:
+    """The copies of a layer share one set of variables (``auto.clusters``): an 8-layer step
+    has the variables of a 4-layer one, and its answer still runs like the unsharded step."""
+    from partita.training import init_opt_state, make_train_step
+
+    sizes = []
+    for n in (4, 8):
+        cfg = GPTConfig(n_layer=n, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        step = make_train_step(model, _gpt_loss, "adamw")
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        args = (params, {}, init_opt_state(params, "adamw"), _gpt_batch())
+        jitted = partita.jit(step, mesh=_mesh((8,)), auto=True)
+        report = jitted.lower(*args).auto
+        sizes.append(report.variables)
+    assert sizes[0] == sizes[1] > 0
+    out, ref = jitted(*args), step(*args)
+    leaves = torch.utils._pytree.tree_leaves
+    for got, want in zip(leaves(out), leaves(ref), strict=True):
+        full = got.full() if hasattr(got, "full") else got
+        torch.testing.assert_close(full, want, rtol=1e-4, atol=1e-5)

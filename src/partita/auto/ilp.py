@@ -309,10 +309,37 @@ def solve(
         )  # fmt: skip
     bound = float(getattr(res, "mip_dual_bound", lp.fun) or lp.fun)
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
+    choice, fun, solver = _decode(model, res.x), float(res.fun), "highs-milp"
+    if gap > 0.01:  # stopped by the time limit: the rounded LP may be a better plan
+        rounded = _decode(model, lp.x)
+        priced = _price(model, rounded, a_eq, b_eq, a_ub, b_ub) if rounded != choice else None
+        if priced is not None and priced < fun:
+            choice, fun, solver = rounded, priced, "highs-milp+rounded-lp"
+            gap = (fun - bound) / max(abs(fun), 1e-12)
     return Solution(
-        _decode(model, res.x), float(res.fun), bound, gap, False, "highs-milp", n, rows,
+        choice, fun, bound, gap, False, solver, n, rows,
         model.build_seconds, time.perf_counter() - start, status=str(res.message),
     )  # fmt: skip
+
+
+def _price(
+    model: Model, choice: list[int], a_eq: Any, b_eq: np.ndarray, a_ub: Any, b_ub: np.ndarray
+) -> float | None:
+    """The objective of ``choice`` (its copy and edge variables at their cheapest), or None
+    when it breaks a row (a memory budget)."""
+    from scipy.optimize import linprog  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+    lo = np.zeros(len(model.cost))
+    hi = np.ones(len(model.cost))
+    hi[: model.n_x] = 0.0
+    for b, i in enumerate(choice):
+        if model.rep[b] == b and model.widths[b]:
+            lo[model.offsets[b] + i] = hi[model.offsets[b] + i] = 1.0
+    res = linprog(
+        model.cost, A_ub=a_ub, b_ub=b_ub if a_ub is not None else None, A_eq=a_eq, b_eq=b_eq,
+        bounds=np.stack([lo, hi], axis=1), method="highs",
+    )  # fmt: skip
+    return float(res.fun) if res.status == 0 else None
 
 
 def _decode(model: Model, x: np.ndarray) -> list[int]:
