@@ -153,15 +153,28 @@ def test_the_memory_limit_is_met_by_the_chosen_plan() -> None:
     assert plan.auto.best().fits and plan.auto.memory_limit == limit
 
 
-def test_without_scipy_the_best_preset_is_taken_with_a_warning(
+def test_without_scipy_a_greedy_pass_chooses_with_a_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(search, "have_solver", lambda: False)
-    with pytest.warns(AutoShardingWarning, match="scipy is not installed"):
-        report = _gpt_step(_mesh((8,))).lower(_gpt_batch()).auto
-    assert report.solver == "none" and "auto" not in {c.name for c in report.candidates}
+    monkeypatch.setattr(search, "solve", None)  # scipy's solver is never reached
+    with pytest.warns(AutoShardingWarning, match="scipy is not installed.*greedy pass"):
+        step = _gpt_step(_mesh((2, 4)))
+        plan = step.lower(_gpt_batch())
+    report = plan.auto
+    assert report.solver == "greedy" and "auto" in {c.name for c in report.candidates}
+    assert "greedy" in report.explain()
     assert report.best().seconds == min(c.seconds for c in report.candidates)
     assert any("scipy" in n for n in report.notes)
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batch = _gpt_batch()
+    loss = step(batch)
+    ref_opt.zero_grad()
+    ref_loss = _gpt_loss(ref(batch[0]), batch[1])
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_an_option_value_is_checked() -> None:

@@ -30,7 +30,7 @@ from partita.auto.space import Space
 from partita.propagate.state import ValueKey
 from partita.values.spec import Sharding
 
-__all__ = ["Model", "Solution", "build_model", "solve"]
+__all__ = ["Edges", "Model", "Solution", "build_model", "solve"]
 
 
 @dataclass
@@ -57,6 +57,17 @@ class Model:
     clusters: int = 0
     #: per block, its number of candidates
     widths: list[int] = field(default_factory=list)
+    edges: Edges = field(default_factory=lambda: Edges())
+
+
+@dataclass
+class Edges:
+    """The link variables as plain data (the greedy pass prices a choice with them): edge
+    ``k`` is paid when an x column of ``users`` with ``k`` is chosen, at the sum of the
+    prices of ``prices`` with ``k`` whose column is chosen (the producer's)."""
+
+    users: list[tuple[int, int]] = field(default_factory=list)  # (edge, x column)
+    prices: list[tuple[int, int, float]] = field(default_factory=list)  # (edge, column, price)
 
 
 @dataclass
@@ -170,6 +181,8 @@ def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> M
     # an edge that repeats one already built (the same columns, the same prices): its e
     # variables, whose prices it adds to
     built: dict[tuple[Any, ...], dict[float, int]] = {}
+    edge_of: dict[tuple[Any, ...], int] = {}
+    edges = Edges()
     for key, wanted in needed.items():
         p = space.producer[key]
         lo = int(offsets[p])
@@ -199,9 +212,14 @@ def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> M
             )
             again = built.get(sig)
             if again is not None:
-                for p_ in classes:
+                for p_, xcols in classes.items():
                     extra[again[p_] - n_x] += p_
+                    edges.prices.extend((edge_of[sig], c, p_) for c in xcols)
                 continue
+            edge_of[sig] = len(edge_of)
+            edges.users.extend({(edge_of[sig], c) for _, cols in users for c in cols})
+            for p_, xcols in classes.items():
+                edges.prices.extend((edge_of[sig], c, p_) for c in xcols)
             y = n
             n += 1
             extra.append(0.0)
@@ -225,7 +243,7 @@ def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> M
     return Model(
         cost, eq.rows, eq.cols, eq.vals, eq.rhs, ub.rows, ub.cols, ub.vals, ub.rhs,
         offsets, n_x, stored, compute, time.perf_counter() - start, rep,
-        sum(1 for b in range(nb) if rep[b] == b), [len(b) for b in space.blocks],
+        sum(1 for b in range(nb) if rep[b] == b), [len(b) for b in space.blocks], edges,
     )  # fmt: skip
 
 

@@ -41,9 +41,11 @@ class AutoReport:
         chosen: the name of the winning candidate (``"auto"`` or a preset).
         shardings: ``{input name: PartitionSpec text}`` of the winner's inputs.
         candidates: every candidate scored (the winner among them).
-        solver: ``"highs-lp"`` (LP relaxation integral), ``"highs-milp"``, ``"highs-milp+rounded-lp"`` (the MILP stopped at
-            its time limit and the rounded LP relaxation priced lower), or ``"none"`` (no
-            scipy: the best preset was taken); ``variables`` / ``rows``: the problem's size;
+        solver: ``"highs-lp"`` (LP relaxation integral), ``"highs-milp"``,
+            ``"highs-milp+rounded-lp"`` (the MILP stopped at its time limit and the rounded
+            LP relaxation priced lower), ``"greedy"`` (no scipy: a greedy pass, no bound), a
+            ``"+greedy"`` suffix (a MILP answer far from its bound polished by that pass);
+            ``variables`` / ``rows``: the problem's size;
             ``build_seconds`` / ``solve_seconds``: the time to build and solve it; ``bound``
             and ``gap``: the solver's lower bound and relative gap (0 when the LP is integral);
             ``rounds``: solves run (more than one when the memory check lowered the budget).

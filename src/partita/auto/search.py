@@ -22,6 +22,7 @@ from typing import Any
 
 from partita.auto.clusters import cluster_blocks
 from partita.auto.costs import Pricer
+from partita.auto.greedy import descend, greedy_solve
 from partita.auto.ilp import Solution, build_model, solve
 from partita.auto.realize import write_solution
 from partita.auto.report import AutoReport, Scored
@@ -38,6 +39,9 @@ Specs = list[PartitionSpec | None]
 
 #: Rounds of solve -> compile -> Plan.memory() when the solver's plan is over the limit.
 MEMORY_ROUNDS = 3
+
+#: A MILP answer whose relative gap is above this is polished by the greedy pass.
+POLISH_GAP = 0.01
 
 
 def have_solver() -> bool:
@@ -153,18 +157,18 @@ def choose(problem: AutoProblem) -> tuple[Any, AutoReport]:
         compiled[name] = problem.compile(specs)
         report.candidates.append(_score(name, compiled[name], problem))
     rewrites: dict[str, Callable[[Any], None]] = {}
-    if have_solver():
-        _solve_rounds(problem, report, compiled, rewrites)
-    else:
+    if not have_solver():
         report.notes.append(
-            "scipy is not installed (pip install 'partita[auto]'): the best preset was taken "
-            "without solving"
+            "scipy is not installed (pip install 'partita[auto]'): a greedy pass chose the "
+            "plan, with no optimality bound"
         )
         warn(
-            "partita auto-sharding: scipy is not installed, so the best preset is used "
-            "instead of the solver's optimum. Install it with pip install 'partita[auto]'.",
+            "partita auto-sharding: scipy is not installed, so a greedy pass (a local "
+            "optimum, scored beside the presets) replaces the solver's optimum. Install it "
+            "with pip install 'partita[auto]'.",
             AutoShardingWarning,
         )
+    _solve_rounds(problem, report, compiled, rewrites)
     fitting = [c for c in report.candidates if c.fits]
     if not fitting:
         smallest = min(report.candidates, key=lambda c: c.peak)
@@ -206,11 +210,19 @@ def _solve_rounds(
             compute_bound = unsplit * (best.compute / full) * 1.02
     budget: float | None = float(problem.memory_limit) if problem.memory_limit else None
     seen: set[tuple[Any, ...]] = set()
+    run = solve if have_solver() else greedy_solve
     for round_ in range(MEMORY_ROUNDS):
-        sol = solve(model, memory=budget, compute=compute_bound, time_limit=problem.time_limit)
+        sol = run(model, memory=budget, compute=compute_bound, time_limit=problem.time_limit)
         if not sol.choice and compute_bound is not None:
             compute_bound = None
-            sol = solve(model, memory=budget, time_limit=problem.time_limit)
+            sol = run(model, memory=budget, time_limit=problem.time_limit)
+        if sol.choice and sol.gap > POLISH_GAP:  # stopped far from the bound: polish it
+            start = time.perf_counter()
+            polished, objective = descend(model, sol.choice, budget, problem.time_limit / 3)
+            sol.solve_seconds += time.perf_counter() - start
+            if objective < sol.objective:
+                sol.choice, sol.objective, sol.solver = polished, objective, sol.solver + "+greedy"
+                sol.gap = (objective - sol.bound) / max(abs(objective), 1e-12)
         report.rounds = round_ + 1
         report.solver, report.variables, report.rows = sol.solver, sol.variables, sol.rows
         report.build_seconds = sol.build_seconds
