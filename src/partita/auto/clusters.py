@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from partita.auto.space import Block, Space
+from partita.ir import node_meta
 
 __all__ = ["ROUNDS", "cluster_blocks"]
 
@@ -49,7 +50,7 @@ def _start(block: Block) -> tuple[Any, ...]:
     return (
         "op",
         str(node.target),
-        node.meta.get("source") or "",
+        node_meta.source(node) or "",
         _shapes(node.meta.get("val")),
         len(block.followers),
         len(block),
