@@ -216,13 +216,16 @@ def _solve_rounds(
         if not sol.choice and compute_bound is not None:
             compute_bound = None
             sol = run(model, memory=budget, time_limit=problem.time_limit)
-        if sol.choice and sol.gap > POLISH_GAP:  # stopped far from the bound: polish it
+        if sol.choice and sol.gap > POLISH_GAP and sol.solver != "greedy":
+            # stopped far from the bound: descend from its answer and from all-replicated
             start = time.perf_counter()
-            polished, objective = descend(model, sol.choice, budget, problem.time_limit / 3)
+            for first in (sol.choice, [0] * len(sol.choice)):
+                found, objective = descend(model, first, budget, problem.time_limit / 6)
+                if objective < sol.objective:
+                    sol.choice, sol.objective = found, objective
+                    sol.solver = sol.solver.removesuffix("+greedy") + "+greedy"
+                    sol.gap = (objective - sol.bound) / max(abs(objective), 1e-12)
             sol.solve_seconds += time.perf_counter() - start
-            if objective < sol.objective:
-                sol.choice, sol.objective, sol.solver = polished, objective, sol.solver + "+greedy"
-                sol.gap = (objective - sol.bound) / max(abs(objective), 1e-12)
         report.rounds = round_ + 1
         report.solver, report.variables, report.rows = sol.solver, sol.variables, sol.rows
         report.build_seconds = sol.build_seconds
