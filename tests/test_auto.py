@@ -223,6 +223,8 @@ def test_a_tight_memory_limit_makes_the_solver_find_the_megatron_mlp_split() -> 
     split = r"\(?('data', )?'model'\)?"  # model, alone or after data
     assert re.fullmatch(rf"P\({split}, None\)", mine["param.fc1.weight"]), mine
     assert re.fullmatch(rf"P\(None, {split}\)", mine["param.fc2.weight"]), mine
+    assert report.chosen == "auto"  # under the model it beats the tp preset's plan
+    assert report.shardings["param.fc1.weight"] == mine["param.fc1.weight"]
     torch.manual_seed(0)
     ref = _MLP()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
