@@ -9,6 +9,7 @@ about a minute; the solver's speed and the weak-preset cases are measured by
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -152,15 +153,28 @@ def test_the_memory_limit_is_met_by_the_chosen_plan() -> None:
     assert plan.auto.best().fits and plan.auto.memory_limit == limit
 
 
-def test_without_scipy_the_best_preset_is_taken_with_a_warning(
+def test_without_scipy_a_greedy_pass_chooses_with_a_warning(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(search, "have_solver", lambda: False)
-    with pytest.warns(AutoShardingWarning, match="scipy is not installed"):
-        report = _gpt_step(_mesh((8,))).lower(_gpt_batch()).auto
-    assert report.solver == "none" and "auto" not in {c.name for c in report.candidates}
+    monkeypatch.setattr(search, "solve", None)  # scipy's solver is never reached
+    with pytest.warns(AutoShardingWarning, match="scipy is not installed.*greedy pass"):
+        step = _gpt_step(_mesh((2, 4)))
+        plan = step.lower(_gpt_batch())
+    report = plan.auto
+    assert report.solver == "greedy" and "auto" in {c.name for c in report.candidates}
+    assert "greedy" in report.explain()
     assert report.best().seconds == min(c.seconds for c in report.candidates)
     assert any("scipy" in n for n in report.notes)
+    torch.manual_seed(0)
+    ref = GPT(CFG)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    batch = _gpt_batch()
+    loss = step(batch)
+    ref_opt.zero_grad()
+    ref_loss = _gpt_loss(ref(batch[0]), batch[1])
+    ref_loss.backward()
+    torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)
 
 
 def test_an_option_value_is_checked() -> None:
@@ -169,3 +183,79 @@ def test_an_option_value_is_checked() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert partita.CompileOptions(memory_limit=2**30).memory_limit == 2**30
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, d: int = 128, hidden: int = 512) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(d, hidden, bias=False)
+        self.fc2 = torch.nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def _mlp_step(memory_limit: int = 0) -> partita.TrainStep:
+    torch.manual_seed(0)
+    model = _MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    options = {"memory_limit": memory_limit} if memory_limit else None
+    return partita.train_step(
+        model, F.mse_loss, opt, mesh=_mesh((2, 4)), param_specs="auto", options=options
+    )
+
+
+def test_a_tight_memory_limit_makes_the_solver_find_the_megatron_mlp_split() -> None:
+    """No preset is given to the solver: under a limit that no replicated-weight plan meets,
+    it splits fc1's weight ``[hidden, d]`` along its output dim and fc2's ``[d, hidden]``
+    along its input dim, both over ``model`` (the column/row split), so the MLP's hidden
+    activation stays split and only fc2's result is reduced."""
+    g = torch.Generator().manual_seed(0)
+    batch = (torch.randn(8, 128, generator=g), torch.randn(8, 128, generator=g))
+    free = _mlp_step().lower(batch).auto
+    dp = next(c for c in free.candidates if c.name == "dp")
+    limit = dp.peak // 3  # replicated weights (dp) and the weights split on data only do not fit
+    step = _mlp_step(limit)
+    plan = step.lower(batch)
+    report = plan.auto
+    assert plan.memory().peak <= limit
+    mine = report.proposed["auto"]
+    split = r"\(?('data', )?'model'\)?"  # model, alone or after data
+    assert re.fullmatch(rf"P\({split}, None\)", mine["param.fc1.weight"]), mine
+    assert re.fullmatch(rf"P\(None, {split}\)", mine["param.fc2.weight"]), mine
+    assert report.chosen == "auto"  # under the model it beats the tp preset's plan
+    assert report.shardings["param.fc1.weight"] == mine["param.fc1.weight"]
+    torch.manual_seed(0)
+    ref = _MLP()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for _ in range(2):
+        loss = step(batch)
+        ref_opt.zero_grad()
+        ref_loss = F.mse_loss(ref(batch[0]), batch[1])
+        ref_loss.backward()
+        ref_opt.step()
+        torch.testing.assert_close(loss, ref_loss.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_clusters_keep_the_problem_size_as_layers_grow() -> None:
+    """The copies of a layer share one set of variables (``auto.clusters``): an 8-layer step
+    has the variables of a 4-layer one, and its answer still runs like the unsharded step."""
+    from partita.training import init_opt_state, make_train_step
+
+    sizes = []
+    for n in (4, 8):
+        cfg = GPTConfig(n_layer=n, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        step = make_train_step(model, _gpt_loss, "adamw")
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        args = (params, {}, init_opt_state(params, "adamw"), _gpt_batch())
+        jitted = partita.jit(step, mesh=_mesh((8,)), auto=True)
+        report = jitted.lower(*args).auto
+        sizes.append(report.variables)
+    assert sizes[0] == sizes[1] > 0
+    out, ref = jitted(*args), step(*args)
+    leaves = torch.utils._pytree.tree_leaves
+    for got, want in zip(leaves(out), leaves(ref), strict=True):
+        full = got.full() if hasattr(got, "full") else got
+        torch.testing.assert_close(full, want, rtol=1e-4, atol=1e-5)

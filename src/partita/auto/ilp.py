@@ -30,7 +30,7 @@ from partita.auto.space import Space
 from partita.propagate.state import ValueKey
 from partita.values.spec import Sharding
 
-__all__ = ["Model", "Solution", "build_model", "solve"]
+__all__ = ["Edges", "Model", "Solution", "build_model", "solve"]
 
 
 @dataclass
@@ -46,11 +46,28 @@ class Model:
     ub_cols: list[np.ndarray]
     ub_vals: list[np.ndarray]
     ub_rhs: list[float]
-    offsets: np.ndarray
+    offsets: np.ndarray  # per block: where its (shared) x columns start; one past the end last
     n_x: int
     stored: np.ndarray  # per x: per-device bytes of the inputs it stores
     compute: np.ndarray  # per x: modelled compute seconds
     build_seconds: float = 0.0
+    #: per block, the block whose x columns it shares (``auto.clusters``); itself when none
+    rep: list[int] = field(default_factory=list)
+    #: blocks that have columns of their own (the clusters' count)
+    clusters: int = 0
+    #: per block, its number of candidates
+    widths: list[int] = field(default_factory=list)
+    edges: Edges = field(default_factory=lambda: Edges())
+
+
+@dataclass
+class Edges:
+    """The link variables as plain data (the greedy pass prices a choice with them): edge
+    ``k`` is paid when an x column of ``users`` with ``k`` is chosen, at the sum of the
+    prices of ``prices`` with ``k`` whose column is chosen (the producer's)."""
+
+    users: list[tuple[int, int]] = field(default_factory=list)  # (edge, x column)
+    prices: list[tuple[int, int, float]] = field(default_factory=list)  # (edge, column, price)
 
 
 @dataclass
@@ -86,23 +103,34 @@ class _Rows:
         self.rhs.append(rhs)
 
 
-def build_model(space: Space, pricer: Pricer) -> Model:
-    """The arrays of the program (see the module); prices from ``pricer``."""
+def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> Model:
+    """The arrays of the program (see the module); prices from ``pricer``. ``rep[b]``: the
+    block whose x columns block ``b`` shares (``auto.clusters``): its prices are added to
+    those columns, and its edges that repeat another member's share their variables."""
     start = time.perf_counter()
-    sizes = np.array([len(b) for b in space.blocks], dtype=np.int64)
-    offsets = np.concatenate([[0], np.cumsum(sizes)])
-    n_x = int(offsets[-1])
+    nb = len(space.blocks)
+    rep = list(range(nb)) if rep is None else rep
+    offsets = np.zeros(nb + 1, dtype=np.int64)
+    n_x = 0
+    for b, block in enumerate(space.blocks):
+        if rep[b] == b:
+            offsets[b] = n_x
+            n_x += len(block)
+        else:
+            offsets[b] = offsets[rep[b]]
+    offsets[nb] = n_x
     cost = np.zeros(n_x)
     compute = np.zeros(n_x)
     stored = np.zeros(n_x)
     eq, ub = _Rows(), _Rows()
     for b, block in enumerate(space.blocks):
         lo = offsets[b]
-        eq.add(np.arange(lo, lo + len(block)), np.ones(len(block)), 1.0)
+        if rep[b] == b:
+            eq.add(np.arange(lo, lo + len(block)), np.ones(len(block)), 1.0)
         if block.op is not None:
             prices, comp = pricer.op(block.node, block.op.rule, block.assigns, block.local_bytes)
-            cost[lo : lo + len(block)] = prices
-            compute[lo : lo + len(block)] = comp
+            cost[lo : lo + len(block)] += prices
+            compute[lo : lo + len(block)] += comp
         for f in block.followers:
             prices, comp = pricer.op(f.op.node, f.op.rule, f.assigns, f.local_bytes)
             shape, dtype = space.shapes[f.value], space.dtypes[f.value]
@@ -114,12 +142,18 @@ def build_model(space: Space, pricer: Pricer) -> Model:
             cost[lo : lo + len(block)] += np.array(prices) + np.array(moves)
             compute[lo : lo + len(block)] += comp
         else:
-            for i, res in enumerate(block.results):
-                stored[lo + i] = sum(
-                    pricer.local_bytes(s, space.shapes[k], space.dtypes[k]) for k, s in res.items()
-                )
+            mine = np.array(
+                [
+                    sum(
+                        pricer.local_bytes(s, space.shapes[k], space.dtypes[k])
+                        for k, s in res.items()
+                    )
+                    for res in block.results
+                ]
+            )
+            stored[lo : lo + len(block)] += mine
             # ties: of two equal plans, the one storing fewer bytes per device
-            cost[lo : lo + len(block)] += stored[lo : lo + len(block)] * pricer.per_stored_byte
+            cost[lo : lo + len(block)] += mine * pricer.per_stored_byte
     for key in space.outputs:  # a partial result is reduced before it is returned
         b = space.producer[key]
         lo = offsets[b]
@@ -144,6 +178,11 @@ def build_model(space: Space, pricer: Pricer) -> Model:
         for need, cols in by_need.items():
             slot.setdefault(need, []).append((use.block, cols))
     n = n_x
+    # an edge that repeats one already built (the same columns, the same prices): its e
+    # variables, whose prices it adds to
+    built: dict[tuple[Any, ...], dict[float, int]] = {}
+    edge_of: dict[tuple[Any, ...], int] = {}
+    edges = Edges()
     for key, wanted in needed.items():
         p = space.producer[key]
         lo = int(offsets[p])
@@ -166,6 +205,21 @@ def build_model(space: Space, pricer: Pricer) -> Model:
             for sg, xcols in gives.items():
                 classes.setdefault(round(price[sg], 9), []).extend(xcols)
             free = classes.pop(0.0, [])
+            sig = (
+                tuple(sorted((p_, tuple(sorted(c))) for p_, c in classes.items())),
+                tuple(sorted(free)),
+                tuple(sorted({tuple(cols) for _, cols in users})),
+            )
+            again = built.get(sig)
+            if again is not None:
+                for p_, xcols in classes.items():
+                    extra[again[p_] - n_x] += p_
+                    edges.prices.extend((edge_of[sig], c, p_) for c in xcols)
+                continue
+            edge_of[sig] = len(edge_of)
+            edges.users.extend({(edge_of[sig], c) for _, cols in users for c in cols})
+            for p_, xcols in classes.items():
+                edges.prices.extend((edge_of[sig], c, p_) for c in xcols)
             y = n
             n += 1
             extra.append(0.0)
@@ -178,6 +232,7 @@ def build_model(space: Space, pricer: Pricer) -> Model:
                 extra.append(p_)
                 e_cols.append(e)
                 ub.add(np.array([e, *xcols]), np.array([1.0] + [-1.0] * len(xcols)), 0.0)
+            built[sig] = dict(zip(classes, e_cols, strict=True))
             # y <= sum e + x of the free producer candidates: a needed copy is paid for
             ub.add(
                 np.array([y, *e_cols, *free]),
@@ -187,7 +242,8 @@ def build_model(space: Space, pricer: Pricer) -> Model:
     cost = np.concatenate([cost, np.array(extra)])
     return Model(
         cost, eq.rows, eq.cols, eq.vals, eq.rhs, ub.rows, ub.cols, ub.vals, ub.rhs,
-        offsets, n_x, stored, compute, time.perf_counter() - start,
+        offsets, n_x, stored, compute, time.perf_counter() - start, rep,
+        sum(1 for b in range(nb) if rep[b] == b), [len(b) for b in space.blocks], edges,
     )  # fmt: skip
 
 
@@ -271,12 +327,41 @@ def solve(
         )  # fmt: skip
     bound = float(getattr(res, "mip_dual_bound", lp.fun) or lp.fun)
     gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
+    choice, fun, solver = _decode(model, res.x), float(res.fun), "highs-milp"
+    if gap > 0.01:  # stopped by the time limit: the rounded LP may be a better plan
+        rounded = _decode(model, lp.x)
+        priced = _price(model, rounded, a_eq, b_eq, a_ub, b_ub) if rounded != choice else None
+        if priced is not None and priced < fun:
+            choice, fun, solver = rounded, priced, "highs-milp+rounded-lp"
+            gap = (fun - bound) / max(abs(fun), 1e-12)
     return Solution(
-        _decode(model, res.x), float(res.fun), bound, gap, False, "highs-milp", n, rows,
+        choice, fun, bound, gap, False, solver, n, rows,
         model.build_seconds, time.perf_counter() - start, status=str(res.message),
     )  # fmt: skip
 
 
+def _price(
+    model: Model, choice: list[int], a_eq: Any, b_eq: np.ndarray, a_ub: Any, b_ub: np.ndarray
+) -> float | None:
+    """The objective of ``choice`` (its copy and edge variables at their cheapest), or None
+    when it breaks a row (a memory budget)."""
+    from scipy.optimize import linprog  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+    lo = np.zeros(len(model.cost))
+    hi = np.ones(len(model.cost))
+    hi[: model.n_x] = 0.0
+    for b, i in enumerate(choice):
+        if model.rep[b] == b and model.widths[b]:
+            lo[model.offsets[b] + i] = hi[model.offsets[b] + i] = 1.0
+    res = linprog(
+        model.cost, A_ub=a_ub, b_ub=b_ub if a_ub is not None else None, A_eq=a_eq, b_eq=b_eq,
+        bounds=np.stack([lo, hi], axis=1), method="highs",
+    )  # fmt: skip
+    return float(res.fun) if res.status == 0 else None
+
+
 def _decode(model: Model, x: np.ndarray) -> list[int]:
     offs = model.offsets
-    return [int(np.argmax(x[offs[b] : offs[b + 1]])) for b in range(len(offs) - 1)]
+    return [
+        int(np.argmax(x[offs[b] : offs[b] + w])) if w else 0 for b, w in enumerate(model.widths)
+    ]

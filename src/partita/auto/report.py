@@ -41,13 +41,18 @@ class AutoReport:
         chosen: the name of the winning candidate (``"auto"`` or a preset).
         shardings: ``{input name: PartitionSpec text}`` of the winner's inputs.
         candidates: every candidate scored (the winner among them).
-        solver: ``"highs-lp"`` (LP relaxation integral), ``"highs-milp"``, or ``"none"`` (no
-            scipy: the best preset was taken); ``variables`` / ``rows``: the problem's size;
+        solver: ``"highs-lp"`` (LP relaxation integral), ``"highs-milp"``,
+            ``"highs-milp+rounded-lp"`` (the MILP stopped at its time limit and the rounded
+            LP relaxation priced lower), ``"greedy"`` (no scipy: a greedy pass, no bound), a
+            ``"+greedy"`` suffix (a MILP answer far from its bound polished by that pass);
+            ``variables`` / ``rows``: the problem's size;
             ``build_seconds`` / ``solve_seconds``: the time to build and solve it; ``bound``
             and ``gap``: the solver's lower bound and relative gap (0 when the LP is integral);
             ``rounds``: solves run (more than one when the memory check lowered the budget).
         memory_limit: the per-device limit in bytes (None: no limit).
         notes: anything worth knowing (the solver missing, a budget lowered).
+        proposed: per solver round (``"auto"``, ``"auto-2"``...), the open inputs'
+            shardings it proposed, ``{input name: PartitionSpec text}``, kept or not.
     """
 
     objective: str
@@ -67,6 +72,7 @@ class AutoReport:
     rounds: int = 0
     memory_limit: int | None = None
     notes: list[str] = field(default_factory=list)
+    proposed: dict[str, dict[str, str]] = field(default_factory=dict)
     #: the winner's per-op shardings, written into a propagated program before it is
     #: partitioned (None when a preset won): a front end that compiles the chosen specs
     #: again passes it to the pipeline so the same program results

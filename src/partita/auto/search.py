@@ -20,7 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from partita.auto.clusters import cluster_blocks
 from partita.auto.costs import Pricer
+from partita.auto.greedy import descend, greedy_solve
 from partita.auto.ilp import Solution, build_model, solve
 from partita.auto.realize import write_solution
 from partita.auto.report import AutoReport, Scored
@@ -37,6 +39,9 @@ Specs = list[PartitionSpec | None]
 
 #: Rounds of solve -> compile -> Plan.memory() when the solver's plan is over the limit.
 MEMORY_ROUNDS = 3
+
+#: A MILP answer whose relative gap is above this is polished by the greedy pass.
+POLISH_GAP = 0.01
 
 
 def have_solver() -> bool:
@@ -125,7 +130,7 @@ class _Solver:
         self.pricer = Pricer(
             mesh, get_profile(problem.hardware), problem.objective, problem.bucket_bytes
         )
-        self.model = build_model(self.space, self.pricer)
+        self.model = build_model(self.space, self.pricer, cluster_blocks(self.space))
         # the build is everything from the traced program to the matrices
         self.model.build_seconds = time.perf_counter() - start
 
@@ -152,18 +157,18 @@ def choose(problem: AutoProblem) -> tuple[Any, AutoReport]:
         compiled[name] = problem.compile(specs)
         report.candidates.append(_score(name, compiled[name], problem))
     rewrites: dict[str, Callable[[Any], None]] = {}
-    if have_solver():
-        _solve_rounds(problem, report, compiled, rewrites)
-    else:
+    if not have_solver():
         report.notes.append(
-            "scipy is not installed (pip install 'partita[auto]'): the best preset was taken "
-            "without solving"
+            "scipy is not installed (pip install 'partita[auto]'): a greedy pass chose the "
+            "plan, with no optimality bound"
         )
         warn(
-            "partita auto-sharding: scipy is not installed, so the best preset is used "
-            "instead of the solver's optimum. Install it with pip install 'partita[auto]'.",
+            "partita auto-sharding: scipy is not installed, so a greedy pass (a local "
+            "optimum, scored beside the presets) replaces the solver's optimum. Install it "
+            "with pip install 'partita[auto]'.",
             AutoShardingWarning,
         )
+    _solve_rounds(problem, report, compiled, rewrites)
     fitting = [c for c in report.candidates if c.fits]
     if not fitting:
         smallest = min(report.candidates, key=lambda c: c.peak)
@@ -205,11 +210,22 @@ def _solve_rounds(
             compute_bound = unsplit * (best.compute / full) * 1.02
     budget: float | None = float(problem.memory_limit) if problem.memory_limit else None
     seen: set[tuple[Any, ...]] = set()
+    run = solve if have_solver() else greedy_solve
     for round_ in range(MEMORY_ROUNDS):
-        sol = solve(model, memory=budget, compute=compute_bound, time_limit=problem.time_limit)
+        sol = run(model, memory=budget, compute=compute_bound, time_limit=problem.time_limit)
         if not sol.choice and compute_bound is not None:
             compute_bound = None
-            sol = solve(model, memory=budget, time_limit=problem.time_limit)
+            sol = run(model, memory=budget, time_limit=problem.time_limit)
+        if sol.choice and sol.gap > POLISH_GAP and sol.solver != "greedy":
+            # stopped far from the bound: descend from its answer and from all-replicated
+            start = time.perf_counter()
+            for first in (sol.choice, [0] * len(sol.choice)):
+                found, objective = descend(model, first, budget, problem.time_limit / 6)
+                if objective < sol.objective:
+                    sol.choice, sol.objective = found, objective
+                    sol.solver = sol.solver.removesuffix("+greedy") + "+greedy"
+                    sol.gap = (objective - sol.bound) / max(abs(objective), 1e-12)
+            sol.solve_seconds += time.perf_counter() - start
         report.rounds = round_ + 1
         report.solver, report.variables, report.rows = sol.solver, sol.variables, sol.rows
         report.build_seconds = sol.build_seconds
@@ -225,6 +241,11 @@ def _solve_rounds(
             return
         seen.add(key)
         name = "auto" if round_ == 0 else f"auto-{round_ + 1}"
+        report.proposed[name] = {
+            problem.names.get(leaf, f"input {leaf}"): str(specs[leaf])
+            for leaf in sorted(problem.open_leaves)
+            if specs[leaf] is not None
+        }
         space, choice = solver.space, sol.choice
 
         def rewrite(gm: Any, space: Any = space, choice: list[int] = choice) -> None:
@@ -255,7 +276,7 @@ def _unsplit_compute(solver: _Solver) -> float:
     m = solver.model
     total = 0.0
     for b in range(len(solver.space.blocks)):
-        lo, hi = m.offsets[b], m.offsets[b + 1]
-        if hi > lo:
+        lo, hi = m.offsets[b], m.offsets[b] + m.widths[b]
+        if hi > lo and m.rep[b] == b:
             total += float(m.compute[lo:hi].max())
     return total

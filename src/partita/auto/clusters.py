@@ -1,0 +1,100 @@
+"""Layer clusters: the blocks of identical layer copies share one set of variables.
+
+A captured program inlines a model's repeated layers, so a 48-layer GPT has 48 copies of each
+layer's ops (forward, backward and optimizer update), and the integer program 48 copies of each
+one-hot group. No tag survives capture that names a node's layer copy, so the copies are found
+by structure: every block gets a label from what it is (an op's target, its source line, its
+result shapes and dtypes; an input's shape, dtype and group size) and is relabelled
+``ROUNDS`` times with the labels of its neighbours (the producers of its operands, in operand
+order, and the multiset of its users) -- Weisfeiler-Lehman refinement. After the rounds, two
+blocks with one label look the same from ``ROUNDS`` hops around: in the middle layers, the same
+op of two copies; the ops near the first and last layer, whose neighbourhoods differ, keep
+labels of their own. Blocks with one label and the same candidate list (the same assignments
+and result shardings, in the same order) form a cluster that shares its variables.
+
+Sharing is Alpa's layer clustering: every copy takes the same choice, so the program is exact
+on the plans whose copies agree and cannot express the others. :func:`partita.auto.ilp.build_model`
+adds each member's prices to the shared columns (the price of the cluster is the count times
+one copy's) and keeps every edge between values exact; edges that repeat between the same
+clusters with the same prices share their variables too.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+
+from partita.auto.space import Block, Space
+from partita.ir import node_meta
+
+__all__ = ["ROUNDS", "cluster_blocks"]
+
+#: Refinement rounds: how far around a block two copies must look the same.
+ROUNDS = 2
+
+
+def _shapes(val: Any) -> tuple[Any, ...]:
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    return tuple(
+        (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else type(v).__name__
+        for v in vals
+    )
+
+
+def _start(block: Block) -> tuple[Any, ...]:
+    node = block.node
+    if block.op is None:
+        return ("input", _shapes(node.meta.get("val")), len(block.inputs), len(block))
+    return (
+        "op",
+        str(node.target),
+        node_meta.source(node) or "",
+        _shapes(node.meta.get("val")),
+        len(block.followers),
+        len(block),
+    )
+
+
+def _candidates(space: Space, block: Block) -> tuple[Any, ...]:
+    """The block's candidate list with the value keys taken out (what must agree to share)."""
+    res = tuple(
+        tuple(sorted(str(s) for s in r.values())) for r in block.results
+    )  # a value's key differs per copy, its shardings must not
+    assigns = tuple(tuple(sorted(a.items())) for a in block.assigns)
+    return (assigns, res)
+
+
+def cluster_blocks(space: Space, rounds: int = ROUNDS) -> list[int]:
+    """Per block, the block whose variables it uses (itself when it shares with no earlier
+    block); see the module."""
+    n = len(space.blocks)
+    operands: list[list[int]] = [[] for _ in range(n)]
+    users: list[list[int]] = [[] for _ in range(n)]
+    for use in space.uses:
+        p = space.producer.get(use.value)
+        if p is None:
+            continue
+        operands[use.block].append(p)
+        users[p].append(use.block)
+    ids: dict[Any, int] = {}
+    label = [ids.setdefault(_start(b), len(ids)) for b in space.blocks]
+    for _ in range(rounds):
+        ids = {}
+        label = [
+            ids.setdefault(
+                (
+                    label[b],
+                    tuple(label[p] for p in operands[b]),
+                    tuple(sorted(Counter(label[u] for u in users[b]).items())),
+                ),
+                len(ids),
+            )
+            for b in range(n)
+        ]
+    first: dict[tuple[int, tuple[Any, ...]], int] = {}
+    return [
+        first.setdefault((label[b], _candidates(space, block)), b)
+        for b, block in enumerate(space.blocks)
+    ]
