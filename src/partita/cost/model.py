@@ -211,23 +211,23 @@ PROFILES: dict[str, Hardware] = {
     # processes on 127.0.0.1 sharing 2 cores (what the distributed tests and benches run).
     "cpu-gloo": Hardware(
         name="cpu-gloo",
-        peak_flops=3.28e10,
-        memory_bandwidth=3.38e9,
+        peak_flops=5.31e10,
+        memory_bandwidth=7.56e9,
         memory=24 * 2**30,
         devices_per_host=4,
-        intra_host=Link(bandwidth=2.9e8, latency=208e-6),
-        inter_host=Link(bandwidth=2.9e8, latency=208e-6),
-        launch=131e-6,
-        source="fitted by bench/bench_collectives.py on a 2-core x86-64 machine shared with "
-        "other jobs (load average 12.7), 4 processes computing and communicating at once "
-        "(GPT-S matmul and elementwise sizes)",
+        intra_host=Link(bandwidth=9.1e8, latency=314e-6),
+        inter_host=Link(bandwidth=9.1e8, latency=314e-6),
+        launch=3.85e-6,
+        source="fitted by bench/bench_collectives.py on a 2-core x86-64 machine (load average "
+        "4.5 falling), 4 processes computing and communicating at once (GPT-S matmul and "
+        "elementwise sizes)",
         collective_scale={
-            "all_gather": 1.7,
-            "all_reduce": 0.94,
-            "reduce_scatter": 2.54,
-            "all_to_all": 1.37,
+            "all_gather": 1.38,
+            "all_reduce": 1.39,
+            "reduce_scatter": 3.29,
+            "all_to_all": 0.72,
         },
-        call_overhead=14e-3,
+        call_overhead=2.71e-3,
     ),
     # An 8-GPU H100 SXM host (DGX H100 / HGX H100): 989 TFLOP/s dense BF16 and 3.35 TB/s HBM3
     # per GPU (NVIDIA H100 datasheet), 80 GB; NVLink 4 at 900 GB/s per GPU both ways together,
