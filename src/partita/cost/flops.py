@@ -19,7 +19,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["node_bytes", "node_flops"]
+__all__ = ["is_view", "node_bytes", "node_flops", "value_bytes"]
 
 
 def _val(x: Any, vals: Mapping[fx.Node, Any] | None = None) -> Any:
@@ -37,7 +37,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return math.prod(t.shape) * t.element_size()
 
 
-def _is_view(node: fx.Node) -> bool:
+def value_bytes(val: Any) -> int:
+    """Bytes of a value: a tensor, or a list/tuple of them (nested); 0 for anything else."""
+    if isinstance(val, torch.Tensor):
+        return _nbytes(val)
+    if isinstance(val, (list, tuple)):
+        return sum(value_bytes(v) for v in val)
+    return 0
+
+
+def is_view(node: fx.Node) -> bool:
+    """Whether ``node``'s result shares its first input's storage (a view or a getitem)."""
     if node.target is operator.getitem:
         return True
     schema = getattr(node.target, "_schema", None)
@@ -48,7 +58,7 @@ def _is_view(node: fx.Node) -> bool:
 
 
 def _computes(node: fx.Node) -> bool:
-    if node.op != "call_function" or _is_view(node):
+    if node.op != "call_function" or is_view(node):
         return False
     namespace = getattr(node.target, "namespace", "")
     return namespace != "partita"

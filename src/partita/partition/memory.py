@@ -18,8 +18,6 @@ constant amount. ``Plan.memory()`` calls this lazily; nothing here runs a progra
 
 from __future__ import annotations
 
-import math
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +27,9 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
-__all__ = ["MemoryEstimate", "estimate_memory", "fake_values", "is_view"]
+from partita.cost.flops import is_view, value_bytes
+
+__all__ = ["MemoryEstimate", "estimate_memory", "fake_values"]
 
 aten = torch.ops.aten
 _GATHERS = {torch.ops.partita.all_gather.default, torch.ops.partita.all_gather_bucket.default}
@@ -60,25 +60,6 @@ class MemoryEstimate:
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.at_peak.items())
         return f"peak {self.peak / 2**20:.2f} MiB per device after %{self.peak_node} ({parts})"
-
-
-def _nbytes(val: Any) -> int:
-    if isinstance(val, torch.Tensor):
-        return math.prod(val.shape) * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
-
-
-def is_view(node: fx.Node) -> bool:
-    """Whether ``node``'s result shares its first input's storage (a view or a getitem)."""
-    if node.target is operator.getitem:
-        return True
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
 
 
 def fake_values(gm: fx.GraphModule, local_inputs: Sequence[Any]) -> dict[fx.Node, Any]:
@@ -131,14 +112,14 @@ def estimate_memory(
         else:
             kind[n] = "other"
     # the arguments are the caller's, live from the start of the step to its end
-    inputs = sum(_nbytes(vals.get(n)) for n in nodes if n.op == "placeholder")
+    inputs = sum(value_bytes(vals.get(n)) for n in nodes if n.op == "placeholder")
     live = {"inputs": inputs, "gathered": 0, "other": 0}
     frees: dict[int, list[fx.Node]] = {}
     best = MemoryEstimate(0)
     timeline = []
     for n in nodes:
         if root[n] is n and n.op not in ("output", "placeholder"):
-            live[kind[n]] += _nbytes(vals.get(n))
+            live[kind[n]] += value_bytes(vals.get(n))
             frees.setdefault(last.get(n, pos[n]), []).append(n)
         total = sum(live.values())
         if n.op != "output":
@@ -147,10 +128,10 @@ def estimate_memory(
             best = MemoryEstimate(total, dict(live), n.name, live["inputs"])
         for dead in frees.pop(pos[n], []):
             if not _is_output(dead, nodes[-1]):
-                live[kind[dead]] -= _nbytes(vals.get(dead))
+                live[kind[dead]] -= value_bytes(vals.get(dead))
     at = pos.get(next((m for m in nodes if m.name == best.peak_node), nodes[0]), 0)
     held = [  # live as the peak node runs: the inputs, and made by then, read then or later
-        (m.name, kind[m], _nbytes(vals.get(m)))
+        (m.name, kind[m], value_bytes(vals.get(m)))
         for m in nodes
         if m.op == "placeholder"
         or (

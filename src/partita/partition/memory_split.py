@@ -33,7 +33,6 @@ activations it keeps are what the walk finds live.
 
 from __future__ import annotations
 
-import math
 import operator
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -42,7 +41,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from partita.partition.memory import is_view
+from partita.cost.flops import is_view, value_bytes
 
 __all__ = ["MemoryBreakdown", "analytic_state", "gradient_nodes", "input_roles", "memory_breakdown"]
 
@@ -98,14 +97,6 @@ class MemoryBreakdown:
             f"state: parameters {self.parameters / mib:.2f} MiB, gradients "
             f"{self.gradients / mib:.2f} MiB, optimizer {self.optimizer / mib:.2f} MiB"
         )
-
-
-def _nbytes(val: Any) -> int:
-    if isinstance(val, torch.Tensor):
-        return math.prod(val.shape) * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
 
 
 def input_roles(input_names: Mapping[str, str]) -> dict[str, str]:
@@ -255,7 +246,7 @@ def memory_breakdown(plan: Any) -> MemoryBreakdown:
     peak, peak_node, at_peak = 0, "", dict(live)
     for n in nodes:
         if root[n] is n and n.op != "output":
-            live[role[n]] += _nbytes(vals.get(n))
+            live[role[n]] += value_bytes(vals.get(n))
             if n.op != "placeholder":
                 frees.setdefault(last.get(n, pos[n]), []).append(n)
         total = sum(live.values())
@@ -263,14 +254,14 @@ def memory_breakdown(plan: Any) -> MemoryBreakdown:
             peak, peak_node, at_peak = total, n.name, dict(live)
         for dead in frees.pop(pos[n], []):
             if output not in dead.users:
-                live[role[dead]] -= _nbytes(vals.get(dead))
-    held = {r: sum(_nbytes(vals.get(n)) for n, x in roles.items() if x == r) for r in ROLES}
+                live[role[dead]] -= value_bytes(vals.get(dead))
+    held = {r: sum(value_bytes(vals.get(n)) for n, x in roles.items() if x == r) for r in ROLES}
     return MemoryBreakdown(
         peak=peak,
         peak_node=peak_node,
         at_peak=at_peak,
         parameters=held["parameters"],
-        gradients=sum(_nbytes(vals.get(n)) for n in finals),
+        gradients=sum(value_bytes(vals.get(n)) for n in finals),
         optimizer=held["optimizer"],
     )
 

@@ -39,9 +39,9 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
+from partita.cost.flops import is_view
 from partita.ir import node_meta
 from partita.ir.collectives import COLLECTIVE_OPS
-from partita.partition.memory import is_view
 from partita.partition.plan import CollectiveRecord, Plan
 
 __all__ = ["regather"]

@@ -29,12 +29,12 @@ import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from torch import Tensor, fx
+from torch import fx
 from torch.autograd.profiler import record_function
 
+from partita.cost.flops import is_view, value_bytes
 from partita.ir import node_meta
 from partita.partition.bucket import reorder
-from partita.partition.memory import is_view
 from partita.runtime import ranges
 
 __all__ = ["DEFAULT_OVERLAP_BYTES", "first_run", "run_measuring", "schedule_overlap"]
@@ -199,20 +199,12 @@ def run_measuring(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[Any, dict[st
     class _Measure(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
-            sizes[n.name] = _nbytes(out)
+            sizes[n.name] = value_bytes(out)
             return out
 
     interpreter = _Measure(gm)
     interpreter.extra_traceback = False  # a failing collective's message stays as it is
     return interpreter.run(*args), sizes
-
-
-def _nbytes(val: Any) -> int:
-    if isinstance(val, Tensor):
-        return val.numel() * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(_nbytes(v) for v in val)
-    return 0
 
 
 def _first_use(node: fx.Node, pos: dict[fx.Node, float]) -> float:
