@@ -108,6 +108,11 @@ class Plan:
     #: how auto-sharding chose this plan (``partita.auto.AutoReport``; None without auto)
     auto: Any = field(default=None, repr=False, compare=False)
     _values: Any = field(default=None, repr=False, compare=False)
+    #: the Plan of each control-flow body, by its name in the per-device program (its
+    #: collectives run once per iteration or branch taken; ``partition.control_flow``)
+    bodies: dict[str, Plan] = field(default_factory=dict)
+    #: decisions about control flow, in words: a replicated carry, a reduced predicate
+    control_flow: list[str] = field(default_factory=list)
 
     def _local_values(self) -> Any:
         """Fake values of the per-device program (shapes only), computed once."""
@@ -130,12 +135,6 @@ class Plan:
         from partita.partition.estimate import estimate_step
 
         return estimate_step(self, hardware, self._local_values())
-
-    #: the Plan of each control-flow body, by its name in the per-device program (its
-    #: collectives run once per iteration or branch taken; ``partition.control_flow``)
-    bodies: dict[str, Plan] = field(default_factory=dict)
-    #: decisions about control flow, in words: a replicated carry, a reduced predicate
-    control_flow: list[str] = field(default_factory=list)
 
     def memory(self) -> Any:
         """Per-device peak memory of one run, estimated from the per-device program (a
