@@ -6,6 +6,7 @@ compiles once under ``jit`` and ``train_step`` and trains under every preset equ
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
@@ -72,22 +73,35 @@ def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-def _assert_trains_like_torch_optim(model: nn.Module, plan: str) -> None:
+def train_like_torch_optim(
+    model: nn.Module,
+    plan: Any,
+    *,
+    loss_fn: Any = F.mse_loss,
+    batches: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    batch_spec: Any = None,
+) -> Any:
+    """Train ``model`` under ``plan`` beside a copy under ``torch.optim.AdamW``: the losses
+    and the parameters agree (1e-5). Returns the step."""
     ref = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    step = train_step(model, F.mse_loss, opt, mesh=MESH, param_specs=plan)
-    for x, y in _batches():
+    step = train_step(model, loss_fn, opt, mesh=MESH, param_specs=plan, batch_spec=batch_spec)
+    for x, y in _batches() if batches is None else batches:
         got = step((x, y))
         ref_opt.zero_grad()
-        loss = F.mse_loss(ref(x), y)
+        loss = loss_fn(ref(x), y)
         loss.backward()
         ref_opt.step()
         torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-5)
     full = step.full_parameters()
     for name, value in ref.named_parameters():
         torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-5, msg=name)
-    assert step.stats.signatures == 1
+    return step
+
+
+def _assert_trains_like_torch_optim(model: nn.Module, plan: str) -> None:
+    assert train_like_torch_optim(model, plan).stats.signatures == 1
 
 
 @pytest.mark.parametrize(

@@ -23,6 +23,8 @@ from partita.models.moe import GShardMoE, capacity, expert_report
 from partita.presets import StandardPreset, param_specs
 from partita.training import train_step
 
+from test_moe_dispatch import train_like_torch_optim  # isort: skip
+
 MESH = Mesh.create((2, 4), ("data", "model"))
 TOKENS = P(("data", "model"))  # GShard: the groups over every device
 D, H, E = 16, 32, 8
@@ -56,20 +58,9 @@ def _batches(n: int = 3) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _train(model: nn.Module, plan: Any) -> Any:
-    ref = copy.deepcopy(model)
-    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref))
-    step = train_step(model, loss_fn, opt, mesh=MESH, param_specs=plan, batch_spec=TOKENS)
-    for x, y in _batches():
-        got = step((x, y))
-        ref_opt.zero_grad()
-        loss = loss_fn(ref(x), y)
-        loss.backward()
-        ref_opt.step()
-        torch.testing.assert_close(got, loss.detach(), rtol=1e-5, atol=1e-5)
-    full = step.full_parameters()
-    for name, value in ref.named_parameters():
-        torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-5, msg=name)
-    return step
+    return train_like_torch_optim(
+        model, plan, loss_fn=loss_fn, batches=_batches(), batch_spec=TOKENS
+    )
 
 
 def test_ep_presets_split_whole_experts() -> None:
