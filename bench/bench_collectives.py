@@ -160,11 +160,94 @@ def _call_overhead(repeat: int, calls: int = 20) -> float:
     return max(0.0, with_calls - without - tiny) / calls
 
 
-def worker(repeat: int) -> None:
+#: (kind, reported bytes) of the collectives the overlap fit launches beside compute: the
+#: sizes of GPT-S's FSDP buckets (one layer's parameters, ~3.5 MiB) and a smaller one.
+OVERLAP_CALLS = [
+    (kind, size)
+    for size in (4 << 20, 1 << 20)
+    for kind in ("all_gather", "reduce_scatter", "all_reduce")
+]
+
+
+def _async(kind: str, nbytes: int, n: int):
+    """Launch ``kind`` of ``nbytes`` with ``async_op=True``; returns its work handle."""
+    numel = nbytes // 4
+    if kind == "all_gather":
+        out, x = torch.empty(numel), torch.ones(numel // n)
+        return lambda: dist.all_gather_into_tensor(out, x, async_op=True)
+    if kind == "reduce_scatter":
+        x, out = torch.ones(numel), torch.empty(numel // n)
+        return lambda: dist.reduce_scatter_tensor(out, x, async_op=True)
+    x = torch.ones(numel)
+    return lambda: dist.all_reduce(x, async_op=True)
+
+
+def _overlap_efficiency(repeat: int, n: int) -> list[tuple[str, int, float, float, float]]:
+    """``(kind, bytes, compute, synchronous, overlapped)`` seconds for each of
+    :data:`OVERLAP_CALLS`: GPT-S matmuls alone, then followed by the collective (as a step
+    without overlap runs it), then with the collective launched before them and waited for
+    after (as the runtime's overlap schedule runs it), all processes at once. The fraction of
+    the collective's time hidden is ``(synchronous - overlapped) / min(compute, synchronous -
+    compute)`` (:func:`efficiency`)."""
+    mms = _gpt_matmuls()
+
+    def compute() -> None:
+        for fn, _ in mms:
+            fn()  # type: ignore[operator]
+
+    out = []
+    for kind, nbytes in OVERLAP_CALLS:
+        call, launch = _collective(kind, nbytes, n), _async(kind, nbytes, n)
+
+        def sync(call=call) -> None:
+            compute()
+            call()
+
+        def overlapped(launch=launch) -> None:
+            work = launch()
+            compute()
+            work.wait()
+
+        sync()
+        overlapped()
+        c, t_sync, t_ov = _interleaved([compute, sync, overlapped], repeat)
+        out.append((kind, nbytes, c, t_sync, t_ov))
+    return out
+
+
+def _interleaved(fns: list, repeat: int) -> list[float]:
+    """The median time of each of ``fns`` over ``repeat`` rounds that run each once, in turn
+    (max over ranks): a change of the machine's load hits all of them alike."""
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeat):
+        for fn, ts in zip(fns, times, strict=True):
+            dist.barrier()
+            t = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t)
+    worst = torch.tensor([statistics.median(ts) for ts in times], dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return worst.tolist()
+
+
+def efficiency(rows: list[tuple[str, int, float, float, float]]) -> float:
+    """The median over ``rows`` of the hidden fraction (:func:`_overlap_efficiency`), in
+    [0, 1]: ``overlap_efficiency`` of the profile."""
+    fractions = [(sync - ov) / max(min(c, sync - c), 1e-9) for _, _, c, sync, ov in rows]
+    return min(1.0, max(0.0, float(np.median(fractions))))
+
+
+def worker(repeat: int, overlap_only: bool = False) -> None:
     from partita import distributed as pd
 
     pd.initialize()
     n = dist.get_world_size()
+    if overlap_only:
+        ov = _overlap_efficiency(repeat, n)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps({"n": n, "overlap": ov}))
+        dist.destroy_process_group()
+        return
     rows = []
     for kind in TIMED:
         for size in SIZES:
@@ -179,10 +262,11 @@ def worker(repeat: int) -> None:
     tiny = torch.ones(4)
     launch = _concurrent([(lambda: tiny.add(1.0), 0.0)] * 1000, repeat)[1] / 1000
     call = _call_overhead(repeat)
+    ov = _overlap_efficiency(repeat, n)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({
             "n": n, "rows": rows, "flops": mm_flops / mm_time,
-            "bandwidth": ew_bytes / ew_time, "launch": launch, "call": call,
+            "bandwidth": ew_bytes / ew_time, "launch": launch, "call": call, "overlap": ov,
         }))  # fmt: skip
     dist.destroy_process_group()
 
@@ -211,10 +295,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--world", type=int, default=4)
+    parser.add_argument(
+        "--overlap-only", action="store_true", help="fit overlap_efficiency alone (faster)"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
-        worker(ns.repeat)
+        worker(ns.repeat, ns.overlap_only)
         return
     from partita.runtime.launch import spawn
 
@@ -223,12 +310,23 @@ def main() -> None:
     print(f"# {ns.world} Gloo processes, OMP_NUM_THREADS=1, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, load average {one:.2f} {five:.2f}")  # fmt: skip
     argv = [__file__, "--worker", "--repeat", str(ns.repeat)]
+    argv += ["--overlap-only"] if ns.overlap_only else []
     results = spawn(argv, ns.world, env={"OMP_NUM_THREADS": "1"}, timeout=600)
     lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
     if any(r.returncode for r in results) or not lines:
         bad = next((r for r in results if r.returncode), results[0])
         sys.exit(f"a worker failed (rank {bad.rank}): {bad.stderr.strip()[-500:]}")
     r = json.loads(lines[-1].removeprefix("RESULT "))
+    print(f"{'beside compute':<15} {'bytes':>9} {'compute':>10} {'then call':>10} "
+          f"{'overlapped':>10} {'hidden':>6}")  # fmt: skip
+    for kind, size, c, sync, ov in r["overlap"]:
+        hidden = (sync - ov) / max(min(c, sync - c), 1e-9)
+        print(f"{kind:<15} {size:>9} {c * 1e3:8.2f}ms {sync * 1e3:8.2f}ms {ov * 1e3:8.2f}ms "
+              f"{hidden:6.2f}")  # fmt: skip
+    eta = efficiency([tuple(x) for x in r["overlap"]])
+    print(f"overlap_efficiency (median hidden fraction, in [0, 1]): {eta:.2f}")
+    if ns.overlap_only:
+        return
     rows = [tuple(x) for x in r["rows"]]
     latency, bandwidth, scale = fit(rows, r["n"])
     print(f"{'collective':<15} {'bytes':>9} {'measured':>10} {'model':>10} {'ratio':>6}")
@@ -247,6 +345,7 @@ def main() -> None:
     print(f"    intra_host=Link(bandwidth={bandwidth:.3g}, latency={latency:.3g}),")
     print(f"    launch={r['launch']:.3g}, call_overhead={r['call']:.3g},")
     print(f"    collective_scale={ {k: round(v, 2) for k, v in scale.items()} },")
+    print(f"    overlap_efficiency={eta:.2f},")
 
 
 if __name__ == "__main__":

@@ -85,6 +85,10 @@ class Hardware:
         call_overhead: seconds each collective call waits for its group to meet when it
             interrupts compute: on a CPU with more processes than cores, the peers' turn on a
             core (0 where every device has its own processor).
+        overlap_efficiency: the fraction of a collective's time that compute running beside
+            it hides (1: all of it, as when the collective has its own engine; less on a CPU
+            whose cores the collective's threads share with the compute). The step estimate
+            (``partition.estimate``) charges the rest.
     """
 
     name: str
@@ -98,6 +102,7 @@ class Hardware:
     source: str = ""
     collective_scale: Mapping[str, float] = field(default_factory=dict)
     call_overhead: float = 0.0
+    overlap_efficiency: float = 1.0
 
     def collective_seconds(
         self, kind: str, nbytes: float, mesh: Any, mesh_axes: Sequence[Any]
@@ -228,6 +233,10 @@ PROFILES: dict[str, Hardware] = {
             "all_to_all": 0.72,
         },
         call_overhead=2.71e-3,
+        # bench_collectives.py --overlap-only --repeat 9 at load average 2.9 (its own 4
+        # processes): median of 0.32-0.95 over all_gather, reduce_scatter and all_reduce
+        # of 1 and 4 MiB beside GPT-S matmuls
+        overlap_efficiency=0.63,
     ),
     # An 8-GPU H100 SXM host (DGX H100 / HGX H100): 989 TFLOP/s dense BF16 and 3.35 TB/s HBM3
     # per GPU (NVIDIA H100 datasheet), 80 GB; NVLink 4 at 900 GB/s per GPU both ways together,

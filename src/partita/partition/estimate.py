@@ -3,24 +3,47 @@
 :func:`estimate_step` walks the per-device program once: every local op costs its roofline
 time (``partita.cost``: FLOPs at the profile's sustained rate or bytes at its memory bandwidth,
 at least its launch cost), every collective of the Plan its alpha-beta time on the link its
-mesh axes cross (a bucket is one call of its members' summed bytes). The model runs them one
-after another — no overlap of communication with compute — so the estimate is an upper bound
-on a step whose collectives partita's scheduler overlaps. Shapes come from fake tensors of the
-per-device inputs, so nothing runs and a plan for a mesh of any size costs the same.
+mesh axes cross (a bucket is one call of its members' summed bytes). Shapes come from fake
+tensors of the per-device inputs, so nothing runs and a plan for a mesh of any size costs the
+same.
+
+**Overlap.** On real processes partita's runtime (``runtime.overlap``) launches every
+all_gather, all_reduce, reduce_scatter and all_to_all (and their buckets) right after its
+inputs are computed and waits for it just before its result is first used; a
+collective_permute runs where it stands. The estimate walks the program the same way
+(:func:`exposed_times`): local ops advance a clock one after another, a launched collective
+runs on one channel in launch order (from the later of its launch and the end of the previous
+collective), and a wait stalls the clock until the collective is done. While a collective runs
+beside compute, only the fraction ``overlap_efficiency`` of the profile hides; the rest slows
+the compute (on a CPU, Gloo's threads take the cores the compute needs). So a collective's
+*exposed* time is its stall at the wait plus ``(1 - overlap_efficiency)`` of the compute that
+ran beside it, and the step is the compute plus the exposed communication. ``overlap=False``
+runs every collective where it stands, synchronously: compute plus all communication, the
+model of a run with ``overlap_bytes=0``. The walk ignores the runtime's two holds (the bytes in
+flight, 64 MiB by default, and a gather held until its buffer fits under the step's peak); both
+only delay launches, so where they bind the estimate is optimistic.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import operator
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from torch import fx
 
 from partita.cost.flops import node_bytes, node_flops
 from partita.cost.model import Hardware, get_profile, wire_bytes
+from partita.ir import node_meta
+from partita.ir.buckets import BUCKET_OPS
+from partita.ir.collectives import COLLECTIVE_OPS
 
-__all__ = ["StepEstimate", "collective_calls", "estimate_step"]
+__all__ = ["Call", "StepEstimate", "collective_calls", "estimate_step", "exposed_times"]
+
+#: The collective kinds the runtime launches asynchronously (``runtime.distributed.ASYNC_OPS``).
+ASYNC_KINDS = frozenset(("all_gather", "all_reduce", "reduce_scatter", "all_to_all"))
+_MESH_CALLS = frozenset((*COLLECTIVE_OPS, *BUCKET_OPS))
 
 
 @dataclass(frozen=True)
@@ -30,10 +53,12 @@ class StepEstimate:
     Attributes:
         hardware: the profile's name.
         compute: seconds of local ops.
-        collectives: ``{kind: seconds}`` of the collectives.
+        collectives: ``{kind: seconds}`` of the collectives, all of their time.
         flops: floating-point operations per device.
         wire_bytes: bytes each device sends (ring algorithms).
         ops: local ops counted.
+        exposed: ``{kind: seconds}`` of the collectives' time not hidden behind compute (the
+            module doc's walk); equal to ``collectives`` when the estimate has no overlap.
     """
 
     hardware: str
@@ -42,45 +67,146 @@ class StepEstimate:
     flops: int = 0
     wire_bytes: float = 0.0
     ops: int = 0
+    exposed: Mapping[str, float] | None = None
 
     @property
     def communication(self) -> float:
-        """Seconds of all collectives."""
+        """Seconds of all collectives, hidden or not."""
         return sum(self.collectives.values())
 
     @property
+    def exposed_communication(self) -> float:
+        """Seconds of communication the step waits for (``communication`` without overlap)."""
+        return self.communication if self.exposed is None else sum(self.exposed.values())
+
+    @property
+    def hidden(self) -> float:
+        """Seconds of communication hidden behind compute."""
+        return self.communication - self.exposed_communication
+
+    @property
     def total(self) -> float:
-        """Modelled seconds of the run: compute plus communication (no overlap)."""
-        return self.compute + self.communication
+        """Modelled seconds of the run: compute plus the exposed communication."""
+        return self.compute + self.exposed_communication
 
     def __str__(self) -> str:
         parts = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in sorted(self.collectives.items()))
+        hidden = (
+            f", {self.exposed_communication * 1e3:.4g} ms of it exposed"
+            if self.exposed is not None
+            else ""
+        )
         return (
             f"{self.total * 1e3:.4g} ms on {self.hardware}: compute {self.compute * 1e3:.4g} ms "
             f"({self.flops / 1e9:.4g} GFLOP in {self.ops} ops), communication "
-            f"{self.communication * 1e3:.4g} ms" + (f" ({parts})" if parts else "")
+            f"{self.communication * 1e3:.4g} ms" + (f" ({parts})" if parts else "") + hidden
         )
 
 
+@dataclass(frozen=True, slots=True)
+class Call:
+    """One collective call in the walk of :func:`exposed_times`.
+
+    Attributes:
+        seconds: its modelled time.
+        issue: the index of the op after which it is launched.
+        wait: the index of the op before which its result is waited for (``issue == wait``
+            with ``asynchronous=False``: it runs there, the clock stopped).
+        asynchronous: whether it is launched and waited for apart.
+    """
+
+    seconds: float
+    issue: int
+    wait: int
+    asynchronous: bool = True
+
+
+def exposed_times(
+    compute: Sequence[float], calls: Sequence[Call], efficiency: float
+) -> list[float]:
+    """Seconds each of ``calls`` adds to a run whose ops take ``compute`` seconds in order.
+
+    One clock for the ops, one channel for the collectives (in launch order). A synchronous
+    call waits for the channel and stops the clock while it runs. An asynchronous one runs from
+    the later of its launch and the channel's end; at its wait the clock moves to its end (the
+    stall) and further by ``(1 - efficiency)`` of the compute that ran beside it.
+
+    >>> exposed_times([10.0, 0.0], [Call(4.0, 1, 1, False)], 1.0)  # where it stands
+    [4.0]
+    >>> exposed_times([10.0, 0.0], [Call(4.0, -1, 1)], 1.0)  # launched before 10 s of ops
+    [0.0]
+    >>> exposed_times([10.0, 0.0], [Call(4.0, -1, 1)], 0.5)  # half of it hides
+    [2.0]
+    >>> exposed_times([2.0, 0.0], [Call(4.0, -1, 1)], 1.0)  # 2 s hide, the wait stalls 2 s
+    [2.0]
+    """
+    launches: dict[int, list[int]] = {}
+    waits: dict[int, list[int]] = {}
+    for k, c in enumerate(calls):
+        if c.asynchronous:
+            launches.setdefault(c.issue, []).append(k)
+        waits.setdefault(c.wait, []).append(k)
+    clock = channel = 0.0
+    begin, end = [0.0] * len(calls), [0.0] * len(calls)
+    out = [0.0] * len(calls)
+    segments: list[tuple[float, float]] = []  # when the ops ran (clock intervals)
+
+    def launch(k: int) -> None:
+        nonlocal channel
+        begin[k] = max(clock, channel)
+        end[k] = channel = begin[k] + calls[k].seconds
+
+    def beside(k: int) -> float:  # seconds of ops that ran while call k ran
+        return sum(max(0.0, min(b, end[k]) - max(a, begin[k])) for a, b in segments)
+
+    for k in launches.get(-1, []):
+        launch(k)
+    for i in range(max([len(compute) - 1, *(c.wait for c in calls)]) + 1):
+        for k in waits.get(i, []):
+            before = clock
+            if calls[k].asynchronous:
+                clock = max(clock, end[k]) + (1.0 - efficiency) * beside(k)
+            else:
+                launch(k)
+                clock = end[k]
+            out[k] = clock - before
+        if i < len(compute) and compute[i]:
+            segments.append((clock, clock + compute[i]))
+            clock += compute[i]
+        for k in launches.get(i, []):
+            launch(k)
+    return out
+
+
 def estimate_step(
-    plan: Any, hardware: str | Hardware, vals: Mapping[fx.Node, Any] | None = None
+    plan: Any,
+    hardware: str | Hardware,
+    vals: Mapping[fx.Node, Any] | None = None,
+    overlap: bool = True,
 ) -> StepEstimate:
     """The modelled time of one run of a :class:`~partita.partition.plan.Plan`'s per-device
     program on ``hardware`` (a profile name of ``partita.cost.PROFILES`` or a ``Hardware``);
     ``vals`` are the program's fake values when already computed
-    (``partition.memory.fake_values``)."""
+    (``partition.memory.fake_values``). With ``overlap`` (the runtime's default) the
+    collectives it launches early are hidden behind compute as the module doc says; without,
+    every collective adds its whole time."""
     hw = get_profile(hardware)
     compute, flops, ops = 0.0, 0, 0
+    costs: list[float] = []
+    nodes: list[fx.Node] = []
     if plan.local_program is not None:
         if vals is None:
             from partita.partition.memory import fake_values
 
             vals = fake_values(plan.local_program, plan.local_inputs)
-        for node in plan.local_program.graph.nodes:
+        nodes = list(plan.local_program.graph.nodes)
+        for node in nodes:
             f = node_flops(node, vals)
             b = node_bytes(node, vals)
+            cost = hw.op_seconds(f, b) if f or b else 0.0
+            costs.append(cost)
             if f or b:
-                compute += hw.op_seconds(f, b)
+                compute += cost
                 flops += f
                 ops += 1
     times: dict[str, float] = {}
@@ -88,7 +214,57 @@ def estimate_step(
     for kind, nbytes, axes in collective_calls(plan):
         times[kind] = times.get(kind, 0.0) + hw.collective_seconds(kind, nbytes, plan.mesh, axes)
         wire += wire_bytes(kind, nbytes, plan.mesh.axes_size(axes))
-    return StepEstimate(hw.name, compute, times, flops, wire, ops)
+    exposed = _exposed(plan, hw, nodes, costs, times) if overlap else None
+    return StepEstimate(hw.name, compute, times, flops, wire, ops, exposed)
+
+
+def _exposed(
+    plan: Any, hw: Hardware, nodes: list[fx.Node], costs: list[float], times: dict[str, float]
+) -> dict[str, float]:
+    """``{kind: exposed seconds}``: the walk of :func:`exposed_times` over the program's own
+    collectives, launched and waited for where the runtime puts them; any time of ``times``
+    the walk does not see (a control-flow body's collectives) counts as exposed."""
+    index = {n: i for i, n in enumerate(nodes)}
+    calls: list[Call] = []
+    kinds: list[str] = []
+    previous_regather = -1
+    for i, node in enumerate(nodes):
+        if node.op != "call_function" or node.target not in _MESH_CALLS:
+            continue
+        kind = node.target._schema.name.split("::")[-1].removesuffix("_bucket")
+        axes = cast(Sequence[str], node.args[2 if kind == "collective_permute" else -2])
+        seconds = hw.collective_seconds(kind, node_meta.collective_bytes(node), plan.mesh, axes)
+        if kind not in ASYNC_KINDS:
+            calls.append(Call(seconds, i, i, asynchronous=False))
+        else:
+            issue = max((index[a] for a in node.all_input_nodes), default=-1)
+            wait = _first_use(node, index, len(nodes))
+            if (after := node_meta.regather_after(node)) is not None:
+                at = next((index[n] for n in nodes if n.name == after), -1)
+                issue = max(issue, at, previous_regather - 1)  # one re-gather ahead
+                previous_regather = wait
+            calls.append(Call(seconds, issue, wait))
+        kinds.append(kind)
+    out = dict.fromkeys(times, 0.0)
+    seen: dict[str, float] = {}
+    walked = exposed_times(costs, calls, hw.overlap_efficiency)
+    for kind, call, t in zip(kinds, calls, walked, strict=True):
+        out[kind] = out.get(kind, 0.0) + t
+        seen[kind] = seen.get(kind, 0.0) + call.seconds
+    for kind, total in times.items():  # what the walk did not see runs synchronously
+        out[kind] += max(0.0, total - seen.get(kind, 0.0))
+    return out
+
+
+def _first_use(node: fx.Node, index: Mapping[fx.Node, int], end: int) -> int:
+    """The index of the first op reading ``node``'s result (through a bucket's getitems)."""
+    uses: list[int] = []
+    for u in node.users:
+        if u.target is operator.getitem:
+            uses.extend(index[v] for v in u.users)
+        else:
+            uses.append(index[u])
+    return min(uses, default=end)
 
 
 def collective_calls(plan: Any) -> list[tuple[str, int, tuple[str, ...]]]:

@@ -128,13 +128,14 @@ class Plan:
             self._values = fake_values(self.local_program, self.local_inputs)
         return self._values
 
-    def estimate(self, hardware: Any = "cpu-gloo") -> Any:
+    def estimate(self, hardware: Any = "cpu-gloo", overlap: bool = True) -> Any:
         """The modelled time of one run on ``hardware`` (a profile name of
         ``partita.cost.PROFILES`` or a ``partita.cost.Hardware``): a
-        :class:`~partita.partition.estimate.StepEstimate`, compute and each collective kind."""
+        :class:`~partita.partition.estimate.StepEstimate`, compute and each collective kind;
+        ``overlap=False`` adds every collective's whole time (no overlap with compute)."""
         from partita.partition.estimate import estimate_step
 
-        return estimate_step(self, hardware, self._local_values())
+        return estimate_step(self, hardware, self._local_values(), overlap)
 
     def memory(self) -> Any:
         """Per-device peak memory of one run, estimated from the per-device program (a
