@@ -13,9 +13,13 @@ steps after two warm-ups (max over ranks: the slowest rank decides a step). The 
 configurations runs ``--rounds`` times and each row shows the median of its sweeps, so a change
 of the machine's load during the run does not favour the configurations that ran first.
 
-The table shows the measured and the estimated seconds, their ratio, the estimate's compute
-and communication, and at the end whether the estimate ranks the configurations in the same
-order as the measurements and the largest ratio either way. The machine is shared (other jobs
+The table shows the measured seconds and their spread over the sweeps (max - min), the
+estimated seconds (with the runtime's overlap, ``partition.estimate``) and their ratio, the
+estimate's compute, its communication (all of it, and the part exposed: not hidden behind
+compute), and the estimate without overlap (``no-ovl``). At the end come the measured order and
+each estimate's order, whether they agree and the largest ratio either way, and each pair of
+configurations whose medians differ by less than their run-to-run spread (an order the
+measurement does not decide). The machine is shared (other jobs
 take its cores for minutes at a time), so each worker also measures its pace around the timed
 steps: GPT-S's matmuls with the 4 processes computing at once, as
 ``bench_collectives.py`` measures ``peak_flops`` (``GFLOP/s``); ``scaled`` is the estimate
@@ -170,8 +174,10 @@ def worker(preset: str, shape: tuple[int, ...], repeat: int) -> None:
         row = {
             "measured": measured,
             "estimate": est.total,
+            "no_overlap": plan.estimate("cpu-gloo", overlap=False).total,
             "compute": est.compute,
             "communication": est.communication,
+            "exposed": est.exposed_communication,
             "collectives": dict(est.collectives),
             "flops": est.flops,
             "speed": speed,
@@ -181,8 +187,9 @@ def worker(preset: str, shape: tuple[int, ...], repeat: int) -> None:
 
 
 def estimate_raw(raw: dict[str, Any], hw: Hardware) -> float:
-    """The estimate of a dumped configuration on ``hw``: the sums of
-    ``partition.estimate.estimate_step`` (4 processes on one host: every group on its link)."""
+    """The estimate without overlap of a dumped configuration on ``hw``: the sums of
+    ``partition.estimate.estimate_step(..., overlap=False)`` (4 processes on one host: every
+    group on its link; the dump has no schedule to overlap)."""
     compute = sum(hw.op_seconds(f, b) for f, b in raw["ops"])
     comm = sum(
         hw.collective_seconds(kind, nbytes, Mesh.create((n,), ("g",)), ["g"])
@@ -219,10 +226,10 @@ def main() -> None:
           f"{ns.repeat} steps after 2 warm-ups (max over ranks), median of {ns.rounds} "
           f"sweeps; estimate: cpu-gloo")  # fmt: skip
     print(_load())
-    print(f"{'configuration':<16} {'measured':>9} {'estimate':>9} {'est/meas':>8} "
-          f"{'compute':>9} {'comm':>9} {'GFLOP/s':>8} {'scaled':>9} {'sc/meas':>7}  "
-          f"(each sweep's measurement)")  # fmt: skip
-    names, measured, estimated, dump = [], [], [], {}
+    print(f"{'configuration':<16} {'measured':>9} {'spread':>7} {'estimate':>9} {'est/meas':>8} "
+          f"{'compute':>9} {'comm':>9} {'exposed':>9} {'no-ovl':>9} {'GFLOP/s':>8} "
+          f"{'scaled':>9} {'sc/meas':>7}  (each sweep's measurement)")  # fmt: skip
+    names, measured, estimated, no_overlap, spread, dump = [], [], [], [], [], {}
     runs: dict[str, list[dict[str, Any]]] = {}
     for _ in range(ns.rounds):  # whole sweeps in turn: a change of load hits every row alike
         for preset, shape in CONFIGS:
@@ -249,25 +256,45 @@ def main() -> None:
         names.append(name)
         measured.append(r["measured"])
         estimated.append(r["estimate"])
+        no_overlap.append(r["no_overlap"])
+        spread.append(max(r["rounds"]) - min(r["rounds"]))
         scaled.append(r["scaled"])
         dump[name] = r
-        print(f"{name:<16} {r['measured'] * 1e3:7.1f}ms {r['estimate'] * 1e3:7.1f}ms "
+        print(f"{name:<16} {r['measured'] * 1e3:7.1f}ms {spread[-1] * 1e3:5.1f}ms "
+              f"{r['estimate'] * 1e3:7.1f}ms "
               f"{r['estimate'] / r['measured']:8.2f} {r['compute'] * 1e3:7.1f}ms "
-              f"{r['communication'] * 1e3:7.1f}ms {r['speed'] / 1e9:8.1f} "
+              f"{r['communication'] * 1e3:7.1f}ms {r['exposed'] * 1e3:7.1f}ms "
+              f"{r['no_overlap'] * 1e3:7.1f}ms {r['speed'] / 1e9:8.1f} "
               f"{r['scaled'] * 1e3:7.1f}ms {r['scaled'] / r['measured']:7.2f}  "
               f"({', '.join(f'{x * 1e3:.0f}' for x in r['rounds'])})", flush=True)  # fmt: skip
     print(_load())
-    for label, values in (("estimate", estimated), ("scaled", scaled)):
-        if not measured:
-            break
+    if measured:
+        print(f"measured order: {' < '.join(_by(names, measured))}")
+    labels = (("estimate", estimated), ("no overlap", no_overlap), ("scaled", scaled))
+    for label, values in labels if measured else ():
         worst = max(max(e / m, m / e) for m, e in zip(measured, values, strict=True))
-        print(f"{label}: same order {ranks_agree(measured, values)} "
-              f"(measured: {' < '.join(_by(names, measured))}; "
-              f"{label}: {' < '.join(_by(names, values))}); "
-              f"largest ratio either way {worst:.2f}")  # fmt: skip
+        print(f"{label} order: {' < '.join(_by(names, values))}; same order as measured: "
+              f"{ranks_agree(measured, values)}; largest ratio either way {worst:.2f}")  # fmt: skip
+    for a, b, gap, noise in close_pairs(names, measured, spread):
+        print(f"  {a} and {b} differ by {gap * 1e3:.1f} ms, less than the run-to-run spread "
+              f"({noise * 1e3:.1f} ms): the measurement does not order them")  # fmt: skip
     if ns.dump:
         ns.dump.write_text(json.dumps(dump))
         print(f"# wrote {ns.dump}")
+
+
+def close_pairs(
+    names: list[str], measured: list[float], spread: list[float]
+) -> list[tuple[str, str, float, float]]:
+    """``(a, b, gap, spread)`` of each pair of configurations whose medians differ by less
+    than the larger of their spreads (max - min over the sweeps): their order is noise."""
+    out = []
+    for i in range(len(names)):
+        for j in range(i + 1, len(names)):
+            gap, noise = abs(measured[i] - measured[j]), max(spread[i], spread[j])
+            if gap < noise:
+                out.append((names[i], names[j], gap, noise))
+    return out
 
 
 def _by(names: list[str], values: list[float]) -> list[str]:

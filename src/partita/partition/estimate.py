@@ -39,7 +39,14 @@ from partita.ir import node_meta
 from partita.ir.buckets import BUCKET_OPS
 from partita.ir.collectives import COLLECTIVE_OPS
 
-__all__ = ["Call", "StepEstimate", "collective_calls", "estimate_step", "exposed_times"]
+__all__ = [
+    "Call",
+    "StepEstimate",
+    "collective_calls",
+    "estimate_step",
+    "exposed_times",
+    "overlap_calls",
+]
 
 #: The collective kinds the runtime launches asynchronously (``runtime.distributed.ASYNC_OPS``).
 ASYNC_KINDS = frozenset(("all_gather", "all_reduce", "reduce_scatter", "all_to_all"))
@@ -165,7 +172,11 @@ def exposed_times(
         for k in waits.get(i, []):
             before = clock
             if calls[k].asynchronous:
-                clock = max(clock, end[k]) + (1.0 - efficiency) * beside(k)
+                clock = max(clock, end[k])
+                slowed = (1.0 - efficiency) * beside(k)  # the ops ran that much slower
+                if slowed:
+                    segments.append((clock, clock + slowed))
+                    clock += slowed
             else:
                 launch(k)
                 clock = end[k]
@@ -222,11 +233,28 @@ def _exposed(
     plan: Any, hw: Hardware, nodes: list[fx.Node], costs: list[float], times: dict[str, float]
 ) -> dict[str, float]:
     """``{kind: exposed seconds}``: the walk of :func:`exposed_times` over the program's own
-    collectives, launched and waited for where the runtime puts them; any time of ``times``
-    the walk does not see (a control-flow body's collectives) counts as exposed."""
+    collectives (:func:`overlap_calls`); any time of ``times`` the walk does not see (a
+    control-flow body's collectives) counts as exposed."""
+    calls = overlap_calls(plan, hw, nodes)
+    out = dict.fromkeys(times, 0.0)
+    seen: dict[str, float] = {}
+    walked = exposed_times(costs, [c for _, c in calls], hw.overlap_efficiency)
+    for (kind, call), t in zip(calls, walked, strict=True):
+        out[kind] = out.get(kind, 0.0) + t
+        seen[kind] = seen.get(kind, 0.0) + call.seconds
+    for kind, total in times.items():  # what the walk did not see runs synchronously
+        out[kind] += max(0.0, total - seen.get(kind, 0.0))
+    return out
+
+
+def overlap_calls(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str, Call]]:
+    """``(kind, Call)`` of each collective of ``nodes`` (the per-device program's, in order),
+    launched and waited for where ``runtime.overlap`` puts them: after its last input (a
+    re-gather also after the op it waits for and after the previous re-gather's wait), waited
+    for before the first op that reads its result (through a bucket's getitems); a
+    collective_permute where it stands."""
     index = {n: i for i, n in enumerate(nodes)}
-    calls: list[Call] = []
-    kinds: list[str] = []
+    calls: list[tuple[str, Call]] = []
     previous_regather = -1
     for i, node in enumerate(nodes):
         if node.op != "call_function" or node.target not in _MESH_CALLS:
@@ -235,25 +263,16 @@ def _exposed(
         axes = cast(Sequence[str], node.args[2 if kind == "collective_permute" else -2])
         seconds = hw.collective_seconds(kind, node_meta.collective_bytes(node), plan.mesh, axes)
         if kind not in ASYNC_KINDS:
-            calls.append(Call(seconds, i, i, asynchronous=False))
-        else:
-            issue = max((index[a] for a in node.all_input_nodes), default=-1)
-            wait = _first_use(node, index, len(nodes))
-            if (after := node_meta.regather_after(node)) is not None:
-                at = next((index[n] for n in nodes if n.name == after), -1)
-                issue = max(issue, at, previous_regather - 1)  # one re-gather ahead
-                previous_regather = wait
-            calls.append(Call(seconds, issue, wait))
-        kinds.append(kind)
-    out = dict.fromkeys(times, 0.0)
-    seen: dict[str, float] = {}
-    walked = exposed_times(costs, calls, hw.overlap_efficiency)
-    for kind, call, t in zip(kinds, calls, walked, strict=True):
-        out[kind] = out.get(kind, 0.0) + t
-        seen[kind] = seen.get(kind, 0.0) + call.seconds
-    for kind, total in times.items():  # what the walk did not see runs synchronously
-        out[kind] += max(0.0, total - seen.get(kind, 0.0))
-    return out
+            calls.append((kind, Call(seconds, i, i, asynchronous=False)))
+            continue
+        issue = max((index[a] for a in node.all_input_nodes), default=-1)
+        wait = _first_use(node, index, len(nodes))
+        if (after := node_meta.regather_after(node)) is not None:
+            at = next((index[n] for n in nodes if n.name == after), -1)
+            issue = max(issue, at, previous_regather - 1)  # one re-gather ahead
+            previous_regather = wait
+        calls.append((kind, Call(seconds, issue, wait)))
+    return calls
 
 
 def _first_use(node: fx.Node, index: Mapping[fx.Node, int], end: int) -> int:
