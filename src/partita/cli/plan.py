@@ -204,7 +204,7 @@ def plan_report(
     hw = get_profile(hardware)
     limit = hw.memory if limit is None else limit
     mem = memory_breakdown(plan)
-    est = plan.estimate(hw)
+    est = plan.estimate(hw, overlap=False)  # the table adds every collective
     axes: dict[str, dict[str, Any]] = {}
     for kind, nbytes, mesh_axes in collective_calls(plan):  # a bucket is one call
         row = axes.setdefault(_axes_name(mesh_axes), {"bytes": 0, "calls": 0, "seconds": 0.0})

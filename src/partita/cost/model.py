@@ -14,7 +14,9 @@ the Plan's convention (XLA's: the output of all_gather, all_reduce, all_to_all a
 collective_permute, the input of reduce_scatter), so a record's ``bytes`` goes in unchanged.
 
 A profile may add a fixed ``call_overhead`` to every call: on a CPU shared by more processes
-than it has cores, a call that interrupts compute waits for its peers' turn on a core.
+than it has cores, a call that interrupts compute waits for its peers' turn on a core. Its
+``overlap_efficiency`` is the fraction of a collective's time that compute running beside it
+hides (the step estimate, ``partition.estimate``, charges the rest).
 
 **Local ops** follow a roofline (:func:`op_time`): the larger of the FLOPs at the profile's
 sustained compute rate and the bytes read and written at its sustained memory bandwidth, and
