@@ -88,7 +88,8 @@ class StepEstimate:
 
     @property
     def hidden(self) -> float:
-        """Seconds of communication hidden behind compute."""
+        """Seconds of communication hidden behind compute (negative when waiting for the
+        channel behind collectives launched early costs more than overlap saves)."""
         return self.communication - self.exposed_communication
 
     @property
