@@ -43,6 +43,7 @@ diffusers = pytest.importorskip("diffusers")
 
 import partita  # noqa: E402
 from partita import Mesh, P  # noqa: E402
+from partita.presets import param_specs  # noqa: E402
 from partita.training import train_step  # noqa: E402
 
 MESH = Mesh.create((2, 4), ("data", "model"))
@@ -218,3 +219,14 @@ def test_unet2d_condition_trains_like_torch_optim() -> None:
         for _ in range(STEPS)
     ]
     _assert_trains_like_torch_optim(_cond_unet(), _recon_loss, batches, "fsdp+tp")
+
+
+def test_tp_presets_know_few_diffusers_names() -> None:
+    """docs/models.md, "Diffusion models": ``tp`` splits nothing in the VAE and, in the
+    conditional UNet, only GEGLU's ``ff.net.0.proj`` (as a row linear: ``proj``); the attention's
+    ``to_q``/``to_k``/``to_v``/``to_out.0`` stay whole. When the presets learn these names, this
+    test and that paragraph change together."""
+    assert all(spec == P(*[None] * len(spec)) for spec in param_specs("tp", _vae(), MESH).values())
+    split = {n: s for n, s in param_specs("tp", _cond_unet(), MESH).items() if any(s)}
+    assert split and all(n.endswith("ff.net.0.proj.weight") for n in split), split
+    assert all(s == P(None, "model") for s in split.values())
