@@ -216,13 +216,13 @@ def main() -> None:
     )
     mem = f"{'maxrss':>11}" if args.gloo else f"{'params+opt/dev':>16}"
     print(f"{'config':<16}{'bytes/dev/step':>16}{'expert W/dev':>14}{'(of)':>10}{'a2a bytes':>11}"
-          f"{mem}{'peak est.':>11}{'step ms':>22}{'CPU ms':>22}  collectives")  # fmt: skip
+          f"{mem}{'peak est.':>11}{'step ms':>26}{'CPU ms':>26}  collectives")  # fmt: skip
     for r in rows:
         held = format_bytes(r["maxrss"]) if args.gloo else format_bytes(r["state"])
         times = ""
         for key in TIMES:
             low, high = r[key + "_range"]
-            times += f"{f'{r[key]:.1f} ({low:.0f}-{high:.0f})':>22}"
+            times += f"{f'{r[key]:.1f} ({low:.1f}-{high:.1f})':>26}"
         print(
             f"{r['name']:<16}{format_bytes(r['bytes']):>16}{format_bytes(r['expert_bytes']):>14}"
             f"{format_bytes(r['expert_full']):>10}{format_bytes(r['a2a_bytes']):>11}"
