@@ -17,7 +17,10 @@ the simulated 2x4 mesh, every op with a rule (``replicate_unsupported=False``, t
 * ``UNet2DModel`` (a down block with attention) and ``UNet2DConditionModel`` (cross-attention
   to 5 text tokens) under ``partita.jit`` with their default ``return_dict=True``: the output
   is the library's output dataclass, equal to the eager one. ``UNet2DConditionModel`` also
-  trains 2 steps under ``fsdp+tp`` (slow: 25-40 s on 2 cores).
+  trains 2 steps under ``fsdp+tp``.
+
+The default run trains the VAE under ``fsdp`` and its sampled form under ``fsdp+tp``; the other
+presets and the UNet's training are marked slow (the UNet's: 25 s on a quiet 2-core machine).
 
 AdamW runs with ``lr=1e-3, eps=1e-5``: the traced convolutions' gradients differ from eager
 ones in the last bits (another summation order over the batch split), and AdamW turns such
