@@ -16,8 +16,10 @@ the simulated 2x4 mesh, every op with a rule (``replicate_unsupported=False``, t
   equal eager ones too;
 * ``UNet2DModel`` (a down block with attention) and ``UNet2DConditionModel`` (cross-attention
   to 5 text tokens) under ``partita.jit`` with their default ``return_dict=True``: the output
-  is the library's output dataclass, equal to the eager one. ``UNet2DConditionModel`` also
-  trains 2 steps under ``fsdp+tp``.
+  is the library's output dataclass, equal to the eager one (the conditional one with an
+  ``encoder_attention_mask``). ``UNet2DConditionModel`` also trains 2 steps under ``fsdp+tp``;
+* the DDPM noise-prediction loss (``randn_like`` noise, ``randint`` timesteps,
+  ``DDPMScheduler.add_noise``, the ``UNet2DModel``) under jit equals eager's for the same seed.
 
 The default run trains the VAE under ``fsdp`` and its sampled form under ``fsdp+tp``; the other
 presets and the UNet's training are marked slow (the UNet's: 25 s on a quiet 2-core machine).
@@ -195,15 +197,45 @@ def test_unet2d_jit_with_return_dict() -> None:
 
 
 def test_unet2d_condition_jit_with_return_dict() -> None:
-    """Cross-attention to text states; the timestep a Python int (one for the whole batch)."""
+    """Cross-attention to text states, the last two tokens masked out
+    (``encoder_attention_mask``: a boolean mask turned into an additive bias); the timestep a
+    Python int (one for the whole batch)."""
     unet = _cond_unet()
     g = torch.Generator().manual_seed(3)
     x = torch.randn(BATCH, 4, 16, 16, generator=g)
     text = torch.randn(BATCH, 5, 8, generator=g)
-    f = partita.jit(lambda x, text: unet(x, 10, text), mesh=MESH, in_specs=(P("data"), P("data")))
-    out = f(x, text)
+    mask = torch.tensor([True, True, True, False, False]).expand(BATCH, 5)
+
+    def fn(x: torch.Tensor, text: torch.Tensor, mask: torch.Tensor) -> Any:
+        return unet(x, 10, text, encoder_attention_mask=mask)
+
+    out = partita.jit(fn, mesh=MESH, in_specs=(P("data"), P("data"), P("data")))(x, text, mask)
     assert isinstance(out, diffusers.models.unets.unet_2d_condition.UNet2DConditionOutput)
-    torch.testing.assert_close(out.sample.full(), unet(x, 10, text).sample, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(out.sample.full(), fn(x, text, mask).sample, rtol=RTOL, atol=ATOL)
+
+
+def test_ddpm_noise_prediction_loss_draws_like_eager() -> None:
+    """The usual diffusion training loss, its draws inside the program: ``randn_like`` noise,
+    ``randint`` timesteps, ``DDPMScheduler.add_noise`` (the scheduler's ``alphas_cumprod``
+    indexed by the timesteps), the UNet's prediction against the noise. For the same seed the
+    sharded loss is eager's."""
+    unet = _unet()
+    scheduler = diffusers.DDPMScheduler(num_train_timesteps=1000)
+
+    def ddpm_loss(x: torch.Tensor) -> torch.Tensor:
+        noise = torch.randn_like(x)
+        t = torch.randint(0, 1000, (x.shape[0],))
+        pred = unet(scheduler.add_noise(x, noise, t), t).sample
+        return F.mse_loss(pred, noise)
+
+    x = _images()[0][0]
+    f = partita.jit(ddpm_loss, mesh=MESH, in_specs=(P("data"),))
+    torch.manual_seed(6)
+    got = f(x).full()
+    torch.manual_seed(6)
+    with torch.no_grad():
+        want = ddpm_loss(x)
+    torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
 
 
 @pytest.mark.slow
