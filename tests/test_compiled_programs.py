@@ -142,6 +142,15 @@ def test_gloo_compiled_step_equals_uncompiled(tmp_path: Path) -> None:
         torch.testing.assert_close(value, plain[name], **TOL, msg=name)
     regions, skipped = got["stats"]
     assert regions > 0 and skipped == ()
+    # TrainStep.memory() on a DistributedMesh counts what the LocalMesh's step holds per device
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    local = partita.train_step(
+        model, F.mse_loss, opt, mesh=Mesh.create((2,), ("data",)), param_specs="fsdp"
+    )
+    local((torch.randn(8, 16), torch.randn(8, 8)))
+    assert got["memory"] == local.memory()
 
 
 def test_sdpa_kernels_return_the_strides_of_their_fakes() -> None:

@@ -1,7 +1,7 @@
 """An MLP FSDP train step on 2 processes, per-device programs compiled by Inductor and not.
 
 Usage (2 processes): compiled_programs.py OUT.pt. Rank 0 saves ``{"plain": (losses, params),
-"compiled": (losses, params), "stats": (regions, skipped)}`` for
+"compiled": (losses, params), "stats": (regions, skipped), "memory": TrainStep.memory()}`` for
 ``tests/test_compiled_programs.py`` to compare.
 """
 
@@ -51,6 +51,7 @@ if pd.is_main_process():
             "plain": plain[:2],
             "compiled": compiled[:2],
             "stats": (stats.inductor_regions, stats.skipped),
+            "memory": plain[2].memory(),
         },
         sys.argv[1],
     )

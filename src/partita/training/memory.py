@@ -27,7 +27,7 @@ def full_values(tree: Any) -> Any:
 
 
 def _local_bytes(t: ShardedTensor) -> int:
-    return math.prod(t.local_shape) * t.stacked.element_size()
+    return math.prod(t.local_shape) * t.dtype.itemsize
 
 
 def state_memory(params: Any, buffers: Any, opt_state: Any) -> dict[str, tuple[int, int]]:
@@ -41,7 +41,7 @@ def state_memory(params: Any, buffers: Any, opt_state: Any) -> dict[str, tuple[i
     return {
         k: (
             sum(_local_bytes(t) for t in ts),
-            sum(t.shape.numel() * t.stacked.element_size() for t in ts),
+            sum(t.shape.numel() * t.dtype.itemsize for t in ts),
         )
         for k, ts in groups.items()
     }
