@@ -20,7 +20,8 @@ from typing import TypeVar
 
 from torch import nn
 
-from partita.capture.layer_loop_keys import LOOPED
+from partita.capture.layer_loop_keys import LOOPED, LoopGroup
+from partita.capture.layer_stack import stack_parameters
 from partita.capture.layers import mark_layers
 from partita.errors import ArgumentTypeError
 
@@ -67,5 +68,8 @@ def scan_layers(layers: Layers, *, loop: bool = False) -> Layers:
         )
     mark_layers(modules)
     if loop:
-        LOOPED.update(modules)
+        group = LoopGroup(modules)
+        for m in modules:
+            LOOPED[m] = group
+        stack_parameters(group)  # the parameters become views of one tensor per name
     return layers
