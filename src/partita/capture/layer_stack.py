@@ -31,12 +31,14 @@ the ordinary path of ``layers``.
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 from torch import Tensor, fx, nn
+from torch._subclasses.fake_tensor import disable_fake_tensor_cache
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import _disable_current_modes
 
@@ -69,24 +71,41 @@ def looped_call(
         return None
     index = group.index[module]
     positions = tuple(range(len(primals) - len(names), len(primals)))
-    fkey = register_indexed(traced.forward_key, index, positions)
-    state.keys.append(fkey)
     state.reused += 1
     inputs = list(primals)
     for p, s in zip(positions, stacked, strict=True):
         inputs[p] = s
-    if traced.backward_key is None:
-        outs = layer_call(fkey, inputs)
-    else:
-        # The forward returns a token for its saved values (one output to trace, not dozens)
-        fkey = register_indexed(traced.forward_key, index, positions, n_out=traced.n_out)
-        n_cot = len(traced.diff_outputs)
-        saved = tuple(n_cot + k for k, i in enumerate(traced.saved_from) if i in positions)
-        how = tuple(traced.saved_from)
-        bkey = register_indexed(traced.backward_key, index, saved, saved_from=how)
-        state.keys += [fkey, bkey]
-        outs = _LoopedLayer.apply((traced, fkey, bkey, inputs), *primals)
+    if "mode" not in state.stacks:
+        state.stacks["mode"] = torch._guards.detect_fake_mode()
+    mode = state.stacks["mode"]
+    # The fake mode's cache computes a key from every input before it finds that it never
+    # caches a custom op: a fifth of the call's cost, paid for nothing.
+    with disable_fake_tensor_cache(mode) if mode is not None else contextlib.nullcontext():
+        outs = _dispatch(traced, index, positions, inputs, primals, state)
     return pytree.tree_unflatten(list(outs[: traced.n_out]), traced.out_tree)
+
+
+def _dispatch(
+    traced: Traced,
+    index: int,
+    positions: tuple[int, ...],
+    inputs: list[Tensor],
+    primals: list[Tensor],
+    state: ScanState,
+) -> Any:
+    """The placeholder of one looped call (and its backward's, through autograd)."""
+    if traced.backward_key is None:
+        fkey = register_indexed(traced.forward_key, index, positions)
+        state.keys.append(fkey)
+        return layer_call(fkey, inputs)
+    # The forward returns a token for its saved values (one output to trace, not dozens)
+    fkey = register_indexed(traced.forward_key, index, positions, n_out=traced.n_out)
+    n_cot = len(traced.diff_outputs)
+    saved = tuple(n_cot + k for k, i in enumerate(traced.saved_from) if i in positions)
+    how = tuple(traced.saved_from)
+    bkey = register_indexed(traced.backward_key, index, saved, saved_from=how)
+    state.keys += [fkey, bkey]
+    return _LoopedLayer.apply((traced, fkey, bkey, inputs), *primals)
 
 
 def _stacked(state: ScanState, group: LoopGroup, names: list[str]) -> list[Tensor] | None:
