@@ -85,18 +85,12 @@ class PartRun:
 
 @dataclass(frozen=True)
 class Indexed:
-    """Part ``key`` called on layer ``index`` of stacked inputs: the inputs at ``positions``
-    hold every layer's tensor (a leading layer dim) and the part reads slice ``index`` of
-    each. A looped layer's call passes its layers' stacked parameters
-    (``capture.layer_stack``), so tracing the call dispatches no per-layer parameter.
-
-    ``n_out`` (a forward part): the call returns the part's first ``n_out`` outputs and one
-    empty *token* instead of the values it saves for the backward; ``saved_from`` (a backward
-    part, whose inputs are the cotangents, that token, then the saved inputs): where each
-    saved value comes from (-1: the forward's next computed value, else the forward input of
-    that position). ``layer_stack.expand_saved`` turns both into calls of ``plain`` (the same
-    without the token) after tracing.
-    """
+    """Part ``key`` on layer ``index``: the inputs at ``positions`` hold every layer's tensor
+    (a leading layer dim) and the part reads slice ``index`` (``capture.layer_stack``).
+    ``n_out`` (forward): the call returns the first ``n_out`` outputs and one empty token for
+    the saved values; ``saved_from`` (backward, inputs: cotangents, token, saved inputs):
+    each saved value's origin (-1: computed, else that forward input). After tracing,
+    ``layer_stack.expand_saved`` makes both calls of ``plain`` (the same without token)."""
 
     key: int
     index: int
