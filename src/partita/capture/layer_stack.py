@@ -227,7 +227,9 @@ def expand_saved(gm: fx.GraphModule) -> None:
         args = list(cast(Sequence[Any], call.args[1]))
         if found.n_out is not None:  # forward: its outputs after n_out are the saved values
             token = next((u for u in call.users if u.args[1] == found.n_out), None)
-            if token is not None:
+            if token is not None and not token.users:  # no backward read it
+                graph.erase_node(token)
+            elif token is not None:
                 vals = fake_outputs(found.plain, token.meta["val"].fake_mode)[found.n_out :]
                 made = []
                 with graph.inserting_after(token):
