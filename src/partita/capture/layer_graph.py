@@ -44,6 +44,7 @@ __all__ = [
     "inline_layer_calls",
     "part",
     "positional_form",
+    "register_anchor",
     "register_indexed",
     "register_run",
     "registered",
@@ -89,8 +90,10 @@ class Indexed:
     (a leading layer dim) and the part reads slice ``index`` (``capture.layer_stack``).
     ``n_out`` (forward): the call returns the first ``n_out`` outputs and one empty token for
     the saved values; ``saved_from`` (backward, inputs: cotangents, token, saved inputs):
-    each saved value's origin (-1: computed, else that forward input). After tracing,
-    ``layer_stack.expand_saved`` makes both calls of ``plain`` (the same without token)."""
+    each saved value's origin (-1: computed, else that forward input). ``anchor``: the call
+    omits the stacked inputs (and the backward its saved ones), which the call of ``anchor``
+    (a part-less run) holds once. After tracing, ``layer_stack.expand_saved`` makes these
+    calls of ``plain`` (the same with every input and without the token)."""
 
     key: int
     index: int
@@ -99,6 +102,7 @@ class Indexed:
     n_out: int | None = None
     saved_from: tuple[int, ...] | None = None
     plain: int | None = None
+    anchor: int | None = None
 
 
 _KEYS = itertools.count()
@@ -127,19 +131,28 @@ def register_indexed(
     positions: tuple[int, ...],
     n_out: int | None = None,
     saved_from: tuple[int, ...] | None = None,
+    anchor: int | None = None,
 ) -> int:
     """A fresh key for part ``key`` on slice ``index`` of its inputs at ``positions`` (see
     :class:`Indexed` for ``n_out`` and ``saved_from``)."""
     meta = _GRAPHS[key].out_meta
     plain = next(_KEYS)
     _GRAPHS[plain] = Indexed(key, index, positions, meta)
-    if n_out is None and saved_from is None:
+    if n_out is None and saved_from is None and anchor is None:
         return plain
     if n_out is not None:  # the outputs, then the token
         meta = (*meta[:n_out], ((0,), torch.float32, meta[0][2]))
     new = next(_KEYS)
-    _GRAPHS[new] = Indexed(key, index, positions, meta, n_out, saved_from, plain)
+    _GRAPHS[new] = Indexed(key, index, positions, meta, n_out, saved_from, plain, anchor)
     return new
+
+
+def register_anchor() -> int:
+    """A fresh key of a part-less run: its call holds the stacked inputs once, for the
+    :class:`Indexed` calls that name it."""
+    key = next(_KEYS)
+    _GRAPHS[key] = PartRun((), (), ())
+    return key
 
 
 def base_key(key: int) -> int:

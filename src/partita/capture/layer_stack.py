@@ -47,6 +47,7 @@ from partita.capture.layer_graph import (
     Indexed,
     fake_outputs,
     layer_call,
+    register_anchor,
     register_indexed,
     registered,
 )
@@ -66,22 +67,19 @@ def looped_call(
     group = LOOPED.get(module)
     if group is None or not names:
         return None
-    stacked = _stacked(state, group, names)
-    if stacked is None:
+    anchor = _stacked(state, group, names)
+    if anchor is None:
         return None
     index = group.index[module]
     positions = tuple(range(len(primals) - len(names), len(primals)))
     state.reused += 1
-    inputs = list(primals)
-    for p, s in zip(positions, stacked, strict=True):
-        inputs[p] = s
     if "mode" not in state.stacks:
         state.stacks["mode"] = torch._guards.detect_fake_mode()
     mode = state.stacks["mode"]
     # The fake mode's cache computes a key from every input before it finds that it never
     # caches a custom op: a fifth of the call's cost, paid for nothing.
     with disable_fake_tensor_cache(mode) if mode is not None else contextlib.nullcontext():
-        outs = _dispatch(traced, index, positions, inputs, primals, state)
+        outs = _dispatch(traced, index, positions, anchor, primals, state)
     return pytree.tree_unflatten(list(outs[: traced.n_out]), traced.out_tree)
 
 
@@ -89,27 +87,33 @@ def _dispatch(
     traced: Traced,
     index: int,
     positions: tuple[int, ...],
-    inputs: list[Tensor],
+    anchor: int,
     primals: list[Tensor],
     state: ScanState,
 ) -> Any:
-    """The placeholder of one looped call (and its backward's, through autograd)."""
+    """The placeholder of one looped call (and its backward's, through autograd): its inputs
+    but the stacked ones, which the anchor's call holds (each input a call passes costs about
+    0.1 ms to trace)."""
+    inputs = list(primals[: positions[0]])
     if traced.backward_key is None:
-        fkey = register_indexed(traced.forward_key, index, positions)
+        fkey = register_indexed(traced.forward_key, index, positions, anchor=anchor)
         state.keys.append(fkey)
         return layer_call(fkey, inputs)
     # The forward returns a token for its saved values (one output to trace, not dozens)
-    fkey = register_indexed(traced.forward_key, index, positions, n_out=traced.n_out)
+    fkey = register_indexed(traced.forward_key, index, positions, n_out=traced.n_out, anchor=anchor)
     n_cot = len(traced.diff_outputs)
     saved = tuple(n_cot + k for k, i in enumerate(traced.saved_from) if i in positions)
-    how = tuple(traced.saved_from)
-    bkey = register_indexed(traced.backward_key, index, saved, saved_from=how)
+    # where each saved value comes from: -1 computed, -2 - j the j-th stacked input, else
+    # the forward input of that position
+    how = tuple(i if i < positions[0] else positions[0] - 2 - i for i in traced.saved_from)
+    bkey = register_indexed(traced.backward_key, index, saved, saved_from=how, anchor=anchor)
     state.keys += [fkey, bkey]
     return _LoopedLayer.apply((traced, fkey, bkey, inputs), *primals)
 
 
-def _stacked(state: ScanState, group: LoopGroup, names: list[str]) -> list[Tensor] | None:
-    """One tensor per name holding every layer's (cached for the trace), or None."""
+def _stacked(state: ScanState, group: LoopGroup, names: list[str]) -> int | None:
+    """The key of an anchor whose call holds one tensor per name stacking every layer's
+    (made once per trace), or None when the layers cannot be stacked."""
     key = (id(group), tuple(names))
     if key in state.stacks:
         return state.stacks[key]
@@ -125,8 +129,11 @@ def _stacked(state: ScanState, group: LoopGroup, names: list[str]) -> list[Tenso
     else:
         with torch.no_grad():
             out = [torch.stack(list(col)) for col in columns]
-    state.stacks[key] = out
-    return out
+    anchor = register_anchor()
+    state.keys.append(anchor)
+    layer_call(anchor, out)
+    state.stacks[key] = anchor
+    return anchor
 
 
 def stack_parameters(group: LoopGroup) -> None:
@@ -200,7 +207,8 @@ class _LoopedLayer(torch.autograd.Function):
         outs = layer_call(fkey, inputs)
         ctx.traced, ctx.bkey, ctx.n_primals = traced, bkey, len(primals)
         token = outs[traced.n_out]  # stands for the computed saved values (expand_saved)
-        ctx.saved = [token, *(inputs[i] for i in traced.saved_from if i >= 0)]
+        n = len(inputs)  # the inputs before the stacked ones, which the anchor holds
+        ctx.saved = [token, *(inputs[i] for i in traced.saved_from if 0 <= i < n)]
         return tuple(outs[: traced.n_out])
 
     @staticmethod
@@ -215,16 +223,25 @@ class _LoopedLayer(torch.autograd.Function):
 
 
 def expand_saved(gm: fx.GraphModule) -> None:
-    """Make the token calls of :func:`looped_call` plain calls (before the loop and inlining):
-    a forward call returns its saved values again, and a backward call reading its token
-    reads them instead."""
+    """Make the calls of :func:`looped_call` plain calls (before the loop and inlining): each
+    reads the stacked inputs its anchor's call holds, a forward call returns its saved values
+    again, and a backward call reading its token reads them instead."""
     graph = gm.graph
+    calls = [n for n in graph.nodes if n.op == "call_function" and n.target == LAYER_CALL_OP]
+    held = {cast(int, c.args[0]): c for c in calls}  # the anchors among them, by key
     computed: dict[fx.Node, list[fx.Node]] = {}  # a token -> the values it stands for
-    for call in [n for n in graph.nodes if n.op == "call_function" and n.target == LAYER_CALL_OP]:
+    anchors = set()
+    for call in calls:
         found = registered(cast(int, call.args[0]))
         if not isinstance(found, Indexed) or found.plain is None:
             continue
         args = list(cast(Sequence[Any], call.args[1]))
+        stacked: list[fx.Node] = []
+        if found.anchor is not None:
+            anchors.add(held[found.anchor])
+            stacked = list(cast(Sequence[fx.Node], held[found.anchor].args[1]))
+        if found.saved_from is None:  # forward: its inputs, then the stacked ones
+            args += stacked
         if found.n_out is not None:  # forward: its outputs after n_out are the saved values
             token = next((u for u in call.users if u.args[1] == found.n_out), None)
             if token is not None and not token.users:  # no backward read it
@@ -237,15 +254,18 @@ def expand_saved(gm: fx.GraphModule) -> None:
                         made.append(graph.call_function(operator.getitem, (call, k)))
                         made[-1].meta["val"] = v
                 computed[token] = made
-        else:  # backward: [*cotangents, token, *saved inputs]
-            how = cast(tuple[int, ...], found.saved_from)
+        if found.saved_from is not None:  # backward: [*cotangents, token, *saved inputs]
+            how = found.saved_from  # -1: computed, <= -2: stacked, else passed
             n_cot = len(args) - 1 - sum(1 for i in how if i >= 0)
-            values = iter(computed[args[n_cot]])
-            inputs = iter(args[n_cot + 1 :])
-            args = [*args[:n_cot], *(next(values) if i < 0 else next(inputs) for i in how)]
+            values, passed = iter(computed[args[n_cot]]), iter(args[n_cot + 1 :])
+            saved = [next(values) if i == -1 else stacked[-2 - i] if i < -1 else next(passed)
+                     for i in how]  # fmt: skip
+            args = [*args[:n_cot], *saved]
         call.args = (found.plain, args)
     for token, made in computed.items():
         graph.erase_node(token)  # read by no call now
         for g in made:
             if not g.users:
                 graph.erase_node(g)
+    for anchor in anchors:
+        graph.erase_node(anchor)
