@@ -44,7 +44,6 @@ __all__ = [
     "inline_layer_calls",
     "part",
     "positional_form",
-    "register_anchor",
     "register_indexed",
     "register_run",
     "registered",
@@ -87,13 +86,9 @@ class PartRun:
 @dataclass(frozen=True)
 class Indexed:
     """Part ``key`` on layer ``index``: the inputs at ``positions`` hold every layer's tensor
-    (a leading layer dim) and the part reads slice ``index`` (``capture.layer_stack``).
-    ``n_out`` (forward): the call returns the first ``n_out`` outputs and one empty token for
-    the saved values; ``saved_from`` (backward, inputs: cotangents, token, saved inputs):
-    each saved value's origin (-1: computed, else that forward input). ``anchor``: the call
-    omits the stacked inputs (and the backward its saved ones), which the call of ``anchor``
-    (a part-less run) holds once. After tracing, ``layer_stack.expand_saved`` makes these
-    calls of ``plain`` (the same with every input and without the token)."""
+    (a leading layer dim) and the part reads slice ``index`` (``capture.layer_stack``, which
+    says what ``n_out``, ``saved_from`` and ``anchor`` ask of the call; ``expand_saved`` turns
+    it into a call of ``plain`` after tracing)."""
 
     key: int
     index: int
@@ -145,14 +140,6 @@ def register_indexed(
     new = next(_KEYS)
     _GRAPHS[new] = Indexed(key, index, positions, meta, n_out, saved_from, plain, anchor)
     return new
-
-
-def register_anchor() -> int:
-    """A fresh key of a part-less run: its call holds the stacked inputs once, for the
-    :class:`Indexed` calls that name it."""
-    key = next(_KEYS)
-    _GRAPHS[key] = PartRun((), (), ())
-    return key
 
 
 def base_key(key: int) -> int:

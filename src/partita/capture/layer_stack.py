@@ -8,9 +8,15 @@ cost grows with the square of the depth), and each becomes an input of the progr
 (``capture/layer_loop.py``) then stacks them again, one ``stack`` per parameter name.
 
 How. The first call of a looped layer in a trace stacks each parameter (and buffer) name over
-the layers once, and every call passes the stacked tensors instead of its own, with its layer
-index (:func:`~partita.capture.layer_graph.register_indexed`): the loop scans the stacked
-tensors as they are, and a call that is not looped reads its slice (a ``select``) when inlined.
+the layers once and passes the stacked tensors to one *anchor* call (a placeholder of no part,
+:func:`~partita.capture.layer_graph.register_run` of nothing). Every layer's call then passes
+only its other inputs, with its layer index and the anchor's key
+(:func:`~partita.capture.layer_graph.register_indexed`): each input a call passes costs about
+0.1 ms to trace, a dozen parameters per layer. A call with a backward also returns one empty
+*token* instead of the dozens of values its backward reads. After tracing,
+:func:`expand_saved` gives each call its stacked inputs from the anchor and its saved values
+back; the loop then scans the stacked tensors as they are, and a call that is not looped reads
+its slice (a ``select``) when inlined.
 
 - Parameters the trace closes over (``partita.jit`` of a function calling the model) are real
   tensors: they are stacked outside the trace, once, and each layer's tensor is made a view of
@@ -47,8 +53,8 @@ from partita.capture.layer_graph import (
     Indexed,
     fake_outputs,
     layer_call,
-    register_anchor,
     register_indexed,
+    register_run,
     registered,
 )
 from partita.capture.layer_loop_keys import LOOPED, LoopGroup
@@ -129,7 +135,7 @@ def _stacked(state: ScanState, group: LoopGroup, names: list[str]) -> int | None
     else:
         with torch.no_grad():
             out = [torch.stack(list(col)) for col in columns]
-    anchor = register_anchor()
+    anchor = register_run([], [])  # a part-less run: its call only holds the inputs
     state.keys.append(anchor)
     layer_call(anchor, out)
     state.stacks[key] = anchor
