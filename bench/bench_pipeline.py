@@ -192,7 +192,7 @@ def report(per_rank: dict[str, dict[str, dict[str, float]]], ns: argparse.Namesp
     print(
         f"{'M':>3} {'(S-1)/(M+S-1)':>14} {'step s':>7} {'busy s':>7} {'alone s':>8}  "
         + " ".join(f"{label:>10}" for _, label in cols)
-        + f" {'alone cpu - theory':>19}"
+        + f" {'busy cpu - theory':>19}"
     )
     ranks = sorted(per_rank, key=int)
     for m in ns.microbatches:
@@ -203,7 +203,7 @@ def report(per_rank: dict[str, dict[str, dict[str, float]]], ns: argparse.Namesp
         print(
             f"{m:>3} {theory:>14.3f} {times[0]:>7.3f} {times[1]:>7.3f} {times[2]:>8.3f}  "
             + " ".join(f"{i:>10.3f}" for i in idle)
-            + f" {idle[3] - theory:>+19.3f}"
+            + f" {idle[2] - theory:>+19.3f}"
         )
 
 
