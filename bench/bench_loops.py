@@ -9,13 +9,16 @@ batch split over ``data``, compiled two ways: ``unrolled`` (``scan_layers(model.
 one block traced, its graph copied once per layer) and ``loop`` (``loop=True``: the chain of
 blocks becomes one ``scan`` over the stacked block parameters, the block's graph held once).
 Each repeat builds a new model and a new jit, so nothing comes from the compile cache;
-``compile`` is the wall time of compiling (trace, propagate, partition), median of
-``--repeat``. Node counts are of the captured program: ``nodes`` every node, ``compute``
-the nodes that are not the program's inputs or their annotations (a layer's parameters are
-inputs of the program either way: 12 per block), ``body`` the nodes of the loop's body.
-``loss`` checks that both programs compute the same loss as eager torch (max abs difference).
-Only the forward is looped (a training step's backward is inlined per layer); the machine is
-shared, so times are noisy: compare the columns of one run.
+``cpu`` is the CPU time (``time.process_time``) of compiling (trace, propagate, partition),
+``wall`` its wall time, both medians of ``--repeat``; ``stack`` is the CPU time of the
+``scan_layers`` call itself (with ``loop=True`` it stacks each parameter name over the layers
+once and makes the layers' parameters views of it; not part of the compile). Node counts are of
+the captured program: ``nodes`` every node, ``inputs`` its inputs, ``compute`` the nodes that
+are not the program's inputs or their annotations, ``body`` the nodes of the loop's body.
+``ratio`` is each depth's ``cpu`` over the first depth's, per mode (after one warm-up
+compile per mode at 2 layers). ``loss`` checks that both
+programs compute the same loss as eager torch (max abs difference). The machine may be shared:
+the load average is printed at the start and the end; CPU time is less noisy than wall time.
 """
 
 from __future__ import annotations
@@ -36,21 +39,24 @@ from partita.models import GPT, GPTConfig
 WIDTH, HEADS, VOCAB, SEQ, BATCH = 256, 4, 512, 64, 8
 
 
-def compile_once(n_layer: int, mesh: Mesh, loop: bool) -> tuple[float, dict[str, int], float]:
-    """Seconds of one fresh compile, the program's node counts, and |loss - eager loss|."""
+def compile_once(n_layer: int, mesh: Mesh, loop: bool) -> tuple[dict[str, float], dict[str, int]]:
+    """CPU and wall seconds of one fresh compile (and of scan_layers), |loss - eager loss|,
+    and the program's node counts."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=n_layer, n_head=HEADS, d_model=WIDTH, vocab_size=VOCAB,
                           seq_len=SEQ))  # fmt: skip
+    c0 = time.process_time()
     partita.scan_layers(model.blocks, loop=loop)
+    stack = time.process_time() - c0
     ids = torch.randint(0, VOCAB, (BATCH, SEQ))
 
     def loss(ids: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(model(ids).flatten(0, 1), torch.roll(ids, -1, 1).flatten())
 
     step = partita.jit(loss, mesh=mesh, in_specs=(P("data", None),))
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     step.lower(ids)
-    seconds = time.perf_counter() - t0
+    cpu, wall = time.process_time() - c0, time.perf_counter() - t0
     gm = step._compile((ids,), {})[0].program.graph_module  # the cached compile
     nodes = list(gm.graph.nodes)
     inputs = {n for n in nodes if n.op == "placeholder"}
@@ -58,12 +64,13 @@ def compile_once(n_layer: int, mesh: Mesh, loop: bool) -> tuple[float, dict[str,
     bodies = [m for m in gm.children() if isinstance(m, torch.fx.GraphModule)]
     counts = {
         "nodes": len(nodes),
+        "inputs": len(inputs),
         "compute": len(nodes) - len(inputs) - len(annotations),
         "body": sum(len(b.graph.nodes) for b in bodies),
     }
     with torch.no_grad():
         diff = (step(ids).full() - loss(ids)).abs().item()
-    return seconds, counts, diff
+    return {"cpu": cpu, "wall": wall, "stack": stack, "diff": diff}, counts
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -78,16 +85,24 @@ def main(argv: list[str] | None = None) -> None:
         f"batch={BATCH}) on {mesh!r}; torch {torch.__version__}; median of {ns.repeat} fresh "
         f"compiles (seconds); load average {os.getloadavg()[0]:.1f} at the start"
     )
-    print(f"{'layers':>6} {'mode':>9} {'compile':>8} {'nodes':>6} {'compute':>8} {'body':>5} "
-          f"{'|loss-eager|':>13}")  # fmt: skip
+    head = ("layers", "mode", "cpu", "ratio", "wall", "stack", "nodes", "inputs", "compute",
+            "body", "|loss-eager|")  # fmt: skip
+    print(" ".join(f"{h:>6}" for h in head))
+    for loop in (False, True):  # warm-up: torch's and partita's first-use costs
+        compile_once(2, mesh, loop)
+    first: dict[bool, float] = {}
     for n_layer in ns.layers:
         for loop in (False, True):
             runs = [compile_once(n_layer, mesh, loop) for _ in range(ns.repeat)]
-            seconds = statistics.median(r[0] for r in runs)
-            counts, diff = runs[0][1], max(r[2] for r in runs)
+            t = {k: statistics.median(r[0][k] for r in runs) for k in ("cpu", "wall", "stack")}
+            counts, diff = runs[0][1], max(r[0]["diff"] for r in runs)
+            ratio = t["cpu"] / first.setdefault(loop, t["cpu"])
             mode = "loop" if loop else "unrolled"
-            print(f"{n_layer:>6} {mode:>9} {seconds:>8.2f} {counts['nodes']:>6} "
-                  f"{counts['compute']:>8} {counts['body']:>5} {diff:>13.2e}")  # fmt: skip
+            row = [n_layer, mode, f"{t['cpu']:.2f}", f"{ratio:.2f}", f"{t['wall']:.2f}",
+                   f"{t['stack']:.2f}", counts["nodes"], counts["inputs"], counts["compute"],
+                   counts["body"], f"{diff:.2e}"]  # fmt: skip
+            print(" ".join(f"{v:>6}" for v in row), flush=True)
+    print(f"# load average {os.getloadavg()[0]:.1f} at the end")
 
 
 if __name__ == "__main__":

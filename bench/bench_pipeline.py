@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -183,13 +184,15 @@ def report(per_rank: dict[str, dict[str, dict[str, float]]], ns: argparse.Namesp
     print(
         f"# mesh (stage={STAGES},), {LAYERS} MLP blocks of width {ns.width}, GPipe, remat, "
         f"micro-batch {ns.rows} x {ns.seq} tokens; {ns.repeat} repetitions per rank; "
-        f"idle = 1 - real work / step, median over repetitions, mean over the 4 ranks"
+        f"idle = 1 - real work / step, median over repetitions, mean over the 4 ranks; "
+        f"load average {os.getloadavg()[0]:.1f} at the end"
     )
     cols = [("idle_busy_wall", "busy wall"), ("idle_alone_wall", "alone wall")]
     cols += [("idle_busy_cpu", "busy cpu"), ("idle_alone_cpu", "alone cpu")]
     print(
         f"{'M':>3} {'(S-1)/(M+S-1)':>14} {'step s':>7} {'busy s':>7} {'alone s':>8}  "
         + " ".join(f"{label:>10}" for _, label in cols)
+        + f" {'busy cpu - theory':>19}"
     )
     ranks = sorted(per_rank, key=int)
     for m in ns.microbatches:
@@ -200,6 +203,7 @@ def report(per_rank: dict[str, dict[str, dict[str, float]]], ns: argparse.Namesp
         print(
             f"{m:>3} {theory:>14.3f} {times[0]:>7.3f} {times[1]:>7.3f} {times[2]:>8.3f}  "
             + " ".join(f"{i:>10.3f}" for i in idle)
+            + f" {idle[2] - theory:>+19.3f}"
         )
 
 

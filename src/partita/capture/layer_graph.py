@@ -23,7 +23,7 @@ whole program (``trace`` does).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,12 +36,15 @@ from partita.capture.fx_nodes import copy_node
 
 __all__ = [
     "LAYER_CALL_OP",
+    "Indexed",
     "LayerGraph",
     "PartRun",
+    "base_key",
     "fake_outputs",
     "inline_layer_calls",
     "part",
     "positional_form",
+    "register_indexed",
     "register_run",
     "registered",
     "split_joint",
@@ -80,9 +83,26 @@ class PartRun:
     out_meta: tuple[Meta, ...]
 
 
+@dataclass(frozen=True)
+class Indexed:
+    """Part ``key`` on layer ``index``: the inputs at ``positions`` hold every layer's tensor
+    (a leading layer dim) and the part reads slice ``index`` (``capture.layer_stack``, which
+    says what ``n_out``, ``saved_from`` and ``anchor`` ask of the call; ``expand_saved`` turns
+    it into a call of ``plain`` after tracing)."""
+
+    key: int
+    index: int
+    positions: tuple[int, ...]
+    out_meta: tuple[Meta, ...]
+    n_out: int | None = None
+    saved_from: tuple[int, ...] | None = None
+    plain: int | None = None
+    anchor: int | None = None
+
+
 _KEYS = itertools.count()
 # key -> part (or run of parts); filled while a trace runs and emptied with it (scan_scope)
-_GRAPHS: dict[int, LayerGraph | PartRun] = {}
+_GRAPHS: dict[int, LayerGraph | PartRun | Indexed] = {}
 
 
 def register(part: LayerGraph) -> int:
@@ -100,6 +120,34 @@ def register_run(keys: list[int], n_inputs: list[int]) -> int:
     return key
 
 
+def register_indexed(
+    key: int,
+    index: int,
+    positions: tuple[int, ...],
+    n_out: int | None = None,
+    saved_from: tuple[int, ...] | None = None,
+    anchor: int | None = None,
+) -> int:
+    """A fresh key for part ``key`` on slice ``index`` of its inputs at ``positions`` (see
+    :class:`Indexed` for ``n_out`` and ``saved_from``)."""
+    meta = _GRAPHS[key].out_meta
+    plain = next(_KEYS)
+    _GRAPHS[plain] = Indexed(key, index, positions, meta)
+    if n_out is None and saved_from is None and anchor is None:
+        return plain
+    if n_out is not None:  # the outputs, then the token
+        meta = (*meta[:n_out], ((0,), torch.float32, meta[0][2]))
+    new = next(_KEYS)
+    _GRAPHS[new] = Indexed(key, index, positions, meta, n_out, saved_from, plain, anchor)
+    return new
+
+
+def base_key(key: int) -> int:
+    """The part an :class:`Indexed` key calls, else ``key`` itself."""
+    found = _GRAPHS.get(key)
+    return found.key if isinstance(found, Indexed) else key
+
+
 def part(key: int) -> LayerGraph:
     """The part registered under ``key``."""
     found = _GRAPHS[key]
@@ -107,16 +155,26 @@ def part(key: int) -> LayerGraph:
     return found
 
 
-def registered(key: int) -> LayerGraph | PartRun:
-    """What ``key`` names: one part, or a run of parts."""
+def registered(key: int) -> LayerGraph | PartRun | Indexed:
+    """What ``key`` names: one part, a run of parts, or a part on one layer's slice."""
     return _GRAPHS[key]
 
 
-def _pieces(key: int, inputs: list[Any]) -> list[tuple[LayerGraph, list[Any]]]:
-    """The parts a placeholder of ``key`` stands for, each with its inputs, in call order."""
+def _pieces(
+    key: int, inputs: list[Any], select: Callable[[Any, int, fx.Node], Any]
+) -> list[tuple[LayerGraph, list[Any]]]:
+    """The parts a placeholder of ``key`` stands for, each with its inputs, in call order;
+    ``select(stacked, index, placeholder)`` takes one layer's slice of a stacked input."""
     found = _GRAPHS[key]
     if isinstance(found, LayerGraph):
         return [(found, inputs)]
+    if isinstance(found, Indexed):
+        one = part(found.key)
+        holders = [n for n in one.graph.nodes if n.op == "placeholder"]
+        ins = list(inputs)
+        for p in found.positions:
+            ins[p] = select(ins[p], found.index, holders[p])
+        return [(one, ins)]
     out, start = [], 0
     for k, n in zip(found.keys, found.n_inputs, strict=True):
         out.append((part(k), inputs[start : start + n]))
@@ -126,7 +184,9 @@ def _pieces(key: int, inputs: list[Any]) -> list[tuple[LayerGraph, list[Any]]]:
 
 def release(keys: list[int]) -> None:
     for key in keys:
-        _GRAPHS.pop(key, None)
+        found = _GRAPHS.pop(key, None)
+        if isinstance(found, Indexed) and found.plain is not None:
+            _GRAPHS.pop(found.plain, None)
 
 
 @torch.library.custom_op(
@@ -136,7 +196,7 @@ def layer_call(key: int, inputs: list[Tensor]) -> list[Tensor]:
     """Run the registered part eagerly (only reached if a placeholder was not inlined)."""
     return [
         t.clone()
-        for one, ins in _pieces(key, inputs)
+        for one, ins in _pieces(key, inputs, lambda t, i, _: t[i])
         for t in fx.GraphModule(one.owner, one.graph)(*ins)
     ]
 
@@ -290,10 +350,16 @@ def inline_layer_calls(gm: fx.GraphModule) -> int:
     graph = gm.graph
     calls = [n for n in graph.nodes if n.op == "call_function" and n.target == LAYER_CALL_OP]
     constants = itertools.count()
+
+    def select(stacked: fx.Node, index: int, holder: fx.Node) -> fx.Node:
+        node = graph.call_function(torch.ops.aten.select.int, (stacked, 0, index))
+        node.meta = {k: v for k, v in holder.meta.items() if k in ("val", "tensor_meta")}
+        return node
+
     for call in calls:
         results: list[fx.Node] = []
         with graph.inserting_before(call):
-            for one, inputs in _pieces(call.args[0], list(call.args[1])):
+            for one, inputs in _pieces(call.args[0], list(call.args[1]), select):
                 results += _copy_part(gm, one, inputs, constants)
         for user in list(call.users):
             # make_fx reads a list result through operator.getitem(call, i)

@@ -31,9 +31,10 @@ import torch
 from torch import fx
 from torch._higher_order_ops.scan import scan_op
 
-from partita.capture.layer_graph import LAYER_CALL_OP, LayerGraph, registered
+from partita.capture.layer_graph import LAYER_CALL_OP, Indexed, LayerGraph, base_key, registered
 from partita.capture.layer_graph import inline_layer_calls as _inline
 from partita.capture.layer_loop_keys import LOOP_KEYS
+from partita.capture.layer_stack import expand_saved
 
 __all__ = ["inline_layer_calls", "loop_layer_chains"]
 
@@ -64,11 +65,11 @@ def _chains(gm: fx.GraphModule) -> list[tuple[list[fx.Node], dict[int, int]]]:
     """Maximal runs of calls of one forward part, each reading the previous one's results
     through the same inputs."""
     out: list[tuple[list[fx.Node], dict[int, int]]] = []
-    calls = [c for c in _calls(gm) if c.args[0] in LOOP_KEYS]
+    calls = [c for c in _calls(gm) if _part_key(c) in LOOP_KEYS]
     i = 0
     while i < len(calls):
         chain, carry = [calls[i]], None
-        while i + 1 < len(calls) and calls[i + 1].args[0] == calls[i].args[0]:
+        while i + 1 < len(calls) and _part_key(calls[i + 1]) == _part_key(calls[i]):
             step = _carry_map(calls[i], calls[i + 1])
             if step is None or (carry is not None and step != carry):
                 break
@@ -78,6 +79,43 @@ def _chains(gm: fx.GraphModule) -> list[tuple[list[fx.Node], dict[int, int]]]:
         if carry is not None and len(chain) >= 2:
             out.append((chain, carry))
         i += 1
+    return out
+
+
+def _part_key(call: fx.Node) -> int:
+    return base_key(cast(int, call.args[0]))
+
+
+def _scanned(chain: list[fx.Node]) -> tuple[tuple[int, ...], list[int]]:
+    """The inputs every call of ``chain`` passes stacked over the layers (``layer_stack``),
+    with each call's layer index (none when the calls pass their own tensors)."""
+    found = [registered(cast(int, c.args[0])) for c in chain]
+    if not all(isinstance(f, Indexed) for f in found):
+        return (), []
+    return cast(Indexed, found[0]).positions, [cast(Indexed, f).index for f in found]
+
+
+def _consecutive(index: list[int]) -> int | None:
+    """1 when ``index`` counts up by one, -1 when it counts down by one, else None."""
+    for step in (1, -1):
+        if index == list(range(index[0], index[0] + step * len(index), step)):
+            return step
+    return None
+
+
+def _layer_slices(stacked: fx.Node, index: list[int]) -> fx.Node:
+    """``stacked`` read in the (consecutive) order ``index`` as one value: a slice, flipped
+    when the indices run backwards, as a backward loop reads them."""
+    n, total = len(index), _fake(stacked).shape[0]
+    start, step = min(index), _consecutive(index)
+    graph, out = stacked.graph, stacked
+    if (start, n) != (0, total):
+        out = graph.call_function(aten.slice.Tensor, (out, 0, start, start + n))
+        out.meta["val"] = _fake(stacked)[start : start + n]
+    if step == -1:
+        flipped = graph.call_function(aten.flip.default, (out, [0]))
+        flipped.meta["val"] = _fake(out).flip(0)
+        out = flipped
     return out
 
 
@@ -140,12 +178,21 @@ def _body(part: LayerGraph, order: Sequence[int], outs: Sequence[int]) -> fx.Gra
 def _loop(gm: fx.GraphModule, chain: list[fx.Node], carry: dict[int, int], n: int) -> None:
     graph = gm.graph
     first, last = chain[0], chain[-1]
-    part = cast(LayerGraph, registered(cast(int, first.args[0])))
+    part = cast(LayerGraph, registered(_part_key(first)))
     inputs = [list(cast(Sequence[fx.Node], c.args[1])) for c in chain]
     n_in = len(inputs[0])
     carry_in = sorted(carry)
+    positions, index = _scanned(chain)
+    if positions and (
+        _consecutive(index) is None
+        or set(positions) & set(carry)
+        or any(x[j] is not inputs[0][j] for x in inputs for j in positions)
+    ):
+        return  # left unrolled: each call reads its slice when inlined
     shared = [
-        j for j in range(n_in) if j not in carry and all(x[j] is inputs[0][j] for x in inputs)
+        j
+        for j in range(n_in)
+        if j not in carry and j not in positions and all(x[j] is inputs[0][j] for x in inputs)
     ]
     stacked = [j for j in range(n_in) if j not in carry and j not in shared]
     carry_out = [carry[j] for j in carry_in]
@@ -163,7 +210,11 @@ def _loop(gm: fx.GraphModule, chain: list[fx.Node], carry: dict[int, int], n: in
     with graph.inserting_before(last), fake_mode:
         xs = []
         for j in stacked:
-            whole = _selected([x[j] for x in inputs])
+            whole = (
+                _layer_slices(inputs[0][j], index)
+                if j in positions
+                else _selected([x[j] for x in inputs])
+            )
             if whole is not None:  # another loop's stacked output, read in order or reversed
                 xs.append(whole)
                 continue
@@ -220,5 +271,6 @@ def loop_layer_chains(gm: fx.GraphModule) -> int:
 def inline_layer_calls(gm: fx.GraphModule) -> int:
     """Loop the chains of layers marked ``scan_layers(..., loop=True)``, then inline every
     other layer call (``layer_graph.inline_layer_calls``); returns how many were inlined."""
+    expand_saved(gm)
     loop_layer_chains(gm)
     return _inline(gm)

@@ -58,6 +58,7 @@ class ScanState:
     by_size_class: dict[Any, Traced] = field(default_factory=dict)  # any_sizes functions
     seen_once: set[Any] = field(default_factory=set)  # signatures of found layers called once
     twins: Counter[tuple[Any, ...]] | None = None  # found layers per layer_attrs (_has_twin)
+    stacks: dict[Any, Any] = field(default_factory=dict)  # looped layers' stacks (layer_stack)
 
 
 def traces_alike(traced: Traced, *how: Any) -> bool:

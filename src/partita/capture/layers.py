@@ -59,6 +59,7 @@ from partita.capture.layer_graph import layer_call, part, register, register_run
 from partita.capture.layer_key import LayerFallbackError, call_signature, layer_attrs
 from partita.capture.layer_loop_keys import LOOP_KEYS, LOOPED
 from partita.capture.layer_sizes import resized, size_class
+from partita.capture.layer_stack import looped_call
 from partita.capture.layer_trace import ScanState, Traced, trace_layer, traces_alike
 from partita.errors import PartitaWarning
 
@@ -205,6 +206,11 @@ def _call(
     traced, primals = _lookup(module, original, args, kwargs, state, any_sizes)
     if traced is None:
         return original(*args, **kwargs)
+    if module is not None and module in LOOPED:  # on the layers' stacked parameters
+        names = [n for n, _ in module.named_parameters()] + [n for n, _ in module.named_buffers()]
+        out = looped_call(state, module, traced, names, primals)
+        if out is not None:
+            return out
     return _reuse(state, traced, primals)
 
 

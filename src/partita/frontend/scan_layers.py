@@ -20,7 +20,8 @@ from typing import TypeVar
 
 from torch import nn
 
-from partita.capture.layer_loop_keys import LOOPED
+from partita.capture.layer_loop_keys import LOOPED, LoopGroup
+from partita.capture.layer_stack import stack_parameters
 from partita.capture.layers import mark_layers
 from partita.errors import ArgumentTypeError
 
@@ -34,8 +35,11 @@ def scan_layers(layers: Layers, *, loop: bool = False) -> Layers:
 
     ``loop=True``: a chain of identical layers, each reading the previous one's result,
     becomes one ``scan`` over the layers' stacked parameters (``capture/layer_loop.py``): the
-    program holds the layer once, propagated and partitioned once, whatever the depth. Only
-    the forward is looped; the backward of a training step is inlined per layer as before.
+    program holds the layer once, propagated and partitioned once, whatever the depth (a
+    training step's backward chain becomes a second scan). The call stacks each parameter and
+    buffer name over the layers once, and makes every layer's parameter a view of its slice
+    (``p.data = stacked[i]``: the same Parameter, updated in place as before), so a compiled
+    function reads one tensor per name (``capture/layer_stack.py``).
 
     Layers are identical when they have the same class and Python attributes (submodules
     included), the same parameter and buffer names, shapes, dtypes and ``requires_grad``, and
@@ -67,5 +71,8 @@ def scan_layers(layers: Layers, *, loop: bool = False) -> Layers:
         )
     mark_layers(modules)
     if loop:
-        LOOPED.update(modules)
+        group = LoopGroup(modules)
+        for m in modules:
+            LOOPED[m] = group
+        stack_parameters(group)  # the parameters become views of one tensor per name
     return layers
