@@ -299,3 +299,51 @@ def test_a_prefetch_does_not_stack_on_a_reduce_scatter_in_flight() -> None:
 
 def _kind_of(target: Any) -> str:
     return target._schema.name.split("::")[-1]
+
+
+def test_a_gradient_reduce_scatter_waits_past_its_views() -> None:
+    """On an FSDP train step (one reduce_scatter per gradient, no buckets), a gradient's only
+    immediate consumers are views (the transpose or reshape on its way to the optimizer): they
+    move with the wait, which goes before the optimizer's first read, so the reduction overlaps
+    the backward compute of the earlier layers instead of being waited for at its launch."""
+    import torch.nn.functional as F  # noqa: N812
+
+    import partita
+    from partita import Mesh, P
+    from partita.cost.flops import is_view
+    from partita.presets import param_specs
+    from partita.training import init_opt_state, make_train_step
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.GELU(), nn.Linear(32, 8)
+    )
+    params = {k: v.detach().clone() for k, v in model.named_parameters()}
+    state = init_opt_state(params)
+    mesh = Mesh.create((4,), ("data",))
+    pspecs = param_specs("fsdp", model, mesh)
+    step = partita.jit(
+        make_train_step(model, F.mse_loss, "adamw", lr=1e-2), mesh=mesh,
+        in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
+                  (P("data"), P("data"))),
+        options=CompileOptions(bucket_bytes=0),
+    )  # fmt: skip
+    gm = step.lower(params, {}, state, (torch.randn(64, 16), torch.randn(64, 8))).local_program
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    rs = [n for n in graph.nodes if n.target is ops.reduce_scatter.default]
+    assert len(rs) == 6 and all(is_view(u) for n in rs for u in n.users)
+
+    def start(kind: str, *args: Any, node: str = "") -> None: ...
+    def wait(handle: Any) -> None: ...
+
+    schedule_overlap(graph, {ops.reduce_scatter.default}, start, wait, _kind_of, 1 << 30)
+    graph.lint()  # still a valid program: every node after its inputs
+    order = list(graph.nodes)
+    at = {n.kwargs["node"]: i for i, n in enumerate(order) if n.target is start}
+    waits = {n.args[0].kwargs["node"]: i for i, n in enumerate(order) if n.target is wait}
+    mms = [i for i, n in enumerate(order) if n.target is aten.mm.default]
+    first = min(at, key=at.__getitem__)  # the last layer's gradient: launched first
+    assert any(at[first] < i < waits[first] for i in mms), "no backward compute overlaps it"
+    for w in waits.values():  # every view of a result after its wait
+        assert all(order.index(v) > w for v in order[w].users)

@@ -6,10 +6,14 @@ rewrites a bound per-device graph (``runtime.distributed``) so that every collec
 ``ASYNC_OPS`` becomes a ``start`` node (launch with ``async_op=True``) and a ``wait`` node, then
 re-orders the graph: each start right after its inputs are computed (the next block's
 parameter all_gather during this block's compute, a gradient reduce_scatter as soon as the
-gradient exists), each wait just before the first use of the result (the optimizer update of
-one bucket waits only for that bucket). ``limit_bytes`` bounds the per-device bytes in flight:
-a start that would exceed it is deferred until enough earlier collectives are waited for (or
-until its own result is needed), which also bounds how much gathered memory a prefetch holds.
+gradient exists), each wait just before the first use that reads the result (the optimizer
+update of one bucket waits only for that bucket). A view of the result (``cost.flops.is_view``:
+a bucket's ``getitem``, the transpose or reshape of a gradient on its way to the optimizer)
+reads nothing: it moves with the wait, after it (the wait returns the finished tensor, which
+the view must be taken of), so that a gradient's reduction overlaps the rest of the backward.
+``limit_bytes`` bounds the per-device bytes in flight: a start that would exceed it is deferred
+until enough earlier collectives are waited for (or until its own result is needed), which also
+bounds how much gathered memory a prefetch holds.
 Given the size of every value (``sizes``, measured by the program's first run:
 :func:`run_measuring`), a gather is also held until its buffer fits under the peak of the
 program as partitioned: a prefetch overlaps compute but does not raise the step's peak.
@@ -25,7 +29,6 @@ partitioned.
 from __future__ import annotations
 
 import math
-import operator
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
@@ -86,10 +89,9 @@ def schedule_overlap(
     priority = dict(pos)
     for h, w in pairs:
         priority[h] = max((pos[a] for a in h.all_input_nodes), default=-1.0) + 0.5
-        priority[w] = _first_use(w, pos) - 0.5
-        for u in w.users:  # a bucket's getitems move with its wait, not before it
-            if u.target is operator.getitem:
-                priority[u] = _first_use(u, pos) - 0.25
+        priority[w] = _first_read(w, pos) - 0.5
+        for v in _views_of(w):  # move with the wait (a bucket's getitems, a gradient's
+            priority[v] = _first_read(v, pos) - 0.25  # transpose), not before it
     _hold_regathers(pairs, pos, priority)
     if size_of is not None:
         _hold_under_peak(pairs, nodes, priority, size_of, gather_buffers)
@@ -207,15 +209,28 @@ def run_measuring(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[Any, dict[st
     return interpreter.run(*args), sizes
 
 
-def _first_use(node: fx.Node, pos: dict[fx.Node, float]) -> float:
-    """Where the result is first read: through a bucket's ``getitem`` to the member's users."""
-    uses: list[float] = []
-    for u in node.users:
-        if u.target is operator.getitem:
-            uses.extend(pos[v] for v in u.users)
-        else:
-            uses.append(pos[u])
+def _is_view_of(u: fx.Node, node: fx.Node) -> bool:
+    """Whether ``u`` is a view of ``node`` (``cost.flops.is_view``: shares its storage)."""
+    return bool(u.args) and u.args[0] is node and is_view(u)
+
+
+def _first_read(node: fx.Node, pos: dict[fx.Node, float]) -> float:
+    """Where the result is first read: a view of it (a bucket's ``getitem``, a transpose or
+    reshape of a gradient on its way to the optimizer) reads nothing, its users do."""
+    uses = [_first_read(u, pos) if _is_view_of(u, node) else pos[u] for u in node.users]
     return min(uses, default=max(pos.values()))
+
+
+def _views_of(node: fx.Node) -> list[fx.Node]:
+    """The views of ``node``, and the views of those, to any depth."""
+    out: list[fx.Node] = []
+    todo = [node]
+    while todo:
+        m = todo.pop()
+        views = [u for u in m.users if _is_view_of(u, m)]
+        out.extend(views)
+        todo.extend(views)
+    return out
 
 
 def _bound_in_flight(graph: fx.Graph, wait_of: dict[fx.Node, fx.Node], limit: int) -> None:
