@@ -19,7 +19,7 @@ from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
-__all__ = ["is_view", "node_bytes", "node_flops", "value_bytes"]
+__all__ = ["first_read", "is_view", "is_view_of", "node_bytes", "node_flops", "value_bytes"]
 
 
 def _val(x: Any, vals: Mapping[fx.Node, Any] | None = None) -> Any:
@@ -55,6 +55,20 @@ def is_view(node: fx.Node) -> bool:
         return False
     alias = schema.returns[0].alias_info
     return alias is not None and not alias.is_write
+
+
+def is_view_of(user: fx.Node, node: fx.Node) -> bool:
+    """Whether ``user`` is a view of ``node`` (its first operand, sharing its storage)."""
+    return bool(user.args) and user.args[0] is node and is_view(user)
+
+
+def first_read(node: fx.Node, pos: Mapping[fx.Node, float], end: float) -> float:
+    """Where ``node``'s result is first read, by the positions ``pos``: a view of it (a
+    bucket's getitem, a transpose or reshape of a gradient on its way to the optimizer) reads
+    nothing, its users do; ``end`` when nothing reads it. The runtime waits for an
+    asynchronous collective there, and the step estimate charges its wait there."""
+    uses = [first_read(u, pos, end) if is_view_of(u, node) else pos[u] for u in node.users]
+    return min(uses, default=end)
 
 
 def _computes(node: fx.Node) -> bool:

@@ -26,14 +26,13 @@ only delay launches, so where they bind the estimate is optimistic.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from torch import fx
 
-from partita.cost.flops import node_bytes, node_flops
+from partita.cost.flops import first_read, node_bytes, node_flops
 from partita.cost.model import Hardware, get_profile, wire_bytes
 from partita.ir import node_meta
 from partita.ir.buckets import BUCKET_OPS
@@ -267,24 +266,13 @@ def overlap_calls(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tup
             calls.append((kind, Call(seconds, i, i, asynchronous=False)))
             continue
         issue = max((index[a] for a in node.all_input_nodes), default=-1)
-        wait = _first_use(node, index, len(nodes))
+        wait = int(first_read(node, index, len(nodes)))
         if (after := node_meta.regather_after(node)) is not None:
             at = next((index[n] for n in nodes if n.name == after), -1)
             issue = max(issue, at, previous_regather - 1)  # one re-gather ahead
             previous_regather = wait
         calls.append((kind, Call(seconds, issue, wait)))
     return calls
-
-
-def _first_use(node: fx.Node, index: Mapping[fx.Node, int], end: int) -> int:
-    """The index of the first op reading ``node``'s result (through a bucket's getitems)."""
-    uses: list[int] = []
-    for u in node.users:
-        if u.target is operator.getitem:
-            uses.extend(index[v] for v in u.users)
-        else:
-            uses.append(index[u])
-    return min(uses, default=end)
 
 
 def collective_calls(plan: Any) -> list[tuple[str, int, tuple[str, ...]]]:

@@ -35,7 +35,7 @@ from typing import Any
 from torch import fx
 from torch.autograd.profiler import record_function
 
-from partita.cost.flops import is_view, value_bytes
+from partita.cost.flops import first_read, is_view, is_view_of, value_bytes
 from partita.ir import node_meta
 from partita.partition.bucket import reorder
 from partita.runtime import ranges
@@ -89,9 +89,9 @@ def schedule_overlap(
     priority = dict(pos)
     for h, w in pairs:
         priority[h] = max((pos[a] for a in h.all_input_nodes), default=-1.0) + 0.5
-        priority[w] = _first_read(w, pos) - 0.5
+        priority[w] = first_read(w, pos, max(pos.values())) - 0.5
         for v in _views_of(w):  # move with the wait (a bucket's getitems, a gradient's
-            priority[v] = _first_read(v, pos) - 0.25  # transpose), not before it
+            priority[v] = first_read(v, pos, max(pos.values())) - 0.25  # transpose), not before it
     _hold_regathers(pairs, pos, priority)
     if size_of is not None:
         _hold_under_peak(pairs, nodes, priority, size_of, gather_buffers)
@@ -209,25 +209,13 @@ def run_measuring(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[Any, dict[st
     return interpreter.run(*args), sizes
 
 
-def _is_view_of(u: fx.Node, node: fx.Node) -> bool:
-    """Whether ``u`` is a view of ``node`` (``cost.flops.is_view``: shares its storage)."""
-    return bool(u.args) and u.args[0] is node and is_view(u)
-
-
-def _first_read(node: fx.Node, pos: dict[fx.Node, float]) -> float:
-    """Where the result is first read: a view of it (a bucket's ``getitem``, a transpose or
-    reshape of a gradient on its way to the optimizer) reads nothing, its users do."""
-    uses = [_first_read(u, pos) if _is_view_of(u, node) else pos[u] for u in node.users]
-    return min(uses, default=max(pos.values()))
-
-
 def _views_of(node: fx.Node) -> list[fx.Node]:
     """The views of ``node``, and the views of those, to any depth."""
     out: list[fx.Node] = []
     todo = [node]
     while todo:
         m = todo.pop()
-        views = [u for u in m.users if _is_view_of(u, m)]
+        views = [u for u in m.users if is_view_of(u, m)]
         out.extend(views)
         todo.extend(views)
     return out
