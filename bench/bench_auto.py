@@ -38,8 +38,10 @@ configuration in its own processes, killed after ``--gloo-timeout`` seconds), on
 rank solves; the ranks must agree on the plan, else the row fails), rank 0 reports the modelled
 seconds of its Plan, and the step time is the median wall time of ``--repeat`` steps after two
 warm-ups, max over ranks (``bench_estimate``'s helper). Sweeps run ``--rounds`` times, the median
-is shown. The run ends with auto's measured time over the best preset's per mesh and the
-Spearman rank correlation between modelled and measured step times (``scipy.stats``).
+is shown (every other sweep runs in reverse order). The run ends with auto's measured time over
+the best preset's per mesh (when auto kept a preset, both rows run one program: the ratio is the
+measurement's noise) and the Spearman rank correlation between modelled and measured step
+times (``scipy.stats``).
 """
 
 from __future__ import annotations
@@ -286,8 +288,8 @@ def gloo(ns: argparse.Namespace) -> None:
           f"modelled: Plan.estimate('cpu-gloo')")  # fmt: skip
     print(_load(), flush=True)
     runs: dict[str, list[dict[str, Any]]] = {}
-    for _ in range(ns.rounds):  # whole sweeps in turn: a change of load hits every row alike
-        for name, shape in GLOO:
+    for sweep in range(ns.rounds):  # whole sweeps, every other one reversed: a change of
+        for name, shape in GLOO[:: -1 if sweep % 2 else 1]:  # load hits every row alike
             key = f"{name}/{shape}".replace(" ", "")
             argv = [__file__, "--gloo-worker", name, "x".join(map(str, shape)),
                     "--repeat", str(ns.repeat), "--time-limit", str(ns.time_limit)]  # fmt: skip
@@ -313,8 +315,10 @@ def gloo(ns: argparse.Namespace) -> None:
         auto = rows.get(f"auto/{shape}")
         presets = [r["measured"] for k, r in rows.items() if k.endswith(shape) and "auto" not in k]
         if auto and presets:
+            kept = auto["chosen"]
+            same = f"(auto kept {kept}: the same program)" if kept != "auto" else ""
             print(f"measured auto / best preset on {shape}: {auto['measured'] / min(presets):.3f} "
-                  f"(goal <= 1.05)")  # fmt: skip
+                  f"(goal <= 1.05) {same}")  # fmt: skip
     if len(rows) >= 3:
         measured = [r["measured"] for r in rows.values()]
         modelled = [r["modelled"] for r in rows.values()]
