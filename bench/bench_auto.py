@@ -211,16 +211,20 @@ def show(row: dict[str, Any]) -> dict[str, Any]:
     same = row["same_bytes"]
     print(f"   each preset's own Plan sends the bytes scored: "
           f"{', '.join(f'{k} {v}' for k, v in same.items())}")  # fmt: skip
-    out["bytes_ratio"], out["bytes_exact"] = float("nan"), "-"
+    out["bytes_ratio"], out["bytes_exact"], out["bytes_compute"] = float("nan"), "-", float("nan")
     b = row.get("bytes_report")
     if b is not None:
         bmine = _solver_plan(b)
-        bbest = min(c.wire_bytes for c in b.candidates if c.name in PRESETS)
+        bpresets = [c for c in b.candidates if c.name in PRESETS]
+        bbest = min(c.wire_bytes for c in bpresets)
         if bmine is not None:
+            least = min(c.compute for c in bpresets)  # the objective holds compute near this
+            out["bytes_compute"] = _ratio(bmine.compute, least)
             out["bytes_ratio"] = _ratio(bmine.wire_bytes, bbest)
             exact = b.model_objective == bmine.wire_bytes
             out["bytes_exact"] = "yes" if exact else "no"
-            print(f"   objective bytes: solver's plan {bmine.wire_bytes / 2**20:.3f} MiB, best "
+            print(f"   objective bytes: solver's plan {bmine.wire_bytes / 2**20:.3f} MiB "
+                  f"(compute {out['bytes_compute']:.2f}x the most parallel preset's), best "
                   f"preset {bbest / 2**20:.3f} MiB; modelled bytes equal the Plan's bytes "
                   f"exactly: {exact} (model {b.model_objective:.0f} B, Plan "
                   f"{bmine.wire_bytes:.0f} B); {b.solver}, "
@@ -230,16 +234,18 @@ def show(row: dict[str, Any]) -> dict[str, Any]:
 
 def summary(lines: list[dict[str, Any]]) -> None:
     print("\n== summary: the solver's plan over the best preset (modelled, cpu-gloo)")
-    print(f"   {'case':<8}{'mesh':<6}{'time':>7}{'kept':>7}{'bytes':>7}  {'exact':<6}"
-          f"{'kept plan':<10}{'solve s':>8}  certificate")  # fmt: skip
+    print(f"   {'case':<8}{'mesh':<6}{'time':>7}{'kept':>7}{'bytes':>7}{'compute':>8}  "
+          f"{'exact':<6}{'kept plan':<10}{'solve s':>8}  certificate")  # fmt: skip
     for s in lines:
         print(f"   {s['case']:<8}{s['mesh']:<6}{s['time_ratio']:7.3f}{s['kept_ratio']:7.3f}"
-              f"{s['bytes_ratio']:7.3f}  {s['bytes_exact']:<6}{s['chosen']:<10}"
+              f"{s['bytes_ratio']:7.3f}{s['bytes_compute']:8.2f}  {s['bytes_exact']:<6}"
+              f"{s['chosen']:<10}"
               f"{s['solve']:8.2f}  {s['cert']}")  # fmt: skip
     print(
         "   time: auto's modelled step / best preset's; kept: the plan kept / best preset's "
         "(<= 1 by construction); bytes: auto's wire bytes / best preset's under "
-        "auto_objective='bytes'; exact: the solver's modelled bytes equal its Plan's"
+        "auto_objective='bytes' (compute: its modelled compute over the most parallel "
+        "preset's); exact: the solver's modelled bytes equal its Plan's"
     )
 
 
