@@ -1,7 +1,7 @@
 """Auto-sharding beside every preset, side by side in one run (``partita.auto``, docs/auto.md).
 
 Run: ``PYTHONPATH=src .venv/bin/python bench/bench_auto.py [--cases gpt-s llama ...]
-[--meshes 8 2x4 4x2] [--time-limit 30] [--repeat 3] [--no-measure] [--no-bytes]``;
+[--meshes 8 2x4 4x2] [--time-limit 30] [--repeat 3] [--no-measure] [--no-bytes] [--meta]``;
 ``--gloo [--rounds 2]`` measures GPT-S on 4 Gloo processes instead (below); ``--scaling 12 48``
 measures only the build and solve seconds of a width-64 GPT step as its layers grow.
 
@@ -18,7 +18,8 @@ the row of the plan it kept. A preset's own Plan must send exactly the bytes the
 cell also prints the solver's plan's wire bytes against the best preset's, and whether the
 solver's modelled bytes equal its Plan's bytes exactly. The solver's line gives the problem's
 size, the build and solve seconds, the LP bound and the gap ("LP integral" when the relaxation
-was integral). A summary table ends the run.
+was integral). A summary table ends the run. ``--meta`` builds the models on the meta device
+(shapes only: GPT-M's state on 8 simulated devices takes over 10 GB) and only lowers them.
 
 Cases (training steps; AdamW, SGD for the CNNs):
 
@@ -132,8 +133,12 @@ def _mesh(text: str) -> Mesh:
     return Mesh.create(shape, ("data",) if len(shape) == 1 else ("data", "model"))
 
 
-def _step(case: str, mesh: Mesh, param_specs: str, **options: Any) -> tuple[Any, Any]:
-    model, loss, batch, opt = CASES[case]()
+def _step(
+    case: str, mesh: Mesh, param_specs: str, meta: bool = False, **options: Any
+) -> tuple[Any, Any]:
+    """The case's training step and batch (on the meta device: shapes only, for ``lower``)."""
+    with torch.device("meta" if meta else "cpu"):
+        model, loss, batch, opt = CASES[case]()
     return partita.train_step(
         model, loss, opt, mesh=mesh, param_specs=param_specs, options=options
     ), batch
@@ -160,7 +165,7 @@ def _solver_plan(report: Any) -> Any:
 def cell(case: str, mesh_text: str, ns: argparse.Namespace) -> dict[str, Any]:
     mesh = _mesh(mesh_text)
     limit = {"auto_time_limit": ns.time_limit}
-    step, batch = _step(case, mesh, "auto", auto_objective="time", **limit)
+    step, batch = _step(case, mesh, "auto", ns.meta, auto_objective="time", **limit)
     start = time.perf_counter()
     report = step.lower(batch).auto
     row: dict[str, Any] = {"case": case, "mesh": mesh_text, "report": report, "measured": {}}
@@ -168,14 +173,14 @@ def cell(case: str, mesh_text: str, ns: argparse.Namespace) -> dict[str, Any]:
     row["same_bytes"] = {}
     for c in report.candidates:
         if c.name in PRESETS:  # the preset as its own step: same Plan bytes, then timed
-            pstep, pbatch = _step(case, mesh, c.name)
+            pstep, pbatch = _step(case, mesh, c.name, ns.meta)
             row["same_bytes"][c.name] = pstep.lower(pbatch).estimate().wire_bytes == c.wire_bytes
             if ns.measure:
                 row["measured"][c.name] = _cpu_median(pstep, pbatch, ns.repeat)
     if ns.measure:
         row["measured"]["train_step auto"] = _cpu_median(step, batch, ns.repeat)
     if ns.bytes:
-        bstep, bbatch = _step(case, mesh, "auto", auto_objective="bytes", **limit)
+        bstep, bbatch = _step(case, mesh, "auto", ns.meta, auto_objective="bytes", **limit)
         row["bytes_report"] = bstep.lower(bbatch).auto
     return row
 
@@ -363,6 +368,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3, help="timed steps (median)")
     parser.add_argument("--no-measure", dest="measure", action="store_false")
     parser.add_argument("--no-bytes", dest="bytes", action="store_false")
+    parser.add_argument("--meta", action="store_true", help="meta models: lower only (no run)")
     parser.add_argument("--scaling", nargs="*", type=int, help="layers, e.g. 12 48 (only this)")
     parser.add_argument("--gloo", action="store_true", help="GPT-S on 4 Gloo processes")
     parser.add_argument("--rounds", type=int, default=2, help="Gloo sweeps (median)")
@@ -381,6 +387,7 @@ def main() -> None:
             scaling(ns.scaling, m, ns.time_limit)
         return
     print(_load(), flush=True)
+    ns.measure = ns.measure and not ns.meta
     lines = []
     for case in ns.cases:
         for m in ns.meshes:
