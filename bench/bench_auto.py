@@ -53,6 +53,7 @@ import os
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -375,6 +376,8 @@ def main() -> None:
     parser.add_argument("--gloo-timeout", type=float, default=1200.0, help="per configuration")
     parser.add_argument("--gloo-worker", nargs=2, help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    # the Plans are the output; a preset's or the solver's involuntary gather is in them
+    warnings.filterwarnings("ignore", category=partita.RematerializationWarning)
     if ns.gloo_worker:
         gloo_worker(ns.gloo_worker[0], tuple(int(s) for s in ns.gloo_worker[1].split("x")), ns)
         return
