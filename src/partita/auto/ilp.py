@@ -26,11 +26,15 @@ from typing import Any
 import numpy as np
 
 from partita.auto.costs import Pricer
+from partita.auto.highs import MilpResult, milp_with_start
 from partita.auto.space import Space
 from partita.propagate.state import ValueKey
 from partita.values.spec import Sharding
 
-__all__ = ["Edges", "Model", "Solution", "build_model", "solve"]
+__all__ = ["MIP_GAP", "Edges", "Model", "Solution", "build_model", "solve"]
+
+#: The MILP stops within this relative gap of its bound.
+MIP_GAP = 0.01
 
 
 @dataclass
@@ -265,17 +269,20 @@ def solve(
     memory: float | None = None,
     compute: float | None = None,
     time_limit: float = 30.0,
+    start: list[int] | None = None,
 ) -> Solution:
     """Solve the model: LP relaxation, then a MILP when it is fractional. ``memory`` bounds the
-    per-device stored bytes, ``compute`` the modelled compute seconds."""
+    per-device stored bytes, ``compute`` the modelled compute seconds. ``start``: a choice per
+    block (a preset's, ``auto.start``) the MILP starts from as its incumbent."""
     from scipy.optimize import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
         Bounds,
         LinearConstraint,
         linprog,
         milp,
     )
+    from scipy.sparse import vstack  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
-    start = time.perf_counter()
+    t0 = time.perf_counter()
     n = len(model.cost)
     ub_rows, ub_cols, ub_vals, ub_rhs = (
         list(model.ub_rows), list(model.ub_cols), list(model.ub_vals), list(model.ub_rhs),
@@ -299,7 +306,7 @@ def solve(
     if lp.x is None:
         return Solution(
             [], float("inf"), float("inf"), float("inf"), False, "highs-lp", n, rows,
-            model.build_seconds, time.perf_counter() - start, status=str(lp.message),
+            model.build_seconds, time.perf_counter() - t0, status=str(lp.message),
         )  # fmt: skip
     x = lp.x[: model.n_x]
     integral = bool(np.all(np.minimum(np.abs(x), np.abs(1 - x)) < 1e-6))
@@ -307,44 +314,61 @@ def solve(
         choice = _decode(model, lp.x)
         return Solution(
             choice, float(lp.fun), float(lp.fun), 0.0, True, "highs-lp", n, rows,
-            model.build_seconds, time.perf_counter() - start, status="optimal",
+            model.build_seconds, time.perf_counter() - t0, status="optimal",
         )  # fmt: skip
     integrality = np.zeros(n)
     integrality[: model.n_x] = 1
-    constraints = [LinearConstraint(a_eq, b_eq, b_eq)]
-    if a_ub is not None:
-        constraints.append(LinearConstraint(a_ub, -np.inf, b_ub))
-    remaining = max(1.0, time_limit - (time.perf_counter() - start))
-    res = milp(
-        model.cost, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1),
-        options={"time_limit": remaining, "mip_rel_gap": 0.01},
-    )  # fmt: skip
+    remaining = max(1.0, time_limit - (time.perf_counter() - t0))
+    first = _price(model, start, a_eq, b_eq, a_ub, b_ub) if start else None
+    res: Any = None
+    if first is not None:
+        a_all = a_eq if a_ub is None else vstack([a_eq, a_ub])
+        lower = np.concatenate([b_eq, np.full(len(b_ub), -np.inf)])
+        res = milp_with_start(
+            model.cost, a_all, lower, np.concatenate([b_eq, b_ub]), integrality, first[1],
+            remaining, MIP_GAP,
+        )  # fmt: skip
+    if res is None:
+        constraints = [LinearConstraint(a_eq, b_eq, b_eq)]
+        if a_ub is not None:
+            constraints.append(LinearConstraint(a_ub, -np.inf, b_ub))
+        out = milp(
+            model.cost, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1),
+            options={"time_limit": remaining, "mip_rel_gap": MIP_GAP},
+        )  # fmt: skip
+        fun = float(out.fun) if out.x is not None else float("inf")
+        res = MilpResult(
+            out.x, fun, float(getattr(out, "mip_dual_bound", lp.fun) or lp.fun),
+            float(getattr(out, "mip_gap", 0.0) or 0.0), str(out.message),
+        )  # fmt: skip
+        if first is not None and first[0] < fun:  # no incumbent API: the start is kept
+            res.x, res.fun = first[1], first[0]
+            res.gap = (res.fun - res.bound) / max(abs(res.fun), 1e-12)
     if res.x is None:
         choice = _decode(model, lp.x)  # rounded LP: the caller re-scores it exactly
         return Solution(
             choice, float(lp.fun), float(lp.fun), float("inf"), False, "highs-lp-rounded", n,
-            rows, model.build_seconds, time.perf_counter() - start, status=str(res.message),
+            rows, model.build_seconds, time.perf_counter() - t0, status=str(res.message),
         )  # fmt: skip
-    bound = float(getattr(res, "mip_dual_bound", lp.fun) or lp.fun)
-    gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    choice, fun, solver = _decode(model, res.x), float(res.fun), "highs-milp"
-    if gap > 0.01:  # stopped by the time limit: the rounded LP may be a better plan
+    bound, gap = max(res.bound, float(lp.fun)), res.gap
+    choice, fun, solver = _decode(model, res.x), res.fun, "highs-milp"
+    if gap > MIP_GAP:  # stopped by the time limit: the rounded LP may be a better plan
         rounded = _decode(model, lp.x)
         priced = _price(model, rounded, a_eq, b_eq, a_ub, b_ub) if rounded != choice else None
-        if priced is not None and priced < fun:
-            choice, fun, solver = rounded, priced, "highs-milp+rounded-lp"
-            gap = (fun - bound) / max(abs(fun), 1e-12)
+        if priced is not None and priced[0] < fun:
+            choice, fun, solver = rounded, priced[0], "highs-milp+rounded-lp"
+    gap = max(0.0, (fun - bound) / max(abs(fun), 1e-12))
     return Solution(
         choice, fun, bound, gap, False, solver, n, rows,
-        model.build_seconds, time.perf_counter() - start, status=str(res.message),
+        model.build_seconds, time.perf_counter() - t0, status=str(res.message),
     )  # fmt: skip
 
 
 def _price(
     model: Model, choice: list[int], a_eq: Any, b_eq: np.ndarray, a_ub: Any, b_ub: np.ndarray
-) -> float | None:
-    """The objective of ``choice`` (its copy and edge variables at their cheapest), or None
-    when it breaks a row (a memory budget)."""
+) -> tuple[float, np.ndarray] | None:
+    """The objective of ``choice`` (its copy and edge variables at their cheapest) and the
+    full vector, or None when it breaks a row (a memory budget)."""
     from scipy.optimize import linprog  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
     lo = np.zeros(len(model.cost))
@@ -357,7 +381,7 @@ def _price(
         model.cost, A_ub=a_ub, b_ub=b_ub if a_ub is not None else None, A_eq=a_eq, b_eq=b_eq,
         bounds=np.stack([lo, hi], axis=1), method="highs",
     )  # fmt: skip
-    return float(res.fun) if res.status == 0 else None
+    return (float(res.fun), np.asarray(res.x)) if res.status == 0 else None
 
 
 def _decode(model: Model, x: np.ndarray) -> list[int]:
