@@ -23,7 +23,8 @@ from typing import Any
 from partita.auto.clusters import cluster_blocks
 from partita.auto.costs import Pricer
 from partita.auto.greedy import descend, greedy_solve
-from partita.auto.ilp import Solution, build_model, solve
+from partita.auto.highs import solve
+from partita.auto.ilp import Solution, build_model
 from partita.auto.realize import write_solution
 from partita.auto.report import AutoReport, Scored
 from partita.auto.space import build_space
