@@ -102,3 +102,36 @@ def test_highs_starts_from_the_incumbent_it_is_given() -> None:
     assert stopped.fun == -value[:3].sum()
     solved = milp_with_start(*args, 10.0, 0.0)
     assert solved is not None and solved.fun < stopped.fun and solved.gap <= 1e-9
+
+
+def test_the_build_enumerates_and_prices_once_per_unique_layer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A GPT step with 8 layers costs the build no more candidate enumerations, block prices or
+    edge prices than one with 4: every repeated layer reuses its first copy's (counted, not
+    timed)."""
+    from partita.training import init_opt_state, make_train_step
+
+    seen: list[tuple[Any, Any]] = []
+    original = search.cheapest_start
+
+    def spy(space: Any, model: Any, presets: Any, memory: Any = None) -> Any:
+        seen.append((space, model))
+        return original(space, model, presets, memory)
+
+    monkeypatch.setattr(search, "cheapest_start", spy)
+    counts = []
+    for n in (4, 8):
+        cfg = GPTConfig(n_layer=n, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        step = make_train_step(model, _loss, "adamw")
+        params = {k: v.detach().clone() for k, v in model.named_parameters()}
+        args = (params, {}, init_opt_state(params, "adamw"), _batch())
+        partita.jit(step, mesh=Mesh.create((2, 4), ("data", "model")), auto=True).lower(*args)
+        space, m = seen[-1]
+        counts.append((len(space.blocks), space.templates_built, m.priced_ops, m.priced_edges))
+    (blocks4, *work4), (blocks8, *work8) = counts
+    assert blocks8 > blocks4  # the deeper program has more ops...
+    assert work8 == work4  # ...and the same work
+    assert work4[1] < blocks4  # priced once per signature, not per block
