@@ -158,10 +158,12 @@ def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> M
                 whole = Sharding(got.mesh, got.dim_axes)
                 cost[lo + i] += pricer.reshard(got, whole, space.shapes[key], space.dtypes[key])
     extra: list[float] = []
-    # value -> id of a needed sharding -> (it, [(user block, its x columns needing it)]);
-    # shardings are interned (``auto.candidates``), so ``id`` means equality
-    needed: dict[ValueKey, dict[int, tuple[Sharding, list[tuple[int, list[int]]]]]] = {}
-    grouped: dict[tuple[int, ...], list[tuple[Sharding, list[int]]]] = {}
+    # value -> id of a needed sharding -> (it, {(user's first column, its candidates needing
+    # it)}); shardings are interned (``auto.candidates``), so ``id`` means equality, and the
+    # candidate tuples are shared by every use with the same needs
+    needed: dict[ValueKey, dict[int, tuple[Sharding, dict[tuple[int, int], tuple[int, ...]]]]]
+    needed = {}
+    grouped: dict[tuple[int, ...], list[tuple[Sharding, tuple[int, ...]]]] = {}
     for use in space.uses:
         if use.value not in space.producer:
             continue
@@ -169,19 +171,19 @@ def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> M
         ids = tuple(map(id, use.needs))
         by_need = grouped.get(ids)
         if by_need is None:
-            rel: dict[int, tuple[Sharding, list[int]]] = {}
+            part: dict[int, tuple[Sharding, list[int]]] = {}
             for i, need in enumerate(use.needs):
                 if need is not None:
-                    rel.setdefault(id(need), (need, []))[1].append(i)
-            by_need = grouped[ids] = list(rel.values())
+                    part.setdefault(id(need), (need, []))[1].append(i)
+            by_need = grouped[ids] = [(nd, tuple(cs)) for nd, cs in part.values()]
         slot = needed.setdefault(use.value, {})
         for need, cols in by_need:
-            slot.setdefault(id(need), (need, []))[1].append((use.block, [lo + i for i in cols]))
+            slot.setdefault(id(need), (need, {}))[1][(lo, id(cols))] = cols
     n = n_x
-    # an edge that repeats one already built (the same columns, the same prices): its e
-    # variables, whose prices it adds to
-    built: dict[tuple[Any, ...], dict[float, int]] = {}
-    edge_of: dict[tuple[Any, ...], int] = {}
+    # an edge that repeats one already built (the same columns, the same prices) shares its
+    # variables: it only counts again, and its prices are multiplied by the count at the end
+    built: dict[tuple[Any, ...], tuple[int, int, list[int]]] = {}  # (edge, cid, its e columns)
+    repeats: dict[tuple[Any, ...], int] = {}
     edges = Edges()
     # (the producer's shardings of a value by candidate, as object ids) -> their candidates;
     # with a needed sharding -> the candidates by price class. Copies of a layer share the
@@ -214,38 +216,43 @@ def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> M
             if found_classes is None:
                 continue  # free whatever the producer does: no variable needed
             # the same producer columns, price classes and user columns: a repeat
-            sig = (lo, cid, tuple(sorted({tuple(cols) for _, cols in users})))
-            again = built.get(sig)
-            if again is not None:
-                for p_, rel_cols in found_classes[0].items():
-                    extra[again[p_] - n_x] += p_
-                    edges.prices.extend((edge_of[sig], lo + i, p_) for i in rel_cols)
+            sig = (lo, cid, tuple(sorted(users)))
+            if sig in built:
+                repeats[sig] += 1
                 continue
-            classes = {p_: [lo + i for i in rel] for p_, rel in found_classes[0].items()}
-            free = [lo + i for i in found_classes[1]]
-            edge_of[sig] = len(edge_of)
-            edges.users.extend({(edge_of[sig], c) for _, cols in users for c in cols})
-            for p_, xcols in classes.items():
-                edges.prices.extend((edge_of[sig], c, p_) for c in xcols)
+            repeats[sig] = 1
+            user_cols = [[u + i for i in needing] for (u, _), needing in users.items()]
+            edge = len(built)
+            edges.users.extend({(edge, c) for ucols in user_cols for c in ucols})
             y = n
             n += 1
             extra.append(0.0)
-            for _, cols in users:  # y >= x of every candidate needing it
-                ub.add(np.array([*cols, y]), np.array([1.0] * len(cols) + [-1.0]), 0.0)
+            for ucols in user_cols:  # y >= x of every candidate needing it
+                ub.add(np.array([*ucols, y]), np.array([1.0] * len(ucols) + [-1.0]), 0.0)
             e_cols = []
-            for p_, xcols in classes.items():
+            for p_, rel in found_classes[0].items():
                 e = n
                 n += 1
                 extra.append(p_)
                 e_cols.append(e)
-                ub.add(np.array([e, *xcols]), np.array([1.0] + [-1.0] * len(xcols)), 0.0)
-            built[sig] = dict(zip(classes, e_cols, strict=True))
+                ub.add(
+                    np.array([e, *(lo + i for i in rel)]), np.array([1.0] + [-1.0] * len(rel)), 0.0
+                )
+            built[sig] = (edge, cid, e_cols)
             # y <= sum e + x of the free producer candidates: a needed copy is paid for
+            free = [lo + i for i in found_classes[1]]
             ub.add(
                 np.array([y, *e_cols, *free]),
                 np.array([1.0] + [-1.0] * (len(e_cols) + len(free))),
                 0.0,
             )
+    for sig, (edge, cid, e_cols) in built.items():
+        count, lo = repeats[sig], sig[0]
+        found_classes = classed[cid]
+        assert found_classes is not None
+        for e, (p_, rel) in zip(e_cols, found_classes[0].items(), strict=True):
+            extra[e - n_x] = p_ * count
+            edges.prices.extend((edge, lo + i, p_ * count) for i in rel)
     cost = np.concatenate([cost, np.array(extra)])
     return Model(
         cost, eq.rows, eq.cols, eq.vals, eq.rhs, ub.rows, ub.cols, ub.vals, ub.rhs,
