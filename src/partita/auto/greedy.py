@@ -20,7 +20,7 @@ import numpy as np
 
 from partita.auto.ilp import Model, Solution
 
-__all__ = ["descend", "greedy_solve"]
+__all__ = ["descend", "greedy_solve", "objective_of", "onehot"]
 
 
 class _Prices:
@@ -87,7 +87,7 @@ def descend(
     t0 = time.perf_counter()
     prices = _Prices(model)
     choice = list(start)
-    chosen = _onehot(model, choice)
+    chosen = onehot(model, choice)
     stored = float(model.stored @ chosen)
     budget = float("inf") if memory is None else float(memory)
     changed = True
@@ -127,21 +127,34 @@ def descend(
 
 
 def greedy_solve(
-    model: Model, *, memory: float | None = None, time_limit: float = 30.0, **_: object
+    model: Model,
+    *,
+    memory: float | None = None,
+    time_limit: float = 30.0,
+    start: list[int] | None = None,
+    **_: object,
 ) -> Solution:
-    """The solver without scipy: :func:`descend` from the all-replicated choice."""
-    start = time.perf_counter()
-    choice, objective = descend(model, [0] * len(model.widths), memory, time_limit)
+    """The solver without scipy: :func:`descend` from ``start`` (a preset's choice) or the
+    all-replicated choice."""
+    t0 = time.perf_counter()
+    first = list(start) if start else [0] * len(model.widths)
+    choice, objective = descend(model, first, memory, time_limit)
     rows = len(model.eq_rhs) + len(model.ub_rhs)
-    over = memory is not None and float(model.stored @ _onehot(model, choice)) > memory
+    over = memory is not None and float(model.stored @ onehot(model, choice)) > memory
     return Solution(
         choice, objective, float("nan"), float("nan"), False, "greedy", len(model.cost), rows,
-        model.build_seconds, time.perf_counter() - start,
+        model.build_seconds, time.perf_counter() - t0,
         status="over the memory budget" if over else "local optimum",
     )  # fmt: skip
 
 
-def _onehot(model: Model, choice: list[int]) -> np.ndarray:
+def objective_of(model: Model, choice: list[int]) -> float:
+    """The model's objective of ``choice`` (its copies and reshards at their prices)."""
+    return _Prices(model).total(onehot(model, choice))
+
+
+def onehot(model: Model, choice: list[int]) -> np.ndarray:
+    """The x columns of ``choice`` as a 0/1 vector."""
     chosen = np.zeros(model.n_x)
     for b, i in enumerate(choice):
         if model.rep[b] == b and model.widths[b]:

@@ -1,5 +1,5 @@
-"""The integer program over a :class:`~partita.auto.space.Space`, built as sparse matrices and
-solved with HiGHS (scipy).
+"""The integer program over a :class:`~partita.auto.space.Space`, built as sparse matrices
+(:mod:`partita.auto.highs` solves it).
 
 Variables, in one vector:
 
@@ -11,10 +11,11 @@ Variables, in one vector:
   ``e <= sum of x`` of the producer's candidates that give ``s``; it carries the reshard's price.
 
 Rows: one-hot per block, the copy rows above, and optional ``<=`` rows (per-device stored bytes
-under a memory limit; compute at most a bound, for ``objective="bytes"``). The LP relaxation is
-solved first (``linprog(method="highs")``); when it is integral on ``x`` it is the optimum with
-a certified gap of 0, else a MILP (``milp``, integral ``x``) runs with a time limit and a
-relative gap of 1 %.
+under a memory limit; compute at most a bound, for ``objective="bytes"``).
+
+Prices are computed once per signature (``Block.sig``, ``auto.candidates``): the blocks of a
+repeated layer, and the edges between them, reuse the first copy's prices, so the build's
+pricing work does not grow with the layers (``Model.priced_ops``, ``Model.priced_edges``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from partita.auto.space import Space
 from partita.propagate.state import ValueKey
 from partita.values.spec import Sharding
 
-__all__ = ["Edges", "Model", "Solution", "build_model", "solve"]
+__all__ = ["MIP_GAP", "Edges", "Model", "Solution", "build_model"]
+
+#: The MILP stops within this relative gap of its bound.
+MIP_GAP = 0.01
 
 
 @dataclass
@@ -58,6 +62,10 @@ class Model:
     #: per block, its number of candidates
     widths: list[int] = field(default_factory=list)
     edges: Edges = field(default_factory=lambda: Edges())
+    #: price computations the build did (cache misses): blocks priced, (value, need) edges
+    #: priced; a repeated layer adds none
+    priced_ops: int = 0
+    priced_edges: int = 0
 
 
 @dataclass
@@ -123,37 +131,24 @@ def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> M
     compute = np.zeros(n_x)
     stored = np.zeros(n_x)
     eq, ub = _Rows(), _Rows()
+    # prices by signature (``Block.sig``): a repeated layer's blocks are priced once
+    memo: dict[Any, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+    counts = {"ops": 0, "edges": 0}
     for b, block in enumerate(space.blocks):
         lo = offsets[b]
         if rep[b] == b:
             eq.add(np.arange(lo, lo + len(block)), np.ones(len(block)), 1.0)
-        if block.op is not None:
-            prices, comp = pricer.op(block.node, block.op.rule, block.assigns, block.local_bytes)
-            cost[lo : lo + len(block)] += prices
-            compute[lo : lo + len(block)] += comp
-        for f in block.followers:
-            prices, comp = pricer.op(f.op.node, f.op.rule, f.assigns, f.local_bytes)
-            shape, dtype = space.shapes[f.value], space.dtypes[f.value]
-            bucketed = shape in space.stored_shapes
-            moves = [
-                pricer.reshard(h, n, shape, dtype, bucketed)
-                for h, n in zip(f.has, f.needs, strict=True)
-            ]
-            cost[lo : lo + len(block)] += np.array(prices) + np.array(moves)
-            compute[lo : lo + len(block)] += comp
-        else:
-            mine = np.array(
-                [
-                    sum(
-                        pricer.local_bytes(s, space.shapes[k], space.dtypes[k])
-                        for k, s in res.items()
-                    )
-                    for res in block.results
-                ]
-            )
-            stored[lo : lo + len(block)] += mine
-            # ties: of two equal plans, the one storing fewer bytes per device
-            cost[lo : lo + len(block)] += mine * pricer.per_stored_byte
+        bsig = (block.sig, tuple(f.sig for f in block.followers))
+        found = memo.get(bsig) if block.sig is not None else None
+        if found is None:
+            found = _block_prices(space, pricer, block)
+            counts["ops"] += 1 + len(block.followers)
+            if block.sig is not None:
+                memo[bsig] = found
+        price, comp, mine = found
+        cost[lo : lo + len(block)] += price
+        compute[lo : lo + len(block)] += comp
+        stored[lo : lo + len(block)] += mine
     for key in space.outputs:  # a partial result is reduced before it is returned
         b = space.producer[key]
         lo = offsets[b]
@@ -163,205 +158,157 @@ def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> M
                 whole = Sharding(got.mesh, got.dim_axes)
                 cost[lo + i] += pricer.reshard(got, whole, space.shapes[key], space.dtypes[key])
     extra: list[float] = []
-    # value -> (sharding -> x columns of its producer giving it)
-    produced: dict[ValueKey, dict[Sharding, list[int]]] = {}
-    needed: dict[ValueKey, dict[Sharding, list[tuple[int, list[int]]]]] = {}
+    # value -> id of a needed sharding -> (it, {(user's first column, its candidates needing
+    # it)}); shardings are interned (``auto.candidates``), so ``id`` means equality, and the
+    # candidate tuples are shared by every use with the same needs
+    needed: dict[ValueKey, dict[int, tuple[Sharding, dict[tuple[int, int], tuple[int, ...]]]]]
+    needed = {}
+    grouped: dict[tuple[int, ...], list[tuple[Sharding, tuple[int, ...]]]] = {}
     for use in space.uses:
         if use.value not in space.producer:
             continue
         lo = int(offsets[use.block])
-        by_need: dict[Sharding, list[int]] = {}
-        for i, need in enumerate(use.needs):
-            if need is not None:
-                by_need.setdefault(need, []).append(lo + i)
+        ids = tuple(map(id, use.needs))
+        by_need = grouped.get(ids)
+        if by_need is None:
+            part: dict[int, tuple[Sharding, list[int]]] = {}
+            for i, need in enumerate(use.needs):
+                if need is not None:
+                    part.setdefault(id(need), (need, []))[1].append(i)
+            by_need = grouped[ids] = [(nd, tuple(cs)) for nd, cs in part.values()]
         slot = needed.setdefault(use.value, {})
-        for need, cols in by_need.items():
-            slot.setdefault(need, []).append((use.block, cols))
+        for need, cols in by_need:
+            slot.setdefault(id(need), (need, {}))[1][(lo, id(cols))] = cols
     n = n_x
-    # an edge that repeats one already built (the same columns, the same prices): its e
-    # variables, whose prices it adds to
-    built: dict[tuple[Any, ...], dict[float, int]] = {}
-    edge_of: dict[tuple[Any, ...], int] = {}
+    # an edge that repeats one already built (the same columns, the same prices) shares its
+    # variables: it only counts again, and its prices are multiplied by the count at the end
+    built: dict[tuple[Any, ...], tuple[int, int, list[int]]] = {}  # (edge, cid, its e columns)
+    repeats: dict[tuple[Any, ...], int] = {}
     edges = Edges()
+    # (the producer's shardings of a value by candidate, as object ids) -> their candidates;
+    # with a needed sharding -> the candidates by price class. Copies of a layer share the
+    # Sharding objects (``auto.candidates``), so each is computed once per unique layer.
+    by_ids: dict[tuple[int, ...], dict[Sharding, list[int]]] = {}
+    classed_id: dict[tuple[Any, ...], int] = {}
+    classed: list[tuple[dict[float, list[int]], list[int]] | None] = []
     for key, wanted in needed.items():
         p = space.producer[key]
         lo = int(offsets[p])
-        gives = produced.get(key)
+        results = space.blocks[p].results
+        ids = tuple(id(res.get(key)) for res in results)
+        gives = by_ids.get(ids)
         if gives is None:
-            gives = {}
-            for i, res in enumerate(space.blocks[p].results):
+            gives = by_ids[ids] = {}
+            for i, res in enumerate(results):
                 s = res.get(key)
                 if s is not None:
-                    gives.setdefault(s, []).append(lo + i)
-            produced[key] = gives
+                    gives.setdefault(s, []).append(i)
         shape, dtype = space.shapes[key], space.dtypes[key]
         bucketed = shape in space.stored_shapes  # a parameter's or its gradient's
-        for need, users in wanted.items():
-            price = {s: pricer.reshard(s, need, shape, dtype, bucketed) for s in gives}
-            if all(v == 0.0 for v in price.values()):
+        for need, users in wanted.values():
+            ckey = (ids, id(need), shape, dtype, bucketed)
+            cid = classed_id.get(ckey)
+            if cid is None:
+                counts["edges"] += 1
+                cid = classed_id[ckey] = len(classed)
+                classed.append(_classes(pricer, gives, need, shape, dtype, bucketed))
+            found_classes = classed[cid]
+            if found_classes is None:
                 continue  # free whatever the producer does: no variable needed
-            # producer shardings grouped by price: one e per price; the free ones need none
-            classes: dict[float, list[int]] = {}
-            for sg, xcols in gives.items():
-                classes.setdefault(round(price[sg], 9), []).extend(xcols)
-            free = classes.pop(0.0, [])
-            sig = (
-                tuple(sorted((p_, tuple(sorted(c))) for p_, c in classes.items())),
-                tuple(sorted(free)),
-                tuple(sorted({tuple(cols) for _, cols in users})),
-            )
-            again = built.get(sig)
-            if again is not None:
-                for p_, xcols in classes.items():
-                    extra[again[p_] - n_x] += p_
-                    edges.prices.extend((edge_of[sig], c, p_) for c in xcols)
+            # the same producer columns, price classes and user columns: a repeat
+            sig = (lo, cid, tuple(sorted(users)))
+            if sig in built:
+                repeats[sig] += 1
                 continue
-            edge_of[sig] = len(edge_of)
-            edges.users.extend({(edge_of[sig], c) for _, cols in users for c in cols})
-            for p_, xcols in classes.items():
-                edges.prices.extend((edge_of[sig], c, p_) for c in xcols)
+            repeats[sig] = 1
+            user_cols = [[u + i for i in needing] for (u, _), needing in users.items()]
+            edge = len(built)
+            edges.users.extend({(edge, c) for ucols in user_cols for c in ucols})
             y = n
             n += 1
             extra.append(0.0)
-            for _, cols in users:  # y >= x of every candidate needing it
-                ub.add(np.array([*cols, y]), np.array([1.0] * len(cols) + [-1.0]), 0.0)
+            for ucols in user_cols:  # y >= x of every candidate needing it
+                ub.add(np.array([*ucols, y]), np.array([1.0] * len(ucols) + [-1.0]), 0.0)
             e_cols = []
-            for p_, xcols in classes.items():
+            for p_, rel in found_classes[0].items():
                 e = n
                 n += 1
                 extra.append(p_)
                 e_cols.append(e)
-                ub.add(np.array([e, *xcols]), np.array([1.0] + [-1.0] * len(xcols)), 0.0)
-            built[sig] = dict(zip(classes, e_cols, strict=True))
+                ub.add(
+                    np.array([e, *(lo + i for i in rel)]), np.array([1.0] + [-1.0] * len(rel)), 0.0
+                )
+            built[sig] = (edge, cid, e_cols)
             # y <= sum e + x of the free producer candidates: a needed copy is paid for
+            free = [lo + i for i in found_classes[1]]
             ub.add(
                 np.array([y, *e_cols, *free]),
                 np.array([1.0] + [-1.0] * (len(e_cols) + len(free))),
                 0.0,
             )
+    for sig, (edge, cid, e_cols) in built.items():
+        count, lo = repeats[sig], sig[0]
+        found_classes = classed[cid]
+        assert found_classes is not None
+        for e, (p_, rel) in zip(e_cols, found_classes[0].items(), strict=True):
+            extra[e - n_x] = p_ * count
+            edges.prices.extend((edge, lo + i, p_ * count) for i in rel)
     cost = np.concatenate([cost, np.array(extra)])
     return Model(
         cost, eq.rows, eq.cols, eq.vals, eq.rhs, ub.rows, ub.cols, ub.vals, ub.rhs,
         offsets, n_x, stored, compute, time.perf_counter() - start, rep,
         sum(1 for b in range(nb) if rep[b] == b), [len(b) for b in space.blocks], edges,
+        priced_ops=counts["ops"], priced_edges=counts["edges"],
     )  # fmt: skip
 
 
-def _matrix(
-    rows: list[np.ndarray], cols: list[np.ndarray], vals: list[np.ndarray], n_rows: int, n: int
-) -> Any:
-    from scipy.sparse import csr_matrix  # type: ignore[import-untyped,import-not-found,unused-ignore]
+def _block_prices(
+    space: Space, pricer: Pricer, block: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per candidate of ``block``: the price the objective counts (compute, internal
+    collectives, its followers' reshards, a tie-break on stored bytes), the modelled compute,
+    and the stored bytes per device."""
+    width = len(block)
+    price, compute = np.zeros(width), np.zeros(width)
+    if block.op is not None:
+        p, c = pricer.op(block.node, block.op.rule, block.assigns, block.local_bytes)
+        price += p
+        compute += c
+    for f in block.followers:
+        p, c = pricer.op(f.op.node, f.op.rule, f.assigns, f.local_bytes)
+        shape, dtype = space.shapes[f.value], space.dtypes[f.value]
+        bucketed = shape in space.stored_shapes
+        moves = [
+            pricer.reshard(h, n, shape, dtype, bucketed)
+            for h, n in zip(f.has, f.needs, strict=True)
+        ]
+        price += np.array(p) + np.array(moves)
+        compute += c
+    mine = np.array(
+        [
+            sum(pricer.local_bytes(s, space.shapes[k], space.dtypes[k]) for k, s in res.items())
+            for res in block.results
+        ]
+    )
+    # ties: of two equal plans, the one storing fewer bytes per device
+    return price + mine * pricer.per_stored_byte, compute, mine
 
-    if not rows:
+
+def _classes(
+    pricer: Pricer,
+    gives: dict[Sharding, list[int]],
+    need: Sharding,
+    shape: tuple[int, ...],
+    dtype: Any,
+    bucketed: bool,
+) -> tuple[dict[float, list[int]], list[int]] | None:
+    """The producer's candidates (``gives``: by the sharding they give) grouped by the price
+    of resharding to ``need``, and the free ones; None when every one is free."""
+    price = {s: pricer.reshard(s, need, shape, dtype, bucketed) for s in gives}
+    if all(v == 0.0 for v in price.values()):
         return None
-    return csr_matrix(
-        (np.concatenate(vals), (np.concatenate(rows), np.concatenate(cols))), shape=(n_rows, n)
-    )
-
-
-def solve(
-    model: Model,
-    *,
-    memory: float | None = None,
-    compute: float | None = None,
-    time_limit: float = 30.0,
-) -> Solution:
-    """Solve the model: LP relaxation, then a MILP when it is fractional. ``memory`` bounds the
-    per-device stored bytes, ``compute`` the modelled compute seconds."""
-    from scipy.optimize import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
-        Bounds,
-        LinearConstraint,
-        linprog,
-        milp,
-    )
-
-    start = time.perf_counter()
-    n = len(model.cost)
-    ub_rows, ub_cols, ub_vals, ub_rhs = (
-        list(model.ub_rows), list(model.ub_cols), list(model.ub_vals), list(model.ub_rhs),
-    )  # fmt: skip
-    for vec, bound in ((model.stored, memory), (model.compute, compute)):
-        if bound is None:
-            continue
-        nz = np.nonzero(vec)[0]
-        ub_rows.append(np.full(len(nz), len(ub_rhs), dtype=np.int64))
-        ub_cols.append(nz)
-        ub_vals.append(vec[nz])
-        ub_rhs.append(float(bound))
-    a_eq = _matrix(model.eq_rows, model.eq_cols, model.eq_vals, len(model.eq_rhs), n)
-    a_ub = _matrix(ub_rows, ub_cols, ub_vals, len(ub_rhs), n)
-    b_eq, b_ub = np.array(model.eq_rhs), np.array(ub_rhs)
-    rows = len(b_eq) + len(b_ub)
-    lp = linprog(
-        model.cost, A_ub=a_ub, b_ub=b_ub if a_ub is not None else None, A_eq=a_eq, b_eq=b_eq,
-        bounds=(0, 1), method="highs", options={"time_limit": time_limit},
-    )  # fmt: skip
-    if lp.x is None:
-        return Solution(
-            [], float("inf"), float("inf"), float("inf"), False, "highs-lp", n, rows,
-            model.build_seconds, time.perf_counter() - start, status=str(lp.message),
-        )  # fmt: skip
-    x = lp.x[: model.n_x]
-    integral = bool(np.all(np.minimum(np.abs(x), np.abs(1 - x)) < 1e-6))
-    if integral:
-        choice = _decode(model, lp.x)
-        return Solution(
-            choice, float(lp.fun), float(lp.fun), 0.0, True, "highs-lp", n, rows,
-            model.build_seconds, time.perf_counter() - start, status="optimal",
-        )  # fmt: skip
-    integrality = np.zeros(n)
-    integrality[: model.n_x] = 1
-    constraints = [LinearConstraint(a_eq, b_eq, b_eq)]
-    if a_ub is not None:
-        constraints.append(LinearConstraint(a_ub, -np.inf, b_ub))
-    remaining = max(1.0, time_limit - (time.perf_counter() - start))
-    res = milp(
-        model.cost, constraints=constraints, integrality=integrality, bounds=Bounds(0, 1),
-        options={"time_limit": remaining, "mip_rel_gap": 0.01},
-    )  # fmt: skip
-    if res.x is None:
-        choice = _decode(model, lp.x)  # rounded LP: the caller re-scores it exactly
-        return Solution(
-            choice, float(lp.fun), float(lp.fun), float("inf"), False, "highs-lp-rounded", n,
-            rows, model.build_seconds, time.perf_counter() - start, status=str(res.message),
-        )  # fmt: skip
-    bound = float(getattr(res, "mip_dual_bound", lp.fun) or lp.fun)
-    gap = float(getattr(res, "mip_gap", 0.0) or 0.0)
-    choice, fun, solver = _decode(model, res.x), float(res.fun), "highs-milp"
-    if gap > 0.01:  # stopped by the time limit: the rounded LP may be a better plan
-        rounded = _decode(model, lp.x)
-        priced = _price(model, rounded, a_eq, b_eq, a_ub, b_ub) if rounded != choice else None
-        if priced is not None and priced < fun:
-            choice, fun, solver = rounded, priced, "highs-milp+rounded-lp"
-            gap = (fun - bound) / max(abs(fun), 1e-12)
-    return Solution(
-        choice, fun, bound, gap, False, solver, n, rows,
-        model.build_seconds, time.perf_counter() - start, status=str(res.message),
-    )  # fmt: skip
-
-
-def _price(
-    model: Model, choice: list[int], a_eq: Any, b_eq: np.ndarray, a_ub: Any, b_ub: np.ndarray
-) -> float | None:
-    """The objective of ``choice`` (its copy and edge variables at their cheapest), or None
-    when it breaks a row (a memory budget)."""
-    from scipy.optimize import linprog  # type: ignore[import-untyped,import-not-found,unused-ignore]
-
-    lo = np.zeros(len(model.cost))
-    hi = np.ones(len(model.cost))
-    hi[: model.n_x] = 0.0
-    for b, i in enumerate(choice):
-        if model.rep[b] == b and model.widths[b]:
-            lo[model.offsets[b] + i] = hi[model.offsets[b] + i] = 1.0
-    res = linprog(
-        model.cost, A_ub=a_ub, b_ub=b_ub if a_ub is not None else None, A_eq=a_eq, b_eq=b_eq,
-        bounds=np.stack([lo, hi], axis=1), method="highs",
-    )  # fmt: skip
-    return float(res.fun) if res.status == 0 else None
-
-
-def _decode(model: Model, x: np.ndarray) -> list[int]:
-    offs = model.offsets
-    return [
-        int(np.argmax(x[offs[b] : offs[b] + w])) if w else 0 for b, w in enumerate(model.widths)
-    ]
+    classes: dict[float, list[int]] = {}
+    for sg, rel in gives.items():
+        classes.setdefault(round(price[sg], 9), []).extend(rel)
+    free = classes.pop(0.0, [])
+    return classes, free

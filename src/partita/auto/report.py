@@ -69,6 +69,9 @@ class AutoReport:
     bound: float = 0.0
     gap: float = 0.0
     integral_lp: bool = False
+    #: the preset whose plan, priced in the model, started the MILP ("" when none), and that price
+    start: str = ""
+    start_objective: float = 0.0
     rounds: int = 0
     memory_limit: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -92,7 +95,14 @@ class AutoReport:
             f"solver: {self.solver}, {self.variables} variables, {self.rows} rows, build "
             f"{self.build_seconds:.2f} s, solve {self.solve_seconds:.2f} s, {self.rounds} round(s)",
             f"  model objective {self.model_objective:.4g} {unit}, LP bound {self.bound:.4g} "
-            f"{unit}, gap {self.gap:.2%}" + (" (LP integral)" if self.integral_lp else ""),
+            f"{unit}, gap {self.gap:.2%}"
+            + (" (LP integral)" if self.integral_lp else "")
+            + (
+                f"; started from {self.start}'s plan ({self.start_objective:.4g} {unit} in "
+                "the model)"
+                if self.start
+                else ""
+            ),
             "candidates (modelled on the real Plan):",
         ]
         for c in sorted(self.candidates, key=lambda c: (not c.fits, c.seconds)):

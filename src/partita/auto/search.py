@@ -23,10 +23,12 @@ from typing import Any
 from partita.auto.clusters import cluster_blocks
 from partita.auto.costs import Pricer
 from partita.auto.greedy import descend, greedy_solve
-from partita.auto.ilp import Solution, build_model, solve
+from partita.auto.highs import solve
+from partita.auto.ilp import Solution, build_model
 from partita.auto.realize import write_solution
 from partita.auto.report import AutoReport, Scored
 from partita.auto.space import build_space
+from partita.auto.start import cheapest_start
 from partita.cost import get_profile
 from partita.errors import AutoShardingWarning, MemoryLimitError, warn
 from partita.propagate.state import ProgramState
@@ -211,21 +213,34 @@ def _solve_rounds(
     budget: float | None = float(problem.memory_limit) if problem.memory_limit else None
     seen: set[tuple[Any, ...]] = set()
     run = solve if have_solver() else greedy_solve
+    presets = {name: compiled[name] for name in problem.presets if name in compiled}
     for round_ in range(MEMORY_ROUNDS):
-        sol = run(model, memory=budget, compute=compute_bound, time_limit=problem.time_limit)
+        # the presets' own plans, priced in the model: the cheapest is the MILP's incumbent
+        t0 = time.perf_counter()
+        seed = cheapest_start(solver.space, model, presets, budget)
+        start = seed[1] if seed is not None and compute_bound is None else None
+        if seed is not None:
+            report.start, report.start_objective = seed[0], seed[2]
+        begun = time.perf_counter() - t0
+        sol = run(
+            model, memory=budget, compute=compute_bound, time_limit=problem.time_limit,
+            start=start,
+        )  # fmt: skip
+        sol.solve_seconds += begun
         if not sol.choice and compute_bound is not None:
             compute_bound = None
-            sol = run(model, memory=budget, time_limit=problem.time_limit)
+            sol = run(model, memory=budget, time_limit=problem.time_limit, start=start)
         if sol.choice and sol.gap > POLISH_GAP and sol.solver != "greedy":
-            # stopped far from the bound: descend from its answer and from all-replicated
-            start = time.perf_counter()
-            for first in (sol.choice, [0] * len(sol.choice)):
-                found, objective = descend(model, first, budget, problem.time_limit / 6)
+            # stopped far from the bound: descend from its answer, the start, all-replicated
+            t0 = time.perf_counter()
+            starts = [sol.choice, *([start] if start else []), [0] * len(sol.choice)]
+            for first in starts:
+                better, objective = descend(model, first, budget, problem.time_limit / 6)
                 if objective < sol.objective:
-                    sol.choice, sol.objective = found, objective
+                    sol.choice, sol.objective = better, objective
                     sol.solver = sol.solver.removesuffix("+greedy") + "+greedy"
                     sol.gap = (objective - sol.bound) / max(abs(objective), 1e-12)
-            sol.solve_seconds += time.perf_counter() - start
+            sol.solve_seconds += time.perf_counter() - t0
         report.rounds = round_ + 1
         report.solver, report.variables, report.rows = sol.solver, sol.variables, sol.rows
         report.build_seconds = sol.build_seconds

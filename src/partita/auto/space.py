@@ -14,12 +14,13 @@ divides). Inputs a front end ties together (a parameter and its optimizer states
 block; an input the user annotated has one candidate, the annotation; an op whose result is an
 annotation has one candidate, the assignment that gives it.
 
-This module only enumerates; :mod:`partita.auto.costs` prices the candidates.
+The candidates themselves come from :mod:`partita.auto.candidates`, enumerated once per
+distinct op (a repeated layer's ops reuse them). This module only assembles the space;
+:mod:`partita.auto.costs` prices the candidates.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -28,18 +29,22 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from partita.propagate.assign import merge_axes, split_axes
+from partita.auto.candidates import (
+    Assign,
+    Templates,
+    describe_val,
+    fixed_assign,
+    input_candidates,
+    keyed,
+    op_sig,
+    value_of,
+)
 from partita.propagate.state import OpState, ProgramState, ValueKey
-from partita.rules import FactorKind, FactorRule
+from partita.rules import FactorKind
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
-__all__ = ["Block", "Follower", "Space", "Use", "build_space", "input_candidates"]
-
-Assign = dict[str, tuple[str, ...]]
-
-#: More candidates than this per op: keep only one axis per factor (the mesh order cuts it).
-MAX_CANDIDATES = 400
+__all__ = ["Assign", "Block", "Follower", "Space", "Use", "build_space", "input_candidates"]
 
 
 @dataclass
@@ -58,6 +63,10 @@ class Block:
     followers: list[Follower] = field(default_factory=list)
     #: per candidate, the bytes the op reads and writes on one device
     local_bytes: list[float] = field(default_factory=list)
+    #: what the candidate list and its prices follow from (the op's rule, target and shapes;
+    #: an input's shapes): two blocks with one ``sig`` have the same candidates, in the same
+    #: order, the same shardings (the same objects) and the same prices
+    sig: Any = None
 
     def __len__(self) -> int:
         return len(self.assigns)
@@ -75,6 +84,8 @@ class Follower:
     has: list[Sharding]
     needs: list[Sharding]
     local_bytes: list[float] = field(default_factory=list)
+    #: as ``Block.sig``, with the shardings the root gives it
+    sig: Any = None
 
 
 @dataclass
@@ -103,99 +114,8 @@ class Space:
     #: shapes of the inputs in groups (parameters): their reshards (a parameter's gather, its
     #: gradient's reduction) are bucketed by the partitioner
     stored_shapes: set[tuple[int, ...]] = field(default_factory=set)
-
-
-def _val(key: ValueKey) -> Any:
-    node, idx = key
-    val = node.meta["val"]
-    return val if idx is None else val[idx]
-
-
-def input_candidates(mesh: Mesh, shape: Sequence[int]) -> list[Sharding]:
-    """Replicated, then every placement of mesh axes on dims that they divide (several axes on
-    one dim in mesh order)."""
-    axes = mesh.axis_names
-    out: list[Sharding] = []
-    seen: set[tuple[tuple[str, ...], ...]] = set()
-    for choice in itertools.product(range(-1, len(shape)), repeat=len(axes)):
-        dims: list[tuple[str, ...]] = [() for _ in shape]
-        for a, d in zip(axes, choice, strict=True):
-            if d >= 0:
-                dims[d] = (*dims[d], a)
-        if any(dims[d] and shape[d] % mesh.axes_size(dims[d]) for d in range(len(shape))):
-            continue
-        key = tuple(dims)
-        if key not in seen:
-            seen.add(key)
-            out.append(Sharding(mesh, key))
-    return out
-
-
-def _eligible(rule: FactorRule, op: OpState) -> list[str]:
-    major_only: set[str] = set()
-    for t in (*rule.operands, *rule.results):
-        for d in t or ():
-            if len(d) > 1:
-                major_only.update(d[1:])
-    out = []
-    for f in rule.factors:
-        kind = rule.kind(f)
-        if rule.sizes[f] <= 1 or kind is FactorKind.NEED_REPLICATION:
-            continue
-        if kind is FactorKind.WINDOWED and rule.handler is None:
-            continue
-        if f in op.compound and f in major_only:
-            continue
-        out.append(f)
-    return out
-
-
-def op_candidates(mesh: Mesh, op: OpState) -> list[Assign]:
-    """Every assignment of the op's rule that the partitioner can lower (see the module)."""
-    rule = op.rule
-    factors = _eligible(rule, op)
-    axes = mesh.axis_names
-    out: list[Assign] = []
-    for choice in itertools.product(range(-1, len(factors)), repeat=len(axes)):
-        assign: Assign = {}
-        for a, i in zip(axes, choice, strict=True):
-            if i >= 0:
-                assign[factors[i]] = (*assign.get(factors[i], ()), a)
-        if any(rule.sizes[f] % mesh.axes_size(fa) for f, fa in assign.items()):
-            continue
-        out.append(assign)
-        if len(out) > MAX_CANDIDATES:
-            return [a for a in out if all(len(v) == 1 for v in a.values())]
-    return out
-
-
-def _dims(
-    mesh: Mesh, factors: Any, assign: Assign, rule: FactorRule
-) -> tuple[tuple[str, ...], ...]:
-    return tuple(merge_axes(mesh, d, assign, rule.sizes) if d else () for d in factors)
-
-
-def _results(mesh: Mesh, op: OpState, assign: Assign) -> dict[ValueKey, Sharding]:
-    rule = op.rule
-    out: dict[ValueKey, Sharding] = {}
-    for j, (factors, key) in enumerate(zip(rule.results, op.results, strict=True)):
-        if factors is None or key is None:
-            continue
-        dims = _dims(mesh, factors, assign, rule)
-        summed = {a for f in rule.partial_factors(j) for a in assign.get(f, ())}
-        partial = tuple(a for a in mesh.axis_names if a in summed)
-        out[key] = Sharding(mesh, dims, partial, rule.reduce_op if partial else "sum")
-    return out
-
-
-def _needs(mesh: Mesh, op: OpState, assign: Assign) -> list[Sharding | None]:
-    rule = op.rule
-    return [
-        Sharding(mesh, _dims(mesh, factors, assign, rule))
-        if factors is not None and key is not None
-        else None
-        for factors, key in zip(rule.operands, op.operands, strict=True)
-    ]
+    #: candidate lists enumerated (one per distinct op signature, not per op)
+    templates_built: int = 0
 
 
 def _follows(op: OpState, state: ProgramState) -> ValueKey | None:
@@ -212,52 +132,6 @@ def _follows(op: OpState, state: ProgramState) -> ValueKey | None:
     if any(state.values[k].fixed for k in op.results if k is not None):
         return None
     return next(iter(keys))
-
-
-def _assign_from(mesh: Mesh, op: OpState, key: ValueKey, s: Sharding) -> Assign:
-    """The assignment under which ``op`` reads its operand ``key`` as laid out by ``s``."""
-    rule = op.rule
-    assign: Assign = {}
-    for factors, k in zip(rule.operands, op.operands, strict=True):
-        if k != key or factors is None:
-            continue
-        for dim_axes, d in zip(s.dim_axes, factors, strict=True):
-            if dim_axes and d:
-                for f, fa in split_axes(mesh, dim_axes, d, rule.sizes).items():
-                    if rule.sizes[f] % mesh.axes_size(fa) == 0 and f not in assign:
-                        assign[f] = fa
-        break
-    return assign
-
-
-def _local(s: Sharding | None, val: Any) -> float:
-    if s is None or not isinstance(val, torch.Tensor):
-        return 0.0
-    return val.numel() * val.element_size() / s.mesh.axes_size([a for d in s.dim_axes for a in d])
-
-
-def _op_bytes(
-    op: OpState, needs: list[Sharding | None], results: dict[ValueKey, Sharding]
-) -> float:
-    """Bytes one device reads and writes for ``op`` under one candidate."""
-    read = sum(_local(n, _val(k)) for n, k in zip(needs, op.operands, strict=True) if k is not None)
-    return read + sum(_local(r, _val(k)) for k, r in results.items())
-
-
-def _fixed_assign(mesh: Mesh, op: OpState, state: ProgramState) -> Assign | None:
-    """The assignment an annotation's value forces on its op (None: no result is fixed)."""
-    rule = op.rule
-    for factors, key in zip(rule.results, op.results, strict=True):
-        if factors is None or key is None:
-            continue
-        v = state.values[key]
-        if v.fixed and v.dims is not None:
-            assign: Assign = {}
-            for dim_axes, d in zip(v.dims, factors, strict=True):
-                if dim_axes and d:
-                    assign.update(split_axes(mesh, dim_axes, d, rule.sizes))
-            return assign
-    return None
 
 
 def build_space(
@@ -278,6 +152,7 @@ def build_space(
             updated parameter or optimizer state returned by the step).
     """
     mesh = state.mesh
+    templates = Templates(mesh)
     blocks: list[Block] = []
     producer: dict[ValueKey, int] = {}
     uses: list[Use] = []
@@ -291,9 +166,14 @@ def build_space(
         done.update(members)
         shape = tuple(node.meta["val"].shape)
         pinned = [fixed[m] for m in members if m in fixed]
-        shardings = [pinned[0]] if pinned else input_candidates(mesh, shape)
+        shardings = [templates.intern(pinned[0])] if pinned else templates.input(shape)
         nodes = [inputs[m] for m in members]
         block = Block(node, [{} for _ in shardings], [{} for _ in shardings], inputs=nodes)
+        block.sig = (
+            "input",
+            tuple(describe_val(n.meta.get("val")) for n in nodes),
+            str(pinned[0]) if pinned else None,
+        )
         for n in nodes:
             key: ValueKey = (n, None)
             if key not in state.values:
@@ -312,31 +192,36 @@ def build_space(
                 followed = None  # a partial value: the op chooses where its reduction goes
         if followed is not None and followed in producer:
             has = [r[followed] for r in root.results]
-            assigns = [_assign_from(mesh, op, followed, h) for h in has]
-            needs = [_needs(mesh, op, a) for a in assigns]
+            sig = op_sig(op)
+            t = templates.follower(op, sig, followed, has)
             j = [k for k in op.operands].index(followed)
-            follower = Follower(op, followed, assigns, has, [cast(Sharding, n[j]) for n in needs])
+            follower = Follower(
+                op, followed, t.assigns, has, [cast(Sharding, n[j]) for n in t.needs],
+                list(t.local_bytes), sig=(sig, j, tuple(map(id, has))),
+            )  # fmt: skip
             root.followers.append(follower)
-            for r, a, nd in zip(root.results, assigns, needs, strict=True):
-                res = _results(mesh, op, a)
-                follower.local_bytes.append(_op_bytes(op, nd, res))
-                r.update(res)
+            for r, row in zip(root.results, t.results, strict=True):
+                r.update(keyed(op, row))
             for rkey in op.results:
                 if rkey is not None:
                     producer[rkey] = producer[followed]
             continue
-        forced = _fixed_assign(mesh, op, state)
-        cands = [forced] if forced is not None else op_candidates(mesh, op)
+        forced = fixed_assign(mesh, op, state)
+        sig = op_sig(op)
+        if forced is None:
+            t = templates.op(op, sig)
+        else:
+            t = templates._make(op, [forced])
+            sig = (sig, tuple(sorted(forced.items())))
         b = len(blocks)
-        block = Block(op.node, cands, [_results(mesh, op, a) for a in cands], op=op)
+        results = [keyed(op, row) for row in t.results]
+        block = Block(op.node, t.assigns, results, op=op, sig=sig)
+        block.local_bytes = list(t.local_bytes)
         blocks.append(block)
         for rkey in op.results:
             if rkey is not None:
                 producer[rkey] = b
-        needs = [_needs(mesh, op, a) for a in cands]
-        block.local_bytes = [
-            _op_bytes(op, nd, res) for nd, res in zip(needs, block.results, strict=True)
-        ]
+        needs = t.needs
         for j, okey in enumerate(op.operands):
             if okey is not None and needs[0][j] is not None:
                 uses.append(Use(b, okey, [n[j] for n in needs]))
@@ -347,7 +232,9 @@ def build_space(
     outputs = [state.key(n) for n in pytree.tree_leaves(out_node.args[0]) if isinstance(n, fx.Node)]
     outputs = [k for k in outputs if k in producer]
     keys = set(producer)
-    shapes = {k: tuple(_val(k).shape) for k in keys}
-    dtypes = {k: _val(k).dtype for k in keys}
+    shapes = {k: tuple(value_of(k).shape) for k in keys}
+    dtypes = {k: value_of(k).dtype for k in keys}
     stored = {tuple(inputs[i].meta["val"].shape) for g in groups for i in g}
-    return Space(mesh, blocks, producer, uses, shapes, dtypes, input_block, outputs, stored)
+    space = Space(mesh, blocks, producer, uses, shapes, dtypes, input_block, outputs, stored)
+    space.templates_built = templates.built
+    return space
