@@ -39,6 +39,7 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from partita.capture.threads import TRACING
+from partita.runtime.flat_foreach import foreach_elementwise
 from partita.runtime.flat_matmul import fold_broadcast_bmms, fuse_bias_adds
 
 __all__ = [
@@ -137,6 +138,7 @@ def trace_flat(
     flat.recompile()
     fold_broadcast_bmms(flat)
     fuse_bias_adds(flat)
+    foreach_elementwise(flat)
     if n_nodes:
         _TRACED[0] += time.thread_time() - start
         _TRACED[1] += n_nodes
