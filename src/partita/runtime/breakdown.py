@@ -17,9 +17,11 @@ or stacks) to split that CPU time into
   part of the CPU time.
 
 Only top-level ops are summed (an op's nested ops are inside its duration), so nothing counts
-twice. The op durations are the profiler's (wall clock inside each op, on the thread that ran
-it); on a loaded machine they carry some of the load, which ``Python/dispatch`` then absorbs
-the other way. ``bench/bench_partition.py`` and ``bench/bench_distributed.py`` print it.
+twice. Each op category is its share of the profiled runs' wall time (the profiler's
+durations: wall clock inside each op) applied to the unprofiled CPU time, so the profiler's own
+cost and other processes' load fall on every part alike; under heavy load a short step is
+preempted at random and its split is noisy, its total is not. ``bench/bench_partition.py``
+and ``bench/bench_distributed.py`` print it.
 """
 
 from __future__ import annotations
