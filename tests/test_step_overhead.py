@@ -12,6 +12,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from partita.runtime import flat_trace
 from partita.runtime.breakdown import CATEGORIES, categorize, measure
 from partita.runtime.flat_foreach import foreach_elementwise
+from partita.runtime.flat_views import fold_permutes
 from partita.runtime.local import LocalMesh
 from partita.values.mesh import Mesh
 
@@ -53,6 +54,21 @@ def test_small_groups_stay_as_they_are() -> None:
     gm = make_fx(_adam_like, tracing_mode="fake")(*args)
     assert foreach_elementwise(gm) == 0
     assert _count(gm, "_foreach_") == 0
+
+
+def test_permute_chains_fold_and_identities_go() -> None:
+    def fn(x: Tensor) -> tuple[Tensor, Tensor]:
+        a = x.permute(2, 0, 1).permute(1, 2, 0)  # the identity, in two steps
+        b = x.permute(1, 2, 0).permute(0, 2, 1).permute(-1, 0, 1)
+        return a * 2, b + 1
+
+    x = torch.randn(2, 3, 4)
+    gm = make_fx(fn)(x)
+    want = gm(x)
+    assert fold_permutes(gm) == 4  # a: both go; b: three permutes become one
+    assert _count(gm, "aten.permute") == 1
+    for g, w in zip(gm(x), want, strict=True):
+        assert torch.equal(g, w) and g.stride() == w.stride()
 
 
 def test_a_loop_traces_segments_at_their_second_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -41,6 +41,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from partita.capture.threads import TRACING
 from partita.runtime.flat_foreach import foreach_elementwise
 from partita.runtime.flat_matmul import fold_broadcast_bmms, fuse_bias_adds
+from partita.runtime.flat_views import fold_permutes
 
 __all__ = [
     "FlatTracer",
@@ -138,6 +139,7 @@ def trace_flat(
     flat.recompile()
     fold_broadcast_bmms(flat)
     fuse_bias_adds(flat)
+    fold_permutes(flat)
     foreach_elementwise(flat)
     if n_nodes:
         _TRACED[0] += time.thread_time() - start
