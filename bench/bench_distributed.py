@@ -46,6 +46,13 @@ parameters and optimizer state excluded, so it compares with the Plan peak minus
   model's fused qkv projection is split by the full width, which DTensor's colwise plan does
   not support without rewriting the model.
 
+After the table of each layer count, ``floor and breakdown``: each configuration's CPU per
+step (summed over the ranks) over ``torch unsharded 1 x 1 thread``'s (the step's compute on
+one thread: the floor; ``--only`` without it prints no ratio), and where that CPU goes
+(``partita.runtime.breakdown.measure`` on every rank after the timed steps, summed over the
+ranks: collectives, local compute, copies/layout, Python/dispatch; idle is wall minus CPU,
+summed over the ranks).
+
 torch bytes are counted with the same convention by wrapping ``torch.distributed``'s
 collective functions (FSDP2) and a TorchDispatchMode over ``_c10d_functional`` ops (DTensor).
 """
@@ -73,6 +80,7 @@ import partita.distributed as pd
 from partita import Mesh, P
 from partita.data import make_global, process_slice
 from partita.models import GPT, GPTConfig
+from partita.runtime.breakdown import CATEGORIES, measure
 from partita.training import init_opt_state, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,6 +112,8 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 #: Process CPU seconds per step (median), summed over the ranks: set by ``_median``.
 CPU = [0.0]
+#: The step ``_median`` timed last (the worker measures its breakdown after the row's own).
+STEP: list[Callable[[], Any]] = []
 
 
 #: Process memory around the steps (bytes, this rank), set by ``_median``: ``setup`` the
@@ -136,6 +146,7 @@ def _reset_hwm() -> bool:
 
 
 def _median(fn: Callable[[], Any], repeat: int) -> float:
+    STEP[:] = [fn]
     MEM["setup"] = _hwm()
     fn()
     fn()
@@ -449,6 +460,11 @@ def worker(ns: argparse.Namespace) -> None:
     peak = torch.tensor([max(maxrss, MEM["maxrss"]), MEM["setup"], MEM["steps"]])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     row["rss"], row["setup_rss"], row["step_rss"] = (float(v) for v in peak)
+    dist.barrier()
+    split = measure(STEP[0], ns.repeat)
+    parts = torch.tensor([split.parts[k] for k in CATEGORIES] + [split.cpu])
+    dist.all_reduce(parts, op=dist.ReduceOp.SUM)  # the machine's CPU: every rank's
+    row["parts"] = dict(zip([*CATEGORIES, "cpu"], parts.tolist(), strict=True))
     if pd.is_main_process():
         print("RESULT " + json.dumps(row))
 
@@ -488,6 +504,7 @@ def main() -> None:
         print(f"{'configuration':<30} {'step':>9} {'CPU/step':>9} {'bytes/rank':>11} {'calls':>6} "
               f"{'peak RSS':>11} {'setup RSS':>11} {'step RSS':>11} {'step heap':>10} "
               f"{'Plan peak':>10}")  # fmt: skip
+        rows: dict[str, dict[str, Any]] = {}
         for name, (_, env) in CONFIGS.items():
             if (ns.only and name not in ns.only) or (env is UNFUSED and not ns.unfused):
                 continue
@@ -499,11 +516,26 @@ def main() -> None:
                 bad = next((r for r in results if r.returncode), results[0])
                 print(f"{name:<30} failed (rank {bad.rank}): {bad.stderr.strip()[-300:]}")
                 continue
-            print(_row(name, json.loads(lines[-1].removeprefix("RESULT "))), flush=True)
+            rows[name] = json.loads(lines[-1].removeprefix("RESULT "))
+            print(_row(name, rows[name]), flush=True)
             for line in results[0].stdout.splitlines():
                 if line.startswith("PROFILE "):
                     print("    " + line.removeprefix("PROFILE "))
         print(_load())
+        _print_breakdown(rows)
+
+
+def _print_breakdown(rows: dict[str, dict[str, Any]]) -> None:
+    """Each row's CPU/step over the floor (``FLOOR1``) and its split by category, in ms."""
+    floor = rows.get(FLOOR1, {}).get("cpu")
+    print(f"floor and breakdown: CPU/step summed over ranks, x {FLOOR1!r}'s; ms per step")
+    print(f"{'configuration':<30} {'CPU/step':>9} {'x floor':>8} "
+          + " ".join(f"{k:>15}" for k in CATEGORIES))  # fmt: skip
+    for name, r in rows.items():
+        parts = r.get("parts", {})
+        ratio = f"{r['cpu'] / floor:8.2f}" if floor else f"{'-':>8}"
+        cells = " ".join(f"{1e3 * parts.get(k, 0.0):15.1f}" for k in CATEGORIES)
+        print(f"{name:<30} {r['cpu']:7.3f} s {ratio} {cells}", flush=True)
 
 
 def _load() -> str:

@@ -16,7 +16,11 @@ tensor parallelism on ``model`` plus the batch on ``data``) this prints
   time with other processes' load);
 * the collectives of one step by kind with per-device bytes (``plan.summary()``), against the
   floor of one all-gather plus one reduce-scatter of the parameters (FSDP);
-* the largest difference of any result from the unsharded step.
+* the largest difference of any result from the unsharded step;
+* the floor: each row's CPU per step over the unsharded step's, and where that CPU goes
+  (``partita.runtime.breakdown.measure``: collectives, local compute, copies/layout,
+  Python/dispatch, from ``--breakdown-repeat`` unprofiled steps and 2 profiled ones; idle is
+  wall minus CPU).
 
 Reference points from issue #4: PyTorch's DTensor simulator runs this step at 6.2x unsharded;
 per device and FSDP step XLA (8 fake CPU devices) moves 36 MB and PyTorch FSDP2 30 MB. Goals:
@@ -50,6 +54,7 @@ from partita.capture import trace
 from partita.models import GPT, GPTConfig
 from partita.partition import partition
 from partita.propagate import propagate
+from partita.runtime.breakdown import measure
 from partita.training import init_opt_state, make_train_step
 
 Tensors = dict[str, torch.Tensor]
@@ -175,6 +180,11 @@ def run_strategy(ns: argparse.Namespace, strategy: str, step: Any, args: tuple[A
         print(f"{name:<31} {t:7.3f} s   ratio {t / base:5.2f}   (goal <= {goal}; DTensor 6.2)"
               f"   CPU {cpu:6.3f} s, ratio {cpu / base_cpu:5.2f}")  # fmt: skip
     print("load average (1, 5, 15 min): {:.2f} {:.2f} {:.2f}".format(*os.getloadavg()))
+    floor = measure(lambda: step(*args), ns.breakdown_repeat)
+    print(f"floor and breakdown (median of {ns.breakdown_repeat} steps; 2 profiled):")
+    print(f"  {'unsharded':<29} {floor.row(floor.cpu)}")
+    split = measure(lambda: jitted(*sharded), ns.breakdown_repeat)
+    print(f"  {'sharded, ShardedTensor inputs':<29} {split.row(floor.cpu)}")
     print(f"warnings: {len(plan.warnings)}; max |sharded - unsharded| over all results: "
           f"{max_diff(got, want):.2e}")  # fmt: skip
     if prof:
@@ -198,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--breakdown-repeat", type=int, default=5)
     parser.add_argument("--profile", action="store_true")
     parser.add_argument(
         "--compile-only", action="store_true", help="time (and profile) the compile only"

@@ -5,7 +5,8 @@ longest path from the inputs; each segment becomes its own ``GraphModule`` run a
 ``torch.vmap`` calls, one per mesh axis its inputs vary along (outermost first), traced to a
 flat graph of batched aten ops once its eager runs with one input signature have cost as
 much as that trace (``runtime.flat_trace``; ``partita.runtime.local`` says why), in which
-``runtime.flat_matmul`` folds broadcast bmms.
+``runtime.flat_matmul`` folds broadcast bmms and ``runtime.flat_foreach`` runs independent
+elementwise ops (an optimizer update's) as ``_foreach`` calls.
 A depth's segment is cut further where a contraction's operands are complete
 (``runtime.step_order``), so the contraction runs there and its operands can go.
 This module builds and runs segments; :class:`~partita.runtime.local.LocalMesh` runs the

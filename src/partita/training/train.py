@@ -44,6 +44,7 @@ from partita.partition.resharding import naming_spec_knobs
 from partita.presets import PresetLike, default_batch_spec
 from partita.presets import param_specs as preset_param_specs
 from partita.runtime.executor import check_has_data
+from partita.runtime.flat_trace import repeated
 from partita.training.auto_step import auto_fixed_specs, choose_step_specs, is_auto
 from partita.training.checks import (
     check_batch,
@@ -241,7 +242,8 @@ class TrainStep:
         state = {f"parameter {k!r}": v for k, v in islice(self.params.items(), 1)}
         state.update({f"batch{keystr(p)}": v for p, v in tree_flatten_with_path(batch)[0]})
         check_has_data(list(state.values()), "partita.train_step", list(state))
-        with naming_spec_knobs(_KNOBS):  # a compile's advice names this step's own knobs
+        # a compile's advice names this step's own knobs; a loop: the LocalMesh traces early
+        with naming_spec_knobs(_KNOBS), repeated():
             loss, params, buffers, opt_state = jitted(*args)
         self.params, self.buffers, self.opt_state = params, buffers, opt_state
         unused = self._unused.get(self.model.training, frozenset())

@@ -1,0 +1,115 @@
+"""The per-step cost work (issue 32): the flat graph's ``_foreach`` groups
+(``runtime.flat_foreach``), tracing early inside a loop (``flat_trace.repeated``), and the
+measured breakdown of a step's CPU time (``runtime.breakdown``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from partita.runtime import flat_trace
+from partita.runtime.breakdown import CATEGORIES, categorize, measure
+from partita.runtime.flat_foreach import foreach_elementwise
+from partita.runtime.flat_views import fold_permutes
+from partita.runtime.local import LocalMesh
+from partita.values.mesh import Mesh
+
+
+def _adam_like(*ts: Tensor) -> list[Tensor]:
+    """One update per (param, grad, m, v), each the same ops: what an optimizer traces to."""
+    out = []
+    for p, g, m, v in zip(ts[0::4], ts[1::4], ts[2::4], ts[3::4], strict=True):
+        m2 = m * 0.9 + g * 0.1
+        v2 = v * 0.999 + (g * g) * 0.001
+        out += [p - 0.01 * m2 / (v2.sqrt() + 1e-8), m2, v2]
+    return out
+
+
+def _inputs(n: int) -> list[Tensor]:
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 4), (5,), (2, 2, 2), (7,), (4, 1), (6,), (1,), (3, 3), (8,), (2, 5)][:n]
+    return [torch.rand(s, generator=g) + 0.1 for s in shapes for _ in range(4)]
+
+
+def _count(gm: fx.GraphModule, name: str) -> int:
+    return sum(name in str(n.target) for n in gm.graph.nodes)
+
+
+def test_independent_updates_become_foreach_calls_bit_for_bit() -> None:
+    args = _inputs(10)
+    gm = make_fx(_adam_like, tracing_mode="fake")(*args)
+    want = gm(*args)
+    grouped = foreach_elementwise(gm)
+    assert grouped > 0 and _count(gm, "_foreach_") > 0
+    assert _count(gm, "aten.sqrt.default") == 0  # ten sqrts: one _foreach_sqrt
+    got = gm(*args)
+    for g, w in zip(got, want, strict=True):
+        assert torch.equal(g, w)
+
+
+def test_small_groups_stay_as_they_are() -> None:
+    args = _inputs(3)  # three parameters: every group is below the threshold
+    gm = make_fx(_adam_like, tracing_mode="fake")(*args)
+    assert foreach_elementwise(gm) == 0
+    assert _count(gm, "_foreach_") == 0
+
+
+def test_permute_chains_fold_and_identities_go() -> None:
+    def fn(x: Tensor) -> tuple[Tensor, Tensor]:
+        a = x.permute(2, 0, 1).permute(1, 2, 0)  # the identity, in two steps
+        b = x.permute(1, 2, 0).permute(0, 2, 1).permute(-1, 0, 1)
+        return a * 2, b + 1
+
+    x = torch.randn(2, 3, 4)
+    gm = make_fx(fn)(x)
+    want = gm(x)
+    assert fold_permutes(gm) == 4  # a: both go; b: three permutes become one
+    assert _count(gm, "aten.permute") == 1
+    for g, w in zip(gm(x), want, strict=True):
+        assert torch.equal(g, w) and g.stride() == w.stride()
+
+
+def test_a_loop_traces_segments_at_their_second_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("PARTITA_TRACE_FLAT_AT", raising=False)
+    monkeypatch.setattr(flat_trace, "_TRACED", [1.0, 1])  # a trace costs 1 s per node
+    tracer = flat_trace.FlatTracer()
+    tracer.spent(0.0)
+    assert not tracer.due(100)  # the cost-based choice waits
+    with flat_trace.repeated():
+        assert tracer.due(100)  # a loop: the second run traces
+        assert not tracer.due(100, at=0)  # the option still wins
+    assert not tracer.due(100)
+
+
+def test_breakdown_of_a_simulated_step() -> None:
+    mesh = Mesh.create((4,), ("x",))
+
+    def fn(a: Tensor, w: Tensor) -> Tensor:
+        h = (a @ w).relu().reshape(-1)
+        return torch.ops.partita.all_reduce(h, "sum", ["x"], 4)
+
+    gm = make_fx(fn)(torch.ones(8, 16), torch.ones(16, 16))
+    runner = LocalMesh(mesh)
+    inputs = [torch.randn(4, 8, 16), torch.randn(4, 16, 16)]
+    runner.run(gm, inputs)
+    split = measure(lambda: runner.run(gm, inputs), repeat=3, profiled=1)
+    assert set(split.parts) == set(CATEGORIES)
+    assert all(v >= 0 for v in split.parts.values())
+    assert split.parts["collectives"] > 0 and split.parts["local compute"] > 0
+    ops = sum(split.parts[k] for k in CATEGORIES if k != "idle")
+    assert ops == pytest.approx(split.cpu)  # the parts split the CPU time
+    assert "x floor" in split.row(split.cpu)
+
+
+def test_categorize_counts_top_level_ops_once() -> None:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        a = torch.randn(64, 64)
+        (a @ a).t().contiguous()  # mm: compute; t, contiguous (and the copy inside): layout
+    seconds = categorize(prof.events())
+    assert seconds["local compute"] > 0 and seconds["copies/layout"] > 0
+    assert seconds["collectives"] == 0
+    top = [e for e in prof.events() if "::" in e.name and e.cpu_parent is None]
+    total = sum(e.time_range.elapsed_us() for e in top) * 1e-6
+    assert sum(seconds.values()) == pytest.approx(total)
