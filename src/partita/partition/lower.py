@@ -45,6 +45,7 @@ from partita.partition.emit import Emitter, node_of
 from partita.partition.local_args import localize_shape_args
 from partita.partition.masks import identity_of
 from partita.partition.origin import stamp_origin as _stamp_origin
+from partita.partition.pending import lower_partial_sum
 from partita.partition.plan import Plan
 from partita.partition.reasons import needs_why, partial_reason
 from partita.partition.resharding import LocalValue, LocalValues, ValueKey
@@ -219,6 +220,8 @@ class Lowering(LocalValues):
             )
         rule = node_meta.rule(node)
         assert rule is not None  # propagation gives every op its rule
+        if node not in self.region_nodes and lower_partial_sum(self, node, rule):
+            return  # a sum of partial sums: reduced once, later (partition.pending)
         if rule.facts.same_dtype:
             check_same_dtype(node)
         assign = self.representable(node.target, rule, node_meta.factor_axes(node))
@@ -312,9 +315,8 @@ class Lowering(LocalValues):
     ) -> fx.Node:
         locals_ = iter(self.localize_operands(node, rule, assign))
         results = self.result_shardings(rule, assign)
-        vals = (
-            node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
-        )
+        val = node.meta["val"]
+        vals = val if isinstance(val, (tuple, list)) else (val,)
 
         def swap(a: Any) -> Any:
             if isinstance(a, fx.Node) and _tensor_val(a.meta.get("val")):
