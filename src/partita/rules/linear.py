@@ -16,7 +16,9 @@ Which operands may be partial (``OpFacts.linear``):
 
 Partita keeps a partial value partial through such an op only when no tensor of the op has a
 split dim: every device then holds whole-shaped addends and runs the op with its global
-arguments, and the sum is a plain ``sum`` (not ``max``). Propagation decides it
+arguments, and the sum is a plain ``sum`` (not ``max``). Not in float16: two addends of one
+device can overflow where their reduced values would not (``bfloat16`` has float32's range).
+Propagation decides it
 (``propagate.pending``) and the partitioner lowers it (``partition.pending``), both with
 :func:`kept_partial`, each reading its own view of the operands.
 """
@@ -25,12 +27,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 import torch.fx as fx
 
 from partita.rules.factor import FactorRule
 from partita.rules.opinfo import is_tensor
 
 __all__ = ["Look", "kept_partial"]
+
+_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.complex64, torch.complex128)
 
 #: What a stage knows of a tensor operand: (partial axes, reduce op, has a split dim), or None
 #: when it cannot say (a value it does not track): the op then reduces as usual.
@@ -44,7 +49,8 @@ def kept_partial(node: fx.Node, rule: FactorRule, look: Look) -> tuple[str, ...]
     ``("data",)``; ``add(a, w)`` with ``w`` replicated gives ``()``.
     """
     kind = rule.facts.linear
-    if not kind or len(rule.results) != 1:
+    val = node.meta.get("val")
+    if not kind or len(rule.results) != 1 or not is_tensor(val) or val.dtype not in _DTYPES:
         return ()
     if any(isinstance(a, fx.Node) for a in node.kwargs.values()):
         return ()  # a tensor passed by keyword: not a form the table describes
