@@ -50,7 +50,9 @@ def kept_partial(node: fx.Node, rule: FactorRule, look: Look) -> tuple[str, ...]
     """
     kind = rule.facts.linear
     val = node.meta.get("val")
-    if not kind or len(rule.results) != 1 or not is_tensor(val) or val.dtype not in _DTYPES:
+    if not kind or len(rule.results) != 1 or not isinstance(val, torch.Tensor):
+        return ()
+    if val.dtype not in _DTYPES:
         return ()
     if any(isinstance(a, fx.Node) for a in node.kwargs.values()):
         return ()  # a tensor passed by keyword: not a form the table describes
