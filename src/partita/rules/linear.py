@@ -16,7 +16,9 @@ Which operands may be partial (``OpFacts.linear``):
 
 Partita keeps a partial value partial through such an op only when no tensor of the op has a
 split dim: every device then holds whole-shaped addends and runs the op with its global
-arguments, and the sum is a plain ``sum`` (not ``max``). Not in float16: two addends of one
+arguments, and the sum is a plain ``sum`` (not ``max``). Each partial operand must have no
+other user: one that needs the operand whole would reduce it anyway, and the kept sum would be
+a second reduction (AdamW reads a gradient in two ops). Not in float16: two addends of one
 device can overflow where their reduced values would not (``bfloat16`` has float32's range).
 Propagation decides it
 (``propagate.pending``) and the partitioner lowers it (``partition.pending``), both with
@@ -71,6 +73,8 @@ def kept_partial(node: fx.Node, rule: FactorRule, look: Look) -> tuple[str, ...]
     axes = {(s[0], s[1]) for s in known if s[0]}
     if len(axes) != 1 or next(iter(axes))[1] != "sum":
         return ()
+    if any(len(a.users) > 1 for (i, a) in tensors if i in partial):
+        return ()  # another user reduces it anyway: reduce once, before both
     if kind == "addends":
         ok = partial == [0, 1] and len(tensors) == 2
     elif kind == "scaled":
