@@ -9,7 +9,7 @@ batch 16. For each plan and sequence length it prints the Plan's collectives per
 and calls: a bucket is one call), the all_reduce/reduce_scatter among them, the Plan's bytes
 per device, and the median wall and process-CPU seconds of a step after the first (CPU time
 varies less with other processes' load). A recurrent loop's per-step contributions to a weight
-gradient are added as partial sums and reduced once (``rules.linear``); what still grows with
+gradient are added as partial sums and reduced once (``propagate.linear``); what still grows with
 the sequence is printed as it is.
 """
 

@@ -1,4 +1,4 @@
-"""Partial sums stay partial through linear ops and are reduced once (``rules.linear``).
+"""Partial sums stay partial through linear ops and are reduced once (``propagate.linear``).
 
 A matmul that contracts a split dim leaves each device one addend of its result. Adding two
 such partial sums, viewing one, or scaling one by a replicated factor keeps the sum pending:

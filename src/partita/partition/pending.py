@@ -1,6 +1,6 @@
 """Lower a linear op on partial sums without reducing them (``propagate.pending``).
 
-When propagation left an op's result partial because ``rules.linear`` keeps its operands' sum
+When propagation left an op's result partial because ``propagate.linear`` keeps its operands' sum
 pending, and the lowered operands are what it decided (partial over those axes, no split dim),
 the op runs on the local addends with its global arguments and its result is partial: the
 reduction happens once, when a user needs the value whole or split (``LocalValues.reshard``).
@@ -13,9 +13,9 @@ import torch.fx as fx
 
 from partita.ir import node_meta
 from partita.partition.resharding import LocalValue, LocalValues
+from partita.propagate.linear import kept_partial
 from partita.report.explain import op_name
 from partita.rules.factor import FactorRule
-from partita.rules.linear import kept_partial
 from partita.values.spec import Sharding
 
 __all__ = ["lower_partial_sum"]

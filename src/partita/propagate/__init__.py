@@ -52,7 +52,7 @@ Invariants and conflict resolution (in the order they apply):
    with an all_to_all instead of gathering (XLA does the same for T21 and T25).
 9. **Determinism.** Ops are visited in graph order, the worklist is FIFO without duplicates.
 10. **Partial sums stay partial through linear ops.** After the fixpoint, in graph order, an op
-    that ``rules.linear`` says keeps a sum pending (``add`` of two partial sums, a view, a
+    that ``propagate.linear`` says keeps a sum pending (``add`` of two partial sums, a view, a
     product with a replicated factor), with no split dim on any of its tensors and no other
     user of its partial operands, gets a result partial over its operands' axes, whole dims,
     and the assignment ``{}`` (``propagate.pending``): the sum is reduced once, by its users,

@@ -1,6 +1,6 @@
 """Partial sums kept through linear ops (invariant 10 of ``partita.propagate``).
 
-After the fixpoint, in program order: an op that ``rules.linear`` says keeps its partial
+After the fixpoint, in program order: an op that ``propagate.linear`` says keeps its partial
 operands' sum pending (``add`` of two partial sums, a view of one, a product with a replicated
 factor), whose tensors have no split dim, gets a result partial over the same axes and whole
 dims, and the assignment ``{}``. The sum is then reduced once, where a user needs it whole or
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import torch.fx as fx
 
+from partita.propagate.linear import kept_partial
 from partita.propagate.state import OpState, ProgramState
-from partita.rules.linear import kept_partial
 
 __all__ = ["keep_partial_sums"]
 

@@ -45,7 +45,7 @@ class OpFacts:
             ``clone``): a stored input stays stored through it (propagation, invariant 5).
         moves: which tensor a user collective in a partially manual body moves, for the Plan's
             record: its result (``all_gather``) or its operand (``reduce_scatter``).
-        linear: how a partial sum stays partial through the op (``rules.linear``): ``"addends"``
+        linear: how a partial sum stays partial through the op (``propagate.linear``): ``"addends"``
             when every tensor operand is an addend (``add``, ``sub``), ``"scaled"`` when it is
             linear in any one tensor operand and the others are factors (``mul``), ``"first"``
             when it is linear in its first operand (``div``, ``neg``, views, ``sum``); empty:

@@ -79,7 +79,7 @@ def reduce_rule(info: OpInfo) -> FactorRule:
     return _reduce(info, dims, keepdim, kind="reduction", reduce_op=op)
 
 
-#: A sum of a partial sum is a partial sum (rules.linear).
+#: A sum of a partial sum is a partial sum (propagate.linear).
 RULES.declare(aten_ops(list(_SUM)), OpFacts(linear="first"))
 
 

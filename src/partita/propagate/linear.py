@@ -1,4 +1,4 @@
-"""Which ops keep a partial sum partial, from their ``OpFacts.linear``.
+"""Which ops keep a partial sum partial, from their ``OpFacts.linear`` (declared by the rules).
 
 A *partial* value is a sum pending over some mesh axes: each device holds one addend. A linear
 op commutes with that sum, ``f(a1 + ... + an) = f(a1) + ... + f(an)``, so it can run on the
