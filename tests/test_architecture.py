@@ -420,7 +420,8 @@ def test_per_op_facts_are_on_the_rule() -> None:
     assert facts_of(aten.full.default).local_results
     assert not facts_of(aten.eye.default).local_results
     assert facts_of(aten.clone.default).keeps_data
-    assert facts_of(aten.add.Tensor) == OpFacts()
+    assert facts_of(aten.add.Tensor) == OpFacts(linear="addends")
+    assert facts_of(aten.exp.default) == OpFacts()
     assert facts_of(aten.arange.start).values_from_index
     for module in ("partita.partition.lower", "partita.partition.handlers"):
         assert "str(node.target)" not in MODULES[module].read_text()

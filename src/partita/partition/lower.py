@@ -15,7 +15,8 @@ For each op, in program order (DESIGN.md, Partitioning):
    partial result wanted sharded becomes a reduce_scatter), so that every value in the per-device
    program has exactly ``node_meta.sharding(node)``.
 
-Special lowerings named by rules (``FactorRule.handler``) live in ``partition.handlers``; which
+Special lowerings named by rules (``FactorRule.handler``) live in ``partition.handlers``, that
+of a linear op on partial sums (kept partial, step 1 skipped) in ``partition.pending``; which
 factor axes an op keeps (step 1) is ``partition.assignment``; resharding a value and recording
 its collectives in the Plan (step 2) is ``partition.resharding``. This module is the per-op
 driver and does not run anything.
@@ -35,7 +36,7 @@ from torch.utils import _pytree as pytree
 from partita.capture.manual import ENTER_OP, EXIT_OP, is_fully_manual, local_nodes
 from partita.errors import InternalError, PartitaError, UnsupportedOpError
 from partita.ir import node_meta
-from partita.partition import explicit, handlers
+from partita.partition import explicit, handlers, pending
 from partita.partition import halo as _halo  # noqa: F401 - registers its handler
 from partita.partition import manual as _manual
 from partita.partition import special as _special  # noqa: F401 - registers its handlers
@@ -57,10 +58,6 @@ from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
 __all__ = ["LocalValue", "Lowering"]
-
-
-def _is_body(gm: fx.GraphModule, node: fx.Node) -> bool:
-    return isinstance(getattr(gm, cast(str, node.target)), fx.GraphModule)  # a loop's body
 
 
 def _tensor_val(v: Any) -> TypeGuard[torch.Tensor]:
@@ -143,7 +140,9 @@ class Lowering(LocalValues):
             lower_control_flow(self, node, type(self))
         elif node.op == "call_function":
             self._op(node)
-        elif node.op == "get_attr" and not _is_body(self.src, node):
+        elif node.op == "get_attr" and not isinstance(  # not a loop's body
+            getattr(self.src, cast(str, node.target)), fx.GraphModule
+        ):
             raise UnsupportedOpError(
                 f"Constant {node.target} (node {node.name}) is not supported by the "
                 f"partitioner: pass tensors as inputs instead of closing over them."
@@ -219,6 +218,8 @@ class Lowering(LocalValues):
             )
         rule = node_meta.rule(node)
         assert rule is not None  # propagation gives every op its rule
+        if pending.lower_partial_sum(self, node, rule):  # a sum of partial sums: reduced later
+            return
         if rule.facts.same_dtype:
             check_same_dtype(node)
         assign = self.representable(node.target, rule, node_meta.factor_axes(node))
@@ -312,9 +313,8 @@ class Lowering(LocalValues):
     ) -> fx.Node:
         locals_ = iter(self.localize_operands(node, rule, assign))
         results = self.result_shardings(rule, assign)
-        vals = (
-            node.meta["val"] if isinstance(node.meta["val"], (tuple, list)) else (node.meta["val"],)
-        )
+        val = node.meta["val"]
+        vals = val if isinstance(val, (tuple, list)) else (val,)
 
         def swap(a: Any) -> Any:
             if isinstance(a, fx.Node) and _tensor_val(a.meta.get("val")):

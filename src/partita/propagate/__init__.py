@@ -51,6 +51,12 @@ Invariants and conflict resolution (in the order they apply):
    has (the first whose size they divide), so the partitioner moves the split to another dim
    with an all_to_all instead of gathering (XLA does the same for T21 and T25).
 9. **Determinism.** Ops are visited in graph order, the worklist is FIFO without duplicates.
+10. **Partial sums stay partial through linear ops.** After the fixpoint, in graph order, an op
+    that ``propagate.linear`` says keeps a sum pending (``add`` of two partial sums, a view, a
+    product with a replicated factor), with no split dim on any of its tensors and no other
+    user of its partial operands, gets a result partial over its operands' axes, whole dims,
+    and the assignment ``{}`` (``propagate.pending``): the sum is reduced once, by its users,
+    not once per operand.
 
 Values nobody proposes anything for end up replicated. The result is ``node_meta.sharding(node)``
 (a :class:`~partita.values.spec.Sharding`, or a tuple of them, with ``None`` for non-tensor

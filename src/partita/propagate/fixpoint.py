@@ -19,6 +19,7 @@ from partita.errors import InternalError, PartitaError, ShardingConflictError
 from partita.ir import node_meta
 from partita.propagate.assign import choose_assignment, merge_axes
 from partita.propagate.bodies import RunBody, is_control_flow, propagate_bodies
+from partita.propagate.pending import keep_partial_sums
 from partita.propagate.rules import compiler_error
 from partita.propagate.state import OpState, ProgramState, ValueKey, ValueState
 from partita.values.mesh import Mesh
@@ -162,6 +163,8 @@ class _Propagator(ProgramState):
         for p in priorities:
             for only_pass_through in (True, False):
                 self._fixpoint(p, only_pass_through)
+        for op in keep_partial_sums(self):  # its values' versions stand: its users' visits too
+            op.settled, op.settled_assign = self._snapshot(op, priorities[-1]), {}
         self._write_meta(priorities[-1])
 
     def _fixpoint(self, round_priority: int, only_pass_through: bool) -> None:

@@ -253,7 +253,13 @@ ELEMENTWISE_OPS = aten_ops(_NAMES)
 
 
 #: A cast or copy: its result is its operand's data, so a stored input stays stored through it.
-RULES.declare(aten_ops(["_to_copy.default", "clone.default"]), OpFacts(keeps_data=True))
+RULES.declare(aten_ops(["_to_copy.default"]), OpFacts(keeps_data=True))
+RULES.declare(aten_ops(["clone.default"]), OpFacts(keeps_data=True, linear="first"))
+#: Linear ops: a sum of partial sums, or a partial sum times a replicated factor, stays a partial
+#: sum, reduced once where it is needed whole (``propagate.linear``).
+RULES.declare(aten_ops(["add.Tensor", "sub.Tensor"]), OpFacts(linear="addends"))
+RULES.declare(aten_ops(["mul.Tensor"]), OpFacts(linear="scaled"))
+RULES.declare(aten_ops(["alias.default", "div.Tensor", "neg.default"]), OpFacts(linear="first"))
 
 
 @RULES.register(*ELEMENTWISE_OPS)

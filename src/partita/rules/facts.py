@@ -45,6 +45,11 @@ class OpFacts:
             ``clone``): a stored input stays stored through it (propagation, invariant 5).
         moves: which tensor a user collective in a partially manual body moves, for the Plan's
             record: its result (``all_gather``) or its operand (``reduce_scatter``).
+        linear: how a partial sum stays partial through the op (``propagate.linear``): ``"addends"``
+            when every tensor operand is an addend (``add``, ``sub``), ``"scaled"`` when it is
+            linear in any one tensor operand and the others are factors (``mul``), ``"first"``
+            when it is linear in its first operand (``div``, ``neg``, views, ``sum``); empty:
+            a partial operand is reduced before the op.
     """
 
     same_dtype: bool = False
@@ -55,6 +60,7 @@ class OpFacts:
     values_from_index: bool = False
     keeps_data: bool = False
     moves: Literal["result", "operand"] = "result"
+    linear: Literal["", "addends", "scaled", "first"] = ""
 
 
 #: The facts of an op that has none of the above.

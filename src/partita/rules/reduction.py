@@ -22,6 +22,7 @@ from collections.abc import Sequence
 
 from partita.rules.common import Dim, Names, aten_ops, build, norm_dim, norm_dims
 from partita.rules.factor import FactorRule, OpInfo
+from partita.rules.facts import OpFacts
 from partita.rules.handler_names import HandlerName
 from partita.rules.ruleset import RuleSet
 
@@ -76,6 +77,10 @@ def reduce_rule(info: OpInfo) -> FactorRule:
         return _reduce(info, dims, keepdim, kind="reduction", handler=handler)
     op = "max" if name.startswith(("amax", "any")) else "min"
     return _reduce(info, dims, keepdim, kind="reduction", reduce_op=op)
+
+
+#: A sum of a partial sum is a partial sum (propagate.linear).
+RULES.declare(aten_ops(list(_SUM)), OpFacts(linear="first"))
 
 
 _NEED_REP = aten_ops(

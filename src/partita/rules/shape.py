@@ -178,6 +178,11 @@ def t_rule(info: OpInfo) -> FactorRule:
 
 #: Its result's new dims are produced tile by tile (the local shape argument).
 RULES.declare(aten_ops(["expand.default"]), OpFacts(local_results=True))
+#: Views and reshapes move a partial sum's addends as they are: it stays partial (propagate.linear).
+RULES.declare(
+    [*_RESHAPE, *aten_ops(["permute.default", "t.default", "transpose.int"])],
+    OpFacts(linear="first"),
+)
 
 
 @RULES.register(*aten_ops(["expand.default", "expand_copy.default"]))
