@@ -67,7 +67,7 @@ from partita.models import GPT, GPTConfig, SmallCNN
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from bench_estimate import _load, _median  # noqa: E402
+from bench_estimate import _load, _median, spawn_result  # noqa: E402
 
 Built = tuple[torch.nn.Module, Any, Any, torch.optim.Optimizer]
 Case = Callable[[], Built]
@@ -292,8 +292,6 @@ def gloo(ns: argparse.Namespace) -> None:
     """GPT-S on 4 Gloo processes: auto beside every preset, measured and modelled."""
     from scipy.stats import spearmanr
 
-    from partita.runtime.launch import spawn
-
     print(f"# GPT-S (4 layers, width 256, vocabulary 512, sequence 128, batch 16), AdamW; 4 Gloo "
           f"processes (OMP_NUM_THREADS=1) per configuration, {os.cpu_count()} CPUs; median of "
           f"{ns.repeat} steps after 2 warm-ups (max over ranks), median of {ns.rounds} sweeps; "
@@ -305,13 +303,10 @@ def gloo(ns: argparse.Namespace) -> None:
             key = f"{name}/{shape}".replace(" ", "")
             argv = [__file__, "--gloo-worker", name, "x".join(map(str, shape)),
                     "--repeat", str(ns.repeat), "--time-limit", str(ns.time_limit)]  # fmt: skip
-            results = spawn(argv, 4, env={"OMP_NUM_THREADS": "1"}, timeout=ns.gloo_timeout)
-            lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
-            if any(r.returncode for r in results) or not lines:
-                bad = next((r for r in results if r.returncode), results[0])
-                print(f"{key:<16} failed (rank {bad.rank}): {bad.stderr.strip()[-400:]}")
+            result = spawn_result(argv, key, timeout=ns.gloo_timeout)
+            if result is None:
                 continue
-            runs.setdefault(key, []).append(json.loads(lines[-1].removeprefix("RESULT ")))
+            runs.setdefault(key, []).append(result)
             print(f"#   {key}: {runs[key][-1]}", flush=True)
     print(_load())
     print(f"{'configuration':<16}{'measured':>11}{'modelled':>11}{'wire MiB':>10}  kept plan  "

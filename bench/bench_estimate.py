@@ -186,6 +186,20 @@ def worker(preset: str, shape: tuple[int, ...], repeat: int) -> None:
         print("RESULT " + json.dumps(row))
 
 
+def spawn_result(argv: list[str], name: str, timeout: float) -> dict[str, Any] | None:
+    """Run ``argv`` on 4 Gloo processes (one thread each) and return rank 0's ``RESULT``
+    line as a dict; None, and the failing rank's stderr printed, when a rank fails."""
+    from partita.runtime.launch import spawn
+
+    results = spawn(argv, 4, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
+    lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
+    if any(r.returncode for r in results) or not lines:
+        bad = next((r for r in results if r.returncode), results[0])
+        print(f"{name:<16} failed (rank {bad.rank}): {bad.stderr.strip()[-400:]}")
+        return None
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
 def estimate_raw(raw: dict[str, Any], hw: Hardware) -> float:
     """The estimate without overlap of a dumped configuration on ``hw``: the sums of
     ``partition.estimate.estimate_step(..., overlap=False)`` (4 processes on one host: every
@@ -217,8 +231,6 @@ def main() -> None:
         preset, shape = ns.worker[0], tuple(int(s) for s in ns.worker[1].split("x"))
         worker(preset, shape, ns.repeat)
         return
-    from partita.runtime.launch import spawn
-
     print(f"# {' '.join(['.venv/bin/python', *sys.argv])}")
     print(f"# GPT layers={CFG.n_layer} d_model={CFG.d_model} heads={CFG.n_head} "
           f"vocab={CFG.vocab_size} seq={CFG.seq_len} batch={BATCH}, AdamW; 4 Gloo processes "
@@ -237,14 +249,9 @@ def main() -> None:
             if ns.only and name not in ns.only:
                 continue
             argv = [__file__, "--worker", preset, "x".join(map(str, shape))]
-            results = spawn([*argv, "--repeat", str(ns.repeat)], 4,
-                            env={"OMP_NUM_THREADS": "1"}, timeout=1800)  # fmt: skip
-            lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
-            if any(r.returncode for r in results) or not lines:
-                bad = next((r for r in results if r.returncode), results[0])
-                print(f"{name:<16} failed (rank {bad.rank}): {bad.stderr.strip()[-300:]}")
-                continue
-            runs.setdefault(name, []).append(json.loads(lines[-1].removeprefix("RESULT ")))
+            result = spawn_result([*argv, "--repeat", str(ns.repeat)], name, timeout=1800)
+            if result is not None:
+                runs.setdefault(name, []).append(result)
     peak = PROFILES["cpu-gloo"].peak_flops
     scaled = []
     for name, rs in runs.items():
