@@ -38,6 +38,15 @@ machine take the cores; the CPU time counts only this process's own work (a stag
 in the bubble, it computes, so both see the bubble).
 
 The machine is shared (2 cores, other jobs): numbers are noisy; they are medians of one run.
+
+``--flops`` instead counts, in one process and without timing anything (so independent of the
+machine's load), the floating-point operations of the pipelined step's per-device program (the
+Plan's ``local_program``, ``partita.cost.flops.node_flops`` per node, lowered on the LocalMesh)
+against a stage's real work (its 2 checkpointed blocks, forward and backward, on M
+micro-batches in eager torch, under ``torch.utils.flop_counter.FlopCounterMode``) times
+``(M + S - 1) / M``, the bubble's share. Matmul FLOPs are compared like for like (the ops
+torch's counter knows); the other ops (elementwise: where, add, gelu, layer norm, ...) are
+counted as elements written.
 """
 
 from __future__ import annotations
@@ -55,10 +64,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from torch.utils.flop_counter import FlopCounterMode, flop_registry
 
 import partita
 import partita.distributed as pd
 from partita import Mesh, P
+from partita.cost.flops import node_flops
 from partita.runtime.launch import spawn
 
 LAYERS = 8
@@ -170,6 +181,59 @@ def _stage_alone(
     return lambda: jitted(weights, x)
 
 
+def flops(m: int, ns: argparse.Namespace) -> tuple[int, int, int]:
+    """``(matmul FLOPs, other elements)`` per device of the pipelined step on the LocalMesh,
+    and the matmul FLOPs of one stage's real work on ``m`` micro-batches in eager torch."""
+    torch.manual_seed(0)
+    layers = [Block(ns.width) for _ in range(LAYERS)]
+    mesh = Mesh.create((STAGES,), ("stage",))
+    pipe = partita.pipeline(layers, mesh=mesh, microbatches=m, batch_axes=())
+    weights = {n: p.detach() for n, p in pipe.stack.named_parameters()}
+
+    def step_fn(w: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        w = {k: v.requires_grad_() for k, v in w.items()}
+        y = torch.func.functional_call(pipe, {f"stack.{k}": v for k, v in w.items()}, (x,))
+        loss = y.square().mean()
+        return (loss, *torch.autograd.grad(loss, list(w.values())))
+
+    jitted = partita.jit(step_fn, mesh=mesh, in_specs=({n: P("stage") for n in weights}, P()))
+    plan = jitted.lower(weights, torch.randn(m * ns.rows, ns.seq, ns.width))
+    values = plan._local_values()
+    matmul = other = 0
+    for node in plan.local_program.graph.nodes:
+        n = node_flops(node, values)
+        if getattr(node.target, "overloadpacket", None) in flop_registry:
+            matmul += n
+        else:
+            other += n
+    mine = nn.Sequential(*layers[: LAYERS // STAGES])
+    with FlopCounterMode(display=False) as counter:
+        for _ in range(m):
+            xm = torch.randn(ns.rows, ns.seq, ns.width, requires_grad=True)
+            y = checkpoint(mine, xm, use_reentrant=False)
+            y.backward(torch.ones_like(y))
+    return matmul, other, counter.get_total_flops()
+
+
+def report_flops(ns: argparse.Namespace) -> None:
+    print("# " + " ".join([".venv/bin/python", "bench/bench_pipeline.py", *sys.argv[1:]]))
+    print(
+        f"# per-device program of the pipelined step (LocalMesh, mesh (stage={STAGES},)) "
+        f"against one stage's real work (eager, checkpointed), micro-batch {ns.rows} x "
+        f"{ns.seq} tokens, width {ns.width}; MFLOP"
+    )
+    print(
+        f"{'M':>3} {'(M+S-1)/M':>10} {'real matmul':>12} {'step matmul':>12} "
+        f"{'step/real':>10} {'step other (elements)':>22}"
+    )
+    for m in ns.microbatches:
+        matmul, other, real = flops(m, ns)
+        print(
+            f"{m:>3} {(m + STAGES - 1) / m:>10.4f} {real / 1e6:>12.1f} {matmul / 1e6:>12.1f} "
+            f"{matmul / real:>10.4f} {other / 1e6:>22.2f}"
+        )
+
+
 def worker(ns: argparse.Namespace) -> None:
     pd.initialize()
     mesh = Mesh.create((STAGES,), ("stage",))
@@ -214,8 +278,12 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256)
     parser.add_argument("--rows", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--flops", action="store_true", help="count FLOPs, time nothing")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if ns.flops:
+        report_flops(ns)
+        return
     if ns.worker:
         worker(ns)
         return
