@@ -1,7 +1,7 @@
 """The bubble of ``partita.pipeline`` on 4 Gloo processes: measured idle fraction of a stage
 against ``(S - 1) / (M + S - 1)`` for M = 4, 8, 16 micro-batches.
 
-Run: ``.venv/bin/python bench/bench_pipeline.py [--microbatches 4 8 16] [--repeat 5]``
+Run: ``.venv/bin/python bench/bench_pipeline.py [--microbatches 4 8 16] [--repeat 5] [--flops]``
 (starts 4 worker processes on 127.0.0.1 through ``partita.runtime.launch.spawn``, mesh
 ``(stage=4,)``; rank 0 prints the table).
 
