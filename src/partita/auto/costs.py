@@ -56,12 +56,20 @@ class Pricer:
     tolerances meaningful) or wire bytes (``"bytes"``), memoised."""
 
     def __init__(
-        self, mesh: Mesh, hardware: Hardware, objective: str, bucket_bytes: int = 4 << 20
+        self,
+        mesh: Mesh,
+        hardware: Hardware,
+        objective: str,
+        bucket_bytes: int = 4 << 20,
+        stored_bytes: float = 0.0,
     ) -> None:
         self.mesh = mesh
         self.hw = hardware
         self.bytes = objective == "bytes"
         self.bucket_bytes = bucket_bytes
+        #: the bytes one bucket call carries: ``bucket_bytes``, or all the parameters' bytes
+        #: when they are fewer (a program whose gradients fit in one bucket makes one call)
+        self.bucket_fill = float(min(bucket_bytes, stored_bytes or bucket_bytes))
         #: the price of one stored byte per device: it only breaks ties between equal plans
         self.per_stored_byte = 1e-6 if self.bytes else 1e-8
         self._reshard: dict[
@@ -79,9 +87,9 @@ class Pricer:
         seconds = self.hw.collective_seconds(kind, nbytes, self.mesh, tuple(axes))
         if bucketed and self.bucket_bytes:
             n = self.mesh.axes_size(axes)
-            latency = ring_steps(kind, n) * link_of(self.hw, self.mesh, axes).latency
-            latency *= self.hw.collective_scale.get(kind, 1.0)
-            seconds -= latency * (1.0 - min(1.0, nbytes / self.bucket_bytes))
+            fixed = ring_steps(kind, n) * link_of(self.hw, self.mesh, axes).latency
+            fixed = fixed * self.hw.collective_scale.get(kind, 1.0) + self.hw.call_overhead
+            seconds -= fixed * (1.0 - min(1.0, nbytes / self.bucket_fill))
         return seconds * 1e6
 
     def reshard(
@@ -150,7 +158,11 @@ class Pricer:
         if found is None:
             return 0.0
         kind, count = found
-        split = [f for f in assign if rule.kind(f) is not FactorKind.PASS_THROUGH]
+        # a summed factor leaves its results partial: their reduction is priced on the edge
+        summed = {f for j in range(len(rule.results)) for f in rule.partial_factors(j)}
+        split = [
+            f for f in assign if rule.kind(f) is not FactorKind.PASS_THROUGH and f not in summed
+        ]
         axes = [a for f in split for a in assign[f]]
         if not axes:
             return 0.0
