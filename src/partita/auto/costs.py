@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -22,6 +23,9 @@ import torch.fx as fx
 from partita.cost import Hardware, link_of, node_bytes, node_flops, wire_bytes
 from partita.cost.model import ring_steps
 from partita.partition.reshard import plan_reshard
+from partita.partition.retile import Segment, plan_retile
+from partita.partition.retile import _dim as retile_dim
+from partita.partition.retile import _start as retile_start
 from partita.rules import FactorKind, FactorRule
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
@@ -146,9 +150,48 @@ class Pricer:
             shards = self.mesh.axes_size(axes)
             compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if flops or nbytes else 0.0
             internal = self._internal(rule, assign, out_bytes / shards)
+            if rule.handler == "retile":
+                internal += self._retile(node, rule, assign, out)
             prices.append(internal if self.bytes else compute + internal)
             computes.append(compute)
         return prices, computes
+
+    def _retile(
+        self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]], out: Any
+    ) -> float:
+        """A slice's, cat's or slice_scatter's re-tiling of a split dim: the collective_permute
+        rounds ``partition.retile`` plans for it, each of its widest piece. The partitioner
+        plans the slices of one value together (q, k and v share rounds); priced per op, a
+        fused qkv split is charged once per slice that needs pieces."""
+        if not isinstance(out, torch.Tensor) or not rule.results or rule.results[0] is None:
+            return 0.0
+        dim = retile_dim(node)
+        axes = tuple(a for f in rule.results[0][dim] for a in assign.get(f, ()))
+        if not axes:
+            return 0.0
+        n_out = int(out.shape[dim])
+        if str(node.target).startswith(("aten.cat", "aten.slice_scatter")):
+            if str(node.target).startswith("aten.cat"):
+                vals = [a.meta["val"] for a in cast(Sequence[fx.Node], node.args[0])]
+                sizes = [int(v.shape[dim]) if v.ndim == out.ndim else 0 for v in vals]
+                segments = [Segment(sum(sizes[:i]), i, 0, n) for i, n in enumerate(sizes)]
+            else:
+                m = int(cast(fx.Node, node.args[1]).meta["val"].shape[dim])
+                st = retile_start(node, 3, n_out)
+                sizes = [n_out, m]
+                parts = [
+                    Segment(0, 0, 0, st), Segment(st, 1, 0, m),
+                    Segment(st + m, 0, st + m, n_out - st - m),
+                ]  # fmt: skip
+                segments = [p for p in parts if p.length]
+        else:
+            n = int(cast(fx.Node, node.args[0]).meta["val"].shape[dim])
+            sizes, segments = [n], [Segment(0, 0, retile_start(node, 2, n), n_out)]
+        k = self.mesh.axes_size(axes)
+        rounds = plan_retile(k, sizes, segments, n_out).rounds
+        others = self.mesh.axes_size([a for fa in assign.values() for a in fa if a not in axes])
+        row = out.numel() / max(1, n_out) / others * _itemsize(out.dtype)
+        return sum(self.collective("collective_permute", r.width * row, axes) for r in rounds)
 
     def _internal(
         self, rule: FactorRule, assign: dict[str, tuple[str, ...]], local_out: float
