@@ -23,7 +23,7 @@ import torch.fx as fx
 from partita.cost import Hardware, link_of, node_bytes, node_flops, wire_bytes
 from partita.cost.model import ring_steps
 from partita.partition.reshard import plan_reshard
-from partita.partition.retile import Segment, plan_retile
+from partita.partition.retile import Segment, plan_retile_many
 from partita.partition.retile import _dim as retile_dim
 from partita.partition.retile import _start as retile_start
 from partita.rules import FactorKind, FactorRule
@@ -140,7 +140,10 @@ class Pricer:
         Compute is the roofline of the op's FLOPs over the devices that split it and of the
         bytes one device reads and writes (``local_bytes``: a replicated operand is read
         whole on every device)."""
-        flops = node_flops(node) if node_bytes(node) else 0
+        # a view, getitem or mesh op computes nothing (``cost.node_bytes`` is 0, as the Plan's
+        # estimate counts it): no FLOPs and no bytes
+        computes = bool(node_bytes(node))
+        flops = node_flops(node) if computes else 0
         val = node.meta.get("val")
         out = val[0] if isinstance(val, (tuple, list)) else val
         out_bytes = out.numel() * _itemsize(out.dtype) if isinstance(out, torch.Tensor) else 0
@@ -148,7 +151,7 @@ class Pricer:
         for assign, nbytes in zip(assigns, local_bytes, strict=True):
             axes = [a for fa in assign.values() for a in fa]
             shards = self.mesh.axes_size(axes)
-            compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if flops or nbytes else 0.0
+            compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if computes else 0.0
             internal = self._internal(rule, assign, out_bytes / shards)
             if rule.handler == "retile":
                 internal += self._retile(node, rule, assign, out)
@@ -160,9 +163,10 @@ class Pricer:
         self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]], out: Any
     ) -> float:
         """A slice's, cat's or slice_scatter's re-tiling of a split dim: the collective_permute
-        rounds ``partition.retile`` plans for it, each of its widest piece. The partitioner
-        plans the slices of one value together (q, k and v share rounds); priced per op, a
-        fused qkv split is charged once per slice that needs pieces."""
+        rounds ``partition.retile`` plans for it, each of its widest piece. The slices of
+        one value along one dim are planned together, as the partitioner does (q, k and v
+        share rounds), and each pays an equal share of the rounds (exact when they all split
+        the dim on the same axes, as a plan does)."""
         if not isinstance(out, torch.Tensor) or not rule.results or rule.results[0] is None:
             return 0.0
         dim = retile_dim(node)
@@ -184,14 +188,23 @@ class Pricer:
                     Segment(st + m, 0, st + m, n_out - st - m),
                 ]  # fmt: skip
                 segments = [p for p in parts if p.length]
-        else:
-            n = int(cast(fx.Node, node.args[0]).meta["val"].shape[dim])
-            sizes, segments = [n], [Segment(0, 0, retile_start(node, 2, n), n_out)]
+            outputs = [(segments, n_out)]
+        else:  # the slices of one value along one dim share their rounds (q, k and v)
+            source = cast(fx.Node, node.args[0])
+            n = int(source.meta["val"].shape[dim])
+            sizes, outputs = [n], []
+            for u in source.users:
+                if u.target == node.target and u.args[0] is source and retile_dim(u) == dim:
+                    m = int(u.meta["val"].shape[dim])
+                    outputs.append(([Segment(0, 0, retile_start(u, 2, n), m)], m))
         k = self.mesh.axes_size(axes)
-        rounds = plan_retile(k, sizes, segments, n_out).rounds
+        rounds = plan_retile_many(k, sizes, outputs).rounds
         others = self.mesh.axes_size([a for fa in assign.values() for a in fa if a not in axes])
         row = out.numel() / max(1, n_out) / others * _itemsize(out.dtype)
-        return sum(self.collective("collective_permute", r.width * row, axes) for r in rounds)
+        share = 1.0 / len(outputs)  # each slice pays its share of the shared rounds
+        return share * sum(
+            self.collective("collective_permute", r.width * row, axes) for r in rounds
+        )
 
     def _internal(
         self, rule: FactorRule, assign: dict[str, tuple[str, ...]], local_out: float
