@@ -142,8 +142,8 @@ class Pricer:
         whole on every device)."""
         # a view, getitem or mesh op computes nothing (``cost.node_bytes`` is 0, as the Plan's
         # estimate counts it): no FLOPs and no bytes
-        computes = bool(node_bytes(node))
-        flops = node_flops(node) if computes else 0
+        active = bool(node_bytes(node))
+        flops = node_flops(node) if active else 0
         val = node.meta.get("val")
         out = val[0] if isinstance(val, (tuple, list)) else val
         out_bytes = out.numel() * _itemsize(out.dtype) if isinstance(out, torch.Tensor) else 0
@@ -151,7 +151,7 @@ class Pricer:
         for assign, nbytes in zip(assigns, local_bytes, strict=True):
             axes = [a for fa in assign.values() for a in fa]
             shards = self.mesh.axes_size(axes)
-            compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if computes else 0.0
+            compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if active else 0.0
             internal = self._internal(rule, assign, out_bytes / shards)
             if rule.handler == "retile":
                 internal += self._retile(node, rule, assign, out)
