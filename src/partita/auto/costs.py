@@ -5,10 +5,17 @@ The reshard's steps come from ``partition.reshard.plan_reshard``, the planner th
 runs, so a reshard is priced as exactly the collectives it becomes; each collective's reported
 bytes follow the Plan's convention (output bytes; input bytes for a reduce_scatter) and are
 turned into seconds (``Hardware.collective_seconds``) or wire bytes (``cost.wire_bytes``).
-Compute is the roofline time of the op's FLOPs and bytes divided by the devices that split it
-(``Hardware.op_seconds``). A handler's op-internal collectives (a softmax over a split dim, a
-batch-norm's statistics) are priced as one all_reduce of the local result over the axes of the
-op's non-pass-through factors: a model of them, not their exact lowering.
+Compute is the roofline time (``Hardware.op_seconds``, the Plan estimate's) of the op's FLOPs
+divided by the devices that split it and of the bytes one device reads and writes; a view
+computes nothing. A collective of a parameter or its gradient is bucketed by the partitioner:
+it pays its bandwidth and its bytes' share of one call's fixed cost (latency and per-call
+overhead) in a bucket of ``bucket_bytes`` or of all the parameters' bytes when they are fewer
+(an approximation: the Plan's buckets follow the program's order, see docs/auto.md). A slice
+or cat of a split dim pays the collective_permute rounds ``partition.retile`` plans for it.
+A handler's other op-internal collectives (a softmax over a split dim, a batch-norm's
+statistics) are priced as one all_reduce of the local result over the axes of the op's
+split factors that are not summed (a summed factor's reduction is priced where its partial
+result is reduced): a model of them, not their exact lowering.
 """
 
 from __future__ import annotations
