@@ -30,9 +30,7 @@ import torch.fx as fx
 from partita.cost import Hardware, link_of, node_bytes, node_flops, wire_bytes
 from partita.cost.model import ring_steps
 from partita.partition.reshard import plan_reshard
-from partita.partition.retile import Segment, plan_retile_many
-from partita.partition.retile import _dim as retile_dim
-from partita.partition.retile import _start as retile_start
+from partita.partition.retile import Segment, plan_retile_many, retile_dim, slice_start
 from partita.rules import FactorKind, FactorRule
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
@@ -188,7 +186,7 @@ class Pricer:
                 segments = [Segment(sum(sizes[:i]), i, 0, n) for i, n in enumerate(sizes)]
             else:
                 m = int(cast(fx.Node, node.args[1]).meta["val"].shape[dim])
-                st = retile_start(node, 3, n_out)
+                st = slice_start(node, 3, n_out)
                 sizes = [n_out, m]
                 parts = [
                     Segment(0, 0, 0, st), Segment(st, 1, 0, m),
@@ -203,7 +201,7 @@ class Pricer:
             for u in source.users:
                 if u.target == node.target and u.args[0] is source and retile_dim(u) == dim:
                     m = int(u.meta["val"].shape[dim])
-                    outputs.append(([Segment(0, 0, retile_start(u, 2, n), m)], m))
+                    outputs.append(([Segment(0, 0, slice_start(u, 2, n), m)], m))
         k = self.mesh.axes_size(axes)
         rounds = plan_retile_many(k, sizes, outputs).rounds
         others = self.mesh.axes_size([a for fa in assign.values() for a in fa if a not in axes])
