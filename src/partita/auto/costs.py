@@ -5,16 +5,24 @@ The reshard's steps come from ``partition.reshard.plan_reshard``, the planner th
 runs, so a reshard is priced as exactly the collectives it becomes; each collective's reported
 bytes follow the Plan's convention (output bytes; input bytes for a reduce_scatter) and are
 turned into seconds (``Hardware.collective_seconds``) or wire bytes (``cost.wire_bytes``).
-Compute is the roofline time of the op's FLOPs and bytes divided by the devices that split it
-(``Hardware.op_seconds``). A handler's op-internal collectives (a softmax over a split dim, a
-batch-norm's statistics) are priced as one all_reduce of the local result over the axes of the
-op's non-pass-through factors: a model of them, not their exact lowering.
+Compute is the roofline time (``Hardware.op_seconds``, the Plan estimate's) of the op's FLOPs
+divided by the devices that split it and of the bytes one device reads and writes; a view
+computes nothing. A collective of a parameter or its gradient is bucketed by the partitioner:
+it pays its bandwidth and its bytes' share of one call's fixed cost (latency and per-call
+overhead) in a bucket of ``bucket_bytes`` or of all the parameters' bytes when they are fewer
+(an approximation: the Plan's buckets follow the program's order, see docs/auto.md). A slice
+or cat of a split dim pays the collective_permute rounds ``partition.retile`` plans for it.
+A handler's other op-internal collectives (a softmax over a split dim, a batch-norm's
+statistics) are priced as one all_reduce of the local result over the axes of the op's
+split factors that are not summed (a summed factor's reduction is priced where its partial
+result is reduced): a model of them, not their exact lowering.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -22,6 +30,7 @@ import torch.fx as fx
 from partita.cost import Hardware, link_of, node_bytes, node_flops, wire_bytes
 from partita.cost.model import ring_steps
 from partita.partition.reshard import plan_reshard
+from partita.partition.retile import Segment, plan_retile_many, retile_dim, slice_start
 from partita.rules import FactorKind, FactorRule
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
@@ -56,12 +65,20 @@ class Pricer:
     tolerances meaningful) or wire bytes (``"bytes"``), memoised."""
 
     def __init__(
-        self, mesh: Mesh, hardware: Hardware, objective: str, bucket_bytes: int = 4 << 20
+        self,
+        mesh: Mesh,
+        hardware: Hardware,
+        objective: str,
+        bucket_bytes: int = 4 << 20,
+        stored_bytes: float = 0.0,
     ) -> None:
         self.mesh = mesh
         self.hw = hardware
         self.bytes = objective == "bytes"
         self.bucket_bytes = bucket_bytes
+        #: the bytes one bucket call carries: ``bucket_bytes``, or all the parameters' bytes
+        #: when they are fewer (a program whose gradients fit in one bucket makes one call)
+        self.bucket_fill = float(min(bucket_bytes, stored_bytes or bucket_bytes))
         #: the price of one stored byte per device: it only breaks ties between equal plans
         self.per_stored_byte = 1e-6 if self.bytes else 1e-8
         self._reshard: dict[
@@ -79,9 +96,9 @@ class Pricer:
         seconds = self.hw.collective_seconds(kind, nbytes, self.mesh, tuple(axes))
         if bucketed and self.bucket_bytes:
             n = self.mesh.axes_size(axes)
-            latency = ring_steps(kind, n) * link_of(self.hw, self.mesh, axes).latency
-            latency *= self.hw.collective_scale.get(kind, 1.0)
-            seconds -= latency * (1.0 - min(1.0, nbytes / self.bucket_bytes))
+            fixed = ring_steps(kind, n) * link_of(self.hw, self.mesh, axes).latency
+            fixed = fixed * self.hw.collective_scale.get(kind, 1.0) + self.hw.call_overhead
+            seconds -= fixed * (1.0 - min(1.0, nbytes / self.bucket_fill))
         return seconds * 1e6
 
     def reshard(
@@ -128,7 +145,10 @@ class Pricer:
         Compute is the roofline of the op's FLOPs over the devices that split it and of the
         bytes one device reads and writes (``local_bytes``: a replicated operand is read
         whole on every device)."""
-        flops = node_flops(node) if node_bytes(node) else 0
+        # a view, getitem or mesh op computes nothing (``cost.node_bytes`` is 0, as the Plan's
+        # estimate counts it): no FLOPs and no bytes
+        active = bool(node_bytes(node))
+        flops = node_flops(node) if active else 0
         val = node.meta.get("val")
         out = val[0] if isinstance(val, (tuple, list)) else val
         out_bytes = out.numel() * _itemsize(out.dtype) if isinstance(out, torch.Tensor) else 0
@@ -136,11 +156,60 @@ class Pricer:
         for assign, nbytes in zip(assigns, local_bytes, strict=True):
             axes = [a for fa in assign.values() for a in fa]
             shards = self.mesh.axes_size(axes)
-            compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if flops or nbytes else 0.0
+            compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if active else 0.0
             internal = self._internal(rule, assign, out_bytes / shards)
+            if rule.handler == "retile":
+                internal += self._retile(node, rule, assign, out)
             prices.append(internal if self.bytes else compute + internal)
             computes.append(compute)
         return prices, computes
+
+    def _retile(
+        self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]], out: Any
+    ) -> float:
+        """A slice's, cat's or slice_scatter's re-tiling of a split dim: the collective_permute
+        rounds ``partition.retile`` plans for it, each of its widest piece. The slices of
+        one value along one dim are planned together, as the partitioner does (q, k and v
+        share rounds), and each pays an equal share of the rounds (exact when they all split
+        the dim on the same axes, as a plan does)."""
+        if not isinstance(out, torch.Tensor) or not rule.results or rule.results[0] is None:
+            return 0.0
+        dim = retile_dim(node)
+        axes = tuple(a for f in rule.results[0][dim] for a in assign.get(f, ()))
+        if not axes:
+            return 0.0
+        n_out = int(out.shape[dim])
+        if str(node.target).startswith(("aten.cat", "aten.slice_scatter")):
+            if str(node.target).startswith("aten.cat"):
+                vals = [a.meta["val"] for a in cast(Sequence[fx.Node], node.args[0])]
+                sizes = [int(v.shape[dim]) if v.ndim == out.ndim else 0 for v in vals]
+                segments = [Segment(sum(sizes[:i]), i, 0, n) for i, n in enumerate(sizes)]
+            else:
+                m = int(cast(fx.Node, node.args[1]).meta["val"].shape[dim])
+                st = slice_start(node, 3, n_out)
+                sizes = [n_out, m]
+                parts = [
+                    Segment(0, 0, 0, st), Segment(st, 1, 0, m),
+                    Segment(st + m, 0, st + m, n_out - st - m),
+                ]  # fmt: skip
+                segments = [p for p in parts if p.length]
+            outputs = [(segments, n_out)]
+        else:  # the slices of one value along one dim share their rounds (q, k and v)
+            source = cast(fx.Node, node.args[0])
+            n = int(source.meta["val"].shape[dim])
+            sizes, outputs = [n], []
+            for u in source.users:
+                if u.target == node.target and u.args[0] is source and retile_dim(u) == dim:
+                    m = int(u.meta["val"].shape[dim])
+                    outputs.append(([Segment(0, 0, slice_start(u, 2, n), m)], m))
+        k = self.mesh.axes_size(axes)
+        rounds = plan_retile_many(k, sizes, outputs).rounds
+        others = self.mesh.axes_size([a for fa in assign.values() for a in fa if a not in axes])
+        row = out.numel() / max(1, n_out) / others * _itemsize(out.dtype)
+        share = 1.0 / len(outputs)  # each slice pays its share of the shared rounds
+        return share * sum(
+            self.collective("collective_permute", r.width * row, axes) for r in rounds
+        )
 
     def _internal(
         self, rule: FactorRule, assign: dict[str, tuple[str, ...]], local_out: float
@@ -150,7 +219,11 @@ class Pricer:
         if found is None:
             return 0.0
         kind, count = found
-        split = [f for f in assign if rule.kind(f) is not FactorKind.PASS_THROUGH]
+        # a summed factor leaves its results partial: their reduction is priced on the edge
+        summed = {f for j in range(len(rule.results)) for f in rule.partial_factors(j)}
+        split = [
+            f for f in assign if rule.kind(f) is not FactorKind.PASS_THROUGH and f not in summed
+        ]
         axes = [a for f in split for a in assign[f]]
         if not axes:
             return 0.0

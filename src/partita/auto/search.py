@@ -130,8 +130,9 @@ class _Solver:
         self.inputs = inputs
         self.space = build_space(state, inputs, groups, fixed, ties)
         self.pricer = Pricer(
-            mesh, get_profile(problem.hardware), problem.objective, problem.bucket_bytes
-        )
+            mesh, get_profile(problem.hardware), problem.objective, problem.bucket_bytes,
+            self.space.stored_bytes,
+        )  # fmt: skip
         self.model = build_model(self.space, self.pricer, cluster_blocks(self.space))
         # the build is everything from the traced program to the matrices
         self.model.build_seconds = time.perf_counter() - start

@@ -39,6 +39,7 @@ from partita.auto.candidates import (
     op_sig,
     value_of,
 )
+from partita.cost.flops import value_bytes
 from partita.propagate.state import OpState, ProgramState, ValueKey
 from partita.rules import FactorKind
 from partita.values.mesh import Mesh
@@ -111,11 +112,19 @@ class Space:
     input_block: dict[fx.Node, int]
     #: the program's results: a partial one is reduced before it is returned
     outputs: list[ValueKey] = field(default_factory=list)
-    #: shapes of the inputs in groups (parameters): their reshards (a parameter's gather, its
-    #: gradient's reduction) are bucketed by the partitioner
+    #: shapes of the inputs in groups (parameters), and of every value with the same shape up
+    #: to size-1 dims (a bias gradient summed with ``keepdim``): their reshards (a parameter's
+    #: gather, its gradient's reduction) are bucketed by the partitioner
     stored_shapes: set[tuple[int, ...]] = field(default_factory=set)
+    #: full bytes of one member of each group (the parameters' bytes): what the bucketed
+    #: collectives of one kind move at most when each parameter moves once
+    stored_bytes: float = 0.0
     #: candidate lists enumerated (one per distinct op signature, not per op)
     templates_built: int = 0
+
+
+def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for d in shape if d != 1)
 
 
 def _follows(op: OpState, state: ProgramState) -> ValueKey | None:
@@ -235,6 +244,11 @@ def build_space(
     shapes = {k: tuple(value_of(k).shape) for k in keys}
     dtypes = {k: value_of(k).dtype for k in keys}
     stored = {tuple(inputs[i].meta["val"].shape) for g in groups for i in g}
-    space = Space(mesh, blocks, producer, uses, shapes, dtypes, input_block, outputs, stored)
+    squeezed = {_squeeze(s) for s in stored}
+    stored |= {s for s in shapes.values() if _squeeze(s) in squeezed}
+    stored_bytes = float(sum(value_bytes(inputs[g[0]].meta["val"]) for g in groups if g))
+    space = Space(
+        mesh, blocks, producer, uses, shapes, dtypes, input_block, outputs, stored, stored_bytes
+    )
     space.templates_built = templates.built
     return space

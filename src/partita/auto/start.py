@@ -36,8 +36,8 @@ def _pick(block: Block, by_name: dict[str, fx.Node]) -> int:
     if block.op is None:
         node = by_name.get(block.node.name)
         got = node_meta.sharding(node) if node is not None else None
-        for i, res in enumerate(block.results):
-            if any(s == got for s in res.values()):
+        for i, res in enumerate(block.results):  # the input's own sharding, not a follower's
+            if res.get((block.node, None)) == got:
                 return i
         return 0
     node = by_name.get(block.node.name)

@@ -47,7 +47,9 @@ from partita.rules.common import norm_dim
 from partita.rules.handler_names import HandlerName
 from partita.values.layout import ceil_div, local_shape
 
-__all__ = ["Retile", "Round", "Segment", "plan_retile", "plan_retile_many"]
+__all__ = [
+    "Retile", "Round", "Segment", "plan_retile", "plan_retile_many", "retile_dim", "slice_start",
+]  # fmt: skip
 
 aten = torch.ops.aten
 Assign = dict[str, tuple[str, ...]]
@@ -179,12 +181,15 @@ def _arg(node: fx.Node, i: int, name: str, default: Any) -> Any:
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
 
-def _dim(node: fx.Node) -> int:
+def retile_dim(node: fx.Node) -> int:
+    """The dim a slice, cat or slice_scatter node re-tiles."""
     i = 2 if str(node.target).startswith("aten.slice_scatter") else 1
     return norm_dim(_arg(node, i, "dim", 0), len(node.meta["val"].shape))
 
 
-def _start(node: fx.Node, i: int, n: int) -> int:
+def slice_start(node: fx.Node, i: int, n: int) -> int:
+    """The start (argument ``i``) of a slice of a dim of ``n`` positions, clamped as torch
+    does."""
     start = _arg(node, i, "start", 0)
     start = 0 if start is None else int(start)
     return min(max(start + n if start < 0 else start, 0), n)
@@ -206,16 +211,16 @@ def _segments(low: LoweringAPI, node: fx.Node, dim: int) -> tuple[list[int], lis
     if target.startswith("aten.slice_scatter"):
         # x with src written at [s, s + m): x's own positions stay where they are
         m = int(cast(fx.Node, node.args[1]).meta["val"].shape[dim])  # slice_scatter(x, src, ...)
-        s = _start(node, 3, n_out)
+        s = slice_start(node, 3, n_out)
         parts = [Segment(0, 0, 0, s), Segment(s, 1, 0, m), Segment(s + m, 0, s + m, n_out - s - m)]
         return [n_out, m], [p for p in parts if p.length]
     n = int(cast(fx.Node, node.args[0]).meta["val"].shape[dim])
-    return [n], [Segment(0, 0, _start(node, 2, n), n_out)]
+    return [n], [Segment(0, 0, slice_start(node, 2, n), n_out)]
 
 
 def _applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     (res,) = low.result_shardings(rule, assign)
-    return res is not None and bool(res.dim_axes[_dim(node)])
+    return res is not None and bool(res.dim_axes[retile_dim(node)])
 
 
 def _table(low: LoweringAPI, pos: fx.Node, rows: Any) -> fx.Node:
@@ -262,7 +267,7 @@ def _siblings(low: LoweringAPI, node: fx.Node, dim: int, axes: tuple[str, ...]) 
         if user is node or str(user.target) not in _SLICES or (user, None) in low.values:
             continue
         r = node_meta.rule(user)
-        if r is None or r.handler != HandlerName.RETILE.value or _dim(user) != dim:
+        if r is None or r.handler != HandlerName.RETILE.value or retile_dim(user) != dim:
             continue
         a = low.representable(user.target, r, node_meta.factor_axes(user))
         (res,) = low.result_shardings(r, a)
@@ -285,7 +290,7 @@ def _pick(low: LoweringAPI, dim: int, planned: _Planned) -> fx.Node:
 def lower_retile(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> fx.Node:
     """Cut, permute and pick: the result tile of a slice or cat along a sharded dim (and those
     of its sibling slices, whose lowering later only picks)."""
-    dim = _dim(node)
+    dim = retile_dim(node)
     planned = _PLANNED.setdefault(low, {})
     if node in planned:
         return _pick(low, dim, planned.pop(node))

@@ -1,0 +1,104 @@
+"""The solver's prices against the Plan's estimate (``partita.auto.costs``): each preset's plan,
+read back into the solver's space (``auto.start.choice_of``), is priced by the solver's model
+and by ``Plan.estimate("cpu-gloo", overlap=False)``; where the model matches the partitioner
+the two agree: wire bytes exactly, time within 10 % but for the differences each test
+names. No timing: both sides are models."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import partita
+from partita import Mesh
+from partita.auto import search, start
+from partita.auto.costs import Pricer
+from partita.auto.greedy import objective_of, onehot
+from partita.auto.ilp import build_model
+from partita.cost import get_profile
+from partita.models import GPT, GPTConfig
+
+pytest.importorskip("scipy")
+
+CFG = GPTConfig(n_layer=1, n_head=4, d_model=64, vocab_size=128, seq_len=32)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _priced(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]) -> dict[str, Any]:
+    """Per preset: (the solver's modelled us, its modelled wire bytes, the Plan's estimate)."""
+    seen: dict[str, Any] = {}
+    init = search._Solver.__init__
+
+    def spy(self: Any, problem: Any) -> None:
+        init(self, problem)
+        seen["solver"] = self
+
+    cheapest = search.cheapest_start
+
+    def keep(space: Any, model: Any, presets: Any, budget: Any) -> Any:
+        seen.setdefault("presets", dict(presets))
+        return cheapest(space, model, presets, budget)
+
+    monkeypatch.setattr(search._Solver, "__init__", spy)
+    monkeypatch.setattr(search, "cheapest_start", keep)
+    mesh = Mesh.create(shape, ("data",) if len(shape) == 1 else ("data", "model"))
+    with torch.device("meta"):
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        ids = torch.zeros(16, CFG.seq_len, dtype=torch.long)
+        opt = torch.optim.AdamW(model.parameters())
+    step = partita.train_step(
+        model, _loss, opt, mesh=mesh, param_specs="auto", options={"auto_time_limit": 10}
+    )
+    step.lower((ids, ids))
+    solver = seen["solver"]
+    space, time_model = solver.space, solver.model
+    bytes_pricer = Pricer(mesh, get_profile("cpu-gloo"), "bytes", stored_bytes=space.stored_bytes)
+    bytes_model = build_model(space, bytes_pricer, time_model.rep)
+    out = {}
+    for name, compiled in seen["presets"].items():
+        choice = start.choice_of(space, time_model.rep, compiled.program.graph_module)
+        stored = float(bytes_model.stored @ onehot(bytes_model, choice))
+        wire = objective_of(bytes_model, choice) - stored * bytes_pricer.per_stored_byte
+        est = compiled.plan.estimate("cpu-gloo", overlap=False)
+        out[name] = (objective_of(time_model, choice), wire, est)
+    return out
+
+
+def _one_call(shape: tuple[int, ...]) -> float:
+    """Seconds of one all_reduce of a 4-byte scalar over the mesh's first axis."""
+    mesh = Mesh.create(shape, ("data",) if len(shape) == 1 else ("data", "model"))
+    return get_profile("cpu-gloo").collective_seconds("all_reduce", 4, mesh, ("data",))
+
+
+def test_dp_and_tp_on_a_2d_mesh_cost_what_their_plans_cost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On (2, 4) dp's and tp's modelled wire bytes are their Plans' (every reshard, the qkv
+    split's re-tiling permutes, the gradients' reductions). Time: tp's within 20 % (the Plan
+    fuses tp's gradient reductions into four buckets, the model charges them a share of one
+    call), dp's within 10 % once the loss's second scalar is set apart (the Plan reduces the
+    loss and its total weight in one call, the model in two)."""
+    priced = _priced(monkeypatch, (2, 4))
+    for name in ("dp", "tp"):
+        us, wire, est = priced[name]
+        assert wire == pytest.approx(est.wire_bytes, abs=0.5), name
+    us, _, est = priced["tp"]
+    assert 0.8 * est.total <= us * 1e-6 <= 1.1 * est.total
+    us, _, est = priced["dp"]
+    assert us * 1e-6 - _one_call((2, 4)) == pytest.approx(est.total, rel=0.10)
+
+
+def test_dp_on_a_1d_mesh_costs_what_its_plan_costs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On (8,) dp's modelled wire bytes are its Plan's, and its modelled time is within 10 %
+    of the Plan's once the loss's second scalar is set apart (see above)."""
+    priced = _priced(monkeypatch, (8,))
+    us, wire, est = priced["dp"]
+    assert wire == pytest.approx(est.wire_bytes, abs=0.5)
+    assert us * 1e-6 - _one_call((8,)) == pytest.approx(est.total, rel=0.10)
