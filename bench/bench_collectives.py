@@ -57,22 +57,22 @@ def _median_time(fn, repeat: int) -> float:
     return float(worst)
 
 
-def _collective(kind: str, nbytes: int, n: int):
+def _collective(kind: str, nbytes: int, n: int, group=None):
     numel = nbytes // 4
     if kind == "all_gather":
         out = torch.empty(numel)
         x = torch.ones(numel // n)
-        return lambda: dist.all_gather_into_tensor(out, x)
+        return lambda: dist.all_gather_into_tensor(out, x, group=group)
     if kind == "reduce_scatter":
         x = torch.ones(numel)
         out = torch.empty(numel // n)
-        return lambda: dist.reduce_scatter_tensor(out, x)
+        return lambda: dist.reduce_scatter_tensor(out, x, group=group)
     if kind == "all_reduce":
         x = torch.ones(numel)
-        return lambda: dist.all_reduce(x)
+        return lambda: dist.all_reduce(x, group=group)
     x = torch.ones(numel)
     out = torch.empty(numel)
-    return lambda: dist.all_to_all_single(out, x)
+    return lambda: dist.all_to_all_single(out, x, group=group)
 
 
 #: (rows, inner, cols) of GPT-S's matmuls on one device of a 4-way batch split: 4 x 128 rows,
@@ -138,7 +138,7 @@ def _concurrent(calls: list[tuple[object, float]], repeat: int) -> tuple[float, 
     return work, _median_time(rounds, repeat) / times
 
 
-def _call_overhead(repeat: int, calls: int = 20) -> float:
+def _call_overhead(repeat: int, calls: int = 20, group=None) -> float:
     """Seconds a collective call costs beyond its bytes when it interrupts compute, as in a
     step: ``calls`` rounds of ~5 ms of GPT-S matmuls each followed by a 4-byte all_reduce of
     the whole group, against the same rounds with no all_reduce (all processes at once).
@@ -151,12 +151,12 @@ def _call_overhead(repeat: int, calls: int = 20) -> float:
             for fn, _ in mms[:6]:
                 fn()  # type: ignore[operator]
             if sync:
-                dist.all_reduce(one)
+                dist.all_reduce(one, group=group)
 
     rounds(True)
     with_calls = _median_time(lambda: rounds(True), repeat)
     without = _median_time(lambda: rounds(False), repeat)
-    tiny = _median_time(lambda: [dist.all_reduce(one) for _ in range(calls)], repeat)
+    tiny = _median_time(lambda: [dist.all_reduce(one, group=group) for _ in range(calls)], repeat)
     return max(0.0, with_calls - without - tiny) / calls
 
 
@@ -237,11 +237,37 @@ def efficiency(rows: list[tuple[str, int, float, float, float]]) -> float:
     return min(1.0, max(0.0, float(np.median(fractions))))
 
 
-def worker(repeat: int, overlap_only: bool = False) -> None:
+#: Reported sizes for the timings over groups of 2: GPT-S's tensor-parallel collectives on a
+#: (2, 2) mesh are 0.1 - 1.5 MB each.
+PAIR_SIZES = [64 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
+
+
+def _pairs(repeat: int) -> dict:
+    """Every kind over groups of 2 processes, both pairs of a 4-process job at once (as on a
+    (2, 2) mesh): ``rows`` of ``(kind, bytes, seconds)`` and the ``call`` overhead."""
+    world = dist.get_world_size()
+    groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
+    group = groups[dist.get_rank() // 2]
+    rows = []
+    for kind in TIMED:
+        for size in PAIR_SIZES:
+            fn = _collective(kind, size, 2, group)
+            fn()
+            rows.append((kind, size, _median_time(fn, repeat)))
+    return {"n": 2, "rows": rows, "call": _call_overhead(repeat, group=group)}
+
+
+def worker(repeat: int, overlap_only: bool = False, pairs: bool = False) -> None:
     from partita import distributed as pd
 
     pd.initialize()
     n = dist.get_world_size()
+    if pairs:
+        result = _pairs(repeat)
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result))
+        dist.destroy_process_group()
+        return
     if overlap_only:
         ov = _overlap_efficiency(repeat, n)
         if dist.get_rank() == 0:
@@ -298,10 +324,15 @@ def main() -> None:
     parser.add_argument(
         "--overlap-only", action="store_true", help="fit overlap_efficiency alone (faster)"
     )
+    parser.add_argument(
+        "--pairs",
+        action="store_true",
+        help="time every kind over groups of 2 (two pairs at once), against the profile",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
-        worker(ns.repeat, ns.overlap_only)
+        worker(ns.repeat, ns.overlap_only, ns.pairs)
         return
     from partita.runtime.launch import spawn
 
@@ -311,12 +342,16 @@ def main() -> None:
           f"torch {torch.__version__}, load average {one:.2f} {five:.2f}")  # fmt: skip
     argv = [__file__, "--worker", "--repeat", str(ns.repeat)]
     argv += ["--overlap-only"] if ns.overlap_only else []
+    argv += ["--pairs"] if ns.pairs else []
     results = spawn(argv, ns.world, env={"OMP_NUM_THREADS": "1"}, timeout=600)
     lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
     if any(r.returncode for r in results) or not lines:
         bad = next((r for r in results if r.returncode), results[0])
         sys.exit(f"a worker failed (rank {bad.rank}): {bad.stderr.strip()[-500:]}")
     r = json.loads(lines[-1].removeprefix("RESULT "))
+    if ns.pairs:
+        _print_pairs(r)
+        return
     print(f"{'beside compute':<15} {'bytes':>9} {'compute':>10} {'then call':>10} "
           f"{'overlapped':>10} {'hidden':>6}")  # fmt: skip
     for kind, size, c, sync, ov in r["overlap"]:
@@ -346,6 +381,25 @@ def main() -> None:
     print(f"    launch={r['launch']:.3g}, call_overhead={r['call']:.3g},")
     print(f"    collective_scale={ {k: round(v, 2) for k, v in scale.items()} },")
     print(f"    overlap_efficiency={eta:.2f},")
+
+
+def _print_pairs(r: dict) -> None:
+    """Each timing over groups of 2 beside the ``cpu-gloo`` profile's time for it, and the
+    per-kind scale on the profile's link that fits them (median measured/ring ratio)."""
+    from partita.cost.model import PROFILES, collective_time
+
+    hw = PROFILES["cpu-gloo"]
+    print(f"{'pairs':<15} {'bytes':>9} {'measured':>10} {'profile':>10} {'ring':>9} {'ratio':>6}")
+    ratios: dict[str, list[float]] = {}
+    for kind, size, t in r["rows"]:
+        ring = collective_time(kind, size, 2, hw.intra_host)
+        prof = ring * hw.collective_scale.get(kind, 1.0) + hw.call_overhead
+        ratios.setdefault(kind, []).append(t / ring)
+        print(f"{kind:<15} {size:>9} {t * 1e3:8.3f}ms {prof * 1e3:8.3f}ms "
+              f"{ring * 1e3:7.3f}ms {t / ring:6.2f}")  # fmt: skip
+    print(f"a call between compute (groups of 2): {r['call'] * 1e3:.2f} ms more than alone")
+    scale = {k: round(float(np.median(v)), 2) for k, v in ratios.items()}
+    print(f"collective_scale over groups of 2 on the profile's link: {scale}")
 
 
 if __name__ == "__main__":

@@ -131,7 +131,30 @@ def _raw(plan: Any) -> dict[str, Any]:
     return {"ops": ops, "calls": calls}
 
 
-def worker(preset: str, shape: tuple[int, ...], repeat: int) -> None:
+def _ranges(one: Callable[[], None], steps: int = 3) -> dict[str, float]:
+    """Seconds per step this rank spends inside partita's collective ranges, by kind (the
+    synchronous call's range or, for a launched one, its launch and its ``partita.wait``
+    range: the time the step is stopped for it) and ``step`` (the whole step's range), from
+    ``steps`` steps under ``torch.profiler`` (``runtime.ranges``)."""
+    import re
+
+    pattern = re.compile(r"^partita\.(?:wait )?(\w+?)(?:_bucket)?\[")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            one()
+    out: dict[str, float] = {}
+    for e in prof.events():
+        key = "step" if e.name.startswith("partita.step ") else None
+        match = pattern.match(e.name)
+        key = match.group(1) if match else key
+        if key is not None:
+            out[key] = out.get(key, 0.0) + e.cpu_time_total * 1e-6 / steps
+        if match:  # each range too, for --dump
+            out[e.name] = out.get(e.name, 0.0) + e.cpu_time_total * 1e-6 / steps
+    return out
+
+
+def worker(preset: str, shape: tuple[int, ...], repeat: int, ranges: bool = False) -> None:
     pd.initialize()
     mesh = _mesh(shape)
     torch.manual_seed(0)
@@ -169,6 +192,7 @@ def worker(preset: str, shape: tuple[int, ...], repeat: int) -> None:
     speed = _speed(repeat)  # the machine's pace now, around the timed steps
     measured = _median(one, repeat)
     speed = (speed + _speed(repeat)) / 2
+    inside = _ranges(one) if ranges else {}
     if pd.is_main_process():
         est = plan.estimate("cpu-gloo")
         row = {
@@ -182,6 +206,8 @@ def worker(preset: str, shape: tuple[int, ...], repeat: int) -> None:
             "flops": est.flops,
             "speed": speed,
             "raw": _raw(plan),
+            "ranges": inside,
+            "exposed_by_kind": dict(est.exposed or {}),
         }
         print("RESULT " + json.dumps(row))
 
@@ -225,11 +251,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="sweeps; the median is shown")
     parser.add_argument("--only", nargs="+", help="configurations, e.g. fsdp/(4,) tp/(2,2)")
     parser.add_argument("--dump", type=Path, help="write per-op and per-call data (JSON)")
+    parser.add_argument(
+        "--ranges",
+        action="store_true",
+        help="also profile 3 steps: per kind, the time inside its ranges beside its exposed "
+        "estimate",
+    )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
         preset, shape = ns.worker[0], tuple(int(s) for s in ns.worker[1].split("x"))
-        worker(preset, shape, ns.repeat)
+        worker(preset, shape, ns.repeat, ns.ranges)
         return
     print(f"# {' '.join(['.venv/bin/python', *sys.argv])}")
     print(f"# GPT layers={CFG.n_layer} d_model={CFG.d_model} heads={CFG.n_head} "
@@ -249,6 +281,7 @@ def main() -> None:
             if ns.only and name not in ns.only:
                 continue
             argv = [__file__, "--worker", preset, "x".join(map(str, shape))]
+            argv += ["--ranges"] if ns.ranges else []
             result = spawn_result([*argv, "--repeat", str(ns.repeat)], name, timeout=1800)
             if result is not None:
                 runs.setdefault(name, []).append(result)
@@ -275,6 +308,8 @@ def main() -> None:
               f"{r['scaled'] * 1e3:7.1f}ms {r['scaled'] / r['measured']:7.2f}  "
               f"({', '.join(f'{x * 1e3:.0f}' for x in r['rounds'])})", flush=True)  # fmt: skip
     print(_load())
+    for name in names if ns.ranges else ():
+        _print_ranges(name, runs[name])
     if measured:
         print(f"measured order: {' < '.join(_by(names, measured))}")
     labels = (("estimate", estimated), ("no overlap", no_overlap), ("scaled", scaled))
@@ -288,6 +323,19 @@ def main() -> None:
     if ns.dump:
         ns.dump.write_text(json.dumps(dump))
         print(f"# wrote {ns.dump}")
+
+
+def _print_ranges(name: str, rs: list[dict[str, Any]]) -> None:
+    """One line per configuration: the median over sweeps of rank 0's time per step inside
+    each kind's ranges (profiled) beside the estimate's exposed time of that kind."""
+    kinds = sorted({k for r in rs for k in r["ranges"] if k != "step" and " " not in k})
+    med = {k: statistics.median(r["ranges"].get(k, 0.0) for r in rs) for k in kinds}
+    step = statistics.median(r["ranges"].get("step", 0.0) for r in rs)
+    est = rs[0]["exposed_by_kind"]
+    cells = ", ".join(f"{k} {med[k] * 1e3:.1f} (est {est.get(k, 0.0) * 1e3:.1f})" for k in kinds)
+    print(f"  {name:<14} profiled step {step * 1e3:.1f} ms, outside collectives "
+          f"{(step - sum(med.values())) * 1e3:.1f} ms (est compute {rs[0]['compute'] * 1e3:.1f}); "
+          f"in ranges, ms: {cells}")  # fmt: skip
 
 
 def close_pairs(
