@@ -59,6 +59,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -97,10 +98,13 @@ def _timed(fn: Callable[[], object]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, float]:
-    """This rank's median step time and busy time (see the module's doc) for ``m``."""
+def pipeline_step(
+    m: int, mesh: Mesh, width: int
+) -> tuple[list[Block], Any, Any, dict[str, torch.Tensor]]:
+    """The blocks, the pipeline, the jitted step (GPipe over ``stage``, ``m`` micro-batches:
+    the loss and the gradient of every stacked weight) and its stacked weights."""
     torch.manual_seed(0)
-    layers = [Block(ns.width) for _ in range(LAYERS)]
+    layers = [Block(width) for _ in range(LAYERS)]
     pipe = partita.pipeline(layers, mesh=mesh, microbatches=m, batch_axes=())
     weights = {n: p.detach() for n, p in pipe.stack.named_parameters()}
 
@@ -111,6 +115,12 @@ def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, 
         return (loss, *torch.autograd.grad(loss, list(w.values())))
 
     jitted = partita.jit(step_fn, mesh=mesh, in_specs=({n: P("stage") for n in weights}, P()))
+    return layers, pipe, jitted, weights
+
+
+def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, float]:
+    """This rank's median step time and busy time (see the module's doc) for ``m``."""
+    layers, pipe, jitted, weights = pipeline_step(m, mesh, ns.width)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(m * ns.rows, ns.seq, ns.width, generator=g)
     for _ in range(2):
@@ -184,19 +194,7 @@ def _stage_alone(
 def flops(m: int, ns: argparse.Namespace) -> tuple[int, int, int]:
     """``(matmul FLOPs, other elements)`` per device of the pipelined step on the LocalMesh,
     and the matmul FLOPs of one stage's real work on ``m`` micro-batches in eager torch."""
-    torch.manual_seed(0)
-    layers = [Block(ns.width) for _ in range(LAYERS)]
-    mesh = Mesh.create((STAGES,), ("stage",))
-    pipe = partita.pipeline(layers, mesh=mesh, microbatches=m, batch_axes=())
-    weights = {n: p.detach() for n, p in pipe.stack.named_parameters()}
-
-    def step_fn(w: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        w = {k: v.requires_grad_() for k, v in w.items()}
-        y = torch.func.functional_call(pipe, {f"stack.{k}": v for k, v in w.items()}, (x,))
-        loss = y.square().mean()
-        return (loss, *torch.autograd.grad(loss, list(w.values())))
-
-    jitted = partita.jit(step_fn, mesh=mesh, in_specs=({n: P("stage") for n in weights}, P()))
+    layers, _, jitted, weights = pipeline_step(m, Mesh.create((STAGES,), ("stage",)), ns.width)
     plan = jitted.lower(weights, torch.randn(m * ns.rows, ns.seq, ns.width))
     values = plan._local_values()
     matmul = other = 0
