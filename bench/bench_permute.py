@@ -237,7 +237,8 @@ def report_chain(ranks: list[dict[str, dict[str, float]]], ns: argparse.Namespac
         f"then {ns.kb} KB from r to r+1; per permute, best of 2 runs per rank; load average "
         f"{os.getloadavg()[0]:.1f} at the end"
     )
-    print(f"{'issue':>8} {'rank':>4} {'CPU ms':>7} {'Gloo thr ms':>12} {'wall ms':>8} {'iter ms':>8}")
+    head = f"{'issue':>8} {'rank':>4} {'CPU ms':>7} {'Gloo thr ms':>12} {'wall ms':>8}"
+    print(head + f" {'iter ms':>8}")
     for how in ranks[0]:
         for r, row in enumerate(ranks):
             c = row[how]
