@@ -21,7 +21,13 @@ Two parts, side by side in one run:
   executor's way now), alternating within each repetition, and between them the stage's real
   work in eager torch (``busy``, as ``bench_pipeline.py`` measures it). Per rank: the step's
   CPU time (every thread of the process), the main thread's, the CPU inside the permutes and
-  their count; ``idle = 1 - busy CPU / step CPU`` against ``(S - 1) / (M + S - 1)``.
+  their count, the main thread's CPU outside the run of the rank's program (the per-call
+  checks, inputs, outputs and ``jit``'s lookup); ``idle = 1 - busy CPU / step CPU`` against
+  ``(S - 1) / (M + S - 1)``.
+
+``--dispatch`` (one process, no timing of communication): the CPU per op of an fx program of
+2000 tiny ``aten.add`` (the floor a rank pays per op, as its program's generated code calls
+each op in turn; eager torch pays the same dispatch) and the op count of the pipelined step.
 
 CPU time is the process's (``time.process_time``: every thread, Gloo's included) or the main
 thread's (``time.thread_time``); both count only this process's own work, so they depend
@@ -50,6 +56,7 @@ from torch.utils.checkpoint import checkpoint
 import partita.distributed as pd
 from partita import Mesh
 from partita.runtime import permute as permute_mod
+from partita.runtime.distributed import DistributedMesh
 from partita.runtime.launch import spawn
 
 TAG = permute_mod.TAG
@@ -80,8 +87,11 @@ class Clock:
 
 
 CLOCK = Clock()
-# every permute the executor binds from now on is timed (node targets are taken at bind time)
+RUN = Clock()
+# every permute the executor binds from now on is timed (node targets are taken at bind time),
+# and every run of a rank's program (the rest of a step: checks, inputs, outputs, jit's lookup)
 permute_mod.PermuteStream.permute = CLOCK.timed(permute_mod.PermuteStream.permute)  # type: ignore[method-assign]
+DistributedMesh.run = RUN.timed(DistributedMesh.run)  # type: ignore[method-assign]
 
 
 def _streams() -> list[permute_mod.PermuteStream]:
@@ -108,11 +118,13 @@ def _issue(stream: permute_mod.PermuteStream, how: str, budget: int) -> None:
 def _cpu(fn: Callable[[], object]) -> dict[str, float]:
     dist.barrier()
     CLOCK.reset()
+    RUN.reset()
     c, t, w = time.process_time(), time.thread_time(), time.perf_counter()
     fn()
     out = {"cpu": time.process_time() - c, "main": time.thread_time() - t}
     out["wall"] = time.perf_counter() - w
     out.update(perm_cpu=CLOCK.cpu, perm_main=CLOCK.main, perm_wall=CLOCK.wall, perms=CLOCK.count)
+    out.update(run_main=RUN.main)
     return out
 
 
@@ -217,6 +229,35 @@ def measure_chain(rank: int, world: int, ns: argparse.Namespace) -> dict[str, di
     return out
 
 
+def dispatch(ns: argparse.Namespace) -> None:
+    """The executor's floor per op: an fx program of 2000 ``aten.add`` of 1-element tensors,
+    run as a DistributedMesh runs a rank's program (its generated code calls each op), against
+    the per-device program of the pipelined step (its ops, LocalMesh-lowered)."""
+    graph = torch.fx.Graph()
+    x = graph.placeholder("x")
+    y = x
+    for _ in range(2000):
+        y = graph.call_function(torch.ops.aten.add.Tensor, (y, x))
+    graph.output(y)
+    program = torch.fx.GraphModule(torch.nn.Module(), graph)
+    t = torch.ones(1)
+    program(t)
+    runs = []
+    for _ in range(ns.repeat):
+        c = time.process_time()
+        program(t)
+        runs.append((time.process_time() - c) / 2000)
+    per_op = statistics.median(runs)
+    print(f"# {len(runs)} runs of 2000 aten.add on 1 element; load {os.getloadavg()[0]:.1f}")
+    print(f"per op: {per_op * 1e6:.2f} us of CPU (median)")
+    for m in ns.microbatches:
+        _, _, jitted, weights = pipeline_step(m, Mesh.create((STAGES,), ("stage",)), ns.width)
+        plan = jitted.lower(weights, torch.randn(m * ns.rows, ns.seq, ns.width))
+        ops = sum(1 for n in plan.local_program.graph.nodes if n.op == "call_function")
+        print(f"M={m}: the pipelined step's per-device program has {ops} ops: "
+              f"{ops * per_op * 1e3:.1f} ms of that floor per step")  # fmt: skip
+
+
 def worker(ns: argparse.Namespace) -> None:
     pd.initialize()
     rank, world = pd.process_index(), pd.process_count()
@@ -258,8 +299,8 @@ def report_step(ranks: list[dict[str, Any]], ns: argparse.Namespace) -> None:
     )
     print(
         f"{'M':>3} {'issue':>8} {'rank':>4} {'step CPU':>9} {'main thr':>9} {'other thr':>10} "
-        f"{'in permutes':>12} {'permutes':>9} {'busy CPU':>9} {'idle CPU':>9} {'theory':>7} "
-        f"{'wall':>7}"
+        f"{'in permutes':>12} {'permutes':>9} {'outside run':>12} {'busy CPU':>9} "
+        f"{'idle CPU':>9} {'theory':>7} {'wall':>7}"
     )
     for m in ns.microbatches:
         theory = (STAGES - 1) / (m + STAGES - 1)
@@ -269,14 +310,16 @@ def report_step(ranks: list[dict[str, Any]], ns: argparse.Namespace) -> None:
                 print(
                     f"{m:>3} {how:>8} {r:>4} {c['cpu']:>9.4f} {c['main']:>9.4f} "
                     f"{c['cpu'] - c['main']:>10.4f} {c['perm_cpu']:>12.4f} {c['perms']:>9.0f} "
-                    f"{busy:>9.4f} {c['idle']:>9.3f} {theory:>7.3f} {c['wall']:>7.3f}"
+                    f"{c['main'] - c['run_main']:>12.4f} {busy:>9.4f} {c['idle']:>9.3f} "
+                    f"{theory:>7.3f} {c['wall']:>7.3f}"
                 )
             mean = statistics.fmean(row[str(m)][how]["idle"] for row in ranks)
             perm = statistics.fmean(row[str(m)][how]["perm_cpu"] for row in ranks)
             cpu = statistics.fmean(row[str(m)][how]["cpu"] for row in ranks)
             print(
                 f"{m:>3} {how:>8} {'mean':>4} {cpu:>9.4f} {'':>9} {'':>10} {perm:>12.4f} "
-                f"{'':>9} {'':>9} {mean:>9.3f} {theory:>7.3f}   idle - theory {mean - theory:+.3f}"
+                f"{'':>9} {'':>12} {'':>9} {mean:>9.3f} {theory:>7.3f}   idle - theory "
+                f"{mean - theory:+.3f}"
             )
 
 
@@ -292,7 +335,11 @@ def main() -> None:
     parser.add_argument("--work", type=int, default=6)
     parser.add_argument("--kb", type=int, default=128)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--dispatch", action="store_true", help="per-op floor, one process")
     ns = parser.parse_args()
+    if ns.dispatch:
+        dispatch(ns)
+        return
     if ns.worker:
         worker(ns)
         return
