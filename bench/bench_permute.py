@@ -21,7 +21,8 @@ Two parts, side by side in one run:
   executor's way now), alternating within each repetition, and between them the stage's real
   work in eager torch (``busy``, as ``bench_pipeline.py`` measures it). Per rank: the step's
   CPU time (every thread of the process), the main thread's, the CPU inside the permutes and
-  their count, the main thread's CPU outside the run of the rank's program (the per-call
+  their count, the CPU inside the other collectives (the all_reduces over the stages, at
+  their launch and wait), the main thread's CPU outside the run of the rank's program (the per-call
   checks, inputs, outputs and ``jit``'s lookup); ``idle = 1 - busy CPU / step CPU`` against
   ``(S - 1) / (M + S - 1)``.
 
@@ -92,6 +93,11 @@ RUN = Clock()
 # and every run of a rank's program (the rest of a step: checks, inputs, outputs, jit's lookup)
 permute_mod.PermuteStream.permute = CLOCK.timed(permute_mod.PermuteStream.permute)  # type: ignore[method-assign]
 DistributedMesh.run = RUN.timed(DistributedMesh.run)  # type: ignore[method-assign]
+# and the other collectives (the output's and the input gradient's all_reduce over the stages,
+# the plan check's all_gather is outside the run), at their launch and their wait
+COLL = Clock()
+DistributedMesh.start = COLL.timed(DistributedMesh.start)  # type: ignore[method-assign]
+DistributedMesh.wait = COLL.timed(DistributedMesh.wait)  # type: ignore[method-assign]
 
 
 def _streams() -> list[permute_mod.PermuteStream]:
@@ -119,12 +125,13 @@ def _cpu(fn: Callable[[], object]) -> dict[str, float]:
     dist.barrier()
     CLOCK.reset()
     RUN.reset()
+    COLL.reset()
     c, t, w = time.process_time(), time.thread_time(), time.perf_counter()
     fn()
     out = {"cpu": time.process_time() - c, "main": time.thread_time() - t}
     out["wall"] = time.perf_counter() - w
     out.update(perm_cpu=CLOCK.cpu, perm_main=CLOCK.main, perm_wall=CLOCK.wall, perms=CLOCK.count)
-    out.update(run_main=RUN.main)
+    out.update(run_main=RUN.main, coll_cpu=COLL.cpu)
     return out
 
 
@@ -299,7 +306,8 @@ def report_step(ranks: list[dict[str, Any]], ns: argparse.Namespace) -> None:
     )
     print(
         f"{'M':>3} {'issue':>8} {'rank':>4} {'step CPU':>9} {'main thr':>9} {'other thr':>10} "
-        f"{'in permutes':>12} {'permutes':>9} {'outside run':>12} {'busy CPU':>9} "
+        f"{'in permutes':>12} {'permutes':>9} {'other coll':>11} {'outside run':>12} "
+        f"{'busy CPU':>9} "
         f"{'idle CPU':>9} {'theory':>7} {'wall':>7}"
     )
     for m in ns.microbatches:
@@ -310,7 +318,8 @@ def report_step(ranks: list[dict[str, Any]], ns: argparse.Namespace) -> None:
                 print(
                     f"{m:>3} {how:>8} {r:>4} {c['cpu']:>9.4f} {c['main']:>9.4f} "
                     f"{c['cpu'] - c['main']:>10.4f} {c['perm_cpu']:>12.4f} {c['perms']:>9.0f} "
-                    f"{c['main'] - c['run_main']:>12.4f} {busy:>9.4f} {c['idle']:>9.3f} "
+                    f"{c['coll_cpu']:>11.4f} {c['main'] - c['run_main']:>12.4f} {busy:>9.4f} "
+                    f"{c['idle']:>9.3f} "
                     f"{theory:>7.3f} {c['wall']:>7.3f}"
                 )
             mean = statistics.fmean(row[str(m)][how]["idle"] for row in ranks)
@@ -318,7 +327,7 @@ def report_step(ranks: list[dict[str, Any]], ns: argparse.Namespace) -> None:
             cpu = statistics.fmean(row[str(m)][how]["cpu"] for row in ranks)
             print(
                 f"{m:>3} {how:>8} {'mean':>4} {cpu:>9.4f} {'':>9} {'':>10} {perm:>12.4f} "
-                f"{'':>9} {'':>12} {'':>9} {mean:>9.3f} {theory:>7.3f}   idle - theory "
+                f"{'':>9} {'':>11} {'':>12} {'':>9} {mean:>9.3f} {theory:>7.3f}   idle - theory "
                 f"{mean - theory:+.3f}"
             )
 
