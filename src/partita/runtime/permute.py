@@ -61,7 +61,7 @@ class Route:
     def nbytes(self) -> int:
         if self.shape is None or self.dtype is None:
             return 0
-        return _numel(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return _numel(self.shape) * self.dtype.itemsize
 
     @property
     def postable(self) -> bool:
