@@ -140,7 +140,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("bucket_bytes", "PARTITA_BUCKET_BYTES", _bytes,
          "fuse small collectives of one kind and group up to this many bytes (0: off)"),
     Knob("overlap_bytes", "PARTITA_OVERLAP_BYTES", _bytes,
-         "bytes of collectives in flight while local ops run (0: synchronous)"),
+         "bytes of collectives in flight while local ops run, receives posted ahead "
+         "included (0: synchronous)"),
     Knob("scan_layers", "PARTITA_SCAN_LAYERS", _bool,
          "trace a module's repeated layers once"),
     Knob("trace_flat_at", "PARTITA_TRACE_FLAT_AT", _count,

@@ -14,7 +14,9 @@ all_reduce             ``all_reduce`` (``avg`` = sum, then divide, as the simula
 reduce_scatter         ``reduce_scatter_single``, chunks sent in mesh member order
 all_to_all             ``all_to_all_single`` (Gloo supports it on CPU since torch 2.x; checked
                        with torch 2.13)
-collective_permute     ``batch_isend_irecv``; a device that receives nothing gets zeros
+collective_permute     ``send``/``recv`` on Gloo, receives posted ahead at the run's start
+                       (``runtime.permute``); ``batch_isend_irecv`` on other backends; a
+                       device that receives nothing gets zeros
 axis_index             this rank's coordinate (no communication)
 shard_slice            this rank's tile of a replicated value (no communication)
 =====================  =====================================================================
@@ -66,7 +68,6 @@ from partita.options import CompileOptions, current
 from partita.runtime import dist_ops, ranges
 from partita.runtime.comm import (
     Group,
-    call_collective,
     create_check_group,
     create_mesh_groups,
 )
@@ -76,6 +77,7 @@ from partita.runtime.dist_ops import InFlight, alone
 from partita.runtime.dist_tensor import DistributedShardedTensor, local_shard
 from partita.runtime.donate import donated_all_reduces
 from partita.runtime.overlap import first_run, schedule_overlap
+from partita.runtime.permute import bind_permutes
 from partita.runtime.plan_check import CallChecks
 from partita.values.layout import ceil_div
 from partita.values.mesh import Mesh
@@ -146,7 +148,6 @@ class DistributedMesh:
         self._compiled: _Programs = weakref.WeakKeyDictionary()
         self._checks = CallChecks(mesh)  # the plan and replica checks (runtime.plan_check)
         self._impls: dict[Any, Callable[..., Any]] = {
-            ops.collective_permute.default: self.collective_permute,
             ops.axis_index.default: self.axis_index,
             ops.shard_slice.default: self.shard_slice,
         }
@@ -236,29 +237,6 @@ class DistributedMesh:
             return pending.value
         return dist_ops.run(pending.op)
 
-    def collective_permute(
-        self, x: Tensor, pairs: Sequence[int], mesh_axes: Sequence[str], node: str = ""
-    ) -> Tensor:
-        srcs, dsts = [int(p) for p in pairs[0::2]], [int(p) for p in pairs[1::2]]
-        send_to = dsts[srcs.index(self.rank)] if self.rank in srcs else None
-        recv_from = srcs[dsts.index(self.rank)] if self.rank in dsts else None
-        if recv_from == self.rank:
-            return x.clone()
-        out = torch.zeros_like(x) if recv_from is None else torch.empty_like(x)  # recv fills it
-        p2p = []
-        if send_to is not None and send_to != self.rank:
-            p2p.append(dist.P2POp(dist.isend, x.contiguous(), send_to))
-        if recv_from is not None:
-            p2p.append(dist.P2POp(dist.irecv, out, recv_from))
-        if p2p:
-
-            def run() -> None:
-                for work in dist.batch_isend_irecv(p2p):
-                    work.wait()
-
-            call_collective(node, "collective_permute", mesh_axes, None, run, peers=pairs)
-        return out
-
     def axis_index(self, like: Tensor, mesh_axes: Sequence[str], node: str = "") -> Tensor:
         return torch.tensor(self._coordinate(mesh_axes), dtype=torch.int64, device=like.device)
 
@@ -300,9 +278,11 @@ class DistributedMesh:
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
         donated = donated_all_reduces(graph) if donate else set()
+        gloo = dist.get_backend() == "gloo"
         if overlap:
-            copies = 2 if dist.get_backend() == "gloo" else 1  # Gloo gathers via a temporary
+            copies = 2 if gloo else 1  # Gloo gathers via a temporary
             schedule_overlap(graph, ASYNC_OPS, self.start, self.wait, _kind, overlap, sizes, copies)
+        bind_permutes(graph, self.rank, overlap, gloo)  # receives posted ahead within overlap
         for node in graph.nodes:
             if node.op == "call_function" and node.target in _BOUND_OPS:
                 node.target = self._impls[node.target]
