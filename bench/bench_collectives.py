@@ -29,6 +29,7 @@ what one process of a 4-process job gets, not what one core can do.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from partita.cost.model import KINDS, ring_steps, wire_bytes
+from partita.cost.model import KINDS, PROFILES, op_time, ring_steps, wire_bytes
 
 SIZES = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20, 16 << 20]
 TIMED = [k for k in KINDS if k != "collective_permute"]
@@ -257,11 +258,46 @@ def _pairs(repeat: int) -> dict:
     return {"n": 2, "rows": rows, "call": _call_overhead(repeat, group=group)}
 
 
-def worker(repeat: int, overlap_only: bool = False, pairs: bool = False) -> None:
+def _ops(repeat: int) -> list[dict]:
+    """Each memory-bound workload of ``op_workloads`` (GPT-S's optimizer update and layer
+    activations, traced to aten ops): the model's ``ops`` / ``bytes`` / ``flops`` of it and
+    the measured ``seconds`` of one run with every process running it at once."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from op_workloads import traced, workloads
+
+    runs, out = [], []
+    for name, fn, inputs in workloads():
+        gm, counts = traced(fn, inputs)
+        gm(*inputs)
+        t = time.perf_counter()
+        gm(*inputs)
+        times = max(1, int(0.1 / max(time.perf_counter() - t, 1e-6)))
+        times = int(_max_over_ranks(times))  # every rank runs as many
+        runs.append(lambda gm=gm, inputs=inputs, times=times: [gm(*inputs) for _ in range(times)])
+        out.append({"name": name, **counts, "times": times})
+    # in turn, round after round: a change of the machine's load hits every workload alike
+    for row, seconds in zip(out, _interleaved(runs, repeat), strict=True):
+        row["seconds"] = seconds / row.pop("times")
+    return out
+
+
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def worker(repeat: int, overlap_only: bool = False, pairs: bool = False, ops: bool = False) -> None:
     from partita import distributed as pd
 
     pd.initialize()
     n = dist.get_world_size()
+    if ops:
+        result = {"n": n, "ops": _ops(repeat)}
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result))
+        dist.destroy_process_group()
+        return
     if pairs:
         result = _pairs(repeat)
         if dist.get_rank() == 0:
@@ -289,10 +325,12 @@ def worker(repeat: int, overlap_only: bool = False, pairs: bool = False) -> None
     launch = _concurrent([(lambda: tiny.add(1.0), 0.0)] * 1000, repeat)[1] / 1000
     call = _call_overhead(repeat)
     ov = _overlap_efficiency(repeat, n)
+    ops = _ops(repeat)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({
             "n": n, "rows": rows, "flops": mm_flops / mm_time,
             "bandwidth": ew_bytes / ew_time, "launch": launch, "call": call, "overlap": ov,
+            "ops": ops,
         }))  # fmt: skip
     dist.destroy_process_group()
 
@@ -329,10 +367,15 @@ def main() -> None:
         action="store_true",
         help="time every kind over groups of 2 (two pairs at once), against the profile",
     )
+    parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="fit op_overhead and memory_bandwidth alone, on GPT-S's memory-bound workloads",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
-        worker(ns.repeat, ns.overlap_only, ns.pairs)
+        worker(ns.repeat, ns.overlap_only, ns.pairs, ns.ops)
         return
     from partita.runtime.launch import spawn
 
@@ -343,6 +386,7 @@ def main() -> None:
     argv = [__file__, "--worker", "--repeat", str(ns.repeat)]
     argv += ["--overlap-only"] if ns.overlap_only else []
     argv += ["--pairs"] if ns.pairs else []
+    argv += ["--ops"] if ns.ops else []
     results = spawn(argv, ns.world, env={"OMP_NUM_THREADS": "1"}, timeout=600)
     lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
     if any(r.returncode for r in results) or not lines:
@@ -351,6 +395,10 @@ def main() -> None:
     r = json.loads(lines[-1].removeprefix("RESULT "))
     if ns.pairs:
         _print_pairs(r)
+        return
+    if ns.ops:
+        _print_ops(r["ops"], r.get("flops", PROFILES["cpu-gloo"].peak_flops))
+        print(f"# {_load()}")
         return
     print(f"{'beside compute':<15} {'bytes':>9} {'compute':>10} {'then call':>10} "
           f"{'overlapped':>10} {'hidden':>6}")  # fmt: skip
@@ -369,18 +417,71 @@ def main() -> None:
         ring = ring_steps(kind, r["n"]) * latency + wire_bytes(kind, size, r["n"]) / bandwidth
         model = ring * scale[kind]
         print(f"{kind:<15} {size:>9} {t * 1e3:8.3f}ms {model * 1e3:8.3f}ms {model / t:6.2f}")
-    print(f"GPT-S matmuls: {r['flops'] / 1e9:.2f} GFLOP/s per process; elementwise: "
-          f"{r['bandwidth'] / 1e9:.2f} GB/s per process; one tiny op: "
-          f"{r['launch'] * 1e6:.2f} us")  # fmt: skip
+    ops = _print_ops(r["ops"], r["flops"])
+    print(f"GPT-S matmuls: {r['flops'] / 1e9:.2f} GFLOP/s per process; elementwise (the same "
+          f"few tensors over and over, in cache): {r['bandwidth'] / 1e9:.2f} GB/s per process; "
+          f"one tiny op: {r['launch'] * 1e6:.2f} us")  # fmt: skip
     print(f"a call between compute: {r['call'] * 1e3:.2f} ms more than the call alone")
     print(f"fit: latency {latency * 1e6:.1f} us per ring step, bandwidth "
           f"{bandwidth / 1e9:.3f} GB/s")  # fmt: skip
     print("profile:")
-    print(f"    peak_flops={r['flops']:.3g}, memory_bandwidth={r['bandwidth']:.3g},")
+    print(f"    peak_flops={r['flops']:.3g}, memory_bandwidth={ops['memory_bandwidth']:.3g},")
     print(f"    intra_host=Link(bandwidth={bandwidth:.3g}, latency={latency:.3g}),")
     print(f"    launch={r['launch']:.3g}, call_overhead={r['call']:.3g},")
     print(f"    collective_scale={ {k: round(v, 2) for k, v in scale.items()} },")
-    print(f"    overlap_efficiency={eta:.2f},")
+    print(f"    overlap_efficiency={eta:.2f}, op_overhead={ops['op_overhead']:.3g},")
+    print(f"    cache_bytes={ops['cache_bytes']:.0f}, "
+          f"cache_bandwidth={ops['cache_bandwidth']:.3g},")  # fmt: skip
+    print(f"# {_load()}")
+
+
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} (1, 5, 15 min)"
+
+
+def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
+    """Each memory-bound workload measured beside the fitted local-op terms
+    (``op_workloads.fit_ops``) and beside the ``cpu-gloo`` profile's time of its ops (its own
+    ``op_time``); the fitted terms."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from op_workloads import fit_ops
+
+    fitted = fit_ops(rows)
+    names = ("op_overhead", "cache_bytes", "cache_bandwidth", "memory_bandwidth")
+    terms = {k: fitted[k] for k in names}
+    hw = PROFILES["cpu-gloo"]
+    new = dataclasses.replace(hw, **terms)
+    print(f"{'memory-bound':<12} {'ops':>5} {'MB':>8} {'measured':>10} {'fit':>9} {'ratio':>6} "
+          f"{'profile':>9} {'ratio':>6}  GB/s")  # fmt: skip
+    for w in rows:
+        n = len(w["each"])
+        flops = w["flops"] / n  # every op's FLOPs are far below its bytes' time
+        model = sum(op_time(flops, b, new) for b in w["each"])
+        prof = sum(op_time(flops, b, hw) for b in w["each"])
+        print(f"{w['name']:<12} {w['ops']:5.0f} {w['bytes'] / 1e6:8.1f} "
+              f"{w['seconds'] * 1e3:8.2f}ms {model * 1e3:7.2f}ms {model / w['seconds']:6.2f} "
+              f"{prof * 1e3:7.2f}ms {prof / w['seconds']:6.2f}  "
+              f"{w['bytes'] / w['seconds'] / 1e9:5.2f}")  # fmt: skip
+    cache = (
+        f"the first {fitted['cache_bytes'] / 2**20:.3g} MiB of an op at "
+        f"{fitted['cache_bandwidth'] / 1e9:.3g} GB/s, the rest"
+        if fitted["cache_bytes"]
+        else "every byte (no cache term)"
+    )
+    print(f"memory-bound ops: {fitted['op_overhead'] * 1e6:.2f} us per op; {cache} at "
+          f"{fitted['memory_bandwidth'] / 1e9:.3g} GB/s (rms relative error {fitted['error']:.2f}; "
+          f"one bandwidth for all: {fitted['error_flat']:.2f})")  # fmt: skip
+    print("local-op terms (paste into PROFILES['cpu-gloo']):")
+    print(
+        f"    memory_bandwidth={fitted['memory_bandwidth']:.3g}, "
+        f"op_overhead={fitted['op_overhead']:.3g},"
+    )
+    print(
+        f"    cache_bytes={fitted['cache_bytes']:.0f}, "
+        f"cache_bandwidth={fitted['cache_bandwidth']:.3g},"
+    )
+    return fitted
 
 
 def _print_pairs(r: dict) -> None:

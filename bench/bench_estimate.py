@@ -112,13 +112,13 @@ def _speed(repeat: int) -> float:
 
 
 def _raw(plan: Any) -> dict[str, Any]:
-    """Per-op (flops, bytes) and per-call (kind, bytes, group size) of ``plan``."""
+    """Per-op (flops, bytes, op name) and per-call (kind, bytes, group size) of ``plan``."""
     vals = plan._local_values()
     ops = []
     for node in plan.local_program.graph.nodes:
         f, b = node_flops(node, vals), node_bytes(node, vals)
         if f or b:
-            ops.append((f, b))
+            ops.append((f, b, str(node.target)))
     in_bucket = {i for b in plan.buckets for i in b.members}
     calls = [
         (c.kind, c.bytes, plan.mesh.axes_size(c.mesh_axes))
@@ -230,7 +230,7 @@ def estimate_raw(raw: dict[str, Any], hw: Hardware) -> float:
     """The estimate without overlap of a dumped configuration on ``hw``: the sums of
     ``partition.estimate.estimate_step(..., overlap=False)`` (4 processes on one host: every
     group on its link; the dump has no schedule to overlap)."""
-    compute = sum(hw.op_seconds(f, b) for f, b in raw["ops"])
+    compute = sum(hw.op_seconds(f, b) for f, b, *_ in raw["ops"])
     comm = sum(
         hw.collective_seconds(kind, nbytes, Mesh.create((n,), ("g",)), ["g"])
         for kind, nbytes, n in raw["calls"]
