@@ -139,26 +139,61 @@ def _concurrent(calls: list[tuple[object, float]], repeat: int) -> tuple[float, 
     return work, _median_time(rounds, repeat) / times
 
 
-def _call_overhead(repeat: int, calls: int = 20, group=None) -> float:
+def _call_overhead(repeat: int, calls: int = 20, group=None, before: str = "matmuls") -> float:
     """Seconds a collective call costs beyond its bytes when it interrupts compute, as in a
-    step: ``calls`` rounds of ~5 ms of GPT-S matmuls each followed by a 4-byte all_reduce of
-    the whole group, against the same rounds with no all_reduce (all processes at once).
-    While a process computes its peers may hold the cores, so the call waits for them."""
+    step: ``calls`` rounds of ``before`` each followed by a 4-byte all_reduce of the group,
+    against the same rounds with no all_reduce and the all_reduces alone (all processes at
+    once, the three in turn). While a process computes its peers may hold the cores, so the
+    call waits for them. ``before``: ``"matmuls"`` (~5 ms of GPT-S matmuls), ``"short"``
+    (~0.3 ms of elementwise ops on a 256 KB tensor, the few ops between a gradient's
+    reduction and the next call of a step) or ``"call"`` (a 1 MiB reduce_scatter of the
+    group: the all_reduce right behind another call)."""
     mms = _gpt_matmuls()
     one = torch.zeros(1)
+    x = torch.randn(64 << 10)
+    n = dist.get_world_size(group)
+    scatter = _collective("reduce_scatter", 1 << 20, n, group)
+
+    def first() -> None:
+        if before == "matmuls":
+            for fn, _ in mms[:6]:
+                fn()  # type: ignore[operator]
+        elif before == "short":
+            for _ in range(10):
+                x.mul(1.0001).add_(1e-6)
+        else:
+            scatter()
 
     def rounds(sync: bool) -> None:
         for _ in range(calls):
-            for fn, _ in mms[:6]:
-                fn()  # type: ignore[operator]
+            first()
             if sync:
                 dist.all_reduce(one, group=group)
 
+    def alone() -> None:
+        for _ in range(calls):
+            dist.all_reduce(one, group=group)
+
     rounds(True)
-    with_calls = _median_time(lambda: rounds(True), repeat)
-    without = _median_time(lambda: rounds(False), repeat)
-    tiny = _median_time(lambda: [dist.all_reduce(one, group=group) for _ in range(calls)], repeat)
-    return max(0.0, with_calls - without - tiny) / calls
+    with_calls, without, tiny = _interleaved(
+        [lambda: rounds(True), lambda: rounds(False), alone], repeat
+    )
+    return max(0.0, with_calls - without - tiny) / calls, without / calls
+
+
+def call_window(long: tuple[float, float], short: tuple[float, float]) -> float:
+    """``call_window`` of the profile from two ``(overhead, compute before)`` measurements of
+    :func:`_call_overhead`: after ~5 ms of matmuls (the whole ``call_overhead``) and after
+    ~0.3 ms of short ops. The model's overhead grows linearly with the compute since the
+    previous call up to ``call_overhead`` at ``call_window`` seconds, so the window is where
+    the line through the short measurement reaches the long one (at most the long compute)."""
+    full, compute_long = long
+    part, compute_short = short
+    if full <= 0:
+        return 0.0
+    if part <= 0:
+        return compute_long
+    return min(compute_long, compute_short * full / part)
 
 
 #: (kind, reported bytes) of the collectives the overlap fit launches beside compute: the
@@ -239,8 +274,8 @@ def efficiency(rows: list[tuple[str, int, float, float, float]]) -> float:
 
 
 #: Reported sizes for the timings over groups of 2: GPT-S's tensor-parallel collectives on a
-#: (2, 2) mesh are 0.1 - 1.5 MB each.
-PAIR_SIZES = [64 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
+#: (2, 2) mesh are 0.1 - 1.5 MB each, fsdp+tp's layer-norm gradients over ``data`` 1.5 - 2 KB.
+PAIR_SIZES = [2 << 10, 64 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
 
 
 def _pairs(repeat: int) -> dict:
@@ -255,7 +290,8 @@ def _pairs(repeat: int) -> dict:
             fn = _collective(kind, size, 2, group)
             fn()
             rows.append((kind, size, _median_time(fn, repeat)))
-    return {"n": 2, "rows": rows, "call": _call_overhead(repeat, group=group)}
+    call = {b: _call_overhead(repeat, group=group, before=b) for b in ("matmuls", "short", "call")}
+    return {"n": 2, "rows": rows, "call": call["matmuls"][0], "calls": call}
 
 
 def _ops(repeat: int) -> list[dict]:
@@ -323,13 +359,14 @@ def worker(repeat: int, overlap_only: bool = False, pairs: bool = False, ops: bo
     ew_bytes, ew_time = _concurrent(_gpt_elementwise(), repeat)
     tiny = torch.ones(4)
     launch = _concurrent([(lambda: tiny.add(1.0), 0.0)] * 1000, repeat)[1] / 1000
-    call = _call_overhead(repeat)
+    call, short = _call_overhead(repeat), _call_overhead(repeat, before="short")
     ov = _overlap_efficiency(repeat, n)
     ops = _ops(repeat)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({
             "n": n, "rows": rows, "flops": mm_flops / mm_time,
-            "bandwidth": ew_bytes / ew_time, "launch": launch, "call": call, "overlap": ov,
+            "bandwidth": ew_bytes / ew_time, "launch": launch, "call": call[0], "overlap": ov,
+            "window": call_window(call, short), "short": short,
             "ops": ops,
         }))  # fmt: skip
     dist.destroy_process_group()
@@ -421,13 +458,16 @@ def main() -> None:
     print(f"GPT-S matmuls: {r['flops'] / 1e9:.2f} GFLOP/s per process; elementwise (the same "
           f"few tensors over and over, in cache): {r['bandwidth'] / 1e9:.2f} GB/s per process; "
           f"one tiny op: {r['launch'] * 1e6:.2f} us")  # fmt: skip
-    print(f"a call between compute: {r['call'] * 1e3:.2f} ms more than the call alone")
+    print(f"a call between compute: {r['call'] * 1e3:.2f} ms more than the call alone; "
+          f"after {r['short'][1] * 1e3:.2f} ms of short ops {r['short'][0] * 1e3:.2f} ms "
+          f"more: the whole overhead at {r['window'] * 1e3:.2f} ms of compute")  # fmt: skip
     print(f"fit: latency {latency * 1e6:.1f} us per ring step, bandwidth "
           f"{bandwidth / 1e9:.3f} GB/s")  # fmt: skip
     print("profile:")
     print(f"    peak_flops={r['flops']:.3g}, memory_bandwidth={ops['memory_bandwidth']:.3g},")
     print(f"    intra_host=Link(bandwidth={bandwidth:.3g}, latency={latency:.3g}),")
-    print(f"    launch={r['launch']:.3g}, call_overhead={r['call']:.3g},")
+    print(f"    launch={r['launch']:.3g}, call_overhead={r['call']:.3g}, "
+          f"call_window={r['window']:.3g},")  # fmt: skip
     print(f"    collective_scale={ {k: round(v, 2) for k, v in scale.items()} },")
     print(f"    overlap_efficiency={eta:.2f}, op_overhead={ops['op_overhead']:.3g},")
     print(f"    cache_bytes={ops['cache_bytes']:.0f}, "
@@ -498,7 +538,12 @@ def _print_pairs(r: dict) -> None:
         ratios.setdefault(kind, []).append(t / ring)
         print(f"{kind:<15} {size:>9} {t * 1e3:8.3f}ms {prof * 1e3:8.3f}ms "
               f"{ring * 1e3:7.3f}ms {t / ring:6.2f}")  # fmt: skip
-    print(f"a call between compute (groups of 2): {r['call'] * 1e3:.2f} ms more than alone")
+    for before, (extra, compute) in r["calls"].items():
+        print(f"a 4-byte all_reduce after {before} ({compute * 1e3:.2f} ms; groups of 2): "
+              f"{extra * 1e3:.2f} ms more than alone")  # fmt: skip
+    window = call_window(r["calls"]["matmuls"], r["calls"]["short"])
+    print(f"the overhead reaches its whole ({r['call'] * 1e3:.2f} ms) at {window * 1e3:.2f} ms "
+          f"of compute since the previous call (call_window)")  # fmt: skip
     scale = {k: round(float(np.median(v)), 2) for k, v in ratios.items()}
     print(f"collective_scale over groups of 2 on the profile's link: {scale}")
 

@@ -186,3 +186,19 @@ def test_op_overhead_is_added_to_the_roofline_and_the_cache_serves_the_first_byt
     assert op_time(0, 3e6, cached) == pytest.approx(1e6 / 1e10 + 2e6 / 1e9)  # 1 MB, then 2 MB
     assert op_time(1e12, 3e6, cached) == pytest.approx(1.0)  # still the slower bound
     assert "10 us added" in eager.describe()
+
+
+def test_call_overhead_grows_with_the_compute_since_the_previous_call() -> None:
+    import dataclasses
+
+    hw = dataclasses.replace(PROFILES["h100-nvlink-ib"], call_overhead=2e-3, call_window=4e-3)
+    assert hw.call_seconds(None) == pytest.approx(2e-3)  # not known: the whole overhead
+    assert hw.call_seconds(0.0) == 0.0  # right behind another call
+    assert hw.call_seconds(1e-3) == pytest.approx(0.5e-3)  # a quarter of the window
+    assert hw.call_seconds(9e-3) == pytest.approx(2e-3)  # beyond the window: the whole
+    mesh = Mesh.create((2, 4), ("data", "model"))
+    whole = hw.collective_seconds("all_reduce", 1 << 20, mesh, ["model"])
+    behind = hw.collective_seconds("all_reduce", 1 << 20, mesh, ["model"], compute_before=0.0)
+    assert whole - behind == pytest.approx(2e-3)
+    no_window = dataclasses.replace(hw, call_window=0.0)  # every call the whole overhead
+    assert no_window.call_seconds(0.0) == pytest.approx(2e-3)

@@ -163,3 +163,29 @@ def test_gpt_s_presets_keep_their_order_on_cpu_gloo() -> None:
     for e in est.values():
         assert e.total <= e.compute + e.communication + 1e-9
     assert est["fsdp+tp"].hidden > 0  # its data-axis gathers launch ahead
+
+
+def test_each_call_pays_the_overhead_of_the_compute_since_the_previous_launch() -> None:
+    plan = _fsdp_plan()
+    base = dataclasses.replace(PROFILES["cpu-gloo"], call_overhead=1e-3, call_window=0.0)
+    window = dataclasses.replace(base, call_window=1e-3)
+    nodes = list(plan.local_program.graph.nodes)
+    costs = list(_costs(plan, nodes).values())
+    whole, spaced = (
+        overlap_calls(plan, base, nodes, costs),
+        overlap_calls(plan, window, nodes, costs),
+    )
+    assert len(whole) == len(spaced) > 1
+    prefix = [0.0, *itertools.accumulate(costs)]
+    by_launch = sorted(range(len(spaced)), key=lambda k: spaced[k][1].issue)
+    assert spaced[by_launch[0]][1].compute_before is None  # the first: the whole overhead
+    for before, k in itertools.pairwise(by_launch):
+        call, full = spaced[k][1], whole[k][1]
+        compute = prefix[call.issue + 1] - prefix[spaced[before][1].issue + 1]
+        assert call.compute_before == pytest.approx(compute)
+        assert full.seconds - call.seconds == pytest.approx(1e-3 * (1 - min(1.0, compute / 1e-3)))
+    # the step: the same per-call times with and without overlap (no overlap: all of them)
+    est, plain = plan.estimate(window), plan.estimate(window, overlap=False)
+    assert plain.total == pytest.approx(plain.compute + plain.communication)
+    assert est.communication == pytest.approx(sum(c.seconds for _, c in spaced))
+    assert est.communication <= plan.estimate(base).communication

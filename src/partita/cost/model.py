@@ -13,8 +13,11 @@ for all_reduce (a reduce-scatter then an all-gather) and one for a collective_pe
 the Plan's convention (XLA's: the output of all_gather, all_reduce, all_to_all and
 collective_permute, the input of reduce_scatter), so a record's ``bytes`` goes in unchanged.
 
-A profile may add a fixed ``call_overhead`` to every call: on a CPU shared by more processes
-than it has cores, a call that interrupts compute waits for its peers' turn on a core. Its
+A profile may add a ``call_overhead`` to every call: on a CPU shared by more processes than
+it has cores, a call that interrupts compute waits for its peers' turn on a core. With a
+``call_window``, a call after less compute than that since the previous call waits that much
+less (the overhead grows linearly with the compute up to the window): a call right behind
+another finds its peers already there. Its
 ``overlap_efficiency`` is the fraction of a collective's time that compute running beside it
 hides (the step estimate, ``partition.estimate``, charges the rest).
 
@@ -103,6 +106,10 @@ class Hardware:
             cache_bytes)`` of them at ``cache_bandwidth`` and the rest at
             ``memory_bandwidth`` (:func:`memory_seconds`).
         cache_bandwidth: bytes/s of the part of an op inside ``cache_bytes``.
+        call_window: seconds of compute since the previous collective call after which a
+            call waits the whole ``call_overhead``; after less, it waits ``call_overhead *
+            compute / call_window`` (peers drift apart while they compute). 0: every call
+            waits the whole overhead.
     """
 
     name: str
@@ -120,19 +127,34 @@ class Hardware:
     op_overhead: float = 0.0
     cache_bytes: float = 0.0
     cache_bandwidth: float = 0.0
+    call_window: float = 0.0
 
     def collective_seconds(
-        self, kind: str, nbytes: float, mesh: Any, mesh_axes: Sequence[Any]
+        self,
+        kind: str,
+        nbytes: float,
+        mesh: Any,
+        mesh_axes: Sequence[Any],
+        compute_before: float | None = None,
     ) -> float:
         """Seconds a collective of ``kind`` reported with ``nbytes`` takes over ``mesh_axes``
         of ``mesh``: the ring model on the link those axes cross (:func:`link_of`), times the
-        kind's ``collective_scale``, plus the profile's ``call_overhead``."""
+        kind's ``collective_scale``, plus the call's overhead (:meth:`call_seconds`; the whole
+        ``call_overhead`` when ``compute_before`` is not known)."""
         n = mesh.axes_size(mesh_axes)
         if n <= 1:
             return 0.0
         link = link_of(self, mesh, mesh_axes)
         ring = collective_time(kind, nbytes, n, link) * self.collective_scale.get(kind, 1.0)
-        return ring + self.call_overhead
+        return ring + self.call_seconds(compute_before)
+
+    def call_seconds(self, compute_before: float | None = None) -> float:
+        """The overhead of one collective call after ``compute_before`` seconds of compute
+        since the previous call: ``call_overhead * min(1, compute_before / call_window)``,
+        the whole overhead without a window or when the compute is not known (None)."""
+        if compute_before is None or self.call_window <= 0:
+            return self.call_overhead
+        return self.call_overhead * min(1.0, max(0.0, compute_before) / self.call_window)
 
     def op_seconds(self, flops: float, nbytes: float) -> float:
         """Seconds one local op takes on this hardware (:func:`op_time`)."""

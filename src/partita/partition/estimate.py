@@ -26,6 +26,7 @@ only delay launches, so where they bind the estimate is optimistic.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -120,12 +121,15 @@ class Call:
         wait: the index of the op before which its result is waited for (``issue == wait``
             with ``asynchronous=False``: it runs there, the clock stopped).
         asynchronous: whether it is launched and waited for apart.
+        compute_before: seconds of compute since the previous call's launch (None: the
+            first call, or not known); its overhead is ``Hardware.call_seconds`` of it.
     """
 
     seconds: float
     issue: int
     wait: int
     asynchronous: bool = True
+    compute_before: float | None = None
 
 
 def exposed_times(
@@ -225,17 +229,19 @@ def estimate_step(
     for kind, nbytes, axes in collective_calls(plan):
         times[kind] = times.get(kind, 0.0) + hw.collective_seconds(kind, nbytes, plan.mesh, axes)
         wire += wire_bytes(kind, nbytes, plan.mesh.axes_size(axes))
-    exposed = _exposed(plan, hw, nodes, costs, times) if overlap else None
+    calls = overlap_calls(plan, hw, nodes, costs)
+    for kind, call in calls:  # a call after little compute waits less for its peers
+        times[kind] -= hw.call_overhead - hw.call_seconds(call.compute_before)
+    exposed = _exposed(calls, costs, hw, times) if overlap else None
     return StepEstimate(hw.name, compute, times, flops, wire, ops, exposed)
 
 
 def _exposed(
-    plan: Any, hw: Hardware, nodes: list[fx.Node], costs: list[float], times: dict[str, float]
+    calls: list[tuple[str, Call]], costs: list[float], hw: Hardware, times: dict[str, float]
 ) -> dict[str, float]:
     """``{kind: exposed seconds}``: the walk of :func:`exposed_times` over the program's own
-    collectives (:func:`overlap_calls`); any time of ``times`` the walk does not see (a
-    control-flow body's collectives) counts as exposed."""
-    calls = overlap_calls(plan, hw, nodes)
+    collectives (``calls``, :func:`overlap_calls`); any time of ``times`` the walk does not
+    see (a control-flow body's collectives) counts as exposed."""
     out = dict.fromkeys(times, 0.0)
     seen: dict[str, float] = {}
     walked = exposed_times(costs, [c for _, c in calls], hw.overlap_efficiency)
@@ -247,12 +253,45 @@ def _exposed(
     return out
 
 
-def overlap_calls(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str, Call]]:
+def overlap_calls(
+    plan: Any, hw: Hardware, nodes: Sequence[fx.Node], costs: Sequence[float] | None = None
+) -> list[tuple[str, Call]]:
     """``(kind, Call)`` of each collective of ``nodes`` (the per-device program's, in order),
     launched and waited for where ``runtime.overlap`` puts them: after its last input (a
     re-gather also after the op it waits for and after the previous re-gather's wait), waited
     for before the first op that reads its result (through a bucket's getitems); a
-    collective_permute where it stands."""
+    collective_permute where it stands. With ``costs`` (each node's seconds), each call's
+    time counts its overhead after the compute since the previous launch (:func:`_spaced`);
+    without, the whole overhead."""
+    calls = _placed(plan, hw, nodes)
+    return _spaced(calls, hw, costs) if costs is not None else calls
+
+
+def _spaced(
+    calls: list[tuple[str, Call]], hw: Hardware, costs: Sequence[float]
+) -> list[tuple[str, Call]]:
+    """``calls`` with each one's ``compute_before``: the seconds of ``costs`` between the
+    previous launch (in launch order, over every axis: each process takes part in a call of
+    every axis) and its own, and its time with that call's overhead instead of the whole."""
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    order = sorted(range(len(calls)), key=lambda k: calls[k][1].issue)  # stable: program order
+    out = list(calls)
+    previous: int | None = None
+    for k in order:
+        kind, call = calls[k]
+        before = None if previous is None else prefix[call.issue + 1] - prefix[previous + 1]
+        extra = hw.call_seconds(before) - hw.call_overhead
+        out[k] = (
+            kind,
+            dataclasses.replace(call, seconds=call.seconds + extra, compute_before=before),
+        )
+        previous = call.issue
+    return out
+
+
+def _placed(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str, Call]]:
     index = {n: i for i, n in enumerate(nodes)}
     calls: list[tuple[str, Call]] = []
     previous_regather = -1
