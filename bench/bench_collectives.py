@@ -1,7 +1,9 @@
 """Fit the ``cpu-gloo`` hardware profile of ``partita.cost``: time Gloo collectives, matmuls,
 memory copies and tiny ops on 4 processes of this machine, fit the alpha-beta model, print it.
 
-Run: ``.venv/bin/python bench/bench_collectives.py [--repeat 15] [--world 4]``
+Run: ``.venv/bin/python bench/bench_collectives.py [--repeat 15] [--world 4] [--write fit.json]``
+(``--ops``: the local-op terms alone; ``--pairs``: groups of 2 against the profile;
+``--overlap-only``: ``overlap_efficiency`` alone)
 
 Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
 ``partita.runtime.launch.spawn``, as the distributed tests and benches run) times, all at once:
@@ -11,19 +13,27 @@ Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
   the median of ``--repeat`` calls after a barrier (max over ranks);
 * the matmuls of GPT-S's layers at their per-device sizes, forward and backward (FLOP/s per
   process while every process computes, over windows of ~0.3 s);
-* elementwise ops (add, mul, gelu, exp) of GPT-S's activation sizes (bytes read + written per
-  second per process, all processes at once);
-* a tiny ``add`` (the fixed cost of one op, all processes at once);
+* GPT-S's memory-bound workloads (``op_workloads.py``: its AdamW update at 1, 1/2, 1/4 and
+  1/8 of its parameters, a layer's activations' elementwise ops and their backwards at 256,
+  512 and 1024 rows, bias-sized updates), traced to aten ops and run on all processes at
+  once, in turn: ``op_overhead``, ``memory_bandwidth`` and the cache term fitted to the
+  model's own count of their ops and bytes (``op_workloads.fit_ops``);
+* elementwise ops (add, mul, gelu, exp) of GPT-S's activation sizes repeated on the same few
+  tensors (in cache: printed for comparison, no longer the profile's bandwidth);
+* a tiny ``add`` (``launch``, the floor of one op, all processes at once);
 * the wait a collective call adds when it interrupts compute (``call_overhead``): rounds of
   GPT-S matmuls each followed by a 4-byte all_reduce, against the same rounds without it and
-  the all_reduces alone.
+  the all_reduces alone; the same after ~0.3 ms of short ops gives ``call_window``
+  (:func:`call_window`).
 
 The collective times are fitted by least squares to ``ring_steps(kind, n) * latency +
 wire_bytes(kind, bytes, n) / bandwidth``, the model of ``partita.cost.model``, then each kind
 gets the median ratio of its measured times to that fit (``collective_scale``); the table shows
 each measurement beside the fitted model's, and the last lines are the profile to paste into
-``PROFILES["cpu-gloo"]``. The processes share the machine's cores, so the fitted numbers are
-what one process of a 4-process job gets, not what one core can do.
+``PROFILES["cpu-gloo"]`` in ``src/partita/cost/model.py`` (``--write FILE`` also writes them
+as JSON, which ``bench_estimate.py --profile FILE`` estimates with). The processes share the
+machine's cores, so the fitted numbers are what one process of a 4-process job gets, not what
+one core can do.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -409,6 +420,9 @@ def main() -> None:
         action="store_true",
         help="fit op_overhead and memory_bandwidth alone, on GPT-S's memory-bound workloads",
     )
+    parser.add_argument(
+        "--write", type=Path, help="also write the fitted profile's figures to this JSON file"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
@@ -463,15 +477,38 @@ def main() -> None:
           f"more: the whole overhead at {r['window'] * 1e3:.2f} ms of compute")  # fmt: skip
     print(f"fit: latency {latency * 1e6:.1f} us per ring step, bandwidth "
           f"{bandwidth / 1e9:.3f} GB/s")  # fmt: skip
-    print("profile:")
-    print(f"    peak_flops={r['flops']:.3g}, memory_bandwidth={ops['memory_bandwidth']:.3g},")
-    print(f"    intra_host=Link(bandwidth={bandwidth:.3g}, latency={latency:.3g}),")
-    print(f"    launch={r['launch']:.3g}, call_overhead={r['call']:.3g}, "
-          f"call_window={r['window']:.3g},")  # fmt: skip
-    print(f"    collective_scale={ {k: round(v, 2) for k, v in scale.items()} },")
-    print(f"    overlap_efficiency={eta:.2f}, op_overhead={ops['op_overhead']:.3g},")
-    print(f"    cache_bytes={ops['cache_bytes']:.0f}, "
-          f"cache_bandwidth={ops['cache_bandwidth']:.3g},")  # fmt: skip
+    fields = {
+        "peak_flops": r["flops"],
+        "memory_bandwidth": ops["memory_bandwidth"],
+        "intra_host": {"bandwidth": bandwidth, "latency": latency},
+        "inter_host": {"bandwidth": bandwidth, "latency": latency},
+        "launch": r["launch"],
+        "call_overhead": r["call"],
+        "call_window": r["window"],
+        "collective_scale": scale,
+        "overlap_efficiency": eta,
+        "op_overhead": ops["op_overhead"],
+        "cache_bytes": ops["cache_bytes"],
+        "cache_bandwidth": ops["cache_bandwidth"],
+    }
+    fields = json.loads(json.dumps(fields), parse_float=lambda x: float(f"{float(x):.3g}"))
+    print("profile (paste into PROFILES['cpu-gloo'] in src/partita/cost/model.py):")
+    link = fields["intra_host"]
+    print(f"    peak_flops={fields['peak_flops']:.3g}, "
+          f"memory_bandwidth={fields['memory_bandwidth']:.3g},")  # fmt: skip
+    print(f"    intra_host=Link(bandwidth={link['bandwidth']:.3g}, latency={link['latency']:.3g}),")
+    print(f"    inter_host=Link(bandwidth={link['bandwidth']:.3g}, latency={link['latency']:.3g}),")
+    print(f"    launch={fields['launch']:.3g}, call_overhead={fields['call_overhead']:.3g}, "
+          f"call_window={fields['call_window']:.3g},")  # fmt: skip
+    print(f"    collective_scale={fields['collective_scale']},")
+    print(f"    overlap_efficiency={fields['overlap_efficiency']:.2f}, "
+          f"op_overhead={fields['op_overhead']:.3g},")  # fmt: skip
+    print(f"    cache_bytes={fields['cache_bytes']:.0f}, "
+          f"cache_bandwidth={fields['cache_bandwidth']:.3g},")  # fmt: skip
+    if ns.write is not None:
+        fields["source"] = f"bench_collectives.py --repeat {ns.repeat}, {_load()}"
+        ns.write.write_text(json.dumps(fields, indent=1))
+        print(f"# wrote {ns.write} (bench_estimate.py --profile {ns.write} estimates with it)")
     print(f"# {_load()}")
 
 
