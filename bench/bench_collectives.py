@@ -305,10 +305,12 @@ def _pairs(repeat: int) -> dict:
     return {"n": 2, "rows": rows, "call": call["matmuls"][0], "calls": call}
 
 
-def _ops(repeat: int) -> list[dict]:
+def _ops(repeat: int) -> tuple[list[dict], float]:
     """Each memory-bound workload of ``op_workloads`` (GPT-S's optimizer update and layer
     activations, traced to aten ops): the model's ``ops`` / ``bytes`` / ``flops`` of it and
-    the measured ``seconds`` of one run with every process running it at once."""
+    the measured ``seconds`` of one run with every process running it at once; and the
+    FLOP/s of GPT-S's matmuls timed in the same rounds (``peak_flops``: the two rates under
+    the same load, so their ratio, which decides how a step's time splits, holds)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from op_workloads import traced, workloads
 
@@ -322,10 +324,18 @@ def _ops(repeat: int) -> list[dict]:
         times = int(_max_over_ranks(times))  # every rank runs as many
         runs.append(lambda gm=gm, inputs=inputs, times=times: [gm(*inputs) for _ in range(times)])
         out.append({"name": name, **counts, "times": times})
+    mms = _gpt_matmuls()
+    mm_flops = sum(f for _, f in mms)
+
+    def matmuls() -> None:
+        for fn, _ in mms:
+            fn()  # type: ignore[operator]
+
     # in turn, round after round: a change of the machine's load hits every workload alike
-    for row, seconds in zip(out, _interleaved(runs, repeat), strict=True):
-        row["seconds"] = seconds / row.pop("times")
-    return out
+    *seconds, mm_seconds = _interleaved([*runs, matmuls], repeat)
+    for row, t in zip(out, seconds, strict=True):
+        row["seconds"] = t / row.pop("times")
+    return out, mm_flops / mm_seconds
 
 
 def _max_over_ranks(x: float) -> float:
@@ -340,7 +350,8 @@ def worker(repeat: int, overlap_only: bool = False, pairs: bool = False, ops: bo
     pd.initialize()
     n = dist.get_world_size()
     if ops:
-        result = {"n": n, "ops": _ops(repeat)}
+        rows, flops = _ops(repeat)
+        result = {"n": n, "ops": rows, "flops": flops}
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result))
         dist.destroy_process_group()
@@ -372,10 +383,10 @@ def worker(repeat: int, overlap_only: bool = False, pairs: bool = False, ops: bo
     launch = _concurrent([(lambda: tiny.add(1.0), 0.0)] * 1000, repeat)[1] / 1000
     call, short = _call_overhead(repeat), _call_overhead(repeat, before="short")
     ov = _overlap_efficiency(repeat, n)
-    ops = _ops(repeat)
+    ops, ops_flops = _ops(repeat)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({
-            "n": n, "rows": rows, "flops": mm_flops / mm_time,
+            "n": n, "rows": rows, "flops": ops_flops, "flops_alone": mm_flops / mm_time,
             "bandwidth": ew_bytes / ew_time, "launch": launch, "call": call[0], "overlap": ov,
             "window": call_window(call, short), "short": short,
             "ops": ops,
@@ -448,7 +459,8 @@ def main() -> None:
         _print_pairs(r)
         return
     if ns.ops:
-        _print_ops(r["ops"], r.get("flops", PROFILES["cpu-gloo"].peak_flops))
+        _print_ops(r["ops"], r["flops"])
+        print(f"    peak_flops={r['flops']:.3g},  # GPT-S matmuls in the same rounds")
         print(f"# {_load()}")
         return
     print(f"{'beside compute':<15} {'bytes':>9} {'compute':>10} {'then call':>10} "
@@ -469,7 +481,9 @@ def main() -> None:
         model = ring * scale[kind]
         print(f"{kind:<15} {size:>9} {t * 1e3:8.3f}ms {model * 1e3:8.3f}ms {model / t:6.2f}")
     ops = _print_ops(r["ops"], r["flops"])
-    print(f"GPT-S matmuls: {r['flops'] / 1e9:.2f} GFLOP/s per process; elementwise (the same "
+    print(f"GPT-S matmuls: {r['flops'] / 1e9:.2f} GFLOP/s per process in turn with the "
+          f"memory-bound workloads ({r['flops_alone'] / 1e9:.2f} alone, over 0.3 s windows); "
+          f"elementwise (the same "
           f"few tensors over and over, in cache): {r['bandwidth'] / 1e9:.2f} GB/s per process; "
           f"one tiny op: {r['launch'] * 1e6:.2f} us")  # fmt: skip
     print(f"a call between compute: {r['call'] * 1e3:.2f} ms more than the call alone; "
@@ -492,6 +506,7 @@ def main() -> None:
         "cache_bandwidth": ops["cache_bandwidth"],
     }
     fields = json.loads(json.dumps(fields), parse_float=lambda x: float(f"{float(x):.3g}"))
+    fields["cache_bytes"] = int(ops["cache_bytes"])  # a power of 2, exact
     print("profile (paste into PROFILES['cpu-gloo'] in src/partita/cost/model.py):")
     link = fields["intra_host"]
     print(f"    peak_flops={fields['peak_flops']:.3g}, "
