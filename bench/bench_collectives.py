@@ -207,13 +207,16 @@ def call_window(long: tuple[float, float], short: tuple[float, float]) -> float:
     return min(compute_long, compute_short * full / part)
 
 
+#: A collective whose time is almost all its call's overhead (``overhead_efficiency``).
+TINY = 4 << 10
+
 #: (kind, reported bytes) of the collectives the overlap fit launches beside compute: the
 #: sizes of GPT-S's FSDP buckets (one layer's parameters, ~3.5 MiB) and a smaller one.
 OVERLAP_CALLS = [
     (kind, size)
     for size in (4 << 20, 1 << 20)
     for kind in ("all_gather", "reduce_scatter", "all_reduce")
-]
+] + [("all_reduce", TINY), ("reduce_scatter", TINY)]
 
 
 def _async(kind: str, nbytes: int, n: int):
@@ -277,10 +280,18 @@ def _interleaved(fns: list, repeat: int) -> list[float]:
     return worst.tolist()
 
 
-def efficiency(rows: list[tuple[str, int, float, float, float]]) -> float:
+def efficiency(rows: list[tuple[str, int, float, float, float]], tiny: bool = False) -> float:
     """The median over ``rows`` of the hidden fraction (:func:`_overlap_efficiency`), in
-    [0, 1]: ``overlap_efficiency`` of the profile."""
-    fractions = [(sync - ov) / max(min(c, sync - c), 1e-9) for _, _, c, sync, ov in rows]
+    [0, 1]: ``overlap_efficiency`` of the profile over the rows of 1 MiB and more; with
+    ``tiny``, ``overhead_efficiency`` over the rows of :data:`TINY` bytes (a call that is
+    nearly all overhead: its wait for peers)."""
+    fractions = [
+        (sync - ov) / max(min(c, sync - c), 1e-9)
+        for _, size, c, sync, ov in rows
+        if (size <= TINY) == tiny
+    ]
+    if not fractions:
+        return float("nan")
     return min(1.0, max(0.0, float(np.median(fractions))))
 
 
@@ -470,7 +481,10 @@ def main() -> None:
         print(f"{kind:<15} {size:>9} {c * 1e3:8.2f}ms {sync * 1e3:8.2f}ms {ov * 1e3:8.2f}ms "
               f"{hidden:6.2f}")  # fmt: skip
     eta = efficiency([tuple(x) for x in r["overlap"]])
-    print(f"overlap_efficiency (median hidden fraction, in [0, 1]): {eta:.2f}")
+    print(f"overlap_efficiency (median hidden fraction of 1 and 4 MiB, in [0, 1]): {eta:.2f}")
+    eta_call = efficiency([tuple(x) for x in r["overlap"]], tiny=True)
+    print(f"overhead_efficiency (the same of {TINY} bytes: a call's wait for peers): "
+          f"{eta_call:.2f}")  # fmt: skip
     if ns.overlap_only:
         return
     rows = [tuple(x) for x in r["rows"]]
@@ -501,6 +515,7 @@ def main() -> None:
         "call_window": r["window"],
         "collective_scale": scale,
         "overlap_efficiency": eta,
+        "overhead_efficiency": eta_call,
         "op_overhead": ops["op_overhead"],
         "cache_bytes": ops["cache_bytes"],
         "cache_bandwidth": ops["cache_bandwidth"],
@@ -517,6 +532,7 @@ def main() -> None:
           f"call_window={fields['call_window']:.3g},")  # fmt: skip
     print(f"    collective_scale={fields['collective_scale']},")
     print(f"    overlap_efficiency={fields['overlap_efficiency']:.2f}, "
+          f"overhead_efficiency={fields['overhead_efficiency']:.2f}, "
           f"op_overhead={fields['op_overhead']:.3g},")  # fmt: skip
     print(f"    cache_bytes={fields['cache_bytes']:.0f}, "
           f"cache_bandwidth={fields['cache_bandwidth']:.3g},")  # fmt: skip

@@ -189,3 +189,17 @@ def test_each_call_pays_the_overhead_of_the_compute_since_the_previous_launch() 
     assert plain.total == pytest.approx(plain.compute + plain.communication)
     assert est.communication == pytest.approx(sum(c.seconds for _, c in spaced))
     assert est.communication <= plan.estimate(base).communication
+
+
+def test_the_share_beside_a_calls_overhead_hides_at_overhead_efficiency() -> None:
+    # a 4 s call, 1 s of it the wait for peers, beside 10 s of compute; nothing of the
+    # transfer hides (efficiency 0), all of the wait does (overhead_efficiency 1)
+    call = Call(4.0, -1, 1, overhead=1.0)
+    assert exposed_times([10.0, 0.0], [call], 0.0) == [pytest.approx(4.0)]  # as before
+    assert exposed_times([10.0, 0.0], [call], 0.0, 1.0) == [pytest.approx(3.0)]
+    assert exposed_times([10.0, 0.0], [call], 0.5, 0.5) == [pytest.approx(2.0)]  # one rate
+    plan = _fsdp_plan()
+    hw = dataclasses.replace(PROFILES["cpu-gloo"], call_overhead=1e-3, overlap_efficiency=0.2)
+    hides = dataclasses.replace(hw, overhead_efficiency=1.0)
+    assert plan.estimate(hides).total < plan.estimate(hw).total
+    assert plan.estimate(hides, overlap=False).total == plan.estimate(hw, overlap=False).total

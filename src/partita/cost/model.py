@@ -106,6 +106,9 @@ class Hardware:
             cache_bytes)`` of them at ``cache_bandwidth`` and the rest at
             ``memory_bandwidth`` (:func:`memory_seconds`).
         cache_bandwidth: bytes/s of the part of an op inside ``cache_bytes``.
+        overhead_efficiency: the fraction of a call's overhead (its wait for its peers) that
+            compute running beside it hides; None: ``overlap_efficiency``, as for its bytes.
+            Waiting takes no core, so on a shared CPU it hides more than the transfer does.
         call_window: seconds of compute since the previous collective call after which a
             call waits the whole ``call_overhead``; after less, it waits ``call_overhead *
             compute / call_window`` (peers drift apart while they compute). 0: every call
@@ -128,6 +131,7 @@ class Hardware:
     cache_bytes: float = 0.0
     cache_bandwidth: float = 0.0
     call_window: float = 0.0
+    overhead_efficiency: float | None = None
 
     def collective_seconds(
         self,

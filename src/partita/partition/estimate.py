@@ -17,11 +17,15 @@ collective), and a wait stalls the clock until the collective is done. While a c
 beside compute, only the fraction ``overlap_efficiency`` of the profile hides; the rest slows
 the compute (on a CPU, Gloo's threads take the cores the compute needs). So a collective's
 *exposed* time is its stall at the wait plus ``(1 - overlap_efficiency)`` of the compute that
-ran beside it, and the step is the compute plus the exposed communication. ``overlap=False``
-runs every collective where it stands, synchronously: compute plus all communication, the
-model of a run with ``overlap_bytes=0``. The walk ignores the runtime's two holds (the bytes in
-flight, 64 MiB by default, and a gather held until its buffer fits under the step's peak); both
-only delay launches, so where they bind the estimate is optimistic.
+ran beside it (of the share beside a call's overhead, its wait for its peers, ``(1 -
+overhead_efficiency)``: waiting takes no core), and the step is the compute plus the exposed
+communication. A call's overhead depends on the compute since the previous launch
+(``Hardware.call_seconds``), which the walk knows (:func:`overlap_calls` with the ops'
+costs). ``overlap=False`` runs every collective where it stands, synchronously: compute plus
+all communication (each call at its place), the model of a run with ``overlap_bytes=0``. The
+walk ignores the runtime's two holds (the bytes in flight, 64 MiB by default, and a gather held
+until its buffer fits under the step's peak); both only delay launches, so where they bind the
+estimate is optimistic.
 """
 
 from __future__ import annotations
@@ -123,6 +127,7 @@ class Call:
         asynchronous: whether it is launched and waited for apart.
         compute_before: seconds of compute since the previous call's launch (None: the
             first call, or not known); its overhead is ``Hardware.call_seconds`` of it.
+        overhead: the part of ``seconds`` that is the call's overhead (its wait for peers).
     """
 
     seconds: float
@@ -130,17 +135,23 @@ class Call:
     wait: int
     asynchronous: bool = True
     compute_before: float | None = None
+    overhead: float = 0.0
 
 
 def exposed_times(
-    compute: Sequence[float], calls: Sequence[Call], efficiency: float
+    compute: Sequence[float],
+    calls: Sequence[Call],
+    efficiency: float,
+    overhead_efficiency: float | None = None,
 ) -> list[float]:
     """Seconds each of ``calls`` adds to a run whose ops take ``compute`` seconds in order.
 
     One clock for the ops, one channel for the collectives (in launch order). A synchronous
     call waits for the channel and stops the clock while it runs. An asynchronous one runs from
     the later of its launch and the channel's end; at its wait the clock moves to its end (the
-    stall) and further by ``(1 - efficiency)`` of the compute that ran beside it.
+    stall) and further by ``(1 - efficiency)`` of the compute that ran beside it; the share
+    of that compute beside a call's ``overhead`` (its part of the call's time) is charged at
+    ``(1 - overhead_efficiency)`` instead (None: ``efficiency``).
 
     >>> exposed_times([10.0, 0.0], [Call(4.0, 1, 1, False)], 1.0)  # where it stands
     [4.0]
@@ -177,7 +188,7 @@ def exposed_times(
             before = clock
             if calls[k].asynchronous:
                 clock = max(clock, end[k])
-                slowed = (1.0 - efficiency) * beside(k)  # the ops ran that much slower
+                slowed = _slowed(calls[k], beside(k), efficiency, overhead_efficiency)
                 if slowed:
                     segments.append((clock, clock + slowed))
                     clock += slowed
@@ -191,6 +202,14 @@ def exposed_times(
         for k in launches.get(i, []):
             launch(k)
     return out
+
+
+def _slowed(call: Call, beside: float, efficiency: float, overhead: float | None) -> float:
+    """How much slower the ``beside`` seconds of compute ran next to ``call``: ``(1 -
+    efficiency)`` of it, the share beside the call's overhead at ``(1 - overhead)``."""
+    waiting = call.overhead / call.seconds if overhead is not None and call.seconds > 0 else 0.0
+    eta = overhead if overhead is not None else efficiency
+    return beside * ((1.0 - efficiency) * (1.0 - waiting) + (1.0 - eta) * waiting)
 
 
 def estimate_step(
@@ -244,7 +263,9 @@ def _exposed(
     see (a control-flow body's collectives) counts as exposed."""
     out = dict.fromkeys(times, 0.0)
     seen: dict[str, float] = {}
-    walked = exposed_times(costs, [c for _, c in calls], hw.overlap_efficiency)
+    walked = exposed_times(
+        costs, [c for _, c in calls], hw.overlap_efficiency, hw.overhead_efficiency
+    )
     for (kind, call), t in zip(calls, walked, strict=True):
         out[kind] = out.get(kind, 0.0) + t
         seen[kind] = seen.get(kind, 0.0) + call.seconds
@@ -282,10 +303,13 @@ def _spaced(
     for k in order:
         kind, call = calls[k]
         before = None if previous is None else prefix[call.issue + 1] - prefix[previous + 1]
-        extra = hw.call_seconds(before) - hw.call_overhead
+        if not call.overhead:  # a group of one: no call
+            continue
+        wait = hw.call_seconds(before)
+        seconds = call.seconds + wait - call.overhead
         out[k] = (
             kind,
-            dataclasses.replace(call, seconds=call.seconds + extra, compute_before=before),
+            dataclasses.replace(call, seconds=seconds, compute_before=before, overhead=wait),
         )
         previous = call.issue
     return out
@@ -301,8 +325,9 @@ def _placed(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str
         kind = node.target._schema.name.split("::")[-1].removesuffix("_bucket")
         axes = cast(Sequence[str], node.args[2 if kind == "collective_permute" else -2])
         seconds = hw.collective_seconds(kind, node_meta.collective_bytes(node), plan.mesh, axes)
+        overhead = hw.call_overhead if seconds > 0 else 0.0
         if kind not in ASYNC_KINDS:
-            calls.append((kind, Call(seconds, i, i, asynchronous=False)))
+            calls.append((kind, Call(seconds, i, i, asynchronous=False, overhead=overhead)))
             continue
         issue = max((index[a] for a in node.all_input_nodes), default=-1)
         wait = int(first_read(node, index, len(nodes)))
@@ -310,7 +335,7 @@ def _placed(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str
             at = next((index[n] for n in nodes if n.name == after), -1)
             issue = max(issue, at, previous_regather - 1)  # one re-gather ahead
             previous_regather = wait
-        calls.append((kind, Call(seconds, issue, wait)))
+        calls.append((kind, Call(seconds, issue, wait, overhead=overhead)))
     return calls
 
 
