@@ -141,9 +141,10 @@ CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
 
 
 def test_gpt_s_presets_keep_their_order_on_cpu_gloo() -> None:
-    """The four presets of GPT-S on 4 devices (bench/bench_estimate.py's step), as fitted:
-    dp < fsdp < the two tensor-parallel ones (whose measured steps are within their run-to-run
-    spread of each other, so their order is not pinned here)."""
+    """The four presets of GPT-S on 4 devices (bench/bench_estimate.py's step), as measured:
+    the two data-parallel ones below the two tensor-parallel ones. Within each pair the quiet
+    runs' medians are within their run-to-run spread (dp and fsdp 4 ms apart; tp and fsdp+tp
+    apart either way), so no order inside a pair is pinned here."""
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
@@ -159,7 +160,8 @@ def test_gpt_s_presets_keep_their_order_on_cpu_gloo() -> None:
             model, loss, torch.optim.AdamW(model.parameters()), mesh=mesh, param_specs=preset
         )
         est[preset] = step.lower(batch).estimate("cpu-gloo")
-    assert est["dp"].total < est["fsdp"].total < min(est["tp"].total, est["fsdp+tp"].total)
+    data_parallel = max(est["dp"].total, est["fsdp"].total)
+    assert data_parallel < min(est["tp"].total, est["fsdp+tp"].total)
     for e in est.values():
         assert e.total <= e.compute + e.communication + 1e-9
     assert est["fsdp+tp"].hidden > 0  # its data-axis gathers launch ahead
