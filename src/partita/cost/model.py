@@ -302,6 +302,9 @@ PROFILES: dict[str, Hardware] = {
         # processes), three runs (--repeat 15, 25, 25): medians 0.17, 0.20, 0.23 over
         # all_gather, reduce_scatter and all_reduce of 1 and 4 MiB beside GPT-S matmuls
         overlap_efficiency=0.20,
+        # issue 29's terms (op_overhead, cache_bytes / cache_bandwidth, call_window,
+        # overhead_efficiency) are off until a quiet `bench_collectives.py --repeat 9` fits
+        # them with the rest: paste its printed profile lines here
     ),
     # An 8-GPU H100 SXM host (DGX H100 / HGX H100): 989 TFLOP/s dense BF16 and 3.35 TB/s HBM3
     # per GPU (NVIDIA H100 datasheet), 80 GB; NVLink 4 at 900 GB/s per GPU both ways together,
