@@ -70,6 +70,9 @@ class StepEstimate:
         ops: local ops counted.
         exposed: ``{kind: seconds}`` of the collectives' time not hidden behind compute (the
             module doc's walk); equal to ``collectives`` when the estimate has no overlap.
+        spared: ``{mesh axes: seconds}`` of call overhead the calls over those axes wait less
+            than the whole ``call_overhead`` (each after little compute since the previous
+            launch, ``Hardware.call_seconds``); ``collectives`` already counts it.
     """
 
     hardware: str
@@ -79,6 +82,7 @@ class StepEstimate:
     wire_bytes: float = 0.0
     ops: int = 0
     exposed: Mapping[str, float] | None = None
+    spared: Mapping[tuple[str, ...], float] = field(default_factory=dict)
 
     @property
     def communication(self) -> float:
@@ -128,6 +132,7 @@ class Call:
         compute_before: seconds of compute since the previous call's launch (None: the
             first call, or not known); its overhead is ``Hardware.call_seconds`` of it.
         overhead: the part of ``seconds`` that is the call's overhead (its wait for peers).
+        axes: the mesh axes it runs over.
     """
 
     seconds: float
@@ -136,6 +141,7 @@ class Call:
     asynchronous: bool = True
     compute_before: float | None = None
     overhead: float = 0.0
+    axes: tuple[str, ...] = ()
 
 
 def exposed_times(
@@ -249,10 +255,14 @@ def estimate_step(
         times[kind] = times.get(kind, 0.0) + hw.collective_seconds(kind, nbytes, plan.mesh, axes)
         wire += wire_bytes(kind, nbytes, plan.mesh.axes_size(axes))
     calls = overlap_calls(plan, hw, nodes, costs)
+    spared: dict[tuple[str, ...], float] = {}
     for kind, call in calls:  # a call after little compute waits less for its peers
-        times[kind] -= hw.call_overhead - hw.call_seconds(call.compute_before)
+        if call.compute_before is not None:
+            less = hw.call_overhead - call.overhead
+            times[kind] -= less
+            spared[call.axes] = spared.get(call.axes, 0.0) + less
     exposed = _exposed(calls, costs, hw, times) if overlap else None
-    return StepEstimate(hw.name, compute, times, flops, wire, ops, exposed)
+    return StepEstimate(hw.name, compute, times, flops, wire, ops, exposed, spared)
 
 
 def _exposed(
@@ -327,7 +337,8 @@ def _placed(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str
         seconds = hw.collective_seconds(kind, node_meta.collective_bytes(node), plan.mesh, axes)
         overhead = hw.call_overhead if seconds > 0 else 0.0
         if kind not in ASYNC_KINDS:
-            calls.append((kind, Call(seconds, i, i, asynchronous=False, overhead=overhead)))
+            call = Call(seconds, i, i, False, overhead=overhead, axes=tuple(axes))
+            calls.append((kind, call))
             continue
         issue = max((index[a] for a in node.all_input_nodes), default=-1)
         wait = int(first_read(node, index, len(nodes)))
@@ -335,7 +346,7 @@ def _placed(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str
             at = next((index[n] for n in nodes if n.name == after), -1)
             issue = max(issue, at, previous_regather - 1)  # one re-gather ahead
             previous_regather = wait
-        calls.append((kind, Call(seconds, issue, wait, overhead=overhead)))
+        calls.append((kind, Call(seconds, issue, wait, overhead=overhead, axes=tuple(axes))))
     return calls
 
 
