@@ -1,7 +1,9 @@
 """Fit the ``cpu-gloo`` hardware profile of ``partita.cost``: time Gloo collectives, matmuls,
 memory copies and tiny ops on 4 processes of this machine, fit the alpha-beta model, print it.
 
-Run: ``.venv/bin/python bench/bench_collectives.py [--repeat 15] [--world 4]``
+Run: ``.venv/bin/python bench/bench_collectives.py [--repeat 15] [--world 4] [--write fit.json]``
+(``--ops``: the local-op terms alone; ``--pairs``: groups of 2 against the profile;
+``--overlap-only``: ``overlap_efficiency`` alone)
 
 Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
 ``partita.runtime.launch.spawn``, as the distributed tests and benches run) times, all at once:
@@ -11,35 +13,45 @@ Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
   the median of ``--repeat`` calls after a barrier (max over ranks);
 * the matmuls of GPT-S's layers at their per-device sizes, forward and backward (FLOP/s per
   process while every process computes, over windows of ~0.3 s);
-* elementwise ops (add, mul, gelu, exp) of GPT-S's activation sizes (bytes read + written per
-  second per process, all processes at once);
-* a tiny ``add`` (the fixed cost of one op, all processes at once);
+* GPT-S's memory-bound workloads (``op_workloads.py``: its AdamW update at 1, 1/2, 1/4 and
+  1/8 of its parameters, a layer's activations' elementwise ops and their backwards at 256,
+  512 and 1024 rows, bias-sized updates), traced to aten ops and run on all processes at
+  once, in turn: ``op_overhead``, ``memory_bandwidth`` and the cache term fitted to the
+  model's own count of their ops and bytes (``op_workloads.fit_ops``);
+* elementwise ops (add, mul, gelu, exp) of GPT-S's activation sizes repeated on the same few
+  tensors (in cache: printed for comparison, no longer the profile's bandwidth);
+* a tiny ``add`` (``launch``, the floor of one op, all processes at once);
 * the wait a collective call adds when it interrupts compute (``call_overhead``): rounds of
   GPT-S matmuls each followed by a 4-byte all_reduce, against the same rounds without it and
-  the all_reduces alone.
+  the all_reduces alone; the same after ~0.3 ms of short ops gives ``call_window``
+  (:func:`call_window`).
 
 The collective times are fitted by least squares to ``ring_steps(kind, n) * latency +
 wire_bytes(kind, bytes, n) / bandwidth``, the model of ``partita.cost.model``, then each kind
 gets the median ratio of its measured times to that fit (``collective_scale``); the table shows
 each measurement beside the fitted model's, and the last lines are the profile to paste into
-``PROFILES["cpu-gloo"]``. The processes share the machine's cores, so the fitted numbers are
-what one process of a 4-process job gets, not what one core can do.
+``PROFILES["cpu-gloo"]`` in ``src/partita/cost/model.py`` (``--write FILE`` also writes them
+as JSON, which ``bench_estimate.py --profile FILE`` estimates with). The processes share the
+machine's cores, so the fitted numbers are what one process of a 4-process job gets, not what
+one core can do.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from partita.cost.model import KINDS, ring_steps, wire_bytes
+from partita.cost.model import KINDS, PROFILES, op_time, ring_steps, wire_bytes
 
 SIZES = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20, 16 << 20]
 TIMED = [k for k in KINDS if k != "collective_permute"]
@@ -138,27 +150,65 @@ def _concurrent(calls: list[tuple[object, float]], repeat: int) -> tuple[float, 
     return work, _median_time(rounds, repeat) / times
 
 
-def _call_overhead(repeat: int, calls: int = 20, group=None) -> float:
+def _call_overhead(repeat: int, calls: int = 20, group=None, before: str = "matmuls") -> float:
     """Seconds a collective call costs beyond its bytes when it interrupts compute, as in a
-    step: ``calls`` rounds of ~5 ms of GPT-S matmuls each followed by a 4-byte all_reduce of
-    the whole group, against the same rounds with no all_reduce (all processes at once).
-    While a process computes its peers may hold the cores, so the call waits for them."""
+    step: ``calls`` rounds of ``before`` each followed by a 4-byte all_reduce of the group,
+    against the same rounds with no all_reduce and the all_reduces alone (all processes at
+    once, the three in turn). While a process computes its peers may hold the cores, so the
+    call waits for them. ``before``: ``"matmuls"`` (~5 ms of GPT-S matmuls), ``"short"``
+    (~0.3 ms of elementwise ops on a 256 KB tensor, the few ops between a gradient's
+    reduction and the next call of a step) or ``"call"`` (a 1 MiB reduce_scatter of the
+    group: the all_reduce right behind another call)."""
     mms = _gpt_matmuls()
     one = torch.zeros(1)
+    x = torch.randn(64 << 10)
+    n = dist.get_world_size(group)
+    scatter = _collective("reduce_scatter", 1 << 20, n, group)
+
+    def first() -> None:
+        if before == "matmuls":
+            for fn, _ in mms[:6]:
+                fn()  # type: ignore[operator]
+        elif before == "short":
+            for _ in range(10):
+                x.mul(1.0001).add_(1e-6)
+        else:
+            scatter()
 
     def rounds(sync: bool) -> None:
         for _ in range(calls):
-            for fn, _ in mms[:6]:
-                fn()  # type: ignore[operator]
+            first()
             if sync:
                 dist.all_reduce(one, group=group)
 
-    rounds(True)
-    with_calls = _median_time(lambda: rounds(True), repeat)
-    without = _median_time(lambda: rounds(False), repeat)
-    tiny = _median_time(lambda: [dist.all_reduce(one, group=group) for _ in range(calls)], repeat)
-    return max(0.0, with_calls - without - tiny) / calls
+    def alone() -> None:
+        for _ in range(calls):
+            dist.all_reduce(one, group=group)
 
+    rounds(True)
+    with_calls, without, tiny = _interleaved(
+        [lambda: rounds(True), lambda: rounds(False), alone], repeat
+    )
+    return max(0.0, with_calls - without - tiny) / calls, without / calls
+
+
+def call_window(long: tuple[float, float], short: tuple[float, float]) -> float:
+    """``call_window`` of the profile from two ``(overhead, compute before)`` measurements of
+    :func:`_call_overhead`: after ~5 ms of matmuls (the whole ``call_overhead``) and after
+    ~0.3 ms of short ops. The model's overhead grows linearly with the compute since the
+    previous call up to ``call_overhead`` at ``call_window`` seconds, so the window is where
+    the line through the short measurement reaches the long one (at most the long compute)."""
+    full, compute_long = long
+    part, compute_short = short
+    if full <= 0:
+        return 0.0
+    if part <= 0:
+        return compute_long
+    return min(compute_long, compute_short * full / part)
+
+
+#: A collective whose time is almost all its call's overhead (``overhead_efficiency``).
+TINY = 4 << 10
 
 #: (kind, reported bytes) of the collectives the overlap fit launches beside compute: the
 #: sizes of GPT-S's FSDP buckets (one layer's parameters, ~3.5 MiB) and a smaller one.
@@ -166,7 +216,7 @@ OVERLAP_CALLS = [
     (kind, size)
     for size in (4 << 20, 1 << 20)
     for kind in ("all_gather", "reduce_scatter", "all_reduce")
-]
+] + [("all_reduce", TINY), ("reduce_scatter", TINY)]
 
 
 def _async(kind: str, nbytes: int, n: int):
@@ -230,16 +280,24 @@ def _interleaved(fns: list, repeat: int) -> list[float]:
     return worst.tolist()
 
 
-def efficiency(rows: list[tuple[str, int, float, float, float]]) -> float:
+def efficiency(rows: list[tuple[str, int, float, float, float]], tiny: bool = False) -> float:
     """The median over ``rows`` of the hidden fraction (:func:`_overlap_efficiency`), in
-    [0, 1]: ``overlap_efficiency`` of the profile."""
-    fractions = [(sync - ov) / max(min(c, sync - c), 1e-9) for _, _, c, sync, ov in rows]
+    [0, 1]: ``overlap_efficiency`` of the profile over the rows of 1 MiB and more; with
+    ``tiny``, ``overhead_efficiency`` over the rows of :data:`TINY` bytes (a call that is
+    nearly all overhead: its wait for peers)."""
+    fractions = [
+        (sync - ov) / max(min(c, sync - c), 1e-9)
+        for _, size, c, sync, ov in rows
+        if (size <= TINY) == tiny
+    ]
+    if not fractions:
+        return float("nan")
     return min(1.0, max(0.0, float(np.median(fractions))))
 
 
 #: Reported sizes for the timings over groups of 2: GPT-S's tensor-parallel collectives on a
-#: (2, 2) mesh are 0.1 - 1.5 MB each.
-PAIR_SIZES = [64 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
+#: (2, 2) mesh are 0.1 - 1.5 MB each, fsdp+tp's layer-norm gradients over ``data`` 1.5 - 2 KB.
+PAIR_SIZES = [2 << 10, 64 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
 
 
 def _pairs(repeat: int) -> dict:
@@ -254,14 +312,61 @@ def _pairs(repeat: int) -> dict:
             fn = _collective(kind, size, 2, group)
             fn()
             rows.append((kind, size, _median_time(fn, repeat)))
-    return {"n": 2, "rows": rows, "call": _call_overhead(repeat, group=group)}
+    call = {b: _call_overhead(repeat, group=group, before=b) for b in ("matmuls", "short", "call")}
+    return {"n": 2, "rows": rows, "call": call["matmuls"][0], "calls": call}
 
 
-def worker(repeat: int, overlap_only: bool = False, pairs: bool = False) -> None:
+def _ops(repeat: int) -> tuple[list[dict], float]:
+    """Each memory-bound workload of ``op_workloads`` (GPT-S's optimizer update and layer
+    activations, traced to aten ops): the model's ``ops`` / ``bytes`` / ``flops`` of it and
+    the measured ``seconds`` of one run with every process running it at once; and the
+    FLOP/s of GPT-S's matmuls timed in the same rounds (``peak_flops``: the two rates under
+    the same load, so their ratio, which decides how a step's time splits, holds)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from op_workloads import traced, workloads
+
+    runs, out = [], []
+    for name, fn, inputs in workloads():
+        gm, counts = traced(fn, inputs)
+        gm(*inputs)
+        t = time.perf_counter()
+        gm(*inputs)
+        times = max(1, int(0.1 / max(time.perf_counter() - t, 1e-6)))
+        times = int(_max_over_ranks(times))  # every rank runs as many
+        runs.append(lambda gm=gm, inputs=inputs, times=times: [gm(*inputs) for _ in range(times)])
+        out.append({"name": name, **counts, "times": times})
+    mms = _gpt_matmuls()
+    mm_flops = sum(f for _, f in mms)
+
+    def matmuls() -> None:
+        for fn, _ in mms:
+            fn()  # type: ignore[operator]
+
+    # in turn, round after round: a change of the machine's load hits every workload alike
+    *seconds, mm_seconds = _interleaved([*runs, matmuls], repeat)
+    for row, t in zip(out, seconds, strict=True):
+        row["seconds"] = t / row.pop("times")
+    return out, mm_flops / mm_seconds
+
+
+def _max_over_ranks(x: float) -> float:
+    t = torch.tensor([float(x)], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+def worker(repeat: int, overlap_only: bool = False, pairs: bool = False, ops: bool = False) -> None:
     from partita import distributed as pd
 
     pd.initialize()
     n = dist.get_world_size()
+    if ops:
+        rows, flops = _ops(repeat)
+        result = {"n": n, "ops": rows, "flops": flops}
+        if dist.get_rank() == 0:
+            print("RESULT " + json.dumps(result))
+        dist.destroy_process_group()
+        return
     if pairs:
         result = _pairs(repeat)
         if dist.get_rank() == 0:
@@ -287,12 +392,15 @@ def worker(repeat: int, overlap_only: bool = False, pairs: bool = False) -> None
     ew_bytes, ew_time = _concurrent(_gpt_elementwise(), repeat)
     tiny = torch.ones(4)
     launch = _concurrent([(lambda: tiny.add(1.0), 0.0)] * 1000, repeat)[1] / 1000
-    call = _call_overhead(repeat)
+    call, short = _call_overhead(repeat), _call_overhead(repeat, before="short")
     ov = _overlap_efficiency(repeat, n)
+    ops, ops_flops = _ops(repeat)
     if dist.get_rank() == 0:
         print("RESULT " + json.dumps({
-            "n": n, "rows": rows, "flops": mm_flops / mm_time,
-            "bandwidth": ew_bytes / ew_time, "launch": launch, "call": call, "overlap": ov,
+            "n": n, "rows": rows, "flops": ops_flops, "flops_alone": mm_flops / mm_time,
+            "bandwidth": ew_bytes / ew_time, "launch": launch, "call": call[0], "overlap": ov,
+            "window": call_window(call, short), "short": short,
+            "ops": ops,
         }))  # fmt: skip
     dist.destroy_process_group()
 
@@ -329,10 +437,18 @@ def main() -> None:
         action="store_true",
         help="time every kind over groups of 2 (two pairs at once), against the profile",
     )
+    parser.add_argument(
+        "--ops",
+        action="store_true",
+        help="fit op_overhead and memory_bandwidth alone, on GPT-S's memory-bound workloads",
+    )
+    parser.add_argument(
+        "--write", type=Path, help="also write the fitted profile's figures to this JSON file"
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
-        worker(ns.repeat, ns.overlap_only, ns.pairs)
+        worker(ns.repeat, ns.overlap_only, ns.pairs, ns.ops)
         return
     from partita.runtime.launch import spawn
 
@@ -343,6 +459,7 @@ def main() -> None:
     argv = [__file__, "--worker", "--repeat", str(ns.repeat)]
     argv += ["--overlap-only"] if ns.overlap_only else []
     argv += ["--pairs"] if ns.pairs else []
+    argv += ["--ops"] if ns.ops else []
     results = spawn(argv, ns.world, env={"OMP_NUM_THREADS": "1"}, timeout=600)
     lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
     if any(r.returncode for r in results) or not lines:
@@ -352,6 +469,11 @@ def main() -> None:
     if ns.pairs:
         _print_pairs(r)
         return
+    if ns.ops:
+        _print_ops(r["ops"], r["flops"])
+        print(f"    peak_flops={r['flops']:.3g},  # GPT-S matmuls in the same rounds")
+        print(f"# {_load()}")
+        return
     print(f"{'beside compute':<15} {'bytes':>9} {'compute':>10} {'then call':>10} "
           f"{'overlapped':>10} {'hidden':>6}")  # fmt: skip
     for kind, size, c, sync, ov in r["overlap"]:
@@ -359,7 +481,10 @@ def main() -> None:
         print(f"{kind:<15} {size:>9} {c * 1e3:8.2f}ms {sync * 1e3:8.2f}ms {ov * 1e3:8.2f}ms "
               f"{hidden:6.2f}")  # fmt: skip
     eta = efficiency([tuple(x) for x in r["overlap"]])
-    print(f"overlap_efficiency (median hidden fraction, in [0, 1]): {eta:.2f}")
+    print(f"overlap_efficiency (median hidden fraction of 1 and 4 MiB, in [0, 1]): {eta:.2f}")
+    eta_call = efficiency([tuple(x) for x in r["overlap"]], tiny=True)
+    print(f"overhead_efficiency (the same of {TINY} bytes: a call's wait for peers): "
+          f"{eta_call:.2f}")  # fmt: skip
     if ns.overlap_only:
         return
     rows = [tuple(x) for x in r["rows"]]
@@ -369,18 +494,102 @@ def main() -> None:
         ring = ring_steps(kind, r["n"]) * latency + wire_bytes(kind, size, r["n"]) / bandwidth
         model = ring * scale[kind]
         print(f"{kind:<15} {size:>9} {t * 1e3:8.3f}ms {model * 1e3:8.3f}ms {model / t:6.2f}")
-    print(f"GPT-S matmuls: {r['flops'] / 1e9:.2f} GFLOP/s per process; elementwise: "
-          f"{r['bandwidth'] / 1e9:.2f} GB/s per process; one tiny op: "
-          f"{r['launch'] * 1e6:.2f} us")  # fmt: skip
-    print(f"a call between compute: {r['call'] * 1e3:.2f} ms more than the call alone")
+    ops = _print_ops(r["ops"], r["flops"])
+    print(f"GPT-S matmuls: {r['flops'] / 1e9:.2f} GFLOP/s per process in turn with the "
+          f"memory-bound workloads ({r['flops_alone'] / 1e9:.2f} alone, over 0.3 s windows); "
+          f"elementwise (the same "
+          f"few tensors over and over, in cache): {r['bandwidth'] / 1e9:.2f} GB/s per process; "
+          f"one tiny op: {r['launch'] * 1e6:.2f} us")  # fmt: skip
+    print(f"a call between compute: {r['call'] * 1e3:.2f} ms more than the call alone; "
+          f"after {r['short'][1] * 1e3:.2f} ms of short ops {r['short'][0] * 1e3:.2f} ms "
+          f"more: the whole overhead at {r['window'] * 1e3:.2f} ms of compute")  # fmt: skip
     print(f"fit: latency {latency * 1e6:.1f} us per ring step, bandwidth "
           f"{bandwidth / 1e9:.3f} GB/s")  # fmt: skip
-    print("profile:")
-    print(f"    peak_flops={r['flops']:.3g}, memory_bandwidth={r['bandwidth']:.3g},")
-    print(f"    intra_host=Link(bandwidth={bandwidth:.3g}, latency={latency:.3g}),")
-    print(f"    launch={r['launch']:.3g}, call_overhead={r['call']:.3g},")
-    print(f"    collective_scale={ {k: round(v, 2) for k, v in scale.items()} },")
-    print(f"    overlap_efficiency={eta:.2f},")
+    fields = {
+        "peak_flops": r["flops"],
+        "memory_bandwidth": ops["memory_bandwidth"],
+        "intra_host": {"bandwidth": bandwidth, "latency": latency},
+        "inter_host": {"bandwidth": bandwidth, "latency": latency},
+        "launch": r["launch"],
+        "call_overhead": r["call"],
+        "call_window": r["window"],
+        "collective_scale": scale,
+        "overlap_efficiency": eta,
+        "overhead_efficiency": eta_call,
+        "op_overhead": ops["op_overhead"],
+        "cache_bytes": ops["cache_bytes"],
+        "cache_bandwidth": ops["cache_bandwidth"],
+    }
+    fields = json.loads(json.dumps(fields), parse_float=lambda x: float(f"{float(x):.3g}"))
+    fields["cache_bytes"] = int(ops["cache_bytes"])  # a power of 2, exact
+    print("profile (paste into PROFILES['cpu-gloo'] in src/partita/cost/model.py):")
+    link = fields["intra_host"]
+    print(f"    peak_flops={fields['peak_flops']:.3g}, "
+          f"memory_bandwidth={fields['memory_bandwidth']:.3g},")  # fmt: skip
+    print(f"    intra_host=Link(bandwidth={link['bandwidth']:.3g}, latency={link['latency']:.3g}),")
+    print(f"    inter_host=Link(bandwidth={link['bandwidth']:.3g}, latency={link['latency']:.3g}),")
+    print(f"    launch={fields['launch']:.3g}, call_overhead={fields['call_overhead']:.3g}, "
+          f"call_window={fields['call_window']:.3g},")  # fmt: skip
+    print(f"    collective_scale={fields['collective_scale']},")
+    print(f"    overlap_efficiency={fields['overlap_efficiency']:.2f}, "
+          f"overhead_efficiency={fields['overhead_efficiency']:.2f}, "
+          f"op_overhead={fields['op_overhead']:.3g},")  # fmt: skip
+    print(f"    cache_bytes={fields['cache_bytes']:.0f}, "
+          f"cache_bandwidth={fields['cache_bandwidth']:.3g},")  # fmt: skip
+    if ns.write is not None:
+        fields["source"] = f"bench_collectives.py --repeat {ns.repeat}, {_load()}"
+        ns.write.write_text(json.dumps(fields, indent=1))
+        print(f"# wrote {ns.write} (bench_estimate.py --profile {ns.write} estimates with it)")
+    print(f"# {_load()}")
+
+
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.2f} {five:.2f} {fifteen:.2f} (1, 5, 15 min)"
+
+
+def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
+    """Each memory-bound workload measured beside the fitted local-op terms
+    (``op_workloads.fit_ops``) and beside the ``cpu-gloo`` profile's time of its ops (its own
+    ``op_time``); the fitted terms."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from op_workloads import fit_ops
+
+    fitted = fit_ops(rows)
+    names = ("op_overhead", "cache_bytes", "cache_bandwidth", "memory_bandwidth")
+    terms = {k: fitted[k] for k in names}
+    hw = PROFILES["cpu-gloo"]
+    new = dataclasses.replace(hw, **terms)
+    print(f"{'memory-bound':<12} {'ops':>5} {'MB':>8} {'measured':>10} {'fit':>9} {'ratio':>6} "
+          f"{'profile':>9} {'ratio':>6}  GB/s")  # fmt: skip
+    for w in rows:
+        n = len(w["each"])
+        flops = w["flops"] / n  # every op's FLOPs are far below its bytes' time
+        model = sum(op_time(flops, b, new) for b in w["each"])
+        prof = sum(op_time(flops, b, hw) for b in w["each"])
+        print(f"{w['name']:<12} {w['ops']:5.0f} {w['bytes'] / 1e6:8.1f} "
+              f"{w['seconds'] * 1e3:8.2f}ms {model * 1e3:7.2f}ms {model / w['seconds']:6.2f} "
+              f"{prof * 1e3:7.2f}ms {prof / w['seconds']:6.2f}  "
+              f"{w['bytes'] / w['seconds'] / 1e9:5.2f}")  # fmt: skip
+    cache = (
+        f"the first {fitted['cache_bytes'] / 2**20:.3g} MiB of an op at "
+        f"{fitted['cache_bandwidth'] / 1e9:.3g} GB/s, the rest"
+        if fitted["cache_bytes"]
+        else "every byte (no cache term)"
+    )
+    print(f"memory-bound ops: {fitted['op_overhead'] * 1e6:.2f} us per op; {cache} at "
+          f"{fitted['memory_bandwidth'] / 1e9:.3g} GB/s (rms relative error {fitted['error']:.2f}; "
+          f"one bandwidth for all: {fitted['error_flat']:.2f})")  # fmt: skip
+    print("local-op terms (paste into PROFILES['cpu-gloo']):")
+    print(
+        f"    memory_bandwidth={fitted['memory_bandwidth']:.3g}, "
+        f"op_overhead={fitted['op_overhead']:.3g},"
+    )
+    print(
+        f"    cache_bytes={fitted['cache_bytes']:.0f}, "
+        f"cache_bandwidth={fitted['cache_bandwidth']:.3g},"
+    )
+    return fitted
 
 
 def _print_pairs(r: dict) -> None:
@@ -397,7 +606,12 @@ def _print_pairs(r: dict) -> None:
         ratios.setdefault(kind, []).append(t / ring)
         print(f"{kind:<15} {size:>9} {t * 1e3:8.3f}ms {prof * 1e3:8.3f}ms "
               f"{ring * 1e3:7.3f}ms {t / ring:6.2f}")  # fmt: skip
-    print(f"a call between compute (groups of 2): {r['call'] * 1e3:.2f} ms more than alone")
+    for before, (extra, compute) in r["calls"].items():
+        print(f"a 4-byte all_reduce after {before} ({compute * 1e3:.2f} ms; groups of 2): "
+              f"{extra * 1e3:.2f} ms more than alone")  # fmt: skip
+    window = call_window(r["calls"]["matmuls"], r["calls"]["short"])
+    print(f"the overhead reaches its whole ({r['call'] * 1e3:.2f} ms) at {window * 1e3:.2f} ms "
+          f"of compute since the previous call (call_window)")  # fmt: skip
     scale = {k: round(float(np.median(v)), 2) for k, v in ratios.items()}
     print(f"collective_scale over groups of 2 on the profile's link: {scale}")
 

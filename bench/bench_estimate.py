@@ -1,7 +1,7 @@
 """The Plan's step-time estimate beside the measured step, GPT-S on 4 Gloo processes.
 
 Run: ``.venv/bin/python bench/bench_estimate.py [--repeat 7] [--only fsdp/(4,) ...]
-[--dump ops.json]``
+[--dump ops.json] [--profile fit.json]``
 
 The step is the one of ``bench/bench_distributed.py``: GPT (4 layers, width 256, 8 heads,
 vocabulary 512, sequence 128, global batch 16), cross entropy, AdamW, compiled by
@@ -25,14 +25,17 @@ steps: GPT-S's matmuls with the 4 processes computing at once, as
 ``bench_collectives.py`` measures ``peak_flops`` (``GFLOP/s``); ``scaled`` is the estimate
 times the profile's ``peak_flops`` over that pace — the estimate of the profile refitted at
 the moment of the measurement (compute and Gloo's collectives share the same cores).
-``--dump FILE`` also writes each configuration's per-op FLOPs and bytes and its collective
-calls (kind, bytes, group size), so a profile can be tried without running the steps again
-(``estimate_raw``). The load average is printed before and after.
+``--dump FILE`` also writes each configuration's per-op FLOPs, bytes and op name and its
+collective calls (kind, bytes, group size), so a profile can be tried without running the steps
+again (``estimate_raw``). ``--profile FILE`` estimates with the figures a
+``bench_collectives.py --write FILE`` fit wrote instead of the committed ``cpu-gloo`` (to check
+a fresh fit before pasting it). The load average is printed before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -49,7 +52,7 @@ import torch.nn.functional as F  # noqa: N812
 import partita
 import partita.distributed as pd
 from partita import Mesh, P
-from partita.cost import PROFILES, Hardware
+from partita.cost import PROFILES, Hardware, Link
 from partita.cost.flops import node_bytes, node_flops
 from partita.data import make_global, process_slice
 from partita.models import GPT, GPTConfig
@@ -112,13 +115,13 @@ def _speed(repeat: int) -> float:
 
 
 def _raw(plan: Any) -> dict[str, Any]:
-    """Per-op (flops, bytes) and per-call (kind, bytes, group size) of ``plan``."""
+    """Per-op (flops, bytes, op name) and per-call (kind, bytes, group size) of ``plan``."""
     vals = plan._local_values()
     ops = []
     for node in plan.local_program.graph.nodes:
         f, b = node_flops(node, vals), node_bytes(node, vals)
         if f or b:
-            ops.append((f, b))
+            ops.append((f, b, str(node.target)))
     in_bucket = {i for b in plan.buckets for i in b.members}
     calls = [
         (c.kind, c.bytes, plan.mesh.axes_size(c.mesh_axes))
@@ -154,7 +157,25 @@ def _ranges(one: Callable[[], None], steps: int = 3) -> dict[str, float]:
     return out
 
 
-def worker(preset: str, shape: tuple[int, ...], repeat: int, ranges: bool = False) -> None:
+def load_profile(path: Path | None) -> Hardware:
+    """``cpu-gloo``, or it with the figures of a ``bench_collectives.py --write`` file."""
+    hw = PROFILES["cpu-gloo"]
+    if path is None:
+        return hw
+    fields = json.loads(Path(path).read_text())
+    for key in ("intra_host", "inter_host"):
+        fields[key] = Link(**fields[key])
+    fields["source"] = f"{path}: {fields.get('source', '')}"
+    return dataclasses.replace(hw, **fields)
+
+
+def worker(
+    preset: str,
+    shape: tuple[int, ...],
+    repeat: int,
+    ranges: bool = False,
+    profile: Path | None = None,
+) -> None:
     pd.initialize()
     mesh = _mesh(shape)
     torch.manual_seed(0)
@@ -194,11 +215,12 @@ def worker(preset: str, shape: tuple[int, ...], repeat: int, ranges: bool = Fals
     speed = (speed + _speed(repeat)) / 2
     inside = _ranges(one) if ranges else {}
     if pd.is_main_process():
-        est = plan.estimate("cpu-gloo")
+        hw = load_profile(profile)
+        est = plan.estimate(hw)
         row = {
             "measured": measured,
             "estimate": est.total,
-            "no_overlap": plan.estimate("cpu-gloo", overlap=False).total,
+            "no_overlap": plan.estimate(hw, overlap=False).total,
             "compute": est.compute,
             "communication": est.communication,
             "exposed": est.exposed_communication,
@@ -230,7 +252,7 @@ def estimate_raw(raw: dict[str, Any], hw: Hardware) -> float:
     """The estimate without overlap of a dumped configuration on ``hw``: the sums of
     ``partition.estimate.estimate_step(..., overlap=False)`` (4 processes on one host: every
     group on its link; the dump has no schedule to overlap)."""
-    compute = sum(hw.op_seconds(f, b) for f, b in raw["ops"])
+    compute = sum(hw.op_seconds(f, b) for f, b, *_ in raw["ops"])
     comm = sum(
         hw.collective_seconds(kind, nbytes, Mesh.create((n,), ("g",)), ["g"])
         for kind, nbytes, n in raw["calls"]
@@ -257,18 +279,23 @@ def main() -> None:
         help="also profile 3 steps: per kind, the time inside its ranges beside its exposed "
         "estimate",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="estimate with cpu-gloo's figures from this bench_collectives.py --write file",
+    )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
         preset, shape = ns.worker[0], tuple(int(s) for s in ns.worker[1].split("x"))
-        worker(preset, shape, ns.repeat, ns.ranges)
+        worker(preset, shape, ns.repeat, ns.ranges, ns.profile)
         return
     print(f"# {' '.join(['.venv/bin/python', *sys.argv])}")
     print(f"# GPT layers={CFG.n_layer} d_model={CFG.d_model} heads={CFG.n_head} "
           f"vocab={CFG.vocab_size} seq={CFG.seq_len} batch={BATCH}, AdamW; 4 Gloo processes "
           f"(OMP_NUM_THREADS=1), {os.cpu_count()} CPUs, torch {torch.__version__}; median of "
           f"{ns.repeat} steps after 2 warm-ups (max over ranks), median of {ns.rounds} "
-          f"sweeps; estimate: cpu-gloo")  # fmt: skip
+          f"sweeps; estimate: cpu-gloo{f' with {ns.profile}' if ns.profile else ''}")  # fmt: skip
     print(_load())
     print(f"{'configuration':<16} {'measured':>9} {'spread':>7} {'estimate':>9} {'est/meas':>8} "
           f"{'compute':>9} {'comm':>9} {'exposed':>9} {'no-ovl':>9} {'GFLOP/s':>8} "
@@ -282,10 +309,11 @@ def main() -> None:
                 continue
             argv = [__file__, "--worker", preset, "x".join(map(str, shape))]
             argv += ["--ranges"] if ns.ranges else []
+            argv += ["--profile", str(ns.profile.resolve())] if ns.profile else []
             result = spawn_result([*argv, "--repeat", str(ns.repeat)], name, timeout=1800)
             if result is not None:
                 runs.setdefault(name, []).append(result)
-    peak = PROFILES["cpu-gloo"].peak_flops
+    peak = load_profile(ns.profile).peak_flops
     scaled = []
     for name, rs in runs.items():
         r = dict(rs[0])

@@ -140,3 +140,65 @@ def test_call_overhead_is_added_once_per_call_of_a_real_group() -> None:
     one = Mesh.create((1, 8), ("data", "model"))
     assert busy.collective_seconds("all_reduce", 1 << 20, one, ["data"]) == 0.0  # no peers
     assert "per collective call: 1e+03 us" in busy.describe()
+
+
+def test_attention_flops_are_torchs_formulas_for_fused_attention() -> None:
+    """partita::sdpa / sdpa_backward count what torch's flop_counter counts for aten's fused
+    attention kernels of the same shapes (they were 0: a partita op)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    import partita.capture.ops  # noqa: F401  (defines partita::sdpa)
+
+    def attention(q, k, v, g):  # type: ignore[no-untyped-def]
+        out, lse = torch.ops.partita.sdpa(q, k, v, None, 0.0, True, None)
+        return torch.ops.partita.sdpa_backward(g, q, k, v, out, lse, None, 0.0, True, None)
+
+    q, k, v, g = (torch.randn(2, 4, 16, 8) for _ in range(4))
+    gm = make_fx(attention, tracing_mode="fake")(q, k, v, g)
+    by_op = {n.target: n for n in gm.graph.nodes if n.op == "call_function"}
+    aten = torch.ops.aten
+    meta = [t.to("meta") for t in (q, k, v)]
+    with FlopCounterMode(display=False) as forward:
+        out, lse, s, o = aten._scaled_dot_product_efficient_attention(*meta, None, True, True)
+    with FlopCounterMode(display=False) as backward:
+        aten._scaled_dot_product_efficient_attention_backward(
+            out, *meta, None, out, lse, s, o, 0.0, [True, True, True, False], True
+        )
+    fwd, bwd = by_op[torch.ops.partita.sdpa.default], by_op[torch.ops.partita.sdpa_backward.default]
+    assert node_flops(fwd) == forward.get_total_flops() == 2 * (2 * 2 * 4 * 16 * 8 * 16)
+    assert node_flops(bwd) == backward.get_total_flops() == 5 * (2 * 2 * 4 * 16 * 8 * 16)
+    # bytes: the operands and results, as for any op that computes
+    assert node_bytes(fwd) == 4 * (3 * 2 * 4 * 16 * 8 + 2 * 4 * 16 * 8 + 2 * 4 * 16)
+    assert node_bytes(bwd) > 0
+
+
+def test_op_overhead_is_added_to_the_roofline_and_the_cache_serves_the_first_bytes() -> None:
+    import dataclasses
+
+    base = Hardware("x", 1e12, 1e9, 1 << 30, 8, Link(1e11, 1e-6), Link(1e10, 1e-5), 1e-6)
+    eager = dataclasses.replace(base, op_overhead=1e-5)
+    assert op_time(1e12, 0, eager) == pytest.approx(1.0 + 1e-5)  # compute-bound, plus dispatch
+    assert op_time(0, 1e9, eager) == pytest.approx(1.0 + 1e-5)  # memory-bound, plus dispatch
+    assert op_time(0, 0, eager) == pytest.approx(1e-5)  # above the 1 us launch floor
+    assert op_time(0, 0, base) == pytest.approx(1e-6)  # no overhead: the floor, as before
+    cached = dataclasses.replace(base, cache_bytes=1e6, cache_bandwidth=1e10)
+    assert op_time(0, 5e5, cached) == pytest.approx(5e5 / 1e10)  # all inside the cache
+    assert op_time(0, 3e6, cached) == pytest.approx(1e6 / 1e10 + 2e6 / 1e9)  # 1 MB, then 2 MB
+    assert op_time(1e12, 3e6, cached) == pytest.approx(1.0)  # still the slower bound
+    assert "10 us added" in eager.describe()
+
+
+def test_call_overhead_grows_with_the_compute_since_the_previous_call() -> None:
+    import dataclasses
+
+    hw = dataclasses.replace(PROFILES["h100-nvlink-ib"], call_overhead=2e-3, call_window=4e-3)
+    assert hw.call_seconds(None) == pytest.approx(2e-3)  # not known: the whole overhead
+    assert hw.call_seconds(0.0) == 0.0  # right behind another call
+    assert hw.call_seconds(1e-3) == pytest.approx(0.5e-3)  # a quarter of the window
+    assert hw.call_seconds(9e-3) == pytest.approx(2e-3)  # beyond the window: the whole
+    mesh = Mesh.create((2, 4), ("data", "model"))
+    whole = hw.collective_seconds("all_reduce", 1 << 20, mesh, ["model"])
+    behind = hw.collective_seconds("all_reduce", 1 << 20, mesh, ["model"], compute_before=0.0)
+    assert whole - behind == pytest.approx(2e-3)
+    no_window = dataclasses.replace(hw, call_window=0.0)  # every call the whole overhead
+    assert no_window.call_seconds(0.0) == pytest.approx(2e-3)

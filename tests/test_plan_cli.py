@@ -121,3 +121,19 @@ def test_all_plans_the_presets_the_mesh_has_axes_for() -> None:
     assert [r["shard"] for r in reports] == ["dp", "fsdp"]  # no 'model' axis: no tp presets
     dp, fsdp = (r["memory"] for r in reports)
     assert fsdp["parameters"] < dp["parameters"]  # fsdp splits them over 'data'
+
+
+def test_axis_times_add_up_when_calls_behind_others_wait_less(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import dataclasses
+
+    spaced = dataclasses.replace(PROFILES["cpu-gloo"], call_overhead=2e-3, call_window=5e-3)
+    monkeypatch.setitem(PROFILES, "cpu-gloo", spaced)
+    assert main(["plan", *SMALL, "--hardware", "cpu-gloo", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    plan = lower_step(load_shape("gpt-s"), Mesh.create((2, 2), ("data", "model")), "fsdp+tp",
+                      8, 32, device="cpu")  # fmt: skip
+    est = plan.estimate(spaced, overlap=False)
+    assert sum(est.spared.values()) > 0  # some calls follow others closely
+    assert sum(a["seconds"] for a in r["axes"].values()) == pytest.approx(est.communication)

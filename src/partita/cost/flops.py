@@ -1,8 +1,10 @@
 """The FLOPs and the memory traffic of one fx node, from the shapes its meta values carry.
 
 :func:`node_flops` uses torch's own formulas (``torch.utils.flop_counter``: matmuls,
-convolutions, attention, their backwards) and counts one FLOP per output element for any
-other op that computes; views, getitems and partita's mesh ops count zero. :func:`node_bytes`
+convolutions, attention, their backwards; partita's own ``sdpa`` / ``sdpa_backward`` with the
+formulas torch's counter applies to its fused attention kernels) and counts one FLOP per
+output element for any other op that computes; views, getitems and partita's mesh ops count
+zero. :func:`node_bytes`
 is the bytes an op reads and writes (its tensor operands and results), zero for a view. The
 values come from ``node.meta["val"]`` (fake or meta tensors), so nothing is computed.
 """
@@ -17,7 +19,11 @@ from typing import Any
 import torch
 from torch import fx
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.flop_counter import flop_registry
+from torch.utils.flop_counter import (
+    flop_registry,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 __all__ = ["first_read", "is_view", "is_view_of", "node_bytes", "node_flops", "value_bytes"]
 
@@ -71,11 +77,43 @@ def first_read(node: fx.Node, pos: Mapping[fx.Node, float], end: float) -> float
     return min(uses, default=end)
 
 
+#: partita's ops that compute (the others move data between devices or name an index).
+_PARTITA_COMPUTE = ("sdpa", "sdpa_backward")
+
+
+def _partita_name(node: fx.Node) -> str | None:
+    """``sdpa`` for ``partita::sdpa.default`` and so on; None for any other namespace."""
+    if getattr(node.target, "namespace", "") != "partita":
+        return None
+    schema = node.target._schema  # type: ignore[union-attr]
+    return str(schema.name).split("::")[-1]
+
+
 def _computes(node: fx.Node) -> bool:
     if node.op != "call_function" or is_view(node):
         return False
-    namespace = getattr(node.target, "namespace", "")
-    return namespace != "partita"
+    name = _partita_name(node)
+    return name is None or name in _PARTITA_COMPUTE
+
+
+def _bhsd(shape: Any) -> tuple[int, int, int, int]:
+    """An attention operand's shape as torch's counter takes it, ``(batch, heads, length,
+    dim)``: leading dims beyond the heads folded into the batch, no heads dim counted as 1."""
+    dims = [int(d) for d in shape]
+    while len(dims) < 4:
+        dims.insert(0, 1)
+    return math.prod(dims[:-3]), dims[-3], dims[-2], dims[-1]
+
+
+def _attention_flops(name: str, args: tuple[Any, ...]) -> int:
+    """FLOPs of ``partita::sdpa`` (``args``: query, key, value, ...) or ``sdpa_backward``
+    (grad_out, query, key, value, ...): torch's ``sdpa_flop_count`` and
+    ``sdpa_backward_flop_count``, the formulas ``flop_counter`` registers for aten's fused
+    attention (two batched matmuls forward, five backward; a causal mask is not discounted)."""
+    shapes = [_bhsd(a.shape) for a in args[:4] if isinstance(a, torch.Tensor)]
+    if name == "sdpa":
+        return int(sdpa_flop_count(*shapes[:3]))
+    return int(sdpa_backward_flop_count(*shapes[:4]))
 
 
 def node_flops(node: fx.Node, vals: Mapping[fx.Node, Any] | None = None) -> int:
@@ -84,6 +122,8 @@ def node_flops(node: fx.Node, vals: Mapping[fx.Node, Any] | None = None) -> int:
     if not _computes(node):
         return 0
     out = _val(node, vals)
+    if (name := _partita_name(node)) is not None:
+        return _attention_flops(name, tuple(_val(a, vals) for a in node.args))
     packet = getattr(node.target, "overloadpacket", None)
     formula = flop_registry.get(packet) if packet is not None else None
     if formula is not None:  # torch's formulas take the tensors and the result (``out_val``)

@@ -13,14 +13,20 @@ for all_reduce (a reduce-scatter then an all-gather) and one for a collective_pe
 the Plan's convention (XLA's: the output of all_gather, all_reduce, all_to_all and
 collective_permute, the input of reduce_scatter), so a record's ``bytes`` goes in unchanged.
 
-A profile may add a fixed ``call_overhead`` to every call: on a CPU shared by more processes
-than it has cores, a call that interrupts compute waits for its peers' turn on a core. Its
+A profile may add a ``call_overhead`` to every call: on a CPU shared by more processes than
+it has cores, a call that interrupts compute waits for its peers' turn on a core. With a
+``call_window``, a call after less compute than that since the previous call waits that much
+less (the overhead grows linearly with the compute up to the window): a call right behind
+another finds its peers already there. Its
 ``overlap_efficiency`` is the fraction of a collective's time that compute running beside it
 hides (the step estimate, ``partition.estimate``, charges the rest).
 
 **Local ops** follow a roofline (:func:`op_time`): the larger of the FLOPs at the profile's
-sustained compute rate and the bytes read and written at its sustained memory bandwidth, and
-never less than the fixed cost of launching one op.
+sustained compute rate and the bytes read and written at its sustained memory bandwidth (where
+the profile has a cache, an op's first ``cache_bytes`` at ``cache_bandwidth``), plus
+the profile's ``op_overhead`` (the fixed cost of dispatching one op where the host runs ops
+one after another: an eager CPU program), and never less than the fixed cost of launching one
+op (``launch``: a GPU's kernel launch, which overlaps the previous kernel).
 
 The profiles (:data:`PROFILES`, :func:`get_profile`) and where their numbers come from are
 listed in ``docs/cost-model.md``; ``cpu-gloo`` was fitted on a 2-core machine by
@@ -46,6 +52,7 @@ __all__ = [
     "collective_time",
     "get_profile",
     "link_of",
+    "memory_seconds",
     "op_time",
     "ring_steps",
     "wire_bytes",
@@ -80,7 +87,7 @@ class Hardware:
         devices_per_host: devices sharing one host (and its fast link).
         intra_host: the link between devices of one host.
         inter_host: the link between hosts.
-        launch: seconds of fixed cost per local op (kernel launch, Python dispatch).
+        launch: seconds an op takes at least (a kernel launch; the roofline's floor).
         source: where the numbers come from, in words.
         collective_scale: ``{kind: factor}`` on the ring model's time, for a library that does
             not run that kind as a ring (Gloo's reduce_scatter); a missing kind is 1.
@@ -91,6 +98,21 @@ class Hardware:
             it hides (1: all of it, as when the collective has its own engine; less on a CPU
             whose cores the collective's threads share with the compute). The step estimate
             (``partition.estimate``) charges the rest.
+        op_overhead: seconds added to every local op's roofline time: the dispatch of one
+            op where ops run one after another on the host (an eager CPU program: Python,
+            the dispatcher, the output's allocation); 0 where launches overlap the work.
+        cache_bytes: bytes of one op that its cache serves (0: none, every byte at
+            ``memory_bandwidth``): an op reading and writing ``b`` bytes moves ``min(b,
+            cache_bytes)`` of them at ``cache_bandwidth`` and the rest at
+            ``memory_bandwidth`` (:func:`memory_seconds`).
+        cache_bandwidth: bytes/s of the part of an op inside ``cache_bytes``.
+        overhead_efficiency: the fraction of a call's overhead (its wait for its peers) that
+            compute running beside it hides; None: ``overlap_efficiency``, as for its bytes.
+            Waiting takes no core, so on a shared CPU it hides more than the transfer does.
+        call_window: seconds of compute since the previous collective call after which a
+            call waits the whole ``call_overhead``; after less, it waits ``call_overhead *
+            compute / call_window`` (peers drift apart while they compute). 0: every call
+            waits the whole overhead.
     """
 
     name: str
@@ -105,19 +127,38 @@ class Hardware:
     collective_scale: Mapping[str, float] = field(default_factory=dict)
     call_overhead: float = 0.0
     overlap_efficiency: float = 1.0
+    op_overhead: float = 0.0
+    cache_bytes: float = 0.0
+    cache_bandwidth: float = 0.0
+    call_window: float = 0.0
+    overhead_efficiency: float | None = None
 
     def collective_seconds(
-        self, kind: str, nbytes: float, mesh: Any, mesh_axes: Sequence[Any]
+        self,
+        kind: str,
+        nbytes: float,
+        mesh: Any,
+        mesh_axes: Sequence[Any],
+        compute_before: float | None = None,
     ) -> float:
         """Seconds a collective of ``kind`` reported with ``nbytes`` takes over ``mesh_axes``
         of ``mesh``: the ring model on the link those axes cross (:func:`link_of`), times the
-        kind's ``collective_scale``, plus the profile's ``call_overhead``."""
+        kind's ``collective_scale``, plus the call's overhead (:meth:`call_seconds`; the whole
+        ``call_overhead`` when ``compute_before`` is not known)."""
         n = mesh.axes_size(mesh_axes)
         if n <= 1:
             return 0.0
         link = link_of(self, mesh, mesh_axes)
         ring = collective_time(kind, nbytes, n, link) * self.collective_scale.get(kind, 1.0)
-        return ring + self.call_overhead
+        return ring + self.call_seconds(compute_before)
+
+    def call_seconds(self, compute_before: float | None = None) -> float:
+        """The overhead of one collective call after ``compute_before`` seconds of compute
+        since the previous call: ``call_overhead * min(1, compute_before / call_window)``,
+        the whole overhead without a window or when the compute is not known (None)."""
+        if compute_before is None or self.call_window <= 0:
+            return self.call_overhead
+        return self.call_overhead * min(1.0, max(0.0, compute_before) / self.call_window)
 
     def op_seconds(self, flops: float, nbytes: float) -> float:
         """Seconds one local op takes on this hardware (:func:`op_time`)."""
@@ -135,7 +176,8 @@ class Hardware:
                 f"{self.intra_host.latency * 1e6:.3g} us per step",
                 f"  between hosts: {self.inter_host.bandwidth / gb:.3g} GB/s, "
                 f"{self.inter_host.latency * 1e6:.3g} us per step",
-                f"  per op: {self.launch * 1e6:.3g} us; per collective call: "
+                f"  per op: {self.launch * 1e6:.3g} us at least, {self.op_overhead * 1e6:.3g} "
+                f"us added; per collective call: "
                 f"{self.call_overhead * 1e6:.3g} us",
             ]
         )
@@ -185,9 +227,30 @@ def collective_time(kind: str, nbytes: float, group_size: int, link: Link) -> fl
 
 
 def op_time(flops: float, nbytes: float, hardware: Hardware) -> float:
-    """Seconds one local op takes: the roofline ``max(flops / peak, bytes / bandwidth)``,
-    at least the profile's per-op ``launch`` cost."""
-    return max(hardware.launch, flops / hardware.peak_flops, nbytes / hardware.memory_bandwidth)
+    """Seconds one local op takes: ``op_overhead + max(flops / peak, bytes / bandwidth)``
+    (the roofline plus the profile's per-op dispatch cost), at least its ``launch``.
+
+    >>> hw = PROFILES["h100-nvlink-ib"]
+    >>> op_time(0, 0, hw) == hw.launch
+    True
+    """
+    roofline = max(flops / hardware.peak_flops, memory_seconds(nbytes, hardware))
+    return max(hardware.launch, hardware.op_overhead + roofline)
+
+
+def memory_seconds(nbytes: float, hardware: Hardware) -> float:
+    """Seconds one op takes to read and write ``nbytes``: the first ``cache_bytes`` at the
+    profile's ``cache_bandwidth``, the rest at its ``memory_bandwidth`` (all of them there
+    when the profile has no cache).
+
+    >>> hw = Hardware("x", 1e12, 1e9, 1, 1, Link(1, 0), Link(1, 0), 0.0, cache_bytes=1e6,
+    ...               cache_bandwidth=1e10)
+    >>> round(memory_seconds(3e6, hw) * 1e3, 6)  # 1 MB at 10 GB/s, 2 MB at 1 GB/s
+    2.1
+    """
+    cached = min(nbytes, hardware.cache_bytes) if hardware.cache_bytes > 0 else 0.0
+    inside = cached / hardware.cache_bandwidth if cached else 0.0
+    return inside + (nbytes - cached) / hardware.memory_bandwidth
 
 
 def link_of(hardware: Hardware, mesh: Any, mesh_axes: Iterable[Any]) -> Link:
@@ -239,6 +302,9 @@ PROFILES: dict[str, Hardware] = {
         # processes), three runs (--repeat 15, 25, 25): medians 0.17, 0.20, 0.23 over
         # all_gather, reduce_scatter and all_reduce of 1 and 4 MiB beside GPT-S matmuls
         overlap_efficiency=0.20,
+        # issue 29's terms (op_overhead, cache_bytes / cache_bandwidth, call_window,
+        # overhead_efficiency) are off until a quiet `bench_collectives.py --repeat 9` fits
+        # them with the rest: paste its printed profile lines here
     ),
     # An 8-GPU H100 SXM host (DGX H100 / HGX H100): 989 TFLOP/s dense BF16 and 3.35 TB/s HBM3
     # per GPU (NVIDIA H100 datasheet), 80 GB; NVLink 4 at 900 GB/s per GPU both ways together,

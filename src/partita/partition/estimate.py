@@ -17,15 +17,20 @@ collective), and a wait stalls the clock until the collective is done. While a c
 beside compute, only the fraction ``overlap_efficiency`` of the profile hides; the rest slows
 the compute (on a CPU, Gloo's threads take the cores the compute needs). So a collective's
 *exposed* time is its stall at the wait plus ``(1 - overlap_efficiency)`` of the compute that
-ran beside it, and the step is the compute plus the exposed communication. ``overlap=False``
-runs every collective where it stands, synchronously: compute plus all communication, the
-model of a run with ``overlap_bytes=0``. The walk ignores the runtime's two holds (the bytes in
-flight, 64 MiB by default, and a gather held until its buffer fits under the step's peak); both
-only delay launches, so where they bind the estimate is optimistic.
+ran beside it (of the share beside a call's overhead, its wait for its peers, ``(1 -
+overhead_efficiency)``: waiting takes no core), and the step is the compute plus the exposed
+communication. A call's overhead depends on the compute since the previous launch
+(``Hardware.call_seconds``), which the walk knows (:func:`overlap_calls` with the ops'
+costs). ``overlap=False`` runs every collective where it stands, synchronously: compute plus
+all communication (each call at its place), the model of a run with ``overlap_bytes=0``. The
+walk ignores the runtime's two holds (the bytes in flight, 64 MiB by default, and a gather held
+until its buffer fits under the step's peak); both only delay launches, so where they bind the
+estimate is optimistic.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -65,6 +70,9 @@ class StepEstimate:
         ops: local ops counted.
         exposed: ``{kind: seconds}`` of the collectives' time not hidden behind compute (the
             module doc's walk); equal to ``collectives`` when the estimate has no overlap.
+        spared: ``{mesh axes: seconds}`` of call overhead the calls over those axes wait less
+            than the whole ``call_overhead`` (each after little compute since the previous
+            launch, ``Hardware.call_seconds``); ``collectives`` already counts it.
     """
 
     hardware: str
@@ -74,6 +82,7 @@ class StepEstimate:
     wire_bytes: float = 0.0
     ops: int = 0
     exposed: Mapping[str, float] | None = None
+    spared: Mapping[tuple[str, ...], float] = field(default_factory=dict)
 
     @property
     def communication(self) -> float:
@@ -120,23 +129,35 @@ class Call:
         wait: the index of the op before which its result is waited for (``issue == wait``
             with ``asynchronous=False``: it runs there, the clock stopped).
         asynchronous: whether it is launched and waited for apart.
+        compute_before: seconds of compute since the previous call's launch (None: the
+            first call, or not known); its overhead is ``Hardware.call_seconds`` of it.
+        overhead: the part of ``seconds`` that is the call's overhead (its wait for peers).
+        axes: the mesh axes it runs over.
     """
 
     seconds: float
     issue: int
     wait: int
     asynchronous: bool = True
+    compute_before: float | None = None
+    overhead: float = 0.0
+    axes: tuple[str, ...] = ()
 
 
 def exposed_times(
-    compute: Sequence[float], calls: Sequence[Call], efficiency: float
+    compute: Sequence[float],
+    calls: Sequence[Call],
+    efficiency: float,
+    overhead_efficiency: float | None = None,
 ) -> list[float]:
     """Seconds each of ``calls`` adds to a run whose ops take ``compute`` seconds in order.
 
     One clock for the ops, one channel for the collectives (in launch order). A synchronous
     call waits for the channel and stops the clock while it runs. An asynchronous one runs from
     the later of its launch and the channel's end; at its wait the clock moves to its end (the
-    stall) and further by ``(1 - efficiency)`` of the compute that ran beside it.
+    stall) and further by ``(1 - efficiency)`` of the compute that ran beside it; the share
+    of that compute beside a call's ``overhead`` (its part of the call's time) is charged at
+    ``(1 - overhead_efficiency)`` instead (None: ``efficiency``).
 
     >>> exposed_times([10.0, 0.0], [Call(4.0, 1, 1, False)], 1.0)  # where it stands
     [4.0]
@@ -173,7 +194,7 @@ def exposed_times(
             before = clock
             if calls[k].asynchronous:
                 clock = max(clock, end[k])
-                slowed = (1.0 - efficiency) * beside(k)  # the ops ran that much slower
+                slowed = _slowed(calls[k], beside(k), efficiency, overhead_efficiency)
                 if slowed:
                     segments.append((clock, clock + slowed))
                     clock += slowed
@@ -187,6 +208,14 @@ def exposed_times(
         for k in launches.get(i, []):
             launch(k)
     return out
+
+
+def _slowed(call: Call, beside: float, efficiency: float, overhead: float | None) -> float:
+    """How much slower the ``beside`` seconds of compute ran next to ``call``: ``(1 -
+    efficiency)`` of it, the share beside the call's overhead at ``(1 - overhead)``."""
+    waiting = call.overhead / call.seconds if overhead is not None and call.seconds > 0 else 0.0
+    eta = overhead if overhead is not None else efficiency
+    return beside * ((1.0 - efficiency) * (1.0 - waiting) + (1.0 - eta) * waiting)
 
 
 def estimate_step(
@@ -225,20 +254,28 @@ def estimate_step(
     for kind, nbytes, axes in collective_calls(plan):
         times[kind] = times.get(kind, 0.0) + hw.collective_seconds(kind, nbytes, plan.mesh, axes)
         wire += wire_bytes(kind, nbytes, plan.mesh.axes_size(axes))
-    exposed = _exposed(plan, hw, nodes, costs, times) if overlap else None
-    return StepEstimate(hw.name, compute, times, flops, wire, ops, exposed)
+    calls = overlap_calls(plan, hw, nodes, costs)
+    spared: dict[tuple[str, ...], float] = {}
+    for kind, call in calls:  # a call after little compute waits less for its peers
+        if call.compute_before is not None:
+            less = hw.call_overhead - call.overhead
+            times[kind] -= less
+            spared[call.axes] = spared.get(call.axes, 0.0) + less
+    exposed = _exposed(calls, costs, hw, times) if overlap else None
+    return StepEstimate(hw.name, compute, times, flops, wire, ops, exposed, spared)
 
 
 def _exposed(
-    plan: Any, hw: Hardware, nodes: list[fx.Node], costs: list[float], times: dict[str, float]
+    calls: list[tuple[str, Call]], costs: list[float], hw: Hardware, times: dict[str, float]
 ) -> dict[str, float]:
     """``{kind: exposed seconds}``: the walk of :func:`exposed_times` over the program's own
-    collectives (:func:`overlap_calls`); any time of ``times`` the walk does not see (a
-    control-flow body's collectives) counts as exposed."""
-    calls = overlap_calls(plan, hw, nodes)
+    collectives (``calls``, :func:`overlap_calls`); any time of ``times`` the walk does not
+    see (a control-flow body's collectives) counts as exposed."""
     out = dict.fromkeys(times, 0.0)
     seen: dict[str, float] = {}
-    walked = exposed_times(costs, [c for _, c in calls], hw.overlap_efficiency)
+    walked = exposed_times(
+        costs, [c for _, c in calls], hw.overlap_efficiency, hw.overhead_efficiency
+    )
     for (kind, call), t in zip(calls, walked, strict=True):
         out[kind] = out.get(kind, 0.0) + t
         seen[kind] = seen.get(kind, 0.0) + call.seconds
@@ -247,12 +284,48 @@ def _exposed(
     return out
 
 
-def overlap_calls(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str, Call]]:
+def overlap_calls(
+    plan: Any, hw: Hardware, nodes: Sequence[fx.Node], costs: Sequence[float] | None = None
+) -> list[tuple[str, Call]]:
     """``(kind, Call)`` of each collective of ``nodes`` (the per-device program's, in order),
     launched and waited for where ``runtime.overlap`` puts them: after its last input (a
     re-gather also after the op it waits for and after the previous re-gather's wait), waited
     for before the first op that reads its result (through a bucket's getitems); a
-    collective_permute where it stands."""
+    collective_permute where it stands. With ``costs`` (each node's seconds), each call's
+    time counts its overhead after the compute since the previous launch (:func:`_spaced`);
+    without, the whole overhead."""
+    calls = _placed(plan, hw, nodes)
+    return _spaced(calls, hw, costs) if costs is not None else calls
+
+
+def _spaced(
+    calls: list[tuple[str, Call]], hw: Hardware, costs: Sequence[float]
+) -> list[tuple[str, Call]]:
+    """``calls`` with each one's ``compute_before``: the seconds of ``costs`` between the
+    previous launch (in launch order, over every axis: each process takes part in a call of
+    every axis) and its own, and its time with that call's overhead instead of the whole."""
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    order = sorted(range(len(calls)), key=lambda k: calls[k][1].issue)  # stable: program order
+    out = list(calls)
+    previous: int | None = None
+    for k in order:
+        kind, call = calls[k]
+        before = None if previous is None else prefix[call.issue + 1] - prefix[previous + 1]
+        if not call.overhead:  # a group of one: no call
+            continue
+        wait = hw.call_seconds(before)
+        seconds = call.seconds + wait - call.overhead
+        out[k] = (
+            kind,
+            dataclasses.replace(call, seconds=seconds, compute_before=before, overhead=wait),
+        )
+        previous = call.issue
+    return out
+
+
+def _placed(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str, Call]]:
     index = {n: i for i, n in enumerate(nodes)}
     calls: list[tuple[str, Call]] = []
     previous_regather = -1
@@ -262,8 +335,10 @@ def overlap_calls(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tup
         kind = node.target._schema.name.split("::")[-1].removesuffix("_bucket")
         axes = cast(Sequence[str], node.args[2 if kind == "collective_permute" else -2])
         seconds = hw.collective_seconds(kind, node_meta.collective_bytes(node), plan.mesh, axes)
+        overhead = hw.call_overhead if seconds > 0 else 0.0
         if kind not in ASYNC_KINDS:
-            calls.append((kind, Call(seconds, i, i, asynchronous=False)))
+            call = Call(seconds, i, i, False, overhead=overhead, axes=tuple(axes))
+            calls.append((kind, call))
             continue
         issue = max((index[a] for a in node.all_input_nodes), default=-1)
         wait = int(first_read(node, index, len(nodes)))
@@ -271,7 +346,7 @@ def overlap_calls(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tup
             at = next((index[n] for n in nodes if n.name == after), -1)
             issue = max(issue, at, previous_regather - 1)  # one re-gather ahead
             previous_regather = wait
-        calls.append((kind, Call(seconds, issue, wait)))
+        calls.append((kind, Call(seconds, issue, wait, overhead=overhead, axes=tuple(axes))))
     return calls
 
 
