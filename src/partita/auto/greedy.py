@@ -77,7 +77,7 @@ class _Prices:
         price = np.bincount(
             self.p_edge, weights=chosen[self.p_col] * self.p_val, minlength=self.n_edges
         )
-        return float(m.cost[: m.n_x] @ chosen + need @ price)
+        return float(m.own @ chosen + need @ price)
 
 
 def descend(
@@ -105,7 +105,7 @@ def descend(
                 s = stored - model.stored[lo + now] + model.stored[lo + i]
                 key = (
                     max(0.0, s - budget),
-                    model.cost[lo + i] + prices.edges_price(chosen, eidx, ui, pi),
+                    model.own[lo + i] + prices.edges_price(chosen, eidx, ui, pi),
                 )
                 chosen[lo + i] = 0.0
                 chosen[lo + now] = 1.0
@@ -114,7 +114,7 @@ def descend(
             if best_i != now:
                 cur = (
                     max(0.0, stored - budget),
-                    model.cost[lo + now] + prices.edges_price(chosen, eidx, ui, pi),
+                    model.own[lo + now] + prices.edges_price(chosen, eidx, ui, pi),
                 )
                 if best_key is not None and best_key < cur:
                     stored += model.stored[lo + best_i] - model.stored[lo + now]
