@@ -167,6 +167,9 @@ def test_the_lp_relaxation_is_integral_where_it_was_fractional(
     report = partita.jit(step, mesh=mesh, auto=True).lower(*args).auto
     assert report.integral_lp and report.solver == "highs-lp"
     assert report.gap == 0.0 and report.bound == report.model_objective
+    assert report.lp_objective == pytest.approx(report.model_objective, rel=1e-12)
+    assert report.build_cpu_seconds > 0 and report.solve_cpu_seconds > 0
+    assert "(LP integral)" in report.explain()
     m = seen["model"]
     from partita.auto.highs import solve
 

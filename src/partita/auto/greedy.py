@@ -20,10 +20,12 @@ import numpy as np
 
 from partita.auto.ilp import Model, Solution
 
-__all__ = ["descend", "greedy_solve", "objective_of", "onehot"]
+__all__ = ["Prices", "descend", "greedy_solve", "objective_of", "onehot"]
 
 
-class _Prices:
+class Prices:
+    """The edges of a model indexed for pricing a choice (``total``) and a block's change."""
+
     def __init__(self, model: Model) -> None:
         self.model = model
         users = np.array(model.edges.users, dtype=np.int64).reshape(-1, 2)
@@ -85,7 +87,7 @@ def descend(
 ) -> tuple[list[int], float]:
     """Greedy sweeps from ``start`` (see the module): the choice and its objective."""
     t0 = time.perf_counter()
-    prices = _Prices(model)
+    prices = Prices(model)
     choice = list(start)
     chosen = onehot(model, choice)
     stored = float(model.stored @ chosen)
@@ -150,7 +152,7 @@ def greedy_solve(
 
 def objective_of(model: Model, choice: list[int]) -> float:
     """The model's objective of ``choice`` (its copies and reshards at their prices)."""
-    return _Prices(model).total(onehot(model, choice))
+    return Prices(model).total(onehot(model, choice))
 
 
 def onehot(model: Model, choice: list[int]) -> np.ndarray:
