@@ -12,8 +12,8 @@ needs it as one of the shardings ``t`` (``N[u, t]``, the sum of its x columns ne
   one unit of need, never several, which is what keeps the relaxation integral on the
   transformers of ``bench/bench_auto.py``. (An earlier formulation bounded each needed
   sharding's reshard by the producer's mass separately, so a half-chosen producer could serve
-  two half-chosen needs for free each; its LP was fractional on 2-D meshes, 16 to 65 % below
-  the integer optimum.)
+  two half-chosen needs for free each; on GPT-S (2, 4) its LP bound was 34 % below the
+  integer optimum and the MILP stopped at its time limit.)
 * **Price.** The reshard ``s -> t`` is priced on ``f[u, s, t]`` when only one use can need
   ``t``. When several can, the partitioner reshards once and reuses the copy:
   ``w[v, s, t] >= f[u, s, t]`` for every such use, and the price is on ``w`` (copy reuse).
