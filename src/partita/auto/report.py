@@ -103,7 +103,7 @@ class AutoReport:
             f"{self.solve_seconds:.2f} s ({self.solve_cpu_seconds:.2f} s CPU), {self.rounds} "
             "round(s)",
             f"  model objective {self.model_objective:.4g} {unit}, LP relaxation "
-            f"{self.lp_objective:.4g} {unit}, bound {self.bound:.4g} {unit}, gap {self.gap:.2%}"
+            f"{self.lp_objective:.4g} {unit}, LP bound {self.bound:.4g} {unit}, gap {self.gap:.2%}"
             + (" (LP integral)" if self.integral_lp else "")
             + (
                 f"; started from {self.start}'s plan ({self.start_objective:.4g} {unit} in "
