@@ -197,8 +197,10 @@ def show(row: dict[str, Any]) -> dict[str, Any]:
     cert = "LP integral" if r.integral_lp else f"gap {r.gap:.2%}"
     print(
         f"   solver {r.solver}: {r.variables} variables, {r.rows} rows, build "
-        f"{r.build_seconds:.2f} s + solve {r.solve_seconds:.2f} s, {cert}, model objective "
-        f"{r.model_objective:.4g} us; lower() {row['wall']:.1f} s (with the presets' compiles)"
+        f"{r.build_seconds:.2f} s + solve {r.solve_seconds:.2f} s (CPU {r.build_cpu_seconds:.2f}"
+        f" + {r.solve_cpu_seconds:.2f} s), {cert}, model objective {r.model_objective:.6g} us, "
+        f"LP relaxation {r.lp_objective:.6g} us, bound {r.bound:.6g} us; lower() "
+        f"{row['wall']:.1f} s (with the presets' compiles)"
     )
     print(f"   {'plan':<10}{'model ms':>10}{'wire MiB':>10}{'peak MiB':>10}{'CPU ms':>10}")
     for c in sorted(r.candidates, key=lambda c: c.seconds):
@@ -211,6 +213,8 @@ def show(row: dict[str, Any]) -> dict[str, Any]:
     mine = _solver_plan(r)
     out = {"case": row["case"], "mesh": row["mesh"], "cert": cert, "chosen": r.chosen}
     out["solve"] = r.build_seconds + r.solve_seconds
+    out["cpu"] = (r.build_cpu_seconds, r.solve_cpu_seconds)
+    out["variables"] = r.variables
     best = min(presets, key=lambda c: c.seconds)
     out["time_ratio"] = _ratio(mine.seconds, best.seconds) if mine else float("nan")
     out["kept_ratio"] = _ratio(r.best().seconds, best.seconds)
@@ -241,17 +245,19 @@ def show(row: dict[str, Any]) -> dict[str, Any]:
 def summary(lines: list[dict[str, Any]]) -> None:
     print("\n== summary: the solver's plan over the best preset (modelled, cpu-gloo)")
     print(f"   {'case':<8}{'mesh':<6}{'time':>7}{'kept':>7}{'bytes':>7}{'compute':>8}  "
-          f"{'exact':<6}{'kept plan':<10}{'solve s':>8}  certificate")  # fmt: skip
+          f"{'exact':<6}{'kept plan':<10}{'solve s':>8}{'build CPU':>10}{'solve CPU':>10}"
+          f"{'variables':>10}  certificate")  # fmt: skip
     for s in lines:
         print(f"   {s['case']:<8}{s['mesh']:<6}{s['time_ratio']:7.3f}{s['kept_ratio']:7.3f}"
               f"{s['bytes_ratio']:7.3f}{s['bytes_compute']:8.2f}  {s['bytes_exact']:<6}"
-              f"{s['chosen']:<10}"
-              f"{s['solve']:8.2f}  {s['cert']}")  # fmt: skip
+              f"{s['chosen']:<10}{s['solve']:8.2f}{s['cpu'][0]:10.2f}{s['cpu'][1]:10.2f}"
+              f"{s['variables']:10d}  {s['cert']}")  # fmt: skip
     print(
         "   time: auto's modelled step / best preset's; kept: the plan kept / best preset's "
         "(<= 1 by construction); bytes: auto's wire bytes / best preset's under "
         "auto_objective='bytes' (compute: its modelled compute over the most parallel "
-        "preset's); exact: the solver's modelled bytes equal its Plan's"
+        "preset's); exact: the solver's modelled bytes equal its Plan's; solve s: build and "
+        "solve, wall clock; build / solve CPU: the same in CPU seconds (time.process_time)"
     )
 
 
@@ -341,7 +347,8 @@ def scaling(layers: list[int], mesh_text: str, time_limit: float) -> None:
 
     mesh = _mesh(mesh_text)
     print(f"\n== solve time as layers grow, GPT width 64 on ({mesh_text.replace('x', ', ')})")
-    print(f"   {'layers':>6}{'variables':>11}{'build s':>9}{'solve s':>9}  certificate")
+    print(f"   {'layers':>6}{'variables':>11}{'build s':>9}{'solve s':>9}{'build CPU':>10}"
+          f"{'solve CPU':>10}  certificate")  # fmt: skip
     for n in layers:
         cfg = GPTConfig(n_layer=n, n_head=4, d_model=64, vocab_size=256, seq_len=64)
         torch.manual_seed(0)
@@ -353,7 +360,8 @@ def scaling(layers: list[int], mesh_text: str, time_limit: float) -> None:
         jitted = partita.jit(step, mesh=mesh, auto=True, options={"auto_time_limit": time_limit})
         r = jitted.lower(*args).auto
         cert = "LP integral" if r.integral_lp else f"gap {r.gap:.2%}"
-        print(f"   {n:>6}{r.variables:>11}{r.build_seconds:>9.2f}{r.solve_seconds:>9.2f}  {cert}")
+        print(f"   {n:>6}{r.variables:>11}{r.build_seconds:>9.2f}{r.solve_seconds:>9.2f}"
+              f"{r.build_cpu_seconds:>10.2f}{r.solve_cpu_seconds:>10.2f}  {cert}")  # fmt: skip
 
 
 def main() -> None:

@@ -20,10 +20,12 @@ import numpy as np
 
 from partita.auto.ilp import Model, Solution
 
-__all__ = ["descend", "greedy_solve", "objective_of", "onehot"]
+__all__ = ["Prices", "descend", "greedy_solve", "objective_of", "onehot"]
 
 
-class _Prices:
+class Prices:
+    """The edges of a model indexed for pricing a choice (``total``) and a block's change."""
+
     def __init__(self, model: Model) -> None:
         self.model = model
         users = np.array(model.edges.users, dtype=np.int64).reshape(-1, 2)
@@ -77,7 +79,7 @@ class _Prices:
         price = np.bincount(
             self.p_edge, weights=chosen[self.p_col] * self.p_val, minlength=self.n_edges
         )
-        return float(m.cost[: m.n_x] @ chosen + need @ price)
+        return float(m.own @ chosen + need @ price)
 
 
 def descend(
@@ -85,7 +87,7 @@ def descend(
 ) -> tuple[list[int], float]:
     """Greedy sweeps from ``start`` (see the module): the choice and its objective."""
     t0 = time.perf_counter()
-    prices = _Prices(model)
+    prices = Prices(model)
     choice = list(start)
     chosen = onehot(model, choice)
     stored = float(model.stored @ chosen)
@@ -105,7 +107,7 @@ def descend(
                 s = stored - model.stored[lo + now] + model.stored[lo + i]
                 key = (
                     max(0.0, s - budget),
-                    model.cost[lo + i] + prices.edges_price(chosen, eidx, ui, pi),
+                    model.own[lo + i] + prices.edges_price(chosen, eidx, ui, pi),
                 )
                 chosen[lo + i] = 0.0
                 chosen[lo + now] = 1.0
@@ -114,7 +116,7 @@ def descend(
             if best_i != now:
                 cur = (
                     max(0.0, stored - budget),
-                    model.cost[lo + now] + prices.edges_price(chosen, eidx, ui, pi),
+                    model.own[lo + now] + prices.edges_price(chosen, eidx, ui, pi),
                 )
                 if best_key is not None and best_key < cur:
                     stored += model.stored[lo + best_i] - model.stored[lo + now]
@@ -150,7 +152,7 @@ def greedy_solve(
 
 def objective_of(model: Model, choice: list[int]) -> float:
     """The model's objective of ``choice`` (its copies and reshards at their prices)."""
-    return _Prices(model).total(onehot(model, choice))
+    return Prices(model).total(onehot(model, choice))
 
 
 def onehot(model: Model, choice: list[int]) -> np.ndarray:

@@ -160,13 +160,14 @@ def solve(
             [], float("inf"), float("inf"), float("inf"), False, "highs-lp", n, rows,
             model.build_seconds, time.perf_counter() - t0, status=str(lp.message),
         )  # fmt: skip
+    extra = {"lp_objective": float(lp.fun)}
     x = lp.x[: model.n_x]
     integral = bool(np.all(np.minimum(np.abs(x), np.abs(1 - x)) < 1e-6))
     if integral:
         choice = _decode(model, lp.x)
         return Solution(
             choice, float(lp.fun), float(lp.fun), 0.0, True, "highs-lp", n, rows,
-            model.build_seconds, time.perf_counter() - t0, status="optimal",
+            model.build_seconds, time.perf_counter() - t0, status="optimal", extra=extra,
         )  # fmt: skip
     integrality = np.zeros(n)
     integrality[: model.n_x] = 1
@@ -201,6 +202,7 @@ def solve(
         return Solution(
             choice, float(lp.fun), float(lp.fun), float("inf"), False, "highs-lp-rounded", n,
             rows, model.build_seconds, time.perf_counter() - t0, status=str(res.message),
+            extra=extra,
         )  # fmt: skip
     bound, gap = max(res.bound, float(lp.fun)), res.gap
     choice, fun, solver = _decode(model, res.x), res.fun, "highs-milp"
@@ -212,7 +214,7 @@ def solve(
     gap = max(0.0, (fun - bound) / max(abs(fun), 1e-12))
     return Solution(
         choice, fun, bound, gap, False, solver, n, rows,
-        model.build_seconds, time.perf_counter() - t0, status=str(res.message),
+        model.build_seconds, time.perf_counter() - t0, status=str(res.message), extra=extra,
     )  # fmt: skip
 
 

@@ -46,8 +46,11 @@ class AutoReport:
             LP relaxation priced lower), ``"greedy"`` (no scipy: a greedy pass, no bound), a
             ``"+greedy"`` suffix (a MILP answer far from its bound polished by that pass);
             ``variables`` / ``rows``: the problem's size;
-            ``build_seconds`` / ``solve_seconds``: the time to build and solve it; ``bound``
-            and ``gap``: the solver's lower bound and relative gap (0 when the LP is integral);
+            ``build_seconds`` / ``solve_seconds``: the time to build and solve it (wall
+            clock), ``build_cpu_seconds`` / ``solve_cpu_seconds`` the same in CPU time (this
+            process, all its threads: what a shared machine's load does not inflate);
+            ``lp_objective``: the LP relaxation's value; ``bound`` and ``gap``: the solver's
+            lower bound and relative gap (0 when the LP is integral);
             ``rounds``: solves run (more than one when the memory check lowered the budget).
         memory_limit: the per-device limit in bytes (None: no limit).
         notes: anything worth knowing (the solver missing, a budget lowered).
@@ -65,6 +68,9 @@ class AutoReport:
     rows: int = 0
     build_seconds: float = 0.0
     solve_seconds: float = 0.0
+    build_cpu_seconds: float = 0.0
+    solve_cpu_seconds: float = 0.0
+    lp_objective: float = float("nan")
     model_objective: float = 0.0
     bound: float = 0.0
     gap: float = 0.0
@@ -93,9 +99,11 @@ class AutoReport:
             f"chosen: {self.chosen}"
             + (f", memory limit {self.memory_limit / 2**20:.1f} MiB" if self.memory_limit else ""),
             f"solver: {self.solver}, {self.variables} variables, {self.rows} rows, build "
-            f"{self.build_seconds:.2f} s, solve {self.solve_seconds:.2f} s, {self.rounds} round(s)",
-            f"  model objective {self.model_objective:.4g} {unit}, LP bound {self.bound:.4g} "
-            f"{unit}, gap {self.gap:.2%}"
+            f"{self.build_seconds:.2f} s ({self.build_cpu_seconds:.2f} s CPU), solve "
+            f"{self.solve_seconds:.2f} s ({self.solve_cpu_seconds:.2f} s CPU), {self.rounds} "
+            "round(s)",
+            f"  model objective {self.model_objective:.4g} {unit}, LP relaxation "
+            f"{self.lp_objective:.4g} {unit}, LP bound {self.bound:.4g} {unit}, gap {self.gap:.2%}"
             + (" (LP integral)" if self.integral_lp else "")
             + (
                 f"; started from {self.start}'s plan ({self.start_objective:.4g} {unit} in "

@@ -102,7 +102,7 @@ class _Solver:
     """The program's space and model, built once, solved per memory budget."""
 
     def __init__(self, problem: AutoProblem) -> None:
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         prog = problem.program
         gm = prog.graph_module
         mesh = problem.mesh
@@ -136,6 +136,7 @@ class _Solver:
         self.model = build_model(self.space, self.pricer, cluster_blocks(self.space))
         # the build is everything from the traced program to the matrices
         self.model.build_seconds = time.perf_counter() - start
+        self.build_cpu = time.process_time() - cpu
 
     def specs(self, problem: AutoProblem, sol: Solution) -> Specs:
         out = list(problem.specs)
@@ -217,7 +218,7 @@ def _solve_rounds(
     presets = {name: compiled[name] for name in problem.presets if name in compiled}
     for round_ in range(MEMORY_ROUNDS):
         # the presets' own plans, priced in the model: the cheapest is the MILP's incumbent
-        t0 = time.perf_counter()
+        t0, cpu = time.perf_counter(), time.process_time()
         seed = cheapest_start(solver.space, model, presets, budget)
         start = seed[1] if seed is not None and compute_bound is None else None
         if seed is not None:
@@ -242,6 +243,9 @@ def _solve_rounds(
                     sol.solver = sol.solver.removesuffix("+greedy") + "+greedy"
                     sol.gap = (objective - sol.bound) / max(abs(objective), 1e-12)
             sol.solve_seconds += time.perf_counter() - t0
+        report.solve_cpu_seconds += time.process_time() - cpu
+        report.build_cpu_seconds = solver.build_cpu
+        report.lp_objective = sol.extra.get("lp_objective", float("nan"))
         report.rounds = round_ + 1
         report.solver, report.variables, report.rows = sol.solver, sol.variables, sol.rows
         report.build_seconds = sol.build_seconds

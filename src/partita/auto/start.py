@@ -20,7 +20,7 @@ from typing import Any
 
 import torch.fx as fx
 
-from partita.auto.greedy import objective_of, onehot
+from partita.auto.greedy import Prices, onehot
 from partita.auto.ilp import Model
 from partita.auto.space import Block, Space
 from partita.ir import node_meta
@@ -85,6 +85,7 @@ def cheapest_start(
     """Of the compiled ``plans`` (``{name: Compiled}``), the one whose choice the model prices
     lowest within ``memory`` stored bytes: (name, choice, objective); None when none fits."""
     best: tuple[str, list[int], float] | None = None
+    prices = Prices(model)  # built once for every plan
     for name, compiled in plans.items():
         gm = getattr(getattr(compiled, "program", None), "graph_module", None)
         if gm is None:
@@ -92,7 +93,7 @@ def cheapest_start(
         choice = choice_of(space, model.rep, gm)
         if memory is not None and float(model.stored @ onehot(model, choice)) > memory:
             continue
-        objective = objective_of(model, choice)
+        objective = prices.total(onehot(model, choice))
         if best is None or objective < best[2]:
             best = (name, choice, objective)
     return best
