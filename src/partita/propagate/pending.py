@@ -62,6 +62,8 @@ def keep_partial_sums(state: ProgramState, natural: Natural | None = None) -> li
         result = values[op.results[0]]
         if not axes or result.fixed or result.banned or result.prefix is not None:
             continue
+        if any(result.dims or ()) and _is_output(op.node):
+            continue  # a returned gradient keeps the sharding its users gave it
         for a, a_axes in candidates.items():
             v = values[state.key(a)]
             v.dims, v.partial, v.reduce_op = [()] * v.ndim, a_axes, "sum"
@@ -79,3 +81,7 @@ def _whole_partial(producer: OpState | None, natural: Natural) -> tuple[str, ...
         return ()
     dims, partial = found
     return () if any(dims) else partial
+
+
+def _is_output(node: fx.Node) -> bool:
+    return any(u.op == "output" for u in node.users)
