@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 import torch
-from test_partial_sums import LM, lm_batches, lm_loss, lm_opt
 
 import partita
 from partita import Mesh, P
 from partita.training import train_step
+from test_partial_sums import LM, lm_batches, lm_loss, lm_opt
 
 MESH = Mesh.create((4,), ("data",))
 

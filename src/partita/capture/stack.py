@@ -72,7 +72,10 @@ def _equal_pieces(cat: fx.Node, reshape: fx.Node) -> tuple[list[fx.Node], int] |
     res = reshape.meta.get("val")
     if not isinstance(out, torch.Tensor) or not isinstance(res, torch.Tensor) or out.dim() == 0:
         return None
-    dim = (args[1] if len(args) > 1 else cat.kwargs.get("dim", 0)) % out.dim()
+    raw = args[1] if len(args) > 1 else cat.kwargs.get("dim", 0)
+    if not isinstance(raw, int):
+        return None
+    dim = raw % out.dim()
     vals = [x.meta.get("val") for x in xs]
     if not all(isinstance(v, torch.Tensor) and v.dim() == out.dim() for v in vals):
         return None

@@ -6,7 +6,8 @@ first). :func:`choose_assignment` picks one proposal per factor (best priority, 
 tensor, then earlier tensor), lets factors claim mesh axes in rank order (one factor per mesh
 axis; priority, then factors a computed operand proposes before those only stored values or
 results propose, then support), moves axes proposed for need-replication factors to a free
-factor, moves a minor factor's axes to a whole major factor, and returns ``{factor: mesh axes}`` with each factor's priority. :func:`merge_axes`
+factor, moves a minor factor's axes to a whole major factor (invariant 6), and returns
+``{factor: mesh axes}`` with each factor's priority. :func:`merge_axes`
 turns an assignment back into the mesh axes of one dim.
 
 This module reads the propagation state; it never changes it (``partita.propagate`` does).
@@ -14,6 +15,7 @@ This module reads the propagation state; it never changes it (``partita.propagat
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -186,7 +188,7 @@ def _move_minor_axes(
     rule = op.rule
     for t in (*rule.operands, *rule.results):
         for dim in t or ():
-            for major, minor in zip(dim, dim[1:], strict=False):
+            for major, minor in itertools.pairwise(dim):
                 axes = assign.get(minor)
                 if not axes or assign.get(major) or rule.kind(major) is FactorKind.NEED_REPLICATION:
                     continue
