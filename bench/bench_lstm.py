@@ -9,8 +9,9 @@ batch 16. For each plan and sequence length it prints the Plan's collectives per
 and calls: a bucket is one call), the all_reduce/reduce_scatter among them, the Plan's bytes
 per device, and the median wall and process-CPU seconds of a step after the first (CPU time
 varies less with other processes' load). A recurrent loop's per-step contributions to a weight
-gradient are added as partial sums and reduced once (``propagate.linear``); what still grows with
-the sequence is printed as it is.
+gradient are added as partial sums and reduced once (``propagate.linear``); with the stacked
+per-step outputs, the split moved to time for the input projection and the FSDP lookup following
+its ids (docs/propagation.md), the collectives are the same at every length (docs/performance.md).
 """
 
 from __future__ import annotations

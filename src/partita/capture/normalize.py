@@ -15,6 +15,8 @@ slice, slice_scatter with open or negative bounds           the same op, bounds 
 detach, alias, lift_fresh_copy, clone, same-type _to_copy,  removed (uses take the input)
 copy of an equal-shape, equal-dtype source                  removed (uses take the source)
 slice_scatter whose source covers the whole destination     removed (uses take the source)
+reshape of a cat back into its equal pieces (an RNN's        a cat of the pieces along a new
+outputs)                                                    dim (``capture/stack.py``)
 ==========================================================  ==============================
 
 The view ops that remain (``reshape``, ``permute``, ``expand``, ``slice``, ``select``, and any
@@ -38,6 +40,7 @@ from torch import fx
 from partita.capture.annotate import ANNOTATE_OP
 from partita.capture.control_flow import normalize_bodies
 from partita.capture.fx_nodes import add_node
+from partita.capture.stack import stack_cat_reshapes
 from partita.errors import UnsupportedOpError
 
 __all__ = ["VALUE_VIEW_OPS", "normalize"]
@@ -206,6 +209,7 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
             if _scatters_everything(node):
                 node.replace_all_uses_with(node.args[1])
                 gm.graph.erase_node(node)
+    stack_cat_reshapes(gm)  # cat + reshape back into its pieces: a stack (capture/stack.py)
     _eliminate_dead_code(gm)
     gm.graph.lint()
     gm.recompile()

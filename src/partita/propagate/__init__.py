@@ -34,14 +34,19 @@ Invariants and conflict resolution (in the order they apply):
    vocabulary and the loss would move them back). Support is what makes a gradient matmul
    under FSDP reduce over the batch axis and reduce-scatter into the parameter's sharding,
    and what makes T19 (program inputs only) gather the smaller operand. Two groups claim
-   late: the rows of a table lookup (an embedding's vocabulary: under FSDP the lookup follows
-   the batch of its indices and the table is gathered, rather than the batch being gathered
-   for a masked lookup), and factors only the results have (they are computed whole).
+   late: the table of a lookup (an embedding's vocabulary and, when the table is an operand
+   of its own, its columns: under FSDP the lookup follows the batch of its indices and the
+   table is gathered, rather than the batch being gathered for a masked lookup or the
+   embedding dim, and with it every later activation, being split), and factors only the
+   results have (they are computed whole).
 6. **Compound dims** (reshape): axes go to the major factor while their product divides its
    size; the minor factor gets axes only once the major factor is fully split. A factor that
    appears in a compound dim anywhere keeps only the prefix of axes whose product divides its
    size. A tensor that cannot express the op's assignment keeps what it has (the partitioner
-   reshards it).
+   reshards it). A minor factor that got axes while its major factor got none hands them to
+   the major factor (when its size allows) if the op's result is computed on: ``[T, B, E] ->
+   [T*B, E]`` with ``B`` split becomes ``T`` split (one all_to_all) rather than a merged value
+   computed whole on every device; a merge that is only the program's output stays whole.
 7. **Only refinement.** A value's sharding only ever becomes more specific: each dim's axes may
    grow at the end, and a result may become partial over the axes of the op's sharded
    reduction factors if it was not partial before. Anything else is left as is and becomes a
@@ -56,7 +61,9 @@ Invariants and conflict resolution (in the order they apply):
     product with a replicated factor), with no split dim on any of its tensors and no other
     user of its partial operands, gets a result partial over its operands' axes, whole dims,
     and the assignment ``{}`` (``propagate.pending``): the sum is reduced once, by its users,
-    not once per operand.
+    not once per operand. An operand its users split (an FSDP gradient) but whose producer
+    computes a whole-dims partial sum counts as that partial sum, and becomes one; a result
+    that is a program output split by its users keeps its split.
 
 Values nobody proposes anything for end up replicated. The result is ``node_meta.sharding(node)``
 (a :class:`~partita.values.spec.Sharding`, or a tuple of them, with ``None`` for non-tensor

@@ -6,7 +6,8 @@ first). :func:`choose_assignment` picks one proposal per factor (best priority, 
 tensor, then earlier tensor), lets factors claim mesh axes in rank order (one factor per mesh
 axis; priority, then factors a computed operand proposes before those only stored values or
 results propose, then support), moves axes proposed for need-replication factors to a free
-factor, and returns ``{factor: mesh axes}`` with each factor's priority. :func:`merge_axes`
+factor, moves a minor factor's axes to a whole major factor (invariant 6), and returns
+``{factor: mesh axes}`` with each factor's priority. :func:`merge_axes`
 turns an assignment back into the mesh axes of one dim.
 
 This module reads the propagation state; it never changes it (``partita.propagate`` does).
@@ -14,6 +15,7 @@ This module reads the propagation state; it never changes it (``partita.propagat
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -110,6 +112,7 @@ def choose_assignment(
     _move_replicated_axes(mesh, op, proposals, assign, prio_of, taken)
     _claim(mesh, op, [b for b in ranked if b[4] in op.weak], assign, prio_of, taken)
     _claim(mesh, op, [b for b in ranked if b[4] in op.result_only], assign, prio_of, taken)
+    _move_minor_axes(mesh, op, assign, prio_of)
     return assign, prio_of
 
 
@@ -167,3 +170,29 @@ def _move_replicated_axes(
                 prio_of[g] = prio
                 taken.update(keep)
                 break
+
+
+def _move_minor_axes(
+    mesh: Mesh, op: OpState, assign: dict[str, tuple[str, ...]], prio_of: dict[str, int]
+) -> None:
+    """Invariant 6: the axes of a compound dim's minor factor whose major factor has none
+    move to the major factor, when its size allows, if the op's result is computed on.
+
+    ``[T, B, E] -> [T*B, E]`` with ``B`` split: a block of ``T*B`` rows cannot hold a slice of
+    every ``T``, so the minor split is lost and the merged value, and every op computing on
+    it, would be whole on every device. Splitting ``T`` instead costs one all_to_all of the
+    operand and keeps the work split. A reshape whose result is only the program's output
+    keeps the whole value (XLA's free-output choice, canonical case T20)."""
+    if not op.compound or not any(u.op == "call_function" for u in op.node.users):
+        return
+    rule = op.rule
+    for t in (*rule.operands, *rule.results):
+        for dim in t or ():
+            for major, minor in itertools.pairwise(dim):
+                axes = assign.get(minor)
+                if not axes or assign.get(major) or rule.kind(major) is FactorKind.NEED_REPLICATION:
+                    continue
+                if rule.sizes[major] % mesh.axes_size(axes):
+                    continue
+                assign[major] = assign.pop(minor)
+                prio_of[major] = prio_of.pop(minor)

@@ -7,6 +7,7 @@ One op's assignment is chosen in ``propagate.assign``; the state it reads and wr
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from collections.abc import Sequence
 from typing import Any, cast
@@ -163,9 +164,21 @@ class _Propagator(ProgramState):
         for p in priorities:
             for only_pass_through in (True, False):
                 self._fixpoint(p, only_pass_through)
-        for op in keep_partial_sums(self):  # its values' versions stand: its users' visits too
+        natural = functools.partial(self._natural, round_priority=priorities[-1])
+        for op in keep_partial_sums(self, natural):  # its values' versions stand: its users' too
             op.settled, op.settled_assign = self._snapshot(op, priorities[-1]), {}
         self._write_meta(priorities[-1])
+
+    def _natural(
+        self, op: OpState, round_priority: int
+    ) -> tuple[tuple[tuple[str, ...], ...], tuple[str, ...]] | None:
+        """The dims and partial axes the op's assignment gives its first result."""
+        _, writes = self._assignment(op, round_priority)
+        first = op.results[0] if op.results else None
+        for key, dims, partial, _ in writes:
+            if key == first:
+                return dims, partial
+        return None
 
     def _fixpoint(self, round_priority: int, only_pass_through: bool) -> None:
         eligible = [i for i, op in enumerate(self.ops) if not only_pass_through or op.pass_through]

@@ -299,7 +299,7 @@ def _op_groups(rule: FactorRule) -> _OpShape:
     )
     in_operands = {f for t in rule.operands for d in t or () for f in d}
     result_only = frozenset(f for f in rule.factors if f not in in_operands and rule.operands)
-    weak = frozenset(rule.reduction_factors) if rule.handler in _LOOKUP_HANDLERS else frozenset()
+    weak = _weak_factors(rule)
     return rule, compound, free, result_only, weak, rule.is_pass_through
 
 
@@ -342,3 +342,17 @@ def _leaf_key(a: Any) -> Hashable:
     if isinstance(a, _PLAIN):
         return (type(a), a)
     raise _NotPlainError
+
+
+def _weak_factors(rule: FactorRule) -> frozenset[str]:
+    """A table lookup's factors that claim mesh axes late (invariant 5): the rows it reduces
+    and, when one operand alone carries those rows (the table of ``embedding``, not the
+    gradient of its backward), every dim of that table. The lookup follows its indices: an
+    FSDP table split over ``data`` along its columns is gathered, the batch keeps ``data``."""
+    if rule.handler not in _LOOKUP_HANDLERS:
+        return frozenset()
+    rows = frozenset(rule.reduction_factors)
+    holders = [t for t in rule.operands if t is not None and rows & {f for d in t for f in d}]
+    if len(holders) != 1:
+        return rows
+    return rows | {f for d in holders[0] for f in d}
