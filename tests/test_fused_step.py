@@ -20,7 +20,7 @@ from partita.models import GPT, GPTConfig
 from partita.runtime import fused_step
 from partita.runtime.executor import executor_for
 from partita.runtime.flat_foreach import foreach_elementwise
-from partita.runtime.flat_views import fold_views
+from partita.runtime.flat_views import collapse_view_chains, fold_views
 from partita.runtime.local import LocalMesh
 from partita.values.mesh import Mesh
 
@@ -171,6 +171,20 @@ def test_view_chains_fold_and_identities_go() -> None:
     want = gm(x)
     assert fold_views(gm) == 5  # 2 chained views, the identity view and expand, the alias
     assert sum("aten.view" in str(n.target) for n in gm.graph.nodes) == 1
+    for g, w in zip(gm(x), want, strict=True):
+        assert torch.equal(g, w) and g.stride() == w.stride()
+
+
+def test_view_chains_read_by_other_ops_become_one_as_strided() -> None:
+    def fn(x: Tensor) -> tuple[Tensor, Tensor]:
+        v = x.view(2, 3, 4).permute(2, 0, 1).select(1, 1).unsqueeze(0)  # 4 views
+        return v * 2, v.expand(3, 4, 3).sum(0)  # both read the chain's end
+
+    x = torch.randn(24)
+    gm = make_fx(fn, tracing_mode="fake")(x)
+    want = gm(x)
+    assert collapse_view_chains(gm) == 3  # view, permute, select go; unsqueeze is as_strided
+    assert _count(gm, "as_strided") == 2  # the unsqueeze and the expand (a one-view chain)
     for g, w in zip(gm(x), want, strict=True):
         assert torch.equal(g, w) and g.stride() == w.stride()
 

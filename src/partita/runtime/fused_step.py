@@ -38,7 +38,7 @@ from partita.capture.ops import sdpa_backward_cpu, sdpa_cpu
 from partita.capture.threads import TRACING
 from partita.runtime.flat_foreach import foreach_elementwise
 from partita.runtime.flat_trace import FlatTracer, no_new_traces, record_trace_cost
-from partita.runtime.flat_views import fold_permutes, fold_views
+from partita.runtime.flat_views import collapse_view_chains, fold_permutes, fold_views
 
 __all__ = ["FusedStep", "direct_kernels"]
 
@@ -186,6 +186,7 @@ def trace_step(interpret: Interpret, values: list[Held], n_nodes: int) -> _Trace
         TRACING.release()
     fold_views(gm)
     fold_permutes(gm)
+    collapse_view_chains(gm)
     foreach_elementwise(gm, from_outputs=True)
     direct_kernels(gm)
     record_trace_cost(time.thread_time() - start, n_nodes)
