@@ -18,7 +18,10 @@ from then on without functorch's per-op overhead; a segment whose batching rules
 traced stays with vmap. Each step drops the values nothing reads after it.
 ``view``/``_unsafe_view`` become ``reshape`` in both (vmap may move the device dim, after
 which a view can fail). Under the ``inductor`` option each segment is compiled by Inductor
-instead, on its first run (``runtime.compiled``).
+instead, on its first run (``runtime.compiled``). Once every segment runs flat, the whole step
+(segments and the steps between them) is traced to one graph per input signature and runs as
+one call (``runtime.fused_step``), except under Inductor, under the profiler and with control
+flow.
 
 Values vary along some mesh axes. A value identical along a mesh axis is held once per
 position of the *other* axes: ``(value, axes)`` with ``axes`` one flag per mesh dim and
