@@ -26,7 +26,7 @@ from torch import Tensor
 
 from partita.errors import UnsupportedOpError
 
-__all__ = ["annotate_op", "sdpa", "sdpa_backward"]
+__all__ = ["annotate_op", "sdpa", "sdpa_backward", "sdpa_backward_cpu", "sdpa_cpu"]
 
 _SDPA_SCHEMA = (
     "(Tensor query, Tensor key, Tensor value, Tensor? attn_mask, float dropout_p, "
@@ -134,7 +134,16 @@ def sdpa(
 
 
 @sdpa.register_kernel("cpu")
-def _(query, key, value, attn_mask, dropout_p, is_causal, scale):
+def sdpa_cpu(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[Tensor, Tensor]:
+    """``partita::sdpa``'s CPU kernel (the fused executor calls it directly)."""
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale
     )
@@ -178,7 +187,19 @@ def sdpa_backward(
 
 
 @sdpa_backward.register_kernel("cpu")
-def _(grad_out, query, key, value, out, logsumexp, attn_mask, dropout_p, is_causal, scale):
+def sdpa_backward_cpu(
+    grad_out: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    out: Tensor,
+    logsumexp: Tensor,
+    attn_mask: Tensor | None,
+    dropout_p: float,
+    is_causal: bool,
+    scale: float | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``partita::sdpa_backward``'s CPU kernel (the fused executor calls it directly)."""
     gq, gk, gv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
         attn_mask=attn_mask, scale=scale,

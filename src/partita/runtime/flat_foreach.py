@@ -102,14 +102,22 @@ def _emit(graph: fx.Graph, before: fx.Node, kind: tuple[Any, ...], members: list
         graph.erase_node(member)
 
 
-def foreach_elementwise(gm: fx.GraphModule) -> int:
+def foreach_elementwise(gm: fx.GraphModule, from_outputs: bool = False) -> int:
     """Rewrite ``gm``'s independent elementwise ops of one kind as ``_foreach`` calls (see the
-    module docstring); returns how many ops were grouped."""
+    module docstring); returns how many ops were grouped. ``from_outputs``: group by the
+    longest path to the graph's end instead of from its inputs (a whole step's optimizer
+    updates start wherever each gradient is ready, but all end the step)."""
     graph = gm.graph
     depth: dict[fx.Node, int] = {}
     groups: dict[tuple[Any, ...], list[fx.Node]] = {}
-    for node in graph.nodes:
-        depth[node] = 1 + max((depth[a] for a in node.all_input_nodes), default=-1)
+    nodes = list(graph.nodes)
+    if from_outputs:
+        for node in reversed(nodes):
+            depth[node] = 1 + max((depth[u] for u in node.users), default=-1)
+    else:
+        for node in nodes:
+            depth[node] = 1 + max((depth[a] for a in node.all_input_nodes), default=-1)
+    for node in nodes:
         kind = _kind(node)
         if kind is not None:  # one depth: no member reads another
             groups.setdefault((*kind, depth[node]), []).append(node)

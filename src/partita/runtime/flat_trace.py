@@ -46,6 +46,8 @@ from partita.runtime.flat_views import fold_permutes
 __all__ = [
     "FlatTracer",
     "no_fallback_warning",
+    "no_new_traces",
+    "record_trace_cost",
     "repeated",
     "timed_run",
     "trace_flat",
@@ -61,6 +63,23 @@ _DEFAULT_SECONDS_PER_NODE = 1e-3
 _TRACED = [0.0, 0]
 #: Inside :func:`repeated`: the cost-based choice traces at the second run.
 _REPEATED: contextvars.ContextVar[bool] = contextvars.ContextVar("partita_repeated", default=False)
+
+
+#: Inside :func:`no_new_traces`: no segment is traced (the whole step is being traced).
+_NO_TRACES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "partita_no_traces", default=False
+)
+
+
+@contextlib.contextmanager
+def no_new_traces() -> Iterator[None]:
+    """No segment is traced inside (``runtime.fused_step`` traces the whole step through
+    them: a segment without a flat graph for its signature is traced through its vmap)."""
+    token = _NO_TRACES.set(True)
+    try:
+        yield
+    finally:
+        _NO_TRACES.reset(token)
 
 
 @contextlib.contextmanager
@@ -88,6 +107,8 @@ class FlatTracer:
         self.seconds = 0.0
 
     def due(self, n_nodes: int, at: int | None = None) -> bool:
+        if _NO_TRACES.get():
+            return False
         if at is None and _REPEATED.get():
             at = 2
         if at is not None:
@@ -141,10 +162,16 @@ def trace_flat(
     fuse_bias_adds(flat)
     fold_permutes(flat)
     foreach_elementwise(flat)
-    if n_nodes:
-        _TRACED[0] += time.thread_time() - start
-        _TRACED[1] += n_nodes
+    record_trace_cost(time.thread_time() - start, n_nodes)
     return flat
+
+
+def record_trace_cost(seconds: float, n_nodes: int) -> None:
+    """Count a trace of ``n_nodes`` nodes that took ``seconds`` of thread CPU time in the
+    estimate of the next trace's cost (``n_nodes`` 0: not counted)."""
+    if n_nodes:
+        _TRACED[0] += seconds
+        _TRACED[1] += n_nodes
 
 
 class _Box:

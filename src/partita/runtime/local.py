@@ -18,7 +18,10 @@ from then on without functorch's per-op overhead; a segment whose batching rules
 traced stays with vmap. Each step drops the values nothing reads after it.
 ``view``/``_unsafe_view`` become ``reshape`` in both (vmap may move the device dim, after
 which a view can fail). Under the ``inductor`` option each segment is compiled by Inductor
-instead, on its first run (``runtime.compiled``).
+instead, on its first run (``runtime.compiled``). Once every segment runs flat, the whole step
+(segments and the steps between them) is traced to one graph per input signature and runs as
+one call (``runtime.fused_step``), except under Inductor, under the profiler and with control
+flow.
 
 Values vary along some mesh axes. A value identical along a mesh axis is held once per
 position of the *other* axes: ``(value, axes)`` with ``axes`` one flag per mesh dim and
@@ -60,7 +63,6 @@ process group (that is ``runtime/distributed.py``).
 
 from __future__ import annotations
 
-import functools
 import operator
 import weakref
 from collections.abc import Sequence
@@ -70,15 +72,15 @@ import torch
 from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
-from partita.errors import ArgumentError, ArgumentTypeError, ExecutionError, PartitaError
+from partita.errors import ArgumentError, ArgumentTypeError, PartitaError
 from partita.options import CompileOptions, current
 from partita.propagate.bodies import is_control_flow
 from partita.runtime import ranges
 from partita.runtime.compiled import stats_for
-from partita.runtime.contraction import contract
 from partita.runtime.control_flow import run_control_flow
 from partita.runtime.device_index import run_take, take_inputs
-from partita.runtime.held import all_gather_held, all_reduce_held, reduce_scatter_held
+from partita.runtime.fused_step import FusedStep, Held
+from partita.runtime.mesh_steps import run_contraction, run_mesh_op
 from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
 from partita.values.layout import check_strided, shard_compact, shard_tensor, stack_held
 from partita.values.mesh import Mesh
@@ -87,23 +89,6 @@ from partita.values.tensor import ShardedTensor
 __all__ = ["LocalMesh"]
 
 aten = torch.ops.aten
-
-# Mesh ops whose result is the same on every member of the group: over the whole mesh it is
-# the same on every device, so the result can stay unbatched.
-_REPLICATING_OPS = {
-    torch.ops.partita.all_reduce.default,
-    torch.ops.partita.all_gather.default,
-    torch.ops.partita.all_reduce_bucket.default,
-    torch.ops.partita.all_gather_bucket.default,
-}
-
-
-_ALL_REDUCES = {torch.ops.partita.all_reduce.default, torch.ops.partita.all_reduce_bucket.default}
-_ALL_GATHERS = {torch.ops.partita.all_gather.default, torch.ops.partita.all_gather_bucket.default}
-_REDUCE_SCATTERS = {
-    torch.ops.partita.reduce_scatter.default,
-    torch.ops.partita.reduce_scatter_bucket.default,
-}
 
 
 class LocalMesh:
@@ -128,6 +113,9 @@ class LocalMesh:
             )
         self.mesh = mesh
         self._plans: weakref.WeakKeyDictionary[fx.GraphModule, SegmentPlan] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._fused: weakref.WeakKeyDictionary[fx.GraphModule, FusedStep | None] = (
             weakref.WeakKeyDictionary()
         )
 
@@ -211,13 +199,48 @@ class LocalMesh:
     def _execute(
         self,
         gm: fx.GraphModule,
-        values: list[tuple[Any, Axes]],
+        values: list[Held],
         inductor: bool,
         trace_at: int | None,
         held: bool = False,
     ) -> list[Any]:
         """The graph's flattened outputs, stacked; with ``held``, as ``(value, axes)``.
-        ``trace_at``: the ``trace_flat_at`` option (``runtime.flat_trace``)."""
+        ``trace_at``: the ``trace_flat_at`` option (``runtime.flat_trace``). Once its
+        segments run flat, the whole step runs as one traced graph (``runtime.fused_step``),
+        except under Inductor and under the profiler (whose ranges need the steps)."""
+        fused = None if inductor or ranges.enabled() else self._fused_step(gm)
+        if fused is None:
+            outs = self._interpret(gm, values, inductor, trace_at)
+        else:
+            steps = self._plan(gm).steps
+            outs = fused.run(
+                values,
+                lambda v: self._interpret(gm, v, False, trace_at),
+                lambda: all(s.ran_flat for s in steps if isinstance(s, Segment)),
+                trace_at,
+            )
+        if held:
+            return outs
+        return [self._stacked(v, axes) for v, axes in outs]
+
+    def _fused_step(self, gm: fx.GraphModule) -> FusedStep | None:
+        """The program's fused steps; None for a program with control flow (its loops read
+        their predicates' values)."""
+        if gm in self._fused:
+            return self._fused[gm]
+        steps = self._plan(gm).steps
+        flow = any(not isinstance(s, Segment) and is_control_flow(s) for s in steps)
+        fused = self._fused[gm] = None if flow else FusedStep(len(gm.graph.nodes))
+        return fused
+
+    def _interpret(
+        self,
+        gm: fx.GraphModule,
+        values: list[Held],
+        inductor: bool,
+        trace_at: int | None,
+    ) -> list[Held]:
+        """The graph's flattened outputs as ``(value, axes)``, one step after the other."""
         plan = self._plan(gm)
         ndim = self.mesh.ndim
         stats = stats_for(gm) if inductor else None
@@ -252,7 +275,7 @@ class LocalMesh:
                 elif step.target in (aten.mm.default, aten.addmm.default):  # a contraction
                     env[step] = self._contract(step, env)
                 else:
-                    env[step] = self._run_mesh_op(step, env)
+                    env[step] = run_mesh_op(self.mesh, step, env, self._compact, self._stacked)
                 if span is not None:
                     span.close()
                     span = None
@@ -261,9 +284,11 @@ class LocalMesh:
         finally:
             ranges.close(span, whole)
         leaves, _ = pytree.tree_flatten(plan.output)
-        if held:
-            return [env[x] if isinstance(x, fx.Node) else (x, ()) for x in leaves]
-        return [self._stacked(*env[x]) if isinstance(x, fx.Node) else x for x in leaves]
+        return [env[x] if isinstance(x, fx.Node) else (x, ()) for x in leaves]
+
+    def _contract(self, node: fx.Node, env: dict[fx.Node, Any]) -> tuple[Tensor, Any]:
+        """A contraction step (``runtime.mesh_steps.run_contraction``)."""
+        return run_contraction(self.mesh, node, env)
 
     def _read_input(self, node: fx.Node, x: Any) -> tuple[Any, Axes]:
         n = self.mesh.size
@@ -306,85 +331,6 @@ class LocalMesh:
             return value
         return stack_held(value, axes, self.mesh.shape)
 
-    def _run_mesh_op(self, node: fx.Node, env: dict[fx.Node, Any]) -> Any:
-        from partita.runtime.stacked import STACKED_BUCKET_IMPLS, STACKED_IMPLS  # lazily
-
-        if node.target in _ALL_REDUCES:
-            bound = _bind(node)
-            group = {self.mesh.axis_index(a) for a in bound["mesh_axes"]}
-            op = bound["reduce_op"]
-            if "xs" in bound:
-                return [all_reduce_held(self.mesh, env[x], op, group) for x in bound["xs"]]
-            return all_reduce_held(self.mesh, env[bound["x"]], op, group)
-        if node.target in _REDUCE_SCATTERS:
-            bound = _bind(node)
-            op, axes = bound["reduce_op"], bound["mesh_axes"]
-            if "xs" in bound:
-                return [
-                    reduce_scatter_held(self.mesh, env[x], d, op, axes)
-                    for x, d in zip(bound["xs"], bound["dims"], strict=True)
-                ]
-            return reduce_scatter_held(self.mesh, env[bound["x"]], bound["dim"], op, axes)
-        if node.target in _ALL_GATHERS:  # as held, where each value varies along the group
-            bound = _bind(node)
-            bucket = "xs" in bound
-            members = (
-                list(zip(bound["xs"], bound["dims"], strict=True))
-                if bucket
-                else [(bound["x"], bound["dim"])]
-            )
-            outs = [all_gather_held(self.mesh, env[x], d, bound["mesh_axes"]) for x, d in members]
-            if all(o is not None for o in outs):
-                return outs if bucket else outs[0]
-
-        def stacked(a: Any) -> Any:
-            return self._stacked(*env[a]) if isinstance(a, fx.Node) else a
-
-        args, kwargs = pytree.tree_map(stacked, (node.args, node.kwargs))
-        try:
-            impl = STACKED_IMPLS.get(node.target) or STACKED_BUCKET_IMPLS[node.target]
-            out = impl(self.mesh, *args, **kwargs)
-        except Exception as e:
-            raise ExecutionError(
-                f"LocalMesh: mesh op {node.target} at node {node.name!r} failed on stacked "
-                f"inputs of shapes {[tuple(a.shape) for a in args if isinstance(a, Tensor)]}: {e}"
-            ) from e
-        bound = _bind(node)
-        group = {self.mesh.axis_index(a) for a in bound["mesh_axes"]}
-        ndim = self.mesh.ndim
-        if node.target in _REPLICATING_OPS:
-            # Every member of a group gets the same result: it varies along the axes its input
-            # varies along, less the group's.
-            def same(x: Any) -> list[str]:
-                axes = env[x][1]
-                return [self.mesh.axis_names[i] for i in range(ndim) if i in group or not axes[i]]
-        elif node.target is torch.ops.partita.collective_permute.default:
-
-            def same(x: Any) -> list[str]:
-                return []
-        else:  # each member gets its own part: the input's axes and the group's
-
-            def same(x: Any) -> list[str]:
-                axes = env[x][1] if isinstance(x, fx.Node) else (False,) * ndim
-                return [self.mesh.axis_names[i] for i in range(ndim) if not (i in group or axes[i])]
-
-        if isinstance(out, list):  # a bucket: (value, axes) per member
-            return [self._compact(o, same(x)) for o, x in zip(out, bound["xs"], strict=True)]
-        return self._compact(out, same(bound.get("x")))
-
-    def _contract(self, node: fx.Node, env: dict[fx.Node, Any]) -> tuple[Tensor, Any]:
-        """``mm(a, b)`` or ``addmm(c, a, b)`` read only by a sum over its group, as
-        ``runtime.contraction.contract`` computes it."""
-        (user,) = node.users
-        return contract(
-            self.mesh,
-            node,
-            env,
-            _bind(user)["mesh_axes"],
-            user.target in _ALL_REDUCES,
-            functools.partial(all_reduce_held, self.mesh),
-        )
-
 
 def _select_first(y: Tensor, axes: Axes) -> Tensor:
     """``y`` read at index 0 of each leading dim whose ``axes`` flag is off (a view)."""
@@ -392,9 +338,3 @@ def _select_first(y: Tensor, axes: Axes) -> Tensor:
         if not axes[i]:
             y = y.select(i, 0)
     return y
-
-
-def _bind(node: fx.Node) -> dict[str, Any]:
-    """A mesh op node's arguments by schema name."""
-    names = [a.name for a in node.target._schema.arguments]  # type: ignore[union-attr]
-    return {**dict(zip(names, node.args, strict=False)), **node.kwargs}  # trailing defaults

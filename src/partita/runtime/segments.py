@@ -80,6 +80,9 @@ class Segment:
     #: The eager runs so far, over all signatures (``runtime.flat_trace``).
     tracer: FlatTracer = field(default_factory=FlatTracer)
     inductor: dict[Hashable, Callable[..., Any]] = field(default_factory=dict)
+    #: Whether the last run went through a flat graph (or needed no vmap): once every
+    #: segment's does, the whole step can be traced (``runtime.fused_step``).
+    ran_flat: bool = False
 
     def run(
         self,
@@ -104,6 +107,7 @@ class Segment:
         args = [v for v, _ in values]
         pattern = tuple(a for _, a in values)
         fn, out_pattern = self._vmapped(pattern, ndim)
+        self.ran_flat = False
         if compile_stats is not None:
             return list(
                 zip(
@@ -127,7 +131,10 @@ class Segment:
                     if flat is None:  # another thread traces: this run keeps the vmaps
                         return list(zip(fn(*args), out_pattern, strict=True))
                     self.flat[key] = flat
+                self.ran_flat = isinstance(flat, fx.GraphModule)  # not vmap's fn kept
                 fn = flat
+        else:
+            self.ran_flat = True
         return list(zip(fn(*args), out_pattern, strict=True))
 
     def _compiled(
