@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, fx
 
-from partita.errors import DistributedError
+from partita.errors import DistributedError, InternalError
 from partita.runtime.comm import call_collective
 
 __all__ = ["TAG", "PermuteStream", "Route", "bind_permutes"]
@@ -174,7 +174,8 @@ class PermuteStream:
             if route.recv_from not in (None, self.rank):  # stops at one it cannot post: the
                 if not route.postable or self._held + route.nbytes > self.budget:  # order
                     return  # of the receives from one peer is the order of their messages
-                assert route.shape is not None and route.recv_from is not None
+                if route.shape is None or route.recv_from is None:  # postable says it has both
+                    raise InternalError(f"a receive posted ahead without its shape: {route}")
                 buf = torch.empty(route.shape, dtype=route.dtype, device=route.device)
                 self._posted[self._next] = (buf, self._pg.recv([buf], route.recv_from, TAG))
                 self._held += route.nbytes
