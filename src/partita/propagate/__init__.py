@@ -62,7 +62,8 @@ Invariants and conflict resolution (in the order they apply):
     user of its partial operands, gets a result partial over its operands' axes, whole dims,
     and the assignment ``{}`` (``propagate.pending``): the sum is reduced once, by its users,
     not once per operand. An operand its users split (an FSDP gradient) but whose producer
-    computes a whole-dims partial sum counts as that partial sum, and becomes one; a result
+    computes a whole-dims partial sum counts as that partial sum, and becomes one, where its
+    sum reaches an ``add`` or ``sub`` of two sums through kept linear ops; a result
     that is a program output split by its users keeps its split.
 
 Values nobody proposes anything for end up replicated. The result is ``node_meta.sharding(node)``
