@@ -98,10 +98,21 @@ class FusedStep:
             if key in self.ready and self.tracer.due(self.n_nodes, trace_at):
                 made = trace_step(interpret, values, self.n_nodes)
                 if made is not None:  # None: another thread traces; try at a later run
+                    before = torch.random.get_rng_state()
                     outs = interpret(values)
+                    after = torch.random.get_rng_state()
                     # once, on real values: the graph must give the interpreter's results
-                    # bit for bit (a kernel whose strides its fake disagrees with would not)
-                    ok = isinstance(made, _Traced) and _same(made(values), outs)
+                    # bit for bit (a kernel whose strides its fake disagrees with would not),
+                    # random ops included: it runs from the same generator state and must
+                    # leave the state the interpreter left (the same draws in the same order)
+                    ok = False
+                    if isinstance(made, _Traced):
+                        torch.random.set_rng_state(before)
+                        try:
+                            ok = _same(made(values), outs)
+                            ok = ok and torch.equal(torch.random.get_rng_state(), after)
+                        finally:  # the check draws nothing: one step's draws, as unfused
+                            torch.random.set_rng_state(after)
                     self.graphs[key] = made if ok and isinstance(made, _Traced) else None
                     return outs
             start = time.thread_time()
