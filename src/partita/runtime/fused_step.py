@@ -22,6 +22,11 @@ step), else once those runs have cost as much as the trace is expected to. A pro
 control flow (its loops read predicates), an Inductor-compiled one, and every run under the
 profiler (whose per-segment and per-collective ranges need the steps: ``runtime.ranges``)
 keep the interpreter. A trace that fails keeps the interpreter for that signature.
+
+Random ops. The graph's random ops draw from the global generator in the interpreter's
+order. The first-run check runs the step twice, so it starts the graph from the generator
+state the interpreter started from, requires the state the interpreter left, and restores
+it: that run draws once, as an unfused run does.
 """
 
 from __future__ import annotations
