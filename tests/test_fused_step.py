@@ -210,3 +210,49 @@ def test_updates_ending_the_graph_group_from_the_outputs() -> None:
     assert _count(gm, "aten.sub.Tensor") == 0 and _count(gm, "_foreach_sub") == 1
     for g, w in zip(gm(*args), want, strict=True):
         assert torch.equal(g, w)
+
+
+def _dropout_step(mesh: Mesh | None) -> tuple[Any, torch.nn.Module, list[Any]]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(8, 3)
+    )
+    ref = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    step = train_step(model, F.cross_entropy, opt, mesh=mesh, param_specs="fsdp")
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(8, 6, generator=g), torch.randint(0, 3, (8,), generator=g))]
+    return step, ref, batches * 6
+
+
+@pytest.mark.parametrize("shape", [(1,), (2,)])
+def test_dropout_trains_the_same_fused_as_the_unsharded_program(shape: tuple[int, ...]) -> None:
+    """Random ops in the fused step: the same masks as the unsharded program, step for step,
+    and one step's draws per step (the first fused run's check on real values draws too, but
+    restores the generator: it once advanced it twice at that step)."""
+    mesh = Mesh.create(shape, ("data",))
+    runner = executor_for(mesh)
+    assert isinstance(runner, LocalMesh)
+    before = len(_fused_graphs(runner))
+    step, ref, batches = _dropout_step(mesh)
+    torch.manual_seed(5)
+    losses, after = [], []
+    for b in batches:
+        losses.append(float(step(b)))
+        after.append(torch.rand(2))  # the generator's state after each step
+    opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    torch.manual_seed(5)
+    for i, (x, t) in enumerate(batches):
+        opt.zero_grad()
+        loss = F.cross_entropy(ref(x), t)
+        loss.backward()
+        opt.step()
+        torch.testing.assert_close(losses[i], loss.item(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(after[i], torch.rand(2)), f"step {i} drew a different amount"
+    fused = _fused_graphs(runner)[before:]
+    assert fused, "the steady step should run as one graph"
+    assert any(
+        n.target is torch.ops.aten.native_dropout.default or "rand" in str(n.target)
+        for gm in fused
+        for n in gm.graph.nodes
+    ), "the fused graph draws the mask"

@@ -22,6 +22,11 @@ step), else once those runs have cost as much as the trace is expected to. A pro
 control flow (its loops read predicates), an Inductor-compiled one, and every run under the
 profiler (whose per-segment and per-collective ranges need the steps: ``runtime.ranges``)
 keep the interpreter. A trace that fails keeps the interpreter for that signature.
+
+Random ops. The graph's random ops draw from the global generator in the interpreter's
+order. The first-run check runs the step twice, so it starts the graph from the generator
+state the interpreter started from, requires the state the interpreter left, and restores
+it: that run draws once, as an unfused run does.
 """
 
 from __future__ import annotations
@@ -98,10 +103,21 @@ class FusedStep:
             if key in self.ready and self.tracer.due(self.n_nodes, trace_at):
                 made = trace_step(interpret, values, self.n_nodes)
                 if made is not None:  # None: another thread traces; try at a later run
+                    before = torch.random.get_rng_state()
                     outs = interpret(values)
+                    after = torch.random.get_rng_state()
                     # once, on real values: the graph must give the interpreter's results
-                    # bit for bit (a kernel whose strides its fake disagrees with would not)
-                    ok = isinstance(made, _Traced) and _same(made(values), outs)
+                    # bit for bit (a kernel whose strides its fake disagrees with would not),
+                    # random ops included: it runs from the same generator state and must
+                    # leave the state the interpreter left (the same draws in the same order)
+                    ok = False
+                    if isinstance(made, _Traced):
+                        torch.random.set_rng_state(before)
+                        try:
+                            ok = _same(made(values), outs)
+                            ok = ok and torch.equal(torch.random.get_rng_state(), after)
+                        finally:  # the check draws nothing: one step's draws, as unfused
+                            torch.random.set_rng_state(after)
                     self.graphs[key] = made if ok and isinstance(made, _Traced) else None
                     return outs
             start = time.thread_time()
