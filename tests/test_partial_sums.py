@@ -158,9 +158,14 @@ def test_recurrent_lm_trains_as_unsharded(kind: type[nn.Module], plan: str) -> N
     torch.manual_seed(0)
     model = LM(kind, vocab=20, hidden=16)
     ref = copy.deepcopy(model)
-    step = lm_step(model, plan)
+    assert_trains_as_unsharded(lm_step(model, plan), ref, lm_batches(5, 3, vocab=20))
+
+
+def assert_trains_as_unsharded(step: Any, ref: nn.Module, batches: Any) -> None:
+    """``step`` (a train_step of a copy of ``ref``) gives eager torch's losses on ``batches``
+    and ends with its parameters (1e-5)."""
     opt = lm_opt(ref)
-    for inputs, targets in lm_batches(5, 3, vocab=20):
+    for inputs, targets in batches:
         got = step((inputs, targets))
         opt.zero_grad()
         want = lm_loss(ref(inputs), targets)

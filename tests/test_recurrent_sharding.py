@@ -23,7 +23,7 @@ import torch
 import partita
 from partita import Mesh, P
 from partita.training import train_step
-from test_partial_sums import LM, lm_batches, lm_loss, lm_opt
+from test_partial_sums import LM, assert_trains_as_unsharded, lm_batches, lm_loss, lm_opt
 
 MESH = Mesh.create((4,), ("data",))
 
@@ -73,16 +73,7 @@ def test_recurrent_lm_trains_as_unsharded_under_fsdp_tp() -> None:
     ref = LM(torch.nn.LSTM, vocab=20, hidden=16)
     ref.load_state_dict(model.state_dict())
     step = train_step(model, lm_loss, lm_opt(model), mesh=_mesh("fsdp+tp"), param_specs="fsdp+tp")
-    opt = lm_opt(ref)
-    for inputs, targets in lm_batches(6, 3, vocab=20):
-        got = step((inputs, targets))
-        opt.zero_grad()
-        want = lm_loss(ref(inputs), targets)
-        want.backward()
-        opt.step()
-        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-5)
-    for name, p in step.full_parameters().items():
-        torch.testing.assert_close(p, dict(ref.named_parameters())[name], rtol=1e-5, atol=1e-5)
+    assert_trains_as_unsharded(step, ref, lm_batches(6, 3, vocab=20))
 
 
 def test_cat_of_steps_viewed_back_keeps_the_batch_split() -> None:
