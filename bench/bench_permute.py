@@ -42,7 +42,6 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -50,7 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_pipeline import LAYERS, STAGES, pipeline_step
+from bench_pipeline import LAYERS, STAGES, pipeline_step, run_ranks
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -58,7 +57,6 @@ import partita.distributed as pd
 from partita import Mesh
 from partita.runtime import permute as permute_mod
 from partita.runtime.distributed import DistributedMesh
-from partita.runtime.launch import spawn
 
 TAG = permute_mod.TAG
 
@@ -352,15 +350,7 @@ def main() -> None:
     if ns.worker:
         worker(ns)
         return
-    argv = [str(Path(__file__).resolve()), "--worker", *sys.argv[1:]]
-    results = spawn(argv, STAGES, timeout=1800)
-    if any(r.returncode for r in results):
-        for r in results:
-            print(f"--- rank {r.rank}: {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
-        raise SystemExit(1)
-    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith("["))
-    print("# " + " ".join([".venv/bin/python", "bench/bench_permute.py", *sys.argv[1:]]))
-    (report_chain if ns.chain else report_step)(json.loads(line), ns)
+    (report_chain if ns.chain else report_step)(run_ranks(Path(__file__), "["), ns)
 
 
 if __name__ == "__main__":

@@ -293,15 +293,22 @@ def main() -> None:
     if ns.worker:
         worker(ns)
         return
-    argv = [str(Path(__file__).resolve()), "--worker", *sys.argv[1:]]
+    report(run_ranks(Path(__file__), "{"), ns)
+
+
+def run_ranks(script: Path, marker: str) -> Any:
+    """Run ``script --worker`` (with this command's arguments) on ``STAGES`` Gloo processes,
+    print the command that reproduces it, and return rank 0's JSON line (the first that
+    starts with ``marker``); a failed rank prints every rank's output and exits 1."""
+    argv = [str(script.resolve()), "--worker", *sys.argv[1:]]
     results = spawn(argv, STAGES, timeout=1800)
     if any(r.returncode for r in results):
         for r in results:
             print(f"--- rank {r.rank}: {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}")
         raise SystemExit(1)
-    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith("{"))
-    print("# " + " ".join([".venv/bin/python", "bench/bench_pipeline.py", *sys.argv[1:]]))
-    report(json.loads(line), ns)
+    line = next(ln for ln in results[0].stdout.splitlines() if ln.startswith(marker))
+    print("# " + " ".join([".venv/bin/python", f"bench/{script.name}", *sys.argv[1:]]))
+    return json.loads(line)
 
 
 if __name__ == "__main__":
