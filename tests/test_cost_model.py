@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -120,16 +122,21 @@ def test_collective_calls_count_a_bucket_once() -> None:
     assert plan.buckets, "fsdp buckets its gathers and reductions"
     assert len(calls) == sum(plan.call_counts().values()) < len(plan.collectives)
     assert sum(b for _, b, _ in calls) == plan.bytes_per_device
+    # every call its whole overhead (no call window): the sum of the calls' times
+    whole = dataclasses.replace(PROFILES["cpu-gloo"], call_window=0.0)
+    summed = sum(whole.collective_seconds(k, b, plan.mesh, a) for k, b, a in calls)
+    assert plan.estimate(whole).communication == pytest.approx(summed)
+    # with the window a call after little compute waits less: what each axis spares is off
+    # the same sum, and the step's first call (nothing before it is known) pays it whole
     hw = PROFILES["cpu-gloo"]
+    assert hw.call_window > 0
     est = plan.estimate(hw)
-    assert est.communication == pytest.approx(
-        sum(hw.collective_seconds(k, b, plan.mesh, a) for k, b, a in calls)
-    )
+    spared = sum(est.spared.values())
+    assert est.communication == pytest.approx(summed - spared)
+    assert 0 < spared <= (len(calls) - 1) * hw.call_overhead
 
 
 def test_call_overhead_is_added_once_per_call_of_a_real_group() -> None:
-    import dataclasses
-
     hw = PROFILES["h100-nvlink-ib"]
     busy = dataclasses.replace(hw, call_overhead=1e-3)
     mesh = Mesh.create((2, 4), ("data", "model"))
@@ -173,8 +180,6 @@ def test_attention_flops_are_torchs_formulas_for_fused_attention() -> None:
 
 
 def test_op_overhead_is_added_to_the_roofline_and_the_cache_serves_the_first_bytes() -> None:
-    import dataclasses
-
     base = Hardware("x", 1e12, 1e9, 1 << 30, 8, Link(1e11, 1e-6), Link(1e10, 1e-5), 1e-6)
     eager = dataclasses.replace(base, op_overhead=1e-5)
     assert op_time(1e12, 0, eager) == pytest.approx(1.0 + 1e-5)  # compute-bound, plus dispatch
@@ -189,8 +194,6 @@ def test_op_overhead_is_added_to_the_roofline_and_the_cache_serves_the_first_byt
 
 
 def test_call_overhead_grows_with_the_compute_since_the_previous_call() -> None:
-    import dataclasses
-
     hw = dataclasses.replace(PROFILES["h100-nvlink-ib"], call_overhead=2e-3, call_window=4e-3)
     assert hw.call_seconds(None) == pytest.approx(2e-3)  # not known: the whole overhead
     assert hw.call_seconds(0.0) == 0.0  # right behind another call

@@ -16,6 +16,17 @@ A handler's other op-internal collectives (a softmax over a split dim, a batch-n
 statistics) are priced as one all_reduce of the local result over the axes of the op's
 split factors that are not summed (a summed factor's reduction is priced where its partial
 result is reduced): a model of them, not their exact lowering.
+
+A call's overhead (``Hardware.call_seconds``) is the step estimate's: it grows with the compute
+since the previous launch up to the profile's ``call_window``. The solver does not know the
+per-device program's order, so it prices each call at the compute it can place: an
+op-internal collective after its op's own compute (what it reduces is that op's local
+result); a parameter's gather (a bucketed all_gather) after none (the runtime launches the
+step's gathers at its start, one right behind the other); any other (a reshard of an
+activation or a gradient, a halo, a re-tiling permute) the whole overhead, as the estimate
+charges a call whose place it does not know. So a call pays at most what the estimate charges
+it but for the step's first gather, and a reshard that follows little compute (in a small
+model, most of them) is overcharged; see docs/auto.md.
 """
 
 from __future__ import annotations
@@ -86,18 +97,29 @@ class Pricer:
         ] = {}
 
     def collective(
-        self, kind: str, nbytes: float, axes: Sequence[str], bucketed: bool = False
+        self,
+        kind: str,
+        nbytes: float,
+        axes: Sequence[str],
+        bucketed: bool = False,
+        compute_before: float | None = None,
     ) -> float:
         """A collective's price; ``bucketed``: it is fused with others of its kind into calls
         of ``bucket_bytes`` (a parameter's gather, a gradient's reduction), so it pays its
-        share of one call's latency."""
+        share of one call's latency. Its call overhead is the step estimate's for a call
+        after ``compute_before`` seconds of compute (``Hardware.call_seconds``; None: not
+        known, the whole overhead); a parameter's gather (``bucketed`` all_gather) is after
+        none (see the module)."""
         if self.bytes:
             return wire_bytes(kind, nbytes, self.mesh.axes_size(axes))
-        seconds = self.hw.collective_seconds(kind, nbytes, self.mesh, tuple(axes))
+        if bucketed and kind == "all_gather":
+            compute_before = 0.0  # launched at the step's start, right behind the previous
+        seconds = self.hw.collective_seconds(kind, nbytes, self.mesh, tuple(axes), compute_before)
         if bucketed and self.bucket_bytes:
             n = self.mesh.axes_size(axes)
             fixed = ring_steps(kind, n) * link_of(self.hw, self.mesh, axes).latency
-            fixed = fixed * self.hw.collective_scale.get(kind, 1.0) + self.hw.call_overhead
+            overhead = self.hw.call_seconds(compute_before)
+            fixed = fixed * self.hw.collective_scale.get(kind, 1.0) + overhead
             seconds -= fixed * (1.0 - min(1.0, nbytes / self.bucket_fill))
         return seconds * 1e6
 
@@ -157,7 +179,7 @@ class Pricer:
             axes = [a for fa in assign.values() for a in fa]
             shards = self.mesh.axes_size(axes)
             compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if active else 0.0
-            internal = self._internal(rule, assign, out_bytes / shards)
+            internal = self._internal(rule, assign, out_bytes / shards, compute * 1e-6)
             if rule.handler == "retile":
                 internal += self._retile(node, rule, assign, out)
             prices.append(internal if self.bytes else compute + internal)
@@ -212,9 +234,15 @@ class Pricer:
         )
 
     def _internal(
-        self, rule: FactorRule, assign: dict[str, tuple[str, ...]], local_out: float
+        self,
+        rule: FactorRule,
+        assign: dict[str, tuple[str, ...]],
+        local_out: float,
+        compute: float | None = None,
     ) -> float:
-        """The handler's op-internal collectives under ``assign`` (a model, see the module)."""
+        """The handler's op-internal collectives under ``assign`` (a model, see the module),
+        each after the op's own ``compute`` seconds (its local result is what they reduce;
+        a halo is exchanged before the op computes: after unknown compute)."""
         found = _INTERNAL.get(rule.handler or "")
         if found is None:
             return 0.0
@@ -230,4 +258,5 @@ class Pricer:
         reduced = local_out
         for f in split:
             reduced /= max(1.0, rule.sizes[f] / self.mesh.axes_size(assign[f]))
-        return count * self.collective(kind, reduced, axes)
+        before = None if kind == "collective_permute" else compute
+        return count * self.collective(kind, reduced, axes, compute_before=before)
