@@ -205,3 +205,5 @@ def test_call_overhead_grows_with_the_compute_since_the_previous_call() -> None:
     assert whole - behind == pytest.approx(2e-3)
     no_window = dataclasses.replace(hw, call_window=0.0)  # every call the whole overhead
     assert no_window.call_seconds(0.0) == pytest.approx(2e-3)
+    assert "2e+03 us (after 4e+03 us of compute or more" in hw.describe()
+    assert "of compute" not in no_window.describe()

@@ -178,7 +178,12 @@ class Hardware:
                 f"{self.inter_host.latency * 1e6:.3g} us per step",
                 f"  per op: {self.launch * 1e6:.3g} us at least, {self.op_overhead * 1e6:.3g} "
                 f"us added; per collective call: "
-                f"{self.call_overhead * 1e6:.3g} us",
+                f"{self.call_overhead * 1e6:.3g} us"
+                + (
+                    f" (after {self.call_window * 1e6:.3g} us of compute or more, less after less)"
+                    if self.call_window > 0
+                    else ""
+                ),
             ]
         )
 
