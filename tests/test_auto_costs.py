@@ -121,20 +121,19 @@ def test_dp_and_tp_on_a_2d_mesh_cost_what_their_plans_cost(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """On (2, 4) dp's and tp's modelled wire bytes are their Plans' (every reshard, the qkv
-    split's re-tiling permutes, the gradients' reductions). Time: tp's within 20 % of the Plan's
-    with every call its whole overhead (the Plan fuses tp's gradient reductions into four
-    buckets, the model charges them a share of one call; and the model charges a reshard's
-    call the whole overhead, not knowing the compute before it, where the estimate spares
-    most of it: this model's ops are small), dp's within 10 % once the loss's second scalar
-    is set apart (the Plan reduces the loss and its total weight in one call, the model in
-    two)."""
+    split's re-tiling permutes, the gradients' reductions). Time: tp's within 20 % (the Plan
+    fuses tp's gradient reductions into four buckets, the model charges them a share of one
+    call), dp's within 10 % once the loss's second scalar is set apart (the Plan reduces the
+    loss and its total weight in one call, the model in two)."""
     priced = _priced(monkeypatch, (2, 4))
     for name in ("dp", "tp"):
         us, wire, est = priced[name]
         assert wire == pytest.approx(est.wire_bytes, abs=0.5), name
     us, _, est = priced["tp"]
-    # the Plan's time had every call waited its whole overhead (spared: what the estimate
-    # does not charge a call after less compute than the profile's call_window)
+    # tp's against the Plan's time had every call waited its whole overhead (spared: what
+    # the estimate does not charge a call after less compute than the call_window): the
+    # model charges a reshard's call the whole overhead, not knowing the compute before it,
+    # where the estimate spares most of it (this model's ops are small)
     whole = est.total + sum(est.spared.values())
     assert est.total < us * 1e-6  # the solver charges each reshard's call the whole
     assert 0.8 * whole <= us * 1e-6 <= 1.1 * whole

@@ -17,16 +17,6 @@ statistics) are priced as one all_reduce of the local result over the axes of th
 split factors that are not summed (a summed factor's reduction is priced where its partial
 result is reduced): a model of them, not their exact lowering.
 
-A call's overhead (``Hardware.call_seconds``) is the step estimate's: it grows with the compute
-since the previous launch up to the profile's ``call_window``. The solver does not know the
-per-device program's order, so it prices each call at the compute it can place: an
-op-internal collective after its op's own compute (what it reduces is that op's local
-result); a parameter's gather (a bucketed all_gather) after none (the runtime launches the
-step's gathers at its start, one right behind the other); any other (a reshard of an
-activation or a gradient, a halo, a re-tiling permute) the whole overhead, as the estimate
-charges a call whose place it does not know. So a call pays at most what the estimate charges
-it but for the step's first gather, and a reshard that follows little compute (in a small
-model, most of them) is overcharged; see docs/auto.md.
 """
 
 from __future__ import annotations
@@ -106,10 +96,19 @@ class Pricer:
     ) -> float:
         """A collective's price; ``bucketed``: it is fused with others of its kind into calls
         of ``bucket_bytes`` (a parameter's gather, a gradient's reduction), so it pays its
-        share of one call's latency. Its call overhead is the step estimate's for a call
-        after ``compute_before`` seconds of compute (``Hardware.call_seconds``; None: not
-        known, the whole overhead); a parameter's gather (``bucketed`` all_gather) is after
-        none (see the module)."""
+        share of one call's latency.
+
+        Its call overhead is the step estimate's (``Hardware.call_seconds``): it grows with the
+        compute since the previous launch up to the profile's ``call_window``. The solver does
+        not know the per-device program's order, so it prices each call at the compute it
+        can place (``compute_before``): an op-internal collective after its op's own compute
+        (what it reduces is that op's local result); a parameter's gather (a ``bucketed``
+        all_gather) after none (the runtime launches the step's gathers at its start, one
+        right behind the other); any other (None: a reshard of an activation or a gradient,
+        a halo, a re-tiling permute) the whole overhead, as the estimate charges a call whose
+        place it does not know. So a call pays at most what the estimate charges it but for
+        the step's first gather, and a reshard that follows little compute (in a small model,
+        most of them) is overcharged; see docs/auto.md."""
         if self.bytes:
             return wire_bytes(kind, nbytes, self.mesh.axes_size(axes))
         if bucketed and kind == "all_gather":
