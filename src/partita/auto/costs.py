@@ -16,7 +16,6 @@ A handler's other op-internal collectives (a softmax over a split dim, a batch-n
 statistics) are priced as one all_reduce of the local result over the axes of the op's
 split factors that are not summed (a summed factor's reduction is priced where its partial
 result is reduced): a model of them, not their exact lowering.
-
 """
 
 from __future__ import annotations
