@@ -45,6 +45,8 @@ from partita.rules import FactorKind
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
+_PERMUTE = torch.ops.aten.permute.default
+
 __all__ = ["Assign", "Block", "Follower", "Space", "Use", "build_space", "input_candidates"]
 
 
@@ -143,6 +145,26 @@ def _follows(op: OpState, state: ProgramState) -> ValueKey | None:
     return next(iter(keys))
 
 
+def _unpermute(
+    templates: Templates, found: tuple[ValueKey, list[int]], column: list[Sharding | None]
+) -> tuple[ValueKey, list[Sharding | None]]:
+    """A need on ``permute(u, perm)`` as the need on ``u``: the partitioner reshards a follower
+    permute's value by resharding its (non-partial) source and permuting the copy
+    (``LocalValues._reshard_through_permute``), so a weight read transposed in the forward and
+    as is in the backward is gathered once."""
+    key, perm = found
+    out: list[Sharding | None] = []
+    for need in column:
+        if need is None:
+            out.append(None)
+            continue
+        dims: list[tuple[str, ...]] = [()] * len(perm)
+        for i, p in enumerate(perm):
+            dims[p] = need.dim_axes[i]
+        out.append(templates.intern(Sharding(need.mesh, tuple(dims))))
+    return key, out
+
+
 def build_space(
     state: ProgramState,
     inputs: Sequence[fx.Node],
@@ -168,6 +190,9 @@ def build_space(
     input_block: dict[fx.Node, int] = {}
     grouped = {i: g for g in groups for i in g}
     done: set[int] = set()
+    # a follower permute's result -> (the value it permutes, through chains of permutes; the
+    # permutation): a reshard of it is the partitioner's reshard of that value
+    through: dict[ValueKey, tuple[ValueKey, list[int]]] = {}
     for i, node in enumerate(inputs):
         if i in done:
             continue
@@ -214,6 +239,11 @@ def build_space(
             for rkey in op.results:
                 if rkey is not None:
                     producer[rkey] = producer[followed]
+            if op.node.target == _PERMUTE and op.results[0] is not None:
+                root_key, perm = through.get(followed, (followed, None))
+                mine = [int(p) % len(op.rule.results[0] or ()) for p in op.node.args[1]]
+                composed = mine if perm is None else [perm[p] for p in mine]
+                through[op.results[0]] = (root_key, composed)
             continue
         forced = fixed_assign(mesh, op, state)
         sig = op_sig(op)
@@ -233,10 +263,16 @@ def build_space(
         needs = t.needs
         for j, okey in enumerate(op.operands):
             if okey is not None and needs[0][j] is not None:
-                uses.append(Use(b, okey, [n[j] for n in needs]))
+                column = [n[j] for n in needs]
+                if okey in through:  # read through a permute: reshard its source (see _unpermute)
+                    okey, column = _unpermute(templates, through[okey], column)
+                uses.append(Use(b, okey, column))
     for key, pos in ties:
         b = input_block[inputs[pos]]
-        uses.append(Use(b, key, [r[(inputs[pos], None)] for r in blocks[b].results]))
+        column = [r[(inputs[pos], None)] for r in blocks[b].results]
+        if key in through:
+            key, column = _unpermute(templates, through[key], column)
+        uses.append(Use(b, key, column))
     (out_node,) = [n for n in state.gm.graph.nodes if n.op == "output"]
     outputs = [state.key(n) for n in pytree.tree_leaves(out_node.args[0]) if isinstance(n, fx.Node)]
     outputs = [k for k in outputs if k in producer]
