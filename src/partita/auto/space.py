@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, cast
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -36,7 +36,6 @@ from partita.auto.candidates import (
     fixed_assign,
     input_candidates,
     keyed,
-    op_sig,
     value_of,
 )
 from partita.cost.flops import value_bytes
@@ -47,19 +46,28 @@ from partita.values.spec import Sharding
 
 _PERMUTE = torch.ops.aten.permute.default
 
-__all__ = ["Assign", "Block", "Follower", "Space", "Use", "build_space", "input_candidates"]
+__all__ = [
+    "Assign", "Block", "Column", "Follower", "Space", "Use", "build_space", "input_candidates",
+]  # fmt: skip
+
+
+#: per candidate of a block, a value's sharding (None: the candidate does not give it)
+Column = Sequence[Sharding | None]
 
 
 @dataclass
 class Block:
     """One one-hot group of binary variables: an op's assignments or an input's shardings.
 
-    ``assigns[i]`` is candidate i's factor assignment (inputs: empty); ``results[i]`` its
-    result shardings by value; ``node`` the op (or the first input) it decides."""
+    ``assigns[i]`` is candidate i's factor assignment (inputs: empty); ``columns[v]`` the
+    sharding of value ``v`` under each candidate (the op's results and its followers'; an
+    input's members); ``node`` the op (or the first input) it decides. A column is one object
+    per op template (``auto.candidates``), shared by every copy of a layer, so the build keys
+    its caches on its ``id``; ``result(i)`` and ``results`` give the same by candidate."""
 
     node: fx.Node
     assigns: list[Assign]
-    results: list[dict[ValueKey, Sharding]]
+    columns: dict[ValueKey, Column]
     op: OpState | None = None
     inputs: list[fx.Node] = field(default_factory=list)
     #: ops that follow this block (``Follower``): priced on its candidates
@@ -74,6 +82,14 @@ class Block:
     def __len__(self) -> int:
         return len(self.assigns)
 
+    def result(self, i: int) -> dict[ValueKey, Sharding]:
+        """Candidate ``i``'s sharding of every value the block gives."""
+        return {k: c[i] for k, c in self.columns.items() if c[i] is not None}  # type: ignore[misc]
+
+    @property
+    def results(self) -> list[dict[ValueKey, Sharding]]:
+        return [self.result(i) for i in range(len(self))]
+
 
 @dataclass
 class Follower:
@@ -84,8 +100,8 @@ class Follower:
     op: OpState
     value: ValueKey
     assigns: list[Assign]
-    has: list[Sharding]
-    needs: list[Sharding]
+    has: Column
+    needs: Column
     local_bytes: list[float] = field(default_factory=list)
     #: as ``Block.sig``, with the shardings the root gives it
     sig: Any = None
@@ -97,7 +113,7 @@ class Use:
 
     block: int
     value: ValueKey
-    needs: list[Sharding | None]
+    needs: Column
 
 
 @dataclass
@@ -145,23 +161,34 @@ def _follows(op: OpState, state: ProgramState) -> ValueKey | None:
     return next(iter(keys))
 
 
+def _sig(op: OpState) -> Any:
+    """What the op's candidates and prices follow from: propagation gives ops with equal
+    arguments (target, shapes, dtypes, constants) one rule object (``ProgramState._op_shape``),
+    so that object names them cheaply; a rule of its own (not memoised) names one op."""
+    return ("rule", id(op.rule))
+
+
 def _unpermute(
-    templates: Templates, found: tuple[ValueKey, list[int]], column: list[Sharding | None]
-) -> tuple[ValueKey, list[Sharding | None]]:
+    templates: Templates, found: tuple[ValueKey, list[int]], column: Column
+) -> tuple[ValueKey, Column]:
     """A need on ``permute(u, perm)`` as the need on ``u``: the partitioner reshards a follower
     permute's value by resharding its (non-partial) source and permuting the copy
     (``LocalValues._reshard_through_permute``), so a weight read transposed in the forward and
     as is in the backward is gathered once."""
     key, perm = found
-    out: list[Sharding | None] = []
-    for need in column:
-        if need is None:
-            out.append(None)
-            continue
-        dims: list[tuple[str, ...]] = [()] * len(perm)
-        for i, p in enumerate(perm):
-            dims[p] = need.dim_axes[i]
-        out.append(templates.intern(Sharding(need.mesh, tuple(dims))))
+    memo = (id(column), tuple(perm))
+    out = templates.unpermuted.get(memo)
+    if out is None:
+        rows: list[Sharding | None] = []
+        for need in column:
+            if need is None:
+                rows.append(None)
+                continue
+            dims: list[tuple[str, ...]] = [()] * len(perm)
+            for i, p in enumerate(perm):
+                dims[p] = need.dim_axes[i]
+            rows.append(templates.intern(Sharding(need.mesh, tuple(dims))))
+        out = templates.unpermuted[memo] = tuple(rows)
     return key, out
 
 
@@ -200,9 +227,9 @@ def build_space(
         done.update(members)
         shape = tuple(node.meta["val"].shape)
         pinned = [fixed[m] for m in members if m in fixed]
-        shardings = [templates.intern(pinned[0])] if pinned else templates.input(shape)
+        shardings = (templates.intern(pinned[0]),) if pinned else templates.input(shape)
         nodes = [inputs[m] for m in members]
-        block = Block(node, [{} for _ in shardings], [{} for _ in shardings], inputs=nodes)
+        block = Block(node, [{} for _ in shardings], {}, inputs=nodes)
         block.sig = (
             "input",
             tuple(describe_val(n.meta.get("val")) for n in nodes),
@@ -212,8 +239,7 @@ def build_space(
             key: ValueKey = (n, None)
             if key not in state.values:
                 continue
-            for r, s in zip(block.results, shardings, strict=True):
-                r[key] = s
+            block.columns[key] = shardings
             producer[key] = len(blocks)
         for n in nodes:
             input_block[n] = len(blocks)
@@ -222,20 +248,19 @@ def build_space(
         followed = _follows(op, state)
         if followed is not None and followed in producer:
             root = blocks[producer[followed]]
-            if any(r[followed].partial for r in root.results):
+            if templates.partial(root.columns[followed]):
                 followed = None  # a partial value: the op chooses where its reduction goes
         if followed is not None and followed in producer:
-            has = [r[followed] for r in root.results]
-            sig = op_sig(op)
-            t = templates.follower(op, sig, followed, has)
+            has = root.columns[followed]
+            sig = _sig(op)
+            t = templates.follower(op, sig, followed, has)  # type: ignore[arg-type]
             j = [k for k in op.operands].index(followed)
             follower = Follower(
-                op, followed, t.assigns, has, [cast(Sharding, n[j]) for n in t.needs],
-                list(t.local_bytes), sig=(sig, j, tuple(map(id, has))),
+                op, followed, t.assigns, has, t.need_columns[j], t.local_bytes,
+                sig=(sig, j, id(has)),
             )  # fmt: skip
             root.followers.append(follower)
-            for r, row in zip(root.results, t.results, strict=True):
-                r.update(keyed(op, row))
+            root.columns.update(keyed(op, t))
             for rkey in op.results:
                 if rkey is not None:
                     producer[rkey] = producer[followed]
@@ -246,30 +271,28 @@ def build_space(
                 through[op.results[0]] = (root_key, composed)
             continue
         forced = fixed_assign(mesh, op, state)
-        sig = op_sig(op)
+        sig = _sig(op)
         if forced is None:
             t = templates.op(op, sig)
         else:
             t = templates._make(op, [forced])
             sig = (sig, tuple(sorted(forced.items())))
         b = len(blocks)
-        results = [keyed(op, row) for row in t.results]
-        block = Block(op.node, t.assigns, results, op=op, sig=sig)
-        block.local_bytes = list(t.local_bytes)
+        block = Block(op.node, t.assigns, keyed(op, t), op=op, sig=sig)
+        block.local_bytes = t.local_bytes
         blocks.append(block)
         for rkey in op.results:
             if rkey is not None:
                 producer[rkey] = b
-        needs = t.needs
         for j, okey in enumerate(op.operands):
-            if okey is not None and needs[0][j] is not None:
-                column = [n[j] for n in needs]
+            column: Column = t.need_columns[j]
+            if okey is not None and column and column[0] is not None:
                 if okey in through:  # read through a permute: reshard its source (see _unpermute)
                     okey, column = _unpermute(templates, through[okey], column)
                 uses.append(Use(b, okey, column))
     for key, pos in ties:
         b = input_block[inputs[pos]]
-        column = [r[(inputs[pos], None)] for r in blocks[b].results]
+        column = blocks[b].columns[(inputs[pos], None)]
         if key in through:
             key, column = _unpermute(templates, through[key], column)
         uses.append(Use(b, key, column))
