@@ -117,6 +117,7 @@ class Pricer:
         if found is None:
             size = _itemsize(dtype)
             found = 0.0
+            first = bucketed
             for step in plan_reshard(src, dst, shape):
                 if not step.is_collective:
                     continue
@@ -124,7 +125,10 @@ class Pricer:
                     step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
                 )
                 nbytes = math.prod(local) * size
-                found += self.collective(step.kind, nbytes, step.mesh_axes, bucketed)
+                # only the first collective reads the parameter (or gradient) itself: a later
+                # step waits for it and is not ready with the others, so it is not fused
+                found += self.collective(step.kind, nbytes, step.mesh_axes, first)
+                first = False
             self._reshard[key] = found
         return found
 
