@@ -266,6 +266,6 @@ class Templates:
         return found
 
 
-def keyed(op: OpState, t: _Template) -> dict[ValueKey, tuple[Sharding | None, ...]]:
+def keyed(op: OpState, t: _Template) -> dict[ValueKey, Sequence[Sharding | None]]:
     """Per result value of ``op``, its sharding under each candidate of ``t``."""
     return {k: c for k, c in zip(op.results, t.result_columns, strict=True) if k is not None}

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.fx as fx
@@ -266,7 +266,8 @@ def build_space(
                     producer[rkey] = producer[followed]
             if op.node.target == _PERMUTE and op.results[0] is not None:
                 root_key, perm = through.get(followed, (followed, None))
-                mine = [int(p) % len(op.rule.results[0] or ()) for p in op.node.args[1]]
+                dims = cast(Sequence[int], op.node.args[1])
+                mine = [int(p) % len(op.rule.results[0] or ()) for p in dims]
                 composed = mine if perm is None else [perm[p] for p in mine]
                 through[op.results[0]] = (root_key, composed)
             continue
