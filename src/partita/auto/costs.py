@@ -162,6 +162,8 @@ class Pricer:
             shards = self.mesh.axes_size(axes)
             compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if active else 0.0
             internal = self._internal(rule, assign, out_bytes / shards)
+            if rule.handler == "softmax_reduce":
+                internal += self._softmax(node, rule, assign, out, shards)
             if rule.handler == "retile":
                 internal += self._retile(node, rule, assign, out)
             prices.append(internal if self.bytes else compute + internal)
@@ -215,6 +217,25 @@ class Pricer:
             self.collective("collective_permute", r.width * row, axes) for r in rounds
         )
 
+    def _softmax(
+        self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]], out: Any,
+        shards: int,
+    ) -> float:  # fmt: skip
+        """A softmax over a split dim (its factor passes through): the partitioner's handler
+        all_reduces the max and the sum of the local rows (the backward: one sum), each of
+        the result's size with that dim reduced."""
+        dim = _dim_arg(node)
+        if dim is None or not isinstance(out, torch.Tensor) or not rule.results[0]:
+            return 0.0
+        d = int(dim) % out.ndim
+        axes = [a for f in rule.results[0][d] for a in assign.get(f, ())]
+        if not axes:
+            return 0.0
+        local_dim = out.shape[d] / self.mesh.axes_size(axes)
+        reduced = out.numel() * _itemsize(out.dtype) / shards / max(1.0, local_dim)
+        count = 1 if "backward" in str(node.target) else 2
+        return count * self.collective("all_reduce", reduced, axes)
+
     def _internal(
         self, rule: FactorRule, assign: dict[str, tuple[str, ...]], local_out: float
     ) -> float:
@@ -235,3 +256,14 @@ class Pricer:
         for f in split:
             reduced /= max(1.0, rule.sizes[f] / self.mesh.axes_size(assign[f]))
         return count * self.collective(kind, reduced, axes)
+
+
+def _dim_arg(node: fx.Node) -> Any:
+    """The node's ``dim`` argument (by keyword or by its schema's position), or None."""
+    if "dim" in node.kwargs:
+        return node.kwargs["dim"]
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dim" in names and names.index("dim") < len(node.args):
+        return node.args[names.index("dim")]
+    return None
