@@ -1,8 +1,9 @@
 """The solver's prices against the Plan's estimate (``partita.auto.costs``): each preset's plan,
 read back into the solver's space (``auto.start.choice_of``), is priced by the solver's model
 and by ``Plan.estimate("cpu-gloo", overlap=False)``; where the model matches the partitioner
-the two agree: wire bytes exactly (every preset), time within 10 % but for the differences each test
-names; and the solver's own answer on a CNN. No timing: both sides are models."""
+the two agree: wire bytes exactly (every preset), time within 10 % but for the differences
+each test names. The solver's own answer on a CNN models its Plan's bytes exactly too. No
+timing: both sides are models."""
 
 from __future__ import annotations
 
