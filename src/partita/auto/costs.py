@@ -27,9 +27,9 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
+from partita.auto.moves import collectives
 from partita.cost import Hardware, link_of, node_bytes, node_flops, wire_bytes
 from partita.cost.model import ring_steps
-from partita.partition.reshard import plan_reshard
 from partita.partition.retile import Segment, plan_retile_many, retile_dim, slice_start
 from partita.rules import FactorKind, FactorRule
 from partita.values.mesh import Mesh
@@ -118,16 +118,10 @@ class Pricer:
             size = _itemsize(dtype)
             found = 0.0
             first = bucketed
-            for step in plan_reshard(src, dst, shape):
-                if not step.is_collective:
-                    continue
-                local = (
-                    step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
-                )
-                nbytes = math.prod(local) * size
+            for kind, axes, elems in collectives(src, dst, shape):
                 # only the first collective reads the parameter (or gradient) itself: a later
                 # step waits for it and is not ready with the others, so it is not fused
-                found += self.collective(step.kind, nbytes, step.mesh_axes, first)
+                found += self.collective(kind, elems * size, axes, first)
                 first = False
             self._reshard[key] = found
         return found
