@@ -12,10 +12,12 @@ it pays its bandwidth and its bytes' share of one call's fixed cost (latency and
 overhead) in a bucket of ``bucket_bytes`` or of all the parameters' bytes when they are fewer
 (an approximation: the Plan's buckets follow the program's order, see docs/auto.md). A slice
 or cat of a split dim pays the collective_permute rounds ``partition.retile`` plans for it.
-A handler's other op-internal collectives (a softmax over a split dim, a batch-norm's
+A softmax over a split dim pays its handler's all_reduces (the max and the sum; the backward:
+the sum) of the rows' statistics. A handler's other op-internal collectives (a batch-norm's
 statistics) are priced as one all_reduce of the local result over the axes of the op's
 split factors that are not summed (a summed factor's reduction is priced where its partial
-result is reduced): a model of them, not their exact lowering.
+result is reduced): a model of them, not their exact lowering. The reshards are planned once
+per signature (``auto.moves``).
 """
 
 from __future__ import annotations
