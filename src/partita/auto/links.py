@@ -99,10 +99,13 @@ def add_links(space: Space, pricer: Pricer, offsets: np.ndarray, n_x: int, eq: R
     # needs and producer shardings are columns (``space.Block.columns``): one object per op
     # template, shared by every copy of a layer, so their ``id`` keys the caches below
     uses_of: dict[ValueKey, dict[tuple[int, int], Column]] = {}
+    permuted: set[ValueKey] = set()  # read through a follower permute somewhere
     for use in space.uses:
         if use.value in space.producer:
             lo = int(offsets[use.block])
             uses_of.setdefault(use.value, {}).setdefault((lo, id(use.needs)), use.needs)
+            if use.through:
+                permuted.add(use.value)
     state = _Build(pricer, n_x, eq, ub)
     built: dict[tuple[Any, ...], _Value] = {}
     for key, uses in uses_of.items():
@@ -111,7 +114,9 @@ def add_links(space: Space, pricer: Pricer, offsets: np.ndarray, n_x: int, eq: R
         column = space.blocks[p].columns[key]
         ids = id(column)
         shape, dtype = space.shapes[key], space.dtypes[key]
-        bucketed = shape in space.stored_shapes  # a parameter's or its gradient's
+        # a parameter's or its gradient's collective is bucketed; not a reshard for a reader
+        # through a permute: the partitioner runs it where that reader is, one call of its own
+        bucketed = shape in space.stored_shapes and key not in permuted
         sig = (lo, ids, shape, dtype, bucketed, tuple(sorted(uses)))
         found = built.get(sig)
         if found is not None:

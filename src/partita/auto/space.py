@@ -114,6 +114,9 @@ class Use:
     block: int
     value: ValueKey
     needs: Column
+    #: read through a follower permute (see ``_unpermute``): the partitioner reshards the
+    #: source where the permute's reader runs, not in the parameters' buckets
+    through: bool = False
 
 
 @dataclass
@@ -288,15 +291,17 @@ def build_space(
         for j, okey in enumerate(op.operands):
             column: Column = t.need_columns[j]
             if okey is not None and column and column[0] is not None:
-                if okey in through:  # read through a permute: reshard its source (see _unpermute)
+                permuted = okey in through
+                if permuted:  # read through a permute: reshard its source (see _unpermute)
                     okey, column = _unpermute(templates, through[okey], column)
-                uses.append(Use(b, okey, column))
+                uses.append(Use(b, okey, column, permuted))
     for key, pos in ties:
         b = input_block[inputs[pos]]
         column = blocks[b].columns[(inputs[pos], None)]
-        if key in through:
+        permuted = key in through
+        if permuted:
             key, column = _unpermute(templates, through[key], column)
-        uses.append(Use(b, key, column))
+        uses.append(Use(b, key, column, permuted))
     (out_node,) = [n for n in state.gm.graph.nodes if n.op == "output"]
     outputs = [state.key(n) for n in pytree.tree_leaves(out_node.args[0]) if isinstance(n, fx.Node)]
     outputs = [k for k in outputs if k in producer]
