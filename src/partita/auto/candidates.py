@@ -4,22 +4,21 @@ memoised templates.
 Per op, the factor assignments its rule allows (see :mod:`partita.auto.space`), each with the
 sharding every result has (partial over the axes of its summed factors), the sharding every
 operand must have, and the bytes one device reads and writes. A model's repeated layers repeat
-the same ops: :class:`Templates` enumerates once per op *signature* (:func:`op_sig`: the target,
-the arguments' shapes, dtypes and constants, the rule) and every copy reuses the template, its
-assignments and its Sharding objects, so the enumeration is done once per unique op, not per
-layer. The same objects let later stages (the clusters, the prices) key their own caches on
-them.
+the same ops: :class:`Templates` enumerates once per op *signature* (``space._sig``: the op's
+rule object, which propagation shares between ops with equal targets, argument shapes, dtypes
+and constants) and every copy reuses the template, its assignments, its Sharding objects and
+its columns, so the enumeration is done once per unique op, not per layer. The same objects
+let later stages (the clusters, the prices) key their own caches on them.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.fx as fx
 
 from partita.propagate.assign import merge_axes, split_axes
 from partita.propagate.state import OpState, ProgramState, ValueKey
@@ -29,7 +28,7 @@ from partita.values.spec import Sharding
 
 __all__ = [
     "MAX_CANDIDATES", "Assign", "Templates", "describe_val", "fixed_assign", "input_candidates",
-    "keyed", "op_candidates", "op_sig", "value_of",
+    "keyed", "op_candidates", "value_of",
 ]  # fmt: skip
 
 Assign = dict[str, tuple[str, ...]]
@@ -179,40 +178,6 @@ def fixed_assign(mesh: Mesh, op: OpState, state: ProgramState) -> Assign | None:
     return None
 
 
-def _describe(arg: Any) -> Any:
-    if isinstance(arg, fx.Node):
-        val = arg.meta.get("val")
-        if isinstance(val, torch.Tensor):
-            return ("t", tuple(val.shape), val.dtype)
-        return ("n", type(val).__name__)
-    if isinstance(arg, (tuple, list)):
-        return tuple(_describe(a) for a in arg)
-    return repr(arg)
-
-
-def op_sig(op: OpState) -> tuple[Any, ...]:
-    """Everything an op's candidates and prices follow from: its target and arguments (shapes,
-    dtypes, constants), its rule, which operands and results are values, its compound
-    factors."""
-    node, rule = op.node, op.rule
-    return (
-        str(node.target),
-        _describe(node.args),
-        _describe(tuple(sorted(node.kwargs.items()))),
-        describe_val(node.meta.get("val")),
-        rule.operands,
-        rule.results,
-        tuple(sorted(rule.sizes.items())),
-        tuple(sorted((f, str(k)) for f, k in rule.kinds.items())),
-        rule.reduce_op,
-        rule.handler,
-        tuple(sorted(rule.result_reductions.items())),
-        tuple(k is None for k in op.operands),
-        tuple(k is None for k in op.results),
-        tuple(sorted(op.compound)),
-    )
-
-
 def describe_val(val: Any) -> Any:
     vals = val if isinstance(val, (tuple, list)) else (val,)
     return tuple(
@@ -229,6 +194,11 @@ class _Template:
     results: list[list[Sharding | None]]
     needs: list[list[Sharding | None]]
     local_bytes: list[float]
+    #: the same by position: per result, its sharding under each candidate; per operand, the
+    #: sharding each candidate needs. One object per template, shared by every copy of the op,
+    #: so later stages key their caches on its ``id``
+    result_columns: list[tuple[Sharding | None, ...]] = field(default_factory=list)
+    need_columns: list[tuple[Sharding | None, ...]] = field(default_factory=list)
 
 
 class Templates:
@@ -238,7 +208,10 @@ class Templates:
         self.mesh = mesh
         self.ops: dict[Any, _Template] = {}
         self.follow: dict[Any, _Template] = {}
-        self.inputs: dict[tuple[int, ...], list[Sharding]] = {}
+        self.inputs: dict[tuple[int, ...], tuple[Sharding, ...]] = {}
+        self.partials: dict[int, bool] = {}
+        #: (id of a need column, permutation) -> the column unpermuted (``space._unpermute``)
+        self.unpermuted: dict[tuple[int, tuple[int, ...]], tuple[Sharding | None, ...]] = {}
         #: templates built (cache misses): the enumeration work, independent of repeats
         self.built = 0
         #: one object per distinct Sharding: equal shardings are the same object, so later
@@ -259,7 +232,10 @@ class Templates:
             results.append([self.intern(res.get(k)) if k is not None else None for k in op.results])
             needs.append(nd)
             local.append(_op_bytes(op, nd, res))
-        return _Template(assigns, results, needs, local)
+        t = _Template(assigns, results, needs, local)
+        t.result_columns = [tuple(row[j] for row in results) for j in range(len(op.results))]
+        t.need_columns = [tuple(row[j] for row in needs) for j in range(len(op.operands))]
+        return t
 
     def op(self, op: OpState, sig: Any) -> _Template:
         found = self.ops.get(sig)
@@ -267,21 +243,29 @@ class Templates:
             found = self.ops[sig] = self._make(op, op_candidates(self.mesh, op))
         return found
 
-    def follower(self, op: OpState, sig: Any, key: ValueKey, has: list[Sharding]) -> _Template:
-        fkey = (sig, [k for k in op.operands].index(key), tuple(map(id, has)))
+    def follower(self, op: OpState, sig: Any, key: ValueKey, has: Sequence[Sharding]) -> _Template:
+        fkey = (sig, [k for k in op.operands].index(key), id(has))
         found = self.follow.get(fkey)
         if found is None:
             assigns = [_assign_from(self.mesh, op, key, h) for h in has]
             found = self.follow[fkey] = self._make(op, assigns)
         return found
 
-    def input(self, shape: tuple[int, ...]) -> list[Sharding]:
+    def input(self, shape: tuple[int, ...]) -> tuple[Sharding, ...]:
         found = self.inputs.get(shape)
         if found is None:
-            found = [self.intern(c) for c in input_candidates(self.mesh, shape)]
+            found = tuple(self.intern(c) for c in input_candidates(self.mesh, shape))
             self.inputs[shape] = found
         return found
 
+    def partial(self, column: Sequence[Sharding | None]) -> bool:
+        """Some candidate of ``column`` (a template's or an input's) is partial."""
+        found = self.partials.get(id(column))
+        if found is None:
+            found = self.partials[id(column)] = any(s is not None and s.partial for s in column)
+        return found
 
-def keyed(op: OpState, row: list[Sharding | None]) -> dict[ValueKey, Sharding]:
-    return {k: s for k, s in zip(op.results, row, strict=True) if k is not None and s is not None}
+
+def keyed(op: OpState, t: _Template) -> dict[ValueKey, Sequence[Sharding | None]]:
+    """Per result value of ``op``, its sharding under each candidate of ``t``."""
+    return {k: c for k, c in zip(op.results, t.result_columns, strict=True) if k is not None}

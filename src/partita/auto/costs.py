@@ -12,10 +12,12 @@ it pays its bandwidth and its bytes' share of one call's fixed cost (latency and
 overhead) in a bucket of ``bucket_bytes`` or of all the parameters' bytes when they are fewer
 (an approximation: the Plan's buckets follow the program's order, see docs/auto.md). A slice
 or cat of a split dim pays the collective_permute rounds ``partition.retile`` plans for it.
-A handler's other op-internal collectives (a softmax over a split dim, a batch-norm's
+A softmax over a split dim pays its handler's all_reduces (the max and the sum; the backward:
+the sum) of the rows' statistics. A handler's other op-internal collectives (a batch-norm's
 statistics) are priced as one all_reduce of the local result over the axes of the op's
 split factors that are not summed (a summed factor's reduction is priced where its partial
-result is reduced): a model of them, not their exact lowering.
+result is reduced): a model of them, not their exact lowering. The reshards are planned once
+per signature (``auto.moves``).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
+from partita.auto.moves import collectives
 from partita.cost import Hardware, link_of, node_bytes, node_flops, wire_bytes
 from partita.cost.model import ring_steps
-from partita.partition.reshard import plan_reshard
 from partita.partition.retile import Segment, plan_retile_many, retile_dim, slice_start
 from partita.rules import FactorKind, FactorRule
 from partita.values.mesh import Mesh
@@ -137,14 +139,12 @@ class Pricer:
         if found is None:
             size = _itemsize(dtype)
             found = 0.0
-            for step in plan_reshard(src, dst, shape):
-                if not step.is_collective:
-                    continue
-                local = (
-                    step.in_local_shape if step.kind == "reduce_scatter" else step.out_local_shape
-                )
-                nbytes = math.prod(local) * size
-                found += self.collective(step.kind, nbytes, step.mesh_axes, bucketed)
+            first = bucketed
+            for kind, axes, elems in collectives(src, dst, shape):
+                # only the first collective reads the parameter (or gradient) itself: a later
+                # step waits for it and is not ready with the others, so it is not fused
+                found += self.collective(kind, elems * size, axes, first)
+                first = False
             self._reshard[key] = found
         return found
 
@@ -178,6 +178,8 @@ class Pricer:
             shards = self.mesh.axes_size(axes)
             compute = self.hw.op_seconds(flops / shards, nbytes) * 1e6 if active else 0.0
             internal = self._internal(rule, assign, out_bytes / shards, compute * 1e-6)
+            if rule.handler == "softmax_reduce":
+                internal += self._softmax(node, rule, assign, out, shards, compute * 1e-6)
             if rule.handler == "retile":
                 internal += self._retile(node, rule, assign, out)
             prices.append(internal if self.bytes else compute + internal)
@@ -231,6 +233,25 @@ class Pricer:
             self.collective("collective_permute", r.width * row, axes) for r in rounds
         )
 
+    def _softmax(
+        self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]], out: Any,
+        shards: int, compute: float,
+    ) -> float:  # fmt: skip
+        """A softmax over a split dim (its factor passes through): the partitioner's handler
+        all_reduces the max and the sum of the local rows (the backward: one sum), each of
+        the result's size with that dim reduced, after the op's own ``compute`` seconds."""
+        dim = _dim_arg(node)
+        if dim is None or not isinstance(out, torch.Tensor) or not rule.results[0]:
+            return 0.0
+        d = int(dim) % out.ndim
+        axes = [a for f in rule.results[0][d] for a in assign.get(f, ())]
+        if not axes:
+            return 0.0
+        local_dim = out.shape[d] / self.mesh.axes_size(axes)
+        reduced = out.numel() * _itemsize(out.dtype) / shards / max(1.0, local_dim)
+        count = 1 if "backward" in str(node.target) else 2
+        return count * self.collective("all_reduce", reduced, axes, compute_before=compute)
+
     def _internal(
         self,
         rule: FactorRule,
@@ -258,3 +279,14 @@ class Pricer:
             reduced /= max(1.0, rule.sizes[f] / self.mesh.axes_size(assign[f]))
         before = None if kind == "collective_permute" else compute
         return count * self.collective(kind, reduced, axes, compute_before=before)
+
+
+def _dim_arg(node: fx.Node) -> Any:
+    """The node's ``dim`` argument (by keyword or by its schema's position), or None."""
+    if "dim" in node.kwargs:
+        return node.kwargs["dim"]
+    schema = getattr(node.target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dim" in names and names.index("dim") < len(node.args):
+        return node.args[names.index("dim")]
+    return None

@@ -133,8 +133,7 @@ def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> M
     for key in space.outputs:  # a partial result is reduced before it is returned
         b = space.producer[key]
         lo = offsets[b]
-        for i, res in enumerate(space.blocks[b].results):
-            got = res.get(key)
+        for i, got in enumerate(space.blocks[b].columns[key]):
             if got is not None and got.partial:
                 whole = Sharding(got.mesh, got.dim_axes)
                 cost[lo + i] += pricer.reshard(got, whole, space.shapes[key], space.dtypes[key])
@@ -180,11 +179,10 @@ def _block_prices(
         ]
         price += np.array(p) + np.array(moves)
         compute += c
-    mine = np.array(
-        [
-            sum(pricer.local_bytes(s, space.shapes[k], space.dtypes[k]) for k, s in res.items())
-            for res in block.results
-        ]
-    )
+    mine = np.zeros(width)
+    for k, column in block.columns.items():
+        for i, s in enumerate(column):
+            if s is not None:
+                mine[i] += pricer.local_bytes(s, space.shapes[k], space.dtypes[k])
     # ties: of two equal plans, the one storing fewer bytes per device
     return price + mine * pricer.per_stored_byte, compute, mine

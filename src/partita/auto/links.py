@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from partita.auto.costs import Pricer
-from partita.auto.space import Space
+from partita.auto.space import Column, Space
 from partita.propagate.state import ValueKey
 from partita.values.spec import Sharding
 
@@ -96,25 +96,33 @@ def add_links(space: Space, pricer: Pricer, offsets: np.ndarray, n_x: int, eq: R
               ub: Rows) -> Links:  # fmt: skip
     """The link columns and rows of every value (see the module); rows go into ``eq`` and
     ``ub``, x columns start at ``offsets[block]``."""
-    uses_of: dict[ValueKey, dict[tuple[int, tuple[int, ...]], list[Sharding | None]]] = {}
+    # needs and producer shardings are columns (``space.Block.columns``): one object per op
+    # template, shared by every copy of a layer, so their ``id`` keys the caches below
+    uses_of: dict[ValueKey, dict[tuple[int, int], Column]] = {}
+    permuted: set[ValueKey] = set()  # read through a follower permute somewhere
     for use in space.uses:
         if use.value in space.producer:
             lo = int(offsets[use.block])
-            uses_of.setdefault(use.value, {}).setdefault((lo, tuple(map(id, use.needs))), use.needs)
+            uses_of.setdefault(use.value, {}).setdefault((lo, id(use.needs)), use.needs)
+            if use.through:
+                permuted.add(use.value)
     state = _Build(pricer, n_x, eq, ub)
     built: dict[tuple[Any, ...], _Value] = {}
     for key, uses in uses_of.items():
         p = space.producer[key]
         lo = int(offsets[p])
-        ids = tuple(id(res.get(key)) for res in space.blocks[p].results)
+        column = space.blocks[p].columns[key]
+        ids = id(column)
         shape, dtype = space.shapes[key], space.dtypes[key]
-        bucketed = shape in space.stored_shapes  # a parameter's or its gradient's
+        # a parameter's or its gradient's collective is bucketed; not a reshard for a reader
+        # through a permute: the partitioner runs it where that reader is, one call of its own
+        bucketed = shape in space.stored_shapes and key not in permuted
         sig = (lo, ids, shape, dtype, bucketed, tuple(sorted(uses)))
         found = built.get(sig)
         if found is not None:
             found.count += 1
             continue
-        gives = state.gives(ids, [res.get(key) for res in space.blocks[p].results])
+        gives = state.gives(ids, column)
         built[sig] = state.value(lo, gives, ids, list(uses.items()), (shape, dtype, bucketed))
     cost = np.zeros(state.next)
     edges = Edges()
@@ -135,7 +143,7 @@ class _Build:
         self.pricer, self.eq, self.ub = pricer, eq, ub
         self.next = n_x
         self.priced = self.transport = self.copies = 0
-        self._gives: dict[tuple[int, ...], tuple[list[Sharding | None], list[list[int]]]] = {}
+        self._gives: dict[int, tuple[list[Sharding | None], list[list[int]]]] = {}
         self._tables: dict[tuple[Any, ...], np.ndarray | None] = {}
         #: per edge, the producer's (x column, price) entries
         self.producer: list[list[tuple[int, float]]] = []
@@ -144,9 +152,7 @@ class _Build:
         self.next += 1
         return self.next - 1
 
-    def gives(
-        self, ids: tuple[int, ...], shardings: list[Sharding | None]
-    ) -> tuple[list[Sharding | None], list[list[int]]]:
+    def gives(self, ids: int, shardings: Column) -> tuple[list[Sharding | None], list[list[int]]]:
         """The producer's distinct shardings of the value and the candidates giving each."""
         found = self._gives.get(ids)
         if found is None:
@@ -162,7 +168,7 @@ class _Build:
             found = self._gives[ids] = (given, cands)
         return found
 
-    def table(self, ids: tuple[int, ...], given: list[Sharding | None], need: Sharding,
+    def table(self, ids: int, given: list[Sharding | None], need: Sharding,
               value: tuple[Any, ...]) -> np.ndarray | None:  # fmt: skip
         """The price of reaching ``need`` from each given sharding; None when all are free."""
         key = (ids, id(need), *value)
@@ -181,8 +187,8 @@ class _Build:
         self,
         lo: int,
         gives: tuple[list[Sharding | None], list[list[int]]],
-        ids: tuple[int, ...],
-        uses: list[tuple[tuple[int, tuple[int, ...]], list[Sharding | None]]],
+        ids: int,
+        uses: list[tuple[tuple[int, int], Column]],
         shape: tuple[Any, ...],
     ) -> _Value:
         """One value's columns and rows (see the module)."""

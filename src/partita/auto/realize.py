@@ -33,7 +33,7 @@ def write_solution(space: Space, choice: list[int], gm: fx.GraphModule) -> int:
                 continue
             node_meta.set_factor_axes(node, dict(assign))
             written += 1
-        for (vnode, idx), s in block.results[i].items():
+        for (vnode, idx), s in block.result(i).items():
             shardings.setdefault(vnode.name, {})[idx] = s
     for name, by_idx in shardings.items():
         node = by_name.get(name)

@@ -29,6 +29,7 @@ from partita.auto.realize import write_solution
 from partita.auto.report import AutoReport, Scored
 from partita.auto.space import build_space
 from partita.auto.start import cheapest_start
+from partita.capture.gc_pause import gc_paused
 from partita.cost import get_profile
 from partita.errors import AutoShardingWarning, MemoryLimitError, warn
 from partita.propagate.state import ProgramState
@@ -101,6 +102,7 @@ def _key(s: Scored, objective: str) -> tuple[float, float]:
 class _Solver:
     """The program's space and model, built once, solved per memory budget."""
 
+    @gc_paused()  # the build allocates many objects, all alive until it returns
     def __init__(self, problem: AutoProblem) -> None:
         start, cpu = time.perf_counter(), time.process_time()
         prog = problem.program

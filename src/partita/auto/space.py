@@ -36,7 +36,6 @@ from partita.auto.candidates import (
     fixed_assign,
     input_candidates,
     keyed,
-    op_sig,
     value_of,
 )
 from partita.cost.flops import value_bytes
@@ -45,19 +44,30 @@ from partita.rules import FactorKind
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
-__all__ = ["Assign", "Block", "Follower", "Space", "Use", "build_space", "input_candidates"]
+_PERMUTE = torch.ops.aten.permute.default
+
+__all__ = [
+    "Assign", "Block", "Column", "Follower", "Space", "Use", "build_space", "input_candidates",
+]  # fmt: skip
+
+
+#: per candidate of a block, a value's sharding (None: the candidate does not give it)
+Column = Sequence[Sharding | None]
 
 
 @dataclass
 class Block:
     """One one-hot group of binary variables: an op's assignments or an input's shardings.
 
-    ``assigns[i]`` is candidate i's factor assignment (inputs: empty); ``results[i]`` its
-    result shardings by value; ``node`` the op (or the first input) it decides."""
+    ``assigns[i]`` is candidate i's factor assignment (inputs: empty); ``columns[v]`` the
+    sharding of value ``v`` under each candidate (the op's results and its followers'; an
+    input's members); ``node`` the op (or the first input) it decides. A column is one object
+    per op template (``auto.candidates``), shared by every copy of a layer, so the build keys
+    its caches on its ``id``; ``result(i)`` and ``results`` give the same by candidate."""
 
     node: fx.Node
     assigns: list[Assign]
-    results: list[dict[ValueKey, Sharding]]
+    columns: dict[ValueKey, Column]
     op: OpState | None = None
     inputs: list[fx.Node] = field(default_factory=list)
     #: ops that follow this block (``Follower``): priced on its candidates
@@ -72,6 +82,14 @@ class Block:
     def __len__(self) -> int:
         return len(self.assigns)
 
+    def result(self, i: int) -> dict[ValueKey, Sharding]:
+        """Candidate ``i``'s sharding of every value the block gives."""
+        return {k: c[i] for k, c in self.columns.items() if c[i] is not None}  # type: ignore[misc]
+
+    @property
+    def results(self) -> list[dict[ValueKey, Sharding]]:
+        return [self.result(i) for i in range(len(self))]
+
 
 @dataclass
 class Follower:
@@ -82,8 +100,8 @@ class Follower:
     op: OpState
     value: ValueKey
     assigns: list[Assign]
-    has: list[Sharding]
-    needs: list[Sharding]
+    has: Column
+    needs: Column
     local_bytes: list[float] = field(default_factory=list)
     #: as ``Block.sig``, with the shardings the root gives it
     sig: Any = None
@@ -95,7 +113,10 @@ class Use:
 
     block: int
     value: ValueKey
-    needs: list[Sharding | None]
+    needs: Column
+    #: read through a follower permute (see ``_unpermute``): the partitioner reshards the
+    #: source where the permute's reader runs, not in the parameters' buckets
+    through: bool = False
 
 
 @dataclass
@@ -143,6 +164,37 @@ def _follows(op: OpState, state: ProgramState) -> ValueKey | None:
     return next(iter(keys))
 
 
+def _sig(op: OpState) -> Any:
+    """What the op's candidates and prices follow from: propagation gives ops with equal
+    arguments (target, shapes, dtypes, constants) one rule object (``ProgramState._op_shape``),
+    so that object names them cheaply; a rule of its own (not memoised) names one op."""
+    return ("rule", id(op.rule))
+
+
+def _unpermute(
+    templates: Templates, found: tuple[ValueKey, list[int]], column: Column
+) -> tuple[ValueKey, Column]:
+    """A need on ``permute(u, perm)`` as the need on ``u``: the partitioner reshards a follower
+    permute's value by resharding its (non-partial) source and permuting the copy
+    (``LocalValues._reshard_through_permute``), so a weight read transposed in the forward and
+    as is in the backward is gathered once."""
+    key, perm = found
+    memo = (id(column), tuple(perm))
+    out = templates.unpermuted.get(memo)
+    if out is None:
+        rows: list[Sharding | None] = []
+        for need in column:
+            if need is None:
+                rows.append(None)
+                continue
+            dims: list[tuple[str, ...]] = [()] * len(perm)
+            for i, p in enumerate(perm):
+                dims[p] = need.dim_axes[i]
+            rows.append(templates.intern(Sharding(need.mesh, tuple(dims))))
+        out = templates.unpermuted[memo] = tuple(rows)
+    return key, out
+
+
 def build_space(
     state: ProgramState,
     inputs: Sequence[fx.Node],
@@ -168,6 +220,9 @@ def build_space(
     input_block: dict[fx.Node, int] = {}
     grouped = {i: g for g in groups for i in g}
     done: set[int] = set()
+    # a follower permute's result -> (the value it permutes, through chains of permutes; the
+    # permutation): a reshard of it is the partitioner's reshard of that value
+    through: dict[ValueKey, tuple[ValueKey, list[int]]] = {}
     for i, node in enumerate(inputs):
         if i in done:
             continue
@@ -175,9 +230,9 @@ def build_space(
         done.update(members)
         shape = tuple(node.meta["val"].shape)
         pinned = [fixed[m] for m in members if m in fixed]
-        shardings = [templates.intern(pinned[0])] if pinned else templates.input(shape)
+        shardings = (templates.intern(pinned[0]),) if pinned else templates.input(shape)
         nodes = [inputs[m] for m in members]
-        block = Block(node, [{} for _ in shardings], [{} for _ in shardings], inputs=nodes)
+        block = Block(node, [{} for _ in shardings], {}, inputs=nodes)
         block.sig = (
             "input",
             tuple(describe_val(n.meta.get("val")) for n in nodes),
@@ -187,8 +242,7 @@ def build_space(
             key: ValueKey = (n, None)
             if key not in state.values:
                 continue
-            for r, s in zip(block.results, shardings, strict=True):
-                r[key] = s
+            block.columns[key] = shardings
             producer[key] = len(blocks)
         for n in nodes:
             input_block[n] = len(blocks)
@@ -197,46 +251,57 @@ def build_space(
         followed = _follows(op, state)
         if followed is not None and followed in producer:
             root = blocks[producer[followed]]
-            if any(r[followed].partial for r in root.results):
+            if templates.partial(root.columns[followed]):
                 followed = None  # a partial value: the op chooses where its reduction goes
         if followed is not None and followed in producer:
-            has = [r[followed] for r in root.results]
-            sig = op_sig(op)
-            t = templates.follower(op, sig, followed, has)
+            has = root.columns[followed]
+            sig = _sig(op)
+            t = templates.follower(op, sig, followed, has)  # type: ignore[arg-type]
             j = [k for k in op.operands].index(followed)
             follower = Follower(
-                op, followed, t.assigns, has, [cast(Sharding, n[j]) for n in t.needs],
-                list(t.local_bytes), sig=(sig, j, tuple(map(id, has))),
+                op, followed, t.assigns, has, t.need_columns[j], t.local_bytes,
+                sig=(sig, j, id(has)),
             )  # fmt: skip
             root.followers.append(follower)
-            for r, row in zip(root.results, t.results, strict=True):
-                r.update(keyed(op, row))
+            root.columns.update(keyed(op, t))
             for rkey in op.results:
                 if rkey is not None:
                     producer[rkey] = producer[followed]
+            if op.node.target == _PERMUTE and op.results[0] is not None:
+                root_key, perm = through.get(followed, (followed, None))
+                dims = cast(Sequence[int], op.node.args[1])
+                mine = [int(p) % len(op.rule.results[0] or ()) for p in dims]
+                composed = mine if perm is None else [perm[p] for p in mine]
+                through[op.results[0]] = (root_key, composed)
             continue
         forced = fixed_assign(mesh, op, state)
-        sig = op_sig(op)
+        sig = _sig(op)
         if forced is None:
             t = templates.op(op, sig)
         else:
             t = templates._make(op, [forced])
             sig = (sig, tuple(sorted(forced.items())))
         b = len(blocks)
-        results = [keyed(op, row) for row in t.results]
-        block = Block(op.node, t.assigns, results, op=op, sig=sig)
-        block.local_bytes = list(t.local_bytes)
+        block = Block(op.node, t.assigns, keyed(op, t), op=op, sig=sig)
+        block.local_bytes = t.local_bytes
         blocks.append(block)
         for rkey in op.results:
             if rkey is not None:
                 producer[rkey] = b
-        needs = t.needs
         for j, okey in enumerate(op.operands):
-            if okey is not None and needs[0][j] is not None:
-                uses.append(Use(b, okey, [n[j] for n in needs]))
+            column: Column = t.need_columns[j]
+            if okey is not None and column and column[0] is not None:
+                permuted = okey in through
+                if permuted:  # read through a permute: reshard its source (see _unpermute)
+                    okey, column = _unpermute(templates, through[okey], column)
+                uses.append(Use(b, okey, column, permuted))
     for key, pos in ties:
         b = input_block[inputs[pos]]
-        uses.append(Use(b, key, [r[(inputs[pos], None)] for r in blocks[b].results]))
+        column = blocks[b].columns[(inputs[pos], None)]
+        permuted = key in through
+        if permuted:
+            key, column = _unpermute(templates, through[key], column)
+        uses.append(Use(b, key, column, permuted))
     (out_node,) = [n for n in state.gm.graph.nodes if n.op == "output"]
     outputs = [state.key(n) for n in pytree.tree_leaves(out_node.args[0]) if isinstance(n, fx.Node)]
     outputs = [k for k in outputs if k in producer]

@@ -23,6 +23,7 @@ import torch.fx as fx
 from partita.auto.greedy import Prices, onehot
 from partita.auto.ilp import Model
 from partita.auto.space import Block, Space
+from partita.capture.gc_pause import gc_paused
 from partita.ir import node_meta
 
 __all__ = ["cheapest_start", "choice_of"]
@@ -79,6 +80,7 @@ def choice_of(space: Space, rep: list[int], gm: fx.GraphModule) -> list[int]:
     return out
 
 
+@gc_paused()  # pricing a choice allocates many small objects: no full collections meanwhile
 def cheapest_start(
     space: Space, model: Model, plans: Mapping[str, Any], memory: float | None = None
 ) -> tuple[str, list[int], float] | None:
