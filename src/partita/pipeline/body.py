@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from partita.manual.collectives import axis_index, ppermute, psum
+from partita.manual.collectives import axis_index, ppermute
 from partita.manual.vma import pvary
 from partita.pipeline.schedule import Schedule
 
@@ -83,38 +83,73 @@ def stage_body(
     def body(stacked: Weights, xs: Tensor) -> Tensor:
         varying = (stage_axis, *batch_axes)
         stacked = {n: pvary(stacked[n], varying) for n in names}  # gradients summed once
-        xs = pvary(xs, varying)
         me = axis_index(stage_axis)
         first = me == 0
+        inputs = _to_first_stage(xs[0], me, stage_axis, sch.stages)
+        g = sch.microbatches // sch.stages
         # Static chunks: per (round, layer) the weights, sliced once so that the gradient of
         # every use adds up on one slice.
         static = [[stacked[n][v * k + j] for j in range(k) for n in names] for v in range(rounds)]
         blocks = {n: w.reshape(rounds, k, *w.shape[1:]) for n, w in stacked.items() if rounds > 1}
         sent: list[Tensor | None] = []
         outs: dict[int, Tensor] = {}
-        zeros = torch.zeros_like(xs[:, 0])
+        zeros: list[Tensor] = []
+
+        def zero() -> Tensor:
+            if not zeros:
+                zeros.append(torch.zeros_like(inputs[0][0]))
+            return zeros[0]
+
         for t in range(sch.iterations):
-            last = sent[t - 1] if t else None
-            prev = last if last is not None else zeros
+            prev = sent[t - 1] if t else None
             kind, at = sch.source(t)
             if kind == "input":
-                x = torch.where(first, xs[:, at], prev)
+                x = inputs[at // g][at % g]  # zeros on the other stages
+                if prev is not None and _first_receives(sch, t - 1):
+                    x = torch.where(first, x, prev)
+                elif prev is not None:  # stage 0 got nothing (zeros): one add, no where
+                    x = prev + x
             elif kind == "wrap":
                 back = sent[at]
-                x = torch.where(first, back if back is not None else zeros, prev)
+                x = torch.where(
+                    first,
+                    back if back is not None else zero(),
+                    prev if prev is not None else zero(),
+                )
             else:
-                x = prev
+                x = prev if prev is not None else zero()
             x = chunk(x, _weights_at(sch, t, me, static, blocks, names))
             m = sch.output(t)
             if m is not None:
                 outs[m] = x
             pairs = sch.pairs(t)
             sent.append(ppermute(x, stage_axis, pairs) if pairs else None)
-        ys = torch.stack([outs[m] for m in range(sch.microbatches)], 1)
-        ys = torch.where(me == sch.stages - 1, ys, torch.zeros_like(ys))
-        return psum(ys, stage_axis)
+        ys = [torch.stack([outs[o * g + i] for i in range(g)]) for o in range(sch.stages)]
+        return _to_owners(ys, me, stage_axis)[None]
 
     return body
+
+
+def _first_receives(sch: Schedule, t: int) -> bool:
+    """Whether the permute after iteration ``t`` sends stage 0 anything (the circular wrap)."""
+    return any(dst == 0 for _, dst in sch.pairs(t))
+
+
+def _to_first_stage(own: Tensor, me: Tensor, axis: str, stages: int) -> list[Tensor]:
+    """Stage 0's input, group by group (``[g, ...]`` each; group ``o`` is stage ``o``'s block
+    of the input): one permute ``o -> 0`` per other stage; zeros on every other stage."""
+    mine = torch.where(me == 0, own, torch.zeros((), dtype=own.dtype))
+    return [mine, *(ppermute(own, axis, [(o, 0)]) for o in range(1, stages))]
+
+
+def _to_owners(groups: list[Tensor], me: Tensor, axis: str) -> Tensor:
+    """Each stage's block of the output: the last stage's group ``o`` (``[g, ...]``), sent to
+    stage ``o`` by one permute ``S - 1 -> o``; the last stage keeps its own."""
+    last = len(groups) - 1
+    out = torch.where(me == last, groups[last], torch.zeros((), dtype=groups[last].dtype))
+    for o in range(last):
+        out = out + ppermute(groups[o], axis, [(last, o)])
+    return out
 
 
 def _weights_at(

@@ -72,6 +72,12 @@ class Pipeline(nn.Module):
             )
         stages = mesh.shape[mesh.axis_names.index(stage_axis)]
         self.schedule = _schedule(len(layers), stages, microbatches, schedule, rounds)
+        if microbatches % stages:
+            raise PipelineError(
+                f"partita.pipeline: microbatches={microbatches} is not a multiple of the "
+                f"{stages} stages of {stage_axis!r}: the pipeline's input and output are split "
+                f"over the stages by micro-batch (M / S each). Use a multiple of {stages}."
+            )
         if batch_axes is None:
             batch_axes = ("data",) if "data" in mesh.axis_names and stage_axis != "data" else ()
         bad = [a for a in batch_axes if a not in mesh.axis_names or a == stage_axis]
@@ -94,12 +100,14 @@ class Pipeline(nn.Module):
             entries = (*inner[name], *[None] * (stacked.ndim - 1 - len(inner[name])))
             mark_parameter(stacked, P(stage_axis, *entries).to_sharding(mesh, stacked.ndim))
         body = stage_body(self.schedule, self.stack, names, stage_axis, self.batch_axes, remat)
-        batch = P(self.batch_axes or None)
+        # [batch blocks, M, rows, ...]: the batch axes split dim 0, the stage axis the
+        # micro-batches (each stage holds M / S of them, in and out).
+        io = P(self.batch_axes or None, stage_axis)
         self._region = shard_map(
             body,
             mesh=mesh,
-            in_specs=({n: P(stage_axis) for n in names}, batch),
-            out_specs=batch,
+            in_specs=({n: P(stage_axis) for n in names}, io),
+            out_specs=io,
             axes=(stage_axis, *self.batch_axes),
         )
 
@@ -136,7 +144,7 @@ class Pipeline(nn.Module):
                 f"{split} ways over the batch axes {self.batch_axes}: {b} is not a multiple "
                 f"of {sch.microbatches * split}. Pad the batch, or change microbatches=."
             )
-        xs = x.reshape(b // sch.microbatches, sch.microbatches, *x.shape[1:])
+        xs = x.reshape(split, sch.microbatches, b // (split * sch.microbatches), *x.shape[1:])
         return self._region(stacked, xs).reshape(x.shape)
 
     def _sequential(self, x: Tensor, stacked: dict[str, Tensor]) -> Tensor:
