@@ -4,15 +4,20 @@ The region is manual over the stage axis and the batch axes; any other mesh axis
 propagation (tensor parallelism inside a layer). Each device sees:
 
 - its stage's stacked weights, ``[V * k, ...]`` (the stage axis splits the stack's dim 0);
-- its block of the micro-batched input, ``[b, M, ...]`` (``b``: the micro-batch rows this
-  device holds, the batch axes split them), the same block on every stage.
+- its block of the micro-batched input, ``[1, M / S, b, ...]``: the batch axes split dim 0
+  (``b`` rows of each micro-batch per device), the stage axis the micro-batches, so stage
+  ``o`` holds micro-batches ``o * M / S`` to ``(o + 1) * M / S - 1`` (a *group*).
 
-Then, for each of the ``V * M + S - 1`` iterations of :class:`~partita.pipeline.schedule.Schedule`
-(unrolled: the program holds one copy of the stage's layers per iteration):
+First stage 0 gets the whole input: one ``ppermute`` ``o -> 0`` per other stage carries
+group ``o`` (the input as stage 0 sees it, zeros on the other stages). Then, for each of the
+``V * M + S - 1`` iterations of :class:`~partita.pipeline.schedule.Schedule` (unrolled: the
+program holds one copy of the stage's layers per iteration):
 
 1. the stage's input: stage 0 takes the next micro-batch (or, in a circular schedule, what the
-   last stage handed back a round ago), the others what the previous stage sent (a
-   ``torch.where`` on ``axis_index(stage)``: the program is the same on every device);
+   last stage handed back a round ago), the others what the previous stage sent. The program
+   is the same on every device: where stage 0 received nothing from the last permute (zeros)
+   the two are added (the input is zeros off stage 0); where it did (a circular schedule's
+   wrap), a ``torch.where`` on ``axis_index(stage)`` picks;
 2. the stage's chunk of ``k`` layers runs on it (under ``torch.utils.checkpoint`` when
    ``remat``: the backward recomputes the chunk from its input instead of keeping its
    activations), with chunk ``(t - stage) // M`` of the weights in a circular schedule;
@@ -20,12 +25,13 @@ Then, for each of the ``V * M + S - 1`` iterations of :class:`~partita.pipeline.
    a real micro-batch at this iteration (so each boundary carries exactly ``V * M`` slots
    forward, and as many gradients back: the permute's transpose is the reverse permute).
 
-The last stage's results are put together (``[b, M, ...]``), zeroed on the other stages and
-summed over the stage axis (``psum``): every stage gets the output, as the code after the
-pipeline (replicated over the stages) expects. Weights and the input are marked varying over
-the batch axes and the stage axis once at the top (``pvary``), so their gradients are summed
-once per step: one ``all_reduce`` per weight over the batch axes (data parallelism), one over
-the stage axis for the input's gradient.
+At the end the last stage stacks its results group by group and sends group ``o`` to stage
+``o`` (one ``ppermute`` ``S - 1 -> o`` each): the output leaves the region split over the
+stages as the input came in, and nothing is summed over the stage axis. In the backward the
+permutes reverse: each stage's output gradient goes to the last stage, stage 0's input
+gradient back to the stage that holds that input, once. The weights are marked varying over
+the batch axes and the stage axis at the top (``pvary``), so their gradients are summed once
+per step: one ``all_reduce`` per weight over the batch axes (data parallelism).
 """
 
 from __future__ import annotations

@@ -9,8 +9,12 @@ of a module shard it so whatever preset the rest of the model gets. The returned
 partita.pipeline(model.blocks, ...)``) and call it on ``[batch, ...]`` activations.
 
 Inside a traced program (``jit``, ``train_step``) a call splits the batch into micro-batches
-(micro-batch ``i`` holds rows ``i, i + M, i + 2M, ...``, so a batch split over the batch axes
-stays split without moving a row) and runs the region of :mod:`partita.pipeline.body`. Outside
+and runs the region of :mod:`partita.pipeline.body`: the batch as ``[D, M, b, ...]`` (``D`` the
+batch axes' size; within each of the ``D`` blocks of rows, micro-batch ``m`` is the ``m``-th run
+of ``b`` rows), the batch axes splitting dim 0 and the stage axis the micro-batches, in and out.
+So a batch split over the batch axes stays split without moving a row, and the output comes
+back split over the batch axes and the stage axis on its rows (``P((*batch_axes, stage))``):
+the code after the pipeline works on ``1 / S`` of the rows per stage. Outside
 one (plain tensors) it runs the layers one after another on the whole batch, in the user's
 order: the same function, unsharded, e.g. for evaluation.
 """
@@ -194,7 +198,8 @@ def pipeline(
             buffers (a transformer's blocks). Their values are copied; the originals are left.
         mesh: the mesh the program runs on.
         stage_axis: the mesh axis whose ``S`` devices are the stages.
-        microbatches: ``M``, the micro-batches each batch is cut into.
+        microbatches: ``M``, the micro-batches each batch is cut into (a multiple of ``S``:
+            the input and output are split over the stages by micro-batch).
         schedule: ``"gpipe"`` (stage ``s`` holds layers ``s*L/S`` to ``(s+1)*L/S - 1``) or
             ``"circular"`` (each stage holds ``rounds`` chunks, micro-batches go round the
             stages ``rounds`` times; needs ``M >= S``).
