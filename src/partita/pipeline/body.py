@@ -75,8 +75,9 @@ def stage_body(
     batch_axes: tuple[str, ...],
     remat: bool,
 ) -> Callable[[Weights, Tensor], Tensor]:
-    """The body ``(stacked weights, xs [b, M, ...]) -> ys [b, M, ...]`` of the pipeline's
-    region (see the module's doc)."""
+    """The body ``(stacked weights, xs [1, M / S, b, ...]) -> ys [1, M / S, b, ...]`` of the
+    pipeline's region: this device's group of micro-batches in and out (see the module's
+    doc)."""
     sch = schedule
     k, rounds = sch.layers_per_chunk, sch.rounds
     run = _chunk_runner(template, names, k)
