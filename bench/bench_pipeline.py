@@ -28,9 +28,14 @@ timed by the wall clock and by the process's CPU time:
   over the stage axis in which every stage runs its checkpointed blocks on its M micro-batches
   and nothing else (no permute, no bubble); the same executor, ops and remat as the pipeline.
 * ``idle = 1 - busy / step`` and ``1 - alone / step``: the share of the step not spent on real
-  work. Besides the bubble's wasted iterations it holds what else the step does: the permutes,
-  the output's and the input gradient's all_reduce over the stages, and, against ``busy``,
-  partita's executor against eager torch for the same ops.
+  work. Besides the bubble's wasted iterations it holds what else the step does: the permutes
+  (between the stages, and those that bring stage 0 its input and hand each stage its results:
+  the pipeline's input and output are split over the stages by micro-batch), and, against
+  ``busy``, partita's executor against eager torch for the same ops. The loss after the
+  pipeline runs on the stage's ``M / S`` micro-batches of the output (the output is split
+  over the stages); ``alone``'s too, on ``M / S`` of its stage's ``M`` results, the others
+  only summed (one read each) so that their gradients flow. (Before the output was split,
+  the step's loss ran on all ``M`` on every stage, and so did ``alone``'s.)
 
 Which real work: ``alone`` is the stage's work as the step does it (the same traced ops on the
 same executor, no autograd or checkpoint machinery at run time), so ``1 - alone / step`` is the
@@ -157,6 +162,7 @@ def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, 
         for k, fn in runs.items():
             samples[k].append(_timed(fn))
     out = {k: statistics.median(w for w, _ in v) for k, v in samples.items()}
+    out |= {f"{k}_cpu": statistics.median(c for _, c in v) for k, v in samples.items()}
     for k in ("busy", "alone"):
         for i, clock in enumerate(("wall", "cpu")):
             out[f"idle_{k}_{clock}"] = statistics.median(
@@ -170,7 +176,7 @@ def _stage_alone(
 ):
     """A partita program in which every stage does its real work and nothing else: its
     blocks, checkpointed, on its M micro-batches, no permute (the same executor, ops and
-    remat as the pipeline)."""
+    remat as the pipeline), and the loss on M / S micro-batches' results, as the step."""
     names, per = pipe.names, LAYERS // STAGES
 
     def body(w: dict[str, torch.Tensor], xs: torch.Tensor) -> torch.Tensor:
@@ -190,7 +196,11 @@ def _stage_alone(
 
     def fn(w: dict[str, torch.Tensor], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         w = {k: v.requires_grad_() for k, v in w.items()}
-        loss = region(w, x.reshape(x.shape[0] // m, m, *x.shape[1:])).square().mean()
+        y = region(w, x.reshape(x.shape[0] // m, m, *x.shape[1:]))
+        # the step's loss runs on its stage's M / S micro-batches of the output: so does
+        # this one; the other results are only summed (one read each), for their gradients
+        g = m // STAGES
+        loss = y[:, :g].square().mean() + y[:, g:].sum()
         return (loss, *torch.autograd.grad(loss, list(w.values())))
 
     jitted = partita.jit(fn, mesh=mesh, in_specs=({n: P("stage") for n in names}, P()))
@@ -255,12 +265,14 @@ def report(per_rank: dict[str, dict[str, dict[str, float]]], ns: argparse.Namesp
         f"# mesh (stage={STAGES},), {LAYERS} MLP blocks of width {ns.width}, GPipe, remat, "
         f"micro-batch {ns.rows} x {ns.seq} tokens; {ns.repeat} repetitions per rank; "
         f"idle = 1 - real work / step, median over repetitions, mean over the 4 ranks; "
-        f"load average {os.getloadavg()[0]:.1f} at the end"
+        f"step s, busy s, alone s: median wall time of the 4 ranks; step cpu, alone cpu: "
+        f"median CPU seconds, mean of the 4 ranks; load average {os.getloadavg()[0]:.1f} at the end"
     )
     cols = [("idle_busy_wall", "busy wall"), ("idle_alone_wall", "alone wall")]
     cols += [("idle_busy_cpu", "busy cpu"), ("idle_alone_cpu", "alone cpu")]
     print(
-        f"{'M':>3} {'(S-1)/(M+S-1)':>14} {'step s':>7} {'busy s':>7} {'alone s':>8}  "
+        f"{'M':>3} {'(S-1)/(M+S-1)':>14} {'step s':>7} {'busy s':>7} {'alone s':>8} "
+        f"{'step cpu':>9} {'alone cpu':>9}  "
         + " ".join(f"{label:>10}" for _, label in cols)
         + f" {'busy cpu - theory':>19} {'alone cpu - theory':>19}"
     )
@@ -269,9 +281,11 @@ def report(per_rank: dict[str, dict[str, dict[str, float]]], ns: argparse.Namesp
         theory = (STAGES - 1) / (m + STAGES - 1)
         rows = [per_rank[r][str(m)] for r in ranks]
         times = [statistics.median(row[k] for row in rows) for k in ("step", "busy", "alone")]
+        cpu = [statistics.fmean(row[f"{k}_cpu"] for row in rows) for k in ("step", "alone")]
         idle = [statistics.fmean(row[key] for row in rows) for key, _ in cols]
         print(
-            f"{m:>3} {theory:>14.3f} {times[0]:>7.3f} {times[1]:>7.3f} {times[2]:>8.3f}  "
+            f"{m:>3} {theory:>14.3f} {times[0]:>7.3f} {times[1]:>7.3f} {times[2]:>8.3f} "
+            f"{cpu[0]:>9.4f} {cpu[1]:>9.4f}  "
             + " ".join(f"{i:>10.3f}" for i in idle)
             + f" {idle[2] - theory:>+19.3f} {idle[3] - theory:>+19.3f}"
         )

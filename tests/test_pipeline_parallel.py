@@ -119,6 +119,13 @@ def test_gpipe_gpt_trains_like_torch_on_stage_and_data() -> None:
         assert report.boundary_bytes[(s, s + 1)] == report.boundary_bytes[(s + 1, s)] == act * 4
     assert set(report.boundary_bytes) == {(0, 1), (1, 0), (1, 2), (2, 1), (2, 3), (3, 2)}
     assert report.permutes == 2 * 6  # M + S - 2 iterations send, forward and backward
+    # input and output split over the stages by micro-batch (M / S = 1 each): stage o's input
+    # goes o -> 0 and the last stage's result o goes 3 -> o, forward, and back; no all_reduce
+    io = {(o, 0): act for o in (1, 2)} | {(0, o): act for o in (1, 2)}
+    io |= {(3, o): act for o in (1, 2)} | {(o, 3): act for o in (1, 2)}
+    io |= {(3, 0): 2 * act, (0, 3): 2 * act}
+    assert report.io_bytes == io and report.io_permutes == 4 * 3
+    assert report.stage_all_reduce_bytes == 0
     assert report.bubble_fraction == pytest.approx(3 / 7)
     assert "bubble fraction (S-1)/(V*M+S-1) = 0.429" in report.explain()
 
@@ -136,6 +143,9 @@ def test_circular_gpt_trains_like_torch_with_the_rest_sharded_over_stage() -> No
     for s in range(3):
         assert report.boundary(s, s + 1) == 2 * act * 8 * 2  # both rounds cross it
     assert report.boundary(3, 0) == 2 * act * 8  # the wrap: once, into round 2
+    # input and output moved in groups of M / S = 2 micro-batches: 3 permutes in, 3 out, and
+    # their gradients back (the all_reduces over the stage axis here are FSDP's)
+    assert report.io_permutes == 12 and sum(report.io_bytes.values()) == 12 * 2 * act
 
 
 def test_parameter_memory_is_a_stage_share() -> None:
@@ -207,6 +217,32 @@ def test_pipeline_in_jit_values_and_gradients(remat: bool) -> None:
     assert report.boundary(0, 1) == 2 * (2 * 8 * 4) * 2  # [8/2/2 rows, 8] per micro-batch
 
 
+def test_input_and_output_are_split_over_the_stages_by_micro_batch() -> None:
+    """The output leaves the pipeline split over the stage axis under the batch axes' split
+    (each stage holds the results of M / S micro-batches, rows contiguous): nothing sums it
+    over the stages. Stage 0 gets the other stages' input micro-batches and the last stage
+    hands each stage its results, one permute of M / S slots per stage and direction."""
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)]
+    mesh = Mesh.create((2, 2), ("stage", "data"))
+    pipe = partita.pipeline(layers, mesh=mesh, microbatches=4)
+    x = torch.randn(16, 8)
+    jitted = partita.jit(pipe, mesh=mesh, in_specs=(P("data"),))
+    y = jitted(x)
+    want = x
+    for layer in layers:
+        want = layer(want)
+    torch.testing.assert_close(y.full(), want, rtol=1e-5, atol=1e-5)
+    assert y.spec == P(("data", "stage"), None)
+    plan = jitted.lower(x)
+    assert plan.counts() == {"collective_permute": 6}  # no all_reduce
+    report = partita.pipeline_report(pipe, plan)
+    slot = (16 // 4 // 2) * 8 * 4  # one micro-batch's rows on one device, float32
+    assert report.permutes == 4 and report.boundary_bytes == {(0, 1): slot * 4}
+    # the input's micro-batches 2, 3 go 1 -> 0; the results 0, 1 go 1 -> 0
+    assert report.io_permutes == 2 and report.io_bytes == {(1, 0): 2 * slot * 2}
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 
@@ -224,6 +260,7 @@ SETUP_ERRORS = [
         r"as many micro-batches as stages, got microbatches=2 for 4 stages",
     ),
     ({"microbatches": 0}, r"microbatches=0; it must be at least 1"),
+    ({"microbatches": 6}, r"microbatches=6 is not a multiple of the 4 stages of 'stage'"),
     ({"batch_axes": ("stage",)}, r"batch_axes=\('stage',\) names \['stage'\]"),
     (
         {"layer_specs": {"weight": P("data", None)}},

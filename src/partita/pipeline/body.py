@@ -4,15 +4,20 @@ The region is manual over the stage axis and the batch axes; any other mesh axis
 propagation (tensor parallelism inside a layer). Each device sees:
 
 - its stage's stacked weights, ``[V * k, ...]`` (the stage axis splits the stack's dim 0);
-- its block of the micro-batched input, ``[b, M, ...]`` (``b``: the micro-batch rows this
-  device holds, the batch axes split them), the same block on every stage.
+- its block of the micro-batched input, ``[1, M / S, b, ...]``: the batch axes split dim 0
+  (``b`` rows of each micro-batch per device), the stage axis the micro-batches, so stage
+  ``o`` holds micro-batches ``o * M / S`` to ``(o + 1) * M / S - 1`` (a *group*).
 
-Then, for each of the ``V * M + S - 1`` iterations of :class:`~partita.pipeline.schedule.Schedule`
-(unrolled: the program holds one copy of the stage's layers per iteration):
+First stage 0 gets the whole input: one ``ppermute`` ``o -> 0`` per other stage carries
+group ``o`` (the input as stage 0 sees it, zeros on the other stages). Then, for each of the
+``V * M + S - 1`` iterations of :class:`~partita.pipeline.schedule.Schedule` (unrolled: the
+program holds one copy of the stage's layers per iteration):
 
 1. the stage's input: stage 0 takes the next micro-batch (or, in a circular schedule, what the
-   last stage handed back a round ago), the others what the previous stage sent (a
-   ``torch.where`` on ``axis_index(stage)``: the program is the same on every device);
+   last stage handed back a round ago), the others what the previous stage sent. The program
+   is the same on every device: where stage 0 received nothing from the last permute (zeros)
+   the two are added (the input is zeros off stage 0); where it did (a circular schedule's
+   wrap), a ``torch.where`` on ``axis_index(stage)`` picks;
 2. the stage's chunk of ``k`` layers runs on it (under ``torch.utils.checkpoint`` when
    ``remat``: the backward recomputes the chunk from its input instead of keeping its
    activations), with chunk ``(t - stage) // M`` of the weights in a circular schedule;
@@ -20,12 +25,13 @@ Then, for each of the ``V * M + S - 1`` iterations of :class:`~partita.pipeline.
    a real micro-batch at this iteration (so each boundary carries exactly ``V * M`` slots
    forward, and as many gradients back: the permute's transpose is the reverse permute).
 
-The last stage's results are put together (``[b, M, ...]``), zeroed on the other stages and
-summed over the stage axis (``psum``): every stage gets the output, as the code after the
-pipeline (replicated over the stages) expects. Weights and the input are marked varying over
-the batch axes and the stage axis once at the top (``pvary``), so their gradients are summed
-once per step: one ``all_reduce`` per weight over the batch axes (data parallelism), one over
-the stage axis for the input's gradient.
+At the end the last stage stacks its results group by group and sends group ``o`` to stage
+``o`` (one ``ppermute`` ``S - 1 -> o`` each): the output leaves the region split over the
+stages as the input came in, and nothing is summed over the stage axis. In the backward the
+permutes reverse: each stage's output gradient goes to the last stage, stage 0's input
+gradient back to the stage that holds that input, once. The weights are marked varying over
+the batch axes and the stage axis at the top (``pvary``), so their gradients are summed once
+per step: one ``all_reduce`` per weight over the batch axes (data parallelism).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils.checkpoint import checkpoint
 
-from partita.manual.collectives import axis_index, ppermute, psum
+from partita.manual.collectives import axis_index, ppermute
 from partita.manual.vma import pvary
 from partita.pipeline.schedule import Schedule
 
@@ -69,8 +75,9 @@ def stage_body(
     batch_axes: tuple[str, ...],
     remat: bool,
 ) -> Callable[[Weights, Tensor], Tensor]:
-    """The body ``(stacked weights, xs [b, M, ...]) -> ys [b, M, ...]`` of the pipeline's
-    region (see the module's doc)."""
+    """The body ``(stacked weights, xs [1, M / S, b, ...]) -> ys [1, M / S, b, ...]`` of the
+    pipeline's region: this device's group of micro-batches in and out (see the module's
+    doc)."""
     sch = schedule
     k, rounds = sch.layers_per_chunk, sch.rounds
     run = _chunk_runner(template, names, k)
@@ -83,38 +90,73 @@ def stage_body(
     def body(stacked: Weights, xs: Tensor) -> Tensor:
         varying = (stage_axis, *batch_axes)
         stacked = {n: pvary(stacked[n], varying) for n in names}  # gradients summed once
-        xs = pvary(xs, varying)
         me = axis_index(stage_axis)
         first = me == 0
+        inputs = _to_first_stage(xs[0], me, stage_axis, sch.stages)
+        g = sch.microbatches // sch.stages
         # Static chunks: per (round, layer) the weights, sliced once so that the gradient of
         # every use adds up on one slice.
         static = [[stacked[n][v * k + j] for j in range(k) for n in names] for v in range(rounds)]
         blocks = {n: w.reshape(rounds, k, *w.shape[1:]) for n, w in stacked.items() if rounds > 1}
         sent: list[Tensor | None] = []
         outs: dict[int, Tensor] = {}
-        zeros = torch.zeros_like(xs[:, 0])
+        zeros: list[Tensor] = []
+
+        def zero() -> Tensor:
+            if not zeros:
+                zeros.append(torch.zeros_like(inputs[0][0]))
+            return zeros[0]
+
         for t in range(sch.iterations):
-            last = sent[t - 1] if t else None
-            prev = last if last is not None else zeros
+            prev = sent[t - 1] if t else None
             kind, at = sch.source(t)
             if kind == "input":
-                x = torch.where(first, xs[:, at], prev)
+                x = inputs[at // g][at % g]  # zeros on the other stages
+                if prev is not None and _first_receives(sch, t - 1):
+                    x = torch.where(first, x, prev)
+                elif prev is not None:  # stage 0 got nothing (zeros): one add, no where
+                    x = prev + x
             elif kind == "wrap":
                 back = sent[at]
-                x = torch.where(first, back if back is not None else zeros, prev)
+                x = torch.where(
+                    first,
+                    back if back is not None else zero(),
+                    prev if prev is not None else zero(),
+                )
             else:
-                x = prev
+                x = prev if prev is not None else zero()
             x = chunk(x, _weights_at(sch, t, me, static, blocks, names))
             m = sch.output(t)
             if m is not None:
                 outs[m] = x
             pairs = sch.pairs(t)
             sent.append(ppermute(x, stage_axis, pairs) if pairs else None)
-        ys = torch.stack([outs[m] for m in range(sch.microbatches)], 1)
-        ys = torch.where(me == sch.stages - 1, ys, torch.zeros_like(ys))
-        return psum(ys, stage_axis)
+        ys = [torch.stack([outs[o * g + i] for i in range(g)]) for o in range(sch.stages)]
+        return _to_owners(ys, me, stage_axis)[None]
 
     return body
+
+
+def _first_receives(sch: Schedule, t: int) -> bool:
+    """Whether the permute after iteration ``t`` sends stage 0 anything (the circular wrap)."""
+    return any(dst == 0 for _, dst in sch.pairs(t))
+
+
+def _to_first_stage(own: Tensor, me: Tensor, axis: str, stages: int) -> list[Tensor]:
+    """Stage 0's input, group by group (``[g, ...]`` each; group ``o`` is stage ``o``'s block
+    of the input): one permute ``o -> 0`` per other stage; zeros on every other stage."""
+    mine = torch.where(me == 0, own, torch.zeros((), dtype=own.dtype))
+    return [mine, *(ppermute(own, axis, [(o, 0)]) for o in range(1, stages))]
+
+
+def _to_owners(groups: list[Tensor], me: Tensor, axis: str) -> Tensor:
+    """Each stage's block of the output: the last stage's group ``o`` (``[g, ...]``), sent to
+    stage ``o`` by one permute ``S - 1 -> o``; the last stage keeps its own."""
+    last = len(groups) - 1
+    out = torch.where(me == last, groups[last], torch.zeros((), dtype=groups[last].dtype))
+    for o in range(last):
+        out = out + ppermute(groups[o], axis, [(last, o)])
+    return out
 
 
 def _weights_at(

@@ -9,8 +9,12 @@ of a module shard it so whatever preset the rest of the model gets. The returned
 partita.pipeline(model.blocks, ...)``) and call it on ``[batch, ...]`` activations.
 
 Inside a traced program (``jit``, ``train_step``) a call splits the batch into micro-batches
-(micro-batch ``i`` holds rows ``i, i + M, i + 2M, ...``, so a batch split over the batch axes
-stays split without moving a row) and runs the region of :mod:`partita.pipeline.body`. Outside
+and runs the region of :mod:`partita.pipeline.body`: the batch as ``[D, M, b, ...]`` (``D`` the
+batch axes' size; within each of the ``D`` blocks of rows, micro-batch ``m`` is the ``m``-th run
+of ``b`` rows), the batch axes splitting dim 0 and the stage axis the micro-batches, in and out.
+So a batch split over the batch axes stays split without moving a row, and the output comes
+back split over the batch axes and the stage axis on its rows (``P((*batch_axes, stage))``):
+the code after the pipeline works on ``1 / S`` of the rows per stage. Outside
 one (plain tensors) it runs the layers one after another on the whole batch, in the user's
 order: the same function, unsharded, e.g. for evaluation.
 """
@@ -72,6 +76,12 @@ class Pipeline(nn.Module):
             )
         stages = mesh.shape[mesh.axis_names.index(stage_axis)]
         self.schedule = _schedule(len(layers), stages, microbatches, schedule, rounds)
+        if microbatches % stages:
+            raise PipelineError(
+                f"partita.pipeline: microbatches={microbatches} is not a multiple of the "
+                f"{stages} stages of {stage_axis!r}: the pipeline's input and output are split "
+                f"over the stages by micro-batch (M / S each). Use a multiple of {stages}."
+            )
         if batch_axes is None:
             batch_axes = ("data",) if "data" in mesh.axis_names and stage_axis != "data" else ()
         bad = [a for a in batch_axes if a not in mesh.axis_names or a == stage_axis]
@@ -94,12 +104,14 @@ class Pipeline(nn.Module):
             entries = (*inner[name], *[None] * (stacked.ndim - 1 - len(inner[name])))
             mark_parameter(stacked, P(stage_axis, *entries).to_sharding(mesh, stacked.ndim))
         body = stage_body(self.schedule, self.stack, names, stage_axis, self.batch_axes, remat)
-        batch = P(self.batch_axes or None)
+        # [batch blocks, M, rows, ...]: the batch axes split dim 0, the stage axis the
+        # micro-batches (each stage holds M / S of them, in and out).
+        io = P(self.batch_axes or None, stage_axis)
         self._region = shard_map(
             body,
             mesh=mesh,
-            in_specs=({n: P(stage_axis) for n in names}, batch),
-            out_specs=batch,
+            in_specs=({n: P(stage_axis) for n in names}, io),
+            out_specs=io,
             axes=(stage_axis, *self.batch_axes),
         )
 
@@ -136,7 +148,7 @@ class Pipeline(nn.Module):
                 f"{split} ways over the batch axes {self.batch_axes}: {b} is not a multiple "
                 f"of {sch.microbatches * split}. Pad the batch, or change microbatches=."
             )
-        xs = x.reshape(b // sch.microbatches, sch.microbatches, *x.shape[1:])
+        xs = x.reshape(split, sch.microbatches, b // (split * sch.microbatches), *x.shape[1:])
         return self._region(stacked, xs).reshape(x.shape)
 
     def _sequential(self, x: Tensor, stacked: dict[str, Tensor]) -> Tensor:
@@ -186,7 +198,8 @@ def pipeline(
             buffers (a transformer's blocks). Their values are copied; the originals are left.
         mesh: the mesh the program runs on.
         stage_axis: the mesh axis whose ``S`` devices are the stages.
-        microbatches: ``M``, the micro-batches each batch is cut into.
+        microbatches: ``M``, the micro-batches each batch is cut into (a multiple of ``S``:
+            the input and output are split over the stages by micro-batch).
         schedule: ``"gpipe"`` (stage ``s`` holds layers ``s*L/S`` to ``(s+1)*L/S - 1``) or
             ``"circular"`` (each stage holds ``rounds`` chunks, micro-batches go round the
             stages ``rounds`` times; needs ``M >= S``).

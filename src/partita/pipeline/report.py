@@ -6,6 +6,10 @@ with what the compiled program's :class:`~partita.partition.Plan` records: every
 ``collective_permute`` written in a shard_map body over the stage axis, whose ``detail`` lists
 the ``from->to`` positions along the axis. A boundary ``(s, s + 1)`` is counted in both
 directions: activations go forward ``s -> s + 1``, their gradients back ``s + 1 -> s``.
+The pipeline's input and output are split over the stages by micro-batch; the permutes that
+bring stage 0 its input and hand the last stage's results to their stages (and their
+gradients back) carry ``M / S`` slots stacked, one dim more than a slot: that is how they are
+told apart from the schedule's (``io_bytes``).
 Bytes are per device, as everywhere in a Plan (the batch axes split a micro-batch's rows, so
 each device sends its block).
 
@@ -42,8 +46,12 @@ class PipelineReport:
         slots: ``{(s, t): n}``: micro-batch slots the schedule sends ``s -> t`` in one step,
             forward activations and backward gradients.
         permutes: the number of those permutes in the Plan.
+        io_bytes: ``{(s, t): bytes}``, per device, moved by the input's and the output's
+            permutes (``o -> 0`` stage ``o``'s input micro-batches, ``S - 1 -> o`` the results
+            stage ``o`` holds, and the reverse for their gradients).
+        io_permutes: the number of those.
         stage_all_reduce_bytes: per device, the Plan's all_reduces over the stage axis alone
-            (the output handed to every stage, the input's gradient summed back to stage 0).
+            (none of them the pipeline's own: e.g. the loss summed over the stages' rows).
         param_bytes: per device, of the stacked parameters (``1 / S`` of them).
         param_bytes_total: the stacked parameters unsharded.
     """
@@ -58,6 +66,8 @@ class PipelineReport:
     boundary_bytes: dict[tuple[int, int], int]
     slots: dict[tuple[int, int], int]
     permutes: int
+    io_bytes: dict[tuple[int, int], int]
+    io_permutes: int
     stage_all_reduce_bytes: int
     param_bytes: int
     param_bytes_total: int
@@ -74,8 +84,9 @@ class PipelineReport:
             f"  iterations per pass: {self.iterations}; bubble fraction (S-1)/(V*M+S-1) = "
             f"{self.bubble_fraction:.3f}",
             f"  stacked parameters: {self.param_bytes} B per device of {self.param_bytes_total} B",
-            f"  collective_permutes: {self.permutes}; all_reduce over the stage axis: "
-            f"{self.stage_all_reduce_bytes} B per device",
+            f"  collective_permutes: {self.permutes} between stages, {self.io_permutes} for "
+            f"the input and output ({sum(self.io_bytes.values())} B per device); all_reduce "
+            f"over the stage axis: {self.stage_all_reduce_bytes} B per device",
         ]
         pairs = sorted({tuple(sorted(p)) for p in self.boundary_bytes})
         for s, t in pairs:
@@ -106,18 +117,26 @@ def pipeline_report(pipe: Pipeline, plan: Plan) -> PipelineReport:
     sch = pipe.schedule
     axis = (pipe.stage_axis,)
     sent: dict[tuple[int, int], int] = {}
-    permutes = 0
-    reduced = 0
+    moved: dict[tuple[int, int], int] = {}
+    permutes = io_permutes = reduced = 0
+    ours = [
+        c
+        for c in plan.collectives
+        if c.mesh_axes == axis
+        and c.kind == "collective_permute"
+        and c.reason.startswith(USER_COLLECTIVE)
+    ]
+    slot_ndim = min((len(c.shape) for c in ours), default=0)
     for c in plan.collectives:
-        if c.mesh_axes != axis:
-            continue
-        if c.kind == "all_reduce":
+        if c.mesh_axes == axis and c.kind == "all_reduce":
             reduced += c.bytes
-        if c.kind != "collective_permute" or not c.reason.startswith(USER_COLLECTIVE):
-            continue
-        permutes += 1
+    for c in ours:
+        io = len(c.shape) > slot_ndim  # M / S slots stacked: the input's or output's move
+        into = moved if io else sent
+        io_permutes += io
+        permutes += not io
         for pair in _pairs(c.detail):
-            sent[pair] = sent.get(pair, 0) + c.bytes
+            into[pair] = into.get(pair, 0) + c.bytes
     params = dict(pipe.stack.named_parameters())
     total = sum(p.numel() * p.element_size() for p in params.values())
     local = 0
@@ -138,6 +157,8 @@ def pipeline_report(pipe: Pipeline, plan: Plan) -> PipelineReport:
         boundary_bytes=dict(sorted(sent.items())),
         slots=dict(sorted(slots.items())),
         permutes=permutes,
+        io_bytes=dict(sorted(moved.items())),
+        io_permutes=io_permutes,
         stage_all_reduce_bytes=reduced,
         param_bytes=local,
         param_bytes_total=total,
