@@ -56,6 +56,30 @@ def test_small_groups_stay_as_they_are() -> None:
     assert _count(gm, "_foreach_") == 0
 
 
+def test_large_updates_stay_per_op_small_ones_group() -> None:
+    """Members over ``_MAX_BYTES`` keep their per-parameter order (grouping them streams
+    every parameter's tensors through memory once per op: slower, not faster); the small
+    ones of the same update still group."""
+    g = torch.Generator().manual_seed(0)
+    shapes = [(128, 256)] * 8 + [(16,)] * 8  # 128 KiB each, then 64 bytes each
+    args = [torch.rand(s, generator=g) + 0.1 for s in shapes for _ in range(4)]
+    gm = make_fx(_adam_like, tracing_mode="fake")(*args)
+    want = gm(*args)
+    grouped = foreach_elementwise(gm)
+    assert grouped > 0
+    big = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "call_function"
+        and "_foreach_" in str(n.target)
+        and any(v.numel() > 16 for v in n.meta["val"])
+    ]
+    assert not big  # no group holds a 128 KiB member
+    assert _count(gm, "aten.sqrt.default") == 8  # the large ones' sqrts stay ops
+    for got, w in zip(gm(*args), want, strict=True):
+        assert torch.equal(got, w)
+
+
 def test_permute_chains_fold_and_identities_go() -> None:
     def fn(x: Tensor) -> tuple[Tensor, Tensor]:
         a = x.permute(2, 0, 1).permute(1, 2, 0)  # the identity, in two steps
