@@ -19,11 +19,10 @@ This module does not know about programs or plans (``runtime.distributed`` and
 from __future__ import annotations
 
 import datetime
-import functools
 import itertools
 import socket
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -32,7 +31,6 @@ from torch import Tensor
 
 from partita.errors import ArgumentError, DistributedError
 from partita.runtime import launch
-from partita.runtime.p2p_collectives import tag_sequence
 from partita.values.mesh import Mesh
 
 __all__ = [
@@ -60,18 +58,11 @@ class Group:
     members: tuple[int, ...]  # device ids (= ranks), partita order (major-first by mesh_axes)
     torch_order: tuple[int, ...]  # the same ranks in the torch group's order
     index: int  # this rank's index in ``members``
-    #: the tags of this group's point-to-point collectives (``runtime.p2p_collectives``)
-    tags: Iterator[int] = field(default_factory=tag_sequence, compare=False, repr=False)
 
     @property
     def to_torch(self) -> list[int]:
         """``to_torch[t]`` = the partita member index of torch group rank ``t``."""
         return [self.members.index(r) for r in self.torch_order]
-
-    @functools.cached_property
-    def torch_index(self) -> int:
-        """This rank's rank in the torch group."""
-        return self.torch_order.index(self.members[self.index])
 
     @property
     def same_order(self) -> bool:

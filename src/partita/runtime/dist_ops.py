@@ -23,7 +23,6 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from partita.runtime import p2p_collectives as p2p
 from partita.runtime.comm import (
     ALL_GATHER,
     REDUCE_SCATTER,
@@ -109,13 +108,6 @@ def _gathered(parts: Tensor, shape: Sequence[int], dim: int) -> Tensor:
 
 def all_gather(g: Group, x: Tensor, dim: int, mesh_axes: Sequence[str], node: str) -> Op:
     n = len(g.members)
-    if p2p.p2p_group(g.pg):  # this rank's chunk straight into its row of the result
-        out = x.new_empty(n * x.numel())
-        rows = out.view(n, -1)
-        rows[g.torch_index].view(x.shape).copy_(x)
-        yield from _launch(node, "all_gather", mesh_axes, g,
-                           lambda: p2p.all_gather(g.pg, g.tags, rows, g.torch_index))  # fmt: skip
-        return _gathered(_member_order(g, rows), x.shape, dim)
     flat = x.contiguous().reshape(-1)
     out = flat.new_empty(n * flat.numel())
     yield from _launch(node, "all_gather", mesh_axes, g,
@@ -131,15 +123,10 @@ def all_gather_bucket(
     out = xs[0].new_empty(n * numel)
     # gathered in place, as FSDP2 does: this rank's values go straight into its own slot of
     # the output, so no separate flat input is held while the bytes move
-    rows = out.view(n, numel)
-    mine = rows[g.torch_index]
+    mine = out.narrow(0, g.torch_order.index(g.members[g.index]) * numel, numel)
     torch.cat([x.reshape(-1) for x in xs], out=mine)
-    if p2p.p2p_group(g.pg):
-        yield from _launch(node, "all_gather_bucket", mesh_axes, g,
-                           lambda: p2p.all_gather(g.pg, g.tags, rows, g.torch_index))  # fmt: skip
-    else:
-        yield from _launch(node, "all_gather_bucket", mesh_axes, g,
-                           lambda: ALL_GATHER(out, mine, group=g.pg, async_op=True))  # fmt: skip
+    yield from _launch(node, "all_gather_bucket", mesh_axes, g,
+                       lambda: ALL_GATHER(out, mine, group=g.pg, async_op=True))  # fmt: skip
     parts = _member_order(g, out.reshape(n, -1))
     pieces = parts.split([x.numel() for x in xs], dim=1)
     return [_gathered(p, x.shape, d) for p, x, d in zip(pieces, xs, dims, strict=True)]
@@ -151,18 +138,10 @@ def all_reduce(
     """``donate``: nothing else reads ``x`` (``runtime.distributed``): reduced in place."""
     out = x.contiguous() if donate else x.contiguous().clone()
     del x  # not held while the bytes move (as in reduce_scatter_bucket)
-    yield from _launch(node, "all_reduce", mesh_axes, g, _all_reduce(g, out, reduce_op))
+    yield from _launch(node, "all_reduce", mesh_axes, g,
+          lambda: dist.all_reduce(out, op=torch_reduce_op(reduce_op), group=g.pg,
+                                  async_op=True))  # fmt: skip
     return finish_avg(out, reduce_op, len(g.members))
-
-
-def _all_reduce(g: Group, out: Tensor, reduce_op: str) -> Callable[[], Any]:
-    """The launch of an all-reduce of ``out`` in place (contiguous)."""
-    if p2p.p2p_group(g.pg):
-        return lambda: p2p.all_reduce(
-            g.pg, g.tags, out.view(-1), g.torch_index, len(g.members), reduce_op
-        )
-    op = torch_reduce_op(reduce_op)
-    return lambda: dist.all_reduce(out, op=op, group=g.pg, async_op=True)
 
 
 def all_reduce_bucket(
@@ -171,7 +150,9 @@ def all_reduce_bucket(
     flat = torch.cat([x.reshape(-1) for x in xs])
     shapes = [x.shape for x in xs]
     del xs  # not held while the bytes move (as in reduce_scatter_bucket)
-    yield from _launch(node, "all_reduce_bucket", mesh_axes, g, _all_reduce(g, flat, reduce_op))
+    yield from _launch(node, "all_reduce_bucket", mesh_axes, g,
+          lambda: dist.all_reduce(flat, op=torch_reduce_op(reduce_op), group=g.pg,
+                                  async_op=True))  # fmt: skip
     flat = finish_avg(flat, reduce_op, len(g.members))
     pieces = flat.split([math.prod(s) for s in shapes])
     return [p.reshape(s) for p, s in zip(pieces, shapes, strict=True)]
@@ -188,17 +169,6 @@ def _scatter_rows(g: Group, x: Tensor, dim: int, node: str, kind: str) -> Tensor
     return chunks
 
 
-def _reduce_scatter(g: Group, flat: Tensor, out: Tensor, reduce_op: str) -> Callable[[], Any]:
-    """The launch of a reduce-scatter of ``flat`` (member-major, contiguous) into ``out``."""
-    if p2p.p2p_group(g.pg):
-        rows = flat.view(len(g.members), -1)
-        return lambda: p2p.reduce_scatter(
-            g.pg, g.tags, rows, g.torch_index, out.view(-1), reduce_op
-        )
-    op = torch_reduce_op(reduce_op)
-    return lambda: REDUCE_SCATTER(out, flat, op=op, group=g.pg, async_op=True)
-
-
 def reduce_scatter(
     g: Group, x: Tensor, dim: int, reduce_op: str, mesh_axes: Sequence[str], node: str
 ) -> Op:
@@ -207,7 +177,8 @@ def reduce_scatter(
     out = x.new_empty(chunks.shape[1:])
     del x, chunks  # not held while the bytes move (as in reduce_scatter_bucket)
     yield from _launch(node, "reduce_scatter", mesh_axes, g,
-                       _reduce_scatter(g, flat, out, reduce_op))  # fmt: skip
+          lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
+                                 async_op=True))  # fmt: skip
     return finish_avg(out, reduce_op, len(g.members)).movedim(0, dim).contiguous()
 
 
@@ -230,7 +201,8 @@ def reduce_scatter_bucket(
     # while the bytes move, so each is freed at the launch once the program is done with it
     del xs, chunked
     yield from _launch(node, "reduce_scatter_bucket", mesh_axes, g,
-                       _reduce_scatter(g, flat, out, reduce_op))  # fmt: skip
+          lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
+                                 async_op=True))  # fmt: skip
     out = finish_avg(out, reduce_op, n)
     return [
         p.reshape(shape).movedim(0, d).contiguous()
@@ -246,12 +218,7 @@ def all_to_all(
     chunks = list(x.chunk(n, dim=split_dim))  # chunk j goes to partita member j
     send = torch.stack([chunks[j] for j in g.to_torch]).contiguous()
     recv = torch.empty_like(send)
-    me = g.torch_index
-    if p2p.p2p_group(g.pg):
-        yield from _launch(node, "all_to_all", mesh_axes, g,
-                           lambda: p2p.all_to_all(g.pg, g.tags, send, recv, me))  # fmt: skip
-    else:
-        yield from _launch(node, "all_to_all", mesh_axes, g,
-              lambda: dist.all_to_all_single(recv, send, group=g.pg, async_op=True))  # fmt: skip
+    yield from _launch(node, "all_to_all", mesh_axes, g,
+          lambda: dist.all_to_all_single(recv, send, group=g.pg, async_op=True))  # fmt: skip
     received = [recv[g.torch_order.index(m)] for m in g.members]  # in sender order
     return torch.cat(received, dim=concat_dim)

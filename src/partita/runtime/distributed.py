@@ -285,7 +285,7 @@ class DistributedMesh:
         donated = donated_all_reduces(graph) if donate else set()
         gloo = dist.get_backend() == "gloo"
         if overlap:
-            copies = 1  # on Gloo too: runtime.p2p_collectives gathers in place
+            copies = 2 if gloo else 1  # Gloo gathers via a temporary
             schedule_overlap(graph, ASYNC_OPS, self.start, self.wait, _kind, overlap, sizes, copies)
         bind_permutes(graph, self.rank, overlap, gloo)  # receives posted ahead within overlap
         for node in graph.nodes:

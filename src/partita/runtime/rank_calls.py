@@ -5,7 +5,8 @@ dispatch per node, about 2 us each before the kernel does anything. The 4-layer 
 step has about 1 400 of them per rank, most of them the AdamW update of every parameter tile
 (``mul``, ``add``, ``sqrt``, ``div``, ... once per parameter: 780 elementwise calls) and views
 (``permute`` of a ``permute``, ``reshape`` to the shape the value already has). On 4 Gloo
-processes that is a tenth of each rank's CPU (``bench/bench_distributed.py --threads``).
+processes, ``perf`` put about 13% of a rank's samples in the Python interpreter and torch's
+bindings (docs/performance.md).
 
 :func:`fewer_calls` rewrites a rank's graph, before its collectives are bound and scheduled:
 
