@@ -30,6 +30,10 @@ them synchronously in program order). A program's first run goes as partitioned 
 values, so that the schedule holds each gather under the program's peak. Under
 the ``inductor`` option the runs of local ops between them are compiled by Inductor
 (``runtime.compiled``), the schedule kept (without the measured hold).
+Before binding, a program's view chains are folded and, with the values its first run
+recorded, its optimizer's elementwise ops grouped as ``_foreach`` calls
+(``runtime.rank_calls``); the memory freed by the compile and by the first run is given
+back to the system once (``runtime.release``).
 
 Groups. For every non-empty set of mesh axes and every group ``Mesh.groups(axes)`` of more than
 one device, every rank calls ``new_group`` in the same order when the DistributedMesh is built
