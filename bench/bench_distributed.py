@@ -1,7 +1,8 @@
 """partita on 4 Gloo processes beside PyTorch FSDP2 and TP + FSDP2, same GPT step, same run.
 
 Run: ``.venv/bin/python bench/bench_distributed.py [--layers 4 8 12] [--repeat 5]
-[--unfused]`` (each
+[--unfused] [--threads]`` (``--threads``: also each row's CPU per step by kind of thread,
+summed over the ranks: the step's own thread and Gloo's; each
 configuration starts its own 4 worker processes on 127.0.0.1 through
 ``partita.runtime.launch.spawn``, so every process high-water mark belongs to one
 configuration; rank 0's report is printed).
