@@ -1,7 +1,8 @@
 """partita on 4 Gloo processes beside PyTorch FSDP2 and TP + FSDP2, same GPT step, same run.
 
 Run: ``.venv/bin/python bench/bench_distributed.py [--layers 4 8 12] [--repeat 5]
-[--unfused]`` (each
+[--unfused] [--threads]`` (``--threads``: also each row's CPU per step by kind of thread,
+summed over the ranks: the step's own thread and Gloo's; each
 configuration starts its own 4 worker processes on 127.0.0.1 through
 ``partita.runtime.launch.spawn``, so every process high-water mark belongs to one
 configuration; rank 0's report is printed).
@@ -465,8 +466,49 @@ def worker(ns: argparse.Namespace) -> None:
     parts = torch.tensor([split.parts[k] for k in CATEGORIES] + [split.cpu])
     dist.all_reduce(parts, op=dist.ReduceOp.SUM)  # the machine's CPU: every rank's
     row["parts"] = dict(zip([*CATEGORIES, "cpu"], parts.tolist(), strict=True))
+    if ns.threads:
+        row["threads"] = _thread_cpu(STEP[0], ns.repeat)
     if pd.is_main_process():
         print("RESULT " + json.dumps(row))
+
+
+def _thread_cpu(fn: Callable[[], Any], repeat: int) -> dict[str, float]:
+    """``--threads``: CPU ms per step of each kind of thread (``/proc/self/task/*/stat``,
+    by thread name; the main thread as ``main``), summed over the ranks: where the CPU goes
+    besides the step's own thread (Gloo's ``gloo_tcp_loop`` event loop and
+    ``pt_gloo_runloop`` workers). Linux only (empty elsewhere)."""
+
+    def sample() -> dict[str, tuple[str, float]]:
+        out = {}
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    text = f.read()
+            except OSError:
+                continue
+            name = text[text.index("(") + 1 : text.rindex(")")]
+            name = "main" if tid == str(os.getpid()) else name
+            fields = text[text.rindex(")") + 2 :].split()
+            out[tid] = (name, (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+        return out
+
+    if not os.path.isdir("/proc/self/task"):
+        return {}
+    dist.barrier()
+    before = sample()
+    for _ in range(repeat):
+        fn()
+    after = sample()
+    kinds: dict[str, float] = {}
+    for tid, (name, cpu) in after.items():
+        kinds[name] = kinds.get(name, 0.0) + (cpu - before.get(tid, (name, 0.0))[1]) / repeat
+    names = sorted(kinds)
+    all_names: list[list[str]] = [[] for _ in range(dist.get_world_size())]
+    dist.all_gather_object(all_names, names)
+    union = sorted({n for ns in all_names for n in ns})
+    t = torch.tensor([1e3 * kinds.get(n, 0.0) for n in union], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return {n: float(v) for n, v in zip(union, t.tolist(), strict=True) if v > 0}
 
 
 def _row(name: str, r: dict[str, Any]) -> str:
@@ -486,6 +528,7 @@ def main() -> None:
     parser.add_argument("--unfused", action="store_true", help="also bucketing and overlap off")
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="these configurations")
     parser.add_argument("--profile", action="store_true", help="cProfile rank 0 of partita's steps")
+    parser.add_argument("--threads", action="store_true", help="CPU per step of each thread kind")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
@@ -510,6 +553,7 @@ def main() -> None:
                 continue
             argv = [__file__, "--worker", name, "--repeat", str(ns.repeat), "--layers", str(layers)]
             argv += ["--profile"] if ns.profile else []
+            argv += ["--threads"] if ns.threads else []
             results = spawn(argv, 1 if name in (FLOOR, FLOOR1) else 4, env=env, timeout=1800)
             lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
             if any(r.returncode for r in results) or not lines:
@@ -518,6 +562,11 @@ def main() -> None:
                 continue
             rows[name] = json.loads(lines[-1].removeprefix("RESULT "))
             print(_row(name, rows[name]), flush=True)
+            if "threads" in rows[name]:
+                print(
+                    "    CPU/step by thread, ms, summed over ranks: "
+                    + ", ".join(f"{k} {v:.1f}" for k, v in rows[name]["threads"].items())
+                )
             for line in results[0].stdout.splitlines():
                 if line.startswith("PROFILE "):
                     print("    " + line.removeprefix("PROFILE "))

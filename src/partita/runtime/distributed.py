@@ -30,6 +30,10 @@ them synchronously in program order). A program's first run goes as partitioned 
 values, so that the schedule holds each gather under the program's peak. Under
 the ``inductor`` option the runs of local ops between them are compiled by Inductor
 (``runtime.compiled``), the schedule kept (without the measured hold).
+Before binding, a program's view chains are folded and, with the values its first run
+recorded, its optimizer's elementwise ops grouped as ``_foreach`` calls
+(``runtime.rank_calls``); the memory freed by the compile and by the first run is given
+back to the system once (``runtime.release``).
 
 Groups. For every non-empty set of mesh axes and every group ``Mesh.groups(axes)`` of more than
 one device, every rank calls ``new_group`` in the same order when the DistributedMesh is built
@@ -79,6 +83,8 @@ from partita.runtime.donate import donated_all_reduces
 from partita.runtime.overlap import first_run, schedule_overlap
 from partita.runtime.permute import bind_permutes
 from partita.runtime.plan_check import CallChecks
+from partita.runtime.rank_calls import fewer_calls
+from partita.runtime.release import release_freed
 from partita.values.layout import ceil_div
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
@@ -274,9 +280,12 @@ class DistributedMesh:
         overlap: int,
         sizes: dict[str, int] | None = None,
         donate: bool = True,
+        vals: dict[str, Tensor] | None = None,
     ) -> fx.GraphModule:
         graph = fx.Graph()
         graph.output(graph.graph_copy(gm.graph, {}))
+        # views folded; with the first run's values (vals), the optimizer's ops as _foreach calls
+        fewer_calls(graph, gm, vals or {})
         donated = donated_all_reduces(graph) if donate else set()
         gloo = dist.get_backend() == "gloo"
         if overlap:
@@ -311,8 +320,12 @@ class DistributedMesh:
         inductor, overlap = opts.inductor, opts.overlap_bytes
         if not inductor and overlap and gm not in self._bound:
             # the first run goes as partitioned, measuring every value for the schedule's hold
-            outs, sizes = first_run(self._bind(gm, 0), gm, self, local_inputs)
-            self._bound[gm] = self._bind(gm, overlap, sizes)
+            release_freed()  # the compile's garbage, before the first run stacks on it
+            vals: dict[str, Tensor] = {}
+            outs, sizes = first_run(self._bind(gm, 0), gm, self, local_inputs, vals)
+            self._bound[gm] = self._bind(gm, overlap, sizes, vals=vals)
+            del vals, sizes
+            release_freed()  # and the first run's (runtime.release)
             return pytree.tree_leaves(outs)
         program = self.compiled(gm, overlap) if inductor else self.bind(gm, overlap)
         if ranges.enabled():  # under a profiler: the step and each mesh op in named ranges

@@ -32,7 +32,8 @@ import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
-from torch import fx
+import torch
+from torch import Tensor, fx
 from torch.autograd.profiler import record_function
 
 from partita.cost.flops import first_read, is_view, is_view_of, value_bytes
@@ -180,28 +181,41 @@ def _live_bytes(nodes: list[fx.Node], size_of: Mapping[fx.Node, int]) -> list[in
 
 
 def first_run(
-    program: fx.GraphModule, gm: fx.GraphModule, executor: Any, args: Sequence[Any]
+    program: fx.GraphModule,
+    gm: fx.GraphModule,
+    executor: Any,
+    args: Sequence[Any],
+    vals: dict[str, Tensor] | None = None,
 ) -> tuple[Any, dict[str, int]]:
     """A DistributedMesh's first run of per-device program ``gm`` that will overlap: its
     ``program`` bound without the schedule (every collective synchronous, where the
     partitioner put it), measuring each value for the schedule (:func:`run_measuring`). Under
     a profiler the step and each mesh op run in the named ranges of every later step
-    (``runtime.ranges``); there are no launches and waits yet."""
+    (``runtime.ranges``); there are no launches and waits yet. ``vals``: filled as
+    :func:`run_measuring` says."""
     if not ranges.enabled():
-        return run_measuring(program, args)
+        return run_measuring(program, args, vals)
     with record_function(ranges.step_name(executor)):
-        return run_measuring(ranges.ranged_module(program, gm, executor), args)
+        return run_measuring(ranges.ranged_module(program, gm, executor), args, vals)
 
 
-def run_measuring(gm: fx.GraphModule, args: Sequence[Any]) -> tuple[Any, dict[str, int]]:
+def run_measuring(
+    gm: fx.GraphModule, args: Sequence[Any], vals: dict[str, Tensor] | None = None
+) -> tuple[Any, dict[str, int]]:
     """Run ``gm`` once on ``args``; its result and the bytes of each node's result, by name
-    (an fx ``Interpreter``, which frees each value after its last use as the program does)."""
+    (an fx ``Interpreter``, which frees each value after its last use as the program does).
+    ``vals`` (if given) receives each tensor result's metadata, by name, as a tensor on the
+    ``meta`` device (the ``meta["val"]`` that ``runtime.rank_calls`` needs)."""
     sizes: dict[str, int] = {}
 
     class _Measure(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:
             out = super().run_node(n)
             sizes[n.name] = value_bytes(out)
+            if vals is not None and isinstance(out, Tensor):
+                vals[n.name] = torch.empty_strided(
+                    out.shape, out.stride(), dtype=out.dtype, device="meta"
+                )
             return out
 
     interpreter = _Measure(gm)
