@@ -221,10 +221,16 @@ def test_a_tight_memory_limit_makes_the_solver_find_the_megatron_mlp_split() -> 
     assert plan.memory().peak <= limit
     mine = report.proposed["auto"]
     split = r"\(?('data', )?'model'\)?"  # model, alone or after data
-    assert re.fullmatch(rf"P\({split}, None\)", mine["param.fc1.weight"]), mine
-    assert re.fullmatch(rf"P\(None, {split}\)", mine["param.fc2.weight"]), mine
-    assert report.chosen == "auto"  # under the model it beats the tp preset's plan
-    assert report.shardings["param.fc1.weight"] == mine["param.fc1.weight"]
+    other = r"(None|'data')"  # the other dim whole, or split over data as FSDP stores it
+    assert re.fullmatch(rf"P\({split}, {other}\)", mine["param.fc1.weight"]), mine
+    assert re.fullmatch(rf"P\({other}, {split}\)", mine["param.fc2.weight"]), mine
+    # the answer is the cheapest real Plan: the proposal, or the tp preset (the same split
+    # with the weights' other dims whole) when its Plan is cheaper, as on cpu-gloo's fit 8,
+    # where the proposal's gathers of fc2 over data cost more than the model says
+    assert report.chosen in ("auto", "tp"), report.chosen
+    got = report.shardings
+    assert re.fullmatch(rf"P\({split}, {other}\)", got["param.fc1.weight"]), got
+    assert re.fullmatch(rf"P\({other}, {split}\)", got["param.fc2.weight"]), got
     torch.manual_seed(0)
     ref = _MLP()
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)

