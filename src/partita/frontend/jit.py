@@ -37,9 +37,10 @@ from partita.capture.trace import input_path
 from partita.capture.uncompile import uncompiled
 from partita.errors import JitArgumentError, PartitaWarning, RecompileWarning, warn
 from partita.frontend.auto_inputs import auto_compile
+from partita.frontend.last_call import LastCall
 from partita.frontend.pipeline import Compiled, compile_function
 from partita.frontend.recompile import RECOMPILE_WARNING_AT, recompile_message
-from partita.frontend.reshard import reshard
+from partita.frontend.reshard import write_back
 from partita.frontend.signature import (
     Signatures,
     by_name,
@@ -119,6 +120,7 @@ class Jitted:
         self._cache: OrderedDict[Hashable, Compiled] = OrderedDict()
         self._recent: deque[tuple[Hashable, list[str]]] = deque(maxlen=RECOMPILE_WARNING_AT)
         self._compiles = 0
+        self._last: LastCall | None = None  # the last call's signature (frontend.last_call)
         self._module = ModuleInputs(fn, mesh, param_specs) if isinstance(fn, nn.Module) else None
         if isinstance(fn, nn.Module):
             # its repeated layers traced once, checked (layer_auto); read when wrapped
@@ -181,14 +183,24 @@ class Jitted:
     def _compile(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Compiled, list[Any]]:
         fn, args, in_specs = self._program_inputs(args, kwargs)
         options = self.options_now()
+        options_key = options.key()
+        mode = self._module.mode() if self._module is not None else None
+        last = self._last
+        if last is not None:  # the last call's signature again: its program, no key built
+            same = last.match((args, kwargs), self.in_specs, options_key, mode)
+            if same is not None:
+                return last.compiled, same
         # A module's in_specs derive from self.in_specs and the argument structure (the key).
         leaves, shardings, key = self._signatures.key(args, kwargs, self.in_specs, in_specs)
-        key = (*cast(tuple[Any, ...], key), ("options", options.key()))
+        key = (*cast(tuple[Any, ...], key), ("options", options_key))
         if self._module is not None:
-            key = (*key, ("mode", self._module.mode()))
+            key = (*key, ("mode", mode))
         compiled = self._cache.get(key)
         if compiled is not None:
             self._cache.move_to_end(key)
+            self._last = LastCall.of(
+                key[0], leaves, shardings, self.in_specs, options_key, mode, compiled
+            )
             return compiled, leaves
         self._note_recompile(key, args, kwargs)
         tree = pytree.tree_structure((args, kwargs))
@@ -211,6 +223,9 @@ class Jitted:
             self._note_mutation(key, before, compiled)
         if len(self._cache) > self.cache_limit:
             self._cache.popitem(last=False)  # the least recently used signature
+        self._last = LastCall.of(
+            key[0], leaves, shardings, self.in_specs, options_key, mode, compiled
+        )
         return compiled, leaves
 
     def _note_mutation(self, key: Hashable, before: tuple[Any, ...], compiled: Compiled) -> None:
@@ -280,20 +295,6 @@ class Jitted:
     def cache_size(self) -> int:
         """How many compiled signatures are cached now (at most ``cache_limit``)."""
         return len(self._cache)
-
-
-def write_back(leaf: torch.Tensor | ShardedTensor, new: ShardedTensor) -> None:
-    """Copy the program's new value of an input the function updated in place into it."""
-    with torch.no_grad():
-        if not isinstance(leaf, ShardedTensor):
-            leaf.copy_(new.full())
-            return
-        if new.sharding != leaf.sharding:
-            new = reshard(new, leaf.sharding)
-        dst, src = leaf.stacked, new.stacked
-        if dst.dim() and dst.stride(0) == 0:  # a replicated stride-0 stack: one copy for all
-            dst, src = dst[0], src[0]
-        dst.copy_(src)
 
 
 def _name(fn: Any) -> str:

@@ -106,12 +106,15 @@ def compile_function(
         plan.program_text = format_program(gm)
     (out_node,) = [n for n in gm.graph.nodes if n.op == "output"]
     shapes = [tuple(n.meta["val"].shape) for n in pytree.tree_leaves(out_node.args[0])]
+    # An output sharding equal to an input's is that very object: a loop feeding the outputs
+    # back (a training step's state) then finds its inputs' shardings by identity.
+    same = {s: s for s in plan.input_shardings}
     return Compiled(
         program=prog,
         local=local,
         plan=plan,
         input_shardings=list(plan.input_shardings),
-        output_shardings=list(plan.output_shardings),
+        output_shardings=[same.get(s, s) for s in plan.output_shardings],
         output_shapes=shapes,
         options=options,
         partition_seconds=time.perf_counter() - start,

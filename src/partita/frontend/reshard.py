@@ -11,7 +11,8 @@ current options except ``strict`` and ``collectives``: the user asked for this m
 gather it needs is neither "involuntary" nor "implicit".
 
 Only two cases take the whole value instead, because no single program covers them: a target
-sharding on another mesh, and a value with partial (un-reduced) axes.
+sharding on another mesh, and a value with partial (un-reduced) axes. :func:`write_back` copies
+a program's new value of an input it updated in place into that input (``partita.jit``).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from partita.values import tensor
 from partita.values.spec import PartitionSpec, Sharding
 from partita.values.tensor import ShardedTensor
 
-__all__ = ["CACHE_SIZE", "reshard"]
+__all__ = ["CACHE_SIZE", "reshard", "write_back"]
 
 #: How many compiled moves are kept.
 CACHE_SIZE = 64
@@ -86,3 +87,17 @@ def reshard(x: ShardedTensor, spec: PartitionSpec | Sharding | Any) -> ShardedTe
     with torch.no_grad():
         (out,) = executor_for(x.mesh).run_compiled(move, [x, *move.program.constants])
     return out
+
+
+def write_back(leaf: torch.Tensor | ShardedTensor, new: ShardedTensor) -> None:
+    """Copy the program's new value of an input the function updated in place into it."""
+    with torch.no_grad():
+        if not isinstance(leaf, ShardedTensor):
+            leaf.copy_(new.full())
+            return
+        if new.sharding != leaf.sharding:
+            new = reshard(new, leaf.sharding)
+        dst, src = leaf.stacked, new.stacked
+        if dst.dim() and dst.stride(0) == 0:  # a replicated stride-0 stack: one copy for all
+            dst, src = dst[0], src[0]
+        dst.copy_(src)

@@ -31,7 +31,9 @@ it: that run draws once, as an unfused run does.
 
 from __future__ import annotations
 
+import re
 import time
+import types
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -41,11 +43,12 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from partita.capture.ops import sdpa_backward_cpu, sdpa_cpu
 from partita.capture.threads import TRACING
+from partita.runtime.flat_constants import fold_constants
 from partita.runtime.flat_foreach import foreach_elementwise
 from partita.runtime.flat_trace import FlatTracer, no_new_traces, record_trace_cost
 from partita.runtime.flat_views import collapse_view_chains, fold_permutes, fold_views
 
-__all__ = ["FusedStep", "direct_kernels"]
+__all__ = ["FusedStep", "direct_forward", "direct_kernels"]
 
 Held = tuple[Any, tuple[bool, ...]]  # a value as the LocalMesh holds it, and its mesh axes
 Interpret = Callable[[list[Held]], list[Held]]
@@ -61,16 +64,17 @@ _DIRECT = {
 class _Traced:
     """One signature's whole-step graph and how to rebuild the held outputs from it."""
 
-    __slots__ = ("gm", "outputs")
+    __slots__ = ("forward", "gm", "outputs")
 
     def __init__(self, gm: fx.GraphModule, outputs: list[tuple[int | None, Any, Any]]) -> None:
         self.gm = gm
         # per output: (index among the graph's tensor outputs, or None for a constant;
         # the constant; the mesh axes)
         self.outputs = outputs
+        self.forward = direct_forward(gm)
 
     def __call__(self, values: Sequence[Held]) -> list[Held]:
-        tensors = self.gm(*(v for v, _ in values if isinstance(v, Tensor)))
+        tensors = self.forward(self.gm, *(v for v, _ in values if isinstance(v, Tensor)))
         return [(tensors[i] if i is not None else const, axes) for i, const, axes in self.outputs]
 
 
@@ -204,6 +208,7 @@ def trace_step(interpret: Interpret, values: list[Held], n_nodes: int) -> _Trace
     fold_permutes(gm)
     collapse_view_chains(gm)
     foreach_elementwise(gm, from_outputs=True)
+    fold_constants(gm)
     direct_kernels(gm)
     record_trace_cost(time.thread_time() - start, n_nodes)
     return _Traced(gm, outputs)
@@ -223,3 +228,43 @@ def direct_kernels(gm: fx.GraphModule) -> None:
             changed = True
     if changed:
         gm.recompile()
+
+
+class _Namespace:
+    """``torch`` (or one of its op namespaces) as the generated code of a graph reads it: the
+    attributes it names set, any other read through to the real object."""
+
+    def __init__(self, real: Any) -> None:
+        self._real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._real(*args, **kwargs)
+
+
+def direct_forward(gm: fx.GraphModule) -> Callable[..., Any]:
+    """``gm``'s generated ``forward`` (called as ``forward(gm, *inputs)``) with every
+    ``torch.ops.<ns>.<op>.<overload>`` it calls read as that overload's C++ entry point
+    (``OpOverload.__call__`` only calls it): one global and four attribute reads and a Python
+    frame less per op, and no ``nn.Module.__call__``. The graph and its code are unchanged."""
+    code = gm.code
+    fn = type(gm).forward
+    torch_ns = _Namespace(torch)
+    for name in set(re.findall(r"\btorch\.(\w+)", code)) - {"ops"}:
+        setattr(torch_ns, name, getattr(torch, name))
+    ops = _Namespace(torch.ops)
+    setattr(torch_ns, "ops", ops)  # noqa: B010
+    for ns, op, overload in set(re.findall(r"\btorch\.ops\.(\w+)\.(\w+)\.(\w+)", code)):
+        real = getattr(getattr(getattr(torch.ops, ns), op), overload, None)
+        if real is None:
+            continue
+        space = vars(ops).get(ns) or _Namespace(getattr(torch.ops, ns))
+        setattr(ops, ns, space)
+        packet = vars(space).get(op) or _Namespace(getattr(getattr(torch.ops, ns), op))
+        setattr(space, op, packet)
+        setattr(packet, overload, real._op if type(real) is torch._ops.OpOverload else real)
+    scope = dict(fn.__globals__)
+    scope["torch"] = torch_ns
+    return types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, fn.__closure__)

@@ -30,6 +30,7 @@ from partita.training.optim import OptimizerConfig, group_config
 __all__ = [
     "RESTORED_KEYS",
     "ParamGroups",
+    "group_hyper_values",
     "group_hyperparameters",
     "optimizer_params",
     "read_param_groups",
@@ -124,6 +125,14 @@ def group_hyperparameters(optimizer: torch.optim.Optimizer, kind: str) -> dict[s
         >>> group_hyperparameters(opt, "sgd")["momentum"]
         tensor(0.9000, dtype=torch.float64)
     """
+    return {
+        key: torch.tensor(values[0] if len(values) == 1 else values, dtype=torch.float64)
+        for key, values in group_hyper_values(optimizer, kind).items()
+    }
+
+
+def group_hyper_values(optimizer: torch.optim.Optimizer, kind: str) -> dict[str, list[float]]:
+    """What :func:`group_hyperparameters` makes tensors of: one float per group and name."""
     groups = optimizer.param_groups
     columns = {key: [float(g[key]) for g in groups] for key in ("lr", "weight_decay")}
     if kind == "sgd":
@@ -131,7 +140,4 @@ def group_hyperparameters(optimizer: torch.optim.Optimizer, kind: str) -> dict[s
     else:
         columns["beta1"] = [float(g["betas"][0]) for g in groups]
         columns["beta2"] = [float(g["betas"][1]) for g in groups]
-    return {
-        key: torch.tensor(values[0] if len(values) == 1 else values, dtype=torch.float64)
-        for key, values in columns.items()
-    }
+    return columns

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import keystr, tree_flatten_with_path
 
 from partita import options as options_module
 from partita.auto import AutoReport
@@ -47,15 +46,15 @@ from partita.runtime.executor import check_has_data
 from partita.runtime.flat_trace import repeated
 from partita.training.auto_step import auto_fixed_specs, choose_step_specs, is_auto
 from partita.training.checks import (
-    check_batch,
     check_optimizer_params,
     check_step_arguments,
     compute_dtype,
     model_argument,
 )
-from partita.training.groups import RESTORED_KEYS, group_hyperparameters, read_param_groups
+from partita.training.groups import RESTORED_KEYS, group_hyper_values, read_param_groups
 from partita.training.memory import full_values, state_memory
 from partita.training.optim import init_opt_state, optimizer_config
+from partita.training.per_call import BatchChecks, HyperTensors, full_loss
 from partita.training.snapshot import BuildSnapshot
 from partita.training.state import LoadResult, StateLayout, load_state, to_state_dict
 from partita.training.step import functional_step
@@ -172,6 +171,7 @@ class TrainStep:
         self._jitted: dict[bool, Jitted] = {}
         self.plan: Plan | None = None
         self._snapshot = BuildSnapshot.of(model, optimizer)
+        self._batches, self._hyper = BatchChecks(), HyperTensors()  # per call (per_call)
 
     # --- compiling -------------------------------------------------------------------------
 
@@ -199,9 +199,9 @@ class TrainStep:
         return jitted
 
     def _lr(self) -> dict[str, torch.Tensor]:
-        return group_hyperparameters(self.optimizer, self.config.kind)
+        return self._hyper.now(group_hyper_values(self.optimizer, self.config.kind))
 
-    def _args(self, batch: Any) -> tuple[Any, ...]:
+    def _args(self, batch: Any, run: bool = False) -> tuple[Any, ...]:
         if not (isinstance(batch, tuple | list) and len(batch) == 2):
             raise ArgumentTypeError(
                 f"a training step takes batch = (inputs, targets), got {type(batch).__name__}"
@@ -210,7 +210,12 @@ class TrainStep:
                 "for several model arguments."
             )
         float_dtype = None if self.compute_dtype is not None else torch.float32
-        check_batch(batch, self.batch_spec, self.mesh, float_dtype=float_dtype)
+        # to run: the batch and the first parameter have data, by name (a model is built on
+        # meta whole; the jit call checks every input again, by position)
+        first = {f"parameter {k!r}": v for k, v in islice(self.params.items(), 1)} if run else None
+        # the batch: once per batch signature (per_call.BatchChecks)
+        if not self._batches.check(batch, self.batch_spec, self.mesh, float_dtype, first) and first:
+            check_has_data(list(first.values()), "partita.train_step", list(first))
         return (self.params, self.buffers, self.opt_state, self._lr(), batch)
 
     def _choose_auto(self, batch: Any) -> None:
@@ -236,12 +241,7 @@ class TrainStep:
         """Run one training step on ``batch = (inputs, targets)``; returns the loss (0-d)."""
         self._snapshot.check(self.model, self.optimizer)
         self._choose_auto(batch)
-        jitted, args = self._get_jitted(), self._args(batch)
-        # the batch and the first parameter, by name (a model is built on meta whole; the jit
-        # call checks every input again, by position)
-        state = {f"parameter {k!r}": v for k, v in islice(self.params.items(), 1)}
-        state.update({f"batch{keystr(p)}": v for p, v in tree_flatten_with_path(batch)[0]})
-        check_has_data(list(state.values()), "partita.train_step", list(state))
+        jitted, args = self._get_jitted(), self._args(batch, run=True)
         # a compile's advice names this step's own knobs; a loop: the LocalMesh traces early
         with naming_spec_knobs(_KNOBS), repeated():
             loss, params, buffers, opt_state = jitted(*args)
@@ -254,7 +254,7 @@ class TrainStep:
         if self.plan is None:
             with naming_spec_knobs(_KNOBS):
                 self.plan = self._with_auto(jitted.lower(*args))
-        return loss.full()
+        return full_loss(loss)
 
     # --- reading the state back ------------------------------------------------------------
 
