@@ -38,7 +38,7 @@ def batch_signature(batch: Any) -> tuple[Any, ...] | None:
 
     Example:
         >>> batch_signature((torch.zeros(2, 3), torch.zeros(2, dtype=torch.long)))[0]
-        <class 'tuple'>
+        (<class 'tuple'>, 2)
     """
     out: list[Any] = []
     return tuple(out) if _signature(batch, out) else None
