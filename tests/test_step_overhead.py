@@ -4,6 +4,9 @@ measured breakdown of a step's CPU time (``runtime.breakdown``)."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import Tensor, fx
@@ -16,15 +19,8 @@ from partita.runtime.flat_views import fold_permutes
 from partita.runtime.local import LocalMesh
 from partita.values.mesh import Mesh
 
-
-def _adam_like(*ts: Tensor) -> list[Tensor]:
-    """One update per (param, grad, m, v), each the same ops: what an optimizer traces to."""
-    out = []
-    for p, g, m, v in zip(ts[0::4], ts[1::4], ts[2::4], ts[3::4], strict=True):
-        m2 = m * 0.9 + g * 0.1
-        v2 = v * 0.999 + (g * g) * 0.001
-        out += [p - 0.01 * m2 / (v2.sqrt() + 1e-8), m2, v2]
-    return out
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from bench_foreach import adam_like as _adam_like  # the bench's AdamW-like update
 
 
 def _inputs(n: int) -> list[Tensor]:
