@@ -49,9 +49,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_pipeline import LAYERS, STAGES, pipeline_step, run_ranks
-from torch import nn
-from torch.utils.checkpoint import checkpoint
+from bench_pipeline import STAGES, pipeline_step, run_ranks, stage_work
 
 import partita.distributed as pd
 from partita import Mesh
@@ -141,16 +139,7 @@ def measure_step(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[
         jitted(weights, x)
     streams = [s for s in _streams() if s.routes and len(s.routes) >= m]
     budget = max(s.budget for s in streams)
-    per = LAYERS // STAGES
-    mine = nn.Sequential(*layers[rank * per : (rank + 1) * per])
-    micro = [torch.randn(ns.rows, ns.seq, ns.width, generator=g) for _ in range(m)]
-
-    def real_work() -> None:
-        for xm in micro:
-            xm = xm.requires_grad_()
-            y = checkpoint(mine, xm, use_reentrant=False)
-            y.backward(torch.ones_like(y))
-
+    real_work = stage_work(layers, rank, m, ns, g)
     real_work()
     samples: dict[str, list[dict[str, float]]] = {"batched": [], "posted": [], "busy": []}
     for how in ("batched", "posted"):  # one warm run each way

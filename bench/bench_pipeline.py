@@ -131,14 +131,11 @@ def pipeline_step(
     return layers, pipe, jitted, weights
 
 
-def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, float]:
-    """This rank's median step time and busy time (see the module's doc) for ``m``."""
-    layers, pipe, jitted, weights = pipeline_step(m, mesh, ns.width)
-    g = torch.Generator().manual_seed(1)
-    x = torch.randn(m * ns.rows, ns.seq, ns.width, generator=g)
-    for _ in range(2):
-        jitted(weights, x)
-
+def stage_work(
+    layers: list[Block], rank: int, m: int, ns: argparse.Namespace, g: torch.Generator
+) -> Callable[[], None]:
+    """This rank's real work in eager torch: its stage's blocks, forward under
+    ``torch.utils.checkpoint`` then backward, on ``m`` micro-batches one after another."""
     per = LAYERS // STAGES
     mine = nn.Sequential(*layers[rank * per : (rank + 1) * per])  # this stage's blocks
     micro = [torch.randn(ns.rows, ns.seq, ns.width, generator=g) for _ in range(m)]
@@ -149,6 +146,18 @@ def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, 
             y = checkpoint(mine, xm, use_reentrant=False)
             y.backward(torch.ones_like(y))
 
+    return real_work
+
+
+def measure(m: int, mesh: Mesh, rank: int, ns: argparse.Namespace) -> dict[str, float]:
+    """This rank's median step time and busy time (see the module's doc) for ``m``."""
+    layers, pipe, jitted, weights = pipeline_step(m, mesh, ns.width)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(m * ns.rows, ns.seq, ns.width, generator=g)
+    for _ in range(2):
+        jitted(weights, x)
+
+    real_work = stage_work(layers, rank, m, ns, g)
     real_work()
     runs = {
         "step": lambda: jitted(weights, x),
