@@ -68,10 +68,7 @@ def fold_permutes(gm: fx.GraphModule) -> int:
             node.replace_all_uses_with(cast(fx.Node, src))
             gm.graph.erase_node(node)
             count += 1
-    if count:
-        gm.graph.lint()
-        gm.recompile()
-    return count
+    return _recompiled(gm, count)
 
 
 def fold_views(gm: fx.GraphModule) -> int:
@@ -101,6 +98,11 @@ def fold_views(gm: fx.GraphModule) -> int:
             node.replace_all_uses_with(src)
             gm.graph.erase_node(node)
             count += 1
+    return _recompiled(gm, count)
+
+
+def _recompiled(gm: fx.GraphModule, count: int) -> int:
+    """``count``, after checking and regenerating ``gm`` if any node went."""
     if count:
         gm.graph.lint()
         gm.recompile()
