@@ -51,8 +51,11 @@ After the table of each layer count, ``floor and breakdown``: each configuration
 step (summed over the ranks) over ``torch unsharded 1 x 1 thread``'s (the step's compute on
 one thread: the floor; ``--only`` without it prints no ratio), and where that CPU goes
 (``partita.runtime.breakdown.measure`` on every rank after the timed steps, summed over the
-ranks: collectives, local compute, copies/layout, Python/dispatch; idle is wall minus CPU,
-summed over the ranks).
+ranks; every column but idle is CPU time and they add up to ``CPU/step``: the step's thread
+in collectives (launch, copies, Gloo call and wait), in local compute, in copies/layout, the
+rest of it (``other``: Python, dispatch), and the process's other ``threads`` (Gloo's event
+loops and workers); ``idle (wall)`` is wall time less the step's thread's CPU, summed over the
+ranks).
 
 torch bytes are counted with the same convention by wrapping ``torch.distributed``'s
 collective functions (FSDP2) and a TorchDispatchMode over ``_c10d_functional`` ops (DTensor).
@@ -579,7 +582,7 @@ def _print_breakdown(rows: dict[str, dict[str, Any]]) -> None:
     floor = rows.get(FLOOR1, {}).get("cpu")
     print(f"floor and breakdown: CPU/step summed over ranks, x {FLOOR1!r}'s; ms per step")
     print(f"{'configuration':<30} {'CPU/step':>9} {'x floor':>8} "
-          + " ".join(f"{k:>15}" for k in CATEGORIES))  # fmt: skip
+          + " ".join(f"{'idle (wall)' if k == 'idle' else k:>15}" for k in CATEGORIES))  # fmt: skip
     for name, r in rows.items():
         parts = r.get("parts", {})
         ratio = f"{r['cpu'] / floor:8.2f}" if floor else f"{'-':>8}"

@@ -18,9 +18,10 @@ tensor parallelism on ``model`` plus the batch on ``data``) this prints
   floor of one all-gather plus one reduce-scatter of the parameters (FSDP);
 * the largest difference of any result from the unsharded step;
 * the floor: each row's CPU per step over the unsharded step's, and where that CPU goes
-  (``partita.runtime.breakdown.measure``: collectives, local compute, copies/layout,
-  Python/dispatch, from ``--breakdown-repeat`` unprofiled steps and 2 profiled ones; idle is
-  wall minus CPU).
+  (``partita.runtime.breakdown.measure``: thread CPU in collectives, local compute,
+  copies/layout, the rest of the step's thread (``other``: Python, dispatch) and the other
+  threads, from ``--breakdown-repeat`` plain steps and 2 instrumented ones; idle is wall time
+  less the step's thread's CPU).
 
 Reference points from issue #4: PyTorch's DTensor simulator runs this step at 6.2x unsharded;
 per device and FSDP step XLA (8 fake CPU devices) moves 36 MB and PyTorch FSDP2 30 MB. Goals:

@@ -5,6 +5,7 @@ measured breakdown of a step's CPU time (``runtime.breakdown``)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -12,8 +13,14 @@ import torch
 from torch import Tensor, fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from partita.runtime import flat_trace
-from partita.runtime.breakdown import CATEGORIES, categorize, measure
+from partita.runtime import flat_trace, ranges
+from partita.runtime.breakdown import (
+    CATEGORIES,
+    CPU_CATEGORIES,
+    OpClock,
+    clocked_ranges,
+    measure,
+)
 from partita.runtime.flat_foreach import foreach_elementwise
 from partita.runtime.flat_views import fold_permutes
 from partita.runtime.local import LocalMesh
@@ -118,18 +125,31 @@ def test_breakdown_of_a_simulated_step() -> None:
     assert set(split.parts) == set(CATEGORIES)
     assert all(v >= 0 for v in split.parts.values())
     assert split.parts["collectives"] > 0 and split.parts["local compute"] > 0
-    ops = sum(split.parts[k] for k in CATEGORIES if k != "idle")
+    ops = sum(split.parts[k] for k in CPU_CATEGORIES)
     assert ops == pytest.approx(split.cpu)  # the parts split the CPU time
     assert "x floor" in split.row(split.cpu)
 
 
-def test_categorize_counts_top_level_ops_once() -> None:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
-        a = torch.randn(64, 64)
+def test_op_clock_counts_top_level_ops_once_in_thread_cpu() -> None:
+    a = torch.randn(256, 256)
+    start = time.thread_time()
+    with OpClock() as clock:
         (a @ a).t().contiguous()  # mm: compute; t, contiguous (and the copy inside): layout
-    seconds = categorize(prof.events())
+    spent = time.thread_time() - start
+    seconds = clock.seconds
     assert seconds["local compute"] > 0 and seconds["copies/layout"] > 0
     assert seconds["collectives"] == 0
-    top = [e for e in prof.events() if "::" in e.name and e.cpu_parent is None]
-    total = sum(e.time_range.elapsed_us() for e in top) * 1e-6
-    assert sum(seconds.values()) == pytest.approx(total)
+    # thread CPU of the top-level ops only: within the thread's CPU of the block
+    assert sum(seconds.values()) <= spent
+
+
+def test_op_clock_leaves_mesh_op_ranges_to_the_range_clock() -> None:
+    a = torch.randn(256, 256)
+    with clocked_ranges() as in_ranges, OpClock() as clock:
+        with ranges.record_function("partita.all_gather[x] 4 B #0"):
+            a @ a  # inside a collective's range: the range clock's
+        assert sum(clock.seconds.values()) == 0
+        a @ a  # outside: local compute
+        assert clock.seconds["local compute"] > 0
+    assert in_ranges.seconds > 0
+    assert ranges.record_function is not in_ranges  # put back
