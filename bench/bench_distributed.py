@@ -57,6 +57,18 @@ rest of it (``other``: Python, dispatch), and the process's other ``threads`` (G
 loops and workers); ``idle (wall)`` is wall time less the step's thread's CPU, summed over the
 ranks).
 
+``torch eager quarter batch (4,)``: what each rank of an FSDP step computes, in eager torch
+with no collectives, on 4 processes: the whole model's forward and backward on a quarter of
+the batch and AdamW on a quarter (``chunk`` of dim 0) of every parameter.
+
+Then ``communication floor``: each partita row's collectives replayed alone on its own 4
+processes right after its timed steps (``bench/comm_floor.py``: the Plan's calls, buckets as
+one call, in program order, each launched and waited for at once on preallocated buffers, no
+compute): their CPU per step summed over the ranks (of it, Gloo's threads), their wall time,
+and the row's CPU over ``floor`` = the unsharded step's CPU (``1 x 1 thread``) plus the
+collectives' and, for FSDP rows, over ``eager floor`` = ``torch eager quarter batch``'s CPU
+plus the collectives'.
+
 torch bytes are counted with the same convention by wrapping ``torch.distributed``'s
 collective functions (FSDP2) and a TorchDispatchMode over ``_c10d_functional`` ops (DTensor).
 """
@@ -91,6 +103,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 from train_gpt import COLUMN, ROW, param_spec  # noqa: E402
 
+sys.path.insert(0, str(ROOT / "bench"))
+from comm_floor import replay  # noqa: E402
+
 CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
 BATCH = 16
 #: The environment of the "unfused" runs: the program as partitioned before bucketing and overlap.
@@ -99,6 +114,8 @@ UNFUSED = {"PARTITA_BUCKET_BYTES": "0", "PARTITA_OVERLAP_BYTES": "0"}
 FLOOR = "torch unsharded 1 x 2 threads"
 #: The same on one thread: its CPU/step is the step's compute alone, with no thread waiting.
 FLOOR1 = "torch unsharded 1 x 1 thread"
+#: Each rank's compute of an FSDP step in eager torch, no collectives (4 processes).
+EAGER = "torch eager quarter batch (4,)"
 #: The environment of the "regather" runs: gathered parameters freed after the forward.
 REGATHER = {"PARTITA_REGATHER": "1"}
 
@@ -357,6 +374,7 @@ def bench_partita(
     if PROFILE[0]:
         _profile(one)
     return {
+        "comm": replay(plan, repeat),
         "heap": heap,
         "step": seconds,
         "bytes": plan.bytes_per_device,
@@ -378,6 +396,30 @@ def bench_unsharded(repeat: int) -> dict[str, Any]:
         loss.backward()
         opt.step()
         opt.zero_grad()
+
+    return {"step": _median(one, repeat), "heap": _step_heap(one), "bytes": 0.0, "calls": 0}
+
+
+def bench_eager_quarter(repeat: int) -> dict[str, Any]:
+    """What each rank of an FSDP step must compute, in eager torch with no collectives: the
+    whole model's forward and backward on its quarter of the batch, and AdamW on its quarter
+    (rows, ``chunk`` along dim 0) of every parameter."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    params = list(model.parameters())
+    tiles = [p.detach().chunk(world)[rank].clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW(tiles, lr=1e-3)
+    ids, targets = _batch(0)
+    rows = BATCH // world
+    ids, targets = ids[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
+
+    def one() -> None:
+        _loss(model(ids), targets).backward()
+        for tile, p in zip(tiles, params, strict=True):
+            tile.grad = p.grad.chunk(world)[rank]
+        opt.step()
+        model.zero_grad()
 
     return {"step": _median(one, repeat), "heap": _step_heap(one), "bytes": 0.0, "calls": 0}
 
@@ -447,6 +489,7 @@ CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
     "torch TP + FSDP2 (2, 2)": (lambda r: bench_torch(True, r), {}),
     FLOOR: (bench_unsharded, {"OMP_NUM_THREADS": "2"}),
     FLOOR1: (bench_unsharded, {"OMP_NUM_THREADS": "1"}),
+    EAGER: (bench_eager_quarter, {}),
 }  # fmt: skip
 
 
@@ -588,6 +631,30 @@ def _print_breakdown(rows: dict[str, dict[str, Any]]) -> None:
         ratio = f"{r['cpu'] / floor:8.2f}" if floor else f"{'-':>8}"
         cells = " ".join(f"{1e3 * parts.get(k, 0.0):15.1f}" for k in CATEGORIES)
         print(f"{name:<30} {r['cpu']:7.3f} s {ratio} {cells}", flush=True)
+    _print_comm_floor(rows, floor)
+
+
+def _print_comm_floor(rows: dict[str, dict[str, Any]], floor: float | None) -> None:
+    """Each partita row's collectives replayed alone (``comm_floor.replay``) and its CPU
+    over the floor with them: ``FLOOR1``'s CPU plus the collectives' (and, for FSDP rows,
+    over ``EAGER``'s CPU plus the collectives': each rank's own compute on 4 processes)."""
+    eager = rows.get(EAGER, {}).get("cpu")
+    print(f"communication floor: each partita row's collectives alone on its processes, no "
+          f"compute (CPU per step summed over ranks; Gloo's threads part of it); floor = "
+          f"{FLOOR1!r} + collectives, eager floor = {EAGER!r} + collectives")  # fmt: skip
+    print(f"{'configuration':<30} {'calls':>6} {'comm CPU':>9} {'threads':>9} {'comm wall':>10} "
+          f"{'CPU/step':>9} {'x unsharded':>12} {'x floor':>8} {'x eager floor':>14}")  # fmt: skip
+    for name, r in rows.items():
+        comm = r.get("comm")
+        if comm is None:
+            continue
+        unsharded = f"{r['cpu'] / floor:12.2f}" if floor else f"{'-':>12}"
+        with_comm = f"{r['cpu'] / (floor + comm['cpu']):8.2f}" if floor else f"{'-':>8}"
+        fsdp = eager and "fsdp" in name
+        with_eager = f"{r['cpu'] / (eager + comm['cpu']):14.2f}" if fsdp else f"{'-':>14}"
+        print(f"{name:<30} {comm['calls']:6d} {comm['cpu']:7.3f} s {comm['threads']:7.3f} s "
+              f"{comm['wall']:8.3f} s {r['cpu']:7.3f} s {unsharded} {with_comm} {with_eager}",
+              flush=True)  # fmt: skip
 
 
 def _load() -> str:
