@@ -10,8 +10,9 @@ waited for at once (the DistributedMesh overlaps them with compute; with no comp
 nothing to overlap), and returns the CPU and wall time of one pass: what the step's bytes cost
 the machine through Gloo with nothing else to do. A bucket runs where its first member is for
 a gather (the parameters are there before the program starts) and where its last member is
-otherwise (its last value is ready then). A collective_permute (none in the GPT plans of
-``bench_distributed.py``) is replayed as a shift by one along its group, its bytes each way.
+otherwise (its last value is ready then). A collective_permute is replayed as a shift by one
+along its group, its bytes each way (the 2-D GPT plan's 8 run over ``model``, groups of two:
+an exchange either way; a permute whose pairs leave members out sends more here than it does).
 
 Used by ``bench_distributed.py``; it never compiles or runs a program.
 """
