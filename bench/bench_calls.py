@@ -31,6 +31,8 @@ import json
 import os
 import statistics
 import sys
+import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ import partita.distributed as pd
 from partita.cost.copies import call_copies
 from partita.cost.flops import node_bytes, node_flops
 from partita.partition.estimate import add_copies, exposed_times, overlap_calls
+from partita.runtime import dist_ops
 
 
 def _step_ranges(one: Any, steps: int) -> list[list[tuple[str, float, float, float]]]:
@@ -170,6 +173,92 @@ def worker(preset: str, shape: tuple[int, ...], steps: int) -> None:
         print("RESULT " + json.dumps({"ranks": every, "model": _model(plan)}))
 
 
+def _stub_gloo() -> None:
+    """Make ``runtime.dist_ops``'s Gloo calls return at once (this process only): what is left
+    of a mesh op is the runtime's own copies."""
+
+    class Done:
+        def wait(self) -> None:
+            pass
+
+    def done(*args: Any, **kwargs: Any) -> Done:
+        return Done()
+
+    dist_ops.ALL_GATHER = dist_ops.REDUCE_SCATTER = done  # type: ignore[assignment]
+    dist_ops.dist = types.SimpleNamespace(all_reduce=done, all_to_all_single=done)  # type: ignore[assignment]
+
+
+def copies_worker(configs: list[str], rounds: int) -> None:
+    """Every rank at once, the configurations in turn ``rounds`` times: each mesh op of the
+    step's per-device program run by ``runtime.dist_ops`` with Gloo stubbed out (its packing
+    and unpacking alone) on zeros of its operands, the mean of 5 runs; rank 0 prints each
+    op's median beside its modelled copies (``cost.copies``)."""
+    from bench_estimate import CFG, _batch, _loss
+
+    import partita
+    from partita.models import GPT
+    from partita.runtime import comm
+    from partita.values.mesh import Mesh
+
+    pd.initialize()
+    hw = load_profile(None)
+    work = []
+    for config in configs:
+        preset, shape_text = config.split("/")
+        shape = tuple(int(s) for s in shape_text.strip("()").split(",") if s.strip())
+        torch.manual_seed(0)
+        model = GPT(CFG)
+        mesh = Mesh.create(shape, ("data", "model")[: len(shape)])
+        opt = torch.optim.AdamW(model.parameters())
+        plan = partita.train_step(model, _loss, opt, mesh=mesh, param_specs=preset).lower(_batch())
+        vals = plan._local_values()
+        for node in plan.local_program.graph.nodes:
+            schema = getattr(node.target, "_schema", None)
+            kind = schema.name.split("::")[-1] if schema is not None else ""
+            if kind not in ("all_gather", "all_gather_bucket", "all_reduce_bucket",
+                            "reduce_scatter", "reduce_scatter_bucket", "all_to_all"):  # fmt: skip
+                continue
+            sizes = _flat(call_copies(node, vals))
+            n = int(node.args[-1])
+            group = comm.Group(None, tuple(range(n)), tuple(range(n)), 0)
+            args = [_zeros(a, vals) for a in node.args[:-1]]
+            model_s = sum(hw.op_seconds(0, b) for b in sizes)
+            work.append((config, node.name, kind, group, args, model_s, sum(sizes)))
+    _stub_gloo()
+    times: dict[tuple[str, str], list[float]] = {(w[0], w[1]): [] for w in work}
+    for _ in range(rounds):
+        for config, name, kind, group, args, _m, _b in work:
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(5):
+                dist_ops.run(getattr(dist_ops, kind)(group, *args, name))
+            times[config, name].append((time.perf_counter() - start) / 5)
+    if pd.is_main_process():
+        rows = [(c, nm, statistics.median(times[c, nm]), m, b) for c, nm, _k, _g, _a, m, b in work]
+        print("RESULT " + json.dumps(rows))
+
+
+def _zeros(a: Any, vals: Any) -> Any:
+    if isinstance(a, torch.fx.Node):
+        v = vals[a]
+        return torch.zeros(v.shape, dtype=v.dtype).as_strided(v.shape, v.stride())
+    if isinstance(a, (list, tuple)) and a and isinstance(a[0], torch.fx.Node):
+        return [_zeros(x, vals) for x in a]
+    return a
+
+
+def _print_copies(rows: list[list[Any]]) -> None:
+    totals: dict[str, list[float]] = {}
+    for config, name, measured, model_s, nbytes in rows:
+        print(f"  {config:<14} {name:<34} {nbytes / 1e6:6.2f} MB  measured {measured * 1e3:6.2f} "
+              f"ms  modelled {model_s * 1e3:5.2f} ms")  # fmt: skip
+        t = totals.setdefault(config, [0.0, 0.0, 0.0])
+        t[0], t[1], t[2] = t[0] + measured, t[1] + model_s, t[2] + nbytes
+    for config, (measured, model_s, nbytes) in totals.items():
+        print(f"{config}: the runtime's copies of a step, {nbytes / 1e6:.1f} MB: measured "
+              f"{measured * 1e3:.2f} ms, modelled {model_s * 1e3:.2f} ms")  # fmt: skip
+
+
 def _print(name: str, result: dict[str, Any]) -> None:
     ranks, model = result["ranks"], result["model"]
     zero = ranks[0]
@@ -203,8 +292,18 @@ def main() -> None:
     parser.add_argument("configs", nargs="*", default=["dp/(4,)", "fsdp/(4,)"])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--sync", action="store_true", help="PARTITA_OVERLAP_BYTES=0")
+    parser.add_argument(
+        "--copies",
+        type=int,
+        metavar="ROUNDS",
+        help="time the runtime's copies alone (Gloo stubbed out), 4 processes at once",
+    )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--copies-worker", type=int, help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if ns.copies_worker:
+        copies_worker(ns.configs, ns.copies_worker)
+        return
     if ns.worker:
         worker(ns.worker[0], tuple(int(s) for s in ns.worker[1].split("x")), ns.steps)
         return
@@ -212,6 +311,12 @@ def main() -> None:
     print(_load())
     if ns.sync:
         os.environ["PARTITA_OVERLAP_BYTES"] = "0"
+    if ns.copies:
+        argv = [__file__, *ns.configs, "--copies-worker", str(ns.copies)]
+        rows = spawn_result(argv, "copies", timeout=1800)
+        _print_copies(rows or [])  # type: ignore[arg-type]
+        print(_load())
+        return
     for config in ns.configs:
         preset, shape = config.split("/")
         dims = "x".join(s for s in shape.strip("()").split(",") if s.strip())

@@ -147,8 +147,8 @@ def test_gpt_s_presets_keep_their_order_on_cpu_gloo() -> None:
     measured on 4 Gloo processes (docs/cost-model.md): dp < fsdp < tp < fsdp+tp. Within each
     pair the measured medians are close (dp before fsdp by 1.0, 29 and 3.2 ms in three quiet
     runs; tp before fsdp+tp by 2.9 and 1.4 ms); what orders dp before fsdp in the estimate is
-    the runtime's copies around fsdp's calls (cost/copies.py: 65 MB per step against dp's
-    28 MB), which it priced at nothing before."""
+    the runtime's copies around fsdp's calls (cost/copies.py: 61.6 MB in 61 copies per step
+    against dp's 27.6 MB in 4), which it priced at nothing before."""
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
