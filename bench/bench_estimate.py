@@ -169,13 +169,9 @@ def load_profile(path: Path | None) -> Hardware:
     return dataclasses.replace(hw, **fields)
 
 
-def worker(
-    preset: str,
-    shape: tuple[int, ...],
-    repeat: int,
-    ranges: bool = False,
-    profile: Path | None = None,
-) -> None:
+def build(preset: str, shape: tuple[int, ...]) -> tuple[Any, Callable[[], None]]:
+    """This rank's Plan of the GPT-S step with ``preset`` on a mesh of ``shape`` (the process
+    group initialized) and a function that runs one step on its sharded state."""
     pd.initialize()
     mesh = _mesh(shape)
     torch.manual_seed(0)
@@ -210,6 +206,17 @@ def worker(
     def one() -> None:
         _, box[0], _, box[1] = step(box[0], {}, box[1], batch)
 
+    return plan, one
+
+
+def worker(
+    preset: str,
+    shape: tuple[int, ...],
+    repeat: int,
+    ranges: bool = False,
+    profile: Path | None = None,
+) -> None:
+    plan, one = build(preset, shape)
     speed = _speed(repeat)  # the machine's pace now, around the timed steps
     measured = _median(one, repeat)
     speed = (speed + _speed(repeat)) / 2

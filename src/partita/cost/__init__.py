@@ -2,7 +2,8 @@
 
 Pure values and pure functions (:mod:`partita.cost.model`: hardware profiles, alpha-beta times
 per collective and mesh axis, the roofline of one op; :mod:`partita.cost.flops`: the FLOPs and
-bytes of an fx node from its shapes). Nothing here traces, partitions or runs a program; the
+bytes of an fx node from its shapes; :mod:`partita.cost.copies`: the local copies the runtime
+makes around each collective call). Nothing here traces, partitions or runs a program; the
 step-time estimate of a Plan and the auto-sharding solver build on these.
 """
 

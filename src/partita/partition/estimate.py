@@ -37,6 +37,7 @@ from typing import Any, cast
 
 from torch import fx
 
+from partita.cost.copies import call_copies
 from partita.cost.flops import first_read, node_bytes, node_flops
 from partita.cost.model import Hardware, get_profile, wire_bytes
 from partita.ir import node_meta
@@ -46,6 +47,7 @@ from partita.ir.collectives import COLLECTIVE_OPS
 __all__ = [
     "Call",
     "StepEstimate",
+    "add_copies",
     "collective_calls",
     "estimate_step",
     "exposed_times",
@@ -73,6 +75,8 @@ class StepEstimate:
         spared: ``{mesh axes: seconds}`` of call overhead the calls over those axes wait less
             than the whole ``call_overhead`` (each after little compute since the previous
             launch, ``Hardware.call_seconds``); ``collectives`` already counts it.
+        copies: seconds of the runtime's copies around the collective calls (packing a
+            bucket, unpacking a gathered value: ``cost.copies``), part of ``compute``.
     """
 
     hardware: str
@@ -83,6 +87,7 @@ class StepEstimate:
     ops: int = 0
     exposed: Mapping[str, float] | None = None
     spared: Mapping[tuple[str, ...], float] = field(default_factory=dict)
+    copies: float = 0.0
 
     @property
     def communication(self) -> float:
@@ -133,6 +138,7 @@ class Call:
             first call, or not known); its overhead is ``Hardware.call_seconds`` of it.
         overhead: the part of ``seconds`` that is the call's overhead (its wait for peers).
         axes: the mesh axes it runs over.
+        at: the index of its own node in the program (-1: not known).
     """
 
     seconds: float
@@ -142,6 +148,7 @@ class Call:
     compute_before: float | None = None
     overhead: float = 0.0
     axes: tuple[str, ...] = ()
+    at: int = -1
 
 
 def exposed_times(
@@ -254,6 +261,8 @@ def estimate_step(
     for kind, nbytes, axes in collective_calls(plan):
         times[kind] = times.get(kind, 0.0) + hw.collective_seconds(kind, nbytes, plan.mesh, axes)
         wire += wire_bytes(kind, nbytes, plan.mesh.axes_size(axes))
+    copies = add_copies(plan, hw, nodes, vals or {}, costs)
+    compute += copies
     calls = overlap_calls(plan, hw, nodes, costs)
     spared: dict[tuple[str, ...], float] = {}
     for kind, call in calls:  # a call after little compute waits less for its peers
@@ -262,7 +271,32 @@ def estimate_step(
             times[kind] -= less
             spared[call.axes] = spared.get(call.axes, 0.0) + less
     exposed = _exposed(calls, costs, hw, times) if overlap else None
-    return StepEstimate(hw.name, compute, times, flops, wire, ops, exposed, spared)
+    return StepEstimate(hw.name, compute, times, flops, wire, ops, exposed, spared, copies)
+
+
+def add_copies(
+    plan: Any,
+    hw: Hardware,
+    nodes: Sequence[fx.Node],
+    vals: Mapping[fx.Node, Any],
+    costs: list[float],
+) -> float:
+    """Add to ``costs`` (each node's seconds, in place) the runtime's copies around each
+    collective call of ``nodes`` (``cost.copies``: each a memory-bound op): the packing to the
+    op after which the call is launched, the unpacking to the op before which it is waited for
+    (where the runtime runs them). Returns their seconds."""
+    total = 0.0
+    for _, call in _placed(plan, hw, nodes):
+        if call.at < 0:
+            continue
+        launch, wait = call_copies(nodes[call.at], vals)
+        for at, sizes in ((max(call.issue, 0), launch), (call.wait, wait)):
+            seconds = sum(hw.op_seconds(0, b) for b in sizes)
+            if seconds:
+                costs.extend([0.0] * (at + 1 - len(costs)))
+                costs[at] += seconds
+                total += seconds
+    return total
 
 
 def _exposed(
@@ -337,7 +371,7 @@ def _placed(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str
         seconds = hw.collective_seconds(kind, node_meta.collective_bytes(node), plan.mesh, axes)
         overhead = hw.call_overhead if seconds > 0 else 0.0
         if kind not in ASYNC_KINDS:
-            call = Call(seconds, i, i, False, overhead=overhead, axes=tuple(axes))
+            call = Call(seconds, i, i, False, overhead=overhead, axes=tuple(axes), at=i)
             calls.append((kind, call))
             continue
         issue = max((index[a] for a in node.all_input_nodes), default=-1)
@@ -346,7 +380,8 @@ def _placed(plan: Any, hw: Hardware, nodes: Sequence[fx.Node]) -> list[tuple[str
             at = next((index[n] for n in nodes if n.name == after), -1)
             issue = max(issue, at, previous_regather - 1)  # one re-gather ahead
             previous_regather = wait
-        calls.append((kind, Call(seconds, issue, wait, overhead=overhead, axes=tuple(axes))))
+        call = Call(seconds, issue, wait, overhead=overhead, axes=tuple(axes), at=i)
+        calls.append((kind, call))
     return calls
 
 
