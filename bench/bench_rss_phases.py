@@ -105,8 +105,19 @@ def mark(phase: str) -> None:
     _CPU[0] = time.process_time()
 
 
+def _storage(t: Any) -> int:
+    """The address of a tensor's storage (0 for anything else, or a storage without data:
+    FSDP2 frees its unsharded parameters' by resizing them to 0)."""
+    if not isinstance(t, torch.Tensor):
+        return 0
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:
+        return 0
+
+
 class _Sizes(TorchDispatchMode):
-    """The storage bytes of every tensor an op returns (not views), by size class."""
+    """The bytes of every new storage an op returns (not views of its inputs), by size."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -115,8 +126,11 @@ class _Sizes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        # a view or an in-place op returns an input's storage: only new storages count
+        ins = {_storage(t) for t in pytree.tree_leaves((args, kwargs)) if _storage(t)}
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t._is_view():
+            if _storage(t) and _storage(t) not in ins:
+                ins.add(_storage(t))  # several outputs of one storage count once
                 size = t.untyped_storage().nbytes()
                 bound = next(b for b in SIZES if size < b)
                 self.count[bound] += 1
