@@ -18,8 +18,9 @@ each step; the first step of partita is its first run) a row gives:
   malloc's numbers; ``sys._debugmallocstats``);
 * ``CPU``: the phase's process CPU time (a step's, for the steps).
 
-Then the tensors one later step allocates, by size (a ``TorchDispatchMode`` over the step's
-ops: count and MB of each class; Gloo's own buffers are not seen). The load average is printed
+Then the new tensor storages one later step allocates, by size (a ``TorchDispatchMode`` over
+the step's ops, views and in-place results left out: count and MB of each class; Gloo's own
+buffers are not seen). The load average is printed
 before and after: numbers are comparable only under a similar load.
 """
 
