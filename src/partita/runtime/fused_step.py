@@ -45,6 +45,7 @@ from partita.capture.ops import sdpa_backward_cpu, sdpa_cpu
 from partita.capture.threads import TRACING
 from partita.runtime.flat_constants import fold_constants
 from partita.runtime.flat_foreach import foreach_elementwise
+from partita.runtime.flat_order import sink_input_ops
 from partita.runtime.flat_trace import FlatTracer, no_new_traces, record_trace_cost
 from partita.runtime.flat_views import collapse_view_chains, fold_permutes, fold_views
 
@@ -209,6 +210,7 @@ def trace_step(interpret: Interpret, values: list[Held], n_nodes: int) -> _Trace
     collapse_view_chains(gm)
     foreach_elementwise(gm, from_outputs=True)
     fold_constants(gm)
+    sink_input_ops(gm)
     direct_kernels(gm)
     record_trace_cost(time.thread_time() - start, n_nodes)
     return _Traced(gm, outputs)
