@@ -11,8 +11,9 @@ steps, no per-step dictionary, argument binding or held-value bookkeeping, which
 than the ops of a small model's step. The traced graph holds the same aten ops in the same
 order as the interpreter runs them, so its results are the interpreter's bit for bit; a
 flat-graph pass then folds the ``permute`` chains that meet across segment boundaries
-(``runtime.flat_views``) and calls the CPU kernels of partita's attention ops directly
-(:func:`direct_kernels`).
+(``runtime.flat_views``), moves the ops that read only the step's inputs to just before
+their first reader (``runtime.flat_order``) and calls the CPU kernels of partita's attention
+ops directly (:func:`direct_kernels`).
 
 When. Per input signature (every input's mesh axes, shape, strides, dtype; a non-tensor
 input by value), after a run in which every segment ran through its flat graph, the fused
