@@ -17,65 +17,20 @@ computed per run, as before. This module changes graphs only.
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
-import torch
 from torch import Tensor, fx
 from torch.utils import _pytree as pytree
 
+from partita.runtime.flat_effects import pure, written
+
 __all__ = ["fold_constants"]
-
-
-def _foldable(node: fx.Node) -> bool:
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload) or type(target) is not torch._ops.OpOverload:
-        return False
-    if target.namespace != "aten":  # another library's op may draw or keep state
-        return False
-    schema = target._schema
-    if schema.is_mutable or torch.Tag.nondeterministic_seeded in target.tags:
-        return False
-    return "empty" not in target.__name__
-
-
-def _writes(node: fx.Node) -> list[fx.Node]:
-    """The inputs ``node`` may write (its schema's ``Tensor(a!)`` arguments), or every input
-    for a call whose schema is unknown (a Python function)."""
-    target = node.target
-    if node.op != "call_function":
-        return []
-    if target is operator.getitem:
-        return []
-    if not isinstance(target, torch._ops.OpOverload):
-        return list(node.all_input_nodes)
-    out: list[fx.Node] = []
-    names = [a.name for a in target._schema.arguments]
-    for i, arg in enumerate(target._schema.arguments):
-        info = arg.alias_info
-        if info is None or not info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(names[i])
-        out += [n for n in pytree.tree_leaves(value) if isinstance(n, fx.Node)]
-    return out
-
-
-def _aliases(node: fx.Node) -> bool:
-    """Whether ``node``'s result may share storage with an input (a view op, getitem)."""
-    target = node.target
-    if target is operator.getitem:
-        return True
-    if not isinstance(target, torch._ops.OpOverload):
-        return True
-    return any(r.alias_info is not None for r in target._schema.returns)
 
 
 def fold_constants(gm: fx.GraphModule) -> int:
     """Fold ``gm``'s ops that read no input (see the module doc); returns how many nodes
     went. The graph is recompiled when any did."""
-    touched = _written(gm)
+    touched = written(gm)
     values: dict[fx.Node, Any] = {}
     for node in gm.graph.nodes:
         if node in touched:
@@ -85,7 +40,7 @@ def fold_constants(gm: fx.GraphModule) -> int:
             if isinstance(value, Tensor):
                 values[node] = value
             continue
-        if node.op != "call_function" or not _foldable(node):
+        if node.op != "call_function" or not pure(node):
             continue
         if not all(n in values for n in node.all_input_nodes):
             continue
@@ -124,18 +79,3 @@ def _attr(gm: fx.GraphModule, target: str) -> Any:
     for part in target.split("."):
         value = getattr(value, part, None)
     return value
-
-
-def _written(gm: fx.GraphModule) -> set[fx.Node]:
-    """The nodes whose data some op may write, or the graph returns, directly or through a
-    view (by the ops' alias annotations): none of them is a constant."""
-    roots: dict[fx.Node, set[fx.Node]] = {}  # the nodes whose storage a node's may be
-    bad: set[fx.Node] = set()
-    for node in gm.graph.nodes:
-        reads = [roots[n] for n in node.all_input_nodes]
-        roots[node] = {node}.union(*reads) if reads and _aliases(node) else {node}
-        if node.op == "output":
-            bad.update(*reads)
-        for written in _writes(node):
-            bad.update(roots[written])
-    return {n for n, r in roots.items() if r & bad}

@@ -11,8 +11,9 @@ steps, no per-step dictionary, argument binding or held-value bookkeeping, which
 than the ops of a small model's step. The traced graph holds the same aten ops in the same
 order as the interpreter runs them, so its results are the interpreter's bit for bit; a
 flat-graph pass then folds the ``permute`` chains that meet across segment boundaries
-(``runtime.flat_views``) and calls the CPU kernels of partita's attention ops directly
-(:func:`direct_kernels`).
+(``runtime.flat_views``), moves the ops that read only the step's inputs to just before
+their first reader (``runtime.flat_order``) and calls the CPU kernels of partita's attention
+ops directly (:func:`direct_kernels`).
 
 When. Per input signature (every input's mesh axes, shape, strides, dtype; a non-tensor
 input by value), after a run in which every segment ran through its flat graph, the fused
@@ -45,6 +46,7 @@ from partita.capture.ops import sdpa_backward_cpu, sdpa_cpu
 from partita.capture.threads import TRACING
 from partita.runtime.flat_constants import fold_constants
 from partita.runtime.flat_foreach import foreach_elementwise
+from partita.runtime.flat_order import sink_input_ops
 from partita.runtime.flat_trace import FlatTracer, no_new_traces, record_trace_cost
 from partita.runtime.flat_views import collapse_view_chains, fold_permutes, fold_views
 
@@ -209,6 +211,7 @@ def trace_step(interpret: Interpret, values: list[Held], n_nodes: int) -> _Trace
     collapse_view_chains(gm)
     foreach_elementwise(gm, from_outputs=True)
     fold_constants(gm)
+    sink_input_ops(gm)
     direct_kernels(gm)
     record_trace_cost(time.thread_time() - start, n_nodes)
     return _Traced(gm, outputs)
