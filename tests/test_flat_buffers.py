@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from partita.runtime import dist_ops
-from partita.runtime.comm import Group
+from partita.runtime.comm import FlatBuffers, Group
 
 
 class _Done:
@@ -99,3 +99,20 @@ def test_buffers_in_flight_are_never_shared(sent: dict[str, list[torch.Tensor]])
         assert [r[0].tolist() for r in results] == [[0.0, 0.0], [2.0, 2.0]]
     ptrs = [t.data_ptr() for t in sent["rs"]]
     assert ptrs[0] != ptrs[1] and set(ptrs[2:]) == set(ptrs[:2])
+
+
+def test_one_buffer_serves_smaller_requests() -> None:
+    """Kept memory is what the buffers in use at once need: a buffer serves a smaller
+    request, and one too small for a request is dropped rather than kept beside it."""
+    pool = FlatBuffers()
+    like = torch.zeros(1)
+    a = pool.take(10, like)
+    pool.give(a)
+    b = pool.take(8, like)
+    assert b.numel() == 8 and b.data_ptr() == a.data_ptr()
+    pool.give(b)
+    c = pool.take(12, like)  # a's buffer is too small: dropped, c is new
+    pool.give(c)
+    d = pool.take(10, like)
+    assert d.data_ptr() == c.data_ptr() and d.untyped_storage().nbytes() == 12 * 4
+    assert pool.take(10, like).data_ptr() not in (a.data_ptr(), c.data_ptr())  # nothing left

@@ -62,19 +62,32 @@ class FlatBuffers:
     of the launch's CPU). :meth:`take` hands out a buffer of the size asked for, one given
     back earlier if there is one; :meth:`give` returns it once the collective is waited
     for. A buffer is never handed out twice at once, and nothing that outlives the
-    collective reads it: the results are in other tensors."""
+    collective reads it: the results are in other tensors. Buckets differ a little in size
+    (the first and last hold the embeddings too), so a buffer serves any request it is large
+    enough for (the smallest such, its first elements): the kept memory is what the most
+    buffers in use at once need, not one buffer per size."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[int, torch.dtype, torch.device], list[Tensor]] = {}
+        self._free: list[Tensor] = []
 
     def take(self, numel: int, like: Tensor) -> Tensor:
         """A flat tensor of ``numel`` elements of ``like``'s dtype and device (any contents)."""
-        free = self._free.get((numel, like.dtype, like.device))
-        return free.pop() if free else like.new_empty(numel)
+        fits = [b for b in self._free if b.dtype == like.dtype and b.device == like.device]
+        big = [b for b in fits if b.numel() >= numel]
+        if big:
+            buf = min(big, key=Tensor.numel)
+            self._drop(buf)
+            return buf[:numel]
+        if fits:  # too small for this request: freed, not kept beside the larger new one
+            self._drop(max(fits, key=Tensor.numel))
+        return like.new_empty(numel)
+
+    def _drop(self, buf: Tensor) -> None:
+        del self._free[next(i for i, b in enumerate(self._free) if b is buf)]  # not ==
 
     def give(self, buf: Tensor) -> None:
         """``buf`` (from :meth:`take`) is no longer read or written: hand it out again."""
-        self._free.setdefault((buf.numel(), buf.dtype, buf.device), []).append(buf)
+        self._free.append(buf if buf._base is None else buf._base)
 
 
 @dataclass(frozen=True)
