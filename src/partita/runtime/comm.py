@@ -9,8 +9,7 @@ Three jobs, all about talking to torch.distributed safely:
 - **calls**: :func:`call_collective` runs one collective and turns any failure of it (a peer
   died, a peer is slower than the timeout) into :class:`~partita.errors.DistributedError` that
   names the collective, the fx node, the mesh axes, the group's ranks, this rank and the fix;
-- **flat buffers**: :func:`gather_flat` (Gloo gathers flat tensors), :class:`FlatBuffers`
-  (a group's flat send buffers, kept from one step to the next) and the small arithmetic
+- **flat buffers**: :func:`gather_flat` (Gloo gathers flat tensors) and the small arithmetic
   shared by the mesh ops (reduce ops, ``avg``, divisibility).
 
 This module does not know about programs or plans (``runtime.distributed`` and
@@ -23,7 +22,7 @@ import datetime
 import itertools
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,7 +34,6 @@ from partita.runtime import launch
 from partita.values.mesh import Mesh
 
 __all__ = [
-    "FlatBuffers",
     "Group",
     "call_collective",
     "check_divisible",
@@ -52,44 +50,6 @@ ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-class FlatBuffers:
-    """Flat buffers a group's collectives send from, kept from one step to the next.
-
-    A bucketed reduce_scatter copies a block's gradients into one flat buffer of a few MB;
-    allocated fresh at every launch, that memory is above glibc's mmap threshold, so it is
-    mapped and unmapped each time and every page faults again when the copy writes it
-    (about 3 000 minor faults per step on a rank of the 4-layer GPT's FSDP step, the bulk
-    of the launch's CPU). :meth:`take` hands out a buffer of the size asked for, one given
-    back earlier if there is one; :meth:`give` returns it once the collective is waited
-    for. A buffer is never handed out twice at once, and nothing that outlives the
-    collective reads it: the results are in other tensors. Buckets differ a little in size
-    (the first and last hold the embeddings too), so a buffer serves any request it is large
-    enough for (the smallest such, its first elements): the kept memory is what the most
-    buffers in use at once need, not one buffer per size."""
-
-    def __init__(self) -> None:
-        self._free: list[Tensor] = []
-
-    def take(self, numel: int, like: Tensor) -> Tensor:
-        """A flat tensor of ``numel`` elements of ``like``'s dtype and device (any contents)."""
-        fits = [b for b in self._free if b.dtype == like.dtype and b.device == like.device]
-        big = [b for b in fits if b.numel() >= numel]
-        if big:
-            buf = min(big, key=Tensor.numel)
-            self._drop(buf)
-            return buf[:numel]
-        if fits:  # too small for this request: freed, not kept beside the larger new one
-            self._drop(max(fits, key=Tensor.numel))
-        return like.new_empty(numel)
-
-    def _drop(self, buf: Tensor) -> None:
-        del self._free[next(i for i, b in enumerate(self._free) if b is buf)]  # not ==
-
-    def give(self, buf: Tensor) -> None:
-        """``buf`` (from :meth:`take`) is no longer read or written: hand it out again."""
-        self._free.append(buf if buf._base is None else buf._base)
-
-
 @dataclass(frozen=True)
 class Group:
     """This rank's group over some mesh axes."""
@@ -98,8 +58,6 @@ class Group:
     members: tuple[int, ...]  # device ids (= ranks), partita order (major-first by mesh_axes)
     torch_order: tuple[int, ...]  # the same ranks in the torch group's order
     index: int  # this rank's index in ``members``
-    #: the send buffers of this group's bucketed reduce_scatters (dropped with the group)
-    buffers: FlatBuffers = field(default_factory=FlatBuffers, compare=False, repr=False)
 
     @property
     def to_torch(self) -> list[int]:

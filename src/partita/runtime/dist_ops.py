@@ -120,7 +120,7 @@ def all_gather_bucket(
 ) -> Op:
     n = len(g.members)
     numel = sum(x.numel() for x in xs)
-    out = g.buffers.take(n * numel, xs[0])  # comm.FlatBuffers, as in reduce_scatter_bucket
+    out = xs[0].new_empty(n * numel)
     # gathered in place, as FSDP2 does: this rank's values go straight into its own slot of
     # the output, so no separate flat input is held while the bytes move
     mine = out.narrow(0, g.torch_order.index(g.members[g.index]) * numel, numel)
@@ -129,10 +129,7 @@ def all_gather_bucket(
                        lambda: ALL_GATHER(out, mine, group=g.pg, async_op=True))  # fmt: skip
     parts = _member_order(g, out.reshape(n, -1))
     pieces = parts.split([x.numel() for x in xs], dim=1)
-    result = [_gathered(p, x.shape, d) for p, x, d in zip(pieces, xs, dims, strict=True)]
-    if not any(r.untyped_storage().data_ptr() == out.data_ptr() for r in result):
-        g.buffers.give(out)  # every value was copied out of it (none is a view of it)
-    return result
+    return [_gathered(p, x.shape, d) for p, x, d in zip(pieces, xs, dims, strict=True)]
 
 
 def all_reduce(
@@ -197,10 +194,7 @@ def reduce_scatter_bucket(
     chunked = [
         _scatter_rows(g, x, d, node, "reduce_scatter_bucket") for x, d in zip(xs, dims, strict=True)
     ]
-    # member-major, into the group's kept buffer of this size (comm.FlatBuffers: no fresh
-    # pages to fault in at every step); it is given back once the bytes have moved
-    flat = g.buffers.take(sum(c[0].numel() for c in chunked) * n, xs[0])
-    torch.cat([c.reshape(n, -1) for c in chunked], dim=1, out=flat.view(n, -1))
+    flat = torch.cat([c.reshape(n, -1) for c in chunked], dim=1).reshape(-1)  # member-major
     out = flat.new_empty(flat.numel() // n)
     shapes = [c.shape[1:] for c in chunked]
     # the flat copy is what moves: the inputs (a block's unsharded gradients) are not held
@@ -209,7 +203,6 @@ def reduce_scatter_bucket(
     yield from _launch(node, "reduce_scatter_bucket", mesh_axes, g,
           lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
                                  async_op=True))  # fmt: skip
-    g.buffers.give(flat)
     out = finish_avg(out, reduce_op, n)
     return [
         p.reshape(shape).movedim(0, d).contiguous()
