@@ -13,10 +13,12 @@ overhead) in a bucket of ``bucket_bytes`` or of all the parameters' bytes when t
 (an approximation: the Plan's buckets follow the program's order, see docs/auto.md). A slice
 or cat of a split dim pays the collective_permute rounds ``partition.retile`` plans for it.
 A softmax over a split dim pays its handler's all_reduces (the max and the sum; the backward:
-the sum) of the rows' statistics. A handler's other op-internal collectives (a batch-norm's
-statistics) are priced as one all_reduce of the local result over the axes of the op's
-split factors that are not summed (a summed factor's reduction is priced where its partial
-result is reduced): a model of them, not their exact lowering. The reshards are planned once
+the sum) of the rows' statistics. A training batch norm with a split batch or spatial dim
+pays its handler's all_reduce of the per-channel sums (forward and backward). A handler's
+other op-internal collectives (a loss's scalars, a halo, a scan's carries: ``_INTERNAL``) are
+priced as a few collectives of the local result over the axes of the op's split factors that
+are not summed (a summed factor's reduction is priced where its partial result is reduced):
+a model of them, not their exact lowering. The reshards are planned once
 per signature (``auto.moves``).
 """
 
@@ -51,11 +53,11 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 #: Handlers that emit collectives inside their op when a reduction or windowed factor is split:
 #: (collective kind, how many) over the axes of those factors, each on the result reduced
-#: over those factors (a softmax's max and sum, batch statistics, a loss's two scalars, a
-#: convolution's halo, a scan's carries).
+#: over those factors (a softmax's max and sum, a loss's two scalars, a convolution's halo, a
+#: scan's carries). A softmax's and a batch norm's are priced exactly (``Pricer._softmax``,
+#: ``Pricer._batch_stats``): their split dims pass through, so this model never sees them.
 _INTERNAL: dict[str, tuple[str, int]] = {
     "softmax_reduce": ("all_reduce", 2),
-    "batch_stats": ("all_reduce", 1),
     "weighted_mean": ("all_reduce", 1),
     "halo": ("collective_permute", 2),
     "sharded_scan": ("all_gather", 1),
@@ -182,6 +184,8 @@ class Pricer:
                 internal += self._softmax(node, rule, assign, out, shards, compute * 1e-6)
             if rule.handler == "retile":
                 internal += self._retile(node, rule, assign, out)
+            if rule.handler == "batch_stats":
+                internal += self._batch_stats(node, rule, assign, compute * 1e-6)
             prices.append(internal if self.bytes else compute + internal)
             computes.append(compute)
         return prices, computes
@@ -251,6 +255,37 @@ class Pricer:
         reduced = out.numel() * _itemsize(out.dtype) / shards / max(1.0, local_dim)
         count = 1 if "backward" in str(node.target) else 2
         return count * self.collective("all_reduce", reduced, axes, compute_before=compute)
+
+    def _batch_stats(
+        self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]], compute: float
+    ) -> float:
+        """A training batch norm whose batch or spatial dims are split (they pass through):
+        the partitioner's SyncBatchNorm (``partition.special.batchnorm``) all-reduces one
+        ``(2, local channels)`` tensor over their axes, the forward its sums and sums of
+        squares in float64, the backward its sums of ``dy`` and ``dy * (x - mean)`` in the
+        input's accumulation dtype (float32 for a half input)."""
+        backward = str(node.target).startswith("aten.native_batch_norm_backward")
+        x = 1 if backward else 0
+        factors = rule.operands[x]
+        if factors is None:
+            return 0.0
+        axes: list[str] = []
+        for d, dim in enumerate(factors):
+            if d != 1:
+                axes += [a for f in dim for a in assign.get(f, ()) if a not in axes]
+        if not axes:
+            return 0.0
+        val = cast(fx.Node, node.args[x]).meta["val"]
+        by = self.mesh.axes_size([a for f in factors[1] for a in assign.get(f, ())])
+        channels = -(-int(val.shape[1]) // by)
+        if not backward:
+            dtype = torch.float64
+        elif val.dtype in (torch.float16, torch.bfloat16):
+            dtype = torch.float32
+        else:
+            dtype = val.dtype
+        nbytes = 2 * channels * _itemsize(dtype)
+        return self.collective("all_reduce", nbytes, axes, compute_before=compute)
 
     def _internal(
         self,
