@@ -116,8 +116,6 @@ class ProgramState:
         self.replicate_unsupported = replicate_unsupported
         self._metas: dict[fx.Node, TensorMeta] = {}
         self._shapes: dict[Hashable, _OpShape] = {}  # _op_shape's memo
-        #: OpInfos built (memo misses of ``_op_shape``): one per distinct call, not per node
-        self.infos_built = 0
         self._build()
 
     def key(self, node: fx.Node) -> ValueKey:
@@ -250,7 +248,6 @@ class ProgramState:
             if found is not None:
                 return found, operand_nodes
         info, operand_nodes, _ = op_info(node, self._metas)
-        self.infos_built += 1
         rule = self._rule(node, info)
         shape = _op_groups(rule)
         if key is not None and node_meta.replicated_reason(node) is None:
