@@ -16,8 +16,10 @@ from partita.capture import ANNOTATE_OP
 from partita.frontend.annotate import format_program, propagate_program
 from partita.models import GPT, GPTConfig
 from partita.propagate import fixpoint, propagate
-from partita.propagate.state import info_key
+from partita.propagate import state as state_module
+from partita.propagate.state import ProgramState, call_key, info_key
 from partita.rules import OpInfo, TensorMeta
+from partita.rules.opinfo import op_info
 from partita.training import init_opt_state
 
 MESH = Mesh.create((2, 4), ("data", "model"))
@@ -311,6 +313,36 @@ def test_memoised_rules_tell_equal_python_values_of_other_types_apart() -> None:
     propagate(prog.graph_module)
     mms = _by_target(prog.graph_module, torch.ops.aten.mm.default)
     assert len(mms) == 2 and mms[0].meta["rule"] is mms[1].meta["rule"]
+
+
+def test_a_deeper_program_presents_no_more_calls_to_the_rules(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The rule memo is keyed off the node (``call_key``, equal to ``info_key`` of its OpInfo),
+    so a repeated layer builds no OpInfo: a 3-layer GPT step builds as many as a 1-layer one
+    (counted, not timed)."""
+    built: list[int] = []
+    counting = op_info
+
+    def spy(*args: Any) -> Any:
+        built[-1] += 1
+        return counting(*args)
+
+    monkeypatch.setattr(state_module, "op_info", spy)
+    ops = []
+    for n in (1, 3):
+        step, args = programs.gpt_step(GPTConfig(n_layer=n, n_head=2, d_model=16, vocab_size=32,
+                                                 seq_len=8))  # fmt: skip
+        gm = partita.capture.trace(step, args, mesh=MESH).graph_module
+        built.append(0)
+        ops.append(len(ProgramState(gm, MESH, False).ops))
+        for node in gm.graph.nodes:
+            if node.op == "call_function":
+                operands: list[fx.Node] = []
+                info, nodes, _ = counting(node, {})
+                assert call_key(node, {}, operands) == info_key(info), node.name
+                assert operands == nodes, node.name
+    assert ops[1] > 2 * ops[0] and built[1] == built[0] < ops[1] // 4
 
 
 def test_no_annotation_and_no_mesh_is_an_error() -> None:

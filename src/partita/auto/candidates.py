@@ -243,10 +243,13 @@ class Templates:
             found = self.ops[sig] = self._make(op, op_candidates(self.mesh, op))
         return found
 
-    def follower(self, op: OpState, sig: Any, key: ValueKey, has: Sequence[Sharding]) -> _Template:
-        fkey = (sig, [k for k in op.operands].index(key), id(has))
+    def follower(self, op: OpState, sig: Any, j: int, has: Sequence[Sharding]) -> _Template:
+        """The template of ``op`` reading its operand ``j`` laid out as ``has`` (a column)."""
+        fkey = (sig, j, id(has))
         found = self.follow.get(fkey)
         if found is None:
+            key = op.operands[j]
+            assert key is not None
             assigns = [_assign_from(self.mesh, op, key, h) for h in has]
             found = self.follow[fkey] = self._make(op, assigns)
         return found

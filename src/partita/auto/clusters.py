@@ -21,7 +21,6 @@ clusters with the same prices share their variables too.
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
 import torch
@@ -43,13 +42,16 @@ def _shapes(val: Any) -> tuple[Any, ...]:
     )
 
 
-def _start(block: Block) -> tuple[Any, ...]:
+def _start(block: Block, names: dict[Any, str]) -> tuple[Any, ...]:
     node = block.node
     if block.op is None:
         return ("input", _shapes(node.meta.get("val")), len(block.inputs), len(block))
+    target = names.get(node.target)
+    if target is None:
+        target = names[node.target] = str(node.target)
     return (
         "op",
-        str(node.target),
+        target,
         node_meta.source(node) or "",
         _shapes(node.meta.get("val")),
         len(block.followers),
@@ -82,15 +84,17 @@ def cluster_blocks(space: Space, rounds: int = ROUNDS) -> list[int]:
         operands[use.block].append(p)
         users[p].append(use.block)
     ids: dict[Any, int] = {}
-    label = [ids.setdefault(_start(b), len(ids)) for b in space.blocks]
+    names: dict[Any, str] = {}  # str(target), once per target
+    label = [ids.setdefault(_start(b, names), len(ids)) for b in space.blocks]
     for _ in range(rounds):
         ids = {}
+        # the users' labels as a multiset: sorted, so their order does not matter
         label = [
             ids.setdefault(
                 (
                     label[b],
-                    tuple(label[p] for p in operands[b]),
-                    tuple(sorted(Counter(label[u] for u in users[b]).items())),
+                    tuple([label[p] for p in operands[b]]),
+                    tuple(sorted([label[u] for u in users[b]])),
                 ),
                 len(ids),
             )

@@ -148,17 +148,28 @@ def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(d for d in shape if d != 1)
 
 
-def _follows(op: OpState, state: ProgramState) -> ValueKey | None:
-    """The one operand a pass-through op follows (None: the op is not a follower)."""
+def _passes_dims(rule: Any) -> bool:
+    """Every factor of ``rule`` passes through and no dim is compound: what a follower's rule
+    must be (``_follows``), a property of the rule alone."""
+    if any(rule.kind(f) is not FactorKind.PASS_THROUGH for f in rule.factors):
+        return False
+    return not any(
+        t is not None and any(len(d) > 1 for d in t) for t in (*rule.operands, *rule.results)
+    )
+
+
+def _follows(op: OpState, state: ProgramState, passes: dict[int, bool]) -> ValueKey | None:
+    """The one operand a pass-through op follows (None: the op is not a follower);
+    ``passes`` memoises ``_passes_dims`` per rule object (the copies of a layer share one)."""
     rule = op.rule
     keys = {k for k in op.operands if k is not None}
     if len(keys) != 1 or any(k is None for k in op.results):
         return None
-    if any(rule.kind(f) is not FactorKind.PASS_THROUGH for f in rule.factors):
+    found = passes.get(id(rule))
+    if found is None:
+        found = passes[id(rule)] = _passes_dims(rule)
+    if not found:
         return None
-    for t in (*rule.operands, *rule.results):
-        if t is not None and any(len(d) > 1 for d in t):
-            return None
     if any(state.values[k].fixed for k in op.results if k is not None):
         return None
     return next(iter(keys))
@@ -247,8 +258,9 @@ def build_space(
         for n in nodes:
             input_block[n] = len(blocks)
         blocks.append(block)
+    passes: dict[int, bool] = {}  # id(rule) -> _passes_dims(rule)
     for op in state.ops:
-        followed = _follows(op, state)
+        followed = _follows(op, state, passes)
         if followed is not None and followed in producer:
             root = blocks[producer[followed]]
             if templates.partial(root.columns[followed]):
@@ -256,8 +268,8 @@ def build_space(
         if followed is not None and followed in producer:
             has = root.columns[followed]
             sig = _sig(op)
-            t = templates.follower(op, sig, followed, has)  # type: ignore[arg-type]
-            j = [k for k in op.operands].index(followed)
+            j = op.operands.index(followed)
+            t = templates.follower(op, sig, j, has)  # type: ignore[arg-type]
             follower = Follower(
                 op, followed, t.assigns, has, t.need_columns[j], t.local_bytes,
                 sig=(sig, j, id(has)),
@@ -305,12 +317,14 @@ def build_space(
     (out_node,) = [n for n in state.gm.graph.nodes if n.op == "output"]
     outputs = [state.key(n) for n in pytree.tree_leaves(out_node.args[0]) if isinstance(n, fx.Node)]
     outputs = [k for k in outputs if k in producer]
-    keys = set(producer)
-    shapes = {k: tuple(value_of(k).shape) for k in keys}
-    dtypes = {k: value_of(k).dtype for k in keys}
+    shapes: dict[ValueKey, tuple[int, ...]] = {}
+    dtypes: dict[ValueKey, torch.dtype] = {}
+    for k in producer:
+        val = value_of(k)
+        shapes[k], dtypes[k] = tuple(val.shape), val.dtype
     stored = {tuple(inputs[i].meta["val"].shape) for g in groups for i in g}
     squeezed = {_squeeze(s) for s in stored}
-    stored |= {s for s in shapes.values() if _squeeze(s) in squeezed}
+    stored |= {s for s in set(shapes.values()) if _squeeze(s) in squeezed}
     stored_bytes = float(sum(value_bytes(inputs[g[0]].meta["val"]) for g in groups if g))
     space = Space(
         mesh, blocks, producer, uses, shapes, dtypes, input_block, outputs, stored, stored_bytes

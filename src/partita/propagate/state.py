@@ -33,7 +33,7 @@ from partita.values.layout import check_strided
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
-__all__ = ["OpState", "ProgramState", "ValueKey", "ValueState", "info_key"]
+__all__ = ["OpState", "ProgramState", "ValueKey", "ValueState", "call_key", "info_key"]
 
 ValueKey = tuple[fx.Node, int | None]  # (producer, output index or None for one output)
 
@@ -191,8 +191,9 @@ class ProgramState:
         vals = val if isinstance(val, (tuple, list)) else (val,)
         if not any(is_tensor(v) for v in vals):
             return
-        info, operand_nodes, indices = op_info(node, self._metas)
-        rule, compound, free, result_only, weak, pass_through = self._op_shape(node, info)
+        shape, operand_nodes = self._op_shape(node)
+        rule, compound, free, result_only, weak, pass_through = shape
+        indices: list[int | None] = list(range(len(vals))) if vals is val else [None]
         results: list[ValueKey | None] = []
         for idx, v in zip(indices, vals, strict=True):
             if is_tensor(v):
@@ -229,24 +230,29 @@ class ProgramState:
             v.priority = int(ann.priority)
             v.fixed = True
 
-    def _op_shape(self, node: fx.Node, info: OpInfo) -> _OpShape:
-        """The op's rule and its factor groups, computed once per distinct call.
+    def _op_shape(self, node: fx.Node) -> tuple[_OpShape, list[fx.Node]]:
+        """The op's rule and its factor groups, computed once per distinct call, and its
+        tensor operand nodes (flattened order).
 
         A rule function sees only its OpInfo, so calls with equal OpInfos (every layer of a
         transformer repeats the same ops on the same shapes) get the same rule. Memoised per
         program, and only when the registry's rule answered (a replicated fallback records a
-        reason on its node and warns, which every node must do for itself)."""
+        reason on its node and warns, which every node must do for itself). The memo's key
+        (``call_key``, equal to ``info_key`` of the OpInfo) is read off the node in one walk,
+        so a repeated call builds no OpInfo: a deeper model adds look-ups, not rule inputs."""
         key = None
         if node not in self._local and node.target is not EXIT_OP:
-            key = info_key(info)
-        found = self._shapes.get(key) if key is not None else None
-        if found is not None:
-            return found
+            operand_nodes: list[fx.Node] = []
+            key = call_key(node, self._metas, operand_nodes)
+            found = self._shapes.get(key) if key is not None else None
+            if found is not None:
+                return found, operand_nodes
+        info, operand_nodes, _ = op_info(node, self._metas)
         rule = self._rule(node, info)
         shape = _op_groups(rule)
         if key is not None and node_meta.replicated_reason(node) is None:
             self._shapes[key] = shape
-        return shape
+        return shape, operand_nodes
 
     def _rule(self, node: fx.Node, info: OpInfo) -> FactorRule:
         if node in self._local or node.target is EXIT_OP:
@@ -320,6 +326,42 @@ def info_key(info: OpInfo) -> Hashable | None:
         )
     except _NotPlainError:
         return None
+
+
+def call_key(
+    node: fx.Node, metas: dict[fx.Node, TensorMeta], operand_nodes: list[fx.Node]
+) -> Hashable | None:
+    """``info_key(op_info(node, metas)[0])`` without building the OpInfo, or None; appends the
+    node's tensor operand nodes (flattened order) to ``operand_nodes``."""
+    operands: list[TensorMeta] = []
+
+    def arg(a: Any) -> Hashable:
+        if isinstance(a, fx.Node):
+            meta = metas.get(a)
+            if meta is None:
+                val: Any = a.meta.get("val")
+                if not is_tensor(val):
+                    return _leaf_key(val)
+                meta = metas[a] = TensorMeta(tuple(val.shape), val.dtype)
+            operand_nodes.append(a)
+            operands.append(meta)
+            return (TensorMeta, meta)
+        if isinstance(a, (list, tuple)):
+            return (type(a), tuple(arg(x) for x in a))
+        if isinstance(a, dict):
+            return (dict, tuple((k, arg(v)) for k, v in a.items()))
+        return _leaf_key(a)
+
+    val = node.meta.get("val")
+    vals = val if isinstance(val, (tuple, list)) else (val,)
+    try:
+        args = (tuple, tuple(arg(a) for a in node.args))
+        kwargs = (dict, tuple((k, arg(v)) for k, v in node.kwargs.items()))
+    except _NotPlainError:
+        del operand_nodes[:]
+        return None
+    results = tuple(TensorMeta(tuple(v.shape), v.dtype) if is_tensor(v) else None for v in vals)
+    return (node.target, args, kwargs, tuple(operands), results)
 
 
 class _NotPlainError(Exception):
