@@ -4,6 +4,8 @@ drawing random numbers, stays where it was."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 from torch import Tensor, fx
 from torch.fx.experimental.proxy_tensor import make_fx
@@ -64,3 +66,36 @@ def test_random_draws_stay_in_order() -> None:
     sink_input_ops(gm)
     assert [n for n in _order(gm) if "rand" in n] == [n for n in before if "rand" in n]
     assert _order(gm).index("rand_like") < _order(gm).index("mm")
+
+
+def _many_before_one() -> fx.GraphModule:
+    """300 input-only ops, each reading ``x`` or one of the five before it, all read first by
+    one op that stays (it reads a random draw): each sinks into the gap just before that
+    reader, halving it; ten ops read the reader."""
+    rng = random.Random(0)
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x = g.placeholder("x")
+    noise = g.call_function(aten.rand_like.default, (x,))
+    vals = [x]
+    for k in range(300):
+        a = rng.choice(vals[-5:]) if rng.random() < 0.5 else x
+        vals.append(g.call_function(aten.mul.Tensor, (a, 1.0 + k % 3)))
+    r = g.call_function(aten.stack.default, ([noise, *vals[1:]],))
+    g.output((r, *[g.call_function(aten.add.Tensor, (r, v)) for v in rng.sample(vals[1:], 10)]))
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def test_many_ops_sunk_before_one_reader_keep_the_graph_in_order() -> None:
+    """Sinking hundreds of ops into one gap leaves no float between its ends: the positions
+    are numbered again, so each op still goes before its first reader (``lint`` checks the
+    order; with the old positions ops tied and some went after their readers)."""
+    x = torch.randn(3)
+    gm = _many_before_one()
+    torch.manual_seed(0)
+    want = gm(x)
+    assert sink_input_ops(gm) > 100
+    gm.graph.lint()
+    torch.manual_seed(0)
+    got = gm(x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))

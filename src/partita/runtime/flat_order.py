@@ -58,6 +58,10 @@ def sink_input_ops(gm: fx.GraphModule) -> int:
         before = first.prev
         if before is node:
             continue
+        if not pos[before] < (pos[before] + pos[first]) / 2 < pos[first]:
+            # the gap has no float left between its ends (many ops sunk before one reader
+            # halve it each time): number the nodes again in their current order
+            pos.update((n, float(i)) for i, n in enumerate(gm.graph.nodes))
         pos[node] = (pos[before] + pos[first]) / 2
         first.prepend(node)
         moved += 1
