@@ -18,15 +18,18 @@ import torch.nn.functional as F  # noqa: N812
 
 import partita
 from partita import Mesh
-from partita.auto import search, start
+from partita.auto import start
 from partita.auto.costs import Pricer
-from partita.auto.greedy import objective_of, onehot
+from partita.auto.greedy import onehot
 from partita.auto.highs import solve
-from partita.auto.ilp import Model, build_model
+from partita.auto.ilp import build_model
 from partita.auto.realize import write_solution
 from partita.auto.space import Space
 from partita.cost import get_profile
 from partita.models import GPT, GPTConfig, SmallCNN
+
+from test_auto_api import _MLP  # isort: skip
+from test_auto_costs import modelled_wire, spy_solver  # isort: skip
 
 pytest.importorskip("scipy")
 
@@ -40,16 +43,6 @@ GPT_CFG = GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32, seq_len=8)
 
 #: the solver's answers: (objective, stored-bytes budget as a share of the replicated plan's)
 BUDGETS = [("time", 0.5), ("time", 0.3), ("time", 0.2), ("bytes", 0.5), ("bytes", 0.2)]
-
-
-class _MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc1 = torch.nn.Linear(32, 64)
-        self.fc2 = torch.nn.Linear(64, 32)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.relu(self.fc1(x)))
 
 
 def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -77,33 +70,13 @@ def _case(name: str) -> tuple[torch.nn.Module, Callable[..., Any], Any, Any]:
 def _lowered(monkeypatch: pytest.MonkeyPatch, name: str, shape: tuple[int, ...]) -> dict[str, Any]:
     """The solver (its space and time model), the problem and the presets' compiled steps of
     one ``train_step(param_specs="auto")`` lowering."""
-    seen: dict[str, Any] = {}
-    init = search._Solver.__init__
-
-    def spy(self: Any, problem: Any) -> None:
-        init(self, problem)
-        seen["solver"], seen["problem"] = self, problem
-
-    cheapest = search.cheapest_start
-
-    def keep(space: Any, model: Any, presets: Any, budget: Any) -> Any:
-        seen.setdefault("presets", dict(presets))
-        return cheapest(space, model, presets, budget)
-
-    monkeypatch.setattr(search._Solver, "__init__", spy)
-    monkeypatch.setattr(search, "cheapest_start", keep)
+    seen = spy_solver(monkeypatch)
     mesh = Mesh.create(shape, ("data",) if len(shape) == 1 else ("data", "model"))
     model, loss, batch, opt = _case(name)
     options = {"auto_time_limit": 30}
     step = partita.train_step(model, loss, opt, mesh=mesh, param_specs="auto", options=options)
     step.lower(batch)
     return seen
-
-
-def _wire(model: Model, pricer: Pricer, choice: list[int]) -> float:
-    """The modelled wire bytes of ``choice`` (its objective less the stored bytes' tie-break)."""
-    stored = float(model.stored @ onehot(model, choice))
-    return objective_of(model, choice) - stored * pricer.per_stored_byte
 
 
 def _may_reuse_a_copy(space: Space, pricer: Pricer, choice: list[int]) -> bool:
@@ -168,7 +141,7 @@ def test_the_modelled_bytes_of_every_choice_are_its_plans(
     assert len(chosen) >= 2  # the budgets force different plans
     sends = 0.0
     for what, choice, plan in plans:
-        wire, real = _wire(bytes_model, pricer, choice), plan.estimate().wire_bytes
+        wire, real = modelled_wire(bytes_model, pricer, choice), plan.estimate().wire_bytes
         sends += real
         if _may_reuse_a_copy(space, pricer, choice):
             assert wire >= real - 0.5, what

@@ -71,14 +71,15 @@ def test_a_call_costs_the_overhead_the_estimate_charges_after_the_compute_before
     assert gather == pytest.approx(ring("all_gather", 4, nbytes) * 1e6)
 
 
-def _priced(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]) -> dict[str, Any]:
-    """Per preset: (the solver's modelled us, its modelled wire bytes, the Plan's estimate)."""
+def spy_solver(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """What the next auto lowering's solver sees, filled in as it runs: ``solver`` (its space
+    and time model), ``problem``, and ``presets`` (each preset's compiled step)."""
     seen: dict[str, Any] = {}
     init = search._Solver.__init__
 
     def spy(self: Any, problem: Any) -> None:
         init(self, problem)
-        seen["solver"] = self
+        seen["solver"], seen["problem"] = self, problem
 
     cheapest = search.cheapest_start
 
@@ -88,6 +89,19 @@ def _priced(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]) -> dict[str
 
     monkeypatch.setattr(search._Solver, "__init__", spy)
     monkeypatch.setattr(search, "cheapest_start", keep)
+    return seen
+
+
+def modelled_wire(model: Any, pricer: Pricer, choice: list[int]) -> float:
+    """The modelled wire bytes of ``choice`` under a bytes ``model`` (its objective less the
+    stored bytes' tie-break)."""
+    stored = float(model.stored @ onehot(model, choice))
+    return objective_of(model, choice) - stored * pricer.per_stored_byte
+
+
+def _priced(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]) -> dict[str, Any]:
+    """Per preset: (the solver's modelled us, its modelled wire bytes, the Plan's estimate)."""
+    seen = spy_solver(monkeypatch)
     mesh = Mesh.create(shape, ("data",) if len(shape) == 1 else ("data", "model"))
     with torch.device("meta"):
         torch.manual_seed(0)
@@ -105,8 +119,7 @@ def _priced(monkeypatch: pytest.MonkeyPatch, shape: tuple[int, ...]) -> dict[str
     out = {}
     for name, compiled in seen["presets"].items():
         choice = start.choice_of(space, time_model.rep, compiled.program.graph_module)
-        stored = float(bytes_model.stored @ onehot(bytes_model, choice))
-        wire = objective_of(bytes_model, choice) - stored * bytes_pricer.per_stored_byte
+        wire = modelled_wire(bytes_model, bytes_pricer, choice)
         est = compiled.plan.estimate("cpu-gloo", overlap=False)
         out[name] = (objective_of(time_model, choice), wire, est)
     return out
@@ -199,7 +212,6 @@ def test_the_solvers_own_plan_costs_what_its_plan_costs(monkeypatch: pytest.Monk
     space, choice = seen["space"], seen["choice"]
     pricer = Pricer(mesh, get_profile("cpu-gloo"), "bytes", stored_bytes=space.stored_bytes)
     bytes_model = build_model(space, pricer, search.cluster_blocks(space))
-    stored = float(bytes_model.stored @ onehot(bytes_model, choice))
-    wire = objective_of(bytes_model, choice) - stored * pricer.per_stored_byte
+    wire = modelled_wire(bytes_model, pricer, choice)
     assert wire > 0
     assert wire == pytest.approx(seen["auto"].plan.estimate().wire_bytes, abs=0.5)

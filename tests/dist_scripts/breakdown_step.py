@@ -12,29 +12,19 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
-import partita
 import partita.distributed as pd
-from partita import Mesh, P
-from partita.presets import param_specs
+from partita import Mesh
 from partita.runtime.breakdown import measure
-from partita.training import init_opt_state, make_train_step
+
+from mlp_step import adamw_step  # isort: skip
 
 pd.initialize()
 torch.manual_seed(0)
 mesh = Mesh.create((2,), ("data",))
 # wide enough that the gathers and reduce-scatters move megabytes (Gloo's threads work)
 model = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 64))
-step_fn = make_train_step(model, F.mse_loss, "adamw", lr=1e-2)
-params = {k: v.detach().clone() for k, v in model.named_parameters()}
-state = init_opt_state(params)
-pspecs = param_specs("fsdp", model, mesh)
-step = partita.jit(
-    step_fn, mesh=mesh,
-    in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
-              (P("data"), P("data"))),
-)  # fmt: skip
+step, params, state = adamw_step(model, mesh)
 g = torch.Generator().manual_seed(0)
 batch = (torch.randn(512, 256, generator=g), torch.randn(512, 64, generator=g))
 held = [params, state]

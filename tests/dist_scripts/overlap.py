@@ -12,16 +12,14 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import partita
 import partita.distributed as pd
-from partita import Mesh, P
-from partita.presets import param_specs
+from partita import Mesh
 from partita.runtime.distributed import close_executors, distributed_executor
-from partita.training import init_opt_state, make_train_step
+
+from mlp_step import adamw_step  # isort: skip
 
 #: (PARTITA_BUCKET_BYTES, PARTITA_OVERLAP_BYTES[, PARTITA_REGATHER]): off/off against, for
 #: FSDP, small buckets with a bound of one byte in flight (every launch deferred to the previous
@@ -38,15 +36,7 @@ def mlp_run(mesh: Mesh, plan: str) -> tuple[list[float], dict[str, torch.Tensor]
         torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 32), torch.nn.GELU(),
         torch.nn.Linear(32, 8),
     )  # fmt: skip
-    step_fn = make_train_step(model, F.mse_loss, "adamw", lr=1e-2)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    state = init_opt_state(params)
-    pspecs = param_specs(plan, model, mesh)
-    step = partita.jit(
-        step_fn, mesh=mesh,
-        in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
-                  (P("data"), P("data"))),
-    )  # fmt: skip
+    step, params, state = adamw_step(model, mesh, plan)
     g = torch.Generator().manual_seed(0)
     losses = []
     for _ in range(2):

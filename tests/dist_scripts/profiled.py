@@ -13,12 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F  # noqa: N812
 
-import partita
-from partita import Mesh, P
-from partita.presets import param_specs
-from partita.training import init_opt_state, make_train_step
+from partita import Mesh
+
+from mlp_step import adamw_step  # isort: skip
 
 STEPS = 3
 
@@ -29,15 +27,7 @@ def profiled_steps(trace: Path) -> Any:
     torch.manual_seed(0)
     mesh = Mesh.create((2,), ("data",))
     model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
-    step_fn = make_train_step(model, F.mse_loss, "adamw", lr=1e-2)
-    params = {k: v.detach().clone() for k, v in model.named_parameters()}
-    state = init_opt_state(params)
-    pspecs = param_specs("fsdp", model, mesh)
-    step = partita.jit(
-        step_fn, mesh=mesh,
-        in_specs=(pspecs, {}, {"step": P(), "exp_avg": pspecs, "exp_avg_sq": pspecs},
-                  (P("data"), P("data"))),
-    )  # fmt: skip
+    step, params, state = adamw_step(model, mesh, "fsdp")
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randn(32, 16, generator=g), torch.randn(32, 8, generator=g))] * STEPS
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
