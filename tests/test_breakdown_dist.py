@@ -33,4 +33,6 @@ def test_categories_are_cpu_time_and_add_up_to_it(tmp_path: Path) -> None:
         assert all(parts[k] <= cpu for k in CPU_CATEGORIES), (parts, cpu)
         # the step's thread did work in every kind of op; Gloo's threads moved the bytes
         assert parts["collectives"] > 0 and parts["local compute"] > 0, parts
-        assert parts["other"] > 0 and parts["threads"] > 0, parts
+        # ``other`` may be 0: when the instrumented runs' ops add up to more than the plain
+        # runs' thread CPU they are scaled down to it (``breakdown``'s module doc)
+        assert parts["threads"] > 0, parts
