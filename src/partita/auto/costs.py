@@ -35,6 +35,7 @@ from partita.auto.moves import collectives
 from partita.cost import Hardware, link_of, node_bytes, node_flops, wire_bytes
 from partita.cost.model import ring_steps
 from partita.partition.retile import Segment, plan_retile_many, retile_dim, slice_start
+from partita.partition.special.common import acc_dtype
 from partita.rules import FactorKind, FactorRule
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
@@ -278,12 +279,7 @@ class Pricer:
         val = cast(fx.Node, node.args[x]).meta["val"]
         by = self.mesh.axes_size([a for f in factors[1] for a in assign.get(f, ())])
         channels = -(-int(val.shape[1]) // by)
-        if not backward:
-            dtype = torch.float64
-        elif val.dtype in (torch.float16, torch.bfloat16):
-            dtype = torch.float32
-        else:
-            dtype = val.dtype
+        dtype = acc_dtype(val.dtype) if backward else torch.float64
         nbytes = 2 * channels * _itemsize(dtype)
         return self.collective("all_reduce", nbytes, axes, compute_before=compute)
 
