@@ -209,25 +209,28 @@ def test_a_tight_memory_limit_makes_the_solver_find_the_megatron_mlp_split() -> 
     """No preset is given to the solver: under a limit that no replicated-weight plan meets,
     it splits fc1's weight ``[hidden, d]`` along its output dim and fc2's ``[d, hidden]``
     along its input dim, both over ``model`` (the column/row split), so the MLP's hidden
-    activation stays split and only fc2's result is reduced."""
+    activation stays split and only fc2's result is reduced. At a third of dp's peak its
+    first proposal may be the same split over ``data`` (the peak model of ``auto.memory``
+    does not see the copies the partitioner makes); its Plan is over the limit, and the
+    next round, under a budget lowered by that excess, splits over ``model``."""
     g = torch.Generator().manual_seed(0)
     batch = (torch.randn(8, 128, generator=g), torch.randn(8, 128, generator=g))
     free = _mlp_step().lower(batch).auto
     dp = next(c for c in free.candidates if c.name == "dp")
-    limit = dp.peak // 3  # replicated weights (dp) and the weights split on data only do not fit
+    limit = dp.peak // 3  # replicated weights (dp) do not fit
     step = _mlp_step(limit)
     plan = step.lower(batch)
     report = plan.auto
     assert plan.memory().peak <= limit
-    mine = report.proposed["auto"]
     split = r"\(?('data', )?'model'\)?"  # model, alone or after data
     other = r"(None|'data')"  # the other dim whole, or split over data as FSDP stores it
-    assert re.fullmatch(rf"P\({split}, {other}\)", mine["param.fc1.weight"]), mine
-    assert re.fullmatch(rf"P\({other}, {split}\)", mine["param.fc2.weight"]), mine
-    # the answer is the cheapest real Plan: the proposal, or the tp preset (the same split
+    for mine in report.proposed.values():  # every proposal is a column/row split
+        assert re.fullmatch(rf"P\(({split}|'data'), {other}\)", mine["param.fc1.weight"]), mine
+        assert re.fullmatch(rf"P\({other}, ({split}|'data')\)", mine["param.fc2.weight"]), mine
+    # the answer is the cheapest real Plan: a proposal, or the tp preset (the same split
     # with the weights' other dims whole) when its Plan is cheaper, as on cpu-gloo's fit 8,
     # where the proposal's gathers of fc2 over data cost more than the model says
-    assert report.chosen in ("auto", "tp"), report.chosen
+    assert report.chosen in (*report.proposed, "tp"), report.chosen
     got = report.shardings
     assert re.fullmatch(rf"P\({split}, {other}\)", got["param.fc1.weight"]), got
     assert re.fullmatch(rf"P\({other}, {split}\)", got["param.fc2.weight"]), got

@@ -1,7 +1,7 @@
 """The solver's modelled wire bytes against its Plans' (issue 28), over several solver choices:
 per model (a CNN with batch norms, a two-layer MLP, a one-layer GPT) and mesh ((8,) and
 (2, 4)), every preset's plan read back into the solver's space, and the solver's own answers
-under both objectives and a few stored-bytes budgets (each a different plan), each realized
+under both objectives and a few peak-memory budgets (each a different plan), each realized
 through the pipeline as ``train_step`` realizes it. The bytes the model prices for the choice
 equal the bytes its Plan sends, but where the partitioner may start a reshard from another
 copy of the value than its producer's (see ``_may_reuse_a_copy``): there the model prices the
@@ -20,9 +20,8 @@ import partita
 from partita import Mesh
 from partita.auto import start
 from partita.auto.costs import Pricer
-from partita.auto.greedy import onehot
 from partita.auto.highs import solve
-from partita.auto.ilp import build_model
+from partita.auto.ilp import add_memory, build_model
 from partita.auto.realize import write_solution
 from partita.auto.space import Space
 from partita.cost import get_profile
@@ -41,7 +40,7 @@ pytestmark = [
 
 GPT_CFG = GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32, seq_len=8)
 
-#: the solver's answers: (objective, stored-bytes budget as a share of the replicated plan's)
+#: the solver's answers: (objective, peak-memory budget as a share of the replicated plan's)
 BUDGETS = [("time", 0.5), ("time", 0.3), ("time", 0.2), ("bytes", 0.5), ("bytes", 0.2)]
 
 
@@ -131,7 +130,9 @@ def test_the_modelled_bytes_of_every_choice_are_its_plans(
     for preset, compiled in seen["presets"].items():
         choice = start.choice_of(space, time_model.rep, compiled.program.graph_module)
         plans.append((preset, choice, compiled.plan))
-    replicated = float(time_model.stored @ onehot(time_model, [0] * len(space.blocks)))
+    # the budgets bound the modelled peak (``auto.memory``), a share of the replicated plan's
+    bytes_model.memory = add_memory(time_model, space, solver.pricer)
+    replicated = time_model.memory.peak([0] * len(space.blocks))[0]
     models = {"time": time_model, "bytes": bytes_model}
     chosen: set[tuple[int, ...]] = set()
     for objective, share in BUDGETS:

@@ -5,8 +5,9 @@ It starts from a choice per block (every block's first candidate, which replicat
 nothing better is known) and visits the blocks that own variables in turn: for each, it tries
 every candidate with the others held, prices the change on the block's own columns and on the
 edges that touch them, and keeps the cheapest. Sweeps repeat until one changes nothing or the
-time is up. A memory budget is honoured the same way as the objective: the stored bytes over
-the budget are reduced first, then the price. The result is a local optimum, with no bound.
+time is up. A memory budget is honoured the same way as the objective: the bytes over the
+budget at the model's peak rows (``auto.memory``) are reduced first, then the price. The
+result is a local optimum, with no bound.
 
 It is the solver when scipy is missing, and it polishes a MILP answer that its time limit
 stopped far from the LP bound.
@@ -90,7 +91,10 @@ def descend(
     prices = Prices(model)
     choice = list(start)
     chosen = onehot(model, choice)
-    stored = float(model.stored @ chosen)
+    # the bytes held at each peak row's node (``auto.memory``), within ``memory``
+    peak = model.memory if memory is not None else None
+    rows = np.array(peak.rows) if peak is not None and peak.rows else np.zeros((0, model.n_x))
+    held = peak.held(chosen) if peak is not None and peak.rows else np.zeros(0)
     budget = float("inf") if memory is None else float(memory)
     changed = True
     while changed and time.perf_counter() - t0 < time_limit:
@@ -104,9 +108,9 @@ def descend(
             for i in range(w):
                 chosen[lo + now] = 0.0
                 chosen[lo + i] = 1.0
-                s = stored - model.stored[lo + now] + model.stored[lo + i]
+                s = held - rows[:, lo + now] + rows[:, lo + i]
                 key = (
-                    max(0.0, s - budget),
+                    max(0.0, float(s.max(initial=0.0)) - budget),
                     model.own[lo + i] + prices.edges_price(chosen, eidx, ui, pi),
                 )
                 chosen[lo + i] = 0.0
@@ -115,11 +119,11 @@ def descend(
                     best_key, best_i = key, i
             if best_i != now:
                 cur = (
-                    max(0.0, stored - budget),
+                    max(0.0, float(held.max(initial=0.0)) - budget),
                     model.own[lo + now] + prices.edges_price(chosen, eidx, ui, pi),
                 )
                 if best_key is not None and best_key < cur:
-                    stored += model.stored[lo + best_i] - model.stored[lo + now]
+                    held = held + rows[:, lo + best_i] - rows[:, lo + now]
                     chosen[lo + now], chosen[lo + best_i] = 0.0, 1.0
                     choice[b] = best_i
                     changed = True
@@ -142,7 +146,7 @@ def greedy_solve(
     first = list(start) if start else [0] * len(model.widths)
     choice, objective = descend(model, first, memory, time_limit)
     rows = len(model.eq_rhs) + len(model.ub_rhs)
-    over = memory is not None and float(model.stored @ onehot(model, choice)) > memory
+    over = memory is not None and model.memory is not None and model.memory.peak(choice)[0] > memory
     return Solution(
         choice, objective, float("nan"), float("nan"), False, "greedy", len(model.cost), rows,
         model.build_seconds, time.perf_counter() - t0,

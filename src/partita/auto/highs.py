@@ -124,7 +124,8 @@ def solve(
     start: list[int] | None = None,
 ) -> Solution:
     """Solve the model: LP relaxation, then a MILP when it is fractional. ``memory`` bounds the
-    per-device stored bytes, ``compute`` the modelled compute seconds. ``start``: a choice per
+    per-device bytes of the model's peak rows (``model.memory``), ``compute`` the modelled
+    compute seconds. ``start``: a choice per
     block (a preset's, ``auto.start``) the MILP starts from as its incumbent."""
     from scipy.optimize import (  # type: ignore[import-untyped,import-not-found,unused-ignore]
         Bounds,
@@ -139,9 +140,14 @@ def solve(
     ub_rows, ub_cols, ub_vals, ub_rhs = (
         list(model.ub_rows), list(model.ub_cols), list(model.ub_vals), list(model.ub_rhs),
     )  # fmt: skip
-    for vec, bound in ((model.stored, memory), (model.compute, compute)):
-        if bound is None:
-            continue
+    bounded: list[tuple[np.ndarray, float]] = []
+    if memory is not None:  # the bytes held at each peak row's node, within the budget
+        assert model.memory is not None, "memory= needs the model's rows (ilp.add_memory)"
+        peak = model.memory
+        bounded += [(r, memory - c) for r, c in zip(peak.rows, peak.consts, strict=True)]
+    if compute is not None:
+        bounded.append((model.compute, compute))
+    for vec, bound in bounded:
         nz = np.nonzero(vec)[0]
         ub_rows.append(np.full(len(nz), len(ub_rhs), dtype=np.int64))
         ub_cols.append(nz)

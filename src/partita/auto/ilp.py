@@ -10,8 +10,8 @@ Variables, in one vector:
   may need one sharding a copy variable (``w``) that pays its reshard once (copy reuse).
 
 Rows: one-hot per block, the links' transport and copy rows, and optional ``<=`` rows
-(per-device stored bytes under a memory limit; compute at most a bound, for
-``objective="bytes"``).
+(under a memory limit, the per-device bytes held at the nodes where plans peak,
+:mod:`partita.auto.memory`; compute at most a bound, for ``objective="bytes"``).
 
 Prices are computed once per signature (``Block.sig``, ``auto.candidates``): the blocks of a
 repeated layer, and the links between them, reuse the first copy's prices, so the build's
@@ -28,10 +28,11 @@ import numpy as np
 
 from partita.auto.costs import Pricer
 from partita.auto.links import Edges, Rows, add_links
+from partita.auto.memory import PeakRows, peak_rows
 from partita.auto.space import Space
 from partita.values.spec import Sharding
 
-__all__ = ["MIP_GAP", "Edges", "Model", "Solution", "build_model"]
+__all__ = ["MIP_GAP", "Edges", "Model", "Solution", "add_memory", "build_model"]
 
 #: The MILP stops within this relative gap of its bound.
 MIP_GAP = 0.01
@@ -52,7 +53,7 @@ class Model:
     ub_rhs: list[float]
     offsets: np.ndarray  # per block: where its (shared) x columns start; one past the end last
     n_x: int
-    stored: np.ndarray  # per x: per-device bytes of the inputs it stores
+    stored: np.ndarray  # per x: per-device bytes of the values it gives (the tie-break's)
     compute: np.ndarray  # per x: modelled compute seconds
     build_seconds: float = 0.0
     #: per block, the block whose x columns it shares (``auto.clusters``); itself when none
@@ -72,6 +73,8 @@ class Model:
     #: per x, its own price (without the reshards ``auto.links`` puts on x columns: the
     #: greedy pass prices those through ``edges``)
     own: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    #: the peak-memory rows (``auto.memory``), made by :func:`add_memory` under a memory limit
+    memory: PeakRows | None = None
 
 
 @dataclass
@@ -155,6 +158,14 @@ def build_model(space: Space, pricer: Pricer, rep: list[int] | None = None) -> M
         priced_ops=priced_ops, priced_edges=links.priced,
         transport=links.transport, copies=links.copies, own=cost,
     )  # fmt: skip
+
+
+def add_memory(model: Model, space: Space, pricer: Pricer) -> PeakRows:
+    """The model's peak-memory rows (``auto.memory``), made once: a solve with ``memory=``
+    bounds them."""
+    if model.memory is None:
+        model.memory = peak_rows(space, pricer, model.offsets, model.widths, model.n_x)
+    return model.memory
 
 
 def _block_prices(

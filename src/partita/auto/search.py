@@ -8,8 +8,14 @@ that spec set through the one pipeline (propagation derives every other value fr
 as for any annotated program), and each preset's spec set the same way. Every candidate is
 scored on its real Plan (``Plan.estimate``, ``Plan.memory()``); the answer is the cheapest
 candidate that fits the memory limit, so it is never worse than the best preset under the
-model. When the solver's plan is over the limit, the stored-bytes budget is lowered by the
-overshoot and the program solved again (at most 3 rounds).
+model.
+
+Under a memory limit the solver bounds its model of the peak (``auto.memory``: the bytes the
+traced program holds at a few nodes, rows that a cutting-plane loop adds to where the solver's
+answer peaks), with the limit less what ``Plan.memory()`` holds beyond the model (the copies
+the partitioner makes): at first the least of that on the presets' plans, then what the
+solver's own plan showed. The exact ``Plan.memory()`` of the compiled answer decides; when it
+is over, the program is solved again under the tighter budget (at most 3 rounds).
 """
 
 from __future__ import annotations
@@ -24,11 +30,11 @@ from partita.auto.clusters import cluster_blocks
 from partita.auto.costs import Pricer
 from partita.auto.greedy import descend, greedy_solve
 from partita.auto.highs import solve
-from partita.auto.ilp import Solution, build_model
+from partita.auto.ilp import Model, Solution, add_memory, build_model
 from partita.auto.realize import write_solution
 from partita.auto.report import AutoReport, Scored
 from partita.auto.space import build_space
-from partita.auto.start import cheapest_start
+from partita.auto.start import cheapest_start, choice_of
 from partita.capture.gc_pause import gc_paused
 from partita.cost import get_profile
 from partita.errors import AutoShardingWarning, MemoryLimitError, warn
@@ -45,6 +51,10 @@ MEMORY_ROUNDS = 3
 
 #: A MILP answer whose relative gap is above this is polished by the greedy pass.
 POLISH_GAP = 0.01
+
+#: Peak rows a solve may add where its answer's modelled peak is over the budget
+#: (``auto.memory``); each adds a row and solves again.
+MEMORY_CUTS = 6
 
 
 def have_solver() -> bool:
@@ -214,10 +224,15 @@ def _solve_rounds(
         full = max(c.compute for c in report.candidates)
         if full > 0 and unsplit > 0:
             compute_bound = unsplit * (best.compute / full) * 1.02
-    budget: float | None = float(problem.memory_limit) if problem.memory_limit else None
     seen: set[tuple[Any, ...]] = set()
     run = solve if have_solver() else greedy_solve
     presets = {name: compiled[name] for name in problem.presets if name in compiled}
+    budget: float | None = None
+    margin = 0.0  # what Plan.memory() holds beyond the model (see the module)
+    if problem.memory_limit:
+        add_memory(model, solver.space, solver.pricer)
+        margin = _least_excess(solver, presets)
+        budget = max(0.0, problem.memory_limit - margin)
     for round_ in range(MEMORY_ROUNDS):
         # the presets' own plans, priced in the model: the cheapest is the MILP's incumbent
         t0, cpu = time.perf_counter(), time.process_time()
@@ -226,14 +241,14 @@ def _solve_rounds(
         if seed is not None:
             report.start, report.start_objective = seed[0], seed[2]
         begun = time.perf_counter() - t0
-        sol = run(
-            model, memory=budget, compute=compute_bound, time_limit=problem.time_limit,
+        sol = _run_within(
+            run, model, budget, compute=compute_bound, time_limit=problem.time_limit,
             start=start,
         )  # fmt: skip
         sol.solve_seconds += begun
         if not sol.choice and compute_bound is not None:
             compute_bound = None
-            sol = run(model, memory=budget, time_limit=problem.time_limit, start=start)
+            sol = _run_within(run, model, budget, time_limit=problem.time_limit, start=start)
         if sol.choice and sol.gap > POLISH_GAP and sol.solver != "greedy":
             # stopped far from the bound: descend from its answer, the start, all-replicated
             t0 = time.perf_counter()
@@ -258,7 +273,9 @@ def _solve_rounds(
             report.notes.append(f"the solver found no plan ({sol.status})")
             return
         specs = solver.specs(problem, sol)
-        key = tuple(str(s) for s in specs)
+        # a new plan is a new choice: under a tighter budget the inputs may keep their
+        # specs while the ops inside change (where an activation is split)
+        key = tuple(sol.choice)
         if key in seen:
             return
         seen.add(key)
@@ -284,14 +301,55 @@ def _solve_rounds(
             compiled[name] = problem.compile(specs)
         scored = _score(name, compiled[name], problem)
         report.candidates.append(scored)
-        if scored.fits or budget is None:
+        if budget is None or model.memory is None:
             return
-        over = scored.peak - problem.memory_limit
-        budget = max(0.0, budget - over)
+        modelled = model.memory.peak(sol.choice)[0]
         report.notes.append(
-            f"round {round_ + 1}: peak {scored.peak} B over the limit by {over} B; stored-bytes "
-            f"budget lowered to {int(budget)} B"
+            f"{name}: modelled peak {int(modelled)} B, Plan.memory() {scored.peak} B "
+            f"(budget {int(budget)} B of the limit {problem.memory_limit} B)"
         )
+        if scored.fits:
+            return
+        # the plan holds this much beyond the model: the next round leaves that room
+        margin = max(margin, scored.peak - modelled)
+        budget = max(0.0, min(budget - 1.0, problem.memory_limit - margin))
+        report.notes.append(
+            f"round {round_ + 1}: peak {scored.peak} B over the limit by "
+            f"{scored.peak - problem.memory_limit} B; the model's budget lowered to {int(budget)} B"
+        )
+
+
+def _least_excess(solver: _Solver, presets: dict[str, Any]) -> float:
+    """The least ``Plan.memory()`` of a preset holds beyond the model's peak of its choice
+    (0 without presets): the copies every plan makes at least."""
+    model = solver.model
+    assert model.memory is not None
+    excess = []
+    for compiled in presets.values():
+        gm = getattr(getattr(compiled, "program", None), "graph_module", None)
+        if gm is None:
+            continue
+        choice = choice_of(solver.space, model.rep, gm)
+        excess.append(compiled.plan.memory().peak - model.memory.peak(choice)[0])
+    return max(0.0, min(excess, default=0.0))
+
+
+def _run_within(
+    run: Callable[..., Solution], model: Model, budget: float | None, **options: Any
+) -> Solution:
+    """``run(model, memory=budget, ...)``; while its answer's modelled peak is over the budget
+    at a node that is not a row yet, add that node's row and run again (``auto.memory``)."""
+    sol = run(model, memory=budget, **options)
+    for _ in range(MEMORY_CUTS):
+        if budget is None or model.memory is None or not sol.choice:
+            break
+        peak, at = model.memory.peak(sol.choice)
+        if peak <= budget * (1 + 1e-9) or not model.memory.add(at):
+            break
+        spent = sol.solve_seconds
+        sol = run(model, memory=budget, **options)
+        sol.solve_seconds += spent
+    return sol
 
 
 def _unsplit_compute(solver: _Solver) -> float:

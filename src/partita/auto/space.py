@@ -142,6 +142,8 @@ class Space:
     stored_bytes: float = 0.0
     #: candidate lists enumerated (one per distinct op signature, not per op)
     templates_built: int = 0
+    #: the traced program's graph, whose node order the memory walk follows (``auto.memory``)
+    graph: fx.Graph | None = None
 
 
 def _squeeze(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -330,4 +332,5 @@ def build_space(
         mesh, blocks, producer, uses, shapes, dtypes, input_block, outputs, stored, stored_bytes
     )
     space.templates_built = templates.built
+    space.graph = state.gm.graph
     return space

@@ -85,7 +85,8 @@ def cheapest_start(
     space: Space, model: Model, plans: Mapping[str, Any], memory: float | None = None
 ) -> tuple[str, list[int], float] | None:
     """Of the compiled ``plans`` (``{name: Compiled}``), the one whose choice the model prices
-    lowest within ``memory`` stored bytes: (name, choice, objective); None when none fits."""
+    lowest within ``memory``, the model's peak bytes (``model.memory``): (name, choice,
+    objective); None when none fits."""
     best: tuple[str, list[int], float] | None = None
     prices = Prices(model)  # built once for every plan
     for name, compiled in plans.items():
@@ -93,7 +94,11 @@ def cheapest_start(
         if gm is None:
             continue
         choice = choice_of(space, model.rep, gm)
-        if memory is not None and float(model.stored @ onehot(model, choice)) > memory:
+        if (
+            memory is not None
+            and model.memory is not None
+            and model.memory.peak(choice)[0] > memory
+        ):
             continue
         objective = prices.total(onehot(model, choice))
         if best is None or objective < best[2]:
