@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import fx
 
-__all__ = ["reuse_dead_operands"]
+__all__ = ["fresh", "reuse_dead_operands"]
 
 aten = torch.ops.aten
 
@@ -62,11 +62,14 @@ def _val(node: Any) -> torch.Tensor | None:
     return val if isinstance(val, torch.Tensor) else None
 
 
-def _fresh(node: fx.Node) -> bool:
+def fresh(node: fx.Node) -> bool:
     """Whether ``node``'s result is new memory nothing else shares: an aten op with one
     return that neither aliases nor mutates (``_unsafe_view`` aside), or an in-place op of
-    this module's table on such a result (a chain ``a * 2 + b`` then ``sqrt``)."""
+    this module's table on such a result (a chain ``a * 2 + b`` then ``sqrt``). An
+    ``all_reduce`` of such a result may reduce it in place (``runtime.donate``)."""
     while node.target in _WRITES and isinstance(node.args[0], fx.Node):
+        if len(node.args[0].users) != 1:  # what it wrote is read elsewhere too
+            return False
         node = node.args[0]
     target = node.target
     if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
@@ -81,7 +84,7 @@ def _dead_here(operand: Any, node: fx.Node) -> bool:
     """Whether ``node`` can write its result into ``operand``: a fresh temporary that only
     ``node`` reads (once), laid out as ``node``'s result."""
     a, out = _val(operand), _val(node)
-    if a is None or out is None or not _fresh(operand) or len(operand.users) != 1:
+    if a is None or out is None or not fresh(operand) or len(operand.users) != 1:
         return False
     if sum(x is operand for x in (*node.args, *node.kwargs.values())) != 1:
         return False
