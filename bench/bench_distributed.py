@@ -12,7 +12,8 @@ cross entropy, AdamW. For each configuration: the median wall time of a training
 warm-ups (max over ranks), the process CPU time of a step (median, summed over the ranks: what
 the step costs the machine's cores), the bytes each rank moves per step, the collective calls
 per step, and memory per rank: the process high-water mark (``ru_maxrss``, max over ranks; it
-includes the Python interpreter and torch, about the same for every configuration), split in
+includes the Python interpreter and torch, about the same for every configuration; read after
+the steps and ``step heap``'s, before partita's communication floor is replayed), split in
 two: ``setup RSS``, the high-water mark before the first step (imports, model, partita's
 compile) and ``step RSS``, the high-water mark of the timed steps alone (``VmHWM`` reset after
 the warm-ups through ``/proc/self/clear_refs``, the same for partita and torch), and, for
@@ -374,7 +375,9 @@ def bench_partita(
     if PROFILE[0]:
         _profile(one)
     return {
-        "comm": replay(plan, repeat),
+        # run by the worker after the peak RSS is read: the replay holds a buffer for every
+        # call of the step at once and adds process groups, which are not the step's memory
+        "comm": lambda: replay(plan, repeat),
         "heap": heap,
         "step": seconds,
         "bytes": plan.bytes_per_device,
@@ -507,6 +510,8 @@ def worker(ns: argparse.Namespace) -> None:
     peak = torch.tensor([max(maxrss, MEM["maxrss"]), MEM["setup"], MEM["steps"]])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     row["rss"], row["setup_rss"], row["step_rss"] = (float(v) for v in peak)
+    if callable(row.get("comm")):  # partita's communication floor, after the peak
+        row["comm"] = row["comm"]()
     dist.barrier()
     split = measure(STEP[0], ns.repeat)
     parts = torch.tensor([split.parts[k] for k in CATEGORIES] + [split.cpu])

@@ -9,8 +9,10 @@ width 256, 8 heads, vocabulary 512, sequence 128, global batch 16, AdamW). After
 (imports and joining, the model with its sharded parameters and AdamW state, partita's compile,
 each step; the first step of partita is its first run) a row gives:
 
-* ``RSS``: ``VmRSS`` at the phase's end, and ``phase HWM``: the high-water mark of the phase
-  alone (``VmHWM``, reset through ``/proc/self/clear_refs`` after each row);
+* ``RSS``: ``VmRSS`` at the phase's end (``anon``: of it, anonymous memory, ``RssAnon``: the
+  heap, arenas, mmapped blocks; the rest is mapped files, the libraries' code and data), and
+  ``phase HWM``: the high-water mark of the phase alone (``VmHWM``, reset through
+  ``/proc/self/clear_refs`` after each row);
 * ``malloc``: glibc's bytes in use (``mallinfo2``: ``uordblks + hblkhd``) and ``heap``: what
   malloc has taken from the system (``arena + hblkhd``; what of it was trimmed is not
   resident, the rest is);
@@ -97,7 +99,8 @@ def mark(phase: str) -> None:
     info = _LIBC.mallinfo2()
     now = time.process_time()
     ROWS.append({
-        "phase": phase, "rss": _status("VmRSS"), "hwm": _status("VmHWM"),
+        "phase": phase, "rss": _status("VmRSS"), "anon": _status("RssAnon"),
+        "hwm": _status("VmHWM"),
         "malloc": (info.uordblks + info.hblkhd) / 2**20, "heap": (info.arena + info.hblkhd) / 2**20,
         "pymalloc": _pymalloc(), "cpu": now - _CPU[0],
     })  # fmt: skip
@@ -202,10 +205,11 @@ def main() -> None:
             continue
         out = json.loads(lines[-1].removeprefix("RESULT "))
         print(f"\n## {which}, rank 0, MB")
-        print(f"{'phase':<14} {'RSS':>7} {'phase HWM':>9} {'malloc':>7} {'heap':>7} "
+        print(f"{'phase':<14} {'RSS':>7} {'anon':>7} {'phase HWM':>9} {'malloc':>7} {'heap':>7} "
               f"{'pymalloc':>8} {'CPU':>8}")  # fmt: skip
         for r in out["rows"]:
-            print(f"{r['phase']:<14} {r['rss']:7.1f} {r['hwm']:9.1f} {r['malloc']:7.1f} "
+            print(f"{r['phase']:<14} {r['rss']:7.1f} {r['anon']:7.1f} {r['hwm']:9.1f} "
+                  f"{r['malloc']:7.1f} "
                   f"{r['heap']:7.1f} {r['pymalloc']:8.1f} {r['cpu'] * 1e3:6.0f} ms")  # fmt: skip
         classes = [f"{k}: {int(c)} ({mb:.0f} MB)" for k, (c, mb) in out["sizes"].items() if c]
         print("tensors one step allocates, by size: " + ", ".join(classes))

@@ -14,6 +14,7 @@ from partita.ir import collectives
 from partita.runtime import dist_ops
 from partita.runtime.comm import Group
 from partita.runtime.donate import donated_all_reduces
+from partita.runtime.in_place import reuse_dead_operands
 
 aten = torch.ops.aten
 
@@ -34,6 +35,15 @@ def test_a_fresh_result_read_once_is_donated() -> None:
         return _reduce(torch.mm(a, a)), _reduce(torch.addmm(b, a, a))
 
     assert _donated(f, torch.ones(4, 4), torch.ones(4)) == ["addmm", "mm"]
+
+
+def test_an_in_place_result_of_a_fresh_one_is_donated() -> None:
+    """``runtime.in_place`` writes ``mm * 2`` into the matmul's result: still donated."""
+    gm = make_fx(lambda a: _reduce(torch.mm(a, a) * 2))(torch.ones(4, 4))
+    assert reuse_dead_operands(gm) == 1
+    (name,) = donated_all_reduces(gm.graph)
+    reduced = next(n for n in gm.graph.nodes if n.name == name)
+    assert reduced.args[0].target is aten.mul_.Tensor
 
 
 def test_an_input_read_again_or_shared_is_not_donated() -> None:

@@ -16,17 +16,18 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from partita.runtime.in_place import fresh
+
 __all__ = ["donated_all_reduces"]
 
 _ALL_REDUCE = torch.ops.partita.all_reduce.default
-#: Returns a view of its input although its schema declares no alias.
-_HIDDEN_VIEWS = frozenset((torch.ops.aten._unsafe_view.default,))
 
 
 def donated_all_reduces(graph: fx.Graph) -> set[str]:
     """Names of the ``partita::all_reduce`` nodes whose input nothing else reads or shares:
     the input is the result of an aten op that returns a new tensor (one return, no alias in
-    its schema, no mutation, not a hidden view) and the all_reduce is its only user.
+    its schema, no mutation, not a hidden view; or ``runtime.in_place``'s rewrite of one:
+    ``in_place.fresh``) and the all_reduce is its only user.
 
     Example (an all_reduce of a matmul's result is donated, of a transpose's is not):
         >>> from torch.fx.experimental.proxy_tensor import make_fx
@@ -43,14 +44,6 @@ def donated_all_reduces(graph: fx.Graph) -> set[str]:
         if node.op != "call_function" or node.target is not _ALL_REDUCE:
             continue
         x = node.args[0]
-        if not isinstance(x, fx.Node) or x.op != "call_function" or len(x.users) != 1:
-            continue
-        target = x.target
-        if not isinstance(target, torch._ops.OpOverload) or target.namespace != "aten":
-            continue
-        schema = target._schema
-        if target in _HIDDEN_VIEWS or schema.is_mutable or len(schema.returns) != 1:
-            continue
-        if schema.returns[0].alias_info is None:
+        if isinstance(x, fx.Node) and len(x.users) == 1 and fresh(x):
             out.add(node.name)
     return out

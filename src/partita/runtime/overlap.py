@@ -156,14 +156,26 @@ def _hold_under_peak(
             held[i] += size
 
 
+def _writes_first(node: fx.Node) -> bool:
+    """Whether ``node`` is an in-place op returning its first operand (``a.add_(b)``)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns or not schema.arguments:
+        return False
+    alias, first = schema.returns[0].alias_info, schema.arguments[0].alias_info
+    if alias is None or first is None or not alias.is_write:
+        return False
+    return bool(alias.before_set & first.before_set)
+
+
 def _live_bytes(nodes: list[fx.Node], size_of: Mapping[fx.Node, int]) -> list[int]:
     """Bytes of tensors live while each node runs, the program run in this order with every
-    collective synchronous (as ``partition.memory`` counts them: a view holds its base)."""
+    collective synchronous (as ``partition.memory`` counts them: a view holds its base, and
+    so does an in-place op's result, ``runtime.in_place``)."""
     root: dict[fx.Node, fx.Node] = {}
     last: dict[fx.Node, int] = {}
     for i, n in enumerate(nodes):
         ins = n.all_input_nodes
-        root[n] = root[ins[0]] if ins and is_view(n) else n
+        root[n] = root[ins[0]] if ins and (is_view(n) or _writes_first(n)) else n
         for a in ins:
             last[root[a]] = i
     out: list[int] = []

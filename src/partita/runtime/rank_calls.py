@@ -18,6 +18,10 @@ bindings (docs/performance.md).
   as ``torch.optim``'s ``foreach=True`` does; on the CPU each member runs the same kernel as
   before, so every result is the same bit for bit. The groups hold that step's temporaries
   for all parameters at once (the parameter tiles of one rank, at the end of the step).
+- ``reuse_dead_operands`` (``runtime.in_place``): an elementwise op left ungrouped writes its
+  result into an operand that dies there (``a.add_(b)`` for ``a + b``), the same kernel on the
+  same elements: a step allocates fewer temporaries (the AdamW update of a large tile 6 instead
+  of 14), so fewer holes are left in the heap between the tensors that live on.
 
 Mesh ops are left where they are (they are not elementwise or views), so every rank still
 issues the same collectives; the overlap schedule (``runtime.overlap``) runs afterwards.
@@ -31,6 +35,7 @@ from torch import Tensor, fx
 
 from partita.runtime.flat_foreach import foreach_elementwise
 from partita.runtime.flat_views import fold_permutes, fold_views
+from partita.runtime.in_place import reuse_dead_operands
 
 __all__ = ["fewer_calls"]
 
@@ -46,4 +51,6 @@ def fewer_calls(graph: fx.Graph, owner: fx.GraphModule, vals: Mapping[str, Tenso
     gm = fx.GraphModule(owner, graph)
     fold_permutes(gm)
     fold_views(gm)
-    return foreach_elementwise(gm, from_outputs=True)
+    grouped = foreach_elementwise(gm, from_outputs=True)
+    reuse_dead_operands(gm)
+    return grouped
