@@ -1,9 +1,9 @@
 """An 8-layer GPT whose blocks run as a pipeline (``partita.pipeline``), and its unsharded twin.
 
 Imported by ``tests/test_pipeline_parallel.py`` (the LocalMesh); run as a script under 4
-processes (``pipeline_gpt.py OUT.pt SCHEDULE``) it trains the same 3 steps through
-torch.distributed on mesh ``(stage=4,)``, and rank 0 saves the losses and the parameters as the
-unsharded GPT names them.
+processes (``pipeline_gpt.py OUT.pt SCHEDULE [SCHEDULE ...]``) it trains the same 3 steps through
+torch.distributed on mesh ``(stage=4,)`` under each schedule in turn, and rank 0 saves
+``{schedule: (losses, parameters)}``, the parameters as the unsharded GPT names them.
 """
 
 from __future__ import annotations
@@ -99,9 +99,12 @@ if __name__ == "__main__":
     import partita.distributed as pd
 
     pd.initialize()
-    losses, params, _, _ = train(
-        Mesh.create((4,), ("stage",)), schedule=sys.argv[2], microbatches=4
-    )
-    pd.log(f"pipeline {sys.argv[2]}: losses {losses}")
+    saved = {}
+    for schedule in sys.argv[2:]:
+        losses, params, _, _ = train(
+            Mesh.create((4,), ("stage",)), schedule=schedule, microbatches=4
+        )
+        pd.log(f"pipeline {schedule}: losses {losses}")
+        saved[schedule] = (losses, params)
     if pd.is_main_process():
-        torch.save((losses, params), sys.argv[1])
+        torch.save(saved, sys.argv[1])
