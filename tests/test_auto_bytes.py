@@ -9,8 +9,9 @@ function, ``partition.resharding.reshard_source``), and equals the Plan.
 The choices: on a two-layer MLP on (2, 4), the all-replicated plan with one parameter split
 and one op's candidate changed, the first such pair per parameter sharding where the
 objective and the realized price differ (the pair and the parameter alone), each realized
-through the pipeline as ``train_step`` realizes it. Then the report of a ``jit`` solve under
-``auto_objective="bytes"``. No timing."""
+through the pipeline as ``train_step`` realizes it. Then a small CNN whose convolutions
+exchange halos (priced as the handler emits them, ``auto.halos``), and the report of a ``jit``
+solve under ``auto_objective="bytes"``. No timing."""
 
 from __future__ import annotations
 
@@ -26,10 +27,12 @@ from partita import Mesh
 from partita.auto import search
 from partita.auto.costs import Pricer
 from partita.auto.greedy import Prices, onehot
+from partita.auto.halos import halo_sends
 from partita.auto.ilp import Model, Solution, build_model
 from partita.auto.realize import realized_price, write_solution
 from partita.auto.space import Space
 from partita.cost import get_profile
+from partita.models import SmallCNN
 
 from test_auto_api import _MLP  # isort: skip
 
@@ -56,8 +59,8 @@ class _StopError(Exception):
     pass
 
 
-def _problem(monkeypatch: pytest.MonkeyPatch) -> search.AutoProblem:
-    """The auto problem of the MLP's ``train_step``, taken before the presets compile."""
+def _problem(monkeypatch: pytest.MonkeyPatch, step: Any, batch: Any) -> search.AutoProblem:
+    """The auto problem of ``step`` on ``batch``, taken before the presets compile."""
     seen: dict[str, Any] = {}
 
     def stop(problem: search.AutoProblem) -> Any:
@@ -66,9 +69,32 @@ def _problem(monkeypatch: pytest.MonkeyPatch) -> search.AutoProblem:
 
     monkeypatch.setattr(partita.auto, "choose", stop)
     with pytest.raises(_StopError):
-        _step().lower(BATCH)
+        step.lower(batch)
     monkeypatch.undo()
     return seen["problem"]
+
+
+def _sends(problem: search.AutoProblem, solver: Any, choice: list[int]) -> float:
+    """The wire bytes of ``choice``'s Plan, realized through the pipeline as ``train_step``
+    realizes the solver's answer."""
+    sol = Solution(choice, 0.0, 0.0, 0.0, False, "given", 0, 0, 0.0, 0.0)
+
+    def rewrite(gm: Any) -> None:
+        write_solution(solver.space, choice, gm)
+
+    return float(problem.compile(solver.specs(problem, sol), rewrite).plan.estimate().wire_bytes)
+
+
+def _modelled(space: Space, pricer: Pricer, model: Model, choice: list[int]) -> float:
+    """The realized price of ``choice`` in a bytes model, less the stored-bytes tie-break."""
+    stored = float(model.stored @ onehot(model, choice)) * pricer.per_stored_byte
+    return realized_price(space, pricer, model, choice) - stored
+
+
+def _bytes_model(solver: Any) -> tuple[Pricer, Model]:
+    space = solver.space
+    pricer = Pricer(space.mesh, get_profile("cpu-gloo"), "bytes", stored_bytes=space.stored_bytes)
+    return pricer, build_model(space, pricer, solver.model.rep)
 
 
 def _set(choice: list[int], rep: list[int], b: int, i: int) -> list[int]:
@@ -116,31 +142,64 @@ def _reusing_choices(space: Space, pricer: Pricer, model: Model) -> list[list[in
 def test_the_modelled_bytes_of_a_plan_that_reuses_a_copy_are_its_plans(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    problem = _problem(monkeypatch)
+    problem = _problem(monkeypatch, _step(), BATCH)
     solver = search._Solver(problem)
     space = solver.space
-    pricer = Pricer(space.mesh, get_profile("cpu-gloo"), "bytes", stored_bytes=space.stored_bytes)
-    model = build_model(space, pricer, solver.model.rep)
+    pricer, model = _bytes_model(solver)
     choices = _reusing_choices(space, pricer, model)
     assert len(choices) >= 4  # at least two inputs' shardings reuse a copy somewhere
     prices = Prices(model)
     over = 0
     for choice in choices:
-        sol = Solution(choice, 0.0, 0.0, 0.0, False, "given", 0, 0, 0.0, 0.0)
-
-        def rewrite(gm: Any, choice: list[int] = choice) -> None:
-            write_solution(space, choice, gm)
-
-        plan = problem.compile(solver.specs(problem, sol), rewrite).plan
-        sends = plan.estimate().wire_bytes
-        stored = float(model.stored @ onehot(model, choice)) * pricer.per_stored_byte
-        assert realized_price(space, pricer, model, choice) - stored == pytest.approx(
-            sends, abs=0.5
-        )
+        sends = _sends(problem, solver, choice)
+        modelled = _modelled(space, pricer, model, choice)
+        assert modelled == pytest.approx(sends, abs=0.5)
         # the objective prices each reshard from the producer: above the Plan where a copy is
         # the partitioner's start (the old model's report)
-        over += prices.total(onehot(model, choice)) - stored > sends + 0.5
+        x = onehot(model, choice)
+        over += prices.total(x) - float(model.stored @ x) * pricer.per_stored_byte > sends + 0.5
     assert over == len(choices) // 2  # the objective is above the Plan where a copy is reused
+
+
+def test_a_windowed_ops_halo_exchanges_are_priced_as_its_plan_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small CNN on (2, 4), the all-replicated plan with one convolution (forward or
+    backward) splitting its rows or columns over ``model``: the modelled wire bytes are the
+    Plan's (its halo permutes and the reshards around them). Before ``auto.halos`` a halo was
+    priced as two permutes of the local result, and not at all in a convolution's backward,
+    whose windowed factors are also summed (its weight gradient)."""
+    torch.manual_seed(0)
+    cnn = SmallCNN(in_channels=3, num_classes=10, size=8, width=4).train()
+    opt = torch.optim.SGD(cnn.parameters(), lr=0.1)
+    mesh = Mesh.create(MESH, ("data", "model"))
+    step = partita.train_step(cnn, F.cross_entropy, opt, mesh=mesh, param_specs="auto")
+    batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
+    problem = _problem(monkeypatch, step, batch)
+    solver = search._Solver(problem)
+    space = solver.space
+    pricer, model = _bytes_model(solver)
+    checked: set[str] = set()
+    for b, block in enumerate(space.blocks):
+        if block.op is None or block.op.rule.handler != "halo" or model.rep[b] != b:
+            continue
+        rule = block.op.rule
+        i = next(
+            (
+                i
+                for i, assign in enumerate(block.assigns)
+                if len(assign) == 1 and halo_sends(mesh, block.node, rule, assign)
+            ),
+            None,
+        )
+        if i is None:
+            continue
+        choice = _set([0] * len(space.blocks), model.rep, b, i)
+        sends = _sends(problem, solver, choice)
+        assert sends > 0
+        assert _modelled(space, pricer, model, choice) == pytest.approx(sends, abs=0.5)
+        checked.add(str(block.node.target))
+    assert checked == {"aten.convolution.default", "aten.convolution_backward.default"}
 
 
 def test_the_report_gives_the_solvers_plan_its_plans_bytes() -> None:
