@@ -3,6 +3,7 @@ solver's figures (``plan.auto``, printed by ``plan.auto.explain()`` and ``plan.e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,7 +123,7 @@ class AutoReport:
             f"{self.realized_objective:.4g} {unit} in the model"
             + (
                 f" ({self.realized_wire_bytes:.0f} B on the wire)"
-                if self.realized_wire_bytes == self.realized_wire_bytes
+                if not math.isnan(self.realized_wire_bytes)
                 else ""
             ),
             "candidates (modelled on the real Plan):",
