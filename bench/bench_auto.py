@@ -17,8 +17,8 @@ machine is shared) of ``--repeat`` steps after two warm-ups; the auto step's mea
 the row of the plan it kept. A preset's own Plan must send exactly the bytes the report scored
 (checked and printed). With the bytes objective (``auto_objective="bytes"``, a second solve) the
 cell also prints the solver's plan's wire bytes against the best preset's, and whether the
-solver's modelled bytes equal its Plan's bytes exactly (the model's objective adds a
-tie-break of 1e-6 per stored byte, allowed for: at most 1e-6 of the peak). The solver's line
+solver's modelled bytes (the report's ``realized_wire_bytes``: its reshards as the partitioner
+makes them) equal its Plan's bytes exactly. The solver's line
 gives the problem's size, the build and solve seconds, the LP bound and the gap ("LP
 integral" when the relaxation was integral). A summary table ends the run. ``--meta`` builds
 the models on the meta device (shapes only: GPT-M's state on 8 simulated devices takes over
@@ -234,15 +234,14 @@ def show(row: dict[str, Any]) -> dict[str, Any]:
             least = min(c.compute for c in bpresets)  # the objective holds compute near this
             out["bytes_compute"] = _ratio(bmine.compute, least)
             out["bytes_ratio"] = _ratio(bmine.wire_bytes, bbest)
-            # the objective adds a tie-break of 1e-6 per stored byte (auto.costs): at most
-            # 1e-6 of the peak; beyond it, the model and the Plan disagree on bytes
-            extra = b.model_objective - bmine.wire_bytes
-            exact = -0.5 <= extra <= 1e-6 * bmine.peak + 0.5
+            # the report's modelled bytes of the solver's plan: its reshards as the partitioner
+            # makes them (auto.realize), the stored-bytes tie-break taken off
+            exact = abs(b.realized_wire_bytes - bmine.wire_bytes) <= 0.5
             out["bytes_exact"] = "yes" if exact else "no"
             print(f"   objective bytes: solver's plan {bmine.wire_bytes / 2**20:.3f} MiB "
                   f"(compute {out['bytes_compute']:.2f}x the most parallel preset's), best "
                   f"preset {bbest / 2**20:.3f} MiB; modelled bytes equal the Plan's bytes "
-                  f"(up to the stored-bytes tie-break): {exact} (model objective "
+                  f"exactly: {exact} (model {b.realized_wire_bytes:.0f} B, objective "
                   f"{b.model_objective:.0f} B, Plan {bmine.wire_bytes:.0f} B); {b.solver}, "
                   f"{'LP integral' if b.integral_lp else f'gap {b.gap:.2%}'}")  # fmt: skip
     return out

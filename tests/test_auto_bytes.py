@@ -1,15 +1,20 @@
-"""The solver's modelled wire bytes against its Plans' (issue 28), over several solver choices:
-per model (a CNN with batch norms, a two-layer MLP, a one-layer GPT) and mesh ((8,) and
-(2, 4)), every preset's plan read back into the solver's space, and the solver's own answers
-under both objectives and a few peak-memory budgets (each a different plan), each realized
-through the pipeline as ``train_step`` realizes it. The bytes the model prices for the choice
-equal the bytes its Plan sends, but where the partitioner may start a reshard from another
-copy of the value than its producer's (see ``_may_reuse_a_copy``): there the model prices the
-reshard from the producer's sharding, so it charges at least the Plan's bytes. No timing."""
+"""The modelled wire bytes of a plan equal its Plan's (issue 28) where the partitioner starts a
+reshard from a copy of the value other than its producer's: a weight stored split is gathered
+whole for one user and sliced from that copy for the next (``LocalValues.reshard``). The
+integer program prices every reshard from the producer's sharding (``auto.links``), so there
+its objective is above the Plan; the price of a plan the report gives (``auto.realize``) walks
+the uses in program order and starts each reshard from the copy the partitioner picks (one
+function, ``partition.resharding.reshard_source``), and equals the Plan.
+
+The choices: on a two-layer MLP on (2, 4), the all-replicated plan with one parameter split
+and one op's candidate changed, the first such pair per parameter sharding where the
+objective and the realized price differ (the pair and the parameter alone), each realized
+through the pipeline as ``train_step`` realizes it. Then a small CNN whose convolutions
+exchange halos (priced as the handler emits them, ``auto.halos``), and the report of a ``jit``
+solve under ``auto_objective="bytes"``. No timing."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -17,142 +22,202 @@ import torch
 import torch.nn.functional as F  # noqa: N812
 
 import partita
+import partita.auto
 from partita import Mesh
-from partita.auto import start
+from partita.auto import search
 from partita.auto.costs import Pricer
-from partita.auto.highs import solve
-from partita.auto.ilp import add_memory, build_model
-from partita.auto.realize import write_solution
+from partita.auto.greedy import Prices, onehot
+from partita.auto.halos import halo_sends
+from partita.auto.ilp import Model, Solution, build_model
+from partita.auto.realize import realized_price, write_solution
 from partita.auto.space import Space
 from partita.cost import get_profile
-from partita.models import GPT, GPTConfig, SmallCNN
+from partita.models import SmallCNN
 
 from test_auto_api import _MLP  # isort: skip
-from test_auto_costs import modelled_wire, spy_solver  # isort: skip
 
 pytest.importorskip("scipy")
 
-# a plan forced by a tight budget may gather a value whole to re-tile it: the Plan says so
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.filterwarnings("ignore::partita.RematerializationWarning"),
-]
+# a plan with an odd per-op choice may gather a value whole to re-tile it: the Plan says so
+pytestmark = pytest.mark.filterwarnings("ignore::partita.RematerializationWarning")
 
-GPT_CFG = GPTConfig(n_layer=1, n_head=2, d_model=16, vocab_size=32, seq_len=8)
-
-#: the solver's answers: (objective, peak-memory budget as a share of the replicated plan's)
-BUDGETS = [("time", 0.5), ("time", 0.3), ("time", 0.2), ("bytes", 0.5), ("bytes", 0.2)]
+MESH = (2, 4)
+BATCH = (torch.randn(16, 32, generator=torch.Generator().manual_seed(0)), torch.randn(16, 32))
 
 
-def _gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def _case(name: str) -> tuple[torch.nn.Module, Callable[..., Any], Any, Any]:
-    """(model, loss, batch, optimizer)."""
+def _step(options: dict[str, Any] | None = None) -> Any:
     torch.manual_seed(0)
-    model: torch.nn.Module
-    if name == "cnn":
-        model = SmallCNN(in_channels=3, num_classes=10, size=16, width=8).train()
-        batch: Any = (torch.randn(8, 3, 16, 16), torch.randint(0, 10, (8,)))
-        return model, F.cross_entropy, batch, torch.optim.SGD(model.parameters(), lr=0.1)
-    if name == "mlp":
-        model = _MLP()
-        batch = (torch.randn(16, 32), torch.randn(16, 32))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        return model, F.mse_loss, batch, opt
-    model = GPT(GPT_CFG)
-    ids = torch.randint(0, GPT_CFG.vocab_size, (8, GPT_CFG.seq_len))
-    return model, _gpt_loss, (ids, ids), torch.optim.AdamW(model.parameters())
+    model = _MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    mesh = Mesh.create(MESH, ("data", "model"))
+    return partita.train_step(
+        model, F.mse_loss, opt, mesh=mesh, param_specs="auto", options=options
+    )
 
 
-def _lowered(monkeypatch: pytest.MonkeyPatch, name: str, shape: tuple[int, ...]) -> dict[str, Any]:
-    """The solver (its space and time model), the problem and the presets' compiled steps of
-    one ``train_step(param_specs="auto")`` lowering."""
-    seen = spy_solver(monkeypatch)
-    mesh = Mesh.create(shape, ("data",) if len(shape) == 1 else ("data", "model"))
-    model, loss, batch, opt = _case(name)
-    options = {"auto_time_limit": 30}
-    step = partita.train_step(model, loss, opt, mesh=mesh, param_specs="auto", options=options)
-    step.lower(batch)
-    return seen
+class _StopError(Exception):
+    pass
 
 
-def _may_reuse_a_copy(space: Space, pricer: Pricer, choice: list[int]) -> bool:
-    """Under ``choice``, a value is needed in two shardings ``t1`` and ``t2`` (neither the
-    producer's ``s``) and ``t1 -> t2`` moves fewer bytes than ``s -> t2``. The partitioner
-    starts each reshard from the copy that moves the fewest bytes among those made so far
-    (``LocalValues.reshard``: a weight gathered for the forward is sliced for the backward),
-    the model from ``s``, so there it may charge more than the Plan sends."""
-    needs: dict[Any, set[Any]] = {}
-    for use in space.uses:
-        if use.value not in space.producer:
-            continue
-        p = space.producer[use.value]
-        has = space.blocks[p].columns[use.value][choice[p]]
-        need = use.needs[choice[use.block]]
-        if has is not None and need is not None and need != has:
-            needs.setdefault(use.value, {has}).add(need)
-    for key, found in needs.items():
-        shape, dtype = space.shapes[key], space.dtypes[key]
-        p = space.producer[key]
-        s = space.blocks[p].columns[key][choice[p]]
-        assert s is not None
-        for t1 in found - {s}:
-            for t2 in found - {s, t1}:
-                if t1.partial:
-                    continue
-                if pricer.reshard(t1, t2, shape, dtype) < pricer.reshard(s, t2, shape, dtype):
-                    return True
-    return False
+def _problem(monkeypatch: pytest.MonkeyPatch, step: Any, batch: Any) -> search.AutoProblem:
+    """The auto problem of ``step`` on ``batch``, taken before the presets compile."""
+    seen: dict[str, Any] = {}
+
+    def stop(problem: search.AutoProblem) -> Any:
+        seen["problem"] = problem
+        raise _StopError
+
+    monkeypatch.setattr(partita.auto, "choose", stop)
+    with pytest.raises(_StopError):
+        step.lower(batch)
+    monkeypatch.undo()
+    return seen["problem"]
 
 
-#: every model on both meshes but the GPT on (2, 4): its tight budgets' MILPs run to the time
-#: limit (150 s of the suite's time for one cell); its presets are checked in test_auto_costs
-CELLS = [("cnn", (8,)), ("cnn", (2, 4)), ("mlp", (8,)), ("mlp", (2, 4)), ("gpt", (8,))]
+def _sends(problem: search.AutoProblem, solver: Any, choice: list[int]) -> float:
+    """The wire bytes of ``choice``'s Plan, realized through the pipeline as ``train_step``
+    realizes the solver's answer."""
+    sol = Solution(choice, 0.0, 0.0, 0.0, False, "given", 0, 0, 0.0, 0.0)
+
+    def rewrite(gm: Any) -> None:
+        write_solution(solver.space, choice, gm)
+
+    return float(problem.compile(solver.specs(problem, sol), rewrite).plan.estimate().wire_bytes)
 
 
-IDS = [f"{n}-{'x'.join(map(str, s))}" for n, s in CELLS]
+def _modelled(space: Space, pricer: Pricer, model: Model, choice: list[int]) -> float:
+    """The realized price of ``choice`` in a bytes model, less the stored-bytes tie-break."""
+    stored = float(model.stored @ onehot(model, choice)) * pricer.per_stored_byte
+    return realized_price(space, pricer, model, choice) - stored
 
 
-@pytest.mark.parametrize(("name", "shape"), CELLS, ids=IDS)
-def test_the_modelled_bytes_of_every_choice_are_its_plans(
-    monkeypatch: pytest.MonkeyPatch, name: str, shape: tuple[int, ...]
-) -> None:
-    seen = _lowered(monkeypatch, name, shape)
-    solver, problem = seen["solver"], seen["problem"]
+def _bytes_model(solver: Any) -> tuple[Pricer, Model]:
     space = solver.space
-    time_model = solver.model
     pricer = Pricer(space.mesh, get_profile("cpu-gloo"), "bytes", stored_bytes=space.stored_bytes)
-    bytes_model = build_model(space, pricer, time_model.rep)
-    # (what, choice, its Plan)
-    plans: list[tuple[str, list[int], Any]] = []
-    for preset, compiled in seen["presets"].items():
-        choice = start.choice_of(space, time_model.rep, compiled.program.graph_module)
-        plans.append((preset, choice, compiled.plan))
-    # the budgets bound the modelled peak (``auto.memory``), a share of the replicated plan's
-    bytes_model.memory = add_memory(time_model, space, solver.pricer)
-    replicated = time_model.memory.peak([0] * len(space.blocks))[0]
-    models = {"time": time_model, "bytes": bytes_model}
-    chosen: set[tuple[int, ...]] = set()
-    for objective, share in BUDGETS:
-        sol = solve(models[objective], memory=replicated * share, time_limit=30)
-        if not sol.choice or tuple(sol.choice) in chosen:
+    return pricer, build_model(space, pricer, solver.model.rep)
+
+
+def _set(choice: list[int], rep: list[int], b: int, i: int) -> list[int]:
+    out = list(choice)
+    for c in range(len(out)):
+        if rep[c] == rep[b]:
+            out[c] = i
+    return out
+
+
+def _reusing_choices(space: Space, pricer: Pricer, model: Model) -> list[list[int]]:
+    """Per input block, its first sharding with a candidate of an op reading it under which
+    the objective (each reshard from the producer) and the realized price (each from the
+    copy the partitioner picks) differ, from the all-replicated choice: that choice, and the
+    input's sharding alone. The Plans are the judges of both prices."""
+    prices, rep = Prices(model), model.rep
+    inputs = sorted(set(space.input_block.values()))
+    members: dict[int, set[Any]] = {}
+    for key, p in space.producer.items():
+        members.setdefault(p, set()).add(key)
+    base = [0] * len(space.blocks)
+    out: list[list[int]] = []
+    for b in inputs:
+        for i in range(1, len(space.blocks[b])):
+            split = _set(base, rep, b, i)
+            for op in sorted({rep[u.block] for u in space.uses if u.value in members[b]}):
+                found = next(
+                    (
+                        both
+                        for j in range(1, len(space.blocks[op]))
+                        for both in [_set(split, rep, op, j)]
+                        if prices.total(onehot(model, both))
+                        > realized_price(space, pricer, model, both) + 0.5
+                    ),
+                    None,
+                )
+                if found is not None:
+                    out += [split, found]
+                    break
+            if out and out[-1][b] == i:
+                break  # one sharding per input
+    return out
+
+
+def test_the_modelled_bytes_of_a_plan_that_reuses_a_copy_are_its_plans(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    problem = _problem(monkeypatch, _step(), BATCH)
+    solver = search._Solver(problem)
+    space = solver.space
+    pricer, model = _bytes_model(solver)
+    choices = _reusing_choices(space, pricer, model)
+    assert len(choices) >= 4  # at least two inputs' shardings reuse a copy somewhere
+    prices = Prices(model)
+    over = 0
+    for choice in choices:
+        sends = _sends(problem, solver, choice)
+        modelled = _modelled(space, pricer, model, choice)
+        assert modelled == pytest.approx(sends, abs=0.5)
+        # the objective prices each reshard from the producer: above the Plan where a copy is
+        # the partitioner's start (the old model's report)
+        x = onehot(model, choice)
+        over += prices.total(x) - float(model.stored @ x) * pricer.per_stored_byte > sends + 0.5
+    assert over == len(choices) // 2  # the objective is above the Plan where a copy is reused
+
+
+def test_a_windowed_ops_halo_exchanges_are_priced_as_its_plan_sends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A small CNN on (2, 4), the all-replicated plan with one convolution (forward or
+    backward) splitting its rows or columns over ``model``: the modelled wire bytes are the
+    Plan's (its halo permutes and the reshards around them). Before ``auto.halos`` a halo was
+    priced as two permutes of the local result, and not at all in a convolution's backward,
+    whose windowed factors are also summed (its weight gradient)."""
+    torch.manual_seed(0)
+    cnn = SmallCNN(in_channels=3, num_classes=10, size=8, width=4).train()
+    opt = torch.optim.SGD(cnn.parameters(), lr=0.1)
+    mesh = Mesh.create(MESH, ("data", "model"))
+    step = partita.train_step(cnn, F.cross_entropy, opt, mesh=mesh, param_specs="auto")
+    batch = (torch.randn(8, 3, 8, 8), torch.randint(0, 10, (8,)))
+    problem = _problem(monkeypatch, step, batch)
+    solver = search._Solver(problem)
+    space = solver.space
+    pricer, model = _bytes_model(solver)
+    checked: set[str] = set()
+    for b, block in enumerate(space.blocks):
+        if block.op is None or block.op.rule.handler != "halo" or model.rep[b] != b:
             continue
-        chosen.add(tuple(sol.choice))
+        rule = block.op.rule
+        i = next(
+            (
+                i
+                for i, assign in enumerate(block.assigns)
+                if len(assign) == 1 and halo_sends(mesh, block.node, rule, assign)
+            ),
+            None,
+        )
+        if i is None:
+            continue
+        choice = _set([0] * len(space.blocks), model.rep, b, i)
+        sends = _sends(problem, solver, choice)
+        assert sends > 0
+        assert _modelled(space, pricer, model, choice) == pytest.approx(sends, abs=0.5)
+        checked.add(str(block.node.target))
+    assert checked == {"aten.convolution.default", "aten.convolution_backward.default"}
 
-        def rewrite(gm: Any, choice: list[int] = sol.choice) -> None:
-            write_solution(space, choice, gm)
 
-        compiled = problem.compile(solver.specs(problem, sol), rewrite)
-        plans.append((f"{objective} at {share}", sol.choice, compiled.plan))
-    assert len(chosen) >= 2  # the budgets force different plans
-    sends = 0.0
-    for what, choice, plan in plans:
-        wire, real = modelled_wire(bytes_model, pricer, choice), plan.estimate().wire_bytes
-        sends += real
-        if _may_reuse_a_copy(space, pricer, choice):
-            assert wire >= real - 0.5, what
-        else:
-            assert wire == pytest.approx(real, abs=0.5), what
-    assert sends > 0
+def test_the_report_gives_the_solvers_plan_its_plans_bytes() -> None:
+    """Under ``auto_objective="bytes"`` and a memory limit that forces a split (replicated,
+    the step peaks at 26,624 B per device), the report's modelled wire bytes of the solver's
+    plan are its Plan's."""
+
+    def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x @ w1) @ w2
+
+    g = torch.Generator().manual_seed(0)
+    args = [torch.randn(16, 32, generator=g), torch.randn(32, 64, generator=g)]
+    args.append(torch.randn(64, 32, generator=g))
+    mesh = Mesh.create(MESH, ("data", "model"))
+    options = {"auto_objective": "bytes", "memory_limit": 8000}
+    report = partita.jit(mlp, mesh=mesh, auto=True, options=options).lower(*args).auto
+    mine = next(c for c in report.candidates if c.name == "auto")
+    assert mine.wire_bytes > 0
+    assert report.realized_wire_bytes == pytest.approx(mine.wire_bytes, abs=0.5)
+    assert report.realized_objective <= report.model_objective + 1e-6
+    assert "on the wire" in report.explain()

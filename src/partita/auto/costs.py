@@ -14,8 +14,9 @@ overhead) in a bucket of ``bucket_bytes`` or of all the parameters' bytes when t
 or cat of a split dim pays the collective_permute rounds ``partition.retile`` plans for it.
 A softmax over a split dim pays its handler's all_reduces (the max and the sum; the backward:
 the sum) of the rows' statistics. A training batch norm with a split batch or spatial dim
-pays its handler's all_reduce of the per-channel sums (forward and backward). A handler's
-other op-internal collectives (a loss's scalars, a halo, a scan's carries: ``_INTERNAL``) are
+pays its handler's all_reduce of the per-channel sums (forward and backward). A windowed
+op's halo exchanges are priced as its handler emits them (``auto.halos``). A handler's
+other op-internal collectives (a loss's scalars, a scan's carries: ``_INTERNAL``) are
 priced as a few collectives of the local result over the axes of the op's split factors that
 are not summed (a summed factor's reduction is priced where its partial result is reduced):
 a model of them, not their exact lowering. The reshards are planned once
@@ -31,6 +32,7 @@ from typing import Any, cast
 import torch
 import torch.fx as fx
 
+from partita.auto.halos import halo_sends
 from partita.auto.moves import collectives
 from partita.cost import Hardware, link_of, node_bytes, node_flops, wire_bytes
 from partita.cost.model import ring_steps
@@ -54,13 +56,12 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 #: Handlers that emit collectives inside their op when a reduction or windowed factor is split:
 #: (collective kind, how many) over the axes of those factors, each on the result reduced
-#: over those factors (a softmax's max and sum, a loss's two scalars, a convolution's halo, a
-#: scan's carries). A softmax's and a batch norm's are priced exactly (``Pricer._softmax``,
-#: ``Pricer._batch_stats``): their split dims pass through, so this model never sees them.
+#: over those factors (a softmax's max and sum, a loss's two scalars, a scan's carries). A
+#: softmax's, a batch norm's and a halo's are priced exactly (``Pricer._softmax``,
+#: ``Pricer._batch_stats``, ``Pricer._halo``): not by this model.
 _INTERNAL: dict[str, tuple[str, int]] = {
     "softmax_reduce": ("all_reduce", 2),
     "weighted_mean": ("all_reduce", 1),
-    "halo": ("collective_permute", 2),
     "sharded_scan": ("all_gather", 1),
 }
 
@@ -187,6 +188,8 @@ class Pricer:
                 internal += self._retile(node, rule, assign, out)
             if rule.handler == "batch_stats":
                 internal += self._batch_stats(node, rule, assign, compute * 1e-6)
+            if rule.handler == "halo":
+                internal += self._halo(node, rule, assign)
             prices.append(internal if self.bytes else compute + internal)
             computes.append(compute)
         return prices, computes
@@ -283,6 +286,13 @@ class Pricer:
         nbytes = 2 * channels * _itemsize(dtype)
         return self.collective("all_reduce", nbytes, axes, compute_before=compute)
 
+    def _halo(self, node: fx.Node, rule: FactorRule, assign: dict[str, tuple[str, ...]]) -> float:
+        """A windowed op's halo exchanges (``auto.halos``), each before the op computes."""
+        return sum(
+            self.collective("collective_permute", nbytes, axes)
+            for nbytes, axes in halo_sends(self.mesh, node, rule, assign)
+        )
+
     def _internal(
         self,
         rule: FactorRule,
@@ -291,8 +301,7 @@ class Pricer:
         compute: float | None = None,
     ) -> float:
         """The handler's op-internal collectives under ``assign`` (a model, see the module),
-        each after the op's own ``compute`` seconds (its local result is what they reduce;
-        a halo is exchanged before the op computes: after unknown compute)."""
+        each after the op's own ``compute`` seconds (its local result is what they reduce)."""
         found = _INTERNAL.get(rule.handler or "")
         if found is None:
             return 0.0
@@ -308,8 +317,7 @@ class Pricer:
         reduced = local_out
         for f in split:
             reduced /= max(1.0, rule.sizes[f] / self.mesh.axes_size(assign[f]))
-        before = None if kind == "collective_permute" else compute
-        return count * self.collective(kind, reduced, axes, compute_before=before)
+        return count * self.collective(kind, reduced, axes, compute_before=compute)
 
 
 def _dim_arg(node: fx.Node) -> Any:

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from partita.partition.reshard import plan_reshard
 from partita.values.spec import Sharding
 
-__all__ = ["Move", "collectives", "signature"]
+__all__ = ["Move", "collectives", "moved_elements", "signature"]
 
 #: one collective of a reshard: (kind, mesh axes, elements per device in the Plan's convention:
 #: output elements; input elements for a reduce_scatter)
@@ -56,6 +56,12 @@ def collectives(src: Sharding, dst: Sharding, shape: Sequence[int]) -> list[Move
     """The collectives of ``plan_reshard(src, dst, shape)``, planned on the normalised shape."""
     norm, scale = signature(src, dst, shape)
     return [(kind, axes, n * scale) for kind, axes, n in _planned(src, dst, norm)]
+
+
+def moved_elements(src: Sharding, dst: Sharding, shape: Sequence[int]) -> int:
+    """The elements per device the reshard's collectives move, counted as the partitioner
+    counts them to choose the copy a reshard starts from (``partition.resharding``)."""
+    return sum(n for _, _, n in collectives(src, dst, shape))
 
 
 @functools.lru_cache(maxsize=16384)

@@ -3,6 +3,7 @@ solver's figures (``plan.auto``, printed by ``plan.auto.explain()`` and ``plan.e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,13 @@ class AutoReport:
     bound: float = 0.0
     gap: float = 0.0
     integral_lp: bool = False
+    #: the solver's plan priced as the partitioner lowers it (``auto.realize``: each reshard
+    #: from the cheapest copy of its value made so far), in the objective's unit; the
+    #: objective charges every reshard from the producer's sharding, so it may be higher
+    realized_objective: float = float("nan")
+    #: under ``objective="bytes"``, ``realized_objective`` less the stored-bytes tie-break:
+    #: the modelled wire bytes of the solver's plan, equal to its Plan's (NaN under "time")
+    realized_wire_bytes: float = float("nan")
     #: the preset whose plan, priced in the model, started the MILP ("" when none), and that price
     start: str = ""
     start_objective: float = 0.0
@@ -109,6 +117,13 @@ class AutoReport:
                 f"; started from {self.start}'s plan ({self.start_objective:.4g} {unit} in "
                 "the model)"
                 if self.start
+                else ""
+            ),
+            f"  the solver's plan as lowered (each reshard from the cheapest copy): "
+            f"{self.realized_objective:.4g} {unit} in the model"
+            + (
+                f" ({self.realized_wire_bytes:.0f} B on the wire)"
+                if not math.isnan(self.realized_wire_bytes)
                 else ""
             ),
             "candidates (modelled on the real Plan):",

@@ -28,10 +28,10 @@ from typing import Any
 
 from partita.auto.clusters import cluster_blocks
 from partita.auto.costs import Pricer
-from partita.auto.greedy import descend, greedy_solve
+from partita.auto.greedy import descend, greedy_solve, onehot
 from partita.auto.highs import solve
 from partita.auto.ilp import Model, Solution, add_memory, build_model
-from partita.auto.realize import write_solution
+from partita.auto.realize import realized_price, write_solution
 from partita.auto.report import AutoReport, Scored
 from partita.auto.space import build_space
 from partita.auto.start import cheapest_start, choice_of
@@ -272,6 +272,7 @@ def _solve_rounds(
         if not sol.choice:
             report.notes.append(f"the solver found no plan ({sol.status})")
             return
+        _realized(report, solver, sol.choice)
         specs = solver.specs(problem, sol)
         # a new plan is a new choice: under a tighter budget the inputs may keep their
         # specs while the ops inside change (where an activation is split)
@@ -350,6 +351,16 @@ def _run_within(
         sol = run(model, memory=budget, **options)
         sol.solve_seconds += spent
     return sol
+
+
+def _realized(report: AutoReport, solver: _Solver, choice: list[int]) -> None:
+    """The report's price of ``choice`` as the partitioner lowers it (``auto.realize``), and
+    under the bytes objective its wire bytes (less the stored-bytes tie-break)."""
+    space, pricer, model = solver.space, solver.pricer, solver.model
+    report.realized_objective = realized_price(space, pricer, model, choice)
+    if pricer.bytes:
+        stored = float(model.stored @ onehot(model, choice))
+        report.realized_wire_bytes = report.realized_objective - stored * pricer.per_stored_byte
 
 
 def _unsplit_compute(solver: _Solver) -> float:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +32,7 @@ from partita.report.explain import op_name
 from partita.values.mesh import Mesh
 from partita.values.spec import Sharding
 
-__all__ = ["LocalValue", "LocalValues", "ValueKey", "naming_spec_knobs"]
+__all__ = ["LocalValue", "LocalValues", "ValueKey", "naming_spec_knobs", "reshard_source"]
 
 ValueKey = tuple[fx.Node, int | None]
 
@@ -112,14 +112,14 @@ class LocalValues:
             return through
         # Start from whichever copy of the value moves the fewest bytes to ``dst``: a value
         # already gathered for one consumer is sliced locally for the next.
-        start, steps = min(
-            (
-                (node, plan_reshard(s, dst, v.shape))
-                for s, node in [(v.sharding, v.node), *copies.items()]
-                if not s.partial or s == v.sharding
-            ),
-            key=lambda c: _collective_bytes(c[1]),
-        )
+        plans: dict[Sharding, list[Any]] = {}
+
+        def moved(s: Sharding) -> int:
+            plans[s] = plan_reshard(s, dst, v.shape)
+            return _collective_bytes(plans[s])
+
+        src = reshard_source(v.sharding, copies, moved)
+        start, steps = (v.node if src == v.sharding else copies[src]), plans[src]
         source = node_meta.source(at)
         name = key[0].name if key[1] is None else f"{key[0].name}[{key[1]}]"
         if is_full_remat(steps):
@@ -191,6 +191,19 @@ class LocalValues:
             dims[p] = dst.dim_axes[i]
         local = self.reshard(src_key, Sharding(self.mesh, tuple(dims)), why, at)
         return self.graph.call_function(_PERMUTE, (local, perm))
+
+
+def reshard_source(
+    has: Sharding, copies: Iterable[Sharding], moved: Callable[[Sharding], int]
+) -> Sharding:
+    """The sharding a reshard of a value starts from (``LocalValues.reshard``): of the value's
+    own sharding ``has`` and those of its copies made so far (``copies``, in the order they
+    were made), the one from which the reshard moves the fewest elements (``moved(s)``: its
+    collectives' local elements, input elements for a reduce_scatter, output ones otherwise).
+    A partial copy is never a start (the value's own sharding may be partial); a tie goes to
+    the earlier, the value's own first. Pure: the auto-sharding model prices a plan's reshards
+    by the same rule (``auto.realize``)."""
+    return min((s for s in [has, *copies] if not s.partial or s == has), key=moved)
 
 
 def _detail(step: Any) -> str:
