@@ -54,7 +54,9 @@ class ShardedTensor(EagerOps):
     """A global tensor whose shards live on the devices of a mesh (simulated in one process).
 
     Build one with :func:`mark_sharding`, :meth:`from_global` or :meth:`from_stacked`. The
-    storage is ``stacked``: ``[mesh.size, *local_shape]``, shard ``p`` for mesh position ``p``.
+    storage is ``stacked``: ``[mesh.size, *local_shape]``, shard ``p`` for mesh position ``p``;
+    until that is first read, a value from :meth:`from_global` or :meth:`from_held` keeps each
+    distinct tile once (``held``, ``values.held``).
 
     Example:
         >>> mesh = Mesh.create((4,), ("x",))
