@@ -19,6 +19,7 @@ from partita.ir import collectives as coll
 from partita.models import GPT, GPTConfig
 from partita.runtime import fused_step
 from partita.runtime.executor import executor_for
+from partita.runtime.flat_cat_copy import copy_cat_pieces
 from partita.runtime.flat_foreach import foreach_elementwise
 from partita.runtime.flat_views import collapse_view_chains, fold_views
 from partita.runtime.local import LocalMesh
@@ -256,3 +257,53 @@ def test_dropout_trains_the_same_fused_as_the_unsharded_program(shape: tuple[int
         for gm in fused
         for n in gm.graph.nodes
     ), "the fused graph draws the mask"
+
+
+def test_sharded_inputs_fuse_as_plain_inputs_with_no_weight_copy() -> None:
+    """A row-parallel weight given as a ShardedTensor is held as tiles of its global layout
+    (``ShardedTensor.from_global``), as a plain input is cut: both run one fused graph, whose
+    matmul over the joined tiles reads the weight in place (contiguous tiles were cloned to
+    join them, at every step)."""
+    import partita
+    from partita import P, mark_sharding
+
+    mesh = Mesh.create((2, 2), ("data", "model"))
+    runner = executor_for(mesh)
+    assert isinstance(runner, LocalMesh)
+    before = {id(gm) for gm in _fused_graphs(runner)}
+    specs = (P("data", "model"), P(None, "model"))
+    x, w = torch.randn(8, 16), torch.randn(6, 16)
+    jitted = partita.jit(lambda a, b: F.linear(a, b), mesh=mesh, in_specs=specs)
+    plain = [jitted(x, w).full() for _ in range(4)]  # segments flat at 2, fused at 3
+    args = [mark_sharding(t, mesh, s) for t, s in zip((x, w), specs, strict=True)]
+    sharded = [jitted(*args).full() for _ in range(4)]
+    (graph,) = [gm for gm in _fused_graphs(runner) if id(gm) not in before]
+    assert _count(graph, "clone") == 0 and _count(graph, "copy") == 0
+    torch.testing.assert_close(plain[0], F.linear(x, w))
+    for got in plain + sharded:
+        assert torch.equal(got, plain[0])
+
+
+def test_a_cat_read_only_by_a_relayout_copies_its_pieces_into_place() -> None:
+    """``buffer.copy_(as_strided(cat(pieces)))`` (the q|k|v gradients' re-layout) as one copy
+    per piece into its slot: the same result bit for bit, without the joined value; a
+    ``cat`` whose data another op reads stays."""
+
+    def relayout(a: Tensor, b: Tensor, c: Tensor) -> Tensor:
+        joined = torch.cat([a, b, c], -1)  # [2, 4, 15]: piece i at columns 5i..5i+4
+        out = joined.new_empty(4, 3, 2, 5)  # [rows, piece, batch, column]
+        return out.copy_(joined.as_strided((4, 3, 2, 5), (15, 5, 60, 1)))
+
+    def also_summed(a: Tensor, b: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+        joined = torch.cat([a, b, c], -1)
+        out = joined.new_empty(4, 3, 2, 5)
+        return out.copy_(joined.as_strided((4, 3, 2, 5), (15, 5, 60, 1))), joined.sum()
+
+    pieces = [torch.randn(2, 4, 5) for _ in range(3)]
+    gm = make_fx(relayout, tracing_mode="fake")(*pieces)
+    want = relayout(*pieces)
+    assert copy_cat_pieces(gm) == 1
+    assert _count(gm, "aten.cat") == 0 and _count(gm, "aten.copy_") == 3
+    assert torch.equal(gm(*pieces), want)
+    kept = make_fx(also_summed, tracing_mode="fake")(*pieces)
+    assert copy_cat_pieces(kept) == 0 and _count(kept, "aten.cat") == 1

@@ -889,7 +889,7 @@ def test_mesh_ops_on_held_values_equal_the_stacked_ones(group: list[str]) -> Non
 
     from partita.runtime import stacked as st
     from partita.runtime.held import all_gather_held, all_reduce_held, reduce_scatter_held
-    from partita.values.layout import stack_held
+    from partita.values.held import stack_held
 
     mesh = MESH_3D
     g = mesh.axes_size(group)

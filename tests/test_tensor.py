@@ -18,7 +18,7 @@ from partita import (
     mark_sharding,
     reshard,
 )
-from partita.values.layout import local_shape
+from partita.values.layout import local_shape, shard_tensor
 
 
 def _padded(unpadded: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
@@ -180,7 +180,8 @@ def test_from_held_expands_on_first_read_and_validates(mesh_2x4: Mesh) -> None:
     s = ShardedTensor.from_held(value, (False, True), sharding, (3, 8))
     assert s.held is not None and s.local_shape == (3, 2) and s.dtype == torch.float32
     assert torch.equal(s.full(), torch.cat(list(value), dim=1))
-    assert s.held is None and torch.equal(s.stacked, value.repeat(2, 1, 1))
+    assert s.held is not None  # full() reads the held form in place
+    assert torch.equal(s.stacked, value.repeat(2, 1, 1)) and s.held is None
     with pytest.raises(ShardingError, match=r"from_held got a value of shape \(2, 3, 2\).*"
                        r"needs \(4, 3, 2\) \(one leading dim per mesh axis"):  # fmt: skip
         ShardedTensor.from_held(value[:2], (False, True), sharding, (3, 8))
@@ -196,6 +197,31 @@ def test_from_global(mesh_4: Mesh) -> None:
     x = torch.arange(10)
     s = ShardedTensor.from_global(x, P("x").to_sharding(mesh_4, 1))
     assert s.stacked.shape == (4, 3) and torch.equal(s.full(), x)
+
+
+@pytest.mark.parametrize(
+    "spec", [P(), P("x"), P(None, "y"), P("y", "x"), P(("x", "y")), P(None, ("y", "x"))]
+)
+@pytest.mark.parametrize("shape", [(8, 12), (5, 7)])
+def test_from_global_holds_tiles_of_one_global_copy(
+    mesh_2x4: Mesh, spec: P, shape: tuple[int, int]
+) -> None:
+    """Each distinct tile once, as views of one row-major copy of the value where no padding
+    needs a copy (a column tile is strided: the tiles joined along the columns are a view);
+    ``full`` reads that form in place; ``stacked`` is the stacked layout of ``shard_tensor``."""
+    value = torch.randn(shape)
+    sharding = spec.to_sharding(mesh_2x4, 2)
+    s = ShardedTensor.from_global(value, sharding)
+    assert s.held is not None
+    tiles, axes = s.held
+    assert axes == tuple(a in sharding.sharded_axes for a in mesh_2x4.axis_names)
+    assert tiles.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
+    if shape == (8, 12) and spec == P(None, "y"):
+        assert tiles.shape == (4, 8, 3) and tiles.stride() == (3, 12, 1)
+    assert torch.equal(s.full(), value) and s.held is not None
+    assert torch.equal(s.stacked, shard_tensor(value, sharding)) and s.held is None
+    value.zero_()  # the caller's tensor was copied
+    assert not torch.equal(s.full(), value)
 
 
 def test_repr(mesh_4: Mesh) -> None:

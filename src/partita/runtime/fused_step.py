@@ -11,9 +11,10 @@ steps, no per-step dictionary, argument binding or held-value bookkeeping, which
 than the ops of a small model's step. The traced graph holds the same aten ops in the same
 order as the interpreter runs them, so its results are the interpreter's bit for bit; a
 flat-graph pass then folds the ``permute`` chains that meet across segment boundaries
-(``runtime.flat_views``), moves the ops that read only the step's inputs to just before
-their first reader (``runtime.flat_order``) and calls the CPU kernels of partita's attention
-ops directly (:func:`direct_kernels`).
+(``runtime.flat_views``), copies the pieces of a ``cat`` that only a re-layout reads
+straight into place (``runtime.flat_cat_copy``), moves the ops that read only the step's
+inputs to just before their first reader (``runtime.flat_order``) and calls the CPU kernels
+of partita's attention ops directly (:func:`direct_kernels`).
 
 When. Per input signature (every input's mesh axes, shape, strides, dtype; a non-tensor
 input by value), after a run in which every segment ran through its flat graph, the fused
@@ -44,6 +45,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from partita.capture.ops import sdpa_backward_cpu, sdpa_cpu
 from partita.capture.threads import TRACING
+from partita.runtime.flat_cat_copy import copy_cat_pieces
 from partita.runtime.flat_constants import fold_constants
 from partita.runtime.flat_foreach import foreach_elementwise
 from partita.runtime.flat_order import sink_input_ops
@@ -209,6 +211,7 @@ def trace_step(interpret: Interpret, values: list[Held], n_nodes: int) -> _Trace
     fold_views(gm)
     fold_permutes(gm)
     collapse_view_chains(gm)
+    copy_cat_pieces(gm)
     foreach_elementwise(gm, from_outputs=True)
     fold_constants(gm)
     sink_input_ops(gm)

@@ -82,7 +82,8 @@ from partita.runtime.device_index import run_take, take_inputs
 from partita.runtime.fused_step import FusedStep, Held
 from partita.runtime.mesh_steps import run_contraction, run_mesh_op
 from partita.runtime.segments import Axes, Segment, SegmentPlan, plan_segments, segment_error
-from partita.values.layout import check_strided, shard_compact, shard_tensor, stack_held
+from partita.values.held import stack_held
+from partita.values.layout import check_strided, shard_compact, shard_tensor
 from partita.values.mesh import Mesh
 from partita.values.tensor import ShardedTensor
 

@@ -27,7 +27,6 @@ communication.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -38,15 +37,14 @@ from partita.values.spec import Sharding
 
 __all__ = [
     "ceil_div",
-    "check_held",
     "check_strided",
+    "glue_tiles",
     "index_ranges",
     "local_shape",
     "permute_sources",
     "replica_ids",
     "shard_compact",
     "shard_tensor",
-    "stack_held",
     "tile_assignment",
     "tile_coords",
     "unshard_tensor",
@@ -225,48 +223,6 @@ def shard_compact(value: torch.Tensor, sharding: Sharding, *, copy: bool = True)
     return compact if sharding.is_replicated or not copy else compact.clone()
 
 
-def check_held(
-    value: torch.Tensor, axes: Sequence[bool], sharding: Sharding, shape: tuple[int, ...]
-) -> tuple[bool, ...]:
-    """``axes`` as bools, after checking that ``value`` holds a value of global ``shape``
-    under ``sharding`` once per position of those mesh axes (see :func:`stack_held`)."""
-    mesh = sharding.mesh
-    flags = tuple(bool(a) for a in axes)
-    lead = tuple(n for n, a in zip(mesh.shape, flags, strict=False) if a)
-    expected = lead + local_shape(sharding, shape)
-    if len(flags) != mesh.ndim or tuple(value.shape) != expected:
-        raise ShardingError(
-            f"ShardedTensor.from_held got a value of shape {tuple(value.shape)} varying along "
-            f"{flags}, but a global shape {shape} under {sharding} on {mesh!r} needs {expected} "
-            f"(one leading dim per mesh axis it varies along, then the local shape) and one "
-            f"flag per mesh axis ({mesh.ndim}). Check the flags and the global shape."
-        )
-    return flags
-
-
-def stack_held(value: torch.Tensor, axes: Sequence[bool], sizes: Sequence[int]) -> torch.Tensor:
-    """A value held once per position of the mesh axes it varies along as the stacked
-    ``[prod(sizes), *local]`` of every device (``sizes`` the mesh's shape).
-
-    ``value`` is ``[*(sizes[i] for the axes with axes[i] set), *local]``: identical along
-    every other axis, so held once for it (the LocalMesh's compact form). A view when it
-    varies along every axis or none (a stride-0 device dim), else a copy.
-
-    Example:
-        >>> stack_held(torch.tensor([[1], [2]]), (False, True), (3, 2)).flatten().tolist()
-        [1, 2, 1, 2, 1, 2]
-    """
-    n = math.prod(sizes)
-    k = sum(bool(a) for a in axes)
-    local = value.shape[k:]
-    if k == 0:
-        return value.expand(n, *local)
-    if k == len(sizes):
-        return value.reshape(n, *local)
-    ones = [size if a else 1 for size, a in zip(sizes, axes, strict=True)]
-    return value.reshape(*ones, *local).expand(*sizes, *local).reshape(n, *local)
-
-
 def _per_mesh(value: torch.Tensor, sharding: Sharding) -> torch.Tensor:
     """``[*k, *local_shape]``: the tiles, mesh axes that split nothing of size 1 (a view of
     ``value`` where no padding or permute needs a copy)."""
@@ -317,11 +273,19 @@ def unshard_tensor(stacked: torch.Tensor, sharding: Sharding, shape: Sequence[in
             f"Stacked storage has shape {tuple(stacked.shape)}, expected {(mesh.size, *local)} "
             f"for global shape {shape} under {sharding} on {mesh!r}."
         )
-    x = stacked.reshape(*mesh.shape, *local)
+    return glue_tiles(stacked.reshape(*mesh.shape, *local), sharding, shape, local)
+
+
+def glue_tiles(
+    x: torch.Tensor, sharding: Sharding, shape: tuple[int, ...], local: tuple[int, ...]
+) -> torch.Tensor:
+    """``[*mesh.shape, *local]`` tiles (a stacked value viewed per mesh axis) as the global
+    value of ``shape`` (what :func:`unshard_tensor` returns)."""
+    mesh = sharding.mesh
     for a in sharding.partial:
         i = mesh.axis_index(a)
         if sharding.reduce_op == "sum":
-            x = x.sum(dim=i, keepdim=True, dtype=stacked.dtype)  # keep int32/bool dtypes
+            x = x.sum(dim=i, keepdim=True, dtype=x.dtype)  # keep int32/bool dtypes
         elif sharding.reduce_op == "max":
             x = x.amax(dim=i, keepdim=True)
         else:

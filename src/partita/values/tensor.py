@@ -18,23 +18,22 @@ from __future__ import annotations
 
 import reprlib
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from partita.errors import ShardingError
 from partita.values.annotations import annotation_conflict
+from partita.values.held import check_held, shard_held, stack_held, unshard_held
 from partita.values.layout import (
-    check_held,
     index_ranges,
     local_shape,
     replica_ids,
     shard_tensor,
-    stack_held,
     unshard_tensor,
 )
 from partita.values.mesh import Mesh
+from partita.values.shard import Shard
 from partita.values.spec import PartitionSpec, Sharding, as_spec
 from partita.values.tensor_ops import EagerOps, set_eager_ops
 
@@ -51,39 +50,13 @@ __all__ = [
 SpecLike = PartitionSpec | Sequence[Any] | None
 
 
-@dataclass(frozen=True, slots=True, eq=False)
-class Shard:
-    """What one device holds of a :class:`ShardedTensor`.
-
-    Attributes:
-        data: the padded local tensor (every device has the same shape): a copy from
-            ``local_shards``, a read-only view of the storage from ``local_shard_views``.
-        unpadded_data: ``data`` without its padding: exactly ``global_tensor[index]``.
-        device: the mesh device id (``mesh.device_ids[position]``).
-        index: one ``slice`` per dim into the global tensor; a device holding only padding
-            along a dim gets an empty slice ``n:n``.
-        replica_id: distinct among the devices holding the same tile (see
-        ``partita.values.layout``).
-
-    Example:
-        >>> x = mark_sharding(torch.arange(4.0), Mesh.create((2,), ("x",)), P("x"))
-        >>> s = x.local_shards[1]
-        >>> s.device, s.index, s.data.tolist()
-        (1, (slice(2, 4, None),), [2.0, 3.0])
-    """
-
-    data: torch.Tensor
-    unpadded_data: torch.Tensor
-    device: int
-    index: tuple[slice, ...]
-    replica_id: int
-
-
 class ShardedTensor(EagerOps):
     """A global tensor whose shards live on the devices of a mesh (simulated in one process).
 
     Build one with :func:`mark_sharding`, :meth:`from_global` or :meth:`from_stacked`. The
-    storage is ``stacked``: ``[mesh.size, *local_shape]``, shard ``p`` for mesh position ``p``.
+    storage is ``stacked``: ``[mesh.size, *local_shape]``, shard ``p`` for mesh position ``p``;
+    until that is first read, a value from :meth:`from_global` or :meth:`from_held` keeps each
+    distinct tile once (``held``, ``values.held``).
 
     Example:
         >>> mesh = Mesh.create((4,), ("x",))
@@ -117,6 +90,10 @@ class ShardedTensor(EagerOps):
     def from_global(cls, tensor: torch.Tensor, sharding: Sharding) -> ShardedTensor:
         """Cut a global tensor under ``sharding`` (the tensor is copied, not modified).
 
+        Unless the sharding is partial, the copy is held as :meth:`from_held` holds a value,
+        laid out as the global value (``values.held.shard_held``): ``partita.jit`` reads it
+        as it reads a plain tensor; ``stacked`` is built on its first read.
+
         Example:
             >>> mesh = Mesh.create((2,), ("x",))
             >>> x = ShardedTensor.from_global(torch.zeros(3, 2), P("x").to_sharding(mesh, 2))
@@ -126,7 +103,9 @@ class ShardedTensor(EagerOps):
         tensor = _check_tensor(tensor, "ShardedTensor.from_global")
         _check_sharding(sharding, "ShardedTensor.from_global")
         sharding.check_shape(tensor.shape)
-        return cls(shard_tensor(tensor, sharding), sharding, tensor.shape)
+        if sharding.partial:
+            return cls(shard_tensor(tensor, sharding), sharding, tensor.shape)
+        return cls(None, sharding, tensor.shape, held=shard_held(tensor, sharding))
 
     @classmethod
     def from_stacked(
@@ -238,9 +217,13 @@ class ShardedTensor(EagerOps):
             >>> mark_sharding(torch.arange(3), Mesh.create((2,), ("x",)), P("x")).full()
             tensor([0, 1, 2])
         """
-        stacked = self._storage()
-        out = unshard_tensor(stacked, self._sharding, self._shape)
-        if out.numel() and out.untyped_storage().data_ptr() == stacked.untyped_storage().data_ptr():
+        held = self._held  # read in place: the held form stays (jit reads it as it is)
+        if held is not None:
+            value, out = held[0], unshard_held(*held, self._sharding, self._shape)
+        else:
+            value = self._storage()
+            out = unshard_tensor(value, self._sharding, self._shape)
+        if out.numel() and out.untyped_storage().data_ptr() == value.untyped_storage().data_ptr():
             out = out.clone()  # never hand out a view of the shards
         return out
 
@@ -317,9 +300,8 @@ def mark_sharding(
 def _mark_sharded(x: ShardedTensor, mesh: Mesh, spec: SpecLike) -> ShardedTensor:
     sharding = as_spec(spec).to_sharding(mesh, x.ndim)
     if not x.is_annotated:
-        value = x.full()
-        x._stacked = shard_tensor(value, sharding)
-        x._held = None
+        fresh = ShardedTensor.from_global(x.full(), sharding)
+        x._stacked, x._held = fresh._stacked, fresh._held
         x._sharding = sharding
         x._annotated = True
         return x
