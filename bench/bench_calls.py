@@ -32,7 +32,6 @@ import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -173,27 +172,14 @@ def worker(preset: str, shape: tuple[int, ...], steps: int) -> None:
         print("RESULT " + json.dumps({"ranks": every, "model": _model(plan)}))
 
 
-def _stub_gloo() -> None:
-    """Make ``runtime.dist_ops``'s Gloo calls return at once (this process only): what is left
-    of a mesh op is the runtime's own copies."""
-
-    class Done:
-        def wait(self) -> None:
-            pass
-
-    def done(*args: Any, **kwargs: Any) -> Done:
-        return Done()
-
-    dist_ops.ALL_GATHER = dist_ops.REDUCE_SCATTER = done  # type: ignore[assignment]
-    dist_ops.dist = types.SimpleNamespace(all_reduce=done, all_to_all_single=done)  # type: ignore[assignment]
-
-
-def copies_worker(configs: list[str], rounds: int) -> None:
+def copies_worker(configs: list[str], rounds: int, profile: Path | None = None) -> None:
     """Every rank at once, the configurations in turn ``rounds`` times: each mesh op of the
     step's per-device program run by ``runtime.dist_ops`` with Gloo stubbed out (its packing
-    and unpacking alone) on zeros of its operands, the mean of 5 runs; rank 0 prints each
-    op's median beside its modelled copies (``cost.copies``)."""
+    and unpacking alone, ``op_workloads.gloo_stubbed``) on zeros of its operands, the mean of
+    5 runs; rank 0 prints each op's median beside its modelled copies (``cost.copies``, priced
+    by ``cpu-gloo`` or the profile of ``profile``)."""
     from bench_estimate import CFG, _batch, _loss
+    from op_workloads import gloo_stubbed
 
     import partita
     from partita.models import GPT
@@ -201,7 +187,7 @@ def copies_worker(configs: list[str], rounds: int) -> None:
     from partita.values.mesh import Mesh
 
     pd.initialize()
-    hw = load_profile(None)
+    hw = load_profile(profile)
     work = []
     for config in configs:
         preset, shape_text = config.split("/")
@@ -224,15 +210,15 @@ def copies_worker(configs: list[str], rounds: int) -> None:
             args = [_zeros(a, vals) for a in node.args[:-1]]
             model_s = sum(hw.op_seconds(0, b) for b in sizes)
             work.append((config, node.name, kind, group, args, model_s, sum(sizes)))
-    _stub_gloo()
     times: dict[tuple[str, str], list[float]] = {(w[0], w[1]): [] for w in work}
     for _ in range(rounds):
         for config, name, kind, group, args, _m, _b in work:
             dist.barrier()
-            start = time.perf_counter()
-            for _ in range(5):
-                dist_ops.run(getattr(dist_ops, kind)(group, *args, name))
-            times[config, name].append((time.perf_counter() - start) / 5)
+            with gloo_stubbed():
+                start = time.perf_counter()
+                for _ in range(5):
+                    dist_ops.run(getattr(dist_ops, kind)(group, *args, name))
+                times[config, name].append((time.perf_counter() - start) / 5)
     if pd.is_main_process():
         rows = [(c, nm, statistics.median(times[c, nm]), m, b) for c, nm, _k, _g, _a, m, b in work]
         print("RESULT " + json.dumps(rows))
@@ -298,11 +284,16 @@ def main() -> None:
         metavar="ROUNDS",
         help="time the runtime's copies alone (Gloo stubbed out), 4 processes at once",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="with --copies: price the copies by this bench_collectives.py --write file",
+    )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--copies-worker", type=int, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.copies_worker:
-        copies_worker(ns.configs, ns.copies_worker)
+        copies_worker(ns.configs, ns.copies_worker, ns.profile)
         return
     if ns.worker:
         worker(ns.worker[0], tuple(int(s) for s in ns.worker[1].split("x")), ns.steps)
@@ -313,6 +304,7 @@ def main() -> None:
         os.environ["PARTITA_OVERLAP_BYTES"] = "0"
     if ns.copies:
         argv = [__file__, *ns.configs, "--copies-worker", str(ns.copies)]
+        argv += ["--profile", str(ns.profile.resolve())] if ns.profile else []
         rows = spawn_result(argv, "copies", timeout=1800)
         _print_copies(rows or [])  # type: ignore[arg-type]
         print(_load())
