@@ -1,6 +1,7 @@
 """Each collective call of a GPT-S step on 4 Gloo processes, timed, beside the estimate's call.
 
 Run: ``.venv/bin/python bench/bench_calls.py fsdp/(4,) [dp/(4,) ...] [--steps 5] [--sync]``
+or ``... --copies ROUNDS [--profile fit.json]`` (the runtime's copies alone, below)
 
 The step is ``bench/bench_estimate.py``'s (GPT-S, AdamW, a preset on 4 processes). Each
 configuration starts 4 worker processes; after two warm-ups every rank profiles ``--steps``
@@ -187,7 +188,7 @@ def copies_worker(configs: list[str], rounds: int, profile: Path | None = None) 
     from partita.values.mesh import Mesh
 
     pd.initialize()
-    hw = load_profile(profile)
+    hw, committed = load_profile(profile), load_profile(None)
     work = []
     for config in configs:
         preset, shape_text = config.split("/")
@@ -208,7 +209,7 @@ def copies_worker(configs: list[str], rounds: int, profile: Path | None = None) 
             n = int(node.args[-1])
             group = comm.Group(None, tuple(range(n)), tuple(range(n)), 0)
             args = [_zeros(a, vals) for a in node.args[:-1]]
-            model_s = sum(hw.op_seconds(0, b) for b in sizes)
+            model_s = [sum(h.op_seconds(0, b) for b in sizes) for h in (hw, committed)]
             work.append((config, node.name, kind, group, args, model_s, sum(sizes)))
     times: dict[tuple[str, str], list[float]] = {(w[0], w[1]): [] for w in work}
     for _ in range(rounds):
@@ -234,15 +235,20 @@ def _zeros(a: Any, vals: Any) -> Any:
 
 
 def _print_copies(rows: list[list[Any]]) -> None:
+    """Each op's copies measured beside their modelled time (the profile's; with
+    ``--profile``, the committed ``cpu-gloo``'s after it), then the totals per step."""
     totals: dict[str, list[float]] = {}
-    for config, name, measured, model_s, nbytes in rows:
-        print(f"  {config:<14} {name:<34} {nbytes / 1e6:6.2f} MB  measured {measured * 1e3:6.2f} "
-              f"ms  modelled {model_s * 1e3:5.2f} ms")  # fmt: skip
-        t = totals.setdefault(config, [0.0, 0.0, 0.0])
-        t[0], t[1], t[2] = t[0] + measured, t[1] + model_s, t[2] + nbytes
-    for config, (measured, model_s, nbytes) in totals.items():
+    for config, name, measured, (model_s, committed), nbytes in rows:
+        print(
+            f"  {config:<14} {name:<34} {nbytes / 1e6:6.2f} MB  measured {measured * 1e3:6.2f} "
+            f"ms  modelled {model_s * 1e3:5.2f} ms ({committed * 1e3:5.2f} committed)"
+        )
+        t = totals.setdefault(config, [0.0, 0.0, 0.0, 0.0])
+        t[0], t[1], t[2], t[3] = t[0] + measured, t[1] + model_s, t[2] + nbytes, t[3] + committed
+    for config, (measured, model_s, nbytes, committed) in totals.items():
         print(f"{config}: the runtime's copies of a step, {nbytes / 1e6:.1f} MB: measured "
-              f"{measured * 1e3:.2f} ms, modelled {model_s * 1e3:.2f} ms")  # fmt: skip
+              f"{measured * 1e3:.2f} ms, modelled {model_s * 1e3:.2f} ms (by the committed "
+              f"profile {committed * 1e3:.2f} ms)")  # fmt: skip
 
 
 def _print(name: str, result: dict[str, Any]) -> None:

@@ -610,6 +610,14 @@ def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
     print(f"memory-bound ops: {fitted['op_overhead'] * 1e6:.2f} us per op; {cache} at "
           f"{fitted['memory_bandwidth'] / 1e9:.3g} GB/s (rms relative error {fitted['error']:.2f}; "
           f"one bandwidth for all: {fitted['error_flat']:.2f})")  # fmt: skip
+    copies = [w for w in rows if w["name"].startswith("copies/")]
+    if copies and len(copies) < len(rows):  # the same fit without them, on the same timings
+        other = fit_ops([w for w in rows if not w["name"].startswith("copies/")])
+        old = dataclasses.replace(hw, **{k: other[k] for k in names})
+        priced = [sum(op_time(0.0, b, h) for w in copies for b in w["each"]) for h in (new, old)]
+        print(f"the runtime's copies (copies/ rows): measured "
+              f"{sum(w['seconds'] for w in copies) * 1e3:.2f} ms, this fit {priced[0] * 1e3:.2f} "
+              f"ms, the fit without those rows {priced[1] * 1e3:.2f} ms")  # fmt: skip
     print("local-op terms (paste into PROFILES['cpu-gloo']):")
     print(
         f"    memory_bandwidth={fitted['memory_bandwidth']:.3g}, "
