@@ -153,7 +153,7 @@ def _model(plan: Any) -> list[dict[str, float]]:
             "seconds": c.seconds,
             "overhead": c.overhead,
             "exposed": t,
-            "copies": sum(hw.op_seconds(0, b) for b in _flat(call_copies(nodes[c.at], vals))),
+            "copies": sum(hw.copy_seconds(b) for b in _flat(call_copies(nodes[c.at], vals))),
         })  # fmt: skip
     return rows
 
@@ -209,7 +209,7 @@ def copies_worker(configs: list[str], rounds: int, profile: Path | None = None) 
             n = int(node.args[-1])
             group = comm.Group(None, tuple(range(n)), tuple(range(n)), 0)
             args = [_zeros(a, vals) for a in node.args[:-1]]
-            model_s = [sum(h.op_seconds(0, b) for b in sizes) for h in (hw, committed)]
+            model_s = [sum(h.copy_seconds(b) for b in sizes) for h in (hw, committed)]
             work.append((config, node.name, kind, group, args, model_s, sum(sizes)))
     times: dict[tuple[str, str], list[float]] = {(w[0], w[1]): [] for w in work}
     for _ in range(rounds):

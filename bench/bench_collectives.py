@@ -548,6 +548,7 @@ def report(r: dict, repeat: int, write: Path | None = None) -> dict:
         "op_overhead": ops["op_overhead"],
         "cache_bytes": ops["cache_bytes"],
         "cache_bandwidth": ops["cache_bandwidth"],
+        "copy_bandwidth": ops["copy_bandwidth"],
     }
     fields = json.loads(json.dumps(fields), parse_float=lambda x: float(f"{float(x):.3g}"))
     fields["cache_bytes"] = int(ops["cache_bytes"])  # a power of 2, exact
@@ -564,7 +565,8 @@ def report(r: dict, repeat: int, write: Path | None = None) -> dict:
           f"overhead_efficiency={fields['overhead_efficiency']:.2f}, "
           f"op_overhead={fields['op_overhead']:.3g},")  # fmt: skip
     print(f"    cache_bytes={fields['cache_bytes']:.0f}, "
-          f"cache_bandwidth={fields['cache_bandwidth']:.3g},")  # fmt: skip
+          f"cache_bandwidth={fields['cache_bandwidth']:.3g}, "
+          f"copy_bandwidth={fields['copy_bandwidth']:.3g},")  # fmt: skip
     fields["source"] = f"bench_collectives.py --repeat {repeat}, {_load()}"
     if write is not None:
         write.write_text(json.dumps(fields, indent=1))
@@ -583,11 +585,13 @@ def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
     (``op_workloads.fit_ops``) and beside the ``cpu-gloo`` profile's time of its ops (its own
     ``op_time``); the fitted terms."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from op_workloads import fit_ops
+    from op_workloads import fit_copies, fit_ops
 
-    fitted = fit_ops(rows)
+    copies = [w for w in rows if w["name"].startswith("copies/")]
+    fitted = fit_ops([w for w in rows if w not in copies])
+    fitted["copy_bandwidth"] = fit_copies(copies, fitted["op_overhead"]) if copies else 0.0
     names = ("op_overhead", "cache_bytes", "cache_bandwidth", "memory_bandwidth")
-    terms = {k: fitted[k] for k in names}
+    terms = {k: fitted[k] for k in (*names, "copy_bandwidth")}
     hw = PROFILES["cpu-gloo"]
     new = dataclasses.replace(hw, **terms)
     print(f"{'memory-bound':<15} {'ops':>5} {'MB':>8} {'measured':>10} {'fit':>9} {'ratio':>6} "
@@ -595,8 +599,9 @@ def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
     for w in rows:
         n = len(w["each"])
         flops = w["flops"] / n  # every op's FLOPs are far below its bytes' time
-        model = sum(op_time(flops, b, new) for b in w["each"])
-        prof = sum(op_time(flops, b, hw) for b in w["each"])
+        copy = w in copies  # priced as the estimate prices the runtime's copies
+        model = sum(new.copy_seconds(b) if copy else op_time(flops, b, new) for b in w["each"])
+        prof = sum(hw.copy_seconds(b) if copy else op_time(flops, b, hw) for b in w["each"])
         print(f"{w['name']:<15} {w['ops']:5.0f} {w['bytes'] / 1e6:8.1f} "
               f"{w['seconds'] * 1e3:8.2f}ms {model * 1e3:7.2f}ms {model / w['seconds']:6.2f} "
               f"{prof * 1e3:7.2f}ms {prof / w['seconds']:6.2f}  "
@@ -610,14 +615,18 @@ def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
     print(f"memory-bound ops: {fitted['op_overhead'] * 1e6:.2f} us per op; {cache} at "
           f"{fitted['memory_bandwidth'] / 1e9:.3g} GB/s (rms relative error {fitted['error']:.2f}; "
           f"one bandwidth for all: {fitted['error_flat']:.2f})")  # fmt: skip
-    copies = [w for w in rows if w["name"].startswith("copies/")]
-    if copies and len(copies) < len(rows):  # the same fit without them, on the same timings
-        other = fit_ops([w for w in rows if not w["name"].startswith("copies/")])
-        old = dataclasses.replace(hw, **{k: other[k] for k in names})
-        priced = [sum(op_time(0.0, b, h) for w in copies for b in w["each"]) for h in (new, old)]
+    if copies:  # the copies' own rate against the roofline of the other workloads
+        together = fit_ops(rows)
+        one = dataclasses.replace(hw, **{k: together[k] for k in names})
+        priced = [
+            sum(h.copy_seconds(b) for w in copies for b in w["each"])
+            for h in (new, dataclasses.replace(new, copy_bandwidth=0.0), one)
+        ]
         print(f"the runtime's copies (copies/ rows): measured "
-              f"{sum(w['seconds'] for w in copies) * 1e3:.2f} ms, this fit {priced[0] * 1e3:.2f} "
-              f"ms, the fit without those rows {priced[1] * 1e3:.2f} ms")  # fmt: skip
+              f"{sum(w['seconds'] for w in copies) * 1e3:.2f} ms; priced at copy_bandwidth "
+              f"{fitted['copy_bandwidth'] / 1e9:.3g} GB/s {priced[0] * 1e3:.2f} ms, by the "
+              f"other workloads' roofline {priced[1] * 1e3:.2f} ms, by one roofline fitted to "
+              f"all rows {priced[2] * 1e3:.2f} ms")  # fmt: skip
     print("local-op terms (paste into PROFILES['cpu-gloo']):")
     print(
         f"    memory_bandwidth={fitted['memory_bandwidth']:.3g}, "
@@ -625,7 +634,8 @@ def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
     )
     print(
         f"    cache_bytes={fitted['cache_bytes']:.0f}, "
-        f"cache_bandwidth={fitted['cache_bandwidth']:.3g},"
+        f"cache_bandwidth={fitted['cache_bandwidth']:.3g}, "
+        f"copy_bandwidth={fitted['copy_bandwidth']:.3g},"
     )
     return fitted
 

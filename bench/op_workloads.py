@@ -26,7 +26,9 @@ FLOPs at the profile's ``peak_flops``). The workloads, at GPT-S's per-device siz
   of each gathered member out of its ``[group, numel]`` rows, over 4 and (along the weights'
   second dimension) over 2; a reduce-scatter bucket's chunking and packing of the gradients;
   an all-reduce bucket's packing. Counted by ``partita.cost.copies.call_copies``, as the step
-  estimate counts them: one memory-bound op per copy.
+  estimate counts them: one op per copy. They are not among the rows of :func:`fit_ops` (they
+  move their bytes at about half the rate of the other workloads, which one roofline cannot
+  price together): :func:`fit_copies` fits their own ``copy_bandwidth``.
 """
 
 from __future__ import annotations
@@ -292,6 +294,19 @@ def fit_ops(rows: list[dict[str, Any]]) -> dict[str, float]:
         if not cache:
             flat = float(np.sqrt(rss / len(t)))
     return {**best, "error_flat": flat}
+
+
+def fit_copies(rows: list[dict[str, Any]], op_overhead: float) -> float:
+    """``copy_bandwidth`` of the profile that best fits the copy workloads ``rows`` (each with
+    ``ops``, ``bytes`` and the measured ``seconds``) given the fitted ``op_overhead``: ``ops *
+    op_overhead + bytes / copy_bandwidth`` (``Hardware.copy_seconds``), least squares of the
+    relative error; 0 (no term: copies priced as any op) when the overheads alone explain the
+    times."""
+    t = np.array([r["seconds"] for r in rows], dtype=float)
+    per_byte = np.array([r["bytes"] for r in rows], dtype=float) / t
+    rest = 1 - np.array([r["ops"] for r in rows], dtype=float) * op_overhead / t
+    x = float(np.sum(per_byte * rest) / np.sum(per_byte**2))
+    return 1 / x if x > 0 else 0.0
 
 
 def _nonnegative(cols: list[np.ndarray], y: np.ndarray) -> list[float]:

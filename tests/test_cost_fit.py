@@ -18,7 +18,7 @@ from partita.runtime import dist_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
-from op_workloads import COPIES, copy_workloads, fit_ops, traced, workloads
+from op_workloads import COPIES, copy_workloads, fit_copies, fit_ops, traced, workloads
 
 
 def _rows(hw, sizes: list[list[int]]) -> list[dict]:  # type: ignore[no-untyped-def]
@@ -56,6 +56,18 @@ def test_one_bandwidth_is_kept_when_a_cache_explains_nothing() -> None:
     assert fit["cache_bytes"] == 0
     assert fit["op_overhead"] == pytest.approx(2e-5, rel=1e-3)
     assert fit["memory_bandwidth"] == pytest.approx(3e9, rel=1e-3)
+
+
+def test_the_copy_fit_recovers_copy_bandwidth_beside_the_fitted_overhead() -> None:
+    hw = dataclasses.replace(
+        PROFILES["cpu-gloo"], op_overhead=1e-5, copy_bandwidth=1.5e9, launch=0.0
+    )
+    rows = [
+        {"ops": len(each), "bytes": sum(each), "seconds": sum(map(hw.copy_seconds, each))}
+        for each in SIZES
+    ]
+    assert fit_copies(rows, 1e-5) == pytest.approx(1.5e9, rel=1e-9)
+    assert fit_copies([{**r, "seconds": r["ops"] * 1e-5} for r in rows], 1e-5) == 0.0
 
 
 def test_a_workload_is_counted_as_the_estimate_counts_its_ops() -> None:
