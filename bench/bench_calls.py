@@ -220,9 +220,37 @@ def copies_worker(configs: list[str], rounds: int, profile: Path | None = None) 
                 for _ in range(5):
                     dist_ops.run(getattr(dist_ops, kind)(group, *args, name))
                 times[config, name].append((time.perf_counter() - start) / 5)
+    busy = _busy(work, rounds)
     if pd.is_main_process():
-        rows = [(c, nm, statistics.median(times[c, nm]), m, b) for c, nm, _k, _g, _a, m, b in work]
+        rows = [
+            (c, nm, statistics.median(times[c, nm]), t, m, b)
+            for (c, nm, _k, _g, _a, m, b), t in zip(work, busy, strict=True)
+        ]
         print("RESULT " + json.dumps(rows))
+
+
+def _busy(work: list[Any], rounds: int) -> list[float]:
+    """Seconds of each op of ``work`` as the fit times its workloads (``bench_collectives``'
+    ``_ops``): repeated over ~0.1 s with every rank doing the same, the ops in turn, median
+    over ``rounds``, max over ranks; the processes share the cores throughout, as in a step."""
+    from bench_collectives import _interleaved, _max_over_ranks, _repeated
+    from op_workloads import gloo_stubbed
+
+    fns, reps = [], []
+    with gloo_stubbed():
+        for _config, name, kind, group, args, _m, _b in work:
+
+            def call(kind: str = kind, group: Any = group, args: Any = args, name: str = name):
+                return dist_ops.run(getattr(dist_ops, kind)(group, *args, name))
+
+            call()
+            start = time.perf_counter()
+            call()
+            n = max(1, int(0.1 / max(time.perf_counter() - start, 1e-6)))
+            reps.append(int(_max_over_ranks(n)))
+            fns.append(_repeated(call, [], reps[-1]))
+        seconds = _interleaved(fns, rounds)
+    return [t / n for t, n in zip(seconds, reps, strict=True)]
 
 
 def _zeros(a: Any, vals: Any) -> Any:
@@ -235,20 +263,22 @@ def _zeros(a: Any, vals: Any) -> Any:
 
 
 def _print_copies(rows: list[list[Any]]) -> None:
-    """Each op's copies measured beside their modelled time (the profile's; with
-    ``--profile``, the committed ``cpu-gloo``'s after it), then the totals per step."""
+    """Each op's copies measured (``burst``: 5 calls right after a barrier, rank 0, shorter
+    than a scheduler's slice, so a core of its own; ``busy``: every rank repeating it, as the
+    fit measures) beside their modelled time (the profile's; with ``--profile``, the committed
+    ``cpu-gloo``'s after it), then the totals per step."""
     totals: dict[str, list[float]] = {}
-    for config, name, measured, (model_s, committed), nbytes in rows:
-        print(
-            f"  {config:<14} {name:<34} {nbytes / 1e6:6.2f} MB  measured {measured * 1e3:6.2f} "
-            f"ms  modelled {model_s * 1e3:5.2f} ms ({committed * 1e3:5.2f} committed)"
-        )
-        t = totals.setdefault(config, [0.0, 0.0, 0.0, 0.0])
-        t[0], t[1], t[2], t[3] = t[0] + measured, t[1] + model_s, t[2] + nbytes, t[3] + committed
-    for config, (measured, model_s, nbytes, committed) in totals.items():
+    for config, name, burst, busy, (model_s, committed), nbytes in rows:
+        print(f"  {config:<14} {name:<34} {nbytes / 1e6:6.2f} MB  burst {burst * 1e3:6.2f} ms  "
+              f"busy {busy * 1e3:6.2f} ms  modelled {model_s * 1e3:5.2f} ms "
+              f"({committed * 1e3:5.2f} committed)")  # fmt: skip
+        t = totals.setdefault(config, [0.0] * 5)
+        for i, x in enumerate((burst, busy, model_s, committed, nbytes)):
+            t[i] += x
+    for config, (burst, busy, model_s, committed, nbytes) in totals.items():
         print(f"{config}: the runtime's copies of a step, {nbytes / 1e6:.1f} MB: measured "
-              f"{measured * 1e3:.2f} ms, modelled {model_s * 1e3:.2f} ms (by the committed "
-              f"profile {committed * 1e3:.2f} ms)")  # fmt: skip
+              f"{busy * 1e3:.2f} ms busy ({burst * 1e3:.2f} ms in bursts), modelled "
+              f"{model_s * 1e3:.2f} ms (committed profile: {committed * 1e3:.2f} ms)")  # fmt: skip
 
 
 def _print(name: str, result: dict[str, Any]) -> None:

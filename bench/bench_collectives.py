@@ -336,7 +336,7 @@ def _ops(repeat: int) -> tuple[list[dict], float]:
         fn(*inputs)
         times = max(1, int(0.1 / max(time.perf_counter() - t, 1e-6)))
         times = int(_max_over_ranks(times))  # every rank runs as many
-        runs.append(lambda fn=fn, inputs=inputs, times=times: [fn(*inputs) for _ in range(times)])
+        runs.append(_repeated(fn, inputs, times))
         out.append({"name": name, **counts, "times": times})
     mms = _gpt_matmuls()
     mm_flops = sum(f for _, f in mms)
@@ -350,6 +350,17 @@ def _ops(repeat: int) -> tuple[list[dict], float]:
     for row, t in zip(out, seconds, strict=True):
         row["seconds"] = t / row.pop("times")
     return out, mm_flops / mm_seconds
+
+
+def _repeated(fn, inputs: list, times: int):  # type: ignore[no-untyped-def]
+    """A call running ``fn(*inputs)`` ``times`` times, each result dropped before the next
+    run (as a step frees a value after its last use: its memory is reused, not fresh)."""
+
+    def run() -> None:
+        for _ in range(times):
+            fn(*inputs)
+
+    return run
 
 
 def _max_over_ranks(x: float) -> float:
