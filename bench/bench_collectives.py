@@ -19,7 +19,8 @@ Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
   around GPT-S's bucketed collectives (``op_workloads.copy_workloads``: packing and unpacking
   by ``runtime.dist_ops`` with Gloo stubbed out), run on all processes at once, in turn:
   ``op_overhead``, ``memory_bandwidth`` and the cache term fitted to the model's own count of
-  their ops and bytes (``op_workloads.fit_ops``);
+  their ops and bytes (``op_workloads.fit_ops``), ``copy_bandwidth`` to the copies' count
+  (``op_workloads.fit_copies``);
 * elementwise ops (add, mul, gelu, exp) of GPT-S's activation sizes repeated on the same few
   tensors (in cache: printed for comparison, no longer the profile's bandwidth);
 * a tiny ``add`` (``launch``, the floor of one op, all processes at once);
