@@ -26,9 +26,9 @@ FLOPs at the profile's ``peak_flops``). The workloads, at GPT-S's per-device siz
   of each gathered member out of its ``[group, numel]`` rows, over 4 and (along the weights'
   second dimension) over 2; a reduce-scatter bucket's chunking and packing of the gradients;
   an all-reduce bucket's packing. Counted by ``partita.cost.copies.call_copies``, as the step
-  estimate counts them: one op per copy. They are not among the rows of :func:`fit_ops` (they
-  move their bytes at about half the rate of the other workloads, which one roofline cannot
-  price together): :func:`fit_copies` fits their own ``copy_bandwidth``.
+  estimate counts them: one op per copy. They are not among the rows of :func:`fit_ops`: in
+  the fits so far (under load) they took 1.3-1.9x what the other workloads' roofline prices,
+  so :func:`fit_copies` fits their own ``copy_bandwidth``.
 """
 
 from __future__ import annotations
