@@ -301,7 +301,7 @@ def main() -> None:
         "--fit",
         type=Path,
         nargs="?",
-        const=Path(""),
+        const="",  # no FILE: a temporary one
         metavar="FILE",
         help="fit cpu-gloo on this machine first (bench_collectives.py's fit; FILE: keep it) "
         "and compare the committed profile's estimates with the fresh fit's",
@@ -380,16 +380,15 @@ def main() -> None:
         print(f"# wrote {ns.dump}")
 
 
-def _fit(path: Path, repeat: int) -> Path:
+def _fit(path: Path | str, repeat: int) -> Path:
     """Fit ``cpu-gloo`` on this machine (``bench_collectives.fit_profile``) into ``path`` (a
-    temporary file if empty); the file."""
+    temporary file if ``""``); the file."""
     import tempfile
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from bench_collectives import fit_profile
 
-    if not str(path):
-        path = Path(tempfile.mkdtemp(prefix="partita-fit-")) / "fit.json"
+    path = Path(path or Path(tempfile.mkdtemp(prefix="partita-fit-")) / "fit.json")
     print(f"# fitting cpu-gloo on this machine: bench_collectives.py --repeat {repeat} "
           f"--write {path}")  # fmt: skip
     fit_profile(repeat, write=path)
