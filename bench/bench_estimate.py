@@ -299,9 +299,8 @@ def main() -> None:
     )
     parser.add_argument(
         "--fit",
-        type=Path,
         nargs="?",
-        const="",  # no FILE: a temporary one
+        const="",  # no FILE: a temporary one (a string: argparse would make Path("") ".")
         metavar="FILE",
         help="fit cpu-gloo on this machine first (bench_collectives.py's fit; FILE: keep it) "
         "and compare the committed profile's estimates with the fresh fit's",
