@@ -27,7 +27,7 @@ FLOPs at the profile's ``peak_flops``). The workloads, at GPT-S's per-device siz
   second dimension) over 2; a reduce-scatter bucket's chunking and packing of the gradients;
   an all-reduce bucket's packing. Counted by ``partita.cost.copies.call_copies``, as the step
   estimate counts them: one op per copy. They are not among the rows of :func:`fit_ops`: in
-  the fits so far (under load) they took 1.3-1.9x what the other workloads' roofline prices,
+  the fits so far (load 3-19) they took 1.3-1.4x what the other workloads' roofline prices,
   so :func:`fit_copies` fits their own ``copy_bandwidth``.
 """
 
