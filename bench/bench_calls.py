@@ -1,6 +1,7 @@
 """Each collective call of a GPT-S step on 4 Gloo processes, timed, beside the estimate's call.
 
 Run: ``.venv/bin/python bench/bench_calls.py fsdp/(4,) [dp/(4,) ...] [--steps 5] [--sync]``
+or ``... --copies ROUNDS [--profile fit.json]`` (the runtime's copies alone, below)
 
 The step is ``bench/bench_estimate.py``'s (GPT-S, AdamW, a preset on 4 processes). Each
 configuration starts 4 worker processes; after two warm-ups every rank profiles ``--steps``
@@ -32,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 from typing import Any
 
@@ -153,7 +153,7 @@ def _model(plan: Any) -> list[dict[str, float]]:
             "seconds": c.seconds,
             "overhead": c.overhead,
             "exposed": t,
-            "copies": sum(hw.op_seconds(0, b) for b in _flat(call_copies(nodes[c.at], vals))),
+            "copies": sum(hw.copy_seconds(b) for b in _flat(call_copies(nodes[c.at], vals))),
         })  # fmt: skip
     return rows
 
@@ -173,27 +173,14 @@ def worker(preset: str, shape: tuple[int, ...], steps: int) -> None:
         print("RESULT " + json.dumps({"ranks": every, "model": _model(plan)}))
 
 
-def _stub_gloo() -> None:
-    """Make ``runtime.dist_ops``'s Gloo calls return at once (this process only): what is left
-    of a mesh op is the runtime's own copies."""
-
-    class Done:
-        def wait(self) -> None:
-            pass
-
-    def done(*args: Any, **kwargs: Any) -> Done:
-        return Done()
-
-    dist_ops.ALL_GATHER = dist_ops.REDUCE_SCATTER = done  # type: ignore[assignment]
-    dist_ops.dist = types.SimpleNamespace(all_reduce=done, all_to_all_single=done)  # type: ignore[assignment]
-
-
-def copies_worker(configs: list[str], rounds: int) -> None:
+def copies_worker(configs: list[str], rounds: int, profile: Path | None = None) -> None:
     """Every rank at once, the configurations in turn ``rounds`` times: each mesh op of the
     step's per-device program run by ``runtime.dist_ops`` with Gloo stubbed out (its packing
-    and unpacking alone) on zeros of its operands, the mean of 5 runs; rank 0 prints each
-    op's median beside its modelled copies (``cost.copies``)."""
+    and unpacking alone, ``op_workloads.gloo_stubbed``) on zeros of its operands, the mean of
+    5 runs; rank 0 prints each op's median beside its modelled copies (``cost.copies``, priced
+    by ``cpu-gloo`` or the profile of ``profile``)."""
     from bench_estimate import CFG, _batch, _loss
+    from op_workloads import gloo_stubbed
 
     import partita
     from partita.models import GPT
@@ -201,7 +188,7 @@ def copies_worker(configs: list[str], rounds: int) -> None:
     from partita.values.mesh import Mesh
 
     pd.initialize()
-    hw = load_profile(None)
+    hw, committed = load_profile(profile), load_profile(None)
     work = []
     for config in configs:
         preset, shape_text = config.split("/")
@@ -222,20 +209,48 @@ def copies_worker(configs: list[str], rounds: int) -> None:
             n = int(node.args[-1])
             group = comm.Group(None, tuple(range(n)), tuple(range(n)), 0)
             args = [_zeros(a, vals) for a in node.args[:-1]]
-            model_s = sum(hw.op_seconds(0, b) for b in sizes)
+            model_s = [sum(h.copy_seconds(b) for b in sizes) for h in (hw, committed)]
             work.append((config, node.name, kind, group, args, model_s, sum(sizes)))
-    _stub_gloo()
     times: dict[tuple[str, str], list[float]] = {(w[0], w[1]): [] for w in work}
     for _ in range(rounds):
         for config, name, kind, group, args, _m, _b in work:
             dist.barrier()
-            start = time.perf_counter()
-            for _ in range(5):
-                dist_ops.run(getattr(dist_ops, kind)(group, *args, name))
-            times[config, name].append((time.perf_counter() - start) / 5)
+            with gloo_stubbed():
+                start = time.perf_counter()
+                for _ in range(5):
+                    dist_ops.run(getattr(dist_ops, kind)(group, *args, name))
+                times[config, name].append((time.perf_counter() - start) / 5)
+    busy = _busy(work, rounds)
     if pd.is_main_process():
-        rows = [(c, nm, statistics.median(times[c, nm]), m, b) for c, nm, _k, _g, _a, m, b in work]
+        rows = [
+            (c, nm, statistics.median(times[c, nm]), t, m, b)
+            for (c, nm, _k, _g, _a, m, b), t in zip(work, busy, strict=True)
+        ]
         print("RESULT " + json.dumps(rows))
+
+
+def _busy(work: list[Any], rounds: int) -> list[float]:
+    """Seconds of each op of ``work`` as the fit times its workloads (``bench_collectives``'
+    ``_ops``): repeated over ~0.1 s with every rank doing the same, the ops in turn, median
+    over ``rounds``, max over ranks; the processes share the cores throughout, as in a step."""
+    from bench_collectives import _interleaved, _max_over_ranks, _repeated
+    from op_workloads import gloo_stubbed
+
+    fns, reps = [], []
+    with gloo_stubbed():
+        for _config, name, kind, group, args, _m, _b in work:
+
+            def call(kind: str = kind, group: Any = group, args: Any = args, name: str = name):
+                return dist_ops.run(getattr(dist_ops, kind)(group, *args, name))
+
+            call()
+            start = time.perf_counter()
+            call()
+            n = max(1, int(0.1 / max(time.perf_counter() - start, 1e-6)))
+            reps.append(int(_max_over_ranks(n)))
+            fns.append(_repeated(call, [], reps[-1]))
+        seconds = _interleaved(fns, rounds)
+    return [t / n for t, n in zip(seconds, reps, strict=True)]
 
 
 def _zeros(a: Any, vals: Any) -> Any:
@@ -248,15 +263,22 @@ def _zeros(a: Any, vals: Any) -> Any:
 
 
 def _print_copies(rows: list[list[Any]]) -> None:
+    """Each op's copies measured (``burst``: 5 calls right after a barrier, rank 0, shorter
+    than a scheduler's slice, so a core of its own; ``busy``: every rank repeating it, as the
+    fit measures) beside their modelled time (the profile's; with ``--profile``, the committed
+    ``cpu-gloo``'s after it), then the totals per step."""
     totals: dict[str, list[float]] = {}
-    for config, name, measured, model_s, nbytes in rows:
-        print(f"  {config:<14} {name:<34} {nbytes / 1e6:6.2f} MB  measured {measured * 1e3:6.2f} "
-              f"ms  modelled {model_s * 1e3:5.2f} ms")  # fmt: skip
-        t = totals.setdefault(config, [0.0, 0.0, 0.0])
-        t[0], t[1], t[2] = t[0] + measured, t[1] + model_s, t[2] + nbytes
-    for config, (measured, model_s, nbytes) in totals.items():
+    for config, name, burst, busy, (model_s, committed), nbytes in rows:
+        print(f"  {config:<14} {name:<34} {nbytes / 1e6:6.2f} MB  burst {burst * 1e3:6.2f} ms  "
+              f"busy {busy * 1e3:6.2f} ms  modelled {model_s * 1e3:5.2f} ms "
+              f"({committed * 1e3:5.2f} committed)")  # fmt: skip
+        t = totals.setdefault(config, [0.0] * 5)
+        for i, x in enumerate((burst, busy, model_s, committed, nbytes)):
+            t[i] += x
+    for config, (burst, busy, model_s, committed, nbytes) in totals.items():
         print(f"{config}: the runtime's copies of a step, {nbytes / 1e6:.1f} MB: measured "
-              f"{measured * 1e3:.2f} ms, modelled {model_s * 1e3:.2f} ms")  # fmt: skip
+              f"{busy * 1e3:.2f} ms busy ({burst * 1e3:.2f} ms in bursts), modelled "
+              f"{model_s * 1e3:.2f} ms (committed profile: {committed * 1e3:.2f} ms)")  # fmt: skip
 
 
 def _print(name: str, result: dict[str, Any]) -> None:
@@ -298,11 +320,16 @@ def main() -> None:
         metavar="ROUNDS",
         help="time the runtime's copies alone (Gloo stubbed out), 4 processes at once",
     )
+    parser.add_argument(
+        "--profile",
+        type=Path,
+        help="with --copies: price the copies by this bench_collectives.py --write file",
+    )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--copies-worker", type=int, help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.copies_worker:
-        copies_worker(ns.configs, ns.copies_worker)
+        copies_worker(ns.configs, ns.copies_worker, ns.profile)
         return
     if ns.worker:
         worker(ns.worker[0], tuple(int(s) for s in ns.worker[1].split("x")), ns.steps)
@@ -313,6 +340,7 @@ def main() -> None:
         os.environ["PARTITA_OVERLAP_BYTES"] = "0"
     if ns.copies:
         argv = [__file__, *ns.configs, "--copies-worker", str(ns.copies)]
+        argv += ["--profile", str(ns.profile.resolve())] if ns.profile else []
         rows = spawn_result(argv, "copies", timeout=1800)
         _print_copies(rows or [])  # type: ignore[arg-type]
         print(_load())

@@ -15,9 +15,12 @@ Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
   process while every process computes, over windows of ~0.3 s);
 * GPT-S's memory-bound workloads (``op_workloads.py``: its AdamW update at 1, 1/2, 1/4 and
   1/8 of its parameters, a layer's activations' elementwise ops and their backwards at 256,
-  512 and 1024 rows, bias-sized updates), traced to aten ops and run on all processes at
-  once, in turn: ``op_overhead``, ``memory_bandwidth`` and the cache term fitted to the
-  model's own count of their ops and bytes (``op_workloads.fit_ops``);
+  512 and 1024 rows, bias-sized updates), traced to aten ops, and the runtime's own copies
+  around GPT-S's bucketed collectives (``op_workloads.copy_workloads``: packing and unpacking
+  by ``runtime.dist_ops`` with Gloo stubbed out), run on all processes at once, in turn:
+  ``op_overhead``, ``memory_bandwidth`` and the cache term fitted to the model's own count of
+  their ops and bytes (``op_workloads.fit_ops``), ``copy_bandwidth`` to the copies' count
+  (``op_workloads.fit_copies``);
 * elementwise ops (add, mul, gelu, exp) of GPT-S's activation sizes repeated on the same few
   tensors (in cache: printed for comparison, no longer the profile's bandwidth);
 * a tiny ``add`` (``launch``, the floor of one op, all processes at once);
@@ -323,17 +326,18 @@ def _ops(repeat: int) -> tuple[list[dict], float]:
     FLOP/s of GPT-S's matmuls timed in the same rounds (``peak_flops``: the two rates under
     the same load, so their ratio, which decides how a step's time splits, holds)."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from op_workloads import traced, workloads
+    from op_workloads import copy_workloads, traced, workloads
 
+    every = [(name, *traced(fn, inputs), inputs) for name, fn, inputs in workloads()]
+    every += [(name, run, counts, []) for name, run, counts in copy_workloads()]
     runs, out = [], []
-    for name, fn, inputs in workloads():
-        gm, counts = traced(fn, inputs)
-        gm(*inputs)
+    for name, fn, counts, inputs in every:
+        fn(*inputs)
         t = time.perf_counter()
-        gm(*inputs)
+        fn(*inputs)
         times = max(1, int(0.1 / max(time.perf_counter() - t, 1e-6)))
         times = int(_max_over_ranks(times))  # every rank runs as many
-        runs.append(lambda gm=gm, inputs=inputs, times=times: [gm(*inputs) for _ in range(times)])
+        runs.append(_repeated(fn, inputs, times))
         out.append({"name": name, **counts, "times": times})
     mms = _gpt_matmuls()
     mm_flops = sum(f for _, f in mms)
@@ -347,6 +351,17 @@ def _ops(repeat: int) -> tuple[list[dict], float]:
     for row, t in zip(out, seconds, strict=True):
         row["seconds"] = t / row.pop("times")
     return out, mm_flops / mm_seconds
+
+
+def _repeated(fn, inputs: list, times: int):  # type: ignore[no-untyped-def]
+    """A call running ``fn(*inputs)`` ``times`` times, each result dropped before the next
+    run (as a step frees a value after its last use: its memory is reused, not fresh)."""
+
+    def run() -> None:
+        for _ in range(times):
+            fn(*inputs)
+
+    return run
 
 
 def _max_over_ranks(x: float) -> float:
@@ -450,22 +465,10 @@ def main() -> None:
     if ns.worker:
         worker(ns.repeat, ns.overlap_only, ns.pairs, ns.ops)
         return
-    from partita.runtime.launch import spawn
-
     print(f"# {' '.join(['.venv/bin/python', *sys.argv])}")
-    one, five, _ = os.getloadavg()
-    print(f"# {ns.world} Gloo processes, OMP_NUM_THREADS=1, {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}, load average {one:.2f} {five:.2f}")  # fmt: skip
-    argv = [__file__, "--worker", "--repeat", str(ns.repeat)]
-    argv += ["--overlap-only"] if ns.overlap_only else []
-    argv += ["--pairs"] if ns.pairs else []
-    argv += ["--ops"] if ns.ops else []
-    results = spawn(argv, ns.world, env={"OMP_NUM_THREADS": "1"}, timeout=600)
-    lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
-    if any(r.returncode for r in results) or not lines:
-        bad = next((r for r in results if r.returncode), results[0])
-        sys.exit(f"a worker failed (rank {bad.rank}): {bad.stderr.strip()[-500:]}")
-    r = json.loads(lines[-1].removeprefix("RESULT "))
+    flags = {"--overlap-only": ns.overlap_only, "--pairs": ns.pairs, "--ops": ns.ops}
+    mode = next((flag for flag, on in flags.items() if on), "")
+    r = measure(ns.repeat, ns.world, mode)
     if ns.pairs:
         _print_pairs(r)
         return
@@ -474,6 +477,33 @@ def main() -> None:
         print(f"    peak_flops={r['flops']:.3g},  # GPT-S matmuls in the same rounds")
         print(f"# {_load()}")
         return
+    if ns.overlap_only:
+        _print_overlap(r)
+        return
+    report(r, ns.repeat, ns.write)
+
+
+def measure(repeat: int, world: int = 4, mode: str = "") -> dict:
+    """The workers' measurements (rank 0's ``RESULT``): every timing of the fit, or those of
+    ``mode`` (``--ops``, ``--pairs``, ``--overlap-only``) alone; ``world`` processes of this
+    machine (127.0.0.1, ``OMP_NUM_THREADS=1``) at once. Exits when a worker fails."""
+    from partita.runtime.launch import spawn
+
+    one, five, _ = os.getloadavg()
+    print(f"# {world} Gloo processes, OMP_NUM_THREADS=1, {os.cpu_count()} CPUs, "
+          f"torch {torch.__version__}, load average {one:.2f} {five:.2f}")  # fmt: skip
+    argv = [__file__, "--worker", "--repeat", str(repeat), *([mode] if mode else [])]
+    results = spawn(argv, world, env={"OMP_NUM_THREADS": "1"}, timeout=900)
+    lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
+    if any(r.returncode for r in results) or not lines:
+        bad = next((r for r in results if r.returncode), results[0])
+        sys.exit(f"a worker failed (rank {bad.rank}): {bad.stderr.strip()[-500:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+def _print_overlap(r: dict) -> tuple[float, float]:
+    """The overlap timings beside their hidden fractions; ``(overlap_efficiency,
+    overhead_efficiency)``."""
     print(f"{'beside compute':<15} {'bytes':>9} {'compute':>10} {'then call':>10} "
           f"{'overlapped':>10} {'hidden':>6}")  # fmt: skip
     for kind, size, c, sync, ov in r["overlap"]:
@@ -485,8 +515,19 @@ def main() -> None:
     eta_call = efficiency([tuple(x) for x in r["overlap"]], tiny=True)
     print(f"overhead_efficiency (the same of {TINY} bytes: a call's wait for peers): "
           f"{eta_call:.2f}")  # fmt: skip
-    if ns.overlap_only:
-        return
+    return eta, eta_call
+
+
+def fit_profile(repeat: int, world: int = 4, write: Path | None = None) -> dict:
+    """Measure and fit every figure of the ``cpu-gloo`` profile on this machine, print the
+    fit beside the measurements; its figures as ``--write`` writes them (``write``: also to
+    that file). ``bench_estimate.py --fit`` checks the estimate with it."""
+    return report(measure(repeat, world), repeat, write)
+
+
+def report(r: dict, repeat: int, write: Path | None = None) -> dict:
+    """Fit the profile to the full run's measurements ``r``, print it; its figures."""
+    eta, eta_call = _print_overlap(r)
     rows = [tuple(x) for x in r["rows"]]
     latency, bandwidth, scale = fit(rows, r["n"])
     print(f"{'collective':<15} {'bytes':>9} {'measured':>10} {'model':>10} {'ratio':>6}")
@@ -519,6 +560,7 @@ def main() -> None:
         "op_overhead": ops["op_overhead"],
         "cache_bytes": ops["cache_bytes"],
         "cache_bandwidth": ops["cache_bandwidth"],
+        "copy_bandwidth": ops["copy_bandwidth"],
     }
     fields = json.loads(json.dumps(fields), parse_float=lambda x: float(f"{float(x):.3g}"))
     fields["cache_bytes"] = int(ops["cache_bytes"])  # a power of 2, exact
@@ -535,12 +577,14 @@ def main() -> None:
           f"overhead_efficiency={fields['overhead_efficiency']:.2f}, "
           f"op_overhead={fields['op_overhead']:.3g},")  # fmt: skip
     print(f"    cache_bytes={fields['cache_bytes']:.0f}, "
-          f"cache_bandwidth={fields['cache_bandwidth']:.3g},")  # fmt: skip
-    if ns.write is not None:
-        fields["source"] = f"bench_collectives.py --repeat {ns.repeat}, {_load()}"
-        ns.write.write_text(json.dumps(fields, indent=1))
-        print(f"# wrote {ns.write} (bench_estimate.py --profile {ns.write} estimates with it)")
+          f"cache_bandwidth={fields['cache_bandwidth']:.3g}, "
+          f"copy_bandwidth={fields['copy_bandwidth']:.3g},")  # fmt: skip
+    fields["source"] = f"bench_collectives.py --repeat {repeat}, {_load()}"
+    if write is not None:
+        write.write_text(json.dumps(fields, indent=1))
+        print(f"# wrote {write} (bench_estimate.py --profile {write} estimates with it)")
     print(f"# {_load()}")
+    return fields
 
 
 def _load() -> str:
@@ -553,21 +597,24 @@ def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
     (``op_workloads.fit_ops``) and beside the ``cpu-gloo`` profile's time of its ops (its own
     ``op_time``); the fitted terms."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from op_workloads import fit_ops
+    from op_workloads import fit_copies, fit_ops
 
-    fitted = fit_ops(rows)
+    copies = [w for w in rows if w["name"].startswith("copies/")]
+    fitted = fit_ops([w for w in rows if w not in copies])
+    fitted["copy_bandwidth"] = fit_copies(copies, fitted["op_overhead"]) if copies else 0.0
     names = ("op_overhead", "cache_bytes", "cache_bandwidth", "memory_bandwidth")
-    terms = {k: fitted[k] for k in names}
+    terms = {k: fitted[k] for k in (*names, "copy_bandwidth")}
     hw = PROFILES["cpu-gloo"]
     new = dataclasses.replace(hw, **terms)
-    print(f"{'memory-bound':<12} {'ops':>5} {'MB':>8} {'measured':>10} {'fit':>9} {'ratio':>6} "
+    print(f"{'memory-bound':<15} {'ops':>5} {'MB':>8} {'measured':>10} {'fit':>9} {'ratio':>6} "
           f"{'profile':>9} {'ratio':>6}  GB/s")  # fmt: skip
     for w in rows:
         n = len(w["each"])
         flops = w["flops"] / n  # every op's FLOPs are far below its bytes' time
-        model = sum(op_time(flops, b, new) for b in w["each"])
-        prof = sum(op_time(flops, b, hw) for b in w["each"])
-        print(f"{w['name']:<12} {w['ops']:5.0f} {w['bytes'] / 1e6:8.1f} "
+        copy = w in copies  # priced as the estimate prices the runtime's copies
+        model = sum(new.copy_seconds(b) if copy else op_time(flops, b, new) for b in w["each"])
+        prof = sum(hw.copy_seconds(b) if copy else op_time(flops, b, hw) for b in w["each"])
+        print(f"{w['name']:<15} {w['ops']:5.0f} {w['bytes'] / 1e6:8.1f} "
               f"{w['seconds'] * 1e3:8.2f}ms {model * 1e3:7.2f}ms {model / w['seconds']:6.2f} "
               f"{prof * 1e3:7.2f}ms {prof / w['seconds']:6.2f}  "
               f"{w['bytes'] / w['seconds'] / 1e9:5.2f}")  # fmt: skip
@@ -580,6 +627,18 @@ def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
     print(f"memory-bound ops: {fitted['op_overhead'] * 1e6:.2f} us per op; {cache} at "
           f"{fitted['memory_bandwidth'] / 1e9:.3g} GB/s (rms relative error {fitted['error']:.2f}; "
           f"one bandwidth for all: {fitted['error_flat']:.2f})")  # fmt: skip
+    if copies:  # the copies' own rate against the roofline of the other workloads
+        together = fit_ops(rows)
+        one = dataclasses.replace(hw, **{k: together[k] for k in names})
+        priced = [
+            sum(h.copy_seconds(b) for w in copies for b in w["each"])
+            for h in (new, dataclasses.replace(new, copy_bandwidth=0.0), one)
+        ]
+        print(f"the runtime's copies (copies/ rows): measured "
+              f"{sum(w['seconds'] for w in copies) * 1e3:.2f} ms; priced at copy_bandwidth "
+              f"{fitted['copy_bandwidth'] / 1e9:.3g} GB/s {priced[0] * 1e3:.2f} ms, by the "
+              f"other workloads' roofline {priced[1] * 1e3:.2f} ms, by one roofline fitted to "
+              f"all rows {priced[2] * 1e3:.2f} ms")  # fmt: skip
     print("local-op terms (paste into PROFILES['cpu-gloo']):")
     print(
         f"    memory_bandwidth={fitted['memory_bandwidth']:.3g}, "
@@ -587,7 +646,8 @@ def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
     )
     print(
         f"    cache_bytes={fitted['cache_bytes']:.0f}, "
-        f"cache_bandwidth={fitted['cache_bandwidth']:.3g},"
+        f"cache_bandwidth={fitted['cache_bandwidth']:.3g}, "
+        f"copy_bandwidth={fitted['copy_bandwidth']:.3g},"
     )
     return fitted
 

@@ -1,7 +1,12 @@
 """The Plan's step-time estimate beside the measured step, GPT-S on 4 Gloo processes.
 
 Run: ``.venv/bin/python bench/bench_estimate.py [--repeat 7] [--only fsdp/(4,) ...]
-[--dump ops.json] [--profile fit.json]``
+[--dump ops.json] [--profile fit.json | --fit [fit.json]]``
+
+On a new machine: ``bench_estimate.py --fit`` fits the ``cpu-gloo`` profile here first
+(``bench_collectives.fit_profile``, the fit of ``bench_collectives.py --write``; ``--fit
+FILE`` also keeps it), then measures the steps and prints, per configuration, the committed
+profile's estimate and the fresh fit's beside the measured step, with their ratios.
 
 The step is the one of ``bench/bench_distributed.py``: GPT (4 layers, width 256, 8 heads,
 vocabulary 512, sequence 128, global batch 16), cross entropy, AdamW, compiled by
@@ -225,6 +230,7 @@ def worker(
         hw = load_profile(profile)
         est = plan.estimate(hw)
         row = {
+            "committed": plan.estimate(PROFILES["cpu-gloo"]).total,
             "measured": measured,
             "estimate": est.total,
             "no_overlap": plan.estimate(hw, overlap=False).total,
@@ -291,8 +297,19 @@ def main() -> None:
         type=Path,
         help="estimate with cpu-gloo's figures from this bench_collectives.py --write file",
     )
+    parser.add_argument(
+        "--fit",
+        nargs="?",
+        const="",  # no FILE: a temporary one (a string: argparse would make Path("") ".")
+        metavar="FILE",
+        help="fit cpu-gloo on this machine first (bench_collectives.py's fit; FILE: keep it) "
+        "and compare the committed profile's estimates with the fresh fit's",
+    )
+    parser.add_argument("--fit-repeat", type=int, default=9, help="the fit's --repeat")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     ns = parser.parse_args()
+    if ns.fit is not None and not ns.worker:
+        ns.profile = _fit(ns.fit, ns.fit_repeat)
     if ns.worker:
         preset, shape = ns.worker[0], tuple(int(s) for s in ns.worker[1].split("x"))
         worker(preset, shape, ns.repeat, ns.ranges, ns.profile)
@@ -355,9 +372,49 @@ def main() -> None:
     for a, b, gap, noise in close_pairs(names, measured, spread):
         print(f"  {a} and {b} differ by {gap * 1e3:.1f} ms, less than the run-to-run spread "
               f"({noise * 1e3:.1f} ms): the measurement does not order them")  # fmt: skip
+    if ns.profile and measured:
+        _print_both(names, measured, spread, [runs[n][0]["committed"] for n in names], estimated)
     if ns.dump:
         ns.dump.write_text(json.dumps(dump))
         print(f"# wrote {ns.dump}")
+
+
+def _fit(path: Path | str, repeat: int) -> Path:
+    """Fit ``cpu-gloo`` on this machine (``bench_collectives.fit_profile``) into ``path`` (a
+    temporary file if ``""``); the file."""
+    import tempfile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_collectives import fit_profile
+
+    path = Path(path or Path(tempfile.mkdtemp(prefix="partita-fit-")) / "fit.json")
+    print(f"# fitting cpu-gloo on this machine: bench_collectives.py --repeat {repeat} "
+          f"--write {path}")  # fmt: skip
+    fit_profile(repeat, write=path)
+    return path.resolve()
+
+
+def _print_both(
+    names: list[str],
+    measured: list[float],
+    spread: list[float],
+    committed: list[float],
+    fresh: list[float],
+) -> None:
+    """The committed profile's estimate and the fresh one's beside each measured step, with
+    the ratio of the larger to the smaller (the check: each within 1.5x)."""
+    print(f"{'configuration':<16} {'measured':>9} {'spread':>7} {'committed':>10} {'ratio':>6} "
+          f"{'this fit':>10} {'ratio':>6}   (ratio: the larger over the smaller)")  # fmt: skip
+    worst = [0.0, 0.0]
+    for i, name in enumerate(names):
+        m, cells = measured[i], []
+        for j, e in enumerate((committed[i], fresh[i])):
+            ratio = max(e / m, m / e)
+            worst[j] = max(worst[j], ratio)
+            cells.append(f"{e * 1e3:8.1f}ms {ratio:6.2f}")
+        print(f"{name:<16} {m * 1e3:7.1f}ms {spread[i] * 1e3:5.1f}ms {cells[0]} {cells[1]}")
+    print(f"largest ratio: committed profile {worst[0]:.2f}, this machine's fit {worst[1]:.2f} "
+          f"(each within 1.5x: {worst[0] <= 1.5} / {worst[1] <= 1.5})")  # fmt: skip
 
 
 def _print_ranges(name: str, rs: list[dict[str, Any]]) -> None:

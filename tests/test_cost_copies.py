@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from typing import Any
 
@@ -127,15 +128,26 @@ def test_the_estimate_adds_the_copies_to_the_compute_where_they_run() -> None:
     )
     ids = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len))
     plan = step.lower((ids, ids))
-    hw = PROFILES["cpu-gloo"]
+    hw = dataclasses.replace(PROFILES["cpu-gloo"], copy_bandwidth=0.0)  # the roofline's rate
     est, plain = plan.estimate(hw), plan.estimate(hw, overlap=False)
     vals = plan._local_values()
-    expected = 0.0
+    sizes: list[int] = []
     for node in plan.local_program.graph.nodes:
         if node.op == "call_function" and str(node.target).startswith("partita."):
             launch, wait = call_copies(node, vals)
-            expected += sum(hw.op_seconds(0, b) for b in launch + wait)
+            sizes += launch + wait
+    expected = sum(hw.op_seconds(0, b) for b in sizes)  # each a memory-bound op
     assert expected > 0
     assert est.copies == pytest.approx(expected)
     assert plain.copies == pytest.approx(expected)
     assert plain.total == pytest.approx(plain.compute + plain.communication)
+    # a profile with the copies' own rate prices them by it, and no other op
+    slow = dataclasses.replace(hw, copy_bandwidth=hw.memory_bandwidth / 4)
+    by_rate = plan.estimate(slow, overlap=False)
+    assert (
+        by_rate.copies == pytest.approx(sum(slow.copy_seconds(b) for b in sizes))
+        and by_rate.copies > 2 * plain.copies
+    )
+    assert by_rate.compute - by_rate.copies == pytest.approx(plain.compute - plain.copies)
+    # the calls' overheads grow with the compute before them, which the copies are part of
+    assert by_rate.communication >= plain.communication

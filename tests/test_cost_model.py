@@ -191,6 +191,11 @@ def test_op_overhead_is_added_to_the_roofline_and_the_cache_serves_the_first_byt
     assert op_time(0, 3e6, cached) == pytest.approx(1e6 / 1e10 + 2e6 / 1e9)  # 1 MB, then 2 MB
     assert op_time(1e12, 3e6, cached) == pytest.approx(1.0)  # still the slower bound
     assert "10 us added" in eager.describe()
+    assert cached.copy_seconds(3e6) == op_time(0, 3e6, cached)  # no copy rate: the roofline
+    copying = dataclasses.replace(eager, copy_bandwidth=5e8)
+    assert copying.copy_seconds(1e9) == pytest.approx(2.0 + 1e-5)  # its own rate, plus dispatch
+    assert copying.copy_seconds(0) == pytest.approx(1e-5)
+    assert dataclasses.replace(copying, op_overhead=0.0).copy_seconds(0) == 1e-6  # the floor
 
 
 def test_call_overhead_grows_with_the_compute_since_the_previous_call() -> None:

@@ -113,6 +113,9 @@ class Hardware:
             call waits the whole ``call_overhead``; after less, it waits ``call_overhead *
             compute / call_window`` (peers drift apart while they compute). 0: every call
             waits the whole overhead.
+        copy_bandwidth: bytes/s of the runtime's copies around collective calls
+            (``cost.copies``: a bucket's packing, a gathered member's unpacking), fitted on
+            those copies (:meth:`copy_seconds`); 0: priced as any memory-bound op.
     """
 
     name: str
@@ -132,6 +135,7 @@ class Hardware:
     cache_bandwidth: float = 0.0
     call_window: float = 0.0
     overhead_efficiency: float | None = None
+    copy_bandwidth: float = 0.0
 
     def collective_seconds(
         self,
@@ -163,6 +167,14 @@ class Hardware:
     def op_seconds(self, flops: float, nbytes: float) -> float:
         """Seconds one local op takes on this hardware (:func:`op_time`)."""
         return op_time(flops, nbytes, self)
+
+    def copy_seconds(self, nbytes: float) -> float:
+        """Seconds one of the runtime's copies around a call takes, reading and writing
+        ``nbytes`` in all: ``op_overhead + nbytes / copy_bandwidth`` (at least ``launch``), or
+        the op's roofline (:func:`op_time`) when the profile has no ``copy_bandwidth``."""
+        if self.copy_bandwidth <= 0:
+            return op_time(0.0, nbytes, self)
+        return max(self.launch, self.op_overhead + nbytes / self.copy_bandwidth)
 
     def describe(self) -> str:
         """One line per number, for reports."""

@@ -282,16 +282,16 @@ def add_copies(
     costs: list[float],
 ) -> float:
     """Add to ``costs`` (each node's seconds, in place) the runtime's copies around each
-    collective call of ``nodes`` (``cost.copies``: each a memory-bound op): the packing to the
-    op after which the call is launched, the unpacking to the op before which it is waited for
-    (where the runtime runs them). Returns their seconds."""
+    collective call of ``nodes`` (``cost.copies``, each priced by ``Hardware.copy_seconds``):
+    the packing to the op after which the call is launched, the unpacking to the op before
+    which it is waited for (where the runtime runs them). Returns their seconds."""
     total = 0.0
     for _, call in _placed(plan, hw, nodes):
         if call.at < 0:
             continue
         launch, wait = call_copies(nodes[call.at], vals)
         for at, sizes in ((max(call.issue, 0), launch), (call.wait, wait)):
-            seconds = sum(hw.op_seconds(0, b) for b in sizes)
+            seconds = sum(hw.copy_seconds(b) for b in sizes)
             if seconds:
                 costs.extend([0.0] * (at + 1 - len(costs)))
                 costs[at] += seconds
