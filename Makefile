@@ -22,7 +22,7 @@ demo: $(STAMP)
 # files keep their own order); `$(PY) -m pytest -q` runs the same tests in one process. The 25
 # slowest tests are listed at the end, to keep the suite well under 15 minutes.
 test: $(STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=40
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
