@@ -35,27 +35,32 @@ ROUNDS = 2
 
 
 def _shapes(val: Any) -> tuple[Any, ...]:
+    # the dtype object, not its name: labels are only compared, and dtypes are singletons
+    if isinstance(val, torch.Tensor):
+        return ((tuple(val.shape), val.dtype),)
     vals = val if isinstance(val, (tuple, list)) else (val,)
     return tuple(
-        (tuple(v.shape), str(v.dtype)) if isinstance(v, torch.Tensor) else type(v).__name__
-        for v in vals
+        [
+            (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__
+            for v in vals
+        ]
     )
 
 
-def _start(block: Block, names: dict[Any, str]) -> tuple[Any, ...]:
+def _start(block: Block, names: dict[int, str]) -> tuple[Any, ...]:
     node = block.node
     if block.op is None:
-        return ("input", _shapes(node.meta.get("val")), len(block.inputs), len(block))
-    target = names.get(node.target)
+        return ("input", _shapes(node.meta.get("val")), len(block.inputs), len(block.assigns))
+    target = names.get(id(node.target))  # by id: an OpOverload hashes in Python
     if target is None:
-        target = names[node.target] = str(node.target)
+        target = names[id(node.target)] = str(node.target)
     return (
         "op",
         target,
         node_meta.source(node) or "",
         _shapes(node.meta.get("val")),
         len(block.followers),
-        len(block),
+        len(block.assigns),
     )
 
 
@@ -63,7 +68,7 @@ def _candidates(space: Space, block: Block) -> tuple[Any, ...]:
     """The block's candidate list with the value keys taken out (what must agree to share):
     its signature and its followers' (``auto.candidates``: one signature, one list)."""
     if block.sig is not None and all(f.sig is not None for f in block.followers):
-        return ("sig", block.sig, tuple(f.sig for f in block.followers))
+        return ("sig", block.sig, tuple([f.sig for f in block.followers]))
     res = tuple(
         tuple(sorted(str(s) for s in r.values())) for r in block.results
     )  # a value's key differs per copy, its shardings must not
@@ -84,7 +89,7 @@ def cluster_blocks(space: Space, rounds: int = ROUNDS) -> list[int]:
         operands[use.block].append(p)
         users[p].append(use.block)
     ids: dict[Any, int] = {}
-    names: dict[Any, str] = {}  # str(target), once per target
+    names: dict[int, str] = {}  # str(target), once per target
     label = [ids.setdefault(_start(b, names), len(ids)) for b in space.blocks]
     for _ in range(rounds):
         ids = {}

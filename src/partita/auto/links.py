@@ -100,17 +100,19 @@ def add_links(space: Space, pricer: Pricer, offsets: np.ndarray, n_x: int, eq: R
     # template, shared by every copy of a layer, so their ``id`` keys the caches below
     uses_of: dict[ValueKey, dict[tuple[int, int], Column]] = {}
     permuted: set[ValueKey] = set()  # read through a follower permute somewhere
+    starts = offsets.tolist()  # Python ints: one look-up per use, no numpy scalar
+    producer = space.producer
     for use in space.uses:
-        if use.value in space.producer:
-            lo = int(offsets[use.block])
+        if use.value in producer:
+            lo = starts[use.block]
             uses_of.setdefault(use.value, {}).setdefault((lo, id(use.needs)), use.needs)
             if use.through:
                 permuted.add(use.value)
     state = _Build(pricer, n_x, eq, ub)
     built: dict[tuple[Any, ...], _Value] = {}
     for key, uses in uses_of.items():
-        p = space.producer[key]
-        lo = int(offsets[p])
+        p = producer[key]
+        lo = starts[p]
         column = space.blocks[p].columns[key]
         ids = id(column)
         shape, dtype = space.shapes[key], space.dtypes[key]

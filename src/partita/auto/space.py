@@ -160,21 +160,28 @@ def _passes_dims(rule: Any) -> bool:
     )
 
 
-def _follows(op: OpState, state: ProgramState, passes: dict[int, bool]) -> ValueKey | None:
+def _follows(op: OpState, values: dict[ValueKey, Any], passes: dict[int, bool]) -> ValueKey | None:
     """The one operand a pass-through op follows (None: the op is not a follower);
-    ``passes`` memoises ``_passes_dims`` per rule object (the copies of a layer share one)."""
+    ``passes`` memoises ``_passes_dims`` per rule object (the copies of a layer share one), so
+    most ops are answered by one look-up (run once per op of a deep program)."""
     rule = op.rule
-    keys = {k for k in op.operands if k is not None}
-    if len(keys) != 1 or any(k is None for k in op.results):
-        return None
     found = passes.get(id(rule))
     if found is None:
         found = passes[id(rule)] = _passes_dims(rule)
     if not found:
         return None
-    if any(state.values[k].fixed for k in op.results if k is not None):
+    key = None
+    for k in op.operands:
+        if k is not None:
+            if key is not None and k != key:
+                return None
+            key = k
+    if key is None:
         return None
-    return next(iter(keys))
+    for k in op.results:
+        if k is None or values[k].fixed:
+            return None
+    return key
 
 
 def _sig(op: OpState) -> Any:
@@ -262,7 +269,7 @@ def build_space(
         blocks.append(block)
     passes: dict[int, bool] = {}  # id(rule) -> _passes_dims(rule)
     for op in state.ops:
-        followed = _follows(op, state, passes)
+        followed = _follows(op, state.values, passes)
         if followed is not None and followed in producer:
             root = blocks[producer[followed]]
             if templates.partial(root.columns[followed]):

@@ -12,7 +12,6 @@ This module does not choose shardings (``propagate.assign``) or iterate (``propa
 
 from __future__ import annotations
 
-import enum
 import operator
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ import torch.fx as fx
 from partita.capture.manual import ENTER_OP, EXIT_OP, boundary, is_fully_manual, local_nodes
 from partita.errors import InternalError, PartitaError, ShardingConflictError, UnsupportedOpError
 from partita.ir import node_meta
+from partita.propagate.call_key import call_key, info_key
 from partita.propagate.rules import apply_rule, compiler_error
 from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta
 from partita.rules.handler_names import HandlerName
@@ -187,16 +187,21 @@ class ProgramState:
                         self.values[k].stored = True
 
     def _add_op(self, node: fx.Node) -> None:
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else (val,)
-        if not any(is_tensor(v) for v in vals):
+        # one call per op of a deep program: tests inlined (isinstance, dict look-ups)
+        val: Any = node.meta.get("val")
+        single = not isinstance(val, (tuple, list))
+        if single and not isinstance(val, torch.Tensor):
+            return
+        if not single and not any(isinstance(v, torch.Tensor) for v in val):
             return
         shape, operand_nodes = self._op_shape(node)
         rule, compound, free, result_only, weak, pass_through = shape
-        indices: list[int | None] = list(range(len(vals))) if vals is val else [None]
         results: list[ValueKey | None] = []
-        for idx, v in zip(indices, vals, strict=True):
-            if is_tensor(v):
+        if single:
+            self.values[(node, None)] = ValueState(val.ndim, max(int(val.numel()), 1))
+            results.append((node, None))
+        for idx, v in enumerate(() if single else val):
+            if isinstance(v, torch.Tensor):
                 self._add_value((node, idx), v)
                 results.append((node, idx))
             else:
@@ -205,7 +210,8 @@ class ProgramState:
             if key is not None:
                 v = self.values[key]
                 v.dims, v.priority, v.fixed = list(s.dim_axes), 0, True
-        operands: list[ValueKey | None] = [self.key(n) for n in operand_nodes]
+        alias = self.alias
+        operands: list[ValueKey | None] = [alias.get(n, (n, None)) for n in operand_nodes]
         if len(rule.operands) != len(operands) or len(rule.results) != len(results):
             raise UnsupportedOpError(
                 f"The sharding rule of {node.target} describes {len(rule.operands)} operands and "
@@ -307,83 +313,6 @@ def _op_groups(rule: FactorRule) -> _OpShape:
     result_only = frozenset(f for f in rule.factors if f not in in_operands and rule.operands)
     weak = _weak_factors(rule)
     return rule, compound, free, result_only, weak, rule.is_pass_through
-
-
-def info_key(info: OpInfo) -> Hashable | None:
-    """A key equal for two OpInfos exactly when a rule cannot tell them apart, or None.
-
-    Every leaf is keyed with its type, so ``1``, ``1.0`` and ``True`` (equal in Python) stay
-    apart; an argument that is not a plain value (anything but None, bool, int, float, str,
-    dtype, device, layout, memory format, enum, TensorMeta, or lists, tuples and dicts of
-    them) makes the call not memoised."""
-    try:
-        return (
-            info.target,
-            _leaf_key(info.args),
-            _leaf_key(info.kwargs),
-            info.operands,
-            info.results,
-        )
-    except _NotPlainError:
-        return None
-
-
-def call_key(
-    node: fx.Node, metas: dict[fx.Node, TensorMeta], operand_nodes: list[fx.Node]
-) -> Hashable | None:
-    """``info_key(op_info(node, metas)[0])`` without building the OpInfo, or None; appends the
-    node's tensor operand nodes (flattened order) to ``operand_nodes``."""
-    operands: list[TensorMeta] = []
-
-    def arg(a: Any) -> Hashable:
-        if isinstance(a, fx.Node):
-            meta = metas.get(a)
-            if meta is None:
-                val: Any = a.meta.get("val")
-                if not is_tensor(val):
-                    return _leaf_key(val)
-                meta = metas[a] = TensorMeta(tuple(val.shape), val.dtype)
-            operand_nodes.append(a)
-            operands.append(meta)
-            return (TensorMeta, meta)
-        if isinstance(a, (list, tuple)):
-            return (type(a), tuple(arg(x) for x in a))
-        if isinstance(a, dict):
-            return (dict, tuple((k, arg(v)) for k, v in a.items()))
-        return _leaf_key(a)
-
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    try:
-        args = (tuple, tuple(arg(a) for a in node.args))
-        kwargs = (dict, tuple((k, arg(v)) for k, v in node.kwargs.items()))
-    except _NotPlainError:
-        del operand_nodes[:]
-        return None
-    results = tuple(TensorMeta(tuple(v.shape), v.dtype) if is_tensor(v) else None for v in vals)
-    return (node.target, args, kwargs, tuple(operands), results)
-
-
-class _NotPlainError(Exception):
-    """An argument info_key does not key."""
-
-
-_PLAIN = (
-    type(None), bool, int, float, str, torch.dtype, torch.device, torch.layout,
-    torch.memory_format, enum.Enum, TensorMeta,
-)  # fmt: skip
-
-
-def _leaf_key(a: Any) -> Hashable:
-    if isinstance(a, (list, tuple)):
-        return (type(a), tuple(_leaf_key(x) for x in a))
-    if isinstance(a, dict):
-        return (dict, tuple((k, _leaf_key(v)) for k, v in a.items()))
-    if isinstance(a, float):
-        return (type(a), a.hex())  # -0.0 and 0.0 apart, every NaN equal to itself
-    if isinstance(a, _PLAIN):
-        return (type(a), a)
-    raise _NotPlainError
 
 
 def _weak_factors(rule: FactorRule) -> frozenset[str]:
