@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from partita.errors import ShardingError
-from partita.values.layout import glue_tiles, local_shape, shard_compact
+from partita.values.layout import check_strided, glue_tiles, local_shape, shard_compact
 from partita.values.spec import Sharding
 
 __all__ = ["check_held", "shard_held", "stack_held", "unshard_held"]
@@ -39,6 +39,7 @@ def shard_held(value: torch.Tensor, sharding: Sharding) -> tuple[torch.Tensor, t
         >>> tiles.shape, tiles.stride(), axes
         (torch.Size([4, 6, 2]), (2, 8, 1), (False, True))
     """
+    check_strided(value, "the value to shard")
     own = value.clone(memory_format=torch.contiguous_format)  # the caller's tensor is not held
     tiles = shard_compact(own, sharding, copy=False)
     ndim = sharding.mesh.ndim
