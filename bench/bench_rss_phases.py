@@ -20,6 +20,9 @@ each step; the first step of partita is its first run) a row gives:
   malloc's numbers; ``sys._debugmallocstats``);
 * ``CPU``: the phase's process CPU time (a step's, for the steps).
 
+``partita-child`` is ``partita`` compiled in a forked child process that hands the per-device
+program back (``child_compile.py``): the training process never imports or holds the compiler.
+
 Then the new tensor storages one later step allocates, by size (a ``TorchDispatchMode`` over
 the step's ops, views and in-place results left out: count and MB of each class; Gloo's own
 buffers are not seen). The load average is printed
@@ -47,11 +50,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_distributed as bd
+import child_compile
 
 import partita.distributed as pd
 from partita import Mesh
 
-CONFIGS = ("partita", "torch")
+CONFIGS = ("partita", "partita-child", "torch")
 #: Upper bounds of the size classes of the allocation table, bytes.
 SIZES = (128 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 1 << 62)
 
@@ -168,6 +172,19 @@ def worker(which: str, layers: int, steps: int) -> None:
         run.lower()
         mark("compile")
         sizes = _steps(run.one, steps, "first run")
+    elif which == "partita-child":  # compiled in a forked child (bench/child_compile.py)
+        mesh = Mesh.create((4,), ("data",))
+        run = bd.PartitaStep(mesh)
+        mark("model")
+        compiled = child_compile.compile_in_child(run.step, run.params, {}, run.state, run.batch)
+        child_compile.no_dynamo_import()
+        mark("compile")
+
+        def one() -> None:
+            args = (run.params, {}, run.state, run.batch)
+            _, run.params, _, run.state = child_compile.run(compiled, mesh, *args)
+
+        sizes = _steps(one, steps, "first run")
     else:  # bench_distributed's FSDP2 step, stepped here instead of timed there
 
         def median(one: Callable[[], Any], repeat: int) -> float:
