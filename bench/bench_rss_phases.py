@@ -21,7 +21,8 @@ each step; the first step of partita is its first run) a row gives:
 * ``CPU``: the phase's process CPU time (a step's, for the steps).
 
 ``partita-child`` is ``partita`` compiled in a forked child process that hands the per-device
-program back (``child_compile.py``): the training process never imports or holds the compiler.
+program back (``PARTITA_COMPILE_IN_CHILD=1``): the training process never imports or holds the
+compiler.
 
 Then the new tensor storages one later step allocates, by size (a ``TorchDispatchMode`` over
 the step's ops, views and in-place results left out: count and MB of each class; Gloo's own
@@ -50,7 +51,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_distributed as bd
-import child_compile
 
 import partita.distributed as pd
 from partita import Mesh
@@ -166,25 +166,12 @@ def worker(which: str, layers: int, steps: int) -> None:
     pd.initialize()
     mark("imports, join")
     sizes: dict[str, list[float]] = {}
-    if which == "partita":
+    if which.startswith("partita"):
         run = bd.PartitaStep(Mesh.create((4,), ("data",)))
         mark("model")
         run.lower()
         mark("compile")
         sizes = _steps(run.one, steps, "first run")
-    elif which == "partita-child":  # compiled in a forked child (bench/child_compile.py)
-        mesh = Mesh.create((4,), ("data",))
-        run = bd.PartitaStep(mesh)
-        mark("model")
-        compiled = child_compile.compile_in_child(run.step, run.params, {}, run.state, run.batch)
-        child_compile.no_dynamo_import()
-        mark("compile")
-
-        def one() -> None:
-            args = (run.params, {}, run.state, run.batch)
-            _, run.params, _, run.state = child_compile.run(compiled, mesh, *args)
-
-        sizes = _steps(one, steps, "first run")
     else:  # bench_distributed's FSDP2 step, stepped here instead of timed there
 
         def median(one: Callable[[], Any], repeat: int) -> float:
@@ -214,7 +201,8 @@ def main() -> None:
     print(bd._load())
     for which in ns.only:
         argv = [__file__, "--worker", which, "--layers", str(ns.layers), "--steps", str(ns.steps)]
-        results = spawn(argv, 4, timeout=1800)  # OMP_NUM_THREADS=1 unless set
+        env = {"PARTITA_COMPILE_IN_CHILD": "1"} if which == "partita-child" else {}
+        results = spawn(argv, 4, env=env, timeout=1800)  # OMP_NUM_THREADS=1 unless set
         lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
         if any(r.returncode for r in results) or not lines:
             bad = next((r for r in results if r.returncode), results[0])

@@ -159,6 +159,10 @@ KNOBS: tuple[Knob, ...] = (
     Knob("check_calls", "PARTITA_CHECK_CALLS", _bool,
          "under torch.distributed, check before every run of a program (not only its first) "
          "that every rank runs it with the same input shapes and dtypes", keyed=False),
+    Knob("compile_in_child", "PARTITA_COMPILE_IN_CHILD", _bool,
+         "partita.jit compiles in a forked child process and runs the per-device program it "
+         "hands back: this process never imports or holds the compiler (less memory; "
+         "where os.fork exists)", keyed=False),
     Knob("auto_objective", "PARTITA_AUTO_OBJECTIVE", _objective,
          "what auto-sharding minimizes: modelled step time, or wire bytes at the best "
          "preset's compute (docs/auto.md)"),
@@ -193,6 +197,7 @@ class CompileOptions:
     collective_timeout: float = 300.0
     compile_cache: str | None = None
     check_calls: bool = True
+    compile_in_child: bool = False
     auto_objective: str = "time"
     auto_time_limit: float = 30.0
     memory_limit: int = 0

@@ -37,6 +37,7 @@ from partita.capture.trace import input_path
 from partita.capture.uncompile import uncompiled
 from partita.errors import JitArgumentError, PartitaWarning, RecompileWarning, warn
 from partita.frontend.auto_inputs import auto_compile
+from partita.frontend.child_compile import compiled_where
 from partita.frontend.last_call import LastCall
 from partita.frontend.pipeline import Compiled, compile_function
 from partita.frontend.recompile import RECOMPILE_WARNING_AT, recompile_message
@@ -206,16 +207,21 @@ class Jitted:
         tree = pytree.tree_structure((args, kwargs))
         specs = self._signatures.leaf_specs(tree, self.in_specs, in_specs, args, leaves, shardings)
         before = self._module.mode() if self._module is not None else None
-        if self.auto:
-            compiled = auto_compile(fn, args, kwargs, self.mesh, self.in_specs, specs, leaves,
+
+        def build() -> Compiled:
+            if self.auto:
+                done = auto_compile(fn, args, kwargs, self.mesh, self.in_specs, specs, leaves,
                                     self.out_specs, options)  # fmt: skip
-        else:
-            compiled = compile_function(
-                fn, args, kwargs, mesh=self.mesh, specs=specs, out_specs=self.out_specs,
-                options=options, rewrite=self.rewrite,
-            )  # fmt: skip
+            else:
+                done = compile_function(fn, args, kwargs, mesh=self.mesh, specs=specs,
+                                        out_specs=self.out_specs, options=options,
+                                        rewrite=self.rewrite)  # fmt: skip
+            done.plan.input_names = placeholder_names(done.program, self.fn, self._module)
+            return done
+
+        changed = (lambda: self._module.mode() != before) if before is not None else bool  # type: ignore[union-attr]
+        compiled = compiled_where(options, build, changed)  # here, or in a child process
         plan = compiled.plan
-        plan.input_names = placeholder_names(compiled.program, self.fn, self._module)
         if not self._cache and (text := replicated_batch(plan, self._module, self.in_specs)):
             warn(text, PartitaWarning)  # once: at the first compile
         self._cache[key] = compiled

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -29,7 +29,7 @@ from torch.fx.passes.fake_tensor_prop import FakeTensorProp
 
 from partita.cost.flops import is_view, value_bytes
 
-__all__ = ["MemoryEstimate", "estimate_memory", "fake_values"]
+__all__ = ["InputShape", "MemoryEstimate", "estimate_memory", "fake_values"]
 
 aten = torch.ops.aten
 _GATHERS = {torch.ops.partita.all_gather.default, torch.ops.partita.all_gather_bucket.default}
@@ -62,13 +62,23 @@ class MemoryEstimate:
         return f"peak {self.peak / 2**20:.2f} MiB per device after %{self.peak_node} ({parts})"
 
 
+class InputShape(NamedTuple):
+    """A per-device program input as :func:`fake_values` reads it: shape, dtype and device
+    (what a Plan compiled in a child process keeps instead of fake tensors,
+    ``frontend.child_compile``)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
+
+
 def fake_values(gm: fx.GraphModule, local_inputs: Sequence[Any]) -> dict[fx.Node, Any]:
-    """``{node: value}`` of ``gm`` run on fake tensors shaped like ``local_inputs``: shapes
-    and dtypes only, nothing computed."""
+    """``{node: value}`` of ``gm`` run on fake tensors shaped like ``local_inputs`` (tensors
+    or :class:`InputShape`): shapes and dtypes only, nothing computed."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fakes = []
     for x in local_inputs:
-        if isinstance(x, torch.Tensor):
+        if isinstance(x, torch.Tensor | InputShape):
             with mode:  # on the input's device, the program's: its constants are there too
                 x = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         fakes.append(x)
