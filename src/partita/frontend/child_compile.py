@@ -14,10 +14,13 @@ docs/performance.md, "Compiling in a child process").
 
 What does not cross is compiled here as before: a program with control-flow bodies (the
 per-device program has submodules), one whose Plan does not pickle (an auto-sharding report may
-not), a compile that fails in the child (so that the error, its type and its traceback are the
-usual ones), and one whose tracing changed a Python attribute of the module (that change must
-happen here too). Warnings the child raised are raised again here. The bytes are pickled by
-this process's own child and read back over the pipe they share; nothing is read from a file.
+not), one whose tracing changed a Python attribute of the module (that change must happen here
+too), and any compile the child could not do: an error in the user's function is then raised
+here, with its usual type and traceback; one the child alone hit (torch refuses autograd in a
+fork of a process that already ran a backward: then later compiles do not fork at all) says
+so in a PartitaWarning, once per process. Warnings the child raised are raised again here. The
+bytes are pickled by this process's own child and read back over the pipe they share; nothing
+is read from a file.
 
 ``torch.library`` wraps the kernels of partita's own ops (``partita::sdpa``) so that their first
 call imports ``torch._dynamo`` (to mark them as not for Dynamo to trace); :func:`no_dynamo_import`
@@ -39,7 +42,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from partita.errors import warn
+from partita.errors import PartitaWarning, warn
 from partita.partition.memory import InputShape
 
 __all__ = [
@@ -153,38 +156,58 @@ def _payload(compiled: Any) -> dict[str, Any]:
     return fields
 
 
+#: Set once a child could not use autograd: this process ran a backward before it forked
+#: (torch refuses autograd in a fork of it); later compiles go straight here.
+_AUTOGRAD_FORK = "autograd's threading in combination with fork"
+_STATE = {"forks": True, "warned": False}
+
+
 def compile_in_child(build: Callable[[], Any], changed: Callable[[], bool] = bool) -> Any:
     """``build()`` (a :class:`~partita.frontend.pipeline.Compiled`) run in a forked child and
     rebuilt here. It runs here instead when its result does not cross, when it fails in the
     child, or when ``changed()`` (asked in the child after ``build``) is true: the compile had
-    an effect on the child's objects that this process must see too."""
+    an effect on the child's objects that this process must see too. When it then succeeds here,
+    a PartitaWarning (once per process) says why the child did not."""
+    if not _STATE["forks"]:
+        return build()
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:  # the child: compile, send, exit without running the parent's cleanup
-        code = 1
         try:
             os.close(read)
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 fields = _payload(build())
-            if not changed():
-                said = [(str(w.message), w.category) for w in caught]
-                data = pickle.dumps((said, fields))
-                with os.fdopen(write, "wb") as f:
-                    f.write(data)
-                code = 0
+            if changed():
+                raise RuntimeError("tracing changed a Python attribute of the module")
+            data = pickle.dumps(([(str(w.message), w.category) for w in caught], fields))
+        except BaseException as e:  # what this process compiles again; the reason, for a warning
+            cause = f"{e}; {e.__cause__}" if e.__cause__ is not None else str(e)
+            data = pickle.dumps((None, f"{type(e).__name__}: {cause}"[:2000]))
+        try:
+            with os.fdopen(write, "wb") as f:
+                f.write(data)
         finally:
-            os._exit(code)
+            os._exit(0)
     os.close(write)
     with os.fdopen(read, "rb") as f:
         data = f.read()
-    _, status = os.waitpid(pid, 0)
-    if status != 0 or not data:
-        return build()  # the usual compile here: its error, or a program that does not cross
-    said, fields = pickle.loads(data)  # written by our own child, over our own pipe
-    for message, category in said:
-        warn(message, category)
-    return _rebuild(fields)
+    os.waitpid(pid, 0)
+    with warnings.catch_warnings():  # torch's TreeSpec unpickling warns of its own deprecation
+        warnings.simplefilter("ignore", FutureWarning)
+        got: tuple[Any, Any] = pickle.loads(data) if data else (None, "the child exited")
+    said, fields = got  # written by our own child, over our own pipe
+    if said is not None:
+        for message, category in said:
+            warn(message, category)
+        return _rebuild(fields)
+    compiled = build()  # the usual compile here: the error it raises, or the program
+    _STATE["forks"] = _AUTOGRAD_FORK not in fields
+    if not _STATE["warned"]:
+        _STATE["warned"] = True
+        warn(f"compile_in_child: the child process did not compile this program ({fields}); "
+             f"it was compiled in this process.", PartitaWarning)  # fmt: skip
+    return compiled
 
 
 def compiled_where(
