@@ -13,7 +13,8 @@ warm-ups (max over ranks), the process CPU time of a step (median, summed over t
 the step costs the machine's cores), the bytes each rank moves per step, the collective calls
 per step, and memory per rank: the process high-water mark (``ru_maxrss``, max over ranks; it
 includes the Python interpreter and torch, about the same for every configuration; read after
-the steps and ``step heap``'s, before partita's communication floor is replayed), split in
+the timed steps, before ``step heap``'s dispatch mode, which imports ``torch._dynamo``, and
+before partita's communication floor is replayed), split in
 two: ``setup RSS``, the high-water mark before the first step (imports, model, partita's
 compile) and ``step RSS``, the high-water mark of the timed steps alone (``VmHWM`` reset after
 the warm-ups through ``/proc/self/clear_refs``, the same for partita and torch), and, for
@@ -148,7 +149,7 @@ STEP: list[Callable[[], Any]] = []
 #: high-water mark before the first step (imports, model, and for partita the compile),
 #: ``maxrss`` the whole-process ``ru_maxrss`` before the high-water mark is reset, ``steps``
 #: the high-water mark of the timed steps alone (reset after the warm-ups; 0 off Linux).
-MEM = {"setup": 0.0, "maxrss": 0.0, "steps": 0.0}
+MEM = {"setup": 0.0, "maxrss": 0.0, "steps": 0.0, "peak": 0.0}
 
 
 def _hwm() -> float:
@@ -187,6 +188,11 @@ def _median(fn: Callable[[], Any], repeat: int) -> float:
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
     MEM["steps"] = _hwm() if reset else 0.0
+    # the whole process up to here: before ``step heap``'s dispatch mode, whose first op
+    # imports ``torch._dynamo`` (torch wraps a mode's handling in ``_disable_dynamo``): an
+    # instrument's memory, not the step's, and not imported yet in a process that compiled in
+    # a child process
+    MEM["peak"] = max(MEM["maxrss"], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0)
     # the slowest rank decides a step: take the max over ranks of each median
     t = torch.tensor([statistics.median(times)])
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -519,9 +525,8 @@ def worker(ns: argparse.Namespace) -> None:
     run, _ = CONFIGS[ns.worker]
     row = run(ns.repeat)
     row["cpu"] = CPU[0]
-    # the whole process, as before the high-water mark was reset for the steps' own
-    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
-    peak = torch.tensor([max(maxrss, MEM["maxrss"]), MEM["setup"], MEM["steps"]])
+    # the whole process up to the end of the timed steps (``_median``)
+    peak = torch.tensor([MEM["peak"], MEM["setup"], MEM["steps"]])
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     row["rss"], row["setup_rss"], row["step_rss"] = (float(v) for v in peak)
     for key in ("estimate", "comm"):  # partita's Plan estimate and communication floor
