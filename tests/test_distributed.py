@@ -89,10 +89,27 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict
 def test_gpt_training_equals_local_mesh(local_run: tuple[list[str], dict], tmp_path: Path) -> None:
     out = tmp_path / "params.pt"
     results = _run_ok([*TRAIN, "--save", str(out)])
+    _same_training(results, torch.load(out), local_run)
+
+
+def test_compile_in_child_equals_local_mesh(
+    local_run: tuple[list[str], dict], tmp_path: Path
+) -> None:
+    """``compile_in_child``: every rank compiles in a forked child and runs what it hands back
+    (``frontend.child_compile``); the same training as the LocalMesh's, and no rank traced in
+    its own process (tracing imports ``torch._dynamo``)."""
+    out = tmp_path / "params.pt"
+    argv = [str(SCRIPTS / "child_train.py"), *TRAIN[1:], "--save", str(out)]
+    results = _run_ok(argv, env={"PARTITA_COMPILE_IN_CHILD": "1"})
+    assert all("dynamo imported: False" in r.stderr for r in results), _explain(results)
+    _same_training(results, torch.load(out), local_run)
+
+
+def _same_training(results: list[RankResult], got: dict, local_run: tuple[list[str], dict]) -> None:
     rank0 = results[0]
     assert _losses(rank0.stdout) == local_run[0]
     assert all(not _losses(r.stdout) for r in results[1:])  # only the main process prints
-    got, want = torch.load(out), local_run[1]
+    want = local_run[1]
     assert got.keys() == want.keys()
     for k in want:
         g, w = got[k], want[k]
