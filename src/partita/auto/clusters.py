@@ -100,14 +100,11 @@ def cluster_blocks(space: Space, rounds: int = ROUNDS) -> list[int]:
     label = [ids.setdefault(_start(b, names, described), len(ids)) for b in space.blocks]
     for _ in range(rounds):
         ids = {}
+        at = label.__getitem__  # map(at, ...) runs the look-ups in C
         # the users' labels as a multiset: sorted, so their order does not matter
         label = [
             ids.setdefault(
-                (
-                    label[b],
-                    tuple([label[p] for p in operands[b]]),
-                    tuple(sorted([label[u] for u in users[b]])),
-                ),
+                (label[b], tuple(map(at, operands[b])), tuple(sorted(map(at, users[b])))),
                 len(ids),
             )
             for b in range(n)
