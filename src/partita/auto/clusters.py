@@ -47,10 +47,16 @@ def _shapes(val: Any) -> tuple[Any, ...]:
     )
 
 
-def _start(block: Block, names: dict[int, str]) -> tuple[Any, ...]:
+def _start(block: Block, names: dict[int, str], described: dict[int, Any]) -> tuple[Any, ...]:
     node = block.node
+    val = node.meta.get("val")
+    # the copies of a layer share their value objects (capture copies a part's nodes with
+    # their meta): described once per object, by ``id`` (alive while the graph is)
+    shapes = described.get(id(val))
+    if shapes is None:
+        shapes = described[id(val)] = _shapes(val)
     if block.op is None:
-        return ("input", _shapes(node.meta.get("val")), len(block.inputs), len(block.assigns))
+        return ("input", shapes, len(block.inputs), len(block.assigns))
     target = names.get(id(node.target))  # by id: an OpOverload hashes in Python
     if target is None:
         target = names[id(node.target)] = str(node.target)
@@ -58,7 +64,7 @@ def _start(block: Block, names: dict[int, str]) -> tuple[Any, ...]:
         "op",
         target,
         node_meta.source(node) or "",
-        _shapes(node.meta.get("val")),
+        shapes,
         len(block.followers),
         len(block.assigns),
     )
@@ -90,17 +96,15 @@ def cluster_blocks(space: Space, rounds: int = ROUNDS) -> list[int]:
         users[p].append(use.block)
     ids: dict[Any, int] = {}
     names: dict[int, str] = {}  # str(target), once per target
-    label = [ids.setdefault(_start(b, names), len(ids)) for b in space.blocks]
+    described: dict[int, Any] = {}  # _shapes, once per value object
+    label = [ids.setdefault(_start(b, names, described), len(ids)) for b in space.blocks]
     for _ in range(rounds):
         ids = {}
+        at = label.__getitem__  # map(at, ...) runs the look-ups in C
         # the users' labels as a multiset: sorted, so their order does not matter
         label = [
             ids.setdefault(
-                (
-                    label[b],
-                    tuple([label[p] for p in operands[b]]),
-                    tuple(sorted([label[u] for u in users[b]])),
-                ),
+                (label[b], tuple(map(at, operands[b])), tuple(sorted(map(at, users[b])))),
                 len(ids),
             )
             for b in range(n)

@@ -328,9 +328,13 @@ def build_space(
     outputs = [k for k in outputs if k in producer]
     shapes: dict[ValueKey, tuple[int, ...]] = {}
     dtypes: dict[ValueKey, torch.dtype] = {}
+    described: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # by id of the value
     for k in producer:
         val = value_of(k)
-        shapes[k], dtypes[k] = tuple(val.shape), val.dtype
+        found = described.get(id(val))
+        if found is None:  # the copies of a layer share their value objects
+            found = described[id(val)] = (tuple(val.shape), val.dtype)
+        shapes[k], dtypes[k] = found
     stored = {tuple(inputs[i].meta["val"].shape) for g in groups for i in g}
     squeezed = {_squeeze(s) for s in stored}
     stored |= {s for s in set(shapes.values()) if _squeeze(s) in squeezed}

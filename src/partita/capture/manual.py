@@ -192,10 +192,11 @@ def local_nodes(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, ...]]:
             local[node] = boundary(node.args[1]).manual_axes
             continue
         axes = None if node.target is operator.getitem else _tag(node)
-        for a in node.all_input_nodes:  # args then kwargs, as written (cheaper than pytree)
-            if a in local:
-                axes = local[a]
-                break
+        if local:  # nothing is local before the first entry or tagged node
+            for a in node.all_input_nodes:  # args then kwargs, as written (cheaper than pytree)
+                if a in local:
+                    axes = local[a]
+                    break
         if axes is not None:
             local[node] = axes
     return local

@@ -116,13 +116,19 @@ class ProgramState:
         self.replicate_unsupported = replicate_unsupported
         self._metas: dict[fx.Node, TensorMeta] = {}
         self._shapes: dict[Hashable, _OpShape] = {}  # _op_shape's memo
+        self._seen: dict[Any, Any] = {}  # call_key's memo (per node argument and value)
+        #: (ndim, numel) per value object (``id``): the copies of a layer share theirs
+        self._sizes: dict[int, tuple[int, int]] = {}
         self._build()
 
     def key(self, node: fx.Node) -> ValueKey:
         return self.alias.get(node, (node, None))
 
     def _add_value(self, key: ValueKey, val: Any) -> None:
-        self.values[key] = ValueState(val.ndim, max(int(val.numel()), 1))
+        sizes = self._sizes.get(id(val))
+        if sizes is None:
+            sizes = self._sizes[id(val)] = (val.ndim, max(int(val.numel()), 1))
+        self.values[key] = ValueState(*sizes)
 
     def _build(self) -> None:
         local = local_nodes(self.gm)
@@ -163,6 +169,9 @@ class ProgramState:
                     if isinstance(e, PartitaError) and not isinstance(e, InternalError):
                         raise
                     raise compiler_error(node, "Propagation", e) from e
+        # keyed by ids of the values: valid while this walk holds them, not after
+        self._seen.clear()
+        self._sizes.clear()
         for i, op in enumerate(self.ops):
             for k in (*op.operands, *op.results):
                 if k is not None:
@@ -178,8 +187,10 @@ class ProgramState:
         lets a computed operand's factor claim a mesh axis before it. Ops are in graph order,
         so one pass sees every operand before its users."""
         for op in self.ops:
+            if not op.pass_through:  # tested first: the cheapest, and false on most ops
+                continue
             keys = [k for k in op.operands if k is not None]
-            if not (keys and op.pass_through and _keeps_the_data(op)):
+            if not (keys and _keeps_the_data(op)):
                 continue
             if all(self.values[k].stored for k in keys):
                 for k in op.results:
@@ -198,7 +209,7 @@ class ProgramState:
         rule, compound, free, result_only, weak, pass_through = shape
         results: list[ValueKey | None] = []
         if single:
-            self.values[(node, None)] = ValueState(val.ndim, max(int(val.numel()), 1))
+            self._add_value((node, None), val)
             results.append((node, None))
         for idx, v in enumerate(() if single else val):
             if isinstance(v, torch.Tensor):
@@ -249,7 +260,7 @@ class ProgramState:
         key = None
         if node not in self._local and node.target is not EXIT_OP:
             operand_nodes: list[fx.Node] = []
-            key = call_key(node, self._metas, operand_nodes)
+            key = call_key(node, self._metas, operand_nodes, self._seen)
             found = self._shapes.get(key) if key is not None else None
             if found is not None:
                 return found, operand_nodes

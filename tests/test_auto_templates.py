@@ -1,0 +1,106 @@
+"""The build's templates price every copy of a layer as a node-by-node build would.
+
+The auto build enumerates an op's candidates and prices them once per signature (its rule
+object, ``auto.space._sig``; an input's shapes) and reuses that template, its shardings and its
+prices for every copy of a layer (``auto.candidates``, ``Block.sig`` in ``auto.ilp``), and it
+describes a value once per value object (the copies of a layer share theirs). Built again with
+a signature of its own per op and per input, every op is enumerated and priced on its own: the
+space and the model must come out the same, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import partita
+from partita import Mesh
+from partita.auto import ilp, search
+from partita.auto import space as space_module
+from partita.models import GPT, GPTConfig
+
+pytest.importorskip("scipy")
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _problem(monkeypatch: pytest.MonkeyPatch) -> search.AutoProblem:
+    """A 2-layer GPT training step's auto problem on (2, 4) (the solve itself skipped)."""
+    from partita.training import init_opt_state, make_train_step
+
+    problems: list[search.AutoProblem] = []
+    monkeypatch.setattr(search, "_solve_rounds", lambda problem, *_: problems.append(problem))
+    cfg = GPTConfig(n_layer=2, n_head=2, d_model=16, vocab_size=32, seq_len=8, bias=False)
+    torch.manual_seed(0)
+    step = make_train_step(GPT(cfg), _loss, "adamw")
+    params = {k: v.detach().clone() for k, v in GPT(cfg).named_parameters()}
+    ids = torch.randint(0, cfg.vocab_size, (8, cfg.seq_len), generator=torch.Generator())
+    args = (params, {}, init_opt_state(params, "adamw"), (ids, torch.roll(ids, -1, 1)))
+    mesh = Mesh.create((2, 4), ("data", "model"))
+    partita.jit(step, mesh=mesh, auto=True).lower(*args)
+    (problem,) = problems
+    return problem
+
+
+def _rows(m: ilp.Model, rows: Any, cols: Any, vals: Any, rhs: list[float]) -> Counter[Any]:
+    """The rows as a multiset, a link column named by its price (their order is the build's)."""
+    out: dict[int, list[Any]] = {}
+    for r, c, v in zip(rows.tolist(), cols.tolist(), vals.tolist(), strict=True):
+        out.setdefault(r, []).append((0, c, v) if c < m.n_x else (1, float(m.cost[c]), v))
+    return Counter((tuple(sorted(out.get(r, []))), rhs[r]) for r in range(len(rhs)))
+
+
+def _block(b: space_module.Block) -> tuple[Any, ...]:
+    follow = [(f.op.node, f.value, f.assigns, f.has, f.needs, f.local_bytes) for f in b.followers]
+    return (b.node, b.assigns, b.columns, b.inputs, follow, b.local_bytes)
+
+
+def test_reused_templates_price_as_the_node_by_node_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    problem = _problem(monkeypatch)
+    built: list[tuple[Any, Any]] = []
+    original = search.build_model
+
+    def spy(space: Any, pricer: Any, rep: Any) -> Any:
+        built.append((space, pricer))
+        return original(space, pricer, rep)
+
+    monkeypatch.setattr(search, "build_model", spy)
+    search._Solver(problem)
+    with monkeypatch.context() as m:  # a signature per op and per input: nothing is reused
+        m.setattr(space_module, "_sig", lambda op: ("node", id(op)))
+        m.setattr(space_module, "describe_val", id)
+        search._Solver(problem)
+    (shared, pricer1), (alone, pricer2) = built
+    assert shared.templates_built < alone.templates_built  # the first build did reuse
+    assert len(shared.blocks) == len(alone.blocks)
+    for a, b in zip(shared.blocks, alone.blocks, strict=True):
+        assert _block(a) == _block(b), a.node.name
+    assert [(u.block, u.value, u.needs, u.through) for u in shared.uses] == [
+        (u.block, u.value, u.needs, u.through) for u in alone.uses
+    ]
+    assert (shared.producer, shared.shapes, shared.dtypes) == (
+        alone.producer, alone.shapes, alone.dtypes,
+    )  # fmt: skip
+    # every block its own columns (no clusters), so the x columns correspond one to one
+    m1, m2 = ilp.build_model(shared, pricer1), ilp.build_model(alone, pricer2)
+    assert m1.priced_ops < m2.priced_ops and m1.priced_edges < m2.priced_edges
+    assert m1.n_x == m2.n_x and len(m1.cost) == len(m2.cost)
+    for name in ("compute", "stored", "own"):
+        np.testing.assert_array_equal(getattr(m1, name), getattr(m2, name), err_msg=name)
+    np.testing.assert_array_equal(m1.cost[: m1.n_x], m2.cost[: m2.n_x])
+    assert sorted(m1.cost[m1.n_x :]) == sorted(m2.cost[m2.n_x :])
+    assert _rows(m1, m1.eq_rows[0], m1.eq_cols[0], m1.eq_vals[0], m1.eq_rhs) == _rows(
+        m2, m2.eq_rows[0], m2.eq_cols[0], m2.eq_vals[0], m2.eq_rhs
+    )
+    assert _rows(m1, m1.ub_rows[0], m1.ub_cols[0], m1.ub_vals[0], m1.ub_rhs) == _rows(
+        m2, m2.ub_rows[0], m2.ub_cols[0], m2.ub_vals[0], m2.ub_rhs
+    )
