@@ -42,10 +42,19 @@ class Summed:
 
 
 def group_contract(
-    a: Tensor, a_axes: Axes, b: Tensor, b_axes: Axes, group: set[int], mesh: Mesh
+    a: Tensor,
+    a_axes: Axes,
+    b: Tensor,
+    b_axes: Axes,
+    group: set[int],
+    mesh: Mesh,
+    bias: Tensor | None = None,
 ) -> tuple[Tensor, Summed] | None:
     """``sum over group of a_g @ b_g`` as one matmul, or None when an operand does not vary
-    along every group axis (then the products are not slices of one contraction)."""
+    along every group axis (then the products are not slices of one contraction). ``bias``
+    (``[*rest (1 where it does not vary), 1, N]`` over the other axes the operands vary
+    along, in mesh order) is added to the sum: as the matmul's addend (``addmm``, as the
+    unsharded linear layer adds it) where the sum is one matmul, else after it."""
     if not group or not all(a_axes[i] and b_axes[i] for i in group):
         return None
     ndim = mesh.ndim
@@ -69,6 +78,8 @@ def group_contract(
         # gradient): sum one batched matmul per slice into the output instead.
         sizes = [mesh.shape[i] for i in rest]
         out = sum_of_slices(a2.movedim(-2, len(rest)), lead(b, b_axes), sizes)
+        if bias is not None:
+            out = out + bias
         return out, Summed(
             tuple(v and i not in group for i, v in enumerate(union)), frozenset(group)
         )
@@ -76,9 +87,11 @@ def group_contract(
     b2 = lead(b, b_axes)  # [*rest, group, K, N]
     b2 = b2.reshape(*b2.shape[: len(rest)], size * k, n)
     if rest:
-        out = broadcast_matmul(a2, b2, [mesh.shape[i] for i in rest])
+        out = broadcast_matmul(a2, b2, [mesh.shape[i] for i in rest], bias)
+    elif bias is not None and bias.dtype == a2.dtype:
+        out = torch.addmm(bias.reshape(bias.shape[-2:]), a2, b2)
     else:
-        out = torch.mm(a2, b2)
+        out = torch.mm(a2, b2) if bias is None else torch.mm(a2, b2) + bias
     return out, Summed(tuple(v and i not in group for i, v in enumerate(union)), frozenset(group))
 
 
@@ -140,16 +153,21 @@ def contract(
         rows = a.reshape(n, m, k).permute(1, 0, 2).reshape(m, n * k)
         return torch.mm(rows, b.reshape(n * k, b.shape[-1])), None
     if all_reduce_user:  # over part of the mesh: one matmul per tile of the other axes
-        summed = group_contract(a, ax, b, bx, group, mesh)
-        if summed is not None and bias is None:
-            return summed
-        if summed is not None:
-            out, mark = summed
-            c, c_axes = all_reduce(bias, "sum", group)  # type: ignore[arg-type]
-            if all(mark.axes[i] or not v for i, v in enumerate(c_axes)):
-                rest = [i for i, v in enumerate(mark.axes) if v]
+        if bias is None:
+            summed = group_contract(a, ax, b, bx, group, mesh)
+            if summed is not None:
+                return summed
+        elif group and all(ax[i] and bx[i] for i in group):
+            # the per-device biases summed over the group (a bias added once: on one
+            # member, zeros on the others), then added as the one matmul's addend
+            c, c_axes = all_reduce(bias, "sum", group)
+            rest = [i for i in range(mesh.ndim) if (ax[i] or bx[i]) and i not in group]
+            if all(i in rest or not v for i, v in enumerate(c_axes)):
                 sizes = [mesh.shape[i] for i in rest]
-                return out + _padded(c, tuple(c_axes[i] for i in rest), sizes), mark
+                addend = _padded(c, tuple(c_axes[i] for i in rest), sizes)
+                summed = group_contract(a, ax, b, bx, group, mesh, addend)
+                assert summed is not None  # both operands vary along the group
+                return summed
     union = tuple(p or q for p, q in zip(ax, bx, strict=True))
     out = broadcast_matmul(_full(a, ax, mesh), _full(b, bx, mesh), list(mesh.shape))
     if bias is not None:

@@ -32,10 +32,15 @@ _VIEWS = {aten.reshape.default, aten.view.default, aten._unsafe_view.default}
 _CLONES = {aten.clone.default}
 
 
-def broadcast_matmul(a: Tensor, b: Tensor, batch: Sequence[int]) -> Tensor:
+def broadcast_matmul(
+    a: Tensor, b: Tensor, batch: Sequence[int], bias: Tensor | None = None
+) -> Tensor:
     """``[*batch, M, N]``: ``a [*Ba, M, K] @ b [*Bb, K, N]`` with ``Ba``, ``Bb`` broadcast to
     ``batch`` (leading dims may be missing, any dim may be 1), without copying a broadcast
-    operand.
+    operand; plus ``bias`` if given (a linear layer's: broadcast to ``[*batch, M, N]``, the
+    same along ``M``). Where the products are one ``mm`` and ``bias`` varies only along the
+    dims folded into ``N``, the bias is that ``mm``'s addend (``addmm``, as the unsharded
+    linear layer computes it); otherwise it is added after.
 
     >>> a, w = torch.randn(2, 1, 3, 4), torch.randn(5, 4, 6)
     >>> torch.allclose(broadcast_matmul(a, w, [2, 5]), a @ w, atol=1e-6)
@@ -66,13 +71,36 @@ def broadcast_matmul(a: Tensor, b: Tensor, batch: Sequence[int]) -> Tensor:
     a2 = a.permute(*shared, *a_only, *b_only, *unit, nb, nb + 1).reshape(s, sa * m, k)
     b2 = b.permute(*shared, *a_only, *b_only, *unit, nb, nb + 1)
     b2 = b2.reshape(s, sb, k, n).permute(0, 2, 1, 3).reshape(s, k, sb * n)
-    out = torch.bmm(a2, b2) if s > 1 else torch.mm(a2[0], b2[0]).unsqueeze(0)
+    cols = None
+    if bias is not None and s == 1 and bias.dtype == a.dtype:
+        cols = _bias_columns(bias, batch, b_only, n)
+    if cols is not None:
+        out, bias = torch.addmm(cols, a2[0], b2[0]).unsqueeze(0), None
+    else:
+        out = torch.bmm(a2, b2) if s > 1 else torch.mm(a2[0], b2[0]).unsqueeze(0)
     # [S, A, M, B, N] -> [*batch, M, N] in batch order
     sizes = [batch[i] for i in shared] + [batch[i] for i in a_only]
     out = out.reshape(*sizes, m, *[batch[i] for i in b_only], n)
     src = [*shared, *a_only, nb, *b_only, nb + 1]  # which batch/matrix dim each out dim is
     out = out.permute(*[src.index(d) for d in range(nb + 2) if d in src])
-    return out.reshape(*[batch[i] if i in src else 1 for i in range(nb)], m, n)
+    out = out.reshape(*[batch[i] if i in src else 1 for i in range(nb)], m, n)
+    return out if bias is None else out + bias
+
+
+def _bias_columns(bias: Tensor, batch: Sequence[int], b_only: list[int], n: int) -> Tensor | None:
+    """``bias`` (broadcasting to ``[*batch, M, N]``) as the ``[B * N]`` addend of the one
+    ``mm`` whose columns are ``b``'s own batch dims ``b_only`` then ``N``; None if it varies
+    along ``M`` or along a dim folded into the rows."""
+    nb = len(batch)
+    if bias.dim() > nb + 2:
+        return None
+    full = [1] * (nb + 2 - bias.dim()) + list(bias.shape)
+    if full[-2] != 1 or full[-1] not in (1, n):
+        return None
+    if any(full[i] != 1 and i not in b_only for i in range(nb)):
+        return None
+    cols = bias.reshape(full).expand(*[batch[i] if i in b_only else 1 for i in range(nb)], 1, n)
+    return cols.reshape(-1)  # a copy only if the bias broadcasts along a column dim: small
 
 
 def _meta_shape(node: fx.Node) -> list[int] | None:
@@ -194,7 +222,14 @@ def fuse_bias_adds(gm: fx.GraphModule) -> int:
             mm = view
             while mm.target in _VIEWS and isinstance(mm.args[0], fx.Node) and len(mm.users) == 1:
                 mm = mm.args[0]  # vmap's reshapes between the mm and the add
-            if mm is view or mm.target is not aten.mm.default or len(mm.users) != 1:
+            if mm is view or len(mm.users) != 1:
+                continue
+            if mm.target is broadcast_matmul:
+                if _fold_broadcast_bias(gm, node, view, mm, bias):
+                    count += 1
+                    break
+                continue
+            if mm.target is not aten.mm.default:
                 continue
             out, b_shape = _meta_shape(mm), _meta_shape(bias)
             shape = _meta_shape(node)
@@ -213,3 +248,32 @@ def fuse_bias_adds(gm: fx.GraphModule) -> int:
         gm.graph.eliminate_dead_code()
         gm.recompile()
     return count
+
+
+def _fold_broadcast_bias(
+    gm: fx.GraphModule, add: fx.Node, view: fx.Node, bmm: fx.Node, bias: fx.Node
+) -> bool:
+    """``add(view(broadcast_matmul(a, b, batch)), bias)`` as ``broadcast_matmul(a, b, batch,
+    bias)`` (vmap's batching rule for a column-parallel linear layer: ``mm``, then its bias
+    added), when the view keeps the product's ``[*batch, M, N]`` shape and the add's result
+    has it too."""
+    if len(bmm.args) != 3 or bmm.kwargs:
+        return False
+    a, b, batch = bmm.args
+    sa, sb = _meta_shape(a), _meta_shape(b)  # type: ignore[arg-type]
+    if sa is None or sb is None:
+        return False
+    shape = [*cast("Sequence[int]", batch), sa[-2], sb[-1]]
+    val, bval = add.meta.get("val"), bias.meta.get("val")
+    if _meta_shape(view) != shape or _meta_shape(add) != shape or not isinstance(bval, Tensor):
+        return False
+    if not isinstance(val, Tensor) or bval.dtype != val.dtype or bval.dim() > len(shape):
+        return False
+    full = [1] * (len(shape) - bval.dim()) + list(bval.shape)
+    if full[-2] != 1 or any(d not in (1, s) for d, s in zip(full, shape, strict=True)):
+        return False
+    with gm.graph.inserting_before(add):
+        fused = gm.graph.call_function(broadcast_matmul, (a, b, batch, bias))
+    fused.meta["val"] = val
+    add.replace_all_uses_with(fused)
+    return True
