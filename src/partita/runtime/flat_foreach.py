@@ -11,7 +11,10 @@ run the ordinary op on each pair, so every result is the same bit for bit).
 How: ops are grouped by kind and by depth (the longest path from the graph's inputs), so no
 member reads another; each group becomes one ``_foreach`` call and a ``getitem`` per member,
 and the graph is put back in a topological order that keeps the old one where the groups allow
-(a group runs once its last member's inputs exist). Grouping the same step of every
+(a group runs once its last member's inputs exist). An op that writes memory stays after the
+ops before it that read that memory and before those after it (``flat_effects``): paths and
+depths count these as edges too, since a buffer written through a view is read by ops that
+take the buffer, not the write's result. Grouping the same step of every
 parameter's update holds that step's temporaries for all parameters at once, as
 ``torch.optim``'s ``foreach`` does. Only small members group (``_MAX_BYTES``): for large
 tensors the saved call is nothing next to the kernel, and running one step for every member
