@@ -4,6 +4,7 @@ where their operands are complete (``runtime.step_order``)."""
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import pytest
@@ -158,3 +159,28 @@ def test_contractions_run_where_their_operands_are_complete(
         for i in range(1, len(names) - 1)
         if not names[i]
     )
+
+
+def test_no_cut_between_a_multi_output_op_and_its_items() -> None:
+    """A segment cut where a contraction's operands are complete never falls between an op
+    with several results and a ``getitem`` of it: a segment reading the op's tuple could not
+    be traced flat, so the whole step never ran fused (GLM under ``tp``: an attention
+    backward's gradients)."""
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    both = g.call_function(aten.var_mean.correction, (x, [1]))
+    h = first = g.call_function(operator.getitem, (both, 0))
+    for _ in range(30):
+        h = g.call_function(aten.relu.default, (h,))
+    mm = g.call_function(aten.mm.default, (h, w))  # complete after the relus
+    second = g.call_function(operator.getitem, (both, 1))  # read only later
+    g.output((mm, g.call_function(aten.add.Tensor, (second, 1))))
+    nodes = [n for n in g.nodes if n.op == "call_function" and n is not mm]
+    chunks = step_order.chunks_at_contractions(nodes, [mm])
+    assert len(chunks) == 2 and chunks[0][1] == [mm]  # cut after the relus
+    for chunk, _ in chunks:
+        for n in chunk:
+            if n.target is operator.getitem:
+                assert n.args[0] in chunk, f"{n} in another chunk than its op"
+    assert first in chunks[0][0] and second in chunks[0][0]

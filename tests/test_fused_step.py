@@ -17,7 +17,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from partita import train_step
 from partita.ir import collectives as coll
 from partita.models import GPT, GPTConfig
-from partita.runtime import fused_step
+from partita.runtime import flat_trace, fused_step, segments
 from partita.runtime.executor import executor_for
 from partita.runtime.flat_cat_copy import copy_cat_pieces
 from partita.runtime.flat_foreach import foreach_elementwise
@@ -104,6 +104,40 @@ def test_a_signature_whose_trace_differs_keeps_the_interpreter(
     assert _fused_graphs(runner) == []
     for g, w in zip(outs[3], outs[1], strict=True):
         assert torch.equal(g, w)
+
+
+def test_the_fused_trace_runs_each_segment_through_its_flat_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The whole step is traced on fake values, whose strides along a dim of size 1 may differ
+    from the real ones (``reshape`` to a tensor's own shape recomputes them on a real tensor
+    only). A segment's flat graph keyed on them was missed, and the fused graph ran that
+    segment's vmap: other kernels than the interpreter's (Pegasus's ``fsdp+tp`` step failed
+    its first-run check and was never fused)."""
+
+    def fn(a: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        h = a.permute(0, 2, 1, 3).reshape(3, 1, 4, 5)  # a size-1 dim, to its own shape
+        g = coll.all_reduce(w * 2, "sum", ["y"], 2)
+        return h * g, g  # h: an input of the segment after the all_reduce
+
+    g = torch.Generator().manual_seed(0)
+    a, w = torch.randn(4, 3, 4, 1, 5, generator=g), torch.randn(4, 5, generator=g)
+    gm = make_fx(fn)(a[0], w[0])
+    eager: list[bool] = []  # per eager segment run: whether inside the whole-step trace
+    real = segments.timed_run
+
+    def spy(fn: Any, args: list[Any], tracer: Any) -> Any:
+        eager.append(flat_trace._NO_TRACES.get())
+        return real(fn, args, tracer)
+
+    monkeypatch.setattr(segments, "timed_run", spy)
+    runner = LocalMesh(MESH)
+    outs = [runner.run(gm, [a, w]) for _ in range(4)]  # segments flat at 2, fused at 3
+    assert eager and not any(eager), "the fused trace ran a segment's vmap"
+    assert len(_fused_graphs(runner)) == 1
+    for got in outs[2:]:
+        for x, y in zip(got, outs[1], strict=True):
+            assert torch.equal(x, y)
 
 
 def _demo_step(mesh: Mesh, preset: str) -> tuple[Any, GPT, list[Any]]:

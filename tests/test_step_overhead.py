@@ -52,6 +52,28 @@ def test_independent_updates_become_foreach_calls_bit_for_bit() -> None:
         assert torch.equal(g, w)
 
 
+def test_a_buffer_written_through_a_view_is_read_after_the_writes() -> None:
+    """The graph's inputs do not order a write through a view (``buf.select(0, 0).copy_(y)``)
+    before a read of the buffer itself: the grouped ops' new order once ran that read first
+    (GLM's ``tp`` step: its fused graph read a gradient buffer before its pieces were copied
+    in). A member whose write a later op reads does not join a group that op feeds."""
+
+    def fn(a: Tensor, *xs: Tensor) -> list[Tensor]:
+        buf = a.new_zeros(2, 3)
+        buf.select(0, 0).copy_(a * 3.0)  # a * 3.0: one depth from the end, as the others
+        buf.select(0, 1).copy_(a)
+        r = buf.sum()  # reads the buffer, not the copies
+        return [buf, *((x + r) * 3.0 for x in xs)]
+
+    args = [torch.rand(3) + 0.1 for _ in range(9)]
+    gm = make_fx(fn, tracing_mode="fake")(*args)
+    want = gm(*args)
+    grouped = foreach_elementwise(gm, from_outputs=True)
+    for g, w in zip(gm(*args), want, strict=True):
+        assert torch.equal(g, w)
+    assert grouped == 16  # the outputs' 8 adds and 8 multiplies, not a * 3.0
+
+
 def test_small_groups_stay_as_they_are() -> None:
     args = _inputs(3)  # three parameters: every group is below the threshold
     gm = make_fx(_adam_like, tracing_mode="fake")(*args)

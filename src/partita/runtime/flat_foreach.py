@@ -11,7 +11,10 @@ run the ordinary op on each pair, so every result is the same bit for bit).
 How: ops are grouped by kind and by depth (the longest path from the graph's inputs), so no
 member reads another; each group becomes one ``_foreach`` call and a ``getitem`` per member,
 and the graph is put back in a topological order that keeps the old one where the groups allow
-(a group runs once its last member's inputs exist). Grouping the same step of every
+(a group runs once its last member's inputs exist). An op that writes memory stays after the
+ops before it that read that memory and before those after it (``flat_effects``): paths and
+depths count these as edges too, since a buffer written through a view is read by ops that
+take the buffer, not the write's result. Grouping the same step of every
 parameter's update holds that step's temporaries for all parameters at once, as
 ``torch.optim``'s ``foreach`` does. Only small members group (``_MAX_BYTES``): for large
 tensors the saved call is nothing next to the kernel, and running one step for every member
@@ -31,6 +34,7 @@ import torch
 from torch import fx
 
 from partita.errors import CompilerError
+from partita.runtime.flat_effects import aliases, writes
 
 __all__ = ["foreach_elementwise"]
 
@@ -94,7 +98,11 @@ def _kind(node: fx.Node) -> tuple[Any, ...] | None:
     return None
 
 
-def _emit(graph: fx.Graph, before: fx.Node, kind: tuple[Any, ...], members: list[fx.Node]) -> None:
+def _emit(
+    graph: fx.Graph, before: fx.Node, kind: tuple[Any, ...], members: list[fx.Node]
+) -> fx.Node:
+    """The group's ``_foreach`` call, placed before ``before``, read by a ``getitem`` per
+    member in its place."""
     op, scalar = kind
     firsts = [m.args[0] for m in members]
     if scalar is not None:
@@ -112,6 +120,7 @@ def _emit(graph: fx.Graph, before: fx.Node, kind: tuple[Any, ...], members: list
             member.replace_all_uses_with(item)
     for member in members:
         graph.erase_node(member)
+    return fused
 
 
 def foreach_elementwise(gm: fx.GraphModule, from_outputs: bool = False) -> int:
@@ -123,41 +132,89 @@ def foreach_elementwise(gm: fx.GraphModule, from_outputs: bool = False) -> int:
     depth: dict[fx.Node, int] = {}
     groups: dict[tuple[Any, ...], list[fx.Node]] = {}
     nodes = list(graph.nodes)
+    before = _order_of_writes(nodes)
     if from_outputs:
+        later: dict[fx.Node, list[fx.Node]] = {}
+        for node, firsts in before.items():
+            for first in firsts:
+                later.setdefault(first, []).append(node)
         for node in reversed(nodes):
-            depth[node] = 1 + max((depth[u] for u in node.users), default=-1)
+            nexts = itertools.chain(node.users, later.get(node, ()))
+            depth[node] = 1 + max((depth[u] for u in nexts), default=-1)
     else:
         for node in nodes:
-            depth[node] = 1 + max((depth[a] for a in node.all_input_nodes), default=-1)
+            prevs = itertools.chain(node.all_input_nodes, before.get(node, ()))
+            depth[node] = 1 + max((depth[a] for a in prevs), default=-1)
     for node in nodes:
         kind = _kind(node)
         if kind is not None:  # one depth: no member reads another
             groups.setdefault((*kind, depth[node]), []).append(node)
     count = 0
+    call_of: dict[fx.Node, fx.Node] = {}  # a grouped op: its group's call
     for key, members in groups.items():
         if len(members) >= _MIN_GROUP:
-            _emit(graph, members[0], key[:2], members)
+            call_of.update(dict.fromkeys(members, _emit(graph, members[0], key[:2], members)))
             count += len(members)
     if count:
-        _stable_sort(graph)
+        _stable_sort(graph, before, call_of)
         graph.lint()
         gm.recompile()
     return count
 
 
-def _stable_sort(graph: fx.Graph) -> None:
+def _order_of_writes(nodes: list[fx.Node]) -> dict[fx.Node, set[fx.Node]]:
+    """Per node, the nodes it must run after besides its inputs: an op that writes memory
+    (``flat_effects.writes``) after every earlier op that reads it, and every later op that
+    reads it after the write. Its inputs alone do not say so: a buffer written through a view
+    of it (``buffer.select(0, i).copy_(piece)``) is read by ops that take the buffer itself,
+    which a sort by inputs alone ran before the copies (GLM's ``tp`` step read its q|k|v
+    gradient before its pieces were copied in, and never ran fused)."""
+    roots: dict[fx.Node, set[fx.Node]] = {}  # the nodes whose memory a node's may be
+    last_write: dict[fx.Node, fx.Node] = {}
+    readers: dict[fx.Node, list[fx.Node]] = {}  # of each root since its last write
+    before: dict[fx.Node, set[fx.Node]] = {}
+    for node in nodes:
+        read: set[fx.Node] = set().union(*(roots[i] for i in node.all_input_nodes))
+        roots[node] = {node} | read if read and aliases(node) else {node}
+        deps = {last_write[r] for r in read if r in last_write}
+        hit: set[fx.Node] = set().union(*(roots[t] for t in writes(node)))
+        for r in hit:
+            deps.update(readers.pop(r, ()))
+            last_write[r] = node
+        for r in read - hit:
+            readers.setdefault(r, []).append(node)
+        deps.discard(node)
+        if deps:
+            before[node] = deps
+    return before
+
+
+def _stable_sort(
+    graph: fx.Graph, before: dict[fx.Node, set[fx.Node]], call_of: dict[fx.Node, fx.Node]
+) -> None:
     """Order ``graph`` topologically, each node as early as in the old order as its inputs
-    allow (a group's call, placed at its first member, waits for the last member's inputs)."""
+    and ``before`` (the order of writes and reads of memory; a grouped op's entries are its
+    group's call, ``call_of``) allow (a group's call, placed at its first member, waits for
+    the last member's inputs)."""
     nodes = list(graph.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    waiting = {n: len(set(n.all_input_nodes)) for n in nodes}
+    nexts: dict[fx.Node, set[fx.Node]] = {n: set(n.users) for n in nodes}
+    for node, firsts in before.items():
+        then = call_of.get(node, node)
+        for first in firsts:
+            if call_of.get(first, first) is not then:  # one group: no member reads another
+                nexts[call_of.get(first, first)].add(then)
+    waiting = dict.fromkeys(nodes, 0)
+    for node in nodes:
+        for user in nexts[node]:
+            waiting[user] += 1
     ready = [index[n] for n in nodes if waiting[n] == 0]
     heapq.heapify(ready)
     order: list[fx.Node] = []
     while ready:
         node = nodes[heapq.heappop(ready)]
         order.append(node)
-        for user in node.users:
+        for user in nexts[node]:
             waiting[user] -= 1
             if waiting[user] == 0:
                 heapq.heappush(ready, index[user])

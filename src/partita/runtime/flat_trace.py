@@ -49,6 +49,7 @@ __all__ = [
     "no_new_traces",
     "record_trace_cost",
     "repeated",
+    "significant_strides",
     "timed_run",
     "trace_flat",
     "vmap_axis",
@@ -164,6 +165,15 @@ def trace_flat(
     foreach_elementwise(flat)
     record_trace_cost(time.thread_time() - start, n_nodes)
     return flat
+
+
+def significant_strides(t: torch.Tensor) -> tuple[int | None, ...]:
+    """``t``'s strides with those of its dims of size 1 as None: they address nothing, and
+    real and fake tensors disagree on them (``aten.reshape`` to the same shape recomputes
+    them on a real tensor and keeps them on a fake one), so a segment keyed on them missed
+    its flat graph when the whole step was traced on fake values (``runtime.fused_step``)
+    and the fused graph ran that segment's vmap, with other kernels than the interpreter."""
+    return tuple(None if n == 1 else s for n, s in zip(t.shape, t.stride(), strict=True))
 
 
 def record_trace_cost(seconds: float, n_nodes: int) -> None:

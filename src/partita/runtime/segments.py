@@ -35,6 +35,7 @@ from partita.runtime.device_route import RoutedTake, route_permutes
 from partita.runtime.flat_trace import (
     FlatTracer,
     no_fallback_warning,
+    significant_strides,
     timed_run,
     trace_flat,
     vmap_axis,
@@ -194,10 +195,14 @@ class Segment:
 
 def _signature(args: list[Any], pattern: Pattern, out_pattern: Pattern) -> Hashable | None:
     """What a traced flat graph depends on: the mesh axes each input varies along, and every
-    input's shape, strides, dtype and device."""
+    input's shape, strides (those of its dims of size 1 left out), dtype and device."""
     if not all(isinstance(a, Tensor) for a in args):
         return None  # rare (non-tensor graph inputs): stay with vmap
-    return pattern, out_pattern, tuple((a.shape, a.stride(), a.dtype, a.device) for a in args)
+    return (
+        pattern,
+        out_pattern,
+        tuple((a.shape, significant_strides(a), a.dtype, a.device) for a in args),
+    )
 
 
 @dataclass

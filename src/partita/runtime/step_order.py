@@ -13,7 +13,8 @@ the end of its backward (peak 315 MB above the step's start for GPT-S on 8 devic
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import Any, cast
 
 from torch import fx
 from torch.utils import _pytree as pytree
@@ -35,6 +36,7 @@ def chunks_at_contractions(
     layer's activations and output gradient) are then dropped there, as autograd drops them,
     instead of every layer's living until the backward ends. ``(chunk, contractions after
     it)``; the first chunk may be empty (contractions of earlier values)."""
+    nodes = _items_with_their_op(nodes)
     pos = {n: k for k, n in enumerate(nodes)}
     ready: dict[int, list[fx.Node]] = {}
     for c in contractions:
@@ -49,6 +51,26 @@ def chunks_at_contractions(
             start, waiting = at + 1, []
     out.append((nodes[start:], waiting))
     return [(ns, cs) for ns, cs in out if ns or cs]
+
+
+def _items_with_their_op(nodes: list[fx.Node]) -> list[fx.Node]:
+    """``nodes`` with each ``getitem`` of a multi-output op among them moved to just after
+    that op, so no cut falls between them: a segment reading the op's tuple of results (an
+    attention backward's three gradients) cannot be traced flat, and the whole step was
+    never fused (GLM under ``tp``)."""
+    inside = set(nodes)
+    items: dict[fx.Node, list[fx.Node]] = {}
+    for n in nodes:
+        if n.target is operator.getitem and n.args[0] in inside:
+            items.setdefault(cast(fx.Node, n.args[0]), []).append(n)
+    if not items:
+        return nodes
+    moved = {n for ns in items.values() for n in ns}
+    out: list[fx.Node] = []
+    for n in nodes:
+        if n not in moved:
+            out += [n, *items.get(n, ())]
+    return out
 
 
 def step_reads(step: Any, takes: dict[fx.Node, Any]) -> list[fx.Node]:
