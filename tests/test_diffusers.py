@@ -160,7 +160,21 @@ def _assert_trains_like_torch_optim(
     ],
 )
 def test_autoencoder_kl_trains_like_torch_optim(plan: str) -> None:
-    _assert_trains_like_torch_optim(_vae(), _recon_loss, _images(), plan)
+    """A plan whose parameter specs equal an earlier plan's on the VAE compiles the same
+    program (every standard preset puts the batch on ``data``): it is skipped, naming the case
+    that trains it. Today ``tp`` splits no VAE name (``test_tp_presets_know_few_diffusers_names``),
+    so ``tp`` is ``dp`` and ``fsdp+tp`` is ``fsdp``; once the presets learn a VAE name, its
+    case trains again."""
+    vae = _vae()
+    specs = param_specs(plan, vae, MESH)
+    plans = ("dp", "fsdp", "tp", "fsdp+tp")
+    for earlier in plans[: plans.index(plan)]:
+        if param_specs(earlier, vae, MESH) == specs:
+            pytest.skip(
+                f"{plan}'s parameter specs on the VAE are {earlier}'s: "
+                f"test_autoencoder_kl_trains_like_torch_optim[{earlier}] trains the same program"
+            )
+    _assert_trains_like_torch_optim(vae, _recon_loss, _images(), plan)
 
 
 def test_autoencoder_kl_sampled_posterior_trains_like_eager() -> None:
