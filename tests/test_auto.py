@@ -9,7 +9,6 @@ about a minute; the solver's speed and the weak-preset cases are measured by
 
 from __future__ import annotations
 
-import functools
 import re
 import warnings
 
@@ -51,20 +50,14 @@ def _gpt_step(mesh: Mesh, param_specs: object = "auto", **options: object) -> pa
     )
 
 
-@functools.cache
-def _gpt_auto_plan(shape: tuple[int, ...]) -> partita.Plan:
-    """The GPT step's Plan under ``param_specs="auto"`` and default options, lowered once per
-    mesh shape: several tests read the same report (a Plan is not changed by reading it)."""
-    return _gpt_step(_mesh(shape)).lower(_gpt_batch())
-
-
 def _presets(report: partita.auto.AutoReport) -> list[partita.auto.Scored]:
     return [c for c in report.candidates if not c.name.startswith("auto")]
 
 
 @pytest.mark.parametrize("shape", [(8,), (2, 4)])
 def test_gpt_never_worse_than_the_best_preset(shape: tuple[int, ...]) -> None:
-    plan = _gpt_auto_plan(shape)
+    step = _gpt_step(_mesh(shape))
+    plan = step.lower(_gpt_batch())
     report = plan.auto
     best = min(c.seconds for c in _presets(report))
     assert report.best().seconds <= best
@@ -152,7 +145,7 @@ def test_a_memory_limit_no_plan_fits_names_the_smallest_peak() -> None:
 
 
 def test_the_memory_limit_is_met_by_the_chosen_plan() -> None:
-    free = _gpt_auto_plan((8,)).auto
+    free = _gpt_step(_mesh((8,))).lower(_gpt_batch()).auto
     peaks = sorted(c.peak for c in free.candidates)
     limit = (peaks[0] + peaks[-1]) // 2  # the biggest plan does not fit
     plan = _gpt_step(_mesh((8,)), memory_limit=limit).lower(_gpt_batch())
