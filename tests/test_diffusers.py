@@ -6,8 +6,9 @@ the simulated 2x4 mesh, every op with a rule (``replicate_unsupported=False``, t
 
 * ``AutoencoderKL`` (two down and up blocks of 8 and 16 channels, the mid-block attention,
   GroupNorm of 4 groups, 4 latent channels) trains 2 AdamW steps under ``dp`` and ``fsdp``
-  (``tp`` and ``fsdp+tp`` give it the same specs, so their cases skip) on its default forward (``sample_posterior=False``: the posterior's mode),
-  the reconstruction loss of ``.sample``; the losses and every final parameter equal the same
+  (``tp`` and ``fsdp+tp`` give it the same specs, so their cases skip) on its default
+  forward (``sample_posterior=False``: the posterior's mode), the reconstruction loss of
+  ``.sample``; the losses and every final parameter equal the same
   model trained by ``torch.optim.AdamW`` (``rtol = atol = 1e-5``);
 * the posterior sampled (``latent_dist.sample()``: ``randn_tensor`` with ``generator=None``,
   ``torch.randn(shape, generator=None)``, the ``randn.generator`` overload) plus its KL term:
