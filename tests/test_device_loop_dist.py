@@ -10,6 +10,7 @@ and 4 processes on 127.0.0.1 (Gloo), started by ``partita.runtime.launch.spawn``
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -27,8 +28,10 @@ GLOBAL_BATCH, STEPS, FEATURES = 16, 3, 8 + 4  # x has 8 columns, y 4 (float32)
 pytestmark = pytest.mark.slow
 
 
+@functools.cache
 def _reference(data: int, model: int) -> dict:
-    """The loop in one process, which loads the whole global batch."""
+    """The loop in one process, which loads the whole global batch (run once per mesh: the
+    spawn and the torchrun test of a mesh compare with the same run; ``_check`` reads it)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)

@@ -5,9 +5,10 @@ Each model is built from a tiny config with random weights (nothing is downloade
 the simulated 2x4 mesh, every op with a rule (``replicate_unsupported=False``, the default):
 
 * ``AutoencoderKL`` (two down and up blocks of 8 and 16 channels, the mid-block attention,
-  GroupNorm of 4 groups, 4 latent channels) trains 2 AdamW steps under ``dp``, ``fsdp``, ``tp``
-  and ``fsdp+tp`` on its default forward (``sample_posterior=False``: the posterior's mode),
-  the reconstruction loss of ``.sample``; the losses and every final parameter equal the same
+  GroupNorm of 4 groups, 4 latent channels) trains 2 AdamW steps under ``dp`` and ``fsdp``
+  (``tp`` and ``fsdp+tp`` give it the same specs, so their cases skip) on its default
+  forward (``sample_posterior=False``: the posterior's mode), the reconstruction loss of
+  ``.sample``; the losses and every final parameter equal the same
   model trained by ``torch.optim.AdamW`` (``rtol = atol = 1e-5``);
 * the posterior sampled (``latent_dist.sample()``: ``randn_tensor`` with ``generator=None``,
   ``torch.randn(shape, generator=None)``, the ``randn.generator`` overload) plus its KL term:
@@ -160,7 +161,21 @@ def _assert_trains_like_torch_optim(
     ],
 )
 def test_autoencoder_kl_trains_like_torch_optim(plan: str) -> None:
-    _assert_trains_like_torch_optim(_vae(), _recon_loss, _images(), plan)
+    """A plan whose parameter specs equal an earlier plan's on the VAE compiles the same
+    program (every standard preset puts the batch on ``data``): it is skipped, naming the case
+    that trains it. Today ``tp`` splits no VAE name (``test_tp_presets_know_few_diffusers_names``),
+    so ``tp`` is ``dp`` and ``fsdp+tp`` is ``fsdp``; once the presets learn a VAE name, its
+    case trains again."""
+    vae = _vae()
+    specs = param_specs(plan, vae, MESH)
+    plans = ("dp", "fsdp", "tp", "fsdp+tp")
+    for earlier in plans[: plans.index(plan)]:
+        if param_specs(earlier, vae, MESH) == specs:
+            pytest.skip(
+                f"{plan}'s parameter specs on the VAE are {earlier}'s: "
+                f"test_autoencoder_kl_trains_like_torch_optim[{earlier}] trains the same program"
+            )
+    _assert_trains_like_torch_optim(vae, _recon_loss, _images(), plan)
 
 
 def test_autoencoder_kl_sampled_posterior_trains_like_eager() -> None:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import copy
 import os
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +40,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"  # never download: every model is built from 
 transformers = pytest.importorskip("transformers")
 
 import partita  # noqa: E402
-from partita import Mesh, P, ReplicatedOpWarning  # noqa: E402
+from partita import Mesh, P  # noqa: E402
 from partita.presets import param_specs  # noqa: E402
 from partita.training import TrainStep, train_step  # noqa: E402
 
@@ -304,37 +303,6 @@ def test_t5_gated_feed_forward() -> None:
     assert specs[f"{ff}.wi_0.weight"] == P("model", None)
     assert specs[f"{ff}.wi_1.weight"] == P("model", None)
     assert specs[f"{ff}.wo.weight"] == P(None, "model")
-
-
-@pytest.mark.slow
-def test_mixtral_default_experts_need_no_replicated_op() -> None:
-    """Mixtral's default experts call the library's own op transformers::grouped_mm_fallback,
-    which has a rule (rules/grouped.py): even with replicate_unsupported=True no op is run
-    replicated for want of a rule (no ReplicatedOpWarning), and it trains like torch.optim."""
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(
-        **{**LM, "intermediate_size": 32}, num_key_value_heads=2, num_local_experts=4,
-        num_experts_per_tok=2,
-    )  # fmt: skip
-    model = transformers.MixtralForCausalLM(cfg)
-    model.config.use_cache = False
-    case = MODELS["mixtral"]
-    ref = copy.deepcopy(model)
-    batches = case.batches(torch.Generator().manual_seed(0))
-    want = reference(ref, case, batches)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5)
-    step = train_step(
-        model,
-        case.loss,
-        opt,
-        mesh=MESH,
-        param_specs="fsdp+tp",
-        options={"replicate_unsupported": True},
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", ReplicatedOpWarning)
-        got = [float(step(batch)) for batch in batches]
-    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
 
 
 # --- layers users write by hand: the ops their training steps need ----------------------------

@@ -6,7 +6,11 @@
 Traced, a ``transformers`` experts module takes its compile path and calls the library's op
 ``transformers::grouped_mm_fallback`` (``rules/grouped.py``); eagerly it calls
 ``F.grouped_mm``. Tiny configs, random weights, nothing downloaded. One model x plan runs by
-default (Mixtral under ``fsdp+tp``); the rest are ``slow``.
+default (Mixtral under ``fsdp+tp``); the rest are ``slow``. With ``replicate_unsupported=False``
+an op without a rule (or whose rule raises) is an ``UnsupportedOpError``, exactly where
+``replicate_unsupported=True`` would warn with ``ReplicatedOpWarning`` (``propagate/rules.py``):
+so Mixtral's case also shows that its default experts need no replicated op (a separate run
+under ``replicate_unsupported=True`` in ``tests/test_models.py`` checked that, and less).
 """
 
 from __future__ import annotations

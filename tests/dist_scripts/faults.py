@@ -5,7 +5,8 @@ axis ``data``, summed: every step all-reduces a scalar over the mesh-axis group,
 own created by ``new_group``); rank 1 misbehaves as MODE says:
 
 ===============  =====================================================================
-stall            sleeps ``FAULT_STALL`` seconds (default 45) before step 2
+stall            stalls before step 2: sleeps until rank 0 is gone, at most ``FAULT_STALL``
+                 seconds (default 45; see ``stall``)
 kill             SIGKILLs itself before step 2
 raise            raises a plain Python error before step 2
 mismatch         four mistakes, each a typed error on every rank, then a matching call:
@@ -25,8 +26,8 @@ main_only_print  (rank 0 misbehaves) prints a sharded value alone; rank 1 compil
 ckpt_paths       each rank passes ``checkpoint.save`` its own path (``FAULT_DIR/rank<r>``);
                  then rank 1 alone passes a non-tensor; then all save to ``FAULT_DIR/c``;
                  then rank 1 loads from ``FAULT_DIR/d``
-ckpt_one_rank    (rank 0 misbehaves) calls ``checkpoint.save`` alone; rank 1 sleeps
-                 ``FAULT_STALL`` seconds and exits 0
+ckpt_one_rank    (rank 0 misbehaves) calls ``checkpoint.save`` alone; rank 1 sleeps until
+                 rank 0 is gone, at most ``FAULT_STALL`` seconds, and exits 0
 ckpt_crash       both save checkpoint A to ``FAULT_DIR/c`` (unless ``FAULT_FIRST_SAVE=0``),
                  then B; rank 0 calls ``os._exit(CRASH_EXIT)`` at the save's crash point
                  ``FAULT_CRASH_AT`` (``partita.checkpoint.directory.CRASH_POINTS``)
@@ -64,6 +65,21 @@ PARTITA_EXIT = 17
 CRASH_EXIT = 3  # ckpt_crash: rank 0 stopped at the crash point
 STEPS = 4
 MISMATCHES = ("shapes", "dtypes", "programs")
+
+
+def stall() -> None:
+    """Sleep until rank 0 has exited, at most ``FAULT_STALL`` seconds. Rank 0 hosts the
+    rendezvous store, which stops answering when it exits: by then its typed error is out (it
+    exits after printing it), so the stall outlasted its collective timeout, and this rank
+    wakes to a dead peer at once instead of after a fixed sleep."""
+    store = torch.distributed.distributed_c10d._get_default_store()
+    end = time.monotonic() + float(os.environ.get("FAULT_STALL", "45"))
+    while time.monotonic() < end:
+        try:
+            store.check(["stall"])
+        except Exception:  # the store's host (rank 0) is gone
+            return
+        time.sleep(0.2)
 
 
 def report(e: PartitaError, case: str = "") -> None:
@@ -221,7 +237,7 @@ def checkpoint_faults(mode: str, mesh: Mesh, rank: int) -> None:
         if rank == 0:  # WRONG: save is collective
             ckpt.save(checkpoint_state(mesh, 0.0), base / "c")
         else:
-            time.sleep(float(os.environ.get("FAULT_STALL", "45")))
+            stall()
     elif mode == "ckpt_crash":
         point = os.environ["FAULT_CRASH_AT"]
         if os.environ.get("FAULT_FIRST_SAVE", "1") == "1":
@@ -270,7 +286,7 @@ def main(mode: str) -> None:
         if i == 2 and faulty:
             print(f"fault {mode} at {time.time():.3f}", flush=True)
             if mode == "stall":
-                time.sleep(float(os.environ.get("FAULT_STALL", "45")))
+                stall()
             elif mode == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif mode == "raise":
