@@ -42,7 +42,7 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from partita.errors import PartitaWarning, warn
+from partita.errors import PartitaError, PartitaWarning, warn
 from partita.partition.memory import InputShape
 
 __all__ = [
@@ -57,6 +57,11 @@ __all__ = [
 #: The node ``meta`` entries of a per-device program that cross (plain values; the runtime and
 #: the Plan's reports read them).
 META = ("origin", "local_shape", "source", "range_name", "bucket_members", "bytes")
+
+
+class _NotCrossingError(PartitaError):
+    """Raised in the child only: its compile's result cannot be handed back (the reason is
+    the message); the calling process compiles again itself and says why in a warning."""
 
 
 def available() -> bool:
@@ -81,7 +86,7 @@ def _target(t: Any) -> tuple[str, ...]:
                                                        "__module__", None)  # fmt: skip
     name = ("fn", str(module), str(getattr(t, "__qualname__", "")))
     if module is None or _resolve(name) is not t:
-        raise TypeError(f"{t!r} is not reachable by name")
+        raise _NotCrossingError(f"{t!r} is not reachable by name")
     return name
 
 
@@ -101,11 +106,11 @@ def _resolve(t: tuple[str, ...]) -> Any:
 
 def encode(gm: fx.GraphModule) -> list[tuple[Any, ...]]:
     """``gm``'s nodes as plain tuples (names for node references, targets by name). A graph
-    of anything but placeholders, function calls and its output is a TypeError."""
+    of anything but placeholders, function calls and its output does not cross."""
     out = []
     for n in gm.graph.nodes:
         if n.op not in ("placeholder", "call_function", "output"):
-            raise TypeError(f"a {n.op} node ({n.name}) does not cross")
+            raise _NotCrossingError(f"a {n.op} node ({n.name}) does not cross")
         args, kwargs = pytree.tree_map_only(fx.Node, lambda x: _Ref(x.name), (n.args, n.kwargs))
         target = n.target if n.op != "call_function" else _target(n.target)
         meta = {k: n.meta[k] for k in META if k in n.meta}
@@ -142,7 +147,7 @@ def _payload(compiled: Any) -> dict[str, Any]:
     """What crosses: every field of ``compiled`` with its graphs and fake tensors replaced."""
     plan, program = compiled.plan, compiled.program
     if plan.bodies:
-        raise TypeError("a program with control-flow bodies does not cross")
+        raise _NotCrossingError("a program with control-flow bodies does not cross")
     shapes = [
         InputShape(tuple(x.shape), x.dtype, x.device) if isinstance(x, torch.Tensor) else x
         for x in plan.local_inputs
@@ -179,7 +184,7 @@ def compile_in_child(build: Callable[[], Any], changed: Callable[[], bool] = boo
                 warnings.simplefilter("always")
                 fields = _payload(build())
             if changed():
-                raise RuntimeError("tracing changed a Python attribute of the module")
+                raise _NotCrossingError("tracing changed a Python attribute of the module")
             data = pickle.dumps(([(str(w.message), w.category) for w in caught], fields))
         except BaseException as e:  # what this process compiles again; the reason, for a warning
             cause = f"{e}; {e.__cause__}" if e.__cause__ is not None else str(e)
