@@ -84,6 +84,7 @@ from partita.runtime.overlap import first_run, schedule_overlap
 from partita.runtime.permute import bind_permutes
 from partita.runtime.plan_check import CallChecks
 from partita.runtime.rank_calls import fewer_calls
+from partita.runtime.rank_constants import fold_rank_constants, slice_gathers
 from partita.runtime.release import release_freed
 from partita.values.layout import ceil_div
 from partita.values.mesh import Mesh
@@ -153,6 +154,7 @@ class DistributedMesh:
         self._bound: _Programs = weakref.WeakKeyDictionary()
         self._compiled: _Programs = weakref.WeakKeyDictionary()
         self._checks = CallChecks(mesh)  # the plan and replica checks (runtime.plan_check)
+        self._device: torch.device | None = None  # of the inputs: this rank's constants' device
         self._impls: dict[Any, Callable[..., Any]] = {
             ops.axis_index.default: self.axis_index,
             ops.shard_slice.default: self.shard_slice,
@@ -286,6 +288,11 @@ class DistributedMesh:
         graph.output(graph.graph_copy(gm.graph, {}))
         # views folded; with the first run's values (vals), the optimizer's ops as _foreach calls
         fewer_calls(graph, gm, vals or {})
+        root: torch.nn.Module = gm
+        if self._device is not None and donate:  # not for Inductor (donate=False)
+            root = fx.GraphModule(gm, graph)  # this rank's coordinates as constants
+            fold_rank_constants(root, self._coordinate, self._device)
+            slice_gathers(root)
         donated = donated_all_reduces(graph) if donate else set()
         gloo = dist.get_backend() == "gloo"
         if overlap:
@@ -298,7 +305,7 @@ class DistributedMesh:
                 node.kwargs = {**node.kwargs, "node": node.name}
             if node.op == "call_function" and node.kwargs.get("node") in donated:
                 node.kwargs = {**node.kwargs, "donate": True}  # a mesh op or its start
-        return bind_bodies(gm, fx.GraphModule(gm, graph, class_name="RankProgram"), self._bind)
+        return bind_bodies(gm, fx.GraphModule(root, graph, class_name="RankProgram"), self._bind)
 
     def compiled(self, gm: fx.GraphModule, overlap: int) -> fx.GraphModule:
         """:meth:`bind`'s program with its local-op regions compiled by Inductor on first run
@@ -318,6 +325,8 @@ class DistributedMesh:
         Inductor (:meth:`compiled`), ``overlap_bytes`` bounds the overlap schedule."""
         opts = options or current()
         inductor, overlap = opts.inductor, opts.overlap_bytes
+        if self._device is None:
+            self._device = next((t.device for t in local_inputs if isinstance(t, Tensor)), None)
         if not inductor and overlap and gm not in self._bound:
             # the first run goes as partitioned, measuring every value for the schedule's hold
             release_freed()  # the compile's garbage, before the first run stacks on it
