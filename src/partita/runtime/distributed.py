@@ -31,9 +31,9 @@ values, so that the schedule holds each gather under the program's peak. Under
 the ``inductor`` option the runs of local ops between them are compiled by Inductor
 (``runtime.compiled``), the schedule kept (without the measured hold).
 Before binding, a program's view chains are folded and, with the values its first run
-recorded, its optimizer's elementwise ops grouped as ``_foreach`` calls
-(``runtime.rank_calls``); the memory freed by the compile and by the first run is given
-back to the system once (``runtime.release``).
+recorded, its optimizer's elementwise ops grouped as ``_foreach`` calls (``runtime.rank_calls``)
+and what depends only on this rank's coordinates computed once (``runtime.rank_constants``);
+the memory freed by the compile and the first run is given back once (``runtime.release``).
 
 Groups. For every non-empty set of mesh axes and every group ``Mesh.groups(axes)`` of more than
 one device, every rank calls ``new_group`` in the same order when the DistributedMesh is built
@@ -84,7 +84,7 @@ from partita.runtime.overlap import first_run, schedule_overlap
 from partita.runtime.permute import bind_permutes
 from partita.runtime.plan_check import CallChecks
 from partita.runtime.rank_calls import fewer_calls
-from partita.runtime.rank_constants import fold_rank_constants, slice_gathers
+from partita.runtime.rank_constants import rank_program
 from partita.runtime.release import release_freed
 from partita.values.layout import ceil_div
 from partita.values.mesh import Mesh
@@ -288,11 +288,8 @@ class DistributedMesh:
         graph.output(graph.graph_copy(gm.graph, {}))
         # views folded; with the first run's values (vals), the optimizer's ops as _foreach calls
         fewer_calls(graph, gm, vals or {})
-        root: torch.nn.Module = gm
-        if self._device is not None and donate:  # not for Inductor (donate=False)
-            root = fx.GraphModule(gm, graph)  # this rank's coordinates as constants
-            fold_rank_constants(root, self._coordinate, self._device)
-            slice_gathers(root)
+        # this rank's coordinates as constants (not for Inductor: donate=False)
+        root = rank_program(gm, graph, self._coordinate, self._device) if donate else gm
         donated = donated_all_reduces(graph) if donate else set()
         gloo = dist.get_backend() == "gloo"
         if overlap:

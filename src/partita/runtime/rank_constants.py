@@ -35,7 +35,7 @@ from torch.utils import _pytree as pytree
 
 from partita.runtime.flat_effects import aliases, pure, writes
 
-__all__ = ["fold_rank_constants", "select_runs", "slice_gathers"]
+__all__ = ["fold_rank_constants", "rank_program", "select_runs", "slice_gathers"]
 
 aten = torch.ops.aten
 _AXIS_INDEX = torch.ops.partita.axis_index.default
@@ -50,6 +50,23 @@ def select_runs(xs: Sequence[Tensor], dim: int, runs: Sequence[tuple[int, int, i
         return pieces[0].clone(memory_format=torch.contiguous_format)
     out = torch.cat(pieces, dim)
     return out if out.is_contiguous() else out.clone(memory_format=torch.contiguous_format)
+
+
+def rank_program(
+    gm: fx.GraphModule,
+    graph: fx.Graph,
+    coordinate: Callable[[Sequence[str]], int],
+    device: torch.device | None,
+) -> fx.GraphModule:
+    """``graph`` (a copy of ``gm``'s, being bound for this rank) with :func:`fold_rank_constants`
+    and :func:`slice_gathers` applied, as a module holding the constants it reads (``gm``
+    itself when ``device``, the inputs' device, is not known yet: nothing folded)."""
+    if device is None:
+        return gm
+    root = fx.GraphModule(gm, graph)
+    fold_rank_constants(root, coordinate, device)
+    slice_gathers(root)
+    return root
 
 
 def fold_rank_constants(
