@@ -10,7 +10,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, fx
 
-from partita.runtime.rank_constants import fold_rank_constants, select_runs, slice_gathers
+from partita.runtime.rank_constants import (
+    MAX_BYTES,
+    fold_rank_constants,
+    select_runs,
+    slice_gathers,
+)
 
 aten = torch.ops.aten
 COORD = 1  # this rank's coordinate along "model"
@@ -112,3 +117,21 @@ def test_nothing_known_nothing_folded() -> None:
     gm = fx.GraphModule(torch.nn.Module(), g)
     assert fold_rank_constants(gm, _coordinate, torch.device("cpu")) == 0
     assert slice_gathers(gm) == 0
+
+
+def test_a_large_value_stays_computed() -> None:
+    """A constant larger than MAX_BYTES is not held between steps; a small one is."""
+    g = fx.Graph()
+    x = g.placeholder("x")
+    big = g.call_function(aten.zeros.default, ([MAX_BYTES // 4 + 1],), {"dtype": torch.float32})
+    small = g.call_function(aten.zeros.default, ([4],), {"dtype": torch.float32})
+    g.output(
+        (g.call_function(aten.add.Tensor, (big, x)), g.call_function(aten.add.Tensor, (small, x)))
+    )
+    gm = fx.GraphModule(torch.nn.Module(), g)
+    fold_rank_constants(gm, _coordinate, torch.device("cpu"))
+    assert [n.target for n in gm.graph.nodes].count(aten.zeros.default) == 1  # the large one
+    assert [n.op for n in gm.graph.nodes].count("get_attr") == 1  # the small one, held
+    out = gm(torch.ones(()))
+    assert torch.equal(out[0], torch.ones(MAX_BYTES // 4 + 1))
+    assert torch.equal(out[1], torch.ones(4))

@@ -12,7 +12,8 @@ an element-by-element copy along the last dimension (about 0.5 ms for ``[8, 128,
 - :func:`fold_rank_constants` computes, once per bound program, every op whose inputs are all
   known: ``axis_index`` (this rank's coordinate), ATen ops that read only constants (pure, or
   writing only a value nothing else reads: the ``add_`` of an ``arange``), ``new_tensor``; the
-  program reads each value a computed op needs as a constant of the module. A value some op
+  program reads each value a computed op needs as a constant of the module. A value over
+  :data:`MAX_BYTES` stays computed per step (held, it would stay resident). A value some op
   left in the program may write (directly or through a view), or that the program returns,
   stays computed per step.
 - :func:`slice_gathers` replaces an ``index_select`` by a constant index made of runs of
@@ -35,9 +36,12 @@ from torch.utils import _pytree as pytree
 
 from partita.runtime.flat_effects import aliases, pure, writes
 
-__all__ = ["fold_rank_constants", "rank_program", "select_runs", "slice_gathers"]
+__all__ = ["MAX_BYTES", "fold_rank_constants", "rank_program", "select_runs", "slice_gathers"]
 
 aten = torch.ops.aten
+#: A computed value larger than this stays computed per step: held as a constant it would stay
+#: resident between steps (the tables and offsets folded here are some kilobytes).
+MAX_BYTES = 1 << 20
 _AXIS_INDEX = torch.ops.partita.axis_index.default
 
 
@@ -87,9 +91,13 @@ def fold_rank_constants(
             continue
         args, kwargs = pytree.tree_map_only(fx.Node, values.__getitem__, (node.args, node.kwargs))
         try:
-            values[node] = node.target(*args, **kwargs)
+            value = node.target(*args, **kwargs)
         except Exception:  # leave it to run as it did
             continue
+        if not any(
+            isinstance(t, Tensor) and t.nbytes > MAX_BYTES for t in pytree.tree_leaves(value)
+        ):
+            values[node] = value
     _keep_written(graph, values)
     folded = set(values)
     if not folded:
