@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 from hypothesis import HealthCheck, settings
 
+import partita.runtime.spawn as spawn_module
 from partita import Mesh
+from rank_zygote import Zygote
 
 # Modest example counts keep the property tests to seconds; CI can raise them with
 # HYPOTHESIS_PROFILE=ci.
@@ -34,3 +39,23 @@ def _trace_flat_at_second_run(monkeypatch: pytest.MonkeyPatch) -> None:
     Tracing at the second run keeps the flat graphs (folded matmuls, fused bias adds) under
     test wherever a program runs twice; tests of the cost-based policy unset it."""
     monkeypatch.setenv("PARTITA_TRACE_FLAT_AT", "2")
+
+
+@pytest.fixture(scope="session")
+def _zygote() -> Iterator[Zygote]:
+    # The environment every rank gets from spawn unless told otherwise (OMP_NUM_THREADS is
+    # read when OpenMP loads, at torch's import).
+    zygote = Zygote({**os.environ, "OMP_NUM_THREADS": "1"})
+    yield zygote
+    zygote.close()
+
+
+@pytest.fixture(scope="module")
+def rank_zygote(_zygote: Zygote) -> Iterator[Zygote]:
+    """``spawn`` starts the ranks of this module's tests from a process that has imported
+    torch and partita once (tests/rank_zygote.py) instead of fresh interpreters: opt in with
+    ``pytestmark = pytest.mark.usefixtures("rank_zygote")``."""
+    before = spawn_module.default_starter
+    spawn_module.default_starter = _zygote
+    yield _zygote
+    spawn_module.default_starter = before
