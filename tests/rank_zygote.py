@@ -6,7 +6,7 @@ one process per test session (per xdist worker) that has imported them once, sta
 and runs no torch operation; for each rank it forks a child that sets up what a fresh process
 would have -- its own session (``setsid``), its environment, stdin from /dev/null, stdout and
 stderr to files, its working directory, ``sys.argv``, ``sys.path[0]`` (the script's directory),
-a fresh random seed -- and runs the script as ``__main__`` (``runpy``), then exits as Python does
+a fresh random seed -- and runs the script as ``__main__``, then exits as Python does
 (``SystemExit``'s code, 1 and a traceback for an uncaught exception, non-daemon threads joined,
 ``atexit`` handlers run).
 
@@ -113,6 +113,7 @@ class Zygote:
             cwd=os.getcwd(),
         )
         self.lock = threading.Condition()
+        self.writing = threading.Lock()  # one request at a time on its stdin
         self.started: dict[int, int | str] = {}  # request id -> pid, or the error
         self.exits: dict[int, int] = {}  # pid -> exit status as Popen.returncode
         self.gone = False
@@ -163,8 +164,9 @@ class Zygote:
             "out": os.path.join(tmp, "out"), "err": os.path.join(tmp, "err"),
         }  # fmt: skip
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
+        with self.writing:
+            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+            self.proc.stdin.flush()
         with self.lock:
             while rid not in self.started and not self.gone:
                 self.lock.wait(0.5)
@@ -199,10 +201,26 @@ def _exit_code(code: object) -> int:
     return 1
 
 
+def _run_main(script: str) -> None:
+    """Run ``script`` as ``python script`` does: a new ``__main__`` module (in ``sys.modules``
+    for the rest of the process), its ``__file__`` absolute (since Python 3.9)."""
+    import builtins
+    import importlib.machinery
+    import types
+
+    path = os.path.abspath(script)
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__builtins__ = builtins
+    main.__loader__ = importlib.machinery.SourceFileLoader("__main__", path)
+    sys.modules["__main__"] = main
+    code = compile(Path(path).read_bytes(), path, "exec")  # honours a coding cookie
+    exec(code, main.__dict__)
+
+
 def _run_rank(request: dict[str, Any]) -> int:
     """In the forked child: become the fresh process a ``python script.py`` would be."""
     import atexit
-    import runpy
 
     import torch
 
@@ -230,7 +248,7 @@ def _run_rank(request: dict[str, Any]) -> int:
     torch.seed()  # a fresh process's default generator starts from a random seed too
     code = 0
     try:
-        runpy.run_path(script, run_name="__main__")
+        _run_main(script)
     except SystemExit as e:
         code = _exit_code(e.code)
     except BaseException:
