@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+
 import pytest
 from hypothesis import HealthCheck, settings
 
+import partita.runtime.spawn as spawn_module
 from partita import Mesh
+from rank_zygote import Zygote
 
 # Modest example counts keep the property tests to seconds; CI can raise them with
 # HYPOTHESIS_PROFILE=ci.
@@ -34,3 +39,56 @@ def _trace_flat_at_second_run(monkeypatch: pytest.MonkeyPatch) -> None:
     Tracing at the second run keeps the flat graphs (folded matmuls, fused bias adds) under
     test wherever a program runs twice; tests of the cost-based policy unset it."""
     monkeypatch.setenv("PARTITA_TRACE_FLAT_AT", "2")
+
+
+@pytest.fixture(scope="session")
+def _zygote() -> Iterator[Zygote]:
+    # The environment every rank gets from spawn unless told otherwise (OMP_NUM_THREADS is
+    # read when OpenMP loads, at torch's import).
+    zygote = Zygote({**os.environ, "OMP_NUM_THREADS": "1"})
+    yield zygote
+    zygote.close()
+
+
+@pytest.fixture(scope="module")
+def rank_zygote(_zygote: Zygote) -> Iterator[Zygote]:
+    """``spawn`` starts the ranks of this module's tests from a process that has imported
+    torch and partita once (tests/rank_zygote.py) instead of fresh interpreters: opt in with
+    ``pytestmark = pytest.mark.usefixtures("rank_zygote")``."""
+    before = spawn_module.default_starter
+    spawn_module.default_starter = _zygote
+    yield _zygote
+    spawn_module.default_starter = before
+
+
+#: CPU seconds of the slowest test files (worker time, measured: docs/architecture.md "Where
+#: the suite's time goes"). ``make test`` (``-n 2 --dist loadfile --no-loadscope-reorder``)
+#: hands whole files to its two workers in collection order: these go first, slowest first, so
+#: that no slow file starts last while the other worker idles; the rest follow by number of
+#: tests, most first (xdist's own order).
+SLOW_FILES = {
+    "tests/test_models.py": 150,
+    "tests/test_train_step.py": 102,
+    "tests/test_pipeline_parallel.py": 89,
+    "tests/test_moe_models.py": 82,
+    "tests/test_opdb.py": 74,
+    "tests/test_distributed.py": 72,
+    "tests/test_op_table.py": 60,
+    "tests/test_auto.py": 51,
+    "tests/test_device_loop_dist.py": 50,
+    "tests/test_diffusers.py": 48,
+    "tests/test_faults_step.py": 43,
+    "tests/test_faults.py": 33,
+}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    counts: dict[str, int] = {}
+    for item in items:
+        counts[item.nodeid.split("::")[0]] = counts.get(item.nodeid.split("::")[0], 0) + 1
+
+    def key(item: pytest.Item) -> tuple[int, int]:
+        path = item.nodeid.split("::")[0]
+        return -SLOW_FILES.get(path, 0), -counts[path]
+
+    items.sort(key=key)  # stable: the order within a file stays

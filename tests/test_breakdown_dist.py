@@ -18,7 +18,7 @@ from partita.runtime.launch import spawn
 
 SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "breakdown_step.py"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("rank_zygote")]  # tests/rank_zygote.py
 
 
 def test_categories_are_cpu_time_and_add_up_to_it(tmp_path: Path) -> None:

@@ -299,6 +299,7 @@ def test_tied_weights_save_once_and_load(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("rank_zygote")  # ranks forked from a pre-imported process
 def test_gloo_resume_and_save(saved: dict, tmp_path: Path) -> None:
     """4 Gloo processes load the (2, 4) fsdp+tp checkpoint on (4,) under fsdp, train 3 steps
     (losses equal the uninterrupted run) and save; a second save that fails on one rank leaves

@@ -129,6 +129,7 @@ def test_inductor_option(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("rank_zygote")  # ranks forked from a pre-imported process
 def test_gloo_compiled_step_equals_uncompiled(tmp_path: Path) -> None:
     out = tmp_path / "compiled.pt"
     results = spawn([str(SCRIPTS / "compiled_programs.py"), str(out)], 2, timeout=600)

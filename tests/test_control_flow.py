@@ -226,6 +226,7 @@ PROGRAMS = {
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("rank_zygote")  # ranks forked from a pre-imported process
 def test_control_flow_on_four_processes_equals_eager(tmp_path: Path) -> None:
     """The per-rank program keeps each loop: torch runs the op, its bodies' collectives bound
     to the process groups."""

@@ -25,7 +25,7 @@ SCRIPT = Path(__file__).resolve().parent / "dist_scripts" / "device_loop.py"
 ROOT = Path(__file__).resolve().parents[1]
 GLOBAL_BATCH, STEPS, FEATURES = 16, 3, 8 + 4  # x has 8 columns, y 4 (float32)
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("rank_zygote")]  # tests/rank_zygote.py
 
 
 @functools.cache

@@ -27,7 +27,7 @@ sys.path.insert(0, str(SCRIPTS))
 
 from dist_cases import cases  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("rank_zygote")]  # tests/rank_zygote.py
 
 
 def _explain(results: list[RankResult]) -> str:

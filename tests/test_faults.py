@@ -38,6 +38,8 @@ TIMEOUT = 5.0  # PARTITA_COLLECTIVE_TIMEOUT for every run here
 PARTITA_EXIT = 17  # faults.py exits with it after printing a PartitaError
 SLACK = 4.0  # process exit and a loaded 2-core machine, on top of the timeout
 
+pytestmark = pytest.mark.usefixtures("rank_zygote")  # ranks forked from one pre-imported process
+
 needs_proc = pytest.mark.skipif(
     not Path("/proc/net/tcp").exists(), reason="reads listening sockets from /proc/net/tcp"
 )

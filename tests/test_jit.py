@@ -401,6 +401,7 @@ if pd.is_main_process():
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("rank_zygote")  # ranks forked from a pre-imported process
 def test_constants_modules_and_updates_under_torch_distributed(tmp_path):
     from partita.runtime.launch import spawn
 

@@ -100,6 +100,7 @@ def test_overlap_option(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("rank_zygote")  # ranks forked from a pre-imported process
 def test_gloo_results_equal_under_every_setting(tmp_path: Path) -> None:
     out = tmp_path / "overlap.pt"
     results = spawn([str(SCRIPTS / "overlap.py"), str(out)], 4, timeout=300)

@@ -305,6 +305,7 @@ def test_a_batch_the_micro_batches_do_not_divide() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("rank_zygote")  # ranks forked from a pre-imported process
 def test_four_gloo_processes_train_like_torch(tmp_path: Path) -> None:
     """Both schedules, one after the other in the same 4 processes (one launch: each process
     imports torch and joins the group once)."""

@@ -113,6 +113,7 @@ def test_no_ranges_off_the_profiler(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("rank_zygote")  # ranks forked from a pre-imported process
 def test_distributed_mesh_ranges(tmp_path: Path) -> None:
     results = spawn([str(SCRIPTS / "profiled.py"), str(tmp_path)], 2, timeout=180)
     assert all(r.returncode == 0 for r in results), "\n".join(r.stderr[-3000:] for r in results)

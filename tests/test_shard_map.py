@@ -370,6 +370,7 @@ def test_ring_allgather_matmul_equals_x_at_w(n: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("rank_zygote")  # ranks forked from a pre-imported process
 def test_ring_matmul_under_four_gloo_processes(tmp_path: Path) -> None:
     from partita.runtime.launch import spawn
 

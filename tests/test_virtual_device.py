@@ -347,6 +347,7 @@ def test_a_second_process_reuses_the_persistent_cache(dev: torch.device, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("rank_zygote")  # ranks forked from a pre-imported process
 def test_the_loop_under_torch_distributed_equals_the_local_mesh(dev: torch.device) -> None:
     from partita.runtime.launch import spawn
 

@@ -6,6 +6,10 @@ deadline and kills what is left, so a test can never hang or leave processes beh
 Everything stays on loopback: the rendezvous store (rank 0 binds it to ``MASTER_ADDR``) and,
 on Linux, Gloo's own sockets (``GLOO_SOCKET_IFNAME=lo`` unless set).
 
+How a rank's process starts is a ``Starter``: by default ``popen_rank`` (a fresh
+``python argv``); the test suite may start ranks from a pre-imported process instead
+(tests/rank_zygote.py: the ``starter`` argument, or ``default_starter``, set by a test fixture).
+
 This module does not join runs (``runtime.launch`` does).
 """
 
@@ -18,10 +22,49 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["RankResult", "free_port", "spawn"]
+__all__ = ["RankProcess", "RankResult", "Starter", "free_port", "popen_rank", "spawn"]
+
+
+class RankProcess(Protocol):
+    """What ``spawn`` uses of a started rank (a ``subprocess.Popen`` has it): its id is also
+    the id of its session (it must call ``setsid``)."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self) -> int: ...
+
+    def communicate(self) -> tuple[str, str]: ...
+
+
+#: Starts ``python argv`` with environment ``env`` in a session of its own, stdout and stderr
+#: captured as text.
+Starter = Callable[[Sequence[str], Mapping[str, str]], RankProcess]
+
+
+def popen_rank(argv: Sequence[str], env: Mapping[str, str]) -> subprocess.Popen[str]:
+    """A fresh interpreter: ``python argv``."""
+    return subprocess.Popen(
+        [sys.executable, *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: killed as a whole by spawn
+    )
+
+
+#: The starter of ``spawn`` calls that name none.
+default_starter: Starter = popen_rank
 
 
 @dataclass
@@ -51,11 +94,13 @@ def spawn(
     timeout: float = 120.0,
     master_port: int | None = None,
     kill_after: Mapping[int, float] | None = None,
+    starter: Starter | None = None,
 ) -> list[RankResult]:
     """Run ``python argv`` as ranks ``ranks`` (default all) of a ``world_size`` run on
     127.0.0.1, without torchrun; wait at most ``timeout`` seconds, then kill what is left.
 
     ``kill_after={rank: seconds}`` SIGKILLs that rank after so many seconds (to test failure).
+    ``starter`` starts each process (default ``default_starter``: a fresh interpreter).
 
     Example (4 processes training for a few seconds; tests/test_distributed.py runs it):
         >>> argv = ["examples/train_gpt.py", "--steps", "2"]
@@ -64,7 +109,8 @@ def spawn(
         [0, 0, 0, 0]
     """
     port = master_port or free_port()
-    procs: dict[int, subprocess.Popen[str]] = {}
+    start = starter or default_starter
+    procs: dict[int, RankProcess] = {}
     started = time.monotonic()
     for rank in ranks if ranks is not None else range(world_size):
         penv = {
@@ -82,20 +128,13 @@ def spawn(
         if sys.platform == "linux":  # Gloo's own sockets on loopback too, not on the host's IP
             penv.setdefault("GLOO_SOCKET_IFNAME", "lo")
         penv.pop("TORCHELASTIC_USE_AGENT_STORE", None)
-        procs[rank] = subprocess.Popen(
-            [sys.executable, *argv],
-            env=penv,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,  # its own process group: killed as a whole below
-        )
+        procs[rank] = start(argv, penv)
     pending_kills = dict(kill_after or {})
     outputs: dict[int, tuple[str, str]] = {}
     ended: dict[int, float] = {}
     try:
 
-        def reader(rank: int, p: subprocess.Popen[str]) -> None:
+        def reader(rank: int, p: RankProcess) -> None:
             out, err = p.communicate()
             outputs[rank] = (out, err)
             ended[rank] = time.monotonic() - started
@@ -138,7 +177,7 @@ def spawn(
     return results
 
 
-def _kill(p: subprocess.Popen[str]) -> None:
+def _kill(p: RankProcess) -> None:
     try:
         os.killpg(p.pid, signal.SIGKILL)
     except ProcessLookupError:
