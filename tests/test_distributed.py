@@ -92,20 +92,22 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict
 
 
 def test_gpt_training_equals_local_mesh(local_run: tuple[list[str], dict], tmp_path: Path) -> None:
+    """Compiled in each rank's own process (``compile_in_child`` off; the default compiles in
+    a child: the next test)."""
     out = tmp_path / "params.pt"
-    results = _run_ok([*TRAIN, "--save", str(out)])
+    results = _run_ok([*TRAIN, "--save", str(out)], env={"PARTITA_COMPILE_IN_CHILD": "0"})
     _same_training(results, torch.load(out), local_run)
 
 
 def test_compile_in_child_equals_local_mesh(
     local_run: tuple[list[str], dict], tmp_path: Path
 ) -> None:
-    """``compile_in_child``: every rank compiles in a forked child and runs what it hands back
-    (``frontend.child_compile``); the same training as the LocalMesh's, and no rank traced in
-    its own process (tracing imports ``torch._dynamo``)."""
+    """``compile_in_child``, the default under torch.distributed: every rank compiles in a
+    forked child and runs what it hands back (``frontend.child_compile``); the same training as
+    the LocalMesh's, and no rank traced in its own process (tracing imports ``torch._dynamo``)."""
     out = tmp_path / "params.pt"
     argv = [str(SCRIPTS / "child_train.py"), *TRAIN[1:], "--save", str(out)]
-    results = _run_ok(argv, env={"PARTITA_COMPILE_IN_CHILD": "1"})
+    results = _run_ok(argv)
     assert all("dynamo imported: False" in r.stderr for r in results), _explain(results)
     _same_training(results, torch.load(out), local_run)
 
