@@ -49,9 +49,12 @@ def _run_ok(argv: list[str], timeout: float = 120.0, **kw: object) -> list[RankR
 
 @pytest.fixture(scope="module")
 def ops_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[RankResult], Path]:
-    """One launch of ops.py: the op subset, then the plan mismatch (a per-rank branch)."""
+    """One launch of ops.py: the op subset, then the plan mismatch (a per-rank branch).
+    Compiled in each rank's own process: a child per signature imports the compiler again
+    (0.8 s of CPU each; docs/performance.md), 20 s over its ten small programs on 4
+    ranks; the default's child is checked by ``test_compile_in_child_equals_local_mesh``."""
     out = tmp_path_factory.mktemp("ops") / "ops.pt"
-    return _run_ok([str(SCRIPTS / "ops.py"), str(out)]), out
+    return _run_ok([str(SCRIPTS / "ops.py"), str(out)], env={"PARTITA_COMPILE_IN_CHILD": "0"}), out
 
 
 def test_ops_equal_local_mesh(ops_run: tuple[list[RankResult], Path]) -> None:
