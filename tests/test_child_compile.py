@@ -21,6 +21,7 @@ import partita
 from partita import Mesh, P
 from partita.errors import CaptureError, PartitaWarning
 from partita.frontend import child_compile
+from partita.runtime import plan_check
 from partita.training import init_opt_state, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,6 +70,11 @@ def _compare() -> None:
     assert there.input_names == here.input_names
     assert there.memory().peak == here.memory().peak  # from the inputs' shapes, no fake tensors
     assert crossed.local.code == kept.local.code
+    # what the cross-rank checks' messages read of the inputs (runtime.plan_check)
+    assert plan_check.input_lines(crossed) == plan_check.input_lines(kept)
+    assert [plan_check.input_name(crossed, i) for i in range(len(kept.program.input_nodes))] == [
+        plan_check.input_name(kept, i) for i in range(len(kept.program.input_nodes))
+    ]
     print("same")
 
 
@@ -152,6 +158,7 @@ DEFAULT = textwrap.dedent("""
     from partita import Mesh, P
     from partita.errors import PartitaWarning
     from partita.frontend import child_compile
+from partita.runtime import plan_check
 
     warnings.simplefilter("error", PartitaWarning)  # the default never warns here
     from partita.training import init_opt_state, make_train_step
@@ -244,6 +251,7 @@ def test_a_parallel_kernel_in_the_child_does_not_wait_for_openmp() -> None:
     code = textwrap.dedent("""
         import os, torch
         from partita.frontend import child_compile
+from partita.runtime import plan_check
         torch.set_num_threads(2)
         x = torch.randn(4_000_000)
         x.mul(2).sum()  # OpenMP's pool now has a worker thread

@@ -150,10 +150,12 @@ def decode(nodes: list[tuple[Any, ...]]) -> fx.GraphModule:
 
 
 class _Input:
-    """A placeholder of the global program as the cross-rank check reads it (its shape and
-    dtype: ``runtime.plan_check.input_lines``)."""
+    """A placeholder of the global program as the cross-rank checks read it: its name (the
+    replica check's message: ``runtime.plan_check.input_name``), shape and dtype
+    (``input_lines``)."""
 
-    def __init__(self, val: Any) -> None:
+    def __init__(self, name: str, val: Any) -> None:
+        self.name = name
         self.meta = {"val": None if val is None else InputShape(tuple(val.shape), val.dtype,
                                                                  val.device)}  # fmt: skip
 
@@ -169,7 +171,7 @@ def _payload(compiled: Any) -> dict[str, Any]:
     ]
     plan = dataclasses.replace(plan, local_program=None, local_inputs=shapes, _memory=None,
                                _values=None)  # fmt: skip
-    inputs = [_Input(n.meta.get("val")) for n in program.input_nodes]
+    inputs = [_Input(n.name, n.meta.get("val")) for n in program.input_nodes]
     program = dataclasses.replace(program, graph_module=None, input_nodes=inputs, annotations={})
     fields = {f.name: getattr(compiled, f.name) for f in dataclasses.fields(compiled)}
     fields.update(program=program, plan=plan, local=encode(compiled.local))
