@@ -71,6 +71,8 @@ def test_every_variable_is_read_with_one_vocabulary(monkeypatch: pytest.MonkeyPa
     for text, value in [("auto", None), ("Off", False), ("1", True)]:  # None: the default's
         monkeypatch.setenv("PARTITA_COMPILE_IN_CHILD", text)
         assert current().compile_in_child is value
+    with pytest.raises(OptionError, match="compile_in_child must be None, True or False"):
+        CompileOptions(compile_in_child="auto")  # the variable's word; in Python: None
     monkeypatch.setenv("PARTITA_BUCKET_BYTES", "0")
     monkeypatch.setenv("PARTITA_COLLECTIVES", "Explicit")
     assert (current().bucket_bytes, current().collectives) == (0, "explicit")
