@@ -158,7 +158,6 @@ DEFAULT = textwrap.dedent("""
     from partita import Mesh, P
     from partita.errors import PartitaWarning
     from partita.frontend import child_compile
-from partita.runtime import plan_check
 
     warnings.simplefilter("error", PartitaWarning)  # the default never warns here
     from partita.training import init_opt_state, make_train_step
@@ -251,7 +250,6 @@ def test_a_parallel_kernel_in_the_child_does_not_wait_for_openmp() -> None:
     code = textwrap.dedent("""
         import os, torch
         from partita.frontend import child_compile
-from partita.runtime import plan_check
         torch.set_num_threads(2)
         x = torch.randn(4_000_000)
         x.mul(2).sum()  # OpenMP's pool now has a worker thread
