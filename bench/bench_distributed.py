@@ -1,8 +1,8 @@
 """partita on 4 Gloo processes beside PyTorch FSDP2 and TP + FSDP2, same GPT step, same run.
 
 Run: ``.venv/bin/python bench/bench_distributed.py [--layers 4 8 12] [--repeat 5]
-[--unfused] [--threads] [--child]`` (``--threads``: also each row's CPU per step by kind of thread,
-summed over the ranks: the step's own thread and Gloo's; each
+[--unfused] [--threads] [--in-process]`` (``--threads``: also each row's CPU per step by kind
+of thread, summed over the ranks: the step's own thread and Gloo's; each
 configuration starts its own 4 worker processes on 127.0.0.1 through
 ``partita.runtime.launch.spawn``, so every process high-water mark belongs to one
 configuration; rank 0's report is printed).
@@ -31,10 +31,10 @@ parameters and optimizer state excluded, so it compares with the Plan peak minus
   (only with ``--unfused``); ``regather`` frees the gathered parameters after the forward and
   gathers them again for the backward (``PARTITA_REGATHER=1``, FSDP2's
   ``reshard_after_forward=True``);
-* ``... child`` (only with ``--child`` or ``--only``): the same partita step compiled in a
-  forked child process that hands the per-device program back (``PARTITA_COMPILE_IN_CHILD=1``,
-  ``partita.frontend.child_compile``): the training process never imports or holds the
-  compiler;
+* the partita rows compile in a forked child process that hands the per-device program back
+  (``partita.frontend.child_compile``, the default under torch.distributed): the training
+  process never imports or holds the compiler; ``... in process`` (only with ``--in-process``
+  or ``--only``): the same step compiled in the training process (``PARTITA_COMPILE_IN_CHILD=0``);
 * ``partita 2-D (2, 2)``: FSDP over ``data`` and Megatron TP over ``model``; ``MLP TP``: TP on
   the MLP only, attention FSDP only: the sharding of the ``torch TP + FSDP2`` row (fewer
   collectives on the critical path, unsharded attention activations);
@@ -124,8 +124,9 @@ FLOOR1 = "torch unsharded 1 x 1 thread"
 EAGER = "torch eager quarter batch (4,)"
 #: The environment of the "regather" runs: gathered parameters freed after the forward.
 REGATHER = {"PARTITA_REGATHER": "1"}
-#: The environment of the "child" runs: compiled in a forked child process.
-CHILD = {"PARTITA_COMPILE_IN_CHILD": "1"}
+#: The environment of the "in process" runs: compiled in the training process (the default
+#: under torch.distributed compiles in a forked child process).
+HERE = {"PARTITA_COMPILE_IN_CHILD": "0"}
 
 
 def _batch(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -504,12 +505,12 @@ CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
     "partita 2-D (2, 2) unfused": (
         lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), UNFUSED),
     "torch TP + FSDP2 (2, 2)": (lambda r: bench_torch(True, r), {}),
-    "partita fsdp (4,) child": (
-        lambda r: bench_partita(Mesh.create((4,), ("data",)), r), CHILD),
-    "partita fsdp (4,) regather child": (
-        lambda r: bench_partita(Mesh.create((4,), ("data",)), r), {**REGATHER, **CHILD}),
-    "partita 2-D (2, 2) child": (
-        lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), CHILD),
+    "partita fsdp (4,) in process": (
+        lambda r: bench_partita(Mesh.create((4,), ("data",)), r), HERE),
+    "partita fsdp (4,) regather in process": (
+        lambda r: bench_partita(Mesh.create((4,), ("data",)), r), {**REGATHER, **HERE}),
+    "partita 2-D (2, 2) in process": (
+        lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), HERE),
     FLOOR: (bench_unsharded, {"OMP_NUM_THREADS": "2"}),
     FLOOR1: (bench_unsharded, {"OMP_NUM_THREADS": "1"}),
     EAGER: (bench_eager_quarter, {}),
@@ -600,7 +601,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", choices=list(CONFIGS), help="these configurations")
     parser.add_argument("--profile", action="store_true", help="cProfile rank 0 of partita's steps")
     parser.add_argument("--threads", action="store_true", help="CPU per step of each thread kind")
-    parser.add_argument("--child", action="store_true", help="also the rows compiled in a child")
+    parser.add_argument("--in-process", action="store_true",
+                        help="also the rows compiled in the training process")  # fmt: skip
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
@@ -623,7 +625,7 @@ def main() -> None:
         for name, (_, env) in CONFIGS.items():
             if (ns.only and name not in ns.only) or (env is UNFUSED and not ns.unfused):
                 continue
-            if name.endswith(" child") and not (ns.child or ns.only):
+            if name.endswith(" in process") and not (ns.in_process or ns.only):
                 continue
             argv = [__file__, "--worker", name, "--repeat", str(ns.repeat), "--layers", str(layers)]
             argv += ["--profile"] if ns.profile else []

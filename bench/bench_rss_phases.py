@@ -20,9 +20,9 @@ each step; the first step of partita is its first run) a row gives:
   malloc's numbers; ``sys._debugmallocstats``);
 * ``CPU``: the phase's process CPU time (a step's, for the steps).
 
-``partita-child`` is ``partita`` compiled in a forked child process that hands the per-device
-program back (``PARTITA_COMPILE_IN_CHILD=1``): the training process never imports or holds the
-compiler.
+``partita`` compiles in a forked child process that hands the per-device program back (the
+default under torch.distributed): the training process never imports or holds the compiler;
+``partita-here`` is the same step compiled in the training process (``PARTITA_COMPILE_IN_CHILD=0``).
 
 Then the new tensor storages one later step allocates, by size (a ``TorchDispatchMode`` over
 the step's ops, views and in-place results left out: count and MB of each class; Gloo's own
@@ -55,7 +55,7 @@ import bench_distributed as bd
 import partita.distributed as pd
 from partita import Mesh
 
-CONFIGS = ("partita", "partita-child", "torch")
+CONFIGS = ("partita", "partita-here", "torch")
 #: Upper bounds of the size classes of the allocation table, bytes.
 SIZES = (128 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20, 8 << 20, 1 << 62)
 
@@ -201,7 +201,7 @@ def main() -> None:
     print(bd._load())
     for which in ns.only:
         argv = [__file__, "--worker", which, "--layers", str(ns.layers), "--steps", str(ns.steps)]
-        env = {"PARTITA_COMPILE_IN_CHILD": "1"} if which == "partita-child" else {}
+        env = {"PARTITA_COMPILE_IN_CHILD": "0"} if which == "partita-here" else {}
         results = spawn(argv, 4, env=env, timeout=1800)  # OMP_NUM_THREADS=1 unless set
         lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
         if any(r.returncode for r in results) or not lines:

@@ -5,9 +5,12 @@ compiling here, and the process never imports ``torch._dynamo``. On 4 Gloo proce
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ import partita
 from partita import Mesh, P
 from partita.errors import CaptureError, PartitaWarning
 from partita.frontend import child_compile
+from partita.runtime import plan_check
 from partita.training import init_opt_state, make_train_step
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,6 +70,11 @@ def _compare() -> None:
     assert there.input_names == here.input_names
     assert there.memory().peak == here.memory().peak  # from the inputs' shapes, no fake tensors
     assert crossed.local.code == kept.local.code
+    # what the cross-rank checks' messages read of the inputs (runtime.plan_check)
+    assert plan_check.input_lines(crossed) == plan_check.input_lines(kept)
+    assert [plan_check.input_name(crossed, i) for i in range(len(kept.program.input_nodes))] == [
+        plan_check.input_name(kept, i) for i in range(len(kept.program.input_nodes))
+    ]
     print("same")
 
 
@@ -136,6 +145,127 @@ def test_the_process_never_imports_dynamo() -> None:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "dynamo imported: False" in proc.stdout, proc.stdout
+
+
+#: A process of one Gloo rank: where the default compiles, with and without an eager backward
+#: that started autograd's device threads first (``backward``: a CPU-only backward does not),
+#: and under ``compile_in_child=False``.
+DEFAULT = textwrap.dedent("""
+    import sys, tempfile, warnings
+    import torch
+    import torch.distributed as dist
+    import partita
+    from partita import Mesh, P
+    from partita.errors import PartitaWarning
+    from partita.frontend import child_compile
+
+    warnings.simplefilter("error", PartitaWarning)  # the default never warns here
+    from partita.training import init_opt_state, make_train_step
+    mesh = Mesh.create((2,), ("data",))
+    model = torch.nn.Linear(4, 2)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    batch = (torch.randn(8, 4), torch.randn(8, 2))
+
+    def where(options=None):  # tracing a training step runs autograd
+        step = partita.jit(make_train_step(model, torch.nn.functional.mse_loss, "sgd", lr=0.1),
+                           mesh=mesh, in_specs=(None, None, None, (P("data"), P("data"))),
+                           options=options)
+        step.lower(params, {}, init_opt_state(params, "sgd"), batch)
+        (compiled,) = step._cache.values()
+        return "child" if compiled.program.graph_module is None else "here"
+
+    dist.init_process_group("gloo", init_method="file://" + tempfile.mktemp(), rank=0,
+                            world_size=1)
+    if sys.argv[1] == "backward":  # with a device beside the CPU, autograd starts threads
+        partita.virtual.register_device()  # then torch refuses autograd in a fork
+        torch.ones(2, requires_grad=True).sum().backward()
+    print("distributed", where())
+    print("dynamo imported:", "torch._dynamo" in sys.modules)
+    print("forks", child_compile._STATE["forks"])
+    print("off", where({"compile_in_child": False}))
+    dist.destroy_process_group()
+    print("local", where())
+""")
+
+
+def _default(*argv: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", DEFAULT, *argv], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_the_default_compiles_in_a_child_under_torch_distributed_only() -> None:
+    out = _default("plain")
+    assert "local here" in out  # a LocalMesh (one process) compiles here
+    assert "distributed child" in out and "dynamo imported: False" in out
+    assert "off here" in out  # compile_in_child=False turns it off
+
+
+def test_the_default_after_a_backward_compiles_here_without_a_warning() -> None:
+    out = _default("backward")  # a PartitaWarning would be an error there
+    assert "distributed here" in out and "forks False" in out
+
+
+@pytest.fixture
+def fresh_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(child_compile._STATE, "forks", True)
+    monkeypatch.setitem(child_compile._STATE, "warned", False)
+
+
+def test_a_hung_child_is_stopped_and_this_process_compiles(
+    fresh_state: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(child_compile, "STALL_SECONDS", 1.0)
+    parent = os.getpid()
+
+    def build() -> str:
+        while os.getpid() != parent:  # the child waits without using CPU, as a deadlock does
+            time.sleep(60)
+        return "compiled here"
+
+    with pytest.warns(PartitaWarning, match="used no CPU for 1 s and was stopped"):
+        assert child_compile.compile_in_child(build, loud=False) == "compiled here"
+    assert not child_compile._STATE["forks"]
+
+
+def test_a_child_that_dies_is_not_waited_for_and_the_default_is_silent(
+    fresh_state: None, recwarn: pytest.WarningsRecorder
+) -> None:
+    parent = os.getpid()
+
+    def build() -> str:
+        if os.getpid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return "compiled here"
+
+    assert child_compile.compile_in_child(build, loud=False) == "compiled here"
+    assert not [w for w in recwarn if issubclass(w.category, PartitaWarning)]
+    assert not child_compile._STATE["forks"]
+
+
+def test_a_parallel_kernel_in_the_child_does_not_wait_for_openmp() -> None:
+    """OpenMP's worker threads are not in a forked child: its first parallel kernel waited for
+    them forever (GNU libgomp) once this process had run one on two threads."""
+    code = textwrap.dedent("""
+        import os, torch
+        from partita.frontend import child_compile
+        torch.set_num_threads(2)
+        x = torch.randn(4_000_000)
+        x.mul(2).sum()  # OpenMP's pool now has a worker thread
+        parent = os.getpid()
+        def build():
+            if os.getpid() != parent:
+                x.mul(2).sum()
+                os._exit(0)  # no result: this process compiles (here, returns)
+            return "compiled here"
+        print(child_compile.compile_in_child(build, loud=False))
+    """)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiled here" in proc.stdout
 
 
 if __name__ == "__main__":

@@ -49,9 +49,12 @@ def _run_ok(argv: list[str], timeout: float = 120.0, **kw: object) -> list[RankR
 
 @pytest.fixture(scope="module")
 def ops_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[RankResult], Path]:
-    """One launch of ops.py: the op subset, then the plan mismatch (a per-rank branch)."""
+    """One launch of ops.py: the op subset, then the plan mismatch (a per-rank branch).
+    Compiled in each rank's own process: a child per signature imports the compiler again
+    (0.8 s of CPU each; docs/performance.md), 20 s over its ten small programs on 4
+    ranks; the default's child is checked by ``test_compile_in_child_equals_local_mesh``."""
     out = tmp_path_factory.mktemp("ops") / "ops.pt"
-    return _run_ok([str(SCRIPTS / "ops.py"), str(out)]), out
+    return _run_ok([str(SCRIPTS / "ops.py"), str(out)], env={"PARTITA_COMPILE_IN_CHILD": "0"}), out
 
 
 def test_ops_equal_local_mesh(ops_run: tuple[list[RankResult], Path]) -> None:
@@ -92,20 +95,22 @@ def local_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], dict
 
 
 def test_gpt_training_equals_local_mesh(local_run: tuple[list[str], dict], tmp_path: Path) -> None:
+    """Compiled in each rank's own process (``compile_in_child`` off; the default compiles in
+    a child: the next test)."""
     out = tmp_path / "params.pt"
-    results = _run_ok([*TRAIN, "--save", str(out)])
+    results = _run_ok([*TRAIN, "--save", str(out)], env={"PARTITA_COMPILE_IN_CHILD": "0"})
     _same_training(results, torch.load(out), local_run)
 
 
 def test_compile_in_child_equals_local_mesh(
     local_run: tuple[list[str], dict], tmp_path: Path
 ) -> None:
-    """``compile_in_child``: every rank compiles in a forked child and runs what it hands back
-    (``frontend.child_compile``); the same training as the LocalMesh's, and no rank traced in
-    its own process (tracing imports ``torch._dynamo``)."""
+    """``compile_in_child``, the default under torch.distributed: every rank compiles in a
+    forked child and runs what it hands back (``frontend.child_compile``); the same training as
+    the LocalMesh's, and no rank traced in its own process (tracing imports ``torch._dynamo``)."""
     out = tmp_path / "params.pt"
     argv = [str(SCRIPTS / "child_train.py"), *TRAIN[1:], "--save", str(out)]
-    results = _run_ok(argv, env={"PARTITA_COMPILE_IN_CHILD": "1"})
+    results = _run_ok(argv)
     assert all("dynamo imported: False" in r.stderr for r in results), _explain(results)
     _same_training(results, torch.load(out), local_run)
 

@@ -42,6 +42,7 @@ BAD = {
     "join_timeout": ("0", "a finite number of seconds > 0"),
     "collective_timeout": ("forever", "a number of seconds > 0"),
     "virtual_device": ("enabled", "one of 1/true"),
+    "compile_in_child": ("maybe", "auto or one of 1/true/on/yes or 0/false/off/no"),
 }
 
 
@@ -67,6 +68,11 @@ def test_every_variable_is_read_with_one_vocabulary(monkeypatch: pytest.MonkeyPa
         monkeypatch.setenv("PARTITA_STRICT", text)
         monkeypatch.setenv("PARTITA_SCAN_LAYERS", text)
         assert current().strict is value and current().scan_layers is value
+    for text, value in [("auto", None), ("Off", False), ("1", True)]:  # None: the default's
+        monkeypatch.setenv("PARTITA_COMPILE_IN_CHILD", text)
+        assert current().compile_in_child is value
+    with pytest.raises(OptionError, match="compile_in_child must be None, True or False"):
+        CompileOptions(compile_in_child="auto")  # the variable's word; in Python: None
     monkeypatch.setenv("PARTITA_BUCKET_BYTES", "0")
     monkeypatch.setenv("PARTITA_COLLECTIVES", "Explicit")
     assert (current().bucket_bytes, current().collectives) == (0, "explicit")

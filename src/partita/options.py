@@ -71,6 +71,15 @@ def _bool(text: str) -> bool:
     raise OptionError(f"one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}")
 
 
+def _bool_or_auto(text: str) -> bool | None:
+    if text.lower() == "auto":
+        return None
+    try:
+        return _bool(text)
+    except OptionError:
+        raise OptionError(f"auto or one of {'/'.join(_TRUE)} or {'/'.join(_FALSE)}") from None
+
+
 def _bytes(text: str) -> int:
     if not text.isdigit():
         raise OptionError("a whole number of bytes >= 0 (0 turns it off)")
@@ -159,10 +168,12 @@ KNOBS: tuple[Knob, ...] = (
     Knob("check_calls", "PARTITA_CHECK_CALLS", _bool,
          "under torch.distributed, check before every run of a program (not only its first) "
          "that every rank runs it with the same input shapes and dtypes", keyed=False),
-    Knob("compile_in_child", "PARTITA_COMPILE_IN_CHILD", _bool,
+    Knob("compile_in_child", "PARTITA_COMPILE_IN_CHILD", _bool_or_auto,
          "partita.jit compiles in a forked child process and runs the per-device program it "
-         "hands back: this process never imports or holds the compiler (less memory; "
-         "where os.fork exists)", keyed=False),
+         "hands back: this process never imports or holds the compiler (less memory; where "
+         "os.fork exists). None (auto): under torch.distributed only, compiling here silently "
+         "when the child cannot; True: on every mesh, a warning says when it cannot; False: "
+         "never", keyed=False),
     Knob("auto_objective", "PARTITA_AUTO_OBJECTIVE", _objective,
          "what auto-sharding minimizes: modelled step time, or wire bytes at the best "
          "preset's compute (docs/auto.md)"),
@@ -197,7 +208,7 @@ class CompileOptions:
     collective_timeout: float = 300.0
     compile_cache: str | None = None
     check_calls: bool = True
-    compile_in_child: bool = False
+    compile_in_child: bool | None = None
     auto_objective: str = "time"
     auto_time_limit: float = 30.0
     memory_limit: int = 0
@@ -229,6 +240,7 @@ class CompileOptions:
 #: What each parser reads, for checking a value set from Python.
 _KINDS: dict[Callable[[str], Any], str | tuple[str, ...]] = {
     _bool: "bool",
+    _bool_or_auto: "bool or None",
     _bytes: "bytes",
     _count: "count",
     _seconds: "seconds",
@@ -245,6 +257,8 @@ def _check(name: str, value: Any) -> str | None:
         return None if value in kind else f"one of {', '.join(map(repr, kind))}"
     if kind == "bool":
         return None if isinstance(value, bool) else "True or False"
+    if kind == "bool or None":
+        return None if value is None or isinstance(value, bool) else "None, True or False"
     if kind == "bytes":
         ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
         return None if ok else "an int >= 0 (bytes; 0 turns it off)"

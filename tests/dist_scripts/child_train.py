@@ -1,5 +1,6 @@
 """``examples/train_gpt.py`` with its arguments, then whether this process imported
-``torch._dynamo`` (tracing does; under ``PARTITA_COMPILE_IN_CHILD=1`` only the children trace)."""
+``torch._dynamo`` (tracing does; compiled in a child, the default under torch.distributed,
+only the children trace)."""
 
 from __future__ import annotations
 
