@@ -112,7 +112,7 @@ class ProgramState:
         self.mesh = mesh
         self.values: dict[ValueKey, ValueState] = {}
         self.ops: list[OpState] = []
-        self.users: dict[ValueKey, list[int]] = {}  # value -> indices of ops touching it
+        self._users: dict[ValueKey, list[int]] | None = None  # built on first use (users)
         self.alias: dict[fx.Node, ValueKey] = {}
         self.replicate_unsupported = replicate_unsupported
         self._metas: dict[fx.Node, TensorMeta] = {}
@@ -175,11 +175,20 @@ class ProgramState:
         self._seen.clear()
         self._sizes.clear()
         self.copies.clear()
-        for i, op in enumerate(self.ops):
-            for k in (*op.operands, *op.results):
-                if k is not None:
-                    self.users.setdefault(k, []).append(i)
         self._mark_stored()
+
+    @property
+    def users(self) -> dict[ValueKey, list[int]]:
+        """Value -> indices of the ops touching it (propagation's, not the auto build's: made
+        on first use)."""
+        if self._users is None:
+            users: dict[ValueKey, list[int]] = {}
+            for i, op in enumerate(self.ops):
+                for k in (*op.operands, *op.results):
+                    if k is not None:
+                        users.setdefault(k, []).append(i)
+            self._users = users
+        return self._users
 
     def _mark_stored(self) -> None:
         """Mark the program's inputs, and their views, casts and annotations, as *stored*
