@@ -6,6 +6,10 @@ prices for every copy of a layer (``auto.candidates``, ``Block.sig`` in ``auto.i
 describes a value once per value object (the copies of a layer share theirs). Built again with
 a signature of its own per op and per input, every op is enumerated and priced on its own: the
 space and the model must come out the same, bit for bit.
+
+Propagation's state maps a layer copy's rule from its part node's first copy
+(``propagate.copies``); the node-by-node build keys every op's call itself, and its ops, rules,
+operands and values must be the same.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from partita import Mesh
 from partita.auto import ilp, search
 from partita.auto import space as space_module
 from partita.models import GPT, GPTConfig
+from partita.propagate.copies import Copies
+from partita.propagate.state import ProgramState
 
 pytest.importorskip("scipy")
 
@@ -62,23 +68,42 @@ def _block(b: space_module.Block) -> tuple[Any, ...]:
     return (b.node, b.assigns, b.columns, b.inputs, follow, b.local_bytes)
 
 
+def _op(op: Any) -> tuple[Any, ...]:
+    return (
+        op.node, repr(op.rule), op.operands, op.results, op.compound, op.free, op.result_only,
+        op.weak, op.pass_through,
+    )  # fmt: skip
+
+
 def test_reused_templates_price_as_the_node_by_node_build(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     problem = _problem(monkeypatch)
     built: list[tuple[Any, Any]] = []
+    states: list[ProgramState] = []
     original = search.build_model
 
     def spy(space: Any, pricer: Any, rep: Any) -> Any:
         built.append((space, pricer))
         return original(space, pricer, rep)
 
+    def state(*args: Any) -> ProgramState:
+        states.append(ProgramState(*args))
+        return states[-1]
+
     monkeypatch.setattr(search, "build_model", spy)
+    monkeypatch.setattr(search, "ProgramState", state)
     search._Solver(problem)
     with monkeypatch.context() as m:  # a signature per op and per input: nothing is reused
         m.setattr(space_module, "_sig", lambda op: ("node", id(op)))
         m.setattr(space_module, "describe_val", id)
+        m.setattr(Copies, "find", lambda self, node: None)  # every call keyed by its walk
         search._Solver(problem)
+    mapped, walked = states
+    # a third of the ops are later copies of a layer's or an update's node: mapped
+    assert walked.copies.mapped == 0 and mapped.copies.mapped > len(mapped.ops) // 3
+    assert [_op(op) for op in mapped.ops] == [_op(op) for op in walked.ops]
+    assert mapped.values == walked.values and mapped.alias == walked.alias
     (shared, pricer1), (alone, pricer2) = built
     assert shared.templates_built < alone.templates_built  # the first build did reuse
     assert len(shared.blocks) == len(alone.blocks)
@@ -104,3 +129,23 @@ def test_reused_templates_price_as_the_node_by_node_build(
     assert _rows(m1, m1.ub_rows[0], m1.ub_cols[0], m1.ub_vals[0], m1.ub_rhs) == _rows(
         m2, m2.ub_rows[0], m2.ub_cols[0], m2.ub_vals[0], m2.ub_rhs
     )
+
+
+def test_a_copy_whose_arguments_were_rewritten_is_keyed_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A pass that gives a copy new arguments (fx makes new objects) ends its mapping: the
+    copy is keyed by its own walk (``CopyTag.holds``)."""
+    problem = _problem(monkeypatch)
+    gm, mesh = problem.program.graph_module, problem.mesh
+    found: list[Any] = []
+    find = Copies.find
+    with monkeypatch.context() as m:
+        m.setattr(Copies, "find", lambda c, n: found.append((n, find(c, n))) or found[-1][1])
+        before = ProgramState(gm, mesh, False)
+    mapped = [n for n, f in found if f is not None]
+    last = mapped[-1]
+    last.args = tuple(last.args)  # the same arguments, new objects: no longer the copy's own
+    after = ProgramState(gm, mesh, False)
+    assert after.copies.mapped == before.copies.mapped - 1
+    assert [_op(op) for op in after.ops] == [_op(op) for op in before.ops]

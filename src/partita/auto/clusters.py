@@ -2,8 +2,11 @@
 
 A captured program inlines a model's repeated layers, so a 48-layer GPT has 48 copies of each
 layer's ops (forward, backward and optimizer update), and the integer program 48 copies of each
-one-hot group. No tag survives capture that names a node's layer copy, so the copies are found
-by structure: every block gets a label from what it is (an op's target, its source line, its
+one-hot group. Capture tags each copied node with the part node it copies
+(``capture.fx_nodes.CopyTag``; propagation maps a copy's rule by it), but the clusters do not
+use it: the copies of the first and last layers are copies too, yet their neighbourhoods
+differ, and two ops must look the same around them to share. So the copies are found by
+structure: every block gets a label from what it is (an op's target, its source line, its
 result shapes and dtypes; an input's shape, dtype and group size) and is relabelled
 ``ROUNDS`` times with the labels of its neighbours (the producers of its operands, in operand
 order, and the multiset of its users) -- Weisfeiler-Lehman refinement. After the rounds, two

@@ -32,7 +32,7 @@ from torch import Tensor, fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
 
-from partita.capture.fx_nodes import copy_node
+from partita.capture.fx_nodes import copy_node, tag_copy
 
 __all__ = [
     "LAYER_CALL_OP",
@@ -392,4 +392,5 @@ def _copy_part(
             env[node].meta = dict(node.meta)
         else:
             env[node] = copy_node(graph, node, env.__getitem__)
+            tag_copy(env[node], node)  # read by propagate.state: one rule per part node
     return results

@@ -39,7 +39,7 @@ from torch import fx
 
 from partita.capture.annotate import ANNOTATE_OP
 from partita.capture.control_flow import normalize_bodies
-from partita.capture.fx_nodes import add_node
+from partita.capture.fx_nodes import add_node, replace_uses, retag
 from partita.capture.stack import stack_cat_reshapes
 from partita.errors import UnsupportedOpError
 
@@ -115,7 +115,8 @@ def _replace(gm: fx.GraphModule, node: fx.Node, target: Callable, args: tuple) -
     with gm.graph.inserting_before(node):
         new = add_node(gm.graph, target, args)
     new.meta = dict(node.meta)
-    node.replace_all_uses_with(new)
+    retag(new, node, target)  # the same rewrite of every copy of a layer's node
+    replace_uses(node, new)
     gm.graph.erase_node(node)
     return new
 
@@ -190,10 +191,10 @@ def normalize(gm: fx.GraphModule) -> fx.GraphModule:
         target = node.target
         if target in _IDENTITY or target in (aten.clone.default, aten._to_copy.default):
             if _is_identity(node):
-                node.replace_all_uses_with(node.args[0])
+                replace_uses(node, node.args[0])
                 gm.graph.erase_node(node)
         elif target == aten.copy.default and _copy_is_identity(node):
-            node.replace_all_uses_with(node.args[1])
+            replace_uses(node, node.args[1])
             gm.graph.erase_node(node)
         elif target in _TO_RESHAPE:
             _replace(gm, node, aten.reshape.default, (node.args[0], list(node.meta["val"].shape)))

@@ -24,6 +24,7 @@ from partita.capture.manual import ENTER_OP, EXIT_OP, boundary, is_fully_manual,
 from partita.errors import InternalError, PartitaError, ShardingConflictError, UnsupportedOpError
 from partita.ir import node_meta
 from partita.propagate.call_key import call_key, info_key
+from partita.propagate.copies import Copies
 from partita.propagate.rules import apply_rule, compiler_error
 from partita.rules import FactorKind, FactorRule, OpInfo, TensorMeta
 from partita.rules.handler_names import HandlerName
@@ -111,7 +112,7 @@ class ProgramState:
         self.mesh = mesh
         self.values: dict[ValueKey, ValueState] = {}
         self.ops: list[OpState] = []
-        self.users: dict[ValueKey, list[int]] = {}  # value -> indices of ops touching it
+        self._users: dict[ValueKey, list[int]] | None = None  # built on first use (users)
         self.alias: dict[fx.Node, ValueKey] = {}
         self.replicate_unsupported = replicate_unsupported
         self._metas: dict[fx.Node, TensorMeta] = {}
@@ -119,6 +120,7 @@ class ProgramState:
         self._seen: dict[Any, Any] = {}  # call_key's memo (per node argument and value)
         #: (ndim, numel) per value object (``id``): the copies of a layer share theirs
         self._sizes: dict[int, tuple[int, int]] = {}
+        self.copies = Copies()  # a layer copy's rule from its template copy's (by part node)
         self._build()
 
     def key(self, node: fx.Node) -> ValueKey:
@@ -172,11 +174,21 @@ class ProgramState:
         # keyed by ids of the values: valid while this walk holds them, not after
         self._seen.clear()
         self._sizes.clear()
-        for i, op in enumerate(self.ops):
-            for k in (*op.operands, *op.results):
-                if k is not None:
-                    self.users.setdefault(k, []).append(i)
+        self.copies.clear()
         self._mark_stored()
+
+    @property
+    def users(self) -> dict[ValueKey, list[int]]:
+        """Value -> indices of the ops touching it (propagation's, not the auto build's: made
+        on first use)."""
+        if self._users is None:
+            users: dict[ValueKey, list[int]] = {}
+            for i, op in enumerate(self.ops):
+                for k in (*op.operands, *op.results):
+                    if k is not None:
+                        users.setdefault(k, []).append(i)
+            self._users = users
+        return self._users
 
     def _mark_stored(self) -> None:
         """Mark the program's inputs, and their views, casts and annotations, as *stored*
@@ -259,16 +271,21 @@ class ProgramState:
         so a repeated call builds no OpInfo: a deeper model adds look-ups, not rule inputs."""
         key = None
         if node not in self._local and node.target is not EXIT_OP:
+            mapped = self.copies.find(node)  # a layer copy: its template's (propagate.copies)
+            if mapped is not None:
+                return mapped
             operand_nodes: list[fx.Node] = []
             key = call_key(node, self._metas, operand_nodes, self._seen)
             found = self._shapes.get(key) if key is not None else None
             if found is not None:
+                self.copies.add(node, found, operand_nodes)
                 return found, operand_nodes
         info, operand_nodes, _ = op_info(node, self._metas)
         rule = self._rule(node, info)
         shape = _op_groups(rule)
         if key is not None and node_meta.replicated_reason(node) is None:
             self._shapes[key] = shape
+            self.copies.add(node, shape, operand_nodes)
         return shape, operand_nodes
 
     def _rule(self, node: fx.Node, info: OpInfo) -> FactorRule:
