@@ -154,3 +154,19 @@ def test_a_miss_in_the_middle_of_a_step_records_the_rest_in_full(fresh: torch.de
     assert (m.compiles, m.fast_path_hits) == (2, 1)
     (miss,) = m.fast_path_misses
     assert miss.startswith("op 2 (aten.sum.dim_IntList): argument 1 is [1]"), miss
+
+
+def test_a_guide_is_found_only_for_the_program_that_ran_before_it() -> None:
+    """Guides are keyed by ``id(program)``: once a program is gone (evicted, or the programs
+    cleared), a new program can have its id, and must not get the old one's guide (the
+    fast path would then check the step against another program's recording)."""
+    from types import SimpleNamespace
+
+    from partita.virtual import recording
+
+    gone, new, guide = object(), object(), object()
+    last = SimpleNamespace(program=new)
+    device = SimpleNamespace(guides={id(new): (gone, guide)})  # an id reused by `new`
+    assert recording._guide_after(device, last) is last
+    device.guides = {id(new): (new, guide)}
+    assert recording._guide_after(device, last) is guide

@@ -241,13 +241,18 @@ def current() -> Recording:
     if rec is None:
         device.epoch += 1
         last = device.last_guide
-        guide = (
-            None
-            if last is None or not device.fast_path
-            else device.guides.get(id(last.program), last)
-        )
+        guide = None if last is None or not device.fast_path else _guide_after(device, last)
         rec = device.recording = Recording(device.epoch, guide=guide)
     return rec
+
+
+def _guide_after(device: Any, last: Any) -> Any:
+    """The guide that followed ``last.program`` the last time it ran, else ``last``. The
+    guides are keyed by ``id``; each entry holds its program, so an id that a program freed
+    since (evicted, or the programs cleared) and a new one now has never finds another
+    program's guide."""
+    entry = device.guides.get(id(last.program))
+    return entry[1] if entry is not None and entry[0] is last.program else last
 
 
 def reset() -> Recording | None:
@@ -265,7 +270,7 @@ def remember(guide: Guide) -> None:
     if last is not None:
         if len(device.guides) >= _GUIDE_LIMIT:
             device.guides.clear()
-        device.guides[id(last.program)] = guide
+        device.guides[id(last.program)] = (last.program, guide)  # see _guide_after
     device.last_guide = guide
 
 

@@ -85,7 +85,8 @@ class DeviceState:
         epoch: numbers recordings; a cell's slot is valid in the recording of its epoch.
         recording: the recording being made (a ``recording.Recording``), None between steps.
         last_guide: the guide of the step run last.
-        guides: the guide that followed each program last, by ``id(program)``.
+        guides: the guide that followed each program last, by ``id(program)``: (program,
+            guide), the program held so that its id names no other program.
         fast_path: check recordings against their guide (False records every step in full).
         draws_pending, draws_seen, draw_keys: the random ops recorded since the last sync
             (:mod:`partita.virtual.draws`).
