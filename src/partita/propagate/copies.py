@@ -80,12 +80,12 @@ class Copies:
         """The template's shapes and ``node``'s tensor operands (flattened order) when
         ``node`` is a matching copy of a template (see the module), else None."""
         tag = node.meta.get(COPY_META)
-        if tag is None or node.args is not tag.args or node.kwargs is not tag.kwargs:
+        if tag is None or not tag.holds(node):
             return None
         t = self._templates.get((tag.token, id(node.meta.get("val"))))
         if t is None or t.target is not node.target:
             return None
-        args = node.args
+        args: Any = node.args
         operands: list[fx.Node] = []
         for (i, j), tval, desc in zip(t.paths, t.vals, t.descs, strict=True):
             a = args[i] if j < 0 else args[i][j]
@@ -103,7 +103,7 @@ class Copies:
         part node's later copies, when it is a copy whose operands are all its node
         arguments."""
         tag = node.meta.get(COPY_META)
-        if tag is None or node.args is not tag.args or node.kwargs is not tag.kwargs:
+        if tag is None or not tag.holds(node):
             return
         key = (tag.token, id(node.meta.get("val")))
         if key in self._templates:
