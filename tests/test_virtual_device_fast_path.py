@@ -170,3 +170,25 @@ def test_a_guide_is_found_only_for_the_program_that_ran_before_it() -> None:
     assert recording._guide_after(device, last) is last
     device.guides = {id(new): (new, guide)}
     assert recording._guide_after(device, last) is guide
+
+
+def test_a_freed_cpu_tensor_does_not_lend_its_copy_to_the_next(fresh: torch.device) -> None:
+    """A CPU tensor an op reads is copied once per version, found again by ``id(t)``. One
+    freed during the step gives its id to the next tensor allocated (CPython reuses the
+    address at once), which must get its own copy: it used to read the freed one's values,
+    a wrong answer that came and went with the allocator's state."""
+    x = torch.zeros(4).to(fresh)
+    outs = []
+    for i in range(6):
+        c = torch.full((4,), float(i))
+        outs.append(x + c)
+        del c
+    assert [o.cpu().tolist() for o in outs] == [[float(i)] * 4 for i in range(6)]
+    # The next step repeats the first one (the fast path) with other values: still right.
+    x = torch.zeros(4).to(fresh)
+    outs = []
+    for i in range(6):
+        c = torch.full((4,), float(10 + i))
+        outs.append(x + c)
+        del c
+    assert [o.cpu().tolist() for o in outs] == [[float(10 + i)] * 4 for i in range(6)]

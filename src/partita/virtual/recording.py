@@ -79,7 +79,12 @@ class Recording:
     miss: str | None = None
     results: list[Any] = field(default_factory=list)
     input_meta: list[Any] = field(default_factory=list)
-    _snapshots: dict[tuple[int, int], int] = field(default_factory=dict)
+    #: The copies of CPU tensors, by ``(id(t), t._version)``, each with a weak reference to
+    #: ``t``: a tensor freed during the recording gives its id to the next one allocated,
+    #: which must get its own copy, not the freed tensor's.
+    _snapshots: dict[tuple[int, int], tuple[weakref.ref[torch.Tensor], int]] = field(
+        default_factory=dict
+    )
     sources: list[Source] = field(default_factory=list)
     forward_sources: dict[int, Source] = field(default_factory=dict)
 
@@ -111,17 +116,18 @@ class Recording:
 
     def snapshot(self, t: torch.Tensor) -> int:
         """A slot for a CPU tensor, copied now (one copy per tensor version)."""
-        ident = (id(t), t._version)
-        if ident not in self._snapshots:
+        slot = self.snapshot_slot(t)
+        if slot is None:
             slot = self.new_slot()
             meta = ("cpu", tuple(t.shape), t.stride(), t.dtype)
             self._add_input(slot, t.detach().clone(), meta)
-            self._snapshots[ident] = slot
-        return self._snapshots[ident]
+            self._snapshots[(id(t), t._version)] = (weakref.ref(t), slot)
+        return slot
 
     def snapshot_slot(self, t: torch.Tensor) -> int | None:
         """The slot of the copy of CPU tensor ``t`` (as it is now), if an op read it."""
-        return self._snapshots.get((id(t), t._version))
+        entry = self._snapshots.get((id(t), t._version))
+        return entry[1] if entry is not None and entry[0]() is t else None
 
     def template(self, x: Any, lift: bool, like: torch.dtype = torch.float64) -> Any:
         if isinstance(x, LazyTensor):
