@@ -85,17 +85,23 @@ def test_code_blocks_run_and_print_what_they_say(
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, object] = {"__name__": f"docs_{path.stem.replace('-', '_')}"}
     exact = path.name in EXACT_PRINTS
-    for b in blocks(path):
-        if b.fragment is not None:
-            continue
-        for statement in _statements(b.code):
-            capsys.readouterr()
-            where = f"{b.page}:{b.line} [block {b.index}]"
-            exec(compile(statement, where, "exec"), namespace)
-            match = re.fullmatch(r"print\((.*)\)\s+# (.*)", statement.strip())
-            if exact and match and "..." not in match.group(2) and ":" not in match.group(2):
-                printed = capsys.readouterr().out.strip()
-                assert printed == match.group(2).strip(), f"{where}: {statement}"
+    try:
+        for b in blocks(path):
+            if b.fragment is not None:
+                continue
+            for statement in _statements(b.code):
+                capsys.readouterr()
+                where = f"{b.page}:{b.line} [block {b.index}]"
+                exec(compile(statement, where, "exec"), namespace)
+                match = re.fullmatch(r"print\((.*)\)\s+# (.*)", statement.strip())
+                if exact and match and "..." not in match.group(2) and ":" not in match.group(2):
+                    printed = capsys.readouterr().out.strip()
+                    assert printed == match.group(2).strip(), f"{where}: {statement}"
+    finally:
+        # A page's functions hold its namespace (a cycle): cleared, its models and device
+        # tensors go now, not at some later collection, so a value the page left recorded on
+        # the virtual device is not alive at a later test's step.
+        namespace.clear()
     capsys.readouterr()
 
 

@@ -469,3 +469,31 @@ def test_partita_shows_no_accelerator() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     ).stdout.split("\n")
     assert out[:4] == ["False None", "False None", "fork_rng ok", "[6.0, 22.0]"], out
+
+
+def test_work_pending_on_one_mesh_runs_there_before_another_mesh(dev: torch.device) -> None:
+    """A value recorded on one mesh and not read yet belongs to that mesh: ``use_spmd`` with
+    another mesh runs it there first, so the new mesh's next step holds only its own ops (it
+    used to compile both into one step on the new mesh, and its Plan counted the other's
+    collectives)."""
+    other = Mesh.create((4, 2), ("data", "model"))
+    torch.manual_seed(0)
+    w0, x0 = torch.randn(16, 8), torch.randn(8, 16)
+    try:
+        dev_a = partita.use_spmd(other)
+        w = w0.to(dev_a)
+        partita.mark_sharding(w, other, P(None, "model"))
+        x = x0.to(dev_a)
+        partita.mark_sharding(x, other, P("data", None))
+        y = (x @ w).sum(0)  # pending on `other`, kept alive
+        pending = virtual_state.get().recording
+        assert pending is not None and pending.ops
+    finally:
+        partita.use_spmd(MESH)
+    assert virtual_state.get().recording is None  # run on `other` when the mesh changed
+    u = torch.ones(8, 4).to(dev)
+    partita.mark_sharding(u, MESH, P("data", "model"))
+    assert (u * 3).sum().item() == 96.0
+    plan = partita.last_plan()
+    assert plan is not None and plan.counts() == {"all_reduce": 1}, plan.summary()
+    torch.testing.assert_close(y.cpu(), (x0 @ w0).sum(0), rtol=1e-5, atol=1e-5)

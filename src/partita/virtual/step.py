@@ -83,9 +83,12 @@ class LastSync:
 
 
 def set_mesh(mesh: Mesh) -> None:
-    """The mesh the virtual device's programs run on (``use_spmd`` sets it)."""
+    """The mesh the virtual device's programs run on (``use_spmd`` sets it). Work recorded
+    and not yet run belongs to the mesh it was recorded on: it runs there first, as a step of
+    its own, and is not compiled into the new mesh's next step."""
     device = state.get()
     if device.mesh is not None and device.mesh != mesh:
+        sync()
         device.programs.clear()
         recording.forget_guides()
     device.mesh = mesh
