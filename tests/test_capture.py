@@ -191,6 +191,24 @@ def test_source_line_of_a_local_function():
     assert source_line(cos) == f"test_capture.py:{line} in fn" == cos.meta["source"]
 
 
+def test_a_user_function_equal_to_a_torch_one_is_the_users() -> None:
+    """Which frames are torch's or partita's is remembered per code object, and code objects
+    compare equal by their contents, not their file: the same function at the same line in a
+    torch file and in the user's was one key, and the one asked first answered for both."""
+    import os
+
+    from partita.capture.source import is_internal
+
+    text = "def _same_in_both(x):\n    return x + 1\n"
+    torch_file = os.path.join(os.path.dirname(torch.__file__), "nn", "_same_in_both.py")
+    theirs = compile(text, torch_file, "exec").co_consts[0]
+    mine = compile(text, "/home/user/model.py", "exec").co_consts[0]
+    assert theirs == mine and hash(theirs) == hash(mine)  # one key, but two files
+    assert is_internal(theirs)
+    assert not is_internal(mine)
+    assert is_internal(theirs)
+
+
 # --- pytrees, statics, errors -------------------------------------------------------------------
 
 

@@ -222,6 +222,21 @@ def test_a_module_attribute_changed_between_calls_recompiles():
     assert step.cache_size == 3
 
 
+def test_a_submodule_swapped_for_another_class_recompiles():
+    """A submodule replaced by one of another class with the same plain attributes (``nn.ReLU``
+    and ``nn.SiLU`` both hold only ``training`` and ``inplace``) gave the same signature, so the
+    call ran the program traced with the old one: the signature names each submodule's class."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    step = partita.jit(m, mesh=MESH, in_specs=(P("data", None),))
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(step(x).full(), m(x))
+        m[1] = nn.SiLU()
+        torch.testing.assert_close(step(x).full(), m(x))
+    assert step.cache_size == 2
+
+
 def test_a_forward_that_changes_module_attributes_warns():
     """A forward that counts its calls in a Python attribute ran once, at trace time: later
     calls replayed the traced count without a word. It now warns, naming the attribute."""

@@ -355,3 +355,51 @@ def test_placeholders_added_directly_give_the_program_of_dispatched_ones(
     want = trace(fn, (params, x))
     assert _form(got.graph_module) == _form(want.graph_module)
     torch.testing.assert_close(got(params, x), fn(params, x))
+
+
+class _Scale:
+    """A layer's Python attribute that is an object (keyed by identity)."""
+
+    def __init__(self, k: float) -> None:
+        self.k = k
+
+
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = _Scale(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale.k
+
+
+def test_an_attribute_replaced_during_the_trace_is_not_found_by_the_freed_ones_id(
+    mesh: Mesh,
+) -> None:
+    """A layer's object attribute (a config) is part of its signature by identity. One
+    replaced while the step is traced is freed, and the next one allocated gets its id at once
+    (the premise is checked first): the signature holds the object, so the new one is not
+    taken for the freed one and its layer is traced with its own value (it reused the freed
+    one's trace: every call scaled by 1)."""
+    first = _Scale(0.0)
+    freed = id(first)
+    del first
+    assert id(_Scale(0.0)) == freed  # CPython gives a freed object's address to the next one
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([_Scaled(), _Scaled()])
+    partita.scan_layers(blocks)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        for k in (1.0, 2.0, 3.0):
+            blocks[0].scale = None  # the old config freed first: its id is free for the next
+            blocks[0].scale = _Scale(k)
+            x = blocks[0](x)
+        return x
+
+    x = torch.randn(8, 4)
+    jitted = partita.jit(fn, mesh=mesh, in_specs=(P("data", None),))
+    with torch.no_grad():
+        with pytest.warns(PartitaWarning, match=r"Python attribute 'scale'.*traced on its own"):
+            got = jitted(x).full()
+        torch.testing.assert_close(got, fn(x))

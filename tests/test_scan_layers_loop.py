@@ -150,3 +150,22 @@ def test_tied_layers_are_not_stacked_and_still_equal_eager() -> None:
         for layer in ref:
             want = torch.tanh(layer(want))
         torch.testing.assert_close(step(x).full(), want.sum(), atol=1e-5, rtol=0)
+
+
+def test_a_groups_stack_is_found_only_for_that_group() -> None:
+    """A trace's stacked parameters are kept by ``id(group)``: a group freed during the trace
+    (its layers marked again, or gone) gives its id to the next object, maybe another group,
+    which must not get the freed group's stack (its layers would read the other layers'
+    weights). Built directly: an entry under the new group's id, left by a group gone."""
+    from partita.capture.layer_loop_keys import LoopGroup
+    from partita.capture.layer_stack import _stacked
+    from partita.capture.layer_trace import ScanState
+
+    layers = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    new, gone = LoopGroup(layers), LoopGroup(layers)
+    del layers  # the new group's layers are gone too: it has no stack to make (None)
+    state = ScanState("step")
+    state.stacks[(id(new), ("weight",))] = (gone, 7)  # an id reused by `new`
+    assert _stacked(state, new, ["weight"]) is None
+    state.stacks[(id(new), ("weight",))] = (new, 7)
+    assert _stacked(state, new, ["weight"]) == 7

@@ -28,6 +28,17 @@ def _built() -> tuple[nn.Module, torch.optim.Optimizer, Callable[..., torch.Tens
     return model, opt, step
 
 
+def _replace_weight(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """A new Parameter under the name, its version counter the old one's: the snapshot's
+    (requires_grad, version) pair alone matched, and the new weight was ignored."""
+    old = model[0].weight
+    new = torch.empty_like(old)
+    while new._version < old._version:
+        new.zero_()
+    assert new._version == old._version
+    model[0].weight = nn.Parameter(new)
+
+
 @pytest.mark.parametrize(
     ("change", "match"),
     [
@@ -36,8 +47,9 @@ def _built() -> tuple[nn.Module, torch.optim.Optimizer, Callable[..., torch.Tens
         (lambda m, o: o.param_groups[0].update(eps=1e-6), r"eps 1e-08 -> 1e-06"),
         (lambda m, o: m.load_state_dict(m.state_dict()), r"'0\.weight' of the module was written"),
         (lambda m, o: nn.init.zeros_(m[2].bias), r"'2\.bias' of the module was written in place"),
+        (_replace_weight, r"'0\.weight' of the module was replaced by another tensor"),
     ],
-    ids=["freeze", "weight_decay", "eps", "load_state_dict", "init"],
+    ids=["freeze", "weight_decay", "eps", "load_state_dict", "init", "replaced"],
 )
 def test_a_change_after_building_is_an_error(change: Callable[..., object], match: str) -> None:
     model, opt, step = _built()

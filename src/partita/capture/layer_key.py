@@ -55,8 +55,27 @@ def value_key(value: Any) -> Any:
     if isinstance(value, (set, frozenset)) and all(isinstance(v, _SIMPLE) for v in value):
         return (frozenset, frozenset(value))
     # anything else (a config object, a function, a tensor) by identity: layers that share it
-    # see the same object
-    return ("id", id(value))
+    # see the same object. The key holds the object: an attribute replaced while the trace
+    # runs frees it, and the next object allocated may get its id (and another value)
+    return ("id", _Held(value))
+
+
+class _Held:
+    """An object as part of a key: equal only to itself, and kept alive by the key."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Held) and other.value is self.value
+
+    def __hash__(self) -> int:
+        return id(self.value)
+
+    def __repr__(self) -> str:
+        return f"<{type(self.value).__name__} object>"
 
 
 def call_signature(

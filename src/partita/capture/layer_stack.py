@@ -120,10 +120,12 @@ def _dispatch(
 def _stacked(state: ScanState, group: LoopGroup, names: list[str]) -> int | None:
     """The key of an anchor whose call holds one tensor per name stacking every layer's
     (made once per trace), or None when the layers cannot be stacked."""
+    # By the group's id, each entry holding its group: a group freed during the trace (its
+    # layers marked again, or gone) gives its id to the next object, maybe another group
     key = (id(group), tuple(names))
-    if key in state.stacks:
-        return state.stacks[key]
-    state.stacks[key] = None
+    if key in state.stacks and state.stacks[key][0] is group:
+        return state.stacks[key][1]
+    state.stacks[key] = (group, None)
     modules = group.modules()
     columns = None if modules is None else _columns(modules, names)
     if columns is None:
@@ -138,7 +140,7 @@ def _stacked(state: ScanState, group: LoopGroup, names: list[str]) -> int | None
     anchor = register_run([], [])  # a part-less run: its call only holds the inputs
     state.keys.append(anchor)
     layer_call(anchor, out)
-    state.stacks[key] = anchor
+    state.stacks[key] = (group, anchor)
     return anchor
 
 

@@ -72,12 +72,15 @@ class ModuleInputs:
         return (params, buffers, *user)
 
     def mode(self) -> tuple[Any, ...]:
-        """The plain Python attributes of every submodule (numbers, strings, flags, tuples of
-        them; the train/eval flag among them): part of the signature, because the forward
-        reads them while tracing and the program keeps the values it read. ``model.eval()``,
-        ``model.temperature = 0.5`` or ``dropout.p = 0.0`` compile a new program, and so does
-        ``mark_sharding`` on a weight (last, when there is one)."""
-        attributes = tuple(_plain_attributes(m) for m in self.module.modules())
+        """The class and plain Python attributes of every submodule (numbers, strings, flags,
+        tuples of them; the train/eval flag among them): part of the signature, because the
+        forward reads them while tracing and the program keeps what it read. ``model.eval()``,
+        ``model.temperature = 0.5``, ``dropout.p = 0.0`` or a submodule swapped for one of
+        another class with the same attributes (``nn.ReLU`` for ``nn.SiLU``) compile a new
+        program, and so does ``mark_sharding`` on a weight (last, when there is one)."""
+        attributes = tuple(
+            (("__class__", type(m)), *_plain_attributes(m)) for m in self.module.modules()
+        )
         marked = marked_param_specs(self.module, self.mesh)
         return (*attributes, tuple(marked.items())) if marked else attributes
 

@@ -54,13 +54,17 @@ _USER_DIRS_IN_PARTITA = tuple(
 )
 STACK_RE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<func>\S+)')
 
-_is_internal_cache: dict[CodeType, bool] = {}
+#: Per code object, its file and the answer. Code objects compare equal by their contents, not
+#: their file: the same function at the same line in a torch file and in the user's is one key,
+#: so a hit counts only for the file it was computed for.
+_is_internal_cache: dict[CodeType, tuple[str, bool]] = {}
 
 
 def is_internal(code: CodeType) -> bool:
-    hit = _is_internal_cache.get(code)
+    name = code.co_filename
+    found = _is_internal_cache.get(code)
+    hit = None if found is None or found[0] != name else found[1]
     if hit is None:
-        name = code.co_filename
         if name.startswith(_PACKAGE_DIR):
             hit = not name.startswith(_USER_DIRS_IN_PARTITA)
         else:
@@ -70,7 +74,7 @@ def is_internal(code: CodeType) -> bool:
                 or "/torch/" in name
                 or "torchinductor" in name  # code torch.compile generated (its cache dir)
             )
-        _is_internal_cache[code] = hit
+        _is_internal_cache[code] = (name, hit)
     return hit
 
 

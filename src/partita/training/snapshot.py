@@ -7,13 +7,15 @@ read per call: each group's ``lr``, ``betas``, and a nonzero ``momentum`` or ``w
 Changes a PyTorch loop would see at the next ``optimizer.step()`` would otherwise be ignored
 silently: a parameter frozen or unfrozen (``requires_grad``), a hyperparameter edited in
 ``param_groups`` (weight decay, betas, momentum), the module's parameters written in place
-(``model.load_state_dict``, an in-place re-initialisation). :class:`BuildSnapshot` notices them
+(``model.load_state_dict``, an in-place re-initialisation) or replaced by other tensors
+(``model.fc.weight = nn.Parameter(...)``). :class:`BuildSnapshot` notices them
 with a few Python reads per parameter and says what to do instead. This module does not trace or
 run anything.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,16 +33,17 @@ _PER_CALL = frozenset({"params", "lr", "initial_lr", "betas", "max_lr", "min_lr"
 
 @dataclass(frozen=True)
 class BuildSnapshot:
-    """Each parameter's ``requires_grad`` and version counter, and each group's
-    hyperparameters, as the step read them."""
+    """Each parameter (a weak reference: a version counter is the tensor's own, so it says
+    nothing once another tensor took the name), its ``requires_grad`` and version counter,
+    and each group's hyperparameters, as the step read them."""
 
-    params: dict[str, tuple[bool, int]]
+    params: dict[str, tuple[weakref.ref[torch.Tensor], bool, int]]
     groups: tuple[dict[str, Any], ...]
 
     @classmethod
     def of(cls, model: nn.Module, optimizer: torch.optim.Optimizer) -> BuildSnapshot:
         return cls(
-            {k: (p.requires_grad, p._version) for k, p in model.named_parameters()},
+            {k: (weakref.ref(p), p.requires_grad, p._version) for k, p in model.named_parameters()},
             tuple(_hyperparameters(g) for g in optimizer.param_groups),
         )
 
@@ -48,12 +51,20 @@ class BuildSnapshot:
         """Raise a TrainInputError naming what changed since the step was built."""
         for name, p in model.named_parameters():
             before = self.params.get(name)
-            if before is None or before == (p.requires_grad, p._version):
+            if before is None:
                 continue
-            if before[0] != p.requires_grad:
+            ref, requires_grad, version = before
+            if ref() is p and requires_grad == p.requires_grad and version == p._version:
+                continue
+            if ref() is not p:
                 what = (
-                    f"parameter {name!r} was {'frozen' if before[0] else 'unfrozen'} "
-                    f"(requires_grad {before[0]} -> {p.requires_grad})"
+                    f"parameter {name!r} of the module was replaced by another tensor (a new "
+                    f"nn.Parameter or submodule assigned, or load_state_dict(assign=True))"
+                )
+            elif requires_grad != p.requires_grad:
+                what = (
+                    f"parameter {name!r} was {'frozen' if requires_grad else 'unfrozen'} "
+                    f"(requires_grad {requires_grad} -> {p.requires_grad})"
                 )
             else:
                 what = (
