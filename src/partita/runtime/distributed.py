@@ -373,7 +373,7 @@ class DistributedMesh:
 
 # --- selection by partita.jit ------------------------------------------------------------------
 
-_EXECUTORS: dict[tuple[Mesh, int], DistributedMesh] = {}
+_EXECUTORS: dict[Mesh, tuple[Any, DistributedMesh]] = {}
 
 
 def distributed_executor(mesh: Mesh) -> DistributedMesh | None:
@@ -385,15 +385,18 @@ def distributed_executor(mesh: Mesh) -> DistributedMesh | None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    key = (mesh, id(dist.group.WORLD))
-    executor = _EXECUTORS.get(key)
-    if executor is None:
-        executor = _EXECUTORS[key] = DistributedMesh(mesh)
-    return executor
+    world = dist.group.WORLD
+    # one per mesh, for the world it was made in (the group is held and compared, not its
+    # id: a world destroyed and initialised again can get the old one's address, and the old
+    # executor's groups are gone with it)
+    found = _EXECUTORS.get(mesh)
+    if found is None or found[0] is not world:
+        found = _EXECUTORS[mesh] = (world, DistributedMesh(mesh))
+    return found[1]
 
 
 def close_executors() -> None:
     """Close and forget every DistributedMesh, releasing its process groups (see ``close``)."""
-    for executor in _EXECUTORS.values():
+    for _, executor in _EXECUTORS.values():
         executor.close()
     _EXECUTORS.clear()
