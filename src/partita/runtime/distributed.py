@@ -385,10 +385,7 @@ def distributed_executor(mesh: Mesh) -> DistributedMesh | None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    world = dist.group.WORLD
-    # one per mesh, for the world it was made in (the group is held and compared, not its
-    # id: a world destroyed and initialised again can get the old one's address, and the old
-    # executor's groups are gone with it)
+    world = dist.group.WORLD  # held and compared, not its id: a new world can get its address
     found = _EXECUTORS.get(mesh)
     if found is None or found[0] is not world:
         found = _EXECUTORS[mesh] = (world, DistributedMesh(mesh))
