@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import os
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -59,6 +60,27 @@ def rank_zygote(_zygote: Zygote) -> Iterator[Zygote]:
     spawn_module.default_starter = _zygote
     yield _zygote
     spawn_module.default_starter = before
+
+
+@pytest.hookimpl(wrapper=True, trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]:
+    """In an xdist worker, the heap's garbage collected and the rest frozen before the worker
+    reports "workerfinished" (xdist's wrapper around this hook sends it after this returns).
+
+    Once every worker has finished, the controller closes their gateways, and execnet's
+    worker waits 5 s for the session to end and then sends itself SIGINT. What is left after
+    "workerfinished" is ``pytest_unconfigure``, where pytest's unraisable-exception plugin
+    runs ``gc.collect()``: a full collection over every object the session still holds
+    (compiled programs, modules, graphs), which on a loaded CI machine took longer than
+    that; the SIGINT then arrived inside the collection, as a KeyboardInterrupt in
+    hypothesis's ``gc_callback`` reported as a PytestUnraisableExceptionWarning. Collecting
+    here keeps what that collection checks (an exception raised by a finalizer is still
+    reported), and ``gc.freeze()`` leaves the later one only the objects made after it."""
+    result = yield
+    if hasattr(session.config, "workerinput"):
+        gc.collect()
+        gc.freeze()
+    return result
 
 
 #: CPU seconds of the slowest test files (worker time, measured: docs/architecture.md "Where
