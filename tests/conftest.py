@@ -87,15 +87,14 @@ def pytest_sessionfinish(session: pytest.Session) -> Generator[None, None, None]
 #: children included), less the 5.3 s that a one-test file costs (pytest's start, torch's import),
 #: which a worker pays once (docs/architecture.md "Where the suite's time goes"). Measured in
 #: session 33 at load 7 to 22, which inflates CPU time (``test_models.py`` 150 s of worker time in
-#: session 31, 203 s here), except ``test_diffusers.py``, ``test_faults_step.py``,
-#: ``test_faults.py``: session 31's numbers. Only the order matters: ``make test`` (``-n 2 --dist
-#: loadfile --no-loadscope-reorder``) hands whole files to its two workers in collection order,
-#: these first, slowest first, so that no slow file starts last while the other worker idles; the
-#: rest follow by number of tests, most first (xdist's own order). Measured but not listed (under 5
-#: s alone): test_capture_compiled_inside, test_capture_fx_nodes, test_compile_cache_trust,
-#: test_docs_claims, test_docs_site, test_linear_cross_entropy, test_rank_calls,
-#: test_shard_map_partial, test_train_step_autograd, test_uncompile, test_virtual_device_recompile;
-#: most files of many quick tests were not measured.
+#: session 31, 203 s here). Only the order matters: ``make test`` (``-n 2 --dist loadfile
+#: --no-loadscope-reorder``) hands whole files to its two workers in collection order, these first,
+#: slowest first, so that no slow file starts last while the other worker idles; the rest follow by
+#: number of tests, most first (xdist's own order). Measured but not listed (under 5 s alone):
+#: test_capture_compiled_inside, test_capture_fx_nodes, test_compile_cache_trust, test_docs_claims,
+#: test_docs_site, test_linear_cross_entropy, test_rank_calls, test_shard_map_partial,
+#: test_train_step_autograd, test_uncompile, test_virtual_device_recompile; most files of many quick
+#: tests were not measured.
 SLOW_FILES = {
     "tests/test_models.py": 203,
     "tests/test_train_step.py": 179,
@@ -104,18 +103,18 @@ SLOW_FILES = {
     "tests/test_opdb.py": 116,
     "tests/test_op_table.py": 113,
     "tests/test_distributed.py": 80,
+    "tests/test_diffusers.py": 63,
     "tests/test_auto.py": 56,
     "tests/test_device_loop_dist.py": 55,
-    "tests/test_diffusers.py": 48,
-    "tests/test_faults_step.py": 43,
+    "tests/test_faults.py": 49,
     "tests/test_docs_examples.py": 35,
     "tests/test_checkpoint.py": 34,
-    "tests/test_faults.py": 33,
     "tests/test_overlap.py": 26,
     "tests/test_child_compile.py": 22,
     "tests/test_examples.py": 19,
     "tests/test_auto_virtual.py": 19,
     "tests/test_plan_html.py": 17,
+    "tests/test_faults_step.py": 13,
     "tests/test_profiler_ranges.py": 13,
     "tests/test_cli.py": 12,
     "tests/test_virtual_device_import.py": 10,
