@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
 
@@ -228,22 +228,40 @@ def _cases() -> list[Any]:
 
 @pytest.mark.parametrize(("name", "plan"), _cases())
 def test_trains_like_torch_optim(name: str, plan: str) -> None:
-    assert_trains_like_torch_optim(build(name), MODELS[name], plan)
+    assert_trains_like_torch_optim(build(name), MODELS[name], plan, key=("models", name))
+
+
+#: The torch.optim run of a model, made once per process for every plan that trains it:
+#: key -> (the losses, the final parameters).
+_REFERENCES: dict[Hashable, tuple[list[float], dict[str, torch.Tensor]]] = {}
 
 
 def assert_trains_like_torch_optim(
-    model: nn.Module, case: ModelCase, plan: str, param_atol: float = ATOL
+    model: nn.Module,
+    case: ModelCase,
+    plan: str,
+    param_atol: float = ATOL,
+    key: Hashable | None = None,
 ) -> None:
     """``model`` trained by ``train_step`` under ``plan`` and by torch.optim: the same losses
-    and final parameters (to ``param_atol``)."""
-    ref = copy.deepcopy(model)
+    and final parameters (to ``param_atol``). ``key`` names the model as ``build`` makes it
+    (seeded: the same weights every time) with ``case``: its torch.optim run is made by the
+    first test with that key and read by the others."""
     batches = case.batches(torch.Generator().manual_seed(0))
-    want = reference(ref, case, batches)
+    if key is None or key not in _REFERENCES:
+        ref = copy.deepcopy(model)
+        losses = reference(ref, case, batches)
+        params = {n: v.detach().clone() for n, v in ref.named_parameters()}
+        if key is not None:
+            _REFERENCES[key] = (losses, params)
+    else:
+        losses, params = _REFERENCES[key]
+    want = list(losses)
     step = sharded(model, case, plan)
     got = [float(step(batch)) for batch in batches]
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
     full = step.full_parameters()
-    for pname, value in ref.named_parameters():
+    for pname, value in params.items():
         torch.testing.assert_close(
             full[pname], value, rtol=RTOL, atol=param_atol, msg=lambda m, n=pname: f"{n}: {m}"
         )

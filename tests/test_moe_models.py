@@ -105,4 +105,4 @@ def test_the_default_experts_implementation_is_the_grouped_one() -> None:
 
 @pytest.mark.parametrize(("name", "plan"), _cases())
 def test_default_experts_train_like_torch_optim(name: str, plan: str) -> None:
-    assert_trains_like_torch_optim(build_moe(name), MOE_MODELS[name], plan)
+    assert_trains_like_torch_optim(build_moe(name), MOE_MODELS[name], plan, key=("moe", name))

@@ -94,10 +94,18 @@ def run(step: TrainStep, batches: list[Any], scheduler: Any = None) -> list[floa
     return losses
 
 
-def assert_same(step: TrainStep, model: nn.Module, got: list[float], want: list[float]) -> None:
+def assert_same(
+    step: TrainStep,
+    model: nn.Module | dict[str, torch.Tensor],
+    got: list[float],
+    want: list[float],
+) -> None:
+    """The step's losses ``got`` equal ``want``, and its model state equals ``model``'s (a
+    module, or a state dict)."""
     torch.testing.assert_close(torch.tensor(got), torch.tensor(want), rtol=RTOL, atol=ATOL)
     full = step.state_dict()["model"]
-    for name, value in model.state_dict().items():
+    state = model if isinstance(model, dict) else model.state_dict()
+    for name, value in state.items():
         torch.testing.assert_close(
             full[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{n}: {m}"
         )
@@ -130,29 +138,36 @@ PLAN_CASES = [
 ]
 
 
+@functools.cache
+def adamw_reference() -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``gpt_pair()``'s GPT trained on ``gpt_batches()`` by torch.optim's AdamW (lr 1e-2):
+    its losses and final state, made once for every test that compares with it."""
+    _, ref = gpt_pair()
+    want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), gpt_batches())
+    return want, {k: v.detach().clone() for k, v in ref.state_dict().items()}
+
+
 @pytest.mark.parametrize(("plan", "shape"), PLAN_CASES)
 def test_adamw_parity(plan: str, shape: tuple[int, ...]) -> None:
-    model, ref = gpt_pair()
+    model, _ = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     step = train_step(model, gpt_loss, opt, mesh=mesh_for(plan, shape), param_specs=plan)
-    batches = gpt_batches()
-    want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
-    got = run(step, batches)
-    assert_same(step, ref, got, want)
+    want, state = adamw_reference()
+    got = run(step, gpt_batches())
+    assert_same(step, state, got, want)
 
 
 def test_a_size_1_mesh_axis_costs_no_collective() -> None:
     """A mesh axis of size 1 (a job with one data-parallel replica, say) splits nothing: the
     step trains like torch and moves nothing over it (no call on a one-rank group; the loss's
     all_reduce over `data` was one). tests/test_reshard.py checks the reshards."""
-    model, ref = gpt_pair()
+    model, _ = gpt_pair()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     mesh = Mesh.create((1, 4), ("data", "model"))
     step = train_step(model, gpt_loss, opt, mesh=mesh, param_specs="fsdp+tp")
-    batches = gpt_batches()
-    want = reference(ref, gpt_loss, torch.optim.AdamW(ref.parameters(), lr=1e-2), batches)
-    got = run(step, batches)
-    assert_same(step, ref, got, want)
+    want, state = adamw_reference()
+    got = run(step, gpt_batches())
+    assert_same(step, state, got, want)
     assert step.plan.collectives, "the model axis still needs collectives"
     assert all("data" not in c.mesh_axes for c in step.plan.collectives), step.plan.summary()
 
