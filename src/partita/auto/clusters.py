@@ -76,8 +76,10 @@ def _start(block: Block, names: dict[int, str], described: dict[int, Any]) -> tu
 def _candidates(space: Space, block: Block) -> tuple[Any, ...]:
     """The block's candidate list with the value keys taken out (what must agree to share):
     its signature and its followers' (``auto.candidates``: one signature, one list)."""
-    if block.sig is not None and all(f.sig is not None for f in block.followers):
-        return ("sig", block.sig, tuple([f.sig for f in block.followers]))
+    if block.sig is not None:
+        sigs = tuple([f.sig for f in block.followers])
+        if None not in sigs:
+            return ("sig", block.sig, sigs)
     res = tuple(
         tuple(sorted(str(s) for s in r.values())) for r in block.results
     )  # a value's key differs per copy, its shardings must not
