@@ -149,3 +149,75 @@ def test_a_copy_whose_arguments_were_rewritten_is_keyed_again(
     after = ProgramState(gm, mesh, False)
     assert after.copies.mapped == before.copies.mapped - 1
     assert [_op(op) for op in after.ops] == [_op(op) for op in before.ops]
+
+
+def _clusters_by_tuples(space: space_module.Space, rounds: int) -> list[int]:
+    """The layer clusters with each round's label the tuple itself (the refinement
+    ``auto.clusters`` makes with numpy ids, written out plainly)."""
+    from partita.auto.clusters import _candidates, _start
+
+    n = len(space.blocks)
+    operands: list[list[int]] = [[] for _ in range(n)]
+    users: list[list[int]] = [[] for _ in range(n)]
+    for use in space.uses:
+        p = space.producer.get(use.value)
+        if p is not None:
+            operands[use.block].append(p)
+            users[p].append(use.block)
+    label: list[Any] = [_start(b, {}, {}, {}) for b in space.blocks]
+    for _ in range(rounds):
+        label = [
+            (
+                label[b],
+                tuple(label[p] for p in operands[b]),
+                tuple(sorted(label[u] for u in users[b])),
+            )
+            for b in range(n)
+        ]
+    first: dict[Any, int] = {}
+    return [
+        first.setdefault((label[b], _candidates(space, blk)), b)
+        for b, blk in enumerate(space.blocks)
+    ]
+
+
+def test_clusters_are_those_of_the_refinement_by_tuples(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``cluster_blocks`` labels with numpy ids (the users of a value read by every update
+    the Python way): the same clusters as labelling by the tuples, for 0 to 3 rounds."""
+    from partita.auto import clusters
+
+    problem = _problem(monkeypatch)
+    solver = search._Solver(problem)
+    space = solver.space
+    for rounds in range(4):
+        plain = _clusters_by_tuples(space, rounds)
+        assert clusters.cluster_blocks(space, rounds) == plain, rounds
+    # the step's copies do share (the comparison is not of all-distinct labels)
+    assert len(set(plain)) < len(plain)
+    for few in (0, 10**9):  # every position read with numpy; every block read whole
+        monkeypatch.setattr(clusters, "_FEW", few)
+        assert clusters.cluster_blocks(space, 2) == _clusters_by_tuples(space, 2), few
+
+
+def test_refine_names_each_sequence_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``clusters._refine`` on random sequences (lengths 0 to 40, a few labels, so many equal
+    prefixes): two blocks end with one key exactly when (their key, their sequence) are equal."""
+    from partita.auto import clusters
+
+    rng = np.random.default_rng(0)
+    n = 400
+    lengths = rng.integers(0, 41, n) * (rng.random(n) < 0.9)
+    label = rng.integers(0, 3, 50)
+    seq = rng.integers(0, 50, int(lengths.sum()))
+    ptr = np.concatenate([[0], np.cumsum(lengths)])
+    start = rng.integers(0, 2, n)
+    expected = [(int(start[b]), tuple(label[seq[ptr[b] : ptr[b + 1]]].tolist())) for b in range(n)]
+    for few in (0, 16, 10**9):
+        monkeypatch.setattr(clusters, "_FEW", few)
+        keys = clusters._dense(start, lengths)
+        clusters._refine(label, ptr, seq, keys)
+        firsts: dict[Any, int] = {}
+        by_key: dict[int, int] = {}
+        assert [firsts.setdefault(e, b) for b, e in enumerate(expected)] == [
+            by_key.setdefault(int(k), b) for b, k in enumerate(keys)
+        ], few

@@ -160,10 +160,13 @@ def _passes_dims(rule: Any) -> bool:
     )
 
 
-def _follows(op: OpState, values: dict[ValueKey, Any], passes: dict[int, bool]) -> ValueKey | None:
+def _follows(
+    op: OpState, values: dict[ValueKey, Any], passes: dict[int, bool], fixed: set[ValueKey]
+) -> ValueKey | None:
     """The one operand a pass-through op follows (None: the op is not a follower);
     ``passes`` memoises ``_passes_dims`` per rule object (the copies of a layer share one), so
-    most ops are answered by one look-up (run once per op of a deep program)."""
+    most ops are answered by one look-up (run once per op of a deep program); ``fixed``: the
+    values an annotation fixes (``ValueState.fixed``)."""
     rule = op.rule
     found = passes.get(id(rule))
     if found is None:
@@ -179,9 +182,15 @@ def _follows(op: OpState, values: dict[ValueKey, Any], passes: dict[int, bool]) 
     if key is None:
         return None
     for k in op.results:
-        if k is None or values[k].fixed:
+        if k is None or k in fixed:
             return None
     return key
+
+
+def _reads(t: Any) -> list[tuple[int, Column]]:
+    """The operand positions of template ``t`` whose candidates need a sharding, with the
+    column of needs: a block's uses (its operands there), the same for every op of ``t``."""
+    return [(j, c) for j, c in enumerate(t.need_columns) if c and c[0] is not None]
 
 
 def _sig(op: OpState) -> Any:
@@ -268,13 +277,23 @@ def build_space(
             input_block[n] = len(blocks)
         blocks.append(block)
     passes: dict[int, bool] = {}  # id(rule) -> _passes_dims(rule)
+    values = state.values
+    # the values an annotation fixes: an op with none among its results is not forced
+    fixed_keys = {k for k, v in values.items() if v.fixed}
+    # id(template) -> (the template, held while its id keys the entry; _reads(template))
+    reads: dict[int, tuple[Any, list[tuple[int, Column]]]] = {}
     for op in state.ops:
-        followed = _follows(op, state.values, passes)
-        if followed is not None and followed in producer:
-            root = blocks[producer[followed]]
-            if templates.partial(root.columns[followed]):
-                followed = None  # a partial value: the op chooses where its reduction goes
-        if followed is not None and followed in producer:
+        followed = _follows(op, values, passes, fixed_keys)
+        at = -1  # the followed value's producer
+        if followed is not None:
+            at = producer.get(followed, -1)
+            if at < 0:
+                followed = None
+            else:
+                root = blocks[at]
+                if templates.partial(root.columns[followed]):
+                    followed = None  # a partial value: the op chooses where its reduction goes
+        if followed is not None:
             has = root.columns[followed]
             sig = _sig(op)
             j = op.operands.index(followed)
@@ -287,7 +306,7 @@ def build_space(
             root.columns.update(keyed(op, t))
             for rkey in op.results:
                 if rkey is not None:
-                    producer[rkey] = producer[followed]
+                    producer[rkey] = at
             if op.node.target == _PERMUTE and op.results[0] is not None:
                 root_key, perm = through.get(followed, (followed, None))
                 dims = cast(Sequence[int], op.node.args[1])
@@ -295,7 +314,9 @@ def build_space(
                 composed = mine if perm is None else [perm[p] for p in mine]
                 through[op.results[0]] = (root_key, composed)
             continue
-        forced = fixed_assign(mesh, op, state)
+        forced = None
+        if fixed_keys and not fixed_keys.isdisjoint(op.results):
+            forced = fixed_assign(mesh, op, state)
         sig = _sig(op)
         if forced is None:
             t = templates.op(op, sig)
@@ -303,19 +324,25 @@ def build_space(
             t = templates._make(op, [forced])
             sig = (sig, tuple(sorted(forced.items())))
         b = len(blocks)
-        block = Block(op.node, t.assigns, keyed(op, t), op=op, sig=sig)
-        block.local_bytes = t.local_bytes
-        blocks.append(block)
+        blocks.append(
+            Block(op.node, t.assigns, keyed(op, t), op=op, local_bytes=t.local_bytes, sig=sig)
+        )
         for rkey in op.results:
             if rkey is not None:
                 producer[rkey] = b
-        for j, okey in enumerate(op.operands):
-            column: Column = t.need_columns[j]
-            if okey is not None and column and column[0] is not None:
-                permuted = okey in through
-                if permuted:  # read through a permute: reshard its source (see _unpermute)
-                    okey, column = _unpermute(templates, through[okey], column)
-                uses.append(Use(b, okey, column, permuted))
+        read = reads.get(id(t))
+        if read is None:
+            read = reads[id(t)] = (t, _reads(t))
+        operands = op.operands
+        for j, column in read[1]:
+            okey = operands[j]
+            if okey is None:
+                continue
+            if through and okey in through:  # read through a permute: reshard its source
+                okey, column = _unpermute(templates, through[okey], column)
+                uses.append(Use(b, okey, column, True))
+            else:
+                uses.append(Use(b, okey, column, False))
     for key, pos in ties:
         b = input_block[inputs[pos]]
         column = blocks[b].columns[(inputs[pos], None)]

@@ -34,13 +34,16 @@ _Tensor = torch.Tensor
 
 
 class _Template:
-    __slots__ = ("descs", "paths", "shape", "target", "vals")
+    __slots__ = ("places", "shape", "target")
 
     def __init__(
         self, target: Any, shape: Any, paths: list[tuple[int, int]], vals: list[Any]
     ) -> None:
-        self.target, self.shape, self.paths, self.vals = target, shape, paths, vals
-        self.descs = [(tuple(v.shape), v.dtype) for v in vals]
+        self.target, self.shape = target, shape
+        #: per tensor operand: its place in the arguments, its value and (shape, dtype)
+        self.places = [
+            (i, j, v, (tuple(v.shape), v.dtype)) for (i, j), v in zip(paths, vals, strict=True)
+        ]
 
 
 def _operand_paths(node: fx.Node, operands: list[fx.Node]) -> list[tuple[int, int]] | None:
@@ -79,15 +82,16 @@ class Copies:
     def find(self, node: fx.Node) -> tuple[Any, list[fx.Node]] | None:
         """The template's shapes and ``node``'s tensor operands (flattened order) when
         ``node`` is a matching copy of a template (see the module), else None."""
-        tag = node.meta.get(COPY_META)
+        meta = node.meta
+        tag = meta.get(COPY_META)
         if tag is None or not tag.holds(node):
             return None
-        t = self._templates.get((tag.token, id(node.meta.get("val"))))
+        t = self._templates.get((tag.token, id(meta.get("val"))))
         if t is None or t.target is not node.target:
             return None
         args: Any = node.args
         operands: list[fx.Node] = []
-        for (i, j), tval, desc in zip(t.paths, t.vals, t.descs, strict=True):
+        for i, j, tval, desc in t.places:
             a = args[i] if j < 0 else args[i][j]
             val = a.meta.get("val")
             if val is not tval and (

@@ -198,16 +198,17 @@ class ProgramState:
         over ``data``), not how the work on it is split; invariant 5 of ``partita.propagate``
         lets a computed operand's factor claim a mesh axis before it. Ops are in graph order,
         so one pass sees every operand before its users."""
+        values = self.values
         for op in self.ops:
-            if not op.pass_through:  # tested first: the cheapest, and false on most ops
+            if not op.pass_through:  # tested first: the cheapest
                 continue
             keys = [k for k in op.operands if k is not None]
-            if not (keys and _keeps_the_data(op)):
+            # then the operands (most of an update's ops read a gradient), then the op
+            if not keys or not all(values[k].stored for k in keys) or not _keeps_the_data(op):
                 continue
-            if all(self.values[k].stored for k in keys):
-                for k in op.results:
-                    if k is not None:
-                        self.values[k].stored = True
+            for k in op.results:
+                if k is not None:
+                    values[k].stored = True
 
     def _add_op(self, node: fx.Node) -> None:
         # one call per op of a deep program: tests inlined (isinstance, dict look-ups)
@@ -221,18 +222,24 @@ class ProgramState:
         rule, compound, free, result_only, weak, pass_through = shape
         results: list[ValueKey | None] = []
         if single:
-            self._add_value((node, None), val)
-            results.append((node, None))
-        for idx, v in enumerate(() if single else val):
-            if isinstance(v, torch.Tensor):
-                self._add_value((node, idx), v)
-                results.append((node, idx))
-            else:
-                results.append(None)
-        for key, s in zip(results, self.fixed_results.get(node, ()), strict=False):
-            if key is not None:
-                v = self.values[key]
-                v.dims, v.priority, v.fixed = list(s.dim_axes), 0, True
+            key: ValueKey = (node, None)
+            sizes = self._sizes.get(id(val))  # _add_value, inlined
+            if sizes is None:
+                sizes = self._sizes[id(val)] = (val.ndim, max(int(val.numel()), 1))
+            self.values[key] = ValueState(*sizes)
+            results.append(key)
+        else:
+            for idx, v in enumerate(val):
+                if isinstance(v, torch.Tensor):
+                    self._add_value((node, idx), v)
+                    results.append((node, idx))
+                else:
+                    results.append(None)
+        if self.fixed_results:
+            for rkey, s in zip(results, self.fixed_results.get(node, ()), strict=False):
+                if rkey is not None:
+                    v = self.values[rkey]
+                    v.dims, v.priority, v.fixed = list(s.dim_axes), 0, True
         alias = self.alias
         operands: list[ValueKey | None] = [alias.get(n, (n, None)) for n in operand_nodes]
         if len(rule.operands) != len(operands) or len(rule.results) != len(results):
@@ -244,7 +251,7 @@ class ProgramState:
         self.ops.append(
             OpState(node, rule, operands, results, compound, free, result_only, weak, pass_through)
         )
-        if node in self._local or node.target is EXIT_OP:
+        if (self._local and node in self._local) or node.target is EXIT_OP:
             self._mark_region_values(node)
         if _is_annotation(node):
             ann = node_meta.annotation_of(node)
@@ -270,7 +277,7 @@ class ProgramState:
         (``call_key``, equal to ``info_key`` of the OpInfo) is read off the node in one walk,
         so a repeated call builds no OpInfo: a deeper model adds look-ups, not rule inputs."""
         key = None
-        if node not in self._local and node.target is not EXIT_OP:
+        if not (self._local and node in self._local) and node.target is not EXIT_OP:
             mapped = self.copies.find(node)  # a layer copy: its template's (propagate.copies)
             if mapped is not None:
                 return mapped
