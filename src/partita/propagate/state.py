@@ -222,12 +222,8 @@ class ProgramState:
         rule, compound, free, result_only, weak, pass_through = shape
         results: list[ValueKey | None] = []
         if single:
-            key: ValueKey = (node, None)
-            sizes = self._sizes.get(id(val))  # _add_value, inlined
-            if sizes is None:
-                sizes = self._sizes[id(val)] = (val.ndim, max(int(val.numel()), 1))
-            self.values[key] = ValueState(*sizes)
-            results.append(key)
+            self._add_value((node, None), val)
+            results.append((node, None))
         else:
             for idx, v in enumerate(val):
                 if isinstance(v, torch.Tensor):
