@@ -402,8 +402,8 @@ def bench_partita(
     }
 
 
-def bench_unsharded(repeat: int) -> dict[str, Any]:
-    """The compute floor: the whole step in this one process (run with 2 threads), no sharding."""
+def bench_unsharded_step() -> Callable[[], None]:
+    """The unsharded step: the whole batch in this process, ``torch.optim.AdamW``."""
     torch.manual_seed(0)
     model = GPT(CFG)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -415,6 +415,12 @@ def bench_unsharded(repeat: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
 
+    return one
+
+
+def bench_unsharded(repeat: int) -> dict[str, Any]:
+    """The compute floor: the whole step in this one process (run with 2 threads), no sharding."""
+    one = bench_unsharded_step()
     return {"step": _median(one, repeat), "heap": _step_heap(one), "bytes": 0.0, "calls": 0}
 
 

@@ -103,7 +103,8 @@ def _gathered(parts: Tensor, shape: Sequence[int], dim: int) -> Tensor:
     """``[n, numel]`` rows of one value (member order) -> the value concatenated along ``dim``."""
     out = list(shape)
     out[dim] *= parts.shape[0]
-    return parts.reshape(parts.shape[0], *shape).movedim(0, dim).reshape(out)
+    rows = parts.reshape(parts.shape[0], *shape)
+    return (rows.movedim(0, dim) if dim else rows).reshape(out)
 
 
 def all_gather(g: Group, x: Tensor, dim: int, mesh_axes: Sequence[str], node: str) -> Op:
@@ -159,11 +160,11 @@ def all_reduce_bucket(
 
 
 def _scatter_rows(g: Group, x: Tensor, dim: int, node: str, kind: str) -> Tensor:
-    """``x`` cut along ``dim`` into one chunk per member, rows in torch group order."""
+    """``x`` cut along ``dim`` into one chunk per member, rows in torch group order: a view
+    ``[n, chunk, *other dims]`` of ``x`` (a copy when the orders differ)."""
     n = len(g.members)
     check_divisible(kind, node, x, dim, n)
-    rest = [s for i, s in enumerate(x.shape) if i != dim]
-    chunks = x.movedim(dim, 0).reshape(n, x.shape[dim] // n, *rest)
+    chunks = (x.movedim(dim, 0) if dim else x).unflatten(0, (n, x.shape[dim] // n))
     if not g.same_order:  # torch group rank t receives the chunk of its partita member
         chunks = chunks[torch.tensor(g.to_torch, device=x.device)]
     return chunks
@@ -173,13 +174,14 @@ def reduce_scatter(
     g: Group, x: Tensor, dim: int, reduce_op: str, mesh_axes: Sequence[str], node: str
 ) -> Op:
     chunks = _scatter_rows(g, x, dim, node, "reduce_scatter")
-    flat = chunks.reshape(-1, *chunks.shape[2:]).contiguous()
+    flat = chunks.flatten(0, 1).contiguous()
     out = x.new_empty(chunks.shape[1:])
     del x, chunks  # not held while the bytes move (as in reduce_scatter_bucket)
     yield from _launch(node, "reduce_scatter", mesh_axes, g,
           lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
                                  async_op=True))  # fmt: skip
-    return finish_avg(out, reduce_op, len(g.members)).movedim(0, dim).contiguous()
+    out = finish_avg(out, reduce_op, len(g.members))
+    return out.movedim(0, dim).contiguous() if dim else out
 
 
 def reduce_scatter_bucket(
@@ -194,9 +196,15 @@ def reduce_scatter_bucket(
     chunked = [
         _scatter_rows(g, x, d, node, "reduce_scatter_bucket") for x, d in zip(xs, dims, strict=True)
     ]
-    flat = torch.cat([c.reshape(n, -1) for c in chunked], dim=1).reshape(-1)  # member-major
-    out = flat.new_empty(flat.numel() // n)
     shapes = [c.shape[1:] for c in chunked]
+    sizes = [math.prod(s) for s in shapes]
+    rows = xs[0].new_empty(n, sum(sizes))  # member-major: member m's chunks in row m
+    # each chunk copied once, straight from its value into its place (a chunk cut along
+    # another dim than 0 is a strided view: no contiguous copy of it first)
+    for c, dest in zip(chunked, rows.split(sizes, dim=1), strict=True):
+        dest.view(c.shape).copy_(c)
+    flat = rows.reshape(-1)
+    out = flat.new_empty(flat.numel() // n)
     # the flat copy is what moves: the inputs (a block's unsharded gradients) are not held
     # while the bytes move, so each is freed at the launch once the program is done with it
     del xs, chunked
@@ -205,8 +213,8 @@ def reduce_scatter_bucket(
                                  async_op=True))  # fmt: skip
     out = finish_avg(out, reduce_op, n)
     return [
-        p.reshape(shape).movedim(0, d).contiguous()
-        for p, shape, d in zip(out.split([math.prod(s) for s in shapes]), shapes, dims, strict=True)
+        p.reshape(shape).movedim(0, d).contiguous() if d else p.reshape(shape)
+        for p, shape, d in zip(out.split(sizes), shapes, dims, strict=True)
     ]
 
 
