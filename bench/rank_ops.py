@@ -43,7 +43,7 @@ def _shapes(args: Any) -> str:
 
 
 def _range_kind(name: str) -> str:
-    """``partita.wait all_gather_bucket[data] 1536 B #3 @ ...`` -> ``wait all_gather_bucket[data]``."""
+    """``partita.wait all_gather_bucket[data] 1536 B ...`` -> ``wait all_gather_bucket[data]``."""
     words = name.removeprefix("partita.").split(" ")
     return " ".join(words[:2]) if words[0] == "wait" else words[0]
 
@@ -59,7 +59,7 @@ def worker(ns: argparse.Namespace) -> None:
     from partita.runtime.breakdown import OpClock, RangeClock, _ClockedRange, _mesh_range
 
     by_range: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0])
-    CLOCK: list[Any] = []  # the ranges' clock: the open range's kind
+    clocks: list[Any] = []  # the ranges' clock: the open range's kind
 
     class Named(_ClockedRange):
         def __enter__(self) -> Any:
@@ -88,7 +88,7 @@ def worker(ns: argparse.Namespace) -> None:
     @contextmanager
     def clocked_ranges() -> Iterator[ByName]:  # runtime.breakdown.clocked_ranges, by kind
         clock = ByName()
-        CLOCK[:] = [clock]
+        clocks[:] = [clock]
         torch.autograd.profiler._set_is_profiler_enabled(True)
         ranges.record_function = clock  # type: ignore[assignment]
         try:
@@ -110,7 +110,8 @@ def worker(ns: argparse.Namespace) -> None:
             out = func(*args, **(kwargs or {}))
             cpu = time.thread_time() - start
             if self._in_mesh:  # inside a mesh op's range (already in its clock): apart
-                name = f"(in {CLOCK[0].names[0] if CLOCK and CLOCK[0].names else 'a mesh op'}) {func}"
+                where = clocks[0].names[0] if clocks and clocks[0].names else "a mesh op"
+                name = f"(in {where}) {func}"
                 ops[name][0] += cpu
                 ops[name][1] += 1
             else:
@@ -191,8 +192,10 @@ def main() -> None:
     in_ops = sum(cpu for name, (cpu, _) in r["ops"] if not name.startswith("(in "))
     print(f"# {ns.config} GPT {ns.layers} layers, {world} process(es), {ns.steps} steps, "
           f"torch {r['torch']}; ms per step summed over the ranks")  # fmt: skip
-    print(f"step thread {step:.1f} ms (per rank {', '.join(f'{s:.1f}' for s in r['step_ms'])}); "
-          f"mesh-op ranges {in_ranges:.1f}; ops {in_ops:.1f}; rest {step - in_ranges - in_ops:.1f}")
+    print(
+        f"step thread {step:.1f} ms (per rank {', '.join(f'{s:.1f}' for s in r['step_ms'])}); "
+        f"mesh-op ranges {in_ranges:.1f}; ops {in_ops:.1f}; rest {step - in_ranges - in_ops:.1f}"
+    )
     print(f"{'ms/step':>8} {'calls':>7}  mesh op range (launch, or wait)")
     for name, (cpu, n) in r["ranges"]:
         print(f"{cpu:8.2f} {n:7.1f}  {name}")
