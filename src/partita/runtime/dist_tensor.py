@@ -69,7 +69,7 @@ class DistributedShardedTensor(ShardedTensor):
     Build one with :meth:`from_local`.
     """
 
-    __slots__ = ("_computed", "_devices", "_local")
+    __slots__ = ("_computed", "_devices", "_local", "_shard")
 
     def __init__(
         self,
@@ -81,8 +81,12 @@ class DistributedShardedTensor(ShardedTensor):
     ) -> None:
         # Internal: use from_local (validated). The base class keeps the same one-shard
         # storage, so its dtype / local_shape / sharding / shape work unchanged.
-        super().__init__(local.unsqueeze(0), sharding, shape)
-        self._local = local.unsqueeze(0)
+        stacked = local.unsqueeze(0)
+        super().__init__(stacked, sharding, shape)
+        self._local = stacked
+        # the shard itself, as the next program reads it (``addressable_shard``): a program's
+        # outputs are the next step's inputs, so no view of it is made per input per step
+        self._shard = local
         self._devices = (device,)
         # An output of a partita program: equal on its replicas by construction, so the
         # replica check (runtime.plan_check) skips it.
@@ -114,6 +118,11 @@ class DistributedShardedTensor(ShardedTensor):
     def addressable_data(self) -> Tensor:
         """This process's padded shards, ``[len(addressable_devices), *local_shape]``."""
         return self._local
+
+    @property
+    def addressable_shard(self) -> Tensor:
+        """This process's padded shard, ``local_shape``: ``addressable_data[0]``."""
+        return self._shard
 
     @property
     def addressable_devices(self) -> tuple[int, ...]:

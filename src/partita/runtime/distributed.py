@@ -365,7 +365,7 @@ class DistributedMesh:
         """This rank's shard of an argument under ``sharding``."""
         if isinstance(leaf, ShardedTensor) and leaf.sharding == sharding:
             if isinstance(leaf, DistributedShardedTensor):
-                return leaf.addressable_data[0]
+                return leaf.addressable_shard
             return leaf.stacked[self.position]
         value = leaf.full() if isinstance(leaf, ShardedTensor) else leaf
         return local_shard(value, sharding, self.position)
