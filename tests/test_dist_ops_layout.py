@@ -5,7 +5,8 @@ as if every member held the same values (member ``t`` of the torch group receive
 every member's chunk ``t``): the buffer must hold member ``t``'s chunk of every value in row
 ``t`` (member-major), each chunk in the order of its value moved to dim 0, and each result
 must be this rank's chunk of its value times the group size. The processes' own tests
-(``test_distributed.py``) run the real collectives.
+(``test_distributed.py``) run the real collectives. Last, a ``DistributedShardedTensor`` keeps
+its shard for the next program to read.
 """
 
 from __future__ import annotations
@@ -71,3 +72,21 @@ def test_reduce_scatter_one_value(monkeypatch: pytest.MonkeyPatch, dim: int) -> 
     assert torch.equal(flat.view(2, -1), _rows(x, dim, 2, [0, 1]))
     assert got.is_contiguous()
     assert torch.equal(got, chunks[1] * 2 / 2)
+
+
+def test_distributed_shard_is_the_shard() -> None:
+    """A program's output is the next program's input: the shard itself is read back
+    (``DistributedMesh.local_input``), not a view of it made per step."""
+    from types import SimpleNamespace
+
+    from partita import Mesh, P
+    from partita.runtime.dist_tensor import DistributedShardedTensor
+
+    mesh = Mesh.create((2,), ("data",))
+    local = torch.randn(3, 4)
+    x = DistributedShardedTensor.from_local(
+        local, P("data").to_sharding(mesh, 2), (6, 4), SimpleNamespace(rank=1)
+    )
+    assert x.addressable_shard is local
+    assert x.addressable_data.shape == (1, 3, 4)
+    assert x.addressable_data.data_ptr() == local.data_ptr()
