@@ -1,8 +1,8 @@
 """The local copies a process makes around each collective call: packing and unpacking.
 
 A mesh op of the per-device program is one ``torch.distributed`` call on a flat buffer, but
-the process that runs it also copies: ``runtime.dist_ops`` concatenates a bucket's members
-into one flat buffer before the launch, and after the wait copies a gathered member out of
+the process that runs it also copies: ``runtime.dist_ops`` copies a bucket's members into
+one flat buffer before the launch, and after the wait copies a gathered member out of
 its ``[group, numel]`` rows into its own layout, or a scattered chunk back into a strided
 layout. These copies are local memory-bound work, neither an op of the per-device program
 (the mesh op costs no compute there) nor part of the collective's fitted time
@@ -147,8 +147,7 @@ def _reduce_scatter_bucket(
 ) -> tuple[list[int], list[int]]:
     dims, reduce_op, _axes = rest
     chunked = [_rows(x, int(d), n) for x, d in zip(xs, dims, strict=True)]
-    launch = [_copy(c) for c in chunked if _reshape_copies(c, (n, -1))]
-    launch.append(2 * sum(_nbytes(x) for x in xs))  # torch.cat of the members' rows
+    launch = [_copy(c) for c in chunked]  # each member's chunks straight into its flat row
     numel = sum(x.numel() for x in xs) // n
     wait = _avg(reduce_op, torch.empty(numel, dtype=xs[0].dtype, device="meta"))
     for c, d in zip(chunked, dims, strict=True):
