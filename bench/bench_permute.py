@@ -101,7 +101,7 @@ def _streams() -> list[permute_mod.PermuteStream]:
     from partita.runtime.distributed import _EXECUTORS
 
     out = []
-    for ex in _EXECUTORS.values():
+    for _world, ex in _EXECUTORS.values():
         for program in ex._bound.values():
             for node in program.graph.nodes:
                 stream = getattr(node.target, "__self__", None)

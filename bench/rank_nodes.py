@@ -102,7 +102,7 @@ def worker(ns: argparse.Namespace) -> None:
 def _distributed_executors() -> list[Any]:
     from partita.runtime.distributed import _EXECUTORS  # read by a bench
 
-    return list(_EXECUTORS.values())
+    return [executor for _world, executor in _EXECUTORS.values()]
 
 
 def main() -> None:
