@@ -288,27 +288,17 @@ def plan_segments(gm: fx.GraphModule, mesh: Mesh | None = None) -> SegmentPlan:
             users_at.setdefault(i, set()).add(where)
     steps: list[Segment | fx.Node] = []
     last = max([*by_depth, *(depth[m] for m in (*mesh_nodes, *contractions))], default=0)
-    mesh_at = _by_depth(mesh_nodes, depth)  # each depth's, in graph order
-    contractions_at = _by_depth(contractions, depth)
     for d in range(last + 1):
-        steps += mesh_at.get(d, ())
+        steps += [m for m in mesh_nodes if depth[m] == d]
         done: set[fx.Node] = set()
         for k, (nodes, ready) in enumerate(chunks.get(d, [])):
             if nodes:
                 steps.append(_build_segment(gm, nodes, (d, k), users_at))
             steps += ready
             done.update(ready)
-        steps += [c for c in contractions_at.get(d, ()) if c not in done]
+        steps += [c for c in contractions if depth[c] == d and c not in done]
     frees = last_uses(placeholders, steps, takes, output)
     return SegmentPlan(placeholders, steps, output, takes, frees)
-
-
-def _by_depth(nodes: list[fx.Node], depth: dict[fx.Node, int]) -> dict[int, list[fx.Node]]:
-    """``nodes`` grouped by their depth, each group in ``nodes``' order."""
-    out: dict[int, list[fx.Node]] = {}
-    for n in nodes:
-        out.setdefault(depth[n], []).append(n)
-    return out
 
 
 #: Mesh ops that can take a sum already made over their whole group (``LocalMesh._contract``).
