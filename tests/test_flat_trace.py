@@ -184,3 +184,51 @@ def test_no_cut_between_a_multi_output_op_and_its_items() -> None:
             if n.target is operator.getitem:
                 assert n.args[0] in chunk, f"{n} in another chunk than its op"
     assert first in chunks[0][0] and second in chunks[0][0]
+
+
+def _node_text(gm: fx.GraphModule) -> list[str]:
+    """Each node's op, target, arguments and fake value's metadata."""
+    out = []
+    for n in gm.graph.nodes:
+        v = n.meta.get("val")
+        meta = (v.shape, v.stride(), v.storage_offset(), v.dtype) if isinstance(v, Tensor) else v
+        out.append(f"{n.op} {n.target} {n.args} {n.kwargs} {meta}")
+    return out
+
+
+def test_trace_fake_gives_the_graph_make_fx_gives(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``trace_fake`` (no torch-function mode, plain inputs faked from their metadata, a lazy
+    GraphModule) traces the graph plain ``make_fx`` traces, on plain inputs, a view, an
+    input sharing another's storage and a 0-d one; plain inputs are not logged to torch's
+    structured trace, and the code is generated when the graph first runs."""
+    from torch._subclasses import meta_utils
+    from torch.fx._lazy_graph_module import _LazyGraphModule
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    modes: list[int] = []  # torch-function modes active while tracing
+
+    def body(a: Tensor, b: Tensor, s: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+        modes.append(len(torch.overrides._get_current_function_mode_stack()))
+        return a @ b + s, (c * s).sum(-1)
+
+    fn = flat_trace.vmap_axis(body, (0, 0, None, 0), (0, 0))
+    base = torch.randn(4, 6, 5)
+    args = [base[:, :, 1:], torch.randn(4, 4, 3), torch.tensor(2.0), base]
+    plain = [torch.randn(4, 6, 4), torch.randn(4, 4, 3), torch.ones(1), torch.randn(4, 6, 5)]
+    logged: list[str] = []
+    monkeypatch.setattr(meta_utils, "trace_structured", lambda name, **_: logged.append(name))
+    for inputs in (args, plain):
+        want = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*inputs)
+        assert logged  # make_fx's from_tensor logs each input
+        logged.clear()
+        assert modes.pop() > 0  # make_fx's TorchFunctionMetadataMode
+        got = flat_trace.trace_fake(fn, inputs)
+        assert modes.pop() == 0
+        assert isinstance(got, _LazyGraphModule)
+        assert _node_text(got) == _node_text(want)
+        got.recompile()  # as a pass does: the code is not generated here...
+        assert type(got).forward is _LazyGraphModule._lazy_forward
+        for g, w in zip(got(*inputs), want(*inputs), strict=True):  # ...but when it runs
+            assert torch.equal(g, w)
+        assert got.code == want.code
+    assert logged == []  # the plain inputs of the second trace

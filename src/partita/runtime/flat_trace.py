@@ -32,12 +32,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import fx
+from torch.fx._lazy_graph_module import _use_lazy_graph_module
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from partita.capture.fake_inputs import fake_inputs
+from partita.capture.gc_pause import gc_paused
 from partita.capture.threads import TRACING
 from partita.runtime.flat_foreach import foreach_elementwise
 from partita.runtime.flat_matmul import fold_broadcast_bmms, fuse_bias_adds
@@ -51,6 +55,7 @@ __all__ = [
     "repeated",
     "significant_strides",
     "timed_run",
+    "trace_fake",
     "trace_flat",
     "vmap_axis",
 ]
@@ -135,6 +140,27 @@ def timed_run(fn: Callable[..., Any], args: list[Any], tracer: FlatTracer) -> An
     return out
 
 
+def trace_fake(fn: Callable[..., Any], args: Sequence[Any]) -> fx.GraphModule:
+    """``make_fx(fn, tracing_mode="fake")(*args)`` for a graph that is only run, with less
+    work and the same graph: no torch-function mode recording each call's function in
+    ``node.meta`` (nothing reads it; with it, every tensor method leaves the C++ fast path),
+    plain inputs made fake from their metadata (``capture.fake_inputs``: ``from_tensor``
+    describes each tensor in full and logs it to torch's structured trace), the cyclic
+    collector paused, and a lazy ``GraphModule``: its Python code is generated once, when
+    it first runs or its ``code`` is read, not again at every ``recompile()`` of the passes
+    that edit it after. The caller holds :data:`~partita.capture.threads.TRACING`."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    fakes = iter(fake_inputs(tensors))
+    inputs = [next(fakes) if isinstance(a, torch.Tensor) else a for a in args]
+    with gc_paused(), _use_lazy_graph_module(True):
+        return make_fx(
+            fn,
+            tracing_mode="fake",
+            _allow_non_fake_inputs=True,
+            _disable_torch_fn_metadata_mode=True,
+        )(*inputs)
+
+
 def trace_flat(
     fn: Callable[..., Any], args: list[Any], n_nodes: int = 0
 ) -> Callable[..., Any] | None:
@@ -149,7 +175,7 @@ def trace_flat(
         return None
     start = time.thread_time()
     try:
-        flat = make_fx(fn, tracing_mode="fake", _allow_non_fake_inputs=True)(*args)
+        flat = trace_fake(fn, args)
     except Exception:  # a batching rule that make_fx cannot trace: vmap stays correct
         return fn
     finally:

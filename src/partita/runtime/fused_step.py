@@ -41,7 +41,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, fx
-from torch.fx.experimental.proxy_tensor import make_fx
 
 from partita.capture.ops import sdpa_backward_cpu, sdpa_cpu
 from partita.capture.threads import TRACING
@@ -49,7 +48,7 @@ from partita.runtime.flat_cat_copy import copy_cat_pieces
 from partita.runtime.flat_constants import fold_constants
 from partita.runtime.flat_foreach import foreach_elementwise
 from partita.runtime.flat_order import sink_input_ops
-from partita.runtime.flat_trace import FlatTracer, no_new_traces, record_trace_cost
+from partita.runtime.flat_trace import FlatTracer, no_new_traces, record_trace_cost, trace_fake
 from partita.runtime.flat_views import collapse_view_chains, fold_permutes, fold_views
 
 __all__ = ["FusedStep", "direct_forward", "direct_kernels"]
@@ -201,9 +200,7 @@ def trace_step(interpret: Interpret, values: list[Held], n_nodes: int) -> _Trace
 
     try:
         with no_new_traces():  # a segment without its flat graph is traced through its vmap
-            gm = make_fx(step, tracing_mode="fake", _allow_non_fake_inputs=True)(
-                *(values[i][0] for i in where)
-            )
+            gm = trace_fake(step, [values[i][0] for i in where])
     except Exception:  # data-dependent Python in a step: keep the interpreter
         return False
     finally:
