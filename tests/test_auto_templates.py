@@ -87,8 +87,8 @@ def test_reused_templates_price_as_the_node_by_node_build(
         built.append((space, pricer))
         return original(space, pricer, rep)
 
-    def state(*args: Any) -> ProgramState:
-        states.append(ProgramState(*args))
+    def state(*args: Any, **kwargs: Any) -> ProgramState:
+        states.append(ProgramState(*args, **kwargs))
         return states[-1]
 
     monkeypatch.setattr(search, "build_model", spy)
