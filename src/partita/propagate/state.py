@@ -144,7 +144,7 @@ class ProgramState:
         n_in = 0  # tensor inputs so far (for messages)
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
-            if node in verbatim:
+            if verbatim and node in verbatim:
                 continue
             if node.op == "call_function" and node.target is EXIT_OP and node.args[0] in verbatim:
                 self._add_value((node, None), val)
@@ -257,8 +257,8 @@ class ProgramState:
         )
         if (self._local and node in self._local) or node.target is EXIT_OP:
             self._mark_region_values(node)
-        if _is_annotation(node):
-            ann = node_meta.annotation_of(node)
+        ann = node_meta.annotation(node)
+        if ann is not None:
             if ann.sharding.mesh != self.mesh:
                 raise ShardingConflictError(
                     f"Annotation {node.name} ({source_of(node) or 'unknown source'}) uses "
