@@ -87,8 +87,8 @@ def test_reused_templates_price_as_the_node_by_node_build(
         built.append((space, pricer))
         return original(space, pricer, rep)
 
-    def state(*args: Any) -> ProgramState:
-        states.append(ProgramState(*args))
+    def state(*args: Any, **kwargs: Any) -> ProgramState:
+        states.append(ProgramState(*args, **kwargs))
         return states[-1]
 
     monkeypatch.setattr(search, "build_model", spy)
@@ -107,6 +107,11 @@ def test_reused_templates_price_as_the_node_by_node_build(
     (shared, pricer1), (alone, pricer2) = built
     assert shared.templates_built < alone.templates_built  # the first build did reuse
     assert len(shared.blocks) == len(alone.blocks)
+    # the second build is node by node: no op block took another's template (a memo that
+    # skips the signature would hand it one), while the first shared them
+    ops = [b for b in alone.blocks if b.op is not None]
+    assert len({id(b.assigns) for b in ops}) == len(ops)
+    assert len({id(b.assigns) for b in shared.blocks if b.op is not None}) < len(ops) // 2
     for a, b in zip(shared.blocks, alone.blocks, strict=True):
         assert _block(a) == _block(b), a.node.name
     assert [(u.block, u.value, u.needs, u.through) for u in shared.uses] == [

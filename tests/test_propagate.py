@@ -469,3 +469,24 @@ def test_skipping_settled_ops_gives_the_same_shardings(strategy: str) -> None:
             assert sum(op.settled is not None for op in state.ops) > len(state.ops) // 2
             assert len(state._memo) < state.calls * 3 // 4  # a quarter reuse one (1 layer)
     assert results[0] == results[1]
+
+
+def test_the_state_names_the_values_it_fixed() -> None:
+    """``ProgramState.fixed`` holds exactly the values whose ``fixed`` flag its build set (the
+    auto build reads it instead of walking every value): the user's annotations, the output's
+    and a pinned input here. ``mark_stored=False`` (the auto build, which reads no ``stored``
+    flag) skips only the stored walk: every other field of every value is the same."""
+    fn, args = programs.mlp()
+    in_specs = (None, P(None, "model"), P("model"), P("model", None), None)
+    gm = partita.capture.trace(fn, args, mesh=MESH, in_specs=in_specs, out_specs=P()).graph_module
+    pin = P("data", None).to_sharding(MESH, 2)
+    state = ProgramState(gm, MESH, False, pinned=[pin])
+    flagged = {k for k, v in state.values.items() if v.fixed}
+    assert state.fixed == flagged and len(flagged) == 5  # 3 weights, the output, the pin
+    light = ProgramState(gm, MESH, False, pinned=[pin], mark_stored=False)
+    assert light.fixed == flagged and light.values.keys() == state.values.keys()
+    stored = [k for k, v in state.values.items() if v.stored and k[0].op != "placeholder"]
+    assert stored and not any(light.values[k].stored for k in stored)  # the annotated weights
+    for k, v in light.values.items():
+        v.stored = state.values[k].stored
+    assert light.values == state.values

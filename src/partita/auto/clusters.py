@@ -141,14 +141,10 @@ def cluster_blocks(space: Space, rounds: int = ROUNDS) -> list[int]:
     a label matters below, not the ids, so the result is that of labelling each block with
     the tuple itself."""
     n = len(space.blocks)
-    user_of, producer_of = [], []
-    for use in space.uses:
-        p = space.producer.get(use.value)
-        if p is not None:
-            user_of.append(use.block)
-            producer_of.append(p)
-    users = np.array(user_of, dtype=np.int64)
-    producers = np.array(producer_of, dtype=np.int64)
+    get = space.producer.get
+    pairs = [(u.block, p) for u in space.uses if (p := get(u.value)) is not None]
+    edges = np.array(pairs, dtype=np.int64).reshape(-1, 2)
+    users, producers = edges[:, 0].copy(), edges[:, 1].copy()
     # a block's operands in the order of its uses; its users in any order (sorted by label)
     by_user = np.argsort(users, kind="stable")
     op_ptr = np.concatenate([[0], np.cumsum(np.bincount(users, minlength=n))])

@@ -103,22 +103,28 @@ def add_links(space: Space, pricer: Pricer, offsets: np.ndarray, n_x: int, eq: R
     starts = offsets.tolist()  # Python ints: one look-up per use, no numpy scalar
     producer = space.producer
     for use in space.uses:
-        if use.value in producer:
-            lo = starts[use.block]
-            uses_of.setdefault(use.value, {}).setdefault((lo, id(use.needs)), use.needs)
+        used = use.value
+        if used in producer:
+            needs = use.needs
+            uses_of.setdefault(used, {}).setdefault((starts[use.block], id(needs)), needs)
             if use.through:
-                permuted.add(use.value)
+                permuted.add(used)
     state = _Build(pricer, n_x, eq, ub)
     built: dict[tuple[Any, ...], _Value] = {}
+    blocks, shapes, dtypes, stored = space.blocks, space.shapes, space.dtypes, space.stored_shapes
+    kept: dict[int, bool] = {}  # id(shape) -> shape in stored (the copies share shape objects)
     for key, uses in uses_of.items():
         p = producer[key]
         lo = starts[p]
-        column = space.blocks[p].columns[key]
+        column = blocks[p].columns[key]
         ids = id(column)
-        shape, dtype = space.shapes[key], space.dtypes[key]
+        shape, dtype = shapes[key], dtypes[key]
         # a parameter's or its gradient's collective is bucketed; not a reshard for a reader
         # through a permute: the partitioner runs it where that reader is, one call of its own
-        bucketed = shape in space.stored_shapes and key not in permuted
+        bucketed = kept.get(id(shape))
+        if bucketed is None:
+            bucketed = kept[id(shape)] = shape in stored
+        bucketed = bucketed and key not in permuted
         sig = (lo, ids, shape, dtype, bucketed, tuple(sorted(uses)))
         found = built.get(sig)
         if found is not None:

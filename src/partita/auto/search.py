@@ -118,7 +118,8 @@ class _Solver:
         prog = problem.program
         gm = prog.graph_module
         mesh = problem.mesh
-        state = ProgramState(gm, mesh, problem.replicate_unsupported)
+        # not run, only read: no op reads ``ValueState.stored`` here (propagation's walk)
+        state = ProgramState(gm, mesh, problem.replicate_unsupported, mark_stored=False)
         inputs = list(prog.input_nodes)
         pos_of_leaf = {leaf: i for i, leaf in enumerate(prog.tensor_leaves)}
         self.leaf_of_pos = {i: leaf for leaf, i in pos_of_leaf.items()}

@@ -36,7 +36,6 @@ from partita.auto.candidates import (
     fixed_assign,
     input_candidates,
     keyed,
-    value_of,
 )
 from partita.cost.flops import value_bytes
 from partita.propagate.state import OpState, ProgramState, ValueKey
@@ -55,7 +54,7 @@ __all__ = [
 Column = Sequence[Sharding | None]
 
 
-@dataclass
+@dataclass(slots=True)
 class Block:
     """One one-hot group of binary variables: an op's assignments or an input's shardings.
 
@@ -91,7 +90,7 @@ class Block:
         return [self.result(i) for i in range(len(self))]
 
 
-@dataclass
+@dataclass(slots=True)
 class Follower:
     """A pass-through op with one operand that shares its producer's block (Alpa's
     ``s_follow``): under the block's candidate i it reads its operand as ``needs[i]`` (from
@@ -107,7 +106,7 @@ class Follower:
     sig: Any = None
 
 
-@dataclass
+@dataclass(slots=True)
 class Use:
     """A block that reads a value: candidate i needs it as ``needs[i]`` (None: no need)."""
 
@@ -279,22 +278,30 @@ def build_space(
     passes: dict[int, bool] = {}  # id(rule) -> _passes_dims(rule)
     values = state.values
     # the values an annotation fixes: an op with none among its results is not forced
-    fixed_keys = {k for k, v in values.items() if v.fixed}
-    # id(template) -> (the template, held while its id keys the entry; _reads(template))
-    reads: dict[int, tuple[Any, list[tuple[int, Column]]]] = {}
+    fixed_keys = state.fixed
+    # an op's signature -> (its template, _reads(template)): one look-up per op
+    made: dict[Any, tuple[Any, list[tuple[int, Column]]]] = {}
+    partials = templates.partials  # id(column) -> templates.partial(column)
     for op in state.ops:
-        followed = _follows(op, values, passes, fixed_keys)
-        at = -1  # the followed value's producer
+        # the follower test's memo first (``_follows``): most ops are answered by it
+        rule = op.rule
+        passing = passes.get(id(rule))
+        followed = None
+        if passing or passing is None:
+            followed = _follows(op, values, passes, fixed_keys)
         if followed is not None:
             at = producer.get(followed, -1)
             if at < 0:
                 followed = None
             else:
                 root = blocks[at]
-                if templates.partial(root.columns[followed]):
+                has = root.columns[followed]
+                partial = partials.get(id(has))
+                if partial is None:
+                    partial = templates.partial(has)
+                if partial:
                     followed = None  # a partial value: the op chooses where its reduction goes
         if followed is not None:
-            has = root.columns[followed]
             sig = _sig(op)
             j = op.operands.index(followed)
             t = templates.follower(op, sig, j, has)  # type: ignore[arg-type]
@@ -303,26 +310,34 @@ def build_space(
                 sig=(sig, j, id(has)),
             )  # fmt: skip
             root.followers.append(follower)
-            root.columns.update(keyed(op, t))
-            for rkey in op.results:
+            columns = root.columns
+            for rkey, c in zip(op.results, t.result_columns, strict=True):
                 if rkey is not None:
+                    columns[rkey] = c
                     producer[rkey] = at
             if op.node.target == _PERMUTE and op.results[0] is not None:
                 root_key, perm = through.get(followed, (followed, None))
                 dims = cast(Sequence[int], op.node.args[1])
-                mine = [int(p) % len(op.rule.results[0] or ()) for p in dims]
+                mine = [int(p) % len(rule.results[0] or ()) for p in dims]
                 composed = mine if perm is None else [perm[p] for p in mine]
                 through[op.results[0]] = (root_key, composed)
             continue
-        forced = None
-        if fixed_keys and not fixed_keys.isdisjoint(op.results):
-            forced = fixed_assign(mesh, op, state)
         sig = _sig(op)
-        if forced is None:
-            t = templates.op(op, sig)
+        got = None
+        if not (fixed_keys and not fixed_keys.isdisjoint(op.results)):
+            got = made.get(sig)
+            if got is None:
+                t = templates.op(op, sig)
+                got = made[sig] = (t, _reads(t))
         else:
-            t = templates._make(op, [forced])
-            sig = (sig, tuple(sorted(forced.items())))
+            forced = fixed_assign(mesh, op, state)
+            if forced is None:
+                t = templates.op(op, sig)
+            else:
+                t = templates._make(op, [forced])
+                sig = (sig, tuple(sorted(forced.items())))
+            got = (t, _reads(t))
+        t, read = got
         b = len(blocks)
         blocks.append(
             Block(op.node, t.assigns, keyed(op, t), op=op, local_bytes=t.local_bytes, sig=sig)
@@ -330,11 +345,8 @@ def build_space(
         for rkey in op.results:
             if rkey is not None:
                 producer[rkey] = b
-        read = reads.get(id(t))
-        if read is None:
-            read = reads[id(t)] = (t, _reads(t))
         operands = op.operands
-        for j, column in read[1]:
+        for j, column in read:
             okey = operands[j]
             if okey is None:
                 continue
@@ -357,7 +369,9 @@ def build_space(
     dtypes: dict[ValueKey, torch.dtype] = {}
     described: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # by id of the value
     for k in producer:
-        val = value_of(k)
+        val = k[0].meta["val"]  # value_of(k), inlined (one per value of a deep program)
+        if k[1] is not None:
+            val = val[k[1]]
         found = described.get(id(val))
         if found is None:  # the copies of a layer share their value objects
             found = described[id(val)] = (tuple(val.shape), val.dtype)

@@ -191,7 +191,11 @@ def local_nodes(gm: fx.GraphModule) -> dict[fx.Node, tuple[str, ...]]:
         if node.target is ENTER_OP:
             local[node] = boundary(node.args[1]).manual_axes
             continue
-        axes = None if node.target is operator.getitem else _tag(node)
+        axes = None
+        if node.target is not operator.getitem:
+            custom = node.meta.get("custom")  # most nodes carry none: _tag is not called
+            if custom:
+                axes = _tag(node)
         if local:  # nothing is local before the first entry or tagged node
             for a in node.all_input_nodes:  # args then kwargs, as written (cheaper than pytree)
                 if a in local:

@@ -105,6 +105,7 @@ class ProgramState:
         replicate_unsupported: bool,
         pinned: Sequence[Sharding | None] = (),
         fixed_results: dict[fx.Node, tuple[Sharding, ...]] | None = None,
+        mark_stored: bool = True,
     ) -> None:
         self.gm = gm
         self.pinned = list(pinned)  # a body's inputs: fixed to the loop's operands' shardings
@@ -114,6 +115,9 @@ class ProgramState:
         self.ops: list[OpState] = []
         self._users: dict[ValueKey, list[int]] | None = None  # built on first use (users)
         self.alias: dict[fx.Node, ValueKey] = {}
+        #: the values fixed as the state was built (annotations, pins, control-flow results,
+        #: a fully manual region's exits): those with ``ValueState.fixed`` set by ``_build``
+        self.fixed: set[ValueKey] = set()
         self.replicate_unsupported = replicate_unsupported
         self._metas: dict[fx.Node, TensorMeta] = {}
         self._shapes: dict[Hashable, _OpShape] = {}  # _op_shape's memo
@@ -121,7 +125,7 @@ class ProgramState:
         #: (ndim, numel) per value object (``id``): the copies of a layer share theirs
         self._sizes: dict[int, tuple[int, int]] = {}
         self.copies = Copies()  # a layer copy's rule from its template copy's (by part node)
-        self._build()
+        self._build(mark_stored)
 
     def key(self, node: fx.Node) -> ValueKey:
         return self.alias.get(node, (node, None))
@@ -132,7 +136,7 @@ class ProgramState:
             sizes = self._sizes[id(val)] = (val.ndim, max(int(val.numel()), 1))
         self.values[key] = ValueState(*sizes)
 
-    def _build(self) -> None:
+    def _build(self, mark_stored: bool) -> None:
         local = local_nodes(self.gm)
         # Fully manual shard_map bodies are per-device code: not propagated, copied verbatim.
         verbatim = {n for n, a in local.items() if is_fully_manual(a, self.mesh.axis_names)}
@@ -140,7 +144,7 @@ class ProgramState:
         n_in = 0  # tensor inputs so far (for messages)
         for node in self.gm.graph.nodes:
             val = node.meta.get("val")
-            if node in verbatim:
+            if verbatim and node in verbatim:
                 continue
             if node.op == "call_function" and node.target is EXIT_OP and node.args[0] in verbatim:
                 self._add_value((node, None), val)
@@ -150,6 +154,7 @@ class ProgramState:
                     0,
                     True,
                 )
+                self.fixed.add((node, None))
             elif node.op == "placeholder":
                 if is_tensor(val):
                     check_strided(val, f"Input tensor {n_in} ({node.name}) of the program")
@@ -160,6 +165,7 @@ class ProgramState:
                     if pin is not None:
                         v = self.values[(node, None)]
                         v.dims, v.priority, v.fixed = list(pin.dim_axes), 0, True
+                        self.fixed.add((node, None))
             elif node.op == "call_function" and node.target is operator.getitem:
                 src, idx = node.args
                 if isinstance(src, fx.Node) and isinstance(src.meta.get("val"), (tuple, list)):
@@ -175,7 +181,8 @@ class ProgramState:
         self._seen.clear()
         self._sizes.clear()
         self.copies.clear()
-        self._mark_stored()
+        if mark_stored:  # the auto build reads no ``stored`` flag: it skips this walk
+            self._mark_stored()
 
     @property
     def users(self) -> dict[ValueKey, list[int]]:
@@ -236,6 +243,7 @@ class ProgramState:
                 if rkey is not None:
                     v = self.values[rkey]
                     v.dims, v.priority, v.fixed = list(s.dim_axes), 0, True
+                    self.fixed.add(rkey)
         alias = self.alias
         operands: list[ValueKey | None] = [alias.get(n, (n, None)) for n in operand_nodes]
         if len(rule.operands) != len(operands) or len(rule.results) != len(results):
@@ -249,8 +257,8 @@ class ProgramState:
         )
         if (self._local and node in self._local) or node.target is EXIT_OP:
             self._mark_region_values(node)
-        if _is_annotation(node):
-            ann = node_meta.annotation_of(node)
+        ann = node_meta.annotation(node)
+        if ann is not None:
             if ann.sharding.mesh != self.mesh:
                 raise ShardingConflictError(
                     f"Annotation {node.name} ({source_of(node) or 'unknown source'}) uses "
@@ -261,6 +269,7 @@ class ProgramState:
             v.dims = list(ann.sharding.dim_axes)
             v.priority = int(ann.priority)
             v.fixed = True
+            self.fixed.add((node, None))
 
     def _op_shape(self, node: fx.Node) -> tuple[_OpShape, list[fx.Node]]:
         """The op's rule and its factor groups, computed once per distinct call, and its
