@@ -8,7 +8,7 @@ so the table stays true. WRONG (a sharded result that differs from eager) is nev
 The default run covers ``opdb_sweep.SUBSET`` (a few entries of every op family); the slow test
 sweeps the rest of the op-db in two halves, one per file (``test_opdb_all`` here, the other in
 ``tests/test_opdb_rest.py``): ``make test`` hands each file to one worker (``--dist loadfile``),
-and one test of 100 s or more kept one worker busy while the other ran out of files.
+and one test of 100 s or more could keep one worker busy after the other ran out of files.
 """
 
 from __future__ import annotations
