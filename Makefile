@@ -22,11 +22,9 @@ demo: $(STAMP)
 # files keep their own order), in collection order (--no-loadscope-reorder): tests/conftest.py
 # puts the slowest files first, so none starts last; `$(PY) -m pytest -q` runs the same tests in
 # one process. The 40 slowest tests are listed at the end, to keep the suite well under 15
-# minutes. OMP_NUM_THREADS=1: torch runs a kernel on a thread per core by default, so two workers
-# on two cores ran four threads; on one thread each the same tests take 14 to 19 % less CPU
-# (docs/architecture.md "Where the suite's time goes").
+# minutes.
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
