@@ -6,6 +6,7 @@ view folding of the traced graph (``runtime.flat_views.fold_views``)."""
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -158,6 +159,24 @@ def _demo_step(mesh: Mesh, preset: str) -> tuple[Any, GPT, list[Any]]:
     return step, model, batches
 
 
+@functools.cache
+def _fused_demo(
+    shape: tuple[int, ...], names: tuple[str, ...], preset: str
+) -> tuple[Any, list[Any], list[float], dict[str, Tensor], bool]:
+    """The demo's GPT trained five steps (fused from the third), made once per file: the step,
+    its batches, the losses, the parameters after the five steps (copies) and whether the
+    steady step ran as one graph."""
+    mesh = Mesh.create(shape, names)
+    runner = executor_for(mesh)
+    assert isinstance(runner, LocalMesh)
+    before = len(_fused_graphs(runner))
+    step, _, batches = _demo_step(mesh, preset)
+    losses = [float(step(b)) for b in batches]
+    fused = len(_fused_graphs(runner)) > before
+    params = {k: v.clone() for k, v in step.full_parameters().items()}
+    return step, batches, losses, params, fused
+
+
 @pytest.mark.parametrize(
     ("shape", "names", "preset"),
     [((2, 4), ("data", "model"), "fsdp+tp"), ((8,), ("data",), "fsdp")],
@@ -167,13 +186,8 @@ def test_demo_gpt_trains_the_same_fused(
 ) -> None:
     """The demo's GPT: five steps fused from the third equal five steps of the interpreter."""
     mesh = Mesh.create(shape, names)
-    runner = executor_for(mesh)
-    assert isinstance(runner, LocalMesh)
-    before = len(_fused_graphs(runner))
-    step, _, batches = _demo_step(mesh, preset)
-    losses = [float(step(b)) for b in batches]
-    assert len(_fused_graphs(runner)) > before, "the steady step should run as one graph"
-    want_params = step.full_parameters()
+    _, _, losses, want_params, fused = _fused_demo(shape, names, preset)
+    assert fused, "the steady step should run as one graph"
 
     monkeypatch.setattr(LocalMesh, "_fused_step", lambda self, gm: None)
     ref, _, batches = _demo_step(mesh, preset)
@@ -184,9 +198,10 @@ def test_demo_gpt_trains_the_same_fused(
 
 
 def test_profiled_steps_of_a_fused_program_keep_their_collective_ranges() -> None:
-    step, _, batches = _demo_step(Mesh.create((2, 4), ("data", "model")), "fsdp+tp")
-    for b in batches[:4]:
-        step(b)
+    """A sixth step of the fused ``fsdp+tp`` demo GPT (the one the test above trains) under the
+    profiler."""
+    step, batches, _, _, fused = _fused_demo((2, 4), ("data", "model"), "fsdp+tp")
+    assert fused
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         step(batches[4])
     names = {e.key for e in prof.key_averages() if e.key.startswith("partita.")}

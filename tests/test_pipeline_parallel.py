@@ -11,6 +11,7 @@ compile pipeline.
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 
@@ -93,8 +94,12 @@ def test_storage_order_gives_each_stage_its_chunks() -> None:
 # --- training equals unsharded torch -----------------------------------------------------------
 
 
+#: The unsharded run, made once per file: every test that trains the GPT compares with it.
+_reference = functools.cache(gpt.reference)
+
+
 def _assert_equal_to_torch(losses: list[float], params: dict[str, torch.Tensor]) -> None:
-    want_losses, want = gpt.reference()
+    want_losses, want = _reference()
     torch.testing.assert_close(
         torch.tensor(losses), torch.tensor(want_losses), rtol=1e-5, atol=1e-5
     )
