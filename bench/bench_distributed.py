@@ -37,10 +37,7 @@ parameters and optimizer state excluded, so it compares with the Plan peak minus
   or ``--only``): the same step compiled in the training process (``PARTITA_COMPILE_IN_CHILD=0``);
 * ``partita 2-D (2, 2)``: FSDP over ``data`` and Megatron TP over ``model``; ``MLP TP``: TP on
   the MLP only, attention FSDP only: the sharding of the ``torch TP + FSDP2`` row (fewer
-  collectives on the critical path, unsharded attention activations); ``vocab head``: the
-  output layer also split over ``model`` by vocabulary (Megatron's parallel head and loss:
-  each model rank computes half of the logits and of the softmax, where the plain 2-D row
-  repeats the whole head and loss on both model ranks);
+  collectives on the critical path, unsharded attention activations);
 * ``torch FSDP2 (4,)``: ``fully_shard`` on every block and the model, ``torch.optim.AdamW``;
   ``compiled``: the same model under ``torch.compile`` (Inductor, C++ on the CPU; its compile
   time is spent in the warm-ups, not in the median);
@@ -333,15 +330,6 @@ def mlp_param_spec(name: str, p: torch.Tensor, mesh: Mesh) -> P:
     return param_spec(name, p, mesh)
 
 
-def vocab_param_spec(name: str, p: torch.Tensor, mesh: Mesh) -> P:
-    """``param_spec`` with the output layer vocabulary-parallel over ``model`` (Megatron's
-    parallel head: each model rank computes its half of the logits and the loss reduces over
-    the halves) instead of repeated on both model ranks."""
-    if "model" in mesh.axis_names and name in ("head.weight", "head.bias"):
-        return P("model", "data") if p.ndim == 2 else P("model")
-    return param_spec(name, p, mesh)
-
-
 class PartitaStep:
     """partita's FSDP (or 2-D) training step of the GPT, as the benches run it: each process
     holds its tiles of the weights and of the AdamW state (as FSDP2's ``fully_shard`` keeps),
@@ -520,8 +508,6 @@ CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
         lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), {}),
     "partita 2-D (2, 2) MLP TP": (
         lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r, mlp_param_spec), {}),
-    "partita 2-D (2, 2) vocab head": (
-        lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r, vocab_param_spec), {}),
     "partita 2-D (2, 2) unfused": (
         lambda r: bench_partita(Mesh.create((2, 2), ("data", "model")), r), UNFUSED),
     "torch TP + FSDP2 (2, 2)": (lambda r: bench_torch(True, r), {}),
