@@ -281,14 +281,9 @@ def build_space(
     fixed_keys = state.fixed
     # an op's signature -> (its template, _reads(template)): one look-up per op
     made: dict[Any, tuple[Any, list[tuple[int, Column]]]] = {}
-    partials = templates.partials  # id(column) -> templates.partial(column)
     for op in state.ops:
-        # the follower test's memo first (``_follows``): most ops are answered by it
         rule = op.rule
-        passing = passes.get(id(rule))
-        followed = None
-        if passing or passing is None:
-            followed = _follows(op, values, passes, fixed_keys)
+        followed = _follows(op, values, passes, fixed_keys)
         if followed is not None:
             at = producer.get(followed, -1)
             if at < 0:
@@ -296,10 +291,7 @@ def build_space(
             else:
                 root = blocks[at]
                 has = root.columns[followed]
-                partial = partials.get(id(has))
-                if partial is None:
-                    partial = templates.partial(has)
-                if partial:
+                if templates.partial(has):
                     followed = None  # a partial value: the op chooses where its reduction goes
         if followed is not None:
             sig = _sig(op)
