@@ -84,8 +84,7 @@ class Copies:
         ``node`` is a matching copy of a template (see the module), else None."""
         meta = node.meta
         tag = meta.get(COPY_META)
-        # ``tag.holds(node)``, inlined (one call per op of a deep program)
-        if tag is None or node.args is not tag.args or node.kwargs is not tag.kwargs:
+        if tag is None or not tag.holds(node):
             return None
         t = self._templates.get((tag.token, id(meta.get("val"))))
         if t is None or t.target is not node.target:
