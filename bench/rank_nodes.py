@@ -105,6 +105,19 @@ def _distributed_executors() -> list[Any]:
     return [executor for _world, executor in _EXECUTORS.values()]
 
 
+def rank_result(argv: list[str], world: int) -> Any:
+    """Run ``argv`` (a ``--worker`` command) on ``world`` single-thread Gloo processes and
+    return rank 0's last ``RESULT`` JSON line; a failed rank exits with its stderr."""
+    from partita.runtime.launch import spawn
+
+    results = spawn(argv, world, env={"OMP_NUM_THREADS": "1"}, timeout=1800)
+    lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
+    if any(r.returncode for r in results) or not lines:
+        bad = next((r for r in results if r.returncode), results[0])
+        sys.exit(f"failed (rank {bad.rank}): {bad.stderr.strip()[-2000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mesh", choices=["2-D", "fsdp"], default="2-D")
@@ -116,16 +129,9 @@ def main() -> None:
     if ns.worker:
         worker(ns)
         return
-    from partita.runtime.launch import spawn
-
     argv = [__file__, "--worker", "--mesh", ns.mesh, "--layers", str(ns.layers)]
     argv += ["--steps", str(ns.steps), "--top", str(ns.top)]
-    results = spawn(argv, 4, env={"OMP_NUM_THREADS": "1"}, timeout=1800)
-    lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
-    if any(r.returncode for r in results) or not lines:
-        bad = next((r for r in results if r.returncode), results[0])
-        sys.exit(f"failed (rank {bad.rank}): {bad.stderr.strip()[-2000:]}")
-    r = json.loads(lines[-1].removeprefix("RESULT "))
+    r = rank_result(argv, 4)
     print(f"# {ns.mesh} GPT {ns.layers} layers, rank 0, {ns.steps} steps, torch {r['torch']}")
     print(f"thread CPU per step {r['step_ms']:.1f} ms, in the program's {r['nodes']} nodes "
           f"{r['nodes_ms']:.1f} ms")  # fmt: skip

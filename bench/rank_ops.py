@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import bench_distributed as bd
+from rank_nodes import rank_result
 
 
 def _shapes(args: Any) -> str:
@@ -175,17 +176,10 @@ def main() -> None:
     if ns.worker:
         worker(ns)
         return
-    from partita.runtime.launch import spawn
-
     argv = [__file__, "--worker", "--config", ns.config, "--layers", str(ns.layers)]
     argv += ["--steps", str(ns.steps), "--top", str(ns.top)] + (["--shapes"] if ns.shapes else [])
     world = 1 if ns.config == "unsharded" else 4
-    results = spawn(argv, world, env={"OMP_NUM_THREADS": "1"}, timeout=1800)
-    lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
-    if any(r.returncode for r in results) or not lines:
-        bad = next((r for r in results if r.returncode), results[0])
-        sys.exit(f"failed (rank {bad.rank}): {bad.stderr.strip()[-2000:]}")
-    r = json.loads(lines[-1].removeprefix("RESULT "))
+    r = rank_result(argv, world)
     if ns.json:
         Path(ns.json).write_text(json.dumps(r))
     step, in_ranges = sum(r["step_ms"]), sum(r["ranges_ms"])
