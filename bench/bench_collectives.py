@@ -8,9 +8,10 @@ Run: ``.venv/bin/python bench/bench_collectives.py [--repeat 15] [--world 4] [--
 Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
 ``partita.runtime.launch.spawn``, as the distributed tests and benches run) times, all at once:
 
-* all_gather, all_reduce, reduce_scatter and all_to_all over the whole group, for reported sizes
-  (the Plan's convention: output bytes, input bytes for reduce_scatter) from 4 KiB to 16 MiB,
-  the median of ``--repeat`` calls after a barrier (max over ranks);
+* all_gather, all_reduce, reduce_scatter and all_to_all over the whole group (reduce_scatter as
+  the runtime runs it, ``runtime.dist_ops``: on Gloo an all_to_all and the local sum), for
+  reported sizes (the Plan's convention: output bytes, input bytes for reduce_scatter) from 4
+  KiB to 16 MiB, the median of ``--repeat`` calls after a barrier (max over ranks);
 * the matmuls of GPT-S's layers at their per-device sizes, forward and backward (FLOP/s per
   process while every process computes, over windows of ~0.3 s);
 * GPT-S's memory-bound workloads (``op_workloads.py``: its AdamW update at 1, 1/2, 1/4 and
@@ -55,6 +56,8 @@ import torch
 import torch.distributed as dist
 
 from partita.cost.model import KINDS, PROFILES, op_time, ring_steps, wire_bytes
+from partita.runtime import dist_ops
+from partita.runtime.comm import group_of
 
 SIZES = [4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20, 16 << 20]
 TIMED = [k for k in KINDS if k != "collective_permute"]
@@ -78,10 +81,10 @@ def _collective(kind: str, nbytes: int, n: int, group=None):
         out = torch.empty(numel)
         x = torch.ones(numel // n)
         return lambda: dist.all_gather_into_tensor(out, x, group=group)
-    if kind == "reduce_scatter":
+    if kind == "reduce_scatter":  # as the runtime runs it (on Gloo an all_to_all and a sum)
         x = torch.ones(numel)
-        out = torch.empty(numel // n)
-        return lambda: dist.reduce_scatter_tensor(out, x, group=group)
+        g = group_of(group or dist.group.WORLD)
+        return lambda: dist_ops.run(dist_ops.reduce_scatter(g, x, 0, "sum", ["fit"], ""))
     if kind == "all_reduce":
         x = torch.ones(numel)
         return lambda: dist.all_reduce(x, group=group)
@@ -222,15 +225,31 @@ OVERLAP_CALLS = [
 ] + [("all_reduce", TINY), ("reduce_scatter", TINY)]
 
 
+class _Started:
+    """A runtime mesh op launched (``runtime.dist_ops``), finished by :meth:`wait`."""
+
+    def __init__(self, op) -> None:
+        self.op = op
+
+    def wait(self) -> None:
+        dist_ops.run(self.op)
+
+
 def _async(kind: str, nbytes: int, n: int):
     """Launch ``kind`` of ``nbytes`` with ``async_op=True``; returns its work handle."""
     numel = nbytes // 4
     if kind == "all_gather":
         out, x = torch.empty(numel), torch.ones(numel // n)
         return lambda: dist.all_gather_into_tensor(out, x, async_op=True)
-    if kind == "reduce_scatter":
-        x, out = torch.ones(numel), torch.empty(numel // n)
-        return lambda: dist.reduce_scatter_tensor(out, x, async_op=True)
+    if kind == "reduce_scatter":  # launched now, waited for and summed at ``wait``
+        x, g = torch.ones(numel), group_of(dist.group.WORLD)
+
+        def launch() -> _Started:
+            op = dist_ops.reduce_scatter(g, x, 0, "sum", ["fit"], "")
+            next(op)
+            return _Started(op)
+
+        return launch
     x = torch.ones(numel)
     return lambda: dist.all_reduce(x, async_op=True)
 

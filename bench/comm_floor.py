@@ -7,12 +7,14 @@ them), with its kind, per-device bytes (XLA's convention: the output of an all_g
 all_reduce or all_to_all, the input of a reduce_scatter), dtype and this rank's device group.
 :func:`replay` runs them on the same processes with preallocated buffers, each launched and
 waited for at once (the DistributedMesh overlaps them with compute; with no compute there is
-nothing to overlap), and returns the CPU and wall time of one pass: what the step's bytes cost
-the machine through Gloo with nothing else to do. A bucket runs where its first member is for
-a gather (the parameters are there before the program starts) and where its last member is
-otherwise (its last value is ready then). A collective_permute is replayed as a shift by one
-along its group, its bytes each way (the 2-D GPT plan's 8 run over ``model``, groups of two:
-an exchange either way; a permute whose pairs leave members out sends more here than it does).
+nothing to overlap; a reduce_scatter is the runtime's own, ``runtime.dist_ops``: on Gloo an
+all_to_all and the local sum), and returns the CPU and wall time of one pass: what the step's
+bytes cost the machine through Gloo with nothing else to do. A bucket runs where its first
+member is for a gather (the parameters are there before the program starts) and where its last
+member is otherwise (its last value is ready then). A collective_permute is replayed as a shift
+by one along its group, its bytes each way (the 2-D GPT plan's 8 run over ``model``, groups of
+two: an exchange either way; a permute whose pairs leave members out sends more here than it
+does).
 
 Used by ``bench_distributed.py``; it never compiles or runs a program.
 """
@@ -27,8 +29,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from partita.runtime import dist_ops
+from partita.runtime.comm import group_of
+
 ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass(frozen=True)
@@ -82,9 +86,9 @@ def _launcher(call: Call, pg: Any) -> Any:
     if call.kind == "all_gather":
         small = torch.zeros(numel // n, dtype=call.dtype)
         return lambda: ALL_GATHER(big, small, group=pg, async_op=True).wait()
-    if call.kind == "reduce_scatter":
-        small = torch.zeros(numel // n, dtype=call.dtype)
-        return lambda: REDUCE_SCATTER(small, big, group=pg, async_op=True).wait()
+    if call.kind == "reduce_scatter":  # the runtime's own (on Gloo an all_to_all and a sum)
+        g = group_of(pg)
+        return lambda: dist_ops.run(dist_ops.reduce_scatter(g, big, 0, "sum", ["floor"], ""))
     if call.kind == "all_reduce":
         return lambda: dist.all_reduce(big, group=pg, async_op=True).wait()
     if call.kind == "all_to_all":

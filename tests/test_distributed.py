@@ -65,6 +65,10 @@ def test_ops_equal_local_mesh(ops_run: tuple[list[RankResult], Path]) -> None:
         value, got_kinds = got[name]
         torch.testing.assert_close(value, want, rtol=1e-6, atol=1e-6, msg=name)
         assert kinds <= set(got_kinds), (name, got_kinds)
+        if name.startswith("sum_reduce_scatter"):
+            # on Gloo an all_to_all and the simulated mesh's own sum in member order
+            # (runtime.comm.scatter_by_all_to_all): the same bits, whatever torch's order
+            assert torch.equal(value, want), name
     moved, (kind, local_shape) = got["reshard"]
     torch.testing.assert_close(moved, cases()["all_to_all"][2][0] * 3)
     assert (kind, local_shape) == ("DistributedShardedTensor", (2, 16))

@@ -43,6 +43,16 @@ def cases() -> dict[str, Case]:
             MESH_2X2, lambda a, b: a @ b, (x, w),
             (P(None, "model"), P("model", None)), P("model", None), {"reduce_scatter"},
         ),
+        # a sum over a split dim kept split: a reduce_scatter, over a group in torch's order
+        # and over one listed minor-first (members 0, 2, 1, 3; torch's order 0, 1, 2, 3)
+        "sum_reduce_scatter": (
+            MESH_4, lambda a: a.sum(0), (_rand(8, 16, seed=7),),
+            (P("data", None),), P("data"), {"reduce_scatter"},
+        ),
+        "sum_reduce_scatter_minor_first": (
+            MESH_2X2, lambda a: a.sum(0), (_rand(8, 16, seed=8),),
+            (P(("model", "data"), None),), P(("model", "data")), {"reduce_scatter"},
+        ),
         "all_gather": (
             MESH_4, lambda a: a * 2, (x,), (P("data", None),), P(), {"all_gather"},
         ),

@@ -41,6 +41,8 @@ __all__ = [
     "create_mesh_groups",
     "finish_avg",
     "gather_flat",
+    "group_of",
+    "scatter_by_all_to_all",
     "timeout_seconds",
     "torch_reduce_op",
 ]
@@ -58,6 +60,8 @@ class Group:
     members: tuple[int, ...]  # device ids (= ranks), partita order (major-first by mesh_axes)
     torch_order: tuple[int, ...]  # the same ranks in the torch group's order
     index: int  # this rank's index in ``members``
+    #: reduce_scatter as an all_to_all and a local reduction (:func:`scatter_by_all_to_all`)
+    scatter_by_all_to_all: bool = False
 
     @property
     def to_torch(self) -> list[int]:
@@ -67,6 +71,25 @@ class Group:
     @property
     def same_order(self) -> bool:
         return self.members == self.torch_order
+
+
+def scatter_by_all_to_all(pg: Any) -> bool:
+    """Whether a reduce_scatter on ``pg`` runs as an all_to_all and a local reduction.
+
+    On Gloo it does: Gloo's reduce_scatter costs as much CPU as an all_reduce of the whole
+    input or more, while its all_to_all sends each chunk once, straight to its member
+    (4 processes, a 16 MB input: 55 against 30 CPU-ms per call over the ranks, the local sum
+    included; ``bench/bench_collectives.py --reduce-scatter``). NCCL's reduce_scatter is
+    the better call there, so every other backend keeps it.
+    """
+    return dist.get_backend(pg) == "gloo"
+
+
+def group_of(pg: Any) -> Group:
+    """This rank's :class:`Group` for a torch process group, its members in the torch group's
+    order (the benches time the runtime's own mesh ops on groups they made)."""
+    ranks = tuple(dist.get_process_group_ranks(pg))
+    return Group(pg, ranks, ranks, ranks.index(dist.get_rank()), scatter_by_all_to_all(pg))
 
 
 def timeout_seconds() -> float:

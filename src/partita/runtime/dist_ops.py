@@ -32,6 +32,7 @@ from partita.runtime.comm import (
     finish_avg,
     torch_reduce_op,
 )
+from partita.runtime.stacked import reduce_over
 
 __all__ = [
     "InFlight",
@@ -170,17 +171,40 @@ def _scatter_rows(g: Group, x: Tensor, dim: int, node: str, kind: str) -> Tensor
     return chunks
 
 
+def _scatter_reduced(
+    node: str, kind: str, mesh_axes: Sequence[str], g: Group, flat: Tensor, reduce_op: str
+) -> Generator[None, None, Tensor]:
+    """This member's chunk of ``flat`` (``n`` equal chunks, torch group order) reduced over the
+    group. On Gloo (``g.scatter_by_all_to_all``) an all_to_all brings every member's copy of
+    this member's chunk here, and they are reduced in torch group order (the ranks', that is
+    the devices' order) by the simulated mesh's own reduction (``runtime.stacked.reduce_over``,
+    which ``runtime.held`` applies over a group's mesh dims in the same order): the same bits
+    as the simulated mesh. Elsewhere the backend's reduce_scatter."""
+    n = len(g.members)
+    if g.scatter_by_all_to_all:
+        recv = torch.empty_like(flat)
+        yield from _launch(node, kind, mesh_axes, g,
+              lambda: dist.all_to_all_single(recv, flat, group=g.pg, async_op=True))  # fmt: skip
+        del flat  # the sent buffer is free once the bytes have moved
+        return reduce_over(recv.view(n, -1), [0], reduce_op)
+    out = flat.new_empty(flat.numel() // n)
+    yield from _launch(node, kind, mesh_axes, g,
+          lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
+                                 async_op=True))  # fmt: skip
+    return finish_avg(out, reduce_op, n)
+
+
 def reduce_scatter(
     g: Group, x: Tensor, dim: int, reduce_op: str, mesh_axes: Sequence[str], node: str
 ) -> Op:
     chunks = _scatter_rows(g, x, dim, node, "reduce_scatter")
-    flat = chunks.flatten(0, 1).contiguous()
-    out = x.new_empty(chunks.shape[1:])
+    shape = chunks.shape[1:]
+    op = _scatter_reduced(
+        node, "reduce_scatter", mesh_axes, g, chunks.flatten(0, 1).contiguous().reshape(-1),
+        reduce_op,
+    )  # fmt: skip
     del x, chunks  # not held while the bytes move (as in reduce_scatter_bucket)
-    yield from _launch(node, "reduce_scatter", mesh_axes, g,
-          lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
-                                 async_op=True))  # fmt: skip
-    out = finish_avg(out, reduce_op, len(g.members))
+    out = (yield from op).reshape(shape)
     return out.movedim(0, dim).contiguous() if dim else out
 
 
@@ -203,15 +227,12 @@ def reduce_scatter_bucket(
     # another dim than 0 is a strided view: no contiguous copy of it first)
     for c, dest in zip(chunked, rows.split(sizes, dim=1), strict=True):
         dest.view(c.shape).copy_(c)
-    flat = rows.reshape(-1)
-    out = flat.new_empty(flat.numel() // n)
+    op = _scatter_reduced(node, "reduce_scatter_bucket", mesh_axes, g, rows.view(-1), reduce_op)
     # the flat copy is what moves: the inputs (a block's unsharded gradients) are not held
-    # while the bytes move, so each is freed at the launch once the program is done with it
-    del xs, chunked
-    yield from _launch(node, "reduce_scatter_bucket", mesh_axes, g,
-          lambda: REDUCE_SCATTER(out, flat, op=torch_reduce_op(reduce_op), group=g.pg,
-                                 async_op=True))  # fmt: skip
-    out = finish_avg(out, reduce_op, n)
+    # while the bytes move, so each is freed at the launch once the program is done with it;
+    # the flat buffer itself only by ``op``, which frees it once the bytes have moved
+    del xs, chunked, c, dest, rows
+    out = yield from op
     return [
         p.reshape(shape).movedim(0, d).contiguous() if d else p.reshape(shape)
         for p, shape, d in zip(out.split(sizes), shapes, dims, strict=True)
