@@ -35,10 +35,18 @@ ROW = ("attn.proj.weight", "mlp.proj.weight")
 
 
 def param_spec(name: str, p: torch.Tensor, mesh: Mesh) -> P:
-    """FSDP over ``data`` plus tensor parallelism over ``model`` (when the mesh has it)."""
+    """FSDP over ``data`` plus tensor parallelism over ``model`` (when the mesh has it).
+
+    Every parameter is split over ``data`` where its size allows, the column-parallel biases
+    too (their ``model`` halves cut again over ``data``, as ``fully_shard`` does under tensor
+    parallelism): their gradients then join the reduce_scatter buckets instead of each
+    taking an all_reduce of its own."""
     tp = "model" in mesh.axis_names
     if tp and name.endswith(COLUMN):
-        return P("model", "data") if p.ndim == 2 else P("model")
+        if p.ndim == 2:
+            return P("model", "data")
+        divisible = p.shape[0] % mesh.axes_size(("model", "data")) == 0
+        return P(("model", "data")) if divisible else P("model")
     if tp and name.endswith(ROW):
         return P("data", "model")
     if p.shape[0] % mesh.axis_size("data") == 0:
