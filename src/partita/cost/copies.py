@@ -6,7 +6,9 @@ one flat buffer before the launch, and after the wait copies a gathered member o
 its ``[group, numel]`` rows into its own layout, or a scattered chunk back into a strided
 layout. These copies are local memory-bound work, neither an op of the per-device program
 (the mesh op costs no compute there) nor part of the collective's fitted time
-(``bench/bench_collectives.py`` times bare calls on flat tensors), so the step estimate
+(``bench/bench_collectives.py`` times calls on flat tensors: bare torch calls, and the
+runtime's own reduce_scatter, whose sum of the received rows on Gloo is part of the call's
+time), so the step estimate
 (``partition.estimate``) adds them as ops of their own where they run: the packing at the
 launch, the unpacking at the wait.
 

@@ -134,7 +134,10 @@ def _hold_under_peak(
     Gathers are placed in order of their waits, each counting the buffers already in flight.
     """
     held = _live_bytes(nodes, size_of)
-    for h, w in pairs:  # a reduce_scatter's flat copy (and Gloo's temporary) while it moves
+    # a reduce_scatter's flat copy while it moves; on Gloo (``gather_buffers`` 2) also the
+    # all_to_all's receive buffer, the flat copy's size (``runtime.dist_ops``), counted with
+    # room for the result as well
+    for h, w in pairs:
         if str(h.args[0]).startswith("reduce_scatter"):
             flat = sum(size_of.get(a, 0) for a in h.all_input_nodes)
             extra = flat + (gather_buffers - 1) * (flat + size_of.get(w, 0))
