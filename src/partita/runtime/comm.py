@@ -78,7 +78,7 @@ def scatter_by_all_to_all(pg: Any) -> bool:
 
     On Gloo it does: Gloo's reduce_scatter costs as much CPU as an all_reduce of the whole
     input or more, while its all_to_all sends each chunk once, straight to its member
-    (4 processes, a 16 MB input: 50-55 against 29-30 CPU-ms per call over the ranks, the local
+    (4 processes, a 16 MB input: 58 against 29 CPU-ms per call over the ranks, the local
     sum included; ``bench/bench_reduce_scatter.py``). NCCL's reduce_scatter is the better
     call there, so every other backend keeps it.
     """
