@@ -52,19 +52,17 @@ class AdamWParity:
         self.want, self.names, self.rtol, self.atol = want, names, rtol, atol
         self.slack: dict[int, torch.Tensor] = {}  # position -> the updates' difference so far
         self.steps: dict[int, float] = {}  # position -> its step count at the last check
-        self.group: dict[int, dict[str, Any]] = {}
-        for group in want.state_dict()["param_groups"]:
-            self.group |= dict.fromkeys(group["params"], group)
 
     def after_step(self, got_state: Mapping[int, Mapping[str, Any]]) -> None:
-        want_state = self.want.state_dict()["state"]
+        """Each parameter's ``m`` and ``s`` after this step (its gradients at their own scale),
+        and the difference they make in this step's update, added to the parameter's slack."""
+        sd = self.want.state_dict()
+        want_state = sd["state"]
+        groups = {i: group for group in sd["param_groups"] for i in group["params"]}
         assert sorted(got_state) == sorted(want_state), "the parameters stepped so far differ"
         for i, want in want_state.items():
-            name, got = self.names[i], got_state[i]
+            name, got, group = self.names[i], got_state[i], groups[i]
             assert float(got["step"]) == float(want["step"]), f"{name}: step count"
-            group = self.group[i]
-            decay = 1 - group["lr"] * group["weight_decay"]
-            slack = self.slack.get(i, torch.zeros_like(want["exp_avg"]))
             if float(want["step"]) == self.steps.get(i):  # not stepped this time (no gradient)
                 continue
             self.steps[i] = float(want["step"])
@@ -75,11 +73,12 @@ class AdamWParity:
                     b,
                     rtol=self.rtol,
                     atol=self.atol,
-                    msg=lambda m, n=name, w=what: f"{n}'s {w}: {m}",
+                    msg=lambda m, n=name, w=what, t=self.steps[i]: f"{n}'s {w}, step {t:g}: {m}",
                 )
-            eps = group["eps"]
+            eps, lr = group["eps"], group["lr"]
             update = (m_got / (s_got + eps) - m_want / (s_want + eps)).abs()
-            self.slack[i] = slack * decay + group["lr"] * update
+            before = self.slack.get(i, torch.zeros_like(update))
+            self.slack[i] = before * (1 - lr * group["weight_decay"]) + lr * update
 
     def check_parameters(self, got: Mapping[str, torch.Tensor]) -> None:
         """The final parameters: ``|got - want| <= atol + rtol * |want| + slack`` per element."""
