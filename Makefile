@@ -23,8 +23,9 @@ demo: $(STAMP)
 # puts the slowest files first, so none starts last; `$(PY) -m pytest -q` runs the same tests in
 # one process. The 40 slowest tests are listed at the end, to keep the suite well under 15
 # minutes. OMP_NUM_THREADS=1: each worker runs torch's kernels on one thread (two workers on
-# two threads each only contend for the two cores; the same tests take 14-19 % less CPU,
-# docs/architecture.md, "Where the suite's time goes"); a test that needs threads sets them itself (torch.set_num_threads).
+# two threads each only contend for the two cores; the same tests take 8-28 % less CPU,
+# docs/architecture.md, "Where the suite's time goes"); a test that needs threads sets them
+# itself (torch.set_num_threads).
 test: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=40
 
