@@ -42,6 +42,7 @@ __all__ = [
     "finish_avg",
     "gather_flat",
     "group_of",
+    "rank_group",
     "scatter_by_all_to_all",
     "timeout_seconds",
     "torch_reduce_op",
@@ -85,11 +86,18 @@ def scatter_by_all_to_all(pg: Any) -> bool:
     return dist.get_backend(pg) == "gloo"
 
 
+def rank_group(pg: Any, members: Sequence[int], rank: int) -> Group:
+    """Rank ``rank``'s :class:`Group` on torch process group ``pg``: ``members`` in partita's
+    order, the torch group's order, and how its reduce_scatter runs."""
+    torch_order = tuple(dist.get_process_group_ranks(pg))
+    return Group(pg, tuple(members), torch_order, list(members).index(rank),
+                 scatter_by_all_to_all(pg))  # fmt: skip
+
+
 def group_of(pg: Any) -> Group:
     """This rank's :class:`Group` for a torch process group, its members in the torch group's
     order (the benches time the runtime's own mesh ops on groups they made)."""
-    ranks = tuple(dist.get_process_group_ranks(pg))
-    return Group(pg, ranks, ranks, ranks.index(dist.get_rank()), scatter_by_all_to_all(pg))
+    return rank_group(pg, dist.get_process_group_ranks(pg), dist.get_rank())
 
 
 def timeout_seconds() -> float:

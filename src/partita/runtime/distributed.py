@@ -11,9 +11,8 @@ mesh op                torch.distributed call (Gloo on CPU, NCCL on CUDA)
 =====================  =====================================================================
 all_gather             ``all_gather_single`` (flat), chunks put in mesh member order
 all_reduce             ``all_reduce`` (``avg`` = sum, then divide, as the simulated mesh does)
-reduce_scatter         ``reduce_scatter_single``, chunks sent in mesh member order; on Gloo
-                       ``all_to_all_single`` and the sum in member order, as the simulated
-                       mesh sums (``comm.scatter_by_all_to_all``)
+reduce_scatter         ``reduce_scatter_single``, chunks in mesh member order; on Gloo
+                       ``all_to_all_single`` and a sum in rank order (``comm.rank_group``)
 all_to_all             ``all_to_all_single`` (Gloo supports it on CPU since torch 2.x; checked
                        with torch 2.13)
 collective_permute     ``send``/``recv`` on Gloo, receives posted ahead at the run's start
@@ -76,7 +75,7 @@ from partita.runtime.comm import (
     Group,
     create_check_group,
     create_mesh_groups,
-    scatter_by_all_to_all,
+    rank_group,
 )
 from partita.runtime.compiled import compile_regions, stats_for
 from partita.runtime.control_flow import bind_bodies
@@ -204,14 +203,7 @@ class DistributedMesh:
                 self._groups[key] = None
             else:
                 (members,) = [g for g in self.mesh.groups(key) if self.rank in g]
-                torch_order = tuple(dist.get_process_group_ranks(pg))
-                self._groups[key] = Group(
-                    pg,
-                    tuple(members),
-                    torch_order,
-                    members.index(self.rank),
-                    scatter_by_all_to_all(pg),
-                )
+                self._groups[key] = rank_group(pg, members, self.rank)
         self._groups[raw] = self._groups[key]
         return self._groups[key]
 
