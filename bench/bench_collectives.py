@@ -506,18 +506,14 @@ def measure(repeat: int, world: int = 4, mode: str = "") -> dict:
     """The workers' measurements (rank 0's ``RESULT``): every timing of the fit, or those of
     ``mode`` (``--ops``, ``--pairs``, ``--overlap-only``) alone; ``world`` processes of this
     machine (127.0.0.1, ``OMP_NUM_THREADS=1``) at once. Exits when a worker fails."""
-    from partita.runtime.launch import spawn
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from rank_nodes import rank_result
 
     one, five, _ = os.getloadavg()
     print(f"# {world} Gloo processes, OMP_NUM_THREADS=1, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, load average {one:.2f} {five:.2f}")  # fmt: skip
     argv = [__file__, "--worker", "--repeat", str(repeat), *([mode] if mode else [])]
-    results = spawn(argv, world, env={"OMP_NUM_THREADS": "1"}, timeout=900)
-    lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
-    if any(r.returncode for r in results) or not lines:
-        bad = next((r for r in results if r.returncode), results[0])
-        sys.exit(f"a worker failed (rank {bad.rank}): {bad.stderr.strip()[-500:]}")
-    return json.loads(lines[-1].removeprefix("RESULT "))
+    return rank_result(argv, world, timeout=900)
 
 
 def _print_overlap(r: dict) -> tuple[float, float]:

@@ -105,12 +105,12 @@ def _distributed_executors() -> list[Any]:
     return [executor for _world, executor in _EXECUTORS.values()]
 
 
-def rank_result(argv: list[str], world: int) -> Any:
+def rank_result(argv: list[str], world: int, timeout: float = 1800) -> Any:
     """Run ``argv`` (a ``--worker`` command) on ``world`` single-thread Gloo processes and
     return rank 0's last ``RESULT`` JSON line; a failed rank exits with its stderr."""
     from partita.runtime.launch import spawn
 
-    results = spawn(argv, world, env={"OMP_NUM_THREADS": "1"}, timeout=1800)
+    results = spawn(argv, world, env={"OMP_NUM_THREADS": "1"}, timeout=timeout)
     lines = [ln for ln in results[0].stdout.splitlines() if ln.startswith("RESULT ")]
     if any(r.returncode for r in results) or not lines:
         bad = next((r for r in results if r.returncode), results[0])
