@@ -490,3 +490,41 @@ def test_the_state_names_the_values_it_fixed() -> None:
     for k, v in light.values.items():
         v.stored = state.values[k].stored
     assert light.values == state.values
+
+
+_DM = Mesh.create((2, 2), ("data", "model"))
+
+
+def _row_parallel(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """A row-parallel matmul on a 3-d activation (aten: view, mm, view), its result wanted split
+    over batch and model as sequence parallelism lays out the residual stream."""
+    return partita.mark_sharding(x @ w, _DM, P(("data", "model"), None, None)) * 2
+
+
+def test_a_partial_sum_wanted_split_finer_is_reduce_scattered_through_a_reshape() -> None:
+    """The mm's result is a partial sum over ``model`` with its rows split over ``data``; the
+    view after it is wanted split over ``(data, model)``. Invariant 4's exception gives the view
+    the finer split, so the sum is reduce-scattered onto it, where the operand's own proposal
+    (``data`` only) had it all-reduced whole and then cut by the annotation."""
+    x, w = torch.randn(8, 4, 16), torch.randn(16, 6)
+    step = partita.jit(_row_parallel, mesh=_DM, in_specs=(P("data", None, "model"), P("model")))
+    assert step.lower(x, w).call_counts() == {"reduce_scatter": 1}
+    torch.testing.assert_close(step(x, w).full(), (x @ w) * 2)
+
+
+def test_a_partial_sum_with_two_readers_is_still_reduced_once() -> None:
+    """When the partial sum has another reader, the finer split would reduce it twice (a
+    reduce_scatter for the view and an all_reduce for the other reader): it keeps its
+    operand's split and one all_reduce serves both."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        y = x.reshape(-1, 16) @ w  # the partial sum, read twice
+        out = partita.mark_sharding(y.reshape(8, 4, 6), _DM, P(("data", "model"), None, None))
+        return out * 2, y.exp()
+
+    x, w = torch.randn(8, 4, 16), torch.randn(16, 6)
+    step = partita.jit(fn, mesh=_DM, in_specs=(P("data", None, "model"), P("model")))
+    assert sum(step.lower(x, w).call_counts().values()) == 1
+    y = x.reshape(-1, 16) @ w
+    for got, want in zip(step(x, w), (y.reshape(8, 4, 6) * 2, y.exp()), strict=True):
+        torch.testing.assert_close(got.full(), want)

@@ -19,7 +19,11 @@ Invariants and conflict resolution (in the order they apply):
    reshapes have to choose.
 4. **Choosing one factor's axes.** Among the proposals for a factor, the best priority wins,
    then the larger tensor, then the earlier tensor (operands in order, then results).
-   Need-replication and size-1 factors get no axes.
+   Need-replication and size-1 factors get no axes. One exception: when the winner is an
+   operand that is a partial sum which this op alone reads, a proposal of the same priority
+   that only appends axes the sum is partial over wins instead, so the sum is reduce-scattered
+   onto the finer split rather than all-reduced and cut (a row-parallel matmul's result that
+   an annotation wants split over batch and model: sequence parallelism's reduce_scatter).
 5. **Choosing between factors that want the same mesh axis.** A mesh axis shards at most one
    factor of an op. Factors claim axes in order of best priority, then *activation first*
    (a factor some computed operand proposes beats one that only *stored* values, the

@@ -3,12 +3,13 @@
 Every tensor of the op that already has a sharding proposes, for each factor of each of its
 dims, the mesh axes that dim carries (a compound dim's axes are split over its factors, major
 first). :func:`choose_assignment` picks one proposal per factor (best priority, then larger
-tensor, then earlier tensor), lets factors claim mesh axes in rank order (one factor per mesh
-axis; priority, then factors a computed operand proposes before those only stored values or
-results propose, then support), moves axes proposed for need-replication factors to a free
-factor, moves a minor factor's axes to a whole major factor (invariant 6), and returns
-``{factor: mesh axes}`` with each factor's priority. :func:`merge_axes`
-turns an assignment back into the mesh axes of one dim.
+tensor, then earlier tensor; extended by a proposal that only adds axes the winning operand is
+a partial sum over, so that it is reduce-scattered rather than all-reduced), lets factors
+claim mesh axes in rank order (one factor per mesh axis; priority, then factors a computed
+operand proposes before those only stored values or results propose, then support), moves
+axes proposed for need-replication factors to a free factor, moves a minor factor's axes to a
+whole major factor (invariant 6), and returns ``{factor: mesh axes}`` with each factor's
+priority. :func:`merge_axes` turns an assignment back into the mesh axes of one dim.
 
 This module reads the propagation state; it never changes it (``partita.propagate`` does).
 """
@@ -25,8 +26,8 @@ from partita.values.mesh import Mesh
 
 __all__ = ["choose_assignment", "merge_axes", "split_axes"]
 
-# (priority, -numel, order, mesh axes, proposed by a computed operand)
-Proposal = tuple[int, int, int, tuple[str, ...], bool]
+# (priority, -numel, order, mesh axes, proposed by a computed operand, its partial axes)
+Proposal = tuple[int, int, int, tuple[str, ...], bool, tuple[str, ...]]
 # (priority, no computed operand proposes, -support, rank, factor, mesh axes)
 Ranked = tuple[int, bool, int, int, str, tuple[str, ...]]
 
@@ -89,14 +90,22 @@ def choose_assignment(
             for f, fa in split_axes(mesh, dim_axes, dim, rule.sizes).items():
                 if fa:
                     proposals.setdefault(f, []).append(
-                        (v.priority, -v.numel, order, fa, order <= n_operands and not v.stored)
+                        (
+                            v.priority,
+                            -v.numel,
+                            order,
+                            fa,
+                            order <= n_operands and not v.stored,
+                            _sole_partial(key, v) if order <= n_operands else (),
+                        )
                     )
     best: list[Ranked] = []
     for rank, f in enumerate(rule.factors):
         props = proposals.get(f)
         if not props or rule.sizes[f] <= 1 or rule.kind(f) is FactorKind.NEED_REPLICATION:
             continue
-        prio, _, _, axes, _ = min(props)
+        prio, _, _, axes, _, _ = min(props)
+        axes = _scatter_partial(props, prio, axes)
         backers = [p for p in props if p[3] == axes]
         support = sum(-p[1] for p in backers)
         no_activation = not any(p[4] for p in backers)
@@ -114,6 +123,30 @@ def choose_assignment(
     _claim(mesh, op, [b for b in ranked if b[4] in op.result_only], assign, prio_of, taken)
     _move_minor_axes(mesh, op, assign, prio_of)
     return assign, prio_of
+
+
+def _sole_partial(key: ValueKey, v: ValueState) -> tuple[str, ...]:
+    """The axes ``v`` is a partial sum over, if this op is its only reader (else ``()``)."""
+    node, index = key
+    return v.partial if index is None and len(node.users) == 1 else ()
+
+
+def _scatter_partial(props: list[Proposal], prio: int, axes: tuple[str, ...]) -> tuple[str, ...]:
+    """The axes a factor takes: the winning proposal's, or a same-priority proposal that
+    extends them by axes only, all of which the winning operand is a partial sum over (and
+    this op its only reader). That operand is then reduce-scattered onto the longer split
+    where it would have been all-reduced whole and then cut by a later reader: the
+    propagation's form of XLA's reduce-scatter creator (an all-reduce whose result is only
+    sliced becomes a reduce-scatter). A row-parallel matmul whose result an annotation wants
+    split over the batch and the model axis (sequence parallelism's layout) is the case."""
+    partial = {a for p in props if p[3] == axes for a in p[5]}
+    if not partial:
+        return axes
+    for p in sorted(props):
+        extra = p[3][len(axes) :]
+        if p[0] == prio and p[3][: len(axes)] == axes and extra and set(extra) <= partial:
+            return p[3]
+    return axes
 
 
 def _claim(
@@ -155,7 +188,7 @@ def _move_replicated_axes(
         props = proposals.get(f)
         if not props or rule.kind(f) is not FactorKind.NEED_REPLICATION:
             continue
-        prio, _, _, axes, _ = min(props)
+        prio, _, _, axes, _, _ = min(props)
         keep: list[str] = []
         for a in axes:
             if a in taken:
