@@ -3,6 +3,7 @@ memory copies and tiny ops on 4 processes of this machine, fit the alpha-beta mo
 
 Run: ``.venv/bin/python bench/bench_collectives.py [--repeat 15] [--world 4] [--write fit.json]``
 (``--ops``: the local-op terms alone; ``--pairs``: groups of 2 against the profile;
+``--scales``: the collectives over all processes alone, against the profile;
 ``--overlap-only``: ``overlap_efficiency`` alone)
 
 Each of ``--world`` processes (127.0.0.1, ``OMP_NUM_THREADS=1``, started by
@@ -322,18 +323,24 @@ def efficiency(rows: list[tuple[str, int, float, float, float]], tiny: bool = Fa
 PAIR_SIZES = [2 << 10, 64 << 10, 512 << 10, 1 << 20, 2 << 20, 4 << 20]
 
 
+def _rows(repeat: int, n: int, sizes: list[int], group=None) -> list[tuple[str, int, float]]:
+    """``(kind, bytes, seconds)`` of every timed kind at every size over ``group``."""
+    rows = []
+    for kind in TIMED:
+        for size in sizes:
+            fn = _collective(kind, size, n, group)
+            fn()
+            rows.append((kind, size, _median_time(fn, repeat)))
+    return rows
+
+
 def _pairs(repeat: int) -> dict:
     """Every kind over groups of 2 processes, both pairs of a 4-process job at once (as on a
     (2, 2) mesh): ``rows`` of ``(kind, bytes, seconds)`` and the ``call`` overhead."""
     world = dist.get_world_size()
     groups = [dist.new_group([r, r + 1]) for r in range(0, world, 2)]
     group = groups[dist.get_rank() // 2]
-    rows = []
-    for kind in TIMED:
-        for size in PAIR_SIZES:
-            fn = _collective(kind, size, 2, group)
-            fn()
-            rows.append((kind, size, _median_time(fn, repeat)))
+    rows = _rows(repeat, 2, PAIR_SIZES, group)
     call = {b: _call_overhead(repeat, group=group, before=b) for b in ("matmuls", "short", "call")}
     return {"n": 2, "rows": rows, "call": call["matmuls"][0], "calls": call}
 
@@ -389,7 +396,13 @@ def _max_over_ranks(x: float) -> float:
     return float(t)
 
 
-def worker(repeat: int, overlap_only: bool = False, pairs: bool = False, ops: bool = False) -> None:
+def worker(
+    repeat: int,
+    overlap_only: bool = False,
+    pairs: bool = False,
+    ops: bool = False,
+    scales: bool = False,
+) -> None:
     from partita import distributed as pd
 
     pd.initialize()
@@ -401,8 +414,8 @@ def worker(repeat: int, overlap_only: bool = False, pairs: bool = False, ops: bo
             print("RESULT " + json.dumps(result))
         dist.destroy_process_group()
         return
-    if pairs:
-        result = _pairs(repeat)
+    if pairs or scales:
+        result = _pairs(repeat) if pairs else {"n": n, "rows": _rows(repeat, n, SIZES)}
         if dist.get_rank() == 0:
             print("RESULT " + json.dumps(result))
         dist.destroy_process_group()
@@ -413,12 +426,7 @@ def worker(repeat: int, overlap_only: bool = False, pairs: bool = False, ops: bo
             print("RESULT " + json.dumps({"n": n, "overlap": ov}))
         dist.destroy_process_group()
         return
-    rows = []
-    for kind in TIMED:
-        for size in SIZES:
-            fn = _collective(kind, size, n)
-            fn()
-            rows.append((kind, size, _median_time(fn, repeat)))
+    rows = _rows(repeat, n, SIZES)
     # Compute, as a step of GPT-S computes (4 processes on the cores at once): the matmuls
     # of its layers at their per-device sizes (rows = batch 4 x sequence 128), timed over
     # a window of ~0.3 s so that every process computes through all of it.
@@ -472,6 +480,11 @@ def main() -> None:
         help="time every kind over groups of 2 (two pairs at once), against the profile",
     )
     parser.add_argument(
+        "--scales",
+        action="store_true",
+        help="time every kind over all processes alone: its scale on the profile's link",
+    )
+    parser.add_argument(
         "--ops",
         action="store_true",
         help="fit op_overhead and memory_bandwidth alone, on GPT-S's memory-bound workloads",
@@ -482,14 +495,21 @@ def main() -> None:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ns = parser.parse_args()
     if ns.worker:
-        worker(ns.repeat, ns.overlap_only, ns.pairs, ns.ops)
+        worker(ns.repeat, ns.overlap_only, ns.pairs, ns.ops, ns.scales)
         return
     print(f"# {' '.join(['.venv/bin/python', *sys.argv])}")
-    flags = {"--overlap-only": ns.overlap_only, "--pairs": ns.pairs, "--ops": ns.ops}
+    flags = {
+        "--overlap-only": ns.overlap_only,
+        "--pairs": ns.pairs,
+        "--ops": ns.ops,
+        "--scales": ns.scales,
+    }
     mode = next((flag for flag, on in flags.items() if on), "")
     r = measure(ns.repeat, ns.world, mode)
-    if ns.pairs:
-        _print_pairs(r)
+    if ns.pairs or ns.scales:
+        _print_scales(r)
+        if ns.pairs:
+            _print_calls(r)
         return
     if ns.ops:
         _print_ops(r["ops"], r["flops"])
@@ -504,8 +524,9 @@ def main() -> None:
 
 def measure(repeat: int, world: int = 4, mode: str = "") -> dict:
     """The workers' measurements (rank 0's ``RESULT``): every timing of the fit, or those of
-    ``mode`` (``--ops``, ``--pairs``, ``--overlap-only``) alone; ``world`` processes of this
-    machine (127.0.0.1, ``OMP_NUM_THREADS=1``) at once. Exits when a worker fails."""
+    ``mode`` (``--ops``, ``--pairs``, ``--scales``, ``--overlap-only``) alone; ``world``
+    processes of this machine (127.0.0.1, ``OMP_NUM_THREADS=1``) at once. Exits when a worker
+    fails."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from rank_nodes import rank_result
 
@@ -667,28 +688,35 @@ def _print_ops(rows: list[dict], peak: float) -> dict[str, float]:
     return fitted
 
 
-def _print_pairs(r: dict) -> None:
-    """Each timing over groups of 2 beside the ``cpu-gloo`` profile's time for it, and the
-    per-kind scale on the profile's link that fits them (median measured/ring ratio)."""
+def _print_scales(r: dict) -> None:
+    """Each timing over groups of ``r["n"]`` beside the ``cpu-gloo`` profile's time for it, and
+    the per-kind scale on the profile's link that fits them (median measured/ring ratio)."""
     from partita.cost.model import PROFILES, collective_time
 
-    hw = PROFILES["cpu-gloo"]
-    print(f"{'pairs':<15} {'bytes':>9} {'measured':>10} {'profile':>10} {'ring':>9} {'ratio':>6}")
+    hw, n = PROFILES["cpu-gloo"], r["n"]
+    label = f"groups of {n}"
+    print(f"{label:<15} {'bytes':>9} {'measured':>10} {'profile':>10} {'ring':>9} {'ratio':>6}")
     ratios: dict[str, list[float]] = {}
     for kind, size, t in r["rows"]:
-        ring = collective_time(kind, size, 2, hw.intra_host)
+        ring = collective_time(kind, size, n, hw.intra_host)
         prof = ring * hw.collective_scale.get(kind, 1.0) + hw.call_overhead
         ratios.setdefault(kind, []).append(t / ring)
         print(f"{kind:<15} {size:>9} {t * 1e3:8.3f}ms {prof * 1e3:8.3f}ms "
               f"{ring * 1e3:7.3f}ms {t / ring:6.2f}")  # fmt: skip
+    scale = {k: round(float(np.median(v)), 2) for k, v in ratios.items()}
+    print(f"collective_scale over {label} on the profile's link: {scale}")
+    print(f"the profile's collective_scale: {hw.collective_scale}")
+    print(f"# {_load()}")
+
+
+def _print_calls(r: dict) -> None:
+    """The call overhead over groups of 2 after compute of each kind (``--pairs``)."""
     for before, (extra, compute) in r["calls"].items():
         print(f"a 4-byte all_reduce after {before} ({compute * 1e3:.2f} ms; groups of 2): "
               f"{extra * 1e3:.2f} ms more than alone")  # fmt: skip
     window = call_window(r["calls"]["matmuls"], r["calls"]["short"])
     print(f"the overhead reaches its whole ({r['call'] * 1e3:.2f} ms) at {window * 1e3:.2f} ms "
           f"of compute since the previous call (call_window)")  # fmt: skip
-    scale = {k: round(float(np.median(v)), 2) for k, v in ratios.items()}
-    print(f"collective_scale over groups of 2 on the profile's link: {scale}")
 
 
 if __name__ == "__main__":
