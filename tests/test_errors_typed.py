@@ -235,6 +235,12 @@ ARGUMENT_ERRORS: list[tuple[str, Callable[[], Any], type[Exception], str]] = [
         r"priority only applies to annotations inside a captured function",
     ),
     (
+        "gradient_outside_capture",
+        lambda: partita.mark_sharding(torch.randn(8), MESH, P("x"), gradient=True),
+        ArgumentError,
+        r"only a traced tensor has a gradient to annotate",
+    ),
+    (
         "train_step_optimizer",
         lambda: _train_step(optimizer="sgd"),
         ArgumentTypeError,

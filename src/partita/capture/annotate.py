@@ -4,7 +4,11 @@
 module-level table under a fresh integer key and returns ``partita::annotate(t, key)``: an
 identity op that survives tracing, so the captured graph holds one annotate node per
 annotation and :func:`partita.capture.trace` can map each node back to its Annotation. Its
-gradient passes through unchanged (no annotate node appears in the backward).
+gradient passes through unchanged (no annotate node appears in the backward), unless the
+annotation was made with ``gradient=True``: then a second Annotation, of the same sharding and
+priority, is recorded for the gradient, and the op's backward is an annotate node of it (as
+JAX's ``with_sharding_constraint`` constrains the cotangent, and PyTorch/XLA's
+``mark_sharding_with_gradients``).
 
 An annotate node whose result is never used is kept in the graph (capture does not remove it
 as dead code): the annotation still constrains its *input*, which gives PyTorch/XLA-style
@@ -25,7 +29,7 @@ from typing import Any
 
 import torch
 
-from partita.capture.ops import annotate_op
+from partita.capture.ops import GRADIENT_KEYS, annotate_op
 from partita.capture.source import format_source, user_frame
 from partita.errors import InternalError, ShardingConflictError
 from partita.values.mesh import Mesh
@@ -87,6 +91,7 @@ def tracing_scope(
         _STATE.reset(token)
         for key in state.table:
             _TABLE.pop(key, None)
+            GRADIENT_KEYS.pop(key, None)
 
 
 def lookup(key: int) -> Annotation | None:
@@ -113,12 +118,17 @@ def record(
     *,
     priority: int = 0,
     source: str | None = None,
+    gradient: bool = False,
 ) -> torch.Tensor:
     """Like :func:`annotate` with an explicit ``source`` (used for in_specs / out_specs)."""
     if _STATE.get() is None:  # eager: nothing to record, keep the value semantics
         as_spec(spec).to_sharding(mesh, t.ndim)  # still check the spec
         return annotate_op(t, -1)
-    return annotate_op(t, new_key(mesh, spec, t.ndim, priority=priority, source=source))
+    key = new_key(mesh, spec, t.ndim, priority=priority, source=source)
+    if gradient:
+        where = f"{source}, on its gradient" if source else "the gradient of an annotation"
+        GRADIENT_KEYS[key] = new_key(mesh, spec, t.ndim, priority=priority, source=where)
+    return annotate_op(t, key)
 
 
 def new_key(
@@ -146,13 +156,20 @@ def new_key(
 
 
 def annotate(
-    t: torch.Tensor, mesh: Mesh, spec: PartitionSpec | Any, *, priority: int = 0
+    t: torch.Tensor,
+    mesh: Mesh,
+    spec: PartitionSpec | Any,
+    *,
+    priority: int = 0,
+    gradient: bool = False,
 ) -> torch.Tensor:
     """Annotate a traced tensor with a sharding; returns the annotated value.
 
     ``spec`` is a ``P``, a tuple of entries, or None (replicated). Inside
     :func:`partita.capture.trace` this adds a ``partita::annotate`` node carrying
     ``Annotation(sharding, priority, source line)``; outside a trace it only returns a copy.
+    ``gradient=True`` annotates the gradient that flows back through the value too (same
+    sharding and priority), where a backward is traced.
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("x", "y"))
@@ -160,4 +177,5 @@ def annotate(
         ...     return annotate(a @ b, mesh, P("x", None))
         >>> program = trace(fn, (torch.ones(8, 4), torch.ones(4, 8)))   # doctest: +SKIP
     """
-    return record(t, mesh, spec, priority=priority, source=format_source(user_frame()))
+    source = format_source(user_frame())
+    return record(t, mesh, spec, priority=priority, source=source, gradient=gradient)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import overload
+from typing import Any, overload
 
 import torch
 from torch import Tensor
@@ -54,11 +54,22 @@ def _(x: Tensor, key: int) -> Tensor:
     return torch.empty_like(x)
 
 
-def _annotate_backward(ctx: object, grad: Tensor) -> tuple[Tensor, None]:
-    return grad, None
+#: An annotation's key -> the key of the annotation of its gradient, for the annotations made
+#: with ``gradient=True`` (``capture.annotate`` fills it while a trace runs, and empties it
+#: after): the backward of such an annotate node is an annotate node of the gradient.
+GRADIENT_KEYS: dict[int, int] = {}
 
 
-annotate_op.register_autograd(_annotate_backward)
+def _annotate_setup(ctx: Any, inputs: tuple[Tensor, int], output: Tensor) -> None:
+    ctx.key = inputs[1]
+
+
+def _annotate_backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
+    key = GRADIENT_KEYS.get(ctx.key)
+    return (grad if key is None else annotate_op(grad, key)), None
+
+
+annotate_op.register_autograd(_annotate_backward, setup_context=_annotate_setup)
 
 
 @annotate_op.register_vmap

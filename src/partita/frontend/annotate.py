@@ -39,6 +39,7 @@ def mark_sharding(
     spec: PartitionSpec | tuple[Any, ...] | list[Any] | None,
     *,
     priority: int = 0,
+    gradient: bool = False,
 ) -> Any:
     """Shard data, or annotate a traced tensor, over ``mesh`` as ``spec`` says.
 
@@ -50,6 +51,9 @@ def mark_sharding(
     * Inside a function being captured (``partita.jit``, ``partita.capture.trace``): records an
       annotation node and returns the annotated tensor; propagation never overrides it.
       ``priority`` (lower wins, default 0) decides conflicts between annotations.
+      ``gradient=True`` annotates the gradient that flows back through the value as well
+      (same sharding and priority; PyTorch/XLA's ``mark_sharding_with_gradients``, JAX's
+      ``with_sharding_constraint``); by default the backward is left to propagation.
     * Inside a module's forward run eagerly on plain tensors (``model(x)`` on the CPU, the
       unsharded reference; not traced, not on the device): returns ``t`` itself, unchanged,
       so the forward keeps its autograd graph, as PyTorch/XLA's call does off an XLA device.
@@ -65,17 +69,28 @@ def mark_sharding(
         ...     return h.sum()
     """
     if isinstance(t, LazyTensor):
-        if priority:
+        if priority or gradient:
+            keyword = "priority=..." if priority else "gradient=True"
             raise ArgumentError(
-                "mark_sharding(priority=...) only applies to annotations inside a captured "
-                "function; a virtual-device tensor's annotation always has priority 0."
+                f"mark_sharding({keyword}) only applies to annotations inside a captured "
+                f"function (partita.jit, partita.train_step); a virtual-device tensor's "
+                f"annotation has priority 0 and leaves its gradient to propagation. Annotate "
+                f"inside the function you pass to partita.jit instead."
             )
         return mark_in_place(t, mesh, spec)
     if capture.is_tracing() and not isinstance(t, tensor.ShardedTensor):
-        return capture.annotate(t, mesh, spec, priority=priority)
+        return capture.annotate(t, mesh, spec, priority=priority, gradient=gradient)
     if priority:
         raise ArgumentError("priority only applies to annotations inside a captured function")
-    if isinstance(t, torch.Tensor) and in_eager_forward():
+    eager_forward = isinstance(t, torch.Tensor) and in_eager_forward()
+    if gradient and not eager_forward:
+        raise ArgumentError(
+            f"mark_sharding(gradient=True) on concrete data (a {type(t).__name__}, outside a "
+            f"captured function): only a traced tensor has a gradient to annotate. Call it "
+            f"inside the function you pass to partita.jit (or a module's forward that "
+            f"partita.train_step traces), or drop gradient=True to lay the data out."
+        )
+    if eager_forward:
         if not isinstance(mesh, Mesh):
             return tensor.mark_sharding(t, mesh, spec)  # its error for a wrong mesh
         as_spec(spec).to_sharding(mesh, t.ndim).check_shape(t.shape)  # still a valid spec
