@@ -17,6 +17,8 @@ from partita import Mesh, P
 from partita.virtual import recording
 from partita.virtual import state as virtual_state
 
+from adamw_parity import AdamWParity  # isort: skip
+
 pytest.importorskip("scipy")
 transformers = pytest.importorskip("transformers")
 
@@ -58,6 +60,10 @@ def test_the_seed_loop_trains_a_llama_like_eager(auto_dev: torch.device) -> None
     model = model.to(auto_dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    # AdamW's moments every step, then the parameters give or take what the moments'
+    # difference makes of the updates (tests/adamw_parity.py): a few of the Llama's gradient
+    # elements are ~2e-8, near eps, where an update follows the gradient's rounding
+    parity = AdamWParity(ref_opt, [n for n, _ in ref.named_parameters()], rtol=1e-5, atol=1e-5)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", partita.RematerializationWarning)
         for ids in _batches(3):
@@ -71,8 +77,9 @@ def test_the_seed_loop_trains_a_llama_like_eager(auto_dev: torch.device) -> None
             ref_opt.step()
             ref_opt.zero_grad()
             torch.testing.assert_close(loss.item(), ref_loss.item(), rtol=1e-5, atol=1e-5)
-    for (name, p), r in zip(model.named_parameters(), ref.parameters(), strict=True):
-        torch.testing.assert_close(p.cpu(), r.detach(), rtol=1e-5, atol=1e-5, msg=name)
+            state = opt.state_dict()["state"]
+            parity.after_step({i: {k: v.cpu() for k, v in s.items()} for i, s in state.items()})
+    parity.check_parameters({name: p.cpu() for name, p in model.named_parameters()})
     report = partita.last_plan().auto
     assert report is not None and report.chosen
     assert report.best().seconds <= min(
