@@ -541,12 +541,12 @@ def test_functional_steps_match_torch_optim(which, optimizer):
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     state = init_opt_state(params, optimizer)
+    names = list(params)
     if optimizer == "adamw":
         opt = torch.optim.AdamW(model.parameters(), **kw)
+        parity = AdamWParity(opt, names, rtol=1e-5, atol=1e-6)
     else:
         opt = torch.optim.SGD(model.parameters(), momentum=0.9, **kw)
-    names = list(params)
-    parity = AdamWParity(opt, names, rtol=1e-5, atol=1e-6)
     losses, ref_losses = [], []
     for _ in range(3):
         loss, params, buffers, state = step(params, buffers, state, batch)
