@@ -12,7 +12,10 @@ invariant), so the gradient *computed* for it is rounding noise (~1e-10) whose s
 the order of the sums; AdamW divides by sqrt(v) + eps, turning that noise into updates of size
 ``lr`` and random sign, so any reordering (sharded or not) moves that bias by ~1e-3 after a few
 steps. Without the bias the model has no such degenerate parameter and 10 steps agree to ~1e-7
-(``test_training_parity.py`` keeps the bias and raises eps instead).
+(``test_training_parity.py`` keeps the bias and raises eps instead). The tied-weight model and
+the LSTM have gradient elements near eps (9e-8, 6e-8) all the same: they compare through
+``tests/adamw_parity.py`` (AdamW's moments every step, the parameters give or take what the
+moments' difference makes of the updates).
 
 Meshes: (8,) is named ``data`` for dp/fsdp and ``model`` for tp; ``fsdp+tp`` needs two mesh
 axes so it runs on (2, 4) and (4, 2) only.
