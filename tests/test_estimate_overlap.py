@@ -143,12 +143,14 @@ CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
 
 
 def test_gpt_s_presets_keep_their_order_on_cpu_gloo() -> None:
-    """The four presets of GPT-S on 4 devices (bench/bench_estimate.py's step) in the order
-    measured on 4 Gloo processes (docs/cost-model.md): dp < fsdp < tp < fsdp+tp. Within each
-    pair the measured medians are close (dp before fsdp by 1.0, 29 and 3.2 ms in three quiet
-    runs; tp before fsdp+tp by 2.9 and 1.4 ms); what orders dp before fsdp in the estimate is
-    the runtime's copies around fsdp's calls (cost/copies.py: 61.6 MB in 61 copies per step
-    against dp's 27.6 MB in 4), which it priced at nothing before."""
+    """The four presets of GPT-S on 4 devices (bench/bench_estimate.py's step): the
+    data-parallel pair (dp, fsdp) before the 2-D pair (tp, fsdp+tp), the order every quiet
+    measurement on 4 Gloo processes resolves (docs/cost-model.md: by 70-120 ms). Within each
+    pair the measurements do not agree: dp before fsdp by 1.0, 29, 3.2, 14.2 and 12.4 ms in
+    five quiet sweeps, fsdp before dp by 5.5 and 37.7 ms in two others, every gap inside the
+    sweeps' spread; so the pairs' inner order is not pinned. The runtime's copies around
+    fsdp's calls are priced (cost/copies.py: 61.6 MB in 61 copies per step against dp's
+    27.6 MB in 4)."""
 
     def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
@@ -164,8 +166,7 @@ def test_gpt_s_presets_keep_their_order_on_cpu_gloo() -> None:
             model, loss, torch.optim.AdamW(model.parameters()), mesh=mesh, param_specs=preset
         )
         est[preset] = step.lower(batch).estimate("cpu-gloo")
-    totals = [est[p].total for p in ("dp", "fsdp", "tp", "fsdp+tp")]
-    assert totals == sorted(totals)
+    assert max(est["dp"].total, est["fsdp"].total) < min(est["tp"].total, est["fsdp+tp"].total)
     assert est["fsdp"].copies > est["dp"].copies > 0
     for e in est.values():
         assert e.total <= e.compute + e.communication + 1e-9
