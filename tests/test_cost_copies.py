@@ -22,7 +22,15 @@ from partita.values.mesh import Mesh
 
 CFG = GPTConfig(n_layer=2, n_head=4, d_model=64, vocab_size=128, seq_len=32)
 #: The aten ops of dist_ops that copy (the rest are views and allocations).
-_COPIES = ("aten.cat.", "aten.clone.", "aten.stack.", "aten.div.", "aten.index.", "aten.copy_.")
+_COPIES = (
+    "aten.cat.",
+    "aten.clone.",
+    "aten.stack.",
+    "aten.div.",
+    "aten.index.",
+    "aten.copy_.",
+    "aten.split_with_sizes_copy.",
+)
 
 
 class _Work:
@@ -40,7 +48,9 @@ class _Copies(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if str(func).startswith(_COPIES):
-            result = out[0] if isinstance(out, (list, tuple)) else out
+            result = out[0] if isinstance(out, (list, tuple)) and out else out
+            if str(func).startswith("aten.split_with_sizes_copy."):  # writes into its out list
+                result = args[0]
             self.sizes.append(2 * result.numel() * result.element_size())
         return out
 

@@ -3,12 +3,12 @@
 A mesh op of the per-device program is one ``torch.distributed`` call on a flat buffer, but
 the process that runs it also copies: ``runtime.dist_ops`` copies a bucket's members into
 one flat buffer before the launch, and after the wait copies a gathered member out of
-its ``[group, numel]`` rows into its own layout, or a scattered chunk back into a strided
-layout. These copies are local memory-bound work, neither an op of the per-device program
-(the mesh op costs no compute there) nor part of the collective's fitted time
-(``bench/bench_collectives.py`` times calls on flat tensors: bare torch calls, and the
-runtime's own reduce_scatter, whose sum of the received rows on Gloo is part of the call's
-time), so the step estimate
+its ``[group, numel]`` rows into its own layout (a gather bucket's members all in one
+``split_with_sizes_copy``), or a scattered chunk back into a strided layout. These copies are
+local memory-bound work, neither an op of the per-device program (the mesh op costs no
+compute there) nor part of the collective's fitted time (``bench/bench_collectives.py`` times
+calls on flat tensors: bare torch calls, and the runtime's own reduce_scatter, whose sum of the
+received rows on Gloo is part of the call's time), so the step estimate
 (``partition.estimate``) adds them as ops of their own where they run: the packing at the
 launch, the unpacking at the wait.
 
@@ -105,12 +105,11 @@ def _all_gather_bucket(
     xs: list[Tensor], rest: Sequence[Any], n: int
 ) -> tuple[list[int], list[int]]:
     dims, _axes = rest
-    numel = sum(x.numel() for x in xs)
     launch = [2 * sum(_nbytes(x) for x in xs)]  # torch.cat into this rank's slot
-    parts = torch.empty(n, numel, dtype=xs[0].dtype, device="meta")
-    wait: list[int] = []
-    for p, x, d in zip(parts.split([x.numel() for x in xs], dim=1), xs, dims, strict=True):
-        wait += _gathered(p, x.shape, int(d))[1]
+    wait = [n * launch[0]]  # split_with_sizes_copy: every value's columns, one kernel
+    for x, d in zip(xs, dims, strict=True):
+        piece = torch.empty(n, x.numel(), dtype=x.dtype, device="meta")
+        wait += _gathered(piece, x.shape, int(d))[1]  # a gather along dim > 0 moves it
     return launch, wait
 
 

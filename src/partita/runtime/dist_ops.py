@@ -130,7 +130,11 @@ def all_gather_bucket(
     yield from _launch(node, "all_gather_bucket", mesh_axes, g,
                        lambda: ALL_GATHER(out, mine, group=g.pg, async_op=True))  # fmt: skip
     parts = _member_order(g, out.reshape(n, -1))
-    pieces = parts.split([x.numel() for x in xs], dim=1)
+    # every value's [n, numel] columns out of the member-major buffer in one kernel (FSDP2's
+    # copy-out), each into a buffer of its own so that each is freed at its own last use
+    sizes = [x.numel() for x in xs]
+    pieces = [parts.new_empty(n, k) for k in sizes]
+    torch.split_with_sizes_copy(parts, sizes, dim=1, out=pieces)
     return [_gathered(p, x.shape, d) for p, x, d in zip(pieces, xs, dims, strict=True)]
 
 
