@@ -58,6 +58,9 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, CFG.vocab_size), targets.reshape(-1))
 
 
+IDS = torch.randint(0, CFG.vocab_size, (8, CFG.seq_len), generator=torch.Generator().manual_seed(1))
+
+
 def _step(gradient: bool) -> tuple[Any, tuple[Any, ...]]:
     model = _split_head_gpt(gradient)
     params = {k: v.detach().clone() for k, v in model.named_parameters()}
@@ -68,10 +71,7 @@ def _step(gradient: bool) -> tuple[Any, tuple[Any, ...]]:
         mesh=MESH,
         in_specs=(pspecs, {}, {"step": P(), "momentum_buffer": pspecs}, (P("data"), P("data"))),
     )
-    ids = torch.randint(
-        0, CFG.vocab_size, (8, CFG.seq_len), generator=torch.Generator().manual_seed(1)
-    )
-    return step, (params, {}, state, (ids, torch.roll(ids, -1, dims=1)))
+    return step, (params, {}, state, (IDS, torch.roll(IDS, -1, dims=1)))
 
 
 def test_gradient_annotations_keep_the_head_split_out_of_the_layers() -> None:
@@ -107,7 +107,30 @@ def test_gradient_on_concrete_data_is_an_error() -> None:
         partita.mark_sharding(torch.ones(4, 2), MESH, P("data"), gradient=True)
 
 
-def test_gradient_on_the_virtual_device_is_an_error() -> None:
-    x = torch.ones(4, 2, device=partita.use_spmd(MESH))
-    with pytest.raises(ArgumentError, match=r"gradient=True\) only applies"):
-        partita.mark_sharding(x, MESH, P("data"), gradient=True)
+def test_the_virtual_device_marks_the_gradient_too() -> None:
+    """The same split head on the virtual device (``use_spmd``): ``gradient=True`` marks the
+    gradient through a tensor hook when the backward computes it, and the step's Plan is the
+    captured one's (the same bytes, one gather over ``model``); the loss is eager's."""
+    dev = partita.use_spmd(MESH)
+    plans, losses = {}, {}
+    for gradient in (False, True):
+        model = _split_head_gpt(gradient)
+        with torch.no_grad():  # the eager loss (the annotations return their input)
+            eager = F.cross_entropy(model(IDS).flatten(0, 1), IDS.roll(-1, 1).flatten())
+        model = model.to(dev)
+        for name, p in model.named_parameters():
+            partita.mark_sharding(p, MESH, _spec(name))
+        x, y = IDS.to(dev), IDS.roll(-1, 1).to(dev)
+        partita.mark_sharding(x, MESH, P("data", None))
+        loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        partita.sync()
+        losses[gradient] = (loss.item(), eager.item())
+        plans[gradient] = partita.last_plan()
+    assert plans[True].bytes_per_device < plans[False].bytes_per_device
+    gathers = [
+        c for c in plans[True].collectives if c.kind == "all_gather" and "model" in c.mesh_axes
+    ]
+    assert len(gathers) == 1
+    for got, want in losses.values():
+        assert got == pytest.approx(want, rel=1e-5)

@@ -53,7 +53,8 @@ def mark_sharding(
       ``priority`` (lower wins, default 0) decides conflicts between annotations.
       ``gradient=True`` annotates the gradient that flows back through the value as well
       (same sharding and priority; PyTorch/XLA's ``mark_sharding_with_gradients``, JAX's
-      ``with_sharding_constraint``); by default the backward is left to propagation.
+      ``with_sharding_constraint``); by default the backward is left to propagation. On the
+      virtual device too (the gradient is marked in place when the backward computes it).
     * Inside a module's forward run eagerly on plain tensors (``model(x)`` on the CPU, the
       unsharded reference; not traced, not on the device): returns ``t`` itself, unchanged,
       so the forward keeps its autograd graph, as PyTorch/XLA's call does off an XLA device.
@@ -69,15 +70,12 @@ def mark_sharding(
         ...     return h.sum()
     """
     if isinstance(t, LazyTensor):
-        if priority or gradient:
-            keyword = "priority=..." if priority else "gradient=True"
+        if priority:
             raise ArgumentError(
-                f"mark_sharding({keyword}) only applies to annotations inside a captured "
-                f"function (partita.jit, partita.train_step); a virtual-device tensor's "
-                f"annotation has priority 0 and leaves its gradient to propagation. Annotate "
-                f"inside the function you pass to partita.jit instead."
+                "mark_sharding(priority=...) only applies to annotations inside a captured "
+                "function; a virtual-device tensor's annotation always has priority 0."
             )
-        return mark_in_place(t, mesh, spec)
+        return mark_in_place(t, mesh, spec, gradient=gradient)
     if capture.is_tracing() and not isinstance(t, tensor.ShardedTensor):
         return capture.annotate(t, mesh, spec, priority=priority, gradient=gradient)
     if priority:
@@ -88,7 +86,8 @@ def mark_sharding(
             f"mark_sharding(gradient=True) on concrete data (a {type(t).__name__}, outside a "
             f"captured function): only a traced tensor has a gradient to annotate. Call it "
             f"inside the function you pass to partita.jit (or a module's forward that "
-            f"partita.train_step traces), or drop gradient=True to lay the data out."
+            f"partita.train_step traces, or on a tensor of the virtual device), or drop "
+            f"gradient=True to lay the data out."
         )
     if eager_forward:
         if not isinstance(mesh, Mesh):

@@ -5,13 +5,17 @@ padded; the Python object, an ``nn.Parameter`` included, stays the same); on a p
 an annotation is recorded, which propagation treats as it treats ``mark_sharding`` inside
 ``partita.jit``. The annotation rules are a ShardedTensor's (docs/virtual-device.md, "Device
 tensors and ShardedTensors"): the same sharding again is a no-op, another one raises until
-``clear_sharding``, after which the next ``mark_sharding`` re-lays the tensor out in place. This
-module does not record other ops or compile.
+``clear_sharding``, after which the next ``mark_sharding`` re-lays the tensor out in place.
+``gradient=True`` also marks the tensor's gradient, through a tensor hook, when a backward
+computes it. This module does not record other ops or compile.
 """
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
+
+import torch
 
 from partita import capture
 from partita.errors import VirtualDeviceError
@@ -26,8 +30,9 @@ from partita.virtual.recording import record_annotation
 __all__ = ["clear_in_place", "mark_in_place"]
 
 
-def mark_in_place(t: LazyTensor, mesh: Mesh, spec: Any) -> LazyTensor:
-    """Shard ``t`` over ``mesh`` as ``spec`` says, in place; returns ``t``.
+def mark_in_place(t: LazyTensor, mesh: Mesh, spec: Any, *, gradient: bool = False) -> LazyTensor:
+    """Shard ``t`` over ``mesh`` as ``spec`` says, in place; returns ``t``. ``gradient``: its
+    gradient too, when a backward computes it.
 
     Example:
         >>> mesh = Mesh.create((2, 4), ("data", "model"))
@@ -59,7 +64,15 @@ def mark_in_place(t: LazyTensor, mesh: Mesh, spec: Any) -> LazyTensor:
             # (already in this layout, e.g. a batch moved from make_global: nothing moves)
             cell.data = ShardedTensor.from_global(full_value(t), sharding)
     cell.annotation = sharding
+    if gradient and t.requires_grad:  # the gradient, when a backward computes it
+        t.register_hook(partial(_mark_gradient, mesh=mesh, spec=spec))
     return t
+
+
+def _mark_gradient(grad: torch.Tensor, *, mesh: Mesh, spec: Any) -> torch.Tensor:
+    """A ``mark_sharding(..., gradient=True)`` tensor's hook: annotate its gradient in place,
+    as the captured path's annotate node of the gradient does."""
+    return mark_in_place(grad, mesh, spec) if isinstance(grad, LazyTensor) else grad
 
 
 def clear_in_place(t: LazyTensor) -> LazyTensor:
