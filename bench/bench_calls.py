@@ -10,9 +10,9 @@ steps and reads partita's ranges (``runtime.ranges``: a collective's launch and 
 the table gives: the measured start of its launch after the step's start (rank 0), the
 compute before it (from the end of the previous call's launch range to this launch, rank 0),
 the time inside its wait range (or its whole call under ``--sync``) as the median over steps,
-min and max over the 4 ranks, and the runtime's copies for it (``aten::cat`` and
-``aten::clone`` inside its ranges: packing a bucket, unpacking a gathered value); and beside
-it the estimate's call (``partition.estimate``): the modelled clock at its launch, the
+min and max over the 4 ranks, and the runtime's copies for it (``aten::cat``,
+``aten::clone`` and ``aten::split_with_sizes_copy`` inside its ranges: packing a bucket,
+unpacking a gathered value); and beside it the estimate's call (``partition.estimate``): the modelled clock at its launch, the
 compute since the previous launch, its modelled seconds, the overhead in them
 (``Hardware.call_seconds``) and its exposed time in the walk; the header gives the runtime's
 copies of the step, measured and modelled (``cost.copies``).
@@ -52,8 +52,9 @@ from partita.runtime import dist_ops
 def _step_ranges(one: Any, steps: int) -> list[list[tuple[str, float, float, float]]]:
     """Per profiled step, ``(range name, start after the step's start, seconds, seconds of
     copies)`` of each of partita's collective ranges in it, by start; the copies are the
-    ``aten::cat`` and ``aten::clone`` calls inside the range (the runtime's packing of a
-    call's buffer and unpacking of its result, ``runtime.dist_ops``)."""
+    ``aten::cat``, ``aten::clone`` and ``aten::split_with_sizes_copy`` calls inside the range
+    (the runtime's packing of a call's buffer and unpacking of its result,
+    ``runtime.dist_ops``)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         for _ in range(steps):
             one()
@@ -62,7 +63,7 @@ def _step_ranges(one: Any, steps: int) -> list[list[tuple[str, float, float, flo
     copies = sorted(
         (e.time_range.start, e.time_range.end, e.thread)
         for e in every
-        if e.name in ("aten::cat", "aten::clone")
+        if e.name in ("aten::cat", "aten::clone", "aten::split_with_sizes_copy")
     )
 
     def copied(e: Any) -> float:

@@ -80,6 +80,10 @@ def test_a_workload_is_counted_as_the_estimate_counts_its_ops() -> None:
     assert all(isinstance(t, torch.Tensor) for t in out)
 
 
+#: The aten ops of runtime.dist_ops that copy (the rest are views and allocations).
+COPYING = ("aten.cat.", "aten.clone.", "aten.copy_.", "aten.div.", "aten.split_with_sizes_copy.")
+
+
 class _Copies(TorchDispatchMode):
     """Bytes read and written by each copying aten op run inside it."""
 
@@ -89,8 +93,11 @@ class _Copies(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         out = func(*args, **(kwargs or {}))
-        if str(func).startswith(("aten.cat.", "aten.clone.", "aten.copy_.", "aten.div.")):
-            result = out[0] if isinstance(out, (list, tuple)) else out
+        name = str(func)
+        if name.startswith(COPYING):
+            result = out[0] if isinstance(out, (list, tuple)) and out else out
+            if name.startswith("aten.split_with_sizes_copy."):  # writes into its out list
+                result = args[0]
             self.sizes.append(2 * result.numel() * result.element_size())
         return out
 
