@@ -12,10 +12,10 @@ compute before it (from the end of the previous call's launch range to this laun
 the time inside its wait range (or its whole call under ``--sync``) as the median over steps,
 min and max over the 4 ranks, and the runtime's copies for it (``aten::cat``,
 ``aten::clone`` and ``aten::split_with_sizes_copy`` inside its ranges: packing a bucket,
-unpacking a gathered value); and beside it the estimate's call (``partition.estimate``): the modelled clock at its launch, the
-compute since the previous launch, its modelled seconds, the overhead in them
-(``Hardware.call_seconds``) and its exposed time in the walk; the header gives the runtime's
-copies of the step, measured and modelled (``cost.copies``).
+unpacking a gathered value); and beside it the estimate's call (``partition.estimate``): the
+modelled clock at its launch, the compute since the previous launch, its modelled seconds, the
+overhead in them (``Hardware.call_seconds``) and its exposed time in the walk; the header gives
+the runtime's copies of the step, measured and modelled (``cost.copies``).
 
 ``--sync`` runs the step with ``PARTITA_OVERLAP_BYTES=0``: every collective where the
 partitioner put it, synchronously, so each range is the call's whole time at its place, the
