@@ -134,3 +134,15 @@ def test_the_virtual_device_marks_the_gradient_too() -> None:
     assert len(gathers) == 1
     for got, want in losses.values():
         assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_a_device_tensor_marked_again_gets_one_gradient_hook() -> None:
+    """On the virtual device the gradient is marked through a hook on the tensor: a second
+    ``gradient=True`` mark adds it when the first lacked it, and a third adds no other."""
+    dev = partita.use_spmd(MESH)
+    w = torch.nn.Parameter(torch.ones(4, 2, device=dev))
+    partita.mark_sharding(w, MESH, P("data"))
+    assert w._backward_hooks is None or not w._backward_hooks
+    for _ in range(2):
+        partita.mark_sharding(w, MESH, P("data"), gradient=True)
+    assert len(w._backward_hooks) == 1

@@ -49,6 +49,8 @@ def mark_in_place(t: LazyTensor, mesh: Mesh, spec: Any, *, gradient: bool = Fals
         )
     sharding = as_spec(spec).to_sharding(mesh, t.ndim)
     sharding.check_shape(t.shape)
+    if gradient:
+        _mark_gradient_once(t, mesh, spec)
     cell = t._cell
     if cell.annotation is not None:
         if cell.annotation == sharding:
@@ -64,9 +66,15 @@ def mark_in_place(t: LazyTensor, mesh: Mesh, spec: Any, *, gradient: bool = Fals
             # (already in this layout, e.g. a batch moved from make_global: nothing moves)
             cell.data = ShardedTensor.from_global(full_value(t), sharding)
     cell.annotation = sharding
-    if gradient and t.requires_grad:  # the gradient, when a backward computes it
-        t.register_hook(partial(_mark_gradient, mesh=mesh, spec=spec))
     return t
+
+
+def _mark_gradient_once(t: LazyTensor, mesh: Mesh, spec: Any) -> None:
+    """Hook ``t`` so that its gradient is marked when a backward computes it: once per tensor
+    (a parameter marked again every step keeps one hook)."""
+    if t.requires_grad and not getattr(t, "_partita_marks_gradient", False):
+        t._partita_marks_gradient = True  # type: ignore[attr-defined]
+        t.register_hook(partial(_mark_gradient, mesh=mesh, spec=spec))
 
 
 def _mark_gradient(grad: torch.Tensor, *, mesh: Mesh, spec: Any) -> torch.Tensor:
