@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F  # noqa: N812
 from torch import fx
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import partita
 from partita.cost import PROFILES
@@ -20,39 +19,14 @@ from partita.runtime import comm, dist_ops
 from partita.runtime.donate import donated_all_reduces
 from partita.values.mesh import Mesh
 
+from runtime_copies import Copies  # isort: skip
+
 CFG = GPTConfig(n_layer=2, n_head=4, d_model=64, vocab_size=128, seq_len=32)
-#: The aten ops of dist_ops that copy (the rest are views and allocations).
-_COPIES = (
-    "aten.cat.",
-    "aten.clone.",
-    "aten.stack.",
-    "aten.div.",
-    "aten.index.",
-    "aten.copy_.",
-    "aten.split_with_sizes_copy.",
-)
 
 
 class _Work:
     def wait(self) -> None:
         pass
-
-
-class _Copies(TorchDispatchMode):
-    """Bytes read and written by each copying aten op run inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sizes: list[int] = []
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        out = func(*args, **(kwargs or {}))
-        if str(func).startswith(_COPIES):
-            result = out[0] if isinstance(out, (list, tuple)) and out else out
-            if str(func).startswith("aten.split_with_sizes_copy."):  # writes into its out list
-                result = args[0]
-            self.sizes.append(2 * result.numel() * result.element_size())
-        return out
 
 
 def _runtime_copies(node: fx.Node, vals: dict[fx.Node, Any], donate: bool) -> tuple[list, list]:
@@ -72,7 +46,7 @@ def _runtime_copies(node: fx.Node, vals: dict[fx.Node, Any], donate: bool) -> tu
     group = comm.Group(pg=None, members=tuple(range(n)), torch_order=tuple(range(n)), index=0)
     extra = {"donate": donate} if kind == "all_reduce" else {}
     op = getattr(dist_ops, kind)(group, *[real(a) for a in node.args[:-1]], node.name, **extra)
-    launch, wait = _Copies(), _Copies()
+    launch, wait = Copies(), Copies()
     with launch:
         next(op)
     with wait:

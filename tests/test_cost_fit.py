@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from partita.cost import PROFILES, node_bytes, op_time
 from partita.runtime import dist_ops
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+from runtime_copies import Copies  # isort: skip
 from op_workloads import COPIES, copy_workloads, fit_copies, fit_ops, traced, workloads
 
 
@@ -80,34 +80,12 @@ def test_a_workload_is_counted_as_the_estimate_counts_its_ops() -> None:
     assert all(isinstance(t, torch.Tensor) for t in out)
 
 
-#: The aten ops of runtime.dist_ops that copy (the rest are views and allocations).
-COPYING = ("aten.cat.", "aten.clone.", "aten.copy_.", "aten.div.", "aten.split_with_sizes_copy.")
-
-
-class _Copies(TorchDispatchMode):
-    """Bytes read and written by each copying aten op run inside it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sizes: list[int] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        out = func(*args, **(kwargs or {}))
-        name = str(func)
-        if name.startswith(COPYING):
-            result = out[0] if isinstance(out, (list, tuple)) and out else out
-            if name.startswith("aten.split_with_sizes_copy."):  # writes into its out list
-                result = args[0]
-            self.sizes.append(2 * result.numel() * result.element_size())
-        return out
-
-
 def test_a_copy_workload_is_the_runtimes_copies_counted_as_the_estimate_counts_them() -> None:
     saved = dist_ops.ALL_GATHER, dist_ops.REDUCE_SCATTER, dist_ops.dist
     copies = copy_workloads()
     assert [name for name, *_ in copies] == [name for name, *_ in COPIES]
     for name, run, counts in copies:
-        with _Copies() as seen:
+        with Copies() as seen:
             out = run()  # runtime.dist_ops with Gloo stubbed out, a result per bucket
         assert len(out) == 5, name
         assert counts["ops"] == len(counts["each"]) == len(seen.sizes) > 0, name
