@@ -65,7 +65,12 @@ ranks).
 
 ``torch eager quarter batch (4,)``: what each rank of an FSDP step computes, in eager torch
 with no collectives, on 4 processes: the whole model's forward and backward on a quarter of
-the batch and AdamW on a quarter (``chunk`` of dim 0) of every parameter.
+the batch and AdamW on a quarter (``chunk`` of dim 0) of every parameter. ``torch eager 2-D
+rank (2, 2)``: the same for a rank of the ``partita 2-D`` step: half the batch, the
+tensor-parallel halves of attention (half the heads) and of the MLP (half the hidden width),
+the embeddings, layer norms, residual adds, lm-head and loss whole on both ranks of a
+``model`` pair (as ``param_spec`` leaves them), AdamW on the rank's tile of every parameter
+(a quarter of the split layers', half of the others').
 
 Then ``communication floor``: each partita row's collectives replayed alone on its own 4
 processes right after its timed steps (``bench/comm_floor.py``: the Plan's calls, buckets as
@@ -73,7 +78,7 @@ one call, in program order, each launched and waited for at once on preallocated
 compute): their CPU per step summed over the ranks (of it, Gloo's threads), their wall time,
 and the row's CPU over ``floor`` = the unsharded step's CPU (``1 x 1 thread``) plus the
 collectives' and, for FSDP rows, over ``eager floor`` = ``torch eager quarter batch``'s CPU
-plus the collectives'.
+plus the collectives' (for the 2-D rows, ``torch eager 2-D rank``'s).
 
 torch bytes are counted with the same convention by wrapping ``torch.distributed``'s
 collective functions (FSDP2) and a TorchDispatchMode over ``_c10d_functional`` ops (DTensor).
@@ -95,6 +100,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import partita
@@ -122,6 +128,8 @@ FLOOR = "torch unsharded 1 x 2 threads"
 FLOOR1 = "torch unsharded 1 x 1 thread"
 #: Each rank's compute of an FSDP step in eager torch, no collectives (4 processes).
 EAGER = "torch eager quarter batch (4,)"
+#: Each rank's compute of a 2-D (data x model) step in eager torch, no collectives.
+EAGER2D = "torch eager 2-D rank (2, 2)"
 #: The environment of the "regather" runs: gathered parameters freed after the forward.
 REGATHER = {"PARTITA_REGATHER": "1"}
 #: The environment of the "in process" runs: compiled in the training process (the default
@@ -448,6 +456,56 @@ def bench_eager_quarter(repeat: int) -> dict[str, Any]:
     return {"step": _median(one, repeat), "heap": _step_heap(one), "bytes": 0.0, "calls": 0}
 
 
+class _HalfHeads(nn.Module):
+    """A tensor-parallel rank's attention: ``heads`` of the model's heads (q|k|v columns and
+    the output projection's rows of those heads), its output the rank's partial sum."""
+
+    def __init__(self, d: int, heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.qkv = nn.Linear(d, 3 * heads * head_dim)
+        self.proj = nn.Linear(heads * head_dim, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (
+            z.reshape(b, t, self.heads, self.head_dim).transpose(1, 2)
+            for z in self.qkv(x).split(self.heads * self.head_dim, dim=2)
+        )
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def bench_eager_2d(repeat: int) -> dict[str, Any]:
+    """What each rank of the 2-D step must compute, in eager torch with no collectives: the
+    model with half the heads and half the MLP width per block on half the batch, the other
+    layers whole, AdamW on the rank's tile of every parameter (split again over ``data``)."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    d, heads = CFG.d_model, CFG.n_head
+    for block in model.blocks:
+        block.attn = _HalfHeads(d, heads // 2, d // heads)
+        block.mlp.fc = nn.Linear(d, 2 * d)
+        block.mlp.proj = nn.Linear(2 * d, d)
+    rank = dist.get_rank()
+    data, pairs = rank // 2, 2  # mesh (2, 2) data x model: ranks 2i, 2i + 1 share rows
+    params = list(model.parameters())
+    tiles = [p.detach().chunk(pairs)[data].clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW(tiles, lr=1e-3)
+    ids, targets = _batch(0)
+    rows = BATCH // pairs
+    ids, targets = ids[data * rows : (data + 1) * rows], targets[data * rows : (data + 1) * rows]
+
+    def one() -> None:
+        _loss(model(ids), targets).backward()
+        for tile, p in zip(tiles, params, strict=True):
+            tile.grad = p.grad.chunk(pairs)[data]
+        opt.step()
+        model.zero_grad()
+
+    return {"step": _median(one, repeat), "heap": _step_heap(one), "bytes": 0.0, "calls": 0}
+
+
 def bench_torch(tp: bool, repeat: int, compiled: bool = False) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -520,6 +578,7 @@ CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
     FLOOR: (bench_unsharded, {"OMP_NUM_THREADS": "2"}),
     FLOOR1: (bench_unsharded, {"OMP_NUM_THREADS": "1"}),
     EAGER: (bench_eager_quarter, {}),
+    EAGER2D: (bench_eager_2d, {}),
 }  # fmt: skip
 
 
@@ -673,11 +732,13 @@ def _print_breakdown(rows: dict[str, dict[str, Any]]) -> None:
 def _print_comm_floor(rows: dict[str, dict[str, Any]], floor: float | None) -> None:
     """Each partita row's collectives replayed alone (``comm_floor.replay``) and its CPU
     over the floor with them: ``FLOOR1``'s CPU plus the collectives' (and, for FSDP rows,
-    over ``EAGER``'s CPU plus the collectives': each rank's own compute on 4 processes)."""
-    eager = rows.get(EAGER, {}).get("cpu")
+    over ``EAGER``'s CPU plus the collectives', for the 2-D rows over ``EAGER2D``'s: each
+    rank's own compute on 4 processes)."""
+    eagers = {"fsdp": rows.get(EAGER, {}).get("cpu"), "2-D": rows.get(EAGER2D, {}).get("cpu")}
     print(f"communication floor: each partita row's collectives alone on its processes, no "
           f"compute (CPU per step summed over ranks; Gloo's threads part of it); floor = "
-          f"{FLOOR1!r} + collectives, eager floor = {EAGER!r} + collectives")  # fmt: skip
+          f"{FLOOR1!r} + collectives, eager floor = {EAGER!r} (FSDP rows) or {EAGER2D!r} "
+          f"(2-D rows) + collectives")  # fmt: skip
     print(f"{'configuration':<30} {'calls':>6} {'comm CPU':>9} {'threads':>9} {'comm wall':>10} "
           f"{'CPU/step':>9} {'x unsharded':>12} {'x floor':>8} {'x eager floor':>14}")  # fmt: skip
     for name, r in rows.items():
@@ -686,8 +747,10 @@ def _print_comm_floor(rows: dict[str, dict[str, Any]], floor: float | None) -> N
             continue
         unsharded = f"{r['cpu'] / floor:12.2f}" if floor else f"{'-':>12}"
         with_comm = f"{r['cpu'] / (floor + comm['cpu']):8.2f}" if floor else f"{'-':>8}"
-        fsdp = eager and "fsdp" in name
-        with_eager = f"{r['cpu'] / (eager + comm['cpu']):14.2f}" if fsdp else f"{'-':>14}"
+        # the MLP-TP row computes another split than the eager 2-D rank's
+        kind = "fsdp" if "fsdp" in name else "2-D" if "MLP TP" not in name else None
+        eager = eagers.get(kind) if kind else None
+        with_eager = f"{r['cpu'] / (eager + comm['cpu']):14.2f}" if eager else f"{'-':>14}"
         print(f"{name:<30} {comm['calls']:6d} {comm['cpu']:7.3f} s {comm['threads']:7.3f} s "
               f"{comm['wall']:8.3f} s {r['cpu']:7.3f} s {unsharded} {with_comm} {with_eager}",
               flush=True)  # fmt: skip
