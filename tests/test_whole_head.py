@@ -133,3 +133,64 @@ def test_gpt_attention_under_tp_keeps_whole_heads_without_all_to_all(attention) 
     torch.testing.assert_close(y.full(), want_y, rtol=1e-4, atol=1e-5)
     for g, w in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(g.full(), w, rtol=1e-4, atol=1e-5)
+
+
+def _heads_major(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """GPT-2's ``[q | k | v]`` rows of a fused qkv weight (or bias) in head-major order
+    ``[q0 k0 v0 | q1 k1 v1 | ...]``."""
+    d = weight.shape[0] // 3
+    rows = weight.reshape(3, n_head, d // n_head, *weight.shape[1:])
+    return rows.transpose(0, 1).reshape(weight.shape)
+
+
+def test_head_major_qkv_is_the_same_attention_with_its_rows_permuted() -> None:
+    """``qkv_layout="heads"`` computes what the GPT-2 order computes when the fused weight's
+    rows are permuted accordingly (the model is the same function of permuted weights)."""
+    torch.manual_seed(0)
+    blocks = CausalSelfAttention(GPTConfig(n_head=4, d_model=32, seq_len=8))
+    heads = CausalSelfAttention(GPTConfig(n_head=4, d_model=32, seq_len=8, qkv_layout="heads"))
+    state = blocks.state_dict()
+    heads.load_state_dict(
+        {
+            **state,
+            "qkv.weight": _heads_major(state["qkv.weight"], 4),
+            "qkv.bias": _heads_major(state["qkv.bias"], 4),
+        }
+    )
+    x = torch.randn(2, 8, 32)
+    torch.testing.assert_close(heads(x), blocks(x), rtol=0, atol=1e-6)
+
+
+def test_head_major_qkv_under_tp_moves_no_rows(attention) -> None:
+    """The same Megatron split of the head-major layout: each device's contiguous block of
+    output features holds whole heads of q, k and v, so nothing is re-tiled (no
+    collective_permute; GPT-2's order needs them: the test above), and forward and backward
+    equal the unsharded program."""
+    _, params, x = attention
+    block = CausalSelfAttention(GPTConfig(n_head=8, d_model=32, seq_len=8, qkv_layout="heads"))
+    mesh = Mesh.create((2, 4), ("data", "model"))
+
+    def fwd_bwd(params: dict[str, torch.Tensor], x: torch.Tensor):
+        y = functional_call(block, params, (x,))
+        return y, torch.autograd.grad(y.square().sum(), list(params.values()))
+
+    specs = {
+        "qkv.weight": P("model"),
+        "qkv.bias": P("model"),
+        "proj.weight": P(None, "model"),
+        "proj.bias": P(),
+    }
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
+    step = partita.jit(fwd_bwd, mesh=mesh, in_specs=(specs, P("data")))
+    plan = step.lower(leaves, x)
+    assert _kinds(plan) == {"all_reduce"}, plan.explain()
+    y, grads = step(leaves, x)
+    want_y, want_grads = fwd_bwd(leaves, x)
+    torch.testing.assert_close(y.full(), want_y, rtol=1e-4, atol=1e-5)
+    for g, w in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(g.full(), w, rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_qkv_layout_is_an_argument_error() -> None:
+    with pytest.raises(partita.ArgumentError, match="qkv_layout='qkv'.*'blocks'.*'heads'"):
+        CausalSelfAttention(GPTConfig(n_head=4, d_model=32, qkv_layout="qkv"))

@@ -1,10 +1,15 @@
 """A small GPT (decoder-only transformer) written as ordinary single-device PyTorch.
 
 Pre-norm blocks: LayerNorm, causal self-attention through ``F.scaled_dot_product_attention``
-with a fused qkv projection, LayerNorm, a GELU MLP. Token and learned position embeddings, a
-final LayerNorm and an untied lm head. ``checkpoint=True`` recomputes each block's activations
-in the backward (``torch.utils.checkpoint``). ``blocks`` may be replaced by one module that runs
-the whole stack (``partita.pipeline``). No partita code, no weight tying, no generation loop.
+with a fused qkv projection, LayerNorm, a GELU MLP. The fused projection's output features are
+``[q | k | v]`` (GPT-2's order, ``qkv_layout="blocks"``) or, with ``qkv_layout="heads"``, head by
+head ``[q0 k0 v0 | q1 k1 v1 | ...]`` (the order Megatron-LM and GPT-NeoX store): there a
+contiguous split of the output features over a tensor-parallel axis gives each device whole
+heads of q, k and v, where GPT-2's order makes the devices exchange rows every layer. Token
+and learned position embeddings, a final LayerNorm and an untied lm head. ``checkpoint=True``
+recomputes each block's activations in the backward (``torch.utils.checkpoint``). ``blocks``
+may be replaced by one module that runs the whole stack (``partita.pipeline``). No partita
+code, no weight tying, no generation loop.
 """
 
 from __future__ import annotations
@@ -18,7 +23,10 @@ from torch.utils.checkpoint import checkpoint
 
 from partita.errors import ArgumentError
 
-__all__ = ["GPT", "GPTConfig"]
+__all__ = ["GPT", "QKV_LAYOUTS", "GPTConfig"]
+
+#: The orders of the fused qkv projection's output features (``GPTConfig.qkv_layout``).
+QKV_LAYOUTS = ("blocks", "heads")
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,9 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in the attention and MLP linears (GPT-2 has them, Llama not)
     checkpoint: bool = False  # recompute each block in the backward (torch.utils.checkpoint)
+    #: the fused qkv projection's output order: "blocks" [q | k | v] (GPT-2), "heads"
+    #: [q0 k0 v0 | q1 k1 v1 | ...] (Megatron-LM, GPT-NeoX: tensor-parallel without moving rows)
+    qkv_layout: str = "blocks"
 
 
 class CausalSelfAttention(nn.Module):
@@ -42,21 +53,34 @@ class CausalSelfAttention(nn.Module):
             raise ArgumentError(
                 f"GPTConfig d_model={cfg.d_model} is not divisible by n_head={cfg.n_head}."
             )
+        if cfg.qkv_layout not in QKV_LAYOUTS:
+            raise ArgumentError(
+                f"GPTConfig qkv_layout={cfg.qkv_layout!r}: use one of {QKV_LAYOUTS} ('blocks': "
+                f"[q | k | v] as GPT-2; 'heads': [q0 k0 v0 | q1 k1 v1 | ...] as Megatron-LM)."
+            )
         self.n_head = cfg.n_head
+        self.heads_major = cfg.qkv_layout == "heads"
         self.dropout = cfg.dropout
         self.qkv = nn.Linear(cfg.d_model, 3 * cfg.d_model, bias=cfg.bias)
         self.proj = nn.Linear(cfg.d_model, cfg.d_model, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(x).split(d, dim=2)
-        # [b, t, d] -> [b, heads, t, d / heads]
-        q = q.reshape(b, t, self.n_head, d // self.n_head).transpose(1, 2)
-        k = k.reshape(b, t, self.n_head, d // self.n_head).transpose(1, 2)
-        v = v.reshape(b, t, self.n_head, d // self.n_head).transpose(1, 2)
+        if self.heads_major:
+            # [b, t, heads * 3 * hd] -> q, k, v as [b, heads, t, hd]; the heads counted from
+            # the projection's width, so a module that holds some heads only (DTensor's
+            # ColwiseParallel with local outputs) runs the same code
+            qkv = self.qkv(x).reshape(b, t, -1, 3, d // self.n_head)
+            q, k, v = (z.transpose(1, 2) for z in qkv.unbind(3))
+        else:
+            q, k, v = self.qkv(x).split(d, dim=2)
+            # [b, t, d] -> [b, heads, t, d / heads]
+            q = q.reshape(b, t, self.n_head, d // self.n_head).transpose(1, 2)
+            k = k.reshape(b, t, self.n_head, d // self.n_head).transpose(1, 2)
+            v = v.reshape(b, t, self.n_head, d // self.n_head).transpose(1, 2)
         p = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
-        y = y.transpose(1, 2).reshape(b, t, d)
+        y = y.transpose(1, 2).reshape(b, t, -1)
         return self.proj(y)
 
 
