@@ -36,8 +36,8 @@ parameters and optimizer state excluded, so it compares with the Plan peak minus
   process never imports or holds the compiler; ``... in process`` (only with ``--in-process``
   or ``--only``): the same step compiled in the training process (``PARTITA_COMPILE_IN_CHILD=0``);
 * ``partita 2-D (2, 2)``: FSDP over ``data`` and Megatron TP over ``model``; ``MLP TP``: TP on
-  the MLP only, attention FSDP only: the sharding of the ``torch TP + FSDP2`` row (fewer
-  collectives on the critical path, unsharded attention activations);
+  the MLP only, attention FSDP only: the ``torch TP + FSDP2`` row's sharding before session
+  37 (fewer collectives on the critical path, unsharded attention activations);
 * ``torch FSDP2 (4,)``: ``fully_shard`` on every block and the model, ``torch.optim.AdamW``;
   ``compiled``: the same model under ``torch.compile`` (Inductor, C++ on the CPU; its compile
   time is spent in the warm-ups, not in the median);
@@ -49,9 +49,10 @@ parameters and optimizer state excluded, so it compares with the Plan peak minus
   thread (its CPU/step is the step's compute with no thread spinning: half of it is the
   floor on 2 cores);
 * ``torch TP + FSDP2 (2, 2)``: ``parallelize_module`` on each block's MLP (fc colwise, proj
-  rowwise) over ``tp`` and ``fully_shard`` over ``dp``. Attention is not tensor-parallel: the
-  model's fused qkv projection is split by the full width, which DTensor's colwise plan does
-  not support without rewriting the model.
+  rowwise) and attention (qkv colwise, proj rowwise: the GPT's head-major qkv, ``gpt_config``,
+  gives each rank whole heads) over ``tp``, and ``fully_shard`` over ``dp``: the sharding of
+  ``partita 2-D``. (Before session 37 the GPT's qkv was GPT-2's ``[q | k | v]``, which
+  DTensor's colwise plan cannot split into heads, and this row split the MLP only.)
 
 After the table of each layer count, ``floor and breakdown``: each configuration's CPU per
 step (summed over the ranks) over ``torch unsharded 1 x 1 thread``'s (the step's compute on
@@ -118,7 +119,16 @@ from train_gpt import COLUMN, ROW, param_spec  # noqa: E402
 sys.path.insert(0, str(ROOT / "bench"))
 from comm_floor import replay  # noqa: E402
 
-CFG = GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
+
+def gpt_config(layers: int) -> GPTConfig:
+    """The benches' GPT: width 256, 8 heads, vocabulary 512, sequence 128, and its fused qkv
+    projection head-major (``qkv_layout="heads"``, Megatron-LM's order: a tensor-parallel
+    split gives each device whole heads; GPT-2's ``[q | k | v]`` order makes the 2-D step
+    exchange rows every layer, docs/performance.md "A head-major q|k|v")."""
+    return GPTConfig(layers, n_head=8, d_model=256, vocab_size=512, seq_len=128, qkv_layout="heads")
+
+
+CFG = gpt_config(4)
 BATCH = 16
 #: The environment of the "unfused" runs: the program as partitioned before bucketing and overlap.
 UNFUSED = {"PARTITA_BUCKET_BYTES": "0", "PARTITA_OVERLAP_BYTES": "0"}
@@ -332,7 +342,7 @@ def _step_heap(fn: Callable[[], Any], repeat: int = 3) -> float:
 
 def mlp_param_spec(name: str, p: torch.Tensor, mesh: Mesh) -> P:
     """``param_spec`` with tensor parallelism on the MLP only (attention FSDP only), the
-    sharding of the ``torch TP + FSDP2`` row."""
+    ``torch TP + FSDP2`` row's sharding before session 37."""
     if "attn." in name and name.endswith(COLUMN + ROW):
         return P("data") if p.shape[0] % mesh.axis_size("data") == 0 else P()
     return param_spec(name, p, mesh)
@@ -520,9 +530,12 @@ def bench_torch(tp: bool, repeat: int, compiled: bool = False) -> dict[str, Any]
         )
 
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-        for block in model.blocks:
+        for block in model.blocks:  # Megatron: column-parallel in, row-parallel out
+            plan = {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
+            parallelize_module(block.mlp, mesh["tp"], plan)
+            # the head-major qkv (gpt_config): a rank's column block holds whole heads
             parallelize_module(
-                block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
+                block.attn, mesh["tp"], {"qkv": ColwiseParallel(), "proj": RowwiseParallel()}
             )
         dp_mesh = mesh["dp"]
         rows = BATCH // 2
@@ -584,7 +597,7 @@ CONFIGS: dict[str, tuple[Callable[[int], dict[str, Any]], dict[str, str]]] = {
 
 def worker(ns: argparse.Namespace) -> None:
     global CFG
-    CFG = GPTConfig(n_layer=ns.layers[0], n_head=8, d_model=256, vocab_size=512, seq_len=128)
+    CFG = gpt_config(ns.layers[0])
     PROFILE[0] = ns.profile
     pd.initialize()
     _wrap_dist()

@@ -119,7 +119,7 @@ def _step(config: str, rounds: int) -> dict[str, Any]:
             return P("model")
         return train_gpt.param_spec(name, p, mesh)
 
-    bd.CFG = bd.GPTConfig(n_layer=4, n_head=8, d_model=256, vocab_size=512, seq_len=128)
+    bd.CFG = bd.gpt_config(4)
     if config == "2-D":
         mesh = Mesh.create((2, 2), ("data", "model"))
         steps = {"old specs": bd.PartitaStep(mesh, old_spec), "specs": bd.PartitaStep(mesh)}

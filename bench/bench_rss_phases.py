@@ -162,7 +162,7 @@ def _steps(one: Callable[[], Any], steps: int, first: str) -> dict[str, list[flo
 
 
 def worker(which: str, layers: int, steps: int) -> None:
-    bd.CFG = bd.GPTConfig(n_layer=layers, n_head=8, d_model=256, vocab_size=512, seq_len=128)
+    bd.CFG = bd.gpt_config(layers)
     pd.initialize()
     mark("imports, join")
     sizes: dict[str, list[float]] = {}

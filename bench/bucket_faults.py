@@ -66,7 +66,7 @@ def worker(ns: argparse.Namespace) -> None:
     import partita.distributed as pd
     from partita import Mesh
 
-    bd.CFG = bd.GPTConfig(n_layer=ns.layers, n_head=8, d_model=256, vocab_size=512, seq_len=128)
+    bd.CFG = bd.gpt_config(ns.layers)
     pd.initialize()
     _wrap()
     run = bd.PartitaStep(Mesh.create((4,), ("data",)))

@@ -66,7 +66,7 @@ def worker(ns: argparse.Namespace) -> None:
         timed.extra_traceback = False
         return pytree.tree_leaves(timed.run(*local_inputs))
 
-    bd.CFG = bd.GPTConfig(n_layer=ns.layers, n_head=8, d_model=256, vocab_size=512, seq_len=128)
+    bd.CFG = bd.gpt_config(ns.layers)
     pd.initialize()
     shape, axes = ((2, 2), ("data", "model")) if ns.mesh == "2-D" else ((4,), ("data",))
     run = bd.PartitaStep(Mesh.create(shape, axes))

@@ -125,7 +125,7 @@ def worker(ns: argparse.Namespace) -> None:
                     shapes[key][1] += 1
             return out
 
-    bd.CFG = bd.GPTConfig(n_layer=ns.layers, n_head=8, d_model=256, vocab_size=512, seq_len=128)
+    bd.CFG = bd.gpt_config(ns.layers)
     pd.initialize()
     if ns.config == "unsharded":
         one = bd.bench_unsharded_step()
