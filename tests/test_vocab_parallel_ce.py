@@ -149,3 +149,25 @@ def test_gpt_train_step_with_a_vocab_split_head() -> None:
     assert not [g for g in _gathers(plan) if "softmax" in g or "nll_loss" in g], _gathers(plan)
     loss = [c for c in plan.collectives if c.value.startswith("nll_loss_forward")]
     assert [(c.kind, c.mesh_axes) for c in loss] == [("all_reduce", ("x", "y"))]
+
+
+def test_canonical_t26_vocab_parallel_cross_entropy() -> None:
+    """docs/canonical-cases.md T26, on the canonical (2, 4) mesh: the softmax's all_reduce(max)
+    and all_reduce(sum) over y, then one all_reduce of the loss's partial (sum, total_weight)
+    over x and y; never an all_gather of the logits (before: all_gather [8, 32] over y)."""
+    mesh = Mesh.create((2, 4), ("x", "y"))
+    g = torch.Generator().manual_seed(0)
+    a, t = torch.randn(16, 32, generator=g), torch.randint(0, 32, (16,), generator=g)
+    step = partita.jit(
+        lambda a, t: F.cross_entropy(a, t), mesh=mesh, in_specs=(P("x", "y"), P("x")), out_specs=P()
+    )
+    torch.testing.assert_close(step(a, t).full(), F.cross_entropy(a, t), **TOL)
+    plan = step.lower(a, t)
+    got = [(c.kind, c.mesh_axes, list(c.shape), c.detail) for c in plan.collectives]
+    assert got == [
+        ("all_reduce", ("y",), [8], "max, 4"),
+        ("all_reduce", ("y",), [8], "sum, 4"),
+        ("all_reduce", ("x", "y"), [2], "sum, 8"),
+    ]
+    assert [list(g) for g in plan.collectives[0].groups] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert plan.bytes_per_device == 72
