@@ -274,9 +274,7 @@ def test_nll_loss_mean() -> None:
         r(4, 10),
         t,
     )
-    assert sum_rule == (
-        "FactorRule(a b, a -> , ; reduction=a,b; handler=weighted_mean)"
-    )
+    assert sum_rule == ("FactorRule(a b, a -> , ; reduction=a,b; handler=weighted_mean)")
 
 
 def test_batch_norm_training_is_batch_stats() -> None:

@@ -55,9 +55,7 @@ def nll_loss_rule(info: OpInfo) -> FactorRule:
     ]
     reduction = info.arg("reduction", _MEAN)
     if reduction == _NONE:
-        return build(
-            info, operands, [t_dims, []], reduction="b", handler=HandlerName.WEIGHTED_MEAN
-        )
+        return build(info, operands, [t_dims, []], reduction="b", handler=HandlerName.WEIGHTED_MEAN)
     return build(
         info, operands, [[], []], reduction=[*t_dims, "b"], handler=HandlerName.WEIGHTED_MEAN
     )
