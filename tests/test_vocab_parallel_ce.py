@@ -115,6 +115,22 @@ def test_nll_loss_backward_picks_only_its_own_classes() -> None:
     _check(grad, (logp, t, w), (P(None, ("x", "y")), P(), P()))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_one_sample_of_classes_split_over_both_axes(reduction: str) -> None:
+    """A single sample (logits [C], a 0-d target): 11 classes over 4 devices, tiles of 3, the
+    last one with a padded class; the target 7 lies in the third tile."""
+    g = torch.Generator().manual_seed(0)
+    x, t = torch.randn(11, generator=g), torch.tensor(7)
+
+    def loss_and_grad(x: torch.Tensor, t: torch.Tensor) -> Any:
+        x = x.detach().requires_grad_()
+        loss = F.cross_entropy(x, t, reduction=reduction)
+        loss.sum().backward()
+        return loss, x.grad
+
+    _check(loss_and_grad, (x, t), (P(("x", "y")), P()))
+
+
 def test_label_smoothing_does_not_gather_the_logits() -> None:
     """With label_smoothing, F.cross_entropy adds ``-sum(log_softmax)`` over the classes (a sum,
     partial over the class axes) to the nll_loss pick: no all_gather either."""
