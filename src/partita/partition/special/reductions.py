@@ -74,9 +74,9 @@ def _local_targets(
     e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign, where: tuple[int, int, int]
 ) -> list[Any]:
     """The op's arguments for the local op: its local operands, the targets and ignore_index
-    replaced. ``where`` holds the positions of the
-    input, the target and ignore_index in ``node.args``, which are also the input's and the
-    target's positions among the rule's operands (tensors come first in both ops).
+    replaced. ``where`` holds the positions of the input, the target and ignore_index in
+    ``node.args``, which are also the input's and the target's positions among the rule's
+    operands (tensors come first in both ops).
 
     Padded batch rows get ``ignore_index``. With the classes split over some mesh axes, each
     device shifts the targets by its tile's first class; the targets outside its tile, in its
@@ -97,11 +97,12 @@ def _local_targets(
     if not classes:
         return args
     size = int(fake_value(node.args[x]).shape[-1])
-    tile = ceil_div(size, e.mesh.axes_size(classes))
+    group = e.mesh.axes_size(classes)
+    tile = ceil_div(size, group)
     local = target - e.tile_offset(target, classes, tile)
     inside = torch.logical_and(local >= 0, local < tile)
     inside = torch.logical_and(inside, target != ignore)
-    if size % tile:  # the last tile has padding: a target past the last class is not picked
+    if tile * group > size:  # padded classes: a target past the last one is never picked
         inside = torch.logical_and(inside, target < size)
     args[t] = torch.where(inside, local, _LOCAL_IGNORE)
     args[i] = _LOCAL_IGNORE
