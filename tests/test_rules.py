@@ -266,7 +266,7 @@ def test_layer_norm_and_its_backward() -> None:
 def test_nll_loss_mean() -> None:
     t = torch.randint(0, 10, (4,))
     assert rule_of("aten.nll_loss_forward.default", lambda x, t: F.nll_loss(x, t), r(4, 10), t) == (
-        "FactorRule(a b, a -> , ; reduction=a; need-replication=b; handler=weighted_mean)"
+        "FactorRule(a b, a -> , ; reduction=a,b; handler=weighted_mean)"
     )
     sum_rule = rule_of(
         "aten.nll_loss_forward.default",
@@ -274,9 +274,7 @@ def test_nll_loss_mean() -> None:
         r(4, 10),
         t,
     )
-    assert sum_rule == (
-        "FactorRule(a b, a -> , ; reduction=a; need-replication=b; handler=weighted_mean)"
-    )
+    assert sum_rule == ("FactorRule(a b, a -> , ; reduction=a,b; handler=weighted_mean)")
 
 
 def test_batch_norm_training_is_batch_stats() -> None:

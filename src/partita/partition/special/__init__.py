@@ -1,5 +1,6 @@
 """Handlers for ops whose sharded lowering needs more than local ops: the softmax family,
-vocabulary-sharded embeddings, mean, nll_loss (mean), batch norm in training and random draws.
+vocabulary-sharded embeddings, mean, nll_loss (vocabulary-parallel too), batch norm in training
+and random draws.
 
 Each handler (``partition.handlers.Handler``) is named by a rule (``FactorRule.handler``):
 
@@ -12,8 +13,9 @@ masked_embedding   local lookup of ``ids - tile_offset``, out-of-shard ids read 
                    zeroed; the result is partial over the vocabulary axes (T24). Backward:
                    accumulate only this shard's rows
 mean               local masked sum divided by the *global* count (a partial sum)
-weighted_mean      nll_loss_forward: padded targets -> ignore_index, local reduction=sum,
-                   one all_reduce of (sum, total_weight), divide
+weighted_mean      nll_loss_forward/backward: padded targets -> ignore_index; classes split:
+                   targets shifted into the local tile, the others -> a local ignore_index
+                   (T26); local reduction=sum, one all_reduce of (sum, total_weight), divide
 batch_stats        SyncBatchNorm: one all_reduce of per-channel (sum, sum of squares) with the
                    global count; backward: one all_reduce of (sum dy, sum dy*(x-mean))
 global_random      draw the *global* random tensor (same generator state on every device, one

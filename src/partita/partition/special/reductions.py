@@ -1,5 +1,5 @@
 """The reduction handlers ``mean`` (a masked local sum over the global count, a partial sum)
-and ``weighted_mean`` (nll_loss forward/backward with the batch sharded)."""
+and ``weighted_mean`` (nll_loss forward/backward with the batch or the classes sharded)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from partita.partition.lowering_api import LoweringAPI
 from partita.partition.special.common import Assign, aten, axes_of, fake_value
 from partita.rules import FactorRule
 from partita.rules.handler_names import HandlerName
+from partita.values.layout import ceil_div
 
 # --- mean ---------------------------------------------------------------------------------------
 
@@ -51,21 +52,72 @@ def _mean_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> 
 register(Handler(HandlerName.MEAN.value, _mean_applies, _mean_lower))
 
 
-# --- weighted_mean: nll_loss_forward --------------------------------------------------------------
+# --- weighted_mean: nll_loss_forward and nll_loss_backward ----------------------------------------
 
-_SUM, _MEAN = 2, 1
+_NONE, _MEAN, _SUM = 0, 1, 2
+#: The ignore_index of the local op when the classes are split: the targets outside this
+#: device's tile and the ignored ones get it (a negative value is never a local class).
+_LOCAL_IGNORE = -100
 
 
-def _nll_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
-    """Padded targets become ``ignore_index``; the op runs with ``reduction=sum``. For sum the
-    results stay partial; for mean one all_reduce of ``(sum, total_weight)`` and a divide."""
+def _class_axes(node: fx.Node, rule: FactorRule, x: int, assign: Assign) -> tuple[str, ...]:
+    """The mesh axes of the class dim (the last) of operand ``x``, the log-probabilities."""
+    return axes_of(rule, x, fake_value(node.args[x]).ndim - 1, assign)
+
+
+def _batch_axes(node: fx.Node, rule: FactorRule, t: int, assign: Assign) -> tuple[str, ...]:
+    """The mesh axes of the batch dim of operand ``t``, the targets (none when 0-d)."""
+    return axes_of(rule, t, 0, assign) if fake_value(node.args[t]).ndim else ()
+
+
+def _local_targets(
+    e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign, where: tuple[int, int, int]
+) -> list[Any]:
+    """The op's arguments for the local op: its local operands, the targets and ignore_index
+    replaced. ``where`` holds the positions of the input, the target and ignore_index in
+    ``node.args``, which are also the input's and the target's positions among the rule's
+    operands (tensors come first in both ops).
+
+    Padded batch rows get ``ignore_index``. With the classes split over some mesh axes, each
+    device shifts the targets by its tile's first class; the targets outside its tile, in its
+    padding (past the last class) or ignored become ``_LOCAL_IGNORE``, so the local op picks
+    ``target - offset`` only where this device holds that class and adds 0 elsewhere."""
+    x, t, i = where
     it = iter(e.operands(rule, assign))
     args: list[Any] = [
         next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args
     ]
-    reduction, ignore = int(args[3]), int(args[4])
-    n = int(fake_value(node.args[1]).shape[0])
-    args[1] = e.mask_padding(args[1], axes_of(rule, 1, 0, assign), n, 1, 0, ignore)
+    ignore = int(args[i])
+    target = args[t]
+    batch = _batch_axes(node, rule, t, assign)
+    if batch:
+        n = int(fake_value(node.args[t]).shape[0])
+        args[t] = target = e.mask_padding(target, batch, n, 1, 0, ignore)
+    classes = _class_axes(node, rule, x, assign)
+    if not classes:
+        return args
+    size = int(fake_value(node.args[x]).shape[-1])
+    group = e.mesh.axes_size(classes)
+    tile = ceil_div(size, group)
+    local = target - e.tile_offset(target, classes, tile)
+    inside = torch.logical_and(local >= 0, local < tile)
+    inside = torch.logical_and(inside, target != ignore)
+    if tile * group > size:  # padded classes: a target past the last one is never picked
+        inside = torch.logical_and(inside, target < size)
+    args[t] = torch.where(inside, local, _LOCAL_IGNORE)
+    args[i] = _LOCAL_IGNORE
+    return args
+
+
+def _nll_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
+    """The local op on the local targets (``_local_targets``) with ``reduction=sum``: for sum
+    the loss and total_weight stay partial over the batch and class axes; for mean one
+    all_reduce of ``(sum, total_weight)`` over them and a divide. With ``reduction=none`` the
+    per-target loss is partial over the class axes (each target is picked on one device)."""
+    args = _local_targets(e, node, rule, assign, (0, 1, 4))
+    reduction = int(args[3])
+    if reduction == _NONE:
+        return op_of(node)(*args)
     args[3] = _SUM
     res = op_of(node)(*args)
     if reduction == _SUM:
@@ -84,19 +136,15 @@ def _nll_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> P
 
 def _nll_applies(low: LoweringAPI, node: fx.Node, rule: FactorRule, assign: Assign) -> bool:
     if node.target == aten.nll_loss_backward.default:
-        return fake_value(node.args[2]).ndim > 0 and bool(axes_of(rule, 2, 0, assign))
-    return bool(_reduced_axes(rule, assign))
+        return bool(_batch_axes(node, rule, 2, assign) or _class_axes(node, rule, 1, assign))
+    return bool(_reduced_axes(rule, assign) or _batch_axes(node, rule, 1, assign))
 
 
 def _nll_backward_lower(e: Emitter, node: fx.Node, rule: FactorRule, assign: Assign) -> Proxy:
-    """``nll_loss_backward`` with the batch sharded: padded targets become ``ignore_index`` (the
-    kernel indexes with them); the global ``total_weight`` makes the rest local."""
-    it = iter(e.operands(rule, assign))
-    args: list[Any] = [
-        next(it) if isinstance(fake_value(a), torch.Tensor) else a for a in node.args
-    ]
-    n = int(fake_value(node.args[2]).shape[0])
-    args[2] = e.mask_padding(args[2], axes_of(rule, 2, 0, assign), n, 1, 0, int(args[5]))
+    """``nll_loss_backward`` on the local targets (``_local_targets``): the gradient of the
+    picked ``(i, target_i - offset)`` where this device holds the class, 0 elsewhere; the global
+    ``total_weight`` (an operand) makes the rest local."""
+    args = _local_targets(e, node, rule, assign, (1, 2, 5))
     return op_of(node)(*args)
 
 
