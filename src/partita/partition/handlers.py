@@ -54,7 +54,8 @@ GENERIC: tuple[str, ...] = (HandlerName.LOCALIZE_SHAPE.value,)
 #: local shapes would differ from the unsharded program's (docs/rules.md, random numbers), and
 #: the rules of softmax and training batch norm make their reduced dims pass-through only on the
 #: understanding that their handler reduces across devices, and so does the rule of cummax /
-#: cummin for its scanned dim (mandatory handlers).
+#: cummin for its scanned dim, and nll_loss_backward's for its class dim (its handler shifts
+#: the targets into each device's tile) (mandatory handlers).
 WHOLE_OP: tuple[str, ...] = tuple(
     h.value
     for h in (
@@ -62,6 +63,7 @@ WHOLE_OP: tuple[str, ...] = tuple(
         HandlerName.GLOBAL_RANDOM,
         HandlerName.SHARDED_SCAN,
         HandlerName.SOFTMAX_REDUCE,
+        HandlerName.WEIGHTED_MEAN,
     )
 )
 
