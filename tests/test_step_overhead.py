@@ -175,3 +175,12 @@ def test_op_clock_leaves_mesh_op_ranges_to_the_range_clock() -> None:
         assert clock.seconds["local compute"] > 0
     assert in_ranges.seconds > 0
     assert ranges.record_function is not in_ranges  # put back
+
+
+def test_op_clock_counts_partitas_attention_as_local_compute() -> None:
+    """``partita.sdpa`` (the traced attention) is compute, not a collective: the whole
+    ``partita`` namespace used to count as collectives, attention included."""
+    q = torch.randn(2, 4, 64, 32)
+    with OpClock() as clock:
+        torch.ops.partita.sdpa(q, q, q, None, 0.0, True, None)
+    assert clock.seconds["local compute"] > 0 and clock.seconds["collectives"] == 0

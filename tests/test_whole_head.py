@@ -192,5 +192,5 @@ def test_head_major_qkv_under_tp_moves_no_rows(attention) -> None:
 
 
 def test_unknown_qkv_layout_is_an_argument_error() -> None:
-    with pytest.raises(partita.ArgumentError, match="qkv_layout='qkv'.*'blocks'.*'heads'"):
+    with pytest.raises(partita.ArgumentError, match=r"qkv_layout='qkv'.*'blocks'.*'heads'"):
         CausalSelfAttention(GPTConfig(n_head=4, d_model=32, qkv_layout="qkv"))

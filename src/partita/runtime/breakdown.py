@@ -10,8 +10,11 @@ no profiler recording). Every category but
 
 - ``collectives``: the step's thread's CPU inside a mesh op's range (``runtime.ranges``: the
   LocalMesh's stacked implementation of a collective; a DistributedMesh's launch with its flat
-  copies and its Gloo/NCCL call, and its wait) and in torch's own collective ops (``c10d``,
-  ``_c10d_functional``, and FSDP2's copies in and out of its flat buffers, ``fsdp``);
+  copies and its Gloo/NCCL call, and its wait), in partita's mesh ops outside one, and in
+  torch's own collective ops (``c10d``, ``_c10d_functional``, and FSDP2's copies in and out of
+  its flat buffers, ``fsdp``); partita's other ops (its attention ``partita.sdpa``) are
+  local compute (before session 37 the whole ``partita`` namespace counted here, attention
+  included);
 - ``local compute``: the CPU of the other top-level ops, except
 - ``copies/layout``: ops that only copy or re-view memory (``copy_``, ``clone``, ``cat``,
   ``reshape``, ``permute``, ...), wherever they run outside a collective;
@@ -72,7 +75,7 @@ _MESH_KINDS = frozenset(
     shard_slice all_gather_bucket all_reduce_bucket reduce_scatter_bucket wait""".split()
 )
 #: Op namespaces that are communication wherever they run.
-_COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp", "partita"})
+_COMM_NAMESPACES = frozenset({"c10d", "_c10d_functional", "fsdp"})
 
 
 @dataclass
@@ -104,9 +107,12 @@ def _mesh_range(name: str) -> bool:
 
 
 def _op_category(func: Any) -> str:
-    if func.namespace in _COMM_NAMESPACES:
+    """An op's category. partita's own ops are collectives only when they are mesh ops
+    (``partita.all_gather``, ...): its attention (``partita.sdpa``) is local compute."""
+    name = func.__name__.split(".")[0]
+    if func.namespace in _COMM_NAMESPACES or (func.namespace == "partita" and name in _MESH_KINDS):
         return "collectives"
-    return "copies/layout" if func.__name__.split(".")[0] in _LAYOUT_OPS else "local compute"
+    return "copies/layout" if name in _LAYOUT_OPS else "local compute"
 
 
 class OpClock(TorchDispatchMode):
