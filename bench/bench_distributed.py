@@ -442,28 +442,33 @@ def bench_unsharded(repeat: int) -> dict[str, Any]:
     return {"step": _median(one, repeat), "heap": _step_heap(one), "bytes": 0.0, "calls": 0}
 
 
+def _eager_rank(model: nn.Module, index: int, count: int, repeat: int) -> dict[str, Any]:
+    """The eager step of a rank that holds block ``index`` of ``count`` of the batch's rows
+    and of every parameter (``chunk`` along dim 0): forward and backward of ``model`` on its
+    rows, AdamW on its tiles, no collectives."""
+    params = list(model.parameters())
+    tiles = [p.detach().chunk(count)[index].clone().requires_grad_() for p in params]
+    opt = torch.optim.AdamW(tiles, lr=1e-3)
+    ids, targets = _batch(0)
+    rows = BATCH // count
+    ids, targets = (t[index * rows : (index + 1) * rows] for t in (ids, targets))
+
+    def one() -> None:
+        _loss(model(ids), targets).backward()
+        for tile, p in zip(tiles, params, strict=True):
+            tile.grad = p.grad.chunk(count)[index]
+        opt.step()
+        model.zero_grad()
+
+    return {"step": _median(one, repeat), "heap": _step_heap(one), "bytes": 0.0, "calls": 0}
+
+
 def bench_eager_quarter(repeat: int) -> dict[str, Any]:
     """What each rank of an FSDP step must compute, in eager torch with no collectives: the
     whole model's forward and backward on its quarter of the batch, and AdamW on its quarter
     (rows, ``chunk`` along dim 0) of every parameter."""
     torch.manual_seed(0)
-    model = GPT(CFG)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    params = list(model.parameters())
-    tiles = [p.detach().chunk(world)[rank].clone().requires_grad_() for p in params]
-    opt = torch.optim.AdamW(tiles, lr=1e-3)
-    ids, targets = _batch(0)
-    rows = BATCH // world
-    ids, targets = ids[rank * rows : (rank + 1) * rows], targets[rank * rows : (rank + 1) * rows]
-
-    def one() -> None:
-        _loss(model(ids), targets).backward()
-        for tile, p in zip(tiles, params, strict=True):
-            tile.grad = p.grad.chunk(world)[rank]
-        opt.step()
-        model.zero_grad()
-
-    return {"step": _median(one, repeat), "heap": _step_heap(one), "bytes": 0.0, "calls": 0}
+    return _eager_rank(GPT(CFG), dist.get_rank(), dist.get_world_size(), repeat)
 
 
 class _HalfHeads(nn.Module):
@@ -497,23 +502,8 @@ def bench_eager_2d(repeat: int) -> dict[str, Any]:
         block.attn = _HalfHeads(d, heads // 2, d // heads)
         block.mlp.fc = nn.Linear(d, 2 * d)
         block.mlp.proj = nn.Linear(2 * d, d)
-    rank = dist.get_rank()
-    data, pairs = rank // 2, 2  # mesh (2, 2) data x model: ranks 2i, 2i + 1 share rows
-    params = list(model.parameters())
-    tiles = [p.detach().chunk(pairs)[data].clone().requires_grad_() for p in params]
-    opt = torch.optim.AdamW(tiles, lr=1e-3)
-    ids, targets = _batch(0)
-    rows = BATCH // pairs
-    ids, targets = ids[data * rows : (data + 1) * rows], targets[data * rows : (data + 1) * rows]
-
-    def one() -> None:
-        _loss(model(ids), targets).backward()
-        for tile, p in zip(tiles, params, strict=True):
-            tile.grad = p.grad.chunk(pairs)[data]
-        opt.step()
-        model.zero_grad()
-
-    return {"step": _median(one, repeat), "heap": _step_heap(one), "bytes": 0.0, "calls": 0}
+    # mesh (2, 2) data x model: ranks 2i and 2i + 1 hold the same rows, tile i over data
+    return _eager_rank(model, dist.get_rank() // 2, 2, repeat)
 
 
 def bench_torch(tp: bool, repeat: int, compiled: bool = False) -> dict[str, Any]:
