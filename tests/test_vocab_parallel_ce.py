@@ -187,3 +187,21 @@ def test_canonical_t26_vocab_parallel_cross_entropy() -> None:
     ]
     assert [list(g) for g in plan.collectives[0].groups] == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert plan.bytes_per_device == 72
+
+
+@pytest.mark.parametrize(
+    "bad, ignore", [(10, -100), (-3, -100), (-100, 0)], ids=["past", "negative", "local-ignore"]
+)
+def test_a_target_out_of_range_raises_as_unsharded(bad: int, ignore: int) -> None:
+    """A target outside ``[0, classes)`` that is not ignored is an error of the unsharded op;
+    with the classes split each device would otherwise drop it as "not mine" and the loss
+    would change silently. ``-100`` with another ``ignore_index`` must not pass as the local
+    op's own ignore_index either."""
+    x, t, _ = _data(8, 10, ignore)
+    t[5] = bad
+    fn = lambda x, t: F.cross_entropy(x, t, ignore_index=ignore)  # noqa: E731
+    with pytest.raises(IndexError, match="out of bounds"):
+        fn(x, t)
+    step = partita.jit(fn, mesh=MESH, in_specs=(P(None, "y"), P()))
+    with pytest.raises(partita.CompilerError, match=r"nll_loss_forward.*out of bounds"):
+        step(x, t)

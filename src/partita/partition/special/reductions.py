@@ -81,7 +81,9 @@ def _local_targets(
     Padded batch rows get ``ignore_index``. With the classes split over some mesh axes, each
     device shifts the targets by its tile's first class; the targets outside its tile, in its
     padding (past the last class) or ignored become ``_LOCAL_IGNORE``, so the local op picks
-    ``target - offset`` only where this device holds that class and adds 0 elsewhere."""
+    ``target - offset`` only where this device holds that class and adds 0 elsewhere; a
+    target outside ``[0, classes)`` that is not ignored stays out of bounds, so the local op
+    raises as the unsharded one does."""
     x, t, i = where
     it = iter(e.operands(rule, assign))
     args: list[Any] = [
@@ -104,7 +106,14 @@ def _local_targets(
     inside = torch.logical_and(inside, target != ignore)
     if tile * group > size:  # padded classes: a target past the last one is never picked
         inside = torch.logical_and(inside, target < size)
-    args[t] = torch.where(inside, local, _LOCAL_IGNORE)
+    # A target outside [0, classes) that is not ignored is an error of the unsharded op
+    # ("Target 12 is out of bounds"); dropping it would change the loss silently. Every device
+    # passes it to its local op as it is, out of its tile's bounds too, so each one raises
+    # (one equal to the local ignore_index is moved off it, still out of bounds).
+    valid = torch.logical_and(target >= 0, target < size)
+    invalid = torch.logical_and(torch.logical_not(valid), target != ignore)
+    bad = torch.where(target == _LOCAL_IGNORE, _LOCAL_IGNORE - 1, target)
+    args[t] = torch.where(inside, local, torch.where(invalid, bad, _LOCAL_IGNORE))
     args[i] = _LOCAL_IGNORE
     return args
 
