@@ -101,18 +101,17 @@ def attention() -> tuple[CausalSelfAttention, dict[str, torch.Tensor], torch.Ten
     return block, params, torch.randn(4, 8, 32)
 
 
-def test_gpt_attention_under_tp_keeps_whole_heads_without_all_to_all(attention) -> None:
-    """Column-parallel qkv, row-parallel proj over ``model`` (Megatron), forward and backward:
-    q, k and v are sliced out of the [.., 3d] output with collective_permutes only, and each
-    device computes whole heads (no all_to_all, no all_gather of an activation). The backward's
-    cat of the three gradients re-tiles the same way."""
-    block, params, x = attention
+def _megatron_tp(
+    block: CausalSelfAttention, params: dict[str, torch.Tensor], x: torch.Tensor
+) -> partita.Plan:
+    """``block``'s forward and backward with column-parallel qkv and row-parallel proj over
+    ``model`` (Megatron), the batch over ``data``: checked against the unsharded program;
+    returns the plan."""
     mesh = Mesh.create((2, 4), ("data", "model"))
 
     def fwd_bwd(params: dict[str, torch.Tensor], x: torch.Tensor):
         y = functional_call(block, params, (x,))
-        grads = torch.autograd.grad(y.square().sum(), list(params.values()))
-        return y, grads
+        return y, torch.autograd.grad(y.square().sum(), list(params.values()))
 
     specs = {
         "qkv.weight": P("model"),
@@ -120,19 +119,28 @@ def test_gpt_attention_under_tp_keeps_whole_heads_without_all_to_all(attention) 
         "proj.weight": P(None, "model"),
         "proj.bias": P(),
     }
-    leaves = {k: v.requires_grad_(True) for k, v in params.items()}
+    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
     step = partita.jit(fwd_bwd, mesh=mesh, in_specs=(specs, P("data")))
-    plan = step.lower(leaves, x)
-    assert "all_to_all" not in _kinds(plan), plan.explain()
-    assert not [c for c in plan.collectives if c.kind == "all_gather"], plan.explain()
-    # q, k and v are planned together: 2 rounds of [.., d / 4] (one per slice would be 5)
-    slices = [c for c in plan.collectives if c.reason.startswith("aten.slice")]
-    assert len(slices) == 2 and all(c.shape[-1] == 8 for c in slices), plan.explain()
     y, grads = step(leaves, x)
     want_y, want_grads = fwd_bwd(leaves, x)
     torch.testing.assert_close(y.full(), want_y, rtol=1e-4, atol=1e-5)
     for g, w in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(g.full(), w, rtol=1e-4, atol=1e-5)
+    return step.lower(leaves, x)
+
+
+def test_gpt_attention_under_tp_keeps_whole_heads_without_all_to_all(attention) -> None:
+    """Column-parallel qkv, row-parallel proj over ``model`` (Megatron), forward and backward:
+    q, k and v are sliced out of the [.., 3d] output with collective_permutes only, and each
+    device computes whole heads (no all_to_all, no all_gather of an activation). The backward's
+    cat of the three gradients re-tiles the same way."""
+    block, params, x = attention
+    plan = _megatron_tp(block, params, x)
+    assert "all_to_all" not in _kinds(plan), plan.explain()
+    assert not [c for c in plan.collectives if c.kind == "all_gather"], plan.explain()
+    # q, k and v are planned together: 2 rounds of [.., d / 4] (one per slice would be 5)
+    slices = [c for c in plan.collectives if c.reason.startswith("aten.slice")]
+    assert len(slices) == 2 and all(c.shape[-1] == 8 for c in slices), plan.explain()
 
 
 def _heads_major(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -168,27 +176,8 @@ def test_head_major_qkv_under_tp_moves_no_rows(attention) -> None:
     equal the unsharded program."""
     _, params, x = attention
     block = CausalSelfAttention(GPTConfig(n_head=8, d_model=32, seq_len=8, qkv_layout="heads"))
-    mesh = Mesh.create((2, 4), ("data", "model"))
-
-    def fwd_bwd(params: dict[str, torch.Tensor], x: torch.Tensor):
-        y = functional_call(block, params, (x,))
-        return y, torch.autograd.grad(y.square().sum(), list(params.values()))
-
-    specs = {
-        "qkv.weight": P("model"),
-        "qkv.bias": P("model"),
-        "proj.weight": P(None, "model"),
-        "proj.bias": P(),
-    }
-    leaves = {k: v.detach().clone().requires_grad_(True) for k, v in params.items()}
-    step = partita.jit(fwd_bwd, mesh=mesh, in_specs=(specs, P("data")))
-    plan = step.lower(leaves, x)
+    plan = _megatron_tp(block, params, x)
     assert _kinds(plan) == {"all_reduce"}, plan.explain()
-    y, grads = step(leaves, x)
-    want_y, want_grads = fwd_bwd(leaves, x)
-    torch.testing.assert_close(y.full(), want_y, rtol=1e-4, atol=1e-5)
-    for g, w in zip(grads, want_grads, strict=True):
-        torch.testing.assert_close(g.full(), w, rtol=1e-4, atol=1e-5)
 
 
 def test_unknown_qkv_layout_is_an_argument_error() -> None:
