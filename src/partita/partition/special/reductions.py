@@ -102,8 +102,8 @@ def _local_targets(
     group = e.mesh.axes_size(classes)
     tile = ceil_div(size, group)
     local = target - e.tile_offset(target, classes, tile)
-    inside = torch.logical_and(local >= 0, local < tile)
-    inside = torch.logical_and(inside, target != ignore)
+    kept = target != ignore
+    inside = torch.logical_and(torch.logical_and(local >= 0, local < tile), kept)
     if tile * group > size:  # padded classes: a target past the last one is never picked
         inside = torch.logical_and(inside, target < size)
     # A target outside [0, classes) that is not ignored is an error of the unsharded op
@@ -111,7 +111,7 @@ def _local_targets(
     # passes it to its local op as it is, out of its tile's bounds too, so each one raises
     # (one equal to the local ignore_index is moved off it, still out of bounds).
     valid = torch.logical_and(target >= 0, target < size)
-    invalid = torch.logical_and(torch.logical_not(valid), target != ignore)
+    invalid = torch.logical_and(torch.logical_not(valid), kept)
     bad = torch.where(target == _LOCAL_IGNORE, _LOCAL_IGNORE - 1, target)
     args[t] = torch.where(inside, local, torch.where(invalid, bad, _LOCAL_IGNORE))
     args[i] = _LOCAL_IGNORE
